@@ -1,0 +1,183 @@
+"""``rlpost``: the command line.
+
+    rlpost train [RECIPE] [key=value ...] [--resume RUN_DIR]
+    rlpost sft [RECIPE] [key=value ...]        warm-up only, saves RUN_DIR/sft_model
+    rlpost dpo [RECIPE] [key=value ...]        offline preference optimisation
+    rlpost eval [RECIPE] [key=value ...]       held-out accuracy of model.path
+    rlpost config [RECIPE] [key=value ...]     print the resolved config (--help: every key)
+    rlpost report RUN_DIR                      HTML report and a text summary
+    rlpost sandbox run FILE.py [--timeout S] [--memory MB] [--json]
+
+A bad config is one line on stderr and exit code 2, before any work starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from rlpost.config import ConfigError, describe_fields, dump_config, load_config
+
+DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "grpo_arith.yaml"
+EXIT_USAGE = 2
+
+
+def _fail(message: str) -> int:
+    print(f"rlpost: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
+    """(recipe path or None, overrides): the first item without '=' is the recipe."""
+    recipe = None
+    overrides = []
+    for item in items:
+        if "=" not in item and recipe is None:
+            recipe = item
+        else:
+            overrides.append(item)
+    if recipe is None and DEFAULT_RECIPE.is_file():
+        recipe = str(DEFAULT_RECIPE)
+    return recipe, overrides
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def cmd_train(args) -> int:
+    recipe, overrides = _split_args(args.items)
+    cfg = load_config(recipe, overrides)
+    _quiet_libraries()
+    from rlpost.pipeline.loop import TrainingStopped, train
+
+    try:
+        train(cfg, resume=Path(args.resume) if args.resume else None)
+    except TrainingStopped as exc:
+        print(f"rlpost: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_sft(args) -> int:
+    recipe, overrides = _split_args(args.items)
+    cfg = load_config(recipe, overrides)
+    _quiet_libraries()
+    from rlpost.pipeline.build import build_data
+    from rlpost.pipeline.console import Console
+    from rlpost.pipeline.rundir import prepare_run_dir, warm_start
+
+    run_dir = prepare_run_dir(cfg, None)
+    train_prompts, _, _ = build_data(cfg)
+    warm_start(cfg, run_dir, train_prompts, Console(cfg.observe.progress), skip_sft=False)
+    print(f"warm-up policy saved to {run_dir / 'sft_model'}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    recipe, overrides = _split_args(args.items)
+    cfg = load_config(recipe, overrides)
+    _quiet_libraries()
+    from rlpost.pipeline import build
+    from rlpost.pipeline.evaluate import evaluate
+    from rlpost.rewards.scorer import build_scorer
+
+    model, tokenizer = build.build_policy(cfg)
+    _, held_out, _ = build.build_data(cfg)
+    held_out = held_out[: cfg.eval.limit] if cfg.eval.limit else held_out
+    engine = build.build_engine(cfg, model, tokenizer)
+    result = evaluate(engine, tokenizer, held_out, build_scorer(cfg.reward), build.eval_params(cfg, tokenizer))
+    for k, v in result.items():
+        print(f"{k}: {v:.4f}")
+    return 0
+
+
+def cmd_dpo(args) -> int:
+    recipe, overrides = _split_args(args.items)
+    if recipe == str(DEFAULT_RECIPE):
+        recipe = str(DEFAULT_RECIPE.parent / "dpo_prefs.yaml")
+    from rlpost.train.dpo import DPOConfig, run_dpo
+
+    cfg = DPOConfig.load(recipe, overrides)
+    _quiet_libraries()
+    run_dpo(cfg)
+    return 0
+
+
+def cmd_config(args) -> int:
+    if args.keys:
+        for key, default, help_text in describe_fields():
+            print(f"{key} = {default}\n    {help_text}")
+        return 0
+    recipe, overrides = _split_args(args.items)
+    print(dump_config(load_config(recipe, overrides)), end="")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from rlpost.observe.report import main as report_main
+
+    return report_main([args.run_dir])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlpost", description="RL post-training of language models.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, fn, text in [
+        ("train", cmd_train, "RL training (GRPO by default): warm-up, rollout, reward, update, eval"),
+        ("sft", cmd_sft, "supervised warm-up only"),
+        ("eval", cmd_eval, "held-out accuracy of a policy"),
+        ("dpo", cmd_dpo, "offline preference optimisation (DPO / IPO)"),
+    ]:
+        sp = sub.add_parser(name, help=text)
+        sp.add_argument("items", nargs="*", help="recipe YAML, then key=value overrides")
+        sp.set_defaults(fn=fn)
+        if name == "train":
+            sp.add_argument("--resume", metavar="RUN_DIR", help="continue from the run's latest checkpoint")
+    sp = sub.add_parser("config", help="print the resolved config; --keys lists every key with its help")
+    sp.add_argument("items", nargs="*")
+    sp.add_argument("--keys", action="store_true", help="list every config key, default and help text")
+    sp.set_defaults(fn=cmd_config)
+    sp = sub.add_parser("report", help="write RUN_DIR/report.html and print a summary")
+    sp.add_argument("run_dir")
+    sp.set_defaults(fn=cmd_report)
+    sp = sub.add_parser("sandbox", help="run untrusted code in the sandbox")
+    sp.add_argument("rest", nargs=argparse.REMAINDER)
+    sp.set_defaults(fn=lambda a: _sandbox(a.rest))
+    return p
+
+
+def _sandbox(rest: list[str]) -> int:
+    from rlpost.rewards.sandbox.cli import main as sandbox_main
+
+    return sandbox_main(rest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+        from rlpost.data.files import DataError
+        from rlpost.models.loading import ModelLoadError
+
+        if isinstance(exc, ModelLoadError | DataError):
+            return _fail(str(exc))
+        raise
+    except KeyboardInterrupt:
+        print("rlpost: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,449 @@
+"""One typed config tree, the single source of truth for a run.
+
+Sections mirror the packages. Each field's docstring is its help text
+(``rlpost config --help`` prints them). A recipe is a YAML file of this tree;
+dotted ``key=value`` overrides on the command line are applied on top
+(``rlpost train recipes/grpo_arith.yaml train.lr=1e-5 rollout.n=8``).
+
+Validation happens at load, before any work: unknown keys, bad values and
+combinations that would silently break training are refused with one line
+naming the key, the value, the reason and the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rlpost.observe.guards import GuardConfig
+
+GROUP_RELATIVE_ESTIMATORS = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"}
+
+
+class ConfigError(ValueError):
+    """A config problem, stated in one line (key, value, reason, fix)."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+# --------------------------------------------------------------------------- run
+
+
+class RunConfig(Section):
+    output_dir: str = "runs"
+    """Parent directory of run directories."""
+    name: str = "grpo_arith"
+    """Run name; the run directory is ``output_dir/name``."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    threads: int = Field(0, ge=0)
+    """torch intra-op threads (0: leave torch's default)."""
+
+
+# ------------------------------------------------------------------------- model
+
+
+class TinyModelConfig(Section):
+    """The built-in tiny Llama-family model, built from this config."""
+
+    hidden_size: int = Field(64, ge=8)
+    """Width of the residual stream."""
+    intermediate_size: int = Field(256, ge=8)
+    """Width of the MLP."""
+    num_hidden_layers: int = Field(2, ge=1)
+    """Number of decoder layers."""
+    num_attention_heads: int = Field(4, ge=1)
+    """Attention heads (hidden_size must divide by it)."""
+    num_key_value_heads: int = Field(4, ge=1)
+    """KV heads (grouped-query attention when smaller than the head count)."""
+    max_position_embeddings: int = Field(128, ge=16)
+    """Longest sequence the model handles."""
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}; pick sizes that divide"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        return self
+
+
+class ModelConfig(Section):
+    path: str | None = None
+    """Local directory of a Hugging Face causal LM and its tokenizer. None: the built-in tiny model."""
+    tiny: TinyModelConfig = TinyModelConfig()
+    """Shape of the built-in tiny model (used when path is None)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype of the policy. Master weights and optimizer state stay float32."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+
+
+# -------------------------------------------------------------------------- data
+
+
+class ArithConfig(Section):
+    """The built-in verifiable arithmetic task."""
+
+    max_operand: int = Field(20, ge=1)
+    """Operands are drawn from 0..max_operand."""
+    ops: list[Literal["+", "-", "*"]] = ["+", "-"]
+    """Operators to draw from."""
+    train_size: int = Field(20000, ge=1)
+    """Number of training problems."""
+    eval_size: int = Field(500, ge=1)
+    """Number of held-out problems (never seen in training or warm-up)."""
+
+
+class DataConfig(Section):
+    task: Literal["arith", "file"] = "arith"
+    """Where prompts come from: the built-in arithmetic task or a user file."""
+    arith: ArithConfig = ArithConfig()
+    """Settings of the arithmetic task."""
+    train_path: str | None = None
+    """JSONL or Parquet file of training rows (task=file)."""
+    eval_path: str | None = None
+    """JSONL or Parquet file of held-out rows (task=file)."""
+    prompt_field: str = "prompt"
+    """Column holding the prompt text."""
+    answer_field: str = "answer"
+    """Column holding the reference answer."""
+    on_bad_row: Literal["skip", "error"] = "error"
+    """Malformed rows: skip them (counted and reported) or stop with file and line."""
+    prompt_template: str = "{prompt}"
+    """Format string applied to each prompt (``{prompt}`` is the row's prompt)."""
+
+
+# ----------------------------------------------------------------------- rollout
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf", "vllm", "remote"] = "hf"
+    """Rollout engine: transformers in process (CPU), vLLM (GPU, extra [vllm]) or remote servers."""
+    prompts_per_step: int = Field(16, ge=1)
+    """Prompts sampled each RL step."""
+    n: int = Field(8, ge=1)
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = Field(1.0, ge=0.0)
+    """Sampling temperature (0: greedy)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Keep the k most likely tokens (-1: all)."""
+    max_tokens: int = Field(16, ge=1)
+    """Longest response; a response that reaches it is truncated."""
+    truncated_reward: float | None = 0.0
+    """Reward given to a truncated response (None: score it like any other)."""
+    batch_size: int = Field(64, ge=1)
+    """Sequences decoded together by the in-process engine."""
+    share_prefix: bool = True
+    """Prefill a group's prompt once and share its KV cache across the group."""
+
+
+# -------------------------------------------------------------------------- algo
+
+
+class KLConfig(Section):
+    estimator: str = "k3"
+    """KL estimator: k1, k2, k3 (low variance), abs, or straight-through k1+ / k3+."""
+    beta: float = Field(0.04, ge=0.0)
+    """KL coefficient (0: no reference model is kept)."""
+    placement: Literal["loss", "reward"] = "loss"
+    """Add the KL to the loss (GRPO) or subtract it from the per-token reward (PPO, REINFORCE++)."""
+    target: float | None = None
+    """Target KL for the adaptive controller (None: fixed beta)."""
+    horizon: int = Field(10000, ge=1)
+    """Adaptive controller horizon in samples."""
+
+
+class AlgoConfig(Section):
+    advantage: str = "grpo"
+    """Advantage estimator, by registered name (see docs/algorithms.md)."""
+    advantage_params: dict[str, Any] = {}
+    """Keyword parameters of the advantage estimator."""
+    policy_loss: str = "ppo_clip"
+    """Policy loss, by registered name."""
+    loss_params: dict[str, Any] = {}
+    """Keyword parameters of the policy loss (e.g. clip_low, clip_high)."""
+    loss_agg_mode: str = "token-mean"
+    """How a [B, T] loss is reduced: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
+    kl: KLConfig = KLConfig()
+    """KL penalty against the frozen reference policy."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Entropy bonus coefficient."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more until the batch is full."""
+    max_sampling_rounds: int = Field(3, ge=1)
+    """Cap on rollout rounds per step under dynamic sampling."""
+
+
+# ------------------------------------------------------------------------- train
+
+
+class TrainConfig(Section):
+    steps: int = Field(60, ge=0)
+    """RL steps (one rollout batch each)."""
+    lr: float = Field(1e-5, gt=0.0)
+    """Peak learning rate of the policy."""
+    warmup_steps: int = Field(5, ge=0)
+    """Linear LR warm-up, in optimizer updates."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Gradient-norm clip."""
+    mini_batch_size: int = Field(64, ge=1)
+    """Sequences per optimizer update."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Sequences per forward/backward pass (gradient accumulation inside a mini-batch)."""
+    epochs: int = Field(1, ge=1)
+    """Passes over each rollout batch (PPO epochs)."""
+
+
+class SFTConfig(Section):
+    """Supervised warm-up that produces the starting policy."""
+
+    steps: int = Field(300, ge=0)
+    """Optimizer steps of warm-up (0: none)."""
+    lr: float = Field(3e-3, gt=0.0)
+    """Peak learning rate."""
+    batch_size: int = Field(64, ge=1)
+    """Sequences per step."""
+    warmup_steps: int = Field(20, ge=0)
+    """Linear LR warm-up steps."""
+    noise: float = Field(0.0, ge=0.0, le=1.0)
+    """Fraction of warm-up targets replaced by a nearby wrong answer, so RL has room to improve."""
+
+
+# ------------------------------------------------------------------------ reward
+
+
+class RewardTerm(Section):
+    name: str
+    """Registered reward function name (or ``package.module:function``)."""
+    weight: float = 1.0
+    """Weight of this term in the weighted sum."""
+    kind: Literal["verifiable", "rule", "model", "judge"] = "verifiable"
+    """Rank of the signal: verifiable > rule > model > judge. Used by the mixture."""
+    params: dict[str, Any] = {}
+    """Keyword parameters passed to the reward function."""
+
+
+class RewardConfig(Section):
+    terms: list[RewardTerm] = [RewardTerm(name="numeric_match")]
+    """Reward terms summed with their weights (per kind; see alpha)."""
+    alpha: float | None = Field(None, ge=0.0, le=1.0)
+    """Mixture: final = alpha * verifiable + (1 - alpha) * model/judge (None: plain weighted sum)."""
+    invalid_score: float = 0.0
+    """Score used in place of a NaN / Inf / out-of-range reward (the sample is counted)."""
+    score_range: tuple[float, float] = (-10.0, 10.0)
+    """Scores outside this range are treated as invalid."""
+    sample_every: int = Field(10, ge=0)
+    """Write RUN_DIR/samples/step_N.jsonl every N steps (0: never)."""
+    sample_count: int = Field(8, ge=1)
+    """Completions written per sample file."""
+
+
+# -------------------------------------------------------------- eval / ckpt / obs
+
+
+class EvalConfig(Section):
+    every: int = Field(10, ge=0)
+    """Evaluate on the held-out split every N steps (0: only at start and end)."""
+    temperature: float = Field(0.0, ge=0.0)
+    """Sampling temperature for evaluation (0: greedy)."""
+    limit: int | None = None
+    """Evaluate on the first N held-out problems only (None: all)."""
+
+
+class CheckpointConfig(Section):
+    every: int = Field(20, ge=0)
+    """Save a checkpoint every N steps (0: only at the end)."""
+    keep: int = Field(2, ge=1)
+    """Checkpoints kept on disk (older ones are deleted)."""
+
+
+class PrometheusConfig(Section):
+    port: int | None = None
+    """Serve /metrics on this port (None: off)."""
+    host: str = "127.0.0.1"
+    """Address to bind."""
+
+
+class ObserveConfig(Section):
+    prometheus: PrometheusConfig = PrometheusConfig()
+    """Prometheus endpoint."""
+    tensorboard: bool = False
+    """Write TensorBoard event files to RUN_DIR/tb (needs the [tensorboard] extra)."""
+    progress: bool = True
+    """Show a live progress bar."""
+    plot: bool = True
+    """Write RUN_DIR/curves.png at the end."""
+    guards: GuardConfig = GuardConfig()
+    """Guards that act when training starts to collapse."""
+
+
+# -------------------------------------------------------------------------- root
+
+
+class Config(Section):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    algo: AlgoConfig = AlgoConfig()
+    train: TrainConfig = TrainConfig()
+    sft: SFTConfig = SFTConfig()
+    reward: RewardConfig = RewardConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    observe: ObserveConfig = ObserveConfig()
+
+    @model_validator(mode="after")
+    def _combinations(self) -> Config:
+        for problem in find_combination_problems(self):
+            raise ValueError(problem)
+        return self
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences per RL step."""
+        return self.rollout.prompts_per_step * self.rollout.n
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run.name
+
+
+def find_combination_problems(cfg: Config) -> list[str]:
+    """Combinations that would train silently wrong, each as 'key=value: reason; fix'."""
+    out = []
+    t, r = cfg.train, cfg.rollout
+    if r.n == 1 and cfg.algo.advantage in GROUP_RELATIVE_ESTIMATORS:
+        out.append(
+            f"rollout.n=1 gives every {cfg.algo.advantage} group zero advantage; set rollout.n >= 2 "
+            "or use algo.advantage=reinforce_pp with algo.policy_loss=flash_reinforce"
+        )
+    if t.micro_batch_size > t.mini_batch_size:
+        out.append(
+            f"train.micro_batch_size={t.micro_batch_size} is larger than "
+            f"train.mini_batch_size={t.mini_batch_size}; set micro_batch_size <= mini_batch_size"
+        )
+    if t.mini_batch_size > cfg.batch_size:
+        out.append(
+            f"train.mini_batch_size={t.mini_batch_size} is larger than the rollout batch "
+            f"(rollout.prompts_per_step * rollout.n = {cfg.batch_size}); lower it or raise the batch"
+        )
+    if cfg.data.task == "file" and not cfg.data.train_path:
+        out.append("data.task=file needs data.train_path; set it to a JSONL or Parquet file")
+    if cfg.model.path is None and r.max_tokens + 32 > cfg.model.tiny.max_position_embeddings:
+        out.append(
+            f"rollout.max_tokens={r.max_tokens} leaves no room for the prompt within "
+            f"model.tiny.max_position_embeddings={cfg.model.tiny.max_position_embeddings}; "
+            "raise max_position_embeddings or lower max_tokens"
+        )
+    if r.engine != "hf" and r.engine not in ("vllm", "remote"):
+        out.append(f"rollout.engine={r.engine} is unknown")
+    return out
+
+
+# ------------------------------------------------------------------- loading
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["a.b=1", "c=x"]`` -> nested dict; values are parsed as YAML scalars/lists."""
+    tree: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value; write e.g. train.lr=1e-5")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r} has an empty key part")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {key!r} conflicts with another override")
+        node[parts[-1]] = value
+    return tree
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge; ``extra`` wins. Lists and scalars are replaced whole."""
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def format_validation_error(err: ValidationError) -> str:
+    """The first problem of a pydantic error as one line: key, value, reason."""
+    e = err.errors()[0]
+    key = ".".join(str(p) for p in e["loc"])
+    msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "extra_forbidden":
+        return f"unknown config key {key!r}; check the spelling (rlpost config --help lists keys)"
+    if not key:
+        return msg
+    value = e.get("input")
+    shown = "" if isinstance(value, dict) else f"={value!r}"
+    return f"config {key}{shown}: {msg}"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a recipe (None: defaults only), apply dotted overrides, validate the whole tree."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"recipe {str(p)!r} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            line = getattr(getattr(exc, "problem_mark", None), "line", None)
+            where = f" line {line + 1}" if line is not None else ""
+            raise ConfigError(f"recipe {str(p)!r}{where} is not valid YAML") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"recipe {str(p)!r} must be a mapping of sections")
+    data = merge(data, parse_overrides(overrides or []))
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err)) from None
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config as YAML (written into the run directory)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, help) for every leaf field; used by ``rlpost config --help``."""
+    rows = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(describe_fields(ann, key + "."))
+        else:
+            default = field.get_default(call_default_factory=True)
+            rows.append((key, repr(default), field.description or ""))
+    return rows

@@ -1,0 +1,55 @@
+"""The built-in verifiable arithmetic task.
+
+Problems are ``a+b=`` / ``a-b=`` / ``a*b=`` with operands in ``0..max_operand``;
+the answer is the integer result, checked by the ``numeric_match`` reward.
+Every problem of the space is enumerated and shuffled with a fixed task seed,
+so the held-out split is the same in every run and never overlaps training.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from rlpost.types import Prompt
+
+TASK_SEED = 1234  # fixed: the split must not depend on the run seed
+
+
+def _apply(a: int, op: str, b: int) -> int:
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    return a * b
+
+
+def arith_problems(max_operand: int, ops: list[str]) -> list[Prompt]:
+    """Every problem of the space, in the task's fixed shuffled order."""
+    space = [
+        (a, op, b)
+        for op in ops
+        for a, b in itertools.product(range(max_operand + 1), repeat=2)
+    ]
+    random.Random(TASK_SEED).shuffle(space)
+    return [
+        Prompt(text=f"{a}{op}{b}=", answer=_apply(a, op, b), metadata={"task": "arith"}, uid=f"{a}{op}{b}")
+        for a, op, b in space
+    ]
+
+
+def arith_splits(max_operand: int, ops: list[str], train_size: int, eval_size: int) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, held_out). Held-out takes the first ``eval_size`` problems; train the rest.
+
+    Raises ValueError if the space is too small to hold out ``eval_size`` problems
+    and still train on something.
+    """
+    problems = arith_problems(max_operand, ops)
+    if eval_size >= len(problems):
+        raise ValueError(
+            f"data.arith.eval_size={eval_size} leaves no training problems "
+            f"(the space has {len(problems)}); raise data.arith.max_operand or lower eval_size"
+        )
+    held_out = problems[:eval_size]
+    train = problems[eval_size:]
+    return train[:train_size], held_out

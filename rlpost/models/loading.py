@@ -1,0 +1,72 @@
+"""Load a Hugging Face causal LM and its tokenizer from a local directory.
+
+Nothing is fetched from a hub: ``local_files_only`` is always set, and a
+missing or unreadable directory is a one-line :class:`ModelLoadError`.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class ModelLoadError(RuntimeError):
+    """A model directory that cannot be used, explained in one line."""
+
+
+def load_tokenizer(path: str | Path):
+    p = Path(path)
+    if not p.is_dir():
+        raise ModelLoadError(f"model directory {str(p)!r} does not exist")
+    try:
+        tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load a tokenizer from {str(p)!r}: {_first_line(exc)}") from None
+    if tok.pad_token_id is None:
+        # Decoder-only checkpoints often ship without a pad token; padding is
+        # always masked, so reusing EOS is safe.
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_causal_lm(path: str | Path, *, dtype: str = "float32") -> PreTrainedModel:
+    p = Path(path)
+    if not p.is_dir():
+        raise ModelLoadError(f"model directory {str(p)!r} does not exist")
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(f"model directory {str(p)!r} has no config.json; is it an HF checkpoint?")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=DTYPES[dtype])
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load a causal LM from {str(p)!r}: {_first_line(exc)}") from None
+    return model
+
+
+def load_policy(path: str | Path | None, *, tiny_shape: dict | None = None, seed: int = 0, dtype: str = "float32"):
+    """(model, tokenizer): from ``path``, or the built-in tiny model when path is None."""
+    if path is None:
+        tokenizer = build_char_tokenizer()
+        model = build_tiny_model(tokenizer, seed=seed, **(tiny_shape or {}))
+        return model.to(DTYPES[dtype]), tokenizer
+    return load_causal_lm(path, dtype=dtype), load_tokenizer(path)
+
+
+def frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """A detached, eval-mode copy whose parameters never receive gradients (reference policy)."""
+    ref = copy.deepcopy(model)
+    ref.eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

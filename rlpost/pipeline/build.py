@@ -1,0 +1,157 @@
+"""Builders: the only code that reads the whole config tree and turns it into parts.
+
+Everything downstream receives the fields it needs (STYLE rule 7). Names are
+resolved against the registries here, so an unknown estimator, loss, KL
+estimator, aggregation mode or reward fails before any work starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+from rlpost.algos import get_advantage_estimator, get_aggregation, get_kl_estimator, get_policy_loss
+from rlpost.config import Config, ConfigError
+from rlpost.data import arith_splits, load_prompt_file
+from rlpost.models.loading import frozen_copy, load_policy
+from rlpost.registry import UnknownNameError
+from rlpost.rewards.scorer import build_scorer
+from rlpost.rollout.hf_engine import HFEngine
+from rlpost.rollout.protocol import SamplingParams
+from rlpost.train.actor import ActorSettings, PolicyTrainer
+from rlpost.types import Prompt
+
+
+def check_names(cfg: Config) -> None:
+    """Resolve every registered name and keyword parameter; raise ConfigError naming the key."""
+    a = cfg.algo
+    checks = [
+        ("algo.advantage", a.advantage, get_advantage_estimator, a.advantage_params),
+        ("algo.policy_loss", a.policy_loss, get_policy_loss, a.loss_params),
+        ("algo.kl.estimator", a.kl.estimator, get_kl_estimator, {}),
+        ("algo.loss_agg_mode", a.loss_agg_mode, get_aggregation, {}),
+    ]
+    for key, name, lookup, params in checks:
+        try:
+            fn = lookup(name)
+        except UnknownNameError as exc:
+            raise ConfigError(f"config {key}={name!r}: {exc}") from None
+        _check_params(key, name, fn, params)
+    try:
+        build_scorer(cfg.reward)
+    except (UnknownNameError, ValueError) as exc:
+        raise ConfigError(f"config reward.terms: {exc}") from None
+
+
+def _check_params(key: str, name: str, fn, params: dict) -> None:
+    if not params:
+        return
+    sig = inspect.signature(fn)
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return
+    for param in params:
+        if param not in sig.parameters or sig.parameters[param].kind is not inspect.Parameter.KEYWORD_ONLY:
+            valid = [p.name for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY]
+            raise ConfigError(
+                f"config {key.rsplit('.', 1)[0]}.{'advantage_params' if 'advantage' in key else 'loss_params'}"
+                f".{param}: {name} takes no parameter {param!r}; valid: {', '.join(valid)}"
+            )
+
+
+def build_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, int]]:
+    """(train prompts, held-out prompts, load report counts)."""
+    d = cfg.data
+    if d.task == "arith":
+        try:
+            train, held_out = arith_splits(d.arith.max_operand, d.arith.ops, d.arith.train_size, d.arith.eval_size)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        for p in train + held_out:
+            p.text = d.prompt_template.format(prompt=p.text)
+        return train, held_out, {}
+    kwargs = dict(
+        prompt_field=d.prompt_field, answer_field=d.answer_field, on_bad_row=d.on_bad_row, template=d.prompt_template
+    )
+    train, rep = load_prompt_file(d.train_path, **kwargs)
+    counts = {"train_rows": rep.rows, "train_skipped": rep.skipped}
+    held_out: list[Prompt] = []
+    if d.eval_path:
+        held_out, erep = load_prompt_file(d.eval_path, **kwargs)
+        counts.update(eval_rows=erep.rows, eval_skipped=erep.skipped)
+    return train, held_out, counts
+
+
+def build_policy(cfg: Config):
+    """(policy model, tokenizer) from ``model.path`` or the built-in tiny model."""
+    model, tokenizer = load_policy(
+        cfg.model.path, tiny_shape=cfg.model.tiny.model_dump(), seed=cfg.run.seed, dtype="float32"
+    )
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return model, tokenizer
+
+
+def build_engine(cfg: Config, model, tokenizer) -> HFEngine:
+    """The rollout engine serving a copy of ``model`` (weights arrive through a sync channel)."""
+    r = cfg.rollout
+    if r.engine == "vllm":
+        from rlpost.rollout import vllm_engine  # lazy: vLLM is a GPU extra
+
+        return vllm_engine.build(cfg, tokenizer)
+    if r.engine == "remote":
+        raise ConfigError("rollout.engine=remote needs a rollout server; start one with `rlpost serve`")
+    serving = copy.deepcopy(model)
+    serving.requires_grad_(False)
+    if cfg.model.dtype == "bfloat16":
+        serving = serving.to(dtype=__import__("torch").bfloat16)
+    return HFEngine(serving, tokenizer, batch_size=r.batch_size, share_prefix=r.share_prefix, seed=cfg.run.seed)
+
+
+def sampling_params(cfg: Config, tokenizer) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_tokens=r.max_tokens,
+        stop_token_ids=(tokenizer.eos_token_id,),
+    )
+
+
+def eval_params(cfg: Config, tokenizer) -> SamplingParams:
+    return SamplingParams(
+        temperature=cfg.eval.temperature,
+        max_tokens=cfg.rollout.max_tokens,
+        stop_token_ids=(tokenizer.eos_token_id,),
+    )
+
+
+def build_trainer(cfg: Config, model) -> PolicyTrainer:
+    a, t = cfg.algo, cfg.train
+    settings = ActorSettings(
+        lr=t.lr,
+        warmup_steps=t.warmup_steps,
+        weight_decay=t.weight_decay,
+        betas=tuple(t.betas),
+        grad_clip=t.grad_clip,
+        mini_batch_size=t.mini_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        epochs=t.epochs,
+        temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
+        loss_agg_mode=a.loss_agg_mode,
+        norm_constant=float(cfg.rollout.max_tokens),
+        entropy_coef=a.entropy_coef,
+        kl_in_loss=a.kl.placement == "loss",
+        bf16=cfg.model.dtype == "bfloat16",
+        loss_params=dict(a.loss_params),
+    )
+    ref = frozen_copy(model) if a.kl.beta > 0 else None
+    return PolicyTrainer(
+        model,
+        get_policy_loss(a.policy_loss),
+        settings,
+        ref_model=ref,
+        kl_estimator=get_kl_estimator(a.kl.estimator),
+        seed=cfg.run.seed,
+    )

@@ -1,0 +1,92 @@
+"""The run directory: resolved config in, starting policy, summary and plot out.
+
+    RUN_DIR/config.yaml        the resolved config (what actually ran)
+    RUN_DIR/sft_model/         the warm-up policy (an HF checkpoint) when SFT ran
+    RUN_DIR/metrics.jsonl      one line per step
+    RUN_DIR/checkpoints/       resumable checkpoints
+    RUN_DIR/summary.json       eval accuracy before / after, steps, wall seconds
+    RUN_DIR/curves.png         reward and held-out accuracy against steps
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from rlpost.config import Config, ConfigError, dump_config
+from rlpost.models.loading import load_causal_lm
+from rlpost.pipeline import build
+from rlpost.train.sft import sft_train
+
+
+def prepare_run_dir(cfg: Config, resume: Path | None) -> Path:
+    if resume is not None:
+        run_dir = Path(resume)
+        if not (run_dir / "checkpoints" / "latest").is_file():
+            raise ConfigError(f"--resume {str(run_dir)!r} holds no checkpoint to resume from")
+        return run_dir
+    run_dir = cfg.run_dir
+    if run_dir.exists():
+        # A fresh run never mixes its files with an older run of the same name.
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    return run_dir
+
+
+def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: bool):
+    """(model, tokenizer) of the starting policy: loaded, then SFT warm-up when configured.
+
+    When resuming, the checkpoint supplies the weights, so SFT is skipped; an
+    SFT model already in the run directory is reused rather than retrained.
+    """
+    model, tokenizer = build.build_policy(cfg)
+    if skip_sft or cfg.sft.steps == 0:
+        return model, tokenizer
+    sft_dir = run_dir / "sft_model"
+    if (sft_dir / "config.json").is_file():
+        model.load_state_dict(load_causal_lm(sft_dir).state_dict())
+        return model, tokenizer
+    s = cfg.sft
+    task = console.task("sft warm-up", s.steps)
+    losses = sft_train(
+        model, tokenizer, train_prompts, steps=s.steps, lr=s.lr, batch_size=s.batch_size,
+        warmup_steps=s.warmup_steps, seed=cfg.run.seed, noise=s.noise,
+        on_step=lambda i, loss: console.advance(task, f"loss {loss:.3f}"),
+    )
+    console.done(task)
+    model.save_pretrained(sft_dir)
+    tokenizer.save_pretrained(sft_dir)
+    (run_dir / "sft_losses.json").write_text(json.dumps(losses))
+    return model, tokenizer
+
+
+def finish_run(cfg, run_dir: Path, first_eval, final_eval, history, start_step, wall, console) -> dict:
+    summary = {
+        "eval_accuracy_start": first_eval.get("eval_accuracy"),
+        "eval_accuracy_end": final_eval.get("eval_accuracy"),
+        "eval_problems": cfg.eval.limit or cfg.data.arith.eval_size,
+        "steps": cfg.train.steps,
+        "steps_this_run": len(history),
+        "resumed_from_step": start_step,
+        "reward_mean_first": history[0]["reward_mean"] if history else None,
+        "reward_mean_last": _tail_mean(history, "reward_mean"),
+        "kl_last": history[-1]["kl"] if history else None,
+        "wall_seconds": wall,
+        "advantage": cfg.algo.advantage,
+        "policy_loss": cfg.algo.policy_loss,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if cfg.observe.plot:
+        from rlpost.observe.recorder import read_metrics
+        from rlpost.observe.report import plot_curves
+
+        plot_curves(read_metrics(run_dir), run_dir / "curves.png")
+    console.summary(summary, run_dir)
+    return summary
+
+
+def _tail_mean(history: list[dict], key: str, k: int = 5) -> float | None:
+    values = [h[key] for h in history[-k:] if key in h]
+    return sum(values) / len(values) if values else None

@@ -1,0 +1,132 @@
+"""Verifiable rewards: the answer can be checked exactly.
+
+Scores are 1.0 for a correct answer and 0.0 otherwise; ``None`` when the sample
+carries no usable reference answer (the reward does not apply). The completion
+is model output and never trusted: an empty, garbled or huge completion scores
+0.0, it does not raise.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from rlpost.rewards.registry import reward_function
+from rlpost.types import RewardSample
+
+# A number not glued to a preceding digit or dot, so "5-3" reads as 5 and 3 (not -3)
+# and "1.2.3" does not yield a stray "3"; thousands groups ("1,000") are one number.
+_NUMBER = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def _to_float(token: str) -> float | None:
+    try:
+        value = float(token.replace(",", ""))
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _numbers(text: str) -> Iterable[float]:
+    for m in _NUMBER.finditer(text):
+        value = _to_float(m.group(0))
+        if value is not None:
+            yield value
+
+
+def extract_last_number(text: str) -> float | None:
+    """The last finite number written in ``text`` ("1,000" is one number), or None."""
+    values = list(_numbers(text))
+    return values[-1] if values else None
+
+
+def extract_first_number(text: str) -> float | None:
+    """The first finite number written in ``text``, or None."""
+    return next(iter(_numbers(text)), None)
+
+
+def extract_tag(text: str, tag: str) -> str | None:
+    """Content of the last ``<tag>...</tag>`` block in ``text``, or None if absent."""
+    found = re.findall(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, flags=re.DOTALL)
+    return found[-1] if found else None
+
+
+def _reference_number(answer: Any) -> float | None:
+    if isinstance(answer, bool):
+        return None
+    if isinstance(answer, int | float):
+        return float(answer) if math.isfinite(answer) else None
+    if isinstance(answer, str):
+        m = _NUMBER.fullmatch(answer.strip())
+        return _to_float(m.group(0)) if m else None
+    return None
+
+
+def _answer_text(sample: RewardSample, tag: str | None) -> str | None:
+    return sample.completion if tag is None else extract_tag(sample.completion, tag)
+
+
+@reward_function("numeric_match")
+def numeric_match(
+    sample: RewardSample,
+    *,
+    position: str = "first",
+    rel_tol: float = 1e-9,
+    abs_tol: float = 1e-9,
+    tag: str | None = None,
+) -> float | None:
+    """1.0 if the number in the completion equals the reference answer.
+
+    ``position``: which number of the completion is the answer, ``first`` or ``last``.
+    ``tag``: read the answer from the last ``<tag>...</tag>`` block only (a missing
+    block scores 0.0). ``None`` if the reference answer is not a finite number.
+    """
+    if position not in ("first", "last"):
+        raise ValueError(f"numeric_match: position must be 'first' or 'last', got {position!r}")
+    target = _reference_number(sample.answer)
+    if target is None:
+        return None
+    text = _answer_text(sample, tag)
+    if text is None:
+        return 0.0
+    got = extract_first_number(text) if position == "first" else extract_last_number(text)
+    if got is None:
+        return 0.0
+    return 1.0 if math.isclose(got, target, rel_tol=rel_tol, abs_tol=abs_tol) else 0.0
+
+
+@reward_function("exact_match")
+def exact_match(
+    sample: RewardSample,
+    *,
+    strip: bool = True,
+    ignore_case: bool = False,
+    collapse_space: bool = False,
+    tag: str | None = None,
+) -> float | None:
+    """1.0 if the completion equals the reference answer as a string.
+
+    A list or tuple answer holds several accepted strings; any of them matches.
+    ``collapse_space`` folds runs of whitespace to one space; ``tag`` compares only
+    the last ``<tag>...</tag>`` block (a missing block scores 0.0).
+    """
+    if sample.answer is None:
+        return None
+    accepted = sample.answer if isinstance(sample.answer, list | tuple) else [sample.answer]
+    if not accepted:
+        return None
+    text = _answer_text(sample, tag)
+    if text is None:
+        return 0.0
+
+    def norm(s: str) -> str:
+        if collapse_space:
+            s = " ".join(s.split())
+        if strip:
+            s = s.strip()
+        return s.lower() if ignore_case else s
+
+    got = norm(text)
+    return 1.0 if any(got == norm(str(a)) for a in accepted) else 0.0

@@ -1,0 +1,158 @@
+"""The in-process transformers engine (CPU by default).
+
+Why a hand-written decode loop instead of ``model.generate``: the trainer needs
+the log-probability of every sampled token and the policy version, and a GRPO
+group of G samples shares one prompt. ``generate(num_return_sequences=G)``
+repeats the prompt G times *before* prefill, so it computes the same prompt KV
+G times and returns no per-token logprobs without extra passes. Here the
+prompts are prefilled once, the KV cache is repeated G times in memory
+(``DynamicCache.batch_repeat_interleave``), and decoding samples all rows
+together. Finished rows are dropped from the batch once they are the majority,
+so a long tail does not pay for the short ones.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+from transformers import DynamicCache
+
+from rlpost.rollout.protocol import SamplingParams, sample_tokens
+from rlpost.types import Completion
+
+
+class HFEngine:
+    """Rollout engine around a transformers causal LM in this process."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        *,
+        batch_size: int = 64,
+        share_prefix: bool = True,
+        seed: int = 0,
+        version: int = 0,
+    ) -> None:
+        self.model = model
+        self.model.eval()
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.share_prefix = share_prefix
+        self.version = version
+        self.generator = torch.Generator().manual_seed(seed)
+        self.pad_id = tokenizer.pad_token_id
+        self.eos_id = tokenizer.eos_token_id
+        self.tokens_generated = 0
+        self.seconds = 0.0
+
+    # ----------------------------------------------------------------- weights
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"weight {name!r} is not a parameter of the serving model")
+            params[name].copy_(tensor)
+        self.version = version
+
+    # -------------------------------------------------------------- generation
+
+    def generate(
+        self, prompt_ids: list[list[int]], params: SamplingParams, n: int = 1, group_offset: int = 0
+    ) -> list[Completion]:
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("empty prompt: every prompt needs at least one token")
+        per_chunk = max(1, self.batch_size // n)
+        out: list[Completion] = []
+        start = time.perf_counter()
+        for lo in range(0, len(prompt_ids), per_chunk):
+            chunk = prompt_ids[lo : lo + per_chunk]
+            out.extend(self._generate_chunk(chunk, params, n, group_offset + lo))
+        self.seconds += time.perf_counter() - start
+        return out
+
+    @torch.no_grad()
+    def _generate_chunk(
+        self, prompts: list[list[int]], params: SamplingParams, n: int, group_offset: int
+    ) -> list[Completion]:
+        stop_ids = set(params.stop_token_ids) | {self.eos_id}
+        ids, attn = self._left_pad(prompts)
+        if not self.share_prefix:
+            ids, attn = ids.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True)
+        logits = out.logits[:, -1, :]
+        if self.share_prefix and n > 1:
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, 0)
+            attn = attn.repeat_interleave(n, 0)
+            pos = pos.repeat_interleave(n, 0)
+        rows = len(prompts) * n
+        tokens: list[list[int]] = [[] for _ in range(rows)]
+        logps: list[list[float]] = [[] for _ in range(rows)]
+        finished = [False] * rows
+        active = torch.arange(rows)  # which original row each batch position holds
+        last_pos = pos[:, -1]
+        for _ in range(params.max_tokens):
+            tok, lp = sample_tokens(logits, params, self.generator)
+            tok_l, lp_l = tok.tolist(), lp.tolist()
+            still = []
+            for j, row in enumerate(active.tolist()):
+                tokens[row].append(tok_l[j])
+                logps[row].append(lp_l[j])
+                if tok_l[j] in stop_ids:
+                    finished[row] = True
+                else:
+                    still.append(j)
+            if not still:
+                break
+            if len(still) <= len(tok_l) // 2:
+                keep = torch.tensor(still)
+                cache.batch_select_indices(keep)
+                active, tok, attn, last_pos = active[keep], tok[keep], attn[keep], last_pos[keep]
+            attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=-1)
+            last_pos = last_pos + 1
+            out = self.model(
+                input_ids=tok[:, None],
+                attention_mask=attn,
+                position_ids=last_pos[:, None],
+                cache=cache,
+                use_cache=True,
+            )
+            logits = out.logits[:, -1, :]
+        self.tokens_generated += sum(len(t) for t in tokens)
+        return [
+            Completion(
+                prompt_ids=list(prompts[r // n]),
+                token_ids=tokens[r],
+                logprobs=logps[r],
+                finish_reason="stop" if finished[r] else "length",
+                policy_version=self.version,
+                group=group_offset + r // n,
+                text=self.tokenizer.decode(tokens[r], skip_special_tokens=True),
+            )
+            for r in range(rows)
+        ]
+
+    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attn[i, width - len(p) :] = 1
+        return ids, attn
+
+    def throughput(self) -> float:
+        """Generated tokens per second since the last reset."""
+        return self.tokens_generated / self.seconds if self.seconds > 0 else 0.0
+
+    def reset_stats(self) -> None:
+        self.tokens_generated = 0
+        self.seconds = 0.0

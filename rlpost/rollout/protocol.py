@@ -1,0 +1,100 @@
+"""The rollout protocol every engine implements (hf, vllm, remote).
+
+An engine is token in, token out: it takes prompt token ids and returns
+:class:`~rlpost.types.Completion` records with the sampled token ids, the
+engine's log-probabilities of those tokens, the finish reason and the policy
+version of the weights that produced them. Weights arrive through
+``load_weights`` tagged with a version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from rlpost.types import Completion
+
+PRESETS: dict[str, dict[str, float]] = {
+    # Verifiable-reward RL wants the model's full distribution: no truncation.
+    "rlvr": {"temperature": 1.0, "top_p": 1.0, "top_k": -1},
+    # Preference RL trims the far tail a little to keep text fluent.
+    "rlhf": {"temperature": 0.8, "top_p": 0.95, "top_k": -1},
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``temperature == 0`` means greedy; ``top_k == -1`` keeps all tokens."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k} must be -1 (all) or >= 1")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
+
+
+class RolloutEngine(Protocol):
+    """What the pipeline needs from an engine."""
+
+    version: int
+
+    def generate(
+        self, prompt_ids: list[list[int]], params: SamplingParams, n: int = 1, group_offset: int = 0
+    ) -> list[Completion]:
+        """``n`` samples for each prompt, grouped: completions ``i*n .. i*n+n-1`` belong to prompt i,
+        whose ``group`` is ``group_offset + i``."""
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Replace the serving weights and report ``version`` from now on."""
+        ...
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside top-k and outside the top-p nucleus. ``logits``: [B, V]."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p;
+        # the most likely token is always kept.
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B], logprobs [B]) for next-token ``logits`` [B, V] (float32).
+
+    The logprob is of the tempered, untruncated distribution ``log_softmax(logits / T)``
+    (T = 1 when greedy), which is what the trainer recomputes.
+    """
+    logits = logits.float()
+    if params.temperature == 0:
+        tokens = logits.argmax(dim=-1)
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, logprobs
+    scaled = logits / params.temperature
+    full = torch.log_softmax(scaled, dim=-1)
+    filtered = filter_logits(scaled, params.top_k, params.top_p)
+    probs = torch.softmax(filtered, dim=-1)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, full.gather(-1, tokens[:, None]).squeeze(-1)

@@ -1,0 +1,204 @@
+"""The policy trainer: PPO-style updates of the actor, algorithm-blind.
+
+The trainer knows nothing of GRPO or PPO by name: it is handed a policy-loss
+function and a KL estimator from the ``algos`` registries and applies them over
+epochs, shuffled mini-batches (one optimizer step each) and micro-batches
+(gradient accumulation). Loss denominators are computed once per mini-batch
+(:meth:`Aggregation.for_minibatch`) so the accumulated gradient is the same
+however a mini-batch is split into micro-batches.
+
+Precision: weights and optimizer state are float32; ``bf16=True`` runs the
+forward and backward under bfloat16 autocast (bf16 compute, fp32 master).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlpost.algos.aggregate import Aggregation
+from rlpost.algos.entropy import entropy_from_logits
+from rlpost.train.batch import TrainBatch, compute_logprobs, response_logits, token_logprobs
+
+
+@dataclass
+class ActorSettings:
+    lr: float = 1e-5
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    mini_batch_size: int = 64
+    micro_batch_size: int = 64
+    epochs: int = 1
+    temperature: float = 1.0
+    loss_agg_mode: str = "token-mean"
+    norm_constant: float | None = None
+    entropy_coef: float = 0.0
+    kl_in_loss: bool = True
+    bf16: bool = False
+    loss_params: dict[str, Any] = field(default_factory=dict)
+
+
+def warmup_lambda(warmup_steps: int):
+    """LR multiplier: linear from 1/(w+1) to 1 over ``warmup_steps`` updates, then constant."""
+
+    def fn(step: int) -> float:
+        if warmup_steps <= 0:
+            return 1.0
+        return min(1.0, (step + 1) / (warmup_steps + 1))
+
+    return fn
+
+
+def build_optimizer(model: torch.nn.Module, s: ActorSettings):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_lambda(s.warmup_steps))
+    return opt, sched
+
+
+class PolicyTrainer:
+    """Updates ``model`` from :class:`TrainBatch` es with a registered policy loss."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        policy_loss,
+        settings: ActorSettings,
+        *,
+        ref_model: torch.nn.Module | None = None,
+        kl_estimator=None,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.ref_model = ref_model
+        self.policy_loss = policy_loss
+        self.kl_estimator = kl_estimator
+        self.s = settings
+        self.optimizer, self.scheduler = build_optimizer(model, settings)
+        self.shuffle = torch.Generator().manual_seed(seed + 7)
+        self.skipped_updates = 0
+
+    # ------------------------------------------------------------ logprobs
+
+    def _autocast(self):
+        if self.s.bf16:
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def old_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        with self._autocast():
+            return compute_logprobs(
+                self.model, batch, temperature=self.s.temperature, micro_batch_size=self.s.micro_batch_size
+            )
+
+    def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+        if self.ref_model is None:
+            return None
+        with self._autocast():
+            return compute_logprobs(
+                self.ref_model, batch, temperature=self.s.temperature, micro_batch_size=self.s.micro_batch_size
+            )
+
+    # -------------------------------------------------------------- update
+
+    def update(self, batch: TrainBatch, *, beta: float = 0.0) -> dict[str, float]:
+        """Epochs x mini-batches of optimizer steps on ``batch`` (needs old_logprobs and advantages)."""
+        if batch.old_logprobs is None or batch.advantages is None:
+            raise ValueError("update() needs batch.old_logprobs and batch.advantages")
+        self.model.train()
+        sums: dict[str, float] = {}
+        updates = 0
+        for _ in range(self.s.epochs):
+            order = torch.randperm(len(batch), generator=self.shuffle)
+            for lo in range(0, len(batch), self.s.mini_batch_size):
+                mb = batch.select(order[lo : lo + self.s.mini_batch_size])
+                stats = self._step(mb, beta)
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                updates += 1
+        out = {k: v / max(updates, 1) for k, v in sums.items()}
+        out["lr"] = self.optimizer.param_groups[0]["lr"]
+        out["updates"] = float(updates)
+        return out
+
+    def _step(self, mb: TrainBatch, beta: float) -> dict[str, float]:
+        agg = Aggregation.for_minibatch(mb.response_mask, self.s.loss_agg_mode, self.s.norm_constant)
+        total_tokens = float(mb.response_mask.sum().clamp(min=1))
+        self.optimizer.zero_grad(set_to_none=True)
+        acc: dict[str, float] = {}
+        for lo in range(0, len(mb), self.s.micro_batch_size):
+            micro = mb.select(torch.arange(lo, min(lo + self.s.micro_batch_size, len(mb))))
+            loss, stats = self._micro_loss(micro, agg, beta)
+            loss.backward()
+            weight = float(micro.response_mask.sum()) / total_tokens
+            for k, v in stats.items():
+                acc[k] = acc.get(k, 0.0) + v * weight
+            acc["loss"] = acc.get("loss", 0.0) + float(loss.detach())
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.grad_clip)
+        acc["grad_norm"] = float(grad_norm)
+        if not (math.isfinite(acc["loss"]) and math.isfinite(acc["grad_norm"])):
+            # A NaN / Inf loss or gradient never reaches the weights.
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_updates += 1
+            acc["skipped"] = 1.0
+            return acc
+        self.optimizer.step()
+        self.scheduler.step()
+        acc["skipped"] = 0.0
+        return acc
+
+    def _micro_loss(self, micro: TrainBatch, agg: Aggregation, beta: float):
+        mask = micro.response_mask
+        with self._autocast():
+            logits = response_logits(self.model, micro)
+            logprobs = token_logprobs(logits, micro.responses, self.s.temperature)
+        out = self.policy_loss(
+            logprobs,
+            micro.old_logprobs,
+            micro.advantages,
+            mask,
+            agg=agg,
+            rollout_logprobs=micro.rollout_logprobs,
+            ref_logprobs=micro.ref_logprobs,
+            **self.s.loss_params,
+        )
+        loss = out.loss
+        stats = {k: float(v) for k, v in out.stats.items()}
+        stats["pg_loss"] = float(out.loss.detach())
+        if beta > 0 and self.s.kl_in_loss and micro.ref_logprobs is not None:
+            kl = agg.reduce(self.kl_estimator(logprobs, micro.ref_logprobs), mask)
+            loss = loss + beta * kl
+        if self.s.entropy_coef > 0:
+            entropy = agg.reduce(entropy_from_logits(logits.float() / self.s.temperature), mask)
+            loss = loss - self.s.entropy_coef * entropy
+            stats["entropy"] = float(entropy.detach())
+        return loss, stats
+
+    # ------------------------------------------------------------- control
+
+    def scale_lr(self, factor: float) -> float:
+        """Multiply the LR schedule by ``factor`` (used by guards); returns the new peak LR."""
+        self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
+        for g, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            g["lr"] = base * warmup_lambda(self.s.warmup_steps)(self.scheduler.last_epoch)
+        return self.scheduler.base_lrs[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "shuffle": self.shuffle.get_state(),
+            "skipped_updates": self.skipped_updates,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.shuffle.set_state(state["shuffle"])
+        self.skipped_updates = int(state["skipped_updates"])

@@ -1,0 +1,128 @@
+"""The training batch: completions laid out as tensors, and per-token log-probs.
+
+Layout (verl's): prompts left-padded to width P, responses right-padded to
+width T, concatenated into ``input_ids [B, P + T]``. The logits at positions
+``P - 1 .. P + T - 2`` predict the response tokens, so every response tensor is
+``[B, T]`` with ``response_mask`` marking real (and trainable) tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from rlpost.types import Completion
+
+
+@dataclass
+class TrainBatch:
+    """Tensors of one rollout batch. Shapes: B rows, P prompt width, T response width.
+
+    input_ids, attention_mask, position_ids: [B, P + T] (int64)
+    responses: [B, T] sampled token ids; response_mask: [B, T] float32 (1 = trained token)
+    group: [B] int64 prompt index; rollout_logprobs: [B, T] float32 (engine's)
+    old_logprobs, ref_logprobs, advantages, returns, token_level_rewards: [B, T] float32 or None
+    scores: [B] float32 outcome rewards; versions: [B] int64 policy version of each row
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    responses: torch.Tensor
+    response_mask: torch.Tensor
+    group: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    scores: torch.Tensor
+    versions: torch.Tensor
+    prompt_width: int
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    token_level_rewards: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, idx: torch.Tensor) -> TrainBatch:
+        """Rows ``idx`` of every [B, ...] tensor (a mini- or micro-batch)."""
+        changes = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                changes[f.name] = v[idx]
+        return replace(self, **changes)
+
+
+def collate(completions: list[Completion], scores: list[float], pad_id: int) -> TrainBatch:
+    """Lay completions out as a :class:`TrainBatch` (scores are the outcome rewards)."""
+    if not completions:
+        raise ValueError("cannot build a training batch from zero completions")
+    B = len(completions)
+    P = max(len(c.prompt_ids) for c in completions)
+    T = max(1, max(len(c.token_ids) for c in completions))
+    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, P + T), dtype=torch.long)
+    response_mask = torch.zeros((B, T), dtype=torch.float32)
+    rollout_lp = torch.zeros((B, T), dtype=torch.float32)
+    for i, c in enumerate(completions):
+        p, r = len(c.prompt_ids), len(c.token_ids)
+        input_ids[i, P - p : P] = torch.tensor(c.prompt_ids, dtype=torch.long)
+        attn[i, P - p : P + r] = 1
+        if r:
+            input_ids[i, P : P + r] = torch.tensor(c.token_ids, dtype=torch.long)
+            rollout_lp[i, :r] = torch.tensor(c.logprobs, dtype=torch.float32)
+            mask = c.loss_mask if c.loss_mask is not None else [1] * r
+            response_mask[i, :r] = torch.tensor(mask, dtype=torch.float32)
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attn,
+        position_ids=position_ids,
+        responses=input_ids[:, P:].clone(),
+        response_mask=response_mask,
+        group=torch.tensor([c.group for c in completions], dtype=torch.long),
+        rollout_logprobs=rollout_lp,
+        scores=torch.tensor(scores, dtype=torch.float32),
+        versions=torch.tensor([c.policy_version for c in completions], dtype=torch.long),
+        prompt_width=P,
+    )
+
+
+def response_logits(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    """Logits [B, T, V] that predict the response tokens."""
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    )
+    P = batch.prompt_width
+    return out.logits[:, P - 1 : -1, :]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature) at ``tokens``: [B, T, V], [B, T] -> [B, T] float32."""
+    logits = logits.float()
+    if temperature not in (0.0, 1.0):
+        logits = logits / temperature
+    # logsumexp + gather keeps memory at one [B, T, V] tensor (no full log_softmax copy).
+    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+@torch.no_grad()
+def compute_logprobs(
+    model: torch.nn.Module, batch: TrainBatch, *, temperature: float, micro_batch_size: int
+) -> torch.Tensor:
+    """Per-token logprobs [B, T] of the batch's responses under ``model`` (no gradient)."""
+    was_training = model.training
+    model.eval()
+    chunks = []
+    for lo in range(0, len(batch), micro_batch_size):
+        mb = batch.select(torch.arange(lo, min(lo + micro_batch_size, len(batch))))
+        chunks.append(token_logprobs(response_logits(model, mb), mb.responses, temperature))
+    model.train(was_training)
+    return torch.cat(chunks, dim=0)

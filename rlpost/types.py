@@ -1,0 +1,89 @@
+"""Typed records passed between stages (DESIGN.md "one training step, as data").
+
+Token-level tensors between layers are right-padded ``[B, T]`` with a
+``response_mask``; ``group`` is an int64 ``[B]`` mapping each row to its prompt.
+Records here are plain dataclasses so every stage can be run and inspected on
+its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class Prompt:
+    """One task instance: the text shown to the policy and what the reward needs.
+
+    ``answer`` is the reference (a number, a string, a list of tests...);
+    ``metadata`` carries anything else a reward function may read (task name,
+    test cases, rubric). ``uid`` identifies the prompt across steps (length
+    prediction, partial rollout, sample logs).
+    """
+
+    text: str
+    answer: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    uid: str = ""
+
+
+@dataclass
+class Completion:
+    """One sampled response, as the rollout engine produced it.
+
+    ``logprobs[i]`` is the engine's log-probability of ``token_ids[i]`` under the
+    sampling distribution actually used (temperature applied, before top-p/top-k
+    truncation renormalisation is *not* applied: it is the model's tempered
+    distribution). ``loss_mask[i]`` is 0 for tokens the policy did not produce
+    (tool output in a multi-turn rollout) and 1 otherwise.
+    """
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    policy_version: int
+    group: int
+    text: str = ""
+    loss_mask: list[int] | None = None
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+@dataclass
+class RewardSample:
+    """The canonical sample every reward function scores.
+
+    Reward functions are plain callables ``fn(sample, **params) -> float | None``;
+    ``None`` means "not applicable to this sample" (e.g. a code reward on a math
+    prompt) and is distinct from a score of 0.
+    """
+
+    prompt: str
+    completion: str
+    answer: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    finish_reason: FinishReason = "stop"
+    num_tokens: int = 0
+    max_tokens: int = 0
+
+
+@dataclass
+class ScoredBatch:
+    """Scores for a batch of completions plus each named component for logging.
+
+    ``scores[i]`` is the final scalar reward of completion i (finite floats only;
+    invalid scores are replaced and counted in ``invalid``; their indices are in
+    ``invalid_rows`` so the trainer can drop them). ``components`` maps a reward
+    name to its per-sample values (``nan`` where not applicable).
+    """
+
+    scores: list[float]
+    components: dict[str, list[float]] = field(default_factory=dict)
+    invalid: int = 0
+    invalid_rows: list[int] = field(default_factory=list)
