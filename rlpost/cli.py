@@ -54,6 +54,9 @@ def _quiet_libraries() -> None:
 
 def cmd_train(args) -> int:
     recipe, overrides = _split_args(args.items)
+    if args.resume and not any("=" not in i for i in args.items):
+        # Resuming without a recipe continues with the config the run was started with.
+        recipe = str(Path(args.resume) / "config.yaml")
     cfg = load_config(recipe, overrides)
     _quiet_libraries()
     from rlpost.pipeline.loop import TrainingStopped, train

@@ -12,6 +12,7 @@ naming the key, the value, the reason and the fix.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from rlpost.observe.guards import GuardConfig
 
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 GROUP_RELATIVE_ESTIMATORS = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"}
 
 
@@ -373,6 +375,8 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
+        if isinstance(value, str) and _FLOAT.fullmatch(value):
+            value = float(value)  # YAML 1.1 reads "1e-5" as a string
         node = tree
         parts = key.split(".")
         for part in parts[:-1]:

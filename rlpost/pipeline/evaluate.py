@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from rlpost.algos import group_zero_spread_fraction
+
 from rlpost.rewards.scorer import RewardScorer
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.types import Completion, Prompt, RewardSample
@@ -52,17 +54,13 @@ def evaluate(
 def rollout_health(completions: list[Completion], scores: torch.Tensor, group: torch.Tensor) -> dict[str, float]:
     """Truncated fraction, zero-spread group fraction, reward stats, response length."""
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
-    spread = []
-    for g in group.unique():
-        s = scores[group == g]
-        spread.append(float(s.max() - s.min()) == 0.0)
     return {
         "reward_mean": float(scores.mean()),
         "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
         "response_length_mean": float(lengths.mean()),
         "response_length_max": float(lengths.max()),
         "truncated_frac": sum(c.truncated for c in completions) / len(completions),
-        "zero_spread_frac": sum(spread) / max(len(spread), 1),
+        "zero_spread_frac": float(group_zero_spread_fraction(scores, group)),
     }
 
 

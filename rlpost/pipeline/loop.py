@@ -22,6 +22,7 @@ from rlpost.algos import (
     AdaptiveKLController,
     FixedKLController,
     get_advantage_estimator,
+    get_kl_estimator,
     kl_penalized_rewards,
     masked_mean,
     scores_to_token_rewards,
@@ -220,8 +221,8 @@ def _advantages(cfg: Config, batch: TrainBatch, kl_ctl) -> float:
             )
             kl_value = float(kl_t)
         else:
-            diff = batch.old_logprobs - batch.ref_logprobs
-            kl_value = float(masked_mean(torch.exp(-diff) + diff - 1.0, mask)) if mask.sum() > 0 else 0.0
+            kl_t = get_kl_estimator(cfg.algo.kl.estimator)(batch.old_logprobs, batch.ref_logprobs)
+            kl_value = float(masked_mean(kl_t, mask))
     batch.token_level_rewards = rewards
     estimator = get_advantage_estimator(cfg.algo.advantage)
     batch.advantages, batch.returns = estimator(

@@ -1,0 +1,52 @@
+"""Pure tensor math of RL post-training: advantages, policy losses, KL, aggregation, DPO.
+
+Tensors in, tensors out: no model, no config object, no I/O. Each swappable
+piece is registered by the name a recipe uses; look it up through the
+``get_*`` functions, which name the valid choices on a typo.
+"""
+
+from rlpost.algos.advantages import ADVANTAGES, get_advantage_estimator, scores_to_token_rewards
+from rlpost.algos.aggregate import (
+    AGGREGATIONS,
+    Aggregation,
+    get_aggregation,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
+from rlpost.algos.dpo import dpo_loss
+from rlpost.algos.entropy import entropy_from_logits
+from rlpost.algos.kl import KL_ESTIMATORS, get_kl_estimator, kl_loss, kl_penalized_rewards
+from rlpost.algos.kl_control import AdaptiveKLController, FixedKLController
+from rlpost.algos.policy_losses import POLICY_LOSSES, PolicyLossOutput, get_policy_loss
+from rlpost.algos.sampling import group_zero_spread_fraction, groups_with_spread, overlong_penalty
+from rlpost.algos.value import value_loss
+
+__all__ = [
+    "ADVANTAGES",
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "Aggregation",
+    "FixedKLController",
+    "PolicyLossOutput",
+    "dpo_loss",
+    "entropy_from_logits",
+    "get_advantage_estimator",
+    "get_aggregation",
+    "get_kl_estimator",
+    "get_policy_loss",
+    "group_zero_spread_fraction",
+    "groups_with_spread",
+    "kl_loss",
+    "kl_penalized_rewards",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "overlong_penalty",
+    "scores_to_token_rewards",
+    "value_loss",
+]

@@ -1,0 +1,334 @@
+"""Advantage estimators, registered by name, all with one signature.
+
+``fn(token_level_rewards [B, T], response_mask [B, T], group [B], *, values=None,
+**params) -> (advantages [B, T], returns [B, T])``, run without gradients.
+
+``group`` holds arbitrary int64 prompt ids in any order (verl's ``index``), not
+consecutive blocks, so a filtered or shuffled batch still groups correctly.
+Outcome estimators use the score ``s_i = sum_t token_level_rewards[i, t]``
+(all positions, as verl: the caller puts the reward on the last valid token,
+see :func:`scores_to_token_rewards`). Semantics follow verl 0.9.1: unbiased std,
+``eps`` added to the std, a singleton group keeps its raw score (mean 0, std 1).
+
+Group statistics are taken in float64 around each group's minimum, so a group
+whose scores are all equal gets exactly zero advantage, never a rounding residue.
+Outputs are zero on padding and have the dtype of ``token_level_rewards``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from rlpost.algos.aggregate import masked_whiten
+from rlpost.registry import Registry
+
+AdvantageEstimator = Callable[..., tuple[Tensor, Tensor]]
+ADVANTAGES: Registry[AdvantageEstimator] = Registry("advantage estimator")
+
+
+def get_advantage_estimator(name: str) -> AdvantageEstimator:
+    """The estimator registered as ``name``; raises ``UnknownNameError`` listing valid names."""
+    return ADVANTAGES.get(name)
+
+
+def _check(token_level_rewards: Tensor, response_mask: Tensor, group: Tensor) -> None:
+    if token_level_rewards.dim() != 2:
+        raise ValueError(
+            f"token_level_rewards must be [B, T], got {tuple(token_level_rewards.shape)}"
+        )
+    if response_mask.shape != token_level_rewards.shape:
+        raise ValueError(
+            f"response_mask shape {tuple(response_mask.shape)} != rewards shape "
+            f"{tuple(token_level_rewards.shape)}"
+        )
+    if group.shape != token_level_rewards.shape[:1]:
+        raise ValueError(
+            f"group must be [B]={token_level_rewards.shape[0]}, got {tuple(group.shape)}"
+        )
+    if group.dtype.is_floating_point or group.dtype == torch.bool:
+        raise ValueError(f"group must hold integer prompt ids, got dtype {group.dtype}")
+
+
+def _group_centered(scores: Tensor, group: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row group statistics of ``scores [B]`` (float64) under ids ``group [B]``.
+
+    Returns ``(centered [B], std [B], count [B])``: ``s_i - mean_g``, the unbiased
+    group std and the group size, each broadcast back to rows. Singleton groups
+    get mean 0 and std 1 (verl), so their row keeps its raw score.
+    """
+    _, inverse = torch.unique(group, return_inverse=True)
+    num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    zeros = scores.new_zeros(num_groups)
+    count = zeros.scatter_add(0, inverse, torch.ones_like(scores))
+    # Centre around the group minimum: equal scores give exact zeros after shifting.
+    pivot = zeros.scatter_reduce(0, inverse, scores, reduce="amin", include_self=False)
+    shifted = scores - pivot[inverse]
+    mean_shift = zeros.scatter_add(0, inverse, shifted) / count
+    centered = shifted - mean_shift[inverse]
+    var = zeros.scatter_add(0, inverse, centered**2) / (count - 1).clamp(min=1.0)
+    row_count = count[inverse]
+    singleton = row_count == 1
+    centered = torch.where(singleton, scores, centered)
+    std = torch.where(singleton, torch.ones_like(scores), var.sqrt()[inverse])
+    return centered, std, row_count
+
+
+def _outcome_scores(token_level_rewards: Tensor) -> Tensor:
+    return token_level_rewards.to(torch.float64).sum(-1)
+
+
+def _tile(row_values: Tensor, response_mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """Broadcast ``row_values [B]`` over ``[B, T]``, zero on padding."""
+    m = response_mask.to(torch.float64) > 0
+    return torch.where(m, row_values[:, None], 0.0).to(dtype)
+
+
+@ADVANTAGES.register("grpo")
+@torch.no_grad()
+def grpo_advantages(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    group: Tensor,
+    *,
+    values: Tensor | None = None,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
+    """GRPO outcome advantage ``A_i = (s_i - mean_g) / (std_g + eps)`` (DeepSeekMath, arXiv 2402.03300).
+
+    Shapes: rewards, mask ``[B, T]``, group ``[B]`` -> ``([B, T], [B, T])``; returns
+    equal advantages. ``norm_by_std=False`` gives Dr.GRPO's ``s_i - mean_g``.
+    std is unbiased; a singleton group gives ``s_i / (1 + eps)`` (verl).
+    """
+    _check(token_level_rewards, response_mask, group)
+    centered, std, _ = _group_centered(_outcome_scores(token_level_rewards), group)
+    adv = centered / (std + eps) if norm_by_std else centered
+    advantages = _tile(adv, response_mask, token_level_rewards.dtype)
+    return advantages, advantages.clone()
+
+
+@ADVANTAGES.register("dr_grpo")
+@torch.no_grad()
+def dr_grpo_advantages(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    group: Tensor,
+    *,
+    values: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Dr.GRPO ``A_i = s_i - mean_g`` without std division ("Understanding R1-Zero-Like Training", arXiv 2503.20783).
+
+    Shapes as :func:`grpo_advantages`. Pair with ``seq-mean-token-sum-norm`` aggregation.
+    """
+    return grpo_advantages(token_level_rewards, response_mask, group, norm_by_std=False)
+
+
+@ADVANTAGES.register("rloo")
+@torch.no_grad()
+def rloo_advantages(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    group: Tensor,
+    *,
+    values: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """RLOO ``A_i = s_i - mean_{j != i} s_j = n/(n-1) (s_i - mean_g)`` (Ahmadian et al., arXiv 2402.14740).
+
+    Shapes: rewards, mask ``[B, T]``, group ``[B]`` -> ``([B, T], [B, T])``.
+    A singleton group keeps its raw score (verl's loop version).
+    """
+    _check(token_level_rewards, response_mask, group)
+    centered, _, count = _group_centered(_outcome_scores(token_level_rewards), group)
+    adv = torch.where(count > 1, centered * count / (count - 1).clamp(min=1.0), centered)
+    advantages = _tile(adv, response_mask, token_level_rewards.dtype)
+    return advantages, advantages.clone()
+
+
+@ADVANTAGES.register("gpg")
+@torch.no_grad()
+def gpg_advantages(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    group: Tensor,
+    *,
+    values: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """GPG ``A_i = alpha (s_i - mean_g)``, ``alpha = B / max(1, #{s_i != 0})`` (arXiv 2504.02546).
+
+    Shapes as :func:`grpo_advantages`. ``alpha`` re-scales the batch when few rows
+    score at all; no std division; singleton mean 0 (verl).
+    """
+    _check(token_level_rewards, response_mask, group)
+    scores = _outcome_scores(token_level_rewards)
+    centered, _, _ = _group_centered(scores, group)
+    alpha = scores.numel() / max(1, int((scores != 0).sum()))
+    advantages = _tile(alpha * centered, response_mask, token_level_rewards.dtype)
+    return advantages, advantages.clone()
+
+
+@ADVANTAGES.register("reinforce_pp")
+@torch.no_grad()
+def reinforce_pp_advantages(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    group: Tensor,
+    *,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE++ (Hu, arXiv 2501.03262): discounted return, then batch-global whitening.
+
+    ``G_t = r_t + gamma G_{t+1}`` over valid tokens only (mask-0 tokens carry G
+    through undiscounted, verl); advantages ``= whiten(G)`` over all valid tokens
+    of the batch (unbiased var, ``rsqrt(var + 1e-8)``). Any KL penalty is already
+    folded into ``token_level_rewards``. Shapes ``[B, T]`` -> ``([B, T], [B, T])``;
+    returns are the un-whitened ``G``.
+    """
+    _check(token_level_rewards, response_mask, group)
+    m = response_mask.to(torch.float64) > 0
+    rewards = token_level_rewards.to(torch.float64)
+    running = rewards.new_zeros(rewards.shape[0])
+    returns = torch.zeros_like(rewards)
+    for t in reversed(range(rewards.shape[1])):
+        candidate = rewards[:, t] + gamma * running
+        running = torch.where(m[:, t], candidate, running)
+        returns[:, t] = torch.where(m[:, t], candidate, torch.zeros_like(candidate))
+    advantages = masked_whiten(returns, m)
+    dtype = token_level_rewards.dtype
+    return advantages.to(dtype), returns.to(dtype)
+
+
+@ADVANTAGES.register("reinforce_pp_baseline")
+@torch.no_grad()
+def reinforce_pp_baseline_advantages(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    group: Tensor,
+    *,
+    values: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE++-baseline (arXiv 2501.03262): ``s_i - mean_g`` tiled, then global whitening.
+
+    Shapes ``[B, T]``, group ``[B]`` -> ``([B, T], [B, T])``; returns equal
+    advantages. Singleton mean 0; whitening as :func:`reinforce_pp_advantages`.
+    """
+    _check(token_level_rewards, response_mask, group)
+    centered, _, _ = _group_centered(_outcome_scores(token_level_rewards), group)
+    m = response_mask.to(torch.float64) > 0
+    tiled = torch.where(m, centered[:, None], 0.0)
+    advantages = masked_whiten(tiled, m).to(token_level_rewards.dtype)
+    return advantages, advantages.clone()
+
+
+def _gae(rewards: Tensor, values: Tensor, valid: Tensor, gamma: float, lam: Tensor) -> Tensor:
+    """Generalised advantage estimate ``[B, T]`` with per-row ``lam [B]`` (float64 in, out).
+
+    Backwards over t: ``delta_t = r_t + gamma V_next - V_t``, ``A_t = delta_t +
+    gamma lam A_next``; ``V_next`` and ``A_next`` advance only on valid tokens, so
+    mask-0 tokens (tool output) are skipped without discount (verl). Each position
+    stores the latest valid ``A``.
+    """
+    next_value = rewards.new_zeros(rewards.shape[0])
+    next_adv = rewards.new_zeros(rewards.shape[0])
+    out = torch.zeros_like(rewards)
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        adv = delta + gamma * lam * next_adv
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
+        next_adv = torch.where(valid[:, t], adv, next_adv)
+        out[:, t] = next_adv
+    return out
+
+
+def _critic_inputs(
+    name: str, token_level_rewards: Tensor, response_mask: Tensor, values: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    if values is None:
+        raise ValueError(f"advantage estimator {name!r} needs values [B, T] from the critic")
+    if values.shape != token_level_rewards.shape:
+        raise ValueError(
+            f"values shape {tuple(values.shape)} != rewards shape {tuple(token_level_rewards.shape)}"
+        )
+    valid = response_mask.to(torch.float64) > 0
+    # Zero the padding so garbage there cannot reach the float64 recursion as inf.
+    rewards = torch.where(valid, token_level_rewards.to(torch.float64), 0.0)
+    v = torch.where(valid, values.to(torch.float64), 0.0)
+    return rewards, v, valid
+
+
+@ADVANTAGES.register("gae")
+@torch.no_grad()
+def gae_advantages(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    group: Tensor,
+    *,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """PPO's GAE (Schulman et al., arXiv 1506.02438) with batch-global whitening.
+
+    Shapes: rewards, mask, values ``[B, T]``; group ``[B]`` (unused) ->
+    ``(advantages [B, T], returns [B, T])``. ``returns = A + V`` (critic target,
+    un-whitened); advantages ``= whiten(A)`` over valid tokens. Both are zero on
+    padding (verl leaves whitened values there).
+    """
+    _check(token_level_rewards, response_mask, group)
+    rewards, v, valid = _critic_inputs("gae", token_level_rewards, response_mask, values)
+    lam_rows = rewards.new_full((rewards.shape[0],), float(lam))
+    adv = _gae(rewards, v, valid, gamma, lam_rows)
+    dtype = token_level_rewards.dtype
+    returns = torch.where(valid, adv + v, 0.0).to(dtype)
+    return masked_whiten(adv, valid).to(dtype), returns
+
+
+@ADVANTAGES.register("vapo_gae")
+@torch.no_grad()
+def vapo_gae_advantages(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    group: Tensor,
+    *,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    alpha: float = 0.05,
+    value_lam: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """VAPO's decoupled, length-adaptive GAE (arXiv 2504.05118).
+
+    The policy uses ``lam_i = 1 - 1 / (alpha n_i)`` per sequence (``n_i`` valid
+    tokens), clamped to [0, 1] because short rows (``alpha n_i < 1``) would give
+    a negative lambda; the critic's ``returns = A(value_lam) + V`` use its own
+    lambda (1.0 in the paper). Advantages are whitened as :func:`gae_advantages`.
+    Shapes: rewards, mask, values ``[B, T]`` -> ``([B, T], [B, T])``.
+    """
+    _check(token_level_rewards, response_mask, group)
+    if alpha <= 0:
+        raise ValueError(f"vapo_gae alpha must be > 0, got {alpha}")
+    rewards, v, valid = _critic_inputs("vapo_gae", token_level_rewards, response_mask, values)
+    lengths = valid.to(torch.float64).sum(-1).clamp(min=1.0)
+    policy_lam = (1.0 - 1.0 / (alpha * lengths)).clamp(0.0, 1.0)
+    policy_adv = _gae(rewards, v, valid, gamma, policy_lam)
+    critic_adv = _gae(rewards, v, valid, gamma, rewards.new_full(lengths.shape, float(value_lam)))
+    dtype = token_level_rewards.dtype
+    returns = torch.where(valid, critic_adv + v, 0.0).to(dtype)
+    return masked_whiten(policy_adv, valid).to(dtype), returns
+
+
+def scores_to_token_rewards(scores: Tensor, response_mask: Tensor) -> Tensor:
+    """Place each outcome score on its row's last valid token.
+
+    Shapes: ``scores [B]``, ``response_mask [B, T]`` -> ``token_level_rewards [B, T]``
+    (dtype of ``scores``). A row with no valid token gets no reward.
+    """
+    if scores.shape != response_mask.shape[:1]:
+        raise ValueError(f"scores must be [B]={response_mask.shape[0]}, got {tuple(scores.shape)}")
+    m = response_mask.to(torch.float64) > 0
+    positions = torch.arange(1, m.shape[1] + 1, device=m.device)
+    last = (positions * m).argmax(-1)
+    is_last = (torch.arange(m.shape[1], device=m.device)[None, :] == last[:, None]) & m
+    return torch.where(is_last, scores[:, None], 0.0)

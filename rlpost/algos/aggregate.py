@@ -1,0 +1,193 @@
+"""Masked reductions: token counting and loss aggregation live here and nowhere else.
+
+A per-token loss matrix ``[B, T]`` becomes a scalar through an :class:`Aggregation`.
+The design choice is that the *denominator* is explicit: ``num_tokens`` and
+``num_seqs`` are the counts over the whole optimizer mini-batch, so a trainer
+that splits the mini-batch into micro-batches and sums their losses gets exactly
+the mini-batch loss (micro-batch invariance). Leave them ``None`` to use the
+local counts of the tensor passed in.
+
+Masks are 0/1 (bool or float) and padding may hold any finite value: masked
+entries are selected away with ``torch.where`` before summing, so they change
+neither the value nor the gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlpost.registry import Registry
+
+AGGREGATIONS: Registry = Registry("loss aggregation mode")
+
+# verl adds 1e-8 to the variance before the inverse square root in masked_whiten.
+WHITEN_EPS = 1e-8
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Sum of ``x`` over entries where ``mask`` is set; padding values are ignored.
+
+    Shapes: ``x`` and ``mask`` broadcastable, typically ``[B, T]``. Returns a
+    scalar (``dim=None``) or the reduction along ``dim``.
+    """
+    m = mask.to(x.dtype)
+    picked = torch.where(m > 0, x, torch.zeros((), dtype=x.dtype, device=x.device)) * m
+    return picked.sum() if dim is None else picked.sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of ``x`` over set mask entries: ``sum(x*m) / max(sum(m), 1)``.
+
+    Shapes: ``x``, ``mask`` ``[B, T]``; scalar for ``dim=None``, else reduced along
+    ``dim``. An empty mask gives 0, not NaN (verl adds 1e-8 to the count
+    instead; values agree for non-empty masks).
+    """
+    count = mask.to(x.dtype).sum() if dim is None else mask.to(x.dtype).sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1.0)
+
+
+def masked_var(x: Tensor, mask: Tensor) -> Tensor:
+    """Unbiased (N-1) variance of ``x`` over set mask entries, as verl's ``masked_var``.
+
+    Shapes: ``x``, ``mask`` ``[B, T]`` -> scalar. With fewer than two valid
+    entries the variance is defined as 0 (verl raises instead).
+    """
+    n = mask.to(x.dtype).sum()
+    mu = masked_mean(x, mask)
+    sq = masked_sum((x - mu) ** 2, mask)
+    return torch.where(n > 1, sq / (n - 1).clamp(min=1.0), torch.zeros_like(sq))
+
+
+def masked_whiten(x: Tensor, mask: Tensor) -> Tensor:
+    """Batch-global whitening ``(x - mu) * rsqrt(var + 1e-8)`` over valid entries, re-masked.
+
+    Shapes: ``x``, ``mask`` ``[B, T]`` -> ``[B, T]`` with zeros on padding.
+    Statistics as verl's ``masked_whiten`` (unbiased variance, additive 1e-8);
+    unlike verl the result is multiplied by the mask so padding holds 0.
+    """
+    mu = masked_mean(x, mask)
+    out = (x - mu) * torch.rsqrt(masked_var(x, mask) + WHITEN_EPS)
+    return torch.where(mask.to(x.dtype) > 0, out, torch.zeros_like(out))
+
+
+def _nonempty_rows(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """Number of rows of ``mask [B, T]`` with at least one valid token (scalar)."""
+    return (mask.to(dtype).sum(-1) > 0).to(dtype).sum()
+
+
+@AGGREGATIONS.register("token-mean")
+def reduce_token_mean(
+    loss_mat: Tensor,
+    mask: Tensor,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    norm_constant: float | None = None,
+) -> Tensor:
+    """``sum_{i,t} L*m / N`` with N the global token count (DAPO token-level loss, arXiv 2503.14476)."""
+    total = masked_sum(loss_mat, mask)
+    if num_tokens is not None:
+        return total / num_tokens
+    return total / mask.to(loss_mat.dtype).sum().clamp(min=1.0)
+
+
+@AGGREGATIONS.register("seq-mean-token-sum")
+def reduce_seq_mean_token_sum(
+    loss_mat: Tensor,
+    mask: Tensor,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    norm_constant: float | None = None,
+) -> Tensor:
+    """``sum_i (sum_t L*m) / S`` with S the number of non-empty rows (or ``num_seqs``)."""
+    total = masked_sum(loss_mat, mask)
+    if num_seqs is not None:
+        return total / num_seqs
+    return total / _nonempty_rows(mask, loss_mat.dtype).clamp(min=1.0)
+
+
+@AGGREGATIONS.register("seq-mean-token-mean")
+def reduce_seq_mean_token_mean(
+    loss_mat: Tensor,
+    mask: Tensor,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    norm_constant: float | None = None,
+) -> Tensor:
+    """``sum_i [sum_t L*m / n_i] / S`` over non-empty rows (GRPO's sample-level mean, arXiv 2402.03300)."""
+    per_seq = masked_mean(loss_mat, mask, dim=-1)
+    total = per_seq.sum()
+    if num_seqs is not None:
+        return total / num_seqs
+    return total / _nonempty_rows(mask, loss_mat.dtype).clamp(min=1.0)
+
+
+@AGGREGATIONS.register("seq-mean-token-sum-norm")
+def reduce_seq_mean_token_sum_norm(
+    loss_mat: Tensor,
+    mask: Tensor,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    norm_constant: float | None = None,
+) -> Tensor:
+    """Dr.GRPO: ``sum_{i,t} L*m / (S * C)``, C = ``norm_constant`` or T (arXiv 2503.20783)."""
+    constant = float(norm_constant) if norm_constant is not None else float(mask.shape[-1])
+    return reduce_seq_mean_token_sum(loss_mat, mask, num_tokens, num_seqs) / constant
+
+
+def get_aggregation(name: str):
+    """The reduce function registered as ``name``; raises ``UnknownNameError`` listing valid modes."""
+    return AGGREGATIONS.get(name)
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """How a per-token loss matrix becomes a scalar.
+
+    ``mode``: a name in ``AGGREGATIONS``. ``num_tokens``: valid tokens in the whole
+    mini-batch (token-mean denominator). ``num_seqs``: non-empty rows in the whole
+    mini-batch (sequence-mean denominators). ``norm_constant``: Dr.GRPO's constant
+    length (e.g. the maximum response length); ``None`` uses the padded width T.
+    """
+
+    mode: str = "token-mean"
+    num_tokens: float | None = None
+    num_seqs: float | None = None
+    norm_constant: float | None = None
+
+    def __post_init__(self) -> None:
+        get_aggregation(self.mode)
+        for field_name in ("num_tokens", "num_seqs", "norm_constant"):
+            value = getattr(self, field_name)
+            if value is not None and not value > 0:
+                raise ValueError(f"Aggregation.{field_name} must be > 0, got {value}")
+
+    @classmethod
+    def for_minibatch(
+        cls, mask: Tensor, mode: str = "token-mean", norm_constant: float | None = None
+    ) -> Aggregation:
+        """An aggregation whose denominators are the counts of ``mask [B, T]``.
+
+        Build it once from the whole mini-batch mask, then pass it to every
+        micro-batch loss: the sum of micro-batch losses equals the mini-batch loss.
+        An all-empty mask keeps the local counts (``None``).
+        """
+        tokens = float(mask.to(torch.float64).sum())
+        seqs = float(_nonempty_rows(mask, torch.float64))
+        return cls(
+            mode=mode,
+            num_tokens=tokens if tokens > 0 else None,
+            num_seqs=seqs if seqs > 0 else None,
+            norm_constant=norm_constant,
+        )
+
+    def reduce(self, loss_mat: Tensor, mask: Tensor) -> Tensor:
+        """Scalar loss from ``loss_mat [B, T]`` and ``mask [B, T]``."""
+        if loss_mat.shape != mask.shape:
+            raise ValueError(
+                f"loss matrix shape {tuple(loss_mat.shape)} != mask shape {tuple(mask.shape)}"
+            )
+        fn = get_aggregation(self.mode)
+        return fn(loss_mat, mask, self.num_tokens, self.num_seqs, self.norm_constant)

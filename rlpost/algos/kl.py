@@ -1,0 +1,127 @@
+"""Per-token KL estimators between the policy and the reference policy.
+
+Every estimator is ``fn(logprobs [B, T], ref_logprobs [B, T]) -> [B, T]``, unmasked,
+with ``x = logprobs - ref_logprobs`` evaluated on the sampled tokens (Schulman,
+"Approximating KL Divergence", 2020). Values follow verl 0.9.1 ``kl_penalty``:
+k1/k2/abs unclamped, k3 clamped as verl's ``low_var_kl``. The ``+`` variants are
+straight-through: the value of the base estimator with the gradient of ``x^2/2``,
+whose expected gradient is the true KL gradient (k1 and k3 are unbiased in value
+but not in gradient). The reference is treated as a constant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from rlpost.algos.aggregate import Aggregation, masked_mean
+from rlpost.registry import Registry
+
+KL_ESTIMATORS: Registry[Callable[[Tensor, Tensor], Tensor]] = Registry("KL estimator")
+
+# verl's low_var_kl bounds: the exponent is clamped to keep exp finite, the result
+# to keep one runaway token from dominating the penalty.
+K3_EXPONENT_CLAMP = 20.0
+K3_VALUE_CLAMP = 10.0
+
+
+def _log_ratio(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    if logprobs.shape != ref_logprobs.shape:
+        raise ValueError(
+            f"logprobs shape {tuple(logprobs.shape)} != ref_logprobs shape {tuple(ref_logprobs.shape)}"
+        )
+    return logprobs - ref_logprobs.detach()
+
+
+@KL_ESTIMATORS.register("k1")
+def kl_k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k1 = x, x = logprobs - ref_logprobs; shapes ``[B, T] -> [B, T]`` (unbiased, high variance)."""
+    return _log_ratio(logprobs, ref_logprobs)
+
+
+@KL_ESTIMATORS.register("k2")
+def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k2 = x^2 / 2; shapes ``[B, T] -> [B, T]`` (biased, low variance)."""
+    return 0.5 * _log_ratio(logprobs, ref_logprobs) ** 2
+
+
+@KL_ESTIMATORS.register("k3")
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k3 = e^y - y - 1 with y = clamp(-x, -20, 20), result clamped to [-10, 10].
+
+    Shapes ``[B, T] -> [B, T]``. Unbiased and non-negative (Schulman 2020); the
+    clamps are verl's ``low_var_kl``, and their gradient is zero where active.
+    """
+    y = torch.clamp(-_log_ratio(logprobs, ref_logprobs), -K3_EXPONENT_CLAMP, K3_EXPONENT_CLAMP)
+    return torch.clamp(torch.exp(y) - y - 1.0, -K3_VALUE_CLAMP, K3_VALUE_CLAMP)
+
+
+@KL_ESTIMATORS.register("abs")
+def kl_abs(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """|x|; shapes ``[B, T] -> [B, T]``."""
+    return _log_ratio(logprobs, ref_logprobs).abs()
+
+
+def _straight_through(value: Tensor, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Value of ``value``, gradient of ``x^2/2`` (verl's ``+`` suffix)."""
+    surrogate = 0.5 * _log_ratio(logprobs, ref_logprobs) ** 2
+    return surrogate - surrogate.detach() + value.detach()
+
+
+@KL_ESTIMATORS.register("k1+")
+def kl_k1_straight_through(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k1 value with the gradient of x^2/2 (= x per token); shapes ``[B, T] -> [B, T]``."""
+    return _straight_through(kl_k1(logprobs, ref_logprobs), logprobs, ref_logprobs)
+
+
+@KL_ESTIMATORS.register("k3+")
+def kl_k3_straight_through(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k3 value with the gradient of x^2/2 (= x per token); shapes ``[B, T] -> [B, T]``."""
+    return _straight_through(kl_k3(logprobs, ref_logprobs), logprobs, ref_logprobs)
+
+
+def get_kl_estimator(name: str) -> Callable[[Tensor, Tensor], Tensor]:
+    """The estimator registered as ``name``; raises ``UnknownNameError`` listing valid names."""
+    return KL_ESTIMATORS.get(name)
+
+
+def kl_loss(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    response_mask: Tensor,
+    *,
+    agg: Aggregation,
+    estimator: str = "k3",
+) -> Tensor:
+    """KL-to-reference loss term ``agg(kl(logprobs, ref_logprobs), mask)`` (scalar).
+
+    Shapes: ``[B, T]`` each. The caller adds ``kl_coef * kl_loss(...)`` to the
+    policy loss (GRPO, arXiv 2402.03300; verl ``use_kl_loss``), using the
+    same aggregation as the policy loss so micro-batch invariance carries over.
+    """
+    return agg.reduce(get_kl_estimator(estimator)(logprobs, ref_logprobs), response_mask)
+
+
+@torch.no_grad()
+def kl_penalized_rewards(
+    token_level_scores: Tensor,
+    old_logprobs: Tensor,
+    ref_logprobs: Tensor,
+    response_mask: Tensor,
+    *,
+    beta: float,
+    estimator: str = "k1",
+) -> tuple[Tensor, Tensor]:
+    """KL in the reward: ``r = scores - beta * kl(old, ref) * m`` (Ziegler et al. 2019, arXiv 1909.08593).
+
+    Shapes: ``[B, T]`` in; returns ``(token_level_rewards [B, T], mean_kl scalar)``
+    where ``mean_kl`` is the batch mean of per-sequence token means of the
+    penalty before ``beta`` (what an adaptive KL controller consumes), as verl's
+    ``apply_kl_penalty``. Padding gets no penalty.
+    """
+    kl = get_kl_estimator(estimator)(old_logprobs, ref_logprobs)
+    kl = torch.where(response_mask.to(kl.dtype) > 0, kl, torch.zeros_like(kl))
+    mean_kl = masked_mean(kl, response_mask, dim=-1).mean()
+    return token_level_scores - beta * kl, mean_kl

@@ -1,0 +1,414 @@
+"""Policy-gradient losses, registered by name, all with one signature.
+
+``fn(logprobs [B, T], old_logprobs [B, T], advantages [B, T], response_mask [B, T], *,
+agg, rollout_logprobs=None, ref_logprobs=None, **params) -> PolicyLossOutput``.
+
+``logprobs`` are the current policy's (with gradient); ``old_logprobs`` the
+trainer's recomputation of the behaviour policy; ``rollout_logprobs`` what the
+engine reported while sampling. Gradients flow only through ``logprobs``: every
+other input is detached here, so a caller cannot leak gradient by accident.
+The per-token loss matrix is reduced by ``agg`` (see ``aggregate.py``), so each
+loss works with every aggregation mode and stays micro-batch invariant.
+``ref_logprobs`` is accepted for a uniform signature; the KL-to-reference term
+is added by the caller with ``kl.kl_loss``.
+
+Every loss reports ``clip_frac`` (fraction of valid tokens whose gradient the
+trust region cut) and ``approx_kl`` (masked mean of ``old_logprobs - logprobs``),
+both detached scalars.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from rlpost.algos.aggregate import Aggregation, masked_mean
+from rlpost.registry import Registry
+
+# verl clamps the per-token log-ratio to +-20 before exp: beyond it the ratio is
+# meaningless and exp would overflow; the clamp also zeroes the gradient there.
+LOG_RATIO_CLAMP = 20.0
+# verl's GSPO clamps the sequence log-ratio from above only.
+GSPO_LOG_RATIO_MAX = 10.0
+# Added inside the binary-KL logs (as verl's dppo_kl) so p -> 1 stays finite.
+BINARY_KL_EPS = 1e-8
+
+
+@dataclass
+class PolicyLossOutput:
+    """A scalar loss to minimise and detached scalar statistics for logging."""
+
+    loss: Tensor
+    stats: dict[str, Tensor] = field(default_factory=dict)
+
+
+PolicyLoss = Callable[..., PolicyLossOutput]
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """The loss registered as ``name``; raises ``UnknownNameError`` listing valid names."""
+    return POLICY_LOSSES.get(name)
+
+
+def _prepare(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Check shapes; return ``(old, advantages, mask)`` detached, mask as bool ``[B, T]``."""
+    for name, t in (
+        ("old_logprobs", old_logprobs),
+        ("advantages", advantages),
+        ("response_mask", response_mask),
+    ):
+        if t.shape != logprobs.shape:
+            raise ValueError(
+                f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}"
+            )
+    return old_logprobs.detach(), advantages.detach(), response_mask.detach() > 0
+
+
+def _ratio(logprobs: Tensor, old: Tensor) -> tuple[Tensor, Tensor]:
+    """Clamped log-ratio and ratio ``exp(clamp(lp - old, +-20))``, both ``[B, T]``."""
+    log_ratio = torch.clamp(logprobs - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return log_ratio, torch.exp(log_ratio)
+
+
+def _frac(flags: Tensor, mask: Tensor) -> Tensor:
+    """Detached fraction of valid tokens where ``flags`` is true."""
+    return masked_mean(flags.detach().to(torch.float32), mask)
+
+
+def _approx_kl(logprobs: Tensor, old: Tensor, mask: Tensor) -> Tensor:
+    return masked_mean((old - logprobs).detach(), mask)
+
+
+def _check_rollout(rollout_logprobs: Tensor | None, logprobs: Tensor) -> Tensor | None:
+    if rollout_logprobs is None:
+        return None
+    if rollout_logprobs.shape != logprobs.shape:
+        raise ValueError(
+            f"rollout_logprobs shape {tuple(rollout_logprobs.shape)} != logprobs shape "
+            f"{tuple(logprobs.shape)}"
+        )
+    return rollout_logprobs.detach()
+
+
+def _tis_weights(
+    old: Tensor, rollout_logprobs: Tensor | None, cap: float | None, logprobs: Tensor
+) -> Tensor | None:
+    """Truncated IS weight ``min(exp(old - rollout), cap)`` between trainer and engine, or None.
+
+    Corrects for the engine's sampling distribution differing from the trainer's
+    recomputation ("Your efficient RL framework secretly brings you off-policy RL
+    training", Yao et al. 2025). Off unless both a cap and rollout logprobs exist.
+    """
+    rollout = _check_rollout(rollout_logprobs, logprobs)
+    if cap is None or rollout is None:
+        return None
+    if cap <= 0:
+        raise ValueError(f"tis_cap must be > 0, got {cap}")
+    log_w = torch.clamp(old - rollout, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.clamp(torch.exp(log_w), max=cap)
+
+
+def _apply_tis(loss_mat: Tensor, weights: Tensor | None, mask: Tensor, stats: dict) -> Tensor:
+    if weights is None:
+        return loss_mat
+    stats["tis_weight_mean"] = masked_mean(weights, mask)
+    return loss_mat * weights
+
+
+def _check_clip(clip_low: float, clip_high: float) -> None:
+    if not 0 <= clip_low <= 1 or clip_high < 0:
+        raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+
+
+@POLICY_LOSSES.register("ppo_clip")
+def ppo_clip_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    agg: Aggregation,
+    rollout_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    dual_clip: bool = True,
+    tis_cap: float | None = None,
+) -> PolicyLossOutput:
+    """PPO clipped surrogate (Schulman et al., arXiv 1707.06347 eq. 7) with dual clip.
+
+    ``r = exp(clamp(lp - old, +-20))``; ``L = max(-A r, -A clip(r, 1-clip_low,
+    1+clip_high))``; with ``dual_clip`` and ``A < 0``, ``L = min(L, -A c)``
+    (Ye et al., arXiv 1912.09729). ``clip_high > clip_low`` is DAPO's clip-higher.
+    ``tis_cap`` multiplies by the truncated engine IS weight (off by default).
+    Shapes: all ``[B, T]`` -> scalar loss. Stats: ``clip_frac`` (``L2 > L1``),
+    ``clip_frac_lower`` (dual clip active), ``approx_kl`` of the clamped log-ratio.
+    """
+    old, adv, mask = _prepare(logprobs, old_logprobs, advantages, response_mask)
+    _check_clip(clip_low, clip_high)
+    if dual_clip and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 for dual clip, got {clip_ratio_c}")
+    log_ratio, ratio = _ratio(logprobs, old)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss_mat = torch.maximum(unclipped, clipped)
+    lower = torch.zeros_like(mask)
+    if dual_clip:
+        floor = -adv * clip_ratio_c
+        lower = (loss_mat > floor) & (adv < 0)
+        loss_mat = torch.where(adv < 0, torch.minimum(loss_mat, floor), loss_mat)
+    stats = {
+        "clip_frac": _frac(clipped > unclipped, mask),
+        "clip_frac_lower": _frac(lower, mask),
+        "approx_kl": masked_mean(-log_ratio.detach(), mask),
+    }
+    weights = _tis_weights(old, rollout_logprobs, tis_cap, logprobs)
+    loss_mat = _apply_tis(loss_mat, weights, mask, stats)
+    return PolicyLossOutput(agg.reduce(loss_mat, mask), stats)
+
+
+@POLICY_LOSSES.register("dapo")
+def dapo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    agg: Aggregation,
+    rollout_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    clip_ratio_c: float = 3.0,
+    dual_clip: bool = True,
+    tis_cap: float | None = None,
+) -> PolicyLossOutput:
+    """DAPO clip-higher (arXiv 2503.14476): :func:`ppo_clip_loss` with ``clip_high=0.28``.
+
+    Shapes and stats as :func:`ppo_clip_loss`. DAPO's token-level loss is the
+    ``token-mean`` aggregation over the whole mini-batch.
+    """
+    return ppo_clip_loss(
+        logprobs,
+        old_logprobs,
+        advantages,
+        response_mask,
+        agg=agg,
+        rollout_logprobs=rollout_logprobs,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        clip_ratio_c=clip_ratio_c,
+        dual_clip=dual_clip,
+        tis_cap=tis_cap,
+    )
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    agg: Aggregation,
+    rollout_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+) -> PolicyLossOutput:
+    """GSPO sequence-level clipping (Group Sequence Policy Optimization, arXiv 2507.18071).
+
+    ``log s_i = sum_t (lp - old) m / n_i``; per token ``log s_it = lp - sg(lp) +
+    sg(log s_i)`` clamped at max 10 (verl's GSPO-token form: value ``s_i``,
+    gradient ``s_i`` through its own token); ``L = max(-A s_it, -A clip(s_it,
+    1-clip_low, 1+clip_high))``. With ``seq-mean-token-mean`` aggregation the
+    gradient equals the paper's sequence objective. Shapes ``[B, T]`` -> scalar.
+    """
+    old, adv, mask = _prepare(logprobs, old_logprobs, advantages, response_mask)
+    _check_clip(clip_low, clip_high)
+    log_ratio = torch.where(mask, logprobs - old, torch.zeros_like(logprobs))
+    seq_log_ratio = masked_mean(log_ratio, mask, dim=-1).detach()
+    token_log_ratio = logprobs - logprobs.detach() + seq_log_ratio[:, None]
+    ratio = torch.exp(torch.clamp(token_log_ratio, max=GSPO_LOG_RATIO_MAX))
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss_mat = torch.maximum(unclipped, clipped)
+    stats = {
+        "clip_frac": _frac(clipped > unclipped, mask),
+        "approx_kl": _approx_kl(logprobs, old, mask),
+        "seq_ratio_mean": masked_mean(ratio.detach(), mask),
+    }
+    return PolicyLossOutput(agg.reduce(loss_mat, mask), stats)
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    agg: Aggregation,
+    rollout_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    clip_low: float = 1.0,
+    clip_high: float = 0.28,
+    tis_cap: float | None = None,
+) -> PolicyLossOutput:
+    """CISPO: clipped IS weight, REINFORCE gradient (MiniMax-M1, arXiv 2506.13585).
+
+    ``L = -sg(clip(r, 1-clip_low, 1+clip_high)) A lp`` with ``r = exp(clamp(lp -
+    old, +-20))``: every token keeps a gradient; clipping only bounds its weight.
+    ``clip_low=1.0`` sets no lower bound, as the paper. Shapes ``[B, T]`` -> scalar.
+    ``clip_frac`` is the fraction of tokens whose weight was clipped.
+    """
+    old, adv, mask = _prepare(logprobs, old_logprobs, advantages, response_mask)
+    _check_clip(clip_low, clip_high)
+    log_ratio, ratio = _ratio(logprobs, old)
+    weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach()
+    loss_mat = -weight * adv * logprobs
+    stats = {
+        "clip_frac": _frac(weight != ratio, mask),
+        "approx_kl": masked_mean(-log_ratio.detach(), mask),
+    }
+    weights = _tis_weights(old, rollout_logprobs, tis_cap, logprobs)
+    loss_mat = _apply_tis(loss_mat, weights, mask, stats)
+    return PolicyLossOutput(agg.reduce(loss_mat, mask), stats)
+
+
+@POLICY_LOSSES.register("sapo")
+def sapo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    agg: Aggregation,
+    rollout_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+) -> PolicyLossOutput:
+    """SAPO soft gate (Soft Adaptive Policy Optimization, arXiv 2511.20347).
+
+    ``f(r) = sigmoid(tau (r - 1)) 4 / tau`` with ``tau = tau_pos`` if ``A > 0``
+    else ``tau_neg``; ``L = -f(r) A``, gradient through the gate (``f'(1) = 1``,
+    so near ``r = 1`` it is the plain policy gradient, fading smoothly off-policy).
+    Shapes ``[B, T]`` -> scalar. No hard clip: ``clip_frac`` is 0.
+    """
+    old, adv, mask = _prepare(logprobs, old_logprobs, advantages, response_mask)
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"SAPO temperatures must be > 0, got tau_pos={tau_pos}, tau_neg={tau_neg}")
+    log_ratio, ratio = _ratio(logprobs, old)
+    tau = torch.where(adv > 0, tau_pos, tau_neg).to(ratio.dtype)
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
+    loss_mat = -gate * adv
+    stats = {
+        "clip_frac": logprobs.new_zeros((), dtype=torch.float32),
+        "approx_kl": masked_mean(-log_ratio.detach(), mask),
+        "gate_mean": masked_mean(gate.detach(), mask),
+    }
+    return PolicyLossOutput(agg.reduce(loss_mat, mask), stats)
+
+
+@POLICY_LOSSES.register("reinforce")
+@POLICY_LOSSES.register("gpg")
+def reinforce_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    agg: Aggregation,
+    rollout_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    tis_cap: float | None = None,
+) -> PolicyLossOutput:
+    """REINFORCE ``L = -A lp`` (Williams 1992); also GPG's loss (arXiv 2504.02546).
+
+    Shapes ``[B, T]`` -> scalar. ``tis_cap`` applies the truncated engine IS
+    weight. ``clip_frac`` is 0.
+    """
+    old, adv, mask = _prepare(logprobs, old_logprobs, advantages, response_mask)
+    stats = {
+        "clip_frac": logprobs.new_zeros((), dtype=torch.float32),
+        "approx_kl": _approx_kl(logprobs, old, mask),
+    }
+    weights = _tis_weights(old, rollout_logprobs, tis_cap, logprobs)
+    loss_mat = _apply_tis(-adv * logprobs, weights, mask, stats)
+    return PolicyLossOutput(agg.reduce(loss_mat, mask), stats)
+
+
+def _token_divergence(logprobs: Tensor, rollout: Tensor, divergence: str) -> Tensor:
+    """Per-token divergence ``[B, T]`` between trainer and engine on the sampled token.
+
+    ``binary_kl``: KL(Bern(q) || Bern(p)) with q the engine's and p the trainer's
+    probability of the sampled token; ``tv``: ``|p - q|`` (verl's dppo_kl / dppo_tv).
+    """
+    p = torch.exp(torch.clamp(logprobs, max=0.0))
+    q = torch.exp(torch.clamp(rollout, max=0.0))
+    if divergence == "tv":
+        return (p - q).abs()
+    log_q, log_p = torch.clamp(rollout, max=0.0), torch.clamp(logprobs, max=0.0)
+    tail = torch.log((1.0 - q + BINARY_KL_EPS) / (1.0 - p + BINARY_KL_EPS))
+    return q * (log_q - log_p) + (1.0 - q) * tail
+
+
+@POLICY_LOSSES.register("flash_reinforce")
+def flash_reinforce_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    agg: Aggregation,
+    rollout_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    divergence: str = "binary_kl",
+    tr_kl: float = 0.05,
+    tr_tv: float = 0.2,
+    is_cap: float = 2.0,
+) -> PolicyLossOutput:
+    """Critic-free REINFORCE with truncated IS and an engine trust region.
+
+    ``L = -A w lp keep`` with ``w = sg(min(exp(old - rollout), is_cap))`` (truncated
+    IS from engine to trainer, Yao et al. 2025) and ``keep = [D(p, q) <= threshold]``
+    where ``D`` is the binary KL (``tr_kl``) or total variation (``tr_tv``) between
+    the current policy's (detached) and the engine's probability of the sampled
+    token (the divergences of verl's ``dppo_kl`` / ``dppo_tv``). Tokens outside
+    are masked, not clipped, and the mask is two-sided: mismatch is noise, not a
+    direction. Without ``rollout_logprobs`` it is plain REINFORCE.
+    Shapes ``[B, T]`` -> scalar.
+    Stats: ``trust_masked_frac`` (= ``clip_frac``), ``is_capped_frac``.
+    """
+    old, adv, mask = _prepare(logprobs, old_logprobs, advantages, response_mask)
+    if divergence not in ("binary_kl", "tv"):
+        raise ValueError(
+            f"flash_reinforce divergence must be 'binary_kl' or 'tv', got {divergence!r}"
+        )
+    if is_cap <= 0:
+        raise ValueError(f"flash_reinforce is_cap must be > 0, got {is_cap}")
+    rollout = _check_rollout(rollout_logprobs, logprobs)
+    stats = {"approx_kl": _approx_kl(logprobs, old, mask)}
+    if rollout is None:
+        keep = torch.ones_like(mask)
+        capped = torch.zeros_like(mask)
+        weight = torch.ones_like(logprobs).detach()
+    else:
+        threshold = tr_kl if divergence == "binary_kl" else tr_tv
+        keep = _token_divergence(logprobs.detach(), rollout, divergence) <= threshold
+        raw = torch.exp(torch.clamp(old - rollout, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        capped = raw > is_cap
+        weight = torch.clamp(raw, max=is_cap)
+    loss_mat = torch.where(keep, -adv * weight * logprobs, torch.zeros_like(logprobs))
+    stats["trust_masked_frac"] = _frac(~keep, mask)
+    stats["clip_frac"] = stats["trust_masked_frac"]
+    stats["is_capped_frac"] = _frac(capped, mask)
+    return PolicyLossOutput(agg.reduce(loss_mat, mask), stats)

@@ -1,0 +1,65 @@
+"""Critic loss for PPO: clipped squared error to the GAE returns.
+
+Value clipping keeps the new prediction within ``clip_range`` of the value the
+rollout saw, as PPO does for the policy ratio (verl ``compute_value_loss``).
+The loss matrix goes through the same :class:`Aggregation` as the policy loss.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rlpost.algos.aggregate import Aggregation, masked_mean, masked_var
+from rlpost.algos.policy_losses import PolicyLossOutput
+
+# Guards the explained-variance ratio when the returns are constant.
+EXPLAINED_VAR_EPS = 1e-8
+
+
+def value_loss(
+    values_pred: Tensor,
+    returns: Tensor,
+    old_values: Tensor,
+    response_mask: Tensor,
+    *,
+    agg: Aggregation,
+    clip_range: float | None = 0.2,
+) -> PolicyLossOutput:
+    """Clipped value loss ``1/2 max((v - R)^2, (clip(v, v_old +- c) - R)^2)`` (arXiv 1707.06347; verl).
+
+    Shapes: all ``[B, T]`` -> scalar loss. ``clip_range=None`` gives plain
+    ``1/2 (v - R)^2``. Gradient flows only through ``values_pred``. Stats:
+    ``vf_clip_frac`` (clipped error larger), ``vf_explained_var``
+    (``1 - Var[R - v] / Var[R]`` over valid tokens).
+    """
+    for name, t in (
+        ("returns", returns),
+        ("old_values", old_values),
+        ("response_mask", response_mask),
+    ):
+        if t.shape != values_pred.shape:
+            raise ValueError(
+                f"{name} shape {tuple(t.shape)} != values_pred shape {tuple(values_pred.shape)}"
+            )
+    if clip_range is not None and clip_range <= 0:
+        raise ValueError(f"value clip_range must be > 0 or None, got {clip_range}")
+    target, old, mask = returns.detach(), old_values.detach(), response_mask.detach() > 0
+    err = (values_pred - target) ** 2
+    if clip_range is None:
+        loss_mat = 0.5 * err
+        clipped_flags = torch.zeros_like(mask)
+    else:
+        clipped = old + torch.clamp(values_pred - old, -clip_range, clip_range)
+        err_clipped = (clipped - target) ** 2
+        loss_mat = 0.5 * torch.maximum(err, err_clipped)
+        clipped_flags = err_clipped > err
+    with torch.no_grad():
+        residual_var = masked_var(target - values_pred, mask)
+        explained = 1.0 - residual_var / (masked_var(target, mask) + EXPLAINED_VAR_EPS)
+        stats = {
+            "vf_clip_frac": masked_mean(clipped_flags.to(torch.float32), mask),
+            "vf_explained_var": explained,
+            "vpred_mean": masked_mean(values_pred, mask),
+        }
+    return PolicyLossOutput(agg.reduce(loss_mat, mask), stats)

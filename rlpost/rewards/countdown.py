@@ -1,0 +1,178 @@
+"""Countdown: reach a target with the given numbers and + - * / and parentheses.
+
+The task of TinyZero (Pan et al., 2025) and many RLVR tutorials. The completion is
+model output, so it is never passed to ``eval``: a small recursive-descent parser
+reads it and evaluates it in exact rational arithmetic (``Fraction``), which
+also makes ``(1/3)*3 == 1`` exact where floats would be off by an ulp.
+
+Grammar (integers only, no unary minus, no exponent)::
+
+    expr   := term (("+" | "-") term)*
+    term   := factor (("*" | "/") factor)*
+    factor := INT | "(" expr ")"
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from fractions import Fraction
+from typing import Any
+
+from rlpost.rewards.registry import reward_function
+from rlpost.rewards.verifiable import extract_tag
+from rlpost.types import RewardSample
+
+_TOKEN = re.compile(r"\s*(?:(\d+)|(.))")
+_EQUATION_RUN = re.compile(r"[\d\s+\-*/()=]+")
+# Bounds keep a hostile completion from costing more than a few microseconds.
+MAX_CHARS = 300
+MAX_DEPTH = 32
+
+
+class EquationError(ValueError):
+    """The text is not a well-formed countdown expression (one line says why)."""
+
+
+class _Parser:
+    """Recursive-descent parser over a list of tokens; records the numbers used."""
+
+    def __init__(self, text: str) -> None:
+        self.tokens: list[str] = []
+        for m in _TOKEN.finditer(text):
+            number, other = m.groups()
+            if other is not None and other not in "+-*/()":
+                raise EquationError(f"invalid character {other!r}")
+            self.tokens.append(number if number is not None else other)
+        self.pos = 0
+        self.numbers: list[int] = []
+
+    def _peek(self) -> str | None:
+        return self.tokens[self.pos] if self.pos < len(self.tokens) else None
+
+    def _take(self) -> str:
+        token = self._peek()
+        if token is None:
+            raise EquationError("unexpected end of expression")
+        self.pos += 1
+        return token
+
+    def parse(self) -> Fraction:
+        value = self._expr(0)
+        if self._peek() is not None:
+            raise EquationError(f"unexpected {self._peek()!r}")
+        return value
+
+    def _expr(self, depth: int) -> Fraction:
+        value = self._term(depth)
+        while self._peek() in ("+", "-"):
+            op = self._take()
+            rhs = self._term(depth)
+            value = value + rhs if op == "+" else value - rhs
+        return value
+
+    def _term(self, depth: int) -> Fraction:
+        value = self._factor(depth)
+        while self._peek() in ("*", "/"):
+            op = self._take()
+            rhs = self._factor(depth)
+            if op == "*":
+                value *= rhs
+            elif rhs == 0:
+                raise EquationError("division by zero")
+            else:
+                value /= rhs
+        return value
+
+    def _factor(self, depth: int) -> Fraction:
+        token = self._take()
+        if token == "(":
+            if depth >= MAX_DEPTH:
+                raise EquationError("parentheses nested too deeply")
+            value = self._expr(depth + 1)
+            if self._take() != ")":
+                raise EquationError("missing ')'")
+            return value
+        if token.isdigit():
+            self.numbers.append(int(token))
+            return Fraction(int(token))
+        raise EquationError(f"expected a number or '(', got {token!r}")
+
+
+def evaluate_equation(text: str) -> tuple[Fraction, list[int]]:
+    """Evaluate a countdown expression; returns ``(value, numbers used in order)``.
+
+    Raises ``EquationError`` for invalid characters, bad syntax, division by zero,
+    or text longer than ``MAX_CHARS``.
+    """
+    if len(text) > MAX_CHARS:
+        raise EquationError(f"expression longer than {MAX_CHARS} characters")
+    parser = _Parser(text)
+    return parser.parse(), parser.numbers
+
+
+def extract_equation(completion: str, tag: str | None = "answer") -> str | None:
+    """The equation a completion proposes.
+
+    The last ``<tag>`` block when present (taken verbatim, so stray words in it make
+    the answer invalid); otherwise the last run of digits, operators and
+    parentheses that contains an operator. Of ``lhs = rhs`` the side holding an
+    operator is kept, so ``(25-5)*4 = 80`` and ``80 = (25-5)*4`` read alike.
+    """
+    block = extract_tag(completion, tag) if tag else None
+    if block is None:
+        runs = [r for r in _EQUATION_RUN.findall(completion) if re.search(r"\d\s*[-+*/]", r)]
+        if not runs:
+            return None
+        block = runs[-1]
+    sides = block.split("=")
+    with_operator = [s for s in sides if re.search(r"[-+*/]", s)]
+    return (with_operator[0] if with_operator else sides[0]).strip()
+
+
+def _uses_allowed_numbers(used: list[int], given: list[int], exactly_once: bool) -> bool:
+    used_count, given_count = Counter(used), Counter(given)
+    if exactly_once:
+        return used_count == given_count
+    return all(used_count[n] <= given_count[n] for n in used_count)
+
+
+def _metadata_numbers(metadata: dict[str, Any]) -> tuple[list[int], Fraction] | None:
+    numbers, target = metadata.get("numbers"), metadata.get("target")
+    if numbers is None or target is None:
+        return None
+    try:
+        return [int(n) for n in numbers], Fraction(target)
+    except (TypeError, ValueError):
+        raise ValueError(f"countdown: bad metadata numbers={numbers!r} target={target!r}") from None
+
+
+@reward_function("countdown")
+def countdown(
+    sample: RewardSample,
+    *,
+    exactly_once: bool = False,
+    format_score: float = 0.0,
+    tag: str | None = "answer",
+) -> float | None:
+    """1.0 if the proposed equation uses the given numbers legally and hits the target.
+
+    ``metadata["numbers"]`` (list of ints) and ``metadata["target"]`` are required
+    (``None`` otherwise). Each number may be used at most once, or exactly once with
+    ``exactly_once``. A well-formed, legal equation with the wrong value scores
+    ``format_score`` (TinyZero uses 0.1); anything else scores 0.0.
+    """
+    spec = _metadata_numbers(sample.metadata)
+    if spec is None:
+        return None
+    given, target = spec
+    equation = extract_equation(sample.completion, tag)
+    if not equation:
+        return 0.0
+    try:
+        value, used = evaluate_equation(equation)
+    except EquationError:
+        return 0.0
+    if not _uses_allowed_numbers(used, given, exactly_once):
+        return 0.0
+    return 1.0 if value == target else format_score

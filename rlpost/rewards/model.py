@@ -1,0 +1,154 @@
+"""Reward model: a sequence-classification model with one output scores a response.
+
+``RewardModelWorker`` is a plain object with a narrow interface (``score``), so
+``cluster`` can host it in this process or wrap it in a Ray actor unchanged. It
+is registered as the batched scorer ``reward_model``; a term's params give
+``path`` (a local HF directory) and optionally ``batch_size``, ``device``,
+``max_length``.
+
+Batches are formed after sorting by token length, so a batch pads to the
+length of similar sequences rather than the longest one in the step; scores
+come back in the caller's order. torch and transformers are imported only when
+a worker is built, so registering the reward costs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rlpost.rewards.registry import batched_scorer
+from rlpost.types import RewardSample
+
+TINY_CORPUS = [
+    "the answer is 4 because 2 plus 2 is 4",
+    "i do not know the answer",
+    "question what is 3 times 5 answer 15",
+    "a good response is helpful honest and short",
+    "a bad response repeats repeats repeats itself",
+]
+
+
+@batched_scorer("reward_model")
+class RewardModelWorker:
+    """Scores ``prompt + completion`` with an ``AutoModelForSequenceClassification``.
+
+    The model must have ``num_labels == 1``; its logit is the reward (Bradley-Terry
+    reward models, Ouyang et al., 2022). With a chat template the pair is rendered
+    as a user / assistant exchange, otherwise as ``prompt + completion``.
+    """
+
+    default_kind = "model"
+
+    def __init__(
+        self, path: str, batch_size: int = 8, device: str = "cpu", max_length: int = 2048
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"reward_model: batch_size must be >= 1, got {batch_size}")
+        if not Path(path).is_dir():
+            raise ValueError(f"reward_model: path {path!r} is not a local model directory")
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForSequenceClassification.from_pretrained(path)
+        if self.model.config.num_labels != 1:
+            raise ValueError(
+                f"reward_model: {path} has num_labels={self.model.config.num_labels}; need 1"
+            )
+        if self.tokenizer.pad_token is None:
+            if self.tokenizer.eos_token is None:
+                raise ValueError(f"reward_model: tokenizer at {path} has no pad or eos token")
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        # Sequence classification reads the logit at the last non-pad token; it
+        # finds that token through config.pad_token_id.
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.model.to(device).eval()
+        self.device = device
+        self.batch_size = batch_size
+        self.max_length = max_length
+
+    def _render(self, sample: RewardSample) -> str:
+        if getattr(self.tokenizer, "chat_template", None):
+            messages = [
+                {"role": "user", "content": sample.prompt},
+                {"role": "assistant", "content": sample.completion},
+            ]
+            return self.tokenizer.apply_chat_template(messages, tokenize=False)
+        return sample.prompt + sample.completion
+
+    def score(self, samples: Sequence[RewardSample]) -> list[float]:
+        """One float per sample, in order. Inputs: right-padded ``[b, T]`` batches."""
+        import torch
+
+        if not samples:
+            return []
+        encoded = self.tokenizer(
+            [self._render(s) for s in samples], truncation=True, max_length=self.max_length
+        )["input_ids"]
+        # An empty text has no last token to read the score from; give it one.
+        filler = self.tokenizer.eos_token_id or self.tokenizer.pad_token_id
+        encoded = [ids if ids else [filler] for ids in encoded]
+        order = sorted(range(len(samples)), key=lambda i: len(encoded[i]))
+        scores: list[float] = [0.0] * len(samples)
+        for start in range(0, len(order), self.batch_size):
+            rows = order[start : start + self.batch_size]
+            batch = self.tokenizer.pad(
+                {"input_ids": [encoded[i] for i in rows]}, padding=True, return_tensors="pt"
+            )
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            with torch.inference_mode():
+                logits = self.model(**batch).logits[:, 0].float().cpu()
+            for i, value in zip(rows, logits.tolist(), strict=True):
+                scores[i] = value
+        return scores
+
+    def close(self) -> None:
+        """Drop the weights (the worker is unusable afterwards)."""
+        self.model = None  # type: ignore[assignment]
+
+
+def build_tiny_reward_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """Build and save a tiny random ``LlamaForSequenceClassification`` for tests.
+
+    A word-level tokenizer is trained in-code on ``TINY_CORPUS`` (nothing is
+    downloaded) and saved next to the model; both load back with the Auto classes.
+    Returns ``out_dir``.
+    """
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.train_from_iterator(
+        TINY_CORPUS, trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[EOS]"])
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=raw, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]"
+    )
+    config = LlamaConfig(**_tiny_config(len(tokenizer), tokenizer.pad_token_id))
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForSequenceClassification(config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _tiny_config(vocab_size: int, pad_token_id: int) -> dict[str, Any]:
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 256,
+        "num_labels": 1,
+        "pad_token_id": pad_token_id,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }

@@ -1,0 +1,93 @@
+"""Reward-hacking monitor: flags steps where the reward and the truth drift apart.
+
+A policy that learns to please a reward model, a judge or a format rule without
+getting more answers right shows a rising reward with flat verifiable accuracy;
+one that learns "longer looks better" shows a ballooning response length
+(Gao et al., 2023, "Scaling laws for reward model overoptimization"; Singhal et
+al., 2023, "A long way to go"). Both are visible in step means long before the
+eval curve turns, so the monitor watches them over a sliding window.
+
+Each statistic is compared between the older and the newer half of the window
+(half-window means rather than two single steps, so one noisy step neither
+raises nor hides a flag). Pure Python, no dependency on the rest of rlpost.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+
+REWARD_UP_ACCURACY_FLAT = "reward_up_accuracy_flat"
+LENGTH_BALLOON = "length_balloon"
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+class HackingMonitor:
+    """Feed one line of step means per step; get back the flags raised at that step.
+
+    ``reward_up_accuracy_flat``: the reward mean rose by more than ``reward_rise``
+    while the verifiable accuracy rose by at most ``accuracy_band`` (flat or
+    falling). ``length_balloon``: the mean response length grew by more than
+    ``length_factor`` times. Nothing is flagged until ``window`` steps are seen.
+    """
+
+    def __init__(
+        self,
+        window: int = 20,
+        reward_rise: float = 0.2,
+        accuracy_band: float = 0.02,
+        length_factor: float = 1.5,
+    ) -> None:
+        if window < 2:
+            raise ValueError(f"HackingMonitor: window must be >= 2, got {window}")
+        if length_factor <= 1.0:
+            raise ValueError(f"HackingMonitor: length_factor must be > 1, got {length_factor}")
+        self.window = window
+        self.reward_rise = reward_rise
+        self.accuracy_band = accuracy_band
+        self.length_factor = length_factor
+        self._rows: deque[tuple[float | None, float | None, float | None]] = deque(maxlen=window)
+        self.counts: Counter[str] = Counter()
+
+    def _halves(self, column: int) -> tuple[float | None, float | None]:
+        values = [row[column] for row in self._rows]
+        half = len(values) // 2
+        return _mean(values[:half]), _mean(values[-half:])
+
+    def update(
+        self,
+        reward_mean: float,
+        verifiable_accuracy: float | None,
+        response_length_mean: float,
+    ) -> list[str]:
+        """Record one step and return the flags raised now (possibly empty).
+
+        ``verifiable_accuracy`` is ``None`` when the run has no verifiable term;
+        the reward/accuracy check is then skipped. Non-finite inputs are ignored.
+        """
+        self._rows.append(
+            (_finite(reward_mean), _finite(verifiable_accuracy), _finite(response_length_mean))
+        )
+        if len(self._rows) < self.window:
+            return []
+        flags = []
+        reward_old, reward_new = self._halves(0)
+        acc_old, acc_new = self._halves(1)
+        if None not in (reward_old, reward_new, acc_old, acc_new):
+            rose = reward_new - reward_old > self.reward_rise
+            if rose and acc_new - acc_old <= self.accuracy_band:
+                flags.append(REWARD_UP_ACCURACY_FLAT)
+        len_old, len_new = self._halves(2)
+        if len_old is not None and len_new is not None and len_old > 0:
+            if len_new / len_old > self.length_factor:
+                flags.append(LENGTH_BALLOON)
+        self.counts.update(flags)
+        return flags

@@ -1,0 +1,130 @@
+"""Rule rewards: shape the form of a completion, not its correctness.
+
+These are cheap, deterministic and hackable in isolation (a policy can satisfy a
+format regex with an empty answer), so they are meant to be mixed with a
+verifiable term at a small weight. Length terms read ``sample.num_tokens``, the
+token count the rollout engine produced, so they agree with the length the
+optimizer sees.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+from rlpost.rewards.registry import reward_function
+from rlpost.types import RewardSample
+
+THINK_ANSWER = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
+
+
+@lru_cache(maxsize=64)
+def _compile(pattern: str, dotall: bool, ignore_case: bool) -> re.Pattern[str]:
+    flags = (re.DOTALL if dotall else 0) | (re.IGNORECASE if ignore_case else 0)
+    try:
+        return re.compile(pattern, flags)
+    except re.error as exc:
+        raise ValueError(f"format: invalid regex {pattern!r} ({exc})") from None
+
+
+@reward_function("format")
+def format_reward(
+    sample: RewardSample,
+    *,
+    pattern: str = THINK_ANSWER,
+    dotall: bool = True,
+    ignore_case: bool = False,
+) -> float:
+    """1.0 if the completion matches ``pattern`` (``re.search``; anchor it), else 0.0.
+
+    The default requires ``<think>...</think>`` then ``<answer>...</answer>`` and
+    nothing else, the R1-Zero template (DeepSeek-R1, 2025, section 2.2.2).
+    """
+    return 1.0 if _compile(pattern, dotall, ignore_case).search(sample.completion) else 0.0
+
+
+def _max_tokens(sample: RewardSample, max_tokens: int | None) -> int | None:
+    value = max_tokens if max_tokens is not None else sample.max_tokens
+    return value if value and value > 0 else None
+
+
+@reward_function("overlong_penalty")
+def overlong_penalty(
+    sample: RewardSample, *, max_tokens: int | None = None, cache_len: int | None = None
+) -> float | None:
+    """DAPO soft overlong punishment (Yu et al., 2025, eq. 13).
+
+    With ``L = num_tokens``, ``L_max = max_tokens`` and ``L_cache = cache_len``::
+
+        0                                   if L <= L_max - L_cache
+        ((L_max - L_cache) - L) / L_cache   if L_max - L_cache < L <= L_max
+        -1                                  if L > L_max
+
+    ``max_tokens`` defaults to ``sample.max_tokens`` (the generation budget);
+    ``cache_len`` defaults to a fifth of it (DAPO: 4096 of 20480). ``None`` when no
+    budget is known.
+    """
+    l_max = _max_tokens(sample, max_tokens)
+    if l_max is None:
+        return None
+    cache = cache_len if cache_len is not None else max(1, round(0.2 * l_max))
+    if not 0 < cache <= l_max:
+        raise ValueError(f"overlong_penalty: cache_len must be in (0, {l_max}], got {cache}")
+    length = sample.num_tokens
+    if length <= l_max - cache:
+        return 0.0
+    if length > l_max:
+        return -1.0
+    return ((l_max - cache) - length) / cache
+
+
+@reward_function("length")
+def length_reward(
+    sample: RewardSample,
+    *,
+    min_tokens: int = 0,
+    max_tokens: int | None = None,
+    tolerance: int = 1,
+) -> float | None:
+    """0.0 inside ``[min_tokens, max_tokens]``; outside it falls linearly to -1.
+
+    The penalty is ``-min(1, distance / tolerance)``, where distance is the number of
+    tokens outside the window, so ``tolerance=1`` is a hard step and a larger value
+    a ramp. ``max_tokens`` defaults to ``sample.max_tokens``; with neither bound set
+    the reward does not apply (``None``).
+    """
+    if tolerance < 1:
+        raise ValueError(f"length: tolerance must be >= 1, got {tolerance}")
+    upper = _max_tokens(sample, max_tokens)
+    if min_tokens <= 0 and upper is None:
+        return None
+    n = sample.num_tokens
+    if n < min_tokens:
+        distance = min_tokens - n
+    elif upper is not None and n > upper:
+        distance = n - upper
+    else:
+        return 0.0
+    return -min(1.0, distance / tolerance)
+
+
+@reward_function("repetition")
+def repetition_penalty(sample: RewardSample, *, n: int = 3, unit: str = "word") -> float:
+    """Minus the fraction of repeated n-grams: ``-(total - unique) / total``.
+
+    0.0 for a completion with no repeated n-gram (or fewer than ``n`` units), close
+    to -1 for one phrase looped until the budget ran out. ``unit`` is ``word``
+    (whitespace split) or ``char``.
+    """
+    if n < 1:
+        raise ValueError(f"repetition: n must be >= 1, got {n}")
+    if unit == "word":
+        units: list[str] | str = sample.completion.split()
+    elif unit == "char":
+        units = sample.completion
+    else:
+        raise ValueError(f"repetition: unit must be 'word' or 'char', got {unit!r}")
+    grams = [tuple(units[i : i + n]) for i in range(len(units) - n + 1)]
+    if not grams:
+        return 0.0
+    return -(len(grams) - len(set(grams))) / len(grams)

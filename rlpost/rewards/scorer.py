@@ -1,0 +1,224 @@
+"""Turn reward terms into one score per sample.
+
+A term is either a per-sample reward function or a batched scorer (reward
+model, judge); both are reduced to one column ``list[float | None]`` per batch,
+and everything after that (validation, mixture, components) is one code path.
+
+Without a mixture the final score is the weighted sum of the terms that apply
+(``None`` terms are skipped). With ``alpha`` set, verifiable and rule terms form
+one part and model / judge terms the other:
+``final = alpha * verifiable_part + (1 - alpha) * model_part``. ``build_scorer``
+uses ``alpha = 0.8`` when the config leaves it unset and both parts are present,
+so a learned or judged signal never outweighs the checkable one by default.
+
+A NaN, an infinity or a score outside ``score_range`` never reaches the
+optimizer: the sample's score is replaced by ``invalid_score`` and counted, per
+batch in ``ScoredBatch.invalid`` and per term in ``RewardScorer.counters()``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlpost.config import RewardConfig
+from rlpost.rewards.registry import BatchScorer, RewardFn, check_params, lookup
+from rlpost.types import RewardSample, ScoredBatch
+
+VERIFIABLE_KINDS = ("verifiable", "rule")
+DEFAULT_ALPHA = 0.8
+
+
+@dataclass
+class Term:
+    """One reward term: a per-sample ``fn`` or a batched ``scorer`` (exactly one)."""
+
+    name: str
+    fn: RewardFn | None
+    weight: float
+    kind: str
+    params: dict[str, Any] = field(default_factory=dict)
+    scorer: BatchScorer | None = None
+
+    def __post_init__(self) -> None:
+        if (self.fn is None) == (self.scorer is None):
+            raise ValueError(f"reward term {self.name!r} needs exactly one of fn or scorer")
+
+    def column(self, samples: Sequence[RewardSample]) -> list[float | None]:
+        """Raw values for ``samples``, in order (``None``: not applicable)."""
+        try:
+            if self.scorer is not None:
+                values = list(self.scorer.score(samples))
+                if len(values) != len(samples):
+                    raise ValueError(
+                        f"reward term {self.name!r} returned {len(values)} scores "
+                        f"for {len(samples)} samples"
+                    )
+                return values
+            fn, params = self.fn, self.params
+            workers = min(int(getattr(fn, "concurrency", 1)), len(samples))
+            if workers <= 1:
+                return [fn(s, **params) for s in samples]
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                return list(pool.map(lambda s: fn(s, **params), samples))
+        except Exception as exc:
+            exc.add_note(f"while scoring reward term {self.name!r}")
+            raise
+
+
+def _as_float(term: str, raw: Any) -> float | None:
+    if raw is None:
+        return None
+    try:
+        return float(raw)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"reward term {term!r} returned {type(raw).__name__}, not a float"
+        ) from None
+
+
+class RewardScorer:
+    """Scores batches of samples with a fixed list of terms."""
+
+    def __init__(
+        self,
+        terms: list[Term],
+        *,
+        alpha: float | None = None,
+        invalid_score: float = 0.0,
+        score_range: tuple[float, float] = (-math.inf, math.inf),
+    ) -> None:
+        if not terms:
+            raise ValueError("reward.terms is empty; add at least one reward term")
+        if alpha is not None and not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"reward.alpha must be in [0, 1], got {alpha}")
+        self.terms = terms
+        self.alpha = alpha
+        self.invalid_score = invalid_score
+        self.score_range = score_range
+        self.invalid_by_term = dict.fromkeys((t.name for t in terms), 0)
+
+    def _valid(self, value: float | None) -> bool:
+        if value is None:
+            return True
+        lo, hi = self.score_range
+        return math.isfinite(value) and lo <= value <= hi
+
+    def score(self, samples: Sequence[RewardSample]) -> ScoredBatch:
+        """Score a batch: ``scores[i]`` for sample i plus each term's column.
+
+        ``components[name][i]`` is the term's raw value (``nan`` where it does not
+        apply or was invalid).
+        """
+        columns = {
+            t.name: [_as_float(t.name, raw) for raw in t.column(samples)] for t in self.terms
+        }
+        components: dict[str, list[float]] = {t.name: [] for t in self.terms}
+        scores: list[float] = []
+        invalid_rows: list[int] = []
+        for i in range(len(samples)):
+            parts: dict[str, float] = {}
+            bad = False
+            for term in self.terms:
+                value = columns[term.name][i]
+                if not self._valid(value):
+                    bad = True
+                    self.invalid_by_term[term.name] += 1
+                    value = math.nan
+                components[term.name].append(math.nan if value is None else value)
+                if value is not None and not math.isnan(value):
+                    parts[term.name] = value
+            if bad:
+                invalid_rows.append(i)
+                scores.append(self.invalid_score)
+            else:
+                scores.append(self._combine(parts))
+        return ScoredBatch(
+            scores=scores, components=components, invalid=len(invalid_rows), invalid_rows=invalid_rows
+        )
+
+    def _combine(self, parts: dict[str, float]) -> float:
+        if self.alpha is None:
+            return sum(t.weight * parts[t.name] for t in self.terms if t.name in parts)
+        verifiable = model = 0.0
+        for t in self.terms:
+            if t.name not in parts:
+                continue
+            if t.kind in VERIFIABLE_KINDS:
+                verifiable += t.weight * parts[t.name]
+            else:
+                model += t.weight * parts[t.name]
+        return self.alpha * verifiable + (1.0 - self.alpha) * model
+
+    def verifiable_accuracy(self, scored: ScoredBatch) -> float | None:
+        """Mean of the ``verifiable``-kind components over the batch (NaNs skipped).
+
+        The signal the hacking monitor compares the reward against; ``None`` when
+        no verifiable term applied to any sample.
+        """
+        values = [
+            v
+            for t in self.terms
+            if t.kind == "verifiable"
+            for v in scored.components.get(t.name, [])
+            if not math.isnan(v)
+        ]
+        return sum(values) / len(values) if values else None
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative counts for metrics: invalid scores per term, and each batched
+        scorer's own counters (judge retries and failures) as ``term/counter``."""
+        out = {f"{name}/invalid": n for name, n in self.invalid_by_term.items()}
+        for t in self.terms:
+            get = getattr(t.scorer, "counters", None)
+            if callable(get):
+                out.update({f"{t.name}/{k}": v for k, v in get().items()})
+        return out
+
+    def close(self) -> None:
+        """Release batched scorers' resources (HTTP clients, model weights)."""
+        for t in self.terms:
+            close = getattr(t.scorer, "close", None)
+            if callable(close):
+                close()
+
+
+def _build_term(label: str, term: Any) -> Term:
+    params = dict(term.params)
+    kind_of, obj = lookup(term.name)
+    if kind_of == "sample":
+        check_params(term.name, obj, params, per_sample=True)
+        return Term(label, obj, term.weight, term.kind, params)
+    check_params(term.name, obj, params, per_sample=False)
+    # A reward model left at the config's default kind ("verifiable") is what the
+    # user meant as a model term; an explicitly set kind is respected.
+    kind = term.kind
+    if "kind" not in term.model_fields_set:
+        kind = getattr(obj, "default_kind", kind)
+    return Term(label, None, term.weight, kind, params, scorer=obj(**params))
+
+
+def build_scorer(cfg: RewardConfig) -> RewardScorer:
+    """Resolve every term by name and build batched scorers; errors surface here.
+
+    An unknown name, or a param the reward does not accept, fails before training.
+    When ``cfg.alpha`` is None and the terms hold both a verifiable/rule part and a
+    model/judge part, ``alpha = 0.8`` (``DEFAULT_ALPHA``) is used; with only one
+    part present the score is the plain weighted sum.
+    """
+    terms: list[Term] = []
+    seen: set[str] = set()
+    for i, term in enumerate(cfg.terms):
+        label = term.name if term.name not in seen else f"{term.name}#{i}"
+        seen.add(label)
+        terms.append(_build_term(label, term))
+    alpha = cfg.alpha
+    kinds = {t.kind in VERIFIABLE_KINDS for t in terms}
+    if alpha is None and kinds == {True, False}:
+        alpha = DEFAULT_ALPHA
+    return RewardScorer(
+        terms, alpha=alpha, invalid_score=cfg.invalid_score, score_range=tuple(cfg.score_range)
+    )

@@ -1,0 +1,74 @@
+import subprocess
+import sys
+
+import pytest
+
+from rlpost.config import Config, ConfigError, describe_fields, load_config, parse_overrides
+
+
+def test_overrides_parse_yaml_scalars_and_nest():
+    tree = parse_overrides(["train.lr=1e-5", "rollout.n=8", "data.arith.ops=['+']", "model.path=null"])
+    assert tree == {"train": {"lr": 1e-5}, "rollout": {"n": 8}, "data": {"arith": {"ops": ["+"]}}, "model": {"path": None}}
+
+
+def test_recipe_then_overrides(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train: {lr: 0.5, steps: 3}\nrollout: {n: 4}\n")
+    cfg = load_config(recipe, ["train.lr=0.25"])
+    assert cfg.train.lr == 0.25 and cfg.train.steps == 3 and cfg.rollout.n == 4
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["train.lrx=1"], "unknown config key 'train.lrx'"),
+        (["train.lr=-1"], "train.lr=-1"),
+        (["rollout.n=1"], "rollout.n=1 gives every grpo group zero advantage"),
+        (["train.micro_batch_size=128", "train.mini_batch_size=64"], "micro_batch_size"),
+        (["train.mini_batch_size=1000"], "larger than the rollout batch"),
+        (["rollout.max_tokens=200"], "max_position_embeddings"),
+        (["nolhs"], "not key=value"),
+        (["data.task=file"], "data.train_path"),
+    ],
+)
+def test_bad_config_is_one_line(overrides, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert needle in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_and_malformed_recipe(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_every_field_has_help():
+    rows = describe_fields(Config)
+    assert len(rows) > 40
+    missing = [k for k, _, h in rows if not h]
+    assert not missing, missing
+
+
+def test_cli_bad_key_exits_2_without_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlpost.cli", "train", "train.bogus=1"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0
+    assert "train.bogus" in proc.stderr
+
+
+def test_cli_unknown_algorithm_names_valid_ones(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlpost.cli", "train", "algo.policy_loss=ppo_clipp", f"run.output_dir={tmp_path}"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 2
+    assert "ppo_clip" in proc.stderr and "valid" in proc.stderr
+    assert "Traceback" not in proc.stderr
