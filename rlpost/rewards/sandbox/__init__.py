@@ -1,0 +1,26 @@
+"""Sandbox for untrusted code: bubblewrap namespaces plus rlimits, failing closed.
+
+``run_code`` runs one program, ``SandboxPool`` many at once, and
+``run_python_tests`` scores candidate code against assert tests. See
+``command.py`` for what the sandbox isolates and why.
+"""
+
+from rlpost.rewards.sandbox.command import SandboxUnavailable
+from rlpost.rewards.sandbox.harness import parse_outcomes, run_python_tests
+from rlpost.rewards.sandbox.limits import STATUSES, SandboxConfig, SandboxResult, Status
+from rlpost.rewards.sandbox.pool import SandboxPool
+from rlpost.rewards.sandbox.runner import check_available, run_code, run_file
+
+__all__ = [
+    "STATUSES",
+    "SandboxConfig",
+    "SandboxPool",
+    "SandboxResult",
+    "SandboxUnavailable",
+    "Status",
+    "check_available",
+    "parse_outcomes",
+    "run_code",
+    "run_file",
+    "run_python_tests",
+]

@@ -1,0 +1,226 @@
+"""The command line that runs one program inside the sandbox.
+
+Layers, outermost first::
+
+    bwrap   (only when started as root and the interpreter prefix is private:
+             a mount namespace where the prefix is staged on a world-readable path)
+    setpriv (only when started as root: become uid/gid 65534, no groups, no new privileges)
+    bwrap   user, pid, network, ipc, uts and cgroup namespaces; read-only /usr and
+            interpreter; size-capped private tmpfs on /tmp and /dev/shm, the only
+            writable places (bwrap's own root is remounted read-only); fresh /proc,
+            minimal /dev; cleared environment; dies with its parent
+    taskset one CPU
+    prlimit RLIMIT_AS, RLIMIT_CPU, RLIMIT_NPROC, RLIMIT_FSIZE, RLIMIT_NOFILE, no core dumps
+    python  -E -s -S main.py   (standard library only, no site-packages)
+
+Why drop to uid 65534 before bwrap: bwrap started by root maps the sandbox user
+to host root, and RLIMIT_NPROC never binds root, so a fork bomb would be free.
+Started as 65534, the sandbox user is host uid 65534 with no capabilities.
+Why prlimit runs inside the sandbox: the kernel counts processes per user
+namespace, and the namespace created by bwrap inherits the limit its creator
+had; setting the cap after it exists makes every run's cap its own, so one
+fork bomb cannot starve concurrent runs.
+Why the outer bwrap: a pyenv interpreter lives under /root (mode 0700), which
+uid 65534 cannot traverse; the outer mount namespace bind-mounts the prefix
+onto a fresh tmpfs where the inner bwrap can reach it. Inside, the prefix is
+mounted at ``/opt/python`` so nothing of /root is visible.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from rlpost.rewards.sandbox.limits import SandboxConfig
+
+SANDBOX_UID = 65534
+SANDBOX_PYTHON = "/opt/python"
+# Host path of the staged interpreter inside the outer mount namespace only.
+_STAGING = "/tmp/rlpost-python"
+_SYSTEM_DIRS = ("bin", "sbin", "lib", "lib64", "lib32", "libx32")
+_ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/alternatives")
+# Both arrived in bubblewrap 0.8.0; without them the sandbox would be weaker, so refuse.
+_REQUIRED_OPTIONS = ("--disable-userns", "--size")
+_INSTALL_BWRAP = "install it with: apt-get install -y bubblewrap"
+_INSTALL_UTIL_LINUX = "install it with: apt-get install -y util-linux"
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox cannot run here; the message names the cause and the fix."""
+
+
+@dataclass(frozen=True)
+class Tools:
+    """Absolute paths of the host programs the command line uses."""
+
+    bwrap: str
+    prlimit: str
+    taskset: str
+    setpriv: str | None
+
+
+@dataclass(frozen=True)
+class Interpreter:
+    """Where the Python that runs untrusted code lives.
+
+    ``host_prefix`` is the install prefix to mount read-only at
+    ``SANDBOX_PYTHON``, or ``None`` when it lies under /usr (already visible);
+    ``executable`` is the interpreter's path as seen inside the sandbox.
+    """
+
+    host_prefix: str | None
+    executable: str
+
+
+def find_tools() -> Tools:
+    """Locate bwrap and the util-linux helpers, or raise ``SandboxUnavailable``."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        raise SandboxUnavailable(f"bubblewrap (bwrap) is not on PATH; {_INSTALL_BWRAP}")
+    found: dict[str, str] = {}
+    needed = ["prlimit", "taskset"] + (["setpriv"] if os.geteuid() == 0 else [])
+    for name in needed:
+        path = shutil.which(name)
+        if path is None:
+            raise SandboxUnavailable(f"{name} (util-linux) is not on PATH; {_INSTALL_UTIL_LINUX}")
+        found[name] = path
+    options = bwrap_options(bwrap)
+    missing = [option for option in _REQUIRED_OPTIONS if option not in options]
+    if missing:
+        raise SandboxUnavailable(
+            f"{bwrap} lacks {', '.join(missing)}; bubblewrap >= 0.8.0 is needed, {_INSTALL_BWRAP}"
+        )
+    return Tools(
+        bwrap=bwrap,
+        prlimit=found["prlimit"],
+        taskset=found["taskset"],
+        setpriv=found.get("setpriv"),
+    )
+
+
+@functools.cache
+def bwrap_options(bwrap: str) -> frozenset[str]:
+    """The long options this bwrap accepts, read from its ``--help``."""
+    proc = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10)
+    return frozenset(re.findall(r"--[a-z][a-z0-9-]*", proc.stdout + proc.stderr))
+
+
+@functools.cache
+def find_interpreter() -> Interpreter:
+    """Resolve the base interpreter of ``sys.executable`` (a venv resolves to its base)."""
+    prefix = os.path.realpath(sys.base_prefix)
+    executable = os.path.realpath(sys.executable)
+    if not executable.startswith(prefix + os.sep):
+        major, minor = sys.version_info[:2]
+        executable = os.path.realpath(os.path.join(prefix, "bin", f"python{major}.{minor}"))
+    if not (executable.startswith(prefix + os.sep) and os.access(executable, os.X_OK)):
+        raise SandboxUnavailable(
+            f"cannot find the interpreter of {sys.executable} under its base prefix {prefix}"
+        )
+    if prefix == "/usr" or prefix.startswith("/usr/"):
+        return Interpreter(host_prefix=None, executable=executable)
+    relative = os.path.relpath(executable, prefix)
+    return Interpreter(host_prefix=prefix, executable=f"{SANDBOX_PYTHON}/{relative}")
+
+
+def build_command(
+    tools: Tools,
+    interpreter: Interpreter,
+    config: SandboxConfig,
+    *,
+    cpu: int,
+    files: list[tuple[int, str]],
+    info_fd: int,
+    argv: list[str],
+) -> list[str]:
+    """The full argv: privilege drop, bwrap, taskset, prlimit, then ``python <argv>``.
+
+    ``files`` are ``(fd, name)`` pairs copied into ``/tmp/name``; ``info_fd``
+    receives bwrap's JSON with the host pid of the sandbox's pid 1.
+    """
+    prefix_source = interpreter.host_prefix
+    outer: list[str] = []
+    if os.geteuid() == 0:
+        if prefix_source is not None and not _readable_by_others(prefix_source):
+            outer += [tools.bwrap, "--dev-bind", "/", "/", "--tmpfs", "/tmp"]
+            outer += ["--ro-bind", prefix_source, _STAGING, "--die-with-parent", "--"]
+            prefix_source = _STAGING
+        uid = str(SANDBOX_UID)
+        outer += [str(tools.setpriv), "--reuid", uid, "--regid", uid, "--clear-groups"]
+        outer += ["--no-new-privs", "--"]
+    inner = _namespaces(tools) + _filesystem(config, prefix_source, files)
+    inner += ["--info-fd", str(info_fd), "--clearenv"]
+    inner += ["--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
+    inner += ["--setenv", "LANG", "C.UTF-8"]
+    if interpreter.host_prefix is not None:
+        # A relocated prefix: its RUNPATH points at the host path of libpython.
+        inner += ["--setenv", "LD_LIBRARY_PATH", f"{SANDBOX_PYTHON}/lib"]
+    return outer + inner + ["--", *_limits(tools, config, cpu), interpreter.executable, *argv]
+
+
+def _namespaces(tools: Tools) -> list[str]:
+    args = [tools.bwrap, "--unshare-all", "--unshare-user", "--hostname", "sandbox"]
+    args += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--cap-drop", "ALL"]
+    # --disable-userns: no nested user namespace, so no capabilities to regain inside.
+    args += ["--die-with-parent", "--new-session", "--disable-userns"]
+    return args
+
+
+def _filesystem(
+    config: SandboxConfig, prefix_source: str | None, files: list[tuple[int, str]]
+) -> list[str]:
+    args = ["--ro-bind", "/usr", "/usr"]
+    for name in _SYSTEM_DIRS:
+        path = f"/{name}"
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    for path in _ETC_FILES:
+        args += ["--ro-bind-try", path, path]
+    if prefix_source is not None:
+        args += ["--ro-bind", prefix_source, SANDBOX_PYTHON]
+    size = str(config.tmpfs_mb << 20)
+    args += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"]
+    # Size-capped tmpfs: RLIMIT_FSIZE bounds one file, the size bounds them all.
+    args += ["--size", size, "--tmpfs", "/dev/shm", "--size", size, "--tmpfs", "/tmp"]
+    for fd, name in files:
+        args += ["--file", str(fd), f"/tmp/{name}"]
+    # bwrap's root is a tmpfs without a size cap; nothing may be written there.
+    args += ["--remount-ro", "/", "--chdir", "/tmp"]
+    return args
+
+
+def _limits(tools: Tools, config: SandboxConfig, cpu: int) -> list[str]:
+    cpu_s = config.cpu_seconds
+    return [
+        tools.taskset,
+        "--cpu-list",
+        str(cpu),
+        tools.prlimit,
+        f"--as={config.memory_mb << 20}",
+        f"--cpu={cpu_s}:{cpu_s + 1}",
+        f"--nproc={config.max_processes}",
+        f"--fsize={config.max_file_mb << 20}",
+        f"--nofile={config.max_open_files}",
+        "--core=0",
+        "--",
+    ]
+
+
+def _readable_by_others(path: str) -> bool:
+    """Whether a user outside the owner and group can traverse every ancestor of ``path``."""
+    current = path
+    while True:
+        if not os.stat(current).st_mode & stat.S_IXOTH:
+            return False
+        parent = os.path.dirname(current)
+        if parent == current:
+            return True
+        current = parent

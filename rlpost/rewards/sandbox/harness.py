@@ -1,0 +1,71 @@
+"""Pass fraction of candidate code against assert tests, in one sandbox run.
+
+The trusted side of ``harness_script.py``: it sends the candidate, the tests
+and a fresh random nonce through the sandbox's stdin and counts the harness's
+``<nonce> <index> <outcome>`` lines. A line without the nonce, a repeated
+index or an index out of range is ignored, and a test with no line counts as
+failed, so a candidate that prints fake markers, crashes the harness or
+floods the output can only lower its own score.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import secrets
+from pathlib import Path
+
+from rlpost.rewards.sandbox.limits import SandboxConfig, SandboxResult
+from rlpost.rewards.sandbox.runner import run_code
+
+Outcome = str  # "pass", "fail", "timeout", or "missing" when the harness never reported
+# Start-up of the harness interpreter, on top of the tests' own budgets.
+_HARNESS_OVERHEAD_S = 2.0
+
+
+@functools.cache
+def harness_source() -> str:
+    return Path(__file__).with_name("harness_script.py").read_text(encoding="utf-8")
+
+
+def run_python_tests(
+    code: str,
+    tests: list[str],
+    *,
+    config: SandboxConfig | None = None,
+    test_timeout_s: float | None = None,
+) -> tuple[float, SandboxResult]:
+    """Run ``code`` followed by each test (e.g. ``"assert add(1, 2) == 3"``) in one sandbox.
+
+    Each test runs in a fresh interpreter with the candidate code executed
+    first (``__name__`` is ``"solution"``, so a ``__main__`` block does not
+    run) and gets ``test_timeout_s`` seconds (default ``config.timeout_s``);
+    the whole run gets the sum plus start-up. Returns ``(passed / len(tests),
+    result)``; the candidate's output is in ``result.stderr``.
+    """
+    if not tests:
+        raise ValueError("run_python_tests needs at least one test")
+    config = config or SandboxConfig()
+    per_test = config.timeout_s if test_timeout_s is None else test_timeout_s
+    if not per_test > 0:
+        raise ValueError(f"test_timeout_s={test_timeout_s!r} must be a positive number of seconds")
+    budget = dataclasses.replace(config, timeout_s=per_test * len(tests) + _HARNESS_OVERHEAD_S)
+    nonce = secrets.token_hex(16)
+    spec = {"nonce": nonce, "code": code, "tests": list(tests), "timeout_s": per_test}
+    result = run_code(harness_source(), stdin=json.dumps(spec), config=budget)
+    outcomes = parse_outcomes(result.stdout, nonce, len(tests))
+    return outcomes.count("pass") / len(tests), result
+
+
+def parse_outcomes(stdout: str, nonce: str, num_tests: int) -> list[Outcome]:
+    """Per-test outcome from the harness's marker lines; the first line per index wins."""
+    outcomes: list[Outcome] = ["missing"] * num_tests
+    for line in stdout.splitlines():
+        parts = line.split(" ")
+        if len(parts) != 3 or parts[0] != nonce or not parts[1].isdigit():
+            continue
+        index = int(parts[1])
+        if index < num_tests and outcomes[index] == "missing":
+            outcomes[index] = parts[2]
+    return outcomes

@@ -1,0 +1,130 @@
+"""Limits of one sandboxed run and how its outcome is classified.
+
+``SandboxConfig`` is validated when built, so a bad value fails before any
+process starts. ``classify`` turns what the supervisor saw (exit status, the
+tail of stderr, whether it had to kill the run) into one ``SandboxResult.status``;
+it is a pure function so every branch is tested without a sandbox.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import signal
+from dataclasses import dataclass
+from typing import Literal
+
+Status = Literal["ok", "error", "timeout", "memory", "output_limit", "killed"]
+STATUSES: tuple[Status, ...] = ("ok", "error", "timeout", "memory", "output_limit", "killed")
+
+# bwrap reports a command killed by signal N as exit status 128 + N.
+_SIGNAL_BASE = 128
+_MAX_SIGNAL = 64
+# Python's MemoryError, glibc/C++ allocation failures: the run hit RLIMIT_AS.
+_MEMORY_HINT = re.compile(rb"MemoryError|Cannot allocate memory|out of memory|std::bad_alloc")
+_HINT_WINDOW = 4096
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """Resource limits of one run. Defaults suit a competitive-programming reward.
+
+    ``timeout_s`` is wall-clock time; the CPU-time rlimit is derived from it
+    (``ceil(timeout_s) + 1`` seconds) so a busy loop is stopped by whichever
+    comes first. ``max_output_bytes`` caps stdout and stderr separately.
+    ``max_file_mb`` caps one written file (RLIMIT_FSIZE), ``tmpfs_mb`` the
+    private /tmp and /dev/shm each, ``max_processes`` the processes and threads
+    of one run (RLIMIT_NPROC, counted per run).
+    ``cpu`` pins the run to one CPU; ``None`` spreads runs round-robin over the
+    CPUs this process may use.
+    """
+
+    timeout_s: float = 5.0
+    memory_mb: int = 2048
+    max_processes: int = 64
+    max_output_bytes: int = 1 << 20
+    max_file_mb: int = 16
+    tmpfs_mb: int = 64
+    max_open_files: int = 256
+    cpu: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            math.isfinite(self.timeout_s) and self.timeout_s > 0,
+            "timeout_s",
+            self.timeout_s,
+            "must be a positive number of seconds",
+        )
+        _require(self.memory_mb >= 64, "memory_mb", self.memory_mb, "must be >= 64")
+        _require(self.max_processes >= 1, "max_processes", self.max_processes, "must be >= 1")
+        _require(
+            self.max_output_bytes >= 1, "max_output_bytes", self.max_output_bytes, "must be >= 1"
+        )
+        _require(self.max_file_mb >= 1, "max_file_mb", self.max_file_mb, "must be >= 1")
+        _require(self.tmpfs_mb >= 1, "tmpfs_mb", self.tmpfs_mb, "must be >= 1")
+        _require(self.max_open_files >= 16, "max_open_files", self.max_open_files, "must be >= 16")
+        _require(
+            self.cpu is None or self.cpu >= 0, "cpu", self.cpu, "must be a CPU index >= 0 or None"
+        )
+
+    @property
+    def cpu_seconds(self) -> int:
+        """Soft RLIMIT_CPU in whole seconds; the hard limit is one second more."""
+        return math.ceil(self.timeout_s) + 1
+
+
+def _require(ok: bool, field: str, value: object, rule: str) -> None:
+    # Reject bools where numbers are expected: True would pass as 1.
+    if isinstance(value, bool) or not ok:
+        raise ValueError(f"sandbox {field}={value!r} {rule}")
+
+
+@dataclass
+class SandboxResult:
+    """Outcome of one run.
+
+    ``exit_code`` is the program's exit status, ``-N`` if it died from signal
+    N, and ``None`` when the supervisor killed it (timeout, output limit).
+    ``stdout``/``stderr`` are decoded as UTF-8 (invalid bytes replaced) and hold
+    at most ``max_output_bytes`` bytes each.
+    """
+
+    status: Status
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    wall_seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def classify(
+    returncode: int | None, stderr: bytes, stopped: Status | None
+) -> tuple[Status, int | None]:
+    """Map a finished run to ``(status, exit_code)``.
+
+    ``returncode`` is bwrap's exit status (signals arrive as ``128 + N``),
+    ``stopped`` is ``"timeout"`` or ``"output_limit"`` when the supervisor
+    killed the run itself, else ``None``.
+    """
+    if stopped is not None:
+        return stopped, None
+    if returncode is None:
+        return "killed", None
+    if returncode < 0:  # bwrap itself died from a signal nobody in the supervisor sent
+        return "killed", returncode
+    sig = (
+        returncode - _SIGNAL_BASE if _SIGNAL_BASE < returncode <= _SIGNAL_BASE + _MAX_SIGNAL else 0
+    )
+    exit_code = -sig if sig else returncode
+    if returncode == 0:
+        return "ok", 0
+    if _MEMORY_HINT.search(stderr[-_HINT_WINDOW:]):
+        return "memory", exit_code
+    if sig == signal.SIGXCPU:
+        return "timeout", exit_code
+    if sig:
+        return "killed", exit_code
+    return "error", exit_code
