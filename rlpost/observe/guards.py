@@ -1,0 +1,278 @@
+"""Guards: decide what to do when training starts to go wrong.
+
+Pure decision logic over numbers the loop already has (loss, grad norm,
+rewards, step metrics); no torch and no model. The loop asks, carries out the
+returned :class:`Action`s (skip the optimizer step, drop samples, scale the KL
+coefficient or learning rate, restore the last checkpoint, rebuild the rollout
+engine, stop) and counts each with ``Recorder.count_guard(action.guard)``.
+
+Design choices:
+
+* Every remedy has a budget (``max_retries``) and escalates when it is spent:
+  soft remedies (raise beta, lower LR) escalate to a rollback, and rollbacks and
+  engine rebuilds escalate to ``stop``. So a run that keeps failing ends with a
+  message instead of looping forever.
+* Reward collapse compares an EMA of the step's mean reward with the best EMA
+  seen, and only arms after ``reward_collapse_window`` steps, so one bad batch
+  or the noisy first steps do not trigger it. The fall must be both relative
+  (``reward_collapse_drop`` of the best) and absolute
+  (``reward_collapse_min_drop``), so a run whose rewards hover near zero is not
+  "collapsing" on noise.
+* Throughput decay compares the median of the last ``throughput_window`` steps
+  with the best such median, so a single fast or slow step moves nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+logger = logging.getLogger(__name__)
+
+ActionKind = Literal[
+    "skip_update", "drop_samples", "raise_beta", "lower_lr", "rollback", "rebuild_engine", "stop"
+]
+
+NONFINITE_UPDATE = "nonfinite_update"
+NONFINITE_REWARD = "nonfinite_reward"
+KL_EXPLOSION = "kl_explosion"
+CLIP_FRAC = "clip_frac"
+REWARD_COLLAPSE = "reward_collapse"
+THROUGHPUT_DECAY = "throughput_decay"
+
+
+class GuardConfig(BaseModel):
+    """Thresholds and remedies of the training guards (config section ``observe.guards``)."""
+
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
+
+    enabled: bool = True
+    """Act on problems (False: never act; NaN losses and rewards are then not caught)."""
+    kl_ceiling: float = Field(10.0, gt=0)
+    """Mean per-token KL to the reference [nats/token] above which the KL coefficient is raised."""
+    kl_beta_factor: float = Field(2.0, gt=1)
+    """Multiply the KL coefficient by this when KL exceeds kl_ceiling."""
+    clip_frac_ceiling: float = Field(0.5, gt=0, le=1)
+    """Ratio-clip fraction [0-1] above which the learning rate is lowered."""
+    lr_factor: float = Field(0.5, gt=0, lt=1)
+    """Multiply the learning rate by this on a clip-fraction breach or after a rollback."""
+    reward_collapse_drop: float = Field(0.5, gt=0, le=1)
+    """Relative fall of the reward EMA below its best that counts as collapse (0.5: lost half)."""
+    reward_collapse_min_drop: float = Field(0.05, ge=0)
+    """Absolute fall [reward units] also needed, so noise around zero reward is not a collapse."""
+    reward_collapse_window: int = Field(5, ge=1)
+    """EMA span in steps (alpha = 2/(window+1)); the rule arms after this many steps."""
+    throughput_decay: float = Field(0.5, gt=0, lt=1)
+    """Rebuild the engine when rollout tokens/s fall below this fraction of the best."""
+    throughput_window: int = Field(5, ge=1)
+    """Steps in the rolling median of rollout tokens/s."""
+    cooldown: int = Field(3, ge=0)
+    """Steps the KL and clip-fraction guards wait after acting, so a remedy can take effect."""
+    max_retries: int = Field(3, ge=0)
+    """Uses of each remedy (per soft guard; rollbacks; rebuilds) before escalating or stopping."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """One thing the training loop must do; ``factor`` scales beta or the LR."""
+
+    guard: str
+    kind: ActionKind
+    factor: float | None
+    reason: str
+
+
+def _finite(metrics: dict[str, float], key: str) -> float | None:
+    value = metrics.get(key)
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+class Guards:
+    """Stateful guard rules for one run; see the module docstring for the rules."""
+
+    def __init__(self, cfg: GuardConfig) -> None:
+        self.cfg = cfg
+        self.stopped = False
+        self._step = 0
+        self._bad_updates = 0
+        self._rollbacks = 0
+        self._rebuilds = 0
+        self._soft_uses: dict[str, int] = {}
+        self._quiet_until: dict[str, int] = {}
+        self._reset_reward()
+        self._tps: deque[float] = deque(maxlen=cfg.throughput_window)
+        self._best_tps = 0.0
+
+    def _reset_reward(self) -> None:
+        self._reward_ema: float | None = None
+        self._best_ema = -math.inf
+        self._reward_steps = 0
+
+    def _act(self, guard: str, kind: ActionKind, factor: float | None, reason: str) -> Action:
+        action = Action(guard, kind, factor, reason)
+        log = logger.error if kind == "stop" else logger.warning
+        log("guard %s: %s%s - %s", guard, kind, f" x{factor:g}" if factor else "", reason)
+        return action
+
+    def _stop(self, guard: str, reason: str) -> Action:
+        self.stopped = True
+        return self._act(guard, "stop", None, reason)
+
+    def _rollback(self, guard: str, reason: str, *, lower_lr: bool = True) -> list[Action]:
+        """Roll back (and lower the LR), or stop when the rollback budget is spent."""
+        if self._rollbacks >= self.cfg.max_retries:
+            return [
+                self._stop(
+                    guard,
+                    f"{reason}; {self._rollbacks} rollbacks did not help "
+                    f"(observe.guards.max_retries={self.cfg.max_retries})",
+                )
+            ]
+        self._rollbacks += 1
+        self._reset_reward()
+        budget = f"rollback {self._rollbacks}/{self.cfg.max_retries}"
+        actions = [self._act(guard, "rollback", None, f"{reason}; {budget}")]
+        if lower_lr:
+            gentler = "retry from the restored weights with a smaller step"
+            actions.append(self._act(guard, "lower_lr", self.cfg.lr_factor, gentler))
+        return actions
+
+    def check_update(self, loss: float, grad_norm: float) -> Action | None:
+        """``skip_update`` for a non-finite loss or grad norm.
+
+        More than ``max_retries`` in a row means the weights themselves are
+        likely broken: the answer becomes ``rollback`` (or ``stop``), whose
+        first action is returned (the loop skips the step either way).
+        """
+        if not self.cfg.enabled:
+            return None
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self._bad_updates = 0
+            return None
+        self._bad_updates += 1
+        reason = f"loss={loss} grad_norm={grad_norm}"
+        if self._bad_updates > self.cfg.max_retries:
+            self._bad_updates = 0
+            in_a_row = f"{reason}, {self.cfg.max_retries + 1} in a row"
+            return self._rollback(NONFINITE_UPDATE, in_a_row, lower_lr=False)[0]
+        return self._act(NONFINITE_UPDATE, "skip_update", None, reason)
+
+    def check_rewards(self, scores: list[float]) -> list[int]:
+        """Indices of non-finite scores, to drop before computing advantages.
+
+        The loop counts a non-empty answer as one ``nonfinite_reward`` action.
+        """
+        if not self.cfg.enabled:
+            return []
+        bad = [i for i, score in enumerate(scores) if not math.isfinite(score)]
+        if bad:
+            self._act(NONFINITE_REWARD, "drop_samples", None, f"{len(bad)}/{len(scores)} scores")
+        return bad
+
+    def after_step(self, metrics: dict[str, float]) -> list[Action]:
+        """Actions after a step, from its metrics (keys as ``Recorder.record``).
+
+        Reads ``kl``, ``clip_frac``, ``reward_mean`` and ``rollout_tps``; absent
+        or non-finite values are ignored. After a ``stop`` every call returns
+        the stop again.
+        """
+        if not self.cfg.enabled:
+            return []
+        if self.stopped:
+            return [Action("stopped", "stop", None, "training was already stopped by a guard")]
+        self._step += 1
+        actions: list[Action] = []
+        actions += self._check_kl(_finite(metrics, "kl"))
+        actions += self._check_clip(_finite(metrics, "clip_frac"))
+        if not any(a.kind in ("rollback", "stop") for a in actions):
+            actions += self._check_reward(_finite(metrics, "reward_mean"))
+        actions += self._check_throughput(_finite(metrics, "rollout_tps"))
+        if any(a.kind == "stop" for a in actions):
+            return [a for a in actions if a.kind == "stop"][:1]
+        return actions
+
+    def _soft(self, guard: str, kind: ActionKind, factor: float, reason: str) -> list[Action]:
+        """A soft remedy with a cooldown; past its budget it becomes a rollback."""
+        if self._step < self._quiet_until.get(guard, 0):
+            return []
+        self._quiet_until[guard] = self._step + self.cfg.cooldown + 1
+        uses = self._soft_uses.get(guard, 0)
+        if uses >= self.cfg.max_retries:
+            self._soft_uses[guard] = 0
+            return self._rollback(guard, f"{reason}, still after {uses} x {kind}")
+        self._soft_uses[guard] = uses + 1
+        return [self._act(guard, kind, factor, reason)]
+
+    def _check_kl(self, kl: float | None) -> list[Action]:
+        if kl is None or kl <= self.cfg.kl_ceiling:
+            return []
+        reason = f"kl={kl:.3g} nats/token > kl_ceiling={self.cfg.kl_ceiling:g}"
+        return self._soft(KL_EXPLOSION, "raise_beta", self.cfg.kl_beta_factor, reason)
+
+    def _check_clip(self, clip_frac: float | None) -> list[Action]:
+        if clip_frac is None or clip_frac <= self.cfg.clip_frac_ceiling:
+            return []
+        reason = f"clip_frac={clip_frac:.3g} > clip_frac_ceiling={self.cfg.clip_frac_ceiling:g}"
+        return self._soft(CLIP_FRAC, "lower_lr", self.cfg.lr_factor, reason)
+
+    def _check_reward(self, reward: float | None) -> list[Action]:
+        if reward is None:
+            return []
+        alpha = 2.0 / (self.cfg.reward_collapse_window + 1)
+        ema = (
+            reward
+            if self._reward_ema is None
+            else self._reward_ema + alpha * (reward - self._reward_ema)
+        )
+        self._reward_ema = ema
+        self._reward_steps += 1
+        if self._reward_steps < self.cfg.reward_collapse_window:
+            return []
+        best = self._best_ema = max(self._best_ema, ema)
+        fall = best - ema
+        needed = max(self.cfg.reward_collapse_drop * abs(best), self.cfg.reward_collapse_min_drop)
+        if fall < needed or fall <= 0:
+            return []
+        reason = (
+            f"reward EMA {ema:.3g} fell {fall:.3g} from its best {best:.3g} (limit {needed:.3g})"
+        )
+        return self._rollback(REWARD_COLLAPSE, reason)
+
+    def _check_throughput(self, tps: float | None) -> list[Action]:
+        if tps is None:
+            return []
+        self._tps.append(tps)
+        if len(self._tps) < self.cfg.throughput_window:
+            return []
+        median = statistics.median(self._tps)
+        self._best_tps = max(self._best_tps, median)
+        if median >= self.cfg.throughput_decay * self._best_tps:
+            return []
+        reason = f"rollout median {median:.3g} tokens/s < {self.cfg.throughput_decay:g} x best {self._best_tps:.3g}"
+        if self._rebuilds >= self.cfg.max_retries:
+            return [
+                self._stop(
+                    THROUGHPUT_DECAY, f"{reason}; {self._rebuilds} engine rebuilds did not help"
+                )
+            ]
+        self._rebuilds += 1
+        self._tps.clear()
+        return [
+            self._act(
+                THROUGHPUT_DECAY,
+                "rebuild_engine",
+                None,
+                f"{reason}; rebuild {self._rebuilds}/{self.cfg.max_retries}",
+            )
+        ]

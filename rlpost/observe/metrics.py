@@ -1,0 +1,136 @@
+"""The one table of ``rl_*`` metric names, and where each is written.
+
+Every stage records through :class:`rlpost.observe.recorder.Recorder` with the
+short keys below (``reward_mean``, ``kl``, ...); the table maps each key to its
+Prometheus name, type and help text, so a metric is renamed or re-described in
+exactly one place. Keys that are not in the table (``loss``, ``eval_accuracy``,
+``lr``, ...) are still written to ``metrics.jsonl`` and TensorBoard, but are not
+exported to Prometheus: the exported set is a stable contract that alert rules
+and dashboards (``deploy/prometheus``) are written against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+MetricKind = Literal["gauge", "counter", "histogram"]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One exported metric.
+
+    ``key`` is the name used in ``Recorder.record`` and in ``metrics.jsonl``;
+    ``help`` states the unit in brackets, as Prometheus shows it to users.
+    """
+
+    name: str
+    kind: MetricKind
+    help: str
+    key: str
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("rl_step_total", "counter", "Training steps recorded [steps].", "step"),
+    MetricSpec(
+        "rl_reward_mean",
+        "gauge",
+        "Mean reward of the step's samples [reward units].",
+        "reward_mean",
+    ),
+    MetricSpec(
+        "rl_reward_std",
+        "gauge",
+        "Standard deviation of the step's rewards [reward units].",
+        "reward_std",
+    ),
+    MetricSpec(
+        "rl_kl_divergence",
+        "gauge",
+        "Mean per-token KL(policy || reference) over response tokens [nats/token].",
+        "kl",
+    ),
+    MetricSpec(
+        "rl_response_length_mean", "gauge", "Mean response length [tokens].", "response_length_mean"
+    ),
+    MetricSpec(
+        "rl_ratio_clip_frac",
+        "gauge",
+        "Fraction of response tokens whose importance ratio was clipped [0-1].",
+        "clip_frac",
+    ),
+    MetricSpec(
+        "rl_rollout_throughput_tps",
+        "gauge",
+        "Rollout generation throughput [generated tokens/second].",
+        "rollout_tps",
+    ),
+    MetricSpec(
+        "rl_train_mfu",
+        "gauge",
+        "Trainer model FLOPs utilisation: achieved / peak FLOP/s [0-1].",
+        "mfu",
+    ),
+    MetricSpec(
+        "rl_weight_sync_duration_seconds",
+        "histogram",
+        "Time to push new weights to the rollout engines [seconds].",
+        "sync_seconds",
+    ),
+    MetricSpec(
+        "rl_rollout_worker_utilization",
+        "gauge",
+        "Fraction of wall time rollout workers spent generating [0-1].",
+        "rollout_utilization",
+    ),
+    MetricSpec(
+        "rl_train_worker_utilization",
+        "gauge",
+        "Fraction of wall time train workers spent computing updates [0-1].",
+        "train_utilization",
+    ),
+    MetricSpec(
+        "rl_sample_mean_lag",
+        "gauge",
+        "Mean policy-version lag of trained samples (trainer version - sample version) [versions].",
+        "sample_lag",
+    ),
+    MetricSpec(
+        "rl_sample_drop_ratio",
+        "gauge",
+        "Fraction of generated samples dropped as too stale [0-1].",
+        "sample_drop_ratio",
+    ),
+)
+"""The exported step metrics, in display order (``docs/operations.md`` mirrors it)."""
+
+GUARD_METRIC = MetricSpec(
+    "rl_guard_actions_total",
+    "counter",
+    "Actions taken by training guards, labelled by guard [actions].",
+    "guard",
+)
+"""Counter labelled ``guard=<name>``; advanced by ``Recorder.count_guard``."""
+
+GUARD_KEY_PREFIX = "guard_"
+"""In ``metrics.jsonl`` a guard's running action count is written as ``guard_<name>``."""
+
+SYNC_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+"""Histogram buckets for weight-sync seconds: in-process copies (ms) up to
+multi-GB transfers over the network (minutes)."""
+
+BY_KEY: dict[str, MetricSpec] = {spec.key: spec for spec in METRICS}
+"""Record key -> spec, for the keys exported to Prometheus."""
+
+ALL_NAMES: tuple[str, ...] = (*(spec.name for spec in METRICS), GUARD_METRIC.name)
+"""Every exported metric name (the 13 step metrics and the guard counter)."""
+
+
+def exposed_sample_name(spec: MetricSpec) -> str:
+    """Name of the sample line that carries ``spec`` in the text exposition.
+
+    Counters are declared with their ``_total`` suffix already; a histogram is
+    seen through its ``_count`` series.
+    """
+    return spec.name + "_count" if spec.kind == "histogram" else spec.name

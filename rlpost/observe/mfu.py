@@ -1,0 +1,78 @@
+"""Model FLOPs utilisation: achieved FLOP/s over the hardware's peak.
+
+FLOP counts follow the PaLM paper (Chowdhery et al. 2022, appendix B): a
+decoder with N parameters, L layers, width H and sequence length S costs
+``6N + 12·L·H·S`` FLOPs per trained token (forward and backward of the weight
+matmuls, plus the attention score and value products, counted without the
+causal-mask saving, as PaLM and most MFU reports do). Generation runs the
+forward pass only, ``2N``, and with a KV cache each new token attends to the
+tokens before it: averaged over a sequence of S tokens that is S/2 keys, giving
+``2N + 2·L·H·S``.
+
+On a CPU there is no datasheet peak, so the peak is measured: the best FLOP/s a
+float32 matmul reaches on this machine (:func:`measure_cpu_peak_flops`). MFU
+against it says how much of what the cores can do the trainer is using.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+
+def flops_per_token(
+    n_params: int, n_layers: int, hidden: int, seq_len: int, *, training: bool
+) -> float:
+    """FLOPs for one token: ``6N + 12·L·H·S`` training, ``2N + 2·L·H·S`` generation.
+
+    ``n_params`` counts the non-embedding parameters (embedding lookups cost no
+    matmul FLOPs; a tied LM head should be counted once in ``n_params``).
+    """
+    for name, value in (
+        ("n_params", n_params),
+        ("n_layers", n_layers),
+        ("hidden", hidden),
+        ("seq_len", seq_len),
+    ):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    attention = n_layers * hidden * seq_len
+    if training:
+        return 6.0 * n_params + 12.0 * attention
+    return 2.0 * n_params + 2.0 * attention
+
+
+def mfu(flops: float, seconds: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: ``flops / seconds / peak_flops`` (a fraction, 0-1)."""
+    if seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {seconds}")
+    if peak_flops <= 0:
+        raise ValueError(f"peak_flops must be > 0, got {peak_flops}")
+    return flops / seconds / peak_flops
+
+
+def measure_cpu_peak_flops(size: int = 1024, repeats: int = 3) -> float:
+    """Best FLOP/s of a ``size x size`` float32 matmul (``2·size³`` FLOPs), over ``repeats`` runs.
+
+    Uses torch's current intra-op thread count, so measure after setting it.
+    """
+    if size < 1 or repeats < 1:
+        raise ValueError(f"size and repeats must be >= 1, got size={size} repeats={repeats}")
+    import torch
+
+    a = torch.randn(size, size, dtype=torch.float32)
+    b = torch.randn(size, size, dtype=torch.float32)
+    torch.mm(a, b)  # warm up: first call pays for thread-pool start and allocation
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        elapsed = time.perf_counter() - start
+        best = max(best, 2.0 * size**3 / max(elapsed, 1e-9))
+    return best
+
+
+@functools.cache
+def default_cpu_peak_flops() -> float:
+    """:func:`measure_cpu_peak_flops` with its defaults, measured once per process."""
+    return measure_cpu_peak_flops()

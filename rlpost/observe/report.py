@@ -1,0 +1,307 @@
+"""Run report: one self-contained HTML page per run directory.
+
+``rlpost report RUN_DIR`` reads what a run left behind (``metrics.jsonl``,
+``summary.json``, ``samples/step_*.jsonl``) and writes ``RUN_DIR/report.html``:
+the training curves as inline PNGs, the summary table, and sampled completions
+to read, since reward curves alone do not show reward hacking. The page has no
+external references so it can be mailed or attached to an issue as one file.
+Plots are drawn with matplotlib's Agg canvas directly (no pyplot), so making a
+report never touches the process-wide plotting backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from rlpost.observe.recorder import METRICS_FILE, read_metrics
+
+REPORT_FILE = "report.html"
+SUMMARY_FILE = "summary.json"
+SAMPLE_FILES_SHOWN = 6
+SAMPLE_ROWS_SHOWN = 8
+TEXT_CHARS_SHOWN = 2000
+
+PLOTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Reward (mean ± std)", ("reward_mean", "reward_std")),
+    ("Held-out accuracy", ("eval_accuracy",)),
+    ("KL to reference [nats/token]", ("kl",)),
+    ("Response length [tokens]", ("response_length_mean",)),
+    ("Ratio clip fraction", ("clip_frac",)),
+    ("Rollout throughput [tokens/s]", ("rollout_tps",)),
+    ("Weight sync [seconds]", ("sync_seconds",)),
+    ("Sample lag [policy versions]", ("sample_lag",)),
+    ("Sample drop ratio", ("sample_drop_ratio",)),
+)
+"""(title, keys) of each plot; the first key decides whether the plot is drawn."""
+
+
+def _series(metrics: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of the rows where ``key`` has a finite value."""
+    steps, values = [], []
+    for row in metrics:
+        value = row.get(key)
+        if isinstance(value, int | float) and math.isfinite(value):
+            steps.append(float(row["step"]))
+            values.append(float(value))
+    return steps, values
+
+
+def _png_base64(fig: Figure) -> str:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _draw(ax: Any, metrics: list[dict[str, Any]], keys: tuple[str, ...]) -> None:
+    steps, values = _series(metrics, keys[0])
+    label = "mean" if keys[0] == "reward_mean" else keys[0]
+    ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=label)
+    if keys == ("reward_mean", "reward_std"):
+        std = dict(zip(*_series(metrics, "reward_std"), strict=True))
+        if std:
+            low = [v - std.get(s, 0.0) for s, v in zip(steps, values, strict=True)]
+            high = [v + std.get(s, 0.0) for s, v in zip(steps, values, strict=True)]
+            ax.fill_between(steps, low, high, alpha=0.25, label="± std")
+            ax.legend(loc="best", fontsize=8)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+
+
+def _plot_block(metrics: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """(``<figure>`` HTML of each drawn plot, titles skipped for lack of data)."""
+    figures, skipped = [], []
+    for title, keys in PLOTS:
+        if not _series(metrics, keys[0])[0]:
+            skipped.append(title)
+            continue
+        fig = Figure(figsize=(5.5, 3.2), layout="constrained")
+        ax = fig.add_subplot()
+        _draw(ax, metrics, keys)
+        ax.set_title(title, fontsize=11)
+        alt = html.escape(title)
+        figures.append(
+            f'<figure><img alt="{alt}" src="data:image/png;base64,{_png_base64(fig)}"></figure>'
+        )
+    return figures, skipped
+
+
+def plot_curves(metrics: list[dict[str, Any]], out_png: Path) -> None:
+    """Write a PNG of reward mean and held-out accuracy against step.
+
+    ``metrics`` is :func:`read_metrics` output. A missing series is drawn as an
+    empty panel that says so, so the file always exists after a run.
+    """
+    fig = Figure(figsize=(10, 3.6), layout="constrained")
+    panels = (
+        ("Reward mean", ("reward_mean", "reward_std")),
+        ("Held-out accuracy", ("eval_accuracy",)),
+    )
+    for ax, (title, keys) in zip(fig.subplots(1, 2), panels, strict=True):
+        ax.set_title(title)
+        if _series(metrics, keys[0])[0]:
+            _draw(ax, metrics, keys)
+        else:
+            ax.text(
+                0.5, 0.5, f"no {keys[0]} recorded", ha="center", va="center", transform=ax.transAxes
+            )
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+
+
+def _read_summary(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / SUMMARY_FILE
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {"summary": data}
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict | list):
+        return json.dumps(value, sort_keys=True)
+    return str(value)
+
+
+def _fmt_seconds(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"
+
+
+def _first_last(metrics: list[dict[str, Any]], key: str) -> str | None:
+    values = _series(metrics, key)[1]
+    return f"{values[0]:.4g} -> {values[-1]:.4g}" if values else None
+
+
+def summarize(run_dir: Path) -> str:
+    """A short text summary: steps, reward first/last, eval accuracy, last KL, wall time."""
+    run_dir = Path(run_dir)
+    metrics = read_metrics(run_dir)
+    lines = [f"run: {run_dir}"]
+    if metrics:
+        lines.append(f"steps: {len(metrics)} (step {metrics[0]['step']} to {metrics[-1]['step']})")
+    else:
+        lines.append("steps: 0")
+    for label, key in (("reward mean", "reward_mean"), ("eval accuracy", "eval_accuracy")):
+        change = _first_last(metrics, key)
+        lines.append(f"{label}: {change if change else 'not recorded'}")
+    kl = _series(metrics, "kl")[1]
+    lines.append(f"kl (last): {kl[-1]:.4g} nats/token" if kl else "kl (last): not recorded")
+    wall = _read_summary(run_dir).get("wall_seconds")
+    if not isinstance(wall, int | float) and len(metrics) > 1:
+        wall = float(metrics[-1]["time"]) - float(metrics[0]["time"])
+    lines.append(
+        f"wall time: {_fmt_seconds(wall)}"
+        if isinstance(wall, int | float)
+        else "wall time: unknown"
+    )
+    return "\n".join(lines)
+
+
+def _load_samples(run_dir: Path) -> tuple[list[tuple[str, list[dict[str, Any]], int]], int]:
+    """Evenly spaced sample files (first and last included) with their shown rows.
+
+    Returns ([(file name, rows shown, rows in file)], number of files in all).
+    """
+
+    def step_of(path: Path) -> int:
+        digits = path.stem.removeprefix("step_")
+        return int(digits) if digits.isdigit() else -1
+
+    files = sorted((run_dir / "samples").glob("step_*.jsonl"), key=step_of)
+    if len(files) > SAMPLE_FILES_SHOWN:
+        last = len(files) - 1
+        picks = sorted(
+            {round(i * last / (SAMPLE_FILES_SHOWN - 1)) for i in range(SAMPLE_FILES_SHOWN)}
+        )
+        chosen = [files[i] for i in picks]
+    else:
+        chosen = files
+    loaded = []
+    for path in chosen:
+        rows = [
+            json.loads(line)
+            for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip()
+        ]
+        loaded.append((path.name, rows[:SAMPLE_ROWS_SHOWN], len(rows)))
+    return loaded, len(files)
+
+
+def _clip(text: Any) -> str:
+    text = "" if text is None else str(text)
+    if len(text) > TEXT_CHARS_SHOWN:
+        text = text[:TEXT_CHARS_SHOWN] + f" … [{len(text) - TEXT_CHARS_SHOWN} more characters]"
+    return html.escape(text)
+
+
+def _samples_html(run_dir: Path) -> str:
+    loaded, total = _load_samples(run_dir)
+    if not loaded:
+        return "<p class=note>No sampled completions (samples/step_*.jsonl) in this run.</p>"
+    parts = [f"<p class=note>Showing {len(loaded)} of {total} sample files.</p>"]
+    for name, rows, count in loaded:
+        parts.append(
+            f"<h3>{html.escape(name)} <span class=note>({len(rows)} of {count} rows)</span></h3>"
+        )
+        parts.append(
+            "<table class=samples><tr><th>prompt</th><th>completion</th><th>score</th><th>components</th></tr>"
+        )
+        for row in rows:
+            components = row.get("components") or {}
+            parts.append(
+                f"<tr><td><pre>{_clip(row.get('prompt'))}</pre></td>"
+                f"<td><pre>{_clip(row.get('completion'))}</pre></td>"
+                f"<td>{html.escape(_fmt(row.get('score')))}</td>"
+                f"<td>{html.escape(_fmt(components))}</td></tr>"
+            )
+        parts.append("</table>")
+    return "\n".join(parts)
+
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 24px; color: #222; max-width: 1200px; }
+h1 { font-size: 22px; } h2 { font-size: 18px; border-bottom: 1px solid #ddd; padding-bottom: 4px; }
+.plots { display: grid; grid-template-columns: repeat(auto-fill, minmax(520px, 1fr)); gap: 8px; }
+figure { margin: 0; } figure img { width: 100%; }
+table { border-collapse: collapse; font-size: 13px; }
+td, th { border: 1px solid #ccc; padding: 4px 8px; vertical-align: top; text-align: left; }
+pre { white-space: pre-wrap; margin: 0; max-width: 480px; font-size: 12px; }
+.note { color: #666; font-size: 13px; }
+"""
+
+
+def _render(run_dir: Path, metrics: list[dict[str, Any]]) -> str:
+    figures, skipped = _plot_block(metrics)
+    summary = _read_summary(run_dir)
+    title = f"rlpost run report: {html.escape(run_dir.name)}"
+    body = [f"<h1>{title}</h1>", f"<pre>{html.escape(summarize(run_dir))}</pre>", "<h2>Curves</h2>"]
+    body.append(
+        f"<div class=plots>{''.join(figures)}</div>" if figures else "<p class=note>No curves.</p>"
+    )
+    if skipped:
+        body.append(
+            f"<p class=note>Not plotted (not recorded in this run): {html.escape(', '.join(skipped))}.</p>"
+        )
+    body.append("<h2>Summary</h2>")
+    if summary:
+        rows = "".join(
+            f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_fmt(v))}</td></tr>"
+            for k, v in summary.items()
+        )
+        body.append(f"<table>{rows}</table>")
+    else:
+        body.append(f"<p class=note>No {SUMMARY_FILE} in this run.</p>")
+    body += ["<h2>Sampled completions</h2>", _samples_html(run_dir)]
+    return (
+        f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
+        f"<style>{STYLE}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )
+
+
+def write_report(run_dir: Path) -> Path:
+    """Write ``RUN_DIR/report.html`` and return its path."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {run_dir} does not exist")
+    out = run_dir / REPORT_FILE
+    out.write_text(_render(run_dir, read_metrics(run_dir)), encoding="utf-8")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``rlpost report RUN_DIR``: print the summary and write the HTML report."""
+    parser = argparse.ArgumentParser(prog="rlpost report", description="Write RUN_DIR/report.html.")
+    parser.add_argument("run_dir", type=Path, help="a run directory (holds metrics.jsonl)")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    run_dir: Path = args.run_dir
+    if not run_dir.is_dir():
+        print(f"error: run directory {run_dir} does not exist", file=sys.stderr)
+        return 2
+    if not read_metrics(run_dir):
+        print(
+            f"error: {run_dir} has no steps in {METRICS_FILE}; is it a run directory?",
+            file=sys.stderr,
+        )
+        return 2
+    path = write_report(run_dir)
+    print(summarize(run_dir))
+    print(f"report: {path}")
+    return 0

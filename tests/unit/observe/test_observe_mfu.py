@@ -1,0 +1,64 @@
+"""FLOP counts and MFU (PaLM appendix B), hand-computed (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+import rlpost.observe.mfu as mfu_module
+from rlpost.observe.mfu import default_cpu_peak_flops, flops_per_token, measure_cpu_peak_flops, mfu
+
+
+def test_training_flops_match_palm_count():
+    # N = 1e6 params, L = 2, H = 64, S = 128: 6e6 + 12*2*64*128 = 6e6 + 196608
+    assert flops_per_token(1_000_000, 2, 64, 128, training=True) == 6_196_608.0
+
+
+def test_generation_flops_are_forward_with_causal_average():
+    # 2e6 + 2*2*64*128 = 2e6 + 32768
+    assert flops_per_token(1_000_000, 2, 64, 128, training=False) == 2_032_768.0
+
+
+def test_training_is_three_times_forward_without_attention():
+    assert flops_per_token(10_000, 4, 32, 0, training=True) == 3 * flops_per_token(
+        10_000, 4, 32, 0, training=False
+    )
+
+
+def test_mfu_is_achieved_over_peak():
+    assert mfu(flops=4e12, seconds=2.0, peak_flops=1e13) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"seconds": 0.0, "peak_flops": 1.0}, "seconds"),
+        ({"seconds": 1.0, "peak_flops": 0.0}, "peak"),
+    ],
+)
+def test_mfu_refuses_non_positive_denominators(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        mfu(1.0, **kwargs)
+
+
+def test_negative_sizes_are_refused():
+    with pytest.raises(ValueError, match="seq_len must be >= 0"):
+        flops_per_token(1, 1, 1, -1, training=True)
+
+
+def test_measured_peak_is_plausible():
+    peak = measure_cpu_peak_flops(size=256, repeats=2)
+    # any CPU that runs torch does > 100 MFLOP/s and < 100 PFLOP/s on float32 matmul
+    assert 1e8 < peak < 1e17
+    with pytest.raises(ValueError, match="size and repeats"):
+        measure_cpu_peak_flops(size=0)
+
+
+def test_default_peak_is_measured_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr(mfu_module, "measure_cpu_peak_flops", lambda: calls.append(1) or 5e10)
+    default_cpu_peak_flops.cache_clear()
+    try:
+        assert default_cpu_peak_flops() == default_cpu_peak_flops() == 5e10
+        assert calls == [1]
+    finally:
+        default_cpu_peak_flops.cache_clear()

@@ -1,0 +1,105 @@
+"""Run report: HTML content, escaping, skipped plots, text summary, CLI exit codes (CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import matplotlib.image
+import pytest
+
+from rlpost.observe.recorder import Recorder
+from rlpost.observe.report import main, plot_curves, summarize, write_report
+
+
+def make_run(run_dir, *, steps=12, samples=True, summary=True):
+    with Recorder(run_dir) as rec:
+        for step in range(1, steps + 1):
+            rec.record(
+                step,
+                {
+                    "reward_mean": 0.1 + 0.05 * step,
+                    "reward_std": 0.2,
+                    "kl": 0.01 * step,
+                    "response_length_mean": 30 - step,
+                    "loss": math.nan if step == 3 else 1.0 / step,
+                },
+            )
+            if step % 4 == 0:
+                rec.record(step, {"eval_accuracy": 0.05 * step})
+    if summary:
+        (run_dir / "summary.json").write_text(json.dumps({"final_accuracy": 0.6, "algo": "grpo"}))
+    if samples:
+        (run_dir / "samples").mkdir()
+        for step in (1, 12):
+            row = {
+                "prompt": "What is 2+3? <script>alert('x')</script>",
+                "completion": "<b>5</b> & done",
+                "score": 1.0,
+                "components": {"correct": 1.0},
+            }
+            (run_dir / "samples" / f"step_{step:06d}.jsonl").write_text(json.dumps(row) + "\n")
+
+
+def test_report_is_self_contained_with_plots_tables_and_escaped_samples(tmp_path):
+    make_run(tmp_path)
+    page = write_report(tmp_path).read_text()
+    assert page.startswith("<!doctype html>")
+    assert f"<title>rlpost run report: {tmp_path.name}</title>" in page
+    # reward, accuracy, KL, length are present; the rest are listed as skipped
+    assert page.count('<img alt="') == 4
+    assert page.count("data:image/png;base64,") == 4
+    assert "Not plotted (not recorded in this run): Ratio clip fraction" in page
+    assert "<th>final_accuracy</th><td>0.6</td>" in page
+    assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in page
+    assert "<script>" not in page and "<b>5</b>" not in page
+    assert "&lt;b&gt;5&lt;/b&gt; &amp; done" in page
+    assert "step_000001.jsonl" in page and "step_000012.jsonl" in page
+    assert "http://" not in page and "https://" not in page
+
+
+def test_report_says_what_is_missing(tmp_path):
+    make_run(tmp_path, samples=False, summary=False)
+    page = write_report(tmp_path).read_text()
+    assert "No summary.json in this run." in page
+    assert "No sampled completions" in page
+
+
+def test_summary_text_has_steps_reward_accuracy_kl_and_wall_time(tmp_path):
+    make_run(tmp_path)
+    text = summarize(tmp_path)
+    assert "steps: 12 (step 1 to 12)" in text
+    assert "reward mean: 0.15 -> 0.7" in text
+    assert "eval accuracy: 0.2 -> 0.6" in text
+    assert "kl (last): 0.12 nats/token" in text
+    assert "wall time: 0m 00s" in text
+
+
+def test_plot_curves_writes_a_png_even_without_accuracy(tmp_path):
+    out = tmp_path / "nested" / "curves.png"
+    plot_curves([{"step": 1, "reward_mean": 0.1}, {"step": 2, "reward_mean": None}], out)
+    image = matplotlib.image.imread(out)
+    assert image.shape[0] > 100 and image.shape[1] > 300
+    assert image[..., :3].std() > 0.01  # not a blank canvas
+
+
+def test_cli_writes_report_and_prints_summary(tmp_path, capsys):
+    make_run(tmp_path)
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "steps: 12" in out and f"report: {tmp_path / 'report.html'}" in out
+    assert (tmp_path / "report.html").exists()
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty"])
+def test_cli_refuses_missing_or_empty_run_dir_with_one_line(tmp_path, capsys, kind):
+    run_dir = tmp_path / "nope" if kind == "missing" else tmp_path
+    assert main([str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert not (tmp_path / "report.html").exists()
+
+
+def test_cli_without_arguments_exits_2(capsys):
+    assert main([]) == 2
+    assert "run_dir" in capsys.readouterr().err
