@@ -120,7 +120,11 @@ def cmd_config(args) -> int:
             print(f"{key} = {default}\n    {help_text}")
         return 0
     recipe, overrides = _split_args(args.items)
-    print(dump_config(load_config(recipe, overrides)), end="")
+    cfg = load_config(recipe, overrides)
+    from rlpost.pipeline.build import check_names
+
+    check_names(cfg)
+    print(dump_config(cfg), end="")
     return 0
 
 

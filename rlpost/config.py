@@ -211,6 +211,19 @@ class TrainConfig(Section):
     """Passes over each rollout batch (PPO epochs)."""
 
 
+class CriticConfig(Section):
+    """The value model of PPO (used when algo.advantage is gae or vapo_gae)."""
+
+    lr: float = Field(1e-3, gt=0.0)
+    """Peak learning rate of the critic (usually higher than the policy's)."""
+    warmup_steps: int = Field(0, ge=0)
+    """RL steps in which only the critic trains, so its values are useful before the policy moves."""
+    clip_range: float | None = Field(0.2, gt=0.0)
+    """Value clipping around the old values (None: no clipping)."""
+    epochs: int = Field(1, ge=1)
+    """Passes over each rollout batch."""
+
+
 class SFTConfig(Section):
     """Supervised warm-up that produces the starting policy."""
 
@@ -222,8 +235,9 @@ class SFTConfig(Section):
     """Sequences per step."""
     warmup_steps: int = Field(20, ge=0)
     """Linear LR warm-up steps."""
-    noise: float = Field(0.0, ge=0.0, le=1.0)
-    """Fraction of warm-up targets replaced by a nearby wrong answer, so RL has room to improve."""
+    distractor: float = Field(0.0, ge=0.0, lt=1.0)
+    """Fraction of warm-up targets written with their digits reversed (27 -> 72): the starting
+    policy can answer but does not reliably choose the right form, which RL then selects."""
 
 
 # ------------------------------------------------------------------------ reward
@@ -261,8 +275,9 @@ class RewardConfig(Section):
 class EvalConfig(Section):
     every: int = Field(10, ge=0)
     """Evaluate on the held-out split every N steps (0: only at start and end)."""
-    temperature: float = Field(0.0, ge=0.0)
-    """Sampling temperature for evaluation (0: greedy)."""
+    temperature: float = Field(1.0, ge=0.0)
+    """Sampling temperature for held-out accuracy (0: greedy). Greedy accuracy is also reported
+    at the start and end of every run."""
     limit: int | None = None
     """Evaluate on the first N held-out problems only (None: all)."""
 
@@ -305,6 +320,7 @@ class Config(Section):
     algo: AlgoConfig = AlgoConfig()
     train: TrainConfig = TrainConfig()
     sft: SFTConfig = SFTConfig()
+    critic: CriticConfig = CriticConfig()
     reward: RewardConfig = RewardConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -412,21 +428,31 @@ def format_validation_error(err: ValidationError) -> str:
     return f"config {key}{shown}: {msg}"
 
 
+def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A recipe as a dict. ``base: other.yaml`` (relative to the recipe) is loaded first
+    and this recipe's keys are merged on top, so variants state only what differs."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"recipe {str(p)!r} does not exist")
+    if p.resolve() in _seen:
+        raise ConfigError(f"recipe {str(p)!r} includes itself through 'base'")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        line = getattr(getattr(exc, "problem_mark", None), "line", None)
+        where = f" line {line + 1}" if line is not None else ""
+        raise ConfigError(f"recipe {str(p)!r}{where} is not valid YAML") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"recipe {str(p)!r} must be a mapping of sections")
+    base = data.pop("base", None)
+    if base is not None:
+        data = merge(read_recipe(p.parent / str(base), (*_seen, p.resolve())), data)
+    return data
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load a recipe (None: defaults only), apply dotted overrides, validate the whole tree."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"recipe {str(p)!r} does not exist")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            line = getattr(getattr(exc, "problem_mark", None), "line", None)
-            where = f" line {line + 1}" if line is not None else ""
-            raise ConfigError(f"recipe {str(p)!r}{where} is not valid YAML") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"recipe {str(p)!r} must be a mapping of sections")
+    data = read_recipe(path) if path is not None else {}
     data = merge(data, parse_overrides(overrides or []))
     try:
         return Config.model_validate(data)

@@ -70,9 +70,9 @@ class GuardConfig(BaseModel):
     """Absolute fall [reward units] also needed, so noise around zero reward is not a collapse."""
     reward_collapse_window: int = Field(5, ge=1)
     """EMA span in steps (alpha = 2/(window+1)); the rule arms after this many steps."""
-    throughput_decay: float = Field(0.5, gt=0, lt=1)
+    throughput_decay: float = Field(0.3, gt=0, lt=1)
     """Rebuild the engine when rollout tokens/s fall below this fraction of the best."""
-    throughput_window: int = Field(5, ge=1)
+    throughput_window: int = Field(10, ge=1)
     """Steps in the rolling median of rollout tokens/s."""
     cooldown: int = Field(3, ge=0)
     """Steps the KL and clip-fraction guards wait after acting, so a remedy can take effect."""
@@ -258,6 +258,7 @@ class Guards:
         median = statistics.median(self._tps)
         self._best_tps = max(self._best_tps, median)
         if median >= self.cfg.throughput_decay * self._best_tps:
+            self._rebuilds = 0  # recovered: only consecutive failed rebuilds end the run
             return []
         reason = f"rollout median {median:.3g} tokens/s < {self.cfg.throughput_decay:g} x best {self._best_tps:.3g}"
         if self._rebuilds >= self.cfg.max_retries:

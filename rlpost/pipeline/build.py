@@ -119,11 +119,13 @@ def sampling_params(cfg: Config, tokenizer) -> SamplingParams:
     )
 
 
-def eval_params(cfg: Config, tokenizer) -> SamplingParams:
+def eval_params(cfg: Config, tokenizer, *, greedy: bool = False) -> SamplingParams:
+    """Held-out sampling: its own seed, so an evaluation never shifts the training samples."""
     return SamplingParams(
-        temperature=cfg.eval.temperature,
+        temperature=0.0 if greedy else cfg.eval.temperature,
         max_tokens=cfg.rollout.max_tokens,
         stop_token_ids=(tokenizer.eos_token_id,),
+        seed=cfg.run.seed + 10_007,
     )
 
 
@@ -154,4 +156,27 @@ def build_trainer(cfg: Config, model) -> PolicyTrainer:
         ref_model=ref,
         kl_estimator=get_kl_estimator(a.kl.estimator),
         seed=cfg.run.seed,
+    )
+
+
+CRITIC_ESTIMATORS = ("gae", "vapo_gae")
+
+
+def build_critic(cfg: Config, model):
+    """A critic trainer when the advantage estimator needs values (PPO), else None."""
+    if cfg.algo.advantage not in CRITIC_ESTIMATORS:
+        return None
+    from rlpost.train.critic import CriticTrainer, ValueModel
+
+    c, t = cfg.critic, cfg.train
+    return CriticTrainer(
+        ValueModel.from_policy(model),
+        lr=c.lr,
+        warmup_steps=t.warmup_steps,
+        grad_clip=t.grad_clip,
+        mini_batch_size=t.mini_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        epochs=c.epochs,
+        clip_range=c.clip_range,
+        loss_agg_mode=cfg.algo.loss_agg_mode,
     )

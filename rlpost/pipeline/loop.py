@@ -34,11 +34,13 @@ from rlpost.pipeline import build
 from rlpost.pipeline.console import Console
 from rlpost.pipeline.evaluate import evaluate, logprob_gap, rollout_health, to_reward_samples
 from rlpost.pipeline.rundir import finish_run, prepare_run_dir, warm_start
+from rlpost.rewards.monitor import HackingMonitor
+from rlpost.rewards.samples import SampleWriter
 from rlpost.rewards.scorer import build_scorer
 from rlpost.sync import InProcessChannel
 from rlpost.train.batch import TrainBatch, collate
-from rlpost.types import ScoredBatch
 from rlpost.train.checkpoint import latest_checkpoint, load_state, save_checkpoint, set_rng_state
+from rlpost.types import ScoredBatch
 
 
 @dataclass
@@ -50,6 +52,28 @@ class RunResult:
 
 class TrainingStopped(RuntimeError):
     """A guard stopped the run after its retries were spent."""
+
+
+@dataclass
+class Parts:
+    """Everything a step touches, built once by :func:`train`."""
+
+    cfg: Config
+    run_dir: Path
+    model: torch.nn.Module
+    tokenizer: object
+    trainer: object
+    engine: object
+    channel: InProcessChannel
+    scorer: object
+    sampler: PromptSampler
+    kl_ctl: object
+    guards: Guards
+    recorder: Recorder
+    samples: SampleWriter
+    monitor: HackingMonitor
+    params: object
+    critic: object = None
 
 
 def train(cfg: Config, *, resume: Path | None = None, console: Console | None = None) -> RunResult:
@@ -65,136 +89,161 @@ def train(cfg: Config, *, resume: Path | None = None, console: Console | None = 
     held_out = held_out[: cfg.eval.limit] if cfg.eval.limit else held_out
     ckpt = latest_checkpoint(run_dir) if resume else None
     model, tokenizer = warm_start(cfg, run_dir, train_prompts, console, skip_sft=ckpt is not None)
-    trainer = build.build_trainer(cfg, model)
     engine = build.build_engine(cfg, model, tokenizer)
-    channel = InProcessChannel(engine)
-    scorer = build_scorer(cfg.reward)
-    sampler = PromptSampler(train_prompts, cfg.rollout.prompts_per_step, seed=cfg.run.seed)
     kl = cfg.algo.kl
-    kl_ctl = AdaptiveKLController(kl.beta, kl.target, kl.horizon) if kl.target else FixedKLController(kl.beta)
-    guards = Guards(cfg.observe.guards)
-    params, eval_p = build.sampling_params(cfg, tokenizer), build.eval_params(cfg, tokenizer)
-
-    start_step, history = 0, []
-    if ckpt is not None:
-        start_step = _restore(ckpt, model, trainer, engine, sampler, kl_ctl)
-        channel.push(model, version=start_step)
-    recorder = Recorder(
-        run_dir, prometheus_port=cfg.observe.prometheus.port,
-        prometheus_host=cfg.observe.prometheus.host, tensorboard=cfg.observe.tensorboard,
+    p = Parts(
+        cfg=cfg, run_dir=run_dir, model=model, tokenizer=tokenizer,
+        trainer=build.build_trainer(cfg, model), engine=engine, channel=InProcessChannel(engine),
+        scorer=build_scorer(cfg.reward),
+        sampler=PromptSampler(train_prompts, cfg.rollout.prompts_per_step, seed=cfg.run.seed),
+        kl_ctl=AdaptiveKLController(kl.beta, kl.target, kl.horizon) if kl.target else FixedKLController(kl.beta),
+        guards=Guards(cfg.observe.guards),
+        recorder=Recorder(
+            run_dir, prometheus_port=cfg.observe.prometheus.port,
+            prometheus_host=cfg.observe.prometheus.host, tensorboard=cfg.observe.tensorboard,
+        ),
+        samples=SampleWriter(run_dir, cfg.reward.sample_every, cfg.reward.sample_count),
+        monitor=HackingMonitor(),
+        params=build.sampling_params(cfg, tokenizer),
+        critic=build.build_critic(cfg, model),
     )
-    good_ckpt_step = start_step
+    eval_p = build.eval_params(cfg, tokenizer)
+    step, history = 0, []
+    if ckpt is not None:
+        step = _restore(p, ckpt)
+    start_step = step
     try:
-        first_eval = evaluate(engine, tokenizer, held_out, scorer, eval_p)
-        console.note_eval(start_step, first_eval)
-        recorder.record(start_step, {**first_eval, "step_seconds": 0.0})
-        console.start(cfg.train.steps, start_step)
-        step = start_step
+        first_eval = _full_eval(p, held_out, eval_p)
+        console.note_eval(step, first_eval)
+        p.recorder.record(step, first_eval)
+        console.start(cfg.train.steps, step)
         while step < cfg.train.steps:
-            m = rl_step(cfg, step, sampler, engine, tokenizer, scorer, trainer, kl_ctl, params, guards, recorder)
+            m, actions = rl_step(p, step)
             step += 1
-            m["sync_seconds"] = channel.push(model, version=step).seconds
+            m["sync_seconds"] = p.channel.push(model, version=step).seconds
             if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
-                m.update(evaluate(engine, tokenizer, held_out, scorer, eval_p))
-            actions = guards.after_step(m)
-            for action in actions:
-                recorder.count_guard(action.guard)
-                step, good = _carry_out(action, cfg, run_dir, step, model, trainer, engine, sampler, kl_ctl, channel)
-                good_ckpt_step = good if good is not None else good_ckpt_step
-            recorder.record(step, m)
+                m.update(evaluate(engine, tokenizer, held_out, p.scorer, eval_p))
+            p.recorder.record(step, m)
             history.append({"step": step, **m})
             console.update(step, m)
+            for action in actions + p.guards.after_step(m):
+                p.recorder.count_guard(action.guard)
+                step = _carry_out(p, action, step)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                _save(cfg, run_dir, step, model, trainer, engine, sampler, kl_ctl)
-                good_ckpt_step = step
-        final_eval = evaluate(engine, tokenizer, held_out, scorer, eval_p)
-        recorder.record(step, final_eval)
-        _save(cfg, run_dir, step, model, trainer, engine, sampler, kl_ctl)
+                _save(p, step)
+        final_eval = _full_eval(p, held_out, eval_p)
+        p.recorder.record(step, final_eval)
+        _save(p, step)
     finally:
         console.stop()
-        recorder.close()
+        p.recorder.close()
+        p.scorer.close()
     summary = finish_run(cfg, run_dir, first_eval, final_eval, history, start_step, time.time() - started, console)
     return RunResult(run_dir=run_dir, summary=summary, history=history)
 
 
-def rl_step(cfg, step, sampler, engine, tokenizer, scorer, trainer, kl_ctl, params, guards, recorder) -> dict:
-    """One synchronous step: rollout, reward, advantages, update. Returns its metrics."""
+def _full_eval(p: Parts, held_out, params) -> dict:
+    """Held-out metrics at the eval temperature, plus greedy accuracy when that differs."""
+    out = evaluate(p.engine, p.tokenizer, held_out, p.scorer, params)
+    if params.temperature > 0 and held_out:
+        greedy = build.eval_params(p.cfg, p.tokenizer, greedy=True)
+        out["eval_greedy_accuracy"] = evaluate(p.engine, p.tokenizer, held_out, p.scorer, greedy)["eval_accuracy"]
+    return out
+
+
+def rl_step(p: Parts, step: int) -> tuple[dict, list]:
+    """One synchronous step: rollout, reward, advantages, update. Returns (metrics, guard actions)."""
+    cfg = p.cfg
     t0 = time.perf_counter()
-    n = cfg.rollout.n
-    prompts, completions, scored, rounds = _rollout_and_score(cfg, sampler, engine, tokenizer, scorer, params)
+    prompts, completions, samples, scored, rounds = _rollout_and_score(p)
     t_rollout = time.perf_counter() - t0
     scores = [
         cfg.rollout.truncated_reward if c.truncated and cfg.rollout.truncated_reward is not None else s
         for c, s in zip(completions, scored.scores, strict=True)
     ]
-    batch = collate(completions, scores, tokenizer.pad_token_id)
+    p.samples.maybe_write(step + 1, samples, scored)
+    batch = collate(completions, scores, p.tokenizer.pad_token_id)
     health = rollout_health(completions, batch.scores, batch.group)
-    dropped = sorted(set(scored.invalid_rows) | set(guards.check_rewards(scores)))
+    dropped = sorted(set(scored.invalid_rows) | set(p.guards.check_rewards(scores)))
+    actions = []
     if dropped:
         batch.response_mask[dropped] = 0.0  # a NaN / Inf reward never reaches the optimizer
-        recorder.count_guard("nonfinite_reward")
-    batch.old_logprobs = trainer.old_logprobs(batch)
-    batch.ref_logprobs = trainer.ref_logprobs(batch)
-    kl_value = _advantages(cfg, batch, kl_ctl)
-    stats = trainer.update(batch, beta=kl_ctl.beta if cfg.algo.kl.placement == "loss" else 0.0)
-    if stats.get("skipped"):
-        guards.check_update(stats.get("loss", math.nan), stats.get("grad_norm", math.nan))
-        recorder.count_guard("nonfinite_update")
-    kl_ctl.update(kl_value, len(batch))
+        p.recorder.count_guard("nonfinite_reward")
+    batch.old_logprobs = p.trainer.old_logprobs(batch)
+    batch.ref_logprobs = p.trainer.ref_logprobs(batch)
+    critic_stats = {}
+    if p.critic is not None:
+        batch.values = p.critic.values(batch)
+    kl_value = _advantages(cfg, batch, p.kl_ctl)
+    if p.critic is not None:
+        critic_stats = p.critic.update(batch)
+    train_policy = p.critic is None or step >= cfg.critic.warmup_steps
+    stats = p.trainer.update(batch, beta=p.kl_ctl.beta if cfg.algo.kl.placement == "loss" else 0.0) if train_policy else {}
+    if stats:
+        bad = p.guards.check_update(stats.get("loss", math.nan), stats.get("grad_norm", math.nan))
+        actions += [bad] if bad is not None else []
+    p.kl_ctl.update(kl_value, len(batch))
     elapsed = time.perf_counter() - t0
     tokens = float(batch.response_mask.sum())
+    verifiable = p.scorer.verifiable_accuracy(scored)
+    flags = p.monitor.update(health["reward_mean"], verifiable, health["response_length_mean"])
     return {
         **health,
         **{k: v for k, v in stats.items() if k not in ("updates",)},
+        **critic_stats,
         "kl": kl_value,
-        "beta": kl_ctl.beta,
+        "beta": p.kl_ctl.beta,
         "logprob_gap": logprob_gap(batch.rollout_logprobs, batch.old_logprobs, batch.response_mask),
-        "invalid_rewards": float(scored.invalid + len(dropped)),
+        "invalid_rewards": float(len(dropped)),
         "rollout_tps": tokens / max(t_rollout, 1e-9),
         "step_seconds": elapsed,
         "rollout_utilization": t_rollout / max(elapsed, 1e-9),
         "train_utilization": 1.0 - t_rollout / max(elapsed, 1e-9),
+        "mfu": p.trainer.mfu(batch, elapsed - t_rollout),
         "sample_lag": 0.0,
         "sample_drop_ratio": len(dropped) / len(batch),
-        "policy_version": float(engine.version),
-        "prompts": float(len(batch) // max(n, 1)),
+        "policy_version": float(p.engine.version),
+        "prompts": float(len(prompts)),
         "sampling_rounds": float(rounds),
+        "verifiable_accuracy": verifiable if verifiable is not None else math.nan,
+        "hacking_flags": float(len(flags)),
         **{f"reward/{k}": _nanmean(v) for k, v in scored.components.items()},
-    }
+    }, actions
 
 
-def _rollout_and_score(cfg, sampler, engine, tokenizer, scorer, params):
+def _rollout_and_score(p: Parts):
     """Sample prompts and completions and score them.
 
     With DAPO dynamic sampling, groups whose rewards are all equal carry no
     gradient: they are dropped and more prompts are sampled, up to
     ``algo.max_sampling_rounds`` rounds; the kept groups are what trains.
     """
-    n = cfg.rollout.n
-    kept_p, kept_c, kept_s = [], [], ScoredBatch(scores=[])
+    cfg, n = p.cfg, p.cfg.rollout.n
+    kept_p, kept_c, kept_r, kept_s = [], [], [], ScoredBatch(scores=[])
     rounds = 0
     while rounds < (cfg.algo.max_sampling_rounds if cfg.algo.dynamic_sampling else 1):
         rounds += 1
-        prompts = sampler.next_batch()
-        ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
-        completions = engine.generate(ids, params, n=n, group_offset=len(kept_p))
-        scored = scorer.score(to_reward_samples(prompts, completions, n, params.max_tokens))
-        keep = range(len(prompts))
+        prompts = p.sampler.next_batch()
+        ids = [p.tokenizer(x.text, add_special_tokens=False)["input_ids"] for x in prompts]
+        completions = p.engine.generate(ids, p.params, n=n)
+        samples = to_reward_samples(prompts, completions, n, p.params.max_tokens)
+        scored = p.scorer.score(samples)
+        keep = list(range(len(prompts)))
         if cfg.algo.dynamic_sampling:
             keep = [i for i in keep if len(set(scored.scores[i * n : (i + 1) * n])) > 1]
         for i in keep[: cfg.rollout.prompts_per_step - len(kept_p)]:
             rows = range(i * n, (i + 1) * n)
-            c = [completions[r] for r in rows]
-            for x in c:
-                x.group = len(kept_p)
+            for r in rows:
+                completions[r].group = len(kept_p)
+                kept_c.append(completions[r])
+                kept_r.append(samples[r])
             kept_p.append(prompts[i])
-            kept_c.extend(c)
             _extend_scored(kept_s, scored, rows)
         if len(kept_p) >= cfg.rollout.prompts_per_step:
             break
     if not kept_p:  # every group was flat in every round: train on the last round (zero advantage)
-        kept_p, kept_c, kept_s = prompts, completions, scored
-    return kept_p, kept_c, kept_s, rounds
+        return prompts, completions, samples, scored, rounds
+    return kept_p, kept_c, kept_r, kept_s, rounds
 
 
 def _extend_scored(into: ScoredBatch, src: ScoredBatch, rows) -> None:
@@ -231,52 +280,56 @@ def _advantages(cfg: Config, batch: TrainBatch, kl_ctl) -> float:
     return kl_value
 
 
-def _save(cfg, run_dir, step, model, trainer, engine, sampler, kl_ctl) -> None:
+def _save(p: Parts, step: int) -> None:
     state = {
-        "trainer": trainer.state_dict(),
-        "sampler": sampler.state_dict(),
-        "kl_ctl": kl_ctl.state_dict(),
-        "engine_generator": engine.generator.get_state(),
+        "trainer": p.trainer.state_dict(),
+        "sampler": p.sampler.state_dict(),
+        "kl_ctl": p.kl_ctl.state_dict(),
+        "engine_generator": p.engine.generator.get_state(),
     }
-    save_checkpoint(run_dir, step, model, state, ref_model=trainer.ref_model, keep=cfg.checkpoint.keep)
+    if p.critic is not None:
+        state["critic"] = p.critic.state_dict()
+    save_checkpoint(p.run_dir, step, p.model, state, ref_model=p.trainer.ref_model, keep=p.cfg.checkpoint.keep)
 
 
-def _restore(ckpt: Path, model, trainer, engine, sampler, kl_ctl) -> int:
+def _restore(p: Parts, ckpt: Path) -> int:
+    """Load a checkpoint into every part; the engine then serves the restored weights."""
     from rlpost.models.loading import load_causal_lm
 
     state = load_state(ckpt)
-    model.load_state_dict(load_causal_lm(ckpt / "model").state_dict())
-    if trainer.ref_model is not None and (ckpt / "ref_model").is_dir():
-        trainer.ref_model.load_state_dict(load_causal_lm(ckpt / "ref_model").state_dict())
-    trainer.load_state_dict(state["trainer"])
-    sampler.load_state_dict(state["sampler"])
-    kl_ctl.load_state_dict(state["kl_ctl"])
-    engine.generator.set_state(state["engine_generator"])
+    p.model.load_state_dict(load_causal_lm(ckpt / "model").state_dict())
+    if p.trainer.ref_model is not None and (ckpt / "ref_model").is_dir():
+        p.trainer.ref_model.load_state_dict(load_causal_lm(ckpt / "ref_model").state_dict())
+    p.trainer.load_state_dict(state["trainer"])
+    p.sampler.load_state_dict(state["sampler"])
+    p.kl_ctl.load_state_dict(state["kl_ctl"])
+    p.engine.generator.set_state(state["engine_generator"])
+    if p.critic is not None and "critic" in state:
+        p.critic.load_state_dict(state["critic"])
     set_rng_state(state["rng"])
-    return int(state["step"])
+    step = int(state["step"])
+    p.channel.push(p.model, version=step)
+    return step
 
 
-def _carry_out(action, cfg, run_dir, step, model, trainer, engine, sampler, kl_ctl, channel):
-    """Apply one guard action; returns (step to continue from, new good-checkpoint step or None)."""
+def _carry_out(p: Parts, action, step: int) -> int:
+    """Apply one guard action; returns the step to continue from."""
     if action.kind == "stop":
         raise TrainingStopped(f"stopped by guard {action.guard}: {action.reason}")
     if action.kind == "raise_beta":
-        kl_ctl.beta = kl_ctl.beta * (action.factor or 2.0) if kl_ctl.beta > 0 else 0.01
+        p.kl_ctl.beta = p.kl_ctl.beta * (action.factor or 2.0) if p.kl_ctl.beta > 0 else 0.01
     elif action.kind == "lower_lr":
-        trainer.scale_lr(action.factor or 0.5)
+        p.trainer.scale_lr(action.factor or 0.5)
     elif action.kind == "rebuild_engine":
-        engine.reset_stats()
-        channel.push(model, version=step)
+        p.engine.reset_stats()
+        p.channel.push(p.model, version=step)
     elif action.kind == "rollback":
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is None:
-            return step, None
-        lr_scale = trainer.scheduler.base_lrs
-        restored = _restore(ckpt, model, trainer, engine, sampler, kl_ctl)
-        trainer.scheduler.base_lrs = lr_scale  # keep LR reductions made since the checkpoint
-        channel.push(model, version=restored)
-        return restored, restored
-    return step, None
+        ckpt = latest_checkpoint(p.run_dir)
+        if ckpt is not None:
+            base_lrs = p.trainer.scheduler.base_lrs
+            step = _restore(p, ckpt)
+            p.trainer.scheduler.base_lrs = base_lrs  # keep LR reductions made since the checkpoint
+    return step
 
 
 def _nanmean(values: list[float]) -> float:

@@ -52,7 +52,7 @@ def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: 
     task = console.task("sft warm-up", s.steps)
     losses = sft_train(
         model, tokenizer, train_prompts, steps=s.steps, lr=s.lr, batch_size=s.batch_size,
-        warmup_steps=s.warmup_steps, seed=cfg.run.seed, noise=s.noise,
+        warmup_steps=s.warmup_steps, seed=cfg.run.seed, distractor=s.distractor,
         on_step=lambda i, loss: console.advance(task, f"loss {loss:.3f}"),
     )
     console.done(task)
@@ -66,6 +66,9 @@ def finish_run(cfg, run_dir: Path, first_eval, final_eval, history, start_step, 
     summary = {
         "eval_accuracy_start": first_eval.get("eval_accuracy"),
         "eval_accuracy_end": final_eval.get("eval_accuracy"),
+        "eval_greedy_accuracy_start": first_eval.get("eval_greedy_accuracy"),
+        "eval_greedy_accuracy_end": final_eval.get("eval_greedy_accuracy"),
+        "eval_temperature": cfg.eval.temperature,
         "eval_problems": cfg.eval.limit or cfg.data.arith.eval_size,
         "steps": cfg.train.steps,
         "steps_this_run": len(history),

@@ -68,17 +68,18 @@ class HFEngine:
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("empty prompt: every prompt needs at least one token")
         per_chunk = max(1, self.batch_size // n)
+        generator = self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
         out: list[Completion] = []
         start = time.perf_counter()
         for lo in range(0, len(prompt_ids), per_chunk):
             chunk = prompt_ids[lo : lo + per_chunk]
-            out.extend(self._generate_chunk(chunk, params, n, group_offset + lo))
+            out.extend(self._generate_chunk(chunk, params, n, group_offset + lo, generator))
         self.seconds += time.perf_counter() - start
         return out
 
     @torch.no_grad()
     def _generate_chunk(
-        self, prompts: list[list[int]], params: SamplingParams, n: int, group_offset: int
+        self, prompts: list[list[int]], params: SamplingParams, n: int, group_offset: int, generator
     ) -> list[Completion]:
         stop_ids = set(params.stop_token_ids) | {self.eos_id}
         ids, attn = self._left_pad(prompts)
@@ -100,7 +101,7 @@ class HFEngine:
         active = torch.arange(rows)  # which original row each batch position holds
         last_pos = pos[:, -1]
         for _ in range(params.max_tokens):
-            tok, lp = sample_tokens(logits, params, self.generator)
+            tok, lp = sample_tokens(logits, params, generator)
             tok_l, lp_l = tok.tolist(), lp.tolist()
             still = []
             for j, row in enumerate(active.tolist()):

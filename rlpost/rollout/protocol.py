@@ -27,13 +27,18 @@ PRESETS: dict[str, dict[str, float]] = {
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample. ``temperature == 0`` means greedy; ``top_k == -1`` keeps all tokens."""
+    """How to sample. ``temperature == 0`` means greedy; ``top_k == -1`` keeps all tokens.
+
+    ``seed``: per-request seed (as in vLLM): sampling uses its own generator and
+    leaves the engine's stream untouched, so evaluations never shift training samples.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -22,6 +22,7 @@ import torch
 
 from rlpost.algos.aggregate import Aggregation
 from rlpost.algos.entropy import entropy_from_logits
+from rlpost.observe.mfu import default_cpu_peak_flops, flops_per_token
 from rlpost.train.batch import TrainBatch, compute_logprobs, response_logits, token_logprobs
 
 
@@ -179,6 +180,26 @@ class PolicyTrainer:
             loss = loss - self.s.entropy_coef * entropy
             stats["entropy"] = float(entropy.detach())
         return loss, stats
+
+    # ----------------------------------------------------------------- mfu
+
+    def mfu(self, batch: TrainBatch, seconds: float) -> float:
+        """Model FLOPs utilisation of the train phase of a step (old/ref passes + updates).
+
+        Counted FLOPs: one forward (2N) per scoring pass (old, and ref when kept)
+        plus forward+backward (6N) per epoch, per token of the padded sequences,
+        over the peak FLOP/s of this device (a one-off matmul probe on CPU).
+        """
+        if seconds <= 0:
+            return 0.0
+        cfg = self.model.config
+        n_params = sum(p.numel() for n, p in self.model.named_parameters() if "embed" not in n)
+        seq = batch.input_ids.shape[1]
+        tokens = float(batch.attention_mask.sum())
+        passes = 1 + (self.ref_model is not None)
+        fwd = flops_per_token(n_params, cfg.num_hidden_layers, cfg.hidden_size, seq, training=False)
+        train = flops_per_token(n_params, cfg.num_hidden_layers, cfg.hidden_size, seq, training=True)
+        return (passes * fwd + self.s.epochs * train) * tokens / seconds / default_cpu_peak_flops()
 
     # ------------------------------------------------------------- control
 

@@ -4,8 +4,11 @@ No pretrained model can be downloaded, so the default job first teaches the
 tiny model the task's format and some of its content with a short SFT stage on
 the *training* split (never the held-out one). Targets are ``str(answer)`` plus
 EOS; the loss is the token-mean negative log-likelihood of the target tokens.
-``noise`` replaces a fraction of targets with a nearby wrong answer, which
-leaves a policy that knows the format but is unsure of the content.
+``distractor`` replaces a fraction of targets with a systematically wrong
+rendering of the right answer (its digits reversed: 27 -> "72"). The warm-up
+policy then behaves like a pretrained model on a new task: it can produce the
+right answer but does not reliably choose to, and RL on the verifiable reward is
+what selects the right behaviour. Set it to 0 for plain SFT.
 """
 
 from __future__ import annotations
@@ -21,11 +24,18 @@ from rlpost.train.batch import collate, response_logits, token_logprobs
 from rlpost.types import Completion, Prompt
 
 
-def sft_example(prompt: Prompt, tokenizer, rng: random.Random, noise: float) -> Completion:
-    answer = prompt.answer
-    if noise > 0 and isinstance(answer, int) and rng.random() < noise:
-        answer = answer + rng.choice([-2, -1, 1, 2])
-    target = tokenizer(str(answer), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+def reverse_digits(answer: object) -> str:
+    """``27 -> "72"``, ``-31 -> "-13"``: the distractor rendering of an integer answer."""
+    text = str(answer)
+    sign, digits = ("-", text[1:]) if text.startswith("-") else ("", text)
+    return sign + digits[::-1]
+
+
+def sft_example(prompt: Prompt, tokenizer, rng: random.Random, distractor: float) -> Completion:
+    text = str(prompt.answer)
+    if distractor > 0 and isinstance(prompt.answer, int) and rng.random() < distractor:
+        text = reverse_digits(prompt.answer)
+    target = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     ids = tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
     return Completion(ids, target, [0.0] * len(target), "stop", 0, 0)
 
@@ -40,7 +50,7 @@ def sft_train(
     batch_size: int,
     warmup_steps: int = 0,
     seed: int = 0,
-    noise: float = 0.0,
+    distractor: float = 0.0,
     on_step: Callable[[int, float], None] | None = None,
 ) -> list[float]:
     """Train ``model`` in place for ``steps`` steps; returns the loss of each step."""
@@ -50,7 +60,7 @@ def sft_train(
     model.train()
     losses = []
     for step in range(steps):
-        rows = [sft_example(p, tokenizer, rng, noise) for p in rng.sample(prompts, min(batch_size, len(prompts)))]
+        rows = [sft_example(p, tokenizer, rng, distractor) for p in rng.sample(prompts, min(batch_size, len(prompts)))]
         batch = collate(rows, [0.0] * len(rows), tokenizer.pad_token_id)
         logprobs = token_logprobs(response_logits(model, batch), batch.responses)
         loss = Aggregation("token-mean").reduce(-logprobs, batch.response_mask)

@@ -1,0 +1,123 @@
+"""Rollout and GRPO-step throughput, against baselines measured in the same run.
+
+1. Rollout tokens/s: rlpost's HFEngine (prompt prefilled once per group, KV
+   repeated, finished rows dropped) against plain
+   ``model.generate(..., num_return_sequences=G, do_sample=True)`` on the same
+   prompts and settings. Target: >= 2x at G = 8.
+2. End-to-end completions/s of one GRPO step (rollout, reward, old/ref logprobs,
+   advantages, update) with the same engine.
+
+Both at two model sizes of the same (Llama) family: the tiny default (overhead
+bound) and a ~25M-parameter model (compute bound).
+
+    python bench/bench_rollout.py [--prompts 32] [--group 8] [--max-tokens 16] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from rlpost.config import load_config
+from rlpost.data import arith_splits
+from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
+from rlpost.rollout.hf_engine import HFEngine
+from rlpost.rollout.protocol import SamplingParams
+
+SIZES = {
+    "tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4),
+    "25M": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8),
+}
+
+
+def generated_tokens(sequences: torch.Tensor, prompt_width: int, eos: int, pad: int) -> int:
+    """Tokens generate() actually produced: up to and including the first EOS of each row."""
+    total = 0
+    for row in sequences[:, prompt_width:].tolist():
+        n = 0
+        for tok in row:
+            n += 1
+            if tok in (eos, pad):
+                break
+        total += n
+    return total
+
+
+def bench_generate(model, tok, prompts, group, max_tokens) -> tuple[float, int]:
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            **enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_tokens,
+            num_return_sequences=group, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        )
+    seconds = time.perf_counter() - start
+    return seconds, generated_tokens(out, enc["input_ids"].shape[1], tok.eos_token_id, tok.pad_token_id)
+
+
+def bench_engine(engine, tok, prompts, group, max_tokens) -> tuple[float, int]:
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    start = time.perf_counter()
+    out = engine.generate(ids, SamplingParams(temperature=1.0, max_tokens=max_tokens), n=group)
+    return time.perf_counter() - start, sum(len(c.token_ids) for c in out)
+
+
+def rollout_ratio(name: str, shape: dict, args) -> None:
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, max_position_embeddings=256, **shape).eval()
+    train, _ = arith_splits(50, ["+", "-"], 10_000, 100)
+    prompts = [p.text for p in train[: args.prompts]]
+    engine = HFEngine(model, tok, batch_size=args.prompts * args.group, seed=0)
+    bench_engine(engine, tok, prompts[:2], args.group, 2)  # warm-up
+    bench_generate(model, tok, prompts[:2], args.group, 2)
+    eng, gen = [], []
+    for _ in range(args.repeats):  # alternate so machine noise hits both alike
+        s, n = bench_engine(engine, tok, prompts, args.group, args.max_tokens)
+        eng.append(n / s)
+        s, n = bench_generate(model, tok, prompts, args.group, args.max_tokens)
+        gen.append(n / s)
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    e, g = statistics.median(eng), statistics.median(gen)
+    print(f"{name:>5} ({params:5.1f}M)  engine {e:9.0f} tok/s   generate() {g:9.0f} tok/s   ratio {e / g:5.2f}x")
+
+
+def grpo_step_rate(name: str, shape: dict, args) -> None:
+    from rlpost.pipeline.loop import train
+
+    overrides = [f"model.tiny.{k}={v}" for k, v in shape.items()] + [
+        "model.tiny.max_position_embeddings=256", "sft.steps=0", f"train.steps={args.steps}",
+        f"rollout.prompts_per_step={args.prompts}", f"rollout.n={args.group}", f"rollout.max_tokens={args.max_tokens}",
+        f"train.mini_batch_size={args.prompts * args.group}", f"train.micro_batch_size={min(64, args.prompts * args.group)}",
+        "eval.limit=8", "eval.every=0", "checkpoint.every=0", "observe.progress=false", "observe.plot=false",
+        f"run.output_dir=/tmp/rlpost_bench_{name}", "reward.sample_every=0",
+    ]
+    result = train(load_config(None, overrides))
+    seconds = [h["step_seconds"] for h in result.history[1:]]  # first step pays for warm-up
+    per_step = args.prompts * args.group
+    print(f"{name:>5}  GRPO step: {per_step / statistics.median(seconds):8.1f} completions/s "
+          f"({statistics.median(seconds):.3f} s/step, {per_step} completions)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--sizes", default="tiny,25M")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    print(f"rollout: {args.prompts} prompts x G={args.group}, max_tokens={args.max_tokens}, "
+          f"threads={torch.get_num_threads()}")
+    for name in args.sizes.split(","):
+        rollout_ratio(name, SIZES[name], args)
+    for name in args.sizes.split(","):
+        grpo_step_rate(name, SIZES[name], args)
+
+
+if __name__ == "__main__":
+    main()
