@@ -169,19 +169,25 @@ def rl_step(p: Parts, step: int) -> tuple[dict, list]:
     if dropped:
         batch.response_mask[dropped] = 0.0  # a NaN / Inf reward never reaches the optimizer
         p.recorder.count_guard("nonfinite_reward")
-    batch.old_logprobs = p.trainer.old_logprobs(batch)
+    # On-policy single-update steps take the old logprobs from the loss pass itself.
+    need_old_first = not p.trainer.single_update(len(batch)) or cfg.algo.kl.placement == "reward"
+    batch.old_logprobs = p.trainer.old_logprobs(batch) if need_old_first else None
     batch.ref_logprobs = p.trainer.ref_logprobs(batch)
     critic_stats = {}
     if p.critic is not None:
         batch.values = p.critic.values(batch)
-    kl_value = _advantages(cfg, batch, p.kl_ctl)
+    _advantages(cfg, batch, p.kl_ctl)
     if p.critic is not None:
         critic_stats = p.critic.update(batch)
     train_policy = p.critic is None or step >= cfg.critic.warmup_steps
-    stats = p.trainer.update(batch, beta=p.kl_ctl.beta if cfg.algo.kl.placement == "loss" else 0.0) if train_policy else {}
+    if batch.old_logprobs is None and not train_policy:
+        batch.old_logprobs = p.trainer.old_logprobs(batch)
+    beta = p.kl_ctl.beta if cfg.algo.kl.placement == "loss" else 0.0
+    stats = p.trainer.update(batch, beta=beta) if train_policy else {}
     if stats:
         bad = p.guards.check_update(stats.get("loss", math.nan), stats.get("grad_norm", math.nan))
         actions += [bad] if bad is not None else []
+    kl_value = _kl_to_reference(cfg, batch)
     p.kl_ctl.update(kl_value, len(batch))
     elapsed = time.perf_counter() - t0
     tokens = float(batch.response_mask.sum())
@@ -257,27 +263,28 @@ def _extend_scored(into: ScoredBatch, src: ScoredBatch, rows) -> None:
         into.components.setdefault(name, []).extend(values[r] for r in rows)
 
 
-def _advantages(cfg: Config, batch: TrainBatch, kl_ctl) -> float:
-    """Fill token_level_rewards, advantages and returns; returns the mean KL to the reference."""
+def _advantages(cfg: Config, batch: TrainBatch, kl_ctl) -> None:
+    """Fill token_level_rewards, advantages and returns (KL in the reward when so placed)."""
     mask = batch.response_mask
     rewards = scores_to_token_rewards(batch.scores, mask)
-    kl_value = 0.0
-    if batch.ref_logprobs is not None:
-        if cfg.algo.kl.placement == "reward":
-            rewards, kl_t = kl_penalized_rewards(
-                rewards, batch.old_logprobs, batch.ref_logprobs, mask,
-                beta=kl_ctl.beta, estimator=cfg.algo.kl.estimator,
-            )
-            kl_value = float(kl_t)
-        else:
-            kl_t = get_kl_estimator(cfg.algo.kl.estimator)(batch.old_logprobs, batch.ref_logprobs)
-            kl_value = float(masked_mean(kl_t, mask))
+    if batch.ref_logprobs is not None and cfg.algo.kl.placement == "reward":
+        rewards, _ = kl_penalized_rewards(
+            rewards, batch.old_logprobs, batch.ref_logprobs, mask,
+            beta=kl_ctl.beta, estimator=cfg.algo.kl.estimator,
+        )
     batch.token_level_rewards = rewards
     estimator = get_advantage_estimator(cfg.algo.advantage)
     batch.advantages, batch.returns = estimator(
         rewards, mask, batch.group, values=batch.values, **cfg.algo.advantage_params
     )
-    return kl_value
+
+
+def _kl_to_reference(cfg: Config, batch: TrainBatch) -> float:
+    """Mean per-token KL of the sampling policy to the reference (the configured estimator)."""
+    if batch.ref_logprobs is None or batch.old_logprobs is None:
+        return 0.0
+    kl = get_kl_estimator(cfg.algo.kl.estimator)(batch.old_logprobs, batch.ref_logprobs)
+    return float(masked_mean(kl, batch.response_mask))
 
 
 def _save(p: Parts, step: int) -> None:

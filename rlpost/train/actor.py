@@ -108,18 +108,36 @@ class PolicyTrainer:
 
     # -------------------------------------------------------------- update
 
+    def single_update(self, batch_size: int) -> bool:
+        """True when a batch makes exactly one optimizer step (one epoch, one mini-batch).
+
+        Then the policy that computes the loss is the one that sampled, so the
+        old logprobs are the loss pass's own (detached) and a separate forward
+        pass over the batch is skipped (``update`` fills ``batch.old_logprobs``).
+        """
+        return self.s.epochs == 1 and self.s.mini_batch_size >= batch_size
+
     def update(self, batch: TrainBatch, *, beta: float = 0.0) -> dict[str, float]:
-        """Epochs x mini-batches of optimizer steps on ``batch`` (needs old_logprobs and advantages)."""
-        if batch.old_logprobs is None or batch.advantages is None:
-            raise ValueError("update() needs batch.old_logprobs and batch.advantages")
+        """Epochs x mini-batches of optimizer steps on ``batch``.
+
+        Needs ``batch.advantages``; ``batch.old_logprobs`` may be None only when
+        :meth:`single_update` holds, and is then filled from the loss pass.
+        """
+        if batch.advantages is None:
+            raise ValueError("update() needs batch.advantages")
+        fill_old = batch.old_logprobs is None
+        if fill_old and not self.single_update(len(batch)):
+            raise ValueError("update() needs batch.old_logprobs when it makes more than one optimizer step")
+        if fill_old:
+            batch.old_logprobs = torch.zeros_like(batch.response_mask)
         self.model.train()
         sums: dict[str, float] = {}
         updates = 0
         for _ in range(self.s.epochs):
             order = torch.randperm(len(batch), generator=self.shuffle)
             for lo in range(0, len(batch), self.s.mini_batch_size):
-                mb = batch.select(order[lo : lo + self.s.mini_batch_size])
-                stats = self._step(mb, beta)
+                rows = order[lo : lo + self.s.mini_batch_size]
+                stats = self._step(batch, rows, beta, fill_old)
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v
                 updates += 1
@@ -128,14 +146,18 @@ class PolicyTrainer:
         out["updates"] = float(updates)
         return out
 
-    def _step(self, mb: TrainBatch, beta: float) -> dict[str, float]:
-        agg = Aggregation.for_minibatch(mb.response_mask, self.s.loss_agg_mode, self.s.norm_constant)
-        total_tokens = float(mb.response_mask.sum().clamp(min=1))
+    def _step(self, batch: TrainBatch, rows: torch.Tensor, beta: float, fill_old: bool) -> dict[str, float]:
+        mask = batch.response_mask[rows]
+        agg = Aggregation.for_minibatch(mask, self.s.loss_agg_mode, self.s.norm_constant)
+        total_tokens = float(mask.sum().clamp(min=1))
         self.optimizer.zero_grad(set_to_none=True)
         acc: dict[str, float] = {}
-        for lo in range(0, len(mb), self.s.micro_batch_size):
-            micro = mb.select(torch.arange(lo, min(lo + self.s.micro_batch_size, len(mb))))
-            loss, stats = self._micro_loss(micro, agg, beta)
+        for lo in range(0, len(rows), self.s.micro_batch_size):
+            micro_rows = rows[lo : lo + self.s.micro_batch_size]
+            micro = batch.select(micro_rows)
+            loss, stats = self._micro_loss(micro, agg, beta, fill_old)
+            if fill_old:
+                batch.old_logprobs[micro_rows] = micro.old_logprobs
             loss.backward()
             weight = float(micro.response_mask.sum()) / total_tokens
             for k, v in stats.items():
@@ -154,11 +176,13 @@ class PolicyTrainer:
         acc["skipped"] = 0.0
         return acc
 
-    def _micro_loss(self, micro: TrainBatch, agg: Aggregation, beta: float):
+    def _micro_loss(self, micro: TrainBatch, agg: Aggregation, beta: float, fill_old: bool = False):
         mask = micro.response_mask
         with self._autocast():
             logits = response_logits(self.model, micro)
             logprobs = token_logprobs(logits, micro.responses, self.s.temperature)
+        if fill_old:
+            micro.old_logprobs = logprobs.detach()
         out = self.policy_loss(
             logprobs,
             micro.old_logprobs,

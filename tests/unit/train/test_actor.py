@@ -1,0 +1,98 @@
+import copy
+
+import pytest
+import torch
+
+from rlpost.algos import get_advantage_estimator, get_kl_estimator, get_policy_loss, scores_to_token_rewards
+from rlpost.rollout.hf_engine import HFEngine
+from rlpost.rollout.protocol import SamplingParams
+from rlpost.train.actor import ActorSettings, PolicyTrainer
+from rlpost.train.batch import collate
+
+
+def _batch(model, tok):
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in ["12+7=", "3-9=", "20+11=", "5+5="]]
+    cs = HFEngine(model, tok, seed=0).generate(ids, SamplingParams(max_tokens=5), n=4)
+    scores = [float(i % 4 < 2) for i in range(len(cs))]
+    b = collate(cs, scores, tok.pad_token_id)
+    b.advantages, _ = get_advantage_estimator("grpo")(scores_to_token_rewards(b.scores, b.response_mask), b.response_mask, b.group)
+    return b
+
+
+def _trainer(model, **kw):
+    s = ActorSettings(lr=1e-3, mini_batch_size=16, micro_batch_size=kw.pop("micro", 16), **kw)
+    return PolicyTrainer(model, get_policy_loss("ppo_clip"), s, kl_estimator=get_kl_estimator("k3"))
+
+
+def test_positive_advantage_raises_logprob(tiny):
+    model, tok = tiny
+    m = copy.deepcopy(model)
+    b = _batch(m, tok)
+    tr = _trainer(m)
+    b.old_logprobs = tr.old_logprobs(b)
+    before = (b.old_logprobs * b.response_mask).sum(1)
+    tr.update(b)
+    after = (tr.old_logprobs(b) * b.response_mask).sum(1)
+    pos, neg = b.scores > 0.5, b.scores < 0.5
+    assert (after - before)[pos].mean() > 0 > (after - before)[neg].mean()
+
+
+def test_on_policy_step_fills_old_logprobs_and_matches_explicit(tiny):
+    model, tok = tiny
+    a, c = copy.deepcopy(model), copy.deepcopy(model)
+    b1 = _batch(a, tok)
+    b2 = copy.deepcopy(b1)
+    ta, tc = _trainer(a, micro=5), _trainer(c, micro=5)
+    assert ta.single_update(len(b1))
+    b1.old_logprobs = ta.old_logprobs(b1)
+    explicit = b1.old_logprobs.clone()
+    s1 = ta.update(b1)
+    b2.old_logprobs = None
+    s2 = tc.update(b2)
+    assert torch.allclose(b2.old_logprobs * b2.response_mask, explicit * b2.response_mask, atol=1e-5)
+    assert s1["loss"] == pytest.approx(s2["loss"], abs=1e-6)
+    for p, q in zip(a.parameters(), c.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_micro_batch_split_gives_the_same_update(tiny):
+    model, tok = tiny
+    a, c = copy.deepcopy(model), copy.deepcopy(model)
+    b = _batch(a, tok)
+    ta, tc = _trainer(a, micro=16), _trainer(c, micro=3)
+    b.old_logprobs = ta.old_logprobs(b)
+    ta.update(copy.deepcopy(b))
+    tc.update(copy.deepcopy(b))
+    for p, q in zip(a.parameters(), c.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-5)
+
+
+def test_nan_loss_skips_the_update(tiny):
+    model, tok = tiny
+    m = copy.deepcopy(model)
+    b = _batch(m, tok)
+    tr = _trainer(m)
+    b.old_logprobs = tr.old_logprobs(b)
+    b.advantages = torch.full_like(b.advantages, float("nan"))
+    before = [p.clone() for p in m.parameters()]
+    stats = tr.update(b)
+    assert stats["skipped"] == 1.0 and tr.skipped_updates == 1
+    for p, q in zip(before, m.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_multi_step_update_refuses_missing_old_logprobs(tiny):
+    model, tok = tiny
+    m = copy.deepcopy(model)
+    b = _batch(m, tok)
+    tr = PolicyTrainer(m, get_policy_loss("ppo_clip"), ActorSettings(mini_batch_size=8, micro_batch_size=8))
+    with pytest.raises(ValueError, match="old_logprobs"):
+        tr.update(b)
+
+
+def test_warmup_and_lr_scaling(tiny):
+    model, tok = tiny
+    tr = PolicyTrainer(copy.deepcopy(model), get_policy_loss("ppo_clip"), ActorSettings(lr=1.0, warmup_steps=3))
+    assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(0.25)
+    assert tr.scale_lr(0.5) == pytest.approx(0.5)
+    assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(0.125)
