@@ -56,7 +56,7 @@ class GuardConfig(BaseModel):
 
     enabled: bool = True
     """Act on problems (False: never act; NaN losses and rewards are then not caught)."""
-    kl_ceiling: float = Field(10.0, gt=0)
+    kl_ceiling: float = Field(5.0, gt=0)
     """Mean per-token KL to the reference [nats/token] above which the KL coefficient is raised."""
     kl_beta_factor: float = Field(2.0, gt=1)
     """Multiply the KL coefficient by this when KL exceeds kl_ceiling."""
@@ -262,11 +262,12 @@ class Guards:
             return []
         reason = f"rollout median {median:.3g} tokens/s < {self.cfg.throughput_decay:g} x best {self._best_tps:.3g}"
         if self._rebuilds >= self.cfg.max_retries:
-            return [
-                self._stop(
-                    THROUGHPUT_DECAY, f"{reason}; {self._rebuilds} engine rebuilds did not help"
-                )
-            ]
+            # Slow rollout wastes time but does not corrupt training: once the
+            # rebuild budget is spent the guard only warns (a shared, loaded
+            # machine halves tokens/s without anything being wrong).
+            logger.warning("guard %s: %s; %d rebuilds spent, continuing", THROUGHPUT_DECAY, reason, self._rebuilds)
+            self._tps.clear()
+            return []
         self._rebuilds += 1
         self._tps.clear()
         return [

@@ -69,6 +69,7 @@ class Recorder:
         prometheus_port: int | None = None,
         prometheus_host: str = "127.0.0.1",
         tensorboard: bool = False,
+        start_step: int | None = None,
     ) -> None:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.registry = CollectorRegistry()
@@ -78,7 +79,9 @@ class Recorder:
         )
         self._guard_counts: dict[str, int] = {}
         self._guards_changed: set[str] = set()
-        self._last_step: int | None = None
+        # Rows recorded at ``start_step`` (the evaluation before the first
+        # update, or the step a run resumes from) do not advance rl_step_total.
+        self._last_step: int | None = start_step
         self._lock = threading.Lock()
         self._file = None
         self._tb = None

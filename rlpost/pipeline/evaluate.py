@@ -7,7 +7,6 @@ import math
 import torch
 
 from rlpost.algos import group_zero_spread_fraction
-
 from rlpost.rewards.scorer import RewardScorer
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.types import Completion, Prompt, RewardSample

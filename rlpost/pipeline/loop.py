@@ -11,7 +11,9 @@ belong in their own module, not behind flags here.
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +41,10 @@ from rlpost.rewards.samples import SampleWriter
 from rlpost.rewards.scorer import build_scorer
 from rlpost.sync import InProcessChannel
 from rlpost.train.batch import TrainBatch, collate
-from rlpost.train.checkpoint import latest_checkpoint, load_state, save_checkpoint, set_rng_state
+from rlpost.train.checkpoint import latest_checkpoint, latest_step, load_state, save_checkpoint, set_rng_state
 from rlpost.types import ScoredBatch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,7 +80,11 @@ class Parts:
     critic: object = None
 
 
-def train(cfg: Config, *, resume: Path | None = None, console: Console | None = None) -> RunResult:
+def train(
+    cfg: Config, *, resume: Path | None = None, console: Console | None = None, stop: threading.Event | None = None
+) -> RunResult:
+    """Run the on-policy loop. ``stop``, when set from another thread, ends the run after the
+    current step (final eval, checkpoint and summary still happen)."""
     build.check_names(cfg)
     run_dir = prepare_run_dir(cfg, resume)
     console = console or Console(enabled=cfg.observe.progress)
@@ -101,6 +109,7 @@ def train(cfg: Config, *, resume: Path | None = None, console: Console | None = 
         recorder=Recorder(
             run_dir, prometheus_port=cfg.observe.prometheus.port,
             prometheus_host=cfg.observe.prometheus.host, tensorboard=cfg.observe.tensorboard,
+            start_step=latest_step(ckpt),
         ),
         samples=SampleWriter(run_dir, cfg.reward.sample_every, cfg.reward.sample_count),
         monitor=HackingMonitor(),
@@ -117,7 +126,7 @@ def train(cfg: Config, *, resume: Path | None = None, console: Console | None = 
         console.note_eval(step, first_eval)
         p.recorder.record(step, first_eval)
         console.start(cfg.train.steps, step)
-        while step < cfg.train.steps:
+        while step < cfg.train.steps and not (stop is not None and stop.is_set()):
             m, actions = rl_step(p, step)
             step += 1
             m["sync_seconds"] = p.channel.push(model, version=step).seconds
@@ -169,6 +178,7 @@ def rl_step(p: Parts, step: int) -> tuple[dict, list]:
     if dropped:
         batch.response_mask[dropped] = 0.0  # a NaN / Inf reward never reaches the optimizer
         p.recorder.count_guard("nonfinite_reward")
+        log.warning("guard nonfinite_reward: drop_samples - %d/%d invalid scores", len(dropped), len(batch))
     # On-policy single-update steps take the old logprobs from the loss pass itself.
     need_old_first = not p.trainer.single_update(len(batch)) or cfg.algo.kl.placement == "reward"
     batch.old_logprobs = p.trainer.old_logprobs(batch) if need_old_first else None

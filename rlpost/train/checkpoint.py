@@ -62,3 +62,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def load_state(ckpt: Path) -> dict[str, Any]:
     # weights_only=False: the state holds RNG tuples and numpy arrays we wrote ourselves.
     return torch.load(ckpt / "state.pt", weights_only=False)
+
+
+def latest_step(ckpt: Path | None) -> int:
+    """The step a checkpoint directory was saved at (0 without one)."""
+    return 0 if ckpt is None else int(ckpt.name.split("_")[1])

@@ -9,13 +9,13 @@ from rlpost.data import DataError, PromptSampler, arith_splits, load_prompt_file
 
 def test_arith_split_is_fixed_and_disjoint():
     train_a, held_a = arith_splits(30, ["+", "-"], 10_000, 500)
-    train_b, held_b = arith_splits(30, ["+", "-"], 10_000, 500)
+    _train_b, held_b = arith_splits(30, ["+", "-"], 10_000, 500)
     assert [p.text for p in held_a] == [p.text for p in held_b]
     assert len(held_a) == 500
     assert not {p.text for p in train_a} & {p.text for p in held_a}
     for p in held_a[:50]:
-        a, rest = p.text.rstrip("=").replace("-", " - ").replace("+", " + ").split(" ", 1)
-        assert eval(p.text.rstrip("=")) == p.answer  # noqa: S307 - our own generated text
+        _a, _rest = p.text.rstrip("=").replace("-", " - ").replace("+", " + ").split(" ", 1)
+        assert eval(p.text.rstrip("=")) == p.answer
 
 
 def test_arith_split_too_small_is_refused():
@@ -50,7 +50,7 @@ def test_jsonl_bad_rows_skipped_and_counted(tmp_path):
 def test_custom_fields_and_parquet(tmp_path):
     f = tmp_path / "d.parquet"
     pq.write_table(pa.table({"q": ["3+3=", "4+4="], "a": [6, 8]}), f)
-    prompts, report = load_prompt_file(f, prompt_field="q", answer_field="a", template="Q: {prompt}")
+    prompts, _report = load_prompt_file(f, prompt_field="q", answer_field="a", template="Q: {prompt}")
     assert [p.text for p in prompts] == ["Q: 3+3=", "Q: 4+4="]
     assert [p.answer for p in prompts] == [6, 8]
 

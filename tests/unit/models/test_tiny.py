@@ -26,7 +26,7 @@ def test_missing_or_broken_model_dir_is_one_line(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_causal_lm(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
         load_causal_lm(tmp_path / "empty")
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -7,7 +7,9 @@ from rlpost.train.batch import collate, compute_logprobs
 
 
 def _prompts(tok):
-    return [tok(t, add_special_tokens=False)["input_ids"] for t in ["1+2=", "13-4=", "7*7=", "40+40="]]
+    return [
+        tok(t, add_special_tokens=False)["input_ids"] for t in ["1+2=", "13-4=", "7*7=", "40+40="]
+    ]
 
 
 def test_completions_carry_ids_logprobs_reason_version(tiny):
@@ -70,7 +72,9 @@ def test_load_weights_changes_outputs_and_version(tiny):
             p.add_(0.5)
     engine.load_weights(target.named_parameters(), version=7)
     assert engine.version == 7
-    for (n1, p1), (_, p2) in zip(serving.named_parameters(), target.named_parameters(), strict=True):
+    for (n1, p1), (_, p2) in zip(
+        serving.named_parameters(), target.named_parameters(), strict=True
+    ):
         assert torch.equal(p1, p2), n1
     with pytest.raises(KeyError, match="not a parameter"):
         engine.load_weights([("nope.weight", torch.zeros(1))], version=8)
@@ -87,7 +91,9 @@ def test_top_k_and_top_p_filtering():
     assert torch.isfinite(filter_logits(logits, -1, 0.01)[0, 0])  # always keeps the top token
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=0), dict(max_tokens=0)])
+@pytest.mark.parametrize(
+    "bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=0), dict(max_tokens=0)]
+)
 def test_bad_sampling_params(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

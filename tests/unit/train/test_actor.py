@@ -3,7 +3,12 @@ import copy
 import pytest
 import torch
 
-from rlpost.algos import get_advantage_estimator, get_kl_estimator, get_policy_loss, scores_to_token_rewards
+from rlpost.algos import (
+    get_advantage_estimator,
+    get_kl_estimator,
+    get_policy_loss,
+    scores_to_token_rewards,
+)
 from rlpost.rollout.hf_engine import HFEngine
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.train.actor import ActorSettings, PolicyTrainer
@@ -91,7 +96,7 @@ def test_multi_step_update_refuses_missing_old_logprobs(tiny):
 
 
 def test_warmup_and_lr_scaling(tiny):
-    model, tok = tiny
+    model, _tok = tiny
     tr = PolicyTrainer(copy.deepcopy(model), get_policy_loss("ppo_clip"), ActorSettings(lr=1.0, warmup_steps=3))
     assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(0.25)
     assert tr.scale_lr(0.5) == pytest.approx(0.5)
