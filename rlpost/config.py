@@ -105,11 +105,22 @@ class ArithConfig(Section):
     """Number of held-out problems (never seen in training or warm-up)."""
 
 
+class CodeTaskConfig(Section):
+    """The built-in code task (write f(x) that passes asserts, checked in the sandbox)."""
+
+    train_size: int = Field(1000, ge=1)
+    """Number of training problems (at most the space minus eval_size)."""
+    eval_size: int = Field(50, ge=1)
+    """Number of held-out problems."""
+
+
 class DataConfig(Section):
-    task: Literal["arith", "file"] = "arith"
-    """Where prompts come from: the built-in arithmetic task or a user file."""
+    task: Literal["arith", "code", "file"] = "arith"
+    """Where prompts come from: the built-in arithmetic or code task, or a user file."""
     arith: ArithConfig = ArithConfig()
     """Settings of the arithmetic task."""
+    code: CodeTaskConfig = CodeTaskConfig()
+    """Settings of the code task."""
     train_path: str | None = None
     """JSONL or Parquet file of training rows (task=file)."""
     eval_path: str | None = None

@@ -13,6 +13,7 @@ import inspect
 from rlpost.algos import get_advantage_estimator, get_aggregation, get_kl_estimator, get_policy_loss
 from rlpost.config import Config, ConfigError
 from rlpost.data import arith_splits, load_prompt_file
+from rlpost.data.code import code_splits
 from rlpost.models.loading import frozen_copy, load_policy
 from rlpost.registry import UnknownNameError
 from rlpost.rewards.scorer import build_scorer
@@ -68,6 +69,12 @@ def build_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, int]]
             raise ConfigError(str(exc)) from None
         for p in train + held_out:
             p.text = d.prompt_template.format(prompt=p.text)
+        return train, held_out, {}
+    if d.task == "code":
+        try:
+            train, held_out = code_splits(d.code.train_size, d.code.eval_size)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         return train, held_out, {}
     kwargs = dict(
         prompt_field=d.prompt_field, answer_field=d.answer_field, on_bad_row=d.on_bad_row, template=d.prompt_template

@@ -47,6 +47,7 @@ def evaluate(
         "eval_accuracy": sum(s > 0.5 for s in scores) / len(scores),
         "eval_reward_mean": sum(scores) / len(scores),
         "eval_response_length": sum(lengths) / len(lengths),
+        "eval_problems": float(len(scores)),
     }
 
 

@@ -41,7 +41,13 @@ from rlpost.rewards.samples import SampleWriter
 from rlpost.rewards.scorer import build_scorer
 from rlpost.sync import InProcessChannel
 from rlpost.train.batch import TrainBatch, collate
-from rlpost.train.checkpoint import latest_checkpoint, latest_step, load_state, save_checkpoint, set_rng_state
+from rlpost.train.checkpoint import (
+    latest_checkpoint,
+    latest_step,
+    load_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from rlpost.types import ScoredBatch
 
 log = logging.getLogger(__name__)

@@ -105,6 +105,8 @@ class HFEngine:
             tok_l, lp_l = tok.tolist(), lp.tolist()
             still = []
             for j, row in enumerate(active.tolist()):
+                if finished[row]:
+                    continue  # stays in the batch until compaction; its tokens ended at the stop
                 tokens[row].append(tok_l[j])
                 logps[row].append(lp_l[j])
                 if tok_l[j] in stop_ids:

@@ -97,3 +97,23 @@ def test_top_k_and_top_p_filtering():
 def test_bad_sampling_params(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_a_stopped_row_gets_no_tokens_after_its_stop(tiny):
+    """Rows that finish early stay in the batch until compaction; they must not grow."""
+    model, tok = tiny
+    import copy
+
+    m = copy.deepcopy(model)
+    with torch.no_grad():  # make EOS likely but not certain, so rows stop at different steps
+        bias = torch.zeros(len(tok))
+        bias[tok.eos_token_id] = 3.0
+    m.lm_head.register_forward_hook(lambda mod, inp, out: out + bias)
+    out = HFEngine(m, tok, seed=0).generate(_prompts(tok) * 2, SamplingParams(max_tokens=40), n=4)
+    stopped = [c for c in out if c.finish_reason == "stop"]
+    assert stopped and any(len(c.token_ids) < 40 for c in stopped)
+    for c in out:
+        if tok.eos_token_id in c.token_ids:
+            assert c.token_ids.index(tok.eos_token_id) == len(c.token_ids) - 1
+            assert c.finish_reason == "stop"
+        assert len(c.logprobs) == len(c.token_ids)

@@ -1,0 +1,44 @@
+"""A built-in code task: write a one-line Python function that passes given asserts.
+
+Prompts state a function of x (``f(x)=3*x+1:``); a completion is Python source
+defining ``f``; the ``code_tests`` reward runs the task's asserts against it in
+the sandbox. Every problem of the space is enumerated and shuffled with a fixed
+seed, so the held-out split never overlaps training.
+"""
+
+from __future__ import annotations
+
+import random
+
+from rlpost.types import Prompt
+
+TASK_SEED = 4321
+FORMS = ("{a}*x+{b}", "{a}*x-{b}", "x*x+{b}", "{a}*(x+{b})")
+
+
+def code_problems() -> list[Prompt]:
+    """Every problem, in the task's fixed shuffled order."""
+    exprs = sorted({form.format(a=a, b=b) for form in FORMS for a in range(1, 10) for b in range(10)})
+    random.Random(TASK_SEED).shuffle(exprs)
+    out = []
+    for expr in exprs:
+        fn = eval(f"lambda x: {expr}")  # noqa: S307 - our own generated, fixed expressions
+        tests = [f"assert f({x}) == {fn(x)}" for x in (0, 1, 2, 5)]
+        out.append(
+            Prompt(
+                text=f"f(x)={expr}:",
+                answer=f"def f(x): return {expr}",
+                metadata={"task": "code", "tests": tests},
+                uid=expr,
+            )
+        )
+    return out
+
+
+def code_splits(train_size: int, eval_size: int) -> tuple[list[Prompt], list[Prompt]]:
+    problems = code_problems()
+    if eval_size >= len(problems):
+        raise ValueError(
+            f"data.code.eval_size={eval_size} leaves no training problems (the space has {len(problems)})"
+        )
+    return problems[eval_size:][:train_size], problems[:eval_size]

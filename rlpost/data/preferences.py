@@ -1,0 +1,267 @@
+"""Preference pairs: a built-in arithmetic preference task and user JSONL / Parquet files.
+
+A pair is a prompt with a chosen and a rejected response. The built-in task
+reuses the arithmetic problem space (and its fixed split, so held-out prompts
+never appear in training): the chosen response is the correct result, the
+rejected one is off by 1..``max_offset``. Ranking them on unseen prompts takes
+some arithmetic (the magnitude of the result for a far miss, the last digit for
+a near one), so the held-out accuracy measures learning, not memorisation.
+
+User files follow ``rlpost.data.files``: a malformed row (missing field, empty
+prompt, identical chosen and rejected) is skipped and counted or refused with
+the file and line, as ``on_bad_row`` says. The ``data`` section of the DPO
+config is defined here, next to the task it configures.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from rlpost.config import Section
+from rlpost.data.arith import TASK_SEED, arith_problems
+from rlpost.data.files import DataError, LoadReport, _rows
+
+
+@dataclass
+class PreferencePair:
+    """One comparison: ``chosen`` is preferred over ``rejected`` as a reply to ``prompt``."""
+
+    prompt: str
+    chosen: str
+    rejected: str
+    uid: str = ""
+
+
+def _wrong_answers(answer: int, count: int, max_offset: int, rng: random.Random) -> list[int]:
+    """``count`` distinct wrong answers within ``max_offset`` of ``answer``."""
+    offsets = [d for d in range(-max_offset, max_offset + 1) if d != 0]
+    return [answer + d for d in rng.sample(offsets, count)]
+
+
+def task_problem(
+    max_operand: int, ops: list[str], eval_size: int, rejected_per_prompt: int, max_offset: int
+) -> str | None:
+    """Why these built-in task settings cannot work (one line), or None."""
+    if len(set(ops)) != len(ops):
+        # A repeated operator repeats prompts, which could then sit in both splits.
+        return f"ops={ops} repeats an operator; list each once"
+    space = len(ops) * (max_operand + 1) ** 2
+    if eval_size >= space:
+        return (
+            f"eval_size={eval_size} leaves no training prompts (the space has {space}); "
+            "raise max_operand or lower eval_size"
+        )
+    if not 1 <= rejected_per_prompt <= 2 * max_offset:
+        return (
+            f"rejected_per_prompt={rejected_per_prompt} must be in 1..{2 * max_offset} "
+            f"(the wrong answers within max_offset={max_offset}); raise max_offset or lower it"
+        )
+    return None
+
+
+def preference_splits(
+    max_operand: int,
+    ops: list[str],
+    *,
+    train_size: int,
+    eval_size: int,
+    rejected_per_prompt: int = 2,
+    max_offset: int = 20,
+) -> tuple[list[PreferencePair], list[PreferencePair]]:
+    """(train pairs, held-out pairs) of the built-in task, the same in every run.
+
+    Held-out: one pair for each of the first ``eval_size`` problems of the
+    arithmetic task's fixed order. Train: ``rejected_per_prompt`` pairs for each
+    of up to ``train_size`` of the remaining problems. Rejected answers are
+    drawn with a fixed task seed, never the run seed.
+    """
+    problem = task_problem(max_operand, ops, eval_size, rejected_per_prompt, max_offset)
+    if problem is not None:
+        raise ValueError(problem)
+    problems = arith_problems(max_operand, ops)
+    rng = random.Random(TASK_SEED + 1)
+    held_out, train = [], []
+    for i, p in enumerate(problems[: eval_size + train_size]):
+        count = 1 if i < eval_size else rejected_per_prompt
+        for wrong in _wrong_answers(p.answer, count, max_offset, rng):
+            pair = PreferencePair(p.text, str(p.answer), str(wrong), uid=f"{p.uid}:{wrong}")
+            (held_out if i < eval_size else train).append(pair)
+    return train, held_out
+
+
+def _check_row(row: Any, fields: tuple[str, str, str]) -> str | None:
+    if isinstance(row, Exception):
+        return f"not valid JSON ({row.msg})"
+    if not isinstance(row, dict):
+        return "row is not an object"
+    for name in fields:
+        value = row.get(name)
+        if not isinstance(value, str) or not value.strip():
+            return f"field {name!r} is missing or not a non-empty string"
+    if row[fields[1]] == row[fields[2]]:
+        return f"fields {fields[1]!r} and {fields[2]!r} are identical (the pair teaches nothing)"
+    return None
+
+
+def load_preference_file(
+    path: str | Path,
+    *,
+    prompt_field: str = "prompt",
+    chosen_field: str = "chosen",
+    rejected_field: str = "rejected",
+    on_bad_row: str = "error",
+    template: str = "{prompt}",
+) -> tuple[list[PreferencePair], LoadReport]:
+    """Read preference pairs from a JSONL or Parquet file; raises :class:`DataError`."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"dataset {str(p)!r} does not exist")
+    fields = (prompt_field, chosen_field, rejected_field)
+    report = LoadReport()
+    pairs = []
+    for line, row in _rows(p):
+        problem = _check_row(row, fields)
+        if problem is not None:
+            where = f"{p}:{line}: {problem}"
+            if on_bad_row == "error":
+                raise DataError(where + " (set data.on_bad_row=skip to skip such rows)")
+            report.skipped += 1
+            report.first_problem = report.first_problem or where
+            continue
+        text = template.format(prompt=row[prompt_field])
+        pairs.append(
+            PreferencePair(text, row[chosen_field], row[rejected_field], uid=f"{p.name}:{line}")
+        )
+        report.rows += 1
+    if not pairs:
+        raise DataError(f"dataset {str(p)!r} has no usable rows")
+    return pairs, report
+
+
+def split_off(
+    pairs: list[PreferencePair], fraction: float, seed: int
+) -> tuple[list[PreferencePair], list[PreferencePair]]:
+    """(train, held_out): a seeded ``fraction`` of ``pairs`` held out (at least one, never all)."""
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    n_eval = min(max(1, round(fraction * len(pairs))), len(pairs) - 1)
+    if n_eval < 1:
+        raise DataError("a held-out split needs at least two pairs; set data.eval_path instead")
+    held = set(order[:n_eval])
+    train = [p for i, p in enumerate(pairs) if i not in held]
+    return train, [p for i, p in enumerate(pairs) if i in held]
+
+
+def load_preference_splits(
+    train_path: str | Path,
+    eval_path: str | Path | None,
+    *,
+    eval_fraction: float,
+    seed: int,
+    **fields: str,
+) -> tuple[list[PreferencePair], list[PreferencePair], dict[str, int]]:
+    """(train, held-out, counts) from user files; ``fields`` go to :func:`load_preference_file`.
+
+    Without ``eval_path`` a seeded ``eval_fraction`` of the train file is held out.
+    """
+    train, report = load_preference_file(train_path, **fields)
+    counts = {"train_rows": report.rows, "train_skipped": report.skipped}
+    if eval_path is None:
+        train, held_out = split_off(train, eval_fraction, seed)
+        return train, held_out, counts
+    held_out, eval_report = load_preference_file(eval_path, **fields)
+    counts.update(eval_rows=eval_report.rows, eval_skipped=eval_report.skipped)
+    return train, held_out, counts
+
+
+# ------------------------------------------------------------------------ config
+
+
+class PrefsTaskConfig(Section):
+    """The built-in preference task: correct arithmetic result over a nearby wrong one."""
+
+    max_operand: int = Field(30, ge=1)
+    """Operands are drawn from 0..max_operand."""
+    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"])
+    """Operators to draw from."""
+    train_size: int = Field(100000, ge=1)
+    """Training prompts (each gives rejected_per_prompt pairs)."""
+    eval_size: int = Field(300, ge=1)
+    """Held-out prompts, one pair each (never seen in warm-up or training)."""
+    rejected_per_prompt: int = Field(2, ge=1)
+    """Wrong answers paired with each training prompt."""
+    max_offset: int = Field(20, ge=1)
+    """Rejected answers are off by 1..max_offset in either direction."""
+
+    @model_validator(mode="after")
+    def _fits(self) -> PrefsTaskConfig:
+        problem = task_problem(
+            self.max_operand, self.ops, self.eval_size, self.rejected_per_prompt, self.max_offset
+        )
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+
+class PrefDataConfig(Section):
+    task: Literal["prefs", "file"] = "prefs"
+    """Where pairs come from: the built-in preference task or user files."""
+    prefs: PrefsTaskConfig = PrefsTaskConfig()
+    """Settings of the built-in task."""
+    train_path: str | None = None
+    """JSONL or Parquet file of training pairs (task=file)."""
+    eval_path: str | None = None
+    """JSONL or Parquet file of held-out pairs (task=file; None: hold out eval_fraction of train)."""
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    """Share of the train file held out when eval_path is None."""
+    prompt_field: str = "prompt"
+    """Column holding the prompt text."""
+    chosen_field: str = "chosen"
+    """Column holding the preferred response."""
+    rejected_field: str = "rejected"
+    """Column holding the dispreferred response."""
+    on_bad_row: Literal["skip", "error"] = "error"
+    """Malformed rows: skip them (counted and reported) or stop with file and line."""
+    prompt_template: str = "{prompt}"
+    """Format string applied to each prompt (``{prompt}`` is the row's prompt)."""
+
+    @model_validator(mode="after")
+    def _source(self) -> PrefDataConfig:
+        if self.task == "file" and not self.train_path:
+            raise ValueError(
+                "data.task=file needs data.train_path; set it to a JSONL or Parquet file"
+            )
+        return self
+
+
+def load_pairs(
+    d: PrefDataConfig, seed: int
+) -> tuple[list[PreferencePair], list[PreferencePair], dict[str, int]]:
+    """(train pairs, held-out pairs, load counts) as the data section says."""
+    if d.task == "prefs":
+        t = d.prefs
+        train, held_out = preference_splits(
+            t.max_operand,
+            t.ops,
+            train_size=t.train_size,
+            eval_size=t.eval_size,
+            rejected_per_prompt=t.rejected_per_prompt,
+            max_offset=t.max_offset,
+        )
+        return train, held_out, {}
+    return load_preference_splits(
+        d.train_path,
+        d.eval_path or None,
+        eval_fraction=d.eval_fraction,
+        seed=seed,
+        prompt_field=d.prompt_field,
+        chosen_field=d.chosen_field,
+        rejected_field=d.rejected_field,
+        on_bad_row=d.on_bad_row,
+        template=d.prompt_template,
+    )

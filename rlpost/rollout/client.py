@@ -1,0 +1,387 @@
+"""HTTP client for rollout servers, and a load balancer over several of them.
+
+The wire format is the OpenAI completions API with token-id prompts, so the
+same client talks to ``rlpost serve``, ``vllm serve`` and SGLang. What RL
+needs beyond the OpenAI response is read when present and recovered when not:
+
+* sampled token ids: ``choices[i].token_ids`` (rlpost; vLLM with
+  ``return_token_ids``), else vLLM's ``logprobs.tokens`` spelt
+  ``token_id:N`` (``return_tokens_as_token_ids``), else the text re-tokenized
+  (exact only when the server's tokenizer round-trips the text; the count is
+  checked against the logprobs and a mismatch is an error, never a silent
+  misalignment);
+* the policy version: ``policy_version`` (rlpost), else the caller's.
+
+:class:`RequestLoadBalancer` sends each job (one prompt with its whole group,
+``n = G``, so a group never spans servers) to the healthy server with the
+fewest outstanding requests. A connection error, timeout or 5xx takes that
+server out of rotation for a cool-down and re-queues only the jobs that did
+not complete; results are keyed by job id, so no prompt is lost or counted
+twice. A 4xx is the caller's mistake and is raised at once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+
+from rlpost.rollout.protocol import SamplingParams
+
+TOKEN_ID_PREFIX = "token_id:"
+
+
+class ServerUnavailable(RuntimeError):
+    """A server that could not answer (connection, timeout, 5xx): worth retrying elsewhere."""
+
+
+class RequestRejected(ValueError):
+    """A server refused the request (4xx): retrying elsewhere would not help."""
+
+
+@dataclass
+class Choice:
+    """One sample as a server returned it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    text: str
+    policy_version: int | None = None
+    versions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Job:
+    """One prompt and its group size; ``seed`` makes the server's samples reproducible.
+
+    ``extra`` is merged into the request body (server-specific options, e.g. vLLM's ``ignore_eos``).
+    """
+
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int = 1
+    seed: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------ wire format
+
+
+def encode_weights(named_tensors) -> bytes:
+    """Safetensors bytes of ``(name, tensor)`` pairs (tied tensors are written once per name)."""
+    from safetensors.torch import save
+
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in named_tensors:
+        t = tensor.detach().cpu().contiguous()
+        if t.data_ptr() in seen:
+            t = t.clone()  # safetensors refuses two names sharing memory
+        seen.add(t.data_ptr())
+        tensors[name] = t
+    return save(tensors)
+
+
+def decode_weights(payload: bytes) -> dict[str, torch.Tensor]:
+    """Tensors from safetensors bytes; ValueError (one line) when they are not safetensors."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    if not payload:
+        raise ValueError("weights payload is empty: send safetensors bytes")
+    try:
+        return load(payload)
+    except (SafetensorError, ValueError) as exc:
+        raise ValueError(f"weights payload is not a safetensors file: {exc}") from None
+
+
+def read_weights(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a ``.safetensors`` file, or of all such files in a directory (sharded checkpoints)."""
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p] if p.is_file() else []
+    if not files:
+        raise ValueError(f"weights path {path!r} has no .safetensors file")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(f))
+    return tensors
+
+
+def completion_body(job: Job, model: str | None) -> dict:
+    """The ``/v1/completions`` request for a job (extra fields are vLLM's names for the same things)."""
+    p = job.params
+    body = {
+        "prompt": job.prompt_ids,
+        "n": job.n,
+        "max_tokens": p.max_tokens,
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "top_k": p.top_k,
+        "logprobs": 0,
+        "stop_token_ids": list(p.stop_token_ids),
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    }
+    if model is not None:
+        body["model"] = model
+    if job.seed is not None:
+        body["seed"] = job.seed
+    return {**body, **job.extra}
+
+
+def parse_choices(response: dict, tokenize=None, eos_id: int | None = None) -> list[Choice]:
+    """Choices of a completions response in index order, with token ids recovered if needed.
+
+    ``tokenize(text) -> ids`` is the fallback when the server sends no ids;
+    ``eos_id`` is appended when a stopped sample's logprobs count one more
+    token than its text (the end-of-sequence token has no text).
+    """
+    top_version = response.get("policy_version")
+    choices = sorted(response.get("choices", []), key=lambda c: c.get("index", 0))
+    out = []
+    for c in choices:
+        lp = c.get("logprobs") or {}
+        logprobs = lp.get("token_logprobs")
+        ids = c.get("token_ids")
+        if ids is None:
+            ids = _ids_from_logprob_tokens(lp.get("tokens")) or _retokenize(
+                c, tokenize, logprobs, eos_id
+            )
+        if logprobs is None or len(logprobs) != len(ids):
+            raise ValueError(
+                f"server returned {len(ids)} token ids but "
+                f"{'no' if logprobs is None else len(logprobs)} logprobs for one choice"
+            )
+        version = c.get("policy_version", top_version)
+        out.append(
+            Choice(
+                token_ids=[int(t) for t in ids],
+                logprobs=[float(x) if x is not None else -math.inf for x in logprobs],
+                finish_reason=c.get("finish_reason") or "abort",
+                text=c.get("text", ""),
+                policy_version=version,
+                versions=c.get("policy_versions") or ([version] if version is not None else []),
+            )
+        )
+    return out
+
+
+def _ids_from_logprob_tokens(tokens) -> list[int] | None:
+    if not tokens or not all(isinstance(t, str) and t.startswith(TOKEN_ID_PREFIX) for t in tokens):
+        return None
+    return [int(t[len(TOKEN_ID_PREFIX) :]) for t in tokens]
+
+
+def _retokenize(choice: dict, tokenize, logprobs, eos_id) -> list[int]:
+    if tokenize is None:
+        raise ValueError("server returned no token ids and no tokenizer was given to recover them")
+    ids = list(tokenize(choice.get("text", "")))
+    stopped = choice.get("finish_reason") == "stop"
+    if logprobs is not None and stopped and eos_id is not None and len(logprobs) == len(ids) + 1:
+        ids.append(eos_id)
+    return ids
+
+
+# ----------------------------------------------------------------- client
+
+
+class CompletionClient:
+    """Synchronous client of one server; safe to share between threads."""
+
+    def __init__(self, url: str, *, timeout: float = 120.0, model: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.model = model
+        self.http = httpx.Client(base_url=self.url, timeout=timeout)
+
+    def complete(self, job: Job, tokenize=None, eos_id: int | None = None) -> list[Choice]:
+        data = self._post("/v1/completions", json=completion_body(job, self.model))
+        return parse_choices(data, tokenize, eos_id)
+
+    def push_weights(self, payload: bytes, version: int) -> dict:
+        """Stream safetensors bytes to ``/v1/weights``; returns the server's answer."""
+        headers = {"content-type": "application/octet-stream"}
+        return self._post(
+            "/v1/weights", content=payload, headers=headers, params={"version": version}
+        )
+
+    def health(self) -> dict:
+        try:
+            r = self.http.get("/health")
+        except httpx.TransportError as exc:
+            raise ServerUnavailable(f"{self.url}: {type(exc).__name__}: {exc}") from None
+        return r.json()
+
+    def _post(self, path: str, **kwargs) -> dict:
+        try:
+            r = self.http.post(path, **kwargs)
+        except httpx.TransportError as exc:  # connection refused/reset, timeouts
+            raise ServerUnavailable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from None
+        if r.status_code >= 500:
+            raise ServerUnavailable(f"{self.url}{path}: HTTP {r.status_code}: {_error_line(r)}")
+        if r.status_code >= 400:
+            raise RequestRejected(f"{self.url}{path}: HTTP {r.status_code}: {_error_line(r)}")
+        return r.json()
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def _error_line(r: httpx.Response) -> str:
+    try:
+        return str(r.json()["error"]["message"]).splitlines()[0]
+    except (ValueError, KeyError, TypeError, IndexError):
+        return (r.text.strip().splitlines() or [""])[0][:200]
+
+
+# ---------------------------------------------------------------- balancer
+
+
+@dataclass
+class _Server:
+    client: CompletionClient
+    outstanding: int = 0
+    down_until: float = 0.0
+    completed: int = 0
+    failures: int = 0
+
+
+class RequestLoadBalancer:
+    """Runs jobs over several servers: fewest outstanding requests first, failed jobs re-sent.
+
+    ``max_inflight`` bounds the requests outstanding at one server;
+    ``cooldown_s`` is how long a failed server sits out; ``max_attempts`` per
+    job (default: 2 per server) bounds retries before the run fails loudly.
+    """
+
+    def __init__(
+        self,
+        clients: list[CompletionClient],
+        *,
+        max_inflight: int = 8,
+        cooldown_s: float = 10.0,
+        max_attempts: int | None = None,
+    ) -> None:
+        if not clients:
+            raise ValueError("the load balancer needs at least one server URL")
+        self.servers = [_Server(c) for c in clients]
+        self.max_inflight = max_inflight
+        self.cooldown_s = cooldown_s
+        self.max_attempts = max_attempts or 2 * len(clients)
+        self.retries = 0
+        self._pool = ThreadPoolExecutor(max_workers=max_inflight * len(clients))
+
+    def run(
+        self, jobs: list[Job], tokenize=None, eos_id=None, on_result=None
+    ) -> dict[str, list[Choice]]:
+        """Results keyed by job id, each job answered exactly once; ``on_result(job_id, url)`` observes."""
+        ids = [j.id for j in jobs]
+        if len(set(ids)) != len(ids):
+            raise ValueError("job ids must be unique")
+        queue = list(jobs)
+        attempts = dict.fromkeys(ids, 0)
+        results: dict[str, list[Choice]] = {}
+        inflight: dict[Future, tuple[Job, _Server]] = {}
+        last_error: dict[str, str] = {}
+        while queue or inflight:
+            while queue and (server := self._pick()) is not None:
+                job = queue.pop(0)
+                attempts[job.id] += 1
+                server.outstanding += 1
+                fut = self._pool.submit(server.client.complete, job, tokenize, eos_id)
+                inflight[fut] = (job, server)
+            if not inflight:
+                if math.isinf(self._next_up()):
+                    raise RuntimeError(
+                        "every rollout server is out of rotation; none can take jobs"
+                    )
+                time.sleep(min(0.5, max(0.01, self._next_up() - time.monotonic())))
+                continue
+            done, _ = wait(list(inflight), timeout=1.0, return_when=FIRST_COMPLETED)
+            for fut in done:
+                job, server = inflight.pop(fut)
+                server.outstanding -= 1
+                try:
+                    choices = fut.result()
+                except ServerUnavailable as exc:
+                    self._mark_down(server)
+                    last_error[job.id] = str(exc)
+                    if attempts[job.id] >= self.max_attempts:
+                        self._abandon(inflight)
+                        raise RuntimeError(
+                            f"job {job.id} failed on {attempts[job.id]} attempts; last: {exc}"
+                        ) from None
+                    self.retries += 1
+                    queue.insert(0, job)
+                    continue
+                except Exception:
+                    self._abandon(inflight)
+                    raise
+                if job.id not in results:
+                    results[job.id] = choices
+                    server.completed += 1
+                    if on_result is not None:
+                        on_result(job.id, server.client.url)
+        return results
+
+    def _pick(self) -> _Server | None:
+        now = time.monotonic()
+        ready = [
+            s for s in self.servers if s.down_until <= now and s.outstanding < self.max_inflight
+        ]
+        return min(ready, key=lambda s: s.outstanding) if ready else None
+
+    def _next_up(self) -> float:
+        return min(s.down_until for s in self.servers)
+
+    def _mark_down(self, server: _Server) -> None:
+        server.failures += 1
+        server.down_until = time.monotonic() + self.cooldown_s
+
+    def _abandon(self, inflight: dict) -> None:
+        for fut in inflight:
+            fut.cancel()
+        for _, server in inflight.values():
+            server.outstanding -= 1
+
+    def disable(self, url: str, seconds: float = math.inf) -> None:
+        """Keep ``url`` out of rotation (e.g. it missed a weight update)."""
+        for s in self.servers:
+            if s.client.url == url.rstrip("/"):
+                s.down_until = time.monotonic() + seconds
+
+    def enable(self, url: str) -> None:
+        """Put ``url`` back in rotation (it answered, e.g. took the latest weights)."""
+        self.disable(url, 0.0)
+
+    def stats(self) -> dict:
+        return {
+            "retries": self.retries,
+            "servers": {
+                s.client.url: {
+                    "completed": s.completed,
+                    "failures": s.failures,
+                    "outstanding": s.outstanding,
+                    "up": s.down_until <= time.monotonic(),
+                }
+                for s in self.servers
+            },
+        }
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for s in self.servers:
+            s.client.close()
+
+
+def seeds_from(generator: torch.Generator, count: int) -> list[int]:
+    """``count`` request seeds drawn from ``generator`` (reproducible rollouts across restarts)."""
+    return torch.randint(0, 2**31 - 1, (count,), generator=generator).tolist()

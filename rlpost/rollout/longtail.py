@@ -1,0 +1,393 @@
+"""Long-tail control: length-aware batching and partial rollout.
+
+A synchronous RL step waits for its longest response; with long-tailed
+lengths most of the batch sits finished while a few samples decode alone.
+Two remedies, usable together:
+
+* **Length-aware batching.** :class:`LengthPredictor` keeps an exponential
+  moving average of past response lengths per prompt uid, per task and
+  overall; :func:`bucket_by_length` groups prompts of similar predicted length
+  so a batch of short ones does not wait for a long one.
+* **Partial rollout** (Kimi k1.5, section 2.6.2; AReaL). :class:`PartialRollout`
+  ends a step once ``fraction`` (default 0.8) of its samples are done. Groups
+  whose samples are all done go to training (a GRPO advantage needs the whole
+  group); the others are carried into the next step with their tokens,
+  logprobs and versions and never dropped (:meth:`PartialRollout.flush`
+  finishes them). On :class:`ContinuousEngine` (the in-process scheduler) the
+  step stops the moment it is done: unfinished samples are aborted at a
+  decode-step boundary and handed back with their tokens. Any other engine
+  is driven in chunks of tokens. Either way a carried sample continues by
+  re-prefilling prompt + its tokens, which the prefix cache makes cheap.
+
+A completion keeps the version of the weights that produced its *first*
+token as ``policy_version`` and lists every version it spans in ``versions``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from rlpost.rollout.protocol import RolloutEngine, SamplingParams
+from rlpost.rollout.scheduler import GenerationRequest, SampleOutput, Scheduler
+from rlpost.types import Completion, FinishReason, Prompt
+
+
+@dataclass
+class VersionedCompletion(Completion):
+    """A completion whose tokens may come from several policy versions (ascending in ``versions``)."""
+
+    versions: list[int] = field(default_factory=list)
+
+
+# ------------------------------------------------------ length-aware batching
+
+
+class LengthPredictor:
+    """EMA of response lengths per prompt uid, per task (``metadata["task"]``) and overall.
+
+    ``predict`` uses the most specific estimate available; ``default`` is
+    returned before anything was observed.
+    """
+
+    def __init__(self, alpha: float = 0.3, default: float = 0.0) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha={alpha} must be in (0, 1]")
+        self.alpha = alpha
+        self.default = default
+        self.by_uid: dict[str, float] = {}
+        self.by_task: dict[str, float] = {}
+        self.overall: float | None = None
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+
+    def observe(self, prompt: Prompt, lengths: Iterable[int]) -> None:
+        """Record the response lengths [tokens] of one prompt's samples."""
+        values = list(lengths)
+        if not values:
+            return
+        mean = sum(values) / len(values)
+        if prompt.uid:
+            self.by_uid[prompt.uid] = self._ema(self.by_uid.get(prompt.uid), mean)
+        task = str(prompt.metadata.get("task", ""))
+        self.by_task[task] = self._ema(self.by_task.get(task), mean)
+        self.overall = self._ema(self.overall, mean)
+
+    def predict(self, prompt: Prompt) -> float:
+        if prompt.uid in self.by_uid:
+            return self.by_uid[prompt.uid]
+        task = str(prompt.metadata.get("task", ""))
+        if task in self.by_task:
+            return self.by_task[task]
+        return self.overall if self.overall is not None else self.default
+
+    def state_dict(self) -> dict:
+        return {"by_uid": dict(self.by_uid), "by_task": dict(self.by_task), "overall": self.overall}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.by_uid = dict(state["by_uid"])
+        self.by_task = dict(state["by_task"])
+        self.overall = state["overall"]
+
+
+def bucket_by_length(
+    prompts: list[Prompt], predictor: LengthPredictor, n_buckets: int
+) -> list[list[int]]:
+    """Indices of ``prompts`` in ``n_buckets`` near-equal buckets of ascending predicted length.
+
+    Ties keep their input order; empty buckets are omitted.
+    """
+    if n_buckets < 1:
+        raise ValueError(f"n_buckets={n_buckets} must be >= 1")
+    order = sorted(range(len(prompts)), key=lambda i: predictor.predict(prompts[i]))
+    size, extra = divmod(len(order), n_buckets)
+    buckets, start = [], 0
+    for b in range(n_buckets):
+        end = start + size + (1 if b < extra else 0)
+        if end > start:
+            buckets.append(order[start:end])
+        start = end
+    return buckets
+
+
+# ------------------------------------------------------------ partial rollout
+
+
+class ContinuousEngine:
+    """The rollout protocol over an in-process :class:`~rlpost.rollout.scheduler.Scheduler`.
+
+    ``generate`` sends one scheduler request per prompt (``n`` samples, one
+    prefill). ``generate_partial`` is the engine-level partial rollout: the
+    caller stops waiting once ``enough(finished_rows)`` holds, and the rows
+    still decoding are aborted at the next step boundary and come back with
+    their tokens so far (``finish_reason="abort"``), ready to be continued.
+    """
+
+    def __init__(self, scheduler: Scheduler, tokenizer=None) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer if tokenizer is not None else scheduler.tokenizer
+
+    @property
+    def version(self) -> int:
+        return self.scheduler.version
+
+    @property
+    def generator(self) -> torch.Generator:
+        return self.scheduler.generator
+
+    def generate(
+        self, prompt_ids: list[list[int]], params: SamplingParams, n: int = 1, group_offset: int = 0
+    ) -> list[VersionedCompletion]:
+        tickets = [
+            self.scheduler.submit(GenerationRequest(list(p), params, n=n)) for p in prompt_ids
+        ]
+        return [
+            self._completion(p, out, group_offset + i)
+            for i, (p, t) in enumerate(zip(prompt_ids, tickets, strict=True))
+            for out in t.future.result()
+        ]
+
+    def generate_partial(
+        self,
+        prompt_ids: list[list[int]],
+        params: list[SamplingParams],
+        enough: Callable[[list[int]], bool],
+    ) -> list[VersionedCompletion]:
+        """One sample per row (row i uses ``params[i]``); rows unfinished once ``enough`` holds are aborted.
+
+        ``enough`` is called with the rows finished so far each time one
+        finishes, on the scheduler's thread, so the abort lands at the very
+        next decode step.
+        """
+        reqs = [GenerationRequest(list(p), q) for p, q in zip(prompt_ids, params, strict=True)]
+        tickets = [self.scheduler.submit(r) for r in reqs]
+        lock, finished, settled = threading.Lock(), [], threading.Event()
+
+        def on_done(row: int, future) -> None:
+            with lock:
+                if not future.cancelled() and future.result()[0].finish_reason != "abort":
+                    finished.append(row)
+                stop = len(finished) == len(tickets) or enough(list(finished))
+            if stop and not settled.is_set():
+                settled.set()
+                for t in tickets:
+                    if not t.future.done():
+                        self.scheduler.cancel(t, keep_partial=True)
+
+        for row, t in enumerate(tickets):
+            t.future.add_done_callback(lambda f, row=row: on_done(row, f))
+        return [
+            self._completion(p, t.future.result()[0], i)
+            for i, (p, t) in enumerate(zip(prompt_ids, tickets, strict=True))
+        ]
+
+    def _completion(self, prompt: list[int], out: SampleOutput, group: int) -> VersionedCompletion:
+        version = out.policy_version if out.policy_version is not None else self.version
+        return VersionedCompletion(
+            prompt_ids=list(prompt),
+            token_ids=out.token_ids,
+            logprobs=out.logprobs,
+            finish_reason=out.finish_reason,
+            policy_version=version,
+            group=group,
+            text=self.tokenizer.decode(out.token_ids, skip_special_tokens=True),
+            versions=out.versions,
+        )
+
+    def load_weights(self, named_tensors, version: int) -> None:
+        self.scheduler.load_weights(named_tensors, version)
+
+
+@dataclass
+class _Sample:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # distinct, in the order they produced tokens
+    finish: FinishReason | None = None
+
+
+@dataclass
+class _Group:
+    prompt_ids: list[int]
+    payload: Any
+    samples: list[_Sample]
+    steps_carried: int = 0
+
+    @property
+    def done(self) -> bool:
+        return all(s.finish is not None for s in self.samples)
+
+
+@dataclass
+class PartialStep:
+    """What one step trains on: whole groups, and how much was carried over.
+
+    ``completions`` are grouped (``group`` 0..k-1 in order); ``payloads[g]`` is
+    what the caller passed with group g (e.g. its :class:`Prompt`).
+    """
+
+    completions: list[VersionedCompletion]
+    payloads: list[Any]
+    carried_groups: int
+    carried_samples: int
+    chunks: int
+    done_fraction: float
+
+
+class PartialRollout:
+    """Generates a step's samples, finishing it once ``fraction`` of all pending samples are done.
+
+    ``params.max_tokens`` bounds a sample's total length across steps. An
+    engine with ``generate_partial`` (:class:`ContinuousEngine`) is stopped as
+    soon as the step is done and hands back the unfinished samples' tokens;
+    any other :class:`RolloutEngine` is driven in chunks of ``chunk_tokens``
+    and the step ends at the first chunk boundary where it is done. With
+    ``fraction=1.0`` every step waits for all of its samples.
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        *,
+        fraction: float = 0.8,
+        chunk_tokens: int | None = None,
+        tokenizer=None,
+    ) -> None:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"partial rollout fraction={fraction} must be in (0, 1]")
+        if chunk_tokens is not None and chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
+        self.engine = engine
+        self.fraction = fraction
+        self.chunk_tokens = chunk_tokens
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(engine, "tokenizer", None)
+        self.pending: list[_Group] = []
+
+    @property
+    def carried_samples(self) -> int:
+        return sum(1 for g in self.pending for s in g.samples if s.finish is None)
+
+    def step(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        n: int,
+        payloads: list[Any] | None = None,
+    ) -> PartialStep:
+        """Add these prompts (``n`` samples each) to the carried ones and run until the step is done."""
+        payloads = payloads if payloads is not None else [None] * len(prompt_ids)
+        if len(payloads) != len(prompt_ids):
+            raise ValueError(f"{len(payloads)} payloads for {len(prompt_ids)} prompts")
+        if any(not p for p in prompt_ids):
+            raise ValueError("empty prompt: every prompt needs at least one token")
+        for g in self.pending:
+            g.steps_carried += 1
+        self.pending += [
+            _Group(list(p), x, [_Sample() for _ in range(n)])
+            for p, x in zip(prompt_ids, payloads, strict=True)
+        ]
+        return self._run(params, self.fraction)
+
+    def flush(self, params: SamplingParams) -> PartialStep:
+        """Finish every carried sample (end of training) and return their groups."""
+        return self._run(params, 1.0)
+
+    def _run(self, params: SamplingParams, fraction: float) -> PartialStep:
+        samples = [s for g in self.pending for s in g.samples]
+        target = math.ceil(fraction * len(samples) - 1e-9)
+        chunk = self.chunk_tokens or max(8, params.max_tokens // 4)
+        rounds = 0
+        while True:
+            done = sum(s.finish is not None for s in samples)
+            if done == len(samples) or (done >= target and any(g.done for g in self.pending)):
+                break
+            if hasattr(self.engine, "generate_partial"):
+                self._decode_until(params, target - done)
+            else:
+                self._decode_chunk(params, chunk)
+            rounds += 1
+        ready = [g for g in self.pending if g.done]
+        self.pending = [g for g in self.pending if not g.done]
+        return PartialStep(
+            completions=[c for i, g in enumerate(ready) for c in self._completions(g, i)],
+            payloads=[g.payload for g in ready],
+            carried_groups=len(self.pending),
+            carried_samples=self.carried_samples,
+            chunks=rounds,
+            done_fraction=done / max(1, len(samples)),
+        )
+
+    def _active_rows(self) -> list[tuple[_Group, _Sample]]:
+        return [(g, s) for g in self.pending for s in g.samples if s.finish is None]
+
+    def _decode_until(self, params: SamplingParams, needed: int) -> None:
+        """One ``generate_partial`` call that stops once ``needed`` more samples are done
+        and at least one group is whole."""
+        rows = self._active_rows()
+        by_group: dict[int, list[int]] = {}
+        for i, (g, _) in enumerate(rows):
+            by_group.setdefault(id(g), []).append(i)
+        whole_already = any(g.done for g in self.pending)
+
+        def enough(finished: list[int]) -> bool:
+            if len(finished) < needed:
+                return False
+            fin = set(finished)
+            return whole_already or any(all(i in fin for i in idx) for idx in by_group.values())
+
+        ids = [g.prompt_ids + s.tokens for g, s in rows]
+        budgets = [replace(params, max_tokens=params.max_tokens - len(s.tokens)) for _, s in rows]
+        out = self.engine.generate_partial(ids, budgets, enough)
+        for (_, s), c in zip(rows, out, strict=True):
+            self._absorb(s, c, params)
+
+    def _decode_chunk(self, params: SamplingParams, chunk: int) -> None:
+        """Up to ``chunk`` more tokens for every unfinished sample, in one engine call."""
+        rows = self._active_rows()
+        budget = [min(chunk, params.max_tokens - len(s.tokens)) for _, s in rows]
+        # One call per distinct budget keeps max_tokens exact; usually there are one or two.
+        for limit in sorted(set(budget)):
+            batch = [r for r, b in zip(rows, budget, strict=True) if b == limit]
+            ids = [g.prompt_ids + s.tokens for g, s in batch]
+            out = self.engine.generate(ids, replace(params, max_tokens=limit), n=1)
+            for (_, s), c in zip(batch, out, strict=True):
+                self._absorb(s, c, params)
+
+    @staticmethod
+    def _absorb(s: _Sample, c: Completion, params: SamplingParams) -> None:
+        """Append a continuation to its sample; it is done at a stop or at ``max_tokens``."""
+        s.tokens += c.token_ids
+        s.logprobs += c.logprobs
+        for v in (getattr(c, "versions", None) or [c.policy_version]) if c.token_ids else []:
+            if v not in s.versions:
+                s.versions.append(v)
+        if c.finish_reason == "stop":
+            s.finish = "stop"
+        elif len(s.tokens) >= params.max_tokens:
+            s.finish = "length"
+
+    def _completions(self, g: _Group, group: int) -> list[VersionedCompletion]:
+        out = []
+        for s in g.samples:
+            text = (
+                self.tokenizer.decode(s.tokens, skip_special_tokens=True) if self.tokenizer else ""
+            )
+            out.append(
+                VersionedCompletion(
+                    prompt_ids=list(g.prompt_ids),
+                    token_ids=s.tokens,
+                    logprobs=s.logprobs,
+                    finish_reason=s.finish,
+                    policy_version=s.versions[0],
+                    group=group,
+                    text=text,
+                    versions=sorted(set(s.versions)),
+                )
+            )
+        return out

@@ -1,0 +1,190 @@
+"""``rollout.engine=remote``: the rollout protocol over HTTP rollout servers.
+
+Each prompt becomes one ``/v1/completions`` request with ``n = G``, so a GRPO
+group is sampled (and its prompt prefilled) on one server; the
+:class:`~rlpost.rollout.client.RequestLoadBalancer` spreads prompts by
+fewest outstanding requests and re-sends the requests of a server that fails.
+Request seeds are drawn from ``engine.generator``, so a run is reproducible
+against the same servers and checkpointing the generator state is enough.
+
+Works against ``rlpost serve`` and, for generation, against ``vllm serve`` and
+SGLang (token ids are recovered when a server does not return them; see
+:mod:`rlpost.rollout.client`). ``load_weights`` streams safetensors bytes to
+each server's ``/v1/weights``, an rlpost endpoint: vLLM and SGLang servers
+need their own weight-update route. A server that misses an update would
+serve stale weights, so it is taken out of rotation; the update fails only if
+no server took it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from rlpost.rollout.client import (
+    CompletionClient,
+    Job,
+    RequestLoadBalancer,
+    ServerUnavailable,
+    encode_weights,
+    seeds_from,
+)
+from rlpost.rollout.longtail import VersionedCompletion
+from rlpost.rollout.protocol import SamplingParams
+
+FINISH_REASONS = ("stop", "length")
+
+
+class RemoteEngine:
+    """A rollout engine whose model lives in one or more rollout servers."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        tokenizer,
+        *,
+        model: str | None = None,
+        timeout: float = 120.0,
+        max_inflight_per_server: int = 8,
+        cooldown_s: float = 10.0,
+        seed: int = 0,
+        version: int = 0,
+        extra_body: dict | None = None,
+    ) -> None:
+        if not urls:
+            raise ValueError(
+                "rollout.engine=remote needs at least one server URL in rollout.servers"
+            )
+        self.tokenizer = tokenizer
+        self.extra_body = dict(extra_body or {})  # merged into every request body
+        self.version = version
+        self.generator = torch.Generator().manual_seed(seed)
+        self.clients = [CompletionClient(u, timeout=timeout, model=model) for u in urls]
+        self.balancer = RequestLoadBalancer(
+            self.clients, max_inflight=max_inflight_per_server, cooldown_s=cooldown_s
+        )
+        self.tokens_generated = 0
+        self.seconds = 0.0
+        self.stale_answers = 0
+
+    def generate(
+        self, prompt_ids: list[list[int]], params: SamplingParams, n: int = 1, group_offset: int = 0
+    ) -> list[VersionedCompletion]:
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("empty prompt: every prompt needs at least one token")
+        tag = uuid.uuid4().hex[:12]
+        if params.seed is not None:  # a fixed seed leaves the engine's stream untouched
+            seeds = [params.seed + i for i in range(len(prompt_ids))]
+        else:
+            seeds = seeds_from(self.generator, len(prompt_ids))
+        jobs = [
+            Job(f"{tag}-{i}", list(p), params, n, seed, self.extra_body)
+            for i, (p, seed) in enumerate(zip(prompt_ids, seeds, strict=True))
+        ]
+        start = time.perf_counter()
+        results = self._run(jobs)
+        self.seconds += time.perf_counter() - start
+        out = []
+        for i, job in enumerate(jobs):
+            choices = results[job.id]
+            if len(choices) != n:
+                raise RuntimeError(f"server returned {len(choices)} choices for n={n}")
+            for c in choices:
+                version = c.policy_version if c.policy_version is not None else self.version
+                out.append(
+                    VersionedCompletion(
+                        prompt_ids=list(job.prompt_ids),
+                        token_ids=c.token_ids,
+                        logprobs=c.logprobs,
+                        finish_reason=c.finish_reason
+                        if c.finish_reason in FINISH_REASONS
+                        else "abort",
+                        policy_version=version,
+                        group=group_offset + i,
+                        text=c.text,
+                        versions=c.versions or [version],
+                    )
+                )
+                self.tokens_generated += len(c.token_ids)
+        return out
+
+    def _run(self, jobs: list[Job]) -> dict:
+        """Balancer results; answers from a server behind on weights are re-sent elsewhere.
+
+        A restarted server comes back with old weights: it leaves the rotation
+        until the next weight push reaches it, and its jobs are re-sent.
+        """
+        results: dict = {}
+        todo, current = jobs, self.version
+        for _ in range(len(self.clients) + 1):
+            served_by: dict[str, str] = {}
+            got = self.balancer.run(
+                todo,
+                self._tokenize,
+                self.tokenizer.eos_token_id,
+                served_by.__setitem__,
+            )
+            stale = {
+                j for j, cs in got.items() if any(_older(c.policy_version, current) for c in cs)
+            }
+            for job_id in stale:
+                self.balancer.disable(served_by[job_id])
+                self.stale_answers += 1
+            results.update({j: cs for j, cs in got.items() if j not in stale})
+            todo = [j for j in todo if j.id in stale]
+            if not todo:
+                return results
+        raise RuntimeError(
+            f"no rollout server serves policy version {self.version}; push weights again"
+        )
+
+    def _tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Push the weights to every server in parallel; servers that fail leave the rotation."""
+        payload = encode_weights(named_tensors)
+        with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
+            futures = [pool.submit(c.push_weights, payload, version) for c in self.clients]
+        failed = []
+        for client, fut in zip(self.clients, futures, strict=True):
+            try:
+                fut.result()
+                self.balancer.enable(client.url)
+            except ServerUnavailable as exc:
+                failed.append(str(exc))
+                self.balancer.disable(client.url)
+        if len(failed) == len(self.clients):
+            raise RuntimeError(f"no rollout server took weights version {version}: {failed[0]}")
+        self.version = version
+
+    def throughput(self) -> float:
+        """Generated tokens per second of wall time spent in ``generate``."""
+        return self.tokens_generated / self.seconds if self.seconds > 0 else 0.0
+
+    def reset_stats(self) -> None:
+        self.tokens_generated = 0
+        self.seconds = 0.0
+
+    def close(self) -> None:
+        self.balancer.close()
+
+
+def build(cfg, tokenizer) -> RemoteEngine:
+    """The remote engine for ``rollout.engine=remote`` (servers from ``rollout.servers``)."""
+    r = cfg.rollout
+    return RemoteEngine(
+        list(getattr(r, "servers", [])),
+        tokenizer,
+        model=getattr(r, "server_model", None),
+        timeout=getattr(r, "server_timeout_s", 120.0),
+        seed=cfg.run.seed,
+    )
+
+
+def _older(served: int | None, current: int) -> bool:
+    return served is not None and served < current

@@ -1,0 +1,498 @@
+"""Continuous batching: one thread owns the model; requests join and leave between steps.
+
+Each decode step runs every active sequence through one batched forward.
+Sequences of different lengths share a left-padded KV batch with an attention
+mask and per-row position ids; a sequence that finishes leaves the batch at
+the end of the step, and a waiting request is prefilled (through the prefix
+cache, once for all its ``n`` samples) and joins before the next one. New
+weights are applied only between two steps, so a step never mixes weights;
+every token records the policy version that produced it.
+
+Why not transformers' own continuous batching (read in transformers 5.24,
+``generation/continuous_batching``; it does run on CPU with sdpa over a paged
+cache and can return logprobs):
+
+* its logprobs are taken after temperature *and* top-k/top-p renormalisation
+  (``ModelRunner._sample`` logs the softmax of the processed scores), while the
+  trainer recomputes the tempered, untruncated distribution; they differ
+  whenever top_p < 1 or top_k > 0 (the ``rlhf`` preset);
+* ``num_return_sequences`` is one manager-wide setting, so groups of different
+  sizes from different clients cannot share a manager;
+* its loop runs in its own thread with no hook to swap weights between two
+  steps, and tokens carry no policy version;
+* prefix sharing is by whole pages (256 tokens by default), so prompts shorter
+  than a page share nothing across requests;
+* sampling draws from the process-wide RNG, so a per-request seed cannot be
+  honoured.
+
+What it has that this lacks is a paged KV (joins and leaves here copy the
+batch KV once) and CUDA graphs; on a GPU the vLLM engine is the fast path.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from rlpost.rollout import prefix_cache as pc
+from rlpost.rollout.prefix_cache import LayerKV, PrefixCache
+from rlpost.rollout.protocol import SamplingParams, sample_tokens
+from rlpost.types import FinishReason
+
+TRIM_COLUMNS = 16  # drop all-padding KV columns once this many have piled up
+
+
+@dataclass
+class GenerationRequest:
+    """``n`` samples continuing ``prompt_ids``.
+
+    ``stop_texts`` end a sample when its decoded text contains one of them;
+    ``top_logprobs`` asks for that many most likely alternatives per token;
+    ``seed`` gives the request its own random generator (reproducible samples);
+    ``ignore_eos`` keeps decoding past EOS (benchmarks that need fixed lengths).
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int = 1
+    stop_texts: tuple[str, ...] = ()
+    top_logprobs: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass
+class SampleOutput:
+    """One finished sample: sampled ids, their logprobs and the version of each token.
+
+    ``text_end`` is the character offset in the decoded text where a stop text
+    begins (None when no stop text matched); ``top_logprobs[i]`` lists
+    ``(token_id, logprob)`` alternatives at position i when they were asked for.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    token_versions: list[int]
+    text_end: int | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    @property
+    def policy_version(self) -> int | None:
+        """Version of the weights that produced the first token (None: aborted before one)."""
+        return self.token_versions[0] if self.token_versions else None
+
+    @property
+    def versions(self) -> list[int]:
+        """Every version that produced a token of this sample, ascending."""
+        return sorted(set(self.token_versions))
+
+
+class Ticket:
+    """Handle on a submitted request; ``future`` resolves to its ``n`` outputs in order."""
+
+    def __init__(self, request: GenerationRequest) -> None:
+        self.request = request
+        self.future: Future[list[SampleOutput]] = Future()
+        self.cancelled = False
+        self.keep_partial = False
+        self.outputs: list[SampleOutput | None] = [None] * request.n
+        self.remaining = request.n
+        seed = request.seed if request.seed is not None else request.params.seed
+        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+
+
+@dataclass
+class _Seq:
+    """One sample being decoded; its KV is a row of the batch, minus its last sampled token."""
+
+    ticket: Ticket
+    index: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    tops: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish: FinishReason | None = None
+    text_end: int | None = None
+
+    @property
+    def position(self) -> int:
+        """Position id of the next input token (the last sampled one)."""
+        return len(self.ticket.request.prompt_ids) + len(self.tokens) - 1
+
+
+@dataclass
+class _WeightUpdate:
+    tensors: dict[str, torch.Tensor]
+    version: int
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class Scheduler:
+    """Serves generation requests from one model with continuous batching.
+
+    ``max_batch`` caps the sequences decoded together (a request larger than
+    the cap still runs, alone). ``max_model_len`` ends a sample with
+    ``length`` before it would pass the model's context.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        *,
+        max_batch: int = 64,
+        prefix_cache: PrefixCache | None = None,
+        seed: int = 0,
+        version: int = 0,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
+        self.generator = torch.Generator().manual_seed(seed)
+        self.version = version
+        self.eos_id = tokenizer.eos_token_id
+        self.max_model_len = max_model_len or getattr(model.config, "max_position_embeddings", None)
+        self._params = dict(model.named_parameters(remove_duplicate=False))
+        self._params.update(dict(model.named_buffers(remove_duplicate=False)))
+        self._cond = threading.Condition()
+        self._waiting: deque[Ticket] = deque()
+        self._weights: deque[_WeightUpdate] = deque()
+        self._rows: list[_Seq] = []
+        self._cache: DynamicCache | None = None
+        self._mask: torch.Tensor | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.counters = dict.fromkeys(
+            ("steps", "tokens", "prefills", "requests", "errors", "cancelled", "max_batch_seen"), 0
+        )
+        self.busy_seconds = 0.0
+        self.started = time.monotonic()
+
+    def start(self) -> Scheduler:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rlpost-scheduler", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, request: GenerationRequest) -> Ticket:
+        """Queue a request; the ticket's future resolves when all its samples are done."""
+        if not request.prompt_ids:
+            raise ValueError("empty prompt: a request needs at least one prompt token")
+        if request.n < 1:
+            raise ValueError(f"n={request.n} must be >= 1")
+        ticket = Ticket(request)
+        with self._cond:
+            self._waiting.append(ticket)
+            self._cond.notify_all()
+        return ticket
+
+    def cancel(self, ticket: Ticket, *, keep_partial: bool = False) -> None:
+        """Free the ticket's slots at the next step boundary.
+
+        Without ``keep_partial`` (a client went away) the future is cancelled;
+        with it (partial rollout) the future resolves with every sample so far,
+        unfinished ones marked ``abort``, so their tokens can be continued later.
+        """
+        with self._cond:
+            ticket.cancelled, ticket.keep_partial = True, keep_partial
+            self._cond.notify_all()
+
+    def load_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        timeout: float | None = None,
+    ) -> float:
+        """Swap in new weights between two decode steps; returns the seconds it waited.
+
+        Every name and shape is checked before anything is applied, so a bad
+        update changes nothing.
+        """
+        tensors = dict(named_tensors)
+        for name, tensor in tensors.items():
+            target = self._params.get(name)
+            if target is None:
+                raise KeyError(f"weight {name!r} is not a parameter of the serving model")
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                )
+        update = _WeightUpdate(tensors, version)
+        start = time.perf_counter()
+        with self._cond:
+            self._weights.append(update)
+            self._cond.notify_all()
+        if not update.done.wait(timeout):
+            raise TimeoutError(f"weights for version {version} were not applied within {timeout} s")
+        if update.error is not None:
+            raise update.error
+        return time.perf_counter() - start
+
+    def stats(self) -> dict[str, float]:
+        with self._cond:
+            waiting = sum(t.request.n for t in self._waiting)
+        return {
+            **self.counters,
+            "active": len(self._rows),
+            "waiting": waiting,
+            "policy_version": self.version,
+            "busy_seconds": self.busy_seconds,
+            "uptime_seconds": time.monotonic() - self.started,
+        }
+
+    # ------------------------------------------------------------- the loop
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stop or self._waiting or self._weights or self._rows):
+                    self._cond.wait()
+                if self._stop:
+                    break
+                updates = list(self._weights)
+                self._weights.clear()
+                admitted = self._take_admissible()
+            start = time.perf_counter()
+            for update in updates:
+                self._apply_weights(update)
+            try:
+                self._drop_cancelled()
+                self._admit(admitted)
+                if self._rows:
+                    self._decode_step()
+            except Exception as exc:  # a bad request must fail its tickets, not the server
+                self.counters["errors"] += 1
+                self._fail_all(admitted, exc)
+            self.busy_seconds += time.perf_counter() - start
+        self._fail_all([], RuntimeError("the scheduler stopped"))
+
+    def _take_admissible(self) -> list[Ticket]:
+        """Waiting tickets that fit in the batch, first come first served (caller holds the lock)."""
+        taken: list[Ticket] = []
+        room = self.max_batch - len(self._rows)
+        while self._waiting:
+            ticket = self._waiting[0]
+            if ticket.cancelled:
+                self._waiting.popleft()
+                self._finish_cancelled(ticket)
+                continue
+            if ticket.request.n > room and (self._rows or taken):
+                break
+            taken.append(self._waiting.popleft())
+            room -= ticket.request.n
+        return taken
+
+    @torch.no_grad()
+    def _apply_weights(self, update: _WeightUpdate) -> None:
+        try:
+            for name, tensor in update.tensors.items():
+                self._params[name].copy_(tensor)
+            self.version = update.version
+            self.prefix_cache.clear()
+        except Exception as exc:  # reported to the caller of load_weights
+            update.error = exc
+        update.done.set()
+
+    def _drop_cancelled(self) -> None:
+        # A snapshot: completing an aborted sample runs callbacks that may cancel more
+        # tickets; those are dropped at the next step, with all their rows intact.
+        gone = {id(s): s for s in self._rows if s.ticket.cancelled}
+        for s in gone.values():
+            if s.ticket.keep_partial:
+                s.finish = "abort"
+                self._complete(s)
+        for ticket in {id(s.ticket): s.ticket for s in gone.values()}.values():
+            self._finish_cancelled(ticket)
+        if gone:
+            self._keep_rows([i for i, s in enumerate(self._rows) if id(s) not in gone])
+
+    def _finish_cancelled(self, ticket: Ticket) -> None:
+        self.counters["cancelled"] += 1
+        if not ticket.keep_partial:
+            ticket.future.cancel()
+        elif not ticket.future.done():  # never admitted: nothing was sampled
+            empty = SampleOutput([], [], "abort", [])
+            ticket.future.set_result([o or empty for o in ticket.outputs])
+
+    def _fail_all(self, admitted: list[Ticket], exc: BaseException) -> None:
+        tickets = {id(s.ticket): s.ticket for s in self._rows}
+        tickets.update({id(t): t for t in admitted})
+        if self._stop:
+            with self._cond:
+                tickets.update({id(t): t for t in self._waiting})
+                self._waiting.clear()
+        for ticket in tickets.values():
+            if not ticket.future.done():
+                ticket.future.set_exception(exc)
+        self._rows, self._cache, self._mask = [], None, None
+
+    # ------------------------------------------------------- prefill, decode
+
+    @torch.no_grad()
+    def _prefill(self, prompt: list[int]) -> tuple[LayerKV, torch.Tensor]:
+        """(KV ``[1, H, L, D]`` per layer, next-token logits ``[V]``) of ``prompt``, via the prefix cache."""
+        entry = self.prefix_cache.lookup(prompt, self.version)
+        if entry is not None and len(entry.tokens) == len(prompt):
+            return entry.kv, entry.logits
+        start = len(entry.tokens) if entry is not None else 0
+        cache = pc.cache_from(entry.kv) if entry is not None else DynamicCache()
+        ids = torch.tensor([prompt[start:]], dtype=torch.long)
+        pos = torch.arange(start, len(prompt), dtype=torch.long)[None]
+        out = self.model(
+            input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1
+        )
+        kv, logits = pc.cache_tensors(cache), out.logits[0, -1].float()
+        self.prefix_cache.insert(prompt, kv, logits, self.version)
+        self.counters["prefills"] += 1
+        return kv, logits
+
+    def _admit(self, tickets: list[Ticket]) -> None:
+        """Prefill each request once, sample its first tokens, and join the unfinished samples
+        to the batch in one copy of the batch KV (joining one by one would copy it per request)."""
+        kvs, masks = [], []
+        if self._rows:
+            kvs.append(pc.cache_tensors(self._cache))
+            masks.append(self._mask)
+        for ticket in tickets:
+            request = ticket.request
+            kv, logits = self._prefill(request.prompt_ids)
+            seqs = [_Seq(ticket, i) for i in range(request.n)]
+            self._advance(seqs, logits.expand(request.n, -1))
+            alive = [s for s in seqs if s.finish is None]
+            if alive:
+                kvs.append(pc.repeat_rows(kv, len(alive)))
+                masks.append(torch.ones(len(alive), len(request.prompt_ids), dtype=torch.long))
+                self._rows.extend(alive)
+        if len(kvs) > (1 if self._cache is not None else 0):
+            width = max(m.shape[1] for m in masks)
+            self._cache = pc.cache_from(pc.concat_batches([pc.left_pad(kv, width) for kv in kvs]))
+            self._mask = torch.cat([pc.pad_mask(m, width) for m in masks])
+
+    @torch.no_grad()
+    def _decode_step(self) -> None:
+        rows = self._rows
+        ids = torch.tensor([[s.tokens[-1]] for s in rows], dtype=torch.long)
+        pos = torch.tensor([[s.position] for s in rows], dtype=torch.long)
+        self._mask = torch.cat([self._mask, self._mask.new_ones(len(rows), 1)], dim=-1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self._mask,
+            position_ids=pos,
+            cache=self._cache,
+            use_cache=True,
+        )
+        self.counters["steps"] += 1
+        self.counters["max_batch_seen"] = max(self.counters["max_batch_seen"], len(rows))
+        self._advance(rows, out.logits[:, -1, :])
+        if any(s.finish is not None for s in rows):
+            self._keep_rows([i for i, s in enumerate(rows) if s.finish is None])
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        """Shrink the batch to ``keep`` and drop KV columns that are now padding in every row."""
+        if not keep:
+            self._rows, self._cache, self._mask = [], None, None
+            return
+        if len(keep) < len(self._rows):
+            self._cache.batch_select_indices(torch.tensor(keep))
+            self._mask = self._mask[keep]
+            self._rows = [self._rows[i] for i in keep]
+        first = int(self._mask.any(dim=0).long().argmax())
+        if first >= TRIM_COLUMNS:
+            self._cache = pc.cache_from(pc.slice_columns(pc.cache_tensors(self._cache), first))
+            self._mask = self._mask[:, first:]
+
+    def _advance(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
+        """Sample one token per sequence from ``logits`` [len(seqs), V] and record it."""
+        tokens = torch.empty(len(seqs), dtype=torch.long)
+        logps = torch.empty(len(seqs))
+        groups: dict[tuple, list[int]] = {}
+        for i, s in enumerate(seqs):
+            p, gen = s.ticket.request.params, s.ticket.generator or self.generator
+            # Rows differing only in max_tokens or stop ids sample in one call.
+            groups.setdefault((p.temperature, p.top_p, p.top_k, id(gen)), []).append(i)
+        for idx in groups.values():
+            ticket = seqs[idx[0]].ticket
+            at = torch.tensor(idx)
+            tok, lp = sample_tokens(
+                logits[at], ticket.request.params, ticket.generator or self.generator
+            )
+            tokens[at], logps[at] = tok, lp
+        tops = self._top_alternatives(seqs, logits)
+        for i, (s, tok, lp) in enumerate(zip(seqs, tokens.tolist(), logps.tolist(), strict=True)):
+            s.tokens.append(tok)
+            s.logprobs.append(lp)
+            s.versions.append(self.version)
+            if tops[i] is not None:
+                s.tops.append(tops[i])
+            self._check_finished(s, tok)
+        self.counters["tokens"] += len(seqs)
+
+    def _top_alternatives(self, seqs: list[_Seq], logits: torch.Tensor) -> list:
+        out: list = [None] * len(seqs)
+        for i, s in enumerate(seqs):
+            k = s.ticket.request.top_logprobs
+            if k > 0:
+                temp = s.ticket.request.params.temperature or 1.0
+                values, ids = torch.log_softmax(logits[i].float() / temp, dim=-1).topk(k)
+                out[i] = list(zip(ids.tolist(), values.tolist(), strict=True))
+        return out
+
+    def _check_finished(self, s: _Seq, token: int) -> None:
+        request = s.ticket.request
+        if token in request.params.stop_token_ids or (
+            token == self.eos_id and not request.ignore_eos
+        ):
+            s.finish = "stop"
+        elif request.stop_texts and self._stop_text_at(s) is not None:
+            s.finish = "stop"
+        elif len(s.tokens) >= request.params.max_tokens or (
+            self.max_model_len is not None and s.position + 1 >= self.max_model_len
+        ):
+            s.finish = "length"
+        if s.finish is not None:
+            self._complete(s)
+
+    def _stop_text_at(self, s: _Seq) -> int | None:
+        text = self.tokenizer.decode(s.tokens, skip_special_tokens=True)
+        hits = [text.find(stop) for stop in s.ticket.request.stop_texts if stop and stop in text]
+        if hits:
+            s.text_end = min(hits)
+        return s.text_end
+
+    def _complete(self, s: _Seq) -> None:
+        ticket = s.ticket
+        ticket.outputs[s.index] = SampleOutput(
+            token_ids=s.tokens,
+            logprobs=s.logprobs,
+            finish_reason=s.finish,
+            token_versions=s.versions,
+            text_end=s.text_end,
+            top_logprobs=s.tops if ticket.request.top_logprobs > 0 else None,
+        )
+        ticket.remaining -= 1
+        if ticket.remaining == 0 and not ticket.future.done():
+            self.counters["requests"] += 1
+            ticket.future.set_result(list(ticket.outputs))

@@ -1,0 +1,258 @@
+"""The PPO critic: a value model and the trainer that fits it to GAE returns.
+
+The value model is a causal-LM decoder (the policy's own architecture, started
+from a copy of its weights, as verl and OpenRLHF do) with a scalar head on the
+final hidden state; the language-model head is dropped, so no ``[B, L, V]``
+logits are ever computed. The head stays float32 whatever the backbone dtype.
+
+The trainer mirrors :class:`rlpost.train.actor.PolicyTrainer`: epochs x
+shuffled mini-batches (one optimizer step each) x micro-batches (gradient
+accumulation), with loss denominators fixed per mini-batch by
+:meth:`Aggregation.for_minibatch`, so the update does not depend on the
+micro-batch size. The loss math is :func:`rlpost.algos.value.value_loss`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModel, PreTrainedModel
+
+from rlpost.algos.aggregate import Aggregation
+from rlpost.algos.value import value_loss
+from rlpost.train.actor import ActorSettings, build_optimizer
+from rlpost.train.batch import TrainBatch
+
+HEAD_FILE = "value_head.safetensors"
+
+
+class ValueModel(nn.Module):
+    """``V(s)`` for every prefix: a decoder backbone and a ``Linear(hidden, 1)`` head.
+
+    ``backbone`` is a base (headless) transformer such as ``LlamaModel``, the
+    ``get_decoder()`` of a causal LM. The head's weights start small
+    (std ``1 / (hidden + 1)``, OpenRLHF's choice) and its bias at zero, so
+    initial values are near 0 and the backbone receives gradient from step one.
+    """
+
+    def __init__(self, backbone: PreTrainedModel, head: nn.Linear | None = None) -> None:
+        super().__init__()
+        self.backbone = backbone
+        hidden = backbone.config.hidden_size
+        if head is None:
+            head = nn.Linear(hidden, 1, dtype=torch.float32)
+            nn.init.normal_(head.weight, mean=0.0, std=1.0 / (hidden + 1))
+            nn.init.zeros_(head.bias)
+        self.value_head = head
+
+    @classmethod
+    def from_policy(cls, policy: PreTrainedModel) -> ValueModel:
+        """A value model whose backbone is a trainable copy of ``policy``'s decoder."""
+        backbone = copy.deepcopy(policy.get_decoder())
+        backbone.requires_grad_(True)
+        backbone.train()
+        return cls(backbone)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Values ``[B, L]`` float32: entry ``l`` is the value of the prefix ``input_ids[:, : l + 1]``."""
+        out = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        )
+        hidden = out.last_hidden_state.to(self.value_head.weight.dtype)
+        return self.value_head(hidden).squeeze(-1)
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write the backbone as an HF directory plus ``value_head.safetensors``."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        self.backbone.save_pretrained(out)
+        head = {k: v.detach().contiguous() for k, v in self.value_head.state_dict().items()}
+        save_file(head, str(out / HEAD_FILE))
+        return out
+
+    @classmethod
+    def load(cls, directory: str | Path) -> ValueModel:
+        """Read a directory written by :meth:`save_pretrained`."""
+        d = Path(directory)
+        if not (d / HEAD_FILE).is_file():
+            raise FileNotFoundError(f"{str(d)!r} holds no {HEAD_FILE}; is it a saved value model?")
+        backbone = AutoModel.from_pretrained(d, local_files_only=True)
+        state = load_file(str(d / HEAD_FILE))
+        head = nn.Linear(backbone.config.hidden_size, 1, dtype=state["weight"].dtype)
+        head.load_state_dict(state)
+        return cls(backbone, head)
+
+
+def response_values(value_model: ValueModel, batch: TrainBatch) -> torch.Tensor:
+    """Values ``[B, T]`` aligned with the responses, with gradient.
+
+    Entry ``t`` is the value of the state before response token ``t`` (prompt
+    plus ``responses[:, :t]``): positions ``P - 1 .. P + T - 2``, as
+    :func:`rlpost.train.batch.response_logits`. Padding entries hold whatever the
+    head outputs there; mask them with ``response_mask``.
+    """
+    values = value_model(batch.input_ids, batch.attention_mask, batch.position_ids)
+    P = batch.prompt_width
+    return values[:, P - 1 : -1]
+
+
+class CriticTrainer:
+    """Fits a :class:`ValueModel` to ``batch.returns`` with the clipped value loss."""
+
+    def __init__(
+        self,
+        value_model: ValueModel,
+        *,
+        lr: float,
+        warmup_steps: int = 0,
+        grad_clip: float = 1.0,
+        mini_batch_size: int = 64,
+        micro_batch_size: int = 64,
+        epochs: int = 1,
+        clip_range: float | None = 0.2,
+        loss_agg_mode: str = "token-mean",
+        weight_decay: float = 0.0,
+        bf16: bool = False,
+        seed: int = 0,
+    ) -> None:
+        if micro_batch_size > mini_batch_size:
+            raise ValueError(
+                f"critic micro_batch_size={micro_batch_size} > mini_batch_size={mini_batch_size}"
+            )
+        Aggregation(loss_agg_mode)  # an unknown mode fails here, listing the valid ones
+        self.model = value_model
+        self.s = ActorSettings(
+            lr=lr,
+            warmup_steps=warmup_steps,
+            weight_decay=weight_decay,
+            grad_clip=grad_clip,
+            mini_batch_size=mini_batch_size,
+            micro_batch_size=micro_batch_size,
+            epochs=epochs,
+            loss_agg_mode=loss_agg_mode,
+            bf16=bf16,
+        )
+        self.clip_range = clip_range
+        self.optimizer, self.scheduler = build_optimizer(value_model, self.s)
+        # Its own stream, offset from the actor's, so the two shuffles are independent.
+        self.shuffle = torch.Generator().manual_seed(seed + 11)
+        self.skipped_updates = 0
+
+    def _autocast(self):
+        if self.s.bf16:
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        """Old values ``[B, T]`` float32 for GAE, zero on padding (no gradient)."""
+        was_training = self.model.training
+        self.model.eval()
+        chunks = []
+        for lo in range(0, len(batch), self.s.micro_batch_size):
+            micro = batch.select(torch.arange(lo, min(lo + self.s.micro_batch_size, len(batch))))
+            with self._autocast():
+                chunks.append(response_values(self.model, micro).float())
+        self.model.train(was_training)
+        values = torch.cat(chunks, dim=0)
+        return torch.where(batch.response_mask > 0, values, torch.zeros_like(values))
+
+    def update(self, batch: TrainBatch) -> dict[str, float]:
+        """Epochs x mini-batches of critic steps on ``batch`` (needs ``returns`` and ``values``).
+
+        Returns the means over updates of ``vf_loss``, ``vf_clip_frac``,
+        ``vf_explained_var``, ``vpred_mean``, ``critic_grad_norm``, plus
+        ``critic_lr`` and ``critic_updates``.
+        """
+        if batch.returns is None or batch.values is None:
+            raise ValueError("critic update() needs batch.returns and batch.values (old values)")
+        self.model.train()
+        sums: dict[str, float] = {}
+        updates = 0
+        for _ in range(self.s.epochs):
+            order = torch.randperm(len(batch), generator=self.shuffle)
+            for lo in range(0, len(batch), self.s.mini_batch_size):
+                mb = batch.select(order[lo : lo + self.s.mini_batch_size])
+                for k, v in self._step(mb).items():
+                    sums[k] = sums.get(k, 0.0) + v
+                updates += 1
+        out = {k: v / max(updates, 1) for k, v in sums.items()}
+        out["critic_lr"] = self.optimizer.param_groups[0]["lr"]
+        out["critic_updates"] = float(updates)
+        return out
+
+    def _step(self, mb: TrainBatch) -> dict[str, float]:
+        agg = Aggregation.for_minibatch(mb.response_mask, self.s.loss_agg_mode)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_total, preds = 0.0, []
+        for lo in range(0, len(mb), self.s.micro_batch_size):
+            micro = mb.select(torch.arange(lo, min(lo + self.s.micro_batch_size, len(mb))))
+            with self._autocast():
+                pred = response_values(self.model, micro).float()
+            out = value_loss(
+                pred,
+                micro.returns,
+                micro.values,
+                micro.response_mask,
+                agg=agg,
+                clip_range=self.clip_range,
+            )
+            out.loss.backward()
+            loss_total += float(out.loss.detach())
+            preds.append(pred.detach())
+        # Statistics over the whole mini-batch (explained variance does not add up over parts).
+        with torch.no_grad():
+            whole = value_loss(
+                torch.cat(preds),
+                mb.returns,
+                mb.values,
+                mb.response_mask,
+                agg=agg,
+                clip_range=self.clip_range,
+            )
+        stats = {k: float(v) for k, v in whole.stats.items()}
+        stats["vf_loss"] = loss_total
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.grad_clip))
+        stats["critic_grad_norm"] = grad_norm
+        if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):
+            # A NaN / Inf loss or gradient never reaches the weights.
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_updates += 1
+            stats["critic_skipped"] = 1.0
+            return stats
+        self.optimizer.step()
+        self.scheduler.step()
+        stats["critic_skipped"] = 0.0
+        return stats
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs, the value model's weights included."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "shuffle": self.shuffle.get_state(),
+            "skipped_updates": self.skipped_updates,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.shuffle.set_state(state["shuffle"])
+        self.skipped_updates = int(state["skipped_updates"])

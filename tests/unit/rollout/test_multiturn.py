@@ -1,0 +1,106 @@
+"""Multi-turn tool rollouts: token bookkeeping, masks and tool failures."""
+
+import pytest
+
+from rlpost.models.tiny import build_char_tokenizer
+from rlpost.rollout.multiturn import CodeTool, MultiTurnRollout
+from rlpost.rollout.protocol import SamplingParams
+from rlpost.types import Completion
+
+
+class ScriptedPolicy:
+    """Answers each turn with the next scripted text (as tokens), ending with EOS unless told not to."""
+
+    def __init__(self, tok, turns):
+        self.tok, self.turns, self.version, self.seen = tok, list(turns), 3, []
+
+    def generate(self, prompt_ids, params, n=1, group_offset=0):
+        out = []
+        for i, ids in enumerate(prompt_ids):
+            for _ in range(n):
+                self.seen.append(list(ids))
+                text = self.turns.pop(0)
+                toks = self.tok(text, add_special_tokens=False)["input_ids"] + [
+                    self.tok.eos_token_id
+                ]
+                toks = toks[: params.max_tokens]
+                reason = "stop" if toks[-1] == self.tok.eos_token_id else "length"
+                lps = [-0.25] * len(toks)
+                out.append(Completion(list(ids), toks, lps, reason, self.version, group_offset + i))
+        return out
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+def _encode(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_tool_output_is_appended_as_masked_tokens(tok):
+    policy = ScriptedPolicy(tok, ['I will add. <tool name="add">2,3</tool> junk after', "It is 5."])
+    tools = {"add": lambda args: str(sum(int(x) for x in args.split(",")))}
+    rollout = MultiTurnRollout(policy, tok, tools)
+    prompt = _encode(tok, "Q: 2+3? ")
+    (c,) = rollout.generate([prompt], SamplingParams(max_tokens=100), n=1, group_offset=4)
+    call = 'I will add. <tool name="add">2,3</tool>'
+    result = "<result>5</result>"
+    assert c.text == call + result + "It is 5."
+    n_call, n_result = len(_encode(tok, call)), len(_encode(tok, result))
+    assert c.loss_mask == [1] * n_call + [0] * n_result + [1] * (
+        len(c.token_ids) - n_call - n_result
+    )
+    assert c.logprobs[n_call : n_call + n_result] == [0.0] * n_result
+    assert all(lp == -0.25 for lp, m in zip(c.logprobs, c.loss_mask, strict=True) if m)
+    assert c.token_ids[-1] == tok.eos_token_id and c.finish_reason == "stop"
+    assert (c.group, c.policy_version, c.prompt_ids) == (4, 3, prompt)
+    # The second turn continued the exact token list, tool tokens included.
+    assert policy.seen[1] == prompt + c.token_ids[: n_call + n_result]
+    assert rollout.tool_calls == 1 and rollout.tool_errors == 0
+
+
+def test_unknown_and_failing_tools_answer_errors(tok):
+    def broken(_):
+        raise ZeroDivisionError("division by zero")
+
+    turns = ['<tool name="nope">x</tool>', '<tool name="div">1/0</tool>', "done"]
+    rollout = MultiTurnRollout(ScriptedPolicy(tok, turns), tok, {"div": broken})
+    (c,) = rollout.generate([_encode(tok, "go ")], SamplingParams(max_tokens=200))
+    assert "error: unknown tool 'nope'; available: div" in c.text
+    assert "error: ZeroDivisionError: division by zero" in c.text
+    assert c.text.endswith("done") and rollout.tool_errors == 2
+
+
+def test_budget_and_call_limit(tok):
+    call = '<tool name="echo">abc</tool>'
+    rollout = MultiTurnRollout(ScriptedPolicy(tok, [call] * 3), tok, {"echo": str}, max_calls=1)
+    (c,) = rollout.generate([_encode(tok, "x")], SamplingParams(max_tokens=500))
+    assert c.text == call + "<result>abc</result>" + call  # the second call is not executed
+    assert rollout.tool_calls == 1
+    tight = MultiTurnRollout(ScriptedPolicy(tok, [call]), tok, {"echo": str})
+    (c,) = tight.generate([_encode(tok, "x")], SamplingParams(max_tokens=len(call) + 5))
+    assert c.finish_reason == "length" and len(c.token_ids) == len(call) + 5
+    assert c.loss_mask[-5:] == [0] * 5
+
+
+def test_groups_of_conversations(tok):
+    turns = ["a", "b", "c", "d"]
+    out = MultiTurnRollout(ScriptedPolicy(tok, turns), tok, {}).generate(
+        [_encode(tok, "p"), _encode(tok, "q")], SamplingParams(max_tokens=10), n=2
+    )
+    assert [c.group for c in out] == [0, 0, 1, 1]
+    assert [c.text for c in out] == turns
+
+
+@pytest.mark.sandbox
+def test_code_tool_runs_in_the_sandbox():
+    from rlpost.rewards.sandbox import SandboxUnavailable, check_available
+
+    try:
+        check_available()
+    except SandboxUnavailable as exc:
+        pytest.skip(str(exc))
+    assert CodeTool()("print(6 * 7)").strip() == "42"
+    assert "ZeroDivisionError" in CodeTool()("1 / 0")
