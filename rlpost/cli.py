@@ -7,6 +7,7 @@
     rlpost config [RECIPE] [key=value ...]     print the resolved config (--help: every key)
     rlpost report RUN_DIR                      HTML report and a text summary
     rlpost sandbox run FILE.py [--timeout S] [--memory MB] [--json]
+    rlpost serve [--model DIR] [--port N]       OpenAI-compatible rollout server
 
 A bad config is one line on stderr and exit code 2, before any work starts.
 """
@@ -155,10 +156,20 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("report", help="write RUN_DIR/report.html and print a summary")
     sp.add_argument("run_dir")
     sp.set_defaults(fn=cmd_report)
-    sp = sub.add_parser("sandbox", help="run untrusted code in the sandbox")
+    sp = sub.add_parser("serve", help="OpenAI-compatible rollout server (rlpost serve --help)", add_help=False)
+    sp.add_argument("rest", nargs=argparse.REMAINDER)
+    sp.set_defaults(fn=lambda a: _serve(a.rest))
+    sp = sub.add_parser("sandbox", help="run untrusted code in the sandbox", add_help=False)
     sp.add_argument("rest", nargs=argparse.REMAINDER)
     sp.set_defaults(fn=lambda a: _sandbox(a.rest))
     return p
+
+
+def _serve(rest: list[str]) -> int:
+    _quiet_libraries()
+    from rlpost.rollout.server import main as serve_main
+
+    return serve_main(rest)
 
 
 def _sandbox(rest: list[str]) -> int:
@@ -169,6 +180,10 @@ def _sandbox(rest: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("serve", "sandbox"):
+        # These own their arguments (and --help); hand them the rest unparsed.
+        return _serve(argv[1:]) if argv[0] == "serve" else _sandbox(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -138,9 +138,38 @@ class DataConfig(Section):
 # ----------------------------------------------------------------------- rollout
 
 
+SAMPLING_PRESETS: dict[str, dict[str, float]] = {
+    # Verifiable-reward RL wants the model's full distribution: no truncation.
+    "rlvr": {"temperature": 1.0, "top_p": 1.0, "top_k": -1},
+    # Preference RL trims the far tail a little to keep text fluent.
+    "rlhf": {"temperature": 0.8, "top_p": 0.95, "top_k": -1},
+}
+
+
 class RolloutConfig(Section):
     engine: Literal["hf", "vllm", "remote"] = "hf"
     """Rollout engine: transformers in process (CPU), vLLM (GPU, extra [vllm]) or remote servers."""
+    preset: Literal["rlvr", "rlhf"] | None = None
+    """Sampling preset filling temperature / top_p / top_k that are not set explicitly."""
+    servers: list[str] = []
+    """Base URLs of rollout servers for engine=remote (rlpost serve, vllm serve, SGLang)."""
+    server_model: str | None = None
+    """Model name sent to the servers (None: the server's own)."""
+    server_timeout_s: float = Field(120.0, gt=0)
+    """Seconds before a server request is given up and re-sent elsewhere."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """vLLM tensor parallel degree."""
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    """Fraction of GPU memory vLLM may take."""
+    max_model_len: int | None = None
+    """vLLM context length (None: the model's)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") in SAMPLING_PRESETS:
+            data = {**SAMPLING_PRESETS[data["preset"]], **data}
+        return data
     prompts_per_step: int = Field(16, ge=1)
     """Prompts sampled each RL step."""
     n: int = Field(8, ge=1)
@@ -380,8 +409,10 @@ def find_combination_problems(cfg: Config) -> list[str]:
             f"model.tiny.max_position_embeddings={cfg.model.tiny.max_position_embeddings}; "
             "raise max_position_embeddings or lower max_tokens"
         )
-    if r.engine != "hf" and r.engine not in ("vllm", "remote"):
-        out.append(f"rollout.engine={r.engine} is unknown")
+    if r.engine == "remote" and not r.servers:
+        out.append("rollout.engine=remote needs rollout.servers; start servers with `rlpost serve` and list their URLs")
+    if r.engine == "vllm" and cfg.model.path is None:
+        out.append("rollout.engine=vllm needs model.path (a local HF checkpoint vLLM can load)")
     return out
 
 

@@ -56,7 +56,13 @@ def value_loss(
         clipped_flags = err_clipped > err
     with torch.no_grad():
         residual_var = masked_var(target - values_pred, mask)
-        explained = 1.0 - residual_var / (masked_var(target, mask) + EXPLAINED_VAR_EPS)
+        target_var = masked_var(target, mask)
+        # Undefined when the returns do not vary (e.g. every reward equal): NaN, not -1e6.
+        explained = torch.where(
+            target_var > EXPLAINED_VAR_EPS,
+            1.0 - residual_var / target_var.clamp(min=EXPLAINED_VAR_EPS),
+            torch.full_like(target_var, float("nan")),
+        )
         stats = {
             "vf_clip_frac": masked_mean(clipped_flags.to(torch.float32), mask),
             "vf_explained_var": explained,

@@ -22,7 +22,7 @@ def code_problems() -> list[Prompt]:
     random.Random(TASK_SEED).shuffle(exprs)
     out = []
     for expr in exprs:
-        fn = eval(f"lambda x: {expr}")  # noqa: S307 - our own generated, fixed expressions
+        fn = eval(f"lambda x: {expr}")
         tests = [f"assert f({x}) == {fn(x)}" for x in (0, 1, 2, 5)]
         out.append(
             Prompt(

@@ -26,7 +26,7 @@ class LoadReport:
     first_problem: str = ""
 
 
-def _rows(path: Path) -> list[tuple[int, Any]]:
+def read_rows(path: Path) -> list[tuple[int, Any]]:
     if path.suffix in (".jsonl", ".json"):
         out = []
         with path.open(encoding="utf-8") as f:
@@ -76,7 +76,7 @@ def load_prompt_file(
         raise DataError(f"dataset {str(p)!r} does not exist")
     report = LoadReport()
     prompts = []
-    for line, row in _rows(p):
+    for line, row in read_rows(p):
         problem = _check_row(row, prompt_field, answer_field)
         if problem is not None:
             where = f"{p}:{line}: {problem}"

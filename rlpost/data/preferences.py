@@ -24,7 +24,7 @@ from pydantic import Field, model_validator
 
 from rlpost.config import Section
 from rlpost.data.arith import TASK_SEED, arith_problems
-from rlpost.data.files import DataError, LoadReport, _rows
+from rlpost.data.files import DataError, LoadReport, read_rows
 
 
 @dataclass
@@ -124,7 +124,7 @@ def load_preference_file(
     fields = (prompt_field, chosen_field, rejected_field)
     report = LoadReport()
     pairs = []
-    for line, row in _rows(p):
+    for line, row in read_rows(p):
         problem = _check_row(row, fields)
         if problem is not None:
             where = f"{p}:{line}: {problem}"

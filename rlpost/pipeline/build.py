@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import inspect
 
+import torch
+
 from rlpost.algos import get_advantage_estimator, get_aggregation, get_kl_estimator, get_policy_loss
 from rlpost.config import Config, ConfigError
 from rlpost.data import arith_splits, load_prompt_file
@@ -99,19 +101,22 @@ def build_policy(cfg: Config):
     return model, tokenizer
 
 
-def build_engine(cfg: Config, model, tokenizer) -> HFEngine:
-    """The rollout engine serving a copy of ``model`` (weights arrive through a sync channel)."""
+def build_engine(cfg: Config, model, tokenizer):
+    """The rollout engine, serving ``model``'s current weights (later ones arrive through sync)."""
     r = cfg.rollout
-    if r.engine == "vllm":
-        from rlpost.rollout import vllm_engine  # lazy: vLLM is a GPU extra
-
-        return vllm_engine.build(cfg, tokenizer)
-    if r.engine == "remote":
-        raise ConfigError("rollout.engine=remote needs a rollout server; start one with `rlpost serve`")
+    if r.engine in ("vllm", "remote"):
+        if r.engine == "vllm":
+            from rlpost.rollout import vllm_engine as module  # lazy: vLLM is a GPU extra
+        else:
+            from rlpost.rollout import remote_engine as module
+        engine = module.build(cfg, tokenizer)
+        # Servers load from disk: push the starting policy (after warm-up) before the first rollout.
+        engine.load_weights(((n, p.detach()) for n, p in model.named_parameters()), version=0)
+        return engine
     serving = copy.deepcopy(model)
     serving.requires_grad_(False)
     if cfg.model.dtype == "bfloat16":
-        serving = serving.to(dtype=__import__("torch").bfloat16)
+        serving = serving.to(dtype=torch.bfloat16)
     return HFEngine(serving, tokenizer, batch_size=r.batch_size, share_prefix=r.share_prefix, seed=cfg.run.seed)
 
 
@@ -178,6 +183,8 @@ def build_critic(cfg: Config, model):
     c, t = cfg.critic, cfg.train
     return CriticTrainer(
         ValueModel.from_policy(model),
+        seed=cfg.run.seed,
+        bf16=cfg.model.dtype == "bfloat16",
         lr=c.lr,
         warmup_steps=t.warmup_steps,
         grad_clip=t.grad_clip,

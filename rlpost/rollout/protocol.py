@@ -17,13 +17,6 @@ import torch
 
 from rlpost.types import Completion
 
-PRESETS: dict[str, dict[str, float]] = {
-    # Verifiable-reward RL wants the model's full distribution: no truncation.
-    "rlvr": {"temperature": 1.0, "top_p": 1.0, "top_k": -1},
-    # Preference RL trims the far tail a little to keep text fluent.
-    "rlhf": {"temperature": 0.8, "top_p": 0.95, "top_k": -1},
-}
-
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -178,10 +178,10 @@ def build(cfg, tokenizer) -> RemoteEngine:
     """The remote engine for ``rollout.engine=remote`` (servers from ``rollout.servers``)."""
     r = cfg.rollout
     return RemoteEngine(
-        list(getattr(r, "servers", [])),
+        list(r.servers),
         tokenizer,
-        model=getattr(r, "server_model", None),
-        timeout=getattr(r, "server_timeout_s", 120.0),
+        model=r.server_model,
+        timeout=r.server_timeout_s,
         seed=cfg.run.seed,
     )
 

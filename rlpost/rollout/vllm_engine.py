@@ -153,9 +153,9 @@ def build(cfg, tokenizer) -> VLLMEngine:
     return VLLMEngine(
         str(cfg.model.path),
         tokenizer,
-        tensor_parallel_size=getattr(r, "tensor_parallel_size", 1),
-        gpu_memory_utilization=getattr(r, "gpu_memory_utilization", 0.85),
-        max_model_len=getattr(r, "max_model_len", None),
+        tensor_parallel_size=r.tensor_parallel_size,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        max_model_len=r.max_model_len,
         dtype={"bfloat16": "bfloat16", "float32": "float32"}.get(cfg.model.dtype, "auto"),
         seed=cfg.run.seed,
     )

@@ -53,7 +53,7 @@ from rlpost.train.batch import (
     response_logits,
     token_logprobs,
 )
-from rlpost.train.sft import _warmup_then_cosine, sft_train
+from rlpost.train.sft import sft_train, warmup_then_cosine
 from rlpost.types import Completion, Prompt
 
 # ------------------------------------------------------------------------ config
@@ -435,7 +435,7 @@ def _train(model, train_set, eval_set, pad_id, cfg: DPOConfig, recorder, bar) ->
     s = cfg.dpo
     optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, _warmup_then_cosine(s.warmup_steps, s.steps)
+        optimizer, warmup_then_cosine(s.warmup_steps, s.steps)
     )
     sampler = PromptSampler(list(range(len(train_set))), s.batch_size, seed=cfg.run.seed)
     task = bar.add_task(f"dpo ({s.loss_type})", total=s.steps, info="")

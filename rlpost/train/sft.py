@@ -56,7 +56,7 @@ def sft_train(
     """Train ``model`` in place for ``steps`` steps; returns the loss of each step."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_then_cosine(warmup_steps, steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_cosine(warmup_steps, steps))
     model.train()
     losses = []
     for step in range(steps):
@@ -76,7 +76,7 @@ def sft_train(
     return losses
 
 
-def _warmup_then_cosine(warmup_steps: int, total: int):
+def warmup_then_cosine(warmup_steps: int, total: int):
     import math
 
     warm = warmup_lambda(warmup_steps)
