@@ -11,6 +11,12 @@ Both at two model sizes of the same (Llama) family: the tiny default (overhead
 bound) and a ~25M-parameter model (compute bound).
 
     python bench/bench_rollout.py [--prompts 32] [--group 8] [--max-tokens 16] [--repeats 3]
+    python bench/bench_rollout.py --fewshot 12 --eos-bias 4 --max-tokens 64 --no-grpo
+
+The first form is the worst case for the engine (6-token prompts, no sequence
+stops early): prefill sharing and row dropping have nothing to save. The second
+is closer to RL practice: a long shared prompt (few-shot context) and responses
+whose lengths spread out, so some finish early.
 """
 
 from __future__ import annotations
@@ -67,9 +73,16 @@ def bench_engine(engine, tok, prompts, group, max_tokens) -> tuple[float, int]:
 
 def rollout_ratio(name: str, shape: dict, args) -> None:
     tok = build_char_tokenizer()
-    model = build_tiny_model(tok, max_position_embeddings=256, **shape).eval()
+    model = build_tiny_model(tok, max_position_embeddings=512, **shape).eval()
+    if args.eos_bias:
+        # A random model almost never stops; a bias on EOS gives the spread of
+        # lengths a trained policy has (most answers short, a long tail).
+        bias = torch.zeros(len(tok))
+        bias[tok.eos_token_id] = args.eos_bias
+        model.lm_head.register_forward_hook(lambda mod, inp, out: out + bias)
     train, _ = arith_splits(50, ["+", "-"], 10_000, 100)
-    prompts = [p.text for p in train[: args.prompts]]
+    shots = "".join(f"{p.text}{p.answer}\n" for p in train[-args.fewshot :]) if args.fewshot else ""
+    prompts = [shots + p.text for p in train[: args.prompts]]
     engine = HFEngine(model, tok, batch_size=args.prompts * args.group, seed=0)
     bench_engine(engine, tok, prompts[:2], args.group, 2)  # warm-up
     bench_generate(model, tok, prompts[:2], args.group, 2)
@@ -109,12 +122,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--sizes", default="tiny,25M")
+    ap.add_argument("--fewshot", type=int, default=0, help="worked examples before each prompt (longer prompts)")
+    ap.add_argument("--eos-bias", type=float, default=0.0, help="logit bias on EOS (spread of lengths)")
+    ap.add_argument("--no-grpo", action="store_true", help="only the rollout comparison")
     args = ap.parse_args()
     torch.manual_seed(0)
     print(f"rollout: {args.prompts} prompts x G={args.group}, max_tokens={args.max_tokens}, "
-          f"threads={torch.get_num_threads()}")
+          f"fewshot={args.fewshot}, eos_bias={args.eos_bias}, threads={torch.get_num_threads()}")
     for name in args.sizes.split(","):
         rollout_ratio(name, SIZES[name], args)
+    if args.no_grpo:
+        return
     for name in args.sizes.split(","):
         grpo_step_rate(name, SIZES[name], args)
 
