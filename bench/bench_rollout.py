@@ -34,8 +34,20 @@ from rlpost.rollout.hf_engine import HFEngine
 from rlpost.rollout.protocol import SamplingParams
 
 SIZES = {
-    "tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4),
-    "25M": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    ),
+    "25M": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+    ),
 }
 
 
@@ -57,11 +69,20 @@ def bench_generate(model, tok, prompts, group, max_tokens) -> tuple[float, int]:
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
-            **enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_tokens,
-            num_return_sequences=group, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+            **enc,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=max_tokens,
+            num_return_sequences=group,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
         )
     seconds = time.perf_counter() - start
-    return seconds, generated_tokens(out, enc["input_ids"].shape[1], tok.eos_token_id, tok.pad_token_id)
+    return seconds, generated_tokens(
+        out, enc["input_ids"].shape[1], tok.eos_token_id, tok.pad_token_id
+    )
 
 
 def bench_engine(engine, tok, prompts, group, max_tokens) -> tuple[float, int]:
@@ -94,41 +115,63 @@ def rollout_ratio(name: str, shape: dict, args) -> None:
         gen.append(n / s)
     params = sum(p.numel() for p in model.parameters()) / 1e6
     e, g = statistics.median(eng), statistics.median(gen)
-    print(f"{name:>5} ({params:5.1f}M)  engine {e:9.0f} tok/s   generate() {g:9.0f} tok/s   ratio {e / g:5.2f}x")
+    print(
+        f"{name:>5} ({params:5.1f}M)  engine {e:9.0f} tok/s   generate() {g:9.0f} tok/s   ratio {e / g:5.2f}x"
+    )
 
 
 def grpo_step_rate(name: str, shape: dict, args) -> None:
     from rlpost.pipeline.loop import train
 
     overrides = [f"model.tiny.{k}={v}" for k, v in shape.items()] + [
-        "model.tiny.max_position_embeddings=256", "sft.steps=0", f"train.steps={args.steps}",
-        f"rollout.prompts_per_step={args.prompts}", f"rollout.n={args.group}", f"rollout.max_tokens={args.max_tokens}",
-        f"train.mini_batch_size={args.prompts * args.group}", f"train.micro_batch_size={min(64, args.prompts * args.group)}",
-        "eval.limit=8", "eval.every=0", "checkpoint.every=0", "observe.progress=false", "observe.plot=false",
-        f"run.output_dir=/tmp/rlpost_bench_{name}", "reward.sample_every=0",
+        "model.tiny.max_position_embeddings=256",
+        "sft.steps=0",
+        f"train.steps={args.steps}",
+        f"rollout.prompts_per_step={args.prompts}",
+        f"rollout.n={args.group}",
+        f"rollout.max_tokens={args.max_tokens}",
+        f"train.mini_batch_size={args.prompts * args.group}",
+        f"train.micro_batch_size={min(64, args.prompts * args.group)}",
+        "eval.limit=8",
+        "eval.every=0",
+        "checkpoint.every=0",
+        "observe.progress=false",
+        "observe.plot=false",
+        f"run.output_dir=/tmp/rlpost_bench_{name}",
+        "reward.sample_every=0",
     ]
     result = train(load_config(None, overrides))
     seconds = [h["step_seconds"] for h in result.history[1:]]  # first step pays for warm-up
     per_step = args.prompts * args.group
-    print(f"{name:>5}  GRPO step: {per_step / statistics.median(seconds):8.1f} completions/s "
-          f"({statistics.median(seconds):.3f} s/step, {per_step} completions)")
+    print(
+        f"{name:>5}  GRPO step: {per_step / statistics.median(seconds):8.1f} completions/s "
+        f"({statistics.median(seconds):.3f} s/step, {per_step} completions)"
+    )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--sizes", default="tiny,25M")
-    ap.add_argument("--fewshot", type=int, default=0, help="worked examples before each prompt (longer prompts)")
-    ap.add_argument("--eos-bias", type=float, default=0.0, help="logit bias on EOS (spread of lengths)")
+    ap.add_argument(
+        "--fewshot", type=int, default=0, help="worked examples before each prompt (longer prompts)"
+    )
+    ap.add_argument(
+        "--eos-bias", type=float, default=0.0, help="logit bias on EOS (spread of lengths)"
+    )
     ap.add_argument("--no-grpo", action="store_true", help="only the rollout comparison")
     args = ap.parse_args()
     torch.manual_seed(0)
-    print(f"rollout: {args.prompts} prompts x G={args.group}, max_tokens={args.max_tokens}, "
-          f"fewshot={args.fewshot}, eos_bias={args.eos_bias}, threads={torch.get_num_threads()}")
+    print(
+        f"rollout: {args.prompts} prompts x G={args.group}, max_tokens={args.max_tokens}, "
+        f"fewshot={args.fewshot}, eos_bias={args.eos_bias}, threads={torch.get_num_threads()}"
+    )
     for name in args.sizes.split(","):
         rollout_ratio(name, SIZES[name], args)
     if args.no_grpo:

@@ -97,7 +97,9 @@ def cmd_eval(args) -> int:
     _, held_out, _ = build.build_data(cfg)
     held_out = held_out[: cfg.eval.limit] if cfg.eval.limit else held_out
     engine = build.build_engine(cfg, model, tokenizer)
-    result = evaluate(engine, tokenizer, held_out, build_scorer(cfg.reward), build.eval_params(cfg, tokenizer))
+    result = evaluate(
+        engine, tokenizer, held_out, build_scorer(cfg.reward), build.eval_params(cfg, tokenizer)
+    )
     for k, v in result.items():
         print(f"{k}: {v:.4f}")
     return 0
@@ -139,7 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlpost", description="RL post-training of language models.")
     sub = p.add_subparsers(dest="command", required=True)
     for name, fn, text in [
-        ("train", cmd_train, "RL training (GRPO by default): warm-up, rollout, reward, update, eval"),
+        (
+            "train",
+            cmd_train,
+            "RL training (GRPO by default): warm-up, rollout, reward, update, eval",
+        ),
         ("sft", cmd_sft, "supervised warm-up only"),
         ("eval", cmd_eval, "held-out accuracy of a policy"),
         ("dpo", cmd_dpo, "offline preference optimisation (DPO / IPO)"),
@@ -148,15 +154,23 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("items", nargs="*", help="recipe YAML, then key=value overrides")
         sp.set_defaults(fn=fn)
         if name == "train":
-            sp.add_argument("--resume", metavar="RUN_DIR", help="continue from the run's latest checkpoint")
-    sp = sub.add_parser("config", help="print the resolved config; --keys lists every key with its help")
+            sp.add_argument(
+                "--resume", metavar="RUN_DIR", help="continue from the run's latest checkpoint"
+            )
+    sp = sub.add_parser(
+        "config", help="print the resolved config; --keys lists every key with its help"
+    )
     sp.add_argument("items", nargs="*")
-    sp.add_argument("--keys", action="store_true", help="list every config key, default and help text")
+    sp.add_argument(
+        "--keys", action="store_true", help="list every config key, default and help text"
+    )
     sp.set_defaults(fn=cmd_config)
     sp = sub.add_parser("report", help="write RUN_DIR/report.html and print a summary")
     sp.add_argument("run_dir")
     sp.set_defaults(fn=cmd_report)
-    sp = sub.add_parser("serve", help="OpenAI-compatible rollout server (rlpost serve --help)", add_help=False)
+    sp = sub.add_parser(
+        "serve", help="OpenAI-compatible rollout server (rlpost serve --help)", add_help=False
+    )
     sp.add_argument("rest", nargs=argparse.REMAINDER)
     sp.set_defaults(fn=lambda a: _serve(a.rest))
     sp = sub.add_parser("sandbox", help="run untrusted code in the sandbox", add_help=False)

@@ -30,7 +30,9 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
 
 
 # --------------------------------------------------------------------------- run
@@ -170,6 +172,7 @@ class RolloutConfig(Section):
         if isinstance(data, dict) and data.get("preset") in SAMPLING_PRESETS:
             data = {**SAMPLING_PRESETS[data["preset"]], **data}
         return data
+
     prompts_per_step: int = Field(16, ge=1)
     """Prompts sampled each RL step."""
     n: int = Field(8, ge=1)
@@ -410,7 +413,9 @@ def find_combination_problems(cfg: Config) -> list[str]:
             "raise max_position_embeddings or lower max_tokens"
         )
     if r.engine == "remote" and not r.servers:
-        out.append("rollout.engine=remote needs rollout.servers; start servers with `rlpost serve` and list their URLs")
+        out.append(
+            "rollout.engine=remote needs rollout.servers; start servers with `rlpost serve` and list their URLs"
+        )
     if r.engine == "vllm" and cfg.model.path is None:
         out.append("rollout.engine=vllm needs model.path (a local HF checkpoint vLLM can load)")
     return out
@@ -507,7 +512,9 @@ def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
-def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+def describe_fields(
+    model: type[BaseModel] = Config, prefix: str = ""
+) -> list[tuple[str, str, str]]:
     """(dotted key, default, help) for every leaf field; used by ``rlpost config --help``."""
     rows = []
     for name, field in model.model_fields.items():

@@ -14,7 +14,9 @@ def tiny_dir(tmp_path_factory):
     """A built-in tiny model saved as an ordinary HF checkpoint directory."""
     from rlpost.models.tiny import save_tiny_checkpoint
 
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", hidden_size=32, intermediate_size=64)
+    return save_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny") / "model", hidden_size=32, intermediate_size=64
+    )
 
 
 @pytest.fixture(scope="session")

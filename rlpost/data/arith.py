@@ -27,18 +27,23 @@ def _apply(a: int, op: str, b: int) -> int:
 def arith_problems(max_operand: int, ops: list[str]) -> list[Prompt]:
     """Every problem of the space, in the task's fixed shuffled order."""
     space = [
-        (a, op, b)
-        for op in ops
-        for a, b in itertools.product(range(max_operand + 1), repeat=2)
+        (a, op, b) for op in ops for a, b in itertools.product(range(max_operand + 1), repeat=2)
     ]
     random.Random(TASK_SEED).shuffle(space)
     return [
-        Prompt(text=f"{a}{op}{b}=", answer=_apply(a, op, b), metadata={"task": "arith"}, uid=f"{a}{op}{b}")
+        Prompt(
+            text=f"{a}{op}{b}=",
+            answer=_apply(a, op, b),
+            metadata={"task": "arith"},
+            uid=f"{a}{op}{b}",
+        )
         for a, op, b in space
     ]
 
 
-def arith_splits(max_operand: int, ops: list[str], train_size: int, eval_size: int) -> tuple[list[Prompt], list[Prompt]]:
+def arith_splits(
+    max_operand: int, ops: list[str], train_size: int, eval_size: int
+) -> tuple[list[Prompt], list[Prompt]]:
     """(train, held_out). Held-out takes the first ``eval_size`` problems; train the rest.
 
     Raises ValueError if the space is too small to hold out ``eval_size`` problems

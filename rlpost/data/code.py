@@ -18,7 +18,9 @@ FORMS = ("{a}*x+{b}", "{a}*x-{b}", "x*x+{b}", "{a}*(x+{b})")
 
 def code_problems() -> list[Prompt]:
     """Every problem, in the task's fixed shuffled order."""
-    exprs = sorted({form.format(a=a, b=b) for form in FORMS for a in range(1, 10) for b in range(10)})
+    exprs = sorted(
+        {form.format(a=a, b=b) for form in FORMS for a in range(1, 10) for b in range(10)}
+    )
     random.Random(TASK_SEED).shuffle(exprs)
     out = []
     for expr in exprs:

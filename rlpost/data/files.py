@@ -87,7 +87,9 @@ def load_prompt_file(
             continue
         meta = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
         text = template.format(prompt=row[prompt_field])
-        prompts.append(Prompt(text=text, answer=row[answer_field], metadata=meta, uid=f"{p.name}:{line}"))
+        prompts.append(
+            Prompt(text=text, answer=row[answer_field], metadata=meta, uid=f"{p.name}:{line}")
+        )
         report.rows += 1
     if not prompts:
         raise DataError(f"dataset {str(p)!r} has no usable rows")

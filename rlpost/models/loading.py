@@ -28,7 +28,9 @@ def load_tokenizer(path: str | Path):
     try:
         tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load a tokenizer from {str(p)!r}: {_first_line(exc)}") from None
+        raise ModelLoadError(
+            f"cannot load a tokenizer from {str(p)!r}: {_first_line(exc)}"
+        ) from None
     if tok.pad_token_id is None:
         # Decoder-only checkpoints often ship without a pad token; padding is
         # always masked, so reusing EOS is safe.
@@ -42,15 +44,25 @@ def load_causal_lm(path: str | Path, *, dtype: str = "float32") -> PreTrainedMod
     if not p.is_dir():
         raise ModelLoadError(f"model directory {str(p)!r} does not exist")
     if not (p / "config.json").is_file():
-        raise ModelLoadError(f"model directory {str(p)!r} has no config.json; is it an HF checkpoint?")
+        raise ModelLoadError(
+            f"model directory {str(p)!r} has no config.json; is it an HF checkpoint?"
+        )
     try:
         model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=DTYPES[dtype])
     except (OSError, ValueError, RuntimeError) as exc:
-        raise ModelLoadError(f"cannot load a causal LM from {str(p)!r}: {_first_line(exc)}") from None
+        raise ModelLoadError(
+            f"cannot load a causal LM from {str(p)!r}: {_first_line(exc)}"
+        ) from None
     return model
 
 
-def load_policy(path: str | Path | None, *, tiny_shape: dict | None = None, seed: int = 0, dtype: str = "float32"):
+def load_policy(
+    path: str | Path | None,
+    *,
+    tiny_shape: dict | None = None,
+    seed: int = 0,
+    dtype: str = "float32",
+):
     """(model, tokenizer): from ``path``, or the built-in tiny model when path is None."""
     if path is None:
         tokenizer = build_char_tokenizer()

@@ -265,7 +265,12 @@ class Guards:
             # Slow rollout wastes time but does not corrupt training: once the
             # rebuild budget is spent the guard only warns (a shared, loaded
             # machine halves tokens/s without anything being wrong).
-            logger.warning("guard %s: %s; %d rebuilds spent, continuing", THROUGHPUT_DECAY, reason, self._rebuilds)
+            logger.warning(
+                "guard %s: %s; %d rebuilds spent, continuing",
+                THROUGHPUT_DECAY,
+                reason,
+                self._rebuilds,
+            )
             self._tps.clear()
             return []
         self._rebuilds += 1

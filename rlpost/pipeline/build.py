@@ -53,7 +53,10 @@ def _check_params(key: str, name: str, fn, params: dict) -> None:
     if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
         return
     for param in params:
-        if param not in sig.parameters or sig.parameters[param].kind is not inspect.Parameter.KEYWORD_ONLY:
+        if (
+            param not in sig.parameters
+            or sig.parameters[param].kind is not inspect.Parameter.KEYWORD_ONLY
+        ):
             valid = [p.name for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY]
             raise ConfigError(
                 f"config {key.rsplit('.', 1)[0]}.{'advantage_params' if 'advantage' in key else 'loss_params'}"
@@ -66,7 +69,9 @@ def build_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, int]]
     d = cfg.data
     if d.task == "arith":
         try:
-            train, held_out = arith_splits(d.arith.max_operand, d.arith.ops, d.arith.train_size, d.arith.eval_size)
+            train, held_out = arith_splits(
+                d.arith.max_operand, d.arith.ops, d.arith.train_size, d.arith.eval_size
+            )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         for p in train + held_out:
@@ -79,7 +84,10 @@ def build_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, int]]
             raise ConfigError(str(exc)) from None
         return train, held_out, {}
     kwargs = dict(
-        prompt_field=d.prompt_field, answer_field=d.answer_field, on_bad_row=d.on_bad_row, template=d.prompt_template
+        prompt_field=d.prompt_field,
+        answer_field=d.answer_field,
+        on_bad_row=d.on_bad_row,
+        template=d.prompt_template,
     )
     train, rep = load_prompt_file(d.train_path, **kwargs)
     counts = {"train_rows": rep.rows, "train_skipped": rep.skipped}
@@ -117,7 +125,9 @@ def build_engine(cfg: Config, model, tokenizer):
     serving.requires_grad_(False)
     if cfg.model.dtype == "bfloat16":
         serving = serving.to(dtype=torch.bfloat16)
-    return HFEngine(serving, tokenizer, batch_size=r.batch_size, share_prefix=r.share_prefix, seed=cfg.run.seed)
+    return HFEngine(
+        serving, tokenizer, batch_size=r.batch_size, share_prefix=r.share_prefix, seed=cfg.run.seed
+    )
 
 
 def sampling_params(cfg: Config, tokenizer) -> SamplingParams:

@@ -39,7 +39,9 @@ class Console:
 
     def start(self, total: int, completed: int) -> None:
         self.progress.start()
-        self._rl_task = self.progress.add_task("rl", total=total, completed=completed, info=self._eval)
+        self._rl_task = self.progress.add_task(
+            "rl", total=total, completed=completed, info=self._eval
+        )
 
     def note_eval(self, step: int, metrics: dict) -> None:
         if "eval_accuracy" in metrics:
@@ -66,10 +68,16 @@ class Console:
         table.add_column("start", justify="right")
         table.add_column("end", justify="right")
         table.add_row(
-            f"held-out accuracy (T={s['eval_temperature']:g})", _pct(s["eval_accuracy_start"]), _pct(s["eval_accuracy_end"])
+            f"held-out accuracy (T={s['eval_temperature']:g})",
+            _pct(s["eval_accuracy_start"]),
+            _pct(s["eval_accuracy_end"]),
         )
         if s.get("eval_greedy_accuracy_start") is not None:
-            table.add_row("held-out accuracy (greedy)", _pct(s["eval_greedy_accuracy_start"]), _pct(s["eval_greedy_accuracy_end"]))
+            table.add_row(
+                "held-out accuracy (greedy)",
+                _pct(s["eval_greedy_accuracy_start"]),
+                _pct(s["eval_greedy_accuracy_end"]),
+            )
         table.add_row("train reward", _num(s["reward_mean_first"]), _num(s["reward_mean_last"]))
         table.add_row("steps", "", str(s["steps"]))
         table.add_row("wall time", "", f"{s['wall_seconds']:.0f} s")

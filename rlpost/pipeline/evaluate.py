@@ -12,7 +12,9 @@ from rlpost.rollout.protocol import SamplingParams
 from rlpost.types import Completion, Prompt, RewardSample
 
 
-def to_reward_samples(prompts: list[Prompt], completions: list[Completion], n: int, max_tokens: int) -> list[RewardSample]:
+def to_reward_samples(
+    prompts: list[Prompt], completions: list[Completion], n: int, max_tokens: int
+) -> list[RewardSample]:
     """Completion ``i`` answers ``prompts[i // n]``."""
     return [
         RewardSample(
@@ -29,7 +31,12 @@ def to_reward_samples(prompts: list[Prompt], completions: list[Completion], n: i
 
 
 def evaluate(
-    engine, tokenizer, prompts: list[Prompt], scorer: RewardScorer, params: SamplingParams, chunk: int = 256
+    engine,
+    tokenizer,
+    prompts: list[Prompt],
+    scorer: RewardScorer,
+    params: SamplingParams,
+    chunk: int = 256,
 ) -> dict[str, float]:
     """Accuracy (fraction of completions whose score is > 0.5) and mean score on ``prompts``."""
     if not prompts:
@@ -51,7 +58,9 @@ def evaluate(
     }
 
 
-def rollout_health(completions: list[Completion], scores: torch.Tensor, group: torch.Tensor) -> dict[str, float]:
+def rollout_health(
+    completions: list[Completion], scores: torch.Tensor, group: torch.Tensor
+) -> dict[str, float]:
     """Truncated fraction, zero-spread group fraction, reward stats, response length."""
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
     return {

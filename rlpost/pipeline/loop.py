@@ -87,7 +87,11 @@ class Parts:
 
 
 def train(
-    cfg: Config, *, resume: Path | None = None, console: Console | None = None, stop: threading.Event | None = None
+    cfg: Config,
+    *,
+    resume: Path | None = None,
+    console: Console | None = None,
+    stop: threading.Event | None = None,
 ) -> RunResult:
     """Run the on-policy loop. ``stop``, when set from another thread, ends the run after the
     current step (final eval, checkpoint and summary still happen)."""
@@ -106,15 +110,24 @@ def train(
     engine = build.build_engine(cfg, model, tokenizer)
     kl = cfg.algo.kl
     p = Parts(
-        cfg=cfg, run_dir=run_dir, model=model, tokenizer=tokenizer,
-        trainer=build.build_trainer(cfg, model), engine=engine, channel=InProcessChannel(engine),
+        cfg=cfg,
+        run_dir=run_dir,
+        model=model,
+        tokenizer=tokenizer,
+        trainer=build.build_trainer(cfg, model),
+        engine=engine,
+        channel=InProcessChannel(engine),
         scorer=build_scorer(cfg.reward),
         sampler=PromptSampler(train_prompts, cfg.rollout.prompts_per_step, seed=cfg.run.seed),
-        kl_ctl=AdaptiveKLController(kl.beta, kl.target, kl.horizon) if kl.target else FixedKLController(kl.beta),
+        kl_ctl=AdaptiveKLController(kl.beta, kl.target, kl.horizon)
+        if kl.target
+        else FixedKLController(kl.beta),
         guards=Guards(cfg.observe.guards),
         recorder=Recorder(
-            run_dir, prometheus_port=cfg.observe.prometheus.port,
-            prometheus_host=cfg.observe.prometheus.host, tensorboard=cfg.observe.tensorboard,
+            run_dir,
+            prometheus_port=cfg.observe.prometheus.port,
+            prometheus_host=cfg.observe.prometheus.host,
+            tensorboard=cfg.observe.tensorboard,
             start_step=latest_step(ckpt),
         ),
         samples=SampleWriter(run_dir, cfg.reward.sample_every, cfg.reward.sample_count),
@@ -153,7 +166,9 @@ def train(
         console.stop()
         p.recorder.close()
         p.scorer.close()
-    summary = finish_run(cfg, run_dir, first_eval, final_eval, history, start_step, time.time() - started, console)
+    summary = finish_run(
+        cfg, run_dir, first_eval, final_eval, history, start_step, time.time() - started, console
+    )
     return RunResult(run_dir=run_dir, summary=summary, history=history)
 
 
@@ -162,7 +177,9 @@ def _full_eval(p: Parts, held_out, params) -> dict:
     out = evaluate(p.engine, p.tokenizer, held_out, p.scorer, params)
     if params.temperature > 0 and held_out:
         greedy = build.eval_params(p.cfg, p.tokenizer, greedy=True)
-        out["eval_greedy_accuracy"] = evaluate(p.engine, p.tokenizer, held_out, p.scorer, greedy)["eval_accuracy"]
+        out["eval_greedy_accuracy"] = evaluate(p.engine, p.tokenizer, held_out, p.scorer, greedy)[
+            "eval_accuracy"
+        ]
     return out
 
 
@@ -173,7 +190,9 @@ def rl_step(p: Parts, step: int) -> tuple[dict, list]:
     prompts, completions, samples, scored, rounds = _rollout_and_score(p)
     t_rollout = time.perf_counter() - t0
     scores = [
-        cfg.rollout.truncated_reward if c.truncated and cfg.rollout.truncated_reward is not None else s
+        cfg.rollout.truncated_reward
+        if c.truncated and cfg.rollout.truncated_reward is not None
+        else s
         for c, s in zip(completions, scored.scores, strict=True)
     ]
     p.samples.maybe_write(step + 1, samples, scored)
@@ -184,7 +203,9 @@ def rl_step(p: Parts, step: int) -> tuple[dict, list]:
     if dropped:
         batch.response_mask[dropped] = 0.0  # a NaN / Inf reward never reaches the optimizer
         p.recorder.count_guard("nonfinite_reward")
-        log.warning("guard nonfinite_reward: drop_samples - %d/%d invalid scores", len(dropped), len(batch))
+        log.warning(
+            "guard nonfinite_reward: drop_samples - %d/%d invalid scores", len(dropped), len(batch)
+        )
     # On-policy single-update steps take the old logprobs from the loss pass itself.
     need_old_first = not p.trainer.single_update(len(batch)) or cfg.algo.kl.placement == "reward"
     batch.old_logprobs = p.trainer.old_logprobs(batch) if need_old_first else None
@@ -285,8 +306,12 @@ def _advantages(cfg: Config, batch: TrainBatch, kl_ctl) -> None:
     rewards = scores_to_token_rewards(batch.scores, mask)
     if batch.ref_logprobs is not None and cfg.algo.kl.placement == "reward":
         rewards, _ = kl_penalized_rewards(
-            rewards, batch.old_logprobs, batch.ref_logprobs, mask,
-            beta=kl_ctl.beta, estimator=cfg.algo.kl.estimator,
+            rewards,
+            batch.old_logprobs,
+            batch.ref_logprobs,
+            mask,
+            beta=kl_ctl.beta,
+            estimator=cfg.algo.kl.estimator,
         )
     batch.token_level_rewards = rewards
     estimator = get_advantage_estimator(cfg.algo.advantage)
@@ -312,7 +337,9 @@ def _save(p: Parts, step: int) -> None:
     }
     if p.critic is not None:
         state["critic"] = p.critic.state_dict()
-    save_checkpoint(p.run_dir, step, p.model, state, ref_model=p.trainer.ref_model, keep=p.cfg.checkpoint.keep)
+    save_checkpoint(
+        p.run_dir, step, p.model, state, ref_model=p.trainer.ref_model, keep=p.cfg.checkpoint.keep
+    )
 
 
 def _restore(p: Parts, ckpt: Path) -> int:

@@ -1,11 +1,11 @@
 """The run directory: resolved config in, starting policy, summary and plot out.
 
-    RUN_DIR/config.yaml        the resolved config (what actually ran)
-    RUN_DIR/sft_model/         the warm-up policy (an HF checkpoint) when SFT ran
-    RUN_DIR/metrics.jsonl      one line per step
-    RUN_DIR/checkpoints/       resumable checkpoints
-    RUN_DIR/summary.json       eval accuracy before / after, steps, wall seconds
-    RUN_DIR/curves.png         reward and held-out accuracy against steps
+RUN_DIR/config.yaml        the resolved config (what actually ran)
+RUN_DIR/sft_model/         the warm-up policy (an HF checkpoint) when SFT ran
+RUN_DIR/metrics.jsonl      one line per step
+RUN_DIR/checkpoints/       resumable checkpoints
+RUN_DIR/summary.json       eval accuracy before / after, steps, wall seconds
+RUN_DIR/curves.png         reward and held-out accuracy against steps
 """
 
 from __future__ import annotations
@@ -51,8 +51,15 @@ def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: 
     s = cfg.sft
     task = console.task("sft warm-up", s.steps)
     losses = sft_train(
-        model, tokenizer, train_prompts, steps=s.steps, lr=s.lr, batch_size=s.batch_size,
-        warmup_steps=s.warmup_steps, seed=cfg.run.seed, distractor=s.distractor,
+        model,
+        tokenizer,
+        train_prompts,
+        steps=s.steps,
+        lr=s.lr,
+        batch_size=s.batch_size,
+        warmup_steps=s.warmup_steps,
+        seed=cfg.run.seed,
+        distractor=s.distractor,
         on_step=lambda i, loss: console.advance(task, f"loss {loss:.3f}"),
     )
     console.done(task)
@@ -62,7 +69,9 @@ def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: 
     return model, tokenizer
 
 
-def finish_run(cfg, run_dir: Path, first_eval, final_eval, history, start_step, wall, console) -> dict:
+def finish_run(
+    cfg, run_dir: Path, first_eval, final_eval, history, start_step, wall, console
+) -> dict:
     summary = {
         "eval_accuracy_start": first_eval.get("eval_accuracy"),
         "eval_accuracy_end": final_eval.get("eval_accuracy"),

@@ -137,7 +137,10 @@ class RewardScorer:
             else:
                 scores.append(self._combine(parts))
         return ScoredBatch(
-            scores=scores, components=components, invalid=len(invalid_rows), invalid_rows=invalid_rows
+            scores=scores,
+            components=components,
+            invalid=len(invalid_rows),
+            invalid_rows=invalid_rows,
         )
 
     def _combine(self, parts: dict[str, float]) -> float:

@@ -68,7 +68,9 @@ class HFEngine:
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("empty prompt: every prompt needs at least one token")
         per_chunk = max(1, self.batch_size // n)
-        generator = self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
+        generator = (
+            self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
+        )
         out: list[Completion] = []
         start = time.perf_counter()
         for lo in range(0, len(prompt_ids), per_chunk):
@@ -87,7 +89,9 @@ class HFEngine:
             ids, attn = ids.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True)
+        out = self.model(
+            input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True
+        )
         logits = out.logits[:, -1, :]
         if self.share_prefix and n > 1:
             cache.batch_repeat_interleave(n)

@@ -95,7 +95,10 @@ class PolicyTrainer:
     def old_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         with self._autocast():
             return compute_logprobs(
-                self.model, batch, temperature=self.s.temperature, micro_batch_size=self.s.micro_batch_size
+                self.model,
+                batch,
+                temperature=self.s.temperature,
+                micro_batch_size=self.s.micro_batch_size,
             )
 
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
@@ -103,7 +106,10 @@ class PolicyTrainer:
             return None
         with self._autocast():
             return compute_logprobs(
-                self.ref_model, batch, temperature=self.s.temperature, micro_batch_size=self.s.micro_batch_size
+                self.ref_model,
+                batch,
+                temperature=self.s.temperature,
+                micro_batch_size=self.s.micro_batch_size,
             )
 
     # -------------------------------------------------------------- update
@@ -127,7 +133,9 @@ class PolicyTrainer:
             raise ValueError("update() needs batch.advantages")
         fill_old = batch.old_logprobs is None
         if fill_old and not self.single_update(len(batch)):
-            raise ValueError("update() needs batch.old_logprobs when it makes more than one optimizer step")
+            raise ValueError(
+                "update() needs batch.old_logprobs when it makes more than one optimizer step"
+            )
         if fill_old:
             batch.old_logprobs = torch.zeros_like(batch.response_mask)
         self.model.train()
@@ -146,7 +154,9 @@ class PolicyTrainer:
         out["updates"] = float(updates)
         return out
 
-    def _step(self, batch: TrainBatch, rows: torch.Tensor, beta: float, fill_old: bool) -> dict[str, float]:
+    def _step(
+        self, batch: TrainBatch, rows: torch.Tensor, beta: float, fill_old: bool
+    ) -> dict[str, float]:
         mask = batch.response_mask[rows]
         agg = Aggregation.for_minibatch(mask, self.s.loss_agg_mode, self.s.norm_constant)
         total_tokens = float(mask.sum().clamp(min=1))
@@ -222,7 +232,9 @@ class PolicyTrainer:
         tokens = float(batch.attention_mask.sum())
         passes = 1 + (self.ref_model is not None)
         fwd = flops_per_token(n_params, cfg.num_hidden_layers, cfg.hidden_size, seq, training=False)
-        train = flops_per_token(n_params, cfg.num_hidden_layers, cfg.hidden_size, seq, training=True)
+        train = flops_per_token(
+            n_params, cfg.num_hidden_layers, cfg.hidden_size, seq, training=True
+        )
         return (passes * fwd + self.s.epochs * train) * tokens / seconds / default_cpu_peak_flops()
 
     # ------------------------------------------------------------- control

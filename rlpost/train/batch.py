@@ -103,7 +103,9 @@ def response_logits(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
     return out.logits[:, P - 1 : -1, :]
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """log softmax(logits / temperature) at ``tokens``: [B, T, V], [B, T] -> [B, T] float32."""
     logits = logits.float()
     if temperature not in (0.0, 1.0):

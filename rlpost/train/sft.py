@@ -60,7 +60,10 @@ def sft_train(
     model.train()
     losses = []
     for step in range(steps):
-        rows = [sft_example(p, tokenizer, rng, distractor) for p in rng.sample(prompts, min(batch_size, len(prompts)))]
+        rows = [
+            sft_example(p, tokenizer, rng, distractor)
+            for p in rng.sample(prompts, min(batch_size, len(prompts)))
+        ]
         batch = collate(rows, [0.0] * len(rows), tokenizer.pad_token_id)
         logprobs = token_logprobs(response_logits(model, batch), batch.responses)
         loss = Aggregation("token-mean").reduce(-logprobs, batch.response_mask)

@@ -17,15 +17,24 @@ def test_grpo_steps_through_two_servers(tmp_path, tiny_dir):
             urls.append(url)
         over = small_overrides(
             tmp_path,
-            **{"model.path": str(tiny_dir), "rollout.engine": "remote", "rollout.servers": json.dumps(urls),
-               "train.steps": 3, "sft.steps": 3},
+            **{
+                "model.path": str(tiny_dir),
+                "rollout.engine": "remote",
+                "rollout.servers": json.dumps(urls),
+                "train.steps": 3,
+                "sft.steps": 3,
+            },
         )
         result = train(load_config(None, over))
     finally:
         for proc in procs:
             stop_server(proc)
     rows = [h for h in result.history if "loss" in h]
-    assert [r["policy_version"] for r in rows] == [0, 1, 2]  # each batch sampled by the newest weights
+    assert [r["policy_version"] for r in rows] == [
+        0,
+        1,
+        2,
+    ]  # each batch sampled by the newest weights
     for r in rows:
         assert r["logprob_gap"] < 1e-3  # the servers serve exactly the trainer's weights
         assert r["prompts"] == 4

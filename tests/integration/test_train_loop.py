@@ -28,7 +28,14 @@ def test_run_writes_everything_a_user_reads(tmp_path):
     rows = _losses(run)
     assert sorted(rows) == [1, 2, 3]
     for r in rows.values():
-        for key in ("truncated_frac", "zero_spread_frac", "logprob_gap", "reward_mean", "kl", "clip_frac"):
+        for key in (
+            "truncated_frac",
+            "zero_spread_frac",
+            "logprob_gap",
+            "reward_mean",
+            "kl",
+            "clip_frac",
+        ):
             assert math.isfinite(r[key]), key
         assert r["logprob_gap"] < 1e-3  # engine and trainer agree on the same weights
         assert r["policy_version"] == r["step"] - 1  # the batch was sampled by the previous weights
@@ -39,7 +46,8 @@ def test_resume_computes_the_same_next_step_loss(tmp_path):
     part = small_overrides(tmp_path / "b", **{"train.steps": 2})
     train(load_config(None, part))
     resumed = train(
-        load_config(None, small_overrides(tmp_path / "b", **{"train.steps": 4})), resume=tmp_path / "b" / "t"
+        load_config(None, small_overrides(tmp_path / "b", **{"train.steps": 4})),
+        resume=tmp_path / "b" / "t",
     )
     assert resumed.summary["resumed_from_step"] == 2
     a, b = _losses(full.run_dir), _losses(resumed.run_dir)

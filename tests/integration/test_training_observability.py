@@ -32,7 +32,12 @@ from tests.integration.prom_util import (
 def _scrape(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         text = resp.read().decode()
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if "le" not in s.labels}
+    return {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if "le" not in s.labels
+    }
 
 
 def _run_in_thread(cfg):
@@ -65,7 +70,9 @@ def _wait_for_steps(port: int, steps: float, timeout: float = 120.0) -> dict[str
 
 def test_live_endpoint_of_a_training_run_has_every_metric(tmp_path):
     port = free_port()
-    cfg = load_config(None, small_overrides(tmp_path, **{"train.steps": 500, "observe.prometheus.port": port}))
+    cfg = load_config(
+        None, small_overrides(tmp_path, **{"train.steps": 500, "observe.prometheus.port": port})
+    )
     thread, stop, box = _run_in_thread(cfg)
     try:
         samples = _wait_for_steps(port, 3)
@@ -76,7 +83,12 @@ def test_live_endpoint_of_a_training_run_has_every_metric(tmp_path):
     for spec in METRICS:
         value = samples[exposed_sample_name(spec)]
         assert math.isfinite(value) and value >= 0, spec.name
-    for key in ("rl_reward_mean", "rl_ratio_clip_frac", "rl_sample_drop_ratio", "rl_train_worker_utilization"):
+    for key in (
+        "rl_reward_mean",
+        "rl_ratio_clip_frac",
+        "rl_sample_drop_ratio",
+        "rl_train_worker_utilization",
+    ):
         assert 0 <= samples[key] <= 1, key
     assert samples["rl_rollout_throughput_tps"] > 0
     assert samples["rl_response_length_mean"] > 0
@@ -87,7 +99,10 @@ def test_live_endpoint_of_a_training_run_has_every_metric(tmp_path):
 @pytest.mark.skipif(PROMETHEUS is None, reason=NO_PROMETHEUS)
 def test_prometheus_scrapes_a_training_run(tmp_path):
     port = free_port()
-    cfg = load_config(None, small_overrides(tmp_path / "run", **{"train.steps": 2000, "observe.prometheus.port": port}))
+    cfg = load_config(
+        None,
+        small_overrides(tmp_path / "run", **{"train.steps": 2000, "observe.prometheus.port": port}),
+    )
     thread, stop, box = _run_in_thread(cfg)
     try:
         _wait_for_steps(port, 1)
@@ -109,7 +124,9 @@ def _rows(run_dir):
 
 
 def test_nan_rewards_are_dropped_and_the_guard_is_counted(tmp_path, caplog):
-    over = small_overrides(tmp_path, **{"reward.terms": "[{name: 'tests.integration.rewards_for_tests:nan_reward'}]"})
+    over = small_overrides(
+        tmp_path, **{"reward.terms": "[{name: 'tests.integration.rewards_for_tests:nan_reward'}]"}
+    )
     with caplog.at_level(logging.WARNING):
         result = train(load_config(None, over))
     rows = [r for r in _rows(result.run_dir) if "loss" in r]
@@ -121,10 +138,17 @@ def test_nan_rewards_are_dropped_and_the_guard_is_counted(tmp_path, caplog):
 def test_learning_rate_1000x_too_high_survives_with_guards(tmp_path, caplog):
     over = small_overrides(
         tmp_path,
-        **{"train.lr": 1.0, "train.steps": 10, "observe.guards.cooldown": 0, "checkpoint.every": 2,
-           "observe.guards.kl_ceiling": 1.0,
-           "train.mini_batch_size": 4, "train.micro_batch_size": 4, "rollout.truncated_reward": "null",
-           "reward.terms": "[{name: 'tests.integration.rewards_for_tests:length_reward'}]"},
+        **{
+            "train.lr": 1.0,
+            "train.steps": 10,
+            "observe.guards.cooldown": 0,
+            "checkpoint.every": 2,
+            "observe.guards.kl_ceiling": 1.0,
+            "train.mini_batch_size": 4,
+            "train.micro_batch_size": 4,
+            "rollout.truncated_reward": "null",
+            "reward.terms": "[{name: 'tests.integration.rewards_for_tests:length_reward'}]",
+        },
     )
     with caplog.at_level(logging.WARNING):
         result = train(load_config(None, over))
@@ -132,7 +156,9 @@ def test_learning_rate_1000x_too_high_survives_with_guards(tmp_path, caplog):
     acted = {k for r in rows for k in r if k.startswith("guard_")}
     assert acted, "no guard acted on a 1000x learning rate"
     assert "guard" in caplog.text
-    assert any(r.get("beta", 0) > 0.04 or r.get("lr", 1.0) < 0.5 for r in rows), "no remedy was applied"
+    assert any(r.get("beta", 0) > 0.04 or r.get("lr", 1.0) < 0.5 for r in rows), (
+        "no remedy was applied"
+    )
     assert all(math.isfinite(r["loss"]) for r in rows if "loss" in r and not r.get("skipped"))
 
 
@@ -147,7 +173,10 @@ def test_reference_kl_forced_up_raises_beta(tmp_path, monkeypatch, caplog):
         return ref
 
     monkeypatch.setattr(build, "frozen_copy", far_reference)
-    over = small_overrides(tmp_path, **{"train.steps": 4, "observe.guards.kl_ceiling": 0.5, "observe.guards.cooldown": 0})
+    over = small_overrides(
+        tmp_path,
+        **{"train.steps": 4, "observe.guards.kl_ceiling": 0.5, "observe.guards.cooldown": 0},
+    )
     with caplog.at_level(logging.WARNING):
         result = train(load_config(None, over))
     rows = [r for r in _rows(result.run_dir) if "kl" in r]

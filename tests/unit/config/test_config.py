@@ -7,8 +7,15 @@ from rlpost.config import Config, ConfigError, describe_fields, load_config, par
 
 
 def test_overrides_parse_yaml_scalars_and_nest():
-    tree = parse_overrides(["train.lr=1e-5", "rollout.n=8", "data.arith.ops=['+']", "model.path=null"])
-    assert tree == {"train": {"lr": 1e-5}, "rollout": {"n": 8}, "data": {"arith": {"ops": ["+"]}}, "model": {"path": None}}
+    tree = parse_overrides(
+        ["train.lr=1e-5", "rollout.n=8", "data.arith.ops=['+']", "model.path=null"]
+    )
+    assert tree == {
+        "train": {"lr": 1e-5},
+        "rollout": {"n": 8},
+        "data": {"arith": {"ops": ["+"]}},
+        "model": {"path": None},
+    }
 
 
 def test_recipe_then_overrides(tmp_path):
@@ -56,7 +63,10 @@ def test_every_field_has_help():
 
 def test_cli_bad_key_exits_2_without_traceback(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "rlpost.cli", "train", "train.bogus=1"], capture_output=True, text=True, cwd=tmp_path
+        [sys.executable, "-m", "rlpost.cli", "train", "train.bogus=1"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
@@ -66,8 +76,16 @@ def test_cli_bad_key_exits_2_without_traceback(tmp_path):
 
 def test_cli_unknown_algorithm_names_valid_ones(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "rlpost.cli", "train", "algo.policy_loss=ppo_clipp", f"run.output_dir={tmp_path}"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "rlpost.cli",
+            "train",
+            "algo.policy_loss=ppo_clipp",
+            f"run.output_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 2
     assert "ppo_clip" in proc.stderr and "valid" in proc.stderr

@@ -38,8 +38,14 @@ def test_jsonl_bad_rows_skipped_and_counted(tmp_path):
     f = tmp_path / "d.jsonl"
     _write_jsonl(
         f,
-        [{"prompt": "1+1=", "answer": 2, "level": 1}, "{broken", {"prompt": "", "answer": 1}, {"prompt": "x"}, [1, 2],
-         {"q": "3+3=", "a": 6}],
+        [
+            {"prompt": "1+1=", "answer": 2, "level": 1},
+            "{broken",
+            {"prompt": "", "answer": 1},
+            {"prompt": "x"},
+            [1, 2],
+            {"q": "3+3=", "a": 6},
+        ],
     )
     prompts, report = load_prompt_file(f, on_bad_row="skip")
     assert [p.text for p in prompts] == ["1+1="]
@@ -50,7 +56,9 @@ def test_jsonl_bad_rows_skipped_and_counted(tmp_path):
 def test_custom_fields_and_parquet(tmp_path):
     f = tmp_path / "d.parquet"
     pq.write_table(pa.table({"q": ["3+3=", "4+4="], "a": [6, 8]}), f)
-    prompts, _report = load_prompt_file(f, prompt_field="q", answer_field="a", template="Q: {prompt}")
+    prompts, _report = load_prompt_file(
+        f, prompt_field="q", answer_field="a", template="Q: {prompt}"
+    )
     assert [p.text for p in prompts] == ["Q: 3+3=", "Q: 4+4="]
     assert [p.answer for p in prompts] == [6, 8]
 

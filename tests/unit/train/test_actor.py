@@ -16,11 +16,15 @@ from rlpost.train.batch import collate
 
 
 def _batch(model, tok):
-    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in ["12+7=", "3-9=", "20+11=", "5+5="]]
+    ids = [
+        tok(t, add_special_tokens=False)["input_ids"] for t in ["12+7=", "3-9=", "20+11=", "5+5="]
+    ]
     cs = HFEngine(model, tok, seed=0).generate(ids, SamplingParams(max_tokens=5), n=4)
     scores = [float(i % 4 < 2) for i in range(len(cs))]
     b = collate(cs, scores, tok.pad_token_id)
-    b.advantages, _ = get_advantage_estimator("grpo")(scores_to_token_rewards(b.scores, b.response_mask), b.response_mask, b.group)
+    b.advantages, _ = get_advantage_estimator("grpo")(
+        scores_to_token_rewards(b.scores, b.response_mask), b.response_mask, b.group
+    )
     return b
 
 
@@ -54,7 +58,9 @@ def test_on_policy_step_fills_old_logprobs_and_matches_explicit(tiny):
     s1 = ta.update(b1)
     b2.old_logprobs = None
     s2 = tc.update(b2)
-    assert torch.allclose(b2.old_logprobs * b2.response_mask, explicit * b2.response_mask, atol=1e-5)
+    assert torch.allclose(
+        b2.old_logprobs * b2.response_mask, explicit * b2.response_mask, atol=1e-5
+    )
     assert s1["loss"] == pytest.approx(s2["loss"], abs=1e-6)
     for p, q in zip(a.parameters(), c.parameters(), strict=True):
         assert torch.allclose(p, q, atol=1e-6)
@@ -90,14 +96,18 @@ def test_multi_step_update_refuses_missing_old_logprobs(tiny):
     model, tok = tiny
     m = copy.deepcopy(model)
     b = _batch(m, tok)
-    tr = PolicyTrainer(m, get_policy_loss("ppo_clip"), ActorSettings(mini_batch_size=8, micro_batch_size=8))
+    tr = PolicyTrainer(
+        m, get_policy_loss("ppo_clip"), ActorSettings(mini_batch_size=8, micro_batch_size=8)
+    )
     with pytest.raises(ValueError, match="old_logprobs"):
         tr.update(b)
 
 
 def test_warmup_and_lr_scaling(tiny):
     model, _tok = tiny
-    tr = PolicyTrainer(copy.deepcopy(model), get_policy_loss("ppo_clip"), ActorSettings(lr=1.0, warmup_steps=3))
+    tr = PolicyTrainer(
+        copy.deepcopy(model), get_policy_loss("ppo_clip"), ActorSettings(lr=1.0, warmup_steps=3)
+    )
     assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(0.25)
     assert tr.scale_lr(0.5) == pytest.approx(0.5)
     assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(0.125)
