@@ -60,10 +60,10 @@ def _wait_for_steps(port: int, steps: float, timeout: float = 120.0) -> dict[str
     while time.monotonic() < deadline:
         try:
             samples = _scrape(port)
-            if samples.get("rl_step_total", 0) >= steps:
-                return samples
-        except OSError:
-            pass
+        except OSError:  # the endpoint is not up yet: retry until the deadline
+            samples = {}
+        if samples.get("rl_step_total", 0) >= steps:
+            return samples
         time.sleep(0.2)
     raise AssertionError(f"the run did not reach {steps} steps on :{port} in {timeout} s")
 
