@@ -8,7 +8,9 @@ either skipped and counted or refused with the file and line, as
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,27 @@ def _check_row(row: Any, prompt_field: str, answer_field: str) -> str | None:
     return None
 
 
+def valid_rows(
+    path: Path, check: Callable[[Any], str | None], on_bad_row: str, report: LoadReport
+) -> Iterator[tuple[int, dict]]:
+    """(line, row) of every row ``check`` accepts (it returns None or the problem).
+
+    A refused row raises :class:`DataError` with file and line (``on_bad_row="error"``)
+    or is skipped and counted in ``report`` (``"skip"``); accepted rows are counted too.
+    """
+    for line, row in read_rows(path):
+        problem = check(row)
+        if problem is not None:
+            where = f"{path}:{line}: {problem}"
+            if on_bad_row == "error":
+                raise DataError(where + " (set data.on_bad_row=skip to skip such rows)")
+            report.skipped += 1
+            report.first_problem = report.first_problem or where
+            continue
+        report.rows += 1
+        yield line, row
+
+
 def load_prompt_file(
     path: str | Path,
     *,
@@ -76,21 +99,13 @@ def load_prompt_file(
         raise DataError(f"dataset {str(p)!r} does not exist")
     report = LoadReport()
     prompts = []
-    for line, row in read_rows(p):
-        problem = _check_row(row, prompt_field, answer_field)
-        if problem is not None:
-            where = f"{p}:{line}: {problem}"
-            if on_bad_row == "error":
-                raise DataError(where + " (set data.on_bad_row=skip to skip such rows)")
-            report.skipped += 1
-            report.first_problem = report.first_problem or where
-            continue
+    check = partial(_check_row, prompt_field=prompt_field, answer_field=answer_field)
+    for line, row in valid_rows(p, check, on_bad_row, report):
         meta = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
         text = template.format(prompt=row[prompt_field])
         prompts.append(
             Prompt(text=text, answer=row[answer_field], metadata=meta, uid=f"{p.name}:{line}")
         )
-        report.rows += 1
     if not prompts:
         raise DataError(f"dataset {str(p)!r} has no usable rows")
     return prompts, report

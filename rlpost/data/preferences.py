@@ -24,7 +24,7 @@ from pydantic import Field, model_validator
 
 from rlpost.config import Section
 from rlpost.data.arith import TASK_SEED, arith_problems
-from rlpost.data.files import DataError, LoadReport, read_rows
+from rlpost.data.files import DataError, LoadReport, valid_rows
 
 
 @dataclass
@@ -124,20 +124,11 @@ def load_preference_file(
     fields = (prompt_field, chosen_field, rejected_field)
     report = LoadReport()
     pairs = []
-    for line, row in read_rows(p):
-        problem = _check_row(row, fields)
-        if problem is not None:
-            where = f"{p}:{line}: {problem}"
-            if on_bad_row == "error":
-                raise DataError(where + " (set data.on_bad_row=skip to skip such rows)")
-            report.skipped += 1
-            report.first_problem = report.first_problem or where
-            continue
+    for line, row in valid_rows(p, lambda row: _check_row(row, fields), on_bad_row, report):
         text = template.format(prompt=row[prompt_field])
         pairs.append(
             PreferencePair(text, row[chosen_field], row[rejected_field], uid=f"{p.name}:{line}")
         )
-        report.rows += 1
     if not pairs:
         raise DataError(f"dataset {str(p)!r} has no usable rows")
     return pairs, report
