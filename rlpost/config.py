@@ -191,6 +191,12 @@ class RolloutConfig(Section):
     """Sequences decoded together by the in-process engine."""
     share_prefix: bool = True
     """Prefill a group's prompt once and share its KV cache across the group."""
+    partial: bool = False
+    """Partial rollout: a step trains once partial_fraction of its samples are done; the rest carry on next step."""
+    partial_fraction: float = Field(0.8, gt=0.0, le=1.0)
+    """Fraction of a step's samples that must be done before it trains (with rollout.partial)."""
+    length_aware: bool = False
+    """Order each step's prompts by predicted response length so decode batches hold similar lengths."""
 
 
 # -------------------------------------------------------------------------- algo

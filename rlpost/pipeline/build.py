@@ -20,7 +20,10 @@ from rlpost.models.loading import frozen_copy, load_policy
 from rlpost.registry import UnknownNameError
 from rlpost.rewards.scorer import build_scorer
 from rlpost.rollout.hf_engine import HFEngine
+from rlpost.rollout.longtail import ContinuousEngine
+from rlpost.rollout.prefix_cache import PrefixCache
 from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.scheduler import Scheduler
 from rlpost.train.actor import ActorSettings, PolicyTrainer
 from rlpost.types import Prompt
 
@@ -125,6 +128,16 @@ def build_engine(cfg: Config, model, tokenizer):
     serving.requires_grad_(False)
     if cfg.model.dtype == "bfloat16":
         serving = serving.to(dtype=torch.bfloat16)
+    if r.partial:
+        # Continuous batching lets a partial step stop the moment enough samples are done.
+        scheduler = Scheduler(
+            serving,
+            tokenizer,
+            max_batch=r.batch_size,
+            prefix_cache=PrefixCache(),
+            seed=cfg.run.seed,
+        )
+        return ContinuousEngine(scheduler.start(), tokenizer)
     return HFEngine(
         serving, tokenizer, batch_size=r.batch_size, share_prefix=r.share_prefix, seed=cfg.run.seed
     )

@@ -5,8 +5,12 @@
 
 Every step is synchronous (the engine always serves the newest weights), so
 the trainer's old logprobs and the engine's differ only by numerics; the gap
-is logged each step as a sync / precision check. Async and off-policy variants
-belong in their own module, not behind flags here.
+is logged each step as a sync / precision check. The one exception is partial
+rollout (``rollout.partial``): samples a step did not wait for carry on into
+the next, so their first tokens come from older weights. ``sample_lag`` counts
+how many versions behind; the losses' ``tis_cap`` corrects with a truncated
+importance weight between engine and trainer. Async variants belong in their
+own module, not behind flags here.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from rlpost.pipeline.rundir import finish_run, prepare_run_dir, warm_start
 from rlpost.rewards.monitor import HackingMonitor
 from rlpost.rewards.samples import SampleWriter
 from rlpost.rewards.scorer import build_scorer
+from rlpost.rollout.longtail import LengthPredictor, PartialRollout, bucket_by_length
 from rlpost.sync import InProcessChannel
 from rlpost.train.batch import TrainBatch, collate
 from rlpost.train.checkpoint import (
@@ -84,6 +89,9 @@ class Parts:
     monitor: HackingMonitor
     params: object
     critic: object = None
+    partial: PartialRollout | None = None
+    lengths: LengthPredictor | None = None
+    rollout_stats: dict = field(default_factory=dict)
 
 
 def train(
@@ -134,6 +142,10 @@ def train(
         monitor=HackingMonitor(),
         params=build.sampling_params(cfg, tokenizer),
         critic=build.build_critic(cfg, model),
+        partial=PartialRollout(engine, fraction=cfg.rollout.partial_fraction, tokenizer=tokenizer)
+        if cfg.rollout.partial
+        else None,
+        lengths=LengthPredictor() if cfg.rollout.length_aware else None,
     )
     eval_p = build.eval_params(cfg, tokenizer)
     step, history = 0, []
@@ -166,6 +178,8 @@ def train(
         console.stop()
         p.recorder.close()
         p.scorer.close()
+        if hasattr(engine, "close"):
+            engine.close()
     summary = finish_run(
         cfg, run_dir, first_eval, final_eval, history, start_step, time.time() - started, console
     )
@@ -187,7 +201,9 @@ def rl_step(p: Parts, step: int) -> tuple[dict, list]:
     """One synchronous step: rollout, reward, advantages, update. Returns (metrics, guard actions)."""
     cfg = p.cfg
     t0 = time.perf_counter()
-    prompts, completions, samples, scored, rounds = _rollout_and_score(p)
+    prompts, completions, samples, scored, rounds = _rollout_and_score(
+        p, last=step + 1 >= cfg.train.steps
+    )
     t_rollout = time.perf_counter() - t0
     scores = [
         cfg.rollout.truncated_reward
@@ -243,7 +259,8 @@ def rl_step(p: Parts, step: int) -> tuple[dict, list]:
         "rollout_utilization": t_rollout / max(elapsed, 1e-9),
         "train_utilization": 1.0 - t_rollout / max(elapsed, 1e-9),
         "mfu": p.trainer.mfu(batch, elapsed - t_rollout),
-        "sample_lag": 0.0,
+        **_lag(completions, p.engine.version),
+        **p.rollout_stats,
         "sample_drop_ratio": len(dropped) / len(batch),
         "policy_version": float(p.engine.version),
         "prompts": float(len(prompts)),
@@ -254,7 +271,7 @@ def rl_step(p: Parts, step: int) -> tuple[dict, list]:
     }, actions
 
 
-def _rollout_and_score(p: Parts):
+def _rollout_and_score(p: Parts, last: bool = False):
     """Sample prompts and completions and score them.
 
     With DAPO dynamic sampling, groups whose rewards are all equal carry no
@@ -264,17 +281,18 @@ def _rollout_and_score(p: Parts):
     cfg, n = p.cfg, p.cfg.rollout.n
     kept_p, kept_c, kept_r, kept_s = [], [], [], ScoredBatch(scores=[])
     rounds = 0
+    p.rollout_stats = {}
     while rounds < (cfg.algo.max_sampling_rounds if cfg.algo.dynamic_sampling else 1):
         rounds += 1
-        prompts = p.sampler.next_batch()
-        ids = [p.tokenizer(x.text, add_special_tokens=False)["input_ids"] for x in prompts]
-        completions = p.engine.generate(ids, p.params, n=n)
+        prompts, completions = _generate(p, p.sampler.next_batch(), last)
         samples = to_reward_samples(prompts, completions, n, p.params.max_tokens)
         scored = p.scorer.score(samples)
         keep = list(range(len(prompts)))
         if cfg.algo.dynamic_sampling:
             keep = [i for i in keep if len(set(scored.scores[i * n : (i + 1) * n])) > 1]
-        for i in keep[: cfg.rollout.prompts_per_step - len(kept_p)]:
+        if p.partial is None:  # DAPO fills the batch exactly; finished partial groups all train
+            keep = keep[: cfg.rollout.prompts_per_step - len(kept_p)]
+        for i in keep:
             rows = range(i * n, (i + 1) * n)
             for r in rows:
                 completions[r].group = len(kept_p)
@@ -287,6 +305,42 @@ def _rollout_and_score(p: Parts):
     if not kept_p:  # every group was flat in every round: train on the last round (zero advantage)
         return prompts, completions, samples, scored, rounds
     return kept_p, kept_c, kept_r, kept_s, rounds
+
+
+def _generate(p: Parts, prompts: list, last: bool) -> tuple[list, list]:
+    """Completions for ``prompts`` (``n`` each, grouped in prompt order); returns (prompts, completions).
+
+    With length-aware batching the prompts go to the engine ordered by predicted
+    response length, so each decode batch holds similar lengths. With partial
+    rollout the prompts returned are those whose groups finished this step
+    (carried ones from earlier steps included); the last step waits for all.
+    """
+    n = p.cfg.rollout.n
+    if p.lengths is not None:
+        per_batch = max(1, p.cfg.rollout.batch_size // n)
+        buckets = bucket_by_length(prompts, p.lengths, math.ceil(len(prompts) / per_batch))
+        prompts = [prompts[i] for b in buckets for i in b]
+    ids = [p.tokenizer(x.text, add_special_tokens=False)["input_ids"] for x in prompts]
+    if p.partial is None:
+        completions = p.engine.generate(ids, p.params, n=n)
+    else:
+        out = p.partial.step(ids, p.params, n, payloads=prompts, fraction=1.0 if last else None)
+        prompts, completions = out.payloads, out.completions
+        p.rollout_stats.update(
+            carried_samples=float(out.carried_samples),
+            carried_groups=float(out.carried_groups),
+            partial_done_fraction=out.done_fraction,
+        )
+    if p.lengths is not None:
+        for i, prompt in enumerate(prompts):
+            p.lengths.observe(prompt, (len(c.token_ids) for c in completions[i * n : (i + 1) * n]))
+    return prompts, completions
+
+
+def _lag(completions: list, version: int) -> dict[str, float]:
+    """Policy versions between the weights that began each sample and the ones being trained."""
+    lags = [version - c.policy_version for c in completions] or [0]
+    return {"sample_lag": sum(lags) / len(lags), "sample_lag_max": float(max(lags))}
 
 
 def _extend_scored(into: ScoredBatch, src: ScoredBatch, rows) -> None:
@@ -337,6 +391,10 @@ def _save(p: Parts, step: int) -> None:
     }
     if p.critic is not None:
         state["critic"] = p.critic.state_dict()
+    if p.partial is not None:
+        state["partial"] = p.partial.state_dict()
+    if p.lengths is not None:
+        state["lengths"] = p.lengths.state_dict()
     save_checkpoint(
         p.run_dir, step, p.model, state, ref_model=p.trainer.ref_model, keep=p.cfg.checkpoint.keep
     )
@@ -356,6 +414,10 @@ def _restore(p: Parts, ckpt: Path) -> int:
     p.engine.generator.set_state(state["engine_generator"])
     if p.critic is not None and "critic" in state:
         p.critic.load_state_dict(state["critic"])
+    if p.partial is not None and "partial" in state:
+        p.partial.load_state_dict(state["partial"])
+    if p.lengths is not None and "lengths" in state:
+        p.lengths.load_state_dict(state["lengths"])
     set_rng_state(state["rng"])
     step = int(state["step"])
     p.channel.push(p.model, version=step)

@@ -132,6 +132,7 @@ class ContinuousEngine:
     def __init__(self, scheduler: Scheduler, tokenizer=None) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer if tokenizer is not None else scheduler.tokenizer
+        self._tokens_at_reset, self._busy_at_reset = 0, 0.0
 
     @property
     def version(self) -> int:
@@ -144,8 +145,11 @@ class ContinuousEngine:
     def generate(
         self, prompt_ids: list[list[int]], params: SamplingParams, n: int = 1, group_offset: int = 0
     ) -> list[VersionedCompletion]:
+        # A per-request seed is offset per prompt, or every prompt would draw the same stream.
+        seeds = [None if params.seed is None else params.seed + i for i in range(len(prompt_ids))]
         tickets = [
-            self.scheduler.submit(GenerationRequest(list(p), params, n=n)) for p in prompt_ids
+            self.scheduler.submit(GenerationRequest(list(p), params, n=n, seed=seed))
+            for p, seed in zip(prompt_ids, seeds, strict=True)
         ]
         return [
             self._completion(p, out, group_offset + i)
@@ -202,6 +206,19 @@ class ContinuousEngine:
 
     def load_weights(self, named_tensors, version: int) -> None:
         self.scheduler.load_weights(named_tensors, version)
+
+    def throughput(self) -> float:
+        """Generated tokens per busy second since the last :meth:`reset_stats`."""
+        stats = self.scheduler.stats()
+        tokens = stats["tokens"] - self._tokens_at_reset
+        return tokens / max(stats["busy_seconds"] - self._busy_at_reset, 1e-9)
+
+    def reset_stats(self) -> None:
+        stats = self.scheduler.stats()
+        self._tokens_at_reset, self._busy_at_reset = stats["tokens"], stats["busy_seconds"]
+
+    def close(self) -> None:
+        self.scheduler.stop()
 
 
 @dataclass
@@ -279,8 +296,14 @@ class PartialRollout:
         params: SamplingParams,
         n: int,
         payloads: list[Any] | None = None,
+        *,
+        fraction: float | None = None,
     ) -> PartialStep:
-        """Add these prompts (``n`` samples each) to the carried ones and run until the step is done."""
+        """Add these prompts (``n`` samples each) to the carried ones and run until the step is done.
+
+        ``fraction`` overrides the configured one for this step (1.0 on a
+        run's last step, so that nothing is left carried).
+        """
         payloads = payloads if payloads is not None else [None] * len(prompt_ids)
         if len(payloads) != len(prompt_ids):
             raise ValueError(f"{len(payloads)} payloads for {len(prompt_ids)} prompts")
@@ -292,7 +315,7 @@ class PartialRollout:
             _Group(list(p), x, [_Sample() for _ in range(n)])
             for p, x in zip(prompt_ids, payloads, strict=True)
         ]
-        return self._run(params, self.fraction)
+        return self._run(params, self.fraction if fraction is None else fraction)
 
     def flush(self, params: SamplingParams) -> PartialStep:
         """Finish every carried sample (end of training) and return their groups."""
@@ -323,6 +346,39 @@ class PartialRollout:
             done_fraction=done / max(1, len(samples)),
         )
 
+    def state_dict(self) -> dict:
+        """The carried groups (tokens, logprobs, versions, payloads): a checkpoint resumes them."""
+        return {
+            "pending": [
+                {
+                    "prompt_ids": list(g.prompt_ids),
+                    "payload": g.payload,
+                    "steps_carried": g.steps_carried,
+                    "samples": [
+                        {
+                            "tokens": list(x.tokens),
+                            "logprobs": list(x.logprobs),
+                            "versions": list(x.versions),
+                            "finish": x.finish,
+                        }
+                        for x in g.samples
+                    ],
+                }
+                for g in self.pending
+            ]
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pending = [
+            _Group(
+                list(g["prompt_ids"]),
+                g["payload"],
+                [_Sample(**x) for x in g["samples"]],
+                g["steps_carried"],
+            )
+            for g in state["pending"]
+        ]
+
     def _active_rows(self) -> list[tuple[_Group, _Sample]]:
         return [(g, s) for g in self.pending for s in g.samples if s.finish is None]
 
@@ -348,8 +404,24 @@ class PartialRollout:
             self._absorb(s, c, params)
 
     def _decode_chunk(self, params: SamplingParams, chunk: int) -> None:
-        """Up to ``chunk`` more tokens for every unfinished sample, in one engine call."""
-        rows = self._active_rows()
+        """Up to ``chunk`` more tokens for every unfinished sample.
+
+        Groups not started yet go in one call with ``n`` samples per prompt, so
+        the engine prefills each prompt once; continued samples go one row each.
+        """
+        fresh = [
+            g for g in self.pending if all(s.finish is None and not s.tokens for s in g.samples)
+        ]
+        by_size: dict[int, list[_Group]] = {}
+        for g in fresh:
+            by_size.setdefault(len(g.samples), []).append(g)
+        first = replace(params, max_tokens=min(chunk, params.max_tokens))
+        for n, groups in by_size.items():
+            out = self.engine.generate([g.prompt_ids for g in groups], first, n=n)
+            for s, c in zip((s for g in groups for s in g.samples), out, strict=True):
+                self._absorb(s, c, params)
+        started = {id(g) for g in fresh}
+        rows = [(g, s) for g, s in self._active_rows() if id(g) not in started]
         budget = [min(chunk, params.max_tokens - len(s.tokens)) for _, s in rows]
         # One call per distinct budget keeps max_tokens exact; usually there are one or two.
         for limit in sorted(set(budget)):

@@ -54,3 +54,27 @@ def test_resume_computes_the_same_next_step_loss(tmp_path):
     for step in (3, 4):
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5, abs=1e-7)
         assert b[step]["reward_mean"] == a[step]["reward_mean"]
+
+
+def test_partial_rollout_trains_every_prompt_exactly_once(tmp_path):
+    """Carried groups train in a later step; the last step waits for all; nothing is lost."""
+    over = {
+        "rollout.partial": True,
+        "rollout.partial_fraction": 0.5,
+        "rollout.length_aware": True,
+        "rollout.max_tokens": 12,
+        "sft.steps": 60,  # long enough to learn to stop, so lengths spread out
+        "train.steps": 4,
+        "eval.every": 0,
+        "checkpoint.every": 0,
+    }
+    result = train(load_config(None, small_overrides(tmp_path, **over)))
+    rows = _losses(result.run_dir)
+    assert sorted(rows) == [1, 2, 3, 4]
+    assert sum(r["prompts"] for r in rows.values()) == 4 * 4  # steps * prompts_per_step
+    assert any(r["carried_groups"] > 0 for r in rows.values())
+    carried_into = [s for s in (2, 3, 4) if rows[s - 1]["carried_groups"] > 0]
+    assert carried_into and all(rows[s]["sample_lag_max"] >= 1 for s in carried_into)
+    assert rows[4]["carried_groups"] == 0 and rows[4]["partial_done_fraction"] == 1.0
+    for r in rows.values():
+        assert math.isfinite(r["loss"]) and 0 <= r["sample_lag"] <= r["sample_lag_max"]

@@ -18,9 +18,11 @@ class ScriptedEngine:
     def __init__(self):
         self.version = 0
         self.calls = []
+        self.ns = []
 
     def generate(self, prompt_ids, params, n=1, group_offset=0):
         self.calls.append((len(prompt_ids), params.max_tokens))
+        self.ns.append(n)
         out = []
         for i, ids in enumerate(prompt_ids):
             target, done = ids[0], len(ids) - 2
@@ -99,6 +101,40 @@ def test_fraction_one_waits_for_every_sample_and_length_caps():
     long = step.completions[3:]
     assert all(c.finish_reason == "length" and len(c.token_ids) == 20 for c in long)
     assert engine.calls[-1] == (3, 4)  # the last chunk asks only for what is left of max_tokens
+
+
+def test_fresh_groups_are_asked_for_n_samples_in_one_call():
+    engine = ScriptedEngine()
+    roll = PartialRollout(engine, fraction=1.0, chunk_tokens=8)
+    step = roll.step([[4, 0], [20, 0], [6, 0]], SamplingParams(max_tokens=64), n=4)
+    # First chunk: all three prompts, 4 samples each (one prefill per prompt on a real engine);
+    # then only the unfinished group's 4 samples, one row each.
+    assert engine.calls[0] == (3, 8) and engine.ns[0] == 4
+    assert all(n == 1 for n in engine.ns[1:]) and all(c[0] == 4 for c in engine.calls[1:])
+    assert [len(c.token_ids) for c in step.completions] == [4] * 4 + [20] * 4 + [6] * 4
+
+
+def test_carried_groups_survive_a_state_dict_round_trip():
+    params = SamplingParams(max_tokens=64)
+    prompts = [[4, 0]] * 4 + [[40, 0]]
+    a = PartialRollout(ScriptedEngine(), fraction=0.8, chunk_tokens=8)
+    first = a.step(prompts, params, n=2, payloads=[Prompt(str(i), uid=str(i)) for i in range(5)])
+    assert first.carried_groups == 1
+    b = PartialRollout(ScriptedEngine(), fraction=0.8, chunk_tokens=8)
+    b.load_state_dict(a.state_dict())
+    assert b.carried_samples == a.carried_samples == 2
+    ra, rb = a.flush(params), b.flush(params)
+    assert [p.uid for p in rb.payloads] == [p.uid for p in ra.payloads] == ["4"]
+    assert [c.token_ids for c in rb.completions] == [c.token_ids for c in ra.completions]
+    assert all(len(c.token_ids) == 40 for c in rb.completions)
+
+
+def test_a_step_can_override_the_fraction_to_leave_nothing_behind():
+    roll = PartialRollout(ScriptedEngine(), fraction=0.5, chunk_tokens=8)
+    params = SamplingParams(max_tokens=64)
+    assert roll.step([[4, 0]] * 3 + [[30, 0]], params, n=2).carried_groups == 1
+    last = roll.step([[4, 0]], params, n=2, fraction=1.0)
+    assert last.carried_groups == 0 and roll.pending == [] and len(last.payloads) == 2
 
 
 def test_continuation_by_re_prefill_is_exact_on_the_hf_engine(tiny):
