@@ -2,10 +2,12 @@
 
 import json
 import math
+import threading
 
 import pytest
 
 from rlpost.config import load_config
+from rlpost.pipeline.console import Console
 from rlpost.pipeline.loop import train
 from tests.conftest import small_overrides
 
@@ -78,3 +80,31 @@ def test_partial_rollout_trains_every_prompt_exactly_once(tmp_path):
     assert rows[4]["carried_groups"] == 0 and rows[4]["partial_done_fraction"] == 1.0
     for r in rows.values():
         assert math.isfinite(r["loss"]) and 0 <= r["sample_lag"] <= r["sample_lag_max"]
+
+
+def test_resume_with_partial_rollout_continues_the_carried_groups(tmp_path):
+    over = {
+        "rollout.partial": True,
+        "rollout.partial_fraction": 0.5,
+        "rollout.max_tokens": 12,
+        "sft.steps": 60,
+        "eval.every": 0,
+    }
+    full = train(load_config(None, small_overrides(tmp_path / "a", **over, **{"train.steps": 4})))
+    # A 4-step run interrupted after step 2 (the stop event ends it there, carried groups saved).
+    stop = threading.Event()
+    cfg = load_config(None, small_overrides(tmp_path / "b", **over, **{"train.steps": 4}))
+
+    class StopAfter(Console):
+        def update(self, step, metrics):
+            super().update(step, metrics)
+            if step == 2:
+                stop.set()
+
+    train(cfg, console=StopAfter(enabled=False), stop=stop)
+    resumed = train(cfg, resume=tmp_path / "b" / "t")
+    a, b = _losses(full.run_dir), _losses(resumed.run_dir)
+    assert a[2]["carried_groups"] > 0  # the checkpoint held unfinished groups
+    for step in (3, 4):
+        assert b[step]["prompts"] == a[step]["prompts"]
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5, abs=1e-7)
