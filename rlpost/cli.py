@@ -98,7 +98,12 @@ def cmd_eval(args) -> int:
     held_out = held_out[: cfg.eval.limit] if cfg.eval.limit else held_out
     engine = build.build_engine(cfg, model, tokenizer)
     result = evaluate(
-        engine, tokenizer, held_out, build_scorer(cfg.reward), build.eval_params(cfg, tokenizer)
+        engine,
+        tokenizer,
+        held_out,
+        build_scorer(cfg.reward),
+        build.eval_params(cfg, tokenizer),
+        samples=cfg.eval.samples,
     )
     for k, v in result.items():
         print(f"{k}: {v:.4f}")

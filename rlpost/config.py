@@ -329,6 +329,9 @@ class EvalConfig(Section):
     at the start and end of every run."""
     limit: int | None = None
     """Evaluate on the first N held-out problems only (None: all)."""
+    samples: int = Field(1, ge=1)
+    """Samples per held-out problem at the eval temperature; accuracy is their mean (pass@1),
+    its standard error falls as 1/sqrt(samples * problems). Greedy always takes one."""
 
 
 class CheckpointConfig(Section):

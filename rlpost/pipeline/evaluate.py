@@ -37,24 +37,37 @@ def evaluate(
     scorer: RewardScorer,
     params: SamplingParams,
     chunk: int = 256,
+    samples: int = 1,
 ) -> dict[str, float]:
-    """Accuracy (fraction of completions whose score is > 0.5) and mean score on ``prompts``."""
+    """Accuracy (fraction of completions whose score is > 0.5) and mean score on ``prompts``.
+
+    ``samples`` completions per problem (greedy: always one): accuracy is their
+    mean, the pass@1 estimate, and ``eval_accuracy_stderr`` is the standard
+    error of that mean over problems.
+    """
     if not prompts:
         return {}
+    k = 1 if params.temperature == 0 else samples
     scores: list[float] = []
     lengths: list[int] = []
-    for lo in range(0, len(prompts), chunk):
-        part = prompts[lo : lo + chunk]
+    per_chunk = max(1, chunk // k)
+    for lo in range(0, len(prompts), per_chunk):
+        part = prompts[lo : lo + per_chunk]
         ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in part]
-        completions = engine.generate(ids, params, n=1)
-        samples = to_reward_samples(part, completions, 1, params.max_tokens)
-        scores.extend(scorer.score(samples).scores)
+        completions = engine.generate(ids, params, n=k)
+        scored = to_reward_samples(part, completions, k, params.max_tokens)
+        scores.extend(scorer.score(scored).scores)
         lengths.extend(len(c.token_ids) for c in completions)
+    correct = [s > 0.5 for s in scores]
+    per_problem = [sum(correct[i : i + k]) / k for i in range(0, len(correct), k)]
+    accuracy = sum(per_problem) / len(per_problem)
+    var = sum((a - accuracy) ** 2 for a in per_problem) / max(1, len(per_problem) - 1)
     return {
-        "eval_accuracy": sum(s > 0.5 for s in scores) / len(scores),
+        "eval_accuracy": accuracy,
+        "eval_accuracy_stderr": math.sqrt(var / len(per_problem)),
         "eval_reward_mean": sum(scores) / len(scores),
         "eval_response_length": sum(lengths) / len(lengths),
-        "eval_problems": float(len(scores)),
+        "eval_problems": float(len(per_problem)),
     }
 
 

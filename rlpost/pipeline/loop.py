@@ -162,7 +162,8 @@ def train(
             step += 1
             m["sync_seconds"] = p.channel.push(model, version=step).seconds
             if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
-                m.update(evaluate(engine, tokenizer, held_out, p.scorer, eval_p))
+                k = cfg.eval.samples
+                m.update(evaluate(engine, tokenizer, held_out, p.scorer, eval_p, samples=k))
             p.recorder.record(step, m)
             history.append({"step": step, **m})
             console.update(step, m)
@@ -188,7 +189,7 @@ def train(
 
 def _full_eval(p: Parts, held_out, params) -> dict:
     """Held-out metrics at the eval temperature, plus greedy accuracy when that differs."""
-    out = evaluate(p.engine, p.tokenizer, held_out, p.scorer, params)
+    out = evaluate(p.engine, p.tokenizer, held_out, p.scorer, params, samples=p.cfg.eval.samples)
     if params.temperature > 0 and held_out:
         greedy = build.eval_params(p.cfg, p.tokenizer, greedy=True)
         out["eval_greedy_accuracy"] = evaluate(p.engine, p.tokenizer, held_out, p.scorer, greedy)[

@@ -75,6 +75,8 @@ def finish_run(
     summary = {
         "eval_accuracy_start": first_eval.get("eval_accuracy"),
         "eval_accuracy_end": final_eval.get("eval_accuracy"),
+        "eval_accuracy_stderr_start": first_eval.get("eval_accuracy_stderr"),
+        "eval_accuracy_stderr_end": final_eval.get("eval_accuracy_stderr"),
         "eval_greedy_accuracy_start": first_eval.get("eval_greedy_accuracy"),
         "eval_greedy_accuracy_end": final_eval.get("eval_greedy_accuracy"),
         "eval_temperature": cfg.eval.temperature,

@@ -1,0 +1,54 @@
+"""Held-out evaluation: several samples per problem, their mean and its standard error."""
+
+import math
+
+import pytest
+
+from rlpost.config import Config
+from rlpost.pipeline.evaluate import evaluate
+from rlpost.rewards.scorer import build_scorer
+from rlpost.rollout.protocol import SamplingParams
+from rlpost.types import Completion, Prompt
+
+
+class AnswerSheet:
+    """Sample j of problem i answers correctly iff j < right[i] (greedy: iff right[i] > 0)."""
+
+    def __init__(self, prompts, right):
+        self.by_text = {p.text: (p.answer, r) for p, r in zip(prompts, right, strict=True)}
+        self.calls = []
+
+    def generate(self, prompt_ids, params, n=1, group_offset=0):
+        self.calls.append((len(prompt_ids), n))
+        out = []
+        for i, ids in enumerate(prompt_ids):
+            answer, right = self.by_text["".join(chr(t) for t in ids)]
+            for j in range(n):
+                good = j < right if params.temperature > 0 else right > 0
+                text = str(answer) if good else str(answer + 1)
+                out.append(Completion(list(ids), [1], [0.0], "stop", 0, group_offset + i, text))
+        return out
+
+
+class CharTokenizer:
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_accuracy_is_the_mean_over_samples_with_its_standard_error():
+    prompts = [Prompt(f"{i}+0=", answer=i) for i in range(5)]
+    right = [0, 1, 2, 3, 4]  # of 4 samples each
+    engine = AnswerSheet(prompts, right)
+    scorer = build_scorer(Config().reward)
+    out = evaluate(engine, CharTokenizer(), prompts, scorer, SamplingParams(), chunk=8, samples=4)
+    per_problem = [r / 4 for r in right]
+    mean = sum(per_problem) / 5
+    se = math.sqrt(sum((a - mean) ** 2 for a in per_problem) / 4 / 5)
+    assert out["eval_accuracy"] == pytest.approx(mean)
+    assert out["eval_accuracy_stderr"] == pytest.approx(se)
+    assert out["eval_problems"] == 5
+    assert engine.calls == [(2, 4), (2, 4), (1, 4)]  # chunk counts samples, not prompts
+    greedy = evaluate(
+        engine, CharTokenizer(), prompts, scorer, SamplingParams(temperature=0), samples=4
+    )
+    assert greedy["eval_accuracy"] == pytest.approx(4 / 5) and engine.calls[-1] == (5, 1)
