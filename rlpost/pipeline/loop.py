@@ -397,7 +397,13 @@ def _save(p: Parts, step: int) -> None:
     if p.lengths is not None:
         state["lengths"] = p.lengths.state_dict()
     save_checkpoint(
-        p.run_dir, step, p.model, state, ref_model=p.trainer.ref_model, keep=p.cfg.checkpoint.keep
+        p.run_dir,
+        step,
+        p.model,
+        state,
+        ref_model=p.trainer.ref_model,
+        tokenizer=p.tokenizer,
+        keep=p.cfg.checkpoint.keep,
     )
 
 

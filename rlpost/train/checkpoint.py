@@ -34,8 +34,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(
-    run_dir: Path, step: int, model, state: dict[str, Any], *, ref_model=None, keep: int = 2
+    run_dir: Path,
+    step: int,
+    model,
+    state: dict[str, Any],
+    *,
+    ref_model=None,
+    tokenizer=None,
+    keep: int = 2,
 ) -> Path:
+    """Write ``checkpoints/step_N`` atomically; ``step_N/model`` (with the tokenizer) is an
+    ordinary HF directory that ``model.path`` can load."""
     root = run_dir / "checkpoints"
     out = root / f"step_{step}"
     tmp = root / f".step_{step}.tmp"
@@ -43,6 +52,8 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp / "model")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp / "model")
     if ref_model is not None:
         ref_model.save_pretrained(tmp / "ref_model")
     torch.save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")

@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from rlpost.config import load_config
+from rlpost.models.loading import load_causal_lm, load_tokenizer
 from rlpost.pipeline.console import Console
 from rlpost.pipeline.loop import train
 from tests.conftest import small_overrides
@@ -27,6 +28,9 @@ def test_run_writes_everything_a_user_reads(tmp_path):
     assert summary["steps"] == 3
     assert (run / "config.yaml").is_file() and (run / "curves.png").stat().st_size > 1000
     assert (run / "sft_model" / "config.json").is_file()
+    # The last checkpoint's model is an ordinary HF directory, tokenizer included.
+    model_dir = run / "checkpoints" / "step_3" / "model"
+    assert load_tokenizer(model_dir)("1+2=")["input_ids"] and load_causal_lm(model_dir) is not None
     rows = _losses(run)
     assert sorted(rows) == [1, 2, 3]
     for r in rows.values():
