@@ -42,6 +42,7 @@ def small_overrides(tmp_path, **extra) -> list[str]:
         "train.steps": 3,
         "eval.limit": 16,
         "eval.every": 2,
+        "eval.samples": 1,
         "checkpoint.every": 1,
         "observe.progress": False,
         "observe.plot": False,
