@@ -69,8 +69,8 @@ class Console:
         table.add_column("end", justify="right")
         table.add_row(
             f"held-out accuracy (T={s['eval_temperature']:g})",
-            _pct(s["eval_accuracy_start"]),
-            _pct(s["eval_accuracy_end"]),
+            _pct(s["eval_accuracy_start"], s.get("eval_accuracy_stderr_start")),
+            _pct(s["eval_accuracy_end"], s.get("eval_accuracy_stderr_end")),
         )
         if s.get("eval_greedy_accuracy_start") is not None:
             table.add_row(
@@ -85,8 +85,11 @@ class Console:
         self.out.print(f"metrics: {run_dir / 'metrics.jsonl'}   plot: {run_dir / 'curves.png'}")
 
 
-def _pct(v) -> str:
-    return "-" if v is None else f"{v:.1%}"
+def _pct(v, stderr=None) -> str:
+    """A percentage, with its standard error when it is an average over several samples."""
+    if v is None:
+        return "-"
+    return f"{v:.1%}" if not stderr else f"{v:.1%} ± {stderr * 100:.1f}"
 
 
 def _num(v) -> str:
