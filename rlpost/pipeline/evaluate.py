@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -54,7 +55,9 @@ def evaluate(
     for lo in range(0, len(prompts), per_chunk):
         part = prompts[lo : lo + per_chunk]
         ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in part]
-        completions = engine.generate(ids, params, n=k)
+        # Each chunk its own seed, or every chunk would replay the same random stream.
+        call = params if params.seed is None else replace(params, seed=params.seed + lo)
+        completions = engine.generate(ids, call, n=k)
         scored = to_reward_samples(part, completions, k, params.max_tokens)
         scores.extend(scorer.score(scored).scores)
         lengths.extend(len(c.token_ids) for c in completions)

@@ -17,9 +17,11 @@ class AnswerSheet:
     def __init__(self, prompts, right):
         self.by_text = {p.text: (p.answer, r) for p, r in zip(prompts, right, strict=True)}
         self.calls = []
+        self.seeds = []
 
     def generate(self, prompt_ids, params, n=1, group_offset=0):
         self.calls.append((len(prompt_ids), n))
+        self.seeds.append(params.seed)
         out = []
         for i, ids in enumerate(prompt_ids):
             answer, right = self.by_text["".join(chr(t) for t in ids)]
@@ -52,3 +54,13 @@ def test_accuracy_is_the_mean_over_samples_with_its_standard_error():
         engine, CharTokenizer(), prompts, scorer, SamplingParams(temperature=0), samples=4
     )
     assert greedy["eval_accuracy"] == pytest.approx(4 / 5) and engine.calls[-1] == (5, 1)
+
+
+def test_each_chunk_of_a_seeded_evaluation_gets_its_own_seed():
+    prompts = [Prompt(f"{i}+0=", answer=i) for i in range(5)]
+    engine = AnswerSheet(prompts, [1] * 5)
+    scorer = build_scorer(Config().reward)
+    evaluate(engine, CharTokenizer(), prompts, scorer, SamplingParams(seed=7), chunk=8, samples=4)
+    assert engine.seeds == [7, 9, 11]  # seed + index of the chunk's first problem
+    evaluate(engine, CharTokenizer(), prompts, scorer, SamplingParams(), chunk=8, samples=4)
+    assert engine.seeds[3:] == [None, None, None]
