@@ -195,6 +195,9 @@ class RolloutConfig(Section):
     """Partial rollout: a step trains once partial_fraction of its samples are done; the rest carry on next step."""
     partial_fraction: float = Field(0.8, gt=0.0, le=1.0)
     """Fraction of a step's samples that must be done before it trains (with rollout.partial)."""
+    partial_chunk_tokens: int | None = Field(None, ge=1)
+    """Tokens per request when a partial step drives a remote or vLLM engine in chunks
+    (None: max(8, max_tokens / 4)); the in-process engine stops exactly and ignores it."""
     length_aware: bool = False
     """Order each step's prompts by predicted response length so decode batches hold similar lengths."""
 

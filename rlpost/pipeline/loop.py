@@ -142,7 +142,12 @@ def train(
         monitor=HackingMonitor(),
         params=build.sampling_params(cfg, tokenizer),
         critic=build.build_critic(cfg, model),
-        partial=PartialRollout(engine, fraction=cfg.rollout.partial_fraction, tokenizer=tokenizer)
+        partial=PartialRollout(
+            engine,
+            fraction=cfg.rollout.partial_fraction,
+            chunk_tokens=cfg.rollout.partial_chunk_tokens,
+            tokenizer=tokenizer,
+        )
         if cfg.rollout.partial
         else None,
         lengths=LengthPredictor() if cfg.rollout.length_aware else None,

@@ -39,3 +39,33 @@ def test_grpo_steps_through_two_servers(tmp_path, tiny_dir):
         assert r["logprob_gap"] < 1e-3  # the servers serve exactly the trainer's weights
         assert r["prompts"] == 4
     assert result.summary["eval_accuracy_end"] is not None
+
+
+def test_partial_rollout_over_http_continues_carried_samples(tmp_path, tiny_dir):
+    """Remote engines are driven in token chunks; a carried sample resumes on the server."""
+    proc, url = start_server(tiny_dir, "--max-tokens-limit", "64")
+    try:
+        over = small_overrides(
+            tmp_path,
+            **{
+                "model.path": str(tiny_dir),
+                "rollout.engine": "remote",
+                "rollout.servers": json.dumps([url]),
+                "rollout.partial": True,
+                "rollout.partial_fraction": 0.5,
+                "rollout.partial_chunk_tokens": 2,
+                "rollout.max_tokens": 12,
+                "train.steps": 4,
+                "sft.steps": 60,  # long enough to learn to stop, so lengths spread out
+                "eval.every": 0,
+            },
+        )
+        result = train(load_config(None, over))
+    finally:
+        stop_server(proc)
+    rows = [h for h in result.history if "loss" in h]
+    assert sum(r["prompts"] for r in rows) == 4 * 4  # every prompt trained exactly once
+    assert any(r["carried_groups"] > 0 for r in rows[:-1]) and rows[-1]["carried_groups"] == 0
+    assert max(r["sample_lag_max"] for r in rows) >= 1  # a carried sample spans versions
+    for r in rows:
+        assert r["logprob_gap"] < 0.5 and r["truncated_frac"] <= 1.0
