@@ -147,10 +147,12 @@ class ContinuousEngine:
     ) -> list[VersionedCompletion]:
         # A per-request seed is offset per prompt, or every prompt would draw the same stream.
         seeds = [None if params.seed is None else params.seed + i for i in range(len(prompt_ids))]
-        tickets = [
-            self.scheduler.submit(GenerationRequest(list(p), params, n=n, seed=seed))
-            for p, seed in zip(prompt_ids, seeds, strict=True)
-        ]
+        tickets = self.scheduler.submit_all(
+            [
+                GenerationRequest(list(p), params, n=n, seed=seed)
+                for p, seed in zip(prompt_ids, seeds, strict=True)
+            ]
+        )
         return [
             self._completion(p, out, group_offset + i)
             for i, (p, t) in enumerate(zip(prompt_ids, tickets, strict=True))
@@ -170,22 +172,27 @@ class ContinuousEngine:
         next decode step.
         """
         reqs = [GenerationRequest(list(p), q) for p, q in zip(prompt_ids, params, strict=True)]
-        tickets = [self.scheduler.submit(r) for r in reqs]
         lock, finished, settled = threading.Lock(), [], threading.Event()
+        tickets: list = []
 
         def on_done(row: int, future) -> None:
             with lock:
                 if not future.cancelled() and future.result()[0].finish_reason != "abort":
                     finished.append(row)
-                stop = len(finished) == len(tickets) or enough(list(finished))
+                stop = len(finished) == len(reqs) or enough(list(finished))
             if stop and not settled.is_set():
                 settled.set()
                 for t in tickets:
                     if not t.future.done():
                         self.scheduler.cancel(t, keep_partial=True)
 
-        for row, t in enumerate(tickets):
-            t.future.add_done_callback(lambda f, row=row: on_done(row, f))
+        # Callbacks are attached before anything is queued, so the abort always lands
+        # at the same decode step whatever the thread timing.
+        tickets += self.scheduler.submit_all(reqs, on_done=on_done)
+        if settled.is_set():  # the step was done before ``tickets`` was filled in
+            for t in tickets:
+                if not t.future.done():
+                    self.scheduler.cancel(t, keep_partial=True)
         return [
             self._completion(p, t.future.result()[0], i)
             for i, (p, t) in enumerate(zip(prompt_ids, tickets, strict=True))

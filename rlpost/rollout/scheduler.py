@@ -34,7 +34,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -199,15 +199,33 @@ class Scheduler:
 
     def submit(self, request: GenerationRequest) -> Ticket:
         """Queue a request; the ticket's future resolves when all its samples are done."""
-        if not request.prompt_ids:
-            raise ValueError("empty prompt: a request needs at least one prompt token")
-        if request.n < 1:
-            raise ValueError(f"n={request.n} must be >= 1")
-        ticket = Ticket(request)
+        return self.submit_all([request])[0]
+
+    def submit_all(
+        self,
+        requests: list[GenerationRequest],
+        on_done: Callable[[int, Future], None] | None = None,
+    ) -> list[Ticket]:
+        """Queue requests together: they join the batch at the same step boundary.
+
+        Submitting one by one would let the scheduler start on the first ones
+        while the rest arrive, so batches, and with them the samples drawn from
+        the shared generator, would depend on thread timing. ``on_done(i, future)``
+        is attached to every ticket before any is queued.
+        """
+        for request in requests:
+            if not request.prompt_ids:
+                raise ValueError("empty prompt: a request needs at least one prompt token")
+            if request.n < 1:
+                raise ValueError(f"n={request.n} must be >= 1")
+        tickets = [Ticket(r) for r in requests]
+        if on_done is not None:
+            for i, ticket in enumerate(tickets):
+                ticket.future.add_done_callback(lambda f, i=i: on_done(i, f))
         with self._cond:
-            self._waiting.append(ticket)
+            self._waiting.extend(tickets)
             self._cond.notify_all()
-        return ticket
+        return tickets
 
     def cancel(self, ticket: Ticket, *, keep_partial: bool = False) -> None:
         """Free the ticket's slots at the next step boundary.
