@@ -4,12 +4,17 @@ Every swappable part (advantage estimator, policy loss, KL estimator, aggregatio
 mode, reward function, engine) is looked up by the same name the config uses.
 An unknown name is an error that lists the valid ones, so a typo in a recipe is
 caught at load time with the fix in the message.
+
+An entry may carry **traits**, keyword metadata registered with it
+(``@ADVANTAGES.register("gae", needs_critic=True)``): what the rest of the
+framework must provide for it (a critic, a reference model, groups of samples).
+Callers ask ``REG.trait(name, "needs_critic")`` instead of keeping name lists.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -27,17 +32,29 @@ class Registry(Generic[T]):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._items: dict[str, T] = {}
+        self._traits: dict[str, dict[str, Any]] = {}
 
-    def register(self, name: str) -> Callable[[T], T]:
-        """Decorator: ``@REG.register("grpo")``. Registering a name twice is an error."""
+    def register(self, name: str, **traits: Any) -> Callable[[T], T]:
+        """Decorator: ``@REG.register("grpo", group_relative=True)``. Registering a name twice
+        is an error; ``traits`` are metadata read back with :meth:`trait`."""
 
         def deco(obj: T) -> T:
             if name in self._items:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
             self._items[name] = obj
+            self._traits[name] = dict(traits)
             return obj
 
         return deco
+
+    def trait(self, name: str, trait: str, default: Any = False) -> Any:
+        """The value of ``trait`` registered with ``name`` (``default`` when not given)."""
+        self.get(name)  # an unknown name fails here, listing the valid ones
+        return self._traits[name].get(trait, default)
+
+    def with_trait(self, trait: str, value: Any = True) -> list[str]:
+        """Sorted names whose ``trait`` equals ``value``."""
+        return [n for n in sorted(self._items) if self._traits[n].get(trait, False) == value]
 
     def get(self, name: str) -> T:
         try:

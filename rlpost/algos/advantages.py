@@ -86,7 +86,7 @@ def _tile(row_values: Tensor, response_mask: Tensor, dtype: torch.dtype) -> Tens
     return torch.where(m, row_values[:, None], 0.0).to(dtype)
 
 
-@ADVANTAGES.register("grpo")
+@ADVANTAGES.register("grpo", group_relative=True)
 @torch.no_grad()
 def grpo_advantages(
     token_level_rewards: Tensor,
@@ -95,6 +95,7 @@ def grpo_advantages(
     *,
     values: Tensor | None = None,
     norm_by_std: bool = True,
+    std_scope: str = "group",
     eps: float = 1e-6,
 ) -> tuple[Tensor, Tensor]:
     """GRPO outcome advantage ``A_i = (s_i - mean_g) / (std_g + eps)`` (DeepSeekMath, arXiv 2402.03300).
@@ -102,15 +103,23 @@ def grpo_advantages(
     Shapes: rewards, mask ``[B, T]``, group ``[B]`` -> ``([B, T], [B, T])``; returns
     equal advantages. ``norm_by_std=False`` gives Dr.GRPO's ``s_i - mean_g``.
     std is unbiased; a singleton group gives ``s_i / (1 + eps)`` (verl).
+    ``std_scope="batch"`` divides by the unbiased std of every score in the batch
+    instead (group mean, batch std: TRL's ``scale_rewards="batch"``, as argued in
+    "Tricks or Traps? A Deep Dive into RL for LLM Reasoning", arXiv 2508.08221).
     """
     _check(token_level_rewards, response_mask, group)
-    centered, std, _ = _group_centered(_outcome_scores(token_level_rewards), group)
+    if std_scope not in ("group", "batch"):
+        raise ValueError(f"grpo std_scope must be 'group' or 'batch', got {std_scope!r}")
+    scores = _outcome_scores(token_level_rewards)
+    centered, std, _ = _group_centered(scores, group)
+    if std_scope == "batch" and scores.numel() > 1:
+        std = torch.full_like(std, float((scores - scores.min()).std()))
     adv = centered / (std + eps) if norm_by_std else centered
     advantages = _tile(adv, response_mask, token_level_rewards.dtype)
     return advantages, advantages.clone()
 
 
-@ADVANTAGES.register("dr_grpo")
+@ADVANTAGES.register("dr_grpo", group_relative=True)
 @torch.no_grad()
 def dr_grpo_advantages(
     token_level_rewards: Tensor,
@@ -126,7 +135,7 @@ def dr_grpo_advantages(
     return grpo_advantages(token_level_rewards, response_mask, group, norm_by_std=False)
 
 
-@ADVANTAGES.register("rloo")
+@ADVANTAGES.register("rloo", group_relative=True)
 @torch.no_grad()
 def rloo_advantages(
     token_level_rewards: Tensor,
@@ -147,7 +156,7 @@ def rloo_advantages(
     return advantages, advantages.clone()
 
 
-@ADVANTAGES.register("gpg")
+@ADVANTAGES.register("gpg", group_relative=True)
 @torch.no_grad()
 def gpg_advantages(
     token_level_rewards: Tensor,
@@ -201,7 +210,7 @@ def reinforce_pp_advantages(
     return advantages.to(dtype), returns.to(dtype)
 
 
-@ADVANTAGES.register("reinforce_pp_baseline")
+@ADVANTAGES.register("reinforce_pp_baseline", group_relative=True)
 @torch.no_grad()
 def reinforce_pp_baseline_advantages(
     token_level_rewards: Tensor,
@@ -259,7 +268,7 @@ def _critic_inputs(
     return rewards, v, valid
 
 
-@ADVANTAGES.register("gae")
+@ADVANTAGES.register("gae", needs_critic=True)
 @torch.no_grad()
 def gae_advantages(
     token_level_rewards: Tensor,
@@ -286,7 +295,7 @@ def gae_advantages(
     return masked_whiten(adv, valid).to(dtype), returns
 
 
-@ADVANTAGES.register("vapo_gae")
+@ADVANTAGES.register("vapo_gae", needs_critic=True)
 @torch.no_grad()
 def vapo_gae_advantages(
     token_level_rewards: Tensor,
@@ -323,12 +332,17 @@ def scores_to_token_rewards(scores: Tensor, response_mask: Tensor) -> Tensor:
     """Place each outcome score on its row's last valid token.
 
     Shapes: ``scores [B]``, ``response_mask [B, T]`` -> ``token_level_rewards [B, T]``
-    (dtype of ``scores``). A row with no valid token gets no reward.
+    (dtype of ``scores``). A row with no valid token (its reward was dropped, or
+    every token is tool output) keeps its score at position 0, where no loss reads
+    it: outcome estimators sum every position, so the row still counts in its
+    group's mean, std and leave-one-out baseline, as it does in verl and TRL,
+    instead of entering them as a 0.
     """
     if scores.shape != response_mask.shape[:1]:
         raise ValueError(f"scores must be [B]={response_mask.shape[0]}, got {tuple(scores.shape)}")
     m = response_mask.to(torch.float64) > 0
     positions = torch.arange(1, m.shape[1] + 1, device=m.device)
-    last = (positions * m).argmax(-1)
-    is_last = (torch.arange(m.shape[1], device=m.device)[None, :] == last[:, None]) & m
+    last = (positions * m).argmax(-1)  # 0 for a row with no valid token
+    columns = torch.arange(m.shape[1], device=m.device)[None, :]
+    is_last = (columns == last[:, None]) & (m | ~m.any(-1, keepdim=True))
     return torch.where(is_last, scores[:, None], 0.0)

@@ -93,6 +93,19 @@ def reduce_token_mean(
     return total / mask.to(loss_mat.dtype).sum().clamp(min=1.0)
 
 
+@AGGREGATIONS.register("token-sum")
+def reduce_token_sum(
+    loss_mat: Tensor,
+    mask: Tensor,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    norm_constant: float | None = None,
+) -> Tensor:
+    """``sum_{i,t} L*m``, no denominator (verl's ``token-sum``): the gradient grows with the
+    number of tokens, so the learning rate carries the scale. Micro-batch invariant as is."""
+    return masked_sum(loss_mat, mask)
+
+
 @AGGREGATIONS.register("seq-mean-token-sum")
 def reduce_seq_mean_token_sum(
     loss_mat: Tensor,

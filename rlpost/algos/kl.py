@@ -82,6 +82,12 @@ def kl_k3_straight_through(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return _straight_through(kl_k3(logprobs, ref_logprobs), logprobs, ref_logprobs)
 
 
+@KL_ESTIMATORS.register("abs+")
+def kl_abs_straight_through(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """|x| value with the gradient of x^2/2 (= x per token); shapes ``[B, T] -> [B, T]``."""
+    return _straight_through(kl_abs(logprobs, ref_logprobs), logprobs, ref_logprobs)
+
+
 def get_kl_estimator(name: str) -> Callable[[Tensor, Tensor], Tensor]:
     """The estimator registered as ``name``; raises ``UnknownNameError`` listing valid names."""
     return KL_ESTIMATORS.get(name)

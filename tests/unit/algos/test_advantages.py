@@ -8,7 +8,12 @@ import statistics
 import pytest
 import torch
 
-from rlpost.algos import ADVANTAGES, get_advantage_estimator, scores_to_token_rewards
+from rlpost.algos import (
+    ADVANTAGES,
+    get_advantage_estimator,
+    masked_whiten,
+    scores_to_token_rewards,
+)
 from rlpost.registry import UnknownNameError
 
 OUTCOME = ("grpo", "dr_grpo", "rloo", "gpg", "reinforce_pp_baseline")
@@ -314,4 +319,35 @@ def test_no_gradient_and_zero_padding(name):
 def test_scores_to_token_rewards():
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
     out = scores_to_token_rewards(torch.tensor([2.0, -1.0, 5.0]), mask)
-    assert torch.equal(out, torch.tensor([[0.0, 2.0, 0.0], [0.0, 0.0, -1.0], [0.0, 0.0, 0.0]]))
+    # the fully masked row keeps its score at position 0, where no loss reads it
+    assert torch.equal(out, torch.tensor([[0.0, 2.0, 0.0], [0.0, 0.0, -1.0], [5.0, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("name", OUTCOME)
+def test_masked_row_keeps_its_score_in_group_statistics(name):
+    # Row 3 has no trainable token (e.g. its reward was dropped): its score still enters
+    # the group's mean, std and leave-one-out baseline, and its advantage is zero.
+    scores, groups = [1.0, 0.0, 1.0, 0.5], torch.tensor([0, 0, 0, 0])
+    full, full_mask = outcome_batch(scores, [3, 3, 3, 3])
+    masked, mask = outcome_batch(scores, [3, 3, 3, 0])
+    fn = get_advantage_estimator(name)
+    want, _ = fn(full, full_mask, groups)
+    got, _ = fn(masked, mask, groups)
+    if name == "reinforce_pp_baseline":  # whitening runs over the valid tokens only
+        centered = torch.tensor(scores, dtype=torch.float64) - sum(scores) / 4
+        want = masked_whiten(centered[:, None].expand(4, 5), mask.to(torch.float64))
+        want = want.float() * mask
+    torch.testing.assert_close(got[:3], want[:3])
+    assert torch.equal(got[3], torch.zeros(5))
+
+
+def test_grpo_batch_std():
+    scores, groups = [1.0, 0.0, 3.0, 3.0, 2.0, 6.0], torch.tensor([0, 0, 0, 1, 1, 1])
+    rewards, mask = outcome_batch(scores, [2] * 6)
+    adv, _ = get_advantage_estimator("grpo")(rewards, mask, groups, std_scope="batch", eps=0.0)
+    batch_std = statistics.stdev(scores)
+    means = [4 / 3] * 3 + [11 / 3] * 3
+    want = [(s - m) / batch_std for s, m in zip(scores, means, strict=True)]
+    torch.testing.assert_close(adv[:, 0], torch.tensor(want))
+    with pytest.raises(ValueError, match="std_scope"):
+        get_advantage_estimator("grpo")(rewards, mask, groups, std_scope="global")

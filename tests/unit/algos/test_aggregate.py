@@ -25,6 +25,7 @@ MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
     ("mode", "expected"),
     [
         ("token-mean", (1 + 2 + 3 + 4) / 4),
+        ("token-sum", 1 + 2 + 3 + 4),
         ("seq-mean-token-sum", (6 + 4) / 2),  # the empty row is not counted
         ("seq-mean-token-mean", (2 + 4) / 2),
         ("seq-mean-token-sum-norm", (6 + 4) / (2 * 4)),  # C defaults to the width T

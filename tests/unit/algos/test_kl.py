@@ -47,7 +47,7 @@ def test_gradients():
     assert g3 == pytest.approx([1 - math.exp(-0.5), 1 - math.exp(0.5), 0.0, 0.0], rel=1e-5)
 
 
-@pytest.mark.parametrize("name", ["k1+", "k3+"])
+@pytest.mark.parametrize("name", ["k1+", "k3+", "abs+"])
 def test_straight_through_value_of_base_gradient_of_half_square(name):
     values, grads = evaluate(name)
     base, _ = evaluate(name[:-1])
@@ -82,7 +82,7 @@ def test_kl_penalized_rewards():
 
 
 def test_errors():
-    with pytest.raises(UnknownNameError, match="valid: abs, k1"):
+    with pytest.raises(UnknownNameError, match="valid: abs, abs+, k1"):
         get_kl_estimator("low_var_kl")
     with pytest.raises(ValueError, match="ref_logprobs shape"):
         get_kl_estimator("k1")(torch.zeros(2, 3), torch.zeros(2, 2))

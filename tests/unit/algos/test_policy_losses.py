@@ -170,9 +170,10 @@ def test_flash_reinforce_trust_region_and_is_cap():
     assert out.stats["clip_frac"].item() == pytest.approx(0.25)
     assert out.stats["is_capped_frac"].item() == pytest.approx(0.25)
     tv = get_policy_loss("flash_reinforce")(
-        lp, old, adv, mask, agg=TOKEN_MEAN, rollout_logprobs=rollout, divergence="tv", tr_tv=0.05
+        lp, old, adv, mask, agg=TOKEN_MEAN, rollout_logprobs=rollout, divergence="tv", tr_tv=0.1
     )
-    # |p - q| = 0.05, 0.6, 0.02, 0.01: only token 1 exceeds 0.05
+    # |p - q| = 0.05, 0.6, 0.02, 0.01: only token 1 exceeds 0.1 (no token sits on the
+    # threshold, where float32 rounding of p and q would decide the verdict per CPU)
     assert tv.stats["trust_masked_frac"].item() == pytest.approx(0.25)
 
 

@@ -61,3 +61,13 @@ def test_bad_input():
             agg=AGG,
             clip_range=0,
         )
+
+
+def test_no_clip_counted_when_nothing_clips():
+    # Random float32 values far inside a wide range: old + (v - old) often differs from v by
+    # one rounding step, which must neither count as a clip nor change the loss.
+    g = torch.Generator().manual_seed(0)
+    v, old, ret = (torch.randn(8, 64, generator=g) for _ in range(3))
+    out = value_loss(v, ret, old, torch.ones(8, 64), agg=AGG, clip_range=100.0)
+    assert out.stats["vf_clip_frac"].item() == 0.0
+    torch.testing.assert_close(out.loss, 0.5 * ((v - ret) ** 2).mean())
