@@ -82,7 +82,7 @@ def test_kl_penalized_rewards():
 
 
 def test_errors():
-    with pytest.raises(UnknownNameError, match="valid: abs, abs+, k1"):
+    with pytest.raises(UnknownNameError, match=r"valid: abs, abs\+, k1"):
         get_kl_estimator("low_var_kl")
     with pytest.raises(ValueError, match="ref_logprobs shape"):
         get_kl_estimator("k1")(torch.zeros(2, 3), torch.zeros(2, 2))
