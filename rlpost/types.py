@@ -38,7 +38,11 @@ class Completion:
     sampling distribution actually used (temperature applied, before top-p/top-k
     truncation renormalisation is *not* applied: it is the model's tempered
     distribution). ``loss_mask[i]`` is 0 for tokens the policy did not produce
-    (tool output in a multi-turn rollout) and 1 otherwise.
+    (tool output in a multi-turn rollout) and 1 otherwise. ``token_versions[i]``
+    is the policy version of the weights that sampled ``token_ids[i]`` (a sample
+    continued across a weight update spans several); ``policy_version`` is the
+    version that began the sample. ``group`` is the engine's prompt index within
+    one ``generate`` call; the pipeline groups samples in :class:`Group` records.
     """
 
     prompt_ids: list[int]
@@ -49,10 +53,45 @@ class Completion:
     group: int
     text: str = ""
     loss_mask: list[int] | None = None
+    token_versions: list[int] | None = None
 
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "length"
+
+    def versions_per_token(self) -> list[int]:
+        """The version of every token (``policy_version`` for each when the engine gave none)."""
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        return [self.policy_version] * len(self.token_ids)
+
+
+@dataclass
+class Group:
+    """One prompt and its ``n`` samples: the record the rollout stage hands to training.
+
+    The group size travels here and only here (``len(completions)``). The reward
+    worker fills ``scores`` (the final scalar reward of each sample, what trains),
+    ``components`` (each reward term's value per sample, ``nan`` where it did not
+    apply) and ``invalid`` (True where the reward was NaN, infinite or out of
+    range: the score is then ``reward.invalid_score`` and the sample's tokens are
+    not trained). Per-token logprobs, versions, finish reasons and loss masks are
+    in the completions, so a multi-turn episode (tool output masked) fits as is.
+    """
+
+    prompt: Prompt
+    completions: list[Completion]
+    scores: list[float] | None = None
+    components: dict[str, list[float]] = field(default_factory=dict)
+    invalid: list[bool] | None = None
+
+    @property
+    def n(self) -> int:
+        return len(self.completions)
+
+    @property
+    def scored(self) -> bool:
+        return self.scores is not None
 
 
 @dataclass

@@ -143,6 +143,7 @@ class HFEngine:
                 policy_version=self.version,
                 group=group_offset + r // n,
                 text=self.tokenizer.decode(tokens[r], skip_special_tokens=True),
+                token_versions=[self.version] * len(tokens[r]),
             )
             for r in range(rows)
         ]

@@ -13,7 +13,7 @@ Two remedies, usable together:
   whose samples are all done go to training (a GRPO advantage needs the whole
   group); the others are carried into the next step with their tokens,
   logprobs and versions and never dropped (:meth:`PartialRollout.flush`
-  finishes them). On :class:`ContinuousEngine` (the in-process scheduler) the
+  finishes them). On :class:`~rlpost.rollout.continuous.ContinuousEngine` (the in-process scheduler) the
   step stops the moment it is done: unfinished samples are aborted at a
   decode-step boundary and handed back with their tokens. Any other engine
   is driven in chunks of tokens. Either way a carried sample continues by
@@ -26,24 +26,13 @@ token as ``policy_version`` and lists every version it spans in ``versions``.
 from __future__ import annotations
 
 import math
-import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
-
+from rlpost.rollout.continuous import VersionedCompletion
 from rlpost.rollout.protocol import RolloutEngine, SamplingParams
-from rlpost.rollout.scheduler import GenerationRequest, SampleOutput, Scheduler
 from rlpost.types import Completion, FinishReason, Prompt
-
-
-@dataclass
-class VersionedCompletion(Completion):
-    """A completion whose tokens may come from several policy versions (ascending in ``versions``)."""
-
-    versions: list[int] = field(default_factory=list)
-
 
 # ------------------------------------------------------ length-aware batching
 
@@ -119,120 +108,12 @@ def bucket_by_length(
 # ------------------------------------------------------------ partial rollout
 
 
-class ContinuousEngine:
-    """The rollout protocol over an in-process :class:`~rlpost.rollout.scheduler.Scheduler`.
-
-    ``generate`` sends one scheduler request per prompt (``n`` samples, one
-    prefill). ``generate_partial`` is the engine-level partial rollout: the
-    caller stops waiting once ``enough(finished_rows)`` holds, and the rows
-    still decoding are aborted at the next step boundary and come back with
-    their tokens so far (``finish_reason="abort"``), ready to be continued.
-    """
-
-    def __init__(self, scheduler: Scheduler, tokenizer=None) -> None:
-        self.scheduler = scheduler
-        self.tokenizer = tokenizer if tokenizer is not None else scheduler.tokenizer
-        self._tokens_at_reset, self._busy_at_reset = 0, 0.0
-
-    @property
-    def version(self) -> int:
-        return self.scheduler.version
-
-    @property
-    def generator(self) -> torch.Generator:
-        return self.scheduler.generator
-
-    def generate(
-        self, prompt_ids: list[list[int]], params: SamplingParams, n: int = 1, group_offset: int = 0
-    ) -> list[VersionedCompletion]:
-        # A per-request seed is offset per prompt, or every prompt would draw the same stream.
-        seeds = [None if params.seed is None else params.seed + i for i in range(len(prompt_ids))]
-        tickets = self.scheduler.submit_all(
-            [
-                GenerationRequest(list(p), params, n=n, seed=seed)
-                for p, seed in zip(prompt_ids, seeds, strict=True)
-            ]
-        )
-        return [
-            self._completion(p, out, group_offset + i)
-            for i, (p, t) in enumerate(zip(prompt_ids, tickets, strict=True))
-            for out in t.future.result()
-        ]
-
-    def generate_partial(
-        self,
-        prompt_ids: list[list[int]],
-        params: list[SamplingParams],
-        enough: Callable[[list[int]], bool],
-    ) -> list[VersionedCompletion]:
-        """One sample per row (row i uses ``params[i]``); rows unfinished once ``enough`` holds are aborted.
-
-        ``enough`` is called with the rows finished so far each time one
-        finishes, on the scheduler's thread, so the abort lands at the very
-        next decode step.
-        """
-        reqs = [GenerationRequest(list(p), q) for p, q in zip(prompt_ids, params, strict=True)]
-        lock, finished, settled = threading.Lock(), [], threading.Event()
-        tickets: list = []
-
-        def on_done(row: int, future) -> None:
-            with lock:
-                if not future.cancelled() and future.result()[0].finish_reason != "abort":
-                    finished.append(row)
-                stop = len(finished) == len(reqs) or enough(list(finished))
-            if stop and not settled.is_set():
-                settled.set()
-                for t in tickets:
-                    if not t.future.done():
-                        self.scheduler.cancel(t, keep_partial=True)
-
-        # Callbacks are attached before anything is queued, so the abort always lands
-        # at the same decode step whatever the thread timing.
-        tickets += self.scheduler.submit_all(reqs, on_done=on_done)
-        if settled.is_set():  # the step was done before ``tickets`` was filled in
-            for t in tickets:
-                if not t.future.done():
-                    self.scheduler.cancel(t, keep_partial=True)
-        return [
-            self._completion(p, t.future.result()[0], i)
-            for i, (p, t) in enumerate(zip(prompt_ids, tickets, strict=True))
-        ]
-
-    def _completion(self, prompt: list[int], out: SampleOutput, group: int) -> VersionedCompletion:
-        version = out.policy_version if out.policy_version is not None else self.version
-        return VersionedCompletion(
-            prompt_ids=list(prompt),
-            token_ids=out.token_ids,
-            logprobs=out.logprobs,
-            finish_reason=out.finish_reason,
-            policy_version=version,
-            group=group,
-            text=self.tokenizer.decode(out.token_ids, skip_special_tokens=True),
-            versions=out.versions,
-        )
-
-    def load_weights(self, named_tensors, version: int) -> None:
-        self.scheduler.load_weights(named_tensors, version)
-
-    def throughput(self) -> float:
-        """Generated tokens per busy second since the last :meth:`reset_stats`."""
-        stats = self.scheduler.stats()
-        tokens = stats["tokens"] - self._tokens_at_reset
-        return tokens / max(stats["busy_seconds"] - self._busy_at_reset, 1e-9)
-
-    def reset_stats(self) -> None:
-        stats = self.scheduler.stats()
-        self._tokens_at_reset, self._busy_at_reset = stats["tokens"], stats["busy_seconds"]
-
-    def close(self) -> None:
-        self.scheduler.stop()
-
-
 @dataclass
 class _Sample:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # distinct, in the order they produced tokens
+    token_versions: list[int] = field(default_factory=list)  # one per token
     finish: FinishReason | None = None
 
 
@@ -366,6 +247,7 @@ class PartialRollout:
                             "tokens": list(x.tokens),
                             "logprobs": list(x.logprobs),
                             "versions": list(x.versions),
+                            "token_versions": list(x.token_versions),
                             "finish": x.finish,
                         }
                         for x in g.samples
@@ -443,6 +325,7 @@ class PartialRollout:
         """Append a continuation to its sample; it is done at a stop or at ``max_tokens``."""
         s.tokens += c.token_ids
         s.logprobs += c.logprobs
+        s.token_versions += c.versions_per_token()
         for v in (getattr(c, "versions", None) or [c.policy_version]) if c.token_ids else []:
             if v not in s.versions:
                 s.versions.append(v)
@@ -467,6 +350,7 @@ class PartialRollout:
                     group=group,
                     text=text,
                     versions=sorted(set(s.versions)),
+                    token_versions=list(s.token_versions),
                 )
             )
         return out

@@ -33,7 +33,7 @@ from rlpost.rollout.client import (
     encode_weights,
     seeds_from,
 )
-from rlpost.rollout.longtail import VersionedCompletion
+from rlpost.rollout.continuous import VersionedCompletion
 from rlpost.rollout.protocol import SamplingParams
 
 FINISH_REASONS = ("stop", "length")
@@ -107,6 +107,9 @@ class RemoteEngine:
                         group=group_offset + i,
                         text=c.text,
                         versions=c.versions or [version],
+                        token_versions=[version] * len(c.token_ids)
+                        if not c.versions or len(c.versions) == 1
+                        else None,
                     )
                 )
                 self.tokens_generated += len(c.token_ids)

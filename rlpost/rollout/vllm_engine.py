@@ -129,6 +129,7 @@ class VLLMEngine:
                         policy_version=self.version,
                         group=group_offset + i,
                         text=sample.text,
+                        token_versions=[self.version] * len(ids),
                     )
                 )
                 self.tokens_generated += len(ids)

@@ -178,7 +178,7 @@ class EosBoost(torch.nn.Module):
 def test_partial_rollout_on_the_continuous_engine_aborts_and_resumes(tiny):
     import copy
 
-    from rlpost.rollout.longtail import ContinuousEngine
+    from rlpost.rollout.continuous import ContinuousEngine
     from rlpost.rollout.scheduler import Scheduler
 
     model, tok = tiny
