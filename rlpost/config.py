@@ -19,10 +19,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rlpost.observe.guards import GuardConfig
-
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
-GROUP_RELATIVE_ESTIMATORS = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"}
 
 
 class ConfigError(ValueError):
@@ -207,7 +204,7 @@ class RolloutConfig(Section):
 
 class KLConfig(Section):
     estimator: str = "k3"
-    """KL estimator: k1, k2, k3 (low variance), abs, or straight-through k1+ / k3+."""
+    """KL estimator: k1, k2, k3 (low variance), abs, or straight-through k1+ / k3+ / abs+."""
     beta: float = Field(0.04, ge=0.0)
     """KL coefficient (0: no reference model is kept)."""
     placement: Literal["loss", "reward"] = "loss"
@@ -218,17 +215,74 @@ class KLConfig(Section):
     """Adaptive controller horizon in samples."""
 
 
+class AdvantageParams(Section):
+    """Parameters of the advantage estimator. A field left None takes the estimator's own
+    default; setting one the chosen estimator does not take is refused at load."""
+
+    norm_by_std: bool | None = None
+    """grpo: divide by the std (False: Dr.GRPO's centred score)."""
+    std_scope: Literal["group", "batch"] | None = None
+    """grpo: the std of each group (default) or of the whole batch (TRL's scale_rewards=batch)."""
+    eps: float | None = Field(None, ge=0.0)
+    """grpo: added to the std before dividing (default 1e-6)."""
+    gamma: float | None = Field(None, ge=0.0, le=1.0)
+    """reinforce_pp, gae, vapo_gae: discount (default 1.0)."""
+    lam: float | None = Field(None, ge=0.0, le=1.0)
+    """gae: the GAE lambda (default 1.0)."""
+    alpha: float | None = Field(None, gt=0.0)
+    """vapo_gae: length-adaptive lambda = 1 - 1 / (alpha * length) (default 0.05)."""
+    value_lam: float | None = Field(None, ge=0.0, le=1.0)
+    """vapo_gae: the critic's lambda for its returns (default 1.0)."""
+
+    def given(self) -> dict[str, Any]:
+        """The parameters set explicitly (passed to the estimator as keywords)."""
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+class LossParams(Section):
+    """Parameters of the policy loss. A field left None takes the loss's own default (see
+    docs/algorithms.md); setting one the chosen loss does not take is refused at load."""
+
+    clip_low: float | None = Field(None, ge=0.0, le=1.0)
+    """ppo_clip, dapo, gspo, cispo: lower ratio clip 1 - clip_low (0.2; gspo 3e-4; cispo 1.0 = none)."""
+    clip_high: float | None = Field(None, ge=0.0)
+    """ppo_clip, dapo, gspo, cispo: upper ratio clip 1 + clip_high (0.2; dapo and cispo 0.28; gspo 4e-4)."""
+    clip_ratio_c: float | None = Field(None, gt=1.0)
+    """ppo_clip, dapo: dual-clip bound c on the loss of negative-advantage tokens (3.0)."""
+    dual_clip: bool | None = None
+    """ppo_clip, dapo: apply the dual clip (True)."""
+    tis_cap: float | None = Field(None, gt=0.0)
+    """ppo_clip, dapo, cispo, reinforce: cap of the truncated engine/trainer importance weight (off)."""
+    tau_pos: float | None = Field(None, gt=0.0)
+    """sapo: gate temperature for positive advantages (1.0)."""
+    tau_neg: float | None = Field(None, gt=0.0)
+    """sapo: gate temperature for negative advantages (1.05)."""
+    divergence: Literal["binary_kl", "tv"] | None = None
+    """flash_reinforce: trust-region divergence between trainer and engine (binary_kl)."""
+    tr_kl: float | None = Field(None, gt=0.0)
+    """flash_reinforce: binary-KL trust-region threshold (0.05)."""
+    tr_tv: float | None = Field(None, gt=0.0)
+    """flash_reinforce: total-variation trust-region threshold (0.2)."""
+    is_cap: float | None = Field(None, gt=0.0)
+    """flash_reinforce: cap of the truncated importance weight (2.0)."""
+
+    def given(self) -> dict[str, Any]:
+        """The parameters set explicitly (passed to the loss as keywords)."""
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
 class AlgoConfig(Section):
     advantage: str = "grpo"
     """Advantage estimator, by registered name (see docs/algorithms.md)."""
-    advantage_params: dict[str, Any] = {}
-    """Keyword parameters of the advantage estimator."""
+    advantage_params: AdvantageParams = AdvantageParams()
+    """Parameters of the advantage estimator (typed; None: the estimator's default)."""
     policy_loss: str = "ppo_clip"
     """Policy loss, by registered name."""
-    loss_params: dict[str, Any] = {}
-    """Keyword parameters of the policy loss (e.g. clip_low, clip_high)."""
+    loss_params: LossParams = LossParams()
+    """Parameters of the policy loss (typed; None: the loss's default)."""
     loss_agg_mode: str = "token-mean"
-    """How a [B, T] loss is reduced: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm."""
+    """How a [B, T] loss is reduced: token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean,
+    seq-mean-token-sum-norm."""
     kl: KLConfig = KLConfig()
     """KL penalty against the frozen reference policy."""
     entropy_coef: float = Field(0.0, ge=0.0)
@@ -351,6 +405,35 @@ class PrometheusConfig(Section):
     """Address to bind."""
 
 
+class GuardConfig(Section):
+    """Thresholds and remedies of the training guards (config section ``observe.guards``)."""
+
+    enabled: bool = True
+    """Act on problems (False: never act; NaN losses and rewards are then not caught)."""
+    kl_ceiling: float = Field(5.0, gt=0)
+    """Mean per-token KL to the reference [nats/token] above which the KL coefficient is raised."""
+    kl_beta_factor: float = Field(2.0, gt=1)
+    """Multiply the KL coefficient by this when KL exceeds kl_ceiling."""
+    clip_frac_ceiling: float = Field(0.5, gt=0, le=1)
+    """Ratio-clip fraction [0-1] above which the learning rate is lowered."""
+    lr_factor: float = Field(0.5, gt=0, lt=1)
+    """Multiply the learning rate by this on a clip-fraction breach or after a rollback."""
+    reward_collapse_drop: float = Field(0.5, gt=0, le=1)
+    """Relative fall of the reward EMA below its best that counts as collapse (0.5: lost half)."""
+    reward_collapse_min_drop: float = Field(0.05, ge=0)
+    """Absolute fall [reward units] also needed, so noise around zero reward is not a collapse."""
+    reward_collapse_window: int = Field(5, ge=1)
+    """EMA span in steps (alpha = 2/(window+1)); the rule arms after this many steps."""
+    throughput_decay: float = Field(0.3, gt=0, lt=1)
+    """Rebuild the engine when rollout tokens/s fall below this fraction of the best."""
+    throughput_window: int = Field(10, ge=1)
+    """Steps in the rolling median of rollout tokens/s."""
+    cooldown: int = Field(3, ge=0)
+    """Steps the KL and clip-fraction guards wait after acting, so a remedy can take effect."""
+    max_retries: int = Field(3, ge=0)
+    """Uses of each remedy (per soft guard; rollbacks; rebuilds) before escalating or stopping."""
+
+
 class ObserveConfig(Section):
     prometheus: PrometheusConfig = PrometheusConfig()
     """Prometheus endpoint."""
@@ -362,6 +445,20 @@ class ObserveConfig(Section):
     """Write RUN_DIR/curves.png at the end."""
     guards: GuardConfig = GuardConfig()
     """Guards that act when training starts to collapse."""
+
+
+# ----------------------------------------------------------------------- cluster
+
+
+class ClusterConfig(Section):
+    """Where the workers live. The loop talks to them only through their protocols, so the
+    same run goes in one process or across processes unchanged."""
+
+    backend: Literal["local", "process"] = "local"
+    """local: every worker in this process; process: the trainer and the rollout worker each in
+    its own OS process (multiprocessing, spawn), the reward worker in this one."""
+    start_timeout_s: float = Field(600.0, gt=0)
+    """Seconds a worker process may take to start (build its model) before the run stops."""
 
 
 # -------------------------------------------------------------------------- root
@@ -380,6 +477,7 @@ class Config(Section):
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     observe: ObserveConfig = ObserveConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:
@@ -401,11 +499,6 @@ def find_combination_problems(cfg: Config) -> list[str]:
     """Combinations that would train silently wrong, each as 'key=value: reason; fix'."""
     out = []
     t, r = cfg.train, cfg.rollout
-    if r.n == 1 and cfg.algo.advantage in GROUP_RELATIVE_ESTIMATORS:
-        out.append(
-            f"rollout.n=1 gives every {cfg.algo.advantage} group zero advantage; set rollout.n >= 2 "
-            "or use algo.advantage=reinforce_pp with algo.policy_loss=flash_reinforce"
-        )
     if t.micro_batch_size > t.mini_batch_size:
         out.append(
             f"train.micro_batch_size={t.micro_batch_size} is larger than "

@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from rlpost.config import GuardConfig
 
 logger = logging.getLogger(__name__)
 
@@ -45,39 +45,6 @@ KL_EXPLOSION = "kl_explosion"
 CLIP_FRAC = "clip_frac"
 REWARD_COLLAPSE = "reward_collapse"
 THROUGHPUT_DECAY = "throughput_decay"
-
-
-class GuardConfig(BaseModel):
-    """Thresholds and remedies of the training guards (config section ``observe.guards``)."""
-
-    model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
-    )
-
-    enabled: bool = True
-    """Act on problems (False: never act; NaN losses and rewards are then not caught)."""
-    kl_ceiling: float = Field(5.0, gt=0)
-    """Mean per-token KL to the reference [nats/token] above which the KL coefficient is raised."""
-    kl_beta_factor: float = Field(2.0, gt=1)
-    """Multiply the KL coefficient by this when KL exceeds kl_ceiling."""
-    clip_frac_ceiling: float = Field(0.5, gt=0, le=1)
-    """Ratio-clip fraction [0-1] above which the learning rate is lowered."""
-    lr_factor: float = Field(0.5, gt=0, lt=1)
-    """Multiply the learning rate by this on a clip-fraction breach or after a rollback."""
-    reward_collapse_drop: float = Field(0.5, gt=0, le=1)
-    """Relative fall of the reward EMA below its best that counts as collapse (0.5: lost half)."""
-    reward_collapse_min_drop: float = Field(0.05, ge=0)
-    """Absolute fall [reward units] also needed, so noise around zero reward is not a collapse."""
-    reward_collapse_window: int = Field(5, ge=1)
-    """EMA span in steps (alpha = 2/(window+1)); the rule arms after this many steps."""
-    throughput_decay: float = Field(0.3, gt=0, lt=1)
-    """Rebuild the engine when rollout tokens/s fall below this fraction of the best."""
-    throughput_window: int = Field(10, ge=1)
-    """Steps in the rolling median of rollout tokens/s."""
-    cooldown: int = Field(3, ge=0)
-    """Steps the KL and clip-fraction guards wait after acting, so a remedy can take effect."""
-    max_retries: int = Field(3, ge=0)
-    """Uses of each remedy (per soft guard; rollbacks; rebuilds) before escalating or stopping."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ forward and backward under bfloat16 autocast (bf16 compute, fp32 master).
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +23,7 @@ from rlpost.algos.aggregate import Aggregation
 from rlpost.algos.entropy import entropy_from_logits
 from rlpost.observe.mfu import default_cpu_peak_flops, flops_per_token
 from rlpost.train.batch import TrainBatch, compute_logprobs, response_logits, token_logprobs
+from rlpost.train.optim import micro_slices, minibatch_updates, optimizer_step
 
 
 @dataclass
@@ -139,52 +139,44 @@ class PolicyTrainer:
         if fill_old:
             batch.old_logprobs = torch.zeros_like(batch.response_mask)
         self.model.train()
-        sums: dict[str, float] = {}
-        updates = 0
-        for _ in range(self.s.epochs):
-            order = torch.randperm(len(batch), generator=self.shuffle)
-            for lo in range(0, len(batch), self.s.mini_batch_size):
-                rows = order[lo : lo + self.s.mini_batch_size]
-                stats = self._step(batch, rows, beta, fill_old)
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                updates += 1
-        out = {k: v / max(updates, 1) for k, v in sums.items()}
+        out = minibatch_updates(
+            len(batch),
+            self.s.mini_batch_size,
+            self.s.epochs,
+            self.shuffle,
+            lambda rows: self._step(batch, rows, beta, fill_old),
+        )
         out["lr"] = self.optimizer.param_groups[0]["lr"]
-        out["updates"] = float(updates)
         return out
 
     def _step(
         self, batch: TrainBatch, rows: torch.Tensor, beta: float, fill_old: bool
     ) -> dict[str, float]:
+        """One optimizer step on rows ``rows`` of ``batch`` (micro-batches accumulated)."""
         mask = batch.response_mask[rows]
         agg = Aggregation.for_minibatch(mask, self.s.loss_agg_mode, self.s.norm_constant)
         total_tokens = float(mask.sum().clamp(min=1))
-        self.optimizer.zero_grad(set_to_none=True)
-        acc: dict[str, float] = {}
-        for lo in range(0, len(rows), self.s.micro_batch_size):
-            micro_rows = rows[lo : lo + self.s.micro_batch_size]
+
+        def micro_loss(micro_rows: torch.Tensor):
             micro = batch.select(micro_rows)
             loss, stats = self._micro_loss(micro, agg, beta, fill_old)
             if fill_old:
                 batch.old_logprobs[micro_rows] = micro.old_logprobs
-            loss.backward()
             weight = float(micro.response_mask.sum()) / total_tokens
-            for k, v in stats.items():
-                acc[k] = acc.get(k, 0.0) + v * weight
-            acc["loss"] = acc.get("loss", 0.0) + float(loss.detach())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.grad_clip)
-        acc["grad_norm"] = float(grad_norm)
-        if not (math.isfinite(acc["loss"]) and math.isfinite(acc["grad_norm"])):
-            # A NaN / Inf loss or gradient never reaches the weights.
-            self.optimizer.zero_grad(set_to_none=True)
+            return loss, {k: v * weight for k, v in stats.items()}
+
+        params = list(self.model.parameters())
+        outcome = optimizer_step(
+            self.optimizer,
+            self.scheduler,
+            params,
+            self.s.grad_clip,
+            micro_slices(rows, self.s.micro_batch_size),
+            micro_loss,
+        )
+        if outcome.skipped:
             self.skipped_updates += 1
-            acc["skipped"] = 1.0
-            return acc
-        self.optimizer.step()
-        self.scheduler.step()
-        acc["skipped"] = 0.0
-        return acc
+        return {**outcome.as_dict(), "loss": outcome.loss}
 
     def _micro_loss(self, micro: TrainBatch, agg: Aggregation, beta: float, fill_old: bool = False):
         mask = micro.response_mask
@@ -224,12 +216,14 @@ class PolicyTrainer:
         plus forward+backward (6N) per epoch, per token of the padded sequences,
         over the peak FLOP/s of this device (a one-off matmul probe on CPU).
         """
+        return self.mfu_of(float(batch.attention_mask.sum()), batch.input_ids.shape[1], seconds)
+
+    def mfu_of(self, tokens: float, seq: int, seconds: float) -> float:
+        """:meth:`mfu` from the batch's non-padding token count and padded sequence length."""
         if seconds <= 0:
             return 0.0
         cfg = self.model.config
         n_params = sum(p.numel() for n, p in self.model.named_parameters() if "embed" not in n)
-        seq = batch.input_ids.shape[1]
-        tokens = float(batch.attention_mask.sum())
         passes = 1 + (self.ref_model is not None)
         fwd = flops_per_token(n_params, cfg.num_hidden_layers, cfg.hidden_size, seq, training=False)
         train = flops_per_token(

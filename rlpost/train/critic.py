@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from rlpost.algos.aggregate import Aggregation
 from rlpost.algos.value import value_loss
 from rlpost.train.actor import ActorSettings, build_optimizer
 from rlpost.train.batch import TrainBatch
+from rlpost.train.optim import micro_slices, minibatch_updates, optimizer_step
 
 HEAD_FILE = "value_head.safetensors"
 
@@ -182,26 +182,23 @@ class CriticTrainer:
         if batch.returns is None or batch.values is None:
             raise ValueError("critic update() needs batch.returns and batch.values (old values)")
         self.model.train()
-        sums: dict[str, float] = {}
-        updates = 0
-        for _ in range(self.s.epochs):
-            order = torch.randperm(len(batch), generator=self.shuffle)
-            for lo in range(0, len(batch), self.s.mini_batch_size):
-                mb = batch.select(order[lo : lo + self.s.mini_batch_size])
-                for k, v in self._step(mb).items():
-                    sums[k] = sums.get(k, 0.0) + v
-                updates += 1
-        out = {k: v / max(updates, 1) for k, v in sums.items()}
+        out = minibatch_updates(
+            len(batch),
+            self.s.mini_batch_size,
+            self.s.epochs,
+            self.shuffle,
+            lambda rows: self._step(batch.select(rows)),
+        )
+        out["critic_updates"] = out.pop("updates")
         out["critic_lr"] = self.optimizer.param_groups[0]["lr"]
-        out["critic_updates"] = float(updates)
         return out
 
     def _step(self, mb: TrainBatch) -> dict[str, float]:
         agg = Aggregation.for_minibatch(mb.response_mask, self.s.loss_agg_mode)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_total, preds = 0.0, []
-        for lo in range(0, len(mb), self.s.micro_batch_size):
-            micro = mb.select(torch.arange(lo, min(lo + self.s.micro_batch_size, len(mb))))
+        preds: list[torch.Tensor] = []
+
+        def micro_loss(rows: torch.Tensor):
+            micro = mb.select(rows)
             with self._autocast():
                 pred = response_values(self.model, micro).float()
             out = value_loss(
@@ -212,9 +209,17 @@ class CriticTrainer:
                 agg=agg,
                 clip_range=self.clip_range,
             )
-            out.loss.backward()
-            loss_total += float(out.loss.detach())
             preds.append(pred.detach())
+            return out.loss, {}
+
+        outcome = optimizer_step(
+            self.optimizer,
+            self.scheduler,
+            list(self.model.parameters()),
+            self.s.grad_clip,
+            micro_slices(torch.arange(len(mb)), self.s.micro_batch_size),
+            micro_loss,
+        )
         # Statistics over the whole mini-batch (explained variance does not add up over parts).
         with torch.no_grad():
             whole = value_loss(
@@ -226,18 +231,11 @@ class CriticTrainer:
                 clip_range=self.clip_range,
             )
         stats = {k: float(v) for k, v in whole.stats.items()}
-        stats["vf_loss"] = loss_total
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.s.grad_clip))
-        stats["critic_grad_norm"] = grad_norm
-        if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):
-            # A NaN / Inf loss or gradient never reaches the weights.
-            self.optimizer.zero_grad(set_to_none=True)
+        stats["vf_loss"] = outcome.loss
+        stats["critic_grad_norm"] = outcome.grad_norm
+        stats["critic_skipped"] = 1.0 if outcome.skipped else 0.0
+        if outcome.skipped:
             self.skipped_updates += 1
-            stats["critic_skipped"] = 1.0
-            return stats
-        self.optimizer.step()
-        self.scheduler.step()
-        stats["critic_skipped"] = 0.0
         return stats
 
     def state_dict(self) -> dict[str, Any]:

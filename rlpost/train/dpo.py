@@ -18,7 +18,6 @@ coin flip, so the starting value is 50% rather than a meaningless 0%.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import time
 from dataclasses import dataclass
@@ -53,6 +52,7 @@ from rlpost.train.batch import (
     response_logits,
     token_logprobs,
 )
+from rlpost.train.optim import optimizer_step
 from rlpost.train.sft import sft_train, warmup_then_cosine
 from rlpost.types import Completion, Prompt
 
@@ -291,30 +291,20 @@ def dpo_update(
     non-finite loss or gradient skips the step (``skipped`` = 1).
     """
     model.train()
-    optimizer.zero_grad(set_to_none=True)
-    acc: dict[str, float] = {"loss": 0.0}
-    for lo in range(0, len(idx), s.micro_batch_size):
-        part = idx[lo : lo + s.micro_batch_size]
+
+    def micro_loss(part: list[int]):
         seq = sequence_logprobs(model, pair_batch(pairs, part, pad_id))
         rows = torch.tensor(part)
         chosen, rejected = seq[: len(part)], seq[len(part) :]
         ref_c, ref_r = pairs.ref_chosen[rows], pairs.ref_rejected[rows]
         out = dpo_loss(chosen, rejected, ref_c, ref_r, **s.loss_kwargs(), num_pairs=len(idx))
-        out.loss.backward()
-        acc["loss"] += float(out.loss.detach())
-        for key, value in out.stats.items():
-            acc[key] = acc.get(key, 0.0) + float(value) * len(part) / len(idx)
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip))
-    acc["grad_norm"] = grad_norm
-    acc["lr"] = optimizer.param_groups[0]["lr"]
-    if not (math.isfinite(acc["loss"]) and math.isfinite(grad_norm)):
-        optimizer.zero_grad(set_to_none=True)
-        acc["skipped"] = 1.0
-        return acc
-    optimizer.step()
-    scheduler.step()
-    acc["skipped"] = 0.0
-    return acc
+        return out.loss, {k: float(v) * len(part) / len(idx) for k, v in out.stats.items()}
+
+    micro = [idx[lo : lo + s.micro_batch_size] for lo in range(0, len(idx), s.micro_batch_size)]
+    lr = optimizer.param_groups[0]["lr"]
+    params = list(model.parameters())
+    outcome = optimizer_step(optimizer, scheduler, params, s.grad_clip, micro, micro_loss)
+    return {"loss": outcome.loss, **outcome.as_dict(), "lr": lr}
 
 
 # --------------------------------------------------------------------------- run

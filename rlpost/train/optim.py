@@ -1,0 +1,96 @@
+"""One optimizer step, written once: the actor, the critic and DPO all use it.
+
+An optimizer step is: zero the gradients, accumulate the gradient of every
+micro-batch (the caller's loss function already divides by the mini-batch's
+global denominator, so the sum is the mini-batch gradient whatever the split),
+clip the gradient norm, and step, unless the loss or the gradient norm is not
+finite, in which case the gradients are thrown away and the weights do not
+move. :func:`minibatch_updates` is the PPO-style loop around it: epochs of
+shuffled mini-batches, one optimizer step each, statistics averaged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+
+M = TypeVar("M")
+
+
+@dataclass
+class StepOutcome:
+    """``loss``: the summed micro-batch losses; ``stats``: the summed micro-batch statistics
+    (callers weight them); ``skipped``: the step was dropped as non-finite."""
+
+    loss: float
+    grad_norm: float
+    skipped: bool
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self, prefix: str = "") -> dict[str, float]:
+        out = dict(self.stats)
+        out[f"{prefix}grad_norm"] = self.grad_norm
+        out[f"{prefix}skipped"] = 1.0 if self.skipped else 0.0
+        return out
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    params: list[torch.nn.Parameter],
+    grad_clip: float,
+    micro_batches: Iterable[M],
+    micro_loss: Callable[[M], tuple[torch.Tensor, dict[str, float]]],
+) -> StepOutcome:
+    """Accumulate ``micro_loss`` over ``micro_batches``, clip, and step (or skip when non-finite)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss_total = 0.0
+    stats: dict[str, float] = {}
+    for micro in micro_batches:
+        loss, micro_stats = micro_loss(micro)
+        loss.backward()
+        loss_total += float(loss.detach())
+        for k, v in micro_stats.items():
+            stats[k] = stats.get(k, 0.0) + v
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):
+        # A NaN / Inf loss or gradient never reaches the weights.
+        optimizer.zero_grad(set_to_none=True)
+        return StepOutcome(loss_total, grad_norm, True, stats)
+    optimizer.step()
+    scheduler.step()
+    return StepOutcome(loss_total, grad_norm, False, stats)
+
+
+def minibatch_updates(
+    num_rows: int,
+    mini_batch_size: int,
+    epochs: int,
+    shuffle: torch.Generator,
+    step: Callable[[torch.Tensor], dict[str, float]],
+) -> dict[str, float]:
+    """``epochs`` passes of shuffled mini-batches of row indices, ``step(rows)`` on each.
+
+    Returns the mean of each statistic over the optimizer steps and ``updates``,
+    their count.
+    """
+    sums: dict[str, float] = {}
+    updates = 0
+    for _ in range(epochs):
+        order = torch.randperm(num_rows, generator=shuffle)
+        for lo in range(0, num_rows, mini_batch_size):
+            for k, v in step(order[lo : lo + mini_batch_size]).items():
+                sums[k] = sums.get(k, 0.0) + v
+            updates += 1
+    out = {k: v / max(updates, 1) for k, v in sums.items()}
+    out["updates"] = float(updates)
+    return out
+
+
+def micro_slices(rows: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
+    """``rows`` cut into consecutive micro-batches."""
+    return [rows[lo : lo + micro_batch_size] for lo in range(0, len(rows), micro_batch_size)]

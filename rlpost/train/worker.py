@@ -1,0 +1,168 @@
+"""The trainer worker: everything that holds training state, behind a narrow interface.
+
+The policy, its optimizer and LR schedule, the frozen reference policy, the
+critic and the shuffle generators live here and nowhere else. The pipeline
+calls the methods below with picklable values (a :class:`TrainBatch` of
+tensors, floats, paths) and gets picklable values back, never a module, an
+optimizer or a generator. That is what lets ``rlpost.cluster`` put this worker
+in the training process, in a process of its own, or in a Ray actor without
+the loop changing.
+
+The worker owns the weights' **version**: 0 for the starting policy, one more
+after every :meth:`update`, and the checkpoint's step after :meth:`restore`.
+Engines stamp it on every token they sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlpost.train.actor import PolicyTrainer
+from rlpost.train.batch import TrainBatch
+from rlpost.train.checkpoint import rng_state, set_rng_state
+
+STATE_FILE = "trainer_state.pt"
+
+
+@dataclass
+class UpdateResult:
+    """What one policy update reports.
+
+    ``stats``: means over the optimizer steps (``loss``, ``pg_loss``, ``grad_norm``,
+    ``clip_frac``, ``lr``...; empty when the policy did not train). ``old_logprobs``:
+    ``[B, T]`` when the update computed them from its own loss pass (one optimizer
+    step per batch), else None. ``version``: the weights' version after the update.
+    """
+
+    stats: dict[str, float]
+    old_logprobs: torch.Tensor | None
+    version: int
+
+
+@dataclass
+class WeightsExport:
+    """The policy's weights as ``(name, tensor)`` pairs in ``named_parameters`` order."""
+
+    version: int
+    tensors: list[tuple[str, torch.Tensor]]
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.tensors)
+
+
+class TrainerWorker:
+    """Actor (policy trainer), reference policy and optional critic of one run."""
+
+    def __init__(
+        self, trainer: PolicyTrainer, tokenizer, *, critic=None, version: int = 0
+    ) -> None:
+        self.trainer = trainer
+        self.tokenizer = tokenizer
+        self.critic = critic
+        self._version = version
+
+    # ------------------------------------------------------------- queries
+
+    def describe(self) -> dict[str, Any]:
+        """Facts the loop needs once: pad id, whether a critic / reference exist."""
+        return {
+            "pad_token_id": self.tokenizer.pad_token_id,
+            "has_critic": self.critic is not None,
+            "has_reference": self.trainer.ref_model is not None,
+            "version": self._version,
+        }
+
+    def version(self) -> int:
+        return self._version
+
+    def single_update(self, batch_size: int) -> bool:
+        return self.trainer.single_update(batch_size)
+
+    # ------------------------------------------------------------ logprobs
+
+    def logprobs(self, batch: TrainBatch, which: str = "old") -> torch.Tensor | None:
+        """``[B, T]`` logprobs of the batch's responses under the current policy (``old``)
+        or the reference (``ref``; None when no reference is kept)."""
+        if which == "old":
+            return self.trainer.old_logprobs(batch)
+        if which == "ref":
+            return self.trainer.ref_logprobs(batch)
+        raise ValueError(f"logprobs(which={which!r}): use 'old' or 'ref'")
+
+    def values(self, batch: TrainBatch) -> torch.Tensor | None:
+        """``[B, T]`` critic values (None without a critic)."""
+        return None if self.critic is None else self.critic.values(batch)
+
+    # ------------------------------------------------------------- updates
+
+    def update_critic(self, batch: TrainBatch) -> dict[str, float]:
+        return {} if self.critic is None else self.critic.update(batch)
+
+    def update(self, batch: TrainBatch, *, beta: float, train_policy: bool = True) -> UpdateResult:
+        """One trainer step: optimizer steps on the policy (unless ``train_policy`` is False,
+        during critic warm-up), then the version moves on."""
+        stats, old = {}, None
+        if train_policy:
+            filled = batch.old_logprobs is None
+            stats = self.trainer.update(batch, beta=beta)
+            old = batch.old_logprobs if filled else None
+        self._version += 1
+        return UpdateResult(stats=stats, old_logprobs=old, version=self._version)
+
+    def export_weights(self) -> WeightsExport:
+        """The policy's current weights, tagged with their version (no copy in this process)."""
+        tensors = [(n, p.detach()) for n, p in self.trainer.model.named_parameters()]
+        return WeightsExport(self._version, tensors)
+
+    def mfu(self, tokens: float, seq_len: int, seconds: float) -> float:
+        return self.trainer.mfu_of(tokens, seq_len, seconds)
+
+    def scale_lr(self, factor: float) -> float:
+        return self.trainer.scale_lr(factor)
+
+    # --------------------------------------------------------- checkpoints
+
+    def save(self, directory: str | Path) -> None:
+        """Write the policy (an HF directory with the tokenizer), the reference and the
+        optimizer / scheduler / generator / critic state into ``directory``."""
+        d = Path(directory)
+        self.trainer.model.save_pretrained(d / "model")
+        self.tokenizer.save_pretrained(d / "model")
+        if self.trainer.ref_model is not None:
+            self.trainer.ref_model.save_pretrained(d / "ref_model")
+        state = {"trainer": self.trainer.state_dict(), "rng": rng_state()}
+        if self.critic is not None:
+            state["critic"] = self.critic.state_dict()
+        torch.save(state, d / STATE_FILE)
+
+    def restore(self, directory: str | Path, *, version: int, keep_lr: bool = False) -> int:
+        """Load what :meth:`save` wrote; the weights' version becomes ``version``.
+
+        ``keep_lr``: keep the LR reductions made since the checkpoint (a guard's rollback).
+        """
+        from rlpost.models.loading import load_causal_lm
+
+        d = Path(directory)
+        base_lrs = list(self.trainer.scheduler.base_lrs)
+        self.trainer.model.load_state_dict(load_causal_lm(d / "model").state_dict())
+        ref = self.trainer.ref_model
+        if ref is not None and (d / "ref_model").is_dir():
+            ref.load_state_dict(load_causal_lm(d / "ref_model").state_dict())
+        # weights_only=False: the state holds RNG tuples and numpy arrays we wrote ourselves.
+        state = torch.load(d / STATE_FILE, weights_only=False)
+        self.trainer.load_state_dict(state["trainer"])
+        if self.critic is not None and "critic" in state:
+            self.critic.load_state_dict(state["critic"])
+        set_rng_state(state["rng"])
+        if keep_lr:
+            self.trainer.scheduler.base_lrs = base_lrs
+        self._version = version
+        return version
+
+    def close(self) -> None:
+        """Nothing to release in process; present so every worker closes the same way."""
