@@ -91,20 +91,18 @@ def cmd_eval(args) -> int:
     _quiet_libraries()
     from rlpost.pipeline import build
     from rlpost.pipeline.evaluate import evaluate
-    from rlpost.rewards.scorer import build_scorer
 
     model, tokenizer = build.build_policy(cfg)
     _, held_out, _ = build.build_data(cfg)
     held_out = held_out[: cfg.eval.limit] if cfg.eval.limit else held_out
-    engine = build.build_engine(cfg, model, tokenizer)
-    result = evaluate(
-        engine,
-        tokenizer,
-        held_out,
-        build_scorer(cfg.reward),
-        build.eval_params(cfg, tokenizer),
-        samples=cfg.eval.samples,
-    )
+    rollout = build.build_rollout_worker(cfg, model, tokenizer)
+    reward = build.build_reward_worker(cfg)
+    try:
+        params = build.eval_params(cfg, tokenizer.eos_token_id)
+        result = evaluate(rollout, reward, held_out, params, samples=cfg.eval.samples)
+    finally:
+        rollout.close()
+        reward.close()
     for k, v in result.items():
         print(f"{k}: {v:.4f}")
     return 0

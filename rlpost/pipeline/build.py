@@ -12,28 +12,44 @@ import inspect
 
 import torch
 
-from rlpost.algos import get_advantage_estimator, get_aggregation, get_kl_estimator, get_policy_loss
+from rlpost.algos import (
+    ADVANTAGES,
+    POLICY_LOSSES,
+    get_advantage_estimator,
+    get_aggregation,
+    get_kl_estimator,
+    get_policy_loss,
+)
 from rlpost.config import Config, ConfigError
 from rlpost.data import arith_splits, load_prompt_file
 from rlpost.data.code import code_splits
 from rlpost.models.loading import frozen_copy, load_policy
 from rlpost.registry import UnknownNameError
-from rlpost.rewards.scorer import build_scorer
+from rlpost.rewards.scorer import build_scorer, check_terms
+from rlpost.rewards.worker import RewardWorker
+from rlpost.rollout.continuous import ContinuousEngine
 from rlpost.rollout.hf_engine import HFEngine
-from rlpost.rollout.longtail import ContinuousEngine
+from rlpost.rollout.longtail import LengthPredictor, PartialRollout
 from rlpost.rollout.prefix_cache import PrefixCache
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.rollout.scheduler import Scheduler
+from rlpost.rollout.worker import RolloutWorker
 from rlpost.train.actor import ActorSettings, PolicyTrainer
+from rlpost.train.worker import TrainerWorker
 from rlpost.types import Prompt
 
 
 def check_names(cfg: Config) -> None:
-    """Resolve every registered name and keyword parameter; raise ConfigError naming the key."""
+    """Resolve every registered name and parameter; raise ConfigError naming the key.
+
+    Parameter values were checked by the typed config at load; here each one set
+    is checked to be a parameter of the estimator or loss chosen, and the
+    registered traits are checked against the rest of the config.
+    """
     a = cfg.algo
     checks = [
-        ("algo.advantage", a.advantage, get_advantage_estimator, a.advantage_params),
-        ("algo.policy_loss", a.policy_loss, get_policy_loss, a.loss_params),
+        ("algo.advantage", a.advantage, get_advantage_estimator, a.advantage_params.given()),
+        ("algo.policy_loss", a.policy_loss, get_policy_loss, a.loss_params.given()),
         ("algo.kl.estimator", a.kl.estimator, get_kl_estimator, {}),
         ("algo.loss_agg_mode", a.loss_agg_mode, get_aggregation, {}),
     ]
@@ -43,27 +59,36 @@ def check_names(cfg: Config) -> None:
         except UnknownNameError as exc:
             raise ConfigError(f"config {key}={name!r}: {exc}") from None
         _check_params(key, name, fn, params)
+    if cfg.rollout.n == 1 and ADVANTAGES.trait(a.advantage, "group_relative"):
+        raise ConfigError(
+            f"rollout.n=1 gives every {a.advantage} group zero advantage; set rollout.n >= 2 "
+            "or use algo.advantage=reinforce_pp with algo.policy_loss=flash_reinforce"
+        )
     try:
-        build_scorer(cfg.reward)
+        check_terms(cfg.reward)
     except (UnknownNameError, ValueError) as exc:
         raise ConfigError(f"config reward.terms: {exc}") from None
+
+
+# Keyword parameters every estimator or loss takes from the caller, not from the config.
+_CALLER_PARAMS = {"values", "agg", "rollout_logprobs", "ref_logprobs"}
 
 
 def _check_params(key: str, name: str, fn, params: dict) -> None:
     if not params:
         return
     sig = inspect.signature(fn)
-    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-        return
+    valid = [
+        p.name
+        for p in sig.parameters.values()
+        if p.kind is p.KEYWORD_ONLY and p.name not in _CALLER_PARAMS
+    ]
+    section = "advantage_params" if key == "algo.advantage" else "loss_params"
     for param in params:
-        if (
-            param not in sig.parameters
-            or sig.parameters[param].kind is not inspect.Parameter.KEYWORD_ONLY
-        ):
-            valid = [p.name for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY]
+        if param not in valid:
             raise ConfigError(
-                f"config {key.rsplit('.', 1)[0]}.{'advantage_params' if 'advantage' in key else 'loss_params'}"
-                f".{param}: {name} takes no parameter {param!r}; valid: {', '.join(valid)}"
+                f"config algo.{section}.{param}: {name} takes no parameter {param!r}; "
+                f"valid: {', '.join(valid) or 'none'}"
             )
 
 
@@ -112,8 +137,11 @@ def build_policy(cfg: Config):
     return model, tokenizer
 
 
-def build_engine(cfg: Config, model, tokenizer):
-    """The rollout engine, serving ``model``'s current weights (later ones arrive through sync)."""
+def build_engine(cfg: Config, model, tokenizer, *, push: bool = True):
+    """The rollout engine, serving ``model``'s current weights (later ones arrive through sync).
+
+    ``push=False``: a remote or vLLM engine is left as its servers loaded it (the
+    caller sends the weights itself)."""
     r = cfg.rollout
     if r.engine in ("vllm", "remote"):
         if r.engine == "vllm":
@@ -121,8 +149,9 @@ def build_engine(cfg: Config, model, tokenizer):
         else:
             from rlpost.rollout import remote_engine as module
         engine = module.build(cfg, tokenizer)
-        # Servers load from disk: push the starting policy (after warm-up) before the first rollout.
-        engine.load_weights(((n, p.detach()) for n, p in model.named_parameters()), version=0)
+        if push:
+            # Servers load from disk: push the starting policy (after warm-up) first.
+            engine.load_weights(((n, p.detach()) for n, p in model.named_parameters()), version=0)
         return engine
     serving = copy.deepcopy(model)
     serving.requires_grad_(False)
@@ -143,23 +172,23 @@ def build_engine(cfg: Config, model, tokenizer):
     )
 
 
-def sampling_params(cfg: Config, tokenizer) -> SamplingParams:
+def sampling_params(cfg: Config, eos_token_id: int) -> SamplingParams:
     r = cfg.rollout
     return SamplingParams(
         temperature=r.temperature,
         top_p=r.top_p,
         top_k=r.top_k,
         max_tokens=r.max_tokens,
-        stop_token_ids=(tokenizer.eos_token_id,),
+        stop_token_ids=(eos_token_id,),
     )
 
 
-def eval_params(cfg: Config, tokenizer, *, greedy: bool = False) -> SamplingParams:
+def eval_params(cfg: Config, eos_token_id: int, *, greedy: bool = False) -> SamplingParams:
     """Held-out sampling: its own seed, so an evaluation never shifts the training samples."""
     return SamplingParams(
         temperature=0.0 if greedy else cfg.eval.temperature,
         max_tokens=cfg.rollout.max_tokens,
-        stop_token_ids=(tokenizer.eos_token_id,),
+        stop_token_ids=(eos_token_id,),
         seed=cfg.run.seed + 10_007,
     )
 
@@ -181,9 +210,10 @@ def build_trainer(cfg: Config, model) -> PolicyTrainer:
         entropy_coef=a.entropy_coef,
         kl_in_loss=a.kl.placement == "loss",
         bf16=cfg.model.dtype == "bfloat16",
-        loss_params=dict(a.loss_params),
+        loss_params=a.loss_params.given(),
     )
-    ref = frozen_copy(model) if a.kl.beta > 0 else None
+    keep_ref = a.kl.beta > 0 or POLICY_LOSSES.trait(a.policy_loss, "needs_reference")
+    ref = frozen_copy(model) if keep_ref else None
     return PolicyTrainer(
         model,
         get_policy_loss(a.policy_loss),
@@ -194,12 +224,9 @@ def build_trainer(cfg: Config, model) -> PolicyTrainer:
     )
 
 
-CRITIC_ESTIMATORS = ("gae", "vapo_gae")
-
-
 def build_critic(cfg: Config, model):
     """A critic trainer when the advantage estimator needs values (PPO), else None."""
-    if cfg.algo.advantage not in CRITIC_ESTIMATORS:
+    if not ADVANTAGES.trait(cfg.algo.advantage, "needs_critic"):
         return None
     from rlpost.train.critic import CriticTrainer, ValueModel
 
@@ -217,3 +244,41 @@ def build_critic(cfg: Config, model):
         clip_range=c.clip_range,
         loss_agg_mode=cfg.algo.loss_agg_mode,
     )
+
+
+# ------------------------------------------------------------------ workers
+
+
+def build_trainer_worker(cfg: Config, model, tokenizer) -> TrainerWorker:
+    """The trainer worker around ``model`` (the starting policy, after any warm-up)."""
+    trainer = build_trainer(cfg, model)
+    return TrainerWorker(trainer, tokenizer, critic=build_critic(cfg, model))
+
+
+def build_rollout_worker(cfg: Config, model=None, tokenizer=None) -> RolloutWorker:
+    """The rollout worker. Without ``model`` it builds its own copy of the policy's shape
+    (the weights arrive from the trainer through ``load_weights`` before the first rollout);
+    the global random state is left as it was, so building here changes no other stream."""
+    own = model is None
+    if own:
+        with torch.random.fork_rng(devices=[]):
+            model, tokenizer = build_policy(cfg)
+    r = cfg.rollout
+    engine = build_engine(cfg, model, tokenizer, push=not own)
+    partial = None
+    if r.partial:
+        partial = PartialRollout(
+            engine,
+            fraction=r.partial_fraction,
+            chunk_tokens=r.partial_chunk_tokens,
+            tokenizer=tokenizer,
+        )
+    lengths = LengthPredictor() if r.length_aware else None
+    return RolloutWorker(
+        engine, tokenizer, partial=partial, lengths=lengths, batch_size=r.batch_size
+    )
+
+
+def build_reward_worker(cfg: Config) -> RewardWorker:
+    scorer = build_scorer(cfg.reward, truncated_reward=cfg.rollout.truncated_reward)
+    return RewardWorker(scorer, max_tokens=cfg.rollout.max_tokens)

@@ -8,61 +8,42 @@ from dataclasses import replace
 import torch
 
 from rlpost.algos import group_zero_spread_fraction
-from rlpost.rewards.scorer import RewardScorer
 from rlpost.rollout.protocol import SamplingParams
-from rlpost.types import Completion, Prompt, RewardSample
-
-
-def to_reward_samples(
-    prompts: list[Prompt], completions: list[Completion], n: int, max_tokens: int
-) -> list[RewardSample]:
-    """Completion ``i`` answers ``prompts[i // n]``."""
-    return [
-        RewardSample(
-            prompt=prompts[i // n].text,
-            completion=c.text,
-            answer=prompts[i // n].answer,
-            metadata=prompts[i // n].metadata,
-            finish_reason=c.finish_reason,
-            num_tokens=len(c.token_ids),
-            max_tokens=max_tokens,
-        )
-        for i, c in enumerate(completions)
-    ]
+from rlpost.types import Completion, Prompt
 
 
 def evaluate(
-    engine,
-    tokenizer,
+    rollout,
+    reward,
     prompts: list[Prompt],
-    scorer: RewardScorer,
     params: SamplingParams,
     chunk: int = 256,
     samples: int = 1,
 ) -> dict[str, float]:
     """Accuracy (fraction of completions whose score is > 0.5) and mean score on ``prompts``.
 
-    ``samples`` completions per problem (greedy: always one): accuracy is their
-    mean, the pass@1 estimate, and ``eval_accuracy_stderr`` is the standard
-    error of that mean over problems.
+    ``rollout`` and ``reward`` are the run's workers (any implementation of their
+    protocols). ``samples`` completions per problem (greedy: always one):
+    accuracy is their mean, the pass@1 estimate, and ``eval_accuracy_stderr`` is
+    the standard error of that mean over problems.
     """
     if not prompts:
         return {}
     k = 1 if params.temperature == 0 else samples
+    per_problem: list[float] = []
     scores: list[float] = []
     lengths: list[int] = []
     per_chunk = max(1, chunk // k)
     for lo in range(0, len(prompts), per_chunk):
         part = prompts[lo : lo + per_chunk]
-        ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in part]
         # Each chunk its own seed, or every chunk would replay the same random stream.
         call = params if params.seed is None else replace(params, seed=params.seed + lo)
-        completions = engine.generate(ids, call, n=k)
-        scored = to_reward_samples(part, completions, k, params.max_tokens)
-        scores.extend(scorer.score(scored).scores)
-        lengths.extend(len(c.token_ids) for c in completions)
-    correct = [s > 0.5 for s in scores]
-    per_problem = [sum(correct[i : i + k]) / k for i in range(0, len(correct), k)]
+        generated = rollout.generate(part, call, k).groups
+        groups = reward.score(generated, params.max_tokens, training=False)
+        for g in groups:
+            scores.extend(g.scores)
+            per_problem.append(sum(s > 0.5 for s in g.scores) / k)
+            lengths.extend(len(c.token_ids) for c in g.completions)
     accuracy = sum(per_problem) / len(per_problem)
     var = sum((a - accuracy) ** 2 for a in per_problem) / max(1, len(per_problem) - 1)
     return {

@@ -29,6 +29,7 @@ from rlpost.rewards.registry import BatchScorer, RewardFn, check_params, lookup
 from rlpost.types import RewardSample, ScoredBatch
 
 VERIFIABLE_KINDS = ("verifiable", "rule")
+TRUNCATED = "truncated"  # the component that holds rollout.truncated_reward
 DEFAULT_ALPHA = 0.8
 
 
@@ -49,6 +50,8 @@ class Term:
 
     def column(self, samples: Sequence[RewardSample]) -> list[float | None]:
         """Raw values for ``samples``, in order (``None``: not applicable)."""
+        if not samples:
+            return []
         try:
             if self.scorer is not None:
                 values = list(self.scorer.score(samples))
@@ -67,6 +70,12 @@ class Term:
         except Exception as exc:
             exc.add_note(f"while scoring reward term {self.name!r}")
             raise
+
+
+def _spread(values: list[float | None], cut: list[bool]) -> list[float | None]:
+    """``values`` of the kept samples back at their positions (``None`` where cut)."""
+    it = iter(values)
+    return [None if c else next(it) for c in cut]
 
 
 def _as_float(term: str, raw: Any) -> float | None:
@@ -90,6 +99,7 @@ class RewardScorer:
         alpha: float | None = None,
         invalid_score: float = 0.0,
         score_range: tuple[float, float] = (-math.inf, math.inf),
+        truncated_reward: float | None = None,
     ) -> None:
         if not terms:
             raise ValueError("reward.terms is empty; add at least one reward term")
@@ -99,6 +109,7 @@ class RewardScorer:
         self.alpha = alpha
         self.invalid_score = invalid_score
         self.score_range = score_range
+        self.truncated_reward = truncated_reward
         self.invalid_by_term = dict.fromkeys((t.name for t in terms), 0)
 
     def _valid(self, value: float | None) -> bool:
@@ -107,19 +118,34 @@ class RewardScorer:
         lo, hi = self.score_range
         return math.isfinite(value) and lo <= value <= hi
 
-    def score(self, samples: Sequence[RewardSample]) -> ScoredBatch:
+    def score(self, samples: Sequence[RewardSample], *, training: bool = True) -> ScoredBatch:
         """Score a batch: ``scores[i]`` for sample i plus each term's column.
 
         ``components[name][i]`` is the term's raw value (``nan`` where it does not
-        apply or was invalid).
+        apply or was invalid). With ``truncated_reward`` set, a truncated sample
+        (``finish_reason == "length"``) is not scored by the terms: its score is
+        ``truncated_reward`` and its only component is ``truncated``, so what is
+        logged is what trains. ``training=False`` (held-out evaluation) scores every
+        sample by its terms.
         """
+        override = training and self.truncated_reward is not None
+        cut = [override and s.finish_reason == "length" for s in samples]
+        scored = [s for s, c in zip(samples, cut, strict=True) if not c]
         columns = {
-            t.name: [_as_float(t.name, raw) for raw in t.column(samples)] for t in self.terms
+            t.name: _spread([_as_float(t.name, r) for r in t.column(scored)], cut)
+            for t in self.terms
         }
         components: dict[str, list[float]] = {t.name: [] for t in self.terms}
+        if any(cut):
+            components[TRUNCATED] = [self.truncated_reward if c else math.nan for c in cut]
         scores: list[float] = []
         invalid_rows: list[int] = []
         for i in range(len(samples)):
+            if cut[i]:
+                for term in self.terms:
+                    components[term.name].append(math.nan)
+                scores.append(float(self.truncated_reward))
+                continue
             parts: dict[str, float] = {}
             bad = False
             for term in self.terms:
@@ -189,6 +215,19 @@ class RewardScorer:
                 close()
 
 
+def check_terms(cfg: RewardConfig) -> None:
+    """Resolve every term's name and check its params without building anything.
+
+    Config validation uses this, so a reward model is loaded once, by the run,
+    never a second time by the check.
+    """
+    if not cfg.terms:
+        raise ValueError("reward.terms is empty; add at least one reward term")
+    for term in cfg.terms:
+        kind_of, obj = lookup(term.name)
+        check_params(term.name, obj, dict(term.params), per_sample=kind_of == "sample")
+
+
 def _build_term(label: str, term: Any) -> Term:
     params = dict(term.params)
     kind_of, obj = lookup(term.name)
@@ -204,7 +243,7 @@ def _build_term(label: str, term: Any) -> Term:
     return Term(label, None, term.weight, kind, params, scorer=obj(**params))
 
 
-def build_scorer(cfg: RewardConfig) -> RewardScorer:
+def build_scorer(cfg: RewardConfig, *, truncated_reward: float | None = None) -> RewardScorer:
     """Resolve every term by name and build batched scorers; errors surface here.
 
     An unknown name, or a param the reward does not accept, fails before training.
@@ -223,5 +262,9 @@ def build_scorer(cfg: RewardConfig) -> RewardScorer:
     if alpha is None and kinds == {True, False}:
         alpha = DEFAULT_ALPHA
     return RewardScorer(
-        terms, alpha=alpha, invalid_score=cfg.invalid_score, score_range=tuple(cfg.score_range)
+        terms,
+        alpha=alpha,
+        invalid_score=cfg.invalid_score,
+        score_range=tuple(cfg.score_range),
+        truncated_reward=truncated_reward,
     )

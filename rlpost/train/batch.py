@@ -23,7 +23,8 @@ class TrainBatch:
     responses: [B, T] sampled token ids; response_mask: [B, T] float32 (1 = trained token)
     group: [B] int64 prompt index; rollout_logprobs: [B, T] float32 (engine's)
     old_logprobs, ref_logprobs, advantages, returns, token_level_rewards: [B, T] float32 or None
-    scores: [B] float32 outcome rewards; versions: [B] int64 policy version of each row
+    scores: [B] float32 outcome rewards; token_versions: [B, T] int64 policy version that
+    sampled each response token (-1 on padding)
     """
 
     input_ids: torch.Tensor
@@ -34,7 +35,7 @@ class TrainBatch:
     group: torch.Tensor
     rollout_logprobs: torch.Tensor
     scores: torch.Tensor
-    versions: torch.Tensor
+    token_versions: torch.Tensor
     prompt_width: int
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
@@ -67,6 +68,7 @@ def collate(completions: list[Completion], scores: list[float], pad_id: int) -> 
     attn = torch.zeros((B, P + T), dtype=torch.long)
     response_mask = torch.zeros((B, T), dtype=torch.float32)
     rollout_lp = torch.zeros((B, T), dtype=torch.float32)
+    versions = torch.full((B, T), -1, dtype=torch.long)
     for i, c in enumerate(completions):
         p, r = len(c.prompt_ids), len(c.token_ids)
         input_ids[i, P - p : P] = torch.tensor(c.prompt_ids, dtype=torch.long)
@@ -74,6 +76,7 @@ def collate(completions: list[Completion], scores: list[float], pad_id: int) -> 
         if r:
             input_ids[i, P : P + r] = torch.tensor(c.token_ids, dtype=torch.long)
             rollout_lp[i, :r] = torch.tensor(c.logprobs, dtype=torch.float32)
+            versions[i, :r] = torch.tensor(c.versions_per_token(), dtype=torch.long)
             mask = c.loss_mask if c.loss_mask is not None else [1] * r
             response_mask[i, :r] = torch.tensor(mask, dtype=torch.float32)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
@@ -86,7 +89,7 @@ def collate(completions: list[Completion], scores: list[float], pad_id: int) -> 
         group=torch.tensor([c.group for c in completions], dtype=torch.long),
         rollout_logprobs=rollout_lp,
         scores=torch.tensor(scores, dtype=torch.float32),
-        versions=torch.tensor([c.policy_version for c in completions], dtype=torch.long),
+        token_versions=versions,
         prompt_width=P,
     )
 

@@ -1,61 +1,50 @@
 """Checkpoints that resume a run exactly.
 
 A checkpoint directory ``RUN_DIR/checkpoints/step_N`` holds the policy (an HF
-directory, loadable on its own), the reference model when one is kept, and
-``state.pt`` with the optimizer, scheduler, RNG states (python, numpy, torch,
-the engine's sampling generator), the step, the data cursor and any controller
-state. ``latest`` names the newest complete checkpoint; it is written last, so
+directory, loadable on its own), the reference model when one is kept,
+``trainer_state.pt`` (optimizer, scheduler, shuffle generator, critic, the
+trainer's RNG states) and ``state.pt`` (the step, the data cursor, controller
+state, the rollout worker's sampling generator and carried samples, the loop's
+RNG states). ``latest`` names the newest complete checkpoint; it is written last, so
 a crash mid-save never leaves a half checkpoint marked as latest.
 """
 
 from __future__ import annotations
 
-import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-
-def rng_state() -> dict[str, Any]:
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+from rlpost.rng import rng_state
 
 
 def save_checkpoint(
     run_dir: Path,
     step: int,
-    model,
+    write_parts: Callable[[Path], None],
     state: dict[str, Any],
     *,
-    ref_model=None,
-    tokenizer=None,
     keep: int = 2,
 ) -> Path:
-    """Write ``checkpoints/step_N`` atomically; ``step_N/model`` (with the tokenizer) is an
-    ordinary HF directory that ``model.path`` can load."""
+    """Write ``checkpoints/step_N`` atomically.
+
+    ``write_parts(directory)`` writes the workers' parts (the trainer's
+    ``model/``, an ordinary HF directory with the tokenizer that ``model.path``
+    can load, ``ref_model/`` and its optimizer state); ``state`` (the loop's:
+    step, data cursor, controllers, the rollout worker's state) goes to
+    ``state.pt``. The directory is renamed into place and ``latest`` written
+    last, so a crash mid-save never leaves a half checkpoint marked as latest.
+    """
     root = run_dir / "checkpoints"
     out = root / f"step_{step}"
     tmp = root / f".step_{step}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp / "model")
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp / "model")
-    if ref_model is not None:
-        ref_model.save_pretrained(tmp / "ref_model")
+    write_parts(tmp)
     torch.save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
     if out.exists():
         shutil.rmtree(out)

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from rlpost.rng import rng_state, set_rng_state
 from rlpost.train.actor import PolicyTrainer
 from rlpost.train.batch import TrainBatch
-from rlpost.train.checkpoint import rng_state, set_rng_state
 
 STATE_FILE = "trainer_state.pt"
 
@@ -58,9 +58,7 @@ class WeightsExport:
 class TrainerWorker:
     """Actor (policy trainer), reference policy and optional critic of one run."""
 
-    def __init__(
-        self, trainer: PolicyTrainer, tokenizer, *, critic=None, version: int = 0
-    ) -> None:
+    def __init__(self, trainer: PolicyTrainer, tokenizer, *, critic=None, version: int = 0) -> None:
         self.trainer = trainer
         self.tokenizer = tokenizer
         self.critic = critic
@@ -72,6 +70,7 @@ class TrainerWorker:
         """Facts the loop needs once: pad id, whether a critic / reference exist."""
         return {
             "pad_token_id": self.tokenizer.pad_token_id,
+            "eos_token_id": self.tokenizer.eos_token_id,
             "has_critic": self.critic is not None,
             "has_reference": self.trainer.ref_model is not None,
             "version": self._version,

@@ -1,0 +1,232 @@
+"""The two stages every loop is made of.
+
+    rollout_stage:  prompts --rollout worker--> groups --reward worker--> scored groups
+    train_stage:    scored groups --collate, old/ref logprobs, advantages--> trainer update --> StepStats
+
+Both talk to workers only through their protocols (``pipeline/workers.py``), so
+the synchronous loop (``loop.py``) is their composition, and a one-step-off or
+asynchronous loop can run the same two functions on different threads with
+the rollout of step k+1 in flight while step k trains.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from rlpost.algos import (
+    get_advantage_estimator,
+    get_kl_estimator,
+    kl_penalized_rewards,
+    masked_mean,
+    scores_to_token_rewards,
+)
+from rlpost.algos.kl_control import FixedKLController
+from rlpost.config import AlgoConfig
+from rlpost.data import PromptSampler
+from rlpost.observe import Guards
+from rlpost.pipeline.evaluate import logprob_gap, rollout_health
+from rlpost.pipeline.workers import RewardAPI, RolloutAPI, TrainerAPI
+from rlpost.rollout.protocol import SamplingParams
+from rlpost.train.batch import TrainBatch, collate
+from rlpost.types import Group
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RolloutOutput:
+    """Scored groups for one step, the rounds DAPO dynamic sampling took, the worker's stats."""
+
+    groups: list[Group]
+    rounds: int = 1
+    stats: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+@dataclass
+class StepStats:
+    """What a train stage did: the step's metrics and the guard actions the loop must carry out."""
+
+    metrics: dict[str, float]
+    actions: list = field(default_factory=list)
+    version: int = 0
+    tokens: float = 0.0  # trained response tokens
+    attended: float = 0.0  # prompt + response tokens the trainer's passes attend to
+    seq_len: int = 0  # padded width of the batch
+
+
+@dataclass
+class RolloutSettings:
+    """The fields of the config the rollout stage reads (STYLE rule 7)."""
+
+    n: int
+    prompts_per_step: int
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 1
+    partial: bool = False
+
+
+def rollout_stage(
+    rollout: RolloutAPI,
+    reward: RewardAPI,
+    sampler: PromptSampler,
+    params: SamplingParams,
+    s: RolloutSettings,
+    *,
+    last: bool = False,
+) -> RolloutOutput:
+    """Sample prompts, generate ``n`` completions each, score them.
+
+    With DAPO dynamic sampling, groups whose rewards are all equal carry no
+    gradient: they are dropped and more prompts are sampled, up to
+    ``max_sampling_rounds`` rounds; the kept groups are what trains. With
+    partial rollout every group that finished trains (carried ones included).
+    """
+    t0 = time.perf_counter()
+    kept: list[Group] = []
+    rounds, stats, groups = 0, {}, []
+    while rounds < (s.max_sampling_rounds if s.dynamic_sampling else 1):
+        rounds += 1
+        result = rollout.generate(sampler.next_batch(), params, s.n, train=True, last=last)
+        stats = result.stats
+        groups = reward.score(result.groups)
+        keep = [g for g in groups if not s.dynamic_sampling or len(set(g.scores)) > 1]
+        if not s.partial:  # DAPO fills the batch exactly; finished partial groups all train
+            keep = keep[: s.prompts_per_step - len(kept)]
+        kept += keep
+        if len(kept) >= s.prompts_per_step:
+            break
+    if not kept:  # every group was flat in every round: train on the last round (zero advantage)
+        kept = groups
+    return RolloutOutput(kept, rounds, stats, time.perf_counter() - t0)
+
+
+def collate_groups(groups: list[Group], pad_id: int) -> TrainBatch:
+    """A :class:`TrainBatch` of every completion, ``group`` = the record's index; rows whose
+    reward was invalid are masked out (their scores still count in group statistics)."""
+    completions = [c for g in groups for c in g.completions]
+    scores = [s for g in groups for s in g.scores]
+    batch = collate(completions, scores, pad_id)
+    batch.group = torch.tensor([i for i, g in enumerate(groups) for _ in range(g.n)])
+    return batch
+
+
+@dataclass
+class TrainSettings:
+    """The fields of the config the train stage reads."""
+
+    algo: AlgoConfig
+    critic_warmup_steps: int = 0
+
+
+def train_stage(
+    groups: list[Group],
+    trainer: TrainerAPI,
+    s: TrainSettings,
+    *,
+    pad_id: int,
+    kl_ctl=None,
+    guards: Guards | None = None,
+    step: int = 0,
+) -> StepStats:
+    """Old / reference logprobs, values, advantages, critic and policy updates for ``groups``."""
+    kl_ctl = kl_ctl if kl_ctl is not None else FixedKLController(0.0)
+    algo, in_reward = s.algo, s.algo.kl.placement == "reward"
+    batch = collate_groups(groups, pad_id)
+    scores = batch.scores.tolist()
+    invalid = [
+        r for r, bad in enumerate(b for g in groups for b in (g.invalid or [False] * g.n)) if bad
+    ]
+    dropped = sorted(set(invalid) | set(guards.check_rewards(scores) if guards else []))
+    if dropped:
+        batch.response_mask[dropped] = 0.0  # a NaN / Inf reward never reaches the optimizer
+        log.warning(
+            "guard nonfinite_reward: drop_samples - %d/%d invalid scores", len(dropped), len(batch)
+        )
+    # On-policy single-update steps take the old logprobs from the loss pass itself.
+    if not trainer.single_update(len(batch)) or in_reward:
+        batch.old_logprobs = trainer.logprobs(batch, "old")
+    batch.ref_logprobs = trainer.logprobs(batch, "ref")
+    batch.values = trainer.values(batch)
+    compute_advantages(batch, algo, beta=kl_ctl.beta)
+    critic_stats = trainer.update_critic(batch) if batch.values is not None else {}
+    train_policy = batch.values is None or step >= s.critic_warmup_steps
+    if batch.old_logprobs is None and not train_policy:
+        batch.old_logprobs = trainer.logprobs(batch, "old")
+    beta = kl_ctl.beta if algo.kl.placement == "loss" else 0.0
+    result = trainer.update(batch, beta=beta, train_policy=train_policy)
+    if result.old_logprobs is not None:
+        batch.old_logprobs = result.old_logprobs
+    actions = []
+    if result.stats and guards is not None:
+        bad = guards.check_update(
+            result.stats.get("loss", math.nan), result.stats.get("grad_norm", math.nan)
+        )
+        actions += [bad] if bad is not None else []
+    kl_value = kl_to_reference(batch, algo.kl.estimator)
+    kl_ctl.update(kl_value, len(batch))
+    metrics = {
+        **rollout_health([c for g in groups for c in g.completions], batch.scores, batch.group),
+        **{k: v for k, v in result.stats.items() if k != "updates"},
+        **critic_stats,
+        "kl": kl_value,
+        "beta": kl_ctl.beta,
+        "logprob_gap": logprob_gap(batch.rollout_logprobs, batch.old_logprobs, batch.response_mask),
+        "invalid_rewards": float(len(dropped)),
+        **sample_lag(batch, result.version - 1),
+        "sample_drop_ratio": len(dropped) / len(batch),
+        "policy_version": float(result.version - 1),
+    }
+    return StepStats(
+        metrics,
+        actions,
+        result.version,
+        tokens=float(batch.response_mask.sum()),
+        attended=float(batch.attention_mask.sum()),
+        seq_len=int(batch.input_ids.shape[1]),
+    )
+
+
+def compute_advantages(batch: TrainBatch, algo: AlgoConfig, *, beta: float) -> None:
+    """Fill token_level_rewards, advantages and returns (KL in the reward when so placed)."""
+    mask = batch.response_mask
+    rewards = scores_to_token_rewards(batch.scores, mask)
+    if batch.ref_logprobs is not None and algo.kl.placement == "reward":
+        rewards, _ = kl_penalized_rewards(
+            rewards,
+            batch.old_logprobs,
+            batch.ref_logprobs,
+            mask,
+            beta=beta,
+            estimator=algo.kl.estimator,
+        )
+    batch.token_level_rewards = rewards
+    estimator = get_advantage_estimator(algo.advantage)
+    batch.advantages, batch.returns = estimator(
+        rewards, mask, batch.group, values=batch.values, **algo.advantage_params.given()
+    )
+
+
+def kl_to_reference(batch: TrainBatch, estimator: str) -> float:
+    """Mean per-token KL of the sampling policy to the reference (the configured estimator)."""
+    if batch.ref_logprobs is None or batch.old_logprobs is None:
+        return 0.0
+    kl = get_kl_estimator(estimator)(batch.old_logprobs, batch.ref_logprobs)
+    return float(masked_mean(kl, batch.response_mask))
+
+
+def sample_lag(batch: TrainBatch, version: int) -> dict[str, float]:
+    """Versions between the weights being trained and the oldest token of each sample.
+
+    Read from the per-token versions the engines stamped (-1 on padding); a row
+    without tokens counts as current.
+    """
+    v = batch.token_versions
+    oldest = torch.where(v >= 0, v, torch.full_like(v, version)).min(dim=-1).values
+    lags = (version - oldest).tolist() or [0]
+    return {"sample_lag": sum(lags) / len(lags), "sample_lag_max": float(max(lags))}

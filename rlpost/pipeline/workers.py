@@ -1,0 +1,88 @@
+"""The protocols the loops drive: a trainer, a rollout and a reward worker.
+
+Every argument and result is picklable (tensors, dicts, dataclasses of them),
+so an implementation may live in this process (``TrainerWorker``,
+``RolloutWorker``, ``RewardWorker``), in another process
+(``rlpost.cluster.process``) or in a Ray actor, and the loop cannot tell.
+Nothing here hands out a torch module, an optimizer, a scheduler or a random
+generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.worker import RolloutResult
+from rlpost.train.batch import TrainBatch
+from rlpost.train.worker import UpdateResult, WeightsExport
+from rlpost.types import Group, Prompt
+
+
+class TrainerAPI(Protocol):
+    """Policy, reference and critic: logprobs, values, updates, weights, checkpoints."""
+
+    def describe(self) -> dict[str, Any]: ...
+    def version(self) -> int: ...
+    def single_update(self, batch_size: int) -> bool: ...
+    def logprobs(self, batch: TrainBatch, which: str = "old") -> torch.Tensor | None: ...
+    def values(self, batch: TrainBatch) -> torch.Tensor | None: ...
+    def update_critic(self, batch: TrainBatch) -> dict[str, float]: ...
+    def update(
+        self, batch: TrainBatch, *, beta: float, train_policy: bool = True
+    ) -> UpdateResult: ...
+    def export_weights(self) -> WeightsExport: ...
+    def mfu(self, tokens: float, seq_len: int, seconds: float) -> float: ...
+    def scale_lr(self, factor: float) -> float: ...
+    def save(self, directory: str | Path) -> None: ...
+    def restore(self, directory: str | Path, *, version: int, keep_lr: bool = False) -> int: ...
+    def close(self) -> None: ...
+
+
+class RolloutAPI(Protocol):
+    """An engine behind prompts-in, groups-out; weights in with a version."""
+
+    def generate(
+        self,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        n: int,
+        *,
+        train: bool = False,
+        last: bool = False,
+    ) -> RolloutResult: ...
+    def load_weights(self, named_tensors, version: int) -> None: ...
+    def version(self) -> int: ...
+    def throughput(self) -> float: ...
+    def reset_stats(self) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+class RewardAPI(Protocol):
+    """Scores group records."""
+
+    def score(
+        self, groups: list[Group], max_tokens: int | None = None, *, training: bool = True
+    ) -> list[Group]: ...
+    def verifiable_accuracy(self, groups: list[Group]) -> float | None: ...
+    def counters(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class Workers:
+    """The three workers of a run, wherever they live."""
+
+    trainer: TrainerAPI
+    rollout: RolloutAPI
+    reward: RewardAPI
+
+    def close(self) -> None:
+        for w in (self.rollout, self.reward, self.trainer):
+            w.close()

@@ -1,0 +1,83 @@
+"""The reward worker: scores group records, behind the same narrow interface as the others.
+
+It takes :class:`~rlpost.types.Group` records from the rollout stage and
+returns them with ``scores``, ``components`` and ``invalid`` filled in. Reward
+models and judges hold weights or HTTP clients, so this worker is where they
+live; the loop sees only records.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from rlpost.rewards.scorer import VERIFIABLE_KINDS, RewardScorer
+from rlpost.types import Group, RewardSample
+
+
+def reward_samples(groups: list[Group], max_tokens: int) -> list[RewardSample]:
+    """One :class:`RewardSample` per completion, groups in order."""
+    return [
+        RewardSample(
+            prompt=g.prompt.text,
+            completion=c.text,
+            answer=g.prompt.answer,
+            metadata=g.prompt.metadata,
+            finish_reason=c.finish_reason,
+            num_tokens=len(c.token_ids),
+            max_tokens=max_tokens,
+        )
+        for g in groups
+        for c in g.completions
+    ]
+
+
+class RewardWorker:
+    """Scores groups with one :class:`RewardScorer` (every configured reward term)."""
+
+    def __init__(self, scorer: RewardScorer, *, max_tokens: int) -> None:
+        self.scorer = scorer
+        self.max_tokens = max_tokens
+
+    def score(
+        self, groups: list[Group], max_tokens: int | None = None, *, training: bool = True
+    ) -> list[Group]:
+        """The groups with scores, components and invalid flags (new records; inputs untouched).
+
+        ``training=False`` (evaluation) leaves out the training-only score overrides
+        (``rollout.truncated_reward``), so held-out accuracy judges the answer itself.
+        """
+        samples = reward_samples(groups, max_tokens or self.max_tokens)
+        scored = self.scorer.score(samples, training=training)
+        bad = set(scored.invalid_rows)
+        out, lo = [], 0
+        for g in groups:
+            rows = range(lo, lo + g.n)
+            out.append(
+                replace(
+                    g,
+                    scores=[scored.scores[r] for r in rows],
+                    components={k: [v[r] for r in rows] for k, v in scored.components.items()},
+                    invalid=[r in bad for r in rows],
+                )
+            )
+            lo += g.n
+        return out
+
+    def verifiable_accuracy(self, groups: list[Group]) -> float | None:
+        """Mean of the verifiable-kind components over the groups (NaNs skipped; None if none)."""
+        names = {t.name for t in self.scorer.terms if t.kind == VERIFIABLE_KINDS[0]}
+        values = [
+            v
+            for g in groups
+            for name in names
+            for v in g.components.get(name, [])
+            if not math.isnan(v)
+        ]
+        return sum(values) / len(values) if values else None
+
+    def counters(self) -> dict[str, int]:
+        return self.scorer.counters()
+
+    def close(self) -> None:
+        self.scorer.close()

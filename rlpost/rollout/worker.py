@@ -1,0 +1,145 @@
+"""The rollout worker: prompts in, group records out, behind a narrow interface.
+
+It owns the engine (in-process, vLLM or remote servers), the tokenizer it
+prompts with, and the long-tail state that lives between steps (partial
+rollout's carried groups, the length predictor). The loop sends it prompts,
+sampling parameters and weights, and gets :class:`~rlpost.types.Group`
+records, never a model or a generator, so the worker can sit in another
+process or a Ray actor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlpost.rng import rng_state, set_rng_state
+from rlpost.rollout.longtail import LengthPredictor, PartialRollout, bucket_by_length
+from rlpost.rollout.protocol import SamplingParams
+from rlpost.types import Completion, Group, Prompt
+
+
+@dataclass
+class RolloutResult:
+    """The groups a call produced and what happened on the way (partial rollout counts)."""
+
+    groups: list[Group]
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def to_groups(prompts: list[Prompt], completions: list[Completion], n: int) -> list[Group]:
+    """Completions ``i*n .. i*n+n-1`` answer ``prompts[i]``."""
+    if len(completions) != len(prompts) * n:
+        raise ValueError(f"{len(completions)} completions for {len(prompts)} prompts x n={n}")
+    return [Group(p, completions[i * n : (i + 1) * n]) for i, p in enumerate(prompts)]
+
+
+class RolloutWorker:
+    """One engine and the state the training loop keeps beside it."""
+
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        *,
+        partial: PartialRollout | None = None,
+        lengths: LengthPredictor | None = None,
+        batch_size: int = 64,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.partial = partial
+        self.lengths = lengths
+        self.batch_size = batch_size
+
+    def _ids(self, prompts: list[Prompt]) -> list[list[int]]:
+        return [self.tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
+
+    def generate(
+        self,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        n: int,
+        *,
+        train: bool = False,
+        last: bool = False,
+    ) -> RolloutResult:
+        """``n`` samples per prompt as :class:`Group` records.
+
+        ``train=True`` is the training step's call: prompts go to the engine
+        ordered by predicted length when length-aware batching is on, and with
+        partial rollout the groups returned are those that finished (carried
+        ones from earlier steps included; ``last`` waits for all). Otherwise
+        (evaluation) every prompt comes back, in order.
+        """
+        if not train:
+            return RolloutResult(
+                to_groups(prompts, self.engine.generate(self._ids(prompts), params, n=n), n)
+            )
+        if self.lengths is not None:
+            per_batch = max(1, self.batch_size // n)
+            buckets = bucket_by_length(prompts, self.lengths, math.ceil(len(prompts) / per_batch))
+            prompts = [prompts[i] for b in buckets for i in b]
+        ids = self._ids(prompts)
+        stats: dict[str, float] = {}
+        if self.partial is None:
+            completions = self.engine.generate(ids, params, n=n)
+        else:
+            out = self.partial.step(
+                ids, params, n, payloads=prompts, fraction=1.0 if last else None
+            )
+            prompts, completions = out.payloads, out.completions
+            stats = {
+                "carried_samples": float(out.carried_samples),
+                "carried_groups": float(out.carried_groups),
+                "partial_done_fraction": out.done_fraction,
+            }
+        groups = to_groups(prompts, completions, n)
+        if self.lengths is not None:
+            for g in groups:
+                self.lengths.observe(g.prompt, (len(c.token_ids) for c in g.completions))
+        return RolloutResult(groups, stats)
+
+    def load_weights(self, named_tensors, version: int) -> None:
+        """Serve these weights, and stamp ``version`` on every token sampled from now on."""
+        self.engine.load_weights(named_tensors, version)
+
+    def version(self) -> int:
+        return int(self.engine.version)
+
+    def throughput(self) -> float:
+        return float(self.engine.throughput()) if hasattr(self.engine, "throughput") else 0.0
+
+    def reset_stats(self) -> None:
+        if hasattr(self.engine, "reset_stats"):
+            self.engine.reset_stats()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampling stream, carried groups and length statistics (for checkpoints)."""
+        state: dict[str, Any] = {"rng": rng_state()}
+        generator = getattr(self.engine, "generator", None)
+        if isinstance(generator, torch.Generator):
+            state["engine_generator"] = generator.get_state()
+        if self.partial is not None:
+            state["partial"] = self.partial.state_dict()
+        if self.lengths is not None:
+            state["lengths"] = self.lengths.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        generator = getattr(self.engine, "generator", None)
+        if isinstance(generator, torch.Generator) and "engine_generator" in state:
+            generator.set_state(state["engine_generator"])
+        if self.partial is not None and "partial" in state:
+            self.partial.load_state_dict(state["partial"])
+        if self.lengths is not None and "lengths" in state:
+            self.lengths.load_state_dict(state["lengths"])
+        set_rng_state(state["rng"])
+
+    def close(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if callable(close):
+            close()
