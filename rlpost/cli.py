@@ -60,10 +60,11 @@ def cmd_train(args) -> int:
         recipe = str(Path(args.resume) / "config.yaml")
     cfg = load_config(recipe, overrides)
     _quiet_libraries()
+    from rlpost.cluster import starter
     from rlpost.pipeline.loop import TrainingStopped, train
 
     try:
-        train(cfg, resume=Path(args.resume) if args.resume else None)
+        train(cfg, resume=Path(args.resume) if args.resume else None, start=starter(cfg))
     except TrainingStopped as exc:
         print(f"rlpost: {exc}", file=sys.stderr)
         return 1

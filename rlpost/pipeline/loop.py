@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,11 +95,11 @@ def train(
     resume: Path | None = None,
     console: Console | None = None,
     stop: threading.Event | None = None,
-    workers: Workers | None = None,
+    start: Callable[..., Workers] | None = None,
 ) -> RunResult:
     """Run the loop. ``stop``, when set from another thread, ends the run after the current
-    step (final eval, checkpoint and summary still happen). ``workers``: already started
-    elsewhere (``rlpost.cluster``); by default they are built in this process."""
+    step (final eval, checkpoint and summary still happen). ``start`` places the workers
+    (a ``rlpost.cluster`` backend); by default they are built in this process."""
     build.check_names(cfg)
     run_dir = prepare_run_dir(cfg, resume)
     console = console or Console(enabled=cfg.observe.progress)
@@ -109,8 +110,8 @@ def train(
     train_prompts, held_out, _ = build.build_data(cfg)
     held_out = held_out[: cfg.eval.limit] if cfg.eval.limit else held_out
     ckpt = latest_checkpoint(run_dir) if resume else None
-    if workers is None:
-        workers = start_workers(cfg, run_dir, train_prompts, console, resuming=ckpt is not None)
+    start = start or start_workers
+    workers = start(cfg, run_dir, train_prompts, console, resuming=ckpt is not None)
     r = _new_run(cfg, run_dir, workers, train_prompts, ckpt)
     step = _restore(r, ckpt) if ckpt is not None else _sync(r)[0]
     start_step, history = step, []

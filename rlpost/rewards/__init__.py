@@ -7,15 +7,9 @@ models and judges are batched scorers (``SCORERS``). ``build_scorer`` turns the
 ``rlpost.rewards.sandbox``.
 """
 
+from rlpost.rewards.catalog import get_reward, load_builtin_rewards
 from rlpost.rewards.monitor import HackingMonitor
-from rlpost.rewards.registry import (
-    REWARDS,
-    SCORERS,
-    batched_scorer,
-    get_reward,
-    load_builtin_rewards,
-    reward_function,
-)
+from rlpost.rewards.registry import REWARDS, SCORERS, batched_scorer, reward_function
 from rlpost.rewards.samples import SampleWriter
 from rlpost.rewards.scorer import RewardScorer, Term, build_scorer
 

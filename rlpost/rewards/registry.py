@@ -12,17 +12,18 @@ Two kinds of reward exist, and one lookup serves both:
 
 A name is unique across both tables, so a config term names either kind the same
 way. ``package.module:function`` loads a callable from user code; a class with a
-``score`` method loads as a batched scorer factory.
+``score`` method loads as a batched scorer factory. Name lookups live in
+``rewards/catalog.py``, which imports the built-in reward modules; this module
+imports none of them, so the built-ins register without a cycle.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
-from rlpost.registry import Registry, UnknownNameError
+from rlpost.registry import Registry
 from rlpost.types import RewardSample
 
 RewardFn = Callable[..., float | None]
@@ -68,55 +69,6 @@ def batched_scorer(name: str) -> Callable[[ScorerFactory], ScorerFactory]:
     return deco
 
 
-def load_builtin_rewards() -> None:
-    """Import every built-in reward module so that its rewards are registered.
-
-    Done lazily so importing the registry alone stays cheap; the heavy libraries
-    (math-verify, torch, httpx) are imported only when a reward is first called
-    or built.
-    """
-    from rlpost.rewards import code, countdown, judge, model, rule, verifiable  # noqa: F401
-    from rlpost.rewards import math as _math  # noqa: F401
-
-
-def _import_object(name: str) -> Any:
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"reward {name!r}: cannot import module {module_name!r} ({exc})") from None
-    obj = getattr(module, attr, None)
-    if not callable(obj):
-        raise ValueError(f"reward {name!r}: {module_name} has no callable {attr!r}")
-    return obj
-
-
-def lookup(name: str) -> tuple[Literal["sample", "batch"], Callable[..., Any]]:
-    """Resolve ``name`` to ``("sample", fn)`` or ``("batch", factory)``.
-
-    Raises ``UnknownNameError`` listing every valid name of both kinds.
-    """
-    if ":" in name:
-        obj = _import_object(name)
-        is_scorer_class = inspect.isclass(obj) and callable(getattr(obj, "score", None))
-        return ("batch", obj) if is_scorer_class else ("sample", obj)
-    load_builtin_rewards()
-    if name in REWARDS:
-        return "sample", REWARDS.get(name)
-    if name in SCORERS:
-        return "batch", SCORERS.get(name)
-    valid = ", ".join(sorted([*REWARDS.names(), *SCORERS.names()]))
-    raise UnknownNameError(f"unknown reward {name!r}; valid: {valid} (or package.module:function)")
-
-
-def get_reward(name: str) -> RewardFn:
-    """Look up a per-sample reward by name, or import ``package.module:function``."""
-    kind, obj = lookup(name)
-    if kind == "batch":
-        raise ValueError(f"reward {name!r} is a batched scorer; build it with build_scorer")
-    return obj
-
-
 def check_params(
     name: str, fn: Callable[..., Any], params: dict[str, Any], *, per_sample: bool
 ) -> None:
@@ -150,8 +102,5 @@ __all__ = [
     "ScorerFactory",
     "batched_scorer",
     "check_params",
-    "get_reward",
-    "load_builtin_rewards",
-    "lookup",
     "reward_function",
 ]

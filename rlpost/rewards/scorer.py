@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlpost.config import RewardConfig
-from rlpost.rewards.registry import BatchScorer, RewardFn, check_params, lookup
+from rlpost.rewards.catalog import lookup
+from rlpost.rewards.registry import BatchScorer, RewardFn, check_params
 from rlpost.types import RewardSample, ScoredBatch
 
 VERIFIABLE_KINDS = ("verifiable", "rule")

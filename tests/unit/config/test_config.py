@@ -4,6 +4,7 @@ import sys
 import pytest
 
 from rlpost.config import Config, ConfigError, describe_fields, load_config, parse_overrides
+from rlpost.pipeline.build import check_names
 
 
 def test_overrides_parse_yaml_scalars_and_nest():
@@ -30,7 +31,10 @@ def test_recipe_then_overrides(tmp_path):
     [
         (["train.lrx=1"], "unknown config key 'train.lrx'"),
         (["train.lr=-1"], "train.lr=-1"),
-        (["rollout.n=1"], "rollout.n=1 gives every grpo group zero advantage"),
+        (["algo.loss_params.clip_high=-0.1"], "algo.loss_params.clip_high=-0.1"),
+        (["algo.loss_params.divergence=l2"], "algo.loss_params.divergence"),
+        (["algo.loss_params.clip_hgh=0.3"], "unknown config key 'algo.loss_params.clip_hgh'"),
+        (["algo.advantage_params.std_scope=global"], "algo.advantage_params.std_scope"),
         (["train.micro_batch_size=128", "train.mini_batch_size=64"], "micro_batch_size"),
         (["train.mini_batch_size=1000"], "larger than the rollout batch"),
         (["rollout.max_tokens=200"], "max_position_embeddings"),
@@ -43,6 +47,36 @@ def test_bad_config_is_one_line(overrides, needle):
         load_config(None, overrides)
     assert needle in str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (
+            ["rollout.n=1", "train.mini_batch_size=16", "train.micro_batch_size=16"],
+            "rollout.n=1 gives every grpo group zero advantage",
+        ),
+        (["algo.loss_params.tau_pos=2"], "ppo_clip takes no parameter 'tau_pos'"),
+        (
+            ["algo.advantage=gae", "algo.advantage_params.std_scope=batch"],
+            "gae takes no parameter 'std_scope'",
+        ),
+    ],
+)
+def test_registry_checks_name_the_key(overrides, needle):
+    # Checked against the registries' traits and signatures before any work starts.
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError) as err:
+        check_names(cfg)
+    assert needle in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_loss_params_are_typed_fields_with_help():
+    keys = {k: h for k, _, h in describe_fields(Config)}
+    for name in ("clip_low", "clip_high", "clip_ratio_c", "tis_cap", "tau_pos", "tr_kl", "is_cap"):
+        assert keys[f"algo.loss_params.{name}"], name
+    assert keys["algo.advantage_params.std_scope"]
 
 
 def test_missing_and_malformed_recipe(tmp_path):

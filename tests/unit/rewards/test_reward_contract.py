@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from rlpost.rewards.registry import REWARDS, SCORERS, get_reward, load_builtin_rewards
+from rlpost.rewards.catalog import get_reward, load_builtin_rewards
+from rlpost.rewards.registry import REWARDS, SCORERS
 from rlpost.types import RewardSample
 
 load_builtin_rewards()

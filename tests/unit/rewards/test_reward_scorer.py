@@ -9,7 +9,7 @@ import pytest
 
 from rlpost.config import RewardConfig, RewardTerm
 from rlpost.registry import UnknownNameError
-from rlpost.rewards.registry import get_reward, lookup
+from rlpost.rewards.catalog import get_reward, lookup
 from rlpost.rewards.scorer import DEFAULT_ALPHA, RewardScorer, Term, build_scorer
 from rlpost.types import RewardSample
 

@@ -1,0 +1,61 @@
+"""Look up a reward by name: the built-in ones, or ``package.module:function``.
+
+Importing this module imports every built-in reward module, so their rewards
+are registered; the registry itself never imports them back. The heavy
+libraries (math-verify, torch, httpx) load only when a reward is first called
+or built.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any, Literal
+
+from rlpost.registry import UnknownNameError
+from rlpost.rewards import code, countdown, judge, model, rule, verifiable  # noqa: F401
+from rlpost.rewards import math as _math  # noqa: F401
+from rlpost.rewards.registry import REWARDS, SCORERS, RewardFn
+
+
+def load_builtin_rewards() -> None:
+    """The built-in rewards are registered when this module is imported; kept for callers
+    that want to say so explicitly."""
+
+
+def _import_object(name: str) -> Any:
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"reward {name!r}: cannot import module {module_name!r} ({exc})") from None
+    obj = getattr(module, attr, None)
+    if not callable(obj):
+        raise ValueError(f"reward {name!r}: {module_name} has no callable {attr!r}")
+    return obj
+
+
+def lookup(name: str) -> tuple[Literal["sample", "batch"], Callable[..., Any]]:
+    """Resolve ``name`` to ``("sample", fn)`` or ``("batch", factory)``.
+
+    Raises ``UnknownNameError`` listing every valid name of both kinds.
+    """
+    if ":" in name:
+        obj = _import_object(name)
+        is_scorer_class = inspect.isclass(obj) and callable(getattr(obj, "score", None))
+        return ("batch", obj) if is_scorer_class else ("sample", obj)
+    if name in REWARDS:
+        return "sample", REWARDS.get(name)
+    if name in SCORERS:
+        return "batch", SCORERS.get(name)
+    valid = ", ".join(sorted([*REWARDS.names(), *SCORERS.names()]))
+    raise UnknownNameError(f"unknown reward {name!r}; valid: {valid} (or package.module:function)")
+
+
+def get_reward(name: str) -> RewardFn:
+    """Look up a per-sample reward by name, or import ``package.module:function``."""
+    kind, obj = lookup(name)
+    if kind == "batch":
+        raise ValueError(f"reward {name!r} is a batched scorer; build it with build_scorer")
+    return obj
