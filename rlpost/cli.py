@@ -113,9 +113,9 @@ def cmd_dpo(args) -> int:
     recipe, overrides = _split_args(args.items)
     if recipe == str(DEFAULT_RECIPE):
         recipe = str(DEFAULT_RECIPE.parent / "dpo_prefs.yaml")
-    from rlpost.train.dpo import DPOConfig, run_dpo
+    from rlpost.pipeline.dpo import run_dpo
 
-    cfg = DPOConfig.load(recipe, overrides)
+    cfg = load_config(recipe, overrides)
     _quiet_libraries()
     run_dpo(cfg)
     return 0

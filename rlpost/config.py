@@ -113,13 +113,63 @@ class CodeTaskConfig(Section):
     """Number of held-out problems."""
 
 
+def prefs_task_problem(
+    max_operand: int, ops: list[str], eval_size: int, rejected_per_prompt: int, max_offset: int
+) -> str | None:
+    """Why these built-in preference-task settings cannot work (one line), or None."""
+    if len(set(ops)) != len(ops):
+        # A repeated operator repeats prompts, which could then sit in both splits.
+        return f"ops={ops} repeats an operator; list each once"
+    space = len(ops) * (max_operand + 1) ** 2
+    if eval_size >= space:
+        return (
+            f"eval_size={eval_size} leaves no training prompts (the space has {space}); "
+            "raise max_operand or lower eval_size"
+        )
+    if not 1 <= rejected_per_prompt <= 2 * max_offset:
+        return (
+            f"rejected_per_prompt={rejected_per_prompt} must be in 1..{2 * max_offset} "
+            f"(the wrong answers within max_offset={max_offset}); raise max_offset or lower it"
+        )
+    return None
+
+
+class PrefsTaskConfig(Section):
+    """The built-in preference task (rlpost dpo): correct arithmetic result over a nearby wrong one."""
+
+    max_operand: int = Field(30, ge=1)
+    """Operands are drawn from 0..max_operand."""
+    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"])
+    """Operators to draw from."""
+    train_size: int = Field(100000, ge=1)
+    """Training prompts (each gives rejected_per_prompt pairs)."""
+    eval_size: int = Field(300, ge=1)
+    """Held-out prompts, one pair each (never seen in warm-up or training)."""
+    rejected_per_prompt: int = Field(2, ge=1)
+    """Wrong answers paired with each training prompt."""
+    max_offset: int = Field(20, ge=1)
+    """Rejected answers are off by 1..max_offset in either direction."""
+
+    @model_validator(mode="after")
+    def _fits(self) -> PrefsTaskConfig:
+        problem = prefs_task_problem(
+            self.max_operand, self.ops, self.eval_size, self.rejected_per_prompt, self.max_offset
+        )
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+
 class DataConfig(Section):
-    task: Literal["arith", "code", "file"] = "arith"
-    """Where prompts come from: the built-in arithmetic or code task, or a user file."""
+    task: Literal["arith", "code", "file", "prefs"] = "arith"
+    """Where rows come from: the built-in arithmetic or code task (rlpost train), the built-in
+    preference task (rlpost dpo), or user files (prompt rows for train, pairs for dpo)."""
     arith: ArithConfig = ArithConfig()
     """Settings of the arithmetic task."""
     code: CodeTaskConfig = CodeTaskConfig()
     """Settings of the code task."""
+    prefs: PrefsTaskConfig = PrefsTaskConfig()
+    """Settings of the built-in preference task (rlpost dpo)."""
     train_path: str | None = None
     """JSONL or Parquet file of training rows (task=file)."""
     eval_path: str | None = None
@@ -128,6 +178,12 @@ class DataConfig(Section):
     """Column holding the prompt text."""
     answer_field: str = "answer"
     """Column holding the reference answer."""
+    chosen_field: str = "chosen"
+    """Column holding the preferred response (preference pairs, rlpost dpo)."""
+    rejected_field: str = "rejected"
+    """Column holding the dispreferred response (preference pairs, rlpost dpo)."""
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    """Share of a pairs train file held out when eval_path is None (rlpost dpo)."""
     on_bad_row: Literal["skip", "error"] = "error"
     """Malformed rows: skip them (counted and reported) or stop with file and line."""
     prompt_template: str = "{prompt}"
@@ -447,6 +503,56 @@ class ObserveConfig(Section):
     """Guards that act when training starts to collapse."""
 
 
+# --------------------------------------------------------------------------- dpo
+
+
+class DPOConfig(Section):
+    """Offline preference optimisation (``rlpost dpo``): DPO or IPO against the frozen warm-up policy."""
+
+    beta: float = Field(0.1, gt=0.0)
+    """Strength of the implicit KL to the reference (DPO beta; IPO's margin is 1/(2 beta))."""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """sigmoid: DPO (arXiv 2305.18290); ipo: IPO's squared loss (arXiv 2310.12036)."""
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
+    """Assumed rate of flipped labels (conservative DPO); sigmoid loss only."""
+    lr: float = Field(5e-4, gt=0.0)
+    """Peak learning rate (linear warm-up, then cosine decay to a tenth of it)."""
+    steps: int = Field(400, ge=0)
+    """Optimizer steps."""
+    batch_size: int = Field(64, ge=1)
+    """Pairs per optimizer step."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Pairs per forward/backward pass (gradient accumulation inside a step)."""
+    warmup_steps: int = Field(10, ge=0)
+    """Linear LR warm-up, in optimizer steps."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Gradient-norm clip."""
+    eval_every: int = Field(50, ge=0)
+    """Evaluate on the held-out pairs every N steps (0: only at start and end)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DPOConfig:
+        if self.micro_batch_size > self.batch_size:
+            raise ValueError(
+                f"micro_batch_size={self.micro_batch_size} is larger than "
+                f"batch_size={self.batch_size}; set micro_batch_size <= batch_size"
+            )
+        if self.loss_type == "ipo" and self.label_smoothing > 0:
+            raise ValueError(
+                f"label_smoothing={self.label_smoothing} has no effect with loss_type=ipo; "
+                "set it to 0 or use loss_type=sigmoid"
+            )
+        return self
+
+    def loss_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`rlpost.algos.dpo.dpo_loss` this section sets."""
+        return {
+            "beta": self.beta,
+            "loss_type": self.loss_type,
+            "label_smoothing": self.label_smoothing,
+        }
+
+
 # ----------------------------------------------------------------------- cluster
 
 
@@ -473,6 +579,7 @@ class Config(Section):
     train: TrainConfig = TrainConfig()
     sft: SFTConfig = SFTConfig()
     critic: CriticConfig = CriticConfig()
+    dpo: DPOConfig = DPOConfig()
     reward: RewardConfig = RewardConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

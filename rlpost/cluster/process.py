@@ -75,7 +75,9 @@ class ProcessWorker:
         self._conn, child = ctx.Pipe()
         data = cfg.model_dump(mode="json")
         self._proc = ctx.Process(
-            target=_serve, args=(child, factory, data, str(run_dir)), name=f"rlpost-{label}",
+            target=_serve,
+            args=(child, factory, data, str(run_dir)),
+            name=f"rlpost-{label}",
             daemon=True,  # never outlives the run
         )
         self._proc.start()

@@ -18,11 +18,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field, model_validator
-
-from rlpost.config import Section
+from rlpost.config import DataConfig, prefs_task_problem
 from rlpost.data.arith import TASK_SEED, arith_problems
 from rlpost.data.files import DataError, LoadReport, valid_rows
 
@@ -43,27 +41,6 @@ def _wrong_answers(answer: int, count: int, max_offset: int, rng: random.Random)
     return [answer + d for d in rng.sample(offsets, count)]
 
 
-def task_problem(
-    max_operand: int, ops: list[str], eval_size: int, rejected_per_prompt: int, max_offset: int
-) -> str | None:
-    """Why these built-in task settings cannot work (one line), or None."""
-    if len(set(ops)) != len(ops):
-        # A repeated operator repeats prompts, which could then sit in both splits.
-        return f"ops={ops} repeats an operator; list each once"
-    space = len(ops) * (max_operand + 1) ** 2
-    if eval_size >= space:
-        return (
-            f"eval_size={eval_size} leaves no training prompts (the space has {space}); "
-            "raise max_operand or lower eval_size"
-        )
-    if not 1 <= rejected_per_prompt <= 2 * max_offset:
-        return (
-            f"rejected_per_prompt={rejected_per_prompt} must be in 1..{2 * max_offset} "
-            f"(the wrong answers within max_offset={max_offset}); raise max_offset or lower it"
-        )
-    return None
-
-
 def preference_splits(
     max_operand: int,
     ops: list[str],
@@ -80,7 +57,7 @@ def preference_splits(
     of up to ``train_size`` of the remaining problems. Rejected answers are
     drawn with a fixed task seed, never the run seed.
     """
-    problem = task_problem(max_operand, ops, eval_size, rejected_per_prompt, max_offset)
+    problem = prefs_task_problem(max_operand, ops, eval_size, rejected_per_prompt, max_offset)
     if problem is not None:
         raise ValueError(problem)
     problems = arith_problems(max_operand, ops)
@@ -173,65 +150,8 @@ def load_preference_splits(
 # ------------------------------------------------------------------------ config
 
 
-class PrefsTaskConfig(Section):
-    """The built-in preference task: correct arithmetic result over a nearby wrong one."""
-
-    max_operand: int = Field(30, ge=1)
-    """Operands are drawn from 0..max_operand."""
-    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"])
-    """Operators to draw from."""
-    train_size: int = Field(100000, ge=1)
-    """Training prompts (each gives rejected_per_prompt pairs)."""
-    eval_size: int = Field(300, ge=1)
-    """Held-out prompts, one pair each (never seen in warm-up or training)."""
-    rejected_per_prompt: int = Field(2, ge=1)
-    """Wrong answers paired with each training prompt."""
-    max_offset: int = Field(20, ge=1)
-    """Rejected answers are off by 1..max_offset in either direction."""
-
-    @model_validator(mode="after")
-    def _fits(self) -> PrefsTaskConfig:
-        problem = task_problem(
-            self.max_operand, self.ops, self.eval_size, self.rejected_per_prompt, self.max_offset
-        )
-        if problem is not None:
-            raise ValueError(problem)
-        return self
-
-
-class PrefDataConfig(Section):
-    task: Literal["prefs", "file"] = "prefs"
-    """Where pairs come from: the built-in preference task or user files."""
-    prefs: PrefsTaskConfig = PrefsTaskConfig()
-    """Settings of the built-in task."""
-    train_path: str | None = None
-    """JSONL or Parquet file of training pairs (task=file)."""
-    eval_path: str | None = None
-    """JSONL or Parquet file of held-out pairs (task=file; None: hold out eval_fraction of train)."""
-    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)
-    """Share of the train file held out when eval_path is None."""
-    prompt_field: str = "prompt"
-    """Column holding the prompt text."""
-    chosen_field: str = "chosen"
-    """Column holding the preferred response."""
-    rejected_field: str = "rejected"
-    """Column holding the dispreferred response."""
-    on_bad_row: Literal["skip", "error"] = "error"
-    """Malformed rows: skip them (counted and reported) or stop with file and line."""
-    prompt_template: str = "{prompt}"
-    """Format string applied to each prompt (``{prompt}`` is the row's prompt)."""
-
-    @model_validator(mode="after")
-    def _source(self) -> PrefDataConfig:
-        if self.task == "file" and not self.train_path:
-            raise ValueError(
-                "data.task=file needs data.train_path; set it to a JSONL or Parquet file"
-            )
-        return self
-
-
 def load_pairs(
-    d: PrefDataConfig, seed: int
+    d: DataConfig, seed: int
 ) -> tuple[list[PreferencePair], list[PreferencePair], dict[str, int]]:
     """(train pairs, held-out pairs, load counts) as the data section says."""
     if d.task == "prefs":

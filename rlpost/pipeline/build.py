@@ -111,6 +111,11 @@ def build_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, int]]
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         return train, held_out, {}
+    if d.task == "prefs":
+        raise ConfigError(
+            "data.task=prefs holds preference pairs, for rlpost dpo; rlpost train needs prompts "
+            "(data.task=arith, code or file)"
+        )
     kwargs = dict(
         prompt_field=d.prompt_field,
         answer_field=d.answer_field,

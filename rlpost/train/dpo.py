@@ -1,4 +1,4 @@
-"""Offline preference optimisation (DPO / IPO) on preference pairs, top to bottom.
+"""Offline preference optimisation (DPO / IPO): the pair tensors, the reference, the update.
 
     pairs --sft on chosen--> starting policy --frozen copy--> reference log-probs (once)
           --dpo steps--> policy --held-out pairs--> preference accuracy before / after
@@ -17,34 +17,14 @@ coin flip, so the starting value is 50% rather than a meaningless 0%.
 
 from __future__ import annotations
 
-import json
-import shutil
-import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
 
 import torch
-import yaml
-from pydantic import Field, ValidationError, model_validator
-from rich.console import Console as RichConsole
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from rlpost.algos.aggregate import masked_sum
 from rlpost.algos.dpo import dpo_loss
-from rlpost.config import (
-    ConfigError,
-    Section,
-    TinyModelConfig,
-    format_validation_error,
-    merge,
-    parse_overrides,
-)
-from rlpost.data.preferences import PrefDataConfig, PreferencePair, load_pairs
-from rlpost.data.sampler import PromptSampler
-from rlpost.models.loading import load_policy
-from rlpost.observe import Recorder
+from rlpost.config import DPOConfig
+from rlpost.data.preferences import PreferencePair
 from rlpost.train.batch import (
     TrainBatch,
     collate,
@@ -53,125 +33,7 @@ from rlpost.train.batch import (
     token_logprobs,
 )
 from rlpost.train.optim import optimizer_step
-from rlpost.train.sft import sft_train, warmup_then_cosine
-from rlpost.types import Completion, Prompt
-
-# ------------------------------------------------------------------------ config
-
-
-class DPORunConfig(Section):
-    output_dir: str = "runs"
-    """Parent directory of run directories."""
-    name: str = "dpo_prefs"
-    """Run name; the run directory is ``output_dir/name``."""
-    seed: int = 0
-    """Seed for initialisation and pair order."""
-    threads: int = Field(0, ge=0)
-    """torch intra-op threads (0: leave torch's default). One suits the tiny model on a busy CPU."""
-
-
-class DPOModelConfig(Section):
-    path: str | None = None
-    """Local directory of a Hugging Face causal LM and its tokenizer. None: the built-in tiny model."""
-    tiny: TinyModelConfig = TinyModelConfig()
-    """Shape of the built-in tiny model (used when path is None)."""
-
-
-class DPOSFTConfig(Section):
-    """Supervised warm-up on the chosen responses of the training pairs."""
-
-    steps: int = Field(200, ge=0)
-    """Optimizer steps of warm-up (0: none; the starting policy is model.path as loaded)."""
-    lr: float = Field(3e-3, gt=0.0)
-    """Peak learning rate."""
-    batch_size: int = Field(64, ge=1)
-    """Sequences per step."""
-    warmup_steps: int = Field(10, ge=0)
-    """Linear LR warm-up steps."""
-
-
-class DPOSection(Section):
-    beta: float = Field(0.1, gt=0.0)
-    """Strength of the implicit KL to the reference (DPO beta; IPO's margin is 1/(2 beta))."""
-    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
-    """sigmoid: DPO (arXiv 2305.18290); ipo: IPO's squared loss (arXiv 2310.12036)."""
-    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
-    """Assumed rate of flipped labels (conservative DPO); sigmoid loss only."""
-    lr: float = Field(5e-4, gt=0.0)
-    """Peak learning rate (linear warm-up, then cosine decay to a tenth of it)."""
-    steps: int = Field(400, ge=0)
-    """Optimizer steps."""
-    batch_size: int = Field(64, ge=1)
-    """Pairs per optimizer step."""
-    micro_batch_size: int = Field(64, ge=1)
-    """Pairs per forward/backward pass (gradient accumulation inside a step)."""
-    warmup_steps: int = Field(10, ge=0)
-    """Linear LR warm-up, in optimizer steps."""
-    grad_clip: float = Field(1.0, gt=0.0)
-    """Gradient-norm clip."""
-    eval_every: int = Field(50, ge=0)
-    """Evaluate on the held-out pairs every N steps (0: only at start and end)."""
-
-    @model_validator(mode="after")
-    def _consistent(self) -> DPOSection:
-        if self.micro_batch_size > self.batch_size:
-            raise ValueError(
-                f"micro_batch_size={self.micro_batch_size} is larger than "
-                f"batch_size={self.batch_size}; set micro_batch_size <= batch_size"
-            )
-        if self.loss_type == "ipo" and self.label_smoothing > 0:
-            raise ValueError(
-                f"label_smoothing={self.label_smoothing} has no effect with loss_type=ipo; "
-                "set it to 0 or use loss_type=sigmoid"
-            )
-        return self
-
-    def loss_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of :func:`rlpost.algos.dpo.dpo_loss` this section sets."""
-        return {
-            "beta": self.beta,
-            "loss_type": self.loss_type,
-            "label_smoothing": self.label_smoothing,
-        }
-
-
-class DPOObserveConfig(Section):
-    progress: bool = True
-    """Show a live progress bar and the before/after table."""
-
-
-class DPOConfig(Section):
-    run: DPORunConfig = DPORunConfig()
-    model: DPOModelConfig = DPOModelConfig()
-    data: PrefDataConfig = PrefDataConfig()
-    sft: DPOSFTConfig = DPOSFTConfig()
-    dpo: DPOSection = DPOSection()
-    observe: DPOObserveConfig = DPOObserveConfig()
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.run.output_dir) / self.run.name
-
-    @classmethod
-    def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> DPOConfig:
-        """Load a recipe (None: defaults), apply dotted overrides, validate; raises ConfigError."""
-        data: dict[str, Any] = {}
-        if path is not None:
-            p = Path(path)
-            if not p.is_file():
-                raise ConfigError(f"recipe {str(p)!r} does not exist")
-            try:
-                data = yaml.safe_load(p.read_text()) or {}
-            except yaml.YAMLError:
-                raise ConfigError(f"recipe {str(p)!r} is not valid YAML") from None
-            if not isinstance(data, dict):
-                raise ConfigError(f"recipe {str(p)!r} must be a mapping of sections")
-        data = merge(data, parse_overrides(overrides or []))
-        try:
-            return cls.model_validate(data)
-        except ValidationError as err:
-            raise ConfigError(format_validation_error(err)) from None
-
+from rlpost.types import Completion
 
 # ----------------------------------------------------------------- pair tensors
 
@@ -251,7 +113,7 @@ def _tie_half(x: torch.Tensor) -> float:
 
 
 def evaluate_pairs(
-    model: torch.nn.Module, pairs: PairSet, pad_id: int, s: DPOSection, chunk: int = 256
+    model: torch.nn.Module, pairs: PairSet, pad_id: int, s: DPOConfig, chunk: int = 256
 ) -> dict[str, float]:
     """Held-out preference metrics of ``model`` against the stored reference log-probs.
 
@@ -282,7 +144,7 @@ def dpo_update(
     pairs: PairSet,
     idx: list[int],
     pad_id: int,
-    s: DPOSection,
+    s: DPOConfig,
 ) -> dict[str, float]:
     """One optimizer step on pairs ``idx``, accumulated over micro-batches of pairs.
 
@@ -305,152 +167,3 @@ def dpo_update(
     params = list(model.parameters())
     outcome = optimizer_step(optimizer, scheduler, params, s.grad_clip, micro, micro_loss)
     return {"loss": outcome.loss, **outcome.as_dict(), "lr": lr}
-
-
-# --------------------------------------------------------------------------- run
-
-
-# Held-out metrics reported before and after training: (key, table label, format).
-SUMMARY_ROWS = (
-    ("eval_pref_accuracy", "preference accuracy (implicit reward)", ".1%"),
-    ("eval_margin", "reward margin", ".3f"),
-    ("eval_logp_accuracy", "log p(chosen) > log p(rejected)", ".1%"),
-)
-SUMMARY_KEYS = tuple(key for key, _, _ in SUMMARY_ROWS)
-
-
-@dataclass
-class DPOResult:
-    run_dir: Path
-    summary: dict[str, Any]
-
-
-def _prepare_run_dir(cfg: DPOConfig) -> Path:
-    run_dir = cfg.run_dir
-    if run_dir.exists():
-        # A fresh run never mixes its files with an older run of the same name.
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-    text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-    (run_dir / "config.yaml").write_text(text)
-    return run_dir
-
-
-def _progress(enabled: bool) -> Progress:
-    columns = (BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        *columns,
-        TextColumn("{task.fields[info]}"),
-        console=RichConsole(stderr=True),
-        disable=not enabled,
-    )
-
-
-def _warm_up(cfg: DPOConfig, model, tokenizer, train: list[PreferencePair], bar) -> list[float]:
-    s = cfg.sft
-    if s.steps == 0:
-        return []
-    task = bar.add_task("sft on chosen", total=s.steps, info="")
-    prompts = [Prompt(text=p.prompt, answer=p.chosen) for p in train]
-    return sft_train(
-        model,
-        tokenizer,
-        prompts,
-        steps=s.steps,
-        lr=s.lr,
-        batch_size=s.batch_size,
-        warmup_steps=s.warmup_steps,
-        seed=cfg.run.seed,
-        on_step=lambda i, loss: bar.update(task, advance=1, info=f"loss {loss:.3f}"),
-    )
-
-
-def run_dpo(cfg: DPOConfig) -> DPOResult:
-    """Warm up, store reference log-probs, train with DPO / IPO, report held-out preference."""
-    started = time.time()
-    torch.manual_seed(cfg.run.seed)
-    threads = torch.get_num_threads()
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
-    try:
-        return _run(cfg, started)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _run(cfg: DPOConfig, started: float) -> DPOResult:
-    run_dir = _prepare_run_dir(cfg)
-    train_pairs, eval_pairs, counts = load_pairs(cfg.data, cfg.run.seed)
-    model, tokenizer = load_policy(
-        cfg.model.path, tiny_shape=cfg.model.tiny.model_dump(), seed=cfg.run.seed
-    )
-    pad_id, s = tokenizer.pad_token_id, cfg.dpo
-    recorder = Recorder(run_dir)
-    bar = _progress(cfg.observe.progress)
-    try:
-        with bar:
-            sft_losses = _warm_up(cfg, model, tokenizer, train_pairs, bar)
-            train_set, eval_set = (encode_pairs(p, tokenizer) for p in (train_pairs, eval_pairs))
-            for pairs in (train_set, eval_set):
-                attach_reference(model, pairs, pad_id, chunk=256)
-            first = evaluate_pairs(model, eval_set, pad_id, s)
-            recorder.record(0, first)
-            last = _train(model, train_set, eval_set, pad_id, cfg, recorder, bar)
-    finally:
-        recorder.close()
-    summary: dict[str, Any] = {}
-    for key in SUMMARY_KEYS:
-        summary[f"{key}_start"], summary[f"{key}_end"] = first[key], last[key]
-    summary |= {
-        "eval_pairs": len(eval_set),
-        "train_pairs": len(train_set),
-        "steps": s.steps,
-        "loss_type": s.loss_type,
-        "beta": s.beta,
-        "sft_loss_last": sft_losses[-1] if sft_losses else None,
-        "wall_seconds": time.time() - started,
-        **counts,
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    model.save_pretrained(run_dir / "model")
-    tokenizer.save_pretrained(run_dir / "model")
-    if cfg.observe.progress:
-        _print_summary(summary, run_dir)
-    return DPOResult(run_dir=run_dir, summary=summary)
-
-
-def _train(model, train_set, eval_set, pad_id, cfg: DPOConfig, recorder, bar) -> dict[str, float]:
-    """The DPO steps; returns the final held-out metrics."""
-    s = cfg.dpo
-    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_then_cosine(s.warmup_steps, s.steps)
-    )
-    sampler = PromptSampler(list(range(len(train_set))), s.batch_size, seed=cfg.run.seed)
-    task = bar.add_task(f"dpo ({s.loss_type})", total=s.steps, info="")
-    held = ""
-    for step in range(1, s.steps + 1):
-        m = dpo_update(model, optimizer, scheduler, train_set, sampler.next_batch(), pad_id, s)
-        if s.eval_every and step % s.eval_every == 0 and step < s.steps:
-            m.update(evaluate_pairs(model, eval_set, pad_id, s))
-            held = f" | held-out acc {m['eval_pref_accuracy']:.1%}"
-        recorder.record(step, m)
-        info = f"loss {m['loss']:.3f} | margin {m['reward_margin']:.3f}{held}"
-        bar.update(task, advance=1, info=info)
-    final = evaluate_pairs(model, eval_set, pad_id, s)
-    recorder.record(s.steps, final)
-    return final
-
-
-def _print_summary(s: dict[str, Any], run_dir: Path) -> None:
-    table = Table(title=f"rlpost dpo {run_dir}")
-    for name, justify in (("held-out pairs", "left"), ("start", "right"), ("end", "right")):
-        table.add_column(name, justify=justify)
-    for key, label, fmt in SUMMARY_ROWS:
-        table.add_row(label, format(s[f"{key}_start"], fmt), format(s[f"{key}_end"], fmt))
-    table.add_row("steps", "", str(s["steps"]))
-    table.add_row("wall time", "", f"{s['wall_seconds']:.0f} s")
-    out = RichConsole(stderr=True)
-    out.print(table)
-    out.print(f"metrics: {run_dir / 'metrics.jsonl'}   summary: {run_dir / 'summary.json'}")

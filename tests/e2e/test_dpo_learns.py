@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rlpost.train.dpo import DPOConfig, run_dpo
+from rlpost.config import load_config
+from rlpost.pipeline.dpo import run_dpo
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "dpo_prefs.yaml"
 
@@ -20,7 +21,7 @@ def test_dpo_raises_held_out_preference_accuracy(tmp_path):
         "dpo.eval_every=0",
         "observe.progress=false",
     ]
-    summary = run_dpo(DPOConfig.load(RECIPE, overrides)).summary
+    summary = run_dpo(load_config(RECIPE, overrides)).summary
     start, end = summary["eval_pref_accuracy_start"], summary["eval_pref_accuracy_end"]
     assert start == 0.5  # the policy is its own reference before training: all ties
     assert end - start >= 0.20, summary

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from rlpost.cli import main
-from rlpost.train.dpo import DPOConfig, run_dpo
+from rlpost.config import load_config
+from rlpost.pipeline.dpo import run_dpo
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "dpo_prefs.yaml"
 
@@ -66,7 +67,7 @@ def test_ipo_runs_and_fits_the_pairs_it_trains_on(tmp_path):
     # Four prompts, eight pairs: every step sees the same batch, so the loss must fall.
     ipo = {"dpo.loss_type": "ipo", "dpo.steps": 12, "dpo.lr": 3e-3, "dpo.warmup_steps": 0}
     over = tiny_overrides(tmp_path, **ipo, **{"data.prefs.train_size": 4})
-    result = run_dpo(DPOConfig.load(RECIPE, over))
+    result = run_dpo(load_config(RECIPE, over))
     assert result.summary["loss_type"] == "ipo" and result.summary["train_pairs"] == 8
     losses = [r["loss"] for r in _rows(result.run_dir) if "loss" in r]
     assert len(losses) == 12 and all(math.isfinite(x) for x in losses)
@@ -76,10 +77,10 @@ def test_ipo_runs_and_fits_the_pairs_it_trains_on(tmp_path):
 
 
 def test_default_recipe_is_the_cli_default(tmp_path, monkeypatch):
-    cfg = DPOConfig.load(RECIPE, [])
+    cfg = load_config(RECIPE, [])
     assert cfg.run.name == "dpo_prefs" and cfg.dpo.beta == 0.1 and cfg.data.prefs.eval_size >= 200
     seen = {}
-    monkeypatch.setattr("rlpost.train.dpo.run_dpo", lambda c: seen.setdefault("cfg", c))
+    monkeypatch.setattr("rlpost.pipeline.dpo.run_dpo", lambda c: seen.setdefault("cfg", c))
     assert main(["dpo", "dpo.steps=7"]) == 0
     assert seen["cfg"].run.name == "dpo_prefs" and seen["cfg"].dpo.steps == 7
 

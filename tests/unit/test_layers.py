@@ -88,7 +88,7 @@ def test_no_import_cycle():
         stack.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt) :] + [nxt]
+                return [*stack[stack.index(nxt) :], nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         stack.pop()
@@ -102,7 +102,8 @@ def test_no_import_cycle():
 
 def test_guards_are_pure_python():
     names = imports(ROOT / "observe" / "guards.py") | {
-        n.id for n in ast.walk(ast.parse((ROOT / "observe" / "guards.py").read_text()))
+        n.id
+        for n in ast.walk(ast.parse((ROOT / "observe" / "guards.py").read_text()))
         if isinstance(n, ast.Name)
     }
     assert not {"torch", "numpy", "transformers"} & names

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from rlpost.config import ConfigError
+from rlpost.config import ConfigError, DPOConfig, load_config
 from rlpost.data.files import DataError
 from rlpost.data.preferences import (
     PreferencePair,
@@ -19,8 +19,6 @@ from rlpost.data.preferences import (
 from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
 from rlpost.train.batch import response_logits, token_logprobs
 from rlpost.train.dpo import (
-    DPOConfig,
-    DPOSection,
     attach_reference,
     dpo_update,
     encode_pairs,
@@ -194,7 +192,7 @@ def test_policy_equal_to_reference_is_a_coin_flip(tiny):
     model, tokenizer = tiny
     pairs = encode_pairs(_pairs(6), tokenizer)
     attach_reference(model, pairs, tokenizer.pad_token_id, chunk=4)
-    m = evaluate_pairs(model, pairs, tokenizer.pad_token_id, DPOSection(), chunk=4)
+    m = evaluate_pairs(model, pairs, tokenizer.pad_token_id, DPOConfig(), chunk=4)
     assert m["eval_pref_accuracy"] == 0.5 and m["eval_margin"] == 0.0
     assert m["eval_loss"] == pytest.approx(0.6931, abs=1e-4)
 
@@ -210,7 +208,7 @@ def test_update_does_not_depend_on_the_micro_batch_size(tiny):
         m = copy.deepcopy(model)
         opt = torch.optim.SGD(m.parameters(), lr=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-        s = DPOSection(batch_size=6, micro_batch_size=micro, grad_clip=1e9)
+        s = DPOConfig(batch_size=6, micro_batch_size=micro, grad_clip=1e9)
         stats = dpo_update(m, opt, sched, pairs, list(range(6)), tokenizer.pad_token_id, s)
         grads.append((stats, torch.cat([p.grad.flatten() for p in m.parameters()])))
     (s6, g6), *rest = grads
@@ -238,13 +236,13 @@ def test_update_does_not_depend_on_the_micro_batch_size(tiny):
 )
 def test_config_problems_are_one_line(override, fragment):
     if fragment is None:  # a valid setting: conservative DPO with the sigmoid loss
-        assert DPOConfig.load(None, [override]).dpo.label_smoothing == 0.1
+        assert load_config(None, [override]).dpo.label_smoothing == 0.1
         return
     with pytest.raises(ConfigError) as err:
-        DPOConfig.load(None, [override])
+        load_config(None, [override])
     assert fragment in str(err.value) and "\n" not in str(err.value)
 
 
 def test_ipo_with_label_smoothing_is_refused():
     with pytest.raises(ConfigError, match="no effect with loss_type=ipo"):
-        DPOConfig.load(None, ["dpo.loss_type=ipo", "dpo.label_smoothing=0.1"])
+        load_config(None, ["dpo.loss_type=ipo", "dpo.label_smoothing=0.1"])
