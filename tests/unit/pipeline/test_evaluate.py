@@ -7,7 +7,9 @@ import pytest
 from rlpost.config import Config
 from rlpost.pipeline.evaluate import evaluate
 from rlpost.rewards.scorer import build_scorer
+from rlpost.rewards.worker import RewardWorker
 from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.worker import RolloutWorker
 from rlpost.types import Completion, Prompt
 
 
@@ -37,12 +39,18 @@ class CharTokenizer:
         return {"input_ids": [ord(c) for c in text]}
 
 
+def workers(engine):
+    """The real rollout and reward workers around a scripted engine."""
+    reward = RewardWorker(build_scorer(Config().reward, truncated_reward=0.0), max_tokens=16)
+    return RolloutWorker(engine, CharTokenizer()), reward
+
+
 def test_accuracy_is_the_mean_over_samples_with_its_standard_error():
     prompts = [Prompt(f"{i}+0=", answer=i) for i in range(5)]
     right = [0, 1, 2, 3, 4]  # of 4 samples each
     engine = AnswerSheet(prompts, right)
-    scorer = build_scorer(Config().reward)
-    out = evaluate(engine, CharTokenizer(), prompts, scorer, SamplingParams(), chunk=8, samples=4)
+    rollout, reward = workers(engine)
+    out = evaluate(rollout, reward, prompts, SamplingParams(), chunk=8, samples=4)
     per_problem = [r / 4 for r in right]
     mean = sum(per_problem) / 5
     se = math.sqrt(sum((a - mean) ** 2 for a in per_problem) / 4 / 5)
@@ -50,17 +58,33 @@ def test_accuracy_is_the_mean_over_samples_with_its_standard_error():
     assert out["eval_accuracy_stderr"] == pytest.approx(se)
     assert out["eval_problems"] == 5
     assert engine.calls == [(2, 4), (2, 4), (1, 4)]  # chunk counts samples, not prompts
-    greedy = evaluate(
-        engine, CharTokenizer(), prompts, scorer, SamplingParams(temperature=0), samples=4
-    )
+    greedy = evaluate(rollout, reward, prompts, SamplingParams(temperature=0), samples=4)
     assert greedy["eval_accuracy"] == pytest.approx(4 / 5) and engine.calls[-1] == (5, 1)
 
 
 def test_each_chunk_of_a_seeded_evaluation_gets_its_own_seed():
     prompts = [Prompt(f"{i}+0=", answer=i) for i in range(5)]
     engine = AnswerSheet(prompts, [1] * 5)
-    scorer = build_scorer(Config().reward)
-    evaluate(engine, CharTokenizer(), prompts, scorer, SamplingParams(seed=7), chunk=8, samples=4)
+    rollout, reward = workers(engine)
+    evaluate(rollout, reward, prompts, SamplingParams(seed=7), chunk=8, samples=4)
     assert engine.seeds == [7, 9, 11]  # seed + index of the chunk's first problem
-    evaluate(engine, CharTokenizer(), prompts, scorer, SamplingParams(), chunk=8, samples=4)
+    evaluate(rollout, reward, prompts, SamplingParams(), chunk=8, samples=4)
     assert engine.seeds[3:] == [None, None, None]
+
+
+def test_a_truncated_answer_is_judged_by_its_text_in_evaluation():
+    # rollout.truncated_reward shapes training only: held-out accuracy reads the answer.
+    prompts = [Prompt("3+0=", answer=3)]
+
+    class Truncating(AnswerSheet):
+        def generate(self, prompt_ids, params, n=1, group_offset=0):
+            out = super().generate(prompt_ids, params, n, group_offset)
+            for c in out:
+                c.finish_reason = "length"
+            return out
+
+    rollout, reward = workers(Truncating(prompts, [1]))
+    out = evaluate(rollout, reward, prompts, SamplingParams(temperature=0))
+    assert out["eval_accuracy"] == 1.0
+    trained = reward.score(rollout.generate(prompts, SamplingParams(temperature=0), 1).groups)
+    assert trained[0].scores == [0.0] and trained[0].components["truncated"] == [0.0]

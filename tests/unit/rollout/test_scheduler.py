@@ -3,6 +3,7 @@
 import copy
 import threading
 import time
+from dataclasses import replace
 from concurrent.futures import CancelledError
 
 import pytest
@@ -56,10 +57,14 @@ def test_joining_requests_keep_trainer_logprobs(sched, model_tok):
     model, tok = model_tok
     params = SamplingParams(temperature=0.7, max_tokens=10)
     prompts = _ids(tok) + _ids(tok, ["2+2=", "99-1="])
-    tickets = []
-    for i, p in enumerate(prompts):
-        tickets.append(sched.submit(GenerationRequest(p, params, n=3, seed=i)))
-        time.sleep(0.01)  # arrive while earlier requests decode
+    first = sched.stats()["tokens"]
+    tickets = [sched.submit(GenerationRequest(prompts[0], replace(params, max_tokens=100), n=3))]
+    deadline = time.time() + 30
+    while sched.stats()["tokens"] == first and time.time() < deadline:
+        time.sleep(0.001)  # the first request is decoding: the others join it mid-flight
+    tickets += sched.submit_all(
+        [GenerationRequest(p, params, n=3, seed=i) for i, p in enumerate(prompts[1:], 1)]
+    )
     outs = [t.future.result(timeout=60) for t in tickets]
     comps = [
         Completion(prompts[i], o.token_ids, o.logprobs, o.finish_reason, o.policy_version, i)

@@ -1,0 +1,49 @@
+"""Builders and config checks: what is built, how often, and what the traits decide (CPU)."""
+
+from __future__ import annotations
+
+import math
+
+from rlpost.config import load_config
+from rlpost.pipeline.build import build_reward_worker, check_names
+from rlpost.types import Completion, Group, Prompt
+
+
+class CountingScorer:
+    """A batched reward that counts how often it is built (a reward model would load weights)."""
+
+    built = 0
+
+    def __init__(self, bonus: float = 0.0) -> None:
+        type(self).built += 1
+        self.bonus = bonus
+
+    def score(self, samples):
+        return [1.0 + self.bonus for _ in samples]
+
+    def close(self) -> None:
+        pass
+
+
+def test_config_check_never_builds_a_batched_reward():
+    name = f"{__name__}:CountingScorer"
+    cfg = load_config(None, [f'reward.terms=[{{"name": "{name}", "kind": "model"}}]'])
+    CountingScorer.built = 0
+    check_names(cfg)
+    assert CountingScorer.built == 0  # checked by name and parameters only
+    worker = build_reward_worker(cfg)
+    assert CountingScorer.built == 1
+    worker.close()
+
+
+def test_truncated_reward_is_applied_in_the_scorer_and_logged_as_trained():
+    cfg = load_config(None, ["rollout.truncated_reward=-1.0"])
+    worker = build_reward_worker(cfg)
+    done = Completion([1], [5, 2], [0.0, 0.0], "stop", 0, 0, text="4")
+    cut = Completion([1], [5, 5], [0.0, 0.0], "length", 0, 0, text="4")
+    (group,) = worker.score([Group(Prompt("2+2=", answer=4), [done, cut])])
+    assert group.scores == [1.0, -1.0]
+    assert group.components["numeric_match"][0] == 1.0
+    assert math.isnan(group.components["numeric_match"][1])  # the term did not score it
+    assert math.isnan(group.components["truncated"][0]) and group.components["truncated"][1] == -1.0
+    assert group.invalid == [False, False]
