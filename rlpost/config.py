@@ -327,6 +327,21 @@ class LossParams(Section):
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
+class RolloutCorrectionConfig(Section):
+    """Importance correction between the policy that sampled (the engine's logprobs) and the
+    one the loss is computed against (docs/algorithms.md, "Rollout corrections")."""
+
+    name: str = "none"
+    """none, tis (token truncated IS), seq_tis (sequence truncated IS), mask (IcePop: tokens
+    whose ratio leaves [low, high] are masked), seq_mask (such rows are masked whole)."""
+    cap: float = Field(2.0, gt=0.0)
+    """Upper bound of a truncated importance weight (tis, seq_tis, seq_mask)."""
+    low: float = Field(0.5, ge=0.0, lt=1.0)
+    """Lower edge of the accepted ratio band (mask, seq_mask)."""
+    high: float = Field(5.0, gt=1.0)
+    """Upper edge of the accepted ratio band (mask, seq_mask)."""
+
+
 class AlgoConfig(Section):
     advantage: str = "grpo"
     """Advantage estimator, by registered name (see docs/algorithms.md)."""
@@ -341,6 +356,8 @@ class AlgoConfig(Section):
     seq-mean-token-sum-norm."""
     kl: KLConfig = KLConfig()
     """KL penalty against the frozen reference policy."""
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
+    """Importance correction for samples from older weights or another engine's numerics."""
     entropy_coef: float = Field(0.0, ge=0.0)
     """Entropy bonus coefficient."""
     dynamic_sampling: bool = False
@@ -553,6 +570,27 @@ class DPOConfig(Section):
         }
 
 
+# ---------------------------------------------------------------------- pipeline
+
+
+class PipelineConfig(Section):
+    """How rollout and training are scheduled against each other."""
+
+    mode: Literal["sync", "one_step_off", "async"] = "sync"
+    """sync: generate, then train, every step on the newest weights; one_step_off: the rollout
+    of step k+1 runs while step k trains (samples one version old); async: rollout runs
+    continuously and the trainer takes a batch as soon as one is ready, within max_staleness."""
+    max_staleness: int = Field(1, ge=0)
+    """async: the most versions a trained sample's oldest token may lag the weights being
+    trained (eta). New rollouts are admitted only while this holds, so nothing is wasted."""
+    stale: Literal["wait", "drop"] = "wait"
+    """A group that still exceeds max_staleness when it reaches the trainer (a long sample that
+    spanned many updates): wait trains it anyway, corrected by the importance weight; drop
+    discards it (counted in sample_drop_ratio) and its prompt is sampled again."""
+    queue_batches: int = Field(2, ge=1)
+    """async: rollout batches that may wait, finished, for the trainer."""
+
+
 # ----------------------------------------------------------------------- cluster
 
 
@@ -560,9 +598,11 @@ class ClusterConfig(Section):
     """Where the workers live. The loop talks to them only through their protocols, so the
     same run goes in one process or across processes unchanged."""
 
-    backend: Literal["local", "process"] = "local"
+    backend: Literal["auto", "local", "process"] = "auto"
     """local: every worker in this process; process: the trainer and the rollout worker each in
-    its own OS process (multiprocessing, spawn), the reward worker in this one."""
+    its own OS process (multiprocessing, spawn), the reward worker in this one; auto: local for
+    pipeline.mode=sync, process for the overlapped modes (so rollout and training use different
+    cores)."""
     start_timeout_s: float = Field(600.0, gt=0)
     """Seconds a worker process may take to start (build its model) before the run stops."""
 
@@ -584,6 +624,7 @@ class Config(Section):
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     observe: ObserveConfig = ObserveConfig()
+    pipeline: PipelineConfig = PipelineConfig()
     cluster: ClusterConfig = ClusterConfig()
 
     @model_validator(mode="after")

@@ -14,8 +14,12 @@ from rlpost.config import Config
 
 
 def starter(cfg: Config) -> Callable:
-    """The start function of ``cfg.cluster.backend``."""
-    if cfg.cluster.backend == "process":
+    """The start function of ``cfg.cluster.backend`` (``auto``: local for the synchronous loop,
+    separate processes for the overlapped ones)."""
+    backend = cfg.cluster.backend
+    if backend == "auto":
+        backend = "local" if cfg.pipeline.mode == "sync" else "process"
+    if backend == "process":
         from rlpost.cluster.process import start_process_workers
 
         return start_process_workers

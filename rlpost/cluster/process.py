@@ -15,21 +15,31 @@ directory, where the trainer's process loads it.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import pickle
+import threading
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from rlpost.config import Config
+from rlpost.pipeline.workers import WorkerLost
 
 
-class WorkerError(RuntimeError):
+class WorkerError(WorkerLost):
     """A worker process failed; the message names the worker, the call and the cause."""
 
 
 def _serve(conn, factory: str, cfg_data: dict, run_dir: str) -> None:
-    """Child side: build the worker, then answer calls until told to close."""
+    """Child side: build the worker, then answer calls until told to close.
+
+    Calls run on a small thread pool, so a call can arrive while another runs:
+    new weights reach a rollout worker while it generates (its continuous
+    engine applies them between decode steps). Each caller thread on the other
+    side still makes one call at a time, so calls from one thread keep their order.
+    """
     try:
         import torch
 
@@ -41,33 +51,46 @@ def _serve(conn, factory: str, cfg_data: dict, run_dir: str) -> None:
             torch.set_num_threads(cfg.run.threads)
         worker = getattr(me, factory)(cfg, Path(run_dir))
     except Exception as exc:  # the parent reports it in one line and stops the run
-        conn.send_bytes(pickle.dumps(("error", _one_line(exc))))
+        conn.send_bytes(pickle.dumps(("error", 0, _one_line(exc))))
         return
-    conn.send_bytes(pickle.dumps(("ready", None)))
-    while True:
-        name, args, kwargs = pickle.loads(conn.recv_bytes())
+    send_lock = threading.Lock()
+
+    def run(call_id: int, name: str, args, kwargs) -> None:
         try:
-            result = getattr(worker, name)(*args, **kwargs)
+            reply = ("ok", call_id, getattr(worker, name)(*args, **kwargs))
         except Exception as exc:
-            conn.send_bytes(pickle.dumps(("error", _one_line(exc))))
+            reply = ("error", call_id, _one_line(exc))
+        with send_lock:
+            conn.send_bytes(pickle.dumps(reply))
+
+    conn.send_bytes(pickle.dumps(("ready", 0, None)))
+    with ThreadPoolExecutor(max_workers=4, thread_name_prefix="rlpost-call") as pool:
+        while True:
+            try:
+                call_id, name, args, kwargs = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                return  # the parent is gone
             if name == "close":
+                pool.shutdown(wait=True)
+                run(call_id, name, args, kwargs)
                 return
-            continue
-        conn.send_bytes(pickle.dumps(("ok", result)))
-        if name == "close":
-            return
+            pool.submit(run, call_id, name, args, kwargs)
 
 
 def _one_line(exc: BaseException) -> str:
     where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
     at = f" ({where[0].filename.rsplit('/', 1)[-1]}:{where[0].lineno})" if where else ""
-    return (
-        f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}{at}"
-    )
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}{at}"
 
 
 class ProcessWorker:
-    """Calls a worker in a child process as if it were local: ``proxy.method(*args)``."""
+    """Calls a worker in a child process as if it were local: ``proxy.method(*args)``.
+
+    Thread-safe: several threads may call at once (each call is tagged and its
+    reply routed back by a receiver thread). If the child dies, every pending
+    and later call fails with a one-line :class:`WorkerError`.
+    """
 
     def __init__(self, label: str, factory: str, cfg: Config, run_dir: Path) -> None:
         ctx = mp.get_context("spawn")
@@ -82,36 +105,95 @@ class ProcessWorker:
         )
         self._proc.start()
         child.close()
-        self._timeout = cfg.cluster.start_timeout_s
-        self._receive("start")
+        self._lock = threading.Lock()
+        self._pending: dict[int, tuple[str, Future]] = {}
+        self._ids = itertools.count(1)
+        self._dead: str | None = None
+        self._await_start(cfg.cluster.start_timeout_s)
+        self._receiver = threading.Thread(
+            target=self._receive, name=f"rlpost-{label}-replies", daemon=True
+        )
+        self._receiver.start()
 
-    def _receive(self, call: str) -> Any:
-        deadline = self._timeout
+    def _await_start(self, timeout: float) -> None:
+        waited = 0.0
         while not self._conn.poll(1.0):
             if not self._proc.is_alive():
                 raise WorkerError(
-                    f"{self.label} worker process exited (code {self._proc.exitcode}) during {call}"
+                    f"{self.label} worker process exited (code {self._proc.exitcode}) during start",
+                    self.label,
                 )
-            deadline -= 1.0
-            if call == "start" and deadline <= 0:
+            waited += 1.0
+            if waited >= timeout:
                 self._proc.kill()
-                raise WorkerError(f"{self.label} worker did not start within {self._timeout:.0f} s")
-        kind, value = pickle.loads(self._conn.recv_bytes())
+                raise WorkerError(
+                    f"{self.label} worker did not start within {timeout:.0f} s", self.label
+                )
+        try:
+            kind, _, value = pickle.loads(self._conn.recv_bytes())
+        except (EOFError, OSError):
+            self._proc.join(timeout=10)
+            raise WorkerError(
+                f"{self.label} worker process exited (code {self._proc.exitcode}) during start",
+                self.label,
+            ) from None
         if kind == "error":
-            raise WorkerError(f"{self.label} worker, {call}: {value}")
-        return value
+            self._proc.join(timeout=10)
+            raise WorkerError(f"{self.label} worker, start: {value}", self.label)
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                kind, call_id, value = pickle.loads(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                self._proc.join(timeout=5)
+                self._fail_all(f"process exited (code {self._proc.exitcode})")
+                return
+            with self._lock:
+                name, fut = self._pending.pop(call_id)
+            if kind == "error":
+                fut.set_exception(WorkerError(f"{self.label} worker, {name}: {value}", self.label))
+            else:
+                fut.set_result(value)
+
+    def _fail_all(self, why: str) -> None:
+        with self._lock:
+            self._dead = why
+            pending, self._pending = self._pending, {}
+        for name, fut in pending.values():
+            fut.set_exception(WorkerError(f"{self.label} worker {why} during {name}", self.label))
 
     def call(self, name: str, *args, **kwargs) -> Any:
-        self._conn.send_bytes(pickle.dumps((name, args, kwargs)))
-        return self._receive(name)
+        fut: Future = Future()
+        with self._lock:
+            if self._dead is not None:
+                raise WorkerError(
+                    f"{self.label} worker {self._dead}; cannot call {name}", self.label
+                )
+            call_id = next(self._ids)
+            self._pending[call_id] = (name, fut)
+            try:
+                self._conn.send_bytes(pickle.dumps((call_id, name, args, kwargs)))
+            except OSError:  # the child is gone (broken pipe): the receiver reports why
+                del self._pending[call_id]
+                self._proc.join(timeout=5)
+                raise WorkerError(
+                    f"{self.label} worker process exited (code {self._proc.exitcode}) during {name}",
+                    self.label,
+                ) from None
+        return fut.result()
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
         return lambda *args, **kwargs: self.call(name, *args, **kwargs)
 
+    def kill(self) -> None:
+        """Stop the child at once (tests use it to play a lost machine)."""
+        self._proc.kill()
+
     def close(self) -> None:
-        if self._proc.is_alive():
+        if self._proc.is_alive() and self._dead is None:
             try:
                 self.call("close")
             except (WorkerError, OSError, EOFError):
@@ -119,6 +201,7 @@ class ProcessWorker:
             self._proc.join(timeout=30)
         if self._proc.is_alive():
             self._proc.kill()
+        self._proc.join(timeout=10)
         self._conn.close()
 
 

@@ -20,6 +20,7 @@ from rlpost.algos import (
     get_kl_estimator,
     get_policy_loss,
 )
+from rlpost.algos.correction import get_correction
 from rlpost.config import Config, ConfigError
 from rlpost.data import arith_splits, load_prompt_file
 from rlpost.data.code import code_splits
@@ -53,6 +54,10 @@ def check_names(cfg: Config) -> None:
         ("algo.kl.estimator", a.kl.estimator, get_kl_estimator, {}),
         ("algo.loss_agg_mode", a.loss_agg_mode, get_aggregation, {}),
     ]
+    if a.rollout_correction.name != "none":
+        checks.append(
+            ("algo.rollout_correction.name", a.rollout_correction.name, get_correction, {})
+        )
     for key, name, lookup, params in checks:
         try:
             fn = lookup(name)
@@ -162,8 +167,9 @@ def build_engine(cfg: Config, model, tokenizer, *, push: bool = True):
     serving.requires_grad_(False)
     if cfg.model.dtype == "bfloat16":
         serving = serving.to(dtype=torch.bfloat16)
-    if r.partial:
-        # Continuous batching lets a partial step stop the moment enough samples are done.
+    if r.partial or cfg.pipeline.mode != "sync":
+        # Continuous batching lets a partial step stop the moment enough samples are done,
+        # and takes new weights between decode steps while it generates (overlapped modes).
         scheduler = Scheduler(
             serving,
             tokenizer,
@@ -199,7 +205,7 @@ def eval_params(cfg: Config, eos_token_id: int, *, greedy: bool = False) -> Samp
 
 
 def build_trainer(cfg: Config, model) -> PolicyTrainer:
-    a, t = cfg.algo, cfg.train
+    a, t, c = cfg.algo, cfg.train, cfg.algo.rollout_correction
     settings = ActorSettings(
         lr=t.lr,
         warmup_steps=t.warmup_steps,
@@ -216,6 +222,7 @@ def build_trainer(cfg: Config, model) -> PolicyTrainer:
         kl_in_loss=a.kl.placement == "loss",
         bf16=cfg.model.dtype == "bfloat16",
         loss_params=a.loss_params.given(),
+        correction_params={"cap": c.cap, "low": c.low, "high": c.high},
     )
     keep_ref = a.kl.beta > 0 or POLICY_LOSSES.trait(a.policy_loss, "needs_reference")
     ref = frozen_copy(model) if keep_ref else None
@@ -225,6 +232,7 @@ def build_trainer(cfg: Config, model) -> PolicyTrainer:
         settings,
         ref_model=ref,
         kl_estimator=get_kl_estimator(a.kl.estimator),
+        correction=None if c.name == "none" else get_correction(c.name),
         seed=cfg.run.seed,
     )
 

@@ -36,20 +36,16 @@ from rlpost.observe import Guards, Recorder
 from rlpost.pipeline import build
 from rlpost.pipeline.console import Console
 from rlpost.pipeline.evaluate import evaluate
+from rlpost.pipeline.feeds import OverlapFeed, PromptSource, RolloutFailed, SyncFeed
 from rlpost.pipeline.rundir import finish_run, prepare_run_dir, warm_start
-from rlpost.pipeline.stages import (
-    RolloutSettings,
-    TrainSettings,
-    rollout_stage,
-    train_stage,
-)
-from rlpost.pipeline.workers import Workers
+from rlpost.pipeline.stages import RolloutSettings, TrainSettings, train_stage
+from rlpost.pipeline.workers import WorkerLost, Workers
 from rlpost.rewards.monitor import HackingMonitor
 from rlpost.rewards.samples import SampleWriter
 from rlpost.rewards.worker import reward_samples
 from rlpost.rng import set_rng_state
 from rlpost.train.checkpoint import latest_checkpoint, latest_step, load_state, save_checkpoint
-from rlpost.types import ScoredBatch
+from rlpost.types import Group, ScoredBatch
 
 
 @dataclass
@@ -78,6 +74,8 @@ class Run:
     monitor: HackingMonitor
     pad_id: int
     eos_id: int
+    feed: object = None
+    on_groups: Callable | None = None
 
 
 def start_workers(cfg: Config, run_dir: Path, train_prompts, console, *, resuming: bool) -> Workers:
@@ -96,10 +94,12 @@ def train(
     console: Console | None = None,
     stop: threading.Event | None = None,
     start: Callable[..., Workers] | None = None,
+    on_groups: Callable[[int, list[Group]], None] | None = None,
 ) -> RunResult:
     """Run the loop. ``stop``, when set from another thread, ends the run after the current
     step (final eval, checkpoint and summary still happen). ``start`` places the workers
-    (a ``rlpost.cluster`` backend); by default they are built in this process."""
+    (a ``rlpost.cluster`` backend); by default they are built in this process.
+    ``on_groups(step, groups)`` sees every step's trained groups (tools and tests)."""
     build.check_names(cfg)
     run_dir = prepare_run_dir(cfg, resume)
     console = console or Console(enabled=cfg.observe.progress)
@@ -113,19 +113,25 @@ def train(
     start = start or start_workers
     workers = start(cfg, run_dir, train_prompts, console, resuming=ckpt is not None)
     r = _new_run(cfg, run_dir, workers, train_prompts, ckpt)
-    step = _restore(r, ckpt) if ckpt is not None else _sync(r)[0]
-    start_step, history = step, []
-    eos_id = int(workers.trainer.describe()["eos_token_id"])
-    params = build.sampling_params(cfg, eos_id)
+    r.on_groups = on_groups
+    step, pending = _restore(r, ckpt) if ckpt is not None else (_sync(r)[0], [])
+    start_step, history, rl_seconds = step, [], 0.0
     try:
         first_eval = _full_eval(r, held_out)
         console.note_eval(step, first_eval)
         r.recorder.record(step, first_eval)
         console.start(cfg.train.steps, step)
+        r.feed = _feed(r, PromptSource(r.sampler, pending), step)
         while step < cfg.train.steps and not (stop is not None and stop.is_set()):
-            m, actions = rl_step(r, params, step)
+            t0 = time.perf_counter()
+            try:
+                m, actions = rl_step(r, step)
+                version, m["sync_seconds"], m["sync_bytes"] = _sync(r)
+            except (RolloutFailed, WorkerLost) as exc:
+                _stop_on_lost_worker(r, step, exc)
             step += 1
-            m["sync_seconds"], m["sync_bytes"] = _sync(r)[1:]
+            r.feed.synced(version)
+            rl_seconds += time.perf_counter() - t0
             if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
                 m.update(_eval(r, held_out, greedy=False))
             r.recorder.record(step, m)
@@ -136,16 +142,70 @@ def train(
                 step = _carry_out(r, action, step)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                 _save(r, step)
+        r.feed.close()
         final_eval = _full_eval(r, held_out)
         r.recorder.record(step, final_eval)
         _save(r, step)
     finally:
+        if r.feed is not None:
+            r.feed.close()
         console.stop()
         r.recorder.close()
         workers.close()
     wall = time.time() - started
-    summary = finish_run(cfg, run_dir, first_eval, final_eval, history, start_step, wall, console)
+    trained = sum(h.get("completions", 0.0) for h in history)
+    pace = {"rl_seconds": rl_seconds, "completions_per_second": trained / max(rl_seconds, 1e-9)}
+    summary = finish_run(
+        cfg, run_dir, first_eval, final_eval, history, start_step, wall, console, extra=pace
+    )
     return RunResult(run_dir=run_dir, summary=summary, history=history)
+
+
+def _stop_on_lost_worker(r: Run, step: int, exc: Exception) -> None:
+    """A lost rollout side: checkpoint what trained and stop in one line (a lost trainer
+    cannot checkpoint: the last saved one stands)."""
+    why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if getattr(exc, "role", "rollout") == "trainer":
+        raise TrainingStopped(
+            f"trainer worker lost at step {step} ({why}); continue from the last checkpoint "
+            f"with rlpost train --resume {r.run_dir}"
+        ) from None
+    r.feed.close()
+    step = r.w.trainer.version()  # the update of the failing step may have gone through
+    _save(r, step, rollout_state=False)
+    raise TrainingStopped(
+        f"rollout stopped at step {step} ({why}); checkpoint saved, continue with "
+        f"rlpost train --resume {r.run_dir}"
+    ) from None
+
+
+def _feed(r: Run, source: PromptSource, step: int):
+    """The rollout feed of ``pipeline.mode``: generated on demand, or by a producer ahead."""
+    cfg, p = r.cfg, r.cfg.pipeline
+    settings = RolloutSettings(
+        n=cfg.rollout.n,
+        prompts_per_step=cfg.rollout.prompts_per_step,
+        dynamic_sampling=cfg.algo.dynamic_sampling,
+        max_sampling_rounds=cfg.algo.max_sampling_rounds,
+        partial=cfg.rollout.partial,
+    )
+    params = build.sampling_params(cfg, r.eos_id)
+    if p.mode == "sync":
+        return SyncFeed(r.w.rollout, r.w.reward, source, params, settings)
+    one_step_off = p.mode == "one_step_off"
+    return OverlapFeed(
+        r.w.rollout,
+        r.w.reward,
+        source,
+        params,
+        settings,
+        eta=1 if one_step_off else p.max_staleness,
+        queue_batches=1 if one_step_off else p.queue_batches,
+        stale=p.stale,
+        first_step=step,
+        version=r.w.rollout.version(),
+        total_steps=cfg.train.steps,
+    )
 
 
 def _new_run(cfg: Config, run_dir: Path, workers: Workers, train_prompts, ckpt) -> Run:
@@ -174,20 +234,15 @@ def _new_run(cfg: Config, run_dir: Path, workers: Workers, train_prompts, ckpt) 
     )
 
 
-def rl_step(r: Run, params, step: int) -> tuple[dict, list]:
-    """One synchronous step: rollout stage, then train stage. Returns (metrics, guard actions)."""
+def rl_step(r: Run, step: int) -> tuple[dict, list]:
+    """One step: the feed's rollout stage output, then the train stage. Returns (metrics,
+    guard actions)."""
     cfg = r.cfg
     t0 = time.perf_counter()
-    settings = RolloutSettings(
-        n=cfg.rollout.n,
-        prompts_per_step=cfg.rollout.prompts_per_step,
-        dynamic_sampling=cfg.algo.dynamic_sampling,
-        max_sampling_rounds=cfg.algo.max_sampling_rounds,
-        partial=cfg.rollout.partial,
-    )
-    out = rollout_stage(
-        r.w.rollout, r.w.reward, r.sampler, params, settings, last=step + 1 >= cfg.train.steps
-    )
+    fed = r.feed.next(step, r.w.trainer.version(), last=step + 1 >= cfg.train.steps)
+    out = fed.out
+    if r.on_groups is not None:
+        r.on_groups(step + 1, out.groups)
     _write_samples(r, step + 1, out.groups)
     stats = train_stage(
         out.groups,
@@ -204,21 +259,29 @@ def rl_step(r: Run, params, step: int) -> tuple[dict, list]:
     elapsed = time.perf_counter() - t0
     verifiable = r.w.reward.verifiable_accuracy(out.groups)
     flags = r.monitor.update(m["reward_mean"], verifiable, m["response_length_mean"])
+    busy = out.seconds if cfg.pipeline.mode == "sync" else fed.stats["trainer_wait_seconds"]
     metrics = {
         **m,
+        **fed.stats,
         "rollout_tps": stats.tokens / max(out.seconds, 1e-9),
         "step_seconds": elapsed,
         "rollout_utilization": out.seconds / max(elapsed, 1e-9),
-        "train_utilization": 1.0 - out.seconds / max(elapsed, 1e-9),
-        "mfu": r.w.trainer.mfu(stats.attended, stats.seq_len, elapsed - out.seconds),
+        "train_utilization": 1.0 - busy / max(elapsed, 1e-9),
+        "mfu": r.w.trainer.mfu(stats.attended, stats.seq_len, elapsed - busy),
         **out.stats,
         "prompts": float(len(out.groups)),
+        "sample_drop_ratio": _drop_ratio(m, fed.stats.get("stale_dropped", 0.0)),
         "sampling_rounds": float(out.rounds),
         "verifiable_accuracy": verifiable if verifiable is not None else math.nan,
         "hacking_flags": float(len(flags)),
         **{f"reward/{k}": _nanmean(v) for k, v in _components(out.groups).items()},
     }
     return metrics, stats.actions
+
+
+def _drop_ratio(m: dict, stale: float) -> float:
+    """Samples not trained (invalid rewards, too stale) over samples generated for the step."""
+    return (m["invalid_rewards"] + stale) / max(m["completions"] + stale, 1.0)
 
 
 def _components(groups) -> dict[str, list[float]]:
@@ -261,26 +324,30 @@ def _full_eval(r: Run, held_out) -> dict:
     return out
 
 
-def _save(r: Run, step: int) -> None:
+def _save(r: Run, step: int, *, rollout_state: bool = True) -> None:
     state = {
         "sampler": r.sampler.state_dict(),
         "kl_ctl": r.kl_ctl.state_dict(),
-        "rollout": r.w.rollout.state_dict(),
+        "rollout": r.w.rollout.state_dict() if rollout_state else None,
+        # prompts drawn but not trained yet (running ahead): a resume generates them first
+        "pending": r.feed.pending() if r.feed is not None else [],
     }
     save_checkpoint(r.run_dir, step, r.w.trainer.save, state, keep=r.cfg.checkpoint.keep)
 
 
-def _restore(r: Run, ckpt: Path, *, keep_lr: bool = False) -> int:
-    """Load a checkpoint into every worker; the rollout worker then serves its weights."""
+def _restore(r: Run, ckpt: Path, *, keep_lr: bool = False) -> tuple[int, list]:
+    """Load a checkpoint into every worker; the rollout worker then serves its weights.
+    Returns the step and the prompt batches that were drawn but not trained."""
     state = load_state(ckpt)
     step = int(state["step"])
     r.w.trainer.restore(ckpt, version=step, keep_lr=keep_lr)
     r.sampler.load_state_dict(state["sampler"])
     r.kl_ctl.load_state_dict(state["kl_ctl"])
-    r.w.rollout.load_state_dict(state["rollout"])
+    if state["rollout"] is not None:  # None: saved after the rollout worker was lost
+        r.w.rollout.load_state_dict(state["rollout"])
     set_rng_state(state["rng"])
     _sync(r)
-    return step
+    return step, state.get("pending", [])
 
 
 def _carry_out(r: Run, action, step: int) -> int:
@@ -297,7 +364,9 @@ def _carry_out(r: Run, action, step: int) -> int:
     elif action.kind == "rollback":
         ckpt = latest_checkpoint(r.run_dir)
         if ckpt is not None:
-            step = _restore(r, ckpt, keep_lr=True)  # keep LR reductions made since the checkpoint
+            r.feed.close()
+            step, pending = _restore(r, ckpt, keep_lr=True)  # keep LR cuts made since
+            r.feed = _feed(r, PromptSource(r.sampler, pending), step)
     return step
 
 

@@ -70,7 +70,7 @@ def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: 
 
 
 def finish_run(
-    cfg, run_dir: Path, first_eval, final_eval, history, start_step, wall, console
+    cfg, run_dir: Path, first_eval, final_eval, history, start_step, wall, console, extra=None
 ) -> dict:
     summary = {
         "eval_accuracy_start": first_eval.get("eval_accuracy"),
@@ -90,6 +90,7 @@ def finish_run(
         "wall_seconds": wall,
         "advantage": cfg.algo.advantage,
         "policy_loss": cfg.algo.policy_loss,
+        **(extra or {}),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if cfg.observe.plot:

@@ -178,6 +178,8 @@ def train_stage(
         "beta": kl_ctl.beta,
         "logprob_gap": logprob_gap(batch.rollout_logprobs, batch.old_logprobs, batch.response_mask),
         "invalid_rewards": float(len(dropped)),
+        "completions": float(len(batch)),
+        "rollout_kl": rollout_mismatch(batch),
         **sample_lag(batch, result.version - 1),
         "sample_drop_ratio": len(dropped) / len(batch),
         "policy_version": float(result.version - 1),
@@ -218,6 +220,13 @@ def kl_to_reference(batch: TrainBatch, estimator: str) -> float:
         return 0.0
     kl = get_kl_estimator(estimator)(batch.old_logprobs, batch.ref_logprobs)
     return float(masked_mean(kl, batch.response_mask))
+
+
+def rollout_mismatch(batch: TrainBatch) -> float:
+    """KL(engine || trainer) estimate on the sampled tokens: mean of ``rollout - old`` (k1)."""
+    if batch.old_logprobs is None:
+        return 0.0
+    return float(masked_mean(batch.rollout_logprobs - batch.old_logprobs, batch.response_mask))
 
 
 def sample_lag(batch: TrainBatch, version: int) -> dict[str, float]:

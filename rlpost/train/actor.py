@@ -43,6 +43,7 @@ class ActorSettings:
     kl_in_loss: bool = True
     bf16: bool = False
     loss_params: dict[str, Any] = field(default_factory=dict)
+    correction_params: dict[str, Any] = field(default_factory=dict)
 
 
 def warmup_lambda(warmup_steps: int):
@@ -74,12 +75,14 @@ class PolicyTrainer:
         *,
         ref_model: torch.nn.Module | None = None,
         kl_estimator=None,
+        correction=None,
         seed: int = 0,
     ) -> None:
         self.model = model
         self.ref_model = ref_model
         self.policy_loss = policy_loss
         self.kl_estimator = kl_estimator
+        self.correction = correction
         self.s = settings
         self.optimizer, self.scheduler = build_optimizer(model, settings)
         self.shuffle = torch.Generator().manual_seed(seed + 7)
@@ -185,10 +188,19 @@ class PolicyTrainer:
             logprobs = token_logprobs(logits, micro.responses, self.s.temperature)
         if fill_old:
             micro.old_logprobs = logprobs.detach()
+        advantages, correction_stats = micro.advantages, {}
+        if self.correction is not None and micro.rollout_logprobs is not None:
+            # The proximal policy is old_logprobs: the loss pass's own with one optimizer
+            # step per batch (no extra forward pass), else the recompute before the first.
+            fix = self.correction(
+                micro.old_logprobs, micro.rollout_logprobs, mask, **self.s.correction_params
+            )
+            advantages = advantages * fix.weights
+            correction_stats = {k: float(v) for k, v in fix.stats.items()}
         out = self.policy_loss(
             logprobs,
             micro.old_logprobs,
-            micro.advantages,
+            advantages,
             mask,
             agg=agg,
             rollout_logprobs=micro.rollout_logprobs,
@@ -196,7 +208,7 @@ class PolicyTrainer:
             **self.s.loss_params,
         )
         loss = out.loss
-        stats = {k: float(v) for k, v in out.stats.items()}
+        stats = {k: float(v) for k, v in out.stats.items()} | correction_stats
         stats["pg_loss"] = float(out.loss.detach())
         if beta > 0 and self.s.kl_in_loss and micro.ref_logprobs is not None:
             kl = agg.reduce(self.kl_estimator(logprobs, micro.ref_logprobs), mask)

@@ -1,0 +1,161 @@
+"""Rollout corrections: importance weights between the policy that sampled and the one trained.
+
+When samples come from older weights (asynchronous and one-step-off training,
+partial rollout) or from an engine whose numerics differ from the trainer's,
+the behaviour policy ``mu`` (the engine's logprobs, ``rollout_logprobs``) is not
+the proximal policy ``pi_prox`` the loss is computed against (``old_logprobs``,
+the trainer's recompute). Every correction here returns a per-token weight
+``w [B, T]`` (detached, >= 0) that the trainer multiplies into the advantages;
+for every registered policy loss the per-token loss is linear in the advantage
+with a positive factor, so this equals weighting the per-token loss. A weight
+of 0 masks a token without changing the aggregation's denominators.
+
+``fn(proximal_logprobs [B, T], rollout_logprobs [B, T], response_mask [B, T], *,
+cap, low, high) -> CorrectionOutput``; log-ratios ``d = prox - mu`` are clamped to
++-20 before ``exp``.
+
+With one optimizer step per batch the proximal policy is the loss pass's own
+(detached) logprobs, so no extra forward pass is needed: that is the cheap form
+of AReaL's decoupled PPO objective (Fu et al., arXiv 2505.24298, eq. 5), whose
+clip then acts against the current policy and whose importance weight
+``pi_prox / mu`` carries the staleness. With several optimizer steps the
+proximal policy is recomputed before the first one (the full form).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from rlpost.algos.aggregate import masked_mean, masked_sum
+from rlpost.registry import Registry
+
+LOG_RATIO_CLAMP = 20.0
+
+
+@dataclass
+class CorrectionOutput:
+    """Per-token weights ``[B, T]`` (detached) and detached scalar statistics."""
+
+    weights: Tensor
+    stats: dict[str, Tensor] = field(default_factory=dict)
+
+
+Correction = Callable[..., CorrectionOutput]
+CORRECTIONS: Registry[Correction] = Registry("rollout correction")
+
+
+def get_correction(name: str) -> Correction:
+    """The correction registered as ``name``; raises ``UnknownNameError`` listing valid names."""
+    return CORRECTIONS.get(name)
+
+
+def _log_ratio(prox: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
+    if prox.shape != rollout.shape or mask.shape != prox.shape:
+        raise ValueError(
+            f"correction shapes differ: proximal {tuple(prox.shape)}, rollout "
+            f"{tuple(rollout.shape)}, mask {tuple(mask.shape)}"
+        )
+    d = (prox.detach() - rollout.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.where(mask > 0, d, torch.zeros_like(d))
+
+
+def _stats(weights: Tensor, mask: Tensor, masked: Tensor) -> dict[str, Tensor]:
+    """Weight mean, effective sample size fraction ``(sum w)^2 / (N sum w^2)``, masked fraction."""
+    m = mask > 0
+    total = masked_sum(weights, m)
+    square = masked_sum(weights**2, m)
+    n = m.to(weights.dtype).sum().clamp(min=1.0)
+    ess = torch.where(square > 0, total**2 / (n * square), torch.zeros_like(total))
+    return {
+        "is_weight_mean": masked_mean(weights, m),
+        "is_ess": ess,
+        "is_masked_frac": masked_mean(masked.to(weights.dtype), m),
+    }
+
+
+def _check_band(cap: float, low: float, high: float) -> None:
+    if cap <= 0 or not 0 <= low < 1 < high:
+        raise ValueError(
+            f"need cap > 0 and 0 <= low < 1 < high, got cap={cap}, low={low}, high={high}"
+        )
+
+
+@CORRECTIONS.register("tis")
+def token_tis(
+    proximal_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    response_mask: Tensor,
+    *,
+    cap: float = 2.0,
+    low: float = 0.5,
+    high: float = 5.0,
+) -> CorrectionOutput:
+    """Token-level truncated IS ``w_t = min(exp(d_t), cap)`` (Yao et al. 2025, "Your efficient
+    RL framework secretly brings you off-policy RL training")."""
+    _check_band(cap, low, high)
+    w = torch.exp(_log_ratio(proximal_logprobs, rollout_logprobs, response_mask)).clamp(max=cap)
+    w = torch.where(response_mask > 0, w, torch.zeros_like(w))
+    return CorrectionOutput(w, _stats(w, response_mask, torch.zeros_like(w, dtype=torch.bool)))
+
+
+@CORRECTIONS.register("seq_tis")
+def sequence_tis(
+    proximal_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    response_mask: Tensor,
+    *,
+    cap: float = 2.0,
+    low: float = 0.5,
+    high: float = 5.0,
+) -> CorrectionOutput:
+    """Sequence-level truncated IS ``w_i = min(exp(sum_t d_it), cap)`` on every token of row i
+    (the sequence's likelihood ratio; unbiased for sequence-level rewards, higher variance)."""
+    _check_band(cap, low, high)
+    d = _log_ratio(proximal_logprobs, rollout_logprobs, response_mask)
+    seq = torch.exp(d.sum(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=cap)
+    w = torch.where(response_mask > 0, seq[:, None].expand_as(d), torch.zeros_like(d))
+    return CorrectionOutput(w, _stats(w, response_mask, torch.zeros_like(w, dtype=torch.bool)))
+
+
+@CORRECTIONS.register("mask")
+def token_mask(
+    proximal_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    response_mask: Tensor,
+    *,
+    cap: float = 2.0,
+    low: float = 0.5,
+    high: float = 5.0,
+) -> CorrectionOutput:
+    """Masked IS (IcePop, "Every step evolves", arXiv 2510.18855): ``w_t = exp(d_t)`` inside
+    ``[low, high]``, 0 outside: tokens the two policies disagree on do not train."""
+    _check_band(cap, low, high)
+    r = torch.exp(_log_ratio(proximal_logprobs, rollout_logprobs, response_mask))
+    outside = ((r < low) | (r > high)) & (response_mask > 0)
+    w = torch.where(outside | (response_mask <= 0), torch.zeros_like(r), r)
+    return CorrectionOutput(w, _stats(w, response_mask, outside))
+
+
+@CORRECTIONS.register("seq_mask")
+def sequence_mask(
+    proximal_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    response_mask: Tensor,
+    *,
+    cap: float = 2.0,
+    low: float = 0.5,
+    high: float = 5.0,
+) -> CorrectionOutput:
+    """Masked IS by sequence: a row any of whose tokens' ratio leaves ``[low, high]`` is
+    dropped whole (weight 0); the others keep ``w_t = min(exp(d_t), cap)``."""
+    _check_band(cap, low, high)
+    r = torch.exp(_log_ratio(proximal_logprobs, rollout_logprobs, response_mask))
+    valid = response_mask > 0
+    bad_row = (((r < low) | (r > high)) & valid).any(-1, keepdim=True)
+    masked = bad_row.expand_as(r) & valid
+    w = torch.where(masked | ~valid, torch.zeros_like(r), r.clamp(max=cap))
+    return CorrectionOutput(w, _stats(w, response_mask, masked))

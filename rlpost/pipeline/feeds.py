@@ -1,0 +1,274 @@
+"""Where a step's rollout comes from: generated on the spot, or by a producer running ahead.
+
+The loop asks its feed for the next step's scored groups and tells it when new
+weights are served; nothing else about the loop changes between modes.
+
+* :class:`SyncFeed` (``pipeline.mode=sync``) runs the rollout stage when asked:
+  every sample comes from the newest weights.
+* :class:`OverlapFeed` (``one_step_off`` and ``async``) runs the rollout stage
+  on a producer thread while the trainer trains. Staleness is bounded by
+  **admission**, as AReaL and SkyRL do: rollout batch ``j`` (trained at step
+  ``j``) may start only once the engine serves version ``j - eta`` or newer, so
+  its oldest token lags the weights it trains against by at most ``eta``
+  versions and no finished sample has to be thrown away. ``one_step_off`` is
+  ``eta = 1`` with one batch in flight: the rollout of step k+1 runs while step
+  k trains. New weights reach the engine while it generates (between decode
+  steps, each token stamped with its version), so a sample is never restarted
+  because the weights changed. A group that still exceeds the bound when it
+  arrives (a long sample that spanned many updates) is trained, corrected by the
+  importance weight (``pipeline.stale=wait``), or dropped and its prompt sampled
+  again (``drop``); drops are counted.
+
+Both keep the prompts they have drawn but not yet handed to training, so a
+checkpoint records them (``pending``) and a resumed run generates them first:
+every prompt of the data order trains exactly once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from rlpost.data import PromptSampler
+from rlpost.pipeline.stages import RolloutOutput, RolloutSettings, rollout_stage
+from rlpost.pipeline.workers import RewardAPI, RolloutAPI
+from rlpost.rollout.protocol import SamplingParams
+from rlpost.types import Group, Prompt
+
+
+class RolloutFailed(RuntimeError):
+    """The rollout side stopped (its worker died or raised); the message says why in one line."""
+
+
+class PromptSource:
+    """The sampler's batches, after any batches handed back (a resume, a rollback, a drop).
+
+    ``take`` returns what was drawn since the last call, so each rollout output
+    knows exactly which prompt batches it consumed.
+    """
+
+    def __init__(self, sampler: PromptSampler, pending: list[list[Prompt]] | None = None) -> None:
+        self.sampler = sampler
+        self.pending: deque[list[Prompt]] = deque(pending or [])
+        self._drawn: list[list[Prompt]] = []
+        self._lock = threading.Lock()  # the producer draws while the trainer gives back
+
+    def next_batch(self) -> list[Prompt]:
+        with self._lock:
+            batch = self.pending.popleft() if self.pending else self.sampler.next_batch()
+            self._drawn.append(batch)
+        return batch
+
+    def take(self) -> list[list[Prompt]]:
+        with self._lock:
+            drawn, self._drawn = self._drawn, []
+        return drawn
+
+    def give_back(self, batches: list[list[Prompt]]) -> None:
+        """Batches to generate again before anything new (in their order)."""
+        with self._lock:
+            self.pending.extendleft(reversed(batches))
+
+    def waiting(self) -> list[list[Prompt]]:
+        with self._lock:
+            return list(self.pending)
+
+
+@dataclass
+class Fed:
+    """One step's input: the scored groups, how long the trainer waited, what was dropped."""
+
+    out: RolloutOutput
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class SyncFeed:
+    """Generate each step's rollout when the trainer asks (``pipeline.mode=sync``)."""
+
+    def __init__(
+        self,
+        rollout: RolloutAPI,
+        reward: RewardAPI,
+        source: PromptSource,
+        params: SamplingParams,
+        settings: RolloutSettings,
+    ) -> None:
+        self.rollout, self.reward, self.source = rollout, reward, source
+        self.params, self.settings = params, settings
+
+    def next(self, step: int, version: int, last: bool) -> Fed:
+        out = rollout_stage(
+            self.rollout, self.reward, self.source, self.params, self.settings, last=last
+        )
+        self.source.take()
+        return Fed(out)
+
+    def synced(self, version: int) -> None:
+        """The engine now serves ``version`` (nothing to do: the next rollout starts after)."""
+
+    def pending(self) -> list[list[Prompt]]:
+        return self.source.waiting()
+
+    def reset(self, first_step: int, version: int) -> None:
+        """Nothing runs ahead, so nothing is discarded on a rollback."""
+
+    def close(self) -> None:
+        """Nothing runs in the background."""
+
+
+class OverlapFeed:
+    """A producer thread runs the rollout stage ahead of the trainer, within ``eta`` versions."""
+
+    def __init__(
+        self,
+        rollout: RolloutAPI,
+        reward: RewardAPI,
+        source: PromptSource,
+        params: SamplingParams,
+        settings: RolloutSettings,
+        *,
+        eta: int,
+        queue_batches: int,
+        stale: str,
+        first_step: int,
+        version: int,
+        total_steps: int,
+    ) -> None:
+        self.rollout, self.reward, self.source = rollout, reward, source
+        self.params, self.settings = params, settings
+        self.eta, self.queue_batches, self.stale = eta, queue_batches, stale
+        self.total_steps = total_steps
+        self._cond = threading.Condition()
+        self._start_state(first_step, version)
+
+    def _start_state(self, first_step: int, version: int) -> None:
+        self.admitted = first_step  # index of the next rollout batch (= the step that trains it)
+        self.version = version  # what the engine serves
+        self.ready: deque[tuple[int, RolloutOutput, list[list[Prompt]]]] = deque()
+        self.in_flight: list[list[Prompt]] = []
+        self.error: BaseException | None = None
+        self.rollout_wait = 0.0
+        self._stop = False
+        self._thread = threading.Thread(target=self._produce, name="rlpost-rollout", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------- producer side
+
+    def _admissible(self) -> bool:
+        return self._stop or (
+            self.admitted - self.version <= self.eta and len(self.ready) < self.queue_batches
+        )
+
+    def _produce(self) -> None:
+        try:
+            while True:
+                t0 = time.perf_counter()
+                with self._cond:
+                    self._cond.wait_for(self._admissible)
+                    if self._stop or self.admitted >= self.total_steps:
+                        return
+                    j = self.admitted
+                    self.admitted += 1
+                    self.rollout_wait += time.perf_counter() - t0
+                last = j + 1 >= self.total_steps
+                out = rollout_stage(
+                    self.rollout,
+                    self.reward,
+                    self._recording(),
+                    self.params,
+                    self.settings,
+                    last=last,
+                )
+                with self._cond:
+                    self.ready.append((j, out, self.source.take()))
+                    self.in_flight = []
+                    self._cond.notify_all()
+        except BaseException as exc:  # handed to the trainer's thread, which reports it
+            with self._cond:
+                self.error = exc
+                self._cond.notify_all()
+
+    def _recording(self):
+        feed = self
+
+        class Recording:
+            def next_batch(self) -> list[Prompt]:
+                batch = feed.source.next_batch()
+                with feed._cond:
+                    feed.in_flight.append(batch)
+                return batch
+
+        return Recording()
+
+    # ------------------------------------------------------------ trainer side
+
+    def next(self, step: int, version: int, last: bool) -> Fed:
+        t0 = time.perf_counter()
+        with self._cond:
+            self._cond.wait_for(lambda: self.ready or self.error is not None)
+            if self.error is not None and not self.ready:
+                raise RolloutFailed(str(self.error).strip().splitlines()[0]) from self.error
+            j, out, _ = self.ready.popleft()
+            queued = len(self.ready)
+            in_flight = self.admitted - j - 1 - queued
+            self._cond.notify_all()
+        waited = time.perf_counter() - t0
+        stats = {
+            "trainer_wait_seconds": waited,
+            "rollout_wait_seconds": self._take_rollout_wait(),
+            "rollout_batches_queued": float(queued),
+            "rollout_batches_in_flight": float(max(in_flight, 0)),
+        }
+        out, dropped = self._bound(out, version)
+        if dropped:
+            self.source.give_back([[g.prompt for g in dropped]])
+        stats["stale_dropped"] = float(sum(g.n for g in dropped))
+        return Fed(out, stats)
+
+    def _take_rollout_wait(self) -> float:
+        with self._cond:
+            waited, self.rollout_wait = self.rollout_wait, 0.0
+        return waited
+
+    def _bound(self, out: RolloutOutput, version: int) -> tuple[RolloutOutput, list[Group]]:
+        """Split off the groups whose oldest token is more than ``eta`` versions old."""
+        if self.stale != "drop":
+            return out, []
+        keep, drop = [], []
+        for g in out.groups:
+            oldest = min(min(c.versions_per_token(), default=version) for c in g.completions)
+            (drop if version - oldest > self.eta else keep).append(g)
+        if not keep:  # never train on nothing: the oldest group trains, corrected
+            keep, drop = drop[:1], drop[1:]
+        out.groups = keep
+        return out, drop
+
+    def synced(self, version: int) -> None:
+        with self._cond:
+            self.version = version
+            self._cond.notify_all()
+
+    def pending(self) -> list[list[Prompt]]:
+        """Prompt batches drawn but not yet trained: queued outputs' and the one in flight."""
+        with self._cond:
+            batches = [b for _, _, drawn in self.ready for b in drawn] + list(self.in_flight)
+        return batches + self.source.waiting()
+
+    def _halt(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def reset(self, first_step: int, version: int) -> None:
+        """Drop everything generated ahead (a rollback): its prompts are generated again."""
+        self._halt()
+        with self._cond:
+            again = [b for _, _, drawn in self.ready for b in drawn] + self.source.take()
+        self.source.give_back(again)
+        self._start_state(first_step, version)
+
+    def close(self) -> None:
+        self._halt()
