@@ -669,6 +669,12 @@ def find_combination_problems(cfg: Config) -> list[str]:
         out.append(
             "rollout.engine=remote needs rollout.servers; start servers with `rlpost serve` and list their URLs"
         )
+    if r.partial and cfg.pipeline.mode != "sync":
+        out.append(
+            f"rollout.partial=true with pipeline.mode={cfg.pipeline.mode}: the overlapped loop "
+            "already keeps rollout running across steps; set rollout.partial=false or "
+            "pipeline.mode=sync"
+        )
     if r.engine == "vllm" and cfg.model.path is None:
         out.append("rollout.engine=vllm needs model.path (a local HF checkpoint vLLM can load)")
     return out

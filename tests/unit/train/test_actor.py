@@ -111,3 +111,31 @@ def test_warmup_and_lr_scaling(tiny):
     assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(0.25)
     assert tr.scale_lr(0.5) == pytest.approx(0.5)
     assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(0.125)
+
+
+def test_rollout_correction_weights_the_loss_and_masks_tokens(tiny):
+    from rlpost.algos.correction import get_correction
+
+    model, tok = tiny
+    b = _batch(copy.deepcopy(model), tok)
+
+    def update(correction, rollout_shift, **params):
+        m = copy.deepcopy(model)
+        s = ActorSettings(lr=1e-3, mini_batch_size=16, micro_batch_size=16, correction_params=params)
+        tr = PolicyTrainer(m, get_policy_loss("ppo_clip"), s, correction=correction)
+        batch = copy.deepcopy(b)
+        batch.old_logprobs = tr.old_logprobs(batch)
+        batch.rollout_logprobs = batch.old_logprobs + rollout_shift
+        return tr.update(batch), m
+
+    plain, m_plain = update(None, 0.0)
+    # engine and trainer agree: every weight is 1 and the update is the plain one
+    same, m_same = update(get_correction("tis"), 0.0)
+    assert same["is_weight_mean"] == pytest.approx(1.0) and same["loss"] == pytest.approx(plain["loss"])
+    for p, q in zip(m_plain.parameters(), m_same.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+    # the engine gave every token a ratio of e^3 > high: the IcePop mask drops them all
+    masked, m_masked = update(get_correction("mask"), -3.0, low=0.5, high=5.0)
+    assert masked["is_masked_frac"] == pytest.approx(1.0) and masked["pg_loss"] == 0.0
+    for p, q in zip(model.parameters(), m_masked.parameters(), strict=True):
+        torch.testing.assert_close(p, q)  # no gradient, no move (AdamW without weight decay)
