@@ -62,10 +62,11 @@ def cmd_train(args) -> int:
     _quiet_libraries()
     from rlpost.cluster import starter
     from rlpost.pipeline.loop import TrainingStopped, train
+    from rlpost.pipeline.workers import WorkerLost
 
     try:
         train(cfg, resume=Path(args.resume) if args.resume else None, start=starter(cfg))
-    except TrainingStopped as exc:
+    except (TrainingStopped, WorkerLost) as exc:
         print(f"rlpost: {exc}", file=sys.stderr)
         return 1
     return 0
