@@ -239,6 +239,7 @@ class RolloutService:
             "model": self.settings.model_name,
             **self.scheduler.stats(),
             "http": {**self.counts, **self.guard},
+            "rss_bytes": _rss_bytes(),
             "prefix_cache": self.scheduler.prefix_cache.stats(),
         }
         return JSONResponse(body, status_code=200 if alive else 503)
@@ -280,8 +281,11 @@ def create_app(
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         service.counts["rejected"] += 1
+        headers = dict(exc.headers or {})
+        if exc.status in (408, 413):  # the rest of the body is not worth reading
+            headers["connection"] = "close"
         body = error_body(exc.message, exc.param)
-        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+        return JSONResponse(body, status_code=exc.status, headers=headers)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
@@ -307,6 +311,15 @@ def create_app(
     app.get("/health")(service.health)
     app.get("/metrics")(service.metrics)
     return app
+
+
+def _rss_bytes() -> int:
+    """Resident memory of this process (Linux; 0 elsewhere)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def _usage(prompts: list[list[int]], completion_tokens: int) -> dict:
