@@ -294,3 +294,33 @@ def test_non_loopback_bind_with_keys_or_insecure(tmp_path):
     assert "listening on http://10.77.0.1:" in out and "warning: --insecure" in err
     same = _in_netns(["--api-key", API, "--admin-key", API], tmp_path)
     assert same.returncode == 2 and "must differ" in same.stderr
+
+
+def test_remote_engine_sends_keys_read_from_the_environment(keyed, monkeypatch):
+    from types import SimpleNamespace
+
+    from rlpost.config import RolloutConfig
+    from rlpost.models.loading import load_tokenizer
+    from rlpost.rollout import remote_engine
+    from rlpost.rollout.client import RequestRejected
+    from rlpost.rollout.protocol import SamplingParams
+
+    tok, url = load_tokenizer(keyed["model"]), keyed["url"]
+    params, prompts = SamplingParams(max_tokens=3), [[5, 6, 7]]
+    monkeypatch.setenv("MY_ROLLOUT_KEY", API)
+    monkeypatch.setenv("MY_ADMIN_KEY", ADMIN)
+    rollout = RolloutConfig(
+        servers=[url], api_key_env="MY_ROLLOUT_KEY", admin_key_env="MY_ADMIN_KEY"
+    )
+    engine = remote_engine.build(SimpleNamespace(rollout=rollout, run=SimpleNamespace(seed=0)), tok)
+    assert API not in repr(engine.clients) and len(engine.generate(prompts, params, n=2)) == 2
+    engine.load_weights(load_causal_lm(keyed["model"]).named_parameters(), version=7)
+    assert engine.generate(prompts, params)[0].policy_version == 7
+    engine.close()
+    monkeypatch.delenv("MY_ROLLOUT_KEY")
+    keyless = remote_engine.build(
+        SimpleNamespace(rollout=rollout, run=SimpleNamespace(seed=0)), tok
+    )
+    with pytest.raises(RequestRejected, match="401"):
+        keyless.generate(prompts, params)
+    keyless.close()
