@@ -18,7 +18,8 @@ body is read:
   are bounded; one more is a 429 with ``Retry-After``.
 * **request time**: the body must arrive within the request timeout (408).
 
-Responses sent here carry ``Connection: close``, since the body was not read.
+A refusal for size closes the connection (the body is not read); other
+refusals keep it, and uvicorn reads past the (bounded) body.
 Weight loads from a path are confined to the ``--weights-dir`` directory by
 :func:`confined_weights_files`.
 """
@@ -129,7 +130,12 @@ class Guard:
         if refusal is None and generate and pending >= self.settings.max_pending:
             refusal = 429, f"the server has {pending} requests pending; retry later"
         if refusal is not None:
-            return await self._refuse(send, *refusal)
+            # A body of a known, allowed size is left for uvicorn to read past and the
+            # connection kept; closing with unread bytes would reset it, and the client
+            # could lose this answer. A body too large, or chunked, is not worth reading.
+            chunked = any(n == b"transfer-encoding" for n, _ in headers)
+            close = refusal[0] == 413 or chunked
+            return await self._refuse(send, *refusal, close=close)
         self.stats["pending"] += generate
         try:
             await self.app(scope, self._limited(receive, limit), send)
@@ -158,7 +164,7 @@ class Guard:
 
         return limited
 
-    async def _refuse(self, send, status: int, message: str) -> None:
+    async def _refuse(self, send, status: int, message: str, *, close: bool) -> None:
         key = f"refused_{status}"
         self.stats[key] = self.stats.get(key, 0) + 1
         kind = {401: "authentication_error", 403: "permission_error"}.get(
@@ -168,8 +174,9 @@ class Guard:
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close"),
         ]
+        if close:
+            headers.append((b"connection", b"close"))
         if status == 401:
             headers.append((b"www-authenticate", b"Bearer"))
         if status == 429:
