@@ -1,19 +1,26 @@
 """``rlpost serve``: the rollout engine as an OpenAI-compatible HTTP service.
 
-    rlpost serve [--model DIR] [--port 8000] [--max-batch 64] [--max-tokens-limit 512] [--max-n 64]
+    rlpost serve [--model DIR] [--port 8000] [--api-key K --admin-key A] [--weights-dir DIR] ...
 
-``/v1/completions`` and ``/v1/chat/completions`` follow the OpenAI API (n,
-temperature, top_p, top_k, max_tokens, stop, logprobs, seed; a prompt is text
-or token ids) and add what RL needs: each choice carries ``token_ids`` (the
-sampled ids), the logprob of every sampled token, the ``policy_version`` of
-its first token and every version it spans; each response carries the
-server's ``policy_version``. ``POST /v1/weights`` swaps weights between two
-decode steps (a safetensors directory path, or safetensors bytes streamed in
-the body with ``?version=N``). ``/health`` reports the scheduler's counters,
-``/metrics`` the ``rl_*`` rollout metrics in Prometheus text. Requests share
-decode steps through :class:`~rlpost.rollout.scheduler.Scheduler`. Bad input is
-a 4xx with a one-line reason in the OpenAI error envelope; a client that
-disconnects frees its slots; no request can stop the server (docs/rollout.md).
+``/v1/completions`` and ``/v1/chat/completions`` follow the OpenAI API
+(request fields: :mod:`rlpost.rollout.openai_params`, which refuses every
+field it does not implement by name) and add what RL needs: each choice
+carries ``token_ids`` (the sampled ids), the logprob of every sampled token,
+the ``policy_version`` of its first token and every version it spans; each
+response carries the server's ``policy_version``. ``stream=true`` sends one
+server-sent event per sampled token, with its id, logprob and version.
+``POST /v1/weights`` swaps weights between two decode steps (a safetensors
+path inside ``--weights-dir``, or safetensors bytes streamed in the body with
+``?version=N``). ``/health`` reports the scheduler's counters, ``/metrics``
+the ``rl_*`` rollout metrics in Prometheus text. Requests share decode steps
+through :class:`~rlpost.rollout.scheduler.Scheduler`.
+
+Keys, body and pending limits are enforced in front of every route by
+:class:`~rlpost.rollout.server_guard.Guard`; slow request heads are cut off by
+:func:`~rlpost.rollout.server_net.guarded_h11`; a non-loopback address is
+refused without both keys. Bad input is a 4xx with a one-line reason in the
+OpenAI error envelope; a client that disconnects frees its slots; no request
+can stop the server (docs/rollout.md, docs/operations.md).
 """
 
 from __future__ import annotations
