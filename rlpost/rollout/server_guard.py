@@ -134,7 +134,11 @@ class Guard:
             # connection kept; closing with unread bytes would reset it, and the client
             # could lose this answer. A body too large, or chunked, is not worth reading.
             chunked = any(n == b"transfer-encoding" for n, _ in headers)
-            close = refusal[0] == 413 or chunked
+            close = (
+                refusal[0] == 413
+                or chunked
+                or _content_length(headers) > self.settings.max_body_bytes
+            )
             return await self._refuse(send, *refusal, close=close)
         self.stats["pending"] += generate
         try:

@@ -6,7 +6,9 @@ head one byte at a time (slowloris; every byte re-arms nothing and cancels
 the keep-alive timer), holds its slot for ever. :func:`guarded_h11` closes a
 connection whose request head is not complete ``header_timeout`` seconds
 after the connection opened, or after the first byte of a later request on a
-kept-alive connection. Heads are also bounded in size (h11's 16 KiB).
+kept-alive connection; the same bound holds for the rest of a body the
+server answered without reading (a refusal). Heads are also bounded in size
+(h11's 16 KiB).
 """
 
 from __future__ import annotations
@@ -61,11 +63,26 @@ def guarded_h11(header_timeout: float) -> type[H11Protocol]:
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self.conn.their_state is h11.IDLE:  # still waiting for a whole request head
-                if self._head_timer is None:
-                    self._arm()
-            else:
+            self._rearm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            # An idle kept-alive connection is the keep-alive timer's; only a body
+            # still arriving after the answer is this one's.
+            self._rearm(idle_counts=False)
+
+        def _waiting(self, idle_counts: bool = True) -> bool:
+            """Waiting on the client alone: for a whole request head, or for the rest of a
+            body after the answer went out (a refusal; uvicorn reads past the body)."""
+            their = self.conn.their_state
+            answered = self.conn.our_state is h11.DONE
+            return (idle_counts and their is h11.IDLE) or (answered and their is h11.SEND_BODY)
+
+        def _rearm(self, idle_counts: bool = True) -> None:
+            if not self._waiting(idle_counts):
                 self._disarm()
+            elif self._head_timer is None:
+                self._arm()
 
         def connection_lost(self, exc) -> None:
             self._disarm()
@@ -81,7 +98,7 @@ def guarded_h11(header_timeout: float) -> type[H11Protocol]:
 
         def _head_timed_out(self) -> None:
             self._head_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if self._waiting() and not self.transport.is_closing():
                 self.transport.close()
 
     return GuardedH11Protocol

@@ -50,9 +50,10 @@ def test_streams_chat_with_logprobs_and_usage(client):
     chunks = list(stream)
     tokens = [c for c in chunks if c.choices]
     assert tokens[0].choices[0].delta.role == "assistant"
-    assert len(tokens) == 6 and tokens[-1].choices[0].finish_reason == "length"
+    assert 1 <= len(tokens) <= 6 and tokens[-1].choices[0].finish_reason in ("stop", "length")
+    assert all(c.choices[0].finish_reason is None for c in tokens[:-1])
     assert all(len(c.choices[0].logprobs.content[0].top_logprobs) == 2 for c in tokens)
-    assert chunks[-1].usage.completion_tokens == 6
+    assert chunks[-1].usage.completion_tokens == len(tokens)
 
 
 def test_refusals_reach_the_client_as_errors(client):

@@ -236,6 +236,22 @@ def test_slow_header_clients_do_not_starve_others(keyed):
         s.close()
 
 
+def test_a_refused_body_cannot_be_trickled_for_ever(keyed):
+    """After a 401 the server reads past the body, but only while it keeps coming."""
+    sock = _raw(keyed["url"], _head("/v1/completions", 1000, key=None) + b"{")
+    assert _status(sock) == 401
+    cut = False
+    for _ in range(300):  # up to 30 s of one byte every 0.1 s; the header timeout is 1 s
+        time.sleep(0.1)
+        try:
+            sock.sendall(b" ")
+        except OSError:
+            cut = True
+            break
+    sock.close()
+    assert cut
+
+
 # A namespace with only ``lo``, which also carries 10.77.0.1: an address that is not
 # loopback by its number, yet reaches nothing outside the namespace.
 NETNS_SETUP = "ip link set lo up && ip addr add 10.77.0.1/32 dev lo || exit 3; "
