@@ -30,6 +30,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,14 +148,15 @@ class Guard:
             self.stats["pending"] -= generate
 
     def _limited(self, receive, limit: int):
-        """``receive`` that counts body bytes and times the body out."""
+        """``receive`` that counts body bytes and times the whole body out."""
         timeout, state = self.settings.request_timeout_s, {"read": 0, "done": False}
+        deadline = time.monotonic() + timeout
 
         async def limited():
             if state["done"]:  # the body is in; later calls only wait for a disconnect
                 return await receive()
             try:
-                message = await asyncio.wait_for(receive(), timeout)
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 raise APIError(408, f"request body not received within {timeout} s") from None
             if message["type"] == "http.request":

@@ -236,6 +236,17 @@ def test_slow_header_clients_do_not_starve_others(keyed):
         s.close()
 
 
+def test_an_accepted_body_must_arrive_within_the_request_timeout(keyed):
+    """A body trickled byte by byte is cut at --request-timeout in all, not per byte."""
+    sock = _raw(keyed["url"], _head("/v1/completions", 1000) + b"{")
+    for _ in range(300):  # up to 30 s of one byte every 0.1 s; the request timeout is 4 s
+        if select.select([sock], [], [], 0.1)[0]:
+            break
+        sock.sendall(b" ")
+    assert _status(sock) == 408
+    sock.close()
+
+
 def test_a_refused_body_cannot_be_trickled_for_ever(keyed):
     """After a 401 the server reads past the body, but only while it keeps coming."""
     sock = _raw(keyed["url"], _head("/v1/completions", 1000, key=None) + b"{")
