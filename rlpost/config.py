@@ -212,6 +212,11 @@ class RolloutConfig(Section):
     """Model name sent to the servers (None: the server's own)."""
     server_timeout_s: float = Field(120.0, gt=0)
     """Seconds before a server request is given up and re-sent elsewhere."""
+    api_key_env: str | None = Field("RLPOST_API_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Name of the environment variable holding the servers' API key, sent as a Bearer token
+    (unset or empty: none). A name, never the key: keys stay out of recipes and config.yaml."""
+    admin_key_env: str | None = Field("RLPOST_ADMIN_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Name of the environment variable holding the servers' admin key, sent with weight pushes."""
     tensor_parallel_size: int = Field(1, ge=1)
     """vLLM tensor parallel degree."""
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)

@@ -195,20 +195,38 @@ def _retokenize(choice: dict, tokenize, logprobs, eos_id) -> list[int]:
 
 
 class CompletionClient:
-    """Synchronous client of one server; safe to share between threads."""
+    """Synchronous client of one server; safe to share between threads.
 
-    def __init__(self, url: str, *, timeout: float = 120.0, model: str | None = None) -> None:
+    ``api_key`` is sent as a Bearer token with generation requests,
+    ``admin_key`` with weight pushes (``rlpost serve --api-key/--admin-key``).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 120.0,
+        model: str | None = None,
+        api_key: str | None = None,
+        admin_key: str | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.model = model
         self.http = httpx.Client(base_url=self.url, timeout=timeout)
+        self._auth = _bearer(api_key)
+        self._admin_auth = _bearer(admin_key)
+
+    def __repr__(self) -> str:  # never shows the keys
+        return f"CompletionClient({self.url!r})"
 
     def complete(self, job: Job, tokenize=None, eos_id: int | None = None) -> list[Choice]:
-        data = self._post("/v1/completions", json=completion_body(job, self.model))
+        body = completion_body(job, self.model)
+        data = self._post("/v1/completions", json=body, headers=self._auth)
         return parse_choices(data, tokenize, eos_id)
 
     def push_weights(self, payload: bytes, version: int) -> dict:
         """Stream safetensors bytes to ``/v1/weights``; returns the server's answer."""
-        headers = {"content-type": "application/octet-stream"}
+        headers = {"content-type": "application/octet-stream", **self._admin_auth}
         return self._post(
             "/v1/weights", content=payload, headers=headers, params={"version": version}
         )
@@ -233,6 +251,20 @@ class CompletionClient:
 
     def close(self) -> None:
         self.http.close()
+
+
+def _bearer(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def keys_from_env(api_key_env: str | None, admin_key_env: str | None) -> dict[str, str | None]:
+    """``api_key`` and ``admin_key`` read from the environment variables these name."""
+    import os
+
+    def read(name: str | None) -> str | None:
+        return (os.environ.get(name) or None) if name else None
+
+    return {"api_key": read(api_key_env), "admin_key": read(admin_key_env)}
 
 
 def _error_line(r: httpx.Response) -> str:

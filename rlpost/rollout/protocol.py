@@ -44,6 +44,45 @@ class SamplingParams:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
 
 
+@dataclass(frozen=True)
+class LogitAdjust:
+    """OpenAI's logit adjustments, applied to the raw logits before temperature.
+
+    ``presence_penalty`` is subtracted once from every token already sampled in
+    this sample, ``frequency_penalty`` once per occurrence, and ``logit_bias``
+    adds ``(token_id, bias)`` pairs. Only the rollout server uses them: the
+    engines that feed training never do, so their logprobs stay those of the
+    model the trainer recomputes.
+    """
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [-2, 2]")
+        if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+
+def adjust_logits(logits: torch.Tensor, sampled: list[int], adjust: LogitAdjust) -> torch.Tensor:
+    """``logits`` [V] with the penalties for the ``sampled`` ids so far and the bias applied."""
+    logits = logits.float().clone()
+    if sampled and (adjust.presence_penalty or adjust.frequency_penalty):
+        counts = torch.bincount(torch.tensor(sampled), minlength=logits.shape[-1]).float()
+        logits -= adjust.frequency_penalty * counts + adjust.presence_penalty * (counts > 0)
+    if adjust.logit_bias:
+        ids = torch.tensor([t for t, _ in adjust.logit_bias])
+        logits[ids] += torch.tensor([b for _, b in adjust.logit_bias])
+    return logits
+
+
 class RolloutEngine(Protocol):
     """What the pipeline needs from an engine."""
 

@@ -31,6 +31,7 @@ from rlpost.rollout.client import (
     RequestLoadBalancer,
     ServerUnavailable,
     encode_weights,
+    keys_from_env,
     seeds_from,
 )
 from rlpost.rollout.continuous import VersionedCompletion
@@ -54,6 +55,8 @@ class RemoteEngine:
         seed: int = 0,
         version: int = 0,
         extra_body: dict | None = None,
+        api_key: str | None = None,
+        admin_key: str | None = None,
     ) -> None:
         if not urls:
             raise ValueError(
@@ -63,7 +66,8 @@ class RemoteEngine:
         self.extra_body = dict(extra_body or {})  # merged into every request body
         self.version = version
         self.generator = torch.Generator().manual_seed(seed)
-        self.clients = [CompletionClient(u, timeout=timeout, model=model) for u in urls]
+        keys = {"api_key": api_key, "admin_key": admin_key}
+        self.clients = [CompletionClient(u, timeout=timeout, model=model, **keys) for u in urls]
         self.balancer = RequestLoadBalancer(
             self.clients, max_inflight=max_inflight_per_server, cooldown_s=cooldown_s
         )
@@ -178,7 +182,8 @@ class RemoteEngine:
 
 
 def build(cfg, tokenizer) -> RemoteEngine:
-    """The remote engine for ``rollout.engine=remote`` (servers from ``rollout.servers``)."""
+    """The remote engine for ``rollout.engine=remote`` (servers from ``rollout.servers``;
+    keys from the environment variables ``rollout.api_key_env`` and ``rollout.admin_key_env`` name)."""
     r = cfg.rollout
     return RemoteEngine(
         list(r.servers),
@@ -186,6 +191,7 @@ def build(cfg, tokenizer) -> RemoteEngine:
         model=r.server_model,
         timeout=r.server_timeout_s,
         seed=cfg.run.seed,
+        **keys_from_env(r.api_key_env, r.admin_key_env),
     )
 
 

@@ -43,7 +43,7 @@ from transformers import DynamicCache
 
 from rlpost.rollout import prefix_cache as pc
 from rlpost.rollout.prefix_cache import LayerKV, PrefixCache
-from rlpost.rollout.protocol import SamplingParams, sample_tokens
+from rlpost.rollout.protocol import LogitAdjust, SamplingParams, adjust_logits, sample_tokens
 from rlpost.types import FinishReason
 
 TRIM_COLUMNS = 16  # drop all-padding KV columns once this many have piled up
@@ -56,7 +56,10 @@ class GenerationRequest:
     ``stop_texts`` end a sample when its decoded text contains one of them;
     ``top_logprobs`` asks for that many most likely alternatives per token;
     ``seed`` gives the request its own random generator (reproducible samples);
-    ``ignore_eos`` keeps decoding past EOS (benchmarks that need fixed lengths).
+    ``ignore_eos`` keeps decoding past EOS (benchmarks that need fixed lengths);
+    ``adjust`` applies penalties and a logit bias (the rollout server's OpenAI
+    parameters); ``on_token(event)`` is called from the scheduler thread for
+    every sampled token (streaming), and must not block or raise.
     """
 
     prompt_ids: list[int]
@@ -66,6 +69,21 @@ class GenerationRequest:
     top_logprobs: int = 0
     seed: int | None = None
     ignore_eos: bool = False
+    adjust: LogitAdjust | None = None
+    on_token: Callable[[TokenEvent], None] | None = None
+
+
+@dataclass
+class TokenEvent:
+    """One sampled token of sample ``index`` of a request; ``finish`` set on its last token."""
+
+    index: int
+    token_id: int
+    logprob: float
+    version: int
+    top: list[tuple[int, float]] | None
+    finish: FinishReason | None
+    text_end: int | None
 
 
 @dataclass
@@ -246,8 +264,8 @@ class Scheduler:
     ) -> float:
         """Swap in new weights between two decode steps; returns the seconds it waited.
 
-        Every name and shape is checked before anything is applied, so a bad
-        update changes nothing.
+        Every name, shape and dtype is checked before anything is applied, so a
+        bad update changes nothing.
         """
         tensors = dict(named_tensors)
         for name, tensor in tensors.items():
@@ -257,6 +275,12 @@ class Scheduler:
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                )
+            if tensor.dtype != target.dtype and not (
+                tensor.is_floating_point() and target.is_floating_point()
+            ):  # a float tensor is cast to the model's float dtype; nothing else is
+                raise ValueError(
+                    f"weight {name!r} has dtype {tensor.dtype}, the model expects {target.dtype}"
                 )
         update = _WeightUpdate(tensors, version)
         start = time.perf_counter()
@@ -444,6 +468,13 @@ class Scheduler:
 
     def _advance(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
         """Sample one token per sequence from ``logits`` [len(seqs), V] and record it."""
+        adjusts = [s.ticket.request.adjust for s in seqs]
+        if any(a is not None and a.active for a in adjusts):
+            rows = [
+                adjust_logits(logits[i], s.tokens, a) if a is not None and a.active else logits[i]
+                for i, (s, a) in enumerate(zip(seqs, adjusts, strict=True))
+            ]
+            logits = torch.stack([r.float() for r in rows])
         tokens = torch.empty(len(seqs), dtype=torch.long)
         logps = torch.empty(len(seqs))
         groups: dict[tuple, list[int]] = {}
@@ -466,6 +497,11 @@ class Scheduler:
             if tops[i] is not None:
                 s.tops.append(tops[i])
             self._check_finished(s, tok)
+            on_token = s.ticket.request.on_token
+            if on_token is not None:  # before the future resolves, so a stream sees every token
+                on_token(TokenEvent(s.index, tok, lp, self.version, tops[i], s.finish, s.text_end))
+            if s.finish is not None:
+                self._complete(s)
         self.counters["tokens"] += len(seqs)
 
     def _top_alternatives(self, seqs: list[_Seq], logits: torch.Tensor) -> list:
@@ -490,8 +526,6 @@ class Scheduler:
             self.max_model_len is not None and s.position + 1 >= self.max_model_len
         ):
             s.finish = "length"
-        if s.finish is not None:
-            self._complete(s)
 
     def _stop_text_at(self, s: _Seq) -> int | None:
         text = self.tokenizer.decode(s.tokens, skip_special_tokens=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import threading
@@ -19,14 +21,21 @@ from rlpost.rollout.protocol import SamplingParams
 START_TIMEOUT_S = 90
 
 
-def start_server(model_dir, *extra: str) -> tuple[subprocess.Popen, str]:
-    """Start ``python -m rlpost.rollout.server --port 0`` and return (process, base URL)."""
-    cmd = [sys.executable, "-m", "rlpost.rollout.server", "--model", str(model_dir), "--port", "0"]
+def start_server(
+    model_dir, *extra: str, env: dict | None = None, entry: list[str] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """Start ``python -m rlpost.rollout.server --port 0`` and return (process, base URL).
+
+    ``env`` is added to the environment; ``entry`` replaces ``-m rlpost.rollout.server``.
+    """
+    entry = entry or ["-m", "rlpost.rollout.server"]
+    cmd = [sys.executable, *entry, "--model", str(model_dir), "--port", "0"]
     proc = subprocess.Popen(
         [*cmd, "--threads", "1", *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
+        env={**os.environ, **(env or {})},
     )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
@@ -58,8 +67,14 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir):
-    proc, url = start_server(tiny_dir, "--max-tokens-limit", "120", "--max-n", "32")
+def weights_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("weights")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, weights_dir):
+    limits = ("--max-tokens-limit", "120", "--max-n", "32", "--weights-dir", str(weights_dir))
+    proc, url = start_server(tiny_dir, *limits)
     yield url
     stop_server(proc)
 
@@ -137,8 +152,8 @@ def test_client_disconnect_frees_its_slots(server):
     with pytest.raises(httpx.TimeoutException):  # the client gives up and closes the connection
         httpx.post(
             f"{server}/v1/completions",
-            json={"prompt": "1", "n": 32, "max_tokens": 110},
-            timeout=0.05,  # well under the request's decode time on any machine
+            json={"prompt": "1", "n": 32, "max_tokens": 110, "ignore_eos": True},
+            timeout=0.02,  # the request decodes 3,520 tokens: ~0.15 s on an idle machine
         )
     deadline = time.time() + 20
     while time.time() < deadline:
@@ -150,7 +165,7 @@ def test_client_disconnect_frees_its_slots(server):
     assert _complete(server, max_tokens=2).status_code == 200
 
 
-def test_weight_update_changes_outputs_and_version(server, tiny_dir, tmp_path):
+def test_weight_update_changes_outputs_and_version(server, tiny_dir, weights_dir):
     client = CompletionClient(server)
     job = Job("w", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8))
     before = client.complete(job)[0]
@@ -164,8 +179,10 @@ def test_weight_update_changes_outputs_and_version(server, tiny_dir, tmp_path):
     after = client.complete(job)[0]
     assert after.policy_version == 5 and after.token_ids != before.token_ids
     # From a safetensors directory: back to the original weights, version 6.
-    save_file({k: v.clone() for k, v in model.state_dict().items()}, tmp_path / "model.safetensors")
-    r = httpx.post(f"{server}/v1/weights", json={"path": str(tmp_path), "version": 6}, timeout=60)
+    (weights_dir / "step6").mkdir()
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    save_file(original, weights_dir / "step6" / "model.safetensors")
+    r = httpx.post(f"{server}/v1/weights", json={"path": "step6", "version": 6}, timeout=60)
     assert r.json()["policy_version"] == 6
     again = client.complete(job)[0]
     assert again.token_ids == before.token_ids and again.policy_version == 6
@@ -190,3 +207,121 @@ def test_metrics_export_rollout_throughput(server):
     assert "rl_rollout_throughput_tps" in values and "rl_rollout_worker_utilization" in values
     assert values["rl_rollout_throughput_tps"] > 0
     assert 0 <= values["rl_rollout_worker_utilization"] <= 1
+
+
+def _stream(url, path, body):
+    """The parsed ``data:`` events of a streamed request, up to and without ``[DONE]``."""
+    events, done = [], False
+    with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                if line == "data: [DONE]":
+                    done = True
+                    continue
+                events.append(json.loads(line[len("data: ") :]))
+    assert done
+    return events
+
+
+def test_stream_matches_the_whole_response(server):
+    body = {"prompt": "1+2=", "n": 2, "max_tokens": 12, "seed": 3, "logprobs": 0}
+    whole = _complete(server, **body).json()
+    events = _stream(server, "/v1/completions", body)
+    for c in whole["choices"]:
+        mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == c["index"]]
+        assert [t for m in mine for t in m["token_ids"]] == c["token_ids"]
+        streamed_lp = [lp for m in mine for lp in m["logprobs"]["token_logprobs"]]
+        assert streamed_lp == pytest.approx(c["logprobs"]["token_logprobs"])
+        assert "".join(m["text"] for m in mine) == c["text"]
+        assert mine[-1]["finish_reason"] == c["finish_reason"]
+        assert all(m["finish_reason"] is None for m in mine[:-1])
+        assert all(m["policy_version"] == c["policy_version"] for m in mine)
+
+
+def test_stream_never_sends_a_stop_text(server):
+    body = {"prompt": "1+2=", "max_tokens": 40, "seed": 5, "temperature": 1.0, "ignore_eos": True}
+    text = _complete(server, **body).json()["choices"][0]["text"]
+    stop = text[3:6]  # a stop text that occurs in the sample
+    assert len(stop) == 3
+    whole = _complete(server, **body, stop=[stop]).json()["choices"][0]
+    events = _stream(server, "/v1/completions", {**body, "stop": [stop]})
+    streamed = "".join(e["choices"][0]["text"] for e in events)
+    assert streamed == whole["text"] and stop not in streamed
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_stream_with_usage(server):
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5,
+        "logprobs": True,
+        "stream_options": {"include_usage": True},
+    }
+    events = _stream(server, "/v1/chat/completions", body)
+    assert events[0]["object"] == "chat.completion.chunk"
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert (
+        events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == len(events) - 1
+    )
+    assert all(len(e["choices"][0]["logprobs"]["content"]) == 1 for e in events[:-1])
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("/v1/completions", {"best_of": 3}, "best_of"),
+        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"suffix": "x"}, "suffix"),
+        ("/v1/completions", {"min_p": 0.1}, "min_p"),
+        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+        ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/completions", {"logit_bias": {"999999": 5}}, "logit_bias"),
+        ("/v1/completions", {"presence_penalty": 3}, "presence_penalty"),
+    ],
+)
+def test_unimplemented_parameters_are_refused_by_name(server, path, extra, param):
+    base = (
+        {"prompt": "1"}
+        if path == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "x"}]}
+    )
+    r = httpx.post(f"{server}{path}", json={**base, "max_tokens": 2, **extra})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == param and param in error["message"]
+
+
+def test_neutral_values_of_unimplemented_parameters_pass(server):
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    neutral = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "user": "u"}
+    assert httpx.post(f"{server}/v1/chat/completions", json={**chat, **neutral}).status_code == 200
+    r = _complete(server, max_tokens=2, n=2, best_of=2, echo=False, suffix=None)
+    assert r.status_code == 200
+
+
+def test_logit_bias_and_penalties_change_sampling(server):
+    greedy = {"prompt": "1+2=", "max_tokens": 8, "temperature": 0}
+    plain = _complete(server, **greedy).json()["choices"][0]["token_ids"]
+    forced = _complete(server, **greedy, logit_bias={"7": 100}).json()["choices"][0]["token_ids"]
+    assert forced == [7] * 8 != plain
+    penalised = _complete(server, **greedy, logit_bias={"7": 5}, frequency_penalty=2.0).json()
+    ids = penalised["choices"][0]["token_ids"]
+    assert ids[0] == 7 and ids.count(7) < 8  # the penalty grows with each repeat
+    assert _complete(server, **greedy).json()["choices"][0]["token_ids"] == plain
+
+
+def test_stream_disconnect_frees_its_slots(server):
+    cancelled = httpx.get(f"{server}/health").json()["cancelled"]
+    body = {"prompt": "1", "n": 32, "max_tokens": 110, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
+        next(r.iter_lines())  # one event, then the client hangs up
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        health = httpx.get(f"{server}/health").json()
+        if health["cancelled"] > cancelled and health["active"] == 0:
+            break
+        time.sleep(0.05)
+    assert health["cancelled"] > cancelled and health["active"] == 0

@@ -1,0 +1,267 @@
+"""The OpenAI request fields ``rlpost serve`` understands, checked and parsed.
+
+Every field of a request is either implemented, accepted only at its neutral
+value (``echo: false``, ``tools: []``, ``response_format: {"type": "text"}``,
+``best_of`` equal to ``n``...), or refused with a 400 naming it: a client
+never gets a response that silently ignored what it asked for. Bad values are
+a 4xx with a one-line reason in the OpenAI error envelope.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlpost.rollout.protocol import LogitAdjust, SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_TEXTS = 16
+MAX_LOGIT_BIAS = 1024
+
+# Implemented on both endpoints (vLLM's names for top_k, stop_token_ids, ignore_eos and
+# the return_* flags; rlpost always returns token ids). ``user`` only labels a request.
+COMMON_FIELDS = {
+    "model", "n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids",
+    "logprobs", "seed", "ignore_eos", "stream", "stream_options", "presence_penalty",
+    "frequency_penalty", "logit_bias", "user", "return_token_ids", "return_tokens_as_token_ids",
+}  # fmt: skip
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "add_special_tokens"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+
+
+def _neutral_best_of(value, body) -> bool:
+    return value == body.get("n", 1) or (value == 1 and body.get("n") is None)
+
+
+# Accepted only when they ask for nothing rlpost would have to implement.
+NEUTRAL = {
+    "echo": lambda v, _: v is False,
+    "suffix": lambda v, _: v == "",
+    "best_of": _neutral_best_of,
+    "tools": lambda v, _: v == [],
+    "functions": lambda v, _: v == [],
+    "tool_choice": lambda v, _: v == "none",
+    "function_call": lambda v, _: v == "none",
+    "parallel_tool_calls": lambda v, _: isinstance(v, bool),
+    "response_format": lambda v, _: v == {"type": "text"},
+}
+NEUTRAL_ON = {
+    "completions": {"echo", "suffix", "best_of"},
+    "chat": set(NEUTRAL) - {"echo", "suffix", "best_of"},
+}
+
+
+class APIError(Exception):
+    """A request the server refuses; ``message`` is one line."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, headers: dict | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+@dataclass
+class ServerSettings:
+    """Limits a request is checked against."""
+
+    model_name: str
+    max_tokens_limit: int = 512
+    max_n: int = 64
+    max_model_len: int | None = None
+    weights_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0
+    weights_dir: Path | None = None  # resolved; None: no loads from a path
+
+
+def refuse_unsupported(body: dict, *, chat: bool) -> None:
+    """A 400 naming the first field this server does not implement (None counts as absent)."""
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    neutral = NEUTRAL_ON["chat" if chat else "completions"]
+    endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+    for key, value in body.items():
+        if value is None or key in known:
+            continue
+        if key in neutral:
+            if NEUTRAL[key](value, body):
+                continue
+            raise APIError(400, f"{key}={value!r} is not supported by this server", key)
+        raise APIError(400, f"{key} is not supported by this server's {endpoint}", key)
+    if body.get("stream_options") is not None:
+        options = body["stream_options"]
+        if not body.get("stream"):
+            raise APIError(400, "stream_options needs stream=true", "stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise APIError(400, "stream_options supports only include_usage", "stream_options")
+    if not isinstance(body.get("stream", False), bool):
+        raise APIError(400, "stream must be true or false", "stream")
+
+
+def parse_adjust(body: dict, vocab: int) -> LogitAdjust | None:
+    """Presence/frequency penalties and logit_bias -> a LogitAdjust (None when all are neutral)."""
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise APIError(
+            400,
+            f"logit_bias must map token ids to numbers (at most {MAX_LOGIT_BIAS})",
+            "logit_bias",
+        )
+    pairs = []
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else -1
+        if not 0 <= token < vocab:
+            raise APIError(
+                400, f"logit_bias key {key!r} is not a token id in [0, {vocab})", "logit_bias"
+            )
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not -100 <= value <= 100
+        ):
+            raise APIError(
+                400, f"logit_bias[{key}]={value!r} must be a number in [-100, 100]", "logit_bias"
+            )
+        pairs.append((token, float(value)))
+    adjust = LogitAdjust(
+        presence_penalty=float(_field(body, "presence_penalty", 0.0, -2, 2)),
+        frequency_penalty=float(_field(body, "frequency_penalty", 0.0, -2, 2)),
+        logit_bias=tuple(sorted(pairs)),
+    )
+    return adjust if adjust.active else None
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def _field(body: dict, key: str, default, low, high=math.inf, *, integer=False, low_open=False):
+    """``body[key]`` checked to be a number (an integer if ``integer``) in range; ``default`` if absent."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int if integer else int | float):
+        kind = "an integer" if integer else "a number"
+        raise APIError(400, f"{key} must be {kind}, got {value!r}", key)
+    if value < low or (low_open and value == low) or value > high:
+        if math.isinf(high):
+            bound = f"{'>' if low_open else '>='} {low}"
+        else:
+            bound = f"in {'(' if low_open else '['}{low}, {high}]"
+        raise APIError(400, f"{key}={value} must be {bound}", key)
+    return value
+
+
+def _token_list(value: Any, vocab: int, key: str) -> list[int]:
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise APIError(400, f"{key} token ids must be integers", key)
+    bad = [t for t in value if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"{key} token id {bad[0]} is outside the vocabulary [0, {vocab})", key)
+    return list(value)
+
+
+def parse_prompts(value: Any, tokenizer, add_special_tokens: bool) -> list[list[int]]:
+    """The prompt(s) of a completion request as token ids: text, ids, or a list of either."""
+    flat_ids = isinstance(value, list) and value and all(isinstance(v, int) for v in value)
+    items = [value] if isinstance(value, str) or flat_ids else value
+    if not isinstance(items, list) or not items:
+        raise APIError(400, "prompt is missing or empty", "prompt")
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            ids = tokenizer(item, add_special_tokens=add_special_tokens)["input_ids"]
+        elif isinstance(item, list):
+            ids = _token_list(item, len(tokenizer), "prompt")
+        else:
+            raise APIError(400, "prompt must be text, token ids, or a list of either", "prompt")
+        if not ids:
+            raise APIError(400, "prompt is empty: it must have at least one token", "prompt")
+        prompts.append(ids)
+    return prompts
+
+
+def chat_prompt(messages: Any, tokenizer) -> list[int]:
+    """Token ids of a chat: the tokenizer's chat template, or ``role: content`` lines without one."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages must be a non-empty list", "messages")
+    turns = []
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(400, "each message needs a string role and content", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts; only text parts are understood
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if not isinstance(content, str):
+            raise APIError(400, "each message needs a string role and content", "messages")
+        turns.append({"role": m["role"], "content": content})
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    else:
+        text = "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant: "
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise APIError(400, "messages are empty: the prompt has no tokens", "messages")
+    return list(ids)
+
+
+def parse_sampling(body: dict, settings: ServerSettings, tokenizer, *, chat: bool) -> dict:
+    """Sampling fields shared by both endpoints -> keyword arguments of GenerationRequest."""
+    refuse_unsupported(body, chat=chat)
+    name = settings.model_name
+    if body.get("model") not in (None, name):
+        raise APIError(
+            404, f"model {body['model']!r} does not exist; this server serves {name!r}", "model"
+        )
+    limit = settings.max_tokens_limit
+    key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    stops = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOP_TEXTS
+        or not all(isinstance(x, str) for x in stops)
+    ):
+        raise APIError(
+            400, f"stop must be a string or a list of at most {MAX_STOP_TEXTS} strings", "stop"
+        )
+    top_k = _field(body, "top_k", -1, -1, integer=True)
+    params = SamplingParams(
+        temperature=float(_field(body, "temperature", 1.0, 0)),
+        top_p=float(_field(body, "top_p", 1.0, 0, 1, low_open=True)),
+        top_k=-1 if top_k == 0 else top_k,  # vLLM spells "no top-k" as 0 or -1
+        max_tokens=_field(body, key, 16, 1, limit, integer=True),
+        stop_token_ids=tuple(
+            _token_list(body.get("stop_token_ids") or [], len(tokenizer), "stop_token_ids")
+        ),
+    )
+    top_key = "top_logprobs" if chat else "logprobs"
+    top = (
+        _field(body, top_key, 0, 0, MAX_TOP_LOGPROBS, integer=True)
+        if not chat or body.get("logprobs")
+        else 0
+    )
+    return {
+        "params": params,
+        "n": _field(body, "n", 1, 1, settings.max_n, integer=True),
+        "stop_texts": tuple(x for x in stops if x),
+        "top_logprobs": top,
+        "seed": _field(body, "seed", None, 0, (1 << 62), integer=True),
+        "ignore_eos": body.get("ignore_eos") is True,
+        "adjust": parse_adjust(body, len(tokenizer)),
+    }
+
+
+def check_context(prompts: list[list[int]], max_tokens: int, settings: ServerSettings) -> None:
+    limit = settings.max_model_len
+    longest = max(len(p) for p in prompts)
+    if limit is not None and longest + max_tokens > limit:
+        raise APIError(
+            400,
+            f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {limit} tokens",
+            "max_tokens",
+        )

@@ -1,0 +1,250 @@
+"""Who may call ``rlpost serve``, and how much one request may ask of it.
+
+One pure ASGI middleware sits in front of the whole app and decides from the
+path and the headers alone, before any route runs and before a byte of the
+body is read:
+
+* **keys**: paths under ``/v1/`` (and anything else but ``/health`` and
+  ``/metrics``) need ``Authorization: Bearer <api key>`` when an API key is
+  set (401 otherwise, as vLLM does); paths under an admin prefix
+  (``/v1/weights``, ``/v1/sync``, ``/v1/admin``) need the admin key (the API
+  key alone is a 403). The decision is by prefix, so a route that another
+  module mounts under ``/v1/sync`` later is guarded without a line here.
+  Keys are compared as SHA-256 digests with :func:`hmac.compare_digest`
+  (constant time, length included) and never logged.
+* **body size**: a ``Content-Length`` above the limit is a 413 at once; a
+  chunked body is counted as it arrives and refused when it passes the limit.
+* **pending requests**: generation requests in flight (running or queued)
+  are bounded; one more is a 429 with ``Retry-After``.
+* **request time**: the body must arrive within the request timeout (408).
+
+A refusal for size closes the connection (the body is not read); other
+refusals keep it, and uvicorn reads past the (bounded) body.
+Weight loads from a path are confined to the ``--weights-dir`` directory by
+:func:`confined_weights_files`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlpost.rollout.openai_params import APIError, error_body
+
+OPEN_PATHS = ("/health", "/metrics")
+ADMIN_PREFIXES = ("/v1/weights", "/v1/sync", "/v1/admin")
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+MIB = 1 << 20
+
+
+@dataclass
+class GuardSettings:
+    """Keys and limits of one server (the ``rlpost serve`` flags of the same names)."""
+
+    api_key: str | None = None
+    admin_key: str | None = None
+    max_body_bytes: int = 16 * MIB
+    max_weights_bytes: int = 65536 * MIB
+    max_pending: int = 256
+    request_timeout_s: float = 600.0
+    retry_after_s: int = 1
+
+    def __repr__(self) -> str:  # keys never reach a log line or a traceback
+        return f"GuardSettings(api_key={'set' if self.api_key else None}, admin_key={'set' if self.admin_key else None}, ...)"
+
+
+def _digest(key: str | None) -> bytes | None:
+    return hashlib.sha256(key.encode()).digest() if key else None
+
+
+def _matches(token: str | None, digest: bytes | None) -> bool:
+    if token is None or digest is None:
+        return False
+    return hmac.compare_digest(hashlib.sha256(token.encode()).digest(), digest)
+
+
+def bearer_token(headers: list[tuple[bytes, bytes]]) -> str | None:
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+    return None
+
+
+def is_admin_path(path: str) -> bool:
+    """Under an admin prefix, as sent or with repeated slashes and dot segments removed."""
+    parts: list[str] = []
+    for part in path.split("/"):
+        if part == "..":
+            parts = parts[:-1]
+        elif part not in ("", "."):
+            parts.append(part)
+    normal = "/" + "/".join(parts)
+    return any(p.startswith(prefix) for p in (path, normal) for prefix in ADMIN_PREFIXES)
+
+
+class Guard:
+    """ASGI middleware enforcing :class:`GuardSettings` in front of ``app``.
+
+    ``stats`` (shared with ``/health``) holds ``pending`` and ``refused_<status>`` counts.
+    """
+
+    def __init__(self, app, settings: GuardSettings, stats: dict | None = None) -> None:
+        self.app, self.settings = app, settings
+        self._api, self._admin = _digest(settings.api_key), _digest(settings.admin_key)
+        self.stats = stats if stats is not None else {}
+        self.stats["pending"] = 0
+
+    def authorize(self, path: str, token: str | None) -> tuple[int, str] | None:
+        """None when the request may go on, else (status, one-line reason)."""
+        if path in OPEN_PATHS or (self._api is None and self._admin is None):
+            return None
+        if is_admin_path(path):
+            if _matches(token, self._admin):
+                return None
+            if self._admin is None:
+                return 403, "this endpoint needs the admin key; the server has no --admin-key"
+            if _matches(token, self._api):
+                return 403, "this endpoint needs the admin key; the API key is not enough"
+            return 401, "missing or wrong admin key (send Authorization: Bearer <admin key>)"
+        if self._api is None or _matches(token, self._api) or _matches(token, self._admin):
+            return None
+        return 401, "missing or wrong API key (send Authorization: Bearer <key>)"
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, headers = scope["path"], scope["headers"]
+        refusal = self.authorize(path, bearer_token(headers))
+        limit = (
+            self.settings.max_weights_bytes if is_admin_path(path) else self.settings.max_body_bytes
+        )
+        generate = path in GENERATE_PATHS
+        if refusal is None and _content_length(headers) > limit:
+            refusal = 413, f"request body is larger than the server's limit of {limit} bytes"
+        pending = self.stats["pending"]
+        if refusal is None and generate and pending >= self.settings.max_pending:
+            refusal = 429, f"the server has {pending} requests pending; retry later"
+        if refusal is not None:
+            # A body of a known, allowed size is left for uvicorn to read past and the
+            # connection kept; closing with unread bytes would reset it, and the client
+            # could lose this answer. A body too large, or chunked, is not worth reading.
+            chunked = any(n == b"transfer-encoding" for n, _ in headers)
+            close = (
+                refusal[0] == 413
+                or chunked
+                or _content_length(headers) > self.settings.max_body_bytes
+            )
+            return await self._refuse(send, *refusal, close=close)
+        self.stats["pending"] += generate
+        try:
+            await self.app(scope, self._limited(receive, limit), send)
+        finally:
+            self.stats["pending"] -= generate
+
+    def _limited(self, receive, limit: int):
+        """``receive`` that counts body bytes and times the whole body out."""
+        timeout, state = self.settings.request_timeout_s, {"read": 0, "done": False}
+        deadline = time.monotonic() + timeout
+
+        async def limited():
+            if state["done"]:  # the body is in; later calls only wait for a disconnect
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise APIError(408, f"request body not received within {timeout} s") from None
+            if message["type"] == "http.request":
+                state["read"] += len(message.get("body", b""))
+                state["done"] = not message.get("more_body", False)
+                if state["read"] > limit:
+                    raise APIError(
+                        413, f"request body is larger than the server's limit of {limit} bytes"
+                    )
+            return message
+
+        return limited
+
+    async def _refuse(self, send, status: int, message: str, *, close: bool) -> None:
+        key = f"refused_{status}"
+        self.stats[key] = self.stats.get(key, 0) + 1
+        kind = {401: "authentication_error", 403: "permission_error"}.get(
+            status, "invalid_request_error"
+        )
+        body = json.dumps(error_body(message, kind=kind)).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        if close:
+            headers.append((b"connection", b"close"))
+        if status == 401:
+            headers.append((b"www-authenticate", b"Bearer"))
+        if status == 429:
+            headers.append((b"retry-after", str(self.settings.retry_after_s).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int:
+    for name, value in headers:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else 0  # h11 has refused malformed lengths
+    return 0
+
+
+# --------------------------------------------------------- weights directory
+
+OUTSIDE = "path must name a .safetensors file or directory inside the server's weights directory"
+
+
+def confined_weights_files(path: str, root: Path | None) -> list[Path]:
+    """The ``.safetensors`` files ``path`` names, all inside ``root`` after resolving symlinks.
+
+    Relative paths are taken from ``root``. Anything outside it, missing, or
+    not safetensors is the same 403 with the same message, so an answer
+    reveals nothing about the file system.
+    """
+    if root is None:
+        raise APIError(
+            403,
+            "weights from a path are off: start the server with --weights-dir, or stream safetensors bytes",
+            "path",
+        )
+    try:
+        real = (root / path).resolve(strict=True)
+        inside = real.is_relative_to(root)
+        files = sorted(real.glob("*.safetensors")) if inside and real.is_dir() else [real]
+        files = [f.resolve(strict=True) for f in files]
+    except (OSError, RuntimeError, ValueError):
+        raise APIError(403, OUTSIDE, "path") from None
+    if (
+        not inside
+        or not files
+        or not all(
+            f.is_relative_to(root) and f.is_file() and f.suffix == ".safetensors" for f in files
+        )
+    ):
+        raise APIError(403, OUTSIDE, "path")
+    return files
+
+
+def load_safetensors_files(files: list[Path]) -> dict:
+    """Every tensor of ``files`` (safetensors only; never pickle); ValueError without the path."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    tensors: dict = {}
+    for f in files:
+        try:
+            tensors.update(load_file(f))
+        except (SafetensorError, OSError, ValueError):
+            raise ValueError(
+                "a weights file under the weights directory is not a safetensors file"
+            ) from None
+    return tensors

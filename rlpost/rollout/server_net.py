@@ -1,0 +1,104 @@
+"""The listening side of ``rlpost serve``: which addresses are safe, and slow clients.
+
+uvicorn's h11 protocol has a keep-alive timeout but no header timeout: a
+fresh connection that never sends a byte, or one that trickles its request
+head one byte at a time (slowloris; every byte re-arms nothing and cancels
+the keep-alive timer), holds its slot for ever. :func:`guarded_h11` closes a
+connection whose request head is not complete ``header_timeout`` seconds
+after the connection opened, or after the first byte of a later request on a
+kept-alive connection; the same bound holds for the rest of a body the
+server answered without reading (a refusal). Heads are also bounded in size
+(h11's 16 KiB).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` resolves to is a loopback address (127/8, ::1)."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError):
+        return False
+    addresses = {info[4][0].split("%")[0] for info in infos}
+    return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
+
+
+def bind_refusal(
+    host: str, api_key: str | None, admin_key: str | None, insecure: bool
+) -> str | None:
+    """The one-line reason to refuse binding ``host``, or None when it may be bound.
+
+    A non-loopback address needs both keys unless ``insecure``; the caller
+    warns when it binds one insecurely.
+    """
+    if api_key and admin_key and api_key == admin_key:
+        return "--admin-key must differ from --api-key (the API key would unlock /v1/weights)"
+    if is_loopback(host) or (api_key and admin_key) or insecure:
+        return None
+    missing = [
+        flag for flag, key in (("--api-key", api_key), ("--admin-key", admin_key)) if not key
+    ]
+    return (
+        f"refusing to listen on {host}, which is not a loopback address, without "
+        f"{' and '.join(missing)} (or RLPOST_API_KEY / RLPOST_ADMIN_KEY); --insecure binds it anyway"
+    )
+
+
+def guarded_h11(header_timeout: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a timeout on receiving each request head."""
+
+    class GuardedH11Protocol(H11Protocol):
+        _head_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._rearm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            # An idle kept-alive connection is the keep-alive timer's; only a body
+            # still arriving after the answer is this one's.
+            self._rearm(idle_counts=False)
+
+        def _waiting(self, idle_counts: bool = True) -> bool:
+            """Waiting on the client alone: for a whole request head, or for the rest of a
+            body after the answer went out (a refusal; uvicorn reads past the body)."""
+            their = self.conn.their_state
+            answered = self.conn.our_state is h11.DONE
+            return (idle_counts and their is h11.IDLE) or (answered and their is h11.SEND_BODY)
+
+        def _rearm(self, idle_counts: bool = True) -> None:
+            if not self._waiting(idle_counts):
+                self._disarm()
+            elif self._head_timer is None:
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._head_timer = self.loop.call_later(header_timeout, self._head_timed_out)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if self._waiting() and not self.transport.is_closing():
+                self.transport.close()
+
+    return GuardedH11Protocol
