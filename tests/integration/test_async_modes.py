@@ -68,7 +68,9 @@ def test_staleness_bound_holds_for_every_trained_token(tmp_path, mode, eta):
 
 def test_stop_and_resume_trains_every_prompt_exactly_once(tmp_path):
     whole = Trained()
-    train(_cfg(tmp_path, "whole", "pipeline.mode=async", "pipeline.max_staleness=2"), on_groups=whole)
+    train(
+        _cfg(tmp_path, "whole", "pipeline.mode=async", "pipeline.max_staleness=2"), on_groups=whole
+    )
 
     first, stop = Trained(), threading.Event()
 
@@ -84,7 +86,9 @@ def test_stop_and_resume_trains_every_prompt_exactly_once(tmp_path):
     train(cfg, resume=cut.run_dir, on_groups=rest)
     resumed = {**first.prompts, **rest.prompts}
     assert sorted(resumed) == sorted(whole.prompts) == [1, 2, 3, 4, 5, 6]
-    assert [resumed[s] for s in sorted(resumed)] == [whole.prompts[s] for s in sorted(whole.prompts)]
+    assert [resumed[s] for s in sorted(resumed)] == [
+        whole.prompts[s] for s in sorted(whole.prompts)
+    ]
 
 
 def test_a_lost_rollout_worker_stops_the_run_in_one_line_with_a_checkpoint(tmp_path):

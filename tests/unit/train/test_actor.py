@@ -121,7 +121,9 @@ def test_rollout_correction_weights_the_loss_and_masks_tokens(tiny):
 
     def update(correction, rollout_shift, **params):
         m = copy.deepcopy(model)
-        s = ActorSettings(lr=1e-3, mini_batch_size=16, micro_batch_size=16, correction_params=params)
+        s = ActorSettings(
+            lr=1e-3, mini_batch_size=16, micro_batch_size=16, correction_params=params
+        )
         tr = PolicyTrainer(m, get_policy_loss("ppo_clip"), s, correction=correction)
         batch = copy.deepcopy(b)
         batch.old_logprobs = tr.old_logprobs(batch)
@@ -131,7 +133,9 @@ def test_rollout_correction_weights_the_loss_and_masks_tokens(tiny):
     plain, m_plain = update(None, 0.0)
     # engine and trainer agree: every weight is 1 and the update is the plain one
     same, m_same = update(get_correction("tis"), 0.0)
-    assert same["is_weight_mean"] == pytest.approx(1.0) and same["loss"] == pytest.approx(plain["loss"])
+    assert same["is_weight_mean"] == pytest.approx(1.0) and same["loss"] == pytest.approx(
+        plain["loss"]
+    )
     for p, q in zip(m_plain.parameters(), m_same.parameters(), strict=True):
         torch.testing.assert_close(p, q)
     # the engine gave every token a ratio of e^3 > high: the IcePop mask drops them all
