@@ -167,7 +167,7 @@ def build_engine(cfg: Config, model, tokenizer, *, push: bool = True):
     serving.requires_grad_(False)
     if cfg.model.dtype == "bfloat16":
         serving = serving.to(dtype=torch.bfloat16)
-    if r.partial or cfg.pipeline.mode != "sync":
+    if r.partial or cfg.pipeline.mode == "async":
         # Continuous batching lets a partial step stop the moment enough samples are done,
         # and takes new weights between decode steps while it generates (overlapped modes).
         scheduler = Scheduler(

@@ -29,7 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rlpost.data import PromptSampler
 from rlpost.pipeline.stages import RolloutOutput, RolloutSettings, rollout_stage
@@ -105,14 +105,20 @@ class SyncFeed:
         self.source.take()
         return Fed(out)
 
-    def synced(self, version: int) -> None:
-        """The engine now serves ``version`` (nothing to do: the next rollout starts after)."""
+    def push(self, export) -> float:
+        """Serve the trainer's new weights now (nothing is generating); returns seconds."""
+        start = time.perf_counter()
+        self.rollout.load_weights(export.tensors, export.version)
+        return time.perf_counter() - start
 
     def pending(self) -> list[list[Prompt]]:
         return self.source.waiting()
 
-    def reset(self, first_step: int, version: int) -> None:
-        """Nothing runs ahead, so nothing is discarded on a rollback."""
+    def pause(self) -> None:
+        """Nothing runs in the background: the engine already serves the newest weights."""
+
+    def resume(self) -> None:
+        """Nothing to resume."""
 
     def close(self) -> None:
         """Nothing runs in the background."""
@@ -135,11 +141,13 @@ class OverlapFeed:
         first_step: int,
         version: int,
         total_steps: int,
+        defer_weights: bool = False,
     ) -> None:
         self.rollout, self.reward, self.source = rollout, reward, source
         self.params, self.settings = params, settings
         self.eta, self.queue_batches, self.stale = eta, queue_batches, stale
         self.total_steps = total_steps
+        self.defer_weights = defer_weights
         self._cond = threading.Condition()
         self._start_state(first_step, version)
 
@@ -150,14 +158,21 @@ class OverlapFeed:
         self.in_flight: list[list[Prompt]] = []
         self.error: BaseException | None = None
         self.rollout_wait = 0.0
+        self.weights = None  # deferred weights, applied before the next batch starts
         self._stop = False
+        self._paused = False
+        self._idle = False
         self._thread = threading.Thread(target=self._produce, name="rlpost-rollout", daemon=True)
         self._thread.start()
 
     # ----------------------------------------------------------- producer side
 
     def _admissible(self) -> bool:
-        return self._stop or (
+        if self._stop:
+            return True
+        if self._paused:
+            return False
+        return self.weights is not None or (
             self.admitted - self.version <= self.eta and len(self.ready) < self.queue_batches
         )
 
@@ -166,12 +181,21 @@ class OverlapFeed:
             while True:
                 t0 = time.perf_counter()
                 with self._cond:
+                    self._idle = True
+                    self._cond.notify_all()
                     self._cond.wait_for(self._admissible)
+                    self._idle = False
                     if self._stop or self.admitted >= self.total_steps:
                         return
-                    j = self.admitted
-                    self.admitted += 1
+                    weights, self.weights = self.weights, None
+                    if weights is None:
+                        j = self.admitted
+                        self.admitted += 1
                     self.rollout_wait += time.perf_counter() - t0
+                if weights is not None:  # between two batches: no sample mixes versions
+                    self.rollout.load_weights(weights.tensors, weights.version)
+                    self.synced(weights.version)
+                    continue
                 last = j + 1 >= self.total_steps
                 out = rollout_stage(
                     self.rollout,
@@ -245,6 +269,25 @@ class OverlapFeed:
         out.groups = keep
         return out, drop
 
+    def push(self, export) -> float:
+        """New weights from the trainer; returns the seconds the trainer spent on them.
+
+        The continuous engine (async) takes them at once, between two decode steps
+        of whatever it is generating; the batch engine (one_step_off) gets them from
+        the producer before its next batch, so the trainer does not wait (the
+        tensors are copied first: the trainer goes on updating its own).
+        """
+        start = time.perf_counter()
+        if self.defer_weights:
+            tensors = [(name, t.detach().clone()) for name, t in export.tensors]
+            with self._cond:
+                self.weights = replace(export, tensors=tensors)
+                self._cond.notify_all()
+        else:
+            self.rollout.load_weights(export.tensors, export.version)
+            self.synced(export.version)
+        return time.perf_counter() - start
+
     def synced(self, version: int) -> None:
         with self._cond:
             self.version = version
@@ -256,19 +299,30 @@ class OverlapFeed:
             batches = [b for _, _, drawn in self.ready for b in drawn] + list(self.in_flight)
         return batches + self.source.waiting()
 
+    def pause(self) -> None:
+        """Let the batch in flight finish, start no other, and serve the newest weights
+        (held-out evaluation then measures exactly the trained policy)."""
+        with self._cond:
+            self._paused = True
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._idle or not self._thread.is_alive())
+            weights, self.weights = self.weights, None
+        if weights is not None:
+            self.rollout.load_weights(weights.tensors, weights.version)
+            self.synced(weights.version)
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
     def _halt(self) -> None:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
         self._thread.join()
 
-    def reset(self, first_step: int, version: int) -> None:
-        """Drop everything generated ahead (a rollback): its prompts are generated again."""
-        self._halt()
-        with self._cond:
-            again = [b for _, _, drawn in self.ready for b in drawn] + self.source.take()
-        self.source.give_back(again)
-        self._start_state(first_step, version)
-
     def close(self) -> None:
+        """Stop producing; the engine is left serving the newest weights."""
+        self.pause()
         self._halt()

@@ -126,14 +126,17 @@ def train(
             t0 = time.perf_counter()
             try:
                 m, actions = rl_step(r, step)
-                version, m["sync_seconds"], m["sync_bytes"] = _sync(r)
+                export = r.w.trainer.export_weights()
+                m["sync_seconds"] = r.feed.push(export)
+                m["sync_bytes"] = float(export.bytes)
             except (RolloutFailed, WorkerLost) as exc:
                 _stop_on_lost_worker(r, step, exc)
             step += 1
-            r.feed.synced(version)
             rl_seconds += time.perf_counter() - t0
             if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
+                r.feed.pause()
                 m.update(_eval(r, held_out, greedy=False))
+                r.feed.resume()
             r.recorder.record(step, m)
             history.append({"step": step, **m})
             console.update(step, m)
@@ -205,6 +208,9 @@ def _feed(r: Run, source: PromptSource, step: int):
         first_step=step,
         version=r.w.rollout.version(),
         total_steps=cfg.train.steps,
+        # async runs the continuous engine, which takes weights between decode steps;
+        # one_step_off keeps the batch engine and swaps weights between batches.
+        defer_weights=one_step_off,
     )
 
 
