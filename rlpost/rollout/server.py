@@ -40,6 +40,7 @@ from rlpost.rollout.client import decode_weights, read_weights
 from rlpost.rollout.prefix_cache import PrefixCache
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.rollout.scheduler import GenerationRequest, SampleOutput, Scheduler
+from rlpost.rollout.sync_routes import router as sync_router
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_TEXTS = 16
@@ -419,6 +420,7 @@ def create_app(scheduler: Scheduler, tokenizer, settings: ServerSettings) -> Fas
     app.post("/v1/completions")(completions)
     app.post("/v1/chat/completions")(chat_completions)
     app.post("/v1/weights")(service.weights)
+    app.include_router(sync_router)
     app.get("/v1/models")(models)
     app.get("/health")(service.health)
     app.get("/metrics")(service.metrics)

@@ -79,11 +79,16 @@ class Receiver:
     ) -> None:
         self.engine, self.name, self.verify, self.timeout_s = engine, name, verify, timeout_s
         self.spool_dir = Path(spool_dir) if spool_dir is not None else None
-        self.version: int = int(getattr(engine, "version", 0) or 0)
+        self._version = int(getattr(engine, "version", 0) or 0)
         self.base_version: int | None = None
         self._base: dict[str, torch.Tensor] = {}
         self._staged: _Staged | None = None
         self._lock = threading.RLock()
+
+    @property
+    def version(self) -> int:
+        """The version the engine serves (it may also load weights by other routes)."""
+        return int(getattr(self.engine, "version", self._version))
 
     @property
     def in_session(self) -> bool:
@@ -130,9 +135,13 @@ class Receiver:
             finally:
                 self._drop()
 
-    def abort(self) -> None:
+    def abort(self, session: str | None = None) -> None:
+        """Drop the open session (only if it is ``session``, when given)."""
         with self._lock:
-            self._drop()
+            if session is None or (
+                self._staged is not None and self._staged.meta.session == session
+            ):
+                self._drop()
 
     # ------------------------------------------------------------ commit
 
@@ -162,10 +171,10 @@ class Receiver:
         except Exception as exc:
             raise SyncError("commit", self.name, f"{type(exc).__name__}: {exc}") from None
         pause = time.perf_counter() - start
-        self.version = staged.meta.version
+        self._version = staged.meta.version
         self._base = new_base
         self.base_version = staged.meta.version if staged.meta.delta else None
-        return CommitReport(self.version, sums, pause, staged.bytes)
+        return CommitReport(staged.meta.version, sums, pause, staged.bytes)
 
     def _tensors(self, staged: _Staged, manifest: Manifest) -> Iterator[torch.Tensor]:
         """Tensors of the manifest in order, rebuilt while buckets are read one at a time."""
