@@ -66,10 +66,20 @@ class InProcessTransport:
     supports_delta = True
 
     def __init__(self, engine, options: TransportOptions, name: str | None = None) -> None:
-        self.target = name or type(engine).__name__
         self.receiver = Receiver(
-            engine, name=self.target, verify=options.verify, timeout_s=options.timeout_s
+            engine,
+            name=name or type(engine).__name__,
+            verify=options.verify,
+            timeout_s=options.timeout_s,
         )
+
+    @property
+    def target(self) -> str:
+        return self.receiver.name
+
+    @target.setter
+    def target(self, name: str) -> None:
+        self.receiver.name = name
 
     def start(self, meta: SessionMeta) -> None:
         self.receiver.start(meta)

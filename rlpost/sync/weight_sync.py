@@ -85,6 +85,10 @@ class WeightSync:
                 "sync.delta=true needs receivers that acknowledge versions; the disk channel cannot"
             )
         self.transports = list(transports)
+        names = [t.target for t in self.transports]
+        for i, t in enumerate(self.transports):
+            if names.count(t.target) > 1:  # e.g. two engines of one class: keep errors apart
+                t.target = f"{t.target}#{i}"
         self.codec, self.bucket_bytes, self.delta = codec, int(bucket_bytes), delta
         self.threshold, self.keep_bf16, self.verify = delta_full_threshold, tuple(keep_bf16), verify
         self.base_version: int | None = None
