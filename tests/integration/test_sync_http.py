@@ -41,7 +41,10 @@ def servers(tiny_dir):
 def _weights(tiny_dir, seed: int) -> dict[str, torch.Tensor]:
     model = load_causal_lm(tiny_dir)
     g = torch.Generator().manual_seed(seed)
-    return {n: p.detach() + 0.01 * torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+    return {
+        n: p.detach() + 0.01 * torch.randn(p.shape, generator=g)
+        for n, p in model.named_parameters()
+    }
 
 
 def _served_version(url: str) -> int:
@@ -53,13 +56,17 @@ def test_each_codec_and_delta_reach_the_server_verified(servers, tiny_dir):
     w = _weights(tiny_dir, 0)
     sizes = {}
     for version, codec in enumerate(["none", "bf16", "fp8", "mxfp4"], start=1):
-        sync = build_weight_sync(SyncConfig(channel="http", codec=codec, bucket_mb=BUCKET_MB), [url])
+        sync = build_weight_sync(
+            SyncConfig(channel="http", codec=codec, bucket_mb=BUCKET_MB), [url]
+        )
         stats = sync.push(w.items(), version)  # verify is on: a wrong tensor would raise
         assert stats.committed == [url] and stats.buckets > 1 and _served_version(url) == version
         sizes[codec] = stats.bytes
         sync.close()
     assert sizes["bf16"] == sizes["none"] / 2 and sizes["mxfp4"] < sizes["fp8"] < sizes["bf16"]
-    sync = build_weight_sync(SyncConfig(channel="http", codec="bf16", delta=True, bucket_mb=BUCKET_MB), [url])
+    sync = build_weight_sync(
+        SyncConfig(channel="http", codec="bf16", delta=True, bucket_mb=BUCKET_MB), [url]
+    )
     full = sync.push(w.items(), 5)
     stepped = {k: v - 1e-6 * torch.sign(v) for k, v in w.items()}
     delta = sync.push(stepped.items(), 6)
@@ -79,7 +86,9 @@ def test_corrupted_bucket_and_wrong_delta_base_are_refused(servers, tiny_dir):
     packer = BucketPacker(meta.session, 4096)
     enc = encode("model.norm.weight", torch.ones(32), "bf16")
     t.start(meta)
-    (bucket,) = list(packer.add("model.norm.weight", enc, checksum(enc.parts["data"]))) + list(packer.flush())
+    (bucket,) = list(packer.add("model.norm.weight", enc, checksum(enc.parts["data"]))) + list(
+        packer.flush()
+    )
     bucket.payload[3] ^= 0x55
     with pytest.raises(SyncError) as info:
         t.update(bucket)
@@ -131,7 +140,9 @@ def test_server_killed_mid_push_fails_over_and_the_restarted_one_gets_a_full_syn
 
 def test_the_only_server_killed_mid_push_is_a_one_line_error(tiny_dir):
     proc, url = start_server(tiny_dir, "--threads", "1")
-    sync = build_weight_sync(SyncConfig(channel="http", codec="bf16", bucket_mb=BUCKET_MB, timeout_s=20), [url])
+    sync = build_weight_sync(
+        SyncConfig(channel="http", codec="bf16", bucket_mb=BUCKET_MB, timeout_s=20), [url]
+    )
     w = _weights(tiny_dir, 2)
 
     def killing(tensors):
