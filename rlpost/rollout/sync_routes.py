@@ -41,7 +41,10 @@ class _ServedScheduler:
         return self.scheduler.version
 
     def load_weights(self, named_tensors, version: int) -> None:
-        self.scheduler.load_weights(named_tensors, version, self.timeout_s)
+        # A receiver's TensorStream announces its shapes: the scheduler then applies it
+        # tensor by tensor between two decode steps instead of holding the whole model.
+        shapes = getattr(named_tensors, "shapes", None)
+        self.scheduler.load_weights(named_tensors, version, self.timeout_s, shapes=shapes)
 
 
 def receiver_of(app) -> Receiver:

@@ -7,7 +7,8 @@ is rebuilt and its checksum compared with the sender's manifest, and only then
 are the tensors streamed into ``engine.load_weights(named_tensors, version)``.
 So the engine never serves a mix of two versions, and a sender that dies
 mid-session (or a corrupt bucket, or a wrong delta base) leaves it on the old
-version, serving. The pause of generation is the ``load_weights`` call: the
+version, serving. The commit streams: an engine that reads the announced shapes
+of :class:`TensorStream` (the server's scheduler) holds one tensor at a time. The pause of generation is the ``load_weights`` call: the
 scheduler swaps weights between two decode steps, an in-process engine is not
 generating while it loads.
 
@@ -50,6 +51,30 @@ class CommitReport:
     pause_seconds: float = 0.0
     bytes: int = 0
     served: bool = True  # False: nothing serves it yet (a published disk version)
+
+
+class TensorStream:
+    """``(name, tensor)`` pairs produced lazily, with every ``shapes[name]`` known ahead.
+
+    An engine may iterate it like any other stream; one that knows ``shapes``
+    (the rollout server's scheduler) checks names and shapes first and then
+    consumes the stream one tensor at a time instead of holding the model.
+    """
+
+    def __init__(self, items: Iterator[tuple[str, torch.Tensor]], shapes: dict[str, tuple]) -> None:
+        self.items, self.shapes = items, shapes
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.items
+
+
+def decoded_shape(spec) -> tuple[int, ...]:
+    """The shape a manifest entry decodes to."""
+    if spec.codec in ("none", "bf16"):
+        return tuple(spec.parts["data"][1])
+    if spec.codec == "fp8":
+        return tuple(spec.parts["q"][1])
+    return tuple(spec.meta["shape"])  # mxfp4, delta
 
 
 @dataclass
@@ -148,12 +173,11 @@ class Receiver:
     def _commit(self, staged: _Staged, manifest: Manifest) -> CommitReport:
         if manifest.buckets != len(staged.buckets):
             self._fail("finish", f"{len(staged.buckets)} of {manifest.buckets} buckets arrived")
-        if self.verify:
-            for spec, tensor in zip(manifest.tensors, self._tensors(staged, manifest), strict=True):
-                if checksum(tensor) != spec.checksum:
-                    self._fail(
-                        "finish", f"tensor {spec.name!r} does not match its checksum; refused"
-                    )
+        # Pass 1 rebuilds every tensor (one at a time) before the engine sees any, so a
+        # missing part, an undecodable delta or a wrong checksum changes nothing.
+        for spec, tensor in zip(manifest.tensors, self._tensors(staged, manifest), strict=True):
+            if self.verify and checksum(tensor) != spec.checksum:
+                self._fail("finish", f"tensor {spec.name!r} does not match its checksum; refused")
         sums: dict[str, int] = {}
         new_base: dict[str, torch.Tensor] = {}
 
@@ -167,7 +191,10 @@ class Receiver:
 
         start = time.perf_counter()
         try:
-            self.engine.load_weights(stream(), staged.meta.version)
+            self.engine.load_weights(
+                TensorStream(stream(), {s.name: decoded_shape(s) for s in manifest.tensors}),
+                staged.meta.version,
+            )
         except Exception as exc:
             raise SyncError("commit", self.name, f"{type(exc).__name__}: {exc}") from None
         pause = time.perf_counter() - start
