@@ -50,6 +50,15 @@ class SyncStats:
     committed: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
 
+    def metrics(self) -> dict[str, float]:
+        """The step's sync keys for ``Recorder.record`` (``sync_bytes`` feeds rl_weight_sync_bytes_total)."""
+        return {
+            "sync_seconds": self.seconds,
+            "sync_bytes": self.bytes,
+            "sync_pause_seconds": self.pause_seconds,
+            "sync_version": self.version,
+        }
+
 
 @dataclass
 class _Group:

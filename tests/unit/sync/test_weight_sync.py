@@ -65,6 +65,12 @@ def test_delta_is_exact_and_a_restarted_engine_gets_a_full_sync():
     sync.transports[1].receiver = Receiver(b, name="b")  # b restarted: it lost its base
     stats = sync.push(stepped.items(), 2)
     assert not stats.failed and stats.delta_tensors == len(w)
+    assert stats.metrics() == {
+        "sync_seconds": stats.seconds,
+        "sync_bytes": stats.bytes,
+        "sync_pause_seconds": stats.pause_seconds,
+        "sync_version": 2,
+    }
     # a got the delta (small), b refused it and got the full bf16 encoding of the same pass
     assert full.bytes / 2 < stats.bytes < full.bytes / 2 * 1.1
     for e in (a, b):
