@@ -75,8 +75,11 @@ class GlooTransport:
         except Exception as exc:  # rendezvous failures come as several torch error types
             raise SyncError("init", self.target, f"{type(exc).__name__}: {exc}") from None
         self.seq = 0
+        self.acked = 0  # every receiver has read the messages up to this one (it replied)
+        self.forgotten = 0  # keys up to this sequence number were deleted from the store
 
     def start(self, meta: SessionMeta) -> None:
+        self._forget()
         replies = self._call("start", {"op": "start", "meta": meta.to_json()})
         for r in replies:
             if r.get("refused"):
@@ -115,6 +118,17 @@ class GlooTransport:
         except SyncError:
             pass
 
+    def _forget(self) -> None:
+        """Delete the keys of messages every receiver has read, so the store does not grow."""
+        try:
+            for seq in range(self.forgotten + 1, self.acked + 1):
+                self.store.delete_key(f"msg/{seq}")
+                for r in range(1, self.link.world_size):
+                    self.store.delete_key(f"reply/{seq}/{r}")
+        except Exception as exc:
+            raise SyncError("start", self.target, f"{type(exc).__name__}: {exc}") from None
+        self.forgotten = self.acked
+
     def _send(self, phase: str, msg: dict) -> None:
         self.seq += 1
         try:
@@ -127,11 +141,13 @@ class GlooTransport:
         keys = [f"reply/{self.seq}/{r}" for r in range(1, self.link.world_size)]
         try:
             self.store.wait(keys, timedelta(seconds=self.timeout_s))
-            return [json.loads(self.store.get(k)) for k in keys]
+            replies = [json.loads(self.store.get(k)) for k in keys]
         except Exception as exc:
             raise SyncError(
                 phase, self.target, f"no reply within {self.timeout_s:g} s ({type(exc).__name__})"
             ) from None
+        self.acked = self.seq
+        return replies
 
     def _raise_first(self, phase: str, replies: list[dict]) -> None:
         for r in replies:

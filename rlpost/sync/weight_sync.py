@@ -113,13 +113,19 @@ class WeightSync:
         expected: dict[str, int] = {}
         new_base: dict[str, torch.Tensor] = {}
         delta_tensors = 0
-        for name, tensor in named_tensors:
-            encs = self._encode(name, tensor, groups, new_base)
-            expected[name] = self._expected(name, encs[0], new_base)
-            delta_tensors += encs[0].codec == "delta"
-            for g, enc in zip(groups, encs, strict=True):
-                if g.targets:  # a group nobody is left in packs nothing
-                    self._send_all(g, g.packer.add(name, enc, expected[name]), failed)
+        try:
+            for name, tensor in named_tensors:
+                encs = self._encode(name, tensor, groups, new_base)
+                expected[name] = self._expected(name, encs[0], new_base)
+                delta_tensors += encs[0].codec == "delta"
+                for g, enc in zip(groups, encs, strict=True):
+                    if g.targets:  # a group nobody is left in packs nothing
+                        self._send_all(g, g.packer.add(name, enc, expected[name]), failed)
+        except BaseException:  # the caller's tensors failed: close the sessions, then raise
+            for g in groups:
+                for t in g.targets:
+                    t.abort()
+            raise
         reports = {}
         for g in groups:
             self._send_all(g, g.packer.flush(), failed)

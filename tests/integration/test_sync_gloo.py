@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import time
 
 import torch
 
@@ -69,6 +70,7 @@ def test_two_receiving_processes_get_full_then_delta_versions(tmp_path):
     sync = build_weight_sync(cfg, [link])
     w = toy_weights(0)
     full = sync.push(w.items(), 1)
+    time.sleep(2.5)  # the receivers wait idle for longer than their poll interval
     stepped = {k: v - 1e-6 * torch.sign(v) for k, v in w.items()}
     delta = sync.push(stepped.items(), 2)
     sync.close()
