@@ -29,6 +29,7 @@ from rlpost.sync.session import Bucket, DeltaRefused, Manifest, SessionMeta, Syn
 class TransportOptions:
     verify: bool = True
     timeout_s: float = 300.0
+    headers: dict[str, str] | None = None  # sent with every http request (e.g. an admin key)
 
 
 class Transport(Protocol):
@@ -105,9 +106,11 @@ class HttpTransport:
 
     supports_delta = True
 
-    def __init__(self, url: str, options: TransportOptions, headers: dict | None = None) -> None:
+    def __init__(self, url: str, options: TransportOptions) -> None:
         self.target = url.rstrip("/")
-        self.http = httpx.Client(base_url=self.target, timeout=options.timeout_s, headers=headers)
+        self.http = httpx.Client(
+            base_url=self.target, timeout=options.timeout_s, headers=options.headers
+        )
         self.session: str | None = None
 
     def start(self, meta: SessionMeta) -> None:
