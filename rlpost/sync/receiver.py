@@ -53,6 +53,15 @@ class CommitReport:
     served: bool = True  # False: nothing serves it yet (a published disk version)
 
 
+def _entries_fit(entries: list, size: int) -> bool:
+    """Each entry ``[key, total, offset, length]`` lies inside its part, and together they fill the payload."""
+    try:
+        inside = all(0 <= off and 0 <= n and off + n <= total for _, total, off, n in entries)
+        return inside and sum(n for *_, n in entries) == size
+    except (TypeError, ValueError):
+        return False
+
+
 class TensorStream:
     """``(name, tensor)`` pairs produced lazily, with every ``shapes[name]`` known ahead.
 
@@ -146,6 +155,8 @@ class Receiver:
                 self._fail("update", f"bucket {bucket.index} failed its CRC check (corrupted)")
             if bucket.payload.numel() > staged.meta.bucket_bytes:
                 self._fail("update", f"bucket {bucket.index} is larger than bucket_bytes")
+            if not _entries_fit(bucket.entries, bucket.payload.numel()):
+                self._fail("update", f"bucket {bucket.index} has entries outside its payload")
             staged.buckets.append(self._stage(staged, bucket))
             staged.entries.append(bucket.entries)
             staged.bytes += bucket.payload.numel()

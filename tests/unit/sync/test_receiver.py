@@ -100,6 +100,17 @@ def test_missing_or_reordered_buckets_and_bad_checksums_are_refused(setup):
     assert _unchanged(engine, old)
 
 
+def test_a_bucket_whose_entries_overrun_its_payload_is_refused(setup):
+    engine, old, new = setup
+    receiver = Receiver(engine, name="e")
+    meta, buckets, _ = _session(new)
+    receiver.start(meta)
+    buckets[0].entries[0][3] += 1  # one byte more than the payload holds
+    with pytest.raises(SyncError, match="bucket 0 has entries outside its payload"):
+        receiver.update(buckets[0])
+    assert _unchanged(engine, old)
+
+
 def test_delta_against_another_base_is_refused_at_start(setup):
     engine, _, _ = setup
     receiver = Receiver(engine, name="e")
