@@ -240,6 +240,11 @@ def run_model(name: str, args, out: dict) -> None:
                         transports, codec, args.bucket_mb, model, before, version, args.repeats
                     )
                     release_memory()
+                    r = rows[(transport, codec)]  # as it goes, so a cut-short run still reports
+                    print(
+                        f"  {transport} {codec}: {r['seconds']:.3f} s, {r['bytes'] / MB:.2f} MB",
+                        flush=True,
+                    )
     out[name] = rows
     print_table(name, rows, args)
 
