@@ -612,6 +612,51 @@ class ClusterConfig(Section):
     """Seconds a worker process may take to start (build its model) before the run stops."""
 
 
+# -------------------------------------------------------------------------- sync
+
+
+class SyncConfig(Section):
+    channel: Literal["inprocess", "http", "disk", "gloo", "vllm"] = "inprocess"
+    """How weights reach the engines: inprocess (same process), http (rlpost serve; what
+    rollout.engine=remote uses), disk (a versioned directory, any number of readers), gloo
+    (torch.distributed to engines in other processes; NCCL on GPU) or vllm (extra [vllm])."""
+    codec: Literal["none", "bf16", "fp8", "mxfp4"] = "none"
+    """Wire encoding: none (the trainer's dtype), bf16, fp8 (e4m3, 128x128 blocks, lossy) or
+    mxfp4 (e2m1, 32-element blocks, lossy); lossy codecs keep keep_bf16 tensors in bf16."""
+    bucket_mb: float = Field(64.0, gt=0)
+    """Bucket size [MiB]: tensors stream in buckets this large (larger tensors are split);
+    a receiving server holds about one bucket in memory while a sync streams in."""
+    delta: bool = False
+    """Send only the elements whose bf16 bit pattern changed since the last acknowledged
+    version (exact; needs codec=bf16; not on the disk channel)."""
+    delta_full_threshold: float = Field(0.3, gt=0.0, le=1.0)
+    """With delta, a tensor whose changed fraction is above this goes whole (a delta entry
+    costs 6 bytes before compression, a whole bf16 element 2)."""
+    every: int = Field(1, ge=1)
+    """Sync every N steps; in between the engines serve an older version and samples carry it."""
+    verify: bool = True
+    """After each sync the engine reports a checksum of every tensor it now serves and the
+    sender compares them with what it sent; a mismatch names the tensor."""
+    timeout_s: float = Field(300.0, gt=0)
+    """Seconds each sync phase (start, one bucket, finish) may take before it is an error."""
+    keep_bf16: list[str] = ["embed", "lm_head", "norm"]
+    """Regular expressions of tensor names that lossy codecs (fp8, mxfp4) send as bf16."""
+
+    @model_validator(mode="after")
+    def _delta_needs_bf16(self) -> SyncConfig:
+        if self.delta and self.codec != "bf16":
+            raise ValueError(
+                f"sync.delta=true with sync.codec={self.codec}: delta compares bf16 bit patterns; "
+                "set sync.codec=bf16"
+            )
+        if self.delta and self.channel == "disk":
+            raise ValueError(
+                "sync.delta=true with sync.channel=disk: disk readers cannot acknowledge a base "
+                "version; use http, gloo or inprocess, or set sync.delta=false"
+            )
+        return self
+
+
 # -------------------------------------------------------------------------- root
 
 
@@ -631,6 +676,7 @@ class Config(Section):
     observe: ObserveConfig = ObserveConfig()
     pipeline: PipelineConfig = PipelineConfig()
     cluster: ClusterConfig = ClusterConfig()
+    sync: SyncConfig = SyncConfig()
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:

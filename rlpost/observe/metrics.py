@@ -79,6 +79,12 @@ METRICS: tuple[MetricSpec, ...] = (
         "sync_seconds",
     ),
     MetricSpec(
+        "rl_weight_sync_bytes_total",
+        "counter",
+        "Bytes sent to the rollout engines by weight syncs [bytes].",
+        "sync_bytes",
+    ),
+    MetricSpec(
         "rl_rollout_worker_utilization",
         "gauge",
         "Fraction of wall time rollout workers spent generating [0-1].",
@@ -124,7 +130,7 @@ BY_KEY: dict[str, MetricSpec] = {spec.key: spec for spec in METRICS}
 """Record key -> spec, for the keys exported to Prometheus."""
 
 ALL_NAMES: tuple[str, ...] = (*(spec.name for spec in METRICS), GUARD_METRIC.name)
-"""Every exported metric name (the 13 step metrics and the guard counter)."""
+"""Every exported metric name (the 14 step metrics and the guard counter)."""
 
 
 def exposed_sample_name(spec: MetricSpec) -> str:

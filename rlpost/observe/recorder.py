@@ -134,6 +134,9 @@ class Recorder:
                 if spec.kind == "histogram":
                     if math.isfinite(value):
                         self._metrics[key].observe(value)
+                elif spec.kind == "counter":  # the step's amount is added to the running total
+                    if math.isfinite(value) and value > 0:
+                        self._metrics[key].inc(value)
                 else:
                     self._metrics[key].set(value)
             for guard in sorted(self._guards_changed):

@@ -9,11 +9,12 @@ against the same servers and checkpointing the generator state is enough.
 
 Works against ``rlpost serve`` and, for generation, against ``vllm serve`` and
 SGLang (token ids are recovered when a server does not return them; see
-:mod:`rlpost.rollout.client`). ``load_weights`` streams safetensors bytes to
-each server's ``/v1/weights``, an rlpost endpoint: vLLM and SGLang servers
-need their own weight-update route. A server that misses an update would
-serve stale weights, so it is taken out of rotation; the update fails only if
-no server took it.
+:mod:`rlpost.rollout.client`). ``load_weights`` streams the weights in
+buckets to each server's ``/v1/sync`` routes (the ``http`` channel of
+:mod:`rlpost.sync`, with ``sync.codec``, ``sync.delta`` and verification), an
+rlpost endpoint: vLLM and SGLang servers need their own weight-update route. A
+server that misses an update would serve stale weights, so it is taken out of
+rotation; the update fails only if no server took it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -29,13 +29,19 @@ from rlpost.rollout.client import (
     CompletionClient,
     Job,
     RequestLoadBalancer,
-    ServerUnavailable,
-    encode_weights,
     keys_from_env,
     seeds_from,
 )
 from rlpost.rollout.continuous import VersionedCompletion
 from rlpost.rollout.protocol import SamplingParams
+from rlpost.sync import (
+    SyncError,
+    SyncStats,
+    TransportOptions,
+    WeightSync,
+    build_weight_sync,
+    make_transport,
+)
 
 FINISH_REASONS = ("stop", "length")
 
@@ -57,6 +63,7 @@ class RemoteEngine:
         extra_body: dict | None = None,
         api_key: str | None = None,
         admin_key: str | None = None,
+        weight_sync: WeightSync | None = None,
     ) -> None:
         if not urls:
             raise ValueError(
@@ -74,6 +81,13 @@ class RemoteEngine:
         self.tokens_generated = 0
         self.seconds = 0.0
         self.stale_answers = 0
+        # weight-sync routes sit behind the server's admin key
+        admin = {"Authorization": f"Bearer {admin_key}"} if admin_key else None
+        options = TransportOptions(timeout_s=timeout, headers=admin)
+        self.weight_sync = weight_sync or WeightSync(
+            [make_transport("http", u, options) for u in urls]
+        )
+        self.last_sync: SyncStats | None = None
 
     def generate(
         self, prompt_ids: list[list[int]], params: SamplingParams, n: int = 1, group_offset: int = 0
@@ -153,21 +167,18 @@ class RemoteEngine:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Push the weights to every server in parallel; servers that fail leave the rotation."""
-        payload = encode_weights(named_tensors)
-        with ThreadPoolExecutor(max_workers=len(self.clients)) as pool:
-            futures = [pool.submit(c.push_weights, payload, version) for c in self.clients]
-        failed = []
-        for client, fut in zip(self.clients, futures, strict=True):
-            try:
-                fut.result()
-                self.balancer.enable(client.url)
-            except ServerUnavailable as exc:
-                failed.append(str(exc))
+        """Stream the weights to every server in buckets; servers that fail leave the rotation."""
+        try:
+            stats = self.weight_sync.push(named_tensors, version)
+        except SyncError:
+            for client in self.clients:
                 self.balancer.disable(client.url)
-        if len(failed) == len(self.clients):
-            raise RuntimeError(f"no rollout server took weights version {version}: {failed[0]}")
-        self.version = version
+            raise
+        for url in stats.failed:
+            self.balancer.disable(url)
+        for url in stats.committed:
+            self.balancer.enable(url)
+        self.version, self.last_sync = version, stats
 
     def throughput(self) -> float:
         """Generated tokens per second of wall time spent in ``generate``."""
@@ -179,19 +190,24 @@ class RemoteEngine:
 
     def close(self) -> None:
         self.balancer.close()
+        self.weight_sync.close()
 
 
 def build(cfg, tokenizer) -> RemoteEngine:
     """The remote engine for ``rollout.engine=remote`` (servers from ``rollout.servers``;
     keys from the environment variables ``rollout.api_key_env`` and ``rollout.admin_key_env`` name)."""
     r = cfg.rollout
+    sync_cfg = cfg.sync.model_copy(update={"channel": "http"})  # servers are reached over HTTP
+    keys = keys_from_env(r.api_key_env, r.admin_key_env)
+    admin = {"Authorization": f"Bearer {keys['admin_key']}"} if keys["admin_key"] else None
     return RemoteEngine(
         list(r.servers),
         tokenizer,
         model=r.server_model,
         timeout=r.server_timeout_s,
         seed=cfg.run.seed,
-        **keys_from_env(r.api_key_env, r.admin_key_env),
+        **keys,
+        weight_sync=build_weight_sync(sync_cfg, list(r.servers), headers=admin),
     )
 
 

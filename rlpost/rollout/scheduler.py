@@ -148,7 +148,7 @@ class _Seq:
 
 @dataclass
 class _WeightUpdate:
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
     version: int
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -261,21 +261,28 @@ class Scheduler:
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         version: int,
         timeout: float | None = None,
+        *,
+        shapes: dict[str, tuple[int, ...]] | None = None,
     ) -> float:
         """Swap in new weights between two decode steps; returns the seconds it waited.
 
-        Every name, shape and dtype is checked before anything is applied, so a
-        bad update changes nothing.
+        Every name, shape and dtype is checked before anything is applied, so a bad
+        update changes nothing. With ``shapes`` (each name's shape, known ahead:
+        a weight-sync manifest) the check runs on them and the tensors are
+        consumed one at a time on the scheduler thread while no decode step
+        runs, so memory holds one tensor, not the whole model; the caller
+        vouches that the stream matches ``shapes`` and does not fail midway.
         """
-        tensors = dict(named_tensors)
-        for name, tensor in tensors.items():
+        tensors = dict(named_tensors) if shapes is None else named_tensors
+        for name, shape in (shapes or {k: t.shape for k, t in tensors.items()}).items():
             target = self._params.get(name)
             if target is None:
                 raise KeyError(f"weight {name!r} is not a parameter of the serving model")
-            if tuple(target.shape) != tuple(tensor.shape):
+            if tuple(target.shape) != tuple(shape):
                 raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                    f"weight {name!r} has shape {tuple(shape)}, the model expects {tuple(target.shape)}"
                 )
+            tensor = tensors[name] if shapes is None else target  # a stream's dtypes: its decoder's
             if tensor.dtype != target.dtype and not (
                 tensor.is_floating_point() and target.is_floating_point()
             ):  # a float tensor is cast to the model's float dtype; nothing else is
@@ -350,8 +357,14 @@ class Scheduler:
     @torch.no_grad()
     def _apply_weights(self, update: _WeightUpdate) -> None:
         try:
-            for name, tensor in update.tensors.items():
-                self._params[name].copy_(tensor)
+            items = update.tensors
+            for name, tensor in items.items() if isinstance(items, dict) else items:
+                param = self._params[name]
+                if param.shape != tensor.shape:  # copy_ would broadcast a wrong shape silently
+                    raise ValueError(
+                        f"weight {name!r} has shape {tuple(tensor.shape)}, not {tuple(param.shape)}"
+                    )
+                param.copy_(tensor)
             self.version = update.version
             self.prefix_cache.clear()
         except Exception as exc:  # reported to the caller of load_weights

@@ -64,6 +64,7 @@ from rlpost.rollout.server_guard import (
     load_safetensors_files,
 )
 from rlpost.rollout.server_net import bind_refusal, guarded_h11, is_loopback
+from rlpost.rollout.sync_routes import router as sync_router
 
 POLL_SECONDS = 0.1  # how often a waiting request checks that its client is still there
 
@@ -314,6 +315,7 @@ def create_app(
     app.post("/v1/completions")(completions)
     app.post("/v1/chat/completions")(chat_completions)
     app.post("/v1/weights")(service.weights)
+    app.include_router(sync_router)
     app.get("/v1/models")(models)
     app.get("/health")(service.health)
     app.get("/metrics")(service.metrics)

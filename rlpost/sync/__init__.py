@@ -1,5 +1,28 @@
-"""Weight transfer from trainer to rollout engines, with versions."""
+"""Weight transfer from trainer to rollout engines: codecs, buckets, transports, versions.
 
-from rlpost.sync.inprocess import InProcessChannel, SyncStats
+The sender calls :func:`build_weight_sync` once and ``push(named_tensors,
+version)`` after each update; receivers wrap any engine in a
+:class:`Receiver`. See docs/sync.md.
+"""
 
-__all__ = ["InProcessChannel", "SyncStats"]
+from rlpost.sync.codecs import codec_names
+from rlpost.sync.inprocess import InProcessChannel
+from rlpost.sync.receiver import CommitReport, Receiver
+from rlpost.sync.session import DeltaRefused, SyncError
+from rlpost.sync.transports import TRANSPORTS, TransportOptions, make_transport
+from rlpost.sync.weight_sync import SyncStats, WeightSync, build_weight_sync
+
+__all__ = [
+    "TRANSPORTS",
+    "CommitReport",
+    "DeltaRefused",
+    "InProcessChannel",
+    "Receiver",
+    "SyncError",
+    "SyncStats",
+    "TransportOptions",
+    "WeightSync",
+    "build_weight_sync",
+    "codec_names",
+    "make_transport",
+]

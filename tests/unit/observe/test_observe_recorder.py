@@ -25,6 +25,7 @@ ISSUE_NAMES = {
     "rl_rollout_throughput_tps",
     "rl_train_mfu",
     "rl_weight_sync_duration_seconds",
+    "rl_weight_sync_bytes_total",
     "rl_rollout_worker_utilization",
     "rl_train_worker_utilization",
     "rl_sample_mean_lag",
@@ -45,7 +46,7 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 
 def test_table_has_exactly_the_issue_names_with_units_and_unique_keys():
     assert {spec.name for spec in table.METRICS} == ISSUE_NAMES
-    assert len(table.METRICS) == 13
+    assert len(table.METRICS) == 14
     assert table.GUARD_METRIC.name == "rl_guard_actions_total"
     keys = [spec.key for spec in table.METRICS]
     assert len(set(keys)) == len(keys)
@@ -75,9 +76,9 @@ def test_record_writes_one_json_row_per_step_with_null_for_non_finite(tmp_path):
 def test_endpoint_exports_table_keys_only_and_counts_steps(tmp_path):
     with Recorder(tmp_path, prometheus_port=0) as rec:
         assert rec.port and rec.port > 0
-        rec.record(1, {"reward_mean": 0.2, "sync_seconds": 0.3, "loss": 7.0})
+        rec.record(1, {"reward_mean": 0.2, "sync_seconds": 0.3, "sync_bytes": 1000, "loss": 7.0})
         rec.record(1, {"eval_accuracy": 0.4})  # same step again: not a new step
-        rec.record(2, {"reward_mean": 0.6, "mfu": 0.12, "sync_seconds": 0.1})
+        rec.record(2, {"reward_mean": 0.6, "mfu": 0.12, "sync_seconds": 0.1, "sync_bytes": 500})
         rec.count_guard("kl_explosion")
         rec.count_guard("kl_explosion")
         rec.count_guard("reward_collapse")
@@ -87,6 +88,7 @@ def test_endpoint_exports_table_keys_only_and_counts_steps(tmp_path):
     assert got[("rl_train_mfu", ())] == pytest.approx(0.12)
     assert got[("rl_weight_sync_duration_seconds_count", ())] == 2
     assert got[("rl_weight_sync_duration_seconds_sum", ())] == pytest.approx(0.4)
+    assert got[("rl_weight_sync_bytes_total", ())] == 1500  # a counter adds each step's bytes
     assert got[("rl_guard_actions_total", (("guard", "kl_explosion"),))] == 2
     assert got[("rl_guard_actions_total", (("guard", "reward_collapse"),))] == 1
     names = {name for name, _ in got}

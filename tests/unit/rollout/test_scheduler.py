@@ -155,6 +155,27 @@ def test_bad_weights_change_nothing(sched, model_tok):
     assert all(torch.equal(v, snapshot[k]) for k, v in model.state_dict().items())
 
 
+def test_a_stream_with_announced_shapes_is_checked_first_and_applied_lazily(sched, model_tok):
+    model, _ = model_tok
+    target = {k: v + 0.1 for k, v in model.state_dict().items()}
+    shapes = {k: tuple(v.shape) for k, v in target.items()}
+    consumed_on: list[str] = []
+
+    def stream():
+        for item in target.items():
+            consumed_on.append(threading.current_thread().name)
+            yield item
+
+    bad = {**shapes, next(iter(shapes)): (3, 3, 3)}
+    with pytest.raises(ValueError, match="shape"):
+        sched.load_weights(stream(), version=1, shapes=bad)
+    assert not consumed_on and sched.version == 0  # refused before one tensor was read
+    sched.load_weights(stream(), version=2, shapes=shapes)
+    assert sched.version == 2 and len(consumed_on) == len(target)
+    assert threading.current_thread().name not in consumed_on  # read on the scheduler thread
+    assert all(torch.equal(v, target[k]) for k, v in model.state_dict().items())
+
+
 def test_update_mid_request_is_applied_between_steps(sched, model_tok):
     model, tok = model_tok
     params = SamplingParams(temperature=1.0, max_tokens=100, stop_token_ids=())

@@ -1,0 +1,143 @@
+"""``/v1/sync/...``: the receiving end of the ``http`` weight-sync channel in ``rlpost serve``.
+
+    GET  /v1/sync/state               {"version", "base_version", "in_session"}
+    POST /v1/sync/start               session metadata (JSON) -> 200, or 409: delta base refused
+    POST /v1/sync/{session}/bucket    one bucket (safetensors bytes) -> 200, or 400: refused
+    POST /v1/sync/{session}/finish    manifest (JSON) -> the commit report: version, checksums
+    POST /v1/sync/{session}/abort     drop the session; the server keeps its version
+
+Buckets are spooled to a temporary directory as they arrive, so the server
+holds about one bucket in memory while a session streams in; nothing reaches
+the scheduler until ``finish`` has checked every bucket and tensor
+(:class:`rlpost.sync.Receiver`). The scheduler swaps the weights between two
+decode steps. One session at a time: a new ``start`` replaces an unfinished
+one (its sender restarted).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from rlpost.sync import DeltaRefused, Receiver, SyncError
+from rlpost.sync.session import Bucket, Manifest, SessionMeta
+
+router = APIRouter(prefix="/v1/sync")
+_lock = threading.Lock()
+
+
+class _ServedScheduler:
+    """The scheduler seen as an engine: ``load_weights`` bounded by the server's weights timeout."""
+
+    def __init__(self, scheduler, timeout_s: float) -> None:
+        self.scheduler, self.timeout_s = scheduler, timeout_s
+
+    @property
+    def version(self) -> int:
+        return self.scheduler.version
+
+    def load_weights(self, named_tensors, version: int) -> None:
+        # A receiver's TensorStream announces its shapes: the scheduler then applies it
+        # tensor by tensor between two decode steps instead of holding the whole model.
+        shapes = getattr(named_tensors, "shapes", None)
+        self.scheduler.load_weights(named_tensors, version, self.timeout_s, shapes=shapes)
+
+
+def receiver_of(app) -> Receiver:
+    """The app's receiver, made on first use around its scheduler."""
+    with _lock:
+        receiver = getattr(app.state, "sync_receiver", None)
+        if receiver is None:
+            service = app.state.service
+            settings = service.settings
+            # Removed with the app (TemporaryDirectory's finalizer); sessions delete their files.
+            app.state.sync_spool = tempfile.TemporaryDirectory(prefix="rlpost-sync-")
+            receiver = Receiver(
+                _ServedScheduler(service.scheduler, settings.weights_timeout_s),
+                name=f"rlpost serve ({settings.model_name})",
+                spool_dir=app.state.sync_spool.name,
+                timeout_s=settings.weights_timeout_s,
+            )
+            app.state.sync_receiver = receiver
+        return receiver
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+    return JSONResponse({"error": error}, status_code=status)
+
+
+async def _run(fn, *args):
+    """``fn(*args)`` off the event loop; a refused session is a 4xx with its one line."""
+    try:
+        return await run_in_threadpool(fn, *args)
+    except DeltaRefused as exc:
+        return _error(409, str(exc))
+    except SyncError as exc:
+        return _error(500 if exc.phase == "commit" else 400, str(exc))
+    except ValueError as exc:
+        return _error(400, str(exc).splitlines()[0])
+
+
+@router.get("/state")
+async def state(request: Request) -> dict:
+    r = receiver_of(request.app)
+    return {"version": r.version, "base_version": r.base_version, "in_session": r.in_session}
+
+
+@router.post("/start")
+async def start(request: Request):
+    try:
+        meta = SessionMeta.from_json(await request.json())
+    except ValueError as exc:
+        return _error(400, f"session metadata: {str(exc).splitlines()[0]}")
+    result = await _run(receiver_of(request.app).start, meta)
+    return result if isinstance(result, JSONResponse) else {"session": meta.session}
+
+
+@router.post("/{session}/bucket")
+async def bucket(session: str, request: Request):
+    receiver = receiver_of(request.app)
+    result = await _run(lambda data: _update(receiver, session, data), await request.body())
+    return result if isinstance(result, JSONResponse) else {"index": result}
+
+
+def _update(receiver: Receiver, session: str, data: bytes) -> int:
+    b = Bucket.from_bytes(data)
+    if b.session != session:
+        raise ValueError(f"bucket belongs to session {b.session}, posted to {session}")
+    receiver.update(b)
+    return b.index
+
+
+@router.post("/{session}/finish")
+async def finish(session: str, request: Request):
+    try:
+        manifest = Manifest.from_json(await request.json())
+    except ValueError as exc:
+        return _error(400, str(exc).splitlines()[0])
+    if manifest.session != session:
+        return _error(400, f"manifest belongs to session {manifest.session}, posted to {session}")
+    report = await _run(receiver_of(request.app).finish, manifest)
+    if isinstance(report, JSONResponse):
+        return report
+    service = request.app.state.service
+    service.recorder.record(
+        report.version, {"sync_seconds": report.pause_seconds, "sync_bytes": report.bytes}
+    )
+    return {
+        "version": report.version,
+        "checksums": report.checksums,
+        "pause_seconds": report.pause_seconds,
+        "bytes": report.bytes,
+    }
+
+
+@router.post("/{session}/abort")
+async def abort(session: str, request: Request) -> dict:
+    await run_in_threadpool(receiver_of(request.app).abort, session)
+    return {"aborted": session}

@@ -1,0 +1,69 @@
+"""Delta codec on top of bf16: only the elements whose bf16 bit pattern changed.
+
+At RL learning rates most bf16 weights keep their bit pattern from one step
+to the next (an update smaller than half a bf16 ulp rounds away), so sending
+the changed positions and their new 16-bit patterns is exact and far smaller
+than the tensor. Layout of the one part ``z``, before zstd compression:
+
+    gaps  int32 [n]   first changed flat index, then differences between indices
+    bits  int16 [n]   new bf16 bit patterns at those indices
+
+Gap-coding makes the indices small numbers that zstd packs well. The receiver
+applies the delta to its copy of the base version; the session refuses a
+delta whose base version is not the receiver's (it then gets a full sync), and
+every tensor carries a checksum of the result, so a wrong base cannot go
+unnoticed. A tensor whose changed fraction is above the threshold is sent as
+plain bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+import zstandard
+
+from rlpost.sync.codecs import Encoded, from_bytes
+
+ZSTD_LEVEL = 3  # fast; higher levels gain a few % on these streams at several times the CPU
+
+
+def changed_fraction(new: torch.Tensor, base: torch.Tensor) -> float:
+    """Fraction of elements whose bf16 bit pattern differs between ``new`` and ``base``."""
+    diff = new.to(torch.bfloat16).view(torch.int16) != base.view(torch.int16)
+    return diff.float().mean().item() if diff.numel() else 0.0
+
+
+def encode_delta(tensor: torch.Tensor, base: torch.Tensor | None, full_threshold: float) -> Encoded:
+    """``tensor`` as a bf16 delta against ``base`` (bf16, same shape), or plain bf16.
+
+    Plain bf16 when there is no base, the shape changed, or more than
+    ``full_threshold`` of the elements changed.
+    """
+    new = tensor.detach().cpu().to(torch.bfloat16).contiguous()
+    if base is None or base.shape != new.shape:
+        return Encoded("bf16", {"data": new})
+    flat_new, flat_base = new.view(torch.int16).reshape(-1), base.view(torch.int16).reshape(-1)
+    idx = torch.nonzero(flat_new != flat_base).reshape(-1)
+    if flat_new.numel() and idx.numel() / flat_new.numel() > full_threshold:
+        return Encoded("bf16", {"data": new})
+    gaps = torch.diff(idx, prepend=idx.new_zeros(1)).to(torch.int32)
+    raw = gaps.numpy().tobytes() + flat_new[idx].numpy().tobytes()
+    packed = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw)
+    z = from_bytes(packed, torch.uint8)
+    return Encoded("delta", {"z": z}, {"n": int(idx.numel()), "shape": list(new.shape)})
+
+
+def apply_delta(parts: dict[str, torch.Tensor], meta: dict, base: torch.Tensor) -> torch.Tensor:
+    """The new bf16 tensor: ``base`` with the delta's bit patterns written in."""
+    n, shape = meta["n"], tuple(meta["shape"])
+    if tuple(base.shape) != shape:
+        raise ValueError(f"delta is for shape {shape}, the base has {tuple(base.shape)}")
+    raw = zstandard.ZstdDecompressor().decompress(
+        parts["z"].numpy().tobytes(), max_output_size=6 * n
+    )
+    if len(raw) != 6 * n:
+        raise ValueError(f"delta holds {len(raw)} bytes, expected {6 * n} for {n} changes")
+    idx = from_bytes(raw[: 4 * n], torch.int32).long().cumsum(0)
+    bits = from_bytes(raw[4 * n :], torch.int16)
+    out = base.clone().view(torch.int16).reshape(-1)
+    out[idx] = bits
+    return out.view(torch.bfloat16).reshape(shape)

@@ -1,0 +1,200 @@
+"""Transports: how one sender reaches one target, behind one small protocol.
+
+Every transport carries the same session (:mod:`rlpost.sync.session`):
+``start(meta)``, ``update(bucket)`` per bucket, ``finish(manifest) -> CommitReport``.
+They are registered by name (the value of ``sync.channel``); a factory takes
+the target (an engine, a URL, a directory...) and the options below.
+
+* ``inprocess``: a :class:`~rlpost.sync.receiver.Receiver` around an engine in
+  this process (staged, atomic, any codec).
+* ``http``: buckets streamed to ``rlpost serve``'s ``/v1/sync`` routes, one
+  request per bucket, so neither side ever holds the whole model as one payload.
+* ``disk`` and ``gloo``: :mod:`rlpost.sync.disk`, :mod:`rlpost.sync.gloo`.
+* ``vllm``: see :class:`VllmTransport` (small and not yet run on a GPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import httpx
+
+from rlpost.sync.receiver import CommitReport, Receiver
+from rlpost.sync.session import Bucket, DeltaRefused, Manifest, SessionMeta, SyncError
+
+
+@dataclass
+class TransportOptions:
+    verify: bool = True
+    timeout_s: float = 300.0
+    headers: dict[str, str] | None = None  # sent with every http request (e.g. an admin key)
+
+
+class Transport(Protocol):
+    """One target of a sync. Errors are :class:`SyncError` naming phase and ``target``."""
+
+    target: str
+    supports_delta: bool
+
+    def start(self, meta: SessionMeta) -> None: ...
+    def update(self, bucket: Bucket) -> None: ...
+    def finish(self, manifest: Manifest) -> CommitReport: ...
+    def abort(self) -> None: ...
+    def close(self) -> None: ...
+
+
+TRANSPORTS: dict[str, Callable[[object, TransportOptions], Transport]] = {}
+
+
+def register_transport(name: str, factory: Callable[[object, TransportOptions], Transport]):
+    TRANSPORTS[name] = factory
+
+
+def make_transport(name: str, target, options: TransportOptions) -> Transport:
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown sync channel {name!r}; valid: {', '.join(sorted(TRANSPORTS))}")
+    return TRANSPORTS[name](target, options)
+
+
+# ------------------------------------------------------------ in-process
+
+
+class InProcessTransport:
+    """A receiver around an engine of this process; the receiver (and its delta base) persists."""
+
+    supports_delta = True
+
+    def __init__(self, engine, options: TransportOptions, name: str | None = None) -> None:
+        self.receiver = Receiver(
+            engine,
+            name=name or type(engine).__name__,
+            verify=options.verify,
+            timeout_s=options.timeout_s,
+        )
+
+    @property
+    def target(self) -> str:
+        return self.receiver.name
+
+    @target.setter
+    def target(self, name: str) -> None:
+        self.receiver.name = name
+
+    def start(self, meta: SessionMeta) -> None:
+        self.receiver.start(meta)
+
+    def update(self, bucket: Bucket) -> None:
+        self.receiver.update(bucket)
+
+    def finish(self, manifest: Manifest) -> CommitReport:
+        return self.receiver.finish(manifest)
+
+    def abort(self) -> None:
+        self.receiver.abort()
+
+    def close(self) -> None:
+        self.receiver.abort()
+
+
+# ------------------------------------------------------------------ http
+
+
+class HttpTransport:
+    """Client of ``rlpost serve``'s ``/v1/sync`` routes; every request has ``timeout_s``."""
+
+    supports_delta = True
+
+    def __init__(self, url: str, options: TransportOptions) -> None:
+        self.target = url.rstrip("/")
+        self.http = httpx.Client(
+            base_url=self.target, timeout=options.timeout_s, headers=options.headers
+        )
+        self.session: str | None = None
+
+    def start(self, meta: SessionMeta) -> None:
+        self.session = meta.session
+        self._post("start", "/v1/sync/start", json=meta.to_json())
+
+    def update(self, bucket: Bucket) -> None:
+        headers = {"content-type": "application/octet-stream"}
+        path = f"/v1/sync/{bucket.session}/bucket"
+        self._post("update", path, content=bucket.to_bytes(), headers=headers)
+
+    def finish(self, manifest: Manifest) -> CommitReport:
+        body = self._post("finish", f"/v1/sync/{manifest.session}/finish", json=manifest.to_json())
+        sums = {k: int(v) for k, v in body.get("checksums", {}).items()}
+        return CommitReport(
+            int(body["version"]), sums, float(body["pause_seconds"]), int(body["bytes"])
+        )
+
+    def abort(self) -> None:
+        if self.session is not None:
+            try:  # best effort: the server also drops a session that stays idle
+                self.http.post(f"/v1/sync/{self.session}/abort", timeout=5.0)
+            except httpx.HTTPError:
+                pass
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _post(self, phase: str, path: str, **kwargs) -> dict:
+        try:
+            r = self.http.post(path, **kwargs)
+        except httpx.TransportError as exc:  # refused, reset, timed out
+            raise SyncError(phase, self.target, f"{type(exc).__name__}: {exc}") from None
+        if r.status_code == 409 and phase == "start":
+            raise DeltaRefused(phase, self.target, _error_line(r))
+        if r.status_code >= 400:
+            raise SyncError(phase, self.target, f"HTTP {r.status_code}: {_error_line(r)}")
+        return r.json()
+
+
+def _error_line(r: httpx.Response) -> str:
+    try:
+        return str(r.json()["error"]["message"]).splitlines()[0]
+    except (ValueError, KeyError, TypeError, IndexError):
+        return (r.text.strip().splitlines() or [""])[0][:200]
+
+
+# ------------------------------------------------------------------ vllm
+
+
+class VllmTransport(InProcessTransport):
+    """Into a vLLM engine of this process, through its ``load_weights``.
+
+    The session is staged and checked by the same receiver as ``inprocess``,
+    then committed through the engine's ``load_weights`` (rlpost's VLLMEngine
+    runs the model's own ``load_weights`` in each worker via collective_rpc).
+    It does not yet drive vLLM's NCCL weight-transfer engine, and it has not
+    been run on a GPU: vLLM needs one.
+    """
+
+    def __init__(self, engine, options: TransportOptions) -> None:
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            raise ImportError(
+                "sync.channel=vllm needs the [vllm] extra: pip install 'rlpost[vllm]'"
+            ) from None
+        super().__init__(engine, options)
+
+
+def _disk(target, options):
+    from rlpost.sync.disk import DiskTransport
+
+    return DiskTransport(target, options)
+
+
+def _gloo(target, options):
+    from rlpost.sync.gloo import GlooTransport
+
+    return GlooTransport(target, options)
+
+
+register_transport("inprocess", InProcessTransport)
+register_transport("http", HttpTransport)
+register_transport("disk", _disk)
+register_transport("gloo", _gloo)
+register_transport("vllm", VllmTransport)
