@@ -69,6 +69,14 @@ def check_names(cfg: Config) -> None:
             f"rollout.n=1 gives every {a.advantage} group zero advantage; set rollout.n >= 2 "
             "or use algo.advantage=reinforce_pp with algo.policy_loss=flash_reinforce"
         )
+    if cfg.sync.channel not in ("inprocess", "http") or (
+        cfg.sync.channel == "http" and cfg.rollout.engine != "remote"
+    ):
+        raise ConfigError(
+            f"sync.channel={cfg.sync.channel}: the training loop sends weights in process "
+            "(sync.channel=inprocess) or to rollout servers over http (rollout.engine=remote); "
+            "disk, gloo and vllm channels are for engines started outside the loop (docs/sync.md)"
+        )
     try:
         check_terms(cfg.reward)
     except (UnknownNameError, ValueError) as exc:

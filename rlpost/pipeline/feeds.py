@@ -29,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from rlpost.data import PromptSampler
@@ -36,6 +37,16 @@ from rlpost.pipeline.stages import RolloutOutput, RolloutSettings, rollout_stage
 from rlpost.pipeline.workers import RewardAPI, RolloutAPI
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.types import Group, Prompt
+
+
+def _loader(rollout: RolloutAPI) -> Callable[[list, int], dict]:
+    """Weights straight into the rollout worker (its own copy; no codec)."""
+
+    def load(tensors: list, version: int) -> dict:
+        rollout.load_weights(tensors, version)
+        return {}
+
+    return load
 
 
 class RolloutFailed(RuntimeError):
@@ -94,9 +105,11 @@ class SyncFeed:
         source: PromptSource,
         params: SamplingParams,
         settings: RolloutSettings,
+        deliver: Callable[[list, int], dict] | None = None,
     ) -> None:
         self.rollout, self.reward, self.source = rollout, reward, source
         self.params, self.settings = params, settings
+        self.deliver = deliver or _loader(rollout)
 
     def next(self, step: int, version: int, last: bool) -> Fed:
         out = rollout_stage(
@@ -105,11 +118,15 @@ class SyncFeed:
         self.source.take()
         return Fed(out)
 
-    def push(self, export) -> float:
-        """Serve the trainer's new weights now (nothing is generating); returns seconds."""
+    def push(self, export) -> dict[str, float]:
+        """Serve the trainer's new weights now (nothing is generating); returns sync metrics."""
         start = time.perf_counter()
-        self.rollout.load_weights(export.tensors, export.version)
-        return time.perf_counter() - start
+        extra = self.deliver(export.tensors, export.version)
+        return {
+            "sync_seconds": time.perf_counter() - start,
+            "sync_bytes": float(export.bytes),
+            **extra,
+        }
 
     def pending(self) -> list[list[Prompt]]:
         return self.source.waiting()
@@ -142,12 +159,14 @@ class OverlapFeed:
         version: int,
         total_steps: int,
         defer_weights: bool = False,
+        deliver: Callable[[list, int], dict] | None = None,
     ) -> None:
         self.rollout, self.reward, self.source = rollout, reward, source
         self.params, self.settings = params, settings
         self.eta, self.queue_batches, self.stale = eta, queue_batches, stale
         self.total_steps = total_steps
         self.defer_weights = defer_weights
+        self.deliver = deliver or _loader(rollout)
         self._cond = threading.Condition()
         self._start_state(first_step, version)
 
@@ -193,7 +212,7 @@ class OverlapFeed:
                         self.admitted += 1
                     self.rollout_wait += time.perf_counter() - t0
                 if weights is not None:  # between two batches: no sample mixes versions
-                    self.rollout.load_weights(weights.tensors, weights.version)
+                    self.deliver(weights.tensors, weights.version)
                     self.synced(weights.version)
                     continue
                 last = j + 1 >= self.total_steps
@@ -269,24 +288,28 @@ class OverlapFeed:
         out.groups = keep
         return out, drop
 
-    def push(self, export) -> float:
-        """New weights from the trainer; returns the seconds the trainer spent on them.
+    def push(self, export) -> dict[str, float]:
+        """New weights from the trainer; returns sync metrics (seconds the trainer spent).
 
         The continuous engine (async) takes them at once, between two decode steps
         of whatever it is generating; the batch engine (one_step_off) gets them from
         the producer before its next batch, so the trainer does not wait (the
         tensors are copied first: the trainer goes on updating its own).
         """
-        start = time.perf_counter()
+        start, extra = time.perf_counter(), {}
         if self.defer_weights:
             tensors = [(name, t.detach().clone()) for name, t in export.tensors]
             with self._cond:
                 self.weights = replace(export, tensors=tensors)
                 self._cond.notify_all()
         else:
-            self.rollout.load_weights(export.tensors, export.version)
+            extra = self.deliver(export.tensors, export.version)
             self.synced(export.version)
-        return time.perf_counter() - start
+        return {
+            "sync_seconds": time.perf_counter() - start,
+            "sync_bytes": float(export.bytes),
+            **extra,
+        }
 
     def synced(self, version: int) -> None:
         with self._cond:
@@ -308,7 +331,7 @@ class OverlapFeed:
             self._cond.wait_for(lambda: self._idle or not self._thread.is_alive())
             weights, self.weights = self.weights, None
         if weights is not None:
-            self.rollout.load_weights(weights.tensors, weights.version)
+            self.deliver(weights.tensors, weights.version)
             self.synced(weights.version)
 
     def resume(self) -> None:

@@ -44,6 +44,7 @@ from rlpost.rewards.monitor import HackingMonitor
 from rlpost.rewards.samples import SampleWriter
 from rlpost.rewards.worker import reward_samples
 from rlpost.rng import set_rng_state
+from rlpost.sync import build_weight_sync
 from rlpost.train.checkpoint import latest_checkpoint, latest_step, load_state, save_checkpoint
 from rlpost.types import Group, ScoredBatch
 
@@ -75,6 +76,7 @@ class Run:
     pad_id: int
     eos_id: int
     feed: object = None
+    deliver: Callable | None = None
     on_groups: Callable | None = None
 
 
@@ -114,6 +116,7 @@ def train(
     workers = start(cfg, run_dir, train_prompts, console, resuming=ckpt is not None)
     r = _new_run(cfg, run_dir, workers, train_prompts, ckpt)
     r.on_groups = on_groups
+    r.deliver = _deliverer(cfg, workers.rollout)
     step, pending = _restore(r, ckpt) if ckpt is not None else (_sync(r)[0], [])
     start_step, history, rl_seconds = step, [], 0.0
     try:
@@ -126,14 +129,16 @@ def train(
             t0 = time.perf_counter()
             try:
                 m, actions = rl_step(r, step)
-                export = r.w.trainer.export_weights()
-                m["sync_seconds"] = r.feed.push(export)
-                m["sync_bytes"] = float(export.bytes)
+                due = step + 1 >= cfg.train.steps or _eval_due(cfg, step + 1)
+                if due or (step + 1) % cfg.sync.every == 0:
+                    m.update(r.feed.push(r.w.trainer.export_weights()))
+                else:  # sync.every > 1: the engine keeps serving an older version
+                    m.update(sync_seconds=0.0, sync_bytes=0.0)
             except (RolloutFailed, WorkerLost) as exc:
                 _stop_on_lost_worker(r, step, exc)
             step += 1
             rl_seconds += time.perf_counter() - t0
-            if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
+            if _eval_due(cfg, step):
                 r.feed.pause()
                 m.update(_eval(r, held_out, greedy=False))
                 r.feed.resume()
@@ -162,6 +167,26 @@ def train(
         cfg, run_dir, first_eval, final_eval, history, start_step, wall, console, extra=pace
     )
     return RunResult(run_dir=run_dir, summary=summary, history=history)
+
+
+def _deliverer(cfg: Config, rollout) -> Callable[[list, int], dict]:
+    """How a step's weights reach the rollout worker: a plain copy, or the sync layer's
+    channel with its codec, buckets, delta and checksums (``sync.*``). Remote engines
+    stream to their servers through the sync layer themselves."""
+    s = cfg.sync
+    if cfg.rollout.engine == "remote" or (s.codec == "none" and not s.delta):
+
+        def load(tensors, version):
+            rollout.load_weights(tensors, version)
+            return {}
+
+        return load
+    channel = build_weight_sync(s, [rollout])
+    return lambda tensors, version: channel.push(tensors, version).metrics()
+
+
+def _eval_due(cfg: Config, step: int) -> bool:
+    return bool(cfg.eval.every) and step % cfg.eval.every == 0 and step < cfg.train.steps
 
 
 def _stop_on_lost_worker(r: Run, step: int, exc: Exception) -> None:
@@ -194,7 +219,7 @@ def _feed(r: Run, source: PromptSource, step: int):
     )
     params = build.sampling_params(cfg, r.eos_id)
     if p.mode == "sync":
-        return SyncFeed(r.w.rollout, r.w.reward, source, params, settings)
+        return SyncFeed(r.w.rollout, r.w.reward, source, params, settings, deliver=r.deliver)
     one_step_off = p.mode == "one_step_off"
     return OverlapFeed(
         r.w.rollout,
@@ -211,6 +236,7 @@ def _feed(r: Run, source: PromptSource, step: int):
         # async runs the continuous engine, which takes weights between decode steps;
         # one_step_off keeps the batch engine and swaps weights between batches.
         defer_weights=one_step_off,
+        deliver=r.deliver,
     )
 
 

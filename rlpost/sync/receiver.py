@@ -113,7 +113,7 @@ class Receiver:
     ) -> None:
         self.engine, self.name, self.verify, self.timeout_s = engine, name, verify, timeout_s
         self.spool_dir = Path(spool_dir) if spool_dir is not None else None
-        self._version = int(getattr(engine, "version", 0) or 0)
+        self._version = _engine_version(engine, 0)
         self.base_version: int | None = None
         self._base: dict[str, torch.Tensor] = {}
         self._staged: _Staged | None = None
@@ -122,7 +122,7 @@ class Receiver:
     @property
     def version(self) -> int:
         """The version the engine serves (it may also load weights by other routes)."""
-        return int(getattr(self.engine, "version", self._version))
+        return _engine_version(self.engine, self._version)
 
     @property
     def in_session(self) -> bool:
@@ -290,3 +290,9 @@ class Receiver:
         """Drop the session (the engine keeps its version) and raise one line."""
         self._drop()
         raise SyncError(phase, self.name, message)
+
+
+def _engine_version(engine, default: int) -> int:
+    """An engine's ``version`` attribute, or a worker's ``version()`` method."""
+    version = getattr(engine, "version", default)
+    return int((version() if callable(version) else version) or 0)
