@@ -53,8 +53,15 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
-def cmd_train(args) -> int:
+def _overrides(args) -> tuple[str | None, list[str]]:
     recipe, overrides = _split_args(args.items)
+    if getattr(args, "overwrite", False):
+        overrides.append("run.overwrite=true")
+    return recipe, overrides
+
+
+def cmd_train(args) -> int:
+    recipe, overrides = _overrides(args)
     if args.resume and not any("=" not in i for i in args.items):
         # Resuming without a recipe continues with the config the run was started with.
         recipe = str(Path(args.resume) / "config.yaml")
@@ -71,7 +78,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_sft(args) -> int:
-    recipe, overrides = _split_args(args.items)
+    recipe, overrides = _overrides(args)
     cfg = load_config(recipe, overrides)
     _quiet_libraries()
     from rlpost.pipeline.build import build_data
@@ -111,7 +118,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_dpo(args) -> int:
-    recipe, overrides = _split_args(args.items)
+    recipe, overrides = _overrides(args)
     if recipe == str(DEFAULT_RECIPE):
         recipe = str(DEFAULT_RECIPE.parent / "dpo_prefs.yaml")
     from rlpost.train.dpo import DPOConfig, run_dpo
@@ -158,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=text)
         sp.add_argument("items", nargs="*", help="recipe YAML, then key=value overrides")
         sp.set_defaults(fn=fn)
+        if name != "eval":
+            sp.add_argument(
+                "--overwrite",
+                action="store_true",
+                help="replace an existing run directory of the same name (deletes its files)",
+            )
         if name == "train":
             sp.add_argument(
                 "--resume", metavar="RUN_DIR", help="continue from the run's latest checkpoint"

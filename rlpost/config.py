@@ -43,6 +43,9 @@ class RunConfig(Section):
     """Parent directory of run directories."""
     name: str = "grpo_arith"
     """Run name; the run directory is ``output_dir/name``."""
+    overwrite: bool = False
+    """Replace an existing run directory of the same name (its files are deleted); without it
+    an existing run directory is refused (``--overwrite`` on the command line sets it)."""
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
     threads: int = Field(0, ge=0)

@@ -39,7 +39,8 @@ def load_tokenizer(path: str | Path):
     return tok
 
 
-def load_causal_lm(path: str | Path, *, dtype: str = "float32") -> PreTrainedModel:
+def check_model_dir(path: str | Path) -> Path:
+    """``path`` as a Path if it is a directory with a config.json (no weights are read)."""
     p = Path(path)
     if not p.is_dir():
         raise ModelLoadError(f"model directory {str(p)!r} does not exist")
@@ -47,6 +48,11 @@ def load_causal_lm(path: str | Path, *, dtype: str = "float32") -> PreTrainedMod
         raise ModelLoadError(
             f"model directory {str(p)!r} has no config.json; is it an HF checkpoint?"
         )
+    return p
+
+
+def load_causal_lm(path: str | Path, *, dtype: str = "float32") -> PreTrainedModel:
+    p = check_model_dir(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=DTYPES[dtype])
     except (OSError, ValueError, RuntimeError) as exc:

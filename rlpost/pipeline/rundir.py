@@ -11,28 +11,29 @@ RUN_DIR/curves.png         reward and held-out accuracy against steps
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from rlpost.config import Config, ConfigError, dump_config
 from rlpost.models.loading import load_causal_lm
 from rlpost.pipeline import build
+from rlpost.pipeline.preflight import check_inputs
+from rlpost.train.checkpoint import claim_run_dir
 from rlpost.train.sft import sft_train
 
 
 def prepare_run_dir(cfg: Config, resume: Path | None) -> Path:
+    """Check the inputs, then create the run directory (or reopen it to resume).
+
+    Nothing is written before the data, the model and the context length pass, and an
+    existing run directory is never replaced unless ``run.overwrite`` asks for it.
+    """
+    check_inputs(cfg)
     if resume is not None:
         run_dir = Path(resume)
         if not (run_dir / "checkpoints" / "latest").is_file():
             raise ConfigError(f"--resume {str(run_dir)!r} holds no checkpoint to resume from")
         return run_dir
-    run_dir = cfg.run_dir
-    if run_dir.exists():
-        # A fresh run never mixes its files with an older run of the same name.
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
-    return run_dir
+    return claim_run_dir(cfg.run_dir, overwrite=cfg.run.overwrite, config_text=dump_config(cfg))
 
 
 def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: bool):

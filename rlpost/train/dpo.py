@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +52,7 @@ from rlpost.train.batch import (
     response_logits,
     token_logprobs,
 )
+from rlpost.train.checkpoint import claim_run_dir
 from rlpost.train.sft import sft_train, warmup_then_cosine
 from rlpost.types import Completion, Prompt
 
@@ -64,6 +64,9 @@ class DPORunConfig(Section):
     """Parent directory of run directories."""
     name: str = "dpo_prefs"
     """Run name; the run directory is ``output_dir/name``."""
+    overwrite: bool = False
+    """Replace an existing run directory of the same name (its files are deleted); without it
+    an existing run directory is refused (``--overwrite`` on the command line sets it)."""
     seed: int = 0
     """Seed for initialisation and pair order."""
     threads: int = Field(0, ge=0)
@@ -336,14 +339,8 @@ class DPOResult:
 
 
 def _prepare_run_dir(cfg: DPOConfig) -> Path:
-    run_dir = cfg.run_dir
-    if run_dir.exists():
-        # A fresh run never mixes its files with an older run of the same name.
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
     text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-    (run_dir / "config.yaml").write_text(text)
-    return run_dir
+    return claim_run_dir(cfg.run_dir, overwrite=cfg.run.overwrite, config_text=text)
 
 
 def _progress(enabled: bool) -> Progress:
@@ -390,11 +387,12 @@ def run_dpo(cfg: DPOConfig) -> DPOResult:
 
 
 def _run(cfg: DPOConfig, started: float) -> DPOResult:
-    run_dir = _prepare_run_dir(cfg)
+    # Inputs first: a start that fails on them leaves an existing run untouched.
     train_pairs, eval_pairs, counts = load_pairs(cfg.data, cfg.run.seed)
     model, tokenizer = load_policy(
         cfg.model.path, tiny_shape=cfg.model.tiny.model_dump(), seed=cfg.run.seed
     )
+    run_dir = _prepare_run_dir(cfg)
     pad_id, s = tokenizer.pad_token_id, cfg.dpo
     recorder = Recorder(run_dir)
     bar = _progress(cfg.observe.progress)
