@@ -137,7 +137,28 @@ class DataConfig(Section):
     on_bad_row: Literal["skip", "error"] = "error"
     """Malformed rows: skip them (counted and reported) or stop with file and line."""
     prompt_template: str = "{prompt}"
-    """Format string applied to each prompt (``{prompt}`` is the row's prompt)."""
+    """Format string applied to each prompt: ``{prompt}`` is the row's prompt, and a file's other
+    fields can be named too (``"{question} (level {level})"``)."""
+    chat_template: Literal["auto", "none"] = "auto"
+    """auto: a tokenizer with a chat template gets each prompt as a user message, rendered with
+    the generation prompt; none: plain text."""
+    system_prompt: str | None = None
+    """System message before each prompt (a first paragraph when no chat template applies)."""
+
+    @model_validator(mode="after")
+    def _template_fields(self) -> DataConfig:
+        import string
+
+        try:
+            names = {f for _, f, _, _ in string.Formatter().parse(self.prompt_template) if f}
+        except ValueError as exc:
+            raise ValueError(f"data.prompt_template is not a format string ({exc})") from None
+        if self.task != "file" and names - {"prompt"}:
+            raise ValueError(
+                f"data.prompt_template names {sorted(names - {'prompt'})[0]!r}; the built-in "
+                f"{self.task} task has only {{prompt}}"
+            )
+        return self
 
 
 # ----------------------------------------------------------------------- rollout

@@ -16,7 +16,7 @@ from pathlib import Path
 from rlpost.config import Config, ConfigError, dump_config
 from rlpost.models.loading import load_causal_lm
 from rlpost.pipeline import build
-from rlpost.pipeline.preflight import check_inputs
+from rlpost.pipeline.preflight import check_inputs, read_data_counts, report_data
 from rlpost.train.checkpoint import claim_run_dir
 from rlpost.train.sft import sft_train
 
@@ -27,13 +27,17 @@ def prepare_run_dir(cfg: Config, resume: Path | None) -> Path:
     Nothing is written before the data, the model and the context length pass, and an
     existing run directory is never replaced unless ``run.overwrite`` asks for it.
     """
-    check_inputs(cfg)
+    reports = check_inputs(cfg)
     if resume is not None:
         run_dir = Path(resume)
         if not (run_dir / "checkpoints" / "latest").is_file():
             raise ConfigError(f"--resume {str(run_dir)!r} holds no checkpoint to resume from")
-        return run_dir
-    return claim_run_dir(cfg.run_dir, overwrite=cfg.run.overwrite, config_text=dump_config(cfg))
+    else:
+        run_dir = claim_run_dir(
+            cfg.run_dir, overwrite=cfg.run.overwrite, config_text=dump_config(cfg)
+        )
+    report_data(run_dir, reports, fresh=resume is None)
+    return run_dir
 
 
 def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: bool):
@@ -91,6 +95,7 @@ def finish_run(
         "wall_seconds": wall,
         "advantage": cfg.algo.advantage,
         "policy_loss": cfg.algo.policy_loss,
+        "data": read_data_counts(run_dir),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if cfg.observe.plot:
