@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -67,27 +68,63 @@ def cmd_train(args) -> int:
         recipe = str(Path(args.resume) / "config.yaml")
     cfg = load_config(recipe, overrides)
     _quiet_libraries()
+    from rlpost.pipeline.interrupts import Interrupts
     from rlpost.pipeline.loop import TrainingStopped, train
 
-    try:
-        train(cfg, resume=Path(args.resume) if args.resume else None)
-    except TrainingStopped as exc:
-        print(f"rlpost: {exc}", file=sys.stderr)
-        return 1
+    run_dir = Path(args.resume) if args.resume else cfg.run_dir
+    with Interrupts() as interrupts:
+        try:
+            train(cfg, resume=Path(args.resume) if args.resume else None, stop=interrupts.stop)
+        except TrainingStopped as exc:
+            print(f"rlpost: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return _interrupted(args, run_dir, interrupts.exit_code)
+    if interrupts.stop.is_set():
+        return _interrupted(args, run_dir, interrupts.exit_code, total=cfg.train.steps)
     return 0
+
+
+def _interrupted(args, run_dir: Path, code: int, total: int | None = None) -> int:
+    """Say where an interrupted run stands and the exact command that continues it."""
+    from rlpost.pipeline.rundir import SFT_STATE
+    from rlpost.train.checkpoint import latest_checkpoint, latest_step
+
+    if not (run_dir / "config.yaml").is_file():
+        print("rlpost: interrupted before the run directory was created", file=sys.stderr)
+        return code
+    step = latest_step(latest_checkpoint(run_dir))
+    if total is not None and step >= total:
+        return 0  # the signal came during the last step: the run is complete
+    if (run_dir / SFT_STATE).is_dir():
+        where = "during the warm-up (its state is saved)"
+    else:
+        where = f"with a checkpoint at step {step}" if step else "before the first checkpoint"
+    items = [i for i in args.items if not (args.resume and i == args.resume)]
+    command = shlex.join(["rlpost", args.command, *items, "--resume", str(run_dir)])
+    print(f"rlpost: stopped {where}; continue with:\n  {command}", file=sys.stderr)
+    return code
 
 
 def cmd_sft(args) -> int:
     recipe, overrides = _overrides(args)
+    if args.resume and not any("=" not in i for i in args.items):
+        recipe = str(Path(args.resume) / "config.yaml")
     cfg = load_config(recipe, overrides)
     _quiet_libraries()
     from rlpost.pipeline.build import build_data
     from rlpost.pipeline.console import Console
+    from rlpost.pipeline.interrupts import Interrupts
     from rlpost.pipeline.rundir import prepare_run_dir, warm_start
 
-    run_dir = prepare_run_dir(cfg, None)
-    train_prompts, _, _ = build_data(cfg)
-    warm_start(cfg, run_dir, train_prompts, Console(cfg.observe.progress), skip_sft=False)
+    run_dir = Path(args.resume) if args.resume else cfg.run_dir
+    with Interrupts() as interrupts:
+        try:
+            prepare_run_dir(cfg, Path(args.resume) if args.resume else None)
+            train_prompts, _, _ = build_data(cfg)
+            warm_start(cfg, run_dir, train_prompts, Console(cfg.observe.progress), skip_sft=False)
+        except KeyboardInterrupt:
+            return _interrupted(args, run_dir, interrupts.exit_code)
     print(f"warm-up policy saved to {run_dir / 'sft_model'}")
     return 0
 
@@ -171,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="replace an existing run directory of the same name (deletes its files)",
             )
-        if name == "train":
+        if name in ("train", "sft"):
             sp.add_argument(
                 "--resume", metavar="RUN_DIR", help="continue from the run's latest checkpoint"
             )
