@@ -4,7 +4,9 @@
     rlpost sft [RECIPE] [key=value ...]        warm-up only, saves RUN_DIR/sft_model
     rlpost dpo [RECIPE] [key=value ...]        offline preference optimisation
     rlpost eval [RECIPE] [key=value ...]       held-out accuracy of model.path
-    rlpost config [RECIPE] [key=value ...]     print the resolved config (--help: every key)
+    rlpost config [RECIPE] [key=value ...]     print the resolved config (--keys: every key)
+    rlpost recipes                             the recipes installed with rlpost
+    rlpost rewards                             the registered rewards and their parameters
     rlpost report RUN_DIR                      HTML report and a text summary
     rlpost sandbox run FILE.py [--timeout S] [--memory MB] [--json]
     rlpost serve [--model DIR] [--port N]       OpenAI-compatible rollout server
@@ -21,9 +23,16 @@ import shlex
 import sys
 from pathlib import Path
 
-from rlpost.config import ConfigError, describe_fields, dump_config, load_config
+from rlpost.config import (
+    RECIPES_DIR,
+    ConfigError,
+    describe_fields,
+    dump_config,
+    load_config,
+    shipped_recipes,
+)
 
-DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "grpo_arith.yaml"
+DEFAULT_RECIPE = RECIPES_DIR / "grpo_arith.yaml"
 EXIT_USAGE = 2
 
 
@@ -167,16 +176,36 @@ def cmd_dpo(args) -> int:
 
 
 def cmd_config(args) -> int:
-    if args.keys:
-        for key, default, help_text in describe_fields():
-            print(f"{key} = {default}\n    {help_text}")
-        return 0
     recipe, overrides = _split_args(args.items)
     cfg = load_config(recipe, overrides)
+    if args.keys:
+        # The values this recipe and these overrides would run with, each with its help.
+        for key, value, help_text in describe_fields(values=cfg):
+            print(f"{key} = {value}\n    {' '.join(help_text.split())}")
+        return 0
     from rlpost.pipeline.build import check_names
 
     check_names(cfg)
     print(dump_config(cfg), end="")
+    return 0
+
+
+def cmd_recipes(args) -> int:
+    """The shipped recipes, each with the first line of its header comment."""
+    for path in shipped_recipes():
+        lines = [x.lstrip("# ").strip() for x in path.read_text().splitlines()]
+        about = next((x for x in lines if x and not x.startswith(("base:", "run:"))), "")
+        print(f"{path.stem:<22} {about}")
+    print(f"\n{len(shipped_recipes())} recipes in {RECIPES_DIR}; run one with rlpost train NAME")
+    return 0
+
+
+def cmd_rewards(args) -> int:
+    from rlpost.rewards.registry import describe_rewards
+
+    for name, kind, params, doc in describe_rewards():
+        print(f"{name} ({kind})\n    {doc}\n    params: {params or '-'}")
+    print("\nor package.module:function for your own (see reward.terms in rlpost config --keys)")
     return 0
 
 
@@ -213,13 +242,19 @@ def build_parser() -> argparse.ArgumentParser:
                 "--resume", metavar="RUN_DIR", help="continue from the run's latest checkpoint"
             )
     sp = sub.add_parser(
-        "config", help="print the resolved config; --keys lists every key with its help"
+        "config", help="print the resolved config; --keys lists every key, its value and help"
     )
     sp.add_argument("items", nargs="*")
     sp.add_argument(
-        "--keys", action="store_true", help="list every config key, default and help text"
+        "--keys",
+        action="store_true",
+        help="list every config key with the value the recipe gives it, and its help",
     )
     sp.set_defaults(fn=cmd_config)
+    sp = sub.add_parser("recipes", help="list the recipes installed with rlpost")
+    sp.set_defaults(fn=cmd_recipes)
+    sp = sub.add_parser("rewards", help="list the registered rewards and their parameters")
+    sp.set_defaults(fn=cmd_rewards)
     sp = sub.add_parser("report", help="write RUN_DIR/report.html and print a summary")
     sp.add_argument("run_dir")
     sp.set_defaults(fn=cmd_report)
@@ -253,7 +288,14 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("serve", "sandbox"):
         # These own their arguments (and --help); hand them the rest unparsed.
         return _serve(argv[1:]) if argv[0] == "serve" else _sandbox(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may follow a flag (rlpost config dapo_arith --keys rollout.n=4).
+    unknown = [x for x in extra if x.startswith("-") or not hasattr(args, "items")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.items = [*args.items, *extra]
     try:
         return args.fn(args)
     except ConfigError as exc:

@@ -1,9 +1,10 @@
 """One typed config tree, the single source of truth for a run.
 
 Sections mirror the packages. Each field's docstring is its help text
-(``rlpost config --help`` prints them). A recipe is a YAML file of this tree;
+(``rlpost config --keys`` prints them). A recipe is a YAML file of this tree;
 dotted ``key=value`` overrides on the command line are applied on top
-(``rlpost train recipes/grpo_arith.yaml train.lr=1e-5 rollout.n=8``).
+(``rlpost train grpo_arith train.lr=1e-5 rollout.n=8``). The recipes ship with the
+package (``rlpost/recipes``); a recipe argument is a path or a shipped recipe's name.
 
 Validation happens at load, before any work: unknown keys, bad values and
 combinations that would silently break training are refused with one line
@@ -497,13 +498,15 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def format_validation_error(err: ValidationError) -> str:
+def format_validation_error(err: ValidationError, model: type[BaseModel] | None = None) -> str:
     """The first problem of a pydantic error as one line: key, value, reason."""
     e = err.errors()[0]
     key = ".".join(str(p) for p in e["loc"])
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
-        return f"unknown config key {key!r}; check the spelling (rlpost config --help lists keys)"
+        near = nearest_keys(key, model or Config)
+        hint = f"did you mean {' or '.join(near)}?" if near else "check the spelling"
+        return f"unknown config key {key!r}; {hint} (rlpost config --keys lists every key)"
     if not key:
         return msg
     value = e.get("input")
@@ -511,12 +514,52 @@ def format_validation_error(err: ValidationError) -> str:
     return f"config {key}{shown}: {msg}"
 
 
+def nearest_keys(key: str, model: type[BaseModel] = Config, n: int = 3) -> list[str]:
+    """Valid dotted keys closest to ``key`` (difflib), nearest first."""
+    import difflib
+
+    keys = [k for k, _, _ in describe_fields(model)]
+    if "." not in key:  # a section name ("rolout")
+        keys = list(dict.fromkeys(k.split(".")[0] for k in keys))
+    leaf = key.rsplit(".", 1)[-1]
+    same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]  # right key, wrong section
+    near = difflib.get_close_matches(key, keys, n=n, cutoff=0.6)
+    return list(dict.fromkeys(same_leaf + near))[:n]
+
+
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+"""The recipes installed with the package (``rlpost recipes`` lists them)."""
+
+
+def shipped_recipes() -> list[Path]:
+    return sorted(RECIPES_DIR.glob("*.yaml"))
+
+
+def resolve_recipe(name: str | Path, relative_to: Path | None = None) -> Path:
+    """A recipe file: ``name`` as a path (relative to ``relative_to`` first, for ``base:``),
+    else the shipped recipe of that name (``dapo_arith``, ``dapo_arith.yaml`` and
+    ``recipes/dapo_arith.yaml`` all name it), so recipes work from any directory."""
+    p = Path(name)
+    for candidate in ([relative_to / p] if relative_to is not None else []) + [p]:
+        if candidate.is_file():
+            return candidate
+    stem = p.name.removesuffix(".yaml")
+    shipped = RECIPES_DIR / f"{stem}.yaml"
+    if shipped.is_file() and (len(p.parts) == 1 or p.parent.name == "recipes"):
+        return shipped
+    import difflib
+
+    names = [r.stem for r in shipped_recipes()]
+    near = difflib.get_close_matches(stem, names, n=2)
+    hint = f"did you mean {' or '.join(near)}? " if near else ""
+    raise ConfigError(f"recipe {str(p)!r} does not exist; {hint}(rlpost recipes lists them)")
+
+
 def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """A recipe as a dict. ``base: other.yaml`` (relative to the recipe) is loaded first
-    and this recipe's keys are merged on top, so variants state only what differs."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"recipe {str(p)!r} does not exist")
+    """A recipe as a dict. ``base: other.yaml`` (relative to the recipe, or a shipped recipe)
+    is loaded first and this recipe's keys are merged on top, so variants state only what
+    differs."""
+    p = resolve_recipe(path)
     if p.resolve() in _seen:
         raise ConfigError(f"recipe {str(p)!r} includes itself through 'base'")
     try:
@@ -529,7 +572,8 @@ def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any
         raise ConfigError(f"recipe {str(p)!r} must be a mapping of sections")
     base = data.pop("base", None)
     if base is not None:
-        data = merge(read_recipe(p.parent / str(base), (*_seen, p.resolve())), data)
+        base_path = resolve_recipe(str(base), relative_to=p.parent)
+        data = merge(read_recipe(base_path, (*_seen, p.resolve())), data)
     return data
 
 
@@ -549,16 +593,28 @@ def dump_config(cfg: Config) -> str:
 
 
 def describe_fields(
-    model: type[BaseModel] = Config, prefix: str = ""
+    model: type[BaseModel] = Config, prefix: str = "", values: BaseModel | None = None
 ) -> list[tuple[str, str, str]]:
-    """(dotted key, default, help) for every leaf field; used by ``rlpost config --help``."""
+    """(dotted key, value, help) for every leaf field: the default, or the value in ``values``
+    (a loaded config) when given; used by ``rlpost config --keys``."""
     rows = []
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
         ann = field.annotation
+        sub = getattr(values, name) if values is not None else None
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            rows.extend(describe_fields(ann, key + "."))
+            rows.extend(describe_fields(ann, key + ".", sub))
         else:
-            default = field.get_default(call_default_factory=True)
-            rows.append((key, repr(default), field.description or ""))
+            value = sub if values is not None else field.get_default(call_default_factory=True)
+            if isinstance(value, BaseModel | list | tuple):
+                value = _plain(value)
+            rows.append((key, repr(value), field.description or ""))
     return rows
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, list | tuple):
+        return type(value)(_plain(v) for v in value)
+    return value

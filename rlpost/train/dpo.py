@@ -40,6 +40,7 @@ from rlpost.config import (
     format_validation_error,
     merge,
     parse_overrides,
+    read_recipe,
 )
 from rlpost.data.preferences import PrefDataConfig, PreferencePair, load_pairs
 from rlpost.data.sampler import PromptSampler
@@ -158,22 +159,12 @@ class DPOConfig(Section):
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> DPOConfig:
         """Load a recipe (None: defaults), apply dotted overrides, validate; raises ConfigError."""
-        data: dict[str, Any] = {}
-        if path is not None:
-            p = Path(path)
-            if not p.is_file():
-                raise ConfigError(f"recipe {str(p)!r} does not exist")
-            try:
-                data = yaml.safe_load(p.read_text()) or {}
-            except yaml.YAMLError:
-                raise ConfigError(f"recipe {str(p)!r} is not valid YAML") from None
-            if not isinstance(data, dict):
-                raise ConfigError(f"recipe {str(p)!r} must be a mapping of sections")
+        data = read_recipe(path) if path is not None else {}
         data = merge(data, parse_overrides(overrides or []))
         try:
             return cls.model_validate(data)
         except ValidationError as err:
-            raise ConfigError(format_validation_error(err)) from None
+            raise ConfigError(format_validation_error(err, cls)) from None
 
 
 # ----------------------------------------------------------------- pair tensors

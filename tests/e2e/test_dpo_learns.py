@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
+from rlpost.config import RECIPES_DIR
 from rlpost.train.dpo import DPOConfig, run_dpo
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "dpo_prefs.yaml"
+RECIPE = RECIPES_DIR / "dpo_prefs.yaml"
 
 
 @pytest.mark.slow
