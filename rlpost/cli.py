@@ -70,12 +70,20 @@ def _overrides(args) -> tuple[str | None, list[str]]:
     return recipe, overrides
 
 
+def _resume_recipe(args, recipe: str | None) -> str | None:
+    """Resuming without a recipe continues with the config the run was started with."""
+    if not args.resume:
+        return recipe
+    if not (Path(args.resume) / "config.yaml").is_file():
+        raise ConfigError(f"--resume {args.resume!r} is not a run directory (no config.yaml)")
+    if any("=" not in i for i in args.items):
+        return recipe
+    return str(Path(args.resume) / "config.yaml")
+
+
 def cmd_train(args) -> int:
     recipe, overrides = _overrides(args)
-    if args.resume and not any("=" not in i for i in args.items):
-        # Resuming without a recipe continues with the config the run was started with.
-        recipe = str(Path(args.resume) / "config.yaml")
-    cfg = load_config(recipe, overrides)
+    cfg = load_config(_resume_recipe(args, recipe), overrides)
     _quiet_libraries()
     from rlpost.pipeline.interrupts import Interrupts
     from rlpost.pipeline.loop import TrainingStopped, train
@@ -117,9 +125,7 @@ def _interrupted(args, run_dir: Path, code: int, total: int | None = None) -> in
 
 def cmd_sft(args) -> int:
     recipe, overrides = _overrides(args)
-    if args.resume and not any("=" not in i for i in args.items):
-        recipe = str(Path(args.resume) / "config.yaml")
-    cfg = load_config(recipe, overrides)
+    cfg = load_config(_resume_recipe(args, recipe), overrides)
     _quiet_libraries()
     from rlpost.pipeline.build import build_data
     from rlpost.pipeline.console import Console
@@ -146,9 +152,11 @@ def cmd_eval(args) -> int:
     from rlpost.pipeline.evaluate import evaluate
     from rlpost.rewards.scorer import build_scorer
 
-    model, tokenizer = build.build_policy(cfg)
     _, held_out, _ = build.build_data(cfg)
+    if not held_out:
+        raise ConfigError("nothing to evaluate: data.task=file needs data.eval_path")
     held_out = held_out[: cfg.eval.limit] if cfg.eval.limit else held_out
+    model, tokenizer = build.build_policy(cfg)
     engine = build.build_engine(cfg, model, tokenizer)
     result = evaluate(
         engine,
@@ -300,12 +308,14 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except ConfigError as exc:
         return _fail(str(exc))
-    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+    except (FileNotFoundError, ValueError, RuntimeError, ImportError, OSError) as exc:
         from rlpost.data.files import DataError
         from rlpost.models.loading import ModelLoadError
 
         if isinstance(exc, ModelLoadError | DataError):
             return _fail(str(exc))
+        if isinstance(exc, ImportError) and "pip install" in str(exc):
+            return _fail(str(exc))  # a missing extra, named with its install command
         raise
     except KeyboardInterrupt:
         print("rlpost: interrupted", file=sys.stderr)

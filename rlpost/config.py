@@ -381,12 +381,30 @@ class ObserveConfig(Section):
     """Prometheus endpoint."""
     tensorboard: bool = False
     """Write TensorBoard event files to RUN_DIR/tb (needs the [tensorboard] extra)."""
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = []
+    """Metric loggers besides RUN_DIR/metrics.jsonl (always written), each an extra of its own
+    name: tensorboard (RUN_DIR/tb), wandb (offline into RUN_DIR unless WANDB_MODE says
+    otherwise), mlflow (a file store in RUN_DIR/mlruns unless MLFLOW_TRACKING_URI is set)."""
     progress: bool = True
     """Show a live progress bar."""
     plot: bool = True
     """Write RUN_DIR/curves.png at the end."""
     guards: GuardConfig = GuardConfig()
     """Guards that act when training starts to collapse."""
+
+    @model_validator(mode="after")
+    def _extras_installed(self) -> ObserveConfig:
+        import importlib.util
+
+        wanted = [*self.loggers, *(["tensorboard"] if self.tensorboard else [])]
+        for name in wanted:
+            if importlib.util.find_spec(name) is None:
+                key = "observe.tensorboard=true" if name == "tensorboard" else "observe.loggers"
+                raise ValueError(
+                    f"{key} asks for {name}, which is not installed; "
+                    f"pip install 'rlpost[{name}]' or leave it out"
+                )
+        return self
 
 
 # -------------------------------------------------------------------------- root
@@ -441,7 +459,7 @@ def find_combination_problems(cfg: Config) -> list[str]:
             f"train.mini_batch_size={t.mini_batch_size} is larger than the rollout batch "
             f"(rollout.prompts_per_step * rollout.n = {cfg.batch_size}); lower it or raise the batch"
         )
-    if cfg.data.task == "file" and not cfg.data.train_path:
+    if cfg.data.task == "file" and not (cfg.data.train_path or cfg.data.eval_path):
         out.append("data.task=file needs data.train_path; set it to a JSONL or Parquet file")
     if cfg.model.path is None and r.max_tokens + 32 > cfg.model.tiny.max_position_embeddings:
         out.append(
@@ -461,8 +479,9 @@ def find_combination_problems(cfg: Config) -> list[str]:
 # ------------------------------------------------------------------- loading
 
 
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``["a.b=1", "c=x"]`` -> nested dict; values are parsed as YAML scalars/lists."""
+def parse_overrides(items: list[str], model: type[BaseModel] | None = None) -> dict[str, Any]:
+    """``["a.b=1", "c=x"]`` -> nested dict; values are parsed as YAML scalars/lists, except that
+    a text field of ``model`` takes the text as written (``data.prompt_template=Q: {question}``)."""
     tree: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
@@ -471,20 +490,37 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         key = key.strip()
         if not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override {item!r} has an empty key part")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
+        parts = key.split(".")
+        if _is_text_field(model or Config, parts) and raw not in ("null", "~"):
+            value: Any = raw
+        else:
+            try:
+                value = yaml.safe_load(raw) if raw != "" else ""
+            except yaml.YAMLError:
+                value = raw
         if isinstance(value, str) and _FLOAT.fullmatch(value):
             value = float(value)  # YAML 1.1 reads "1e-5" as a string
         node = tree
-        parts = key.split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {key!r} conflicts with another override")
         node[parts[-1]] = value
     return tree
+
+
+def _is_text_field(model: type[BaseModel], parts: list[str]) -> bool:
+    for i, part in enumerate(parts):
+        field = model.model_fields.get(part)
+        if field is None:
+            return False
+        ann = field.annotation
+        if i == len(parts) - 1:
+            return ann in (str, str | None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return False
+        model = ann
+    return False
 
 
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -507,7 +543,7 @@ def format_validation_error(err: ValidationError, model: type[BaseModel] | None 
         near = nearest_keys(key, model or Config)
         hint = f"did you mean {' or '.join(near)}?" if near else "check the spelling"
         return f"unknown config key {key!r}; {hint} (rlpost config --keys lists every key)"
-    if not key:
+    if not key or msg.startswith(key + "."):  # the validator already named the key
         return msg
     value = e.get("input")
     shown = "" if isinstance(value, dict) else f"={value!r}"
@@ -551,8 +587,8 @@ def resolve_recipe(name: str | Path, relative_to: Path | None = None) -> Path:
 
     names = [r.stem for r in shipped_recipes()]
     near = difflib.get_close_matches(stem, names, n=2)
-    hint = f"did you mean {' or '.join(near)}? " if near else ""
-    raise ConfigError(f"recipe {str(p)!r} does not exist; {hint}(rlpost recipes lists them)")
+    hint = f"; did you mean {' or '.join(near)}?" if near else ""
+    raise ConfigError(f"recipe {str(p)!r} does not exist{hint} (rlpost recipes lists them)")
 
 
 def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -580,7 +616,7 @@ def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load a recipe (None: defaults only), apply dotted overrides, validate the whole tree."""
     data = read_recipe(path) if path is not None else {}
-    data = merge(data, parse_overrides(overrides or []))
+    data = merge(data, parse_overrides(overrides or [], Config))
     try:
         return Config.model_validate(data)
     except ValidationError as err:

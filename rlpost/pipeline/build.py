@@ -101,13 +101,14 @@ def load_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, LoadRe
             on_bad_row=d.on_bad_row,
             template=d.prompt_template,
         )
-        train, reports["train"] = load_prompt_file(d.train_path, **kwargs)
-        held_out = []
+        train, held_out = [], []
+        if d.train_path:  # (evaluation alone needs only eval_path)
+            train, reports["train"] = load_prompt_file(d.train_path, **kwargs)
         if d.eval_path:
             held_out, reports["eval"] = load_prompt_file(d.eval_path, **kwargs)
     train = fit_to_model(cfg, train, reports["train"])
     held_out = fit_to_model(cfg, held_out, reports["eval"])
-    if not train:
+    if not train and reports["train"].problems:
         raise DataError(f"no training prompt fits the model ({reports['train'].first_problem})")
     return train, held_out, reports
 

@@ -160,7 +160,7 @@ class DPOConfig(Section):
     def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> DPOConfig:
         """Load a recipe (None: defaults), apply dotted overrides, validate; raises ConfigError."""
         data = read_recipe(path) if path is not None else {}
-        data = merge(data, parse_overrides(overrides or []))
+        data = merge(data, parse_overrides(overrides or [], cls))
         try:
             return cls.model_validate(data)
         except ValidationError as err:
