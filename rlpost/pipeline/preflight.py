@@ -22,7 +22,7 @@ from rlpost.observe import Recorder
 from rlpost.pipeline import build
 
 DATA_REPORT = "data_report.json"
-SHOWN_PROBLEMS = 5
+SHOWN_PROBLEMS = 20
 
 
 def check_inputs(cfg: Config) -> dict[str, LoadReport]:

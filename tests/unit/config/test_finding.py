@@ -33,7 +33,7 @@ def test_config_keys_shows_the_recipes_values(capsys):
 def test_shipped_recipes_work_from_any_directory(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     names = [p.stem for p in shipped_recipes()]
-    assert {"grpo_arith", "dapo_arith", "dpo_prefs"} <= set(names)
+    assert {"grpo_arith", "dapo_arith", "dpo_prefs", "grpo_file"} <= set(names)
     for spelling in ("dapo_arith", "dapo_arith.yaml", "recipes/dapo_arith.yaml"):
         assert load_config(spelling).run.name == "dapo_arith"
     mine = tmp_path / "mine.yaml"
