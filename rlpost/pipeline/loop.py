@@ -136,6 +136,7 @@ def train(
             prometheus_port=cfg.observe.prometheus.port,
             prometheus_host=cfg.observe.prometheus.host,
             tensorboard=cfg.observe.tensorboard,
+            loggers=cfg.observe.loggers,
             start_step=latest_step(ckpt),
         ),
         samples=SampleWriter(run_dir, cfg.reward.sample_every, cfg.reward.sample_count),
