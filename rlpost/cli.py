@@ -7,7 +7,7 @@
     rlpost config [RECIPE] [key=value ...]     print the resolved config (--keys: every key)
     rlpost recipes                             the recipes installed with rlpost
     rlpost rewards                             the registered rewards and their parameters
-    rlpost report RUN_DIR                      HTML report and a text summary
+    rlpost report RUN_DIR [RUN_DIR ...]        HTML report and a text summary (several: overlaid)
     rlpost sandbox run FILE.py [--timeout S] [--memory MB] [--json]
     rlpost serve [--model DIR] [--port N]       OpenAI-compatible rollout server
 
@@ -218,9 +218,13 @@ def cmd_rewards(args) -> int:
 
 
 def cmd_report(args) -> int:
+    return _report(args.rest)
+
+
+def _report(rest: list[str]) -> int:
     from rlpost.observe.report import main as report_main
 
-    return report_main([args.run_dir])
+    return report_main(rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -263,8 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_recipes)
     sp = sub.add_parser("rewards", help="list the registered rewards and their parameters")
     sp.set_defaults(fn=cmd_rewards)
-    sp = sub.add_parser("report", help="write RUN_DIR/report.html and print a summary")
-    sp.add_argument("run_dir")
+    sp = sub.add_parser(
+        "report",
+        help="HTML report of a run, or several overlaid (rlpost report --help)",
+        add_help=False,
+    )
+    sp.add_argument("rest", nargs=argparse.REMAINDER)
     sp.set_defaults(fn=cmd_report)
     sp = sub.add_parser(
         "serve", help="OpenAI-compatible rollout server (rlpost serve --help)", add_help=False
@@ -293,9 +301,10 @@ def _sandbox(rest: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("serve", "sandbox"):
+    if argv and argv[0] in ("serve", "sandbox", "report"):
         # These own their arguments (and --help); hand them the rest unparsed.
-        return _serve(argv[1:]) if argv[0] == "serve" else _sandbox(argv[1:])
+        own = {"serve": _serve, "sandbox": _sandbox, "report": _report}
+        return own[argv[0]](argv[1:])
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides may follow a flag (rlpost config dapo_arith --keys rollout.n=4).
