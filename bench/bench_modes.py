@@ -3,7 +3,7 @@
     python bench/bench_modes.py                       # the default job, 300 steps per mode
     python bench/bench_modes.py --steps 60 --eval-limit 100 --eval-samples 4   # shorter
 
-Runs the default recipe (``recipes/grpo_arith.yaml``) in ``pipeline.mode=sync``,
+Runs the default recipe (``rlpost/recipes/grpo_arith.yaml``) in ``pipeline.mode=sync``,
 ``one_step_off`` and ``async`` (``max_staleness=2``), same seed, one after the
 other; the warm-up runs once (in the sync run) and the other modes start from its
 saved policy, so every mode trains from the same weights. Prints, per mode:
@@ -21,7 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 MODES = [("sync", []), ("one_step_off", []), ("async", ["pipeline.max_staleness=2"])]
 
 
@@ -35,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from rlpost.cluster import starter
-    from rlpost.config import load_config
+    from rlpost.config import RECIPES_DIR, load_config
     from rlpost.pipeline.loop import train
 
     out = Path(args.out or tempfile.mkdtemp(prefix="rlpost-modes-"))
@@ -58,7 +57,7 @@ def main() -> None:
             over += [f"model.path={warm}", "sft.steps=0"]
         elif args.sft_steps is not None:
             over.append(f"sft.steps={args.sft_steps}")
-        cfg = load_config(ROOT / "recipes" / "grpo_arith.yaml", over)
+        cfg = load_config(RECIPES_DIR / "grpo_arith.yaml", over)
         started = time.time()
         result = train(cfg, start=starter(cfg))
         s = result.summary

@@ -18,13 +18,12 @@ import argparse
 import statistics
 import sys
 import tempfile
-from pathlib import Path
 
-from rlpost.config import ConfigError, load_config
+from rlpost.config import RECIPES_DIR, ConfigError, load_config
 from rlpost.models.loading import ModelLoadError
 from rlpost.pipeline.loop import train
 
-RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "grpo_arith.yaml"
+RECIPE = RECIPES_DIR / "grpo_arith.yaml"
 
 
 def run_job(engine: str, args, out_dir: str) -> dict[str, float]:

@@ -4,8 +4,10 @@
     rlpost sft [RECIPE] [key=value ...]        warm-up only, saves RUN_DIR/sft_model
     rlpost dpo [RECIPE] [key=value ...]        offline preference optimisation
     rlpost eval [RECIPE] [key=value ...]       held-out accuracy of model.path
-    rlpost config [RECIPE] [key=value ...]     print the resolved config (--help: every key)
-    rlpost report RUN_DIR                      HTML report and a text summary
+    rlpost config [RECIPE] [key=value ...]     print the resolved config (--keys: every key)
+    rlpost recipes                             the recipes installed with rlpost
+    rlpost rewards                             the registered rewards and their parameters
+    rlpost report RUN_DIR [RUN_DIR ...]        HTML report and a text summary (several: overlaid)
     rlpost sandbox run FILE.py [--timeout S] [--memory MB] [--json]
     rlpost serve [--model DIR] [--port N]       OpenAI-compatible rollout server
 
@@ -17,12 +19,20 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
-from rlpost.config import ConfigError, describe_fields, dump_config, load_config
+from rlpost.config import (
+    RECIPES_DIR,
+    ConfigError,
+    describe_fields,
+    dump_config,
+    load_config,
+    shipped_recipes,
+)
 
-DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "grpo_arith.yaml"
+DEFAULT_RECIPE = RECIPES_DIR / "grpo_arith.yaml"
 EXIT_USAGE = 2
 
 
@@ -53,36 +63,90 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
-def cmd_train(args) -> int:
+def _overrides(args) -> tuple[str | None, list[str]]:
     recipe, overrides = _split_args(args.items)
-    if args.resume and not any("=" not in i for i in args.items):
-        # Resuming without a recipe continues with the config the run was started with.
-        recipe = str(Path(args.resume) / "config.yaml")
-    cfg = load_config(recipe, overrides)
+    if getattr(args, "overwrite", False):
+        overrides.append("run.overwrite=true")
+    return recipe, overrides
+
+
+def _resume_recipe(args, recipe: str | None) -> str | None:
+    """Resuming without a recipe continues with the config the run was started with."""
+    if not args.resume:
+        return recipe
+    if not (Path(args.resume) / "config.yaml").is_file():
+        raise ConfigError(f"--resume {args.resume!r} is not a run directory (no config.yaml)")
+    if any("=" not in i for i in args.items):
+        return recipe
+    return str(Path(args.resume) / "config.yaml")
+
+
+def cmd_train(args) -> int:
+    recipe, overrides = _overrides(args)
+    cfg = load_config(_resume_recipe(args, recipe), overrides)
     _quiet_libraries()
     from rlpost.cluster import starter
+    from rlpost.pipeline.interrupts import Interrupts
     from rlpost.pipeline.loop import TrainingStopped, train
     from rlpost.pipeline.workers import WorkerLost
 
-    try:
-        train(cfg, resume=Path(args.resume) if args.resume else None, start=starter(cfg))
-    except (TrainingStopped, WorkerLost) as exc:
-        print(f"rlpost: {exc}", file=sys.stderr)
-        return 1
+    run_dir = Path(args.resume) if args.resume else cfg.run_dir
+    with Interrupts() as interrupts:
+        try:
+            train(
+                cfg,
+                resume=Path(args.resume) if args.resume else None,
+                stop=interrupts.stop,
+                start=starter(cfg),
+            )
+        except (TrainingStopped, WorkerLost) as exc:
+            print(f"rlpost: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return _interrupted(args, run_dir, interrupts.exit_code)
+    if interrupts.stop.is_set():
+        return _interrupted(args, run_dir, interrupts.exit_code, total=cfg.train.steps)
     return 0
 
 
+def _interrupted(args, run_dir: Path, code: int, total: int | None = None) -> int:
+    """Say where an interrupted run stands and the exact command that continues it."""
+    from rlpost.pipeline.rundir import SFT_STATE
+    from rlpost.train.checkpoint import latest_checkpoint, latest_step
+
+    if not (run_dir / "config.yaml").is_file():
+        print("rlpost: interrupted before the run directory was created", file=sys.stderr)
+        return code
+    step = latest_step(latest_checkpoint(run_dir))
+    if total is not None and step >= total:
+        return 0  # the signal came during the last step: the run is complete
+    if (run_dir / SFT_STATE).is_dir():
+        where = "during the warm-up (its state is saved)"
+    else:
+        where = f"with a checkpoint at step {step}" if step else "before the first checkpoint"
+    items = [i for i in args.items if not (args.resume and i == args.resume)]
+    command = shlex.join(["rlpost", args.command, *items, "--resume", str(run_dir)])
+    print(f"rlpost: stopped {where}; continue with:\n  {command}", file=sys.stderr)
+    return code
+
+
 def cmd_sft(args) -> int:
-    recipe, overrides = _split_args(args.items)
-    cfg = load_config(recipe, overrides)
+    recipe, overrides = _overrides(args)
+    cfg = load_config(_resume_recipe(args, recipe), overrides)
     _quiet_libraries()
     from rlpost.pipeline.build import build_data
     from rlpost.pipeline.console import Console
+    from rlpost.pipeline.interrupts import Interrupts
     from rlpost.pipeline.rundir import prepare_run_dir, warm_start
 
-    run_dir = prepare_run_dir(cfg, None)
-    train_prompts, _, _ = build_data(cfg)
-    warm_start(cfg, run_dir, train_prompts, Console(cfg.observe.progress), skip_sft=False)
+    run_dir = Path(args.resume) if args.resume else cfg.run_dir
+    with Interrupts() as interrupts:
+        try:
+            prepare_run_dir(cfg, Path(args.resume) if args.resume else None)
+            train_prompts, _, _ = build_data(cfg)
+            warm_start(cfg, run_dir, train_prompts, Console(cfg.observe.progress), skip_sft=False)
+        except KeyboardInterrupt:
+            return _interrupted(args, run_dir, interrupts.exit_code)
     print(f"warm-up policy saved to {run_dir / 'sft_model'}")
     return 0
 
@@ -94,9 +158,11 @@ def cmd_eval(args) -> int:
     from rlpost.pipeline import build
     from rlpost.pipeline.evaluate import evaluate
 
-    model, tokenizer = build.build_policy(cfg)
     _, held_out, _ = build.build_data(cfg)
+    if not held_out:
+        raise ConfigError("nothing to evaluate: data.task=file needs data.eval_path")
     held_out = held_out[: cfg.eval.limit] if cfg.eval.limit else held_out
+    model, tokenizer = build.build_policy(cfg)
     rollout = build.build_rollout_worker(cfg, model, tokenizer)
     reward = build.build_reward_worker(cfg)
     try:
@@ -111,7 +177,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_dpo(args) -> int:
-    recipe, overrides = _split_args(args.items)
+    recipe, overrides = _overrides(args)
     if recipe == str(DEFAULT_RECIPE):
         recipe = str(DEFAULT_RECIPE.parent / "dpo_prefs.yaml")
     from rlpost.pipeline.dpo import run_dpo
@@ -123,12 +189,13 @@ def cmd_dpo(args) -> int:
 
 
 def cmd_config(args) -> int:
-    if args.keys:
-        for key, default, help_text in describe_fields():
-            print(f"{key} = {default}\n    {help_text}")
-        return 0
     recipe, overrides = _split_args(args.items)
     cfg = load_config(recipe, overrides)
+    if args.keys:
+        # The values this recipe and these overrides would run with, each with its help.
+        for key, value, help_text in describe_fields(values=cfg):
+            print(f"{key} = {value}\n    {' '.join(help_text.split())}")
+        return 0
     from rlpost.pipeline.build import check_names
 
     check_names(cfg)
@@ -136,10 +203,33 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_recipes(args) -> int:
+    """The shipped recipes, each with the first line of its header comment."""
+    for path in shipped_recipes():
+        lines = [x.lstrip("# ").strip() for x in path.read_text().splitlines()]
+        about = next((x for x in lines if x and not x.startswith(("base:", "run:"))), "")
+        print(f"{path.stem:<22} {about}")
+    print(f"\n{len(shipped_recipes())} recipes in {RECIPES_DIR}; run one with rlpost train NAME")
+    return 0
+
+
+def cmd_rewards(args) -> int:
+    from rlpost.rewards.catalog import describe_rewards
+
+    for name, kind, params, doc in describe_rewards():
+        print(f"{name} ({kind})\n    {doc}\n    params: {params or '-'}")
+    print("\nor package.module:function for your own (see reward.terms in rlpost config --keys)")
+    return 0
+
+
 def cmd_report(args) -> int:
+    return _report(args.rest)
+
+
+def _report(rest: list[str]) -> int:
     from rlpost.observe.report import main as report_main
 
-    return report_main([args.run_dir])
+    return report_main(rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,20 +248,36 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=text)
         sp.add_argument("items", nargs="*", help="recipe YAML, then key=value overrides")
         sp.set_defaults(fn=fn)
-        if name == "train":
+        if name != "eval":
+            sp.add_argument(
+                "--overwrite",
+                action="store_true",
+                help="replace an existing run directory of the same name (deletes its files)",
+            )
+        if name in ("train", "sft"):
             sp.add_argument(
                 "--resume", metavar="RUN_DIR", help="continue from the run's latest checkpoint"
             )
     sp = sub.add_parser(
-        "config", help="print the resolved config; --keys lists every key with its help"
+        "config", help="print the resolved config; --keys lists every key, its value and help"
     )
     sp.add_argument("items", nargs="*")
     sp.add_argument(
-        "--keys", action="store_true", help="list every config key, default and help text"
+        "--keys",
+        action="store_true",
+        help="list every config key with the value the recipe gives it, and its help",
     )
     sp.set_defaults(fn=cmd_config)
-    sp = sub.add_parser("report", help="write RUN_DIR/report.html and print a summary")
-    sp.add_argument("run_dir")
+    sp = sub.add_parser("recipes", help="list the recipes installed with rlpost")
+    sp.set_defaults(fn=cmd_recipes)
+    sp = sub.add_parser("rewards", help="list the registered rewards and their parameters")
+    sp.set_defaults(fn=cmd_rewards)
+    sp = sub.add_parser(
+        "report",
+        help="HTML report of a run, or several overlaid (rlpost report --help)",
+        add_help=False,
+    )
+    sp.add_argument("rest", nargs=argparse.REMAINDER)
     sp.set_defaults(fn=cmd_report)
     sp = sub.add_parser(
         "serve", help="OpenAI-compatible rollout server (rlpost serve --help)", add_help=False
@@ -200,20 +306,30 @@ def _sandbox(rest: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("serve", "sandbox"):
+    if argv and argv[0] in ("serve", "sandbox", "report"):
         # These own their arguments (and --help); hand them the rest unparsed.
-        return _serve(argv[1:]) if argv[0] == "serve" else _sandbox(argv[1:])
-    args = build_parser().parse_args(argv)
+        own = {"serve": _serve, "sandbox": _sandbox, "report": _report}
+        return own[argv[0]](argv[1:])
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may follow a flag (rlpost config dapo_arith --keys rollout.n=4).
+    unknown = [x for x in extra if x.startswith("-") or not hasattr(args, "items")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.items = [*args.items, *extra]
     try:
         return args.fn(args)
     except ConfigError as exc:
         return _fail(str(exc))
-    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+    except (FileNotFoundError, ValueError, RuntimeError, ImportError, OSError) as exc:
         from rlpost.data.files import DataError
         from rlpost.models.loading import ModelLoadError
 
         if isinstance(exc, ModelLoadError | DataError):
             return _fail(str(exc))
+        if isinstance(exc, ImportError) and "pip install" in str(exc):
+            return _fail(str(exc))  # a missing extra, named with its install command
         raise
     except KeyboardInterrupt:
         print("rlpost: interrupted", file=sys.stderr)

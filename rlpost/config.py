@@ -1,9 +1,10 @@
 """One typed config tree, the single source of truth for a run.
 
 Sections mirror the packages. Each field's docstring is its help text
-(``rlpost config --help`` prints them). A recipe is a YAML file of this tree;
+(``rlpost config --keys`` prints them). A recipe is a YAML file of this tree;
 dotted ``key=value`` overrides on the command line are applied on top
-(``rlpost train recipes/grpo_arith.yaml train.lr=1e-5 rollout.n=8``).
+(``rlpost train grpo_arith train.lr=1e-5 rollout.n=8``). The recipes ship with the
+package (``rlpost/recipes``); a recipe argument is a path or a shipped recipe's name.
 
 Validation happens at load, before any work: unknown keys, bad values and
 combinations that would silently break training are refused with one line
@@ -40,6 +41,9 @@ class RunConfig(Section):
     """Parent directory of run directories."""
     name: str = "grpo_arith"
     """Run name; the run directory is ``output_dir/name``."""
+    overwrite: bool = False
+    """Replace an existing run directory of the same name (its files are deleted); without it
+    an existing run directory is refused (``--overwrite`` on the command line sets it)."""
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
     threads: int = Field(0, ge=0)
@@ -187,7 +191,28 @@ class DataConfig(Section):
     on_bad_row: Literal["skip", "error"] = "error"
     """Malformed rows: skip them (counted and reported) or stop with file and line."""
     prompt_template: str = "{prompt}"
-    """Format string applied to each prompt (``{prompt}`` is the row's prompt)."""
+    """Format string applied to each prompt: ``{prompt}`` is the row's prompt, and a file's other
+    fields can be named too (``"{question} (level {level})"``)."""
+    chat_template: Literal["auto", "none"] = "auto"
+    """auto: a tokenizer with a chat template gets each prompt as a user message, rendered with
+    the generation prompt; none: plain text."""
+    system_prompt: str | None = None
+    """System message before each prompt (a first paragraph when no chat template applies)."""
+
+    @model_validator(mode="after")
+    def _template_fields(self) -> DataConfig:
+        import string
+
+        try:
+            names = {f for _, f, _, _ in string.Formatter().parse(self.prompt_template) if f}
+        except ValueError as exc:
+            raise ValueError(f"data.prompt_template is not a format string ({exc})") from None
+        if self.task != "file" and names - {"prompt"}:
+            raise ValueError(
+                f"data.prompt_template names {sorted(names - {'prompt'})[0]!r}; the built-in "
+                f"{self.task} task has only {{prompt}}"
+            )
+        return self
 
 
 # ----------------------------------------------------------------------- rollout
@@ -517,12 +542,30 @@ class ObserveConfig(Section):
     """Prometheus endpoint."""
     tensorboard: bool = False
     """Write TensorBoard event files to RUN_DIR/tb (needs the [tensorboard] extra)."""
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = []
+    """Metric loggers besides RUN_DIR/metrics.jsonl (always written), each an extra of its own
+    name: tensorboard (RUN_DIR/tb), wandb (offline into RUN_DIR unless WANDB_MODE says
+    otherwise), mlflow (a file store in RUN_DIR/mlruns unless MLFLOW_TRACKING_URI is set)."""
     progress: bool = True
     """Show a live progress bar."""
     plot: bool = True
     """Write RUN_DIR/curves.png at the end."""
     guards: GuardConfig = GuardConfig()
     """Guards that act when training starts to collapse."""
+
+    @model_validator(mode="after")
+    def _extras_installed(self) -> ObserveConfig:
+        import importlib.util
+
+        wanted = [*self.loggers, *(["tensorboard"] if self.tensorboard else [])]
+        for name in wanted:
+            if importlib.util.find_spec(name) is None:
+                key = "observe.tensorboard=true" if name == "tensorboard" else "observe.loggers"
+                raise ValueError(
+                    f"{key} asks for {name}, which is not installed; "
+                    f"pip install 'rlpost[{name}]' or leave it out"
+                )
+        return self
 
 
 # --------------------------------------------------------------------------- dpo
@@ -708,7 +751,7 @@ def find_combination_problems(cfg: Config) -> list[str]:
             f"train.mini_batch_size={t.mini_batch_size} is larger than the rollout batch "
             f"(rollout.prompts_per_step * rollout.n = {cfg.batch_size}); lower it or raise the batch"
         )
-    if cfg.data.task == "file" and not cfg.data.train_path:
+    if cfg.data.task == "file" and not (cfg.data.train_path or cfg.data.eval_path):
         out.append("data.task=file needs data.train_path; set it to a JSONL or Parquet file")
     if cfg.model.path is None and r.max_tokens + 32 > cfg.model.tiny.max_position_embeddings:
         out.append(
@@ -734,8 +777,9 @@ def find_combination_problems(cfg: Config) -> list[str]:
 # ------------------------------------------------------------------- loading
 
 
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``["a.b=1", "c=x"]`` -> nested dict; values are parsed as YAML scalars/lists."""
+def parse_overrides(items: list[str], model: type[BaseModel] | None = None) -> dict[str, Any]:
+    """``["a.b=1", "c=x"]`` -> nested dict; values are parsed as YAML scalars/lists, except that
+    a text field of ``model`` takes the text as written (``data.prompt_template=Q: {question}``)."""
     tree: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
@@ -744,20 +788,37 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         key = key.strip()
         if not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override {item!r} has an empty key part")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
+        parts = key.split(".")
+        if _is_text_field(model or Config, parts) and raw not in ("null", "~"):
+            value: Any = raw
+        else:
+            try:
+                value = yaml.safe_load(raw) if raw != "" else ""
+            except yaml.YAMLError:
+                value = raw
         if isinstance(value, str) and _FLOAT.fullmatch(value):
             value = float(value)  # YAML 1.1 reads "1e-5" as a string
         node = tree
-        parts = key.split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {key!r} conflicts with another override")
         node[parts[-1]] = value
     return tree
+
+
+def _is_text_field(model: type[BaseModel], parts: list[str]) -> bool:
+    for i, part in enumerate(parts):
+        field = model.model_fields.get(part)
+        if field is None:
+            return False
+        ann = field.annotation
+        if i == len(parts) - 1:
+            return ann in (str, str | None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return False
+        model = ann
+    return False
 
 
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -771,26 +832,68 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def format_validation_error(err: ValidationError) -> str:
+def format_validation_error(err: ValidationError, model: type[BaseModel] | None = None) -> str:
     """The first problem of a pydantic error as one line: key, value, reason."""
     e = err.errors()[0]
     key = ".".join(str(p) for p in e["loc"])
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
-        return f"unknown config key {key!r}; check the spelling (rlpost config --help lists keys)"
-    if not key:
+        near = nearest_keys(key, model or Config)
+        hint = f"did you mean {' or '.join(near)}?" if near else "check the spelling"
+        return f"unknown config key {key!r}; {hint} (rlpost config --keys lists every key)"
+    if not key or msg.startswith(key + "."):  # the validator already named the key
         return msg
     value = e.get("input")
     shown = "" if isinstance(value, dict) else f"={value!r}"
     return f"config {key}{shown}: {msg}"
 
 
+def nearest_keys(key: str, model: type[BaseModel] = Config, n: int = 3) -> list[str]:
+    """Valid dotted keys closest to ``key`` (difflib), nearest first."""
+    import difflib
+
+    keys = [k for k, _, _ in describe_fields(model)]
+    if "." not in key:  # a section name ("rolout")
+        keys = list(dict.fromkeys(k.split(".")[0] for k in keys))
+    leaf = key.rsplit(".", 1)[-1]
+    same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]  # right key, wrong section
+    near = difflib.get_close_matches(key, keys, n=n, cutoff=0.6)
+    return list(dict.fromkeys(same_leaf + near))[:n]
+
+
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+"""The recipes installed with the package (``rlpost recipes`` lists them)."""
+
+
+def shipped_recipes() -> list[Path]:
+    return sorted(RECIPES_DIR.glob("*.yaml"))
+
+
+def resolve_recipe(name: str | Path, relative_to: Path | None = None) -> Path:
+    """A recipe file: ``name`` as a path (relative to ``relative_to`` first, for ``base:``),
+    else the shipped recipe of that name (``dapo_arith``, ``dapo_arith.yaml`` and
+    ``recipes/dapo_arith.yaml`` all name it), so recipes work from any directory."""
+    p = Path(name)
+    for candidate in ([relative_to / p] if relative_to is not None else []) + [p]:
+        if candidate.is_file():
+            return candidate
+    stem = p.name.removesuffix(".yaml")
+    shipped = RECIPES_DIR / f"{stem}.yaml"
+    if shipped.is_file() and (len(p.parts) == 1 or p.parent.name == "recipes"):
+        return shipped
+    import difflib
+
+    names = [r.stem for r in shipped_recipes()]
+    near = difflib.get_close_matches(stem, names, n=2)
+    hint = f"; did you mean {' or '.join(near)}?" if near else ""
+    raise ConfigError(f"recipe {str(p)!r} does not exist{hint} (rlpost recipes lists them)")
+
+
 def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """A recipe as a dict. ``base: other.yaml`` (relative to the recipe) is loaded first
-    and this recipe's keys are merged on top, so variants state only what differs."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"recipe {str(p)!r} does not exist")
+    """A recipe as a dict. ``base: other.yaml`` (relative to the recipe, or a shipped recipe)
+    is loaded first and this recipe's keys are merged on top, so variants state only what
+    differs."""
+    p = resolve_recipe(path)
     if p.resolve() in _seen:
         raise ConfigError(f"recipe {str(p)!r} includes itself through 'base'")
     try:
@@ -803,14 +906,15 @@ def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any
         raise ConfigError(f"recipe {str(p)!r} must be a mapping of sections")
     base = data.pop("base", None)
     if base is not None:
-        data = merge(read_recipe(p.parent / str(base), (*_seen, p.resolve())), data)
+        base_path = resolve_recipe(str(base), relative_to=p.parent)
+        data = merge(read_recipe(base_path, (*_seen, p.resolve())), data)
     return data
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load a recipe (None: defaults only), apply dotted overrides, validate the whole tree."""
     data = read_recipe(path) if path is not None else {}
-    data = merge(data, parse_overrides(overrides or []))
+    data = merge(data, parse_overrides(overrides or [], Config))
     try:
         return Config.model_validate(data)
     except ValidationError as err:
@@ -823,16 +927,28 @@ def dump_config(cfg: Config) -> str:
 
 
 def describe_fields(
-    model: type[BaseModel] = Config, prefix: str = ""
+    model: type[BaseModel] = Config, prefix: str = "", values: BaseModel | None = None
 ) -> list[tuple[str, str, str]]:
-    """(dotted key, default, help) for every leaf field; used by ``rlpost config --help``."""
+    """(dotted key, value, help) for every leaf field: the default, or the value in ``values``
+    (a loaded config) when given; used by ``rlpost config --keys``."""
     rows = []
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
         ann = field.annotation
+        sub = getattr(values, name) if values is not None else None
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            rows.extend(describe_fields(ann, key + "."))
+            rows.extend(describe_fields(ann, key + ".", sub))
         else:
-            default = field.get_default(call_default_factory=True)
-            rows.append((key, repr(default), field.description or ""))
+            value = sub if values is not None else field.get_default(call_default_factory=True)
+            if isinstance(value, BaseModel | list | tuple):
+                value = _plain(value)
+            rows.append((key, repr(value), field.description or ""))
     return rows
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, list | tuple):
+        return type(value)(_plain(v) for v in value)
+    return value

@@ -1,20 +1,32 @@
 """User datasets in JSONL or Parquet with a prompt and an answer field.
 
-A malformed row (not an object, a missing or empty prompt, a missing answer) is
-either skipped and counted or refused with the file and line, as
-``data.on_bad_row`` says; it is never used silently.
+A malformed row is either skipped and counted by reason or refused with the file
+and line, as ``data.on_bad_row`` says; it is never used silently. Bad rows are:
+bytes that are not UTF-8, a line that is not JSON, a row that is not an object,
+a missing or empty prompt, a missing or empty answer, and a prompt template
+naming a field the row lacks. (Prompts too long for the model are a reason too,
+counted by :mod:`rlpost.data.render` once the tokenizer is known.)
+
+``data.prompt_template`` is a format string over the row's fields: ``{prompt}``
+is the prompt field whatever its column is called, and any other column can be
+named (``"{question}\\n\\nLevel: {level}"``).
 """
 
 from __future__ import annotations
 
 import json
+import string
+from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from rlpost.types import Prompt
+
+# A problem with a row: (reason, one-line description). The reason is what is counted.
+Problem = tuple[str, str]
 
 
 class DataError(ValueError):
@@ -23,16 +35,48 @@ class DataError(ValueError):
 
 @dataclass
 class LoadReport:
+    """Rows used and rows skipped, by reason (``skipped_by_reason``), of one file."""
+
     rows: int = 0
-    skipped: int = 0
-    first_problem: str = ""
+    skipped_by_reason: Counter = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+    """Every skipped row as ``file:line: problem``."""
+
+    @property
+    def skipped(self) -> int:
+        return sum(self.skipped_by_reason.values())
+
+    @property
+    def first_problem(self) -> str:
+        return self.problems[0] if self.problems else ""
+
+    def skip(self, reason: str, where: str) -> None:
+        self.skipped_by_reason[reason] += 1
+        self.problems.append(where)
+
+    def counts(self, prefix: str) -> dict[str, int]:
+        """``{prefix}_rows``, ``{prefix}_skipped`` and ``{prefix}_skipped_{reason}``."""
+        out = {f"{prefix}_rows": self.rows, f"{prefix}_skipped": self.skipped}
+        out.update({f"{prefix}_skipped_{r}": n for r, n in sorted(self.skipped_by_reason.items())})
+        return out
+
+
+class _NotUTF8(Exception):
+    def __init__(self, exc: UnicodeDecodeError) -> None:
+        super().__init__(f"byte 0x{exc.object[exc.start]:02x} at column {exc.start + 1}")
 
 
 def read_rows(path: Path) -> list[tuple[int, Any]]:
+    """(line, row) of every non-blank row; a row that cannot be read is an exception in place."""
     if path.suffix in (".jsonl", ".json"):
-        out = []
-        with path.open(encoding="utf-8") as f:
-            for i, line in enumerate(f, start=1):
+        out: list[tuple[int, Any]] = []
+        with path.open("rb") as f:
+            for i, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    out.append((i, _NotUTF8(exc)))
+                    continue
                 if not line.strip():
                     continue
                 try:
@@ -51,35 +95,67 @@ def read_rows(path: Path) -> list[tuple[int, Any]]:
     raise DataError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl or .parquet")
 
 
-def _check_row(row: Any, prompt_field: str, answer_field: str) -> str | None:
-    if isinstance(row, Exception):
-        return f"not valid JSON ({row.msg})"
+def unreadable(row: Any) -> Problem | None:
+    """The problem of a row that is not a JSON object, or None."""
+    if isinstance(row, _NotUTF8):
+        return "not_utf8", f"not UTF-8 ({row})"
+    if isinstance(row, json.JSONDecodeError):
+        return "invalid_json", f"not valid JSON ({row.msg})"
     if not isinstance(row, dict):
-        return "row is not an object"
-    prompt = row.get(prompt_field)
-    if not isinstance(prompt, str) or not prompt.strip():
-        return f"field {prompt_field!r} is missing or not a non-empty string"
-    if row.get(answer_field) is None:
-        return f"field {answer_field!r} is missing"
+        return "not_object", "row is not an object"
     return None
 
 
+def template_fields(template: str) -> set[str]:
+    """Field names a format string uses (``{a.b}`` and ``{a[0]}`` name ``a``); ValueError if malformed."""
+    names = set()
+    for _, name, _, _ in string.Formatter().parse(template):
+        if name is not None:
+            names.add(name.split(".")[0].split("[")[0])
+    return names
+
+
+def _check_row(row: Any, prompt_field: str, answer_field: str, template: str) -> Problem | None:
+    problem = unreadable(row)
+    if problem is not None:
+        return problem
+    prompt = row.get(prompt_field)
+    if not isinstance(prompt, str) or not prompt.strip():
+        return "empty_prompt", f"field {prompt_field!r} is missing or not a non-empty string"
+    answer = row.get(answer_field)
+    if answer is None:
+        return "missing_answer", f"field {answer_field!r} is missing"
+    if isinstance(answer, str) and not answer.strip():
+        return "empty_answer", f"field {answer_field!r} is empty"
+    missing = sorted(template_fields(template) - set(row) - {"prompt"})
+    if missing:
+        return "template_field", (
+            f"data.prompt_template names field {missing[0]!r}, which this row lacks "
+            f"(its fields: {', '.join(sorted(row))})"
+        )
+    return None
+
+
+def refuse_or_skip(where: str, problem: Problem, on_bad_row: str, report: LoadReport) -> None:
+    """Raise :class:`DataError` for ``on_bad_row="error"``, else count the skip."""
+    if on_bad_row == "error":
+        raise DataError(f"{where}: {problem[1]} (set data.on_bad_row=skip to skip such rows)")
+    report.skip(problem[0], f"{where}: {problem[1]} [{problem[0]}]")
+
+
 def valid_rows(
-    path: Path, check: Callable[[Any], str | None], on_bad_row: str, report: LoadReport
+    path: Path, check: Callable[[Any], Problem | None], on_bad_row: str, report: LoadReport
 ) -> Iterator[tuple[int, dict]]:
     """(line, row) of every row ``check`` accepts (it returns None or the problem).
 
     A refused row raises :class:`DataError` with file and line (``on_bad_row="error"``)
-    or is skipped and counted in ``report`` (``"skip"``); accepted rows are counted too.
+    or is skipped and counted by reason in ``report`` (``"skip"``); accepted rows are
+    counted too.
     """
     for line, row in read_rows(path):
         problem = check(row)
         if problem is not None:
-            where = f"{path}:{line}: {problem}"
-            if on_bad_row == "error":
-                raise DataError(where + " (set data.on_bad_row=skip to skip such rows)")
-            report.skipped += 1
-            report.first_problem = report.first_problem or where
+            refuse_or_skip(f"{path}:{line}", problem, on_bad_row, report)
             continue
         report.rows += 1
         yield line, row
@@ -93,19 +169,24 @@ def load_prompt_file(
     on_bad_row: str = "error",
     template: str = "{prompt}",
 ) -> tuple[list[Prompt], LoadReport]:
-    """Read prompts from a JSONL or Parquet file. Other columns go to ``metadata``."""
+    """Read prompts from a JSONL or Parquet file. Other columns go to ``metadata``.
+
+    ``uid`` is ``file:line``, so a later problem with the prompt can name its row.
+    """
     p = Path(path)
     if not p.is_file():
         raise DataError(f"dataset {str(p)!r} does not exist")
     report = LoadReport()
     prompts = []
-    check = partial(_check_row, prompt_field=prompt_field, answer_field=answer_field)
+    check = partial(
+        _check_row, prompt_field=prompt_field, answer_field=answer_field, template=template
+    )
     for line, row in valid_rows(p, check, on_bad_row, report):
         meta = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
-        text = template.format(prompt=row[prompt_field])
+        text = template.format(**{**row, "prompt": row[prompt_field]})
         prompts.append(
             Prompt(text=text, answer=row[answer_field], metadata=meta, uid=f"{p.name}:{line}")
         )
     if not prompts:
-        raise DataError(f"dataset {str(p)!r} has no usable rows")
+        raise DataError(f"dataset {str(p)!r} has no usable rows ({report.first_problem})")
     return prompts, report

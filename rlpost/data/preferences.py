@@ -22,7 +22,7 @@ from typing import Any
 
 from rlpost.config import DataConfig, prefs_task_problem
 from rlpost.data.arith import TASK_SEED, arith_problems
-from rlpost.data.files import DataError, LoadReport, valid_rows
+from rlpost.data.files import DataError, LoadReport, Problem, unreadable, valid_rows
 
 
 @dataclass
@@ -71,17 +71,18 @@ def preference_splits(
     return train, held_out
 
 
-def _check_row(row: Any, fields: tuple[str, str, str]) -> str | None:
-    if isinstance(row, Exception):
-        return f"not valid JSON ({row.msg})"
-    if not isinstance(row, dict):
-        return "row is not an object"
+def _check_row(row: Any, fields: tuple[str, str, str]) -> Problem | None:
+    problem = unreadable(row)
+    if problem is not None:
+        return problem
     for name in fields:
         value = row.get(name)
         if not isinstance(value, str) or not value.strip():
-            return f"field {name!r} is missing or not a non-empty string"
+            return f"empty_{name}", f"field {name!r} is missing or not a non-empty string"
     if row[fields[1]] == row[fields[2]]:
-        return f"fields {fields[1]!r} and {fields[2]!r} are identical (the pair teaches nothing)"
+        return "identical_pair", (
+            f"fields {fields[1]!r} and {fields[2]!r} are identical (the pair teaches nothing)"
+        )
     return None
 
 

@@ -7,6 +7,7 @@ missing or unreadable directory is a one-line :class:`ModelLoadError`.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import torch
@@ -39,7 +40,8 @@ def load_tokenizer(path: str | Path):
     return tok
 
 
-def load_causal_lm(path: str | Path, *, dtype: str = "float32") -> PreTrainedModel:
+def check_model_dir(path: str | Path) -> Path:
+    """``path`` as a Path if it is a directory with a config.json (no weights are read)."""
     p = Path(path)
     if not p.is_dir():
         raise ModelLoadError(f"model directory {str(p)!r} does not exist")
@@ -47,6 +49,31 @@ def load_causal_lm(path: str | Path, *, dtype: str = "float32") -> PreTrainedMod
         raise ModelLoadError(
             f"model directory {str(p)!r} has no config.json; is it an HF checkpoint?"
         )
+    return p
+
+
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def context_length(path: str | Path) -> int | None:
+    """The longest sequence the checkpoint at ``path`` handles, read from its config.json
+    (no weights are loaded); None when the config states none."""
+    p = check_model_dir(path)
+    try:
+        cfg = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(
+            f"cannot read {str(p / 'config.json')!r}: {_first_line(exc)}"
+        ) from None
+    for section in (cfg, cfg.get("text_config") or {}):
+        for key in POSITION_KEYS:
+            if isinstance(section.get(key), int):
+                return section[key]
+    return None
+
+
+def load_causal_lm(path: str | Path, *, dtype: str = "float32") -> PreTrainedModel:
+    p = check_model_dir(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=DTYPES[dtype])
     except (OSError, ValueError, RuntimeError) as exc:

@@ -1,8 +1,8 @@
 """One recorder writes each step's metrics to every sink that is on.
 
 Sinks: ``RUN_DIR/metrics.jsonl`` (always, when there is a run directory), a
-Prometheus ``/metrics`` endpoint (when a port is given) and TensorBoard event
-files in ``RUN_DIR/tb`` (when asked). Each recorder owns its own
+Prometheus ``/metrics`` endpoint (when a port is given) and the loggers asked for
+(TensorBoard, W&B, MLflow: :mod:`rlpost.observe.loggers`). Each recorder owns its own
 ``CollectorRegistry`` rather than the process-global one, so several runs, a
 rollout server and tests can live in one process without name clashes.
 
@@ -21,6 +21,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from rlpost.observe.loggers import open_loggers
 from rlpost.observe.metrics import (
     BY_KEY,
     GUARD_KEY_PREFIX,
@@ -70,6 +71,7 @@ class Recorder:
         prometheus_host: str = "127.0.0.1",
         tensorboard: bool = False,
         start_step: int | None = None,
+        loggers: list[str] | tuple[str, ...] = (),
     ) -> None:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.registry = CollectorRegistry()
@@ -84,11 +86,10 @@ class Recorder:
         self._last_step: int | None = start_step
         self._lock = threading.Lock()
         self._file = None
-        self._tb = None
         self._server = None
         self._thread = None
-        if tensorboard:
-            self._tb = _open_tensorboard(self.run_dir)
+        names = [*(["tensorboard"] if tensorboard else []), *loggers]
+        self._loggers = open_loggers(names, self.run_dir)
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._file = (self.run_dir / METRICS_FILE).open("a", encoding="utf-8")
@@ -150,10 +151,10 @@ class Recorder:
             row.update({key: _json_value(value) for key, value in floats.items()})
             self._file.write(json.dumps(row, allow_nan=False) + "\n")
             self._file.flush()
-        if self._tb is not None:
-            for key, value in floats.items():
-                if key not in missing:
-                    self._tb.add_scalar(key, value, step)
+        if self._loggers:
+            measured = {key: value for key, value in floats.items() if key not in missing}
+            for logger in self._loggers:
+                logger.log(step, measured)
 
     def count_guard(self, guard: str) -> None:
         """Count one guard action; the running count goes into the next JSONL row."""
@@ -173,27 +174,15 @@ class Recorder:
             if self._file is not None:
                 self._file.close()
                 self._file = None
-            if self._tb is not None:
-                self._tb.close()
-                self._tb = None
+            for logger in self._loggers:
+                logger.close()
+            self._loggers = []
 
     def __enter__(self) -> Recorder:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _open_tensorboard(run_dir: Path | None) -> Any:
-    if run_dir is None:
-        raise ValueError("TensorBoard logging needs a run directory; pass run_dir")
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ImportError(
-            "observe.tensorboard=true needs the [tensorboard] extra: pip install 'rlpost[tensorboard]'"
-        ) from None
-    return SummaryWriter(log_dir=str(run_dir / "tb"))
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -1,9 +1,13 @@
 """Run report: one self-contained HTML page per run directory.
 
 ``rlpost report RUN_DIR`` reads what a run left behind (``metrics.jsonl``,
-``summary.json``, ``samples/step_*.jsonl``) and writes ``RUN_DIR/report.html``:
-the training curves as inline PNGs, the summary table, and sampled completions
-to read, since reward curves alone do not show reward hacking. The page has no
+``summary.json``, ``config.yaml``, ``samples/step_*.jsonl``) and writes
+``RUN_DIR/report.html``: the training curves (reward, accuracy, loss, gradient
+norm, learning rate, entropy, KL, length...) as inline PNGs, EMA-smoothed over the
+faded raw values as TensorBoard does (``--smooth``), the summary table, the config,
+and sampled completions next to their reference answers, since reward curves
+alone do not show reward hacking. ``rlpost report RUN_A RUN_B ...`` overlays the
+runs on the same axes and writes ``RUN_A/compare.html``. The page has no
 external references so it can be mailed or attached to an issue as one file.
 Plots are drawn with matplotlib's Agg canvas directly (no pyplot), so making a
 report never touches the process-wide plotting backend.
@@ -32,9 +36,17 @@ SAMPLE_FILES_SHOWN = 6
 SAMPLE_ROWS_SHOWN = 8
 TEXT_CHARS_SHOWN = 2000
 
+COMPARE_FILE = "compare.html"
+DEFAULT_SMOOTHING = 0.6
+UNSMOOTHED = ("eval_accuracy", "lr")  # measured exactly, not noisy: smoothing would only lag
+
 PLOTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Reward (mean ± std)", ("reward_mean", "reward_std")),
     ("Held-out accuracy", ("eval_accuracy",)),
+    ("Policy loss", ("loss",)),
+    ("Gradient norm (before clipping)", ("grad_norm",)),
+    ("Learning rate", ("lr",)),
+    ("Entropy [nats/token]", ("entropy",)),
     ("KL to reference [nats/token]", ("kl",)),
     ("Response length [tokens]", ("response_length_mean",)),
     ("Ratio clip fraction", ("clip_frac",)),
@@ -63,31 +75,52 @@ def _png_base64(fig: Figure) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def _draw(ax: Any, metrics: list[dict[str, Any]], keys: tuple[str, ...]) -> None:
-    steps, values = _series(metrics, keys[0])
-    label = "mean" if keys[0] == "reward_mean" else keys[0]
-    ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=label)
-    if keys == ("reward_mean", "reward_std"):
-        std = dict(zip(*_series(metrics, "reward_std"), strict=True))
-        if std:
-            low = [v - std.get(s, 0.0) for s, v in zip(steps, values, strict=True)]
-            high = [v + std.get(s, 0.0) for s, v in zip(steps, values, strict=True)]
-            ax.fill_between(steps, low, high, alpha=0.25, label="± std")
-            ax.legend(loc="best", fontsize=8)
+def ema(values: list[float], weight: float) -> list[float]:
+    """Exponential moving average with TensorBoard's start-up debiasing (``weight`` 0: none)."""
+    out, last = [], 0.0
+    for i, v in enumerate(values, start=1):
+        last = last * weight + (1 - weight) * v
+        out.append(last / (1 - weight**i) if weight > 0 else v)
+    return out
+
+
+Runs = list[tuple[str, list[dict[str, Any]]]]
+"""(run name, read_metrics rows) of each run in a report."""
+
+
+def _draw(ax: Any, runs: Runs, keys: tuple[str, ...], smooth: float = 0.0) -> None:
+    marker = "." if max(len(_series(m, keys[0])[0]) for _, m in runs) < 50 else None
+    for colour, (name, metrics) in enumerate(runs):
+        steps, values = _series(metrics, keys[0])
+        label = name if len(runs) > 1 else ("mean" if keys[0] == "reward_mean" else keys[0])
+        style = {"color": f"C{colour}", "marker": marker}
+        if smooth > 0 and len(values) > 2 and keys[0] not in UNSMOOTHED:
+            ax.plot(steps, values, alpha=0.25, color=f"C{colour}")
+            ax.plot(steps, ema(values, smooth), label=f"{label} (smoothed)", color=f"C{colour}")
+        else:
+            ax.plot(steps, values, label=label, **style)
+        if keys == ("reward_mean", "reward_std") and len(runs) == 1:
+            std = dict(zip(*_series(metrics, "reward_std"), strict=True))
+            if std:
+                low = [v - std.get(s, 0.0) for s, v in zip(steps, values, strict=True)]
+                high = [v + std.get(s, 0.0) for s, v in zip(steps, values, strict=True)]
+                ax.fill_between(steps, low, high, alpha=0.25, label="± std", color=f"C{colour}")
+    if len(runs) > 1 or keys[0] == "reward_mean" or smooth > 0:
+        ax.legend(loc="best", fontsize=8)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
 
 
-def _plot_block(metrics: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+def _plot_block(runs: Runs, smooth: float = 0.0) -> tuple[list[str], list[str]]:
     """(``<figure>`` HTML of each drawn plot, titles skipped for lack of data)."""
     figures, skipped = [], []
     for title, keys in PLOTS:
-        if not _series(metrics, keys[0])[0]:
+        if not any(_series(metrics, keys[0])[0] for _, metrics in runs):
             skipped.append(title)
             continue
         fig = Figure(figsize=(5.5, 3.2), layout="constrained")
         ax = fig.add_subplot()
-        _draw(ax, metrics, keys)
+        _draw(ax, [(n, m) for n, m in runs if _series(m, keys[0])[0]], keys, smooth)
         ax.set_title(title, fontsize=11)
         alt = html.escape(title)
         figures.append(
@@ -110,7 +143,7 @@ def plot_curves(metrics: list[dict[str, Any]], out_png: Path) -> None:
     for ax, (title, keys) in zip(fig.subplots(1, 2), panels, strict=True):
         ax.set_title(title)
         if _series(metrics, keys[0])[0]:
-            _draw(ax, metrics, keys)
+            _draw(ax, [("run", metrics)], keys)
         else:
             ax.text(
                 0.5, 0.5, f"no {keys[0]} recorded", ha="center", va="center", transform=ax.transAxes
@@ -219,13 +252,15 @@ def _samples_html(run_dir: Path) -> str:
             f"<h3>{html.escape(name)} <span class=note>({len(rows)} of {count} rows)</span></h3>"
         )
         parts.append(
-            "<table class=samples><tr><th>prompt</th><th>completion</th><th>score</th><th>components</th></tr>"
+            "<table class=samples><tr><th>prompt</th><th>completion</th><th>reference</th>"
+            "<th>score</th><th>components</th></tr>"
         )
         for row in rows:
             components = row.get("components") or {}
             parts.append(
                 f"<tr><td><pre>{_clip(row.get('prompt'))}</pre></td>"
                 f"<td><pre>{_clip(row.get('completion'))}</pre></td>"
+                f"<td><pre>{_clip(row.get('answer'))}</pre></td>"
                 f"<td>{html.escape(_fmt(row.get('score')))}</td>"
                 f"<td>{html.escape(_fmt(components))}</td></tr>"
             )
@@ -245,11 +280,50 @@ pre { white-space: pre-wrap; margin: 0; max-width: 480px; font-size: 12px; }
 """
 
 
-def _render(run_dir: Path, metrics: list[dict[str, Any]]) -> str:
-    figures, skipped = _plot_block(metrics)
-    summary = _read_summary(run_dir)
-    title = f"rlpost run report: {html.escape(run_dir.name)}"
-    body = [f"<h1>{title}</h1>", f"<pre>{html.escape(summarize(run_dir))}</pre>", "<h2>Curves</h2>"]
+def _summary_table(run_dirs: list[Path]) -> str:
+    """One column per run; the rows are every summary key any run has."""
+    summaries = [_read_summary(d) for d in run_dirs]
+    if not any(summaries):
+        return f"<p class=note>No {SUMMARY_FILE} in this run.</p>"
+    keys = list(dict.fromkeys(k for s in summaries for k in s))
+    head = (
+        ""
+        if len(run_dirs) == 1
+        else "<tr><th></th>"
+        + "".join(f"<th>{html.escape(d.name)}</th>" for d in run_dirs)
+        + "</tr>"
+    )
+    rows = "".join(
+        f"<tr><th>{html.escape(str(k))}</th>"
+        + "".join(f"<td>{html.escape(_fmt(s.get(k, '')))}</td>" for s in summaries)
+        + "</tr>"
+        for k in keys
+    )
+    return f"<table>{head}{rows}</table>"
+
+
+def _config_html(run_dir: Path) -> str:
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return "<p class=note>No config.yaml in this run.</p>"
+    return (
+        f"<details><summary>{html.escape(run_dir.name)}/config.yaml (what ran)</summary>"
+        f"<pre>{html.escape(path.read_text(encoding='utf-8'))}</pre></details>"
+    )
+
+
+def _render(run_dirs: list[Path], smooth: float = 0.0) -> str:
+    runs = [(d.name, read_metrics(d)) for d in run_dirs]
+    figures, skipped = _plot_block(runs, smooth)
+    names = " vs ".join(html.escape(d.name) for d in run_dirs)
+    title = f"rlpost run report: {names}" if len(run_dirs) == 1 else f"rlpost comparison: {names}"
+    body = [f"<h1>{title}</h1>"]
+    body += [f"<pre>{html.escape(summarize(d))}</pre>" for d in run_dirs]
+    body.append("<h2>Curves</h2>")
+    if smooth > 0:
+        body.append(
+            f"<p class=note>Training curves smoothed (EMA weight {smooth}); raw values faded.</p>"
+        )
     body.append(
         f"<div class=plots>{''.join(figures)}</div>" if figures else "<p class=note>No curves.</p>"
     )
@@ -257,51 +331,65 @@ def _render(run_dir: Path, metrics: list[dict[str, Any]]) -> str:
         body.append(
             f"<p class=note>Not plotted (not recorded in this run): {html.escape(', '.join(skipped))}.</p>"
         )
-    body.append("<h2>Summary</h2>")
-    if summary:
-        rows = "".join(
-            f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_fmt(v))}</td></tr>"
-            for k, v in summary.items()
-        )
-        body.append(f"<table>{rows}</table>")
-    else:
-        body.append(f"<p class=note>No {SUMMARY_FILE} in this run.</p>")
-    body += ["<h2>Sampled completions</h2>", _samples_html(run_dir)]
+    body += ["<h2>Summary</h2>", _summary_table(run_dirs), "<h2>Config</h2>"]
+    body += [_config_html(d) for d in run_dirs]
+    body.append("<h2>Sampled completions</h2>")
+    for d in run_dirs:
+        body += [f"<h3>{html.escape(d.name)}</h3>"] if len(run_dirs) > 1 else []
+        body.append(_samples_html(d))
     return (
         f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
         f"<style>{STYLE}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n"
     )
 
 
-def write_report(run_dir: Path) -> Path:
-    """Write ``RUN_DIR/report.html`` and return its path."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"run directory {run_dir} does not exist")
-    out = run_dir / REPORT_FILE
-    out.write_text(_render(run_dir, read_metrics(run_dir)), encoding="utf-8")
+def write_report(
+    run_dir: Path, *others: Path, smooth: float = DEFAULT_SMOOTHING, out: Path | None = None
+) -> Path:
+    """Write the report of ``run_dir`` (``RUN_DIR/report.html``), or of it and ``others``
+    overlaid (``RUN_DIR/compare.html``); returns its path."""
+    run_dirs = [Path(run_dir), *map(Path, others)]
+    for d in run_dirs:
+        if not d.is_dir():
+            raise FileNotFoundError(f"run directory {d} does not exist")
+    out = Path(out) if out else run_dirs[0] / (REPORT_FILE if not others else COMPARE_FILE)
+    out.write_text(_render(run_dirs, smooth), encoding="utf-8")
     return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``rlpost report RUN_DIR``: print the summary and write the HTML report."""
-    parser = argparse.ArgumentParser(prog="rlpost report", description="Write RUN_DIR/report.html.")
-    parser.add_argument("run_dir", type=Path, help="a run directory (holds metrics.jsonl)")
+    """``rlpost report RUN_DIR [RUN_DIR ...]``: print each summary and write the HTML report."""
+    parser = argparse.ArgumentParser(
+        prog="rlpost report",
+        description="Write RUN_DIR/report.html; several runs are overlaid in RUN_DIR/compare.html.",
+    )
+    parser.add_argument(
+        "run_dir", type=Path, nargs="+", help="run directories (hold metrics.jsonl)"
+    )
+    parser.add_argument(
+        "--smooth",
+        type=float,
+        default=DEFAULT_SMOOTHING,
+        help=f"EMA weight for training curves, 0 to 0.99 (0: raw; default {DEFAULT_SMOOTHING})",
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
-    run_dir: Path = args.run_dir
-    if not run_dir.is_dir():
-        print(f"error: run directory {run_dir} does not exist", file=sys.stderr)
-        return 2
-    if not read_metrics(run_dir):
-        print(
-            f"error: {run_dir} has no steps in {METRICS_FILE}; is it a run directory?",
-            file=sys.stderr,
-        )
-        return 2
-    path = write_report(run_dir)
-    print(summarize(run_dir))
+    if not 0 <= args.smooth < 1:
+        return _error(f"--smooth {args.smooth} must be in [0, 1)")
+    for run_dir in args.run_dir:
+        if not run_dir.is_dir():
+            return _error(f"run directory {run_dir} does not exist")
+        if not read_metrics(run_dir):
+            return _error(f"{run_dir} has no steps in {METRICS_FILE}; is it a run directory?")
+    path = write_report(*args.run_dir, smooth=args.smooth)
+    for run_dir in args.run_dir:
+        print(summarize(run_dir))
     print(f"report: {path}")
     return 0
+
+
+def _error(message: str) -> int:
+    print(f"rlpost report: error: {message}", file=sys.stderr)
+    return 2

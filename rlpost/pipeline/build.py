@@ -22,9 +22,11 @@ from rlpost.algos import (
 )
 from rlpost.algos.correction import get_correction
 from rlpost.config import Config, ConfigError
-from rlpost.data import arith_splits, load_prompt_file
+from rlpost.data import DataError, LoadReport, arith_splits, load_prompt_file
 from rlpost.data.code import code_splits
-from rlpost.models.loading import frozen_copy, load_policy
+from rlpost.data.render import prepare_prompts
+from rlpost.models.loading import context_length, frozen_copy, load_policy, load_tokenizer
+from rlpost.models.tiny import build_char_tokenizer
 from rlpost.registry import UnknownNameError
 from rlpost.rewards.scorer import build_scorer, check_terms
 from rlpost.rewards.worker import RewardWorker
@@ -106,8 +108,16 @@ def _check_params(key: str, name: str, fn, params: dict) -> None:
 
 
 def build_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, int]]:
-    """(train prompts, held-out prompts, load report counts)."""
+    """(train prompts, held-out prompts, load counts: rows used and skipped by reason)."""
+    train, held_out, reports = load_data(cfg)
+    counts = reports["train"].counts("train")
+    return train, held_out, counts | (reports["eval"].counts("eval") if held_out else {})
+
+
+def load_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, LoadReport]]:
+    """(train prompts, held-out prompts, {"train": report, "eval": report})."""
     d = cfg.data
+    reports = {"train": LoadReport(), "eval": LoadReport()}
     if d.task == "arith":
         try:
             train, held_out = arith_splits(
@@ -117,31 +127,61 @@ def build_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, int]]
             raise ConfigError(str(exc)) from None
         for p in train + held_out:
             p.text = d.prompt_template.format(prompt=p.text)
-        return train, held_out, {}
-    if d.task == "code":
+    elif d.task == "code":
         try:
             train, held_out = code_splits(d.code.train_size, d.code.eval_size)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        return train, held_out, {}
-    if d.task == "prefs":
+    elif d.task == "prefs":
         raise ConfigError(
             "data.task=prefs holds preference pairs, for rlpost dpo; rlpost train needs prompts "
             "(data.task=arith, code or file)"
         )
-    kwargs = dict(
-        prompt_field=d.prompt_field,
-        answer_field=d.answer_field,
-        on_bad_row=d.on_bad_row,
-        template=d.prompt_template,
+    else:
+        kwargs = dict(
+            prompt_field=d.prompt_field,
+            answer_field=d.answer_field,
+            on_bad_row=d.on_bad_row,
+            template=d.prompt_template,
+        )
+        train, held_out = [], []
+        if d.train_path:  # (evaluation alone needs only eval_path)
+            train, reports["train"] = load_prompt_file(d.train_path, **kwargs)
+        if d.eval_path:
+            held_out, reports["eval"] = load_prompt_file(d.eval_path, **kwargs)
+    train = fit_to_model(cfg, train, reports["train"])
+    held_out = fit_to_model(cfg, held_out, reports["eval"])
+    if not train and reports["train"].problems:
+        raise DataError(f"no training prompt fits the model ({reports['train'].first_problem})")
+    return train, held_out, reports
+
+
+def fit_to_model(cfg: Config, prompts: list[Prompt], report: LoadReport) -> list[Prompt]:
+    """Prompts rendered for the model (chat template, system prompt), those too long for its
+    context refused or skipped and counted; rollout.max_tokens must leave room for a prompt."""
+    if cfg.model.path is None:
+        tokenizer, limit = build_char_tokenizer(), cfg.model.tiny.max_position_embeddings
+        source = "model.tiny.max_position_embeddings"
+    else:
+        tokenizer, limit = load_tokenizer(cfg.model.path), context_length(cfg.model.path)
+        source = f"max_position_embeddings in {cfg.model.path}/config.json"
+    budget = None if limit is None else limit - cfg.rollout.max_tokens
+    if budget is not None and budget < 1:
+        raise ConfigError(
+            f"rollout.max_tokens={cfg.rollout.max_tokens} leaves no room for a prompt in the "
+            f"model's {limit} positions ({source}); lower rollout.max_tokens well below {limit}"
+        )
+    return prepare_prompts(
+        prompts,
+        tokenizer,
+        max_prompt_tokens=budget if budget is not None else 2**62,
+        budget_note=f"with rollout.max_tokens={cfg.rollout.max_tokens} the model's {limit} "
+        f"positions ({source}) leave {budget}; shorten it or lower rollout.max_tokens",
+        on_bad_row=cfg.data.on_bad_row,
+        report=report,
+        chat_template=cfg.data.chat_template,
+        system_prompt=cfg.data.system_prompt,
     )
-    train, rep = load_prompt_file(d.train_path, **kwargs)
-    counts = {"train_rows": rep.rows, "train_skipped": rep.skipped}
-    held_out: list[Prompt] = []
-    if d.eval_path:
-        held_out, erep = load_prompt_file(d.eval_path, **kwargs)
-        counts.update(eval_rows=erep.rows, eval_skipped=erep.skipped)
-    return train, held_out, counts
 
 
 def build_policy(cfg: Config):

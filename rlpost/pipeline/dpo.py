@@ -99,11 +99,12 @@ def _run(cfg: Config, started: float) -> DPOResult:
             f"rlpost dpo trains on preference pairs: data.task={cfg.data.task} has none; "
             "use data.task=prefs (the built-in pairs) or data.task=file with a pairs file"
         )
-    run_dir = prepare_run_dir(cfg, None)
+    # Inputs first: a start that fails on them leaves an existing run untouched.
     train_pairs, eval_pairs, counts = load_pairs(cfg.data, cfg.run.seed)
     model, tokenizer = load_policy(
         cfg.model.path, tiny_shape=cfg.model.tiny.model_dump(), seed=cfg.run.seed
     )
+    run_dir = prepare_run_dir(cfg, None, prompts=False)
     pad_id, s = tokenizer.pad_token_id, cfg.dpo
     recorder = Recorder(run_dir)
     bar = _progress(cfg.observe.progress)

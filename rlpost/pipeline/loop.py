@@ -257,6 +257,7 @@ def _new_run(cfg: Config, run_dir: Path, workers: Workers, train_prompts, ckpt) 
             prometheus_port=cfg.observe.prometheus.port,
             prometheus_host=cfg.observe.prometheus.host,
             tensorboard=cfg.observe.tensorboard,
+            loggers=cfg.observe.loggers,
             start_step=latest_step(ckpt),
         ),
         samples=SampleWriter(run_dir, cfg.reward.sample_every, cfg.reward.sample_count),

@@ -2,6 +2,8 @@
 
 RUN_DIR/config.yaml        the resolved config (what actually ran)
 RUN_DIR/sft_model/         the warm-up policy (an HF checkpoint) when SFT ran
+RUN_DIR/sft_state/         an interrupted warm-up's state (gone once the warm-up finishes)
+RUN_DIR/data_report.json   rows used and skipped by reason, every skipped row with file and line
 RUN_DIR/metrics.jsonl      one line per step
 RUN_DIR/checkpoints/       resumable checkpoints
 RUN_DIR/summary.json       eval accuracy before / after, steps, wall seconds
@@ -11,28 +13,79 @@ RUN_DIR/curves.png         reward and held-out accuracy against steps
 from __future__ import annotations
 
 import json
-import shutil
+import sys
 from pathlib import Path
 
 from rlpost.config import Config, ConfigError, dump_config
 from rlpost.models.loading import load_causal_lm
+from rlpost.observe.recorder import METRICS_FILE
 from rlpost.pipeline import build
+from rlpost.pipeline.interrupts import stop_requested
+from rlpost.pipeline.preflight import check_inputs, read_data_counts, report_data
+from rlpost.train.checkpoint import claim_run_dir, latest_checkpoint, latest_step
 from rlpost.train.sft import sft_train
 
+SFT_STATE = "sft_state"
 
-def prepare_run_dir(cfg: Config, resume: Path | None) -> Path:
+
+def prepare_run_dir(cfg: Config, resume: Path | None, *, prompts: bool = True) -> Path:
+    """Check the inputs, then create the run directory (or reopen it to resume).
+
+    Nothing is written before the data, the model and the context length pass, and an
+    existing run directory is never replaced unless ``run.overwrite`` asks for it.
+    """
+    reports = check_inputs(cfg, prompts=prompts)
     if resume is not None:
-        run_dir = Path(resume)
-        if not (run_dir / "checkpoints" / "latest").is_file():
-            raise ConfigError(f"--resume {str(run_dir)!r} holds no checkpoint to resume from")
-        return run_dir
-    run_dir = cfg.run_dir
-    if run_dir.exists():
-        # A fresh run never mixes its files with an older run of the same name.
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
+        run_dir = reopen_run_dir(Path(resume))
+    else:
+        run_dir = claim_run_dir(
+            cfg.run_dir, overwrite=cfg.run.overwrite, config_text=dump_config(cfg)
+        )
+    report_data(run_dir, reports, fresh=resume is None)
     return run_dir
+
+
+def reopen_run_dir(run_dir: Path) -> Path:
+    """A run directory to resume: say where it starts, and drop metric rows past that point so
+    ``metrics.jsonl`` holds each step once."""
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"--resume {str(run_dir)!r} is not a run directory (no config.yaml)")
+    ckpt = latest_checkpoint(run_dir)
+    step = latest_step(ckpt)
+    if ckpt is not None:
+        where = f"step {step} ({ckpt})"
+    elif (run_dir / SFT_STATE).is_dir():
+        where = "the interrupted warm-up"
+    elif (run_dir / "sft_model" / "config.json").is_file():
+        where = "step 0 (after the warm-up)"
+    else:
+        where = "the start (no checkpoint was saved)"
+    print(f"rlpost: resuming {run_dir} from {where}", file=sys.stderr)
+    drop_metrics_after(run_dir, step)
+    return run_dir
+
+
+def drop_metrics_after(run_dir: Path, step: int) -> int:
+    """Remove rows of steps after ``step`` from metrics.jsonl (they will be replayed); returns
+    how many went. The file is rewritten through a temporary file, never truncated in place."""
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return 0
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    # A torn line (the run was killed mid-write) goes too: new rows must not be glued to it.
+    kept = [line for line in lines if 0 <= _row_step(line) <= step and line.endswith("\n")]
+    if len(kept) != len(lines):
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        tmp.replace(path)
+    return len(lines) - len(kept)
+
+
+def _row_step(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return -1
 
 
 def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: bool):
@@ -50,6 +103,8 @@ def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: 
         return model, tokenizer
     s = cfg.sft
     task = console.task("sft warm-up", s.steps)
+    if (run_dir / SFT_STATE).is_dir():
+        print(f"rlpost: continuing the warm-up from {run_dir / SFT_STATE}", file=sys.stderr)
     losses = sft_train(
         model,
         tokenizer,
@@ -61,6 +116,8 @@ def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: 
         seed=cfg.run.seed,
         distractor=s.distractor,
         on_step=lambda i, loss: console.advance(task, f"loss {loss:.3f}"),
+        state_dir=run_dir / SFT_STATE,
+        stop=stop_requested,
     )
     console.done(task)
     model.save_pretrained(sft_dir)
@@ -90,6 +147,7 @@ def finish_run(
         "wall_seconds": wall,
         "advantage": cfg.algo.advantage,
         "policy_loss": cfg.algo.policy_loss,
+        "data": read_data_counts(run_dir),
         **(extra or {}),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

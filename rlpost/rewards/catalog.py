@@ -59,3 +59,20 @@ def get_reward(name: str) -> RewardFn:
     if kind == "batch":
         raise ValueError(f"reward {name!r} is a batched scorer; build it with build_scorer")
     return obj
+
+
+def describe_rewards() -> list[tuple[str, str, str, str]]:
+    """(name, kind, parameters with defaults, first line of the docstring) of every built-in
+    reward; ``rlpost rewards`` prints them."""
+    rows = []
+    for kind, table in (("per-sample", REWARDS), ("batched", SCORERS)):
+        for name in table.names():
+            fn = table.get(name)
+            params = [
+                p.name if p.default is p.empty else f"{p.name}={p.default!r}"
+                for p in inspect.signature(fn).parameters.values()
+                if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "sample"
+            ]
+            doc = (inspect.getdoc(fn) or "").strip().splitlines()
+            rows.append((name, kind, ", ".join(params), doc[0] if doc else ""))
+    return rows

@@ -18,7 +18,7 @@ from functools import lru_cache
 from typing import Any
 
 from rlpost.rewards.registry import reward_function
-from rlpost.rewards.verifiable import extract_tag
+from rlpost.rewards.verifiable import extract_final_answer, extract_tag
 from rlpost.types import RewardSample
 
 
@@ -49,9 +49,10 @@ def math_verify_reward(
 ) -> float | None:
     """1.0 if the completion's final answer is mathematically equal to the reference.
 
-    The answer is the last ``\\boxed{}`` in the completion, else the last LaTeX or
-    plain expression (math-verify's default extraction); ``tag`` restricts it to the
-    last ``<tag>...</tag>`` block. ``None`` when the sample has no reference answer.
+    The answer is what follows the last ``####`` (GSM8K), else the last ``\\boxed{}``,
+    else the last LaTeX or plain expression (math-verify's default extraction); ``tag``
+    restricts it to the last ``<tag>...</tag>`` block. A reference that is a worked
+    solution is read the same way. ``None`` when the sample has no reference answer.
     """
     if sample.answer is None or str(sample.answer).strip() == "":
         return None
@@ -61,7 +62,14 @@ def math_verify_reward(
     from math_verify import parse, verify
 
     timeout = _timeout(timeout_seconds)
-    gold = list(_parse_gold(str(sample.answer), timeout))
+    reference = str(sample.answer)
+    if "####" in reference:
+        reference = extract_final_answer(reference) or reference
+    gold = list(_parse_gold(reference, timeout))
+    if "####" in text:
+        text = extract_final_answer(text) or ""
+        if not text:
+            return 0.0
     predicted = parse(text[-max_chars:], parsing_timeout=timeout)
     if not predicted:
         return 0.0

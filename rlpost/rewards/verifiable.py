@@ -53,13 +53,38 @@ def extract_tag(text: str, tag: str) -> str | None:
     return found[-1] if found else None
 
 
+def extract_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth, begin = 1, i
+    while i < len(text):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[begin:i].strip()
+        i += 1
+    return None  # unclosed: no answer was stated
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The answer a solution states as final: after the last ``####`` (GSM8K), else the last
+    ``\\boxed{}`` (MATH, most reasoning models); None when the text marks none."""
+    if "####" in text:
+        after = text.rsplit("####", 1)[1].strip()
+        return after.splitlines()[0].strip() if after else None
+    return extract_boxed(text)
+
+
 def _reference_number(answer: Any) -> float | None:
     if isinstance(answer, bool):
         return None
     if isinstance(answer, int | float):
         return float(answer) if math.isfinite(answer) else None
     if isinstance(answer, str):
-        m = _NUMBER.fullmatch(answer.strip())
+        final = extract_final_answer(answer)  # a worked solution ending "#### 72"
+        m = _NUMBER.fullmatch((final if final is not None else answer).strip())
         return _to_float(m.group(0)) if m else None
     return None
 
@@ -79,9 +104,12 @@ def numeric_match(
 ) -> float | None:
     """1.0 if the number in the completion equals the reference answer.
 
-    ``position``: which number of the completion is the answer, ``first`` or ``last``.
-    ``tag``: read the answer from the last ``<tag>...</tag>`` block only (a missing
-    block scores 0.0). ``None`` if the reference answer is not a finite number.
+    ``position``: which number of the completion is the answer, ``first`` or ``last``;
+    a completion that marks its final answer (``#### 42``, ``\\boxed{42}``) is read
+    there instead. ``tag``: read the answer from the last ``<tag>...</tag>`` block
+    only (a missing block scores 0.0). The reference may be a number or a worked
+    solution ending in such a marker (GSM8K's answer field). ``None`` if the reference
+    answer is not a finite number.
     """
     if position not in ("first", "last"):
         raise ValueError(f"numeric_match: position must be 'first' or 'last', got {position!r}")
@@ -91,6 +119,8 @@ def numeric_match(
     text = _answer_text(sample, tag)
     if text is None:
         return 0.0
+    final = extract_final_answer(text)
+    text = final if final is not None else text
     got = extract_first_number(text) if position == "first" else extract_last_number(text)
     if got is None:
         return 0.0

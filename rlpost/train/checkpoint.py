@@ -18,7 +18,29 @@ from typing import Any
 
 import torch
 
+from rlpost.config import ConfigError
 from rlpost.rng import rng_state
+
+
+def claim_run_dir(run_dir: Path, *, overwrite: bool, config_text: str) -> Path:
+    """Create ``run_dir`` for a fresh run and write its ``config.yaml``.
+
+    Starting a run never deletes anything by accident: a run directory that already
+    holds files is refused (its name and both ways out in one line) unless
+    ``overwrite`` says to replace it. Callers validate their inputs before calling
+    this, so a start that fails leaves any earlier run exactly as it was.
+    """
+    run_dir = Path(run_dir)
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not overwrite:
+            raise ConfigError(
+                f"run directory {str(run_dir)!r} already exists; continue it with "
+                f"--resume {run_dir}, replace it with --overwrite, or choose another run.name"
+            )
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(config_text)
+    return run_dir
 
 
 def save_checkpoint(

@@ -14,7 +14,9 @@ what selects the right behaviour. Set it to 0 for plain SFT.
 from __future__ import annotations
 
 import random
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -40,6 +42,14 @@ def sft_example(prompt: Prompt, tokenizer, rng: random.Random, distractor: float
     return Completion(ids, target, [0.0] * len(target), "stop", 0, 0)
 
 
+class WarmupInterrupted(KeyboardInterrupt):
+    """The warm-up stopped on request after ``step`` steps; its state is saved for a resume."""
+
+    def __init__(self, step: int, state_dir: Path | None) -> None:
+        super().__init__(f"warm-up stopped after step {step}")
+        self.step, self.state_dir = step, state_dir
+
+
 def sft_train(
     model: torch.nn.Module,
     tokenizer,
@@ -52,14 +62,28 @@ def sft_train(
     seed: int = 0,
     distractor: float = 0.0,
     on_step: Callable[[int, float], None] | None = None,
+    state_dir: Path | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> list[float]:
-    """Train ``model`` in place for ``steps`` steps; returns the loss of each step."""
+    """Train ``model`` in place for ``steps`` steps; returns the loss of each step.
+
+    When ``stop()`` turns true the current step finishes, the warm-up state (weights,
+    optimizer, scheduler, data RNG, losses) is saved to ``state_dir`` and
+    :class:`WarmupInterrupted` is raised; a later call with the same ``state_dir``
+    continues from there exactly, and removes the state once the warm-up is done.
+    """
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_cosine(warmup_steps, steps))
+    losses: list[float] = []
+    if state_dir is not None and (state_dir / STATE_FILE).is_file():
+        losses = _load_state(state_dir, model, opt, sched, rng)
     model.train()
-    losses = []
-    for step in range(steps):
+    for step in range(len(losses), steps):
+        if stop is not None and stop():
+            if state_dir is not None:
+                _save_state(state_dir, model, opt, sched, rng, losses)
+            raise WarmupInterrupted(step, state_dir)
         rows = [
             sft_example(p, tokenizer, rng, distractor)
             for p in rng.sample(prompts, min(batch_size, len(prompts)))
@@ -76,7 +100,40 @@ def sft_train(
         if on_step is not None:
             on_step(step, losses[-1])
     model.eval()
+    if state_dir is not None and state_dir.exists():
+        shutil.rmtree(state_dir)  # our own resume state, superseded by the finished model
     return losses
+
+
+STATE_FILE = "state.pt"
+
+
+def _save_state(state_dir: Path, model, opt, sched, rng: random.Random, losses) -> None:
+    tmp = state_dir.with_name(state_dir.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    state = {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "rng": rng.getstate(),
+        "torch_rng": torch.get_rng_state(),
+        "losses": losses,
+    }
+    torch.save(state, tmp / STATE_FILE)
+    if state_dir.exists():
+        shutil.rmtree(state_dir)
+    tmp.rename(state_dir)  # a half-written state is never taken for a complete one
+
+
+def _load_state(state_dir: Path, model, opt, sched, rng: random.Random) -> list[float]:
+    # weights_only=False: the state holds the RNG tuple we wrote ourselves.
+    state = torch.load(state_dir / STATE_FILE, weights_only=False)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    rng.setstate(state["rng"])
+    torch.set_rng_state(state["torch_rng"])
+    return list(state["losses"])
 
 
 def warmup_then_cosine(warmup_steps: int, total: int):

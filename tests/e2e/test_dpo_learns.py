@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from rlpost.config import load_config
+from rlpost.config import RECIPES_DIR, load_config
 from rlpost.pipeline.dpo import run_dpo
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "dpo_prefs.yaml"
+RECIPE = RECIPES_DIR / "dpo_prefs.yaml"
 
 
 @pytest.mark.slow

@@ -21,17 +21,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlpost.config import load_config
+from rlpost.config import RECIPES_DIR, load_config
 from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
 from rlpost.pipeline.loop import train
 
-ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = json.loads((Path(__file__).parent / "golden_metrics.json").read_text())
 RECORDED_ON = "03ac4fd8fe48cb6e"  # numeric_fingerprint() where the values were recorded
 CASES = {
     "grpo": (None, []),
-    "ppo": ("recipes/ppo_arith.yaml", []),
-    "dapo": ("recipes/dapo_arith.yaml", []),
+    "ppo": ("ppo_arith.yaml", []),
+    "dapo": ("dapo_arith.yaml", []),
     "partial": (None, ["rollout.partial=true", "rollout.length_aware=true"]),
 }
 
@@ -60,7 +59,7 @@ def test_same_numbers_as_recorded(case, tmp_path):
         pytest.skip(f"this CPU rounds differently (fingerprint {here}, recorded {RECORDED_ON})")
     recipe, extra = CASES[case]
     cfg = load_config(
-        ROOT / (recipe or "recipes/grpo_arith.yaml"),
+        RECIPES_DIR / (recipe or "grpo_arith.yaml"),
         [
             "sft.steps=200",
             "train.steps=5",

@@ -35,6 +35,10 @@ def make_full_run(run_dir: Path, steps: int = 30) -> None:
                     "sync_seconds": 0.05,
                     "sample_lag": 0.5,
                     "sample_drop_ratio": 0.02,
+                    "loss": 0.5 * math.exp(-step / 15) + 0.05 * math.sin(step),
+                    "grad_norm": 1 + 0.3 * math.cos(step),
+                    "lr": 1e-4 * min(1.0, step / 5),
+                    "entropy": 1.5 - 0.02 * step,
                 },
             )
             if step % 5 == 0:
@@ -46,6 +50,7 @@ def make_full_run(run_dir: Path, steps: int = 30) -> None:
         "completion": "<answer>4</answer>",
         "score": 1.0,
         "components": {"acc": 1.0},
+        "answer": "4",
     }
     (run_dir / "samples" / "step_000030.jsonl").write_text(json.dumps(row) + "\n")
 
@@ -96,6 +101,21 @@ def test_report_dom_has_title_and_inline_images(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     dom = done.stdout
     assert "<title>rlpost run report: run</title>" in dom
-    assert dom.count("<img") == 9  # every plotted series is present in this run
+    assert dom.count("<img") == 13  # every plotted series is present in this run
     assert "Not plotted" not in dom
     assert "&lt;answer&gt;4&lt;/answer&gt;" in dom
+
+
+def test_comparison_of_two_runs_renders(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    make_full_run(a)
+    make_full_run(b, steps=20)
+    page = write_report(a, b)
+    shot = tmp_path / "compare.png"
+    done = chromium(page, tmp_path, f"--screenshot={shot}", "--window-size=1200,2000")
+    assert shot.exists(), done.stderr[-2000:]
+    image = matplotlib.image.imread(shot)[..., :3]
+    assert (image < 0.95).any(axis=-1).mean() > 0.05
+    dom = chromium(page, tmp_path, "--dump-dom").stdout
+    assert "<title>rlpost comparison: a vs b</title>" in dom and dom.count("<img") == 13
+    assert "<td><pre>4</pre></td>" in dom  # the reference answer next to the completion

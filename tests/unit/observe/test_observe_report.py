@@ -9,7 +9,7 @@ import matplotlib.image
 import pytest
 
 from rlpost.observe.recorder import Recorder
-from rlpost.observe.report import main, plot_curves, summarize, write_report
+from rlpost.observe.report import ema, main, plot_curves, summarize, write_report
 
 
 def make_run(run_dir, *, steps=12, samples=True, summary=True):
@@ -37,6 +37,7 @@ def make_run(run_dir, *, steps=12, samples=True, summary=True):
                 "completion": "<b>5</b> & done",
                 "score": 1.0,
                 "components": {"correct": 1.0},
+                "answer": "#### 5",
             }
             (run_dir / "samples" / f"step_{step:06d}.jsonl").write_text(json.dumps(row) + "\n")
 
@@ -47,9 +48,10 @@ def test_report_is_self_contained_with_plots_tables_and_escaped_samples(tmp_path
     assert page.startswith("<!doctype html>")
     assert f"<title>rlpost run report: {tmp_path.name}</title>" in page
     # reward, accuracy, KL, length are present; the rest are listed as skipped
-    assert page.count('<img alt="') == 4
-    assert page.count("data:image/png;base64,") == 4
-    assert "Not plotted (not recorded in this run): Ratio clip fraction" in page
+    assert page.count('<img alt="') == 5  # reward, accuracy, loss, KL, length
+    assert page.count("data:image/png;base64,") == 5
+    assert "Not plotted (not recorded in this run): Gradient norm" in page
+    assert "Ratio clip fraction" in page.split("Not plotted")[1]
     assert "<th>final_accuracy</th><td>0.6</td>" in page
     assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in page
     assert "<script>" not in page and "<b>5</b>" not in page
@@ -96,10 +98,41 @@ def test_cli_refuses_missing_or_empty_run_dir_with_one_line(tmp_path, capsys, ki
     run_dir = tmp_path / "nope" if kind == "missing" else tmp_path
     assert main([str(run_dir)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1
+    assert err.startswith("rlpost report: error: ") and err.count("\n") == 1
     assert not (tmp_path / "report.html").exists()
 
 
 def test_cli_without_arguments_exits_2(capsys):
     assert main([]) == 2
     assert "run_dir" in capsys.readouterr().err
+
+
+def test_ema_smoothing_is_debiased_and_zero_is_raw():
+    assert ema([1.0, 1.0, 1.0], 0.9) == pytest.approx([1.0, 1.0, 1.0])
+    assert ema([0.0, 10.0], 0.5) == pytest.approx([0.0, 10.0 * 0.5 / 0.75])
+    assert ema([3.0, 1.0], 0.0) == [3.0, 1.0]
+
+
+def test_report_shows_reference_answers_config_and_smoothing(tmp_path):
+    make_run(tmp_path)
+    (tmp_path / "config.yaml").write_text("algo: {advantage: grpo}\n")
+    page = write_report(tmp_path, smooth=0.8).read_text()
+    assert "<th>reference</th>" in page and "<pre>#### 5</pre>" in page
+    assert "algo: {advantage: grpo}" in page
+    assert "smoothed (EMA weight 0.8)" in page
+    assert "smoothed" not in write_report(tmp_path, smooth=0.0).read_text()
+
+
+def test_several_runs_are_overlaid_in_one_comparison(tmp_path, capsys):
+    a, b = tmp_path / "grpo", tmp_path / "dapo"
+    make_run(a)
+    make_run(b, steps=6, samples=False)
+    assert main([str(a), str(b), "--smooth", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("steps: ") == 2 and f"report: {a / 'compare.html'}" in out
+    page = (a / "compare.html").read_text()
+    assert "<title>rlpost comparison: grpo vs dapo</title>" in page
+    assert "<tr><th></th><th>grpo</th><th>dapo</th></tr>" in page
+    assert page.count('<img alt="') == 5  # one set of axes per metric, both runs on it
+    assert "<h3>dapo</h3>" in page and not (b / "compare.html").exists()
+    assert main([str(a), "--smooth", "1.5"]) == 2

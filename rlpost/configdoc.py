@@ -1,0 +1,59 @@
+"""Config tables in the docs, generated from the config classes so they cannot drift.
+
+A Markdown file marks a generated table with ``<!-- config-table: SECTION -->`` and
+``<!-- end config-table -->``; ``python -m rlpost.configdoc FILE...`` rewrites what is
+between the markers from the field defaults and docstrings of that config section,
+and a test checks that the committed docs equal what it would write.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel
+
+from rlpost.config import Config
+
+_BLOCK = re.compile(
+    r"(<!-- config-table: (?P<section>[\w.]+) -->\n)(?P<body>.*?)(<!-- end config-table -->)",
+    re.DOTALL,
+)
+
+
+def section_model(section: str) -> type[BaseModel]:
+    model: type[BaseModel] = Config
+    for part in section.split("."):
+        model = model.model_fields[part].annotation
+    return model
+
+
+def markdown_table(section: str) -> str:
+    """``| key | default | meaning |`` rows for every field of the config ``section``."""
+    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+    for name, field in section_model(section).model_fields.items():
+        default = yaml.safe_dump(field.get_default(call_default_factory=True)).strip()
+        default = default.removesuffix("\n...").strip()
+        meaning = " ".join((field.description or "").split()).replace("|", "\\|")
+        rows.append(f"| `{name}` | `{default}` | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+def render(text: str) -> str:
+    """``text`` with every marked config table regenerated."""
+    return _BLOCK.sub(lambda m: m.group(1) + markdown_table(m["section"]) + m.group(4), text)
+
+
+def main(paths: list[str]) -> int:
+    for path in map(Path, paths):
+        text = path.read_text()
+        if render(text) != text:
+            path.write_text(render(text))
+            print(f"updated {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

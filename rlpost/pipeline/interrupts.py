@@ -1,0 +1,60 @@
+"""Ctrl-C and SIGTERM during a run: stop cleanly, keep everything, say how to resume.
+
+The first SIGINT or SIGTERM sets :attr:`Interrupts.stop`: the RL loop finishes the
+current step, evaluates, saves a checkpoint and writes its summary; the warm-up
+finishes its current step and saves its own resumable state. A second signal
+abandons at once (``KeyboardInterrupt``); the latest checkpoint stays. Signals are
+process-wide, so the active handler is module state that the warm-up can ask.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+_active: Interrupts | None = None
+
+
+class Interrupts:
+    """Context manager installing the SIGINT / SIGTERM handlers (main thread only)."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> Interrupts:
+        global _active
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        _active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _active
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        _active = None
+
+    def _handle(self, signum, frame) -> None:
+        if self.stop.is_set():
+            raise KeyboardInterrupt
+        self.signum = signum
+        self.stop.set()
+        print(
+            f"\nrlpost: {signal.Signals(signum).name}: stopping after the current step and saving "
+            "a checkpoint; send it again to stop at once",
+            file=sys.stderr,
+        )
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal number, as a shell reports a process stopped by it."""
+        return 128 + (self.signum or signal.SIGINT)
+
+
+def stop_requested() -> bool:
+    """True once a stop signal reached the active handler (False when none is installed)."""
+    return _active is not None and _active.stop.is_set()

@@ -1,0 +1,86 @@
+"""Checks of a run's inputs that must pass before its run directory is touched, and the
+report of what they found.
+
+A start that fails here (a missing dataset, a bad row under ``on_bad_row=error``, a
+model directory that is not a checkpoint, a context too short for ``max_tokens``)
+leaves an earlier run of the same name exactly as it was. Rows skipped under
+``on_bad_row=skip`` are counted by reason on the console, in
+``RUN_DIR/data_report.json`` (every row, with file and line), in the first row of
+``metrics.jsonl`` and in ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from rlpost.config import Config, ConfigError
+from rlpost.data import LoadReport
+from rlpost.models.loading import check_model_dir
+from rlpost.observe import Recorder
+from rlpost.pipeline import build
+
+DATA_REPORT = "data_report.json"
+SHOWN_PROBLEMS = 20
+
+
+def check_inputs(cfg: Config, *, prompts: bool = True) -> dict[str, LoadReport]:
+    """Load the data for the model and check the model directory; returns the load reports.
+
+    ``prompts=False`` (rlpost dpo: its pairs are loaded and checked by the caller) checks
+    the model directory only."""
+    if not prompts:
+        if cfg.model.path is not None:
+            check_model_dir(cfg.model.path)
+        return {}
+    if cfg.data.task == "file" and not cfg.data.train_path:
+        raise ConfigError(
+            "data.task=file needs data.train_path to train; set it to a JSONL or Parquet file"
+        )
+    if cfg.model.path is not None:
+        check_model_dir(cfg.model.path)
+    _, held_out, reports = build.load_data(cfg)
+    return {"train": reports["train"], **({"eval": reports["eval"]} if held_out else {})}
+
+
+def data_counts(reports: dict[str, LoadReport]) -> dict[str, int]:
+    """Flat counts: ``train_rows``, ``train_skipped``, ``train_skipped_<reason>``, same for eval."""
+    out: dict[str, int] = {}
+    for split, report in reports.items():
+        out.update(report.counts(split))
+    return out
+
+
+def report_data(run_dir: Path, reports: dict[str, LoadReport], *, fresh: bool) -> None:
+    """Show skipped rows on the console and write them to the run directory."""
+    detail = {
+        split: {**r.counts(split), "skipped_rows": r.problems} for split, r in reports.items()
+    }
+    (run_dir / DATA_REPORT).write_text(json.dumps(detail, indent=2))
+    for split, r in reports.items():
+        if not r.skipped:
+            continue
+        reasons = ", ".join(f"{k} {n}" for k, n in sorted(r.skipped_by_reason.items()))
+        print(
+            f"data {split}: {r.rows} rows used, {r.skipped} skipped ({reasons}); "
+            f"every one in {run_dir / DATA_REPORT}",
+            file=sys.stderr,
+        )
+        for line in r.problems[:SHOWN_PROBLEMS]:
+            print(f"  {line}", file=sys.stderr)
+        if r.skipped > SHOWN_PROBLEMS:
+            print(f"  ... and {r.skipped - SHOWN_PROBLEMS} more", file=sys.stderr)
+    if fresh:
+        recorder = Recorder(run_dir, start_step=0)
+        recorder.record(0, {f"data_{k}": v for k, v in data_counts(reports).items()})
+        recorder.close()
+
+
+def read_data_counts(run_dir: Path) -> dict[str, int]:
+    """The flat counts written by :func:`report_data` ({} when absent)."""
+    path = run_dir / DATA_REPORT
+    if not path.is_file():
+        return {}
+    detail = json.loads(path.read_text())
+    return {k: v for split in detail.values() for k, v in split.items() if k != "skipped_rows"}
