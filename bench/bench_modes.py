@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--eval-samples", type=int, default=16, help="samples per held-out problem")
     ap.add_argument("--sft-steps", type=int, default=None, help="warm-up steps (default: recipe)")
     ap.add_argument("--out", default=None, help="run directory parent (default: a temp dir)")
+    ap.add_argument("--modes", default="sync,one_step_off,async", help="comma-separated modes")
+    ap.add_argument("--warm", default=None, help="a saved warm-up policy (skips the warm-up)")
     args = ap.parse_args()
 
     from rlpost.cluster import starter
@@ -38,8 +40,9 @@ def main() -> None:
     from rlpost.pipeline.loop import train
 
     out = Path(args.out or tempfile.mkdtemp(prefix="rlpost-modes-"))
-    rows, warm = [], None
-    for mode, extra in MODES:
+    rows, warm = [], args.warm
+    chosen = args.modes.split(",")
+    for mode, extra in [m for m in MODES if m[0] in chosen]:
         over = [
             f"run.output_dir={out}",
             f"run.name={mode}",
@@ -64,9 +67,9 @@ def main() -> None:
         rows.append((mode, s, time.time() - started))
         warm = warm or result.run_dir / "sft_model"
         print(json.dumps({"mode": mode, **{k: s[k] for k in SHOWN}}), flush=True)
-    base = rows[0][1]["completions_per_second"]
+    base = rows[0][1]["completions_per_second"]  # the first mode run (sync by default)
     print(
-        f"\n{'mode':<14}{'held-out T=1':>22}{'greedy':>18}{'compl/s':>10}{'RL s':>8}{'vs sync':>9}"
+        f"\n{'mode':<14}{'held-out T=1':>22}{'greedy':>18}{'compl/s':>10}{'RL s':>8}{'vs ' + rows[0][0]:>9}"
     )
     for mode, s, _ in rows:
         acc = f"{s['eval_accuracy_start']:.1%} -> {s['eval_accuracy_end']:.1%}"
