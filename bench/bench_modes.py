@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="run directory parent (default: a temp dir)")
     ap.add_argument("--modes", default="sync,one_step_off,async", help="comma-separated modes")
     ap.add_argument("--warm", default=None, help="a saved warm-up policy (skips the warm-up)")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides applied to every mode")
     args = ap.parse_args()
 
     from rlpost.cluster import starter
@@ -53,6 +54,7 @@ def main() -> None:
             "observe.plot=false",
             f"pipeline.mode={mode}",
             *extra,
+            *args.overrides,
         ]
         if args.eval_limit:
             over.append(f"eval.limit={args.eval_limit}")
