@@ -326,7 +326,7 @@ def test_non_loopback_bind_with_keys_or_insecure(tmp_path):
 def test_remote_engine_sends_keys_read_from_the_environment(keyed, monkeypatch):
     from types import SimpleNamespace
 
-    from rlpost.config import RolloutConfig
+    from rlpost.config import RolloutConfig, SyncConfig
     from rlpost.models.loading import load_tokenizer
     from rlpost.rollout import remote_engine
     from rlpost.rollout.client import RequestRejected
@@ -339,14 +339,16 @@ def test_remote_engine_sends_keys_read_from_the_environment(keyed, monkeypatch):
     rollout = RolloutConfig(
         servers=[url], api_key_env="MY_ROLLOUT_KEY", admin_key_env="MY_ADMIN_KEY"
     )
-    engine = remote_engine.build(SimpleNamespace(rollout=rollout, run=SimpleNamespace(seed=0)), tok)
+    engine = remote_engine.build(
+        SimpleNamespace(rollout=rollout, run=SimpleNamespace(seed=0), sync=SyncConfig()), tok
+    )
     assert API not in repr(engine.clients) and len(engine.generate(prompts, params, n=2)) == 2
     engine.load_weights(load_causal_lm(keyed["model"]).named_parameters(), version=7)
     assert engine.generate(prompts, params)[0].policy_version == 7
     engine.close()
     monkeypatch.delenv("MY_ROLLOUT_KEY")
     keyless = remote_engine.build(
-        SimpleNamespace(rollout=rollout, run=SimpleNamespace(seed=0)), tok
+        SimpleNamespace(rollout=rollout, run=SimpleNamespace(seed=0), sync=SyncConfig()), tok
     )
     with pytest.raises(RequestRejected, match="401"):
         keyless.generate(prompts, params)
