@@ -81,6 +81,39 @@ class TinyModelConfig(Section):
         return self
 
 
+class LoRAConfig(Section):
+    """Low-rank adapters through peft (extra [lora]): only the adapters train, the reference is
+    the base model with the adapters disabled (no second copy), engines get merged weights."""
+
+    rank: int = Field(0, ge=0)
+    """Adapter rank (0: off, every weight trains)."""
+    alpha: float = Field(32.0, gt=0.0)
+    """Scale numerator: the update is (alpha / rank) * B @ A."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter input."""
+    target_modules: list[str] = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
+    """Names of the linear layers that get adapters (those the model has are used)."""
+
+    @model_validator(mode="after")
+    def _peft_installed(self) -> LoRAConfig:
+        if self.rank:
+            try:
+                import peft  # noqa: F401
+            except ImportError:
+                raise ValueError(
+                    "model.lora.rank > 0 needs peft: pip install 'rlpost[lora]'"
+                ) from None
+        return self
+
+
 class ModelConfig(Section):
     path: str | None = None
     """Local directory of a Hugging Face causal LM and its tokenizer. None: the built-in tiny model."""
@@ -90,6 +123,8 @@ class ModelConfig(Section):
     """Compute dtype of the policy. Master weights and optimizer state stay float32."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    lora: LoRAConfig = LoRAConfig()
+    """Train low-rank adapters instead of every weight (model.lora.rank > 0)."""
 
 
 # -------------------------------------------------------------------------- data

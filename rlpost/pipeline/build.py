@@ -273,7 +273,13 @@ def build_trainer(cfg: Config, model) -> PolicyTrainer:
         correction_params={"cap": c.cap, "low": c.low, "high": c.high},
     )
     keep_ref = a.kl.beta > 0 or POLICY_LOSSES.trait(a.policy_loss, "needs_reference")
-    ref = frozen_copy(model) if keep_ref else None
+    lora = cfg.model.lora.rank > 0
+    ref = frozen_copy(model) if keep_ref and not lora else None
+    reference = None
+    if keep_ref and lora:
+        from rlpost.models.lora import reference_mode
+
+        reference = lambda: reference_mode(model)  # noqa: E731
     return PolicyTrainer(
         model,
         get_policy_loss(a.policy_loss),
@@ -281,6 +287,7 @@ def build_trainer(cfg: Config, model) -> PolicyTrainer:
         ref_model=ref,
         kl_estimator=get_kl_estimator(a.kl.estimator),
         correction=None if c.name == "none" else get_correction(c.name),
+        reference=reference,
         seed=cfg.run.seed,
     )
 
@@ -311,9 +318,16 @@ def build_critic(cfg: Config, model):
 
 
 def build_trainer_worker(cfg: Config, model, tokenizer) -> TrainerWorker:
-    """The trainer worker around ``model`` (the starting policy, after any warm-up)."""
-    trainer = build_trainer(cfg, model)
-    return TrainerWorker(trainer, tokenizer, critic=build_critic(cfg, model))
+    """The trainer worker around ``model`` (the starting policy, after any warm-up); with
+    ``model.lora.rank > 0`` the model gets adapters and only they train."""
+    critic = build_critic(cfg, model)
+    lora = cfg.model.lora
+    if lora.rank > 0:
+        from rlpost.models.lora import LoRASettings, apply_lora
+
+        settings = LoRASettings(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules))
+        model = apply_lora(model, settings)
+    return TrainerWorker(build_trainer(cfg, model), tokenizer, critic=critic, lora=lora.rank > 0)
 
 
 def build_rollout_worker(cfg: Config, model=None, tokenizer=None) -> RolloutWorker:

@@ -84,8 +84,8 @@ def start_workers(cfg: Config, run_dir: Path, train_prompts, console, *, resumin
     """Workers in this process: warm-up, then the trainer around the starting policy, the
     rollout worker serving a copy of it, and the reward worker."""
     model, tokenizer = warm_start(cfg, run_dir, train_prompts, console, skip_sft=resuming)
+    rollout = build.build_rollout_worker(cfg, model, tokenizer)  # a copy, before any adapters
     trainer = build.build_trainer_worker(cfg, model, tokenizer)
-    rollout = build.build_rollout_worker(cfg, model, tokenizer)
     return Workers(trainer, rollout, build.build_reward_worker(cfg))
 
 

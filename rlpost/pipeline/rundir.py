@@ -95,10 +95,14 @@ def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: 
     SFT model already in the run directory is reused rather than retrained.
     """
     model, tokenizer = build.build_policy(cfg)
+    sft_dir = run_dir / "sft_model"
+    have_sft = (sft_dir / "config.json").is_file()
+    if skip_sft and have_sft and cfg.model.lora.rank > 0:
+        # A resume restores only the adapters: they sit on the warm-up policy.
+        model.load_state_dict(load_causal_lm(sft_dir).state_dict())
     if skip_sft or cfg.sft.steps == 0:
         return model, tokenizer
-    sft_dir = run_dir / "sft_model"
-    if (sft_dir / "config.json").is_file():
+    if have_sft:
         model.load_state_dict(load_causal_lm(sft_dir).state_dict())
         return model, tokenizer
     s = cfg.sft

@@ -76,6 +76,7 @@ class PolicyTrainer:
         ref_model: torch.nn.Module | None = None,
         kl_estimator=None,
         correction=None,
+        reference=None,
         seed: int = 0,
     ) -> None:
         self.model = model
@@ -83,6 +84,9 @@ class PolicyTrainer:
         self.policy_loss = policy_loss
         self.kl_estimator = kl_estimator
         self.correction = correction
+        # With adapters, the reference is the policy with its adapters off (a context
+        # manager factory), so no second copy of the model is kept.
+        self.reference = reference
         self.s = settings
         self.optimizer, self.scheduler = build_optimizer(model, settings)
         self.shuffle = torch.Generator().manual_seed(seed + 7)
@@ -104,7 +108,19 @@ class PolicyTrainer:
                 micro_batch_size=self.s.micro_batch_size,
             )
 
+    @property
+    def has_reference(self) -> bool:
+        return self.ref_model is not None or self.reference is not None
+
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+        if self.ref_model is None and self.reference is not None:
+            with self.reference(), self._autocast():
+                return compute_logprobs(
+                    self.model,
+                    batch,
+                    temperature=self.s.temperature,
+                    micro_batch_size=self.s.micro_batch_size,
+                )
         if self.ref_model is None:
             return None
         with self._autocast():
@@ -236,7 +252,7 @@ class PolicyTrainer:
             return 0.0
         cfg = self.model.config
         n_params = sum(p.numel() for n, p in self.model.named_parameters() if "embed" not in n)
-        passes = 1 + (self.ref_model is not None)
+        passes = 1 + self.has_reference
         fwd = flops_per_token(n_params, cfg.num_hidden_layers, cfg.hidden_size, seq, training=False)
         train = flops_per_token(
             n_params, cfg.num_hidden_layers, cfg.hidden_size, seq, training=True

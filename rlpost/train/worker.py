@@ -58,11 +58,14 @@ class WeightsExport:
 class TrainerWorker:
     """Actor (policy trainer), reference policy and optional critic of one run."""
 
-    def __init__(self, trainer: PolicyTrainer, tokenizer, *, critic=None, version: int = 0) -> None:
+    def __init__(
+        self, trainer: PolicyTrainer, tokenizer, *, critic=None, version: int = 0, lora=False
+    ) -> None:
         self.trainer = trainer
         self.tokenizer = tokenizer
         self.critic = critic
         self._version = version
+        self.lora = lora  # the policy carries peft adapters (rlpost.models.lora)
 
     # ------------------------------------------------------------- queries
 
@@ -72,7 +75,7 @@ class TrainerWorker:
             "pad_token_id": self.tokenizer.pad_token_id,
             "eos_token_id": self.tokenizer.eos_token_id,
             "has_critic": self.critic is not None,
-            "has_reference": self.trainer.ref_model is not None,
+            "has_reference": self.trainer.has_reference,
             "version": self._version,
         }
 
@@ -115,6 +118,18 @@ class TrainerWorker:
 
     def export_weights(self) -> WeightsExport:
         """The policy's current weights, tagged with their version (no copy in this process)."""
+        if self.lora:  # engines serve plain weights: the adapters folded in, base names
+            from rlpost.models.lora import merged_weights
+
+            merged = merged_weights(self.trainer.model)
+            base = self.trainer.model.get_base_model()
+            # named_parameters lists a tied weight once, as engines expect
+            names = [
+                n.replace(".base_layer.", ".")
+                for n, _ in base.named_parameters()
+                if "lora_" not in n
+            ]
+            return WeightsExport(self._version, [(n, merged[n]) for n in names])
         tensors = [(n, p.detach()) for n, p in self.trainer.model.named_parameters()]
         return WeightsExport(self._version, tensors)
 
@@ -130,7 +145,10 @@ class TrainerWorker:
         """Write the policy (an HF directory with the tokenizer), the reference and the
         optimizer / scheduler / generator / critic state into ``directory``."""
         d = Path(directory)
-        self.trainer.model.save_pretrained(d / "model")
+        if self.lora:
+            self._save_lora(d)
+        else:
+            self.trainer.model.save_pretrained(d / "model")
         self.tokenizer.save_pretrained(d / "model")
         if self.trainer.ref_model is not None:
             self.trainer.ref_model.save_pretrained(d / "ref_model")
@@ -148,7 +166,12 @@ class TrainerWorker:
 
         d = Path(directory)
         base_lrs = list(self.trainer.scheduler.base_lrs)
-        self.trainer.model.load_state_dict(load_causal_lm(d / "model").state_dict())
+        if self.lora:
+            from rlpost.models.lora import load_adapters
+
+            load_adapters(self.trainer.model, d / "adapter")
+        else:
+            self.trainer.model.load_state_dict(load_causal_lm(d / "model").state_dict())
         ref = self.trainer.ref_model
         if ref is not None and (d / "ref_model").is_dir():
             ref.load_state_dict(load_causal_lm(d / "ref_model").state_dict())
@@ -162,6 +185,21 @@ class TrainerWorker:
             self.trainer.scheduler.base_lrs = base_lrs
         self._version = version
         return version
+
+    def _save_lora(self, d: Path) -> None:
+        """``adapter/`` in peft's format (what a resume loads) and ``model/``, the merged
+        weights as an ordinary HF checkpoint (what ``model.path`` and engines load)."""
+        from rlpost.models.lora import merged_weights, save_adapters
+
+        model = self.trainer.model
+        save_adapters(model, d / "adapter")
+        base = model.get_base_model()
+        with torch.random.fork_rng(devices=[]):  # building it must not move the run's streams
+            plain = type(base)(base.config)
+        missing, unexpected = plain.load_state_dict(merged_weights(model), strict=False)
+        if unexpected or [k for k in missing if k in dict(plain.named_parameters())]:
+            raise RuntimeError(f"merged LoRA weights do not fit the base model: {missing[:3]}")
+        plain.save_pretrained(d / "model")
 
     def close(self) -> None:
         """Nothing to release in process; present so every worker closes the same way."""
