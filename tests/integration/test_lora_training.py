@@ -7,9 +7,9 @@ import pytest
 
 pytest.importorskip("peft", reason="LoRA needs the [lora] extra (peft)")
 
-from rlpost.config import load_config  # noqa: E402
-from rlpost.models.loading import load_causal_lm  # noqa: E402
-from rlpost.pipeline.loop import train  # noqa: E402
+from rlpost.config import load_config
+from rlpost.models.loading import load_causal_lm
+from rlpost.pipeline.loop import train
 
 
 def _cfg(tmp_path, *extra):
