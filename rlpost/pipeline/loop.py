@@ -337,10 +337,11 @@ def _write_samples(r: Run, step: int, groups) -> None:
 
 
 def _sync(r: Run) -> tuple[int, float, float]:
-    """Send the trainer's weights to the rollout worker: (version, seconds, bytes)."""
+    """Send the trainer's weights to the rollout worker the way every step does (the sync
+    layer's codec when one is set): (version, seconds, bytes)."""
     start = time.perf_counter()
     export = r.w.trainer.export_weights()
-    r.w.rollout.load_weights(export.tensors, export.version)
+    r.deliver(export.tensors, export.version)
     return export.version, time.perf_counter() - start, float(export.bytes)
 
 
