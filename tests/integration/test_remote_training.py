@@ -69,3 +69,32 @@ def test_partial_rollout_over_http_continues_carried_samples(tmp_path, tiny_dir)
     assert max(r["sample_lag_max"] for r in rows) >= 1  # a carried sample spans versions
     for r in rows:
         assert r["logprob_gap"] < 0.5 and r["truncated_frac"] <= 1.0
+
+
+def test_async_mode_against_a_server_keeps_the_bound(tmp_path, tiny_dir):
+    """The overlapped loop drives remote servers too: weights stream in while they generate."""
+    proc, url = start_server(tiny_dir, "--max-tokens-limit", "64")
+    try:
+        over = small_overrides(
+            tmp_path,
+            **{
+                "model.path": str(tiny_dir),
+                "rollout.engine": "remote",
+                "rollout.servers": json.dumps([url]),
+                "pipeline.mode": "async",
+                "pipeline.max_staleness": 2,
+                "cluster.backend": "local",
+                "algo.rollout_correction.name": "tis",
+                "train.steps": 5,
+                "sft.steps": 3,
+                "eval.every": 0,
+            },
+        )
+        result = train(load_config(None, over))
+    finally:
+        stop_server(proc)
+    rows = [h for h in result.history if "loss" in h]
+    assert len(rows) == 5 and sum(r["prompts"] for r in rows) == 5 * 4
+    assert max(r["sample_lag_max"] for r in rows) <= 2
+    assert max(r["sample_lag_max"] for r in rows) >= 1  # the rollout ran ahead
+    assert all(0.0 < r["is_weight_mean"] for r in rows)
