@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from rlpost.algos import AdaptiveKLController, FixedKLController
+from rlpost.algos import ADVANTAGES, AdaptiveKLController, FixedKLController
 from rlpost.config import Config
 from rlpost.data import PromptSampler
 from rlpost.observe import Guards, Recorder
@@ -184,6 +184,7 @@ def rl_step(r: Run, params, step: int) -> tuple[dict, list]:
         dynamic_sampling=cfg.algo.dynamic_sampling,
         max_sampling_rounds=cfg.algo.max_sampling_rounds,
         partial=cfg.rollout.partial,
+        greedy_baseline=ADVANTAGES.trait(cfg.algo.advantage, "needs_greedy_baseline"),
     )
     out = rollout_stage(
         r.w.rollout, r.w.reward, r.sampler, params, settings, last=step + 1 >= cfg.train.steps
