@@ -46,8 +46,8 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from rlpost.models.loading import load_causal_lm, load_tokenizer
 from rlpost.models.tiny import save_tiny_checkpoint
-from rlpost.rollout.hf_engine import HFEngine
 from rlpost.rollout.continuous import ContinuousEngine
+from rlpost.rollout.hf_engine import HFEngine
 from rlpost.rollout.longtail import PartialRollout
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.rollout.remote_engine import RemoteEngine

@@ -3,8 +3,8 @@
 import copy
 import threading
 import time
-from dataclasses import replace
 from concurrent.futures import CancelledError
+from dataclasses import replace
 
 import pytest
 import torch
