@@ -341,11 +341,12 @@ class AdvantageParams(Section):
     default; setting one the chosen estimator does not take is refused at load."""
 
     norm_by_std: bool | None = None
-    """grpo: divide by the std (False: Dr.GRPO's centred score)."""
+    """grpo, grpo_passk: divide by the group std (False: Dr.GRPO's centred score)."""
     std_scope: Literal["group", "batch"] | None = None
     """grpo: the std of each group (default) or of the whole batch (TRL's scale_rewards=batch)."""
     eps: float | None = Field(None, ge=0.0)
-    """grpo: added to the std before dividing (default 1e-6)."""
+    """grpo, grpo_passk, gdpo: added to the std before dividing (1e-6); optimal_token_baseline:
+    added to the baseline's denominator (1e-8)."""
     gamma: float | None = Field(None, ge=0.0, le=1.0)
     """reinforce_pp, gae, vapo_gae: discount (default 1.0)."""
     lam: float | None = Field(None, ge=0.0, le=1.0)
@@ -365,9 +366,11 @@ class LossParams(Section):
     docs/algorithms.md); setting one the chosen loss does not take is refused at load."""
 
     clip_low: float | None = Field(None, ge=0.0, le=1.0)
-    """ppo_clip, dapo, gspo, cispo: lower ratio clip 1 - clip_low (0.2; gspo 3e-4; cispo 1.0 = none)."""
+    """ppo_clip, dapo, gspo, cispo, clip_cov: lower ratio clip 1 - clip_low (0.2; gspo 3e-4; cispo
+    1.0 = none); gmpo: lower log-ratio clip -clip_low (0.4)."""
     clip_high: float | None = Field(None, ge=0.0)
-    """ppo_clip, dapo, gspo, cispo: upper ratio clip 1 + clip_high (0.2; dapo and cispo 0.28; gspo 4e-4)."""
+    """ppo_clip, dapo, gspo, cispo, clip_cov: upper ratio clip 1 + clip_high (0.2; dapo and cispo
+    0.28; gspo 4e-4); gmpo: upper log-ratio clip (0.4)."""
     clip_ratio_c: float | None = Field(None, gt=1.0)
     """ppo_clip, dapo: dual-clip bound c on the loss of negative-advantage tokens (3.0)."""
     dual_clip: bool | None = None
@@ -379,13 +382,27 @@ class LossParams(Section):
     tau_neg: float | None = Field(None, gt=0.0)
     """sapo: gate temperature for negative advantages (1.05)."""
     divergence: Literal["binary_kl", "tv"] | None = None
-    """flash_reinforce: trust-region divergence between trainer and engine (binary_kl)."""
+    """flash_reinforce: trust-region divergence between trainer and engine; dppo: between the
+    current and the sampling policy (binary_kl)."""
     tr_kl: float | None = Field(None, gt=0.0)
-    """flash_reinforce: binary-KL trust-region threshold (0.05)."""
+    """flash_reinforce, dppo: binary-KL trust-region threshold (0.05)."""
     tr_tv: float | None = Field(None, gt=0.0)
-    """flash_reinforce: total-variation trust-region threshold (0.2)."""
+    """flash_reinforce, dppo: total-variation trust-region threshold (0.2)."""
     is_cap: float | None = Field(None, gt=0.0)
-    """flash_reinforce: cap of the truncated importance weight (2.0)."""
+    """flash_reinforce, dppo: cap of the truncated importance weight (2.0; dppo 20.0)."""
+    reg_coef: float | None = Field(None, ge=0.0)
+    """dro: coefficient of the squared log-ratio penalty reg_coef/2 (lp - old)^2 (1.0)."""
+    kl_cov_ratio: float | None = Field(None, gt=0.0, le=1.0)
+    """kl_cov: fraction of valid tokens, highest advantage-logprob covariance first, that get the
+    KL penalty (2e-4)."""
+    ppo_kl_coef: float | None = Field(None, ge=0.0)
+    """kl_cov: coefficient of |lp - old| on the selected tokens (1.0)."""
+    clip_cov_ratio: float | None = Field(None, gt=0.0, le=1.0)
+    """clip_cov: fraction of valid tokens whose gradient is removed (2e-4)."""
+    clip_cov_lb: float | None = None
+    """clip_cov: lower bound of the covariance band tokens are chosen from (1.0)."""
+    clip_cov_ub: float | None = None
+    """clip_cov: upper bound of the covariance band tokens are chosen from (5.0)."""
 
     def given(self) -> dict[str, Any]:
         """The parameters set explicitly (passed to the loss as keywords)."""
@@ -425,6 +442,9 @@ class AlgoConfig(Section):
     """Importance correction for samples from older weights or another engine's numerics."""
     entropy_coef: float = Field(0.0, ge=0.0)
     """Entropy bonus coefficient."""
+    nll_coef: float = Field(0.0, ge=0.0)
+    """Coefficient of an NLL (language-model) loss on the rewarded samples (score > 0), averaged
+    over their tokens: VAPO's positive-example LM loss (0: off; VAPO uses 0.1)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and sample more until the batch is full."""
     max_sampling_rounds: int = Field(3, ge=1)

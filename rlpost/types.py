@@ -84,6 +84,7 @@ class Group:
     scores: list[float] | None = None
     components: dict[str, list[float]] = field(default_factory=dict)
     invalid: list[bool] | None = None
+    baseline_score: float | None = None  # reward of a greedy answer to the prompt (ReMax)
 
     @property
     def n(self) -> int:

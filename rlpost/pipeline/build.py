@@ -86,7 +86,17 @@ def check_names(cfg: Config) -> None:
 
 
 # Keyword parameters every estimator or loss takes from the caller, not from the config.
-_CALLER_PARAMS = {"values", "agg", "rollout_logprobs", "ref_logprobs"}
+_CALLER_PARAMS = {
+    "values",
+    "agg",
+    "rollout_logprobs",
+    "ref_logprobs",
+    "selected",
+    "components",
+    "baseline_scores",
+    "old_logprobs",
+    "sum_pi_squared",
+}
 
 
 def _check_params(key: str, name: str, fn, params: dict) -> None:
@@ -267,6 +277,7 @@ def build_trainer(cfg: Config, model) -> PolicyTrainer:
         loss_agg_mode=a.loss_agg_mode,
         norm_constant=float(cfg.rollout.max_tokens),
         entropy_coef=a.entropy_coef,
+        nll_coef=a.nll_coef,
         kl_in_loss=a.kl.placement == "loss",
         bf16=cfg.model.dtype == "bfloat16",
         loss_params=a.loss_params.given(),
@@ -288,6 +299,7 @@ def build_trainer(cfg: Config, model) -> PolicyTrainer:
         kl_estimator=get_kl_estimator(a.kl.estimator),
         correction=None if c.name == "none" else get_correction(c.name),
         reference=reference,
+        token_selector=POLICY_LOSSES.trait(a.policy_loss, "token_selector", None),
         seed=cfg.run.seed,
     )
 

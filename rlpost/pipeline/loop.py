@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from rlpost.algos import AdaptiveKLController, FixedKLController
+from rlpost.algos import ADVANTAGES, AdaptiveKLController, FixedKLController
 from rlpost.config import Config
 from rlpost.data import PromptSampler
 from rlpost.observe import Guards, Recorder
@@ -216,6 +216,7 @@ def _feed(r: Run, source: PromptSource, step: int):
         dynamic_sampling=cfg.algo.dynamic_sampling,
         max_sampling_rounds=cfg.algo.max_sampling_rounds,
         partial=cfg.rollout.partial,
+        greedy_baseline=ADVANTAGES.trait(cfg.algo.advantage, "needs_greedy_baseline"),
     )
     params = build.sampling_params(cfg, r.eos_id)
     if p.mode == "sync":

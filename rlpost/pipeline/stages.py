@@ -14,11 +14,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from rlpost.algos import (
+    ADVANTAGES,
     get_advantage_estimator,
     get_kl_estimator,
     kl_penalized_rewards,
@@ -69,6 +70,7 @@ class RolloutSettings:
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 1
     partial: bool = False
+    greedy_baseline: bool = False  # ReMax: also answer each kept prompt greedily, score it
 
 
 def rollout_stage(
@@ -103,7 +105,22 @@ def rollout_stage(
             break
     if not kept:  # every group was flat in every round: train on the last round (zero advantage)
         kept = groups
+    if s.greedy_baseline:
+        kept = greedy_baselines(rollout, reward, kept, params)
     return RolloutOutput(kept, rounds, stats, time.perf_counter() - t0)
+
+
+def greedy_baselines(
+    rollout: RolloutAPI, reward: RewardAPI, groups: list[Group], params: SamplingParams
+) -> list[Group]:
+    """The groups with ``baseline_score``: the reward of one greedy answer to each prompt.
+
+    Costs one more generate call of one greedy sample per prompt (a ``1/n`` share
+    of the step's sampling) and its scoring, in the same rollout stage.
+    """
+    greedy = rollout.generate([g.prompt for g in groups], replace(params, temperature=0.0), 1)
+    scored = reward.score(greedy.groups)
+    return [replace(g, baseline_score=b.scores[0]) for g, b in zip(groups, scored, strict=True)]
 
 
 def collate_groups(groups: list[Group], pad_id: int) -> TrainBatch:
@@ -153,7 +170,8 @@ def train_stage(
         batch.old_logprobs = trainer.logprobs(batch, "old")
     batch.ref_logprobs = trainer.logprobs(batch, "ref")
     batch.values = trainer.values(batch)
-    compute_advantages(batch, algo, beta=kl_ctl.beta)
+    inputs = estimator_inputs(groups, batch, trainer, algo.advantage)
+    compute_advantages(batch, algo, beta=kl_ctl.beta, inputs=inputs)
     critic_stats = trainer.update_critic(batch) if batch.values is not None else {}
     train_policy = batch.values is None or step >= s.critic_warmup_steps
     if batch.old_logprobs is None and not train_policy:
@@ -194,8 +212,39 @@ def train_stage(
     )
 
 
-def compute_advantages(batch: TrainBatch, algo: AlgoConfig, *, beta: float) -> None:
-    """Fill token_level_rewards, advantages and returns (KL in the reward when so placed)."""
+def estimator_inputs(
+    groups: list[Group], batch: TrainBatch, trainer: TrainerAPI, name: str
+) -> dict[str, torch.Tensor]:
+    """The extra inputs the estimator's traits ask for (see ``algos/advantages_extra.py``)."""
+    inputs: dict[str, torch.Tensor] = {}
+    if ADVANTAGES.trait(name, "needs_components"):
+        terms = sorted({k for g in groups for k in g.components})
+        rows = [
+            [g.components.get(k, [math.nan] * g.n)[i] for k in terms]
+            for g in groups
+            for i in range(g.n)
+        ]
+        inputs["components"] = torch.tensor(rows, dtype=torch.float64).reshape(len(batch), -1)
+    if ADVANTAGES.trait(name, "needs_greedy_baseline"):
+        if any(g.baseline_score is None for g in groups):
+            raise ValueError(f"advantage estimator {name!r} needs the rollout's greedy baselines")
+        inputs["baseline_scores"] = torch.tensor(
+            [g.baseline_score for g in groups for _ in range(g.n)], dtype=torch.float64
+        )
+    if ADVANTAGES.trait(name, "needs_sum_pi_squared"):
+        if batch.old_logprobs is None:
+            batch.old_logprobs = trainer.logprobs(batch, "old")
+        inputs["old_logprobs"] = batch.old_logprobs
+        inputs["sum_pi_squared"] = trainer.logprobs(batch, "sum_pi_squared")
+    return inputs
+
+
+def compute_advantages(
+    batch: TrainBatch, algo: AlgoConfig, *, beta: float, inputs: dict | None = None
+) -> None:
+    """Fill token_level_rewards, advantages and returns (KL in the reward when so placed).
+
+    ``inputs``: extra keyword inputs of the estimator (:func:`estimator_inputs`)."""
     mask = batch.response_mask
     rewards = scores_to_token_rewards(batch.scores, mask)
     if batch.ref_logprobs is not None and algo.kl.placement == "reward":
@@ -210,7 +259,12 @@ def compute_advantages(batch: TrainBatch, algo: AlgoConfig, *, beta: float) -> N
     batch.token_level_rewards = rewards
     estimator = get_advantage_estimator(algo.advantage)
     batch.advantages, batch.returns = estimator(
-        rewards, mask, batch.group, values=batch.values, **algo.advantage_params.given()
+        rewards,
+        mask,
+        batch.group,
+        values=batch.values,
+        **(inputs or {}),
+        **algo.advantage_params.given(),
     )
 
 

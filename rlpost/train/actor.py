@@ -40,10 +40,30 @@ class ActorSettings:
     loss_agg_mode: str = "token-mean"
     norm_constant: float | None = None
     entropy_coef: float = 0.0
+    nll_coef: float = 0.0
     kl_in_loss: bool = True
     bf16: bool = False
     loss_params: dict[str, Any] = field(default_factory=dict)
     correction_params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class MinibatchAux:
+    """Per-mini-batch inputs beyond the loss denominators, sliced per micro-batch.
+
+    ``selected``: ``[B, T]`` tokens chosen by the loss's token selector (None: no
+    selector). ``rewarded``: ``[B, 1]`` 1.0 for samples with score > 0 and
+    ``nll_agg`` the token-mean over their tokens in the mini-batch (NLL term).
+    """
+
+    selected: torch.Tensor | None = None
+    rewarded: torch.Tensor | None = None
+    nll_agg: Aggregation | None = None
+
+    def rows(self, micro_rows: torch.Tensor) -> MinibatchAux:
+        selected = None if self.selected is None else self.selected[micro_rows]
+        rewarded = None if self.rewarded is None else self.rewarded[micro_rows]
+        return MinibatchAux(selected, rewarded, self.nll_agg)
 
 
 def warmup_lambda(warmup_steps: int):
@@ -77,9 +97,13 @@ class PolicyTrainer:
         kl_estimator=None,
         correction=None,
         reference=None,
+        token_selector=None,
         seed: int = 0,
     ) -> None:
         self.model = model
+        # A loss that treats tokens chosen over the whole batch (KL-Cov, Clip-Cov) gets its
+        # choice made once per mini-batch here, so micro-batch splits cannot change it.
+        self.token_selector = token_selector
         self.ref_model = ref_model
         self.policy_loss = policy_loss
         self.kl_estimator = kl_estimator
@@ -131,6 +155,21 @@ class PolicyTrainer:
                 micro_batch_size=self.s.micro_batch_size,
             )
 
+    @torch.no_grad()
+    def sum_pi_squared(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B, T]`` ``sum_v pi(v)^2`` of the policy (at the sampling temperature) at each
+        response position; the optimal token baseline's path-variance input."""
+        was_training = self.model.training
+        self.model.eval()
+        chunks = []
+        for lo in range(0, len(batch), self.s.micro_batch_size):
+            mb = batch.select(torch.arange(lo, min(lo + self.s.micro_batch_size, len(batch))))
+            with self._autocast():
+                logits = response_logits(self.model, mb).float() / self.s.temperature
+            chunks.append(torch.softmax(logits, dim=-1).pow(2).sum(-1))
+        self.model.train(was_training)
+        return torch.cat(chunks, dim=0)
+
     # -------------------------------------------------------------- update
 
     def single_update(self, batch_size: int) -> bool:
@@ -155,6 +194,9 @@ class PolicyTrainer:
             raise ValueError(
                 "update() needs batch.old_logprobs when it makes more than one optimizer step"
             )
+        if fill_old and self.token_selector is not None:
+            batch.old_logprobs = self.old_logprobs(batch)  # the selector needs them up front
+            fill_old = False
         if fill_old:
             batch.old_logprobs = torch.zeros_like(batch.response_mask)
         self.model.train()
@@ -175,10 +217,11 @@ class PolicyTrainer:
         mask = batch.response_mask[rows]
         agg = Aggregation.for_minibatch(mask, self.s.loss_agg_mode, self.s.norm_constant)
         total_tokens = float(mask.sum().clamp(min=1))
+        aux = self._minibatch_aux(batch, rows)
 
         def micro_loss(micro_rows: torch.Tensor):
             micro = batch.select(micro_rows)
-            loss, stats = self._micro_loss(micro, agg, beta, fill_old)
+            loss, stats = self._micro_loss(micro, agg, beta, fill_old, aux.rows(micro_rows))
             if fill_old:
                 batch.old_logprobs[micro_rows] = micro.old_logprobs
             weight = float(micro.response_mask.sum()) / total_tokens
@@ -197,7 +240,31 @@ class PolicyTrainer:
             self.skipped_updates += 1
         return {**outcome.as_dict(), "loss": outcome.loss}
 
-    def _micro_loss(self, micro: TrainBatch, agg: Aggregation, beta: float, fill_old: bool = False):
+    def _minibatch_aux(self, batch: TrainBatch, rows: torch.Tensor) -> MinibatchAux:
+        """What is decided once per mini-batch besides the loss denominators."""
+        aux = MinibatchAux()
+        mask = batch.response_mask[rows]
+        if self.token_selector is not None:
+            chosen = self.token_selector(
+                batch.old_logprobs[rows], batch.advantages[rows], mask, **self.s.loss_params
+            )
+            aux.selected = torch.zeros_like(batch.response_mask, dtype=torch.bool)
+            aux.selected[rows] = chosen
+        if self.s.nll_coef > 0:
+            aux.rewarded = (batch.scores > 0).to(batch.response_mask.dtype)[:, None]
+            rewarded_mask = mask * aux.rewarded[rows]
+            aux.nll_agg = Aggregation.for_minibatch(rewarded_mask, "token-mean")
+        return aux
+
+    def _micro_loss(
+        self,
+        micro: TrainBatch,
+        agg: Aggregation,
+        beta: float,
+        fill_old: bool = False,
+        aux: MinibatchAux | None = None,
+    ):
+        aux = aux if aux is not None else MinibatchAux()
         mask = micro.response_mask
         with self._autocast():
             logits = response_logits(self.model, micro)
@@ -221,6 +288,7 @@ class PolicyTrainer:
             agg=agg,
             rollout_logprobs=micro.rollout_logprobs,
             ref_logprobs=micro.ref_logprobs,
+            **({"selected": aux.selected} if aux.selected is not None else {}),
             **self.s.loss_params,
         )
         loss = out.loss
@@ -229,6 +297,11 @@ class PolicyTrainer:
         if beta > 0 and self.s.kl_in_loss and micro.ref_logprobs is not None:
             kl = agg.reduce(self.kl_estimator(logprobs, micro.ref_logprobs), mask)
             loss = loss + beta * kl
+        if self.s.nll_coef > 0 and aux.nll_agg is not None:
+            rewarded = mask * aux.rewarded
+            nll = aux.nll_agg.reduce(-logprobs, rewarded)
+            loss = loss + self.s.nll_coef * nll
+            stats["nll_loss"] = float(nll.detach())
         if self.s.entropy_coef > 0:
             entropy = agg.reduce(entropy_from_logits(logits.float() / self.s.temperature), mask)
             loss = loss - self.s.entropy_coef * entropy

@@ -89,12 +89,16 @@ class TrainerWorker:
 
     def logprobs(self, batch: TrainBatch, which: str = "old") -> torch.Tensor | None:
         """``[B, T]`` logprobs of the batch's responses under the current policy (``old``)
-        or the reference (``ref``; None when no reference is kept)."""
+        or the reference (``ref``; None when no reference is kept); ``sum_pi_squared``:
+        the current policy's ``sum_v pi(v)^2`` at each response position (the optimal
+        token baseline's input, from the same forward pass as ``old``)."""
         if which == "old":
             return self.trainer.old_logprobs(batch)
         if which == "ref":
             return self.trainer.ref_logprobs(batch)
-        raise ValueError(f"logprobs(which={which!r}): use 'old' or 'ref'")
+        if which == "sum_pi_squared":
+            return self.trainer.sum_pi_squared(batch)
+        raise ValueError(f"logprobs(which={which!r}): use 'old', 'ref' or 'sum_pi_squared'")
 
     def values(self, batch: TrainBatch) -> torch.Tensor | None:
         """``[B, T]`` critic values (None without a critic)."""

@@ -303,13 +303,26 @@ def test_input_validation():
         get_advantage_estimator("grpoo")
 
 
+def extra_inputs(name, batch, width):
+    """The caller-supplied inputs an estimator's traits ask for, with gradients on."""
+    out = {}
+    if ADVANTAGES.trait(name, "needs_components"):
+        out["components"] = torch.rand(batch, 2, requires_grad=True)
+    if ADVANTAGES.trait(name, "needs_greedy_baseline"):
+        out["baseline_scores"] = torch.rand(batch, requires_grad=True)
+    if ADVANTAGES.trait(name, "needs_sum_pi_squared"):
+        out["old_logprobs"] = (-torch.rand(batch, width)).requires_grad_(True)
+        out["sum_pi_squared"] = torch.rand(batch, width, requires_grad=True)
+    return out
+
+
 @pytest.mark.parametrize("name", ADVANTAGES.names())
 def test_no_gradient_and_zero_padding(name):
     rewards, mask = outcome_batch([1.0, 0.0, 2.0, 1.0], [5, 2, 3, 4])
     rewards.requires_grad_(True)
     values = torch.randn(4, 5, requires_grad=True)
     adv, ret = get_advantage_estimator(name)(
-        rewards, mask, torch.tensor([0, 0, 1, 1]), values=values
+        rewards, mask, torch.tensor([0, 0, 1, 1]), values=values, **extra_inputs(name, 4, 5)
     )
     assert not adv.requires_grad and not ret.requires_grad
     assert torch.equal(adv * (1 - mask), torch.zeros_like(adv))

@@ -200,6 +200,15 @@ def loss_kwargs(name, rollout):
     return {"rollout_logprobs": rollout} if name == "flash_reinforce" else {}
 
 
+def selected_kwargs(name, lp, adv, mask):
+    """A selector loss's tokens, chosen once over the whole mini-batch as the trainer does."""
+    select = POLICY_LOSSES.trait(name, "token_selector", None)
+    if select is None:
+        return lambda part: {}
+    chosen = select(lp.detach(), adv, mask, kl_cov_ratio=0.2, clip_cov_ratio=0.2, clip_cov_lb=0.0)
+    return lambda part: {"selected": chosen[part]}
+
+
 @pytest.mark.parametrize("name", POLICY_LOSSES.names())
 def test_gradients_flow_only_through_logprobs(name):
     lp, old, adv, mask, rollout = random_batch(4)
@@ -242,7 +251,13 @@ def test_masked_tokens_change_nothing(name):
 def test_micro_batch_invariance(name, mode):
     lp, old, adv, mask, rollout = random_batch(6)
     agg = Aggregation.for_minibatch(mask, mode=mode)
-    full, full_grad = run(name, lp, old, adv, mask, agg, **loss_kwargs(name, rollout))
+    selected = selected_kwargs(name, lp, adv, mask)
+    everything = slice(0, 6)
+    full, full_grad = run(
+        name, lp, old, adv, mask, agg, **loss_kwargs(name, rollout), **selected(everything)
+    )
+    if selected(everything):
+        assert selected(everything)["selected"].any()
     total, grads = torch.zeros(()), []
     for part in (slice(0, 2), slice(2, 3), slice(3, 6)):
         out, grad = run(
@@ -253,6 +268,7 @@ def test_micro_batch_invariance(name, mode):
             mask[part],
             agg,
             **loss_kwargs(name, rollout[part]),
+            **selected(part),
         )
         total, grads = total + out.loss.detach(), [*grads, grad]
     torch.testing.assert_close(total, full.loss.detach(), rtol=1e-5, atol=1e-6)

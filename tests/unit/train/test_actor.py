@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from rlpost.algos import (
+    POLICY_LOSSES,
     get_advantage_estimator,
     get_kl_estimator,
     get_policy_loss,
@@ -143,3 +144,69 @@ def test_rollout_correction_weights_the_loss_and_masks_tokens(tiny):
     assert masked["is_masked_frac"] == pytest.approx(1.0) and masked["pg_loss"] == 0.0
     for p, q in zip(model.parameters(), m_masked.parameters(), strict=True):
         torch.testing.assert_close(p, q)  # no gradient, no move (AdamW without weight decay)
+
+
+def _selector_trainer(model, name, micro, **kw):
+    s = ActorSettings(
+        lr=1e-3, mini_batch_size=16, micro_batch_size=micro, loss_params=kw.pop("params", {}), **kw
+    )
+    return PolicyTrainer(
+        model,
+        get_policy_loss(name),
+        s,
+        token_selector=POLICY_LOSSES.trait(name, "token_selector", None),
+    )
+
+
+@pytest.mark.parametrize("name", ["kl_cov", "clip_cov"])
+def test_token_selection_is_made_per_mini_batch_so_micro_splits_agree(tiny, name):
+    model, tok = tiny
+    a, c = copy.deepcopy(model), copy.deepcopy(model)
+    b = _batch(a, tok)
+    params = (
+        {"kl_cov_ratio": 0.1} if name == "kl_cov" else {"clip_cov_ratio": 0.1, "clip_cov_lb": 0.0}
+    )
+    ta, tc = (
+        _selector_trainer(a, name, 16, params=params),
+        _selector_trainer(c, name, 3, params=params),
+    )
+    b.old_logprobs = ta.old_logprobs(b)
+    sa, sc = ta.update(copy.deepcopy(b)), tc.update(copy.deepcopy(b))
+    assert sa["clip_frac"] > 0 and sa["clip_frac"] == pytest.approx(sc["clip_frac"], abs=1e-6)
+    for p, q in zip(a.parameters(), c.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-5)
+
+
+def test_token_selector_gets_old_logprobs_on_a_single_update(tiny):
+    model, tok = tiny
+    m = copy.deepcopy(model)
+    b = _batch(m, tok)
+    tr = _selector_trainer(m, "kl_cov", 5)
+    explicit = tr.old_logprobs(b)
+    assert tr.single_update(len(b))
+    b.old_logprobs = None
+    tr.update(b)
+    torch.testing.assert_close(b.old_logprobs * b.response_mask, explicit * b.response_mask)
+
+
+def test_nll_term_on_rewarded_samples(tiny):
+    model, tok = tiny
+    a, c, d = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+    b = _batch(a, tok)
+    b.advantages = torch.zeros_like(b.advantages)  # only the NLL term moves the policy
+    ta, tc = _trainer(a, nll_coef=1.0), _trainer(c, nll_coef=1.0, micro=3)
+    b.old_logprobs = ta.old_logprobs(b)
+    rewarded = (b.scores > 0)[:, None] & (b.response_mask > 0)
+    nll = -(b.old_logprobs * rewarded).sum() / rewarded.sum()
+    stats = ta.update(copy.deepcopy(b))
+    tc.update(copy.deepcopy(b))
+    assert stats["nll_loss"] == pytest.approx(float(nll), rel=1e-4)
+    for p, q in zip(a.parameters(), c.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-5)  # micro-batch invariant
+    after = ta.old_logprobs(b)
+    pos, neg = b.scores > 0, b.scores <= 0
+    gain = ((after - b.old_logprobs) * b.response_mask).sum(1)
+    assert gain[pos].mean() > 0  # rewarded answers became more likely
+    off = _trainer(d)
+    assert "nll_loss" not in off.update(copy.deepcopy(b))
+    assert gain[neg].abs().mean() < gain[pos].mean()
