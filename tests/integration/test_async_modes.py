@@ -110,3 +110,27 @@ def test_a_lost_rollout_worker_stops_the_run_in_one_line_with_a_checkpoint(tmp_p
     assert "rollout stopped" in message and "--resume" in message and "\n" not in message
     latest = (tmp_path / "lost" / "checkpoints" / "latest").read_text()
     assert int(latest.split("_")[1]) >= 2
+
+
+def test_a_crash_and_resume_trains_every_prompt_exactly_once(tmp_path):
+    # A crash (no final checkpoint) in the middle of step 4: the resume starts from the
+    # step-3 checkpoint, whose pending prompts (generated ahead, not trained) come first.
+    whole = Trained()
+    train(
+        _cfg(tmp_path, "whole", "pipeline.mode=async", "pipeline.max_staleness=2"), on_groups=whole
+    )
+    first = Trained()
+
+    def crash_at_four(step, groups):
+        if step == 4:
+            raise RuntimeError("machine lost")
+        first(step, groups)
+
+    cfg = _cfg(tmp_path, "crash", "pipeline.mode=async", "pipeline.max_staleness=2")
+    with pytest.raises(RuntimeError, match="machine lost"):
+        train(cfg, on_groups=crash_at_four)
+    rest = Trained()
+    train(cfg, resume=tmp_path / "crash", on_groups=rest)
+    assert sorted(first.prompts) == [1, 2, 3] and sorted(rest.prompts) == [4, 5, 6]
+    resumed = {**first.prompts, **rest.prompts}
+    assert [resumed[s] for s in range(1, 7)] == [whole.prompts[s] for s in range(1, 7)]
