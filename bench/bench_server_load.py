@@ -148,7 +148,7 @@ async def trickler(host: str, port: int, every_s: float, stop: asyncio.Event, re
                         report.tricklers_cut += 1
                         break
                 except TimeoutError:
-                    pass
+                    pass  # the server said nothing yet: send the next byte
         except (ConnectionError, OSError):
             report.tricklers_cut += 1
         finally:

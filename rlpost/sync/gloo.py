@@ -116,7 +116,7 @@ class GlooTransport:
         try:
             self._send("close", {"op": "close"})
         except SyncError:
-            pass
+            pass  # receivers that are already gone have nothing left to close
 
     def _forget(self) -> None:
         """Delete the keys of messages every receiver has read, so the store does not grow."""

@@ -134,7 +134,7 @@ class HttpTransport:
             try:  # best effort: the server also drops a session that stays idle
                 self.http.post(f"/v1/sync/{self.session}/abort", timeout=5.0)
             except httpx.HTTPError:
-                pass
+                pass  # an unreachable server cannot hold the session open either
 
     def close(self) -> None:
         self.http.close()

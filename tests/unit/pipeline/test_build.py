@@ -22,7 +22,7 @@ class CountingScorer:
         return [1.0 + self.bonus for _ in samples]
 
     def close(self) -> None:
-        pass
+        """Nothing to release (a real reward model would free its weights here)."""
 
 
 def test_config_check_never_builds_a_batched_reward():
