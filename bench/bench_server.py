@@ -39,7 +39,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -52,6 +51,9 @@ from rlpost.rollout.longtail import PartialRollout
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.rollout.remote_engine import RemoteEngine
 from rlpost.rollout.scheduler import GenerationRequest, Scheduler
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' shared helpers
+import serve_util
 
 
 class LogitBias(torch.nn.Module):
@@ -69,21 +71,8 @@ class LogitBias(torch.nn.Module):
 
 
 def start_server(model_dir: Path, threads: int) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "rlpost.rollout.server", "--model", str(model_dir)]
-    cmd += ["--port", "0", "--threads", str(threads), "--max-batch", "256", "--max-n", "64"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        proc.kill()
-        raise SystemExit(f"rollout server did not start: {line!r}")
-    url = line.split("listening on ")[1].split()[0]
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.1)
-    raise SystemExit("rollout server never became healthy")
+    flags = ["--threads", str(threads), "--max-batch", "256", "--max-n", "64"]
+    return serve_util.start_server(model_dir, *flags)
 
 
 def tokens_per_second(run, expected_tokens: int) -> float:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' shared helpers
+import serve_util
 
 API, ADMIN = "load-test-key", "load-test-admin"
 
@@ -71,26 +73,9 @@ class Report:
 
 
 def start_server(model_dir: Path | None, *flags: str) -> tuple[subprocess.Popen, str]:
-    """One keyed ``rlpost serve`` on 127.0.0.1, a free port; (process, URL)."""
-    cmd = [sys.executable, "-m", "rlpost.rollout.server", "--port", "0", "--threads", "1"]
-    cmd += ["--model", str(model_dir)] if model_dir else []
-    env = {**os.environ, "RLPOST_API_KEY": API, "RLPOST_ADMIN_KEY": ADMIN}
-    proc = subprocess.Popen(
-        [*cmd, *flags], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
-    )
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        proc.kill()
-        raise SystemExit(f"rlpost serve did not start: {line!r}")
-    url = line.split("listening on ")[1].split()[0]
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("rlpost serve never became healthy")
+    """One keyed ``rlpost serve`` on 127.0.0.1, a free port, one thread; (process, URL)."""
+    keys = {"RLPOST_API_KEY": API, "RLPOST_ADMIN_KEY": ADMIN}
+    return serve_util.start_server(model_dir, "--threads", "1", *flags, env=keys)
 
 
 def rss_bytes(pid: int) -> int:

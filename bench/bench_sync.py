@@ -52,7 +52,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -65,6 +64,9 @@ from rlpost.sync.disk import DiskTransport, load_latest
 from rlpost.sync.gloo import GlooLink, GlooTransport, serve_gloo
 from rlpost.sync.transports import HttpTransport, InProcessTransport, TransportOptions
 from rlpost.sync.weight_sync import MB, WeightSync
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' shared helpers
+import serve_util
 
 CODECS = ("none", "bf16", "fp8", "fp8-all", "mxfp4", "bf16+delta")
 TIMEOUT_S = 900.0
@@ -154,19 +156,7 @@ def free_port() -> int:
 
 
 def start_server(model_dir: Path, threads: int) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "rlpost.rollout.server", "--model", str(model_dir), "--port", "0"]
-    proc = subprocess.Popen([*cmd, "--threads", str(threads)], stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        proc.kill()
-        raise SystemExit(f"rlpost serve did not start: {line!r}")
-    url = line.split("listening on ")[1].split()[0]
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.2)
+    return serve_util.start_server(model_dir, "--threads", str(threads))
 
 
 def rss_kb(pid: int, field: str) -> int:

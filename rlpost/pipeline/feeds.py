@@ -39,7 +39,7 @@ from rlpost.rollout.protocol import SamplingParams
 from rlpost.types import Group, Prompt
 
 
-def _loader(rollout: RolloutAPI) -> Callable[[list, int], dict]:
+def direct_loader(rollout: RolloutAPI) -> Callable[[list, int], dict]:
     """Weights straight into the rollout worker (its own copy; no codec)."""
 
     def load(tensors: list, version: int) -> dict:
@@ -109,7 +109,7 @@ class SyncFeed:
     ) -> None:
         self.rollout, self.reward, self.source = rollout, reward, source
         self.params, self.settings = params, settings
-        self.deliver = deliver or _loader(rollout)
+        self.deliver = deliver or direct_loader(rollout)
 
     def next(self, step: int, version: int, last: bool) -> Fed:
         out = rollout_stage(
@@ -166,7 +166,7 @@ class OverlapFeed:
         self.eta, self.queue_batches, self.stale = eta, queue_batches, stale
         self.total_steps = total_steps
         self.defer_weights = defer_weights
-        self.deliver = deliver or _loader(rollout)
+        self.deliver = deliver or direct_loader(rollout)
         self._cond = threading.Condition()
         self._start_state(first_step, version)
 

@@ -36,7 +36,13 @@ from rlpost.observe import Guards, Recorder
 from rlpost.pipeline import build
 from rlpost.pipeline.console import Console
 from rlpost.pipeline.evaluate import evaluate
-from rlpost.pipeline.feeds import OverlapFeed, PromptSource, RolloutFailed, SyncFeed
+from rlpost.pipeline.feeds import (
+    OverlapFeed,
+    PromptSource,
+    RolloutFailed,
+    SyncFeed,
+    direct_loader,
+)
 from rlpost.pipeline.rundir import finish_run, prepare_run_dir, warm_start
 from rlpost.pipeline.stages import RolloutSettings, TrainSettings, train_stage
 from rlpost.pipeline.workers import WorkerLost, Workers
@@ -175,12 +181,7 @@ def _deliverer(cfg: Config, rollout) -> Callable[[list, int], dict]:
     stream to their servers through the sync layer themselves."""
     s = cfg.sync
     if cfg.rollout.engine == "remote" or (s.codec == "none" and not s.delta):
-
-        def load(tensors, version):
-            rollout.load_weights(tensors, version)
-            return {}
-
-        return load
+        return direct_loader(rollout)
     channel = build_weight_sync(s, [rollout])
     return lambda tensors, version: channel.push(tensors, version).metrics()
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -346,10 +347,9 @@ def _sse(payload: dict) -> str:
 
 def _post(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, prompt, event) -> None:
     """Hand an event from the scheduler thread to the stream's queue; never raises there."""
-    try:
+    # RuntimeError: the loop has closed, so nobody is listening any more.
+    with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(queue.put_nowait, (prompt, event))
-    except RuntimeError:  # the loop has closed: nobody is listening any more
-        pass
 
 
 def _version(value: Any) -> int:
