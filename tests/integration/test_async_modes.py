@@ -134,3 +134,23 @@ def test_a_crash_and_resume_trains_every_prompt_exactly_once(tmp_path):
     assert sorted(first.prompts) == [1, 2, 3] and sorted(rest.prompts) == [4, 5, 6]
     resumed = {**first.prompts, **rest.prompts}
     assert [resumed[s] for s in range(1, 7)] == [whole.prompts[s] for s in range(1, 7)]
+
+
+def test_a_lost_trainer_process_stops_in_one_line_and_the_last_checkpoint_stands(tmp_path):
+    cfg = _cfg(tmp_path, "trainer", "pipeline.mode=async", "cluster.backend=process")
+    workers = {}
+    start = starter(cfg)
+
+    def keep(*args, **kwargs):
+        workers["w"] = start(*args, **kwargs)
+        return workers["w"]
+
+    def kill_at_three(step, groups):
+        if step == 3:
+            workers["w"].trainer.kill()
+
+    with pytest.raises(TrainingStopped) as err:
+        train(cfg, start=keep, on_groups=kill_at_three)
+    message = str(err.value)
+    assert "trainer worker lost" in message and "--resume" in message and "\n" not in message
+    assert (tmp_path / "trainer" / "checkpoints" / "latest").read_text() == "step_2"
