@@ -697,17 +697,75 @@ class PipelineConfig(Section):
 # ----------------------------------------------------------------------- cluster
 
 
+class RoleResources(Section):
+    """What one worker of a role asks the Ray cluster for (one placement-group bundle)."""
+
+    cpus: float = Field(1.0, ge=0)
+    """CPUs per worker (Ray logical CPUs; also the worker's torch threads, at least 1)."""
+    gpus: float = Field(0.0, ge=0)
+    """GPUs per worker; a fraction (0.5) lets workers share one GPU (colocated placement)."""
+
+
+class HalfCpuResources(RoleResources):
+    """What one rollout or reward worker asks for (half a CPU unless set)."""
+
+    cpus: float = Field(0.5, ge=0)
+    """CPUs per worker (Ray logical CPUs; also the worker's torch threads, at least 1)."""
+
+
 class ClusterConfig(Section):
     """Where the workers live. The loop talks to them only through their protocols, so the
-    same run goes in one process or across processes unchanged."""
+    same run goes in one process, across processes or across a Ray cluster unchanged."""
 
-    backend: Literal["auto", "local", "process"] = "auto"
+    backend: Literal["auto", "local", "process", "ray"] = "auto"
     """local: every worker in this process; process: the trainer and the rollout worker each in
-    its own OS process (multiprocessing, spawn), the reward worker in this one; auto: local for
-    pipeline.mode=sync, process for the overlapped modes (so rollout and training use different
-    cores)."""
+    its own OS process (multiprocessing, spawn), the reward worker in this one; ray: every worker
+    a Ray actor (extra [ray]; docs/cluster.md); auto: local for pipeline.mode=sync, process for
+    the overlapped modes (so rollout and training use different cores)."""
+    trainer_workers: int = Field(1, ge=1)
+    """Data-parallel trainer workers; each update's batch is sharded over them (FSDP2)."""
     start_timeout_s: float = Field(600.0, gt=0)
     """Seconds a worker process may take to start (build its model) before the run stops."""
+    address: str = ""
+    """Ray cluster to join: empty starts a local one bound to 127.0.0.1 (stopped at the end);
+    ``auto`` joins the one ``ray start`` began on this machine; ``host:port`` joins that one."""
+    rollout_workers: int = Field(1, ge=1)
+    """Rollout workers (process or ray backend): each step's prompts are split over them; a lost
+    one's prompts go to the others and it is restarted and synced before it serves again."""
+    reward_workers: int = Field(0, ge=0)
+    """Reward workers on Ray (each hosts the reward terms: sandbox pool, reward models); 0 scores
+    in the driver. Each scoring call's groups are split over them."""
+    placement: Literal["split", "colocated"] = "split"
+    """split: a placement group per role, rollout and training on different resources;
+    colocated: rollout workers are placed in the trainers' bundles and share their resources
+    (fractional GPUs; on CPU the same cores take turns)."""
+    trainer: RoleResources = RoleResources()
+    """Resources of each trainer worker."""
+    rollout: HalfCpuResources = HalfCpuResources()
+    """Resources of each rollout worker."""
+    reward: HalfCpuResources = HalfCpuResources()
+    """Resources of each reward worker."""
+    max_restarts: int = Field(3, ge=0)
+    """Restarts a lost rollout worker gets before it is retired (the run goes on with the rest)."""
+    suspect_after_s: float = Field(120.0, gt=0)
+    """A rollout call without a reply for this long makes its worker suspect."""
+    dead_after_s: float = Field(1800.0, gt=0)
+    """A rollout call without a reply for this long: the worker is stopped, its prompts re-sent."""
+    drain_timeout_s: float = Field(30.0, gt=0)
+    """After SIGTERM (a preemption notice) a rollout worker refuses new calls and exits once its
+    running ones finish, or after this many seconds; what it did not finish is re-sent."""
+    placement_timeout_s: float = Field(60.0, gt=0)
+    """Seconds a Ray placement group may take to be placed before the run stops (one line
+    naming the role and the resource)."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ClusterConfig:
+        if self.suspect_after_s > self.dead_after_s:
+            raise ValueError(
+                f"cluster.suspect_after_s={self.suspect_after_s} is above "
+                f"cluster.dead_after_s={self.dead_after_s}; a worker is suspect before it is dead"
+            )
+        return self
 
 
 # -------------------------------------------------------------------------- sync

@@ -17,14 +17,19 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import os
 import pickle
+import signal
 import threading
+import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from rlpost.config import Config
+from rlpost.cluster.fleet import DRAINING, RolloutFleet
+from rlpost.cluster.health import HealthPolicy
+from rlpost.config import Config, ConfigError
 from rlpost.pipeline.workers import WorkerLost
 
 
@@ -39,6 +44,11 @@ def _serve(conn, factory: str, cfg_data: dict, run_dir: str) -> None:
     new weights reach a rollout worker while it generates (its continuous
     engine applies them between decode steps). Each caller thread on the other
     side still makes one call at a time, so calls from one thread keep their order.
+
+    SIGTERM (a preemption notice) drains the worker: every new call is refused
+    with a ``WorkerDraining`` error (a rollout fleet re-sends it elsewhere), the
+    running ones finish, then the process exits; after ``cluster.drain_timeout_s``
+    it exits regardless and the parent re-sends what did not finish.
     """
     try:
         import torch
@@ -54,6 +64,9 @@ def _serve(conn, factory: str, cfg_data: dict, run_dir: str) -> None:
         conn.send_bytes(pickle.dumps(("error", 0, _one_line(exc))))
         return
     send_lock = threading.Lock()
+    busy = [0]
+    drain_at: list[float] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: drain_at.append(time.monotonic()))
 
     def run(call_id: int, name: str, args, kwargs) -> None:
         try:
@@ -62,11 +75,21 @@ def _serve(conn, factory: str, cfg_data: dict, run_dir: str) -> None:
             reply = ("error", call_id, _one_line(exc))
         with send_lock:
             conn.send_bytes(pickle.dumps(reply))
+            busy[0] -= 1
 
     conn.send_bytes(pickle.dumps(("ready", 0, None)))
     with ThreadPoolExecutor(max_workers=4, thread_name_prefix="rlpost-call") as pool:
         while True:
+            if drain_at:
+                with send_lock:
+                    idle = busy[0] == 0
+                if idle:
+                    return
+                if time.monotonic() - drain_at[0] > cfg.cluster.drain_timeout_s:
+                    os._exit(0)  # the parent sees the pipe close and re-sends the unfinished
             try:
+                if not conn.poll(0.2):
+                    continue
                 call_id, name, args, kwargs = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
                 return  # the parent is gone
@@ -74,7 +97,15 @@ def _serve(conn, factory: str, cfg_data: dict, run_dir: str) -> None:
                 pool.shutdown(wait=True)
                 run(call_id, name, args, kwargs)
                 return
+            with send_lock:
+                if drain_at:
+                    conn.send_bytes(pickle.dumps(("error", call_id, REFUSED)))
+                    continue
+                busy[0] += 1
             pool.submit(run, call_id, name, args, kwargs)
+
+
+REFUSED = f"{DRAINING}: received SIGTERM; finishing its running calls, taking no new ones"
 
 
 def _one_line(exc: BaseException) -> str:
@@ -192,6 +223,14 @@ class ProcessWorker:
         """Stop the child at once (tests use it to play a lost machine)."""
         self._proc.kill()
 
+    def alive(self) -> bool:
+        """The child runs and its pipe is open."""
+        return self._dead is None and self._proc.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
     def close(self) -> None:
         if self._proc.is_alive() and self._dead is None:
             try:
@@ -224,17 +263,80 @@ def rollout_factory(cfg: Config, run_dir: Path):
     return build.build_rollout_worker(cfg)  # weights arrive from the trainer
 
 
+class ProcessSpawner:
+    """Rollout workers in processes of their own, for a :class:`RolloutFleet`."""
+
+    def __init__(self, cfg: Config, run_dir: Path) -> None:
+        self.cfg, self.run_dir = cfg, run_dir
+        self.starts = itertools.count()
+
+    def start(self, index: int, old: ProcessWorker | None = None) -> ProcessWorker:
+        if old is not None:
+            old.close()
+        cfg = slot_config(self.cfg, index, next(self.starts))
+        return ProcessWorker(f"rollout-{index}", "rollout_factory", cfg, self.run_dir)
+
+    def alive(self, handle: ProcessWorker) -> bool:
+        return handle.alive()
+
+    def stop(self, handle: ProcessWorker) -> None:
+        handle.close()
+
+
+def slot_config(cfg: Config, index: int, start: int) -> Config:
+    """The config of rollout slot ``index``'s ``start``-th worker: its own sampling seed, so
+    no two workers (nor a restarted one) draw the same stream."""
+    data = cfg.model_dump(mode="json")
+    data["run"]["seed"] = cfg.run.seed + 7919 * index + 104729 * start
+    return Config.model_validate(data)
+
+
+def health_policy(cfg: Config) -> HealthPolicy:
+    c = cfg.cluster
+    return HealthPolicy(
+        suspect_after_s=c.suspect_after_s,
+        dead_after_s=c.dead_after_s,
+        max_restarts=c.max_restarts,
+    )
+
+
+def check_fleet(cfg: Config) -> None:
+    """Settings a fleet of several rollout workers cannot honour, as one-line errors."""
+    n = cfg.cluster.rollout_workers
+    if n > 1 and cfg.rollout.partial:
+        raise ConfigError(
+            f"cluster.rollout_workers={n} with rollout.partial=true: carried groups live in one "
+            "worker and would be lost with it; set rollout.partial=false or rollout_workers=1"
+        )
+    if n > 1 and cfg.rollout.engine == "remote":
+        raise ConfigError(
+            f"cluster.rollout_workers={n} with rollout.engine=remote: the remote engine already "
+            "balances over rollout.servers; set cluster.rollout_workers=1"
+        )
+
+
 def start_process_workers(cfg: Config, run_dir: Path, train_prompts, console, *, resuming: bool):
-    """The trainer and the rollout worker in processes of their own; the reward worker here."""
+    """The trainer and the rollout worker (or a fleet of ``cluster.rollout_workers``) in
+    processes of their own; the reward worker here."""
     from rlpost.pipeline import build
     from rlpost.pipeline.rundir import warm_start
     from rlpost.pipeline.workers import Workers
 
+    check_fleet(cfg)
     if not resuming:
         warm_start(cfg, run_dir, train_prompts, console, skip_sft=False)  # saves sft_model
     trainer = ProcessWorker("trainer", "trainer_factory", cfg, run_dir)
     try:
-        rollout = ProcessWorker("rollout", "rollout_factory", cfg, run_dir)
+        if cfg.cluster.rollout_workers > 1:
+            rollout = RolloutFleet(
+                ProcessSpawner(cfg, run_dir),
+                cfg.cluster.rollout_workers,
+                policy=health_policy(cfg),
+                events=run_dir / "cluster_events.jsonl",
+                admit_timeout_s=cfg.cluster.start_timeout_s,
+            )
+        else:
+            rollout = ProcessWorker("rollout", "rollout_factory", cfg, run_dir)
     except WorkerError:
         trainer.close()
         raise

@@ -1,0 +1,487 @@
+"""A rollout fleet: N rollout workers behind the one rollout-worker interface the loop drives.
+
+The fleet splits each ``generate`` call's prompts over the workers that are
+``healthy`` (:mod:`rlpost.cluster.health`), calls them concurrently and returns
+the groups in prompt order. A worker that dies or fails mid-call loses nothing:
+its share of the prompts is sent again to the others, so the step completes
+with every prompt answered exactly once (a prompt's groups come from exactly
+one worker's reply). The lost worker is restarted in the background, at most
+``max_restarts`` times; before it gets a prompt it receives the newest weights
+in full and must report their version. New weights go to every admitted
+worker; one that misses a version is ``stale`` and is synced the same way.
+
+It is generic over worker handles: anything with the rollout worker's methods
+(a :class:`~rlpost.cluster.process.ProcessWorker`, a Ray actor proxy, a plain
+``RolloutWorker``). A :class:`Spawner` starts them; ``alive(handle)`` tells a
+lost worker from one whose call raised. Every state change is one JSON line in
+``<run_dir>/cluster_events.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from rlpost.cluster.health import HealthPolicy, State, WorkerHealth
+from rlpost.pipeline.workers import WorkerLost
+from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.worker import RolloutResult
+from rlpost.types import Prompt
+
+DRAINING = "WorkerDraining"  # the marker a worker host's refusal carries after SIGTERM
+
+
+class Spawner(Protocol):
+    def start(self, index: int, old: Any | None = None) -> Any:
+        """A ready worker handle for slot ``index`` (``old``: the lost one it replaces)."""
+
+    def alive(self, handle: Any) -> bool:
+        """False once the handle's worker is gone for good."""
+
+    def stop(self, handle: Any) -> None:
+        """Close (or kill) the worker."""
+
+
+@dataclass
+class Member:
+    index: int
+    handle: Any
+    health: WorkerHealth
+    logged: int = 0  # health events already written
+    restarting: bool = False
+    served: int = 0  # prompts answered
+
+
+@dataclass
+class Chunk:
+    start: int  # index of its first prompt in the call
+    prompts: list[Prompt]
+    failures: list[str] = field(default_factory=list)
+
+
+class RolloutFleet:
+    """The rollout worker interface (``RolloutAPI``) over a fleet of rollout workers."""
+
+    def __init__(
+        self,
+        spawner: Spawner,
+        size: int,
+        *,
+        policy: HealthPolicy | None = None,
+        events: Path | None = None,
+        admit_timeout_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.spawner = spawner
+        self.policy = policy or HealthPolicy()
+        self.events_path = events
+        self.admit_timeout_s = admit_timeout_s
+        self.clock = clock
+        self._lock = threading.Condition()
+        self._latest: tuple[list, int] | None = None  # the newest weights, kept for restarts
+        self._version = 0
+        self._closed = False
+        self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * size), thread_name_prefix="fleet")
+        self.members: list[Member] = []
+        try:
+            handles = list(self._pool.map(lambda i: spawner.start(i), range(size)))
+        except Exception:
+            self._pool.shutdown(wait=False)
+            raise
+        for i, handle in enumerate(handles):
+            self.members.append(Member(i, handle, WorkerHealth(self.policy, clock)))
+            self._log(self.members[-1])
+        self._version = int(handles[0].version()) if handles else 0
+
+    # ------------------------------------------------------------ bookkeeping
+
+    def _log(self, m: Member, **extra) -> None:
+        new = m.health.history[m.logged :]
+        m.logged = len(m.health.history)
+        if self.events_path is None or not new:
+            return
+        with self.events_path.open("a") as f:
+            for e in new:
+                row = {"time": time.time(), "worker": m.index, "state": e.state.value, "why": e.why}
+                f.write(json.dumps(row | {"version": m.health.version} | extra) + "\n")
+
+    def states(self) -> list[str]:
+        with self._lock:
+            return [m.health.state.value for m in self.members]
+
+    def serving(self) -> list[Member]:
+        with self._lock:
+            return [m for m in self.members if m.health.serving]
+
+    # ------------------------------------------------------------- generation
+
+    def generate(
+        self,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        n: int,
+        *,
+        train: bool = False,
+        last: bool = False,
+    ) -> RolloutResult:
+        """``n`` samples per prompt from the healthy workers; the groups come back in prompt
+        order (per worker share: a worker may order its own share by predicted length)."""
+        todo = [Chunk(0, list(prompts))] if prompts else []
+        done: dict[int, list] = {}
+        stats: list[dict[str, float]] = []
+        while todo:
+            workers = self._await_serving()
+            chunks = _split(todo, len(workers))
+            todo = []
+            running: dict[Future, tuple[Member, Chunk]] = {}
+            for k, chunk in enumerate(chunks):
+                m = workers[k % len(workers)]  # more shares than workers: a re-send left gaps
+                m.health.call_started()
+                fut = self._pool.submit(
+                    m.handle.generate, chunk.prompts, params, n, train=train, last=last
+                )
+                running[fut] = (m, chunk)
+            while running:
+                finished, _ = wait(list(running), timeout=1.0, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    m, chunk = running.pop(fut)
+                    try:
+                        result = fut.result()
+                    except Exception as exc:  # re-sent below; a real bug fails twice and is raised
+                        chunk.failures.append(_one_line(exc))
+                        self._failed(m, exc)
+                        if len(chunk.failures) >= 2 and not _is_loss(exc, self.spawner, m):
+                            raise WorkerLost(
+                                f"rollout failed on two workers: {chunk.failures[-1]}", "rollout"
+                            ) from exc
+                        todo.append(chunk)
+                        continue
+                    with self._lock:
+                        m.health.succeeded()
+                        m.served += len(chunk.prompts)
+                        self._log(m)
+                    done[chunk.start] = result.groups
+                    stats.append(result.stats)
+                for fut, (m, chunk) in list(running.items()):
+                    with self._lock:
+                        state = m.health.check()
+                        self._log(m)
+                    if state is State.DEAD:  # silent too long: abandon it, re-send its share
+                        running.pop(fut)
+                        chunk.failures.append("no reply")
+                        self.spawner.stop(m.handle)
+                        self._restart_later(m)
+                        todo.append(chunk)
+        groups = [g for start in sorted(done) for g in done[start]]
+        return RolloutResult(groups, _merge_stats(stats))
+
+    def _await_serving(self) -> list[Member]:
+        """The healthy workers; waits for a restart to finish when none is left."""
+        deadline = self.clock() + self.admit_timeout_s
+        with self._lock:
+            while True:
+                workers = [m for m in self.members if m.health.serving]
+                if workers:
+                    return workers
+                coming = [m for m in self.members if m.restarting or m.health.alive]
+                if not coming or self._closed:
+                    raise WorkerLost(f"no rollout worker left ({self._why_gone()})", "rollout")
+                if self.clock() >= deadline:
+                    raise WorkerLost(
+                        f"no rollout worker became healthy within {self.admit_timeout_s:.0f} s "
+                        f"({self._why_gone()})",
+                        "rollout",
+                    )
+                self._lock.wait(timeout=1.0)
+
+    def _why_gone(self) -> str:
+        last = [m.health.history[-1] for m in self.members]
+        return "; ".join(
+            f"worker {m.index} {e.state.value}: {e.why}"
+            for m, e in zip(self.members, last, strict=True)
+        )
+
+    def _failed(self, m: Member, exc: BaseException) -> None:
+        why = _one_line(exc)
+        with self._lock:
+            if DRAINING in why:
+                m.health.drain(why)
+                m.health.drained()
+            elif _is_loss(exc, self.spawner, m):
+                m.health.lost(why)
+            else:
+                m.health.failed(why)
+            self._log(m)
+            dead = m.health.state is State.DEAD
+        if dead:
+            self._restart_later(m)
+
+    # ---------------------------------------------------------------- restarts
+
+    def _restart_later(self, m: Member) -> None:
+        with self._lock:
+            if m.restarting or self._closed:
+                return
+            m.restarting = True
+        threading.Thread(
+            target=self._restart, args=(m,), name=f"fleet-restart-{m.index}", daemon=True
+        ).start()
+
+    def _restart(self, m: Member) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if self._closed or m.health.state is not State.DEAD:
+                        return
+                    if not m.health.begin_restart():
+                        self._log(m)
+                        return
+                    self._log(m)
+                    old = m.handle
+                try:
+                    handle = self.spawner.start(m.index, old)
+                except Exception as exc:
+                    with self._lock:
+                        m.health.lost(f"restart failed: {_one_line(exc)}")
+                        self._log(m)
+                    continue
+                with self._lock:
+                    m.handle = handle
+                    m.health.started()
+                    self._log(m)
+                if self._admit(m):
+                    return
+        finally:
+            with self._lock:
+                m.restarting = False
+                self._lock.notify_all()
+
+    def _admit(self, m: Member) -> bool:
+        """Full weight sync until the worker reports the newest version; then it serves."""
+        while True:
+            with self._lock:
+                latest = self._latest
+            if latest is None:  # nothing pushed yet: the first load_weights admits it
+                with self._lock:
+                    if self._latest is None:
+                        return True
+                continue
+            tensors, version = latest
+            try:
+                m.handle.load_weights(tensors, version)
+                reported = int(m.handle.version())
+            except Exception as exc:
+                self._failed(m, exc)
+                return m.health.state is not State.DEAD
+            with self._lock:
+                if self._latest is not None and self._latest[1] != version:
+                    continue  # newer weights arrived during the sync: send those
+                m.health.synced(reported, version)
+                self._log(m, current=version)
+                self._lock.notify_all()
+                return True
+
+    # ---------------------------------------------------------------- weights
+
+    def load_weights(self, named_tensors, version: int) -> None:
+        """Serve these weights on every admitted worker; keep a copy for later admissions."""
+        tensors = [(name, t.detach().clone()) for name, t in named_tensors]
+        with self._lock:
+            self._latest = (tensors, version)
+            self._version = version
+            targets = [
+                m
+                for m in self.members
+                if not m.restarting
+                and m.health.state in (State.HEALTHY, State.SUSPECT, State.STALE)
+            ]
+        futures = {self._pool.submit(self._push, m, tensors, version): m for m in targets}
+        for fut in futures:
+            fut.result()
+        if not self.serving() and not any(m.restarting for m in self.members):
+            raise WorkerLost(
+                f"no rollout worker took weights version {version} ({self._why_gone()})", "rollout"
+            )
+
+    def _push(self, m: Member, tensors: list, version: int) -> None:
+        try:
+            m.handle.load_weights(tensors, version)
+            reported = int(m.handle.version())
+        except Exception as exc:
+            with self._lock:
+                m.health.missed(version, _one_line(exc))
+            self._failed(m, exc)
+            if m.health.state is State.STALE:  # still there: a full sync readmits it
+                self._resync_later(m)
+            return
+        with self._lock:
+            if m.health.state is State.STALE:
+                m.health.synced(reported, version)
+            elif reported != version:
+                m.health.missed(version, f"reports version {reported}")
+            self._log(m, current=version)
+            self._lock.notify_all()
+
+    def _resync_later(self, m: Member) -> None:
+        with self._lock:
+            if m.restarting:
+                return
+            m.restarting = True
+
+        def run() -> None:
+            try:
+                self._admit(m)
+            finally:
+                with self._lock:
+                    m.restarting = False
+                    self._lock.notify_all()
+
+        threading.Thread(target=run, name=f"fleet-resync-{m.index}", daemon=True).start()
+
+    def version(self) -> int:
+        return self._version
+
+    # ---------------------------------------------------------- elastic, drain
+
+    def drain(self, index: int, why: str = "preemption notice") -> None:
+        """Give worker ``index`` no new prompts; what it runs now finishes or is re-sent."""
+        with self._lock:
+            m = self.members[index]
+            m.health.drain(why)
+            self._log(m)
+
+    def scale(self, size: int) -> None:
+        """Grow to or shrink to ``size`` live workers. New ones are synced before they serve;
+        removed ones (the newest first) finish nothing new and are stopped."""
+        with self._lock:
+            live = [m for m in self.members if m.health.state is not State.RETIRED]
+        if size > len(live):
+            for _ in range(size - len(live)):
+                with self._lock:
+                    index = len(self.members)
+                handle = self.spawner.start(index)
+                m = Member(index, handle, WorkerHealth(self.policy, self.clock))
+                with self._lock:
+                    self.members.append(m)
+                    self._log(m)
+                    m.restarting = True
+                try:
+                    self._admit(m)
+                finally:
+                    with self._lock:
+                        m.restarting = False
+                        self._lock.notify_all()
+        for m in reversed(live[size:]):
+            with self._lock:
+                m.health.retire(f"scaled down to {size}")
+                self._log(m)
+            self.spawner.stop(m.handle)
+
+    # ------------------------------------------------------------ the rest
+
+    def _first(self, name: str, *args):
+        for m in self.serving() or self.members:
+            try:
+                return getattr(m.handle, name)(*args)
+            except Exception as exc:
+                self._failed(m, exc)
+        raise WorkerLost(f"no rollout worker answered {name} ({self._why_gone()})", "rollout")
+
+    def _each(self, name: str, *args) -> list:
+        out = []
+        for m in self.serving():
+            try:
+                out.append(getattr(m.handle, name)(*args))
+            except Exception as exc:
+                self._failed(m, exc)
+        return out
+
+    def throughput(self) -> float:
+        return float(sum(self._each("throughput")))
+
+    def reset_stats(self) -> None:
+        self._each("reset_stats")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each slot's sampling stream and length statistics (a restarted slot starts afresh)."""
+        states = {}
+        for m in self.serving():
+            try:
+                states[m.index] = m.handle.state_dict()
+            except Exception as exc:
+                self._failed(m, exc)
+        return {"fleet": states}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        per = state.get("fleet")
+        for m in self.serving():
+            one = state if per is None else per.get(m.index, per.get(str(m.index)))
+            if one is not None:
+                m.handle.load_state_dict(one)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        for m in self.members:
+            if m.health.state is not State.RETIRED:
+                try:
+                    self.spawner.stop(m.handle)
+                except Exception:  # closing a worker that is already gone: nothing to release
+                    continue
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _split(chunks: list[Chunk], parts: int) -> list[Chunk]:
+    """The prompts of ``chunks`` in ``parts`` contiguous shares of near-equal size (each share
+    keeps the index of its first prompt in the call, so the replies reassemble in order)."""
+    flat = [(c.start + i, p) for c in chunks for i, p in enumerate(c.prompts)]
+    flat.sort(key=lambda x: x[0])
+    out: list[Chunk] = []
+    parts = max(1, min(parts, len(flat)))
+    size, extra = divmod(len(flat), parts)
+    at = 0
+    for k in range(parts):
+        take = flat[at : at + size + (1 if k < extra else 0)]
+        at += len(take)
+        # a re-sent share's prompts are contiguous in the call only within one old chunk;
+        # split at gaps so every share is one contiguous run of the call's prompts
+        run: list = []
+        for idx, p in take:
+            if run and idx != run[-1][0] + 1:
+                out.append(Chunk(run[0][0], [q for _, q in run]))
+                run = []
+            run.append((idx, p))
+        if run:
+            out.append(Chunk(run[0][0], [q for _, q in run]))
+    prior = {c.start: c.failures for c in chunks}
+    for c in out:
+        c.failures = list(prior.get(c.start, []))
+    return out
+
+
+def _is_loss(exc: BaseException, spawner: Spawner, m: Member) -> bool:
+    try:
+        return not spawner.alive(m.handle)
+    except Exception:  # cannot even ask: treat as gone
+        return True
+
+
+def _merge_stats(stats: list[dict[str, float]]) -> dict[str, float]:
+    """Counts add up; fractions average."""
+    out: dict[str, float] = {}
+    for key in {k for s in stats for k in s}:
+        values = [s[key] for s in stats if key in s]
+        out[key] = sum(values) if key.startswith("carried_") else sum(values) / len(values)
+    return out
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
