@@ -39,7 +39,9 @@ def starter(cfg: Config) -> Callable:
             "cluster.backend=process or cluster.backend=ray"
         )
     if backend == "ray":
-        from rlpost.cluster.ray_backend import start_ray_workers
+        from rlpost.cluster.ray_backend import import_ray, start_ray_workers
+
+        import_ray()  # not installed: one line naming the extra, before any work
 
         return start_ray_workers
     if backend == "process":

@@ -247,13 +247,15 @@ class ProcessWorker:
 # ------------------------------------------------------- factories (child side)
 
 
-def trainer_factory(cfg: Config, run_dir: Path):
+def trainer_factory(cfg: Config, run_dir: Path, dp=None):
     from rlpost.pipeline import build
     from rlpost.pipeline.rundir import warm_start
 
     # The warm-up ran in the parent and is in run_dir/sft_model: warm_start loads it.
     have_sft = (run_dir / "sft_model" / "config.json").is_file()
     model, tokenizer = warm_start(cfg, run_dir, [], None, skip_sft=not have_sft)
+    if dp is not None:  # one rank of a data-parallel group (rlpost.train.dp.DPSpec)
+        return build.build_trainer_worker(cfg, model, tokenizer, dp=dp)
     return build.build_trainer_worker(cfg, model, tokenizer)
 
 
@@ -261,6 +263,12 @@ def rollout_factory(cfg: Config, run_dir: Path):
     from rlpost.pipeline import build
 
     return build.build_rollout_worker(cfg)  # weights arrive from the trainer
+
+
+def reward_factory(cfg: Config, run_dir: Path):
+    from rlpost.pipeline import build
+
+    return build.build_reward_worker(cfg)
 
 
 class ProcessSpawner:

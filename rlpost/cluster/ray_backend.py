@@ -1,0 +1,601 @@
+"""Workers as Ray actors (``cluster.backend=ray``; extra ``[ray]``).
+
+The actor classes :class:`TrainerWorker`, :class:`RolloutWorker` and
+:class:`RewardWorker` are thin shells: each builds its worker with the same
+builders the other backends use and answers ``call(name, args, kwargs)``. A
+:class:`RayWorker` proxy gives the loop the blocking method interface it has
+everywhere (``proxy.generate(...)``), so the loop cannot tell Ray from a local
+object. Rollout workers form a :class:`~rlpost.cluster.fleet.RolloutFleet`:
+Ray restarts a lost actor (at most ``cluster.max_restarts`` times) and the fleet
+syncs it in full before it serves again.
+
+Placement: one placement group per role (split), or the rollout workers inside
+the trainers' bundles (colocated). A request the cluster cannot hold fails at
+once, in one line naming the role and the resource; a group not placed within
+``cluster.placement_timeout_s`` is removed and fails the same way, never a
+silent hang. Ray is imported only here, and only when this backend is chosen.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlpost.cluster.fleet import DRAINING, RolloutFleet
+from rlpost.cluster.process import check_fleet, health_policy, slot_config
+from rlpost.config import Config, ConfigError
+from rlpost.pipeline.workers import WorkerLost, Workers
+
+INSTALL = 'pip install -e ".[ray]"'
+
+
+class PlacementError(ConfigError):
+    """A placement group the Ray cluster cannot hold; the message names role and resource."""
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(
+            f"cluster.backend=ray needs Ray, which is not installed: {INSTALL}"
+        ) from None
+    return ray
+
+
+# ------------------------------------------------------------------ actors
+
+
+class _Host:
+    """Actor body: builds one worker, then runs its methods by name.
+
+    SIGTERM (a preemption notice) makes it refuse new calls with a
+    ``WorkerDraining`` error while the running ones finish; a rollout fleet
+    re-sends the refused work elsewhere. ``notice()`` tells the driver.
+    """
+
+    def __init__(self, factory: str, cfg_data: dict, run_dir: str, threads: int, dp=None):
+        import torch
+
+        from rlpost.cluster import process
+
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        cfg = Config.model_validate(cfg_data)
+        torch.manual_seed(cfg.run.seed)
+        torch.set_num_threads(max(1, threads))
+        kwargs = {} if dp is None else {"dp": dp}
+        self.worker = getattr(process, factory)(cfg, Path(run_dir), **kwargs)
+        self.draining = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_term)
+
+    def _on_term(self, signum, frame) -> None:
+        self.draining = True
+
+    def call(self, name: str, args: tuple, kwargs: dict) -> Any:
+        if self.draining and name != "close":
+            raise RuntimeError(f"{DRAINING}: received SIGTERM; taking no new calls")
+        return getattr(self.worker, name)(*args, **kwargs)
+
+    def notice(self) -> bool:
+        """True once a preemption notice (SIGTERM) arrived."""
+        return self.draining
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class TrainerWorker(_Host):
+    """Ray actor around the trainer worker (policy, reference, critic; one data-parallel rank)."""
+
+
+class RolloutWorker(_Host):
+    """Ray actor around one rollout worker (an engine and its sampling state)."""
+
+
+class RewardWorker(_Host):
+    """Ray actor around the reward worker (reward terms, sandbox pool, reward models)."""
+
+
+def rendezvous() -> tuple[str, int]:
+    """(this node's address, a free TCP port on it): where data-parallel rank 0 listens."""
+    import socket
+
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+# ------------------------------------------------------------------ proxy
+
+
+class RayWorker:
+    """Blocking calls to an actor: ``proxy.method(*args)``; a lost actor or a failed call is a
+    one-line :class:`WorkerLost` naming the worker, as with the other backends."""
+
+    def __init__(self, label: str, actor, role: str) -> None:
+        self.label, self.actor, self.role = label, actor, role
+        self.lost: str | None = None
+
+    def call(self, name: str, *args, **kwargs) -> Any:
+        ray = import_ray()
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            return ray.get(self.actor.call.remote(name, args, kwargs))
+        except RayActorError as exc:
+            self.lost = _first_line(exc)
+            raise WorkerLost(
+                f"{self.label} worker lost during {name}: {self.lost}", self.role
+            ) from None
+        except RayTaskError as exc:
+            cause = exc.cause if exc.cause is not None else exc
+            raise WorkerLost(
+                f"{self.label} worker, {name}: {_first_line(cause)}", self.role
+            ) from None
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self.call(name, *args, **kwargs)
+
+    def alive(self) -> bool:
+        return self.lost is None
+
+    @property
+    def pid(self) -> int:
+        return import_ray().get(self.actor.pid.remote())
+
+    def notice(self) -> bool:
+        return bool(import_ray().get(self.actor.notice.remote()))
+
+    def kill(self) -> None:
+        import_ray().kill(self.actor, no_restart=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {line}"[:300]
+
+
+# --------------------------------------------------------------- placement
+
+
+@dataclass
+class Placement:
+    """Placement groups of a run and the bundle each worker goes into."""
+
+    groups: list = field(default_factory=list)
+    trainer: list[tuple[Any, int]] = field(default_factory=list)
+    rollout: list[tuple[Any, int]] = field(default_factory=list)
+    reward: list[tuple[Any, int]] = field(default_factory=list)
+
+
+def _bundle(cpus: float, gpus: float) -> dict[str, float]:
+    b = {"CPU": cpus, "GPU": gpus}
+    b = {k: v for k, v in b.items() if v > 0}
+    return b or {"CPU": 0.001}  # Ray refuses an empty bundle
+
+
+def _add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in set(a) | set(b)}
+
+
+def plan(cfg: Config) -> list[tuple[str, list[dict[str, float]], str]]:
+    """[(role, bundles, strategy)] for the placement groups of ``cfg.cluster``."""
+    c = cfg.cluster
+    t = _bundle(c.trainer.cpus, c.trainer.gpus)
+    r = _bundle(c.rollout.cpus, c.rollout.gpus)
+    out = []
+    if c.placement == "colocated":
+        bundles = [dict(t) for _ in range(c.trainer_workers)]
+        for i in range(c.rollout_workers):
+            k = i % c.trainer_workers
+            bundles[k] = _add(bundles[k], r)
+        out.append(("trainer+rollout", bundles, "PACK"))
+    else:
+        out.append(("trainer", [dict(t) for _ in range(c.trainer_workers)], "PACK"))
+        out.append(("rollout", [dict(r) for _ in range(c.rollout_workers)], "SPREAD"))
+    if c.reward_workers:
+        w = _bundle(c.reward.cpus, c.reward.gpus)
+        out.append(("reward", [dict(w) for _ in range(c.reward_workers)], "SPREAD"))
+    return out
+
+
+_KEY = {"CPU": "cpus", "GPU": "gpus"}
+
+
+def check_fits(ray, role: str, bundles: list[dict[str, float]], cfg: Config) -> None:
+    """Fail at once when the cluster cannot hold ``bundles`` (before asking Ray to place them)."""
+    avail, total = ray.available_resources(), ray.cluster_resources()
+    need: dict[str, float] = {}
+    for b in bundles:
+        need = _add(need, b)
+    for res, amount in sorted(need.items()):
+        have = avail.get(res, 0.0)
+        if have + 1e-9 < amount:
+            raise PlacementError(
+                f"cluster placement: the {role} workers need {res} {amount:g} "
+                f"({len(bundles)} x {bundles[0].get(res, 0):g}) but the Ray cluster has {have:g} "
+                f"free of {total.get(res, 0.0):g}; lower {_knobs(role, res)} or add nodes"
+            )
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    for b in bundles:
+        for res, amount in sorted(b.items()):
+            if not any(node.get(res, 0.0) + 1e-9 >= amount for node in nodes):
+                raise PlacementError(
+                    f"cluster placement: one {role} worker needs {res} {amount:g} on a single "
+                    f"node and no node of the Ray cluster has that much; lower {_knobs(role, res)}"
+                )
+
+
+def _knobs(role: str, res: str) -> str:
+    key = _KEY.get(res, res)
+    roles = role.split("+")
+    return " / ".join(f"cluster.{r}.{key} or cluster.{r}_workers" for r in roles)
+
+
+def place(ray, cfg: Config) -> Placement:
+    """The run's placement groups, each placed or failed in one line (none left behind)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    c = cfg.cluster
+    p = Placement()
+    try:
+        for role, bundles, strategy in plan(cfg):
+            check_fits(ray, role, bundles, cfg)
+            pg = placement_group(bundles, strategy=strategy, name=f"rlpost-{cfg.run.name}-{role}")
+            p.groups.append(pg)
+            ready, _ = ray.wait([pg.ready()], timeout=c.placement_timeout_s)
+            if not ready:
+                need: dict[str, float] = {}
+                for b in bundles:
+                    need = _add(need, b)
+                want = ", ".join(f"{k} {v:g}" for k, v in sorted(need.items()))
+                free = ", ".join(
+                    f"{k} {v:g}" for k, v in sorted(ray.available_resources().items()) if k in need
+                )
+                raise PlacementError(
+                    f"cluster placement: the {role} placement group ({want}) was not placed "
+                    f"within {c.placement_timeout_s:g} s (free: {free or 'none'}); lower "
+                    f"{_knobs(role, next(iter(sorted(need))))} or add nodes"
+                )
+            slots = [(pg, i) for i in range(len(bundles))]
+            if role == "trainer+rollout":
+                p.trainer = slots
+                p.rollout = [slots[i % c.trainer_workers] for i in range(c.rollout_workers)]
+            else:
+                setattr(p, role, slots)
+    except BaseException:
+        for pg in p.groups:
+            remove_placement_group(pg)
+        raise
+    return p
+
+
+def _options(pg, index: int | None, cpus: float, gpus: float, **extra) -> dict:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    opts = {"num_cpus": cpus, "num_gpus": gpus, **extra}
+    if pg is not None:
+        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=index
+        )
+    return opts
+
+
+# ------------------------------------------------------------------ fleet
+
+
+class RaySpawner:
+    """Rollout actors for a :class:`RolloutFleet`. A lost actor is restarted by Ray in its
+    bundle; ``start`` waits until it answers again (a new actor if Ray gave up on it)."""
+
+    def __init__(self, ray, cfg: Config, run_dir: Path, placement: Placement) -> None:
+        self.ray, self.cfg, self.run_dir, self.placement = ray, cfg, run_dir, placement
+        self.extra_groups: list = []
+
+    def _slot(self, index: int):
+        if index < len(self.placement.rollout):
+            return self.placement.rollout[index]
+        from ray.util.placement_group import placement_group
+
+        c = self.cfg.cluster
+        bundles = [_bundle(c.rollout.cpus, c.rollout.gpus)]
+        check_fits(self.ray, "rollout", bundles, self.cfg)
+        pg = placement_group(bundles, name=f"rlpost-{self.cfg.run.name}-rollout-{index}")
+        ready, _ = self.ray.wait([pg.ready()], timeout=c.placement_timeout_s)
+        if not ready:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(pg)
+            raise PlacementError(
+                f"cluster placement: rollout worker {index} was not placed within "
+                f"{c.placement_timeout_s:g} s"
+            )
+        self.extra_groups.append(pg)
+        self.placement.rollout.append((pg, 0))
+        return pg, 0
+
+    def start(self, index: int, old: RayWorker | None = None) -> RayWorker:
+        c = self.cfg.cluster
+        if old is not None:
+            deadline = time.monotonic() + c.start_timeout_s
+            from ray.exceptions import ActorDiedError, RayActorError
+
+            while time.monotonic() < deadline:
+                try:
+                    self.ray.get(old.actor.pid.remote(), timeout=10)
+                    return RayWorker(old.label, old.actor, "rollout")  # restarted by Ray
+                except ActorDiedError:
+                    break  # Ray gave up on it (restarts spent): a new actor below
+                except (RayActorError, self.ray.exceptions.GetTimeoutError):
+                    time.sleep(0.5)
+            self.ray.kill(old.actor, no_restart=True)
+        pg, bundle = self._slot(index)
+        cfg = slot_config(self.cfg, index, 0)
+        actor = (
+            self.ray.remote(RolloutWorker)
+            .options(
+                **_options(
+                    pg,
+                    bundle,
+                    c.rollout.cpus,
+                    c.rollout.gpus,
+                    max_restarts=c.max_restarts,
+                    max_concurrency=4,  # weights arrive while it generates
+                )
+            )
+            .remote(
+                "rollout_factory",
+                cfg.model_dump(mode="json"),
+                str(self.run_dir),
+                _threads(c.rollout.cpus),
+            )
+        )
+        worker = RayWorker(f"rollout-{index}", actor, "rollout")
+        _ready(self.ray, [worker], c.start_timeout_s)
+        return worker
+
+    def alive(self, handle: RayWorker) -> bool:
+        return handle.alive()
+
+    def stop(self, handle: RayWorker) -> None:
+        try:
+            handle.call("close")
+        except WorkerLost:
+            pass  # already gone: nothing left to close
+        self.ray.kill(handle.actor, no_restart=True)
+
+
+def _threads(cpus: float) -> int:
+    return max(1, math.floor(cpus))
+
+
+def _ready(ray, workers: list[RayWorker], timeout: float) -> None:
+    """Wait until every actor is built; one line naming the one that failed or hung."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    refs = {w.actor.pid.remote(): w for w in workers}
+    done, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except (RayActorError, RayTaskError) as exc:
+            raise WorkerLost(
+                f"{refs[ref].label} worker, start: {_first_line(exc)}", refs[ref].role
+            ) from None
+    if pending:
+        names = ", ".join(refs[r].label for r in pending)
+        raise WorkerLost(f"{names} did not start within {timeout:.0f} s (cluster.start_timeout_s)")
+
+
+# ------------------------------------------------------------------ rewards
+
+
+class RewardPool:
+    """The reward worker interface over ``cluster.reward_workers`` actors: each scoring call's
+    groups are split over them and scored concurrently (sandboxes and reward models scale out)."""
+
+    def __init__(self, workers: list[RayWorker]) -> None:
+        self.workers = workers
+        self.pool = ThreadPoolExecutor(max_workers=len(workers), thread_name_prefix="reward")
+
+    def score(self, groups, max_tokens=None, *, training: bool = True):
+        k = len(self.workers)
+        size = math.ceil(len(groups) / k) if groups else 0
+        parts = [groups[i * size : (i + 1) * size] for i in range(k)] if size else []
+        futures = [
+            self.pool.submit(w.score, part, max_tokens, training=training)
+            for w, part in zip(self.workers, parts, strict=False)
+            if part
+        ]
+        return [g for f in futures for g in f.result()]
+
+    def verifiable_accuracy(self, groups):
+        return self.workers[0].verifiable_accuracy(groups)
+
+    def counters(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for w in self.workers:
+            for k, v in w.counters().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+        self.pool.shutdown(wait=False)
+
+
+# ------------------------------------------------------------------ start
+
+
+@dataclass
+class RayWorkers(Workers):
+    """The run's workers on Ray; closing also removes the placement groups and, when this
+    run started the Ray cluster, stops it."""
+
+    ray: Any = None
+    groups: list = field(default_factory=list)
+    started_ray: bool = False
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            from ray.util.placement_group import remove_placement_group
+
+            for pg in self.groups:
+                remove_placement_group(pg)
+            if self.started_ray:
+                self.ray.shutdown()
+
+
+def connect(ray, cfg: Config) -> bool:
+    """Join ``cluster.address`` or start a local cluster; True when this call started one."""
+    if ray.is_initialized():
+        return False
+    address = cfg.cluster.address
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        return False
+    c = cfg.cluster
+    demand = c.trainer_workers * c.trainer.cpus + c.reward_workers * c.reward.cpus
+    if c.placement == "split":
+        demand += c.rollout_workers * c.rollout.cpus
+    # Ray's CPUs are scheduling units: a local cluster gets at least what the roles ask for
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, math.ceil(demand)),
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+    )
+    return True
+
+
+def start_ray_workers(cfg: Config, run_dir: Path, train_prompts, console, *, resuming: bool):
+    """Every worker a Ray actor: the trainer (or a data-parallel group of them), a fleet of
+    rollout workers, the reward worker here or ``cluster.reward_workers`` actors."""
+    ray = import_ray()
+    from rlpost.pipeline import build
+    from rlpost.pipeline.rundir import warm_start
+
+    c = cfg.cluster
+    check_fleet(cfg)
+    if c.trainer_workers > 1:
+        _dp_modules()  # one line before any work when data-parallel training is missing
+    started = connect(ray, cfg)
+    placement = None
+    made: list = []
+    try:
+        placement = place(ray, cfg)  # before the warm-up: a request that cannot fit fails now
+        if not resuming:
+            warm_start(cfg, run_dir, train_prompts, console, skip_sft=False)  # saves sft_model
+        trainer = _start_trainers(ray, cfg, run_dir, placement, made)
+        rollout = RolloutFleet(
+            RaySpawner(ray, cfg, run_dir, placement),
+            c.rollout_workers,
+            policy=health_policy(cfg),
+            events=run_dir / "cluster_events.jsonl",
+            admit_timeout_s=c.start_timeout_s,
+        )
+        made.append(rollout)
+        if c.reward_workers:
+            reward = RewardPool(_start_rewards(ray, cfg, run_dir, placement))
+        else:
+            reward = build.build_reward_worker(cfg)
+    except BaseException:
+        for w in reversed(made):
+            try:
+                w.close()
+            except Exception:  # tearing down after a failed start: report the first error
+                continue
+        if placement is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            for pg in placement.groups:
+                remove_placement_group(pg)
+        if started:
+            ray.shutdown()
+        raise
+    return RayWorkers(
+        trainer, rollout, reward, ray=ray, groups=placement.groups, started_ray=started
+    )
+
+
+def _dp_modules():
+    try:
+        from rlpost.cluster.trainer_group import TrainerGroup
+        from rlpost.train.dp import DPSpec
+    except ImportError:
+        raise ConfigError(
+            "cluster.trainer_workers > 1 needs data-parallel training (rlpost.train.dp), "
+            "which this build lacks; set cluster.trainer_workers=1"
+        ) from None
+    return DPSpec, TrainerGroup
+
+
+def _start_trainers(ray, cfg: Config, run_dir: Path, placement: Placement, made: list):
+    c = cfg.cluster
+    data = cfg.model_dump(mode="json")
+    cls = ray.remote(TrainerWorker)
+
+    def actor(i: int, dp=None):
+        pg, bundle = placement.trainer[i]
+        return cls.options(
+            **_options(pg, bundle, c.trainer.cpus, c.trainer.gpus, max_concurrency=2)
+        ).remote("trainer_factory", data, str(run_dir), _threads(c.trainer.cpus), dp)
+
+    if c.trainer_workers == 1:
+        w = RayWorker("trainer", actor(0), "trainer")
+        made.append(w)
+        _ready(ray, [w], c.start_timeout_s)
+        return w
+    DPSpec, TrainerGroup = _dp_modules()
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg, bundle = placement.trainer[0]
+    where = ray.remote(rendezvous).options(
+        num_cpus=0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=bundle
+        ),
+    )
+    addr, port = ray.get(where.remote())
+    backend = "nccl" if c.trainer.gpus > 0 else "gloo"
+    workers = []
+    for i in range(c.trainer_workers):
+        spec = DPSpec(
+            rank=i, world=c.trainer_workers, master_addr=addr, master_port=port, backend=backend
+        )
+        workers.append(RayWorker(f"trainer-{i}", actor(i, spec), "trainer"))
+        made.append(workers[-1])
+    _ready(ray, workers, c.start_timeout_s)
+    return TrainerGroup(workers)
+
+
+def _start_rewards(ray, cfg: Config, run_dir: Path, placement: Placement) -> list[RayWorker]:
+    c = cfg.cluster
+    cls = ray.remote(RewardWorker)
+    data = cfg.model_dump(mode="json")
+    workers = []
+    for i, (pg, bundle) in enumerate(placement.reward):
+        a = cls.options(
+            **_options(pg, bundle, c.reward.cpus, c.reward.gpus, max_concurrency=2)
+        ).remote("reward_factory", data, str(run_dir), _threads(c.reward.cpus))
+        workers.append(RayWorker(f"reward-{i}", a, "reward"))
+    _ready(ray, workers, c.start_timeout_s)
+    return workers
