@@ -10,6 +10,7 @@
     rlpost report RUN_DIR [RUN_DIR ...]        HTML report and a text summary (several: overlaid)
     rlpost sandbox run FILE.py [--timeout S] [--memory MB] [--json]
     rlpost serve [--model DIR] [--port N]       OpenAI-compatible rollout server
+    rlpost cluster scale --rollout N RUN_DIR   grow or shrink a running job's rollout fleet
 
 A bad config is one line on stderr and exit code 2, before any work starts.
 """
@@ -284,6 +285,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("rest", nargs=argparse.REMAINDER)
     sp.set_defaults(fn=lambda a: _serve(a.rest))
+    sp = sub.add_parser(
+        "cluster", help="a running job's workers (rlpost cluster --help)", add_help=False
+    )
+    sp.add_argument("rest", nargs=argparse.REMAINDER)
+    sp.set_defaults(fn=lambda a: _cluster(a.rest))
     sp = sub.add_parser("sandbox", help="run untrusted code in the sandbox", add_help=False)
     sp.add_argument("rest", nargs=argparse.REMAINDER)
     sp.set_defaults(fn=lambda a: _sandbox(a.rest))
@@ -297,6 +303,12 @@ def _serve(rest: list[str]) -> int:
     return serve_main(rest)
 
 
+def _cluster(rest: list[str]) -> int:
+    from rlpost.cluster.control import main as cluster_main
+
+    return cluster_main(rest)
+
+
 def _sandbox(rest: list[str]) -> int:
     from rlpost.rewards.sandbox.cli import main as sandbox_main
 
@@ -306,9 +318,9 @@ def _sandbox(rest: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("serve", "sandbox", "report"):
+    if argv and argv[0] in ("serve", "sandbox", "report", "cluster"):
         # These own their arguments (and --help); hand them the rest unparsed.
-        own = {"serve": _serve, "sandbox": _sandbox, "report": _report}
+        own = {"serve": _serve, "sandbox": _sandbox, "report": _report, "cluster": _cluster}
         return own[argv[0]](argv[1:])
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)

@@ -35,6 +35,8 @@ from rlpost.rollout.worker import RolloutResult
 from rlpost.types import Prompt
 
 DRAINING = "WorkerDraining"  # the marker a worker host's refusal carries after SIGTERM
+SCALE_REQUEST = "scale.json"  # in <run_dir>/cluster: {"rollout": N, "id": ...}
+FLEET_STATE = "fleet.json"  # in <run_dir>/cluster: the fleet after the last request
 
 
 class Spawner(Protocol):
@@ -77,6 +79,7 @@ class RolloutFleet:
         events: Path | None = None,
         admit_timeout_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
+        control: Path | None = None,
     ) -> None:
         self.spawner = spawner
         self.policy = policy or HealthPolicy()
@@ -98,6 +101,10 @@ class RolloutFleet:
             self.members.append(Member(i, handle, WorkerHealth(self.policy, clock)))
             self._log(self.members[-1])
         self._version = int(handles[0].version()) if handles else 0
+        self.control = control
+        if control is not None:
+            control.mkdir(parents=True, exist_ok=True)
+            threading.Thread(target=self._watch, name="fleet-control", daemon=True).start()
 
     # ------------------------------------------------------------ bookkeeping
 
@@ -382,6 +389,44 @@ class RolloutFleet:
                 m.health.retire(f"scaled down to {size}")
                 self._log(m)
             self.spawner.stop(m.handle)
+
+    def _watch(self) -> None:
+        """Serve scale requests written to ``control/scale.json`` (``rlpost cluster scale``)
+        and report the fleet in ``control/fleet.json`` after each."""
+        request, seen = self.control / SCALE_REQUEST, None
+        self._report(None, "")
+        while not self._closed:
+            time.sleep(0.5)
+            try:
+                stamp = request.stat().st_mtime_ns
+                if stamp == seen:
+                    continue
+                seen = stamp
+                ask = json.loads(request.read_text())
+                size, ident = int(ask["rollout"]), str(ask.get("id", ""))
+                if size < 1:
+                    raise ValueError(f"rollout={size}: at least one rollout worker")
+            except FileNotFoundError:
+                continue
+            except (ValueError, KeyError, TypeError) as exc:  # a bad request is answered, not fatal
+                self._report(None, f"bad scale request: {exc}")
+                continue
+            try:
+                self.scale(size)
+                self._report(ident, "")
+            except Exception as exc:  # reported to the caller; the run goes on with what it has
+                self._report(ident, _one_line(exc))
+
+    def _report(self, ident: str | None, error: str) -> None:
+        with self._lock:
+            rows = [
+                {"worker": m.index, "state": m.health.state.value, "version": m.health.version}
+                for m in self.members
+            ]
+            body = {"id": ident, "error": error, "version": self._version, "workers": rows}
+        tmp = self.control / (FLEET_STATE + ".tmp")
+        tmp.write_text(json.dumps(body))
+        tmp.replace(self.control / FLEET_STATE)
 
     # ------------------------------------------------------------ the rest
 

@@ -341,6 +341,7 @@ def start_process_workers(cfg: Config, run_dir: Path, train_prompts, console, *,
                 cfg.cluster.rollout_workers,
                 policy=health_policy(cfg),
                 events=run_dir / "cluster_events.jsonl",
+                control=run_dir / "cluster",
                 admit_timeout_s=cfg.cluster.start_timeout_s,
             )
         else:

@@ -56,9 +56,12 @@ def import_ray():
 class _Host:
     """Actor body: builds one worker, then runs its methods by name.
 
-    SIGTERM (a preemption notice) makes it refuse new calls with a
-    ``WorkerDraining`` error while the running ones finish; a rollout fleet
-    re-sends the refused work elsewhere. ``notice()`` tells the driver.
+    SIGTERM (a preemption notice): ``notice()`` turns True. A rollout or reward
+    host then refuses new calls with a ``WorkerDraining`` error (the fleet re-sends
+    them elsewhere), lets its running calls finish and exits (Ray restarts it,
+    within ``max_restarts``), at the latest after ``cluster.drain_timeout_s``. A
+    trainer host keeps serving: the driver sees the notice and the loop saves a
+    checkpoint after the current step and stops cleanly.
     """
 
     def __init__(self, factory: str, cfg_data: dict, run_dir: str, threads: int, dp=None):
@@ -72,17 +75,38 @@ class _Host:
         torch.set_num_threads(max(1, threads))
         kwargs = {} if dp is None else {"dp": dp}
         self.worker = getattr(process, factory)(cfg, Path(run_dir), **kwargs)
+        self.drains = factory != "trainer_factory"
+        self.drain_timeout_s = cfg.cluster.drain_timeout_s
         self.draining = False
+        self.busy = 0
+        self.lock = threading.Lock()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_term)
 
     def _on_term(self, signum, frame) -> None:
         self.draining = True
+        if self.drains:
+            threading.Thread(target=self._leave, daemon=True).start()
+
+    def _leave(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout_s
+        while time.monotonic() < deadline:
+            with self.lock:
+                if self.busy == 0:
+                    break
+            time.sleep(0.05)
+        os._exit(0)  # drained: Ray restarts the actor elsewhere; the fleet re-sends the rest
 
     def call(self, name: str, args: tuple, kwargs: dict) -> Any:
-        if self.draining and name != "close":
-            raise RuntimeError(f"{DRAINING}: received SIGTERM; taking no new calls")
-        return getattr(self.worker, name)(*args, **kwargs)
+        with self.lock:
+            if self.draining and self.drains and name != "close":
+                raise RuntimeError(f"{DRAINING}: received SIGTERM; taking no new calls")
+            self.busy += 1
+        try:
+            return getattr(self.worker, name)(*args, **kwargs)
+        finally:
+            with self.lock:
+                self.busy -= 1
 
     def notice(self) -> bool:
         """True once a preemption notice (SIGTERM) arrived."""
@@ -336,8 +360,9 @@ class RaySpawner:
 
             while time.monotonic() < deadline:
                 try:
-                    self.ray.get(old.actor.pid.remote(), timeout=10)
-                    return RayWorker(old.label, old.actor, "rollout")  # restarted by Ray
+                    if not self.ray.get(old.actor.notice.remote(), timeout=10):
+                        return RayWorker(old.label, old.actor, "rollout")  # restarted by Ray
+                    time.sleep(0.5)  # still draining: it exits, then Ray restarts it
                 except ActorDiedError:
                     break  # Ray gave up on it (restarts spent): a new actor below
                 except (RayActorError, self.ray.exceptions.GetTimeoutError):
@@ -445,13 +470,35 @@ class RewardPool:
 @dataclass
 class RayWorkers(Workers):
     """The run's workers on Ray; closing also removes the placement groups and, when this
-    run started the Ray cluster, stops it."""
+    run started the Ray cluster, stops it. A watcher asks the trainers every few seconds
+    whether a preemption notice reached them; one that did stops the run after the current
+    step, with a checkpoint (as SIGTERM to this process does)."""
 
     ray: Any = None
     groups: list = field(default_factory=list)
     started_ray: bool = False
+    trainers: list = field(default_factory=list)
+    _done: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        if self.trainers:
+            threading.Thread(target=self._watch, name="rlpost-notice", daemon=True).start()
+
+    def _watch(self) -> None:
+        from rlpost.pipeline.interrupts import request_stop
+
+        while not self._done.wait(2.0):
+            for w in self.trainers:
+                try:
+                    noticed = w.notice()
+                except Exception:  # a lost trainer is the loop's to report
+                    continue
+                if noticed:
+                    request_stop(f"{w.label} worker received SIGTERM (preemption notice)")
+                    return
 
     def close(self) -> None:
+        self._done.set()
         try:
             super().close()
         finally:
@@ -510,6 +557,7 @@ def start_ray_workers(cfg: Config, run_dir: Path, train_prompts, console, *, res
             c.rollout_workers,
             policy=health_policy(cfg),
             events=run_dir / "cluster_events.jsonl",
+            control=run_dir / "cluster",
             admit_timeout_s=c.start_timeout_s,
         )
         made.append(rollout)
@@ -531,8 +579,15 @@ def start_ray_workers(cfg: Config, run_dir: Path, train_prompts, console, *, res
         if started:
             ray.shutdown()
         raise
+    trainers = getattr(trainer, "handles", [trainer])
     return RayWorkers(
-        trainer, rollout, reward, ray=ray, groups=placement.groups, started_ray=started
+        trainer,
+        rollout,
+        reward,
+        ray=ray,
+        groups=placement.groups,
+        started_ray=started,
+        trainers=trainers,
     )
 
 

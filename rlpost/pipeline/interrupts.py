@@ -58,3 +58,18 @@ class Interrupts:
 def stop_requested() -> bool:
     """True once a stop signal reached the active handler (False when none is installed)."""
     return _active is not None and _active.stop.is_set()
+
+
+def request_stop(why: str) -> bool:
+    """Stop the run as the first SIGTERM would (after the current step, with a checkpoint),
+    for a notice that reached another process (a trainer worker's node is preempted).
+    False when no handler is installed."""
+    active = _active
+    if active is None or active.stop.is_set():
+        return False
+    active.signum = signal.SIGTERM
+    active.stop.set()
+    print(
+        f"\nrlpost: {why}: stopping after the current step and saving a checkpoint", file=sys.stderr
+    )
+    return True

@@ -41,6 +41,7 @@ def _events(run_dir):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_sigkill_of_a_rollout_process_mid_run_loses_no_prompt(tmp_path):
     cfg = _cfg(tmp_path, **{"train.steps": 5, "eval.every": 0})
     held: list = []
@@ -166,3 +167,40 @@ def test_sigterm_drains_a_worker_and_it_comes_back_synced(tmp_path):
 def test_fleet_settings_it_cannot_honour_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"rollout\.partial"):
         train(_cfg(tmp_path, **{"rollout.partial": True}), start=start_process_workers)
+
+
+@pytest.mark.slow
+def test_scale_a_running_job_up_and_down_from_the_command_line(tmp_path, capsys):
+    from rlpost.cli import main
+
+    cfg = _cfg(tmp_path, **{"train.steps": 6, "eval.every": 0})
+    held: list = []
+    per_step: dict[int, int] = {}
+    answers: list[int] = []
+
+    def start(*args, **kwargs):
+        held.append(start_process_workers(*args, **kwargs))
+        return held[-1]
+
+    def on_groups(step, groups):
+        per_step[step] = len(groups)
+        run_dir = str(cfg.run_dir)
+        if step == 2:  # the command waits for the job's answer: the new worker is synced
+            answers.append(main(["cluster", "scale", "--rollout", "3", run_dir, "--wait", "240"]))
+            assert [m.health.state.value for m in held[0].rollout.members] == ["healthy"] * 3
+        if step == 4:
+            answers.append(main(["cluster", "scale", "--rollout", "1", run_dir, "--wait", "240"]))
+
+    result = train(cfg, start=start, on_groups=on_groups)
+    assert answers == [0, 0]
+    out = capsys.readouterr().out
+    assert "3 rollout workers healthy" in out and "1 rollout workers healthy" in out
+    assert per_step == {s: cfg.rollout.prompts_per_step for s in range(1, 7)}
+    rows = _events(result.run_dir)
+    new = [r for r in rows if r["worker"] == 2]
+    assert [r["state"] for r in new] == ["stale", "healthy", "retired"]
+    assert new[1]["version"] == new[1]["current"] >= 1  # synced to the weights of the moment
+    fleet = held[0].rollout
+    assert fleet.members[2].served > 0  # it served step 3 and 4's prompts
+    assert [m.health.state.value for m in fleet.members] == ["healthy", "retired", "retired"]
+    assert main(["cluster", "scale", "--rollout", "0", str(result.run_dir)]) == 2
