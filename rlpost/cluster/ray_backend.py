@@ -579,7 +579,7 @@ def start_ray_workers(cfg: Config, run_dir: Path, train_prompts, console, *, res
         if started:
             ray.shutdown()
         raise
-    trainers = getattr(trainer, "handles", [trainer])
+    trainers = [trainer] if isinstance(trainer, RayWorker) else list(trainer.handles)
     return RayWorkers(
         trainer,
         rollout,

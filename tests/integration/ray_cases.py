@@ -13,7 +13,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from rlpost.cluster.ray_backend import PlacementError, start_ray_workers  # noqa: E402
+from rlpost.cluster.ray_backend import PlacementError, RewardPool, start_ray_workers  # noqa: E402
 from rlpost.config import load_config  # noqa: E402
 from rlpost.pipeline.loop import train  # noqa: E402
 from tests.conftest import small_overrides  # noqa: E402
@@ -126,4 +126,61 @@ def test_a_placement_group_ray_cannot_place_times_out_in_one_line(tmp_path, monk
     message = str(err.value)
     assert "\n" not in message and "rollout placement group" in message, message
     assert "not placed within 3 s" in message
+    _all_cpus_free()
+
+
+def test_sigterm_to_the_trainer_actor_checkpoints_and_stops_then_resumes(tmp_path):
+    from rlpost.pipeline.interrupts import Interrupts
+    from rlpost.train.checkpoint import latest_checkpoint, latest_step
+
+    cfg = _cfg(tmp_path, **{"train.steps": 6, "eval.every": 0, "checkpoint.every": 0})
+    held: list = []
+
+    def start(*args, **kwargs):
+        held.append(start_ray_workers(*args, **kwargs))
+        return held[-1]
+
+    with Interrupts() as interrupts:
+
+        def on_groups(step, groups):
+            if step == 2:  # the notice reaches the driver, which stops after this step
+                os.kill(held[0].trainer.pid, signal.SIGTERM)
+                assert interrupts.stop.wait(60)
+
+        first = train(cfg, start=start, on_groups=on_groups, stop=interrupts.stop)
+    assert [h["step"] for h in first.history] == [1, 2]
+    assert latest_step(latest_checkpoint(first.run_dir)) == 2  # saved by the noticed trainer
+    rest = train(cfg, resume=first.run_dir, start=start_ray_workers)
+    assert [h["step"] for h in rest.history] == [3, 4, 5, 6]
+
+
+def test_colocated_placement_with_reward_workers_runs(tmp_path):
+    cfg = _cfg(
+        tmp_path,
+        **{
+            "train.steps": 2,
+            "eval.every": 0,
+            "cluster.placement": "colocated",
+            "cluster.reward_workers": 2,
+        },
+    )
+    held: list = []
+    groups_seen: list = []
+
+    def start(*args, **kwargs):
+        held.append(start_ray_workers(*args, **kwargs))
+        table = ray.util.placement_group_table()
+        names = {v["name"]: v for v in table.values() if v["state"] == "CREATED"}
+        groups_seen.append(sorted(names))
+        return held[-1]
+
+    counters: list = []
+    result = train(
+        cfg, start=start, on_groups=lambda s, g: counters.append(held[0].reward.counters())
+    )
+    assert [h["step"] for h in result.history] == [1, 2]
+    trainer_group = [n for n in groups_seen[0] if n.endswith("-trainer+rollout")]
+    assert trainer_group and not any(n.endswith("-rollout") for n in groups_seen[0])
+    assert any(n.endswith("-reward") for n in groups_seen[0])
+    assert isinstance(held[0].reward, RewardPool) and counters  # scored by the reward actors
     _all_cpus_free()
