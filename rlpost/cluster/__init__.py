@@ -10,6 +10,7 @@ protocol.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 
 from rlpost.config import Config, ConfigError
@@ -21,22 +22,23 @@ def starter(cfg: Config) -> Callable:
     c = cfg.cluster
     backend = c.backend
     if backend == "auto":
-        backend = "local" if cfg.pipeline.mode == "sync" else "process"
-        if c.rollout_workers > 1:
-            backend = "process"
-    if backend != "ray":
-        for key, value in (
-            ("trainer_workers", c.trainer_workers),
-            ("reward_workers", c.reward_workers),
-        ):
-            if value != (1 if key == "trainer_workers" else 0):
-                raise ConfigError(
-                    f"cluster.{key}={value} needs cluster.backend=ray (backend={c.backend})"
-                )
-    if backend == "local" and c.rollout_workers > 1:
+        one = cfg.pipeline.mode == "sync" and c.trainer_workers == 1 and c.rollout_workers == 1
+        backend = "local" if one else "process"
+    if c.trainer_workers > 1 and importlib.util.find_spec("rlpost.cluster.trainer_group") is None:
         raise ConfigError(
-            f"cluster.rollout_workers={c.rollout_workers} needs workers of their own: set "
-            "cluster.backend=process or cluster.backend=ray"
+            f"cluster.trainer_workers={c.trainer_workers}: this build has no data-parallel "
+            "training (rlpost.cluster.trainer_group); set cluster.trainer_workers=1"
+        )
+    if backend != "ray" and c.reward_workers:
+        raise ConfigError(
+            f"cluster.reward_workers={c.reward_workers} needs cluster.backend=ray "
+            f"(backend={c.backend}); 0 scores in the driver"
+        )
+    if backend == "local" and (c.rollout_workers > 1 or c.trainer_workers > 1):
+        raise ConfigError(
+            f"cluster.rollout_workers={c.rollout_workers}, trainer_workers={c.trainer_workers}: "
+            "several workers of a role need processes of their own; set cluster.backend=process "
+            "or cluster.backend=ray"
         )
     if backend == "ray":
         from rlpost.cluster.ray_backend import import_ray, start_ray_workers
