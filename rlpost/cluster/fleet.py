@@ -194,6 +194,10 @@ class RolloutFleet:
         with self._lock:
             while True:
                 workers = [m for m in self.members if m.health.serving]
+                # no healthy worker: the suspect ones still work (a reply clears them)
+                workers = workers or [
+                    m for m in self.members if m.health.state is State.SUSPECT and not m.restarting
+                ]
                 if workers:
                     return workers
                 coming = [m for m in self.members if m.restarting or m.health.alive]
@@ -430,14 +434,6 @@ class RolloutFleet:
 
     # ------------------------------------------------------------ the rest
 
-    def _first(self, name: str, *args):
-        for m in self.serving() or self.members:
-            try:
-                return getattr(m.handle, name)(*args)
-            except Exception as exc:
-                self._failed(m, exc)
-        raise WorkerLost(f"no rollout worker answered {name} ({self._why_gone()})", "rollout")
-
     def _each(self, name: str, *args) -> list:
         out = []
         for m in self.serving():
@@ -464,8 +460,11 @@ class RolloutFleet:
         return {"fleet": states}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Each live slot's saved state (a resume loads it before the first weight sync)."""
         per = state.get("fleet")
-        for m in self.serving():
+        with self._lock:
+            live = [m for m in self.members if m.health.alive and not m.restarting]
+        for m in live:
             one = state if per is None else per.get(m.index, per.get(str(m.index)))
             if one is not None:
                 m.handle.load_state_dict(one)
