@@ -18,6 +18,7 @@ silent hang. Ray is imported only here, and only when this backend is chosen.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -517,7 +518,7 @@ def connect(ray, cfg: Config) -> bool:
     address = cfg.cluster.address
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if address:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
         return False
     c = cfg.cluster
     demand = c.trainer_workers * c.trainer.cpus + c.reward_workers * c.reward.cpus
@@ -528,6 +529,7 @@ def connect(ray, cfg: Config) -> bool:
         num_cpus=max(os.cpu_count() or 1, math.ceil(demand)),
         include_dashboard=False,
         log_to_driver=False,
+        logging_level=logging.ERROR,
         _node_ip_address="127.0.0.1",
     )
     return True
