@@ -37,9 +37,10 @@ def _line(state: dict) -> str:
     others = [
         f"{w['worker']}:{w['state']}" for w in workers if w["state"] not in ("healthy", "retired")
     ]
-    return f"{len(healthy)} rollout workers healthy at weight version {state.get('version')}" + (
-        f"; {', '.join(others)}" if others else ""
-    )
+    text = f"{len(healthy)} rollout workers healthy at weight version {state.get('version')}"
+    if others:
+        text += f"; {', '.join(others)}"
+    return text + ("" if state.get("running", True) else " (the job has ended)")
 
 
 def scale(run_dir: str, rollout: int, wait: float) -> int:
@@ -51,6 +52,8 @@ def scale(run_dir: str, rollout: int, wait: float) -> int:
             f"{run_dir} has no running rollout fleet (cluster/{FLEET_STATE}); start the job with "
             "cluster.backend=process or ray"
         )
+    if not json.loads((control / FLEET_STATE).read_text()).get("running", True):
+        return _fail(f"the job of {run_dir} has ended; nothing to scale")
     ident = uuid.uuid4().hex
     tmp = control / (SCALE_REQUEST + ".tmp")
     tmp.write_text(json.dumps({"rollout": rollout, "id": ident}))

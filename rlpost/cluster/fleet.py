@@ -401,6 +401,7 @@ class RolloutFleet:
         self._report(None, "")
         while not self._closed:
             time.sleep(0.5)
+            self._report(None, "", only_changed=True)
             try:
                 stamp = request.stat().st_mtime_ns
                 if stamp == seen:
@@ -421,13 +422,23 @@ class RolloutFleet:
             except Exception as exc:  # reported to the caller; the run goes on with what it has
                 self._report(ident, _one_line(exc))
 
-    def _report(self, ident: str | None, error: str) -> None:
+    def _report(self, ident: str | None, error: str, *, only_changed: bool = False) -> None:
         with self._lock:
             rows = [
                 {"worker": m.index, "state": m.health.state.value, "version": m.health.version}
                 for m in self.members
             ]
-            body = {"id": ident, "error": error, "version": self._version, "workers": rows}
+            now = (rows, self._version, self._closed)
+            if only_changed and now == getattr(self, "_reported", None):
+                return
+            self._reported = now
+            body = {
+                "id": ident,
+                "error": error,
+                "version": self._version,
+                "workers": rows,
+                "running": not self._closed,
+            }
         tmp = self.control / (FLEET_STATE + ".tmp")
         tmp.write_text(json.dumps(body))
         tmp.replace(self.control / FLEET_STATE)
@@ -480,6 +491,8 @@ class RolloutFleet:
                 except Exception:  # closing a worker that is already gone: nothing to release
                     continue
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.control is not None:
+            self._report(None, "")  # the job's last word: running false
 
 
 def _split(chunks: list[Chunk], parts: int) -> list[Chunk]:

@@ -204,3 +204,8 @@ def test_scale_a_running_job_up_and_down_from_the_command_line(tmp_path, capsys)
     assert fleet.members[2].served > 0  # it served step 3 and 4's prompts
     assert [m.health.state.value for m in fleet.members] == ["healthy", "retired", "retired"]
     assert main(["cluster", "scale", "--rollout", "0", str(result.run_dir)]) == 2
+    assert main(["cluster", "scale", "--rollout", "2", str(result.run_dir)]) == 2  # ended
+    capsys.readouterr()
+    assert main(["cluster", "status", str(result.run_dir)]) == 0
+    last = capsys.readouterr().out.strip()
+    assert "1 rollout workers healthy" in last and last.endswith("(the job has ended)")
