@@ -116,6 +116,12 @@ class _Host:
     def pid(self) -> int:
         return os.getpid()
 
+    def node(self) -> str:
+        """The id of the Ray node this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
 
 class TrainerWorker(_Host):
     """Ray actor around the trainer worker (policy, reference, critic; one data-parallel rank)."""
@@ -183,6 +189,10 @@ class RayWorker:
 
     def notice(self) -> bool:
         return bool(import_ray().get(self.actor.notice.remote()))
+
+    @property
+    def node(self) -> str:
+        return import_ray().get(self.actor.node.remote())
 
     def kill(self) -> None:
         import_ray().kill(self.actor, no_restart=True)
@@ -526,6 +536,7 @@ def connect(ray, cfg: Config) -> bool:
         demand += c.rollout_workers * c.rollout.cpus
     # Ray's CPUs are scheduling units: a local cluster gets at least what the roles ask for
     ray.init(
+        address="local",  # a new cluster, even where an earlier one left RAY_ADDRESS set
         num_cpus=max(os.cpu_count() or 1, math.ceil(demand)),
         include_dashboard=False,
         log_to_driver=False,

@@ -23,10 +23,23 @@ CPUS = 4
 
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
+    """One Ray cluster for every case (ray.cluster_utils.Cluster: the node-death case adds a
+    node and removes it); node deaths are noticed within seconds."""
+    from ray.cluster_utils import Cluster
+
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    ray.init(num_cpus=CPUS, include_dashboard=False, log_to_driver=False)
-    yield
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": CPUS,
+            "include_dashboard": False,
+            "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3},
+        },
+    )
+    ray.init(address=c.address, log_to_driver=False)
+    yield c
     ray.shutdown()
+    c.shutdown()
 
 
 def _cfg(tmp_path, **extra):
@@ -184,3 +197,49 @@ def test_colocated_placement_with_reward_workers_runs(tmp_path):
     assert any(n.endswith("-reward") for n in groups_seen[0])
     assert isinstance(held[0].reward, RewardPool) and counters  # scored by the reward actors
     _all_cpus_free()
+
+
+def test_a_lost_node_takes_a_rollout_worker_and_the_run_goes_on(tmp_path, cluster):
+    """A second node holds one rollout worker (the trainer needs more CPUs than it has); the
+    node is removed mid-run; Ray reschedules the bundle, restarts the actor, the fleet syncs it."""
+    spot = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    cfg = _cfg(
+        tmp_path,
+        **{
+            "train.steps": 5,
+            "eval.every": 0,
+            "cluster.trainer.cpus": 2,
+            "cluster.rollout.cpus": 1,
+        },
+    )
+    held, per_step, lost = [], {}, []
+
+    def start(*args, **kwargs):
+        held.append(start_ray_workers(*args, **kwargs))
+        return held[-1]
+
+    def on_groups(step, groups):
+        per_step[step] = [g.prompt.text for g in groups]
+        fleet = held[0].rollout
+        if step == 2:
+            nodes = [m.handle.node for m in fleet.members]
+            assert held[0].trainer.node != spot.node_id
+            assert spot.node_id in nodes, "SPREAD placed no rollout worker on the second node"
+            lost.append(nodes.index(spot.node_id))
+            cluster.remove_node(spot, allow_graceful=False)
+        if step == 4:
+            deadline = time.monotonic() + 240
+            while not fleet.members[lost[0]].health.serving:
+                assert time.monotonic() < deadline, fleet.states()
+                time.sleep(0.2)
+
+    result = train(cfg, start=start, on_groups=on_groups)
+    assert [h["step"] for h in result.history] == [1, 2, 3, 4, 5]
+    for step, texts in per_step.items():
+        assert len(texts) == cfg.rollout.prompts_per_step == len(set(texts)), step
+    rows = [r for r in _events(result.run_dir) if r["worker"] == lost[0]]
+    states = [r["state"] for r in rows]
+    dead = states.index("dead")
+    assert states[dead : dead + 4] == ["dead", "restarting", "stale", "healthy"]
+    assert rows[dead + 3]["version"] == rows[dead + 3]["current"]
