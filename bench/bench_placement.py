@@ -34,6 +34,7 @@ def run(name: str, steps: int, out: str, extra: list[str]) -> dict:
             "checkpoint.every=0",
             "observe.progress=false",
             "observe.plot=false",
+            "run.threads=1",  # as each actor (one CPU each): no run oversubscribes the cores
             *extra,
         ],
     )
