@@ -727,7 +727,7 @@ class ClusterConfig(Section):
     start_timeout_s: float = Field(600.0, gt=0)
     """Seconds a worker process may take to start (build its model) before the run stops."""
     address: str = ""
-    """Ray cluster to join: empty starts a local one bound to 127.0.0.1 (stopped at the end);
+    """Ray cluster to join: empty starts a local one on this machine (stopped at the end);
     ``auto`` joins the one ``ray start`` began on this machine; ``host:port`` joins that one."""
     rollout_workers: int = Field(1, ge=1)
     """Rollout workers (process or ray backend): each step's prompts are split over them; a lost

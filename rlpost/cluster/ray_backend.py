@@ -541,7 +541,6 @@ def connect(ray, cfg: Config) -> bool:
         include_dashboard=False,
         log_to_driver=False,
         logging_level=logging.ERROR,
-        _node_ip_address="127.0.0.1",
     )
     return True
 
