@@ -2,6 +2,7 @@
 
 import pytest
 
+from rlpost.envs.formats import TagFormat
 from rlpost.models.tiny import build_char_tokenizer
 from rlpost.rollout.multiturn import CodeTool, MultiTurnRollout
 from rlpost.rollout.protocol import SamplingParams
@@ -40,12 +41,12 @@ def _encode(tok, text):
 
 
 def test_tool_output_is_appended_as_masked_tokens(tok):
-    policy = ScriptedPolicy(tok, ['I will add. <tool name="add">2,3</tool> junk after', "It is 5."])
+    policy = ScriptedPolicy(tok, ["I will add. <add>2,3</add> junk after", "It is 5."])
     tools = {"add": lambda args: str(sum(int(x) for x in args.split(",")))}
     rollout = MultiTurnRollout(policy, tok, tools)
     prompt = _encode(tok, "Q: 2+3? ")
     (c,) = rollout.generate([prompt], SamplingParams(max_tokens=100), n=1, group_offset=4)
-    call = 'I will add. <tool name="add">2,3</tool>'
+    call = "I will add. <add>2,3</add>"
     result = "<result>5</result>"
     assert c.text == call + result + "It is 5."
     n_call, n_result = len(_encode(tok, call)), len(_encode(tok, result))
@@ -66,7 +67,8 @@ def test_unknown_and_failing_tools_answer_errors(tok):
         raise ZeroDivisionError("division by zero")
 
     turns = ['<tool name="nope">x</tool>', '<tool name="div">1/0</tool>', "done"]
-    rollout = MultiTurnRollout(ScriptedPolicy(tok, turns), tok, {"div": broken})
+    fmt = TagFormat(call='<tool name="{name}">{arguments}</tool>')
+    rollout = MultiTurnRollout(ScriptedPolicy(tok, turns), tok, {"div": broken}, fmt=fmt)
     (c,) = rollout.generate([_encode(tok, "go ")], SamplingParams(max_tokens=200))
     assert "error: unknown tool 'nope'; available: div" in c.text
     assert "error: ZeroDivisionError: division by zero" in c.text
@@ -74,8 +76,8 @@ def test_unknown_and_failing_tools_answer_errors(tok):
 
 
 def test_budget_and_call_limit(tok):
-    call = '<tool name="echo">abc</tool>'
-    rollout = MultiTurnRollout(ScriptedPolicy(tok, [call] * 3), tok, {"echo": str}, max_calls=1)
+    call = "<echo>abc</echo>"
+    rollout = MultiTurnRollout(ScriptedPolicy(tok, [call] * 3), tok, {"echo": str}, max_turns=2)
     (c,) = rollout.generate([_encode(tok, "x")], SamplingParams(max_tokens=500))
     assert c.text == call + "<result>abc</result>" + call  # the second call is not executed
     assert rollout.tool_calls == 1
