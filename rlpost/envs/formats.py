@@ -155,7 +155,8 @@ def demonstration_completion(
     produced by the environment itself and masked (``loss_mask`` 0), the policy's tokens
     trained. ``direct``: answer without calling a tool. None when the environment has no
     demonstration for this prompt."""
-    demo: Demonstration | None = env.demonstration(prompt, rng)  # type: ignore[attr-defined]
+    demonstrate = getattr(env, "demonstration", None)  # optional in the protocol
+    demo: Demonstration | None = demonstrate(prompt, rng) if demonstrate else None
     if demo is None:
         return None
     if direct:
