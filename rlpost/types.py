@@ -22,12 +22,14 @@ class Turn:
     answer, masked from the loss). A policy turn carries the tool it called
     (``None``: it answered), the reward the environment gave it, and whether
     the call failed; an env turn carries the call's wall time in ``seconds``.
+    ``text`` is the turn's tokens decoded (for people reading samples; never re-encoded).
     """
 
     role: Literal["policy", "env"]
     start: int
     end: int
     tool: str | None = None
+    text: str = ""
     reward: float = 0.0
     error: bool = False
     seconds: float = 0.0

@@ -335,7 +335,9 @@ def _write_samples(r: Run, step: int, groups) -> None:
         i for i, bad in enumerate(b for g in groups for b in (g.invalid or [False] * g.n)) if bad
     ]
     scored = ScoredBatch(flat, _components(groups), len(invalid), invalid)
-    r.samples.maybe_write(step, reward_samples(groups, r.cfg.rollout.max_tokens), scored)
+    completions = [c for g in groups for c in g.completions]
+    samples = reward_samples(groups, r.cfg.rollout.max_tokens)
+    r.samples.maybe_write(step, samples, scored, completions)
 
 
 def _sync(r: Run) -> tuple[int, float, float]:

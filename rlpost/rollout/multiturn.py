@@ -185,7 +185,8 @@ class MultiTurnRollout:
             ep.loss_mask += [1] * len(keep)
             ep.versions += out.versions_per_token()[: len(keep)]
             text = self.tokenizer.decode(keep, skip_special_tokens=True)
-            ep.turns.append(Turn("policy", start, len(ep.tokens), call.name if call else None))
+            tool = call.name if call else None
+            ep.turns.append(Turn("policy", start, len(ep.tokens), tool, text=text))
             ep.answer = text
             full = len(ep.tokens) >= params.max_tokens
             if call is not None and last_turn:
@@ -265,7 +266,8 @@ class MultiTurnRollout:
         # Masked tokens carry the version of the policy turn they answer (sample lag is
         # measured on what the policy sampled).
         ep.versions += [ep.versions[-1] if ep.versions else ep.version or 0] * len(ids)
-        ep.turns.append(Turn("env", start, len(ep.tokens), seconds=seconds))
+        shown = self.tokenizer.decode(ids, skip_special_tokens=True)
+        ep.turns.append(Turn("env", start, len(ep.tokens), text=shown, seconds=seconds))
         if len(ep.tokens) >= params.max_tokens:
             ep.finish, ep.budget = "length", "tokens"
 

@@ -59,17 +59,25 @@ def episodes():
         torch.set_num_threads(threads)
 
 
-def _episodes():
+def calc_policy():
+    """(model, tokenizer, problems): a tiny policy warmed up on calculator demonstrations of
+    one-digit products (short episodes: a few seconds of warm-up on one thread)."""
     torch.manual_seed(0)
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, seed=0)
-    problems = arith_problems(9, ["*"])  # short episodes: a quick warm-up
+    problems = arith_problems(9, ["*"])
     make_env, fmt = env_factory("calc"), TagFormat()
 
     def example(prompt, rng):
         return demonstration_completion(make_env(), prompt, fmt, tok, rng)
 
     sft_train(model, tok, problems[8:], steps=60, lr=5e-3, batch_size=16, example=example)
+    return model, tok, problems
+
+
+def _episodes():
+    model, tok, problems = calc_policy()
+    make_env, fmt = env_factory("calc"), TagFormat()
     serving = copy.deepcopy(model).requires_grad_(False)
     engine = Recording(HFEngine(serving, tok, batch_size=64, seed=0, version=7))
     agent = MultiTurnRollout(engine, tok, env=make_env, max_turns=3, fmt=fmt)

@@ -1,5 +1,7 @@
 """Multi-turn tool rollouts: token bookkeeping, masks and tool failures."""
 
+import copy
+
 import pytest
 
 from rlpost.envs.formats import TagFormat
@@ -106,3 +108,73 @@ def test_code_tool_runs_in_the_sandbox():
         pytest.skip(str(exc))
     assert CodeTool()("print(6 * 7)").strip() == "42"
     assert "ZeroDivisionError" in CodeTool()("1 / 0")
+
+
+class Steps:
+    """A custom environment (loaded by ``package.module:Class``): rewards each call, answers
+    its step number, and is done only when the policy says 'end'."""
+
+    tools = ("go",)
+
+    def reset(self, prompt):
+        self.calls = 0
+
+    def step(self, action):
+        from rlpost.envs import StepResult
+
+        if action.call is None:
+            return StepResult(
+                "say end" if "end" not in action.text else "", done="end" in action.text
+            )
+        self.calls += 1
+        return StepResult(str(self.calls), reward=0.25)
+
+
+def test_budgets_end_runaway_episodes_and_are_counted(tok):
+    from rlpost.envs.catalog import env_factory
+
+    make = env_factory("tests.unit.rollout.test_multiturn:Steps")
+    turns = ["<go>a</go>", "<go>b</go>", "<go>c</go>"]
+    rollout = MultiTurnRollout(ScriptedPolicy(tok, turns), tok, env=make, max_turns=3)
+    (c,) = rollout.generate([_encode(tok, "x")], SamplingParams(max_tokens=500))
+    assert c.text == "<go>a</go><result>1</result><go>b</go><result>2</result><go>c</go>"
+    assert c.finish_reason == "length" and c.episode.budget == "turns"
+    assert [t.reward for t in c.episode.turns if t.role == "policy"] == [0.25, 0.25, 0.0]
+    assert rollout.last_stats.turn_budget == 1 and rollout.last_stats.tool_calls == 2
+    assert rollout.last_stats.metrics()["agent_turns_mean"] == 3.0
+    # The token budget: the second call's answer is cut where the response is full.
+    tight = MultiTurnRollout(ScriptedPolicy(tok, turns), tok, env=make, max_turns=9)
+    (c,) = tight.generate([_encode(tok, "x")], SamplingParams(max_tokens=14))
+    assert len(c.token_ids) == 14 and c.episode.budget == "tokens"
+    assert tight.last_stats.token_budget == 1 and tight.last_stats.turn_budget == 0
+
+
+def test_an_answer_the_environment_refuses_gets_its_feedback(tok):
+    from rlpost.envs.catalog import env_factory
+
+    make = env_factory("tests.unit.rollout.test_multiturn:Steps")
+    rollout = MultiTurnRollout(ScriptedPolicy(tok, ["maybe", "end"]), tok, env=make)
+    (c,) = rollout.generate([_encode(tok, "x")], SamplingParams(max_tokens=100))
+    assert c.text == "maybe<result>say end</result>end" and c.finish_reason == "stop"
+    assert c.episode.answer == "end" and c.episode.tool_calls == 1  # feedback, not a tool
+    assert [t.role for t in c.episode.turns] == ["policy", "env", "policy"]
+
+
+def test_chat_template_episodes_append_the_templates_tool_tokens(tok):
+    from rlpost.envs.catalog import env_factory
+    from rlpost.envs.formats import ChatTemplateFormat
+
+    chat = copy.deepcopy(tok)
+    chat.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    call = '<tool_call>{"name": "calc", "arguments": {"expression": "6*7"}}</tool_call>'
+    policy = ScriptedPolicy(chat, [call, "42"])
+    rollout = MultiTurnRollout(policy, chat, env=env_factory("calc"), fmt=ChatTemplateFormat(chat))
+    (c,) = rollout.generate([_encode(chat, "q")], SamplingParams(max_tokens=200))
+    n_call = len(_encode(chat, call)) + 1  # the policy's own end-of-turn token is kept
+    tool_ids = _encode(chat, "<|tool|>42</s><|assistant|>")
+    assert c.token_ids[n_call : n_call + len(tool_ids)] == tool_ids
+    assert c.loss_mask == [1] * n_call + [0] * len(tool_ids) + [1] * 3  # "42" + EOS
+    assert c.episode.answer == "42"
