@@ -859,11 +859,6 @@ def find_combination_problems(cfg: Config) -> list[str]:
         )
     if r.engine == "vllm" and cfg.model.path is None:
         out.append("rollout.engine=vllm needs model.path (a local HF checkpoint vLLM can load)")
-    if cfg.agent.env is not None and r.partial:
-        out.append(
-            f"agent.env={cfg.agent.env} with rollout.partial=true: multi-turn episodes do not "
-            "carry across steps yet; set rollout.partial=false"
-        )
     return out
 
 

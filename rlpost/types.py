@@ -20,8 +20,9 @@ class Turn:
 
     ``role`` is ``"policy"`` (sampled, trained) or ``"env"`` (the environment's
     answer, masked from the loss). A policy turn carries the tool it called
-    (``None``: it answered), the reward the environment gave it, and whether
-    the call failed; an env turn carries the call's wall time in ``seconds``.
+    (``None``: it answered, or its call was past the turn budget and never ran), the
+    reward the environment gave it, whether the call failed and its wall time in
+    ``seconds``.
     ``text`` is the turn's tokens decoded (for people reading samples; never re-encoded).
     """
 
@@ -50,7 +51,7 @@ class Episode:
 
     @property
     def tool_calls(self) -> int:
-        return sum(1 for t in self.turns if t.role == "env")
+        return sum(1 for t in self.turns if t.role == "policy" and t.tool is not None)
 
     @property
     def policy_turns(self) -> int:

@@ -23,10 +23,12 @@ counted; it never ends the rollout.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from rlpost.envs.base import Action, Environment, StepResult, ToolCall
 from rlpost.envs.formats import TagFormat
@@ -82,6 +84,28 @@ class _Live:
     finish: FinishReason | None = None
 
 
+@dataclass
+class _Group:
+    payload: Any
+    episodes: list[_Live]
+    steps_carried: int = 0
+
+    @property
+    def done(self) -> bool:
+        return all(e.finish is not None for e in self.episodes)
+
+
+@dataclass
+class PartialEpisodes:
+    """What a partial step of episodes returns (the fields of ``longtail.PartialStep``)."""
+
+    completions: list[Completion]
+    payloads: list[Any]
+    carried_groups: int
+    carried_samples: int
+    done_fraction: float
+
+
 class MultiTurnRollout:
     """Samples episodes against a fresh environment each (``env()``), or against plain
     ``tools`` (a stateless :class:`ToolEnv`).
@@ -115,6 +139,7 @@ class MultiTurnRollout:
         self.fmt = fmt or TagFormat()
         self.workers = workers
         self.last_stats = EpisodeStats()
+        self.carried: list[_Group] = []  # partial rollout: episodes continued next step
         self.tool_calls = 0  # over the object's lifetime
         self.tool_errors = 0
 
@@ -134,25 +159,99 @@ class MultiTurnRollout:
 
         ``prompts`` (the task records) reset the environments; without them an
         environment sees the decoded prompt text alone."""
-        self.last_stats = EpisodeStats()
-        live = []
+        groups = self._start(prompt_ids, n, prompts)
+        live = [e for g in groups for e in g.episodes]
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            self._first_turn(groups, params, n, pool)
+            while active := [e for e in live if e.finish is None]:
+                self._next_turn(active, params, pool)
+        return self._finish(groups, group_offset)
+
+    def generate_partial(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        n: int,
+        prompts: list[Any],
+        *,
+        fraction: float,
+    ) -> PartialEpisodes:
+        """Partial rollout for episodes: start these prompts' episodes beside the ones carried
+        from earlier steps, take turns until ``fraction`` of all of them are done, and return
+        the groups whose episodes are all done. The others are carried, environment state
+        and all, and continue at the next call with the weights of that step (their tokens'
+        versions say which weights sampled which turn). ``prompts`` come back as the payloads
+        of the returned groups."""
+        for g in self.carried:
+            g.steps_carried += 1
+        new = self._start(prompt_ids, n, prompts)
+        groups = self.carried + new
+        live = [e for g in groups for e in g.episodes]
+        target = math.ceil(fraction * len(live) - 1e-9)
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            if new:
+                self._first_turn(new, params, n, pool)
+            carried = [e for g in self.carried for e in g.episodes if e.finish is None]
+            if carried:
+                self._next_turn(carried, params, pool)
+            while active := [e for e in live if e.finish is None]:
+                done = len(live) - len(active)
+                if done >= target and any(g.done for g in groups):
+                    break
+                self._next_turn(active, params, pool)
+        ready = [g for g in groups if g.done]
+        self.carried = [g for g in groups if not g.done]
+        done = sum(e.finish is not None for e in live)
+        return PartialEpisodes(
+            completions=self._finish(ready, 0),
+            payloads=[g.payload for g in ready],
+            carried_groups=len(self.carried),
+            carried_samples=sum(e.finish is None for g in self.carried for e in g.episodes),
+            done_fraction=done / max(1, len(live)),
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The carried episodes (tokens, logprobs, versions, turns and their environments)."""
+        return {"carried": list(self.carried)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.carried = list(state.get("carried", []))
+
+    def _start(self, prompt_ids, n: int, prompts) -> list[_Group]:
+        groups = []
         for i, ids in enumerate(prompt_ids):
-            task = prompts[i] if prompts is not None else Prompt(self.tokenizer.decode(ids))
+            task = prompts[i] if prompts is not None else None
+            if not isinstance(task, Prompt):
+                task = Prompt(self.tokenizer.decode(ids))
+            episodes = []
             for _ in range(n):
                 env = self.make_env()
                 env.reset(task)
-                live.append(_Live(list(ids), group_offset + i, env))
-        with ThreadPoolExecutor(max_workers=self.workers) as pool:
-            # First turn: one call with n samples per prompt, so each prompt is prefilled once.
-            first = self.engine.generate(prompt_ids, params, n=n, group_offset=group_offset)
-            self._take_turns(live, first, params, pool)
-            while active := [e for e in live if e.finish is None]:
-                self._next_turn(active, params, pool)
-        out = [self._completion(e) for e in live]
-        s = self.last_stats
+                episodes.append(_Live(list(ids), i, env))
+            groups.append(_Group(prompts[i] if prompts is not None else None, episodes))
+        return groups
+
+    def _first_turn(self, groups: list[_Group], params: SamplingParams, n: int, pool) -> None:
+        # One call with n samples per prompt, so each prompt is prefilled once.
+        first = self.engine.generate([g.episodes[0].prompt_ids for g in groups], params, n=n)
+        self._take_turns([e for g in groups for e in g.episodes], first, params, pool)
+
+    def _finish(self, groups: list[_Group], group_offset: int) -> list[Completion]:
+        """The groups' completions (group index ``group_offset + i``), and their counts in
+        ``last_stats``."""
+        live = [e for g in groups for e in g.episodes]
+        out = [
+            self._completion(e, group_offset + i) for i, g in enumerate(groups) for e in g.episodes
+        ]
+        s = self.last_stats = EpisodeStats()
+        for e in live:
+            calls = [t for t in e.turns if t.role == "policy" and t.tool is not None]
+            s.tool_calls += len(calls)
+            s.tool_errors += sum(t.error for t in calls)
+            s.tool_seconds += sum(t.seconds for t in calls)
+            s.policy_turns += sum(t.role == "policy" for t in e.turns)
         s.episodes = len(out)
         s.tokens = sum(len(c.token_ids) for c in out)
-        s.policy_turns = sum(t.role == "policy" for e in live for t in e.turns)
         s.turn_budget = sum(e.budget == "turns" for e in live)
         s.token_budget = sum(e.budget == "tokens" for e in live)
         self.tool_calls += s.tool_calls
@@ -189,9 +288,9 @@ class MultiTurnRollout:
             ep.turns.append(Turn("policy", start, len(ep.tokens), tool, text=text))
             ep.answer = text
             full = len(ep.tokens) >= params.max_tokens
-            if call is not None and last_turn:
-                ep.finish, ep.budget = "length", "turns"  # the call is never run
-                ep.turns[-1].tool = None
+            if call is not None and (last_turn or full):
+                ep.finish, ep.budget = "length", "turns" if last_turn else "tokens"
+                ep.turns[-1].tool = None  # the call is never run
             elif full:
                 ep.finish, ep.budget = "length", "tokens"
             elif call is None and out.finish_reason != "stop":
@@ -204,16 +303,13 @@ class MultiTurnRollout:
         for (ep, action), (result, seconds) in zip(steps, results, strict=True):
             turn = ep.turns[-1]
             turn.reward, turn.error = float(result.reward), bool(result.error)
-            if action.call is not None:
-                self.last_stats.tool_calls += 1
-                self.last_stats.tool_errors += int(result.error)
-                self.last_stats.tool_seconds += seconds
+            turn.seconds = seconds if action.call is not None else 0.0
             if result.done:
                 ep.finish = "stop"
             elif sum(t.role == "policy" for t in ep.turns) >= self.max_turns:
                 ep.finish, ep.budget = "length", "turns"
             else:
-                self._append_answer(ep, result.observation, seconds, params)
+                self._append_answer(ep, result.observation, params)
 
     def _find_call(
         self, token_ids: list[int], tools: tuple[str, ...]
@@ -255,7 +351,7 @@ class MultiTurnRollout:
                 result = StepResult(f"error: {type(exc).__name__}: {line}", error=True)
         return result, time.perf_counter() - t0
 
-    def _append_answer(self, ep: _Live, observation: str, seconds: float, params) -> None:
+    def _append_answer(self, ep: _Live, observation: str, params) -> None:
         text = self.fmt.observation_text(str(observation)[: self.max_output_chars])
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: self.max_tool_tokens]
         ids = ids[: params.max_tokens - len(ep.tokens)]
@@ -267,18 +363,18 @@ class MultiTurnRollout:
         # measured on what the policy sampled).
         ep.versions += [ep.versions[-1] if ep.versions else ep.version or 0] * len(ids)
         shown = self.tokenizer.decode(ids, skip_special_tokens=True)
-        ep.turns.append(Turn("env", start, len(ep.tokens), text=shown, seconds=seconds))
+        ep.turns.append(Turn("env", start, len(ep.tokens), text=shown))
         if len(ep.tokens) >= params.max_tokens:
             ep.finish, ep.budget = "length", "tokens"
 
-    def _completion(self, e: _Live) -> Completion:
+    def _completion(self, e: _Live, group: int) -> Completion:
         return Completion(
             prompt_ids=e.prompt_ids,
             token_ids=e.tokens,
             logprobs=e.logprobs,
             finish_reason=e.finish,
             policy_version=e.version,
-            group=e.group,
+            group=group,
             text=self.tokenizer.decode(e.tokens, skip_special_tokens=True),
             loss_mask=e.loss_mask,
             token_versions=e.versions,

@@ -88,6 +88,16 @@ class RolloutWorker:
         stats: dict[str, float] = {}
         if self.partial is None:
             completions, stats = self._sample(prompts, ids, params, n)
+        elif self.agent is not None:  # episodes carry across steps at turn boundaries
+            fraction = 1.0 if last else self.partial.fraction
+            part = self.agent.generate_partial(ids, params, n, prompts, fraction=fraction)
+            prompts, completions = part.payloads, part.completions
+            stats = {
+                "carried_samples": float(part.carried_samples),
+                "carried_groups": float(part.carried_groups),
+                "partial_done_fraction": part.done_fraction,
+                **self.agent.last_stats.metrics(),
+            }
         else:
             out = self.partial.step(
                 ids, params, n, payloads=prompts, fraction=1.0 if last else None
@@ -133,6 +143,8 @@ class RolloutWorker:
             state["engine_generator"] = generator.get_state()
         if self.partial is not None:
             state["partial"] = self.partial.state_dict()
+        if self.agent is not None:
+            state["agent"] = self.agent.state_dict()
         if self.lengths is not None:
             state["lengths"] = self.lengths.state_dict()
         return state
@@ -143,6 +155,8 @@ class RolloutWorker:
             generator.set_state(state["engine_generator"])
         if self.partial is not None and "partial" in state:
             self.partial.load_state_dict(state["partial"])
+        if self.agent is not None and "agent" in state:
+            self.agent.load_state_dict(state["agent"])
         if self.lengths is not None and "lengths" in state:
             self.lengths.load_state_dict(state["lengths"])
         set_rng_state(state["rng"])

@@ -10,6 +10,7 @@ import torch
 from rlpost.config import Config, load_config
 from rlpost.envs.catalog import env_factory
 from rlpost.envs.formats import TagFormat
+from rlpost.models.tiny import save_tiny_checkpoint
 from rlpost.pipeline.build import build_trainer
 from rlpost.pipeline.loop import train
 from rlpost.pipeline.stages import collate_groups
@@ -59,20 +60,25 @@ def test_episodes_through_a_server_keep_the_sampled_ids(tmp_path):
     assert torch.allclose(local[mask], batch.rollout_logprobs[mask], atol=1e-3)
 
 
-def test_training_loop_runs_episodes_on_remote_engines(tmp_path, tiny_dir):
-    proc, url = start_server(tiny_dir, "--max-tokens-limit", "64")
+def test_training_loop_runs_episodes_on_remote_engines(tmp_path):
+    model_dir = save_tiny_checkpoint(tmp_path / "tiny")  # the default tiny shape
+    proc, url = start_server(model_dir, "--max-tokens-limit", "64")
     try:
         over = small_overrides(
             tmp_path,
             **{
-                "model.path": str(tiny_dir),
+                "model.path": str(model_dir),
+                "model.tiny.hidden_size": 64,
+                "model.tiny.intermediate_size": 256,
                 "rollout.engine": "remote",
                 "rollout.servers": json.dumps([url]),
-                "rollout.max_tokens": 24,
+                "rollout.max_tokens": 48,
                 "data.arith.max_operand": 9,
-                "data.arith.ops": '["*"]',
+                "data.arith.eval_size": 20,
                 "agent.env": "calc",
-                "sft.steps": 30,
+                "sft.steps": 80,
+                "sft.lr": 5e-3,
+                "sft.batch_size": 16,
                 "train.steps": 2,
                 "eval.every": 0,
                 "checkpoint.every": 0,
@@ -85,6 +91,5 @@ def test_training_loop_runs_episodes_on_remote_engines(tmp_path, tiny_dir):
     assert len(rows) == 2
     for r in rows:
         assert r["logprob_gap"] < 1e-3  # the server samples with the trainer's weights
-        assert r["agent_turns_mean"] >= 1.0 and r["agent_episode_tokens_mean"] > 0
-        assert r["agent_tool_calls"] >= 0 and "agent_tool_seconds_mean" in r
-    assert "eval_tool_call_rate" in result.summary or result.summary["eval_accuracy_end"] >= 0
+        assert r["agent_tool_calls"] >= 1 and r["agent_turns_mean"] > 1.0
+    assert result.summary["eval_accuracy_end"] is not None

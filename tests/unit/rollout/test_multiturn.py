@@ -156,7 +156,7 @@ def test_an_answer_the_environment_refuses_gets_its_feedback(tok):
     rollout = MultiTurnRollout(ScriptedPolicy(tok, ["maybe", "end"]), tok, env=make)
     (c,) = rollout.generate([_encode(tok, "x")], SamplingParams(max_tokens=100))
     assert c.text == "maybe<result>say end</result>end" and c.finish_reason == "stop"
-    assert c.episode.answer == "end" and c.episode.tool_calls == 1  # feedback, not a tool
+    assert c.episode.answer == "end" and c.episode.tool_calls == 0  # feedback, not a tool
     assert [t.role for t in c.episode.turns] == ["policy", "env", "policy"]
 
 
@@ -178,3 +178,29 @@ def test_chat_template_episodes_append_the_templates_tool_tokens(tok):
     assert c.token_ids[n_call : n_call + len(tool_ids)] == tool_ids
     assert c.loss_mask == [1] * n_call + [0] * len(tool_ids) + [1] * 3  # "42" + EOS
     assert c.episode.answer == "42"
+
+
+def test_partial_rollout_carries_unfinished_episodes_to_the_next_step(tok):
+    import pickle
+
+    from rlpost.envs.catalog import env_factory
+
+    make = env_factory("tests.unit.rollout.test_multiturn:Steps")
+    policy = ScriptedPolicy(tok, ["end", "<go>a</go>", "end", "end"])
+    rollout = MultiTurnRollout(policy, tok, env=make)
+    params = SamplingParams(max_tokens=100)
+    p, q, r = (_encode(tok, t) for t in ("p", "q", "r"))
+    first = rollout.generate_partial([p, q], params, 1, ["P", "Q"], fraction=0.5)
+    assert first.payloads == ["P"] and [c.text for c in first.completions] == ["end"]
+    assert (first.carried_groups, first.carried_samples, first.done_fraction) == (1, 1, 0.5)
+    state = pickle.loads(pickle.dumps(rollout.state_dict()))  # a checkpoint keeps them
+    resumed = MultiTurnRollout(policy, tok, env=make)
+    resumed.load_state_dict(state)
+    policy.version = 4  # new weights between the steps
+    second = resumed.generate_partial([r], params, 1, ["R"], fraction=0.5)
+    assert second.payloads == ["Q", "R"] and second.carried_groups == 0
+    q_done = second.completions[0]
+    assert q_done.text == "<go>a</go><result>1</result>end" and q_done.prompt_ids == q
+    assert q_done.policy_version == 3 and set(q_done.token_versions) == {3, 4}
+    assert [c.group for c in second.completions] == [0, 1]
+    assert resumed.last_stats.tool_calls == 1 and resumed.last_stats.episodes == 2
