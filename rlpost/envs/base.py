@@ -67,9 +67,11 @@ class Environment(Protocol):
         ...
 
 
-# A demonstration for the warm-up: tool calls (their observations come from the
-# environment itself, so they never disagree with it) and the final answer text.
-Demonstration = list[ToolCall | str]
+# A demonstration for the warm-up: tool calls and the final answer text. A call's
+# observation comes from the environment itself, so it never disagrees with it; a
+# (call, observation) pair states it instead, for environments whose steps are too
+# costly to run for every warm-up example (a sandbox run).
+Demonstration = list[ToolCall | tuple[ToolCall, str] | str]
 
 ENVS: Registry[type] = Registry("environment")
 

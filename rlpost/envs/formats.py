@@ -166,12 +166,13 @@ def demonstration_completion(
     ids: list[int] = []
     mask: list[int] = []
     for part in demo:
-        if isinstance(part, ToolCall):
-            text = fmt.render_call(part)
+        if isinstance(part, ToolCall | tuple):
+            call, stated = part if isinstance(part, tuple) else (part, None)
+            text = fmt.render_call(call)
             ids += encode(text)
             mask += [1] * (len(ids) - len(mask))
-            out = env.step(Action(text, part))
-            obs = encode(fmt.observation_text(out.observation))
+            shown = stated if stated is not None else env.step(Action(text, call)).observation
+            obs = encode(fmt.observation_text(shown))
             ids += obs
             mask += [0] * len(obs)
         else:

@@ -60,7 +60,13 @@ class PythonSandbox:
         return StepResult(text, reward=self.pass_reward * fraction, error=passed == 0)
 
     def demonstration(self, prompt: Prompt, rng: random.Random) -> Demonstration | None:
-        """Test the reference program, then give it as the answer."""
+        """Test the reference program, then give it as the answer. The reference passes its
+        own tests, so the observation is stated rather than run in the sandbox for every
+        warm-up example."""
         if not isinstance(prompt.answer, str):
             return None
-        return [ToolCall("python", prompt.answer), prompt.answer]
+        tests = prompt.metadata.get("tests") or []
+        call = ToolCall("python", prompt.answer)
+        if not tests:
+            return [call, prompt.answer]
+        return [(call, f"passed {len(tests)}/{len(tests)} tests"), prompt.answer]

@@ -151,3 +151,12 @@ def test_demonstrations_mask_the_environments_output():
         env_factory("countdown")(), COUNTDOWN, fmt, tok, random.Random(0)
     )
     assert "<step>" in tok.decode(steps.token_ids) and "<answer>" in tok.decode(steps.token_ids)
+
+
+def test_python_demonstration_states_its_observation_without_a_sandbox_run():
+    tok = build_char_tokenizer()
+    env = env_factory("python")()
+    c = demonstration_completion(env, CODE, TagFormat(), tok, random.Random(0))
+    text = tok.decode(c.token_ids, skip_special_tokens=True)
+    call = "<python>def f(x): return 2*x+1</python>"
+    assert text == call + "<result>passed 1/1 tests</result>def f(x): return 2*x+1"
