@@ -169,6 +169,9 @@ def train(
     wall = time.time() - started
     trained = sum(h.get("completions", 0.0) for h in history)
     pace = {"rl_seconds": rl_seconds, "completions_per_second": trained / max(rl_seconds, 1e-9)}
+    if "eval_tool_call_rate" in first_eval:  # multi-turn episodes: tool use before and after RL
+        pace["eval_tool_call_rate_start"] = first_eval["eval_tool_call_rate"]
+        pace["eval_tool_call_rate_end"] = final_eval.get("eval_tool_call_rate")
     summary = finish_run(
         cfg, run_dir, first_eval, final_eval, history, start_step, wall, console, extra=pace
     )

@@ -39,6 +39,7 @@ def test_agent_calc_learns_to_use_the_calculator(tmp_path):
     # Measured: accuracy 21.5 % -> 44.5 % (standard error 3-4 points), tool calls 44 % -> 89 %.
     assert s["eval_accuracy_end"] >= s["eval_accuracy_start"] + 0.1
     assert last["eval_tool_call_rate"] >= first["eval_tool_call_rate"] + 0.2
+    assert s["eval_tool_call_rate_end"] == last["eval_tool_call_rate"]
     steps = [r for r in rows if "agent_tool_calls" in r]
     assert len(steps) == 15 and all(r["agent_turns_mean"] >= 1.0 for r in steps)
     # Sample files hold whole episodes with their turns marked.

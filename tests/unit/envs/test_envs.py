@@ -160,3 +160,16 @@ def test_python_demonstration_states_its_observation_without_a_sandbox_run():
     text = tok.decode(c.token_ids, skip_special_tokens=True)
     call = "<python>def f(x): return 2*x+1</python>"
     assert text == call + "<result>passed 1/1 tests</result>def f(x): return 2*x+1"
+
+
+def test_a_run_with_a_bad_environment_is_refused_before_any_work(tmp_path, capsys):
+    from rlpost.cli import main
+
+    for over, why in [
+        ("agent.env=calcc", "config agent.env: unknown environment 'calcc'; valid: calc"),
+        ("agent.params={bogus: 1}", "config agent.env: environment 'calc': bad parameters"),
+    ]:
+        assert main(["train", "agent_calc", f"run.output_dir={tmp_path}", over]) != 0
+        err = capsys.readouterr().err.strip()
+        assert why in err and len(err.splitlines()) == 1
+    assert not any(tmp_path.iterdir())  # refused before any work: nothing was written
