@@ -195,3 +195,26 @@ def test_per_turn_rewards_land_on_the_turn_that_earned_them(episodes):
             for t in x.episode.turns:
                 t.reward = 0.0
     assert turn_rewards(plain, batch.response_mask) is None
+
+
+def test_per_turn_rewards_reach_the_advantage_estimator(episodes):
+    """Two episodes of one prompt with the same outcome: the one whose turn earned a reward
+    gets the positive GRPO advantage."""
+    from rlpost.config import AlgoConfig
+    from rlpost.pipeline.stages import compute_advantages
+
+    _, _, _, _, groups = episodes
+    group = copy.deepcopy(groups[0])
+    group.completions[0].episode.turns[0].reward = 0.5
+    for c in group.completions[1:]:
+        for t in c.episode.turns:
+            t.reward = 0.0
+    group.scores = [1.0] * group.n
+    batch = collate_groups([group], 0)
+    compute_advantages(
+        batch, AlgoConfig(), beta=0.0, turn_rewards=turn_rewards([group], batch.response_mask)
+    )
+    first, second = (float(batch.advantages[i][batch.response_mask[i] > 0][0]) for i in (0, 1))
+    assert first > 0 > second
+    compute_advantages(batch, AlgoConfig(), beta=0.0)  # outcome only: no difference
+    assert torch.all(batch.advantages == 0)
