@@ -766,9 +766,11 @@ class AgentConfig(Section):
     ``package.module:Class`` (None: single-turn completions, no tools)."""
     params: dict[str, Any] = {}
     """Keyword parameters of the environment's constructor (e.g. countdown's step_reward)."""
-    format: Literal["tags", "chat_template"] = "tags"
+    format: Literal["auto", "tags", "chat_template"] = "auto"
     """How calls are written: plain tags (call_template / result_template) or the tokenizer chat
-    template's tool format (``<tool_call>{json}</tool_call>`` and its tool message)."""
+    template's tool format (``<tool_call>{json}</tool_call>`` and its tool message); auto: the
+    chat template's when prompts are rendered with it (data.chat_template=auto) and it renders
+    tool messages, else plain tags."""
     call_template: str = "<{name}>{arguments}</{name}>"
     """Plain-tag call: {name} is a tool of the environment, {arguments} its input."""
     result_template: str = "<result>{output}</result>"

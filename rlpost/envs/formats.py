@@ -139,13 +139,22 @@ class ChatTemplateFormat:
         return self.prefix + output + self.suffix
 
 
-def build_format(kind: str, tokenizer, *, call: str, result: str):
-    """The format named by ``agent.format``."""
+def build_format(kind: str, tokenizer, *, call: str, result: str, chat_prompts: bool = True):
+    """The format named by ``agent.format``. ``auto``: the chat template's tool format when the
+    prompts are rendered with the template (``chat_prompts``) and it renders tool messages,
+    else plain tags."""
     if kind == "chat_template":
         return ChatTemplateFormat(tokenizer)
+    if kind == "auto":
+        if chat_prompts and getattr(tokenizer, "chat_template", None):
+            try:
+                return ChatTemplateFormat(tokenizer)
+            except EnvError:
+                pass  # a template without tool messages: plain tags, as documented
+        return TagFormat(call, result)
     if kind == "tags":
         return TagFormat(call, result)
-    raise EnvError(f"agent.format={kind!r}: valid formats are tags, chat_template")
+    raise EnvError(f"agent.format={kind!r}: valid formats are auto, tags, chat_template")
 
 
 def demonstration_completion(

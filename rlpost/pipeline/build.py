@@ -387,7 +387,7 @@ def build_agent(cfg: Config, engine, tokenizer) -> MultiTurnRollout | None:
         return None
     try:
         make_env = env_factory(a.env, a.params)
-        fmt = build_format(a.format, tokenizer, call=a.call_template, result=a.result_template)
+        fmt = agent_format(cfg, tokenizer)
     except EnvError as exc:
         raise ConfigError(f"config agent: {exc}") from None
     return MultiTurnRollout(
@@ -402,6 +402,15 @@ def build_agent(cfg: Config, engine, tokenizer) -> MultiTurnRollout | None:
     )
 
 
+def agent_format(cfg: Config, tokenizer):
+    """The call format of ``agent.format`` for this tokenizer and prompt rendering."""
+    a = cfg.agent
+    chat = cfg.data.chat_template == "auto"
+    return build_format(
+        a.format, tokenizer, call=a.call_template, result=a.result_template, chat_prompts=chat
+    )
+
+
 def agent_demonstrations(cfg: Config, tokenizer):
     """The warm-up's example builder for multi-turn episodes (None without ``agent.env``):
     the environment's demonstration in the run's call format, its tool output masked;
@@ -410,7 +419,7 @@ def agent_demonstrations(cfg: Config, tokenizer):
     if a.env is None:
         return None
     make_env = env_factory(a.env, a.params)
-    fmt = build_format(a.format, tokenizer, call=a.call_template, result=a.result_template)
+    fmt = agent_format(cfg, tokenizer)
 
     def example(prompt: Prompt, rng):
         direct = rng.random() < a.sft_direct

@@ -8,7 +8,12 @@ from rlpost.envs import ENVS, Action, EnvError, StepResult, ToolCall
 from rlpost.envs.calculator import calculate
 from rlpost.envs.catalog import env_factory, load_env_class
 from rlpost.envs.countdown import countdown_problems, solve
-from rlpost.envs.formats import ChatTemplateFormat, TagFormat, demonstration_completion
+from rlpost.envs.formats import (
+    ChatTemplateFormat,
+    TagFormat,
+    build_format,
+    demonstration_completion,
+)
 from rlpost.models.tiny import build_char_tokenizer
 from rlpost.types import Prompt
 
@@ -131,6 +136,28 @@ def test_chat_template_format_uses_the_templates_tool_message():
     assert fmt.find_call("<tool_call>{oops</tool_call>", ("calc",))[1].name == ""
     # The model's turn ends with its own </s>; the tokens after it are the template's.
     assert fmt.observation_text("6") == "<|tool|>6</s><|assistant|>"
+    # auto: the template's format where prompts use the template, else plain tags.
+    assert isinstance(
+        build_format("auto", tok, call="<{name}>{arguments}</{name}>", result="<r>{output}</r>"),
+        ChatTemplateFormat,
+    )
+    plain = build_format(
+        "auto",
+        tok,
+        call="<{name}>{arguments}</{name}>",
+        result="<r>{output}</r>",
+        chat_prompts=False,
+    )
+    assert isinstance(plain, TagFormat)
+    assert isinstance(
+        build_format(
+            "auto",
+            build_char_tokenizer(),
+            call="<{name}>{arguments}</{name}>",
+            result="<r>{output}</r>",
+        ),
+        TagFormat,
+    )
 
 
 def test_demonstrations_mask_the_environments_output():
