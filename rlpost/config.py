@@ -813,6 +813,40 @@ class SyncConfig(Section):
         return self
 
 
+# ------------------------------------------------------------------------- agent
+
+
+class AgentConfig(Section):
+    """Multi-turn episodes: the policy calls tools of an environment between its turns."""
+
+    env: str | None = None
+    """Environment of every episode: a built-in name (calc, python, countdown) or
+    ``package.module:Class`` (None: single-turn completions, no tools)."""
+    params: dict[str, Any] = {}
+    """Keyword parameters of the environment's constructor (e.g. countdown's step_reward)."""
+    format: Literal["auto", "tags", "chat_template"] = "auto"
+    """How calls are written: plain tags (call_template / result_template) or the tokenizer chat
+    template's tool format (``<tool_call>{json}</tool_call>`` and its tool message); auto: the
+    chat template's when prompts are rendered with it (data.chat_template=auto) and it renders
+    tool messages, else plain tags."""
+    call_template: str = "<{name}>{arguments}</{name}>"
+    """Plain-tag call: {name} is a tool of the environment, {arguments} its input."""
+    result_template: str = "<result>{output}</result>"
+    """Plain-tag rendering of the environment's answer, appended as masked tokens."""
+    max_turns: int = Field(4, ge=1)
+    """Policy turns per episode; a call in the last one is not run (counted as a turn-budget end).
+    rollout.max_tokens bounds the episode's tokens, policy and environment together."""
+    max_tool_tokens: int = Field(64, ge=1)
+    """Longest environment answer, in tokens (longer ones are cut)."""
+    max_output_chars: int = Field(2000, ge=1)
+    """Longest environment answer, in characters, before it is tokenized."""
+    workers: int = Field(8, ge=1)
+    """Environment steps run in parallel (threads: tools wait on sandboxes and networks)."""
+    sft_direct: float = Field(0.0, ge=0.0, le=1.0)
+    """Fraction of warm-up demonstrations that answer without calling a tool (the starting
+    policy then sometimes answers in its head, which RL has to unlearn)."""
+
+
 # -------------------------------------------------------------------------- root
 
 
@@ -833,6 +867,7 @@ class Config(Section):
     pipeline: PipelineConfig = PipelineConfig()
     cluster: ClusterConfig = ClusterConfig()
     sync: SyncConfig = SyncConfig()
+    agent: AgentConfig = AgentConfig()
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:

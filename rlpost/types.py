@@ -15,6 +15,50 @@ FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass
+class Turn:
+    """One turn of a multi-turn episode: response tokens ``start .. end - 1``.
+
+    ``role`` is ``"policy"`` (sampled, trained) or ``"env"`` (the environment's
+    answer, masked from the loss). A policy turn carries the tool it called
+    (``None``: it answered, or its call was past the turn budget and never ran), the
+    reward the environment gave it, whether the call failed and its wall time in
+    ``seconds``.
+    ``text`` is the turn's tokens decoded (for people reading samples; never re-encoded).
+    """
+
+    role: Literal["policy", "env"]
+    start: int
+    end: int
+    tool: str | None = None
+    text: str = ""
+    reward: float = 0.0
+    error: bool = False
+    seconds: float = 0.0
+
+
+@dataclass
+class Episode:
+    """How a multi-turn completion unfolded.
+
+    ``answer`` is the text of the policy's last turn: what the reward terms
+    judge. ``budget`` names the budget that ended the episode (``"turns"`` or
+    ``"tokens"``), ``None`` when the policy or the environment ended it.
+    """
+
+    turns: list[Turn] = field(default_factory=list)
+    answer: str = ""
+    budget: str | None = None
+
+    @property
+    def tool_calls(self) -> int:
+        return sum(1 for t in self.turns if t.role == "policy" and t.tool is not None)
+
+    @property
+    def policy_turns(self) -> int:
+        return sum(1 for t in self.turns if t.role == "policy")
+
+
+@dataclass
 class Prompt:
     """One task instance: the text shown to the policy and what the reward needs.
 
@@ -54,6 +98,7 @@ class Completion:
     text: str = ""
     loss_mask: list[int] | None = None
     token_versions: list[int] | None = None
+    episode: Episode | None = None  # the turns of a multi-turn episode (None: one turn)
 
     @property
     def truncated(self) -> bool:

@@ -25,6 +25,9 @@ from rlpost.config import Config, ConfigError
 from rlpost.data import DataError, LoadReport, arith_splits, load_prompt_file
 from rlpost.data.code import code_splits
 from rlpost.data.render import prepare_prompts
+from rlpost.envs.base import EnvError
+from rlpost.envs.catalog import env_factory
+from rlpost.envs.formats import build_format, demonstration_completion
 from rlpost.models.loading import context_length, frozen_copy, load_policy, load_tokenizer
 from rlpost.models.tiny import build_char_tokenizer
 from rlpost.registry import UnknownNameError
@@ -33,6 +36,7 @@ from rlpost.rewards.worker import RewardWorker
 from rlpost.rollout.continuous import ContinuousEngine
 from rlpost.rollout.hf_engine import HFEngine
 from rlpost.rollout.longtail import LengthPredictor, PartialRollout
+from rlpost.rollout.multiturn import MultiTurnRollout
 from rlpost.rollout.prefix_cache import PrefixCache
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.rollout.scheduler import Scheduler
@@ -83,6 +87,11 @@ def check_names(cfg: Config) -> None:
         check_terms(cfg.reward)
     except (UnknownNameError, ValueError) as exc:
         raise ConfigError(f"config reward.terms: {exc}") from None
+    if cfg.agent.env is not None:
+        try:
+            env_factory(cfg.agent.env, cfg.agent.params)
+        except EnvError as exc:
+            raise ConfigError(f"config agent.env: {exc}") from None
 
 
 # Keyword parameters every estimator or loss takes from the caller, not from the config.
@@ -362,8 +371,61 @@ def build_rollout_worker(cfg: Config, model=None, tokenizer=None) -> RolloutWork
         )
     lengths = LengthPredictor() if r.length_aware else None
     return RolloutWorker(
-        engine, tokenizer, partial=partial, lengths=lengths, batch_size=r.batch_size
+        engine,
+        tokenizer,
+        partial=partial,
+        lengths=lengths,
+        batch_size=r.batch_size,
+        agent=build_agent(cfg, engine, tokenizer),
     )
+
+
+def build_agent(cfg: Config, engine, tokenizer) -> MultiTurnRollout | None:
+    """The episode runner over ``engine`` when ``agent.env`` is set (None: single turn)."""
+    a = cfg.agent
+    if a.env is None:
+        return None
+    try:
+        make_env = env_factory(a.env, a.params)
+        fmt = agent_format(cfg, tokenizer)
+    except EnvError as exc:
+        raise ConfigError(f"config agent: {exc}") from None
+    return MultiTurnRollout(
+        engine,
+        tokenizer,
+        env=make_env,
+        max_turns=a.max_turns,
+        max_tool_tokens=a.max_tool_tokens,
+        max_output_chars=a.max_output_chars,
+        fmt=fmt,
+        workers=a.workers,
+    )
+
+
+def agent_format(cfg: Config, tokenizer):
+    """The call format of ``agent.format`` for this tokenizer and prompt rendering."""
+    a = cfg.agent
+    chat = cfg.data.chat_template == "auto"
+    return build_format(
+        a.format, tokenizer, call=a.call_template, result=a.result_template, chat_prompts=chat
+    )
+
+
+def agent_demonstrations(cfg: Config, tokenizer):
+    """The warm-up's example builder for multi-turn episodes (None without ``agent.env``):
+    the environment's demonstration in the run's call format, its tool output masked;
+    ``agent.sft_direct`` of them answer without calling a tool."""
+    a = cfg.agent
+    if a.env is None:
+        return None
+    make_env = env_factory(a.env, a.params)
+    fmt = agent_format(cfg, tokenizer)
+
+    def example(prompt: Prompt, rng):
+        direct = rng.random() < a.sft_direct
+        return demonstration_completion(make_env(), prompt, fmt, tokenizer, rng, direct=direct)
+
+    return example
 
 
 def build_reward_worker(cfg: Config) -> RewardWorker:

@@ -33,6 +33,7 @@ def evaluate(
     per_problem: list[float] = []
     scores: list[float] = []
     lengths: list[int] = []
+    episodes: list = []
     per_chunk = max(1, chunk // k)
     for lo in range(0, len(prompts), per_chunk):
         part = prompts[lo : lo + per_chunk]
@@ -44,6 +45,7 @@ def evaluate(
             scores.extend(g.scores)
             per_problem.append(sum(s > 0.5 for s in g.scores) / k)
             lengths.extend(len(c.token_ids) for c in g.completions)
+            episodes.extend(c.episode for c in g.completions if c.episode is not None)
     accuracy = sum(per_problem) / len(per_problem)
     var = sum((a - accuracy) ** 2 for a in per_problem) / max(1, len(per_problem) - 1)
     return {
@@ -52,6 +54,20 @@ def evaluate(
         "eval_reward_mean": sum(scores) / len(scores),
         "eval_response_length": sum(lengths) / len(lengths),
         "eval_problems": float(len(per_problem)),
+        **episode_summary(episodes),
+    }
+
+
+def episode_summary(episodes: list) -> dict[str, float]:
+    """Held-out tool use of multi-turn episodes: the fraction that called a tool at least
+    once, calls and policy turns per episode ({} for single-turn completions)."""
+    if not episodes:
+        return {}
+    e = len(episodes)
+    return {
+        "eval_tool_call_rate": sum(ep.tool_calls > 0 for ep in episodes) / e,
+        "eval_tool_calls_mean": sum(ep.tool_calls for ep in episodes) / e,
+        "eval_turns_mean": sum(ep.policy_turns for ep in episodes) / e,
     }
 
 

@@ -169,6 +169,9 @@ def train(
     wall = time.time() - started
     trained = sum(h.get("completions", 0.0) for h in history)
     pace = {"rl_seconds": rl_seconds, "completions_per_second": trained / max(rl_seconds, 1e-9)}
+    if "eval_tool_call_rate" in first_eval:  # multi-turn episodes: tool use before and after RL
+        pace["eval_tool_call_rate_start"] = first_eval["eval_tool_call_rate"]
+        pace["eval_tool_call_rate_end"] = final_eval.get("eval_tool_call_rate")
     summary = finish_run(
         cfg, run_dir, first_eval, final_eval, history, start_step, wall, console, extra=pace
     )
@@ -335,7 +338,9 @@ def _write_samples(r: Run, step: int, groups) -> None:
         i for i, bad in enumerate(b for g in groups for b in (g.invalid or [False] * g.n)) if bad
     ]
     scored = ScoredBatch(flat, _components(groups), len(invalid), invalid)
-    r.samples.maybe_write(step, reward_samples(groups, r.cfg.rollout.max_tokens), scored)
+    completions = [c for g in groups for c in g.completions]
+    samples = reward_samples(groups, r.cfg.rollout.max_tokens)
+    r.samples.maybe_write(step, samples, scored, completions)
 
 
 def _sync(r: Run) -> tuple[int, float, float]:

@@ -122,6 +122,7 @@ def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: 
         on_step=lambda i, loss: console.advance(task, f"loss {loss:.3f}"),
         state_dir=run_dir / SFT_STATE,
         stop=stop_requested,
+        example=build.agent_demonstrations(cfg, tokenizer),
     )
     console.done(task)
     model.save_pretrained(sft_dir)

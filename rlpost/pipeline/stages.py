@@ -171,7 +171,8 @@ def train_stage(
     batch.ref_logprobs = trainer.logprobs(batch, "ref")
     batch.values = trainer.values(batch)
     inputs = estimator_inputs(groups, batch, trainer, algo.advantage)
-    compute_advantages(batch, algo, beta=kl_ctl.beta, inputs=inputs)
+    turn = turn_rewards(groups, batch.response_mask)
+    compute_advantages(batch, algo, beta=kl_ctl.beta, inputs=inputs, turn_rewards=turn)
     critic_stats = trainer.update_critic(batch) if batch.values is not None else {}
     train_policy = batch.values is None or step >= s.critic_warmup_steps
     if batch.old_logprobs is None and not train_policy:
@@ -239,14 +240,40 @@ def estimator_inputs(
     return inputs
 
 
+def turn_rewards(groups: list[Group], response_mask: torch.Tensor) -> torch.Tensor | None:
+    """The environments' per-turn rewards of multi-turn episodes, each on the last token of
+    the policy turn that earned it: [B, T] float32 (None when no episode has one).
+
+    Rows whose tokens are all masked (a dropped invalid reward) get none."""
+    completions = [c for g in groups for c in g.completions]
+    if not any(c.episode and any(t.reward for t in c.episode.turns) for c in completions):
+        return None
+    out = torch.zeros_like(response_mask, dtype=torch.float32)
+    for row, c in enumerate(completions):
+        for t in c.episode.turns if c.episode else []:
+            if t.role == "policy" and t.reward and t.end > t.start and response_mask[row].any():
+                out[row, t.end - 1] += t.reward
+    return out
+
+
 def compute_advantages(
-    batch: TrainBatch, algo: AlgoConfig, *, beta: float, inputs: dict | None = None
+    batch: TrainBatch,
+    algo: AlgoConfig,
+    *,
+    beta: float,
+    inputs: dict | None = None,
+    turn_rewards: torch.Tensor | None = None,
 ) -> None:
     """Fill token_level_rewards, advantages and returns (KL in the reward when so placed).
 
-    ``inputs``: extra keyword inputs of the estimator (:func:`estimator_inputs`)."""
+    ``inputs``: extra keyword inputs of the estimator (:func:`estimator_inputs`);
+    ``turn_rewards`` [B, T]: per-turn rewards of episodes, added to the outcome scores'
+    token rewards (outcome estimators sum them into the episode's return; GAE and
+    return-to-go estimators see them where they were earned)."""
     mask = batch.response_mask
     rewards = scores_to_token_rewards(batch.scores, mask)
+    if turn_rewards is not None:
+        rewards = rewards + turn_rewards.to(rewards.dtype)
     if batch.ref_logprobs is not None and algo.kl.placement == "reward":
         rewards, _ = kl_penalized_rewards(
             rewards,

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlpost.types import RewardSample, ScoredBatch
+from rlpost.types import Completion, RewardSample, ScoredBatch
 
 
 def _json_value(value: float) -> float | None:
@@ -23,9 +23,14 @@ def _json_value(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def sample_record(sample: RewardSample, scored: ScoredBatch, i: int) -> dict[str, Any]:
-    """The JSON object written for sample ``i`` of a scored batch."""
-    return {
+def sample_record(
+    sample: RewardSample, scored: ScoredBatch, i: int, completion: Completion | None = None
+) -> dict[str, Any]:
+    """The JSON object written for sample ``i`` of a scored batch. A multi-turn episode
+    (``completion.episode``) is written whole, with its turns marked: ``completion`` is the
+    transcript, ``final_turn`` what the reward judged, ``turns`` each turn's role, text, tool,
+    reward and error."""
+    record = {
         "prompt": sample.prompt,
         "completion": sample.completion,
         "answer": sample.answer,
@@ -34,6 +39,16 @@ def sample_record(sample: RewardSample, scored: ScoredBatch, i: int) -> dict[str
         "finish_reason": sample.finish_reason,
         "num_tokens": sample.num_tokens,
     }
+    episode = completion.episode if completion is not None else None
+    if episode is not None:
+        record["completion"] = completion.text
+        record["final_turn"] = sample.completion
+        record["budget"] = episode.budget
+        record["turns"] = [
+            {"role": t.role, "text": t.text, "tool": t.tool, "reward": t.reward, "error": t.error}
+            for t in episode.turns
+        ]
+    return record
 
 
 class SampleWriter:
@@ -50,9 +65,14 @@ class SampleWriter:
         return self.every > 0 and step % self.every == 0
 
     def maybe_write(
-        self, step: int, samples: Sequence[RewardSample], scored: ScoredBatch
+        self,
+        step: int,
+        samples: Sequence[RewardSample],
+        scored: ScoredBatch,
+        completions: Sequence[Completion] | None = None,
     ) -> Path | None:
-        """Write the file for ``step`` if it is due; return its path (None if not due)."""
+        """Write the file for ``step`` if it is due; return its path (None if not due).
+        ``completions`` (aligned with ``samples``) add the turns of multi-turn episodes."""
         if not self.due(step):
             return None
         if len(scored.scores) != len(samples):
@@ -64,7 +84,8 @@ class SampleWriter:
         tmp = path.with_suffix(".jsonl.tmp")
         with tmp.open("w", encoding="utf-8") as f:
             for i in range(min(self.count, len(samples))):
-                record = sample_record(samples[i], scored, i)
+                completion = completions[i] if completions is not None else None
+                record = sample_record(samples[i], scored, i, completion)
                 f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
         # Rename so a reader (the report, a tail -f) never sees a half-written file.
         os.replace(tmp, path)

@@ -20,7 +20,8 @@ def reward_samples(groups: list[Group], max_tokens: int) -> list[RewardSample]:
     return [
         RewardSample(
             prompt=g.prompt.text,
-            completion=c.text,
+            # An episode is judged on the policy's final turn, not on the tools' output.
+            completion=c.episode.answer if c.episode is not None else c.text,
             answer=g.prompt.answer,
             metadata=g.prompt.metadata,
             finish_reason=c.finish_reason,

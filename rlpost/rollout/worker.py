@@ -48,12 +48,14 @@ class RolloutWorker:
         partial: PartialRollout | None = None,
         lengths: LengthPredictor | None = None,
         batch_size: int = 64,
+        agent=None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.partial = partial
         self.lengths = lengths
         self.batch_size = batch_size
+        self.agent = agent  # a MultiTurnRollout over this engine: every sample is an episode
 
     def _ids(self, prompts: list[Prompt]) -> list[list[int]]:
         return [self.tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
@@ -76,9 +78,8 @@ class RolloutWorker:
         (evaluation) every prompt comes back, in order.
         """
         if not train:
-            return RolloutResult(
-                to_groups(prompts, self.engine.generate(self._ids(prompts), params, n=n), n)
-            )
+            completions, stats = self._sample(prompts, self._ids(prompts), params, n)
+            return RolloutResult(to_groups(prompts, completions, n), stats)
         if self.lengths is not None:
             per_batch = max(1, self.batch_size // n)
             buckets = bucket_by_length(prompts, self.lengths, math.ceil(len(prompts) / per_batch))
@@ -86,7 +87,17 @@ class RolloutWorker:
         ids = self._ids(prompts)
         stats: dict[str, float] = {}
         if self.partial is None:
-            completions = self.engine.generate(ids, params, n=n)
+            completions, stats = self._sample(prompts, ids, params, n)
+        elif self.agent is not None:  # episodes carry across steps at turn boundaries
+            fraction = 1.0 if last else self.partial.fraction
+            part = self.agent.generate_partial(ids, params, n, prompts, fraction=fraction)
+            prompts, completions = part.payloads, part.completions
+            stats = {
+                "carried_samples": float(part.carried_samples),
+                "carried_groups": float(part.carried_groups),
+                "partial_done_fraction": part.done_fraction,
+                **self.agent.last_stats.metrics(),
+            }
         else:
             out = self.partial.step(
                 ids, params, n, payloads=prompts, fraction=1.0 if last else None
@@ -102,6 +113,13 @@ class RolloutWorker:
             for g in groups:
                 self.lengths.observe(g.prompt, (len(c.token_ids) for c in g.completions))
         return RolloutResult(groups, stats)
+
+    def _sample(self, prompts, ids, params, n) -> tuple[list[Completion], dict[str, float]]:
+        """Completions (episodes, with an agent) and the episodes' ``agent_*`` counts."""
+        if self.agent is None:
+            return self.engine.generate(ids, params, n=n), {}
+        completions = self.agent.generate(ids, params, n=n, prompts=prompts)
+        return completions, self.agent.last_stats.metrics()
 
     def load_weights(self, named_tensors, version: int) -> None:
         """Serve these weights, and stamp ``version`` on every token sampled from now on."""
@@ -125,6 +143,8 @@ class RolloutWorker:
             state["engine_generator"] = generator.get_state()
         if self.partial is not None:
             state["partial"] = self.partial.state_dict()
+        if self.agent is not None:
+            state["agent"] = self.agent.state_dict()
         if self.lengths is not None:
             state["lengths"] = self.lengths.state_dict()
         return state
@@ -135,6 +155,8 @@ class RolloutWorker:
             generator.set_state(state["engine_generator"])
         if self.partial is not None and "partial" in state:
             self.partial.load_state_dict(state["partial"])
+        if self.agent is not None and "agent" in state:
+            self.agent.load_state_dict(state["agent"])
         if self.lengths is not None and "lengths" in state:
             self.lengths.load_state_dict(state["lengths"])
         set_rng_state(state["rng"])

@@ -64,6 +64,7 @@ def sft_train(
     on_step: Callable[[int, float], None] | None = None,
     state_dir: Path | None = None,
     stop: Callable[[], bool] | None = None,
+    example: Callable[[Prompt, random.Random], Completion | None] | None = None,
 ) -> list[float]:
     """Train ``model`` in place for ``steps`` steps; returns the loss of each step.
 
@@ -71,6 +72,8 @@ def sft_train(
     optimizer, scheduler, data RNG, losses) is saved to ``state_dir`` and
     :class:`WarmupInterrupted` is raised; a later call with the same ``state_dir``
     continues from there exactly, and removes the state once the warm-up is done.
+    ``example(prompt, rng)`` builds a target in place of :func:`sft_example` (a multi-turn
+    demonstration whose tool output is masked); None falls back to the plain target.
     """
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -85,7 +88,8 @@ def sft_train(
                 _save_state(state_dir, model, opt, sched, rng, losses)
             raise WarmupInterrupted(step, state_dir)
         rows = [
-            sft_example(p, tokenizer, rng, distractor)
+            (example(p, rng) if example is not None else None)
+            or sft_example(p, tokenizer, rng, distractor)
             for p in rng.sample(prompts, min(batch_size, len(prompts)))
         ]
         batch = collate(rows, [0.0] * len(rows), tokenizer.pad_token_id)

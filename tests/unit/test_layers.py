@@ -20,6 +20,7 @@ LAYERS = [
     ("cluster",),
     ("pipeline",),
     ("rollout",),
+    ("envs",),
     ("train",),
     ("rewards",),
     ("sync",),

@@ -1,7 +1,10 @@
 """Multi-turn tool rollouts: token bookkeeping, masks and tool failures."""
 
+import copy
+
 import pytest
 
+from rlpost.envs.formats import TagFormat
 from rlpost.models.tiny import build_char_tokenizer
 from rlpost.rollout.multiturn import CodeTool, MultiTurnRollout
 from rlpost.rollout.protocol import SamplingParams
@@ -40,12 +43,12 @@ def _encode(tok, text):
 
 
 def test_tool_output_is_appended_as_masked_tokens(tok):
-    policy = ScriptedPolicy(tok, ['I will add. <tool name="add">2,3</tool> junk after', "It is 5."])
+    policy = ScriptedPolicy(tok, ["I will add. <add>2,3</add> junk after", "It is 5."])
     tools = {"add": lambda args: str(sum(int(x) for x in args.split(",")))}
     rollout = MultiTurnRollout(policy, tok, tools)
     prompt = _encode(tok, "Q: 2+3? ")
     (c,) = rollout.generate([prompt], SamplingParams(max_tokens=100), n=1, group_offset=4)
-    call = 'I will add. <tool name="add">2,3</tool>'
+    call = "I will add. <add>2,3</add>"
     result = "<result>5</result>"
     assert c.text == call + result + "It is 5."
     n_call, n_result = len(_encode(tok, call)), len(_encode(tok, result))
@@ -66,7 +69,8 @@ def test_unknown_and_failing_tools_answer_errors(tok):
         raise ZeroDivisionError("division by zero")
 
     turns = ['<tool name="nope">x</tool>', '<tool name="div">1/0</tool>', "done"]
-    rollout = MultiTurnRollout(ScriptedPolicy(tok, turns), tok, {"div": broken})
+    fmt = TagFormat(call='<tool name="{name}">{arguments}</tool>')
+    rollout = MultiTurnRollout(ScriptedPolicy(tok, turns), tok, {"div": broken}, fmt=fmt)
     (c,) = rollout.generate([_encode(tok, "go ")], SamplingParams(max_tokens=200))
     assert "error: unknown tool 'nope'; available: div" in c.text
     assert "error: ZeroDivisionError: division by zero" in c.text
@@ -74,8 +78,8 @@ def test_unknown_and_failing_tools_answer_errors(tok):
 
 
 def test_budget_and_call_limit(tok):
-    call = '<tool name="echo">abc</tool>'
-    rollout = MultiTurnRollout(ScriptedPolicy(tok, [call] * 3), tok, {"echo": str}, max_calls=1)
+    call = "<echo>abc</echo>"
+    rollout = MultiTurnRollout(ScriptedPolicy(tok, [call] * 3), tok, {"echo": str}, max_turns=2)
     (c,) = rollout.generate([_encode(tok, "x")], SamplingParams(max_tokens=500))
     assert c.text == call + "<result>abc</result>" + call  # the second call is not executed
     assert rollout.tool_calls == 1
@@ -104,3 +108,99 @@ def test_code_tool_runs_in_the_sandbox():
         pytest.skip(str(exc))
     assert CodeTool()("print(6 * 7)").strip() == "42"
     assert "ZeroDivisionError" in CodeTool()("1 / 0")
+
+
+class Steps:
+    """A custom environment (loaded by ``package.module:Class``): rewards each call, answers
+    its step number, and is done only when the policy says 'end'."""
+
+    tools = ("go",)
+
+    def reset(self, prompt):
+        self.calls = 0
+
+    def step(self, action):
+        from rlpost.envs import StepResult
+
+        if action.call is None:
+            return StepResult(
+                "say end" if "end" not in action.text else "", done="end" in action.text
+            )
+        self.calls += 1
+        return StepResult(str(self.calls), reward=0.25)
+
+
+def test_budgets_end_runaway_episodes_and_are_counted(tok):
+    from rlpost.envs.catalog import env_factory
+
+    make = env_factory("tests.unit.rollout.test_multiturn:Steps")
+    turns = ["<go>a</go>", "<go>b</go>", "<go>c</go>"]
+    rollout = MultiTurnRollout(ScriptedPolicy(tok, turns), tok, env=make, max_turns=3)
+    (c,) = rollout.generate([_encode(tok, "x")], SamplingParams(max_tokens=500))
+    assert c.text == "<go>a</go><result>1</result><go>b</go><result>2</result><go>c</go>"
+    assert c.finish_reason == "length" and c.episode.budget == "turns"
+    assert [t.reward for t in c.episode.turns if t.role == "policy"] == [0.25, 0.25, 0.0]
+    assert rollout.last_stats.turn_budget == 1 and rollout.last_stats.tool_calls == 2
+    assert rollout.last_stats.metrics()["agent_turns_mean"] == 3.0
+    # The token budget: the second call's answer is cut where the response is full.
+    tight = MultiTurnRollout(ScriptedPolicy(tok, turns), tok, env=make, max_turns=9)
+    (c,) = tight.generate([_encode(tok, "x")], SamplingParams(max_tokens=14))
+    assert len(c.token_ids) == 14 and c.episode.budget == "tokens"
+    assert tight.last_stats.token_budget == 1 and tight.last_stats.turn_budget == 0
+
+
+def test_an_answer_the_environment_refuses_gets_its_feedback(tok):
+    from rlpost.envs.catalog import env_factory
+
+    make = env_factory("tests.unit.rollout.test_multiturn:Steps")
+    rollout = MultiTurnRollout(ScriptedPolicy(tok, ["maybe", "end"]), tok, env=make)
+    (c,) = rollout.generate([_encode(tok, "x")], SamplingParams(max_tokens=100))
+    assert c.text == "maybe<result>say end</result>end" and c.finish_reason == "stop"
+    assert c.episode.answer == "end" and c.episode.tool_calls == 0  # feedback, not a tool
+    assert [t.role for t in c.episode.turns] == ["policy", "env", "policy"]
+
+
+def test_chat_template_episodes_append_the_templates_tool_tokens(tok):
+    from rlpost.envs.catalog import env_factory
+    from rlpost.envs.formats import ChatTemplateFormat
+
+    chat = copy.deepcopy(tok)
+    chat.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    call = '<tool_call>{"name": "calc", "arguments": {"expression": "6*7"}}</tool_call>'
+    policy = ScriptedPolicy(chat, [call, "42"])
+    rollout = MultiTurnRollout(policy, chat, env=env_factory("calc"), fmt=ChatTemplateFormat(chat))
+    (c,) = rollout.generate([_encode(chat, "q")], SamplingParams(max_tokens=200))
+    n_call = len(_encode(chat, call)) + 1  # the policy's own end-of-turn token is kept
+    tool_ids = _encode(chat, "<|tool|>42</s><|assistant|>")
+    assert c.token_ids[n_call : n_call + len(tool_ids)] == tool_ids
+    assert c.loss_mask == [1] * n_call + [0] * len(tool_ids) + [1] * 3  # "42" + EOS
+    assert c.episode.answer == "42"
+
+
+def test_partial_rollout_carries_unfinished_episodes_to_the_next_step(tok):
+    import pickle
+
+    from rlpost.envs.catalog import env_factory
+
+    make = env_factory("tests.unit.rollout.test_multiturn:Steps")
+    policy = ScriptedPolicy(tok, ["end", "<go>a</go>", "end", "end"])
+    rollout = MultiTurnRollout(policy, tok, env=make)
+    params = SamplingParams(max_tokens=100)
+    p, q, r = (_encode(tok, t) for t in ("p", "q", "r"))
+    first = rollout.generate_partial([p, q], params, 1, ["P", "Q"], fraction=0.5)
+    assert first.payloads == ["P"] and [c.text for c in first.completions] == ["end"]
+    assert (first.carried_groups, first.carried_samples, first.done_fraction) == (1, 1, 0.5)
+    state = pickle.loads(pickle.dumps(rollout.state_dict()))  # a checkpoint keeps them
+    resumed = MultiTurnRollout(policy, tok, env=make)
+    resumed.load_state_dict(state)
+    policy.version = 4  # new weights between the steps
+    second = resumed.generate_partial([r], params, 1, ["R"], fraction=0.5)
+    assert second.payloads == ["Q", "R"] and second.carried_groups == 0
+    q_done = second.completions[0]
+    assert q_done.text == "<go>a</go><result>1</result>end" and q_done.prompt_ids == q
+    assert q_done.policy_version == 3 and set(q_done.token_versions) == {3, 4}
+    assert [c.group for c in second.completions] == [0, 1]
+    assert resumed.last_stats.tool_calls == 1 and resumed.last_stats.episodes == 2

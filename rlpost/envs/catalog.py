@@ -1,0 +1,49 @@
+"""Look up an environment by name: the built-in ones, or ``package.module:Class``.
+
+Importing this module imports every built-in environment module, so they are
+registered; ``envs/base.py`` never imports them back.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from rlpost.envs import calculator, countdown, python  # noqa: F401
+from rlpost.envs.base import ENVS, EnvError, Environment
+from rlpost.registry import UnknownNameError
+
+
+def load_env_class(name: str) -> type:
+    """The class registered as ``name``, or ``package.module:Class``; EnvError otherwise."""
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise EnvError(f"environment {name!r}: cannot import {module_name!r} ({exc})") from None
+        obj = getattr(module, attr, None)
+        if not inspect.isclass(obj) or not callable(getattr(obj, "step", None)):
+            raise EnvError(f"environment {name!r}: {module_name} has no class {attr!r} with step()")
+        return obj
+    try:
+        return ENVS.get(name)
+    except UnknownNameError as exc:
+        raise EnvError(f"{exc} (or package.module:Class)") from None
+
+
+def env_factory(name: str, params: dict[str, Any] | None = None) -> Callable[[], Environment]:
+    """A function that builds a fresh environment per episode; one is built here so a bad
+    name or parameter fails now, in one line, not in the middle of a rollout."""
+    cls = load_env_class(name)
+    params = dict(params or {})
+    try:
+        probe = cls(**params)
+    except TypeError as exc:
+        raise EnvError(f"environment {name!r}: bad parameters {sorted(params)} ({exc})") from None
+    tools = getattr(probe, "tools", None)
+    if not isinstance(tools, tuple) or not all(isinstance(t, str) for t in tools):
+        raise EnvError(f"environment {name!r}: tools must be a tuple of names, got {tools!r}")
+    return lambda: cls(**params)

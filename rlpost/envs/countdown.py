@@ -1,0 +1,120 @@
+"""``countdown``: reach the target in checked steps, then state the whole expression.
+
+The numbers and target come from the prompt (``metadata["numbers"]``,
+``metadata["target"]``, as the ``countdown`` reward reads them). Each tool call
+is one step combining two of the numbers still available
+(``<step>25+5</step>``); the environment checks it (both numbers available, an
+exact integer result) and answers the result and the numbers now left, or what
+was wrong. A legal step earns ``step_reward`` and an illegal one costs
+``error_penalty``; a legal step uses up a number, so the shaping is bounded by
+``len(numbers) - 1`` steps whatever the policy does. A turn without a call is the
+answer (``<answer>(25+5)*3</answer>``), judged by the ``countdown`` reward.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+from fractions import Fraction
+
+from rlpost.envs.base import Action, Demonstration, StepResult, ToolCall, environment
+from rlpost.rewards.countdown import EquationError, evaluate_equation
+from rlpost.types import Prompt
+
+
+@environment("countdown")
+class CountdownSteps:
+    """Countdown with one checked binary step per call."""
+
+    tools = ("step",)
+
+    def __init__(self, *, step_reward: float = 0.1, error_penalty: float = 0.1) -> None:
+        self.step_reward = step_reward
+        self.error_penalty = error_penalty
+
+    def reset(self, prompt: Prompt) -> None:
+        self.numbers = [int(n) for n in prompt.metadata.get("numbers", [])]
+        self.target = prompt.metadata.get("target")
+
+    def _left(self) -> str:
+        return " ".join(str(n) for n in self.numbers)
+
+    def step(self, action: Action) -> StepResult:
+        if action.call is None:
+            return StepResult(done=True)
+        try:
+            value, used = evaluate_equation(action.call.arguments)
+            if len(used) != 2:
+                raise EquationError("a step combines exactly two numbers")
+            missing = Counter(used) - Counter(self.numbers)
+            if missing:
+                raise EquationError(f"{min(missing)} is not available")
+            if value.denominator != 1 or value < 0:
+                raise EquationError("a step must give a non-negative whole number")
+        except EquationError as exc:
+            return StepResult(
+                f"error: {exc}; numbers: {self._left()}", reward=-self.error_penalty, error=True
+            )
+        for n in used:
+            self.numbers.remove(n)
+        self.numbers.append(int(value))
+        note = " (target reached)" if int(value) == self.target else ""
+        return StepResult(f"{int(value)}{note}; numbers: {self._left()}", reward=self.step_reward)
+
+    def demonstration(self, prompt: Prompt, rng: random.Random) -> Demonstration | None:
+        """A solution found by search: its steps, then the whole expression as the answer."""
+        numbers, target = prompt.metadata.get("numbers"), prompt.metadata.get("target")
+        if numbers is None or target is None:
+            return None
+        found = solve(list(numbers), int(target))
+        if found is None:
+            return None
+        steps, expression = found
+        return [*(ToolCall("step", s) for s in steps), f"<answer>{expression}</answer>"]
+
+
+def solve(numbers: list[int], target: int) -> tuple[list[str], str] | None:
+    """(steps, expression) reaching ``target`` with + - * / on whole numbers, or None.
+
+    Exhaustive over pairs (fine for the 3-4 numbers of the task)."""
+    items = [(Fraction(n), str(n)) for n in numbers]
+
+    def search(items, steps):
+        if any(v == target for v, _ in items):
+            return steps, next(e for v, e in items if v == target)
+        for (i, (a, ea)), (j, (b, eb)) in itertools.permutations(enumerate(items), 2):
+            rest = [x for k, x in enumerate(items) if k not in (i, j)]
+            for op in "+-*/":
+                if op == "/" and (b == 0 or (a / b).denominator != 1):
+                    continue
+                value = {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else a}[op]
+                if value < 0:
+                    continue
+                step = f"{int(a)}{op}{int(b)}"
+                found = search([*rest, (value, f"({ea}{op}{eb})")], [*steps, step])
+                if found is not None:
+                    return found
+        return None
+
+    found = search(items, [])
+    if found is None:
+        return None
+    steps, expression = found
+    return steps, expression[1:-1] if expression.startswith("(") else expression
+
+
+def countdown_problems(count: int, *, size: int = 3, high: int = 20, seed: int = 0) -> list[Prompt]:
+    """``count`` solvable problems: ``size`` numbers in 1..high and a target reachable from them."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < count:
+        numbers = [rng.randint(1, high) for _ in range(size)]
+        a, b, c = numbers[:3]
+        target = rng.choice([a + b + c, a * b - c, (a + b) * c, a * b + c])
+        if target <= 0 or solve(numbers, target) is None:
+            continue
+        text = f"Use {' '.join(map(str, numbers))} to make {target}:"
+        meta = {"task": "countdown", "numbers": numbers, "target": target}
+        out.append(Prompt(text, target, meta, uid=f"{numbers}->{target}"))
+    return out

@@ -1,0 +1,72 @@
+"""``python``: run code in the rlpost sandbox, with the task's tests as feedback.
+
+The policy writes a program (``<python>def f(x): return 3*x+1</python>``); the
+environment runs it in the bubblewrap sandbox against the prompt's assert tests
+(``metadata["tests"]``, the code task's) and answers how many passed and the
+program's last error line, so the next turn can fix it. Without tests it answers
+the program's output. A turn without a call is the final program, judged by the
+run's reward terms (``code_tests``). The sandbox fails closed: when it is not
+available the call answers an error and is counted, it never runs unconfined.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from rlpost.envs.base import Action, Demonstration, StepResult, ToolCall, environment
+from rlpost.types import Prompt
+
+
+@environment("python")
+class PythonSandbox:
+    """Runs the policy's Python in the sandbox; answers test results (or stdout)."""
+
+    tools = ("python",)
+
+    def __init__(self, *, sandbox: dict[str, Any] | None = None, pass_reward: float = 0.0) -> None:
+        self.sandbox = dict(sandbox or {})
+        self.pass_reward = pass_reward  # per call, times the fraction of tests passed
+
+    def reset(self, prompt: Prompt) -> None:
+        self.tests = list(prompt.metadata.get("tests") or [])
+
+    def step(self, action: Action) -> StepResult:
+        if action.call is None:
+            return StepResult(done=True)
+        from rlpost.rewards.sandbox import (
+            SandboxConfig,
+            SandboxUnavailable,
+            run_code,
+            run_python_tests,
+        )
+
+        config = SandboxConfig(**self.sandbox) if self.sandbox else None
+        code = action.call.arguments
+        try:
+            if not self.tests:
+                result = run_code(code, config=config)
+                tail = (result.stderr.strip().splitlines() or [""])[-1]
+                text = result.stdout if result.ok else f"{result.stdout}[{result.status}] {tail}"
+                return StepResult(text.strip(), error=not result.ok)
+            fraction, result = run_python_tests(code, self.tests, config=config)
+        except SandboxUnavailable as exc:
+            return StepResult(f"error: sandbox unavailable: {exc}", error=True)
+        passed = round(fraction * len(self.tests))
+        text = f"passed {passed}/{len(self.tests)} tests"
+        lines = result.stderr.strip().splitlines()
+        if lines and passed < len(self.tests):
+            text += f"; {lines[-1][:200]}"
+        return StepResult(text, reward=self.pass_reward * fraction, error=passed == 0)
+
+    def demonstration(self, prompt: Prompt, rng: random.Random) -> Demonstration | None:
+        """Test the reference program, then give it as the answer. The reference passes its
+        own tests, so the observation is stated rather than run in the sandbox for every
+        warm-up example."""
+        if not isinstance(prompt.answer, str):
+            return None
+        tests = prompt.metadata.get("tests") or []
+        call = ToolCall("python", prompt.answer)
+        if not tests:
+            return [call, prompt.answer]
+        return [(call, f"passed {len(tests)}/{len(tests)} tests"), prompt.answer]
