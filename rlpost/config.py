@@ -706,8 +706,19 @@ class ClusterConfig(Section):
     its own OS process (multiprocessing, spawn), the reward worker in this one; auto: local for
     pipeline.mode=sync, process for the overlapped modes (so rollout and training use different
     cores)."""
+    trainer_workers: int = Field(1, ge=1)
+    """Data-parallel trainer workers; each update's batch is sharded over them (FSDP2)."""
     start_timeout_s: float = Field(600.0, gt=0)
     """Seconds a worker process may take to start (build its model) before the run stops."""
+
+    @model_validator(mode="after")
+    def _data_parallel_needs_processes(self) -> ClusterConfig:
+        if self.trainer_workers > 1 and self.backend == "local":
+            raise ValueError(
+                f"cluster.trainer_workers={self.trainer_workers} with cluster.backend=local: "
+                "data-parallel trainers run one per process; set cluster.backend=process (or ray)"
+            )
+        return self
 
 
 # -------------------------------------------------------------------------- sync
