@@ -14,11 +14,12 @@ from rlpost.config import Config
 
 
 def starter(cfg: Config) -> Callable:
-    """The start function of ``cfg.cluster.backend`` (``auto``: local for the synchronous loop,
-    separate processes for the overlapped ones)."""
+    """The start function of ``cfg.cluster.backend`` (``auto``: local for the synchronous loop
+    with one trainer, separate processes for the overlapped ones or data-parallel trainers)."""
     backend = cfg.cluster.backend
     if backend == "auto":
-        backend = "local" if cfg.pipeline.mode == "sync" else "process"
+        one = cfg.pipeline.mode == "sync" and cfg.cluster.trainer_workers == 1
+        backend = "local" if one else "process"
     if backend == "process":
         from rlpost.cluster.process import start_process_workers
 

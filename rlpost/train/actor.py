@@ -70,6 +70,10 @@ class MinibatchAux:
         return MinibatchAux(selected, rewarded, self.nll_agg)
 
 
+ADDITIVE_STATS = frozenset({"pg_loss", "nll_loss", "entropy"})
+"""Statistics that are shares of the mini-batch value (reduced with its denominators)."""
+
+
 def warmup_lambda(warmup_steps: int):
     """LR multiplier: linear from 1/(w+1) to 1 over ``warmup_steps`` updates, then constant."""
 
@@ -236,8 +240,10 @@ class PolicyTrainer:
             loss, stats = self._micro_loss(micro, agg, beta, fill_old, aux_rows)
             if fill_old:
                 batch.old_logprobs[micro_rows[real]] = micro.old_logprobs[real]
+            # Loss terms reduced with the mini-batch denominators add up over micro-batches
+            # (and ranks); per-micro-batch means are weighted by their share of the tokens.
             weight = float(micro.response_mask.sum()) / total_tokens
-            return loss, {k: v * weight for k, v in stats.items()}
+            return loss, {k: v if k in ADDITIVE_STATS else v * weight for k, v in stats.items()}
 
         # The optimizer's own tensors: a sharded model lists its gathered (unsharded)
         # parameters between a forward and the next reshard, and those get no gradient.

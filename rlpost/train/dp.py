@@ -230,3 +230,32 @@ class DataParallel:
 
     def barrier(self) -> None:
         dist.barrier()
+
+
+# -------------------------------------------------------- optimizer state
+
+
+def optimizer_state_by_name(state: dict, names: list[str]) -> dict:
+    """An ``optimizer.state_dict()`` keyed by parameter name (the form sharded optimizers
+    save and load); ``names[i]`` is the name of the optimizer's ``i``-th parameter.
+    A state already keyed by name is returned as is."""
+    groups = state["param_groups"]
+    if all(isinstance(p, str) for g in groups for p in g["params"]):
+        return state
+    return {
+        "state": {names[i]: v for i, v in state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups],
+    }
+
+
+def optimizer_state_by_index(state: dict, names: list[str]) -> dict:
+    """The inverse of :func:`optimizer_state_by_name`: the form ``optimizer.load_state_dict``
+    of one worker takes. A state already keyed by index is returned as is."""
+    groups = state["param_groups"]
+    if not any(isinstance(p, str) for g in groups for p in g["params"]):
+        return state
+    index = {n: i for i, n in enumerate(names)}
+    return {
+        "state": {index[n]: v for n, v in state["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in groups],
+    }

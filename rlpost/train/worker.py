@@ -192,20 +192,32 @@ class TrainerWorker:
         base_lrs = list(self.trainer.scheduler.base_lrs)
         if self.dp is not None:
             self._restore_sharded(d)
-        elif self.lora:
-            from rlpost.models.lora import load_adapters
-
-            load_adapters(self.trainer.model, d / "adapter")
         else:
-            self.trainer.model.load_state_dict(load_causal_lm(d / "model").state_dict())
-        ref = self.trainer.ref_model
-        if ref is not None and (d / "ref_model").is_dir():
-            ref.load_state_dict(load_causal_lm(d / "ref_model").state_dict())
+            if self.lora:
+                from rlpost.models.lora import load_adapters
+
+                load_adapters(self.trainer.model, d / "adapter")
+            else:
+                self.trainer.model.load_state_dict(load_causal_lm(d / "model").state_dict())
+            ref = self.trainer.ref_model
+            if ref is not None and (d / "ref_model").is_dir():
+                ref.load_state_dict(load_causal_lm(d / "ref_model").state_dict())
         # weights_only=False: the state holds RNG tuples and numpy arrays we wrote ourselves.
         state = torch.load(d / STATE_FILE, weights_only=False)
+        # A checkpoint resumes on any number of workers: the optimizer state is keyed by
+        # parameter index (one worker's save) or by name (data-parallel workers' save).
+        from rlpost.train.dp import optimizer_state_by_index, optimizer_state_by_name
+
+        names = self._optimized_names()
         if self.dp is not None:
-            self._load_sharded_optimizer(state["trainer"].pop("optimizer"))
+            self._load_sharded_optimizer(
+                optimizer_state_by_name(state["trainer"]["optimizer"], names)
+            )
             state["trainer"]["optimizer"] = self.trainer.optimizer.state_dict()
+        else:
+            state["trainer"]["optimizer"] = optimizer_state_by_index(
+                state["trainer"]["optimizer"], names
+            )
         self.trainer.load_state_dict(state["trainer"])
         if self.critic is not None and "critic" in state:
             self.critic.load_state_dict(state["critic"])
@@ -262,17 +274,23 @@ class TrainerWorker:
         self.dp.barrier()  # no rank returns before the files are there
 
     def _restore_sharded(self, d: Path) -> None:
+        """Every rank reads the whole checkpoint and keeps its shards."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         from rlpost.models.loading import load_causal_lm
+        from rlpost.train.dp import resharded
 
         whole = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(
-            self.trainer.model, load_causal_lm(d / "model").state_dict(), options=whole
-        )
+        model = resharded(self.trainer.model)
+        set_model_state_dict(model, load_causal_lm(d / "model").state_dict(), options=whole)
         ref = self.trainer.ref_model
         if ref is not None and (d / "ref_model").is_dir():
+            ref = resharded(ref)
             set_model_state_dict(ref, load_causal_lm(d / "ref_model").state_dict(), options=whole)
+
+    def _optimized_names(self) -> list[str]:
+        """Names of the optimizer's parameters, in its order (trainable ones, as built)."""
+        return [n for n, p in self.trainer.model.named_parameters() if p.requires_grad]
 
     def _load_sharded_optimizer(self, optim_state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import (
