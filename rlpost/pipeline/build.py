@@ -366,6 +366,11 @@ def build_trainer_worker(cfg: Config, model, tokenizer, dp: DPSpec | None = None
     their process group here (blocking until all have joined) and shards its modules."""
     if dp is not None:
         check_data_parallel(cfg)
+        if dp.backend != "gloo":
+            raise ConfigError(
+                f"data-parallel trainers over {dp.backend}: the trainer computes on CPU, "
+                "so its process group is gloo; use DPSpec(backend='gloo')"
+            )
         from rlpost.train.dp import DataParallel, init_group
 
         init_group(dp, timeout_s=cfg.cluster.start_timeout_s)

@@ -104,9 +104,12 @@ def shard_model(model: nn.Module, *, bf16: bool = False, trainable: bool = True)
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
             dist.broadcast(t.data, src=0)
-    if getattr(model, "is_activation_checkpointing", None) or getattr(
-        model, "is_gradient_checkpointing", False
-    ):
+    flag = (
+        "is_activation_checkpointing"  # the name from transformers 5.x on
+        if hasattr(type(model), "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
+    if getattr(model, flag, False):
         model.gradient_checkpointing_disable()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = (

@@ -159,3 +159,47 @@ def test_a_critic_under_data_parallel_is_refused(tmp_path):
     cfg = _cfg(tmp_path, "cluster.trainer_workers=2", "algo.advantage=gae")
     with pytest.raises(ValueError, match="trainer_workers=1"):
         build.check_data_parallel(cfg)
+
+
+@pytest.mark.slow
+def test_a_run_on_two_trainer_processes_matches_one_trainer(tmp_path):
+    """The loop end to end (warm-up, rollout in its own process, checkpoints, evaluation)
+    with two data-parallel trainers steps as with one trainer in this process."""
+    from rlpost.cluster.process import start_process_workers
+    from rlpost.pipeline.loop import train
+
+    def run(name, *extra):
+        cfg = load_config(
+            None,
+            [
+                f"run.output_dir={tmp_path}",
+                f"run.name={name}",
+                "run.threads=1",
+                "sft.steps=40",
+                "sft.batch_size=32",
+                "train.steps=3",
+                "rollout.prompts_per_step=8",
+                "rollout.n=4",
+                "rollout.max_tokens=6",
+                "train.mini_batch_size=16",  # two optimizer steps per batch
+                "train.micro_batch_size=8",
+                "train.lr=3e-3",
+                "eval.limit=8",
+                "eval.every=3",
+                "checkpoint.every=3",
+                "observe.progress=false",
+                "observe.plot=false",
+                *extra,
+            ],
+        )
+        return train(cfg, start=start_process_workers if extra else None)
+
+    local = run("local")
+    spread = run("dp2", "cluster.backend=process", "cluster.trainer_workers=2")
+    assert len(local.history) == len(spread.history) == 3
+    for a, b in zip(local.history, spread.history, strict=True):
+        assert b["reward_mean"] == a["reward_mean"], a["step"]
+        for key in ("loss", "pg_loss", "kl", "grad_norm", "clip_frac"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), (a["step"], key)
+    assert spread.summary["eval_accuracy_end"] == local.summary["eval_accuracy_end"]
+    assert (spread.run_dir / "checkpoints" / "step_3" / "model" / "config.json").is_file()
