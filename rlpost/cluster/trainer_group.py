@@ -61,6 +61,7 @@ class TrainerGroup:
         # running after a grace period is blocked in a collective: the group is done.
         if running:
             _, running = wait(running, timeout=GRACE_S)
+        failed = [r for r, f in enumerate(futures) if f.done() and f.exception() is not None]
         if running:
             self._failed = f"rank {failed[0]} failed in {name}"
         exc = futures[failed[0]].exception()

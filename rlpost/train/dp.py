@@ -220,9 +220,11 @@ class DataParallel:
     # ------------------------------------------------------------- sums
 
     def sum_floats(self, values: dict[str, float]) -> dict[str, float]:
-        """Each value summed over the ranks (every rank passes the same keys)."""
-        keys = sorted(values)
-        t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+        """Each value summed over the ranks; a key a rank lacks counts 0 there."""
+        names: list[list[str]] = [[] for _ in range(self.world)]
+        dist.all_gather_object(names, sorted(values))
+        keys = sorted(set().union(*names))
+        t = torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64)
         dist.all_reduce(t)
         return dict(zip(keys, t.tolist(), strict=True))
 

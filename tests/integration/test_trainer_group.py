@@ -155,6 +155,14 @@ def test_local_backend_with_two_trainers_is_refused(tmp_path):
     assert "\n" not in str(err.value).split("\n")[-1]
 
 
+def test_auto_backend_puts_two_trainers_in_processes(tmp_path):
+    from rlpost.cluster import starter
+    from rlpost.cluster.process import start_process_workers
+
+    cfg = _cfg(tmp_path, "cluster.trainer_workers=2", "cluster.backend=auto")
+    assert starter(cfg) is start_process_workers
+
+
 def test_a_critic_under_data_parallel_is_refused(tmp_path):
     cfg = _cfg(tmp_path, "cluster.trainer_workers=2", "algo.advantage=gae")
     with pytest.raises(ValueError, match="trainer_workers=1"):
