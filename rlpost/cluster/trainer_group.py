@@ -30,6 +30,12 @@ GRACE_S = 10.0
 """Seconds the other ranks get to finish after one fails before the group is given up."""
 
 
+def _first_line(exc: BaseException, limit: int = 240) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else type(exc).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 class TrainerGroup:
     """The trainer protocol over ``handles`` (rank order); returns rank 0's results."""
 
@@ -53,22 +59,28 @@ class TrainerGroup:
         if self._failed is not None:
             raise WorkerLost(f"{self.role} group unusable after {self._failed}; cannot {name}")
         futures = [self._pool.submit(getattr(h, name), *args, **kwargs) for h in self.handles]
+        order: list[int] = []  # ranks in the order their calls ended (the first failure is
+        for rank, fut in enumerate(futures):  # usually the cause, later ones its echoes)
+            fut.add_done_callback(lambda _, rank=rank: order.append(rank))
         done, running = wait(futures, return_when=FIRST_EXCEPTION)
-        failed = [r for r, f in enumerate(futures) if f in done and f.exception() is not None]
-        if not failed:
+        if not any(f.exception() is not None for f in done):
             return futures[0].result()
-        # Every rank failing alike (a bad argument) leaves the group in step; a rank still
-        # running after a grace period is blocked in a collective: the group is done.
+        # Every rank failing alike (a bad argument, refused before any collective) leaves
+        # the group in step. Anything else (a rank still running after a grace period is
+        # blocked in a collective; a lost process; ranks failing differently) ends it.
         if running:
             _, running = wait(running, timeout=GRACE_S)
-        failed = [r for r, f in enumerate(futures) if f.done() and f.exception() is not None]
-        if running:
+        # (a rank's done callback may not have run yet when its result is visible)
+        ended = list(dict.fromkeys([*order, *range(self.world)]))
+        failed = [r for r in ended if futures[r].done() and futures[r].exception() is not None]
+        causes = {_first_line(futures[r].exception()).split(f", {name}: ", 1)[-1] for r in failed}
+        if running or len(failed) < self.world or len(causes) > 1:
             self._failed = f"rank {failed[0]} failed in {name}"
-        exc = futures[failed[0]].exception()
-        text = str(exc).strip().splitlines()
+        # One line naming every failed rank: a lost process shows up in its peers as a
+        # collective error, and which ends first is a race.
+        parts = [f"rank {r}: {_first_line(futures[r].exception())}" for r in failed]
         raise WorkerLost(
-            f"{self.role} rank {failed[0]} of {self.world} failed in {name}: "
-            f"{text[0] if text else type(exc).__name__}",
+            f"{self.role} rank {failed[0]} of {self.world} failed in {name} ({'; '.join(parts)})",
             self.role,
         ) from None
 

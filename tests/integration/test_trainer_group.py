@@ -143,10 +143,23 @@ def test_an_error_on_every_rank_is_one_line_and_the_group_goes_on(pair):
     _, _, batch, _, group = pair
     b = copy.deepcopy(batch)
     b.old_logprobs = None  # two optimizer steps need them up front
-    with pytest.raises(WorkerLost, match="rank 0 of 2 failed in update") as err:
+    with pytest.raises(WorkerLost, match=r"rank [01] of 2 failed in update") as err:
         group.update(b, beta=0.05)
     assert "needs batch.old_logprobs" in str(err.value) and "\n" not in str(err.value)
     assert group.version() >= 1
+
+
+def test_a_killed_rank_stops_the_group_in_one_line(pair):
+    """Runs last of the tests on the shared group: it leaves the group unusable."""
+    _, _, batch, _, group = pair
+    group.handles[1].kill()
+    with pytest.raises(WorkerLost, match=r"trainer rank [01] of 2 failed in logprobs") as err:
+        group.logprobs(batch, "old")
+    message = str(err.value)
+    assert "rank 1: trainer-1 worker process exited" in message and "\n" not in message
+    with pytest.raises(WorkerLost, match="unusable"):
+        group.version()
+    group.close()  # stops rank 0, blocked or not, and returns
 
 
 def test_local_backend_with_two_trainers_is_refused(tmp_path):
