@@ -188,12 +188,12 @@ def test_filled_old_logprobs_cover_every_row(runs):
 def test_bf16_two_ranks_match_one_worker_to_bf16_precision(runs):
     """bf16 compute: the ranks' parameters are gathered in bf16 and gradients reduced in
     fp32; one worker autocasts. The same roundings, except that each rank's weight
-    gradients are rounded to bf16 before the fp32 sum, so agreement is to bf16 precision
-    (2**-8), not 1e-5."""
+    gradients are rounded to bf16 before the fp32 sum, so they agree to bf16 rounding
+    (a relative 2e-5 on the gradient norm measured here), not to 1e-5."""
     _, one, dp2, _ = runs
     a, b = one["bf16"]["stats"], dp2["bf16"]["stats"]
-    assert _rel(a["loss"], b["loss"]) < 1e-2, (a["loss"], b["loss"])
-    assert _rel(a["grad_norm"], b["grad_norm"]) < 1e-2, (a["grad_norm"], b["grad_norm"])
+    assert _rel(a["loss"], b["loss"]) < 1e-3, (a["loss"], b["loss"])
+    assert _rel(a["grad_norm"], b["grad_norm"]) < 1e-3, (a["grad_norm"], b["grad_norm"])
     assert a["grad_norm"] != one["token_mean"]["stats"]["grad_norm"]  # bf16 really computed
 
 
