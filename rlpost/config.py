@@ -767,6 +767,15 @@ class ClusterConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _data_parallel_needs_processes(self) -> ClusterConfig:
+        if self.trainer_workers > 1 and self.backend == "local":
+            raise ValueError(
+                f"cluster.trainer_workers={self.trainer_workers} with cluster.backend=local: "
+                "data-parallel trainers run one per process; set cluster.backend=process (or ray)"
+            )
+        return self
+
 
 # -------------------------------------------------------------------------- sync
 

@@ -10,7 +10,6 @@ protocol.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 
 from rlpost.config import Config, ConfigError
@@ -24,11 +23,6 @@ def starter(cfg: Config) -> Callable:
     if backend == "auto":
         one = cfg.pipeline.mode == "sync" and c.trainer_workers == 1 and c.rollout_workers == 1
         backend = "local" if one else "process"
-    if c.trainer_workers > 1 and importlib.util.find_spec("rlpost.cluster.trainer_group") is None:
-        raise ConfigError(
-            f"cluster.trainer_workers={c.trainer_workers}: this build has no data-parallel "
-            "training (rlpost.cluster.trainer_group); set cluster.trainer_workers=1"
-        )
     if backend != "ray" and c.reward_workers:
         raise ConfigError(
             f"cluster.reward_workers={c.reward_workers} needs cluster.backend=ray "

@@ -37,7 +37,7 @@ class WorkerError(WorkerLost):
     """A worker process failed; the message names the worker, the call and the cause."""
 
 
-def _serve(conn, factory: str, cfg_data: dict, run_dir: str) -> None:
+def _serve(conn, factory: str, cfg_data: dict, run_dir: str, kwargs: dict | None = None) -> None:
     """Child side: build the worker, then answer calls until told to close.
 
     Calls run on a small thread pool, so a call can arrive while another runs:
@@ -59,7 +59,7 @@ def _serve(conn, factory: str, cfg_data: dict, run_dir: str) -> None:
         torch.manual_seed(cfg.run.seed)
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
-        worker = getattr(me, factory)(cfg, Path(run_dir))
+        worker = getattr(me, factory)(cfg, Path(run_dir), **(kwargs or {}))
     except Exception as exc:  # the parent reports it in one line and stops the run
         conn.send_bytes(pickle.dumps(("error", 0, _one_line(exc))))
         return
@@ -123,14 +123,16 @@ class ProcessWorker:
     and later call fails with a one-line :class:`WorkerError`.
     """
 
-    def __init__(self, label: str, factory: str, cfg: Config, run_dir: Path) -> None:
+    def __init__(
+        self, label: str, factory: str, cfg: Config, run_dir: Path, **factory_kwargs
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.label = label
         self._conn, child = ctx.Pipe()
         data = cfg.model_dump(mode="json")
         self._proc = ctx.Process(
             target=_serve,
-            args=(child, factory, data, str(run_dir)),
+            args=(child, factory, data, str(run_dir), factory_kwargs),
             name=f"rlpost-{label}",
             daemon=True,  # never outlives the run
         )
@@ -254,9 +256,7 @@ def trainer_factory(cfg: Config, run_dir: Path, dp=None):
     # The warm-up ran in the parent and is in run_dir/sft_model: warm_start loads it.
     have_sft = (run_dir / "sft_model" / "config.json").is_file()
     model, tokenizer = warm_start(cfg, run_dir, [], None, skip_sft=not have_sft)
-    if dp is not None:  # one rank of a data-parallel group (rlpost.train.dp.DPSpec)
-        return build.build_trainer_worker(cfg, model, tokenizer, dp=dp)
-    return build.build_trainer_worker(cfg, model, tokenizer)
+    return build.build_trainer_worker(cfg, model, tokenizer, dp=dp)
 
 
 def rollout_factory(cfg: Config, run_dir: Path):
@@ -333,7 +333,7 @@ def start_process_workers(cfg: Config, run_dir: Path, train_prompts, console, *,
     check_fleet(cfg)
     if not resuming:
         warm_start(cfg, run_dir, train_prompts, console, skip_sft=False)  # saves sft_model
-    trainer = ProcessWorker("trainer", "trainer_factory", cfg, run_dir)
+    trainer = start_trainers(cfg, run_dir)
     try:
         if cfg.cluster.rollout_workers > 1:
             rollout = RolloutFleet(
@@ -350,3 +350,39 @@ def start_process_workers(cfg: Config, run_dir: Path, train_prompts, console, *,
         trainer.close()
         raise
     return Workers(trainer, rollout, build.build_reward_worker(cfg))
+
+
+def start_trainers(cfg: Config, run_dir: Path):
+    """One trainer process, or ``cluster.trainer_workers`` data-parallel ones behind a
+    :class:`TrainerGroup` (a gloo group on a free port of 127.0.0.1)."""
+    n = cfg.cluster.trainer_workers
+    if n == 1:
+        return ProcessWorker("trainer", "trainer_factory", cfg, run_dir)
+    from rlpost.cluster.trainer_group import TrainerGroup
+    from rlpost.train.dp import DPSpec, free_port
+
+    port = free_port()
+    # Started together: each one's start blocks until all have joined the process group.
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        futures = [
+            pool.submit(
+                ProcessWorker,
+                f"trainer-{rank}",
+                "trainer_factory",
+                cfg,
+                run_dir,
+                dp=DPSpec(rank=rank, world=n, master_port=port),
+            )
+            for rank in range(n)
+        ]
+        outcomes = [
+            (f.result(), None) if f.exception() is None else (None, f.exception()) for f in futures
+        ]
+    failed = [exc for _, exc in outcomes if exc is not None]
+    if failed:
+        for worker, _ in outcomes:
+            if worker is not None:
+                worker.kill()
+                worker.close()
+        raise failed[0]
+    return TrainerGroup([w for w, _ in outcomes])

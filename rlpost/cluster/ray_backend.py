@@ -554,8 +554,6 @@ def start_ray_workers(cfg: Config, run_dir: Path, train_prompts, console, *, res
 
     c = cfg.cluster
     check_fleet(cfg)
-    if c.trainer_workers > 1:
-        _dp_modules()  # one line before any work when data-parallel training is missing
     started = connect(ray, cfg)
     placement = None
     made: list = []
@@ -603,18 +601,6 @@ def start_ray_workers(cfg: Config, run_dir: Path, train_prompts, console, *, res
     )
 
 
-def _dp_modules():
-    try:
-        from rlpost.cluster.trainer_group import TrainerGroup
-        from rlpost.train.dp import DPSpec
-    except ImportError:
-        raise ConfigError(
-            "cluster.trainer_workers > 1 needs data-parallel training (rlpost.train.dp), "
-            "which this build lacks; set cluster.trainer_workers=1"
-        ) from None
-    return DPSpec, TrainerGroup
-
-
 def _start_trainers(ray, cfg: Config, run_dir: Path, placement: Placement, made: list):
     c = cfg.cluster
     data = cfg.model_dump(mode="json")
@@ -631,8 +617,10 @@ def _start_trainers(ray, cfg: Config, run_dir: Path, placement: Placement, made:
         made.append(w)
         _ready(ray, [w], c.start_timeout_s)
         return w
-    DPSpec, TrainerGroup = _dp_modules()
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from rlpost.cluster.trainer_group import TrainerGroup
+    from rlpost.train.dp import DPSpec
 
     pg, bundle = placement.trainer[0]
     where = ray.remote(rendezvous).options(

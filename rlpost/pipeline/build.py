@@ -42,6 +42,7 @@ from rlpost.rollout.protocol import SamplingParams
 from rlpost.rollout.scheduler import Scheduler
 from rlpost.rollout.worker import RolloutWorker
 from rlpost.train.actor import ActorSettings, PolicyTrainer
+from rlpost.train.dp import DPSpec
 from rlpost.train.worker import TrainerWorker
 from rlpost.types import Prompt
 
@@ -92,6 +93,7 @@ def check_names(cfg: Config) -> None:
             env_factory(cfg.agent.env, cfg.agent.params)
         except EnvError as exc:
             raise ConfigError(f"config agent.env: {exc}") from None
+    check_data_parallel(cfg)
 
 
 # Keyword parameters every estimator or loss takes from the caller, not from the config.
@@ -271,7 +273,9 @@ def eval_params(cfg: Config, eos_token_id: int, *, greedy: bool = False) -> Samp
     )
 
 
-def build_trainer(cfg: Config, model) -> PolicyTrainer:
+def build_trainer(cfg: Config, model, dp=None) -> PolicyTrainer:
+    """The policy trainer; with ``dp`` (a :class:`rlpost.train.dp.DataParallel`) the policy
+    and the reference are sharded with FSDP2 before the optimizer sees them."""
     a, t, c = cfg.algo, cfg.train, cfg.algo.rollout_correction
     settings = ActorSettings(
         lr=t.lr,
@@ -300,6 +304,13 @@ def build_trainer(cfg: Config, model) -> PolicyTrainer:
         from rlpost.models.lora import reference_mode
 
         reference = lambda: reference_mode(model)  # noqa: E731
+    if dp is not None:
+        from rlpost.train.dp import shard_model
+
+        bf16 = cfg.model.dtype == "bfloat16"
+        shard_model(model, bf16=bf16)
+        if ref is not None:
+            shard_model(ref, bf16=bf16, trainable=False)
     return PolicyTrainer(
         model,
         get_policy_loss(a.policy_loss),
@@ -310,6 +321,7 @@ def build_trainer(cfg: Config, model) -> PolicyTrainer:
         reference=reference,
         token_selector=POLICY_LOSSES.trait(a.policy_loss, "token_selector", None),
         seed=cfg.run.seed,
+        dp=dp,
     )
 
 
@@ -338,9 +350,41 @@ def build_critic(cfg: Config, model):
 # ------------------------------------------------------------------ workers
 
 
-def build_trainer_worker(cfg: Config, model, tokenizer) -> TrainerWorker:
+def check_data_parallel(cfg: Config) -> None:
+    """What sharded trainers do not cover yet is refused in one line before any work."""
+    n = cfg.cluster.trainer_workers
+    if n <= 1:
+        return
+    if ADVANTAGES.trait(cfg.algo.advantage, "needs_critic"):
+        raise ConfigError(
+            f"cluster.trainer_workers={n}: the PPO critic (algo.advantage={cfg.algo.advantage}) "
+            "trains on one worker only; set cluster.trainer_workers=1"
+        )
+    if cfg.model.lora.rank > 0:
+        raise ConfigError(
+            f"cluster.trainer_workers={n} with model.lora.rank={cfg.model.lora.rank}: adapters "
+            "train on one worker only; set cluster.trainer_workers=1 or model.lora.rank=0"
+        )
+
+
+def build_trainer_worker(cfg: Config, model, tokenizer, dp: DPSpec | None = None) -> TrainerWorker:
     """The trainer worker around ``model`` (the starting policy, after any warm-up); with
-    ``model.lora.rank > 0`` the model gets adapters and only they train."""
+    ``model.lora.rank > 0`` the model gets adapters and only they train.
+
+    ``dp``: this worker is rank ``dp.rank`` of ``dp.world`` data-parallel trainers; it joins
+    their process group here (blocking until all have joined) and shards its modules."""
+    if dp is not None:
+        check_data_parallel(cfg)
+        if dp.backend != "gloo":
+            raise ConfigError(
+                f"data-parallel trainers over {dp.backend}: the trainer computes on CPU, "
+                "so its process group is gloo; use DPSpec(backend='gloo')"
+            )
+        from rlpost.train.dp import DataParallel, init_group
+
+        init_group(dp, timeout_s=cfg.cluster.start_timeout_s)
+        group = DataParallel(dp)
+        return TrainerWorker(build_trainer(cfg, model, group), tokenizer, dp=group)
     critic = build_critic(cfg, model)
     lora = cfg.model.lora
     if lora.rank > 0:

@@ -9,6 +9,10 @@ however a mini-batch is split into micro-batches.
 
 Precision: weights and optimizer state are float32; ``bf16=True`` runs the
 forward and backward under bfloat16 autocast (bf16 compute, fp32 master).
+
+Data parallel (``dp``, :mod:`rlpost.train.dp`): every rank is handed the whole
+batch, computes the denominators on the whole mini-batch as above, and runs its
+share of the rows; gradients are summed over ranks, so the step is one worker's.
 """
 
 from __future__ import annotations
@@ -66,6 +70,10 @@ class MinibatchAux:
         return MinibatchAux(selected, rewarded, self.nll_agg)
 
 
+ADDITIVE_STATS = frozenset({"pg_loss", "nll_loss", "entropy"})
+"""Statistics that are shares of the mini-batch value (reduced with its denominators)."""
+
+
 def warmup_lambda(warmup_steps: int):
     """LR multiplier: linear from 1/(w+1) to 1 over ``warmup_steps`` updates, then constant."""
 
@@ -99,8 +107,10 @@ class PolicyTrainer:
         reference=None,
         token_selector=None,
         seed: int = 0,
+        dp=None,
     ) -> None:
         self.model = model
+        self.dp = dp  # rlpost.train.dp.DataParallel when the batch is sharded over ranks
         # A loss that treats tokens chosen over the whole batch (KL-Cov, Clip-Cov) gets its
         # choice made once per mini-batch here, so micro-batch splits cannot change it.
         self.token_selector = token_selector
@@ -123,10 +133,17 @@ class PolicyTrainer:
             return torch.autocast("cpu", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _rows(self, fn, batch: TrainBatch) -> torch.Tensor:
+        """``fn(batch)``, or under data parallelism each rank's share gathered."""
+        return fn(batch) if self.dp is None else self.dp.map_rows(batch, fn)
+
     def old_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return self._rows(lambda b: self._logprobs(self.model, b), batch)
+
+    def _logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
         with self._autocast():
             return compute_logprobs(
-                self.model,
+                model,
                 batch,
                 temperature=self.s.temperature,
                 micro_batch_size=self.s.micro_batch_size,
@@ -138,27 +155,19 @@ class PolicyTrainer:
 
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
         if self.ref_model is None and self.reference is not None:
-            with self.reference(), self._autocast():
-                return compute_logprobs(
-                    self.model,
-                    batch,
-                    temperature=self.s.temperature,
-                    micro_batch_size=self.s.micro_batch_size,
-                )
+            with self.reference():
+                return self._logprobs(self.model, batch)
         if self.ref_model is None:
             return None
-        with self._autocast():
-            return compute_logprobs(
-                self.ref_model,
-                batch,
-                temperature=self.s.temperature,
-                micro_batch_size=self.s.micro_batch_size,
-            )
+        return self._rows(lambda b: self._logprobs(self.ref_model, b), batch)
 
-    @torch.no_grad()
     def sum_pi_squared(self, batch: TrainBatch) -> torch.Tensor:
         """``[B, T]`` ``sum_v pi(v)^2`` of the policy (at the sampling temperature) at each
         response position; the optimal token baseline's path-variance input."""
+        return self._rows(self._sum_pi_squared, batch)
+
+    @torch.no_grad()
+    def _sum_pi_squared(self, batch: TrainBatch) -> torch.Tensor:
         was_training = self.model.training
         self.model.eval()
         chunks = []
@@ -207,6 +216,8 @@ class PolicyTrainer:
             self.shuffle,
             lambda rows: self._step(batch, rows, beta, fill_old),
         )
+        if fill_old and self.dp is not None:
+            self.dp.sum_tensor(batch.old_logprobs)  # each row was filled on one rank only
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         return out
 
@@ -220,21 +231,36 @@ class PolicyTrainer:
         aux = self._minibatch_aux(batch, rows)
 
         def micro_loss(micro_rows: torch.Tensor):
-            micro = batch.select(micro_rows)
-            loss, stats = self._micro_loss(micro, agg, beta, fill_old, aux.rows(micro_rows))
+            if self.dp is None:
+                micro = batch.select(micro_rows)
+            else:  # padding rows (PAD = -1) carry a zero mask
+                micro = self.dp.select(batch, micro_rows)
+            real = micro_rows >= 0
+            aux_rows = aux.rows(micro_rows.clamp(min=0))
+            loss, stats = self._micro_loss(micro, agg, beta, fill_old, aux_rows)
             if fill_old:
-                batch.old_logprobs[micro_rows] = micro.old_logprobs
+                batch.old_logprobs[micro_rows[real]] = micro.old_logprobs[real]
+            # Loss terms reduced with the mini-batch denominators add up over micro-batches
+            # (and ranks); per-micro-batch means are weighted by their share of the tokens.
             weight = float(micro.response_mask.sum()) / total_tokens
-            return loss, {k: v * weight for k, v in stats.items()}
+            return loss, {k: v if k in ADDITIVE_STATS else v * weight for k, v in stats.items()}
 
-        params = list(self.model.parameters())
+        # The optimizer's own tensors: a sharded model lists its gathered (unsharded)
+        # parameters between a forward and the next reshard, and those get no gradient.
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self.dp is None:
+            micros, sum_ranks = micro_slices(rows, self.s.micro_batch_size), None
+        else:
+            micros = self.dp.micro_slices(rows, self.s.micro_batch_size)
+            sum_ranks = self.dp.sum_floats
         outcome = optimizer_step(
             self.optimizer,
             self.scheduler,
             params,
             self.s.grad_clip,
-            micro_slices(rows, self.s.micro_batch_size),
+            micros,
             micro_loss,
+            sum_ranks,
         )
         if outcome.skipped:
             self.skipped_updates += 1

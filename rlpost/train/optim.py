@@ -45,8 +45,13 @@ def optimizer_step(
     grad_clip: float,
     micro_batches: Iterable[M],
     micro_loss: Callable[[M], tuple[torch.Tensor, dict[str, float]]],
+    sum_ranks: Callable[[dict[str, float]], dict[str, float]] | None = None,
 ) -> StepOutcome:
-    """Accumulate ``micro_loss`` over ``micro_batches``, clip, and step (or skip when non-finite)."""
+    """Accumulate ``micro_loss`` over ``micro_batches``, clip, and step (or skip when non-finite).
+
+    ``sum_ranks``: under data parallelism, sums the loss and statistics over the ranks
+    (each rank's are its share), so every rank reports and decides the same.
+    """
     optimizer.zero_grad(set_to_none=True)
     loss_total = 0.0
     stats: dict[str, float] = {}
@@ -56,7 +61,12 @@ def optimizer_step(
         loss_total += float(loss.detach())
         for k, v in micro_stats.items():
             stats[k] = stats.get(k, 0.0) + v
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    if sum_ranks is not None:
+        stats = sum_ranks({**stats, "\0loss": loss_total})
+        loss_total = stats.pop("\0loss")
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    # Sharded parameters (FSDP2) give the global norm as a replicated DTensor.
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):
         # A NaN / Inf loss or gradient never reaches the weights.
         optimizer.zero_grad(set_to_none=True)

@@ -11,6 +11,11 @@ the loop changing.
 The worker owns the weights' **version**: 0 for the starting policy, one more
 after every :meth:`update`, and the checkpoint's step after :meth:`restore`.
 Engines stamp it on every token they sample.
+
+Data parallel (``dp``): N workers, one per rank, each get the same calls; each
+runs its share of the rows and all return the same result (logprobs gathered,
+weights and checkpoints whole), so a driver may keep rank 0's. Rank 0 alone writes
+checkpoint files.
 """
 
 from __future__ import annotations
@@ -59,9 +64,17 @@ class TrainerWorker:
     """Actor (policy trainer), reference policy and optional critic of one run."""
 
     def __init__(
-        self, trainer: PolicyTrainer, tokenizer, *, critic=None, version: int = 0, lora=False
+        self,
+        trainer: PolicyTrainer,
+        tokenizer,
+        *,
+        critic=None,
+        version: int = 0,
+        lora=False,
+        dp=None,
     ) -> None:
         self.trainer = trainer
+        self.dp = dp  # rlpost.train.dp.DataParallel, shared with the trainer
         self.tokenizer = tokenizer
         self.critic = critic
         self._version = version
@@ -134,6 +147,10 @@ class TrainerWorker:
                 if "lora_" not in n
             ]
             return WeightsExport(self._version, [(n, merged[n]) for n in names])
+        if self.dp is not None:
+            from rlpost.train.dp import full_parameters
+
+            return WeightsExport(self._version, full_parameters(self.trainer.model))
         tensors = [(n, p.detach()) for n, p in self.trainer.model.named_parameters()]
         return WeightsExport(self._version, tensors)
 
@@ -149,6 +166,9 @@ class TrainerWorker:
         """Write the policy (an HF directory with the tokenizer), the reference and the
         optimizer / scheduler / generator / critic state into ``directory``."""
         d = Path(directory)
+        if self.dp is not None:
+            self._save_sharded(d)
+            return
         if self.lora:
             self._save_lora(d)
         else:
@@ -170,17 +190,34 @@ class TrainerWorker:
 
         d = Path(directory)
         base_lrs = list(self.trainer.scheduler.base_lrs)
-        if self.lora:
-            from rlpost.models.lora import load_adapters
-
-            load_adapters(self.trainer.model, d / "adapter")
+        if self.dp is not None:
+            self._restore_sharded(d)
         else:
-            self.trainer.model.load_state_dict(load_causal_lm(d / "model").state_dict())
-        ref = self.trainer.ref_model
-        if ref is not None and (d / "ref_model").is_dir():
-            ref.load_state_dict(load_causal_lm(d / "ref_model").state_dict())
+            if self.lora:
+                from rlpost.models.lora import load_adapters
+
+                load_adapters(self.trainer.model, d / "adapter")
+            else:
+                self.trainer.model.load_state_dict(load_causal_lm(d / "model").state_dict())
+            ref = self.trainer.ref_model
+            if ref is not None and (d / "ref_model").is_dir():
+                ref.load_state_dict(load_causal_lm(d / "ref_model").state_dict())
         # weights_only=False: the state holds RNG tuples and numpy arrays we wrote ourselves.
         state = torch.load(d / STATE_FILE, weights_only=False)
+        # A checkpoint resumes on any number of workers: the optimizer state is keyed by
+        # parameter index (one worker's save) or by name (data-parallel workers' save).
+        from rlpost.train.dp import optimizer_state_by_index, optimizer_state_by_name
+
+        names = self._optimized_names()
+        if self.dp is not None:
+            self._load_sharded_optimizer(
+                optimizer_state_by_name(state["trainer"]["optimizer"], names)
+            )
+            state["trainer"]["optimizer"] = self.trainer.optimizer.state_dict()
+        else:
+            state["trainer"]["optimizer"] = optimizer_state_by_index(
+                state["trainer"]["optimizer"], names
+            )
         self.trainer.load_state_dict(state["trainer"])
         if self.critic is not None and "critic" in state:
             self.critic.load_state_dict(state["critic"])
@@ -205,5 +242,85 @@ class TrainerWorker:
             raise RuntimeError(f"merged LoRA weights do not fit the base model: {missing[:3]}")
         plain.save_pretrained(d / "model")
 
+    # ------------------------------------------------- sharded checkpoints
+
+    def _save_sharded(self, d: Path) -> None:
+        """The same files as one worker's save: every shard gathered, rank 0 writes.
+
+        The optimizer state is saved whole, keyed by parameter name, so a checkpoint
+        resumes on any number of workers."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        from rlpost.train.dp import full_state_dict
+
+        model, ref = self.trainer.model, self.trainer.ref_model
+        policy = full_state_dict(model)
+        ref_state = full_state_dict(ref) if ref is not None else None
+        optim = get_optimizer_state_dict(
+            model,
+            self.trainer.optimizer,
+            options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+        )
+        if self.dp.rank == 0:
+            _save_plain(model, policy, d / "model")
+            self.tokenizer.save_pretrained(d / "model")
+            if ref_state is not None:
+                _save_plain(ref, ref_state, d / "ref_model")
+            trainer_state = self.trainer.state_dict() | {"optimizer": optim}
+            torch.save({"trainer": trainer_state, "rng": rng_state()}, d / STATE_FILE)
+        self.dp.barrier()  # no rank returns before the files are there
+
+    def _restore_sharded(self, d: Path) -> None:
+        """Every rank reads the whole checkpoint and keeps its shards."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from rlpost.models.loading import load_causal_lm
+        from rlpost.train.dp import resharded
+
+        whole = StateDictOptions(full_state_dict=True)
+        model = resharded(self.trainer.model)
+        set_model_state_dict(model, load_causal_lm(d / "model").state_dict(), options=whole)
+        ref = self.trainer.ref_model
+        if ref is not None and (d / "ref_model").is_dir():
+            ref = resharded(ref)
+            set_model_state_dict(ref, load_causal_lm(d / "ref_model").state_dict(), options=whole)
+
+    def _optimized_names(self) -> list[str]:
+        """Names of the optimizer's parameters, in its order (trainable ones, as built)."""
+        return [n for n, p in self.trainer.model.named_parameters() if p.requires_grad]
+
+    def _load_sharded_optimizer(self, optim_state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        set_optimizer_state_dict(
+            self.trainer.model,
+            self.trainer.optimizer,
+            optim_state,
+            options=StateDictOptions(full_state_dict=True),
+        )
+
     def close(self) -> None:
-        """Nothing to release in process; present so every worker closes the same way."""
+        """Leave the data-parallel group, if any (nothing else to release in process)."""
+        if self.dp is not None:
+            from rlpost.train.dp import destroy_group
+
+            destroy_group()
+
+
+def _save_plain(model: torch.nn.Module, state: dict[str, torch.Tensor], out: Path) -> None:
+    """``state`` saved as an ordinary HF directory of ``model``'s class (sharded modules
+    cannot ``save_pretrained`` themselves)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    # fully_shard swaps the class for an FSDP subclass; build the model's own class
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    with torch.random.fork_rng(devices=[]):  # building it must not move the run's streams
+        plain = cls(model.config)
+    plain.load_state_dict(state)
+    plain.save_pretrained(out)

@@ -1,0 +1,156 @@
+"""N data-parallel trainer workers behind the one-trainer protocol.
+
+Rank ``i`` of the handles was built with ``DPSpec(rank=i, world=N)``
+(:mod:`rlpost.train.dp`). Every call goes to all of them with the same
+arguments, at once (one thread each), and rank 0's result is returned: each
+rank takes its own share of the batch and all return the same values, so the
+loop drives N workers exactly as it drives one.
+
+Calls that run collectives (everything but a few local queries) are made one at
+a time: every rank must enter its collectives in the same order, and two calls
+racing in the ranks' call pools could interleave them differently.
+
+If a rank fails, the call raises :class:`WorkerLost` in one line naming the rank,
+without waiting for the others (they are blocked in a collective that will not
+complete); :meth:`close` then stops them.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import Any
+
+from rlpost.pipeline.workers import WorkerLost
+
+# Methods that touch no process group: they may run while a collective call is in flight.
+LOCAL_CALLS = frozenset({"describe", "version", "single_update", "mfu", "scale_lr"})
+
+GRACE_S = 10.0
+"""Seconds the other ranks get to finish after one fails before the group is given up."""
+
+
+def _first_line(exc: BaseException, limit: int = 240) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else type(exc).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+class TrainerGroup:
+    """The trainer protocol over ``handles`` (rank order); returns rank 0's results."""
+
+    def __init__(self, handles: list[Any], role: str = "trainer") -> None:
+        if not handles:
+            raise ValueError("TrainerGroup needs at least one trainer worker")
+        self.handles = list(handles)
+        self.role = role
+        self._serial = threading.Lock()
+        self._pool = ThreadPoolExecutor(
+            max_workers=2 * len(handles), thread_name_prefix="rlpost-dp"
+        )
+        self._failed: str | None = None
+        self._closed = False
+
+    @property
+    def world(self) -> int:
+        return len(self.handles)
+
+    def _call_all(self, name: str, *args, **kwargs) -> Any:
+        if self._failed is not None:
+            raise WorkerLost(f"{self.role} group unusable after {self._failed}; cannot {name}")
+        futures = [self._pool.submit(getattr(h, name), *args, **kwargs) for h in self.handles]
+        order: list[int] = []  # ranks in the order their calls ended (the first failure is
+        for rank, fut in enumerate(futures):  # usually the cause, later ones its echoes)
+            fut.add_done_callback(lambda _, rank=rank: order.append(rank))
+        done, running = wait(futures, return_when=FIRST_EXCEPTION)
+        if not any(f.exception() is not None for f in done):
+            return futures[0].result()
+        # Every rank failing alike (a bad argument, refused before any collective) leaves
+        # the group in step. Anything else (a rank still running after a grace period is
+        # blocked in a collective; a lost process; ranks failing differently) ends it.
+        if running:
+            _, running = wait(running, timeout=GRACE_S)
+        # (a rank's done callback may not have run yet when its result is visible)
+        ended = list(dict.fromkeys([*order, *range(self.world)]))
+        failed = [r for r in ended if futures[r].done() and futures[r].exception() is not None]
+        causes = {_first_line(futures[r].exception()).split(f", {name}: ", 1)[-1] for r in failed}
+        if running or len(failed) < self.world or len(causes) > 1:
+            self._failed = f"rank {failed[0]} failed in {name}"
+        # One line naming every failed rank: a lost process shows up in its peers as a
+        # collective error, and which ends first is a race.
+        parts = [f"rank {r}: {_first_line(futures[r].exception())}" for r in failed]
+        raise WorkerLost(
+            f"{self.role} rank {failed[0]} of {self.world} failed in {name} ({'; '.join(parts)})",
+            self.role,
+        ) from None
+
+    def call(self, name: str, *args, **kwargs) -> Any:
+        """``name(*args, **kwargs)`` on every rank; rank 0's result."""
+        if name in LOCAL_CALLS:
+            return self._call_all(name, *args, **kwargs)
+        with self._serial:
+            return self._call_all(name, *args, **kwargs)
+
+    # ------------------------------------------------ the trainer protocol
+
+    def describe(self) -> dict[str, Any]:
+        return self.call("describe") | {"trainer_workers": self.world}
+
+    def version(self) -> int:
+        return self.call("version")
+
+    def single_update(self, batch_size: int) -> bool:
+        return self.call("single_update", batch_size)
+
+    def logprobs(self, batch, which: str = "old"):
+        return self.call("logprobs", batch, which)
+
+    def values(self, batch):
+        return self.call("values", batch)
+
+    def update_critic(self, batch) -> dict[str, float]:
+        return self.call("update_critic", batch)
+
+    def update(self, batch, *, beta: float, train_policy: bool = True):
+        return self.call("update", batch, beta=beta, train_policy=train_policy)
+
+    def export_weights(self):
+        return self.call("export_weights")
+
+    def mfu(self, tokens: float, seq_len: int, seconds: float) -> float:
+        # Against the peak of rank 0's device: right where the ranks share one machine's
+        # cores (the process backend); across machines the group's peak is larger.
+        return self.call("mfu", tokens, seq_len, seconds)
+
+    def scale_lr(self, factor: float) -> float:
+        return self.call("scale_lr", factor)
+
+    def save(self, directory) -> None:
+        return self.call("save", directory)
+
+    def restore(self, directory, *, version: int, keep_lr: bool = False) -> int:
+        return self.call("restore", directory, version=version, keep_lr=keep_lr)
+
+    def close(self) -> None:
+        """Close every rank; after a failure, stop them at once where the handle can
+        (``kill``): the others are blocked in a collective that will not complete."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._failed is None:
+                with self._serial:
+                    self._call_all("close")
+                return
+        except WorkerLost:
+            pass  # a rank failed while closing: stop them all below
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        for h in self.handles:
+            try:
+                kill = getattr(h, "kill", None)
+                if kill is not None:
+                    kill()
+                h.close()
+            except (WorkerLost, OSError):
+                pass  # a rank already gone: nothing left to release

@@ -1,0 +1,266 @@
+"""Data-parallel training: N trainer workers share each update's batch, sharded with FSDP2.
+
+Every rank receives the same full call (the whole :class:`TrainBatch`) and takes
+its own rows: the contiguous ``rank``-th share of each mini-batch (or of the batch,
+for a scoring pass). Parameters, gradients and optimizer state are sharded by
+``torch.distributed.fsdp.fully_shard`` (FSDP2, ZeRO-3 class), over gloo on CPU
+and NCCL on GPU.
+
+Why the update equals one worker's:
+
+- The loss denominators (tokens, sequences) are counted on the *whole* mini-batch,
+  which every rank holds, so they are the global counts with no exchange, and each
+  rank's loss is its share of the one-worker loss.
+- FSDP2 averages gradients over ranks by default; the gradient divide factor is set
+  to 1, so the reduce-scatter *sums* the shares: the one-worker gradient.
+- The gradient norm is the norm of that sharded gradient (``clip_grad_norm_`` on
+  DTensors reduces over ranks); loss and statistics are summed over ranks.
+
+FSDP2 gathers parameters in every forward and reduces gradients in every
+backward, so all ranks must run the same number of forward and backward passes.
+A rank whose share is short is padded with rows whose ``response_mask`` is zero
+(:data:`PAD` entries): they add nothing to the loss or the gradient, and their
+outputs are dropped.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+PAD = -1
+"""Row index of a padding row in a rank's share (the row is a copy with its mask zeroed)."""
+
+
+@dataclass(frozen=True)
+class DPSpec:
+    """Where one trainer worker sits in its data-parallel group.
+
+    ``rank`` in ``0 .. world - 1``; ``master_addr`` / ``master_port``: rank 0's TCP
+    rendezvous; ``backend``: ``gloo`` (CPU) or ``nccl`` (GPU).
+    """
+
+    rank: int
+    world: int
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    backend: str = "gloo"
+
+    def __post_init__(self) -> None:
+        if self.world < 1 or not 0 <= self.rank < self.world:
+            raise ValueError(f"DPSpec: rank {self.rank} is not in 0..{self.world - 1}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"DPSpec.backend={self.backend!r}: use 'gloo' (CPU) or 'nccl' (GPU)")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (for rank 0's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def init_group(spec: DPSpec, timeout_s: float = 600.0) -> None:
+    """Join the process group of ``spec`` (blocks until all ``world`` ranks have joined)."""
+    from datetime import timedelta
+
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group is already set up in this process")
+    dist.init_process_group(
+        spec.backend,
+        init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
+        rank=spec.rank,
+        world_size=spec.world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def destroy_group() -> None:
+    """Leave the process group (idempotent)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ sharding
+
+
+def shard_model(model: nn.Module, *, bf16: bool = False, trainable: bool = True) -> nn.Module:
+    """Wrap ``model`` in FSDP2 in place: each decoder layer is a unit, the root the rest.
+
+    Rank 0's weights are broadcast first, so every rank shards the same model
+    whatever each built. ``bf16``: parameters are gathered in bfloat16 for compute
+    and gradients reduced in float32; the sharded master weights and the optimizer
+    state stay float32. Gradient checkpointing set on an HF model is switched to the
+    non-reentrant form, the one that composes with FSDP2's hooks.
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=0)
+    flag = (
+        "is_activation_checkpointing"  # the name from transformers 5.x on
+        if hasattr(type(model), "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
+    if getattr(model, flag, False):
+        model.gradient_checkpointing_disable()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
+    for layer in decoder_layers(model):
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    if trainable:
+        # The ranks' losses are shares of one global loss (global denominators): sum the
+        # gradients, do not average them. Plain SUM collectives: gloo has no PREMUL_SUM.
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks of an HF model (``*.layers``), the usual FSDP units."""
+    for name, module in model.named_modules():
+        if name.endswith("layers") and isinstance(module, nn.ModuleList):
+            return list(module)
+    return []
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded DTensor (a collective: every rank calls it), else ``t``."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every shard gathered (every rank gets the whole)."""
+    resharded(model)
+    return {k: full_tensor(v).detach() for k, v in model.state_dict().items()}
+
+
+def full_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``named_parameters`` with every shard gathered (every rank gets the whole)."""
+    resharded(model)
+    return [(n, full_tensor(p).detach()) for n, p in model.named_parameters()]
+
+
+def resharded(model: nn.Module) -> nn.Module:
+    """``model`` with its sharded parameters registered again: after a forward pass the
+    root unit keeps its gathered copies registered, which are not the trained tensors."""
+    if hasattr(model, "reshard"):
+        model.reshard()
+    return model
+
+
+class DataParallel:
+    """This rank's view of its group: which rows it takes, and the sums and gathers."""
+
+    def __init__(self, spec: DPSpec) -> None:
+        self.spec = spec
+        self.rank, self.world = spec.rank, spec.world
+
+    # ------------------------------------------------------------- rows
+
+    def share(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous share of ``rows``, padded with :data:`PAD` to
+        ``ceil(len(rows) / world)`` entries (the same length on every rank)."""
+        per = math.ceil(len(rows) / self.world)
+        mine = rows[self.rank * per : (self.rank + 1) * per]
+        pad = torch.full((per - len(mine),), PAD, dtype=rows.dtype)
+        return torch.cat([mine, pad])
+
+    def micro_slices(self, rows: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
+        """This rank's share of mini-batch ``rows`` in micro-batches: the same count on
+        every rank (a short share ends in padding rows)."""
+        mine = self.share(rows)
+        return [mine[lo : lo + micro_batch_size] for lo in range(0, len(mine), micro_batch_size)]
+
+    @staticmethod
+    def select(batch, rows: torch.Tensor):
+        """``batch.select(rows)`` where :data:`PAD` rows are copies of row 0 with a zero
+        ``response_mask`` (they weigh nothing in any masked loss or count)."""
+        pad = rows == PAD
+        micro = batch.select(rows.clamp(min=0))
+        if pad.any():
+            micro.response_mask = micro.response_mask.clone()
+            micro.response_mask[pad] = 0
+        return micro
+
+    def map_rows(self, batch, fn: Callable) -> torch.Tensor:
+        """``fn(sub_batch) -> [b, ...]`` on this rank's share of ``batch``, gathered into the
+        ``[B, ...]`` result of ``fn(batch)`` on every rank (a scoring pass)."""
+        rows = self.share(torch.arange(len(batch)))
+        local = fn(self.select(batch, rows)).contiguous()
+        return self.gather_rows(local, rows, len(batch))
+
+    def gather_rows(self, local: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+        """Put every rank's ``local [len(rows), ...]`` at its ``rows`` of an ``[n, ...]``
+        tensor, on every rank (padding rows dropped)."""
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        dist.all_gather(parts, local)
+        all_rows = [torch.empty_like(rows) for _ in range(self.world)]
+        dist.all_gather(all_rows, rows.contiguous())
+        out = local.new_zeros((n, *local.shape[1:]))
+        for part, idx in zip(parts, all_rows, strict=True):
+            keep = idx != PAD
+            out[idx[keep]] = part[keep]
+        return out
+
+    # ------------------------------------------------------------- sums
+
+    def sum_floats(self, values: dict[str, float]) -> dict[str, float]:
+        """Each value summed over the ranks; a key a rank lacks counts 0 there."""
+        names: list[list[str]] = [[] for _ in range(self.world)]
+        dist.all_gather_object(names, sorted(values))
+        keys = sorted(set().union(*names))
+        t = torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64)
+        dist.all_reduce(t)
+        return dict(zip(keys, t.tolist(), strict=True))
+
+    def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ranks, in place; returned."""
+        dist.all_reduce(t)
+        return t
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+# -------------------------------------------------------- optimizer state
+
+
+def optimizer_state_by_name(state: dict, names: list[str]) -> dict:
+    """An ``optimizer.state_dict()`` keyed by parameter name (the form sharded optimizers
+    save and load); ``names[i]`` is the name of the optimizer's ``i``-th parameter.
+    A state already keyed by name is returned as is."""
+    groups = state["param_groups"]
+    if all(isinstance(p, str) for g in groups for p in g["params"]):
+        return state
+    return {
+        "state": {names[i]: v for i, v in state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups],
+    }
+
+
+def optimizer_state_by_index(state: dict, names: list[str]) -> dict:
+    """The inverse of :func:`optimizer_state_by_name`: the form ``optimizer.load_state_dict``
+    of one worker takes. A state already keyed by index is returned as is."""
+    groups = state["param_groups"]
+    if not any(isinstance(p, str) for g in groups for p in g["params"]):
+        return state
+    index = {n: i for i, n in enumerate(names)}
+    return {
+        "state": {index[n]: v for n, v in state["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in groups],
+    }
