@@ -51,17 +51,19 @@ def mfu(flops: float, seconds: float, peak_flops: float) -> float:
     return flops / seconds / peak_flops
 
 
-def measure_cpu_peak_flops(size: int = 1024, repeats: int = 3) -> float:
-    """Best FLOP/s of a ``size x size`` float32 matmul (``2·size³`` FLOPs), over ``repeats`` runs.
+def measure_cpu_peak_flops(size: int = 1024, repeats: int = 3, dtype=None) -> float:
+    """Best FLOP/s of a ``size x size`` matmul (``2·size³`` FLOPs), over ``repeats`` runs.
 
-    Uses torch's current intra-op thread count, so measure after setting it.
+    ``dtype``: a torch floating dtype (default float32). Uses torch's current
+    intra-op thread count, so measure after setting it.
     """
     if size < 1 or repeats < 1:
         raise ValueError(f"size and repeats must be >= 1, got size={size} repeats={repeats}")
     import torch
 
-    a = torch.randn(size, size, dtype=torch.float32)
-    b = torch.randn(size, size, dtype=torch.float32)
+    dtype = dtype or torch.float32
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
     torch.mm(a, b)  # warm up: first call pays for thread-pool start and allocation
     best = 0.0
     for _ in range(repeats):
@@ -76,3 +78,30 @@ def measure_cpu_peak_flops(size: int = 1024, repeats: int = 3) -> float:
 def default_cpu_peak_flops() -> float:
     """:func:`measure_cpu_peak_flops` with its defaults, measured once per process."""
     return measure_cpu_peak_flops()
+
+
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""/proc/cpuinfo flags of x86 instructions that compute in bfloat16 natively."""
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty where it cannot be read)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return set()
+    for line in cpuinfo.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_bf16_native(cpuinfo: str | None = None) -> bool:
+    """True when the CPU has bfloat16 arithmetic instructions (AVX-512 BF16 or AMX-BF16).
+
+    Without them bf16 matmuls are emulated and run slower than float32, so
+    bf16 compute pays only where this holds. Detected, never assumed.
+    """
+    return bool(cpu_flags(cpuinfo) & set(CPU_BF16_FLAGS))

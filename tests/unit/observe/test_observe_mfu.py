@@ -62,3 +62,29 @@ def test_default_peak_is_measured_once(monkeypatch):
         assert calls == [1]
     finally:
         default_cpu_peak_flops.cache_clear()
+
+
+def test_bf16_peak_is_measured_in_bf16():
+    import torch
+
+    peak = measure_cpu_peak_flops(size=128, repeats=1, dtype=torch.bfloat16)
+    assert 1e8 < peak < 1e17
+
+
+@pytest.mark.parametrize(
+    ("flags", "native"),
+    [
+        ("fpu sse avx2 avx512f avx512_bf16 avx512_vnni", True),
+        ("fpu sse avx2 amx_bf16 amx_tile", True),
+        ("fpu sse avx2 avx512f avx512_vnni", False),
+    ],
+)
+def test_bf16_support_is_read_from_the_cpu_flags(flags, native):
+    cpuinfo = f"processor\t: 0\nmodel name\t: x\nflags\t\t: {flags}\n"
+    assert mfu_module.cpu_bf16_native(cpuinfo) is native
+    assert "avx2" in mfu_module.cpu_flags(cpuinfo)
+
+
+def test_unreadable_cpuinfo_means_no_flags():
+    assert mfu_module.cpu_flags("") == set()
+    assert mfu_module.cpu_bf16_native("") is False
