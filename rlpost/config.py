@@ -47,7 +47,8 @@ class RunConfig(Section):
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
     threads: int = Field(0, ge=0)
-    """torch intra-op threads (0: leave torch's default)."""
+    """torch intra-op threads; 0: the cores other processes leave free at start (cores minus
+    the 1-minute load average, at least 1). Tiny models run best on 1 (docs/performance.md)."""
 
 
 # ------------------------------------------------------------------------- model

@@ -17,6 +17,7 @@ against it says how much of what the cores can do the trainer is using.
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 
@@ -105,3 +106,29 @@ def cpu_bf16_native(cpuinfo: str | None = None) -> bool:
     bf16 compute pays only where this holds. Detected, never assumed.
     """
     return bool(cpu_flags(cpuinfo) & set(CPU_BF16_FLAGS))
+
+
+def pick_threads(requested: int, *, cores: int | None = None, load: float | None = None) -> int:
+    """torch intra-op threads for ``run.threads``: ``requested`` when > 0.
+
+    0 picks the cores other processes leave free: the cores this process may
+    run on minus the 1-minute load average (rounded), at least 1. On a quiet
+    machine that is every core; beside a job that keeps a core busy it is one
+    fewer, because a thread sharing a core with another process stalls every
+    parallel region it takes part in (``bench/bench_threads.py``).
+    """
+    if requested < 0:
+        raise ValueError(f"threads must be >= 0, got {requested}")
+    if requested:
+        return requested
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            cores = os.cpu_count() or 1
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:  # no load average on this platform
+            load = 0.0
+    return max(1, min(cores, cores - round(load)))

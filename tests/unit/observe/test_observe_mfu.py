@@ -88,3 +88,35 @@ def test_bf16_support_is_read_from_the_cpu_flags(flags, native):
 def test_unreadable_cpuinfo_means_no_flags():
     assert mfu_module.cpu_flags("") == set()
     assert mfu_module.cpu_bf16_native("") is False
+
+
+@pytest.mark.parametrize(
+    ("requested", "cores", "load", "threads"),
+    [
+        (3, 2, 5.0, 3),  # an explicit count is kept whatever the load
+        (0, 2, 0.1, 2),  # quiet: every core
+        (0, 2, 1.2, 1),  # one core busy elsewhere: the free one
+        (0, 2, 9.0, 1),  # overloaded: never below one
+        (0, 8, 2.6, 5),
+    ],
+)
+def test_threads_follow_the_free_cores(requested, cores, load, threads):
+    assert mfu_module.pick_threads(requested, cores=cores, load=load) == threads
+
+
+def test_negative_threads_are_refused():
+    with pytest.raises(ValueError, match="threads must be >= 0"):
+        mfu_module.pick_threads(-1)
+
+
+def test_the_cli_makes_openmp_wait_passively(tmp_path):
+    import subprocess
+    import sys
+
+    code = "import os, rlpost.cli; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == "PASSIVE"
+    env["OMP_WAIT_POLICY"] = "ACTIVE"  # a choice the user made stands
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == "ACTIVE"
