@@ -120,8 +120,10 @@ class ModelConfig(Section):
     """Local directory of a Hugging Face causal LM and its tokenizer. None: the built-in tiny model."""
     tiny: TinyModelConfig = TinyModelConfig()
     """Shape of the built-in tiny model (used when path is None)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype of the policy. Master weights and optimizer state stay float32."""
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    """Compute dtype of the policy (the rollout copy's weights and the trainer's autocast).
+    Master weights and optimizer state stay float32. auto: bfloat16 on a CPU with native bf16
+    instructions (AVX-512 BF16 or AMX, detected), else float32 (docs/performance.md)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     lora: LoRAConfig = LoRAConfig()

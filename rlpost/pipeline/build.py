@@ -27,6 +27,7 @@ from rlpost.data.code import code_splits
 from rlpost.data.render import prepare_prompts
 from rlpost.models.loading import context_length, frozen_copy, load_policy, load_tokenizer
 from rlpost.models.tiny import build_char_tokenizer
+from rlpost.observe.mfu import cpu_bf16_native
 from rlpost.registry import UnknownNameError
 from rlpost.rewards.scorer import build_scorer, check_terms
 from rlpost.rewards.worker import RewardWorker
@@ -205,6 +206,11 @@ def build_policy(cfg: Config):
     return model, tokenizer
 
 
+def bf16_compute(cfg: Config) -> bool:
+    """``model.dtype`` resolved: bfloat16, or auto on a CPU with native bf16 instructions."""
+    return cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and cpu_bf16_native())
+
+
 def build_engine(cfg: Config, model, tokenizer, *, push: bool = True):
     """The rollout engine, serving ``model``'s current weights (later ones arrive through sync).
 
@@ -223,7 +229,7 @@ def build_engine(cfg: Config, model, tokenizer, *, push: bool = True):
         return engine
     serving = copy.deepcopy(model)
     serving.requires_grad_(False)
-    if cfg.model.dtype == "bfloat16":
+    if bf16_compute(cfg):
         serving = serving.to(dtype=torch.bfloat16)
     if r.partial or cfg.pipeline.mode == "async":
         # Continuous batching lets a partial step stop the moment enough samples are done,
@@ -279,7 +285,7 @@ def build_trainer(cfg: Config, model) -> PolicyTrainer:
         entropy_coef=a.entropy_coef,
         nll_coef=a.nll_coef,
         kl_in_loss=a.kl.placement == "loss",
-        bf16=cfg.model.dtype == "bfloat16",
+        bf16=bf16_compute(cfg),
         loss_params=a.loss_params.given(),
         correction_params={"cap": c.cap, "low": c.low, "high": c.high},
     )
@@ -314,7 +320,7 @@ def build_critic(cfg: Config, model):
     return CriticTrainer(
         ValueModel.from_policy(model),
         seed=cfg.run.seed,
-        bf16=cfg.model.dtype == "bfloat16",
+        bf16=bf16_compute(cfg),
         lr=c.lr,
         warmup_steps=t.warmup_steps,
         grad_clip=t.grad_clip,
