@@ -31,12 +31,15 @@ import os
 import statistics
 import time
 
+# Both contenders wait passively, as the rlpost CLI runs (set before torch loads OpenMP).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch
 
 from rlpost.config import load_config
 from rlpost.data import arith_splits
 from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
-from rlpost.observe.mfu import cpu_bf16_native
+from rlpost.observe.mfu import cpu_bf16_native, pick_threads
 from rlpost.rollout.hf_engine import HFEngine
 from rlpost.rollout.protocol import SamplingParams
 
@@ -195,7 +198,9 @@ def main() -> None:
         help="fp32,bf16 (default: bf16 too where the CPU has native bf16 instructions)",
     )
     ap.add_argument("--quick", action="store_true", help="2 repeats, rollout comparison only")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: rlpost's rule)")
     args = ap.parse_args()
+    torch.set_num_threads(pick_threads(args.threads))
     if args.dtypes is None:
         args.dtypes = "fp32,bf16" if cpu_bf16_native() else "fp32"
     if args.quick:

@@ -10,11 +10,16 @@ temporary directory) on the same arithmetic prompts (the default job's data):
 no KL (so neither keeps a reference model), temperature 1, the same LR. Each
 side runs in fp32 and in bf16 compute (rlpost: ``model.dtype=bfloat16``; TRL:
 ``bf16=True``), each configuration in its own subprocess (so peak RSS is its
-own), alternating sides and dtypes over several rounds. A run's rate is 128
+own; rlpost's is read after its last step, before the final evaluation and
+checkpoint, since TRL here saves none), alternating sides and dtypes over
+several rounds. A run's rate is 128
 completions over the median step time (the first step, warm-up, left out);
 each side's rate is the median over rounds of its better dtype, and the ratio
-is rlpost over TRL, best against best. The 1-minute load average is printed
-with each round: other processes on the machine move both sides.
+is rlpost over TRL, best against best. Both sides get the same torch thread
+count (``--threads``; 0: rlpost's ``run.threads=0`` rule, the free cores at
+start) and the same ``OMP_WAIT_POLICY`` (PASSIVE unless set, as the rlpost CLI
+runs). The 1-minute load average is printed with each run: other processes on
+the machine move both sides.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ SIZES = {
     ),
 }
 PROMPTS, GROUP, MAX_TOKENS, LR = 16, 8, 8, 1e-5
+PEAK: dict[str, float] = {}  # a worker's peak RSS when it is not the process's own
 
 
 def prompts_and_answers() -> tuple[list[str], list[str]]:
@@ -125,6 +131,8 @@ def run_trl(ckpt: str, dtype: str, steps: int) -> list[float]:
 
 def run_rlpost(ckpt: str, dtype: str, steps: int) -> list[float]:
     """Seconds of each rlpost step (rollout, reward, update, weight sync)."""
+    import torch
+
     from rlpost.config import load_config
     from rlpost.pipeline import loop
 
@@ -152,6 +160,7 @@ def run_rlpost(ckpt: str, dtype: str, steps: int) -> list[float]:
             "observe.progress=false",
             "observe.plot=false",
             f"run.output_dir={out}",
+            f"run.threads={torch.get_num_threads()}",  # the worker's choice, as TRL's
         ],
     )
     starts: list[float] = []
@@ -162,7 +171,17 @@ def run_rlpost(ckpt: str, dtype: str, steps: int) -> list[float]:
         return real(r, step)
 
     loop.rl_step = rl_step
+    # Peak RSS of the training steps: read before the final evaluation and checkpoint
+    # (TRL's run here saves none), which serialise the weights and optimizer state.
+    evals, real_eval = [], loop._full_eval
+
+    def full_eval(r, held_out):
+        evals.append(peak_rss_mib())
+        return real_eval(r, held_out)
+
+    loop._full_eval = full_eval
     result = loop.train(cfg)
+    PEAK["rss"] = evals[-1]
     # The last step ends where the loop's last record does: its own step_seconds plus sync.
     last = result.history[-1]
     starts.append(starts[-1] + last["step_seconds"] + last.get("sync_seconds", 0.0))
@@ -172,8 +191,9 @@ def run_rlpost(ckpt: str, dtype: str, steps: int) -> list[float]:
 def worker(args) -> None:
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from rlpost.observe.mfu import pick_threads
+
+    torch.set_num_threads(pick_threads(args.threads))  # the same rule for both sides
     run = run_trl if args.worker == "trl" else run_rlpost
     seconds = run(args.ckpt, args.dtype, args.steps)
     print(
@@ -181,7 +201,7 @@ def worker(args) -> None:
         + json.dumps(
             {
                 "step_seconds": seconds,
-                "peak_rss_mib": peak_rss_mib(),
+                "peak_rss_mib": PEAK.get("rss", peak_rss_mib()),
                 "threads": torch.get_num_threads(),
             }
         ),
@@ -197,6 +217,7 @@ def one_run(side: str, dtype: str, ckpt: str, args) -> dict:
     cmd += ["--steps", str(args.steps), "--threads", str(args.threads)]
     root = str(Path(__file__).resolve().parents[1])  # this checkout's rlpost, not an install
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the rlpost CLI runs; the same for both
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
@@ -250,7 +271,9 @@ def main() -> None:
     ap.add_argument("--sizes", default="tiny,25M")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6, help="steps per run (the first is warm-up)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads, both sides (0: default)")
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch threads, both sides (0: rlpost's rule)"
+    )
     ap.add_argument("--quick", action="store_true", help="1 round of 4 steps per run")
     ap.add_argument("--worker", choices=["trl", "rlpost"], help=argparse.SUPPRESS)
     ap.add_argument("--dtype", choices=["fp32", "bf16"], help=argparse.SUPPRESS)
