@@ -69,3 +69,21 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_computes_in_bf16(monkeypatch, nat
     assert build.build_trainer(cfg, build_tiny_model(tok)).s.bf16 is native
     for fixed, bf16 in (("float32", False), ("bfloat16", True)):
         assert build.bf16_compute(load_config(None, [f"model.dtype={fixed}"])) is bf16
+
+
+def test_bf16_trainer_runs_eager_attention_on_short_contexts_only():
+    from rlpost.config import load_config
+    from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
+    from rlpost.pipeline import build
+
+    tok = build_char_tokenizer()
+    for dtype, positions, want in (
+        ("bfloat16", 128, "eager"),
+        ("float32", 128, "sdpa"),  # fp32: sdpa is as fast, results stay as recorded
+        ("bfloat16", 4096, "sdpa"),  # long context: no [L, L] scores kept per layer
+    ):
+        model = build_tiny_model(tok, max_position_embeddings=positions)
+        cfg = load_config(None, [f"model.dtype={dtype}"])
+        trainer = build.build_trainer(cfg, model)
+        assert trainer.model.config._attn_implementation == want, (dtype, positions)
+        assert trainer.ref_model.config._attn_implementation == want
