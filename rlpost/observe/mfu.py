@@ -112,7 +112,8 @@ def pick_threads(requested: int, *, cores: int | None = None, load: float | None
     """torch intra-op threads for ``run.threads``: ``requested`` when > 0.
 
     0 picks the cores other processes leave free: the cores this process may
-    run on minus the 1-minute load average (rounded), at least 1. On a quiet
+    run on minus the 1-minute load average (rounded), at least 1, decided on
+    the first call and kept for the life of the process. On a quiet
     machine that is every core; beside a job that keeps a core busy it is one
     fewer, because a thread sharing a core with another process stalls every
     parallel region it takes part in (``bench/bench_threads.py``).
@@ -121,14 +122,29 @@ def pick_threads(requested: int, *, cores: int | None = None, load: float | None
         raise ValueError(f"threads must be >= 0, got {requested}")
     if requested:
         return requested
-    if cores is None:
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except AttributeError:  # not on Linux
-            cores = os.cpu_count() or 1
-    if load is None:
-        try:
-            load = os.getloadavg()[0]
-        except OSError:  # no load average on this platform
-            load = 0.0
+    if cores is None and load is None:
+        # Decided once per process: two runs in one process (a run and its resume)
+        # then compute with the same thread count, so with the same float rounding.
+        if not _AUTO_THREADS:
+            _AUTO_THREADS.append(pick_threads(0, cores=_usable_cores(), load=_load()))
+        return _AUTO_THREADS[0]
+    cores = _usable_cores() if cores is None else cores
+    load = _load() if load is None else load
     return max(1, min(cores, cores - round(load)))
+
+
+_AUTO_THREADS: list[int] = []
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # no load average on this platform
+        return 0.0

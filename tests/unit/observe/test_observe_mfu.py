@@ -123,3 +123,13 @@ def test_the_cli_makes_openmp_wait_passively(tmp_path):
     env["OMP_WAIT_POLICY"] = "ACTIVE"  # a choice the user made stands
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.strip() == "ACTIVE"
+
+
+def test_automatic_threads_are_decided_once_per_process(monkeypatch):
+    monkeypatch.setattr(mfu_module, "_AUTO_THREADS", [])
+    loads = iter([0.0, 1.5])
+    monkeypatch.setattr(mfu_module, "_load", lambda: next(loads))
+    monkeypatch.setattr(mfu_module, "_usable_cores", lambda: 2)
+    first = mfu_module.pick_threads(0)
+    assert first == 2
+    assert mfu_module.pick_threads(0) == first  # the load rose; the choice stands
