@@ -8,10 +8,14 @@
    advantages, update) with the same engine.
 
 Both at two model sizes of the same (Llama) family: the tiny default (overhead
-bound) and a ~25M-parameter model (compute bound).
+bound) and a ~25M-parameter model (compute bound), and each contender in fp32
+and, where the CPU has native bf16 instructions (detected), in bf16 (the
+serving copy ``model.dtype=bfloat16`` uses); the ratio is printed per dtype,
+best against best, and against ``generate()`` on the model as loaded (fp32).
 
     python bench/bench_rollout.py [--prompts 32] [--group 8] [--max-tokens 16] [--repeats 3]
     python bench/bench_rollout.py --fewshot 12 --eos-bias 4 --max-tokens 64 --no-grpo
+    python bench/bench_rollout.py --quick     # rollout only, 2 repeats (a few minutes)
 
 The first form is the worst case for the engine (6-token prompts, no sequence
 stops early): prefill sharing and row dropping have nothing to save. The second
@@ -22,14 +26,20 @@ whose lengths spread out, so some finish early.
 from __future__ import annotations
 
 import argparse
+import copy
+import os
 import statistics
 import time
+
+# Both contenders wait passively, as the rlpost CLI runs (set before torch loads OpenMP).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
 from rlpost.config import load_config
 from rlpost.data import arith_splits
 from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
+from rlpost.observe.mfu import cpu_bf16_native, pick_threads
 from rlpost.rollout.hf_engine import HFEngine
 from rlpost.rollout.protocol import SamplingParams
 
@@ -94,29 +104,45 @@ def bench_engine(engine, tok, prompts, group, max_tokens) -> tuple[float, int]:
 
 def rollout_ratio(name: str, shape: dict, args) -> None:
     tok = build_char_tokenizer()
-    model = build_tiny_model(tok, max_position_embeddings=512, **shape).eval()
+    base = build_tiny_model(tok, max_position_embeddings=512, **shape).eval()
+    models = {"fp32": base}
+    if "bf16" in args.dtypes:
+        models["bf16"] = copy.deepcopy(base).to(torch.bfloat16)  # as model.dtype=bfloat16 serves
     if args.eos_bias:
         # A random model almost never stops; a bias on EOS gives the spread of
         # lengths a trained policy has (most answers short, a long tail).
         bias = torch.zeros(len(tok))
         bias[tok.eos_token_id] = args.eos_bias
-        model.lm_head.register_forward_hook(lambda mod, inp, out: out + bias)
+        for model in models.values():
+            model.lm_head.register_forward_hook(lambda mod, inp, out: out + bias.to(out.dtype))
     train, _ = arith_splits(50, ["+", "-"], 10_000, 100)
     shots = "".join(f"{p.text}{p.answer}\n" for p in train[-args.fewshot :]) if args.fewshot else ""
     prompts = [shots + p.text for p in train[: args.prompts]]
-    engine = HFEngine(model, tok, batch_size=args.prompts * args.group, seed=0)
-    bench_engine(engine, tok, prompts[:2], args.group, 2)  # warm-up
-    bench_generate(model, tok, prompts[:2], args.group, 2)
-    eng, gen = [], []
-    for _ in range(args.repeats):  # alternate so machine noise hits both alike
-        s, n = bench_engine(engine, tok, prompts, args.group, args.max_tokens)
-        eng.append(n / s)
-        s, n = bench_generate(model, tok, prompts, args.group, args.max_tokens)
-        gen.append(n / s)
-    params = sum(p.numel() for p in model.parameters()) / 1e6
-    e, g = statistics.median(eng), statistics.median(gen)
+    engines = {
+        d: HFEngine(m, tok, batch_size=args.prompts * args.group, seed=0) for d, m in models.items()
+    }
+    for d in models:  # warm-up
+        bench_engine(engines[d], tok, prompts[:2], args.group, 2)
+        bench_generate(models[d], tok, prompts[:2], args.group, 2)
+    eng: dict[str, list[float]] = {d: [] for d in models}
+    gen: dict[str, list[float]] = {d: [] for d in models}
+    for r in range(args.repeats):  # alternate so machine noise hits both alike
+        for d in models if r % 2 == 0 else list(models)[::-1]:
+            s, n = bench_engine(engines[d], tok, prompts, args.group, args.max_tokens)
+            eng[d].append(n / s)
+            s, n = bench_generate(models[d], tok, prompts, args.group, args.max_tokens)
+            gen[d].append(n / s)
+    params = sum(p.numel() for p in base.parameters()) / 1e6
+    e = {d: statistics.median(v) for d, v in eng.items()}
+    g = {d: statistics.median(v) for d, v in gen.items()}
+    per = "   ".join(
+        f"{d}: engine {e[d]:8.0f} generate() {g[d]:8.0f} ({e[d] / g[d]:4.2f}x)" for d in models
+    )
+    best_e, best_g = max(e.values()), max(g.values())
     print(
-        f"{name:>5} ({params:5.1f}M)  engine {e:9.0f} tok/s   generate() {g:9.0f} tok/s   ratio {e / g:5.2f}x"
+        f"{name:>5} ({params:5.1f}M)  {per}   best against best {best_e / best_g:4.2f}x   "
+        f"against generate() fp32 {best_e / g['fp32']:4.2f}x   load {os.getloadavg()[0]:.2f}",
+        flush=True,
     )
 
 
@@ -166,11 +192,24 @@ def main() -> None:
         "--eos-bias", type=float, default=0.0, help="logit bias on EOS (spread of lengths)"
     )
     ap.add_argument("--no-grpo", action="store_true", help="only the rollout comparison")
+    ap.add_argument(
+        "--dtypes",
+        default=None,
+        help="fp32,bf16 (default: bf16 too where the CPU has native bf16 instructions)",
+    )
+    ap.add_argument("--quick", action="store_true", help="2 repeats, rollout comparison only")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: rlpost's rule)")
     args = ap.parse_args()
+    torch.set_num_threads(pick_threads(args.threads))
+    if args.dtypes is None:
+        args.dtypes = "fp32,bf16" if cpu_bf16_native() else "fp32"
+    if args.quick:
+        args.repeats, args.no_grpo = 2, True
     torch.manual_seed(0)
     print(
         f"rollout: {args.prompts} prompts x G={args.group}, max_tokens={args.max_tokens}, "
-        f"fewshot={args.fewshot}, eos_bias={args.eos_bias}, threads={torch.get_num_threads()}"
+        f"fewshot={args.fewshot}, eos_bias={args.eos_bias}, threads={torch.get_num_threads()}, "
+        f"dtypes {args.dtypes}, load {os.getloadavg()[0]:.2f}"
     )
     for name in args.sizes.split(","):
         rollout_ratio(name, SIZES[name], args)

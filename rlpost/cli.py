@@ -24,6 +24,12 @@ import shlex
 import sys
 from pathlib import Path
 
+# OpenMP threads that spin while they wait hold a core another process needs, and a
+# run beside a busy core collapses (docs/performance.md, bench/bench_threads.py). The
+# runtime reads this once, when torch loads it, so it is set before anything imports
+# torch; a value the user set stands.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from rlpost.config import (
     RECIPES_DIR,
     ConfigError,

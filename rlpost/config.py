@@ -47,7 +47,8 @@ class RunConfig(Section):
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
     threads: int = Field(0, ge=0)
-    """torch intra-op threads (0: leave torch's default)."""
+    """torch intra-op threads; 0: the cores other processes leave free at start (cores minus
+    the 1-minute load average, at least 1). Tiny models run best on 1 (docs/performance.md)."""
 
 
 # ------------------------------------------------------------------------- model
@@ -119,8 +120,10 @@ class ModelConfig(Section):
     """Local directory of a Hugging Face causal LM and its tokenizer. None: the built-in tiny model."""
     tiny: TinyModelConfig = TinyModelConfig()
     """Shape of the built-in tiny model (used when path is None)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype of the policy. Master weights and optimizer state stay float32."""
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    """Compute dtype of the policy (the rollout copy's weights and the trainer's autocast).
+    Master weights and optimizer state stay float32. auto: bfloat16 on a CPU with native bf16
+    instructions (AVX-512 BF16 or AMX, detected), else float32 (docs/performance.md)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     lora: LoRAConfig = LoRAConfig()

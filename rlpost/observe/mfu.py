@@ -17,6 +17,7 @@ against it says how much of what the cores can do the trainer is using.
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 
@@ -51,17 +52,19 @@ def mfu(flops: float, seconds: float, peak_flops: float) -> float:
     return flops / seconds / peak_flops
 
 
-def measure_cpu_peak_flops(size: int = 1024, repeats: int = 3) -> float:
-    """Best FLOP/s of a ``size x size`` float32 matmul (``2·size³`` FLOPs), over ``repeats`` runs.
+def measure_cpu_peak_flops(size: int = 1024, repeats: int = 3, dtype=None) -> float:
+    """Best FLOP/s of a ``size x size`` matmul (``2·size³`` FLOPs), over ``repeats`` runs.
 
-    Uses torch's current intra-op thread count, so measure after setting it.
+    ``dtype``: a torch floating dtype (default float32). Uses torch's current
+    intra-op thread count, so measure after setting it.
     """
     if size < 1 or repeats < 1:
         raise ValueError(f"size and repeats must be >= 1, got size={size} repeats={repeats}")
     import torch
 
-    a = torch.randn(size, size, dtype=torch.float32)
-    b = torch.randn(size, size, dtype=torch.float32)
+    dtype = dtype or torch.float32
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
     torch.mm(a, b)  # warm up: first call pays for thread-pool start and allocation
     best = 0.0
     for _ in range(repeats):
@@ -76,3 +79,72 @@ def measure_cpu_peak_flops(size: int = 1024, repeats: int = 3) -> float:
 def default_cpu_peak_flops() -> float:
     """:func:`measure_cpu_peak_flops` with its defaults, measured once per process."""
     return measure_cpu_peak_flops()
+
+
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""/proc/cpuinfo flags of x86 instructions that compute in bfloat16 natively."""
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty where it cannot be read)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return set()
+    for line in cpuinfo.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_bf16_native(cpuinfo: str | None = None) -> bool:
+    """True when the CPU has bfloat16 arithmetic instructions (AVX-512 BF16 or AMX-BF16).
+
+    Without them bf16 matmuls are emulated and run slower than float32, so
+    bf16 compute pays only where this holds. Detected, never assumed.
+    """
+    return bool(cpu_flags(cpuinfo) & set(CPU_BF16_FLAGS))
+
+
+def pick_threads(requested: int, *, cores: int | None = None, load: float | None = None) -> int:
+    """torch intra-op threads for ``run.threads``: ``requested`` when > 0.
+
+    0 picks the cores other processes leave free: the cores this process may
+    run on minus the 1-minute load average (rounded), at least 1, decided on
+    the first call and kept for the life of the process. On a quiet
+    machine that is every core; beside a job that keeps a core busy it is one
+    fewer, because a thread sharing a core with another process stalls every
+    parallel region it takes part in (``bench/bench_threads.py``).
+    """
+    if requested < 0:
+        raise ValueError(f"threads must be >= 0, got {requested}")
+    if requested:
+        return requested
+    if cores is None and load is None:
+        # Decided once per process: two runs in one process (a run and its resume)
+        # then compute with the same thread count, so with the same float rounding.
+        if not _AUTO_THREADS:
+            _AUTO_THREADS.append(pick_threads(0, cores=_usable_cores(), load=_load()))
+        return _AUTO_THREADS[0]
+    cores = _usable_cores() if cores is None else cores
+    load = _load() if load is None else load
+    return max(1, min(cores, cores - round(load)))
+
+
+_AUTO_THREADS: list[int] = []
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # no load average on this platform
+        return 0.0

@@ -27,6 +27,7 @@ from rlpost.data.preferences import PreferencePair, load_pairs
 from rlpost.data.sampler import PromptSampler
 from rlpost.models.loading import load_policy
 from rlpost.observe import Recorder
+from rlpost.observe.mfu import pick_threads
 from rlpost.pipeline.rundir import prepare_run_dir
 from rlpost.train.dpo import attach_reference, dpo_update, encode_pairs, evaluate_pairs
 from rlpost.train.sft import sft_train, warmup_then_cosine
@@ -85,8 +86,7 @@ def run_dpo(cfg: Config) -> DPOResult:
     started = time.time()
     torch.manual_seed(cfg.run.seed)
     threads = torch.get_num_threads()
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
+    torch.set_num_threads(pick_threads(cfg.run.threads))
     try:
         return _run(cfg, started)
     finally:

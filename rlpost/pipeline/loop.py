@@ -33,6 +33,7 @@ from rlpost.algos import ADVANTAGES, AdaptiveKLController, FixedKLController
 from rlpost.config import Config
 from rlpost.data import PromptSampler
 from rlpost.observe import Guards, Recorder
+from rlpost.observe.mfu import pick_threads
 from rlpost.pipeline import build
 from rlpost.pipeline.console import Console
 from rlpost.pipeline.evaluate import evaluate
@@ -112,8 +113,7 @@ def train(
     run_dir = prepare_run_dir(cfg, resume)
     console = console or Console(enabled=cfg.observe.progress)
     torch.manual_seed(cfg.run.seed)
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
+    torch.set_num_threads(pick_threads(cfg.run.threads))
     started = time.time()
     train_prompts, held_out, _ = build.build_data(cfg)
     held_out = held_out[: cfg.eval.limit] if cfg.eval.limit else held_out

@@ -62,3 +62,74 @@ def test_default_peak_is_measured_once(monkeypatch):
         assert calls == [1]
     finally:
         default_cpu_peak_flops.cache_clear()
+
+
+def test_bf16_peak_is_measured_in_bf16(monkeypatch):
+    import torch
+
+    seen, mm = [], torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: seen.append((a.dtype, b.dtype)) or mm(a, b))
+    peak = measure_cpu_peak_flops(size=64, repeats=2, dtype=torch.bfloat16)
+    assert peak > 0  # no lower bound: a loaded machine may take any time
+    assert seen == [(torch.bfloat16, torch.bfloat16)] * 3  # the warm-up and each repeat
+
+
+@pytest.mark.parametrize(
+    ("flags", "native"),
+    [
+        ("fpu sse avx2 avx512f avx512_bf16 avx512_vnni", True),
+        ("fpu sse avx2 amx_bf16 amx_tile", True),
+        ("fpu sse avx2 avx512f avx512_vnni", False),
+    ],
+)
+def test_bf16_support_is_read_from_the_cpu_flags(flags, native):
+    cpuinfo = f"processor\t: 0\nmodel name\t: x\nflags\t\t: {flags}\n"
+    assert mfu_module.cpu_bf16_native(cpuinfo) is native
+    assert "avx2" in mfu_module.cpu_flags(cpuinfo)
+
+
+def test_unreadable_cpuinfo_means_no_flags():
+    assert mfu_module.cpu_flags("") == set()
+    assert mfu_module.cpu_bf16_native("") is False
+
+
+@pytest.mark.parametrize(
+    ("requested", "cores", "load", "threads"),
+    [
+        (3, 2, 5.0, 3),  # an explicit count is kept whatever the load
+        (0, 2, 0.1, 2),  # quiet: every core
+        (0, 2, 1.2, 1),  # one core busy elsewhere: the free one
+        (0, 2, 9.0, 1),  # overloaded: never below one
+        (0, 8, 2.6, 5),
+    ],
+)
+def test_threads_follow_the_free_cores(requested, cores, load, threads):
+    assert mfu_module.pick_threads(requested, cores=cores, load=load) == threads
+
+
+def test_negative_threads_are_refused():
+    with pytest.raises(ValueError, match="threads must be >= 0"):
+        mfu_module.pick_threads(-1)
+
+
+def test_the_cli_makes_openmp_wait_passively(tmp_path):
+    import subprocess
+    import sys
+
+    code = "import os, rlpost.cli; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == "PASSIVE"
+    env["OMP_WAIT_POLICY"] = "ACTIVE"  # a choice the user made stands
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == "ACTIVE"
+
+
+def test_automatic_threads_are_decided_once_per_process(monkeypatch):
+    monkeypatch.setattr(mfu_module, "_AUTO_THREADS", [])
+    loads = iter([0.0, 1.5])
+    monkeypatch.setattr(mfu_module, "_load", lambda: next(loads))
+    monkeypatch.setattr(mfu_module, "_usable_cores", lambda: 2)
+    first = mfu_module.pick_threads(0)
+    assert first == 2
+    assert mfu_module.pick_threads(0) == first  # the load rose; the choice stands

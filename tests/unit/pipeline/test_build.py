@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from rlpost.config import load_config
 from rlpost.pipeline.build import build_reward_worker, check_names
 from rlpost.types import Completion, Group, Prompt
@@ -47,3 +49,41 @@ def test_truncated_reward_is_applied_in_the_scorer_and_logged_as_trained():
     assert math.isnan(group.components["numeric_match"][1])  # the term did not score it
     assert math.isnan(group.components["truncated"][0]) and group.components["truncated"][1] == -1.0
     assert group.invalid == [False, False]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_is_bf16_only_where_the_cpu_computes_in_bf16(monkeypatch, native):
+    import torch
+
+    from rlpost.config import load_config
+    from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
+    from rlpost.pipeline import build
+
+    monkeypatch.setattr(build, "cpu_bf16_native", lambda: native)
+    cfg = load_config(None, ["model.dtype=auto"])
+    assert build.bf16_compute(cfg) is native
+    tok = build_char_tokenizer()
+    engine = build.build_engine(cfg, build_tiny_model(tok), tok)
+    want = torch.bfloat16 if native else torch.float32
+    assert next(engine.model.parameters()).dtype == want
+    assert build.build_trainer(cfg, build_tiny_model(tok)).s.bf16 is native
+    for fixed, bf16 in (("float32", False), ("bfloat16", True)):
+        assert build.bf16_compute(load_config(None, [f"model.dtype={fixed}"])) is bf16
+
+
+def test_bf16_trainer_runs_eager_attention_on_short_contexts_only():
+    from rlpost.config import load_config
+    from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
+    from rlpost.pipeline import build
+
+    tok = build_char_tokenizer()
+    for dtype, positions, want in (
+        ("bfloat16", 128, "eager"),
+        ("float32", 128, "sdpa"),  # fp32: sdpa is as fast, results stay as recorded
+        ("bfloat16", 4096, "sdpa"),  # long context: no [L, L] scores kept per layer
+    ):
+        model = build_tiny_model(tok, max_position_embeddings=positions)
+        cfg = load_config(None, [f"model.dtype={dtype}"])
+        trainer = build.build_trainer(cfg, model)
+        assert trainer.model.config._attn_implementation == want, (dtype, positions)
+        assert trainer.ref_model.config._attn_implementation == want
