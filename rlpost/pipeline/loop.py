@@ -168,7 +168,11 @@ def train(
         workers.close()
     wall = time.time() - started
     trained = sum(h.get("completions", 0.0) for h in history)
-    pace = {"rl_seconds": rl_seconds, "completions_per_second": trained / max(rl_seconds, 1e-9)}
+    pace = {
+        "rl_seconds": rl_seconds,
+        "completions_per_second": trained / max(rl_seconds, 1e-9),
+        "threads": torch.get_num_threads(),  # run.threads=0 decides it at start from the load
+    }
     if "eval_tool_call_rate" in first_eval:  # multi-turn episodes: tool use before and after RL
         pace["eval_tool_call_rate_start"] = first_eval["eval_tool_call_rate"]
         pace["eval_tool_call_rate_end"] = final_eval.get("eval_tool_call_rate")
