@@ -15,14 +15,30 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$OUT_DIR"
 STAMP=$(date +%Y%m%d-%H%M%S)
 
-# rlpost's runtime dependencies (pyproject.toml), as import names
-missing=()
-for m in torch transformers tokenizers safetensors pydantic yaml numpy pyarrow rich matplotlib \
-    prometheus_client math_verify fastapi uvicorn httpx zstandard; do
-    "$PY" -c "import $m" 2>/dev/null || missing+=("$m")
-done
-if ((${#missing[@]})); then
-    echo "gpu_check: missing Python modules rlpost needs: ${missing[*]}" >&2
+# rlpost's runtime dependencies (pyproject.toml): each installed, in the range it names
+if ! "$PY" - <<'PY'; then
+import re, sys, tomllib
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    from packaging.requirements import Requirement
+except ImportError:  # without packaging: presence only
+    Requirement = None
+deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+problems = []
+for dep in deps:
+    name = re.split(r"[<>=!~\[; ]", dep, maxsplit=1)[0]
+    try:
+        have = version(name)
+    except PackageNotFoundError:
+        problems.append(f"{name} (missing)")
+        continue
+    if Requirement is not None and not Requirement(dep).specifier.contains(have, prereleases=True):
+        problems.append(f"{name} {have} (needs {dep})")
+if problems:
+    print("gpu_check: rlpost's dependencies are not met: " + ", ".join(problems), file=sys.stderr)
+    sys.exit(1)
+PY
     exit 2
 fi
 

@@ -49,7 +49,7 @@ class RunConfig(Section):
     threads: int = Field(0, ge=0)
     """torch intra-op threads (0: leave torch's default)."""
     device: Literal["auto", "cpu", "cuda"] = "cpu"
-    """Where the trainer and the in-process engine compute: cpu; cuda (the first GPU, or
+    """Where the trainer and the in-process engine compute: cpu; cuda (the current GPU, or
     one per data-parallel rank, with bf16 autocast when model.dtype=bfloat16; refused
     where torch sees no GPU); auto (cuda when torch sees a GPU, else cpu)."""
 
