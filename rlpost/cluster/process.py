@@ -354,13 +354,15 @@ def start_process_workers(cfg: Config, run_dir: Path, train_prompts, console, *,
 
 def start_trainers(cfg: Config, run_dir: Path):
     """One trainer process, or ``cluster.trainer_workers`` data-parallel ones behind a
-    :class:`TrainerGroup` (a gloo group on a free port of 127.0.0.1)."""
+    :class:`TrainerGroup` (a gloo group, nccl on cuda, on a free port of 127.0.0.1)."""
     n = cfg.cluster.trainer_workers
     if n == 1:
         return ProcessWorker("trainer", "trainer_factory", cfg, run_dir)
     from rlpost.cluster.trainer_group import TrainerGroup
+    from rlpost.pipeline.build import run_device
     from rlpost.train.dp import DPSpec, free_port
 
+    backend = "nccl" if run_device(cfg).type == "cuda" else "gloo"
     port = free_port()
     # Started together: each one's start blocks until all have joined the process group.
     with ThreadPoolExecutor(max_workers=n) as pool:
@@ -371,7 +373,7 @@ def start_trainers(cfg: Config, run_dir: Path):
                 "trainer_factory",
                 cfg,
                 run_dir,
-                dp=DPSpec(rank=rank, world=n, master_port=port),
+                dp=DPSpec(rank=rank, world=n, master_port=port, backend=backend),
             )
             for rank in range(n)
         ]

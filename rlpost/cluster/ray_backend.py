@@ -630,7 +630,7 @@ def _start_trainers(ray, cfg: Config, run_dir: Path, placement: Placement, made:
         ),
     )
     addr, port = ray.get(where.remote())
-    backend = "nccl" if c.trainer.gpus > 0 else "gloo"
+    backend = "nccl" if c.trainer.gpus > 0 and cfg.run.device != "cpu" else "gloo"
     workers = []
     for i in range(c.trainer_workers):
         spec = DPSpec(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 
 import torch
 
@@ -95,6 +96,28 @@ def check_names(cfg: Config) -> None:
         except EnvError as exc:
             raise ConfigError(f"config agent.env: {exc}") from None
     check_data_parallel(cfg)
+    if cfg.cluster.backend != "ray":  # Ray workers resolve the device where they run
+        run_device(cfg)
+
+
+def run_device(cfg: Config, rank: int | None = None) -> torch.device:
+    """The device of ``run.device`` in this process (``auto``: cuda when torch sees a GPU);
+    ``rank``: a data-parallel rank, which takes the GPU of its local rank."""
+    name = cfg.run.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "config run.device=cuda: torch sees no GPU here (torch.cuda.is_available() is "
+            "False); use run.device=cpu or auto"
+        )
+    if rank is None:
+        return torch.device("cuda")  # the current GPU; no CUDA context is made here
+    local = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
 
 
 # Keyword parameters every estimator or loss takes from the caller, not from the config.
@@ -242,6 +265,7 @@ def build_engine(cfg: Config, model, tokenizer, *, push: bool = True):
     serving.requires_grad_(False)
     if bf16_compute(cfg):
         serving = serving.to(dtype=torch.bfloat16)
+    serving.to(run_device(cfg))
     if r.partial or cfg.pipeline.mode == "async":
         # Continuous batching lets a partial step stop the moment enough samples are done,
         # and takes new weights between decode steps while it generates (overlapped modes).
@@ -357,7 +381,7 @@ def build_critic(cfg: Config, model):
 
     c, t = cfg.critic, cfg.train
     return CriticTrainer(
-        ValueModel.from_policy(model),
+        ValueModel.from_policy(model).to(run_device(cfg)),
         seed=cfg.run.seed,
         bf16=bf16_compute(cfg),
         lr=c.lr,
@@ -399,16 +423,19 @@ def build_trainer_worker(cfg: Config, model, tokenizer, dp: DPSpec | None = None
     their process group here (blocking until all have joined) and shards its modules."""
     if dp is not None:
         check_data_parallel(cfg)
-        if dp.backend != "gloo":
+        device = run_device(cfg, dp.rank)
+        if dp.backend != ("nccl" if device.type == "cuda" else "gloo"):
             raise ConfigError(
-                f"data-parallel trainers over {dp.backend}: the trainer computes on CPU, "
-                "so its process group is gloo; use DPSpec(backend='gloo')"
+                f"data-parallel trainers over {dp.backend} with run.device={cfg.run.device} "
+                f"({device.type} here): use gloo on cpu and nccl on cuda"
             )
+        model.to(device)
         from rlpost.train.dp import DataParallel, init_group
 
         init_group(dp, timeout_s=cfg.cluster.start_timeout_s)
         group = DataParallel(dp)
         return TrainerWorker(build_trainer(cfg, model, group), tokenizer, dp=group)
+    model.to(run_device(cfg))
     critic = build_critic(cfg, model)
     lora = cfg.model.lora
     if lora.rank > 0:

@@ -16,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 from rlpost.config import Config, ConfigError, dump_config
 from rlpost.models.loading import load_causal_lm
 from rlpost.observe.recorder import METRICS_FILE
@@ -109,6 +111,8 @@ def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: 
     task = console.task("sft warm-up", s.steps)
     if (run_dir / SFT_STATE).is_dir():
         print(f"rlpost: continuing the warm-up from {run_dir / SFT_STATE}", file=sys.stderr)
+    if cfg.run.device != "cpu" and torch.cuda.is_available():
+        model.to("cuda")  # the warm-up computes where the run does (on a GPU-less Ray driver: cpu)
     losses = sft_train(
         model,
         tokenizer,

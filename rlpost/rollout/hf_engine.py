@@ -1,4 +1,4 @@
-"""The in-process transformers engine (CPU by default).
+"""The in-process transformers engine (on its model's device: CPU by default, or a GPU).
 
 Why a hand-written decode loop instead of ``model.generate``: the trainer needs
 the log-probability of every sampled token and the policy version, and a GRPO
@@ -102,7 +102,8 @@ class HFEngine:
         tokens: list[list[int]] = [[] for _ in range(rows)]
         logps: list[list[float]] = [[] for _ in range(rows)]
         finished = [False] * rows
-        active = torch.arange(rows)  # which original row each batch position holds
+        # which original row each batch position holds
+        active = torch.arange(rows, device=ids.device)
         last_pos = pos[:, -1]
         for _ in range(params.max_tokens):
             tok, lp = sample_tokens(logits, params, generator)
@@ -120,7 +121,7 @@ class HFEngine:
             if not still:
                 break
             if len(still) <= len(tok_l) // 2:
-                keep = torch.tensor(still)
+                keep = torch.tensor(still, device=ids.device)
                 cache.batch_select_indices(keep)
                 active, tok, attn, last_pos = active[keep], tok[keep], attn[keep], last_pos[keep]
             attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=-1)
@@ -155,7 +156,8 @@ class HFEngine:
         for i, p in enumerate(prompts):
             ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             attn[i, width - len(p) :] = 1
-        return ids, attn
+        device = next(self.model.parameters()).device
+        return ids.to(device), attn.to(device)
 
     def throughput(self) -> float:
         """Generated tokens per second since the last reset."""

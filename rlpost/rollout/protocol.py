@@ -75,11 +75,12 @@ def adjust_logits(logits: torch.Tensor, sampled: list[int], adjust: LogitAdjust)
     """``logits`` [V] with the penalties for the ``sampled`` ids so far and the bias applied."""
     logits = logits.float().clone()
     if sampled and (adjust.presence_penalty or adjust.frequency_penalty):
-        counts = torch.bincount(torch.tensor(sampled), minlength=logits.shape[-1]).float()
+        sampled_ids = torch.tensor(sampled, device=logits.device)
+        counts = torch.bincount(sampled_ids, minlength=logits.shape[-1]).float()
         logits -= adjust.frequency_penalty * counts + adjust.presence_penalty * (counts > 0)
     if adjust.logit_bias:
-        ids = torch.tensor([t for t, _ in adjust.logit_bias])
-        logits[ids] += torch.tensor([b for _, b in adjust.logit_bias])
+        ids = torch.tensor([t for t, _ in adjust.logit_bias], device=logits.device)
+        logits[ids] += torch.tensor([b for _, b in adjust.logit_bias], device=logits.device)
     return logits
 
 
@@ -133,5 +134,11 @@ def sample_tokens(
     full = torch.log_softmax(scaled, dim=-1)
     filtered = filter_logits(scaled, params.top_k, params.top_p)
     probs = torch.softmax(filtered, dim=-1)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if generator is not None and generator.device != probs.device:
+        # Seeded streams are CPU generators: draw there, so a seed picks the same tokens
+        # whatever device computed the probabilities.
+        tokens = torch.multinomial(probs.cpu(), 1, generator=generator).to(probs.device)
+    else:
+        tokens = torch.multinomial(probs, 1, generator=generator)
+    tokens = tokens.squeeze(-1)
     return tokens, full.gather(-1, tokens[:, None]).squeeze(-1)

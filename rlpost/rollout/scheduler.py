@@ -414,8 +414,9 @@ class Scheduler:
             return entry.kv, entry.logits
         start = len(entry.tokens) if entry is not None else 0
         cache = pc.cache_from(entry.kv) if entry is not None else DynamicCache()
-        ids = torch.tensor([prompt[start:]], dtype=torch.long)
-        pos = torch.arange(start, len(prompt), dtype=torch.long)[None]
+        device = next(self.model.parameters()).device
+        ids = torch.tensor([prompt[start:]], dtype=torch.long, device=device)
+        pos = torch.arange(start, len(prompt), dtype=torch.long, device=device)[None]
         out = self.model(
             input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1
         )
@@ -439,7 +440,8 @@ class Scheduler:
             alive = [s for s in seqs if s.finish is None]
             if alive:
                 kvs.append(pc.repeat_rows(kv, len(alive)))
-                masks.append(torch.ones(len(alive), len(request.prompt_ids), dtype=torch.long))
+                cols = len(request.prompt_ids)
+                masks.append(torch.ones(len(alive), cols, dtype=torch.long, device=logits.device))
                 self._rows.extend(alive)
         if len(kvs) > (1 if self._cache is not None else 0):
             width = max(m.shape[1] for m in masks)
@@ -449,8 +451,9 @@ class Scheduler:
     @torch.no_grad()
     def _decode_step(self) -> None:
         rows = self._rows
-        ids = torch.tensor([[s.tokens[-1]] for s in rows], dtype=torch.long)
-        pos = torch.tensor([[s.position] for s in rows], dtype=torch.long)
+        device = self._mask.device
+        ids = torch.tensor([[s.tokens[-1]] for s in rows], dtype=torch.long, device=device)
+        pos = torch.tensor([[s.position] for s in rows], dtype=torch.long, device=device)
         self._mask = torch.cat([self._mask, self._mask.new_ones(len(rows), 1)], dim=-1)
         out = self.model(
             input_ids=ids,
@@ -471,7 +474,7 @@ class Scheduler:
             self._rows, self._cache, self._mask = [], None, None
             return
         if len(keep) < len(self._rows):
-            self._cache.batch_select_indices(torch.tensor(keep))
+            self._cache.batch_select_indices(torch.tensor(keep, device=self._mask.device))
             self._mask = self._mask[keep]
             self._rows = [self._rows[i] for i in keep]
         first = int(self._mask.any(dim=0).long().argmax())
@@ -501,7 +504,7 @@ class Scheduler:
             tok, lp = sample_tokens(
                 logits[at], ticket.request.params, ticket.generator or self.generator
             )
-            tokens[at], logps[at] = tok, lp
+            tokens[at], logps[at] = tok.cpu(), lp.cpu()
         tops = self._top_alternatives(seqs, logits)
         for i, (s, tok, lp) in enumerate(zip(seqs, tokens.tolist(), logps.tolist(), strict=True)):
             s.tokens.append(tok)

@@ -26,7 +26,13 @@ import torch
 from rlpost.algos.aggregate import Aggregation
 from rlpost.algos.entropy import entropy_from_logits
 from rlpost.observe.mfu import default_cpu_peak_flops, flops_per_token
-from rlpost.train.batch import TrainBatch, compute_logprobs, response_logits, token_logprobs
+from rlpost.train.batch import (
+    TrainBatch,
+    compute_logprobs,
+    model_device,
+    response_logits,
+    token_logprobs,
+)
 from rlpost.train.optim import micro_slices, minibatch_updates, optimizer_step
 
 
@@ -130,12 +136,12 @@ class PolicyTrainer:
 
     def _autocast(self):
         if self.s.bf16:
-            return torch.autocast("cpu", dtype=torch.bfloat16)
+            return torch.autocast(model_device(self.model).type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def _rows(self, fn, batch: TrainBatch) -> torch.Tensor:
-        """``fn(batch)``, or under data parallelism each rank's share gathered."""
-        return fn(batch) if self.dp is None else self.dp.map_rows(batch, fn)
+        """``fn(batch)``, or under data parallelism each rank's share gathered (on CPU)."""
+        return (fn(batch) if self.dp is None else self.dp.map_rows(batch, fn)).cpu()
 
     def old_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return self._rows(lambda b: self._logprobs(self.model, b), batch)
@@ -156,7 +162,7 @@ class PolicyTrainer:
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
         if self.ref_model is None and self.reference is not None:
             with self.reference():
-                return self._logprobs(self.model, batch)
+                return self._logprobs(self.model, batch).cpu()
         if self.ref_model is None:
             return None
         return self._rows(lambda b: self._logprobs(self.ref_model, b), batch)
@@ -171,8 +177,10 @@ class PolicyTrainer:
         was_training = self.model.training
         self.model.eval()
         chunks = []
+        device = model_device(self.model)
         for lo in range(0, len(batch), self.s.micro_batch_size):
             mb = batch.select(torch.arange(lo, min(lo + self.s.micro_batch_size, len(batch))))
+            mb = mb.to(device)
             with self._autocast():
                 logits = response_logits(self.model, mb).float() / self.s.temperature
             chunks.append(torch.softmax(logits, dim=-1).pow(2).sum(-1))
@@ -209,15 +217,18 @@ class PolicyTrainer:
         if fill_old:
             batch.old_logprobs = torch.zeros_like(batch.response_mask)
         self.model.train()
+        on_device = batch.to(model_device(self.model))  # ``batch`` itself on CPU
         out = minibatch_updates(
             len(batch),
             self.s.mini_batch_size,
             self.s.epochs,
             self.shuffle,
-            lambda rows: self._step(batch, rows, beta, fill_old),
+            lambda rows: self._step(on_device, rows, beta, fill_old),
         )
         if fill_old and self.dp is not None:
-            self.dp.sum_tensor(batch.old_logprobs)  # each row was filled on one rank only
+            self.dp.sum_tensor(on_device.old_logprobs)  # each row was filled on one rank only
+        if fill_old:
+            batch.old_logprobs = on_device.old_logprobs.cpu()
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         return out
 

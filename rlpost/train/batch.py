@@ -56,6 +56,20 @@ class TrainBatch:
                 changes[f.name] = v[idx]
         return replace(self, **changes)
 
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """Every tensor on ``device`` (tensors already there are the same objects)."""
+        changes = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                changes[f.name] = v.to(device)
+        return replace(self, **changes)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of ``model``'s parameters (where its inputs go)."""
+    return next(model.parameters()).device
+
 
 def collate(completions: list[Completion], scores: list[float], pad_id: int) -> TrainBatch:
     """Lay completions out as a :class:`TrainBatch` (scores are the outcome rewards)."""
@@ -126,8 +140,9 @@ def compute_logprobs(
     was_training = model.training
     model.eval()
     chunks = []
+    device = model_device(model)
     for lo in range(0, len(batch), micro_batch_size):
-        mb = batch.select(torch.arange(lo, min(lo + micro_batch_size, len(batch))))
+        mb = batch.select(torch.arange(lo, min(lo + micro_batch_size, len(batch)))).to(device)
         chunks.append(token_logprobs(response_logits(model, mb), mb.responses, temperature))
     model.train(was_training)
     return torch.cat(chunks, dim=0)

@@ -27,7 +27,7 @@ from transformers import AutoModel, PreTrainedModel
 from rlpost.algos.aggregate import Aggregation
 from rlpost.algos.value import value_loss
 from rlpost.train.actor import ActorSettings, build_optimizer
-from rlpost.train.batch import TrainBatch
+from rlpost.train.batch import TrainBatch, model_device
 from rlpost.train.optim import micro_slices, minibatch_updates, optimizer_step
 
 HEAD_FILE = "value_head.safetensors"
@@ -155,7 +155,7 @@ class CriticTrainer:
 
     def _autocast(self):
         if self.s.bf16:
-            return torch.autocast("cpu", dtype=torch.bfloat16)
+            return torch.autocast(model_device(self.model).type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     @torch.no_grad()
@@ -164,12 +164,14 @@ class CriticTrainer:
         was_training = self.model.training
         self.model.eval()
         chunks = []
+        device = model_device(self.model)
         for lo in range(0, len(batch), self.s.micro_batch_size):
             micro = batch.select(torch.arange(lo, min(lo + self.s.micro_batch_size, len(batch))))
+            micro = micro.to(device)
             with self._autocast():
                 chunks.append(response_values(self.model, micro).float())
         self.model.train(was_training)
-        values = torch.cat(chunks, dim=0)
+        values = torch.cat(chunks, dim=0).cpu()
         return torch.where(batch.response_mask > 0, values, torch.zeros_like(values))
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
@@ -187,7 +189,7 @@ class CriticTrainer:
             self.s.mini_batch_size,
             self.s.epochs,
             self.shuffle,
-            lambda rows: self._step(batch.select(rows)),
+            lambda rows: self._step(batch.select(rows).to(model_device(self.model))),
         )
         out["critic_updates"] = out.pop("updates")
         out["critic_lr"] = self.optimizer.param_groups[0]["lr"]

@@ -209,6 +209,7 @@ class DataParallel:
         tensor, on every rank (padding rows dropped)."""
         parts = [torch.empty_like(local) for _ in range(self.world)]
         dist.all_gather(parts, local)
+        rows = rows.to(local.device)  # nccl gathers device tensors only
         all_rows = [torch.empty_like(rows) for _ in range(self.world)]
         dist.all_gather(all_rows, rows.contiguous())
         out = local.new_zeros((n, *local.shape[1:]))
@@ -224,7 +225,8 @@ class DataParallel:
         names: list[list[str]] = [[] for _ in range(self.world)]
         dist.all_gather_object(names, sorted(values))
         keys = sorted(set().union(*names))
-        t = torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64)
+        device = "cuda" if self.spec.backend == "nccl" else "cpu"
+        t = torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64, device=device)
         dist.all_reduce(t)
         return dict(zip(keys, t.tolist(), strict=True))
 

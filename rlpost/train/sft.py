@@ -22,7 +22,7 @@ import torch
 
 from rlpost.algos.aggregate import Aggregation
 from rlpost.train.actor import warmup_lambda
-from rlpost.train.batch import collate, response_logits, token_logprobs
+from rlpost.train.batch import collate, model_device, response_logits, token_logprobs
 from rlpost.types import Completion, Prompt
 
 
@@ -92,7 +92,7 @@ def sft_train(
             or sft_example(p, tokenizer, rng, distractor)
             for p in rng.sample(prompts, min(batch_size, len(prompts)))
         ]
-        batch = collate(rows, [0.0] * len(rows), tokenizer.pad_token_id)
+        batch = collate(rows, [0.0] * len(rows), tokenizer.pad_token_id).to(model_device(model))
         logprobs = token_logprobs(response_logits(model, batch), batch.responses)
         loss = Aggregation("token-mean").reduce(-logprobs, batch.response_mask)
         opt.zero_grad(set_to_none=True)
@@ -131,7 +131,7 @@ def _save_state(state_dir: Path, model, opt, sched, rng: random.Random, losses) 
 
 def _load_state(state_dir: Path, model, opt, sched, rng: random.Random) -> list[float]:
     # weights_only=False: the state holds the RNG tuple we wrote ourselves.
-    state = torch.load(state_dir / STATE_FILE, weights_only=False)
+    state = torch.load(state_dir / STATE_FILE, weights_only=False, map_location="cpu")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])

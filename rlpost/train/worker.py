@@ -134,7 +134,8 @@ class TrainerWorker:
         return UpdateResult(stats=stats, old_logprobs=old, version=self._version)
 
     def export_weights(self) -> WeightsExport:
-        """The policy's current weights, tagged with their version (no copy in this process)."""
+        """The policy's current weights on CPU, tagged with their version (no copy in this
+        process when the trainer is on CPU)."""
         if self.lora:  # engines serve plain weights: the adapters folded in, base names
             from rlpost.models.lora import merged_weights
 
@@ -146,12 +147,14 @@ class TrainerWorker:
                 for n, _ in base.named_parameters()
                 if "lora_" not in n
             ]
-            return WeightsExport(self._version, [(n, merged[n]) for n in names])
+            return WeightsExport(self._version, [(n, merged[n].cpu()) for n in names])
         if self.dp is not None:
             from rlpost.train.dp import full_parameters
 
-            return WeightsExport(self._version, full_parameters(self.trainer.model))
-        tensors = [(n, p.detach()) for n, p in self.trainer.model.named_parameters()]
+            whole = full_parameters(self.trainer.model)
+            return WeightsExport(self._version, [(n, t.cpu()) for n, t in whole])
+        # .cpu() is the tensor itself on CPU (no copy); a GPU trainer exports CPU copies.
+        tensors = [(n, p.detach().cpu()) for n, p in self.trainer.model.named_parameters()]
         return WeightsExport(self._version, tensors)
 
     def mfu(self, tokens: float, seq_len: int, seconds: float) -> float:
@@ -203,7 +206,8 @@ class TrainerWorker:
             if ref is not None and (d / "ref_model").is_dir():
                 ref.load_state_dict(load_causal_lm(d / "ref_model").state_dict())
         # weights_only=False: the state holds RNG tuples and numpy arrays we wrote ourselves.
-        state = torch.load(d / STATE_FILE, weights_only=False)
+        # map_location: optimizer.load_state_dict moves the state onto its parameters' device.
+        state = torch.load(d / STATE_FILE, weights_only=False, map_location="cpu")
         # A checkpoint resumes on any number of workers: the optimizer state is keyed by
         # parameter index (one worker's save) or by name (data-parallel workers' save).
         from rlpost.train.dp import optimizer_state_by_index, optimizer_state_by_name
