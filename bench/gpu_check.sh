@@ -2,13 +2,15 @@
 # GPU check of run.device=cuda, offline (no pip, no network). Usage: bench/gpu_check.sh [OUT_DIR]
 #  1. nvidia-smi and what torch sees
 #  2. the CUDA tests (tests/integration/test_cuda.py)
-#  3. 20 GRPO steps of the default recipe on the GPU (local backend): held-out accuracy
+#  3. STEPS GRPO steps of the default recipe on the GPU (local backend): held-out accuracy
 #  4. the same with two rollout worker processes and the trainer process on the one GPU
 #  5. the wall time of each part
-# SFT_STEPS (default 500) shortens the SFT warm-up of 3 and 4 (the recipe's is 2500).
+# SFT_STEPS (default 500) shortens the SFT warm-up of 3 and 4 (the recipe's is 2500);
+# STEPS (default 20) sets their GRPO steps (the recipe's is 300).
 set -u
 OUT_DIR=${1:-/tmp/gpu_check}
 SFT_STEPS=${SFT_STEPS:-500}
+STEPS=${STEPS:-20}
 PY=${PYTHON:-python}
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -82,7 +84,7 @@ else
     echo "pytest is not installed: CUDA tests skipped"
 fi
 
-COMMON=(train.steps=20 observe.progress=false observe.plot=false "sft.steps=$SFT_STEPS")
+COMMON=("train.steps=$STEPS" observe.progress=false observe.plot=false "sft.steps=$SFT_STEPS")
 
 echo "== 3. GRPO on cuda, local backend"
 timed grpo_local "$PY" -m rlpost.cli train run.device=cuda "${COMMON[@]}" \
