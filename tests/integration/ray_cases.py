@@ -42,6 +42,13 @@ def cluster():
     c.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def all_cpus_free_first(cluster):
+    """Each case starts on an idle cluster: what the case before it placed is released
+    asynchronously, and a placement check would otherwise see it as taken."""
+    _all_cpus_free()
+
+
 def _cfg(tmp_path, **extra):
     over = {"cluster.backend": "ray", "cluster.rollout_workers": 2, "run.threads": 1, **extra}
     return load_config(None, small_overrides(tmp_path, **over))
