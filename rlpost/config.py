@@ -49,6 +49,11 @@ class RunConfig(Section):
     threads: int = Field(0, ge=0)
     """torch intra-op threads; 0: the cores other processes leave free at start (cores minus
     the 1-minute load average, at least 1). Tiny models run best on 1 (docs/performance.md)."""
+    malloc_mmap_threshold: int = Field(0, ge=0, le=32 * 1024 * 1024)
+    """Bytes: fix glibc's mmap threshold in the training process (allocations this large or
+    larger are mapped and returned on free); 0 keeps glibc's dynamic threshold. 131072 cut
+    peak RSS ~15% at ~25M parameters and cost ~20% step time (docs/performance.md, Memory).
+    Linux/glibc only; elsewhere it changes nothing."""
 
 
 # ------------------------------------------------------------------------- model

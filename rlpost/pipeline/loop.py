@@ -33,6 +33,7 @@ from rlpost.algos import ADVANTAGES, AdaptiveKLController, FixedKLController
 from rlpost.config import Config
 from rlpost.data import PromptSampler
 from rlpost.observe import Guards, Recorder
+from rlpost.observe.memory import set_mmap_threshold
 from rlpost.observe.mfu import pick_threads
 from rlpost.pipeline import build
 from rlpost.pipeline.console import Console
@@ -114,6 +115,7 @@ def train(
     console = console or Console(enabled=cfg.observe.progress)
     torch.manual_seed(cfg.run.seed)
     torch.set_num_threads(pick_threads(cfg.run.threads))
+    set_mmap_threshold(cfg.run.malloc_mmap_threshold)
     started = time.time()
     train_prompts, held_out, _ = build.build_data(cfg)
     held_out = held_out[: cfg.eval.limit] if cfg.eval.limit else held_out
