@@ -90,7 +90,8 @@ class Run:
 
 def start_workers(cfg: Config, run_dir: Path, train_prompts, console, *, resuming: bool) -> Workers:
     """Workers in this process: warm-up, then the trainer around the starting policy, the
-    rollout worker serving a copy of it, and the reward worker."""
+    rollout worker serving a copy of it (or its memory: build.serves_policy_storage), and
+    the reward worker."""
     model, tokenizer = warm_start(cfg, run_dir, train_prompts, console, skip_sft=resuming)
     rollout = build.build_rollout_worker(cfg, model, tokenizer)  # a copy, before any adapters
     trainer = build.build_trainer_worker(cfg, model, tokenizer)
