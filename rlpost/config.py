@@ -52,8 +52,8 @@ class RunConfig(Section):
     malloc_mmap_threshold: int = Field(0, ge=0, le=32 * 1024 * 1024)
     """Bytes: fix glibc's mmap threshold in the training process (allocations this large or
     larger are mapped and returned on free); 0 keeps glibc's dynamic threshold. 131072 cut
-    peak RSS ~15% at ~25M parameters and cost ~20% step time (docs/performance.md, Memory).
-    Linux/glibc only; elsewhere it changes nothing."""
+    peak RSS ~16% at ~25M parameters and cost 20-45% of the step time (docs/performance.md,
+    Memory). Linux/glibc only; elsewhere it changes nothing."""
 
 
 # ------------------------------------------------------------------------- model
