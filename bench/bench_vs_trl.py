@@ -129,7 +129,7 @@ def run_trl(ckpt: str, dtype: str, steps: int) -> list[float]:
     return [b - a for a, b in itertools.pairwise(marks)]
 
 
-def run_rlpost(ckpt: str, dtype: str, steps: int) -> list[float]:
+def run_rlpost(ckpt: str, dtype: str, steps: int, extra: list[str] = ()) -> list[float]:
     """Seconds of each rlpost step (rollout, reward, update, weight sync)."""
     import torch
 
@@ -161,6 +161,7 @@ def run_rlpost(ckpt: str, dtype: str, steps: int) -> list[float]:
             "observe.plot=false",
             f"run.output_dir={out}",
             f"run.threads={torch.get_num_threads()}",  # the worker's choice, as TRL's
+            *extra,
         ],
     )
     starts: list[float] = []
@@ -194,8 +195,10 @@ def worker(args) -> None:
     from rlpost.observe.mfu import pick_threads
 
     torch.set_num_threads(pick_threads(args.threads))  # the same rule for both sides
-    run = run_trl if args.worker == "trl" else run_rlpost
-    seconds = run(args.ckpt, args.dtype, args.steps)
+    if args.worker == "trl":
+        seconds = run_trl(args.ckpt, args.dtype, args.steps)
+    else:
+        seconds = run_rlpost(args.ckpt, args.dtype, args.steps, args.rlpost_set)
     print(
         "RESULT "
         + json.dumps(
@@ -215,6 +218,7 @@ def worker(args) -> None:
 def one_run(side: str, dtype: str, ckpt: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", side, "--dtype", dtype, "--ckpt", ckpt]
     cmd += ["--steps", str(args.steps), "--threads", str(args.threads)]
+    cmd += [f"--rlpost-set={kv}" for kv in args.rlpost_set] if side == "rlpost" else []
     root = str(Path(__file__).resolve().parents[1])  # this checkout's rlpost, not an install
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the rlpost CLI runs; the same for both
@@ -275,6 +279,13 @@ def main() -> None:
         "--threads", type=int, default=0, help="torch threads, both sides (0: rlpost's rule)"
     )
     ap.add_argument("--quick", action="store_true", help="1 round of 4 steps per run")
+    ap.add_argument(
+        "--rlpost-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an extra rlpost config override (repeatable), e.g. run.malloc_mmap_threshold=131072",
+    )
     ap.add_argument("--worker", choices=["trl", "rlpost"], help=argparse.SUPPRESS)
     ap.add_argument("--dtype", choices=["fp32", "bf16"], help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)

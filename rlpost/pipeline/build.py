@@ -245,6 +245,26 @@ def bf16_compute(cfg: Config) -> bool:
     return cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and cpu_bf16_native())
 
 
+def serves_policy_storage(cfg: Config) -> bool:
+    """Whether the in-process engine can serve the policy's own parameter memory instead of
+    a copy. It can when it always serves exactly the trainer's newest weights, so every sync
+    writes into that memory the values already there (``copy_`` onto itself is a no-op):
+    synchronous steps (the engine idle while the trainer updates), a sync every step, no
+    codec or delta (decoded weights would overwrite the trainer's), no adapters (the merged
+    weights are not the base weights), fp32 serving (bf16 serving is its own cast copy),
+    the batch engine (a partial rollout keeps generating across a sync)."""
+    s = cfg.sync
+    return (
+        cfg.pipeline.mode == "sync"
+        and s.every == 1
+        and s.codec == "none"
+        and not s.delta
+        and cfg.model.lora.rank == 0
+        and not cfg.rollout.partial
+        and not bf16_compute(cfg)
+    )
+
+
 def build_engine(cfg: Config, model, tokenizer, *, push: bool = True):
     """The rollout engine, serving ``model``'s current weights (later ones arrive through sync).
 
@@ -261,7 +281,16 @@ def build_engine(cfg: Config, model, tokenizer, *, push: bool = True):
             # Servers load from disk: push the starting policy (after warm-up) first.
             engine.load_weights(((n, p.detach()) for n, p in model.named_parameters()), version=0)
         return engine
-    serving = copy.deepcopy(model)
+    if serves_policy_storage(cfg):
+        # The serving module shares the policy's parameter storage: no second copy of the
+        # weights in the process (docs/performance.md, Memory). Its own Parameter objects
+        # (no grad, eval mode) over the same memory; buffers are copied.
+        shared = {
+            id(p): torch.nn.Parameter(p.detach(), requires_grad=False) for p in model.parameters()
+        }
+        serving = copy.deepcopy(model, shared)
+    else:
+        serving = copy.deepcopy(model)
     serving.requires_grad_(False)
     if bf16_compute(cfg):
         serving = serving.to(dtype=torch.bfloat16)

@@ -33,6 +33,7 @@ from rlpost.algos import ADVANTAGES, AdaptiveKLController, FixedKLController
 from rlpost.config import Config
 from rlpost.data import PromptSampler
 from rlpost.observe import Guards, Recorder
+from rlpost.observe.memory import set_mmap_threshold
 from rlpost.observe.mfu import pick_threads
 from rlpost.pipeline import build
 from rlpost.pipeline.console import Console
@@ -89,7 +90,8 @@ class Run:
 
 def start_workers(cfg: Config, run_dir: Path, train_prompts, console, *, resuming: bool) -> Workers:
     """Workers in this process: warm-up, then the trainer around the starting policy, the
-    rollout worker serving a copy of it, and the reward worker."""
+    rollout worker serving a copy of it (or its memory: build.serves_policy_storage), and
+    the reward worker."""
     model, tokenizer = warm_start(cfg, run_dir, train_prompts, console, skip_sft=resuming)
     rollout = build.build_rollout_worker(cfg, model, tokenizer)  # a copy, before any adapters
     trainer = build.build_trainer_worker(cfg, model, tokenizer)
@@ -114,6 +116,7 @@ def train(
     console = console or Console(enabled=cfg.observe.progress)
     torch.manual_seed(cfg.run.seed)
     torch.set_num_threads(pick_threads(cfg.run.threads))
+    set_mmap_threshold(cfg.run.malloc_mmap_threshold)
     started = time.time()
     train_prompts, held_out, _ = build.build_data(cfg)
     held_out = held_out[: cfg.eval.limit] if cfg.eval.limit else held_out

@@ -87,3 +87,40 @@ def test_bf16_trainer_runs_eager_attention_on_short_contexts_only():
         trainer = build.build_trainer(cfg, model)
         assert trainer.model.config._attn_implementation == want, (dtype, positions)
         assert trainer.ref_model.config._attn_implementation == want
+
+
+@pytest.mark.parametrize(
+    ("overrides", "shares"),
+    [
+        ([], True),
+        (["sync.codec=bf16"], False),  # decoded weights must not land in the trainer's memory
+        (["sync.every=2"], False),  # the engine serves an older version between syncs
+        (["pipeline.mode=one_step_off"], False),  # it generates while the trainer updates
+        (["model.lora.rank=4"], False),  # merged weights are not the base weights
+        (["model.dtype=bfloat16"], False),  # bf16 serving is its own cast copy
+    ],
+)
+def test_engine_serves_the_policy_memory_only_when_every_sync_writes_the_same_values(
+    overrides, shares
+):
+    import torch
+
+    from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
+    from rlpost.pipeline.build import build_engine
+
+    cfg = load_config(None, overrides)
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok)
+    engine = build_engine(cfg, model, tok)
+    served = dict(engine.model.named_parameters())
+    for name, p in model.named_parameters():
+        assert (served[name].data_ptr() == p.data_ptr()) is shares, name
+        assert not served[name].requires_grad and p.requires_grad  # the policy still trains
+    # A trainer step lands where the engine reads it; a sync then changes nothing.
+    name, p = next(iter(model.named_parameters()))
+    before = served[name].detach().clone()
+    with torch.no_grad():
+        p.add_(1.0)
+    engine.load_weights([(name, p.detach())], version=1)
+    assert torch.equal(served[name].float(), p.detach().to(served[name].dtype).float())
+    assert p.data_ptr() != served[name].data_ptr() or torch.equal(p.detach(), before + 1.0)
