@@ -35,6 +35,7 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
+from model_sizes import SIZES
 
 from rlpost.config import load_config
 from rlpost.data import arith_splits
@@ -42,23 +43,6 @@ from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
 from rlpost.observe.mfu import cpu_bf16_native, pick_threads
 from rlpost.rollout.hf_engine import HFEngine
 from rlpost.rollout.protocol import SamplingParams
-
-SIZES = {
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-    ),
-    "25M": dict(
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-    ),
-}
 
 
 def generated_tokens(sequences: torch.Tensor, prompt_width: int, eos: int, pad: int) -> int:

@@ -41,26 +41,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from model_sizes import SIZES
 
 from rlpost.config import RECIPES_DIR, load_config
 from rlpost.observe.mfu import cpu_bf16_native, cpu_flags, flops_per_token, measure_cpu_peak_flops
 
-SIZES = {
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-    ),
-    "25M": dict(
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-    ),
-}
 PHASES = [
     "rollout prefill",
     "rollout decode",

@@ -36,22 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-SIZES = {
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-    ),
-    "25M": dict(
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-    ),
-}
+from model_sizes import SIZES
+
 PROMPTS, GROUP, MAX_TOKENS, LR = 16, 8, 8, 1e-5
 PEAK: dict[str, float] = {}  # a worker's peak RSS when it is not the process's own
 
