@@ -345,15 +345,18 @@ class RolloutFleet:
                 return
             m.restarting = True
 
-        def run() -> None:
-            try:
-                self._admit(m)
-            finally:
-                with self._lock:
-                    m.restarting = False
-                    self._lock.notify_all()
+        threading.Thread(
+            target=self._admit_marked, args=(m,), name=f"fleet-resync-{m.index}", daemon=True
+        ).start()
 
-        threading.Thread(target=run, name=f"fleet-resync-{m.index}", daemon=True).start()
+    def _admit_marked(self, m: Member) -> None:
+        """:meth:`_admit` for a worker marked ``restarting``; the mark goes when it is done."""
+        try:
+            self._admit(m)
+        finally:
+            with self._lock:
+                m.restarting = False
+                self._lock.notify_all()
 
     def version(self) -> int:
         return self._version
@@ -382,12 +385,7 @@ class RolloutFleet:
                     self.members.append(m)
                     self._log(m)
                     m.restarting = True
-                try:
-                    self._admit(m)
-                finally:
-                    with self._lock:
-                        m.restarting = False
-                        self._lock.notify_all()
+                self._admit_marked(m)
         for m in reversed(live[size:]):
             with self._lock:
                 m.health.retire(f"scaled down to {size}")

@@ -94,6 +94,15 @@ def _serve(conn, factory: str, cfg_data: dict, run_dir: str, kwargs: dict | None
             except (EOFError, OSError):
                 return  # the parent is gone
             if name == "close":
+                if drain_at:  # draining: running calls keep their drain deadline, no longer
+                    deadline = drain_at[0] + cfg.cluster.drain_timeout_s
+                    while time.monotonic() < deadline:
+                        with send_lock:
+                            if busy[0] == 0:
+                                break
+                        time.sleep(0.05)
+                    else:
+                        os._exit(0)
                 pool.shutdown(wait=True)
                 run(call_id, name, args, kwargs)
                 return
@@ -128,6 +137,8 @@ class ProcessWorker:
     ) -> None:
         ctx = mp.get_context("spawn")
         self.label = label
+        # close waits this long for the child: a draining one may finish its running calls
+        self._close_timeout_s = cfg.cluster.drain_timeout_s + 30.0
         self._conn, child = ctx.Pipe()
         data = cfg.model_dump(mode="json")
         self._proc = ctx.Process(
@@ -239,7 +250,7 @@ class ProcessWorker:
                 self.call("close")
             except (WorkerError, OSError, EOFError):
                 pass  # closing a worker that already failed: nothing left to release
-            self._proc.join(timeout=30)
+            self._proc.join(timeout=self._close_timeout_s)
         if self._proc.is_alive():
             self._proc.kill()
         self._proc.join(timeout=10)
