@@ -80,6 +80,14 @@ class TagFormat:
     def render_call(self, call: ToolCall) -> str:
         return self.call.replace("{name}", call.name).replace("{arguments}", call.arguments)
 
+    def stop_texts(self, tools: tuple[str, ...]) -> tuple[str, ...]:
+        """What closes a call (the template after ``{arguments}``, per tool): the engine stops
+        there, so a calling turn is not decoded past its call."""
+        close = self.call.split("{arguments}", 1)[1]
+        if not close:
+            return ()
+        return tuple(dict.fromkeys(close.replace("{name}", t) for t in tools))
+
     def observation_text(self, output: str) -> str:
         return self.result.replace("{output}", output)
 
@@ -130,6 +138,10 @@ class ChatTemplateFormat:
         if isinstance(args, dict) and len(args) == 1:
             args = next(iter(args.values()))  # one-argument tools take the value itself
         return m.end(), ToolCall(name, args if isinstance(args, str) else json.dumps(args))
+
+    def stop_texts(self, tools: tuple[str, ...]) -> tuple[str, ...]:
+        """None: a template's call turn ends with its own end-of-turn token after the call."""
+        return ()
 
     def render_call(self, call: ToolCall) -> str:
         body = json.dumps({"name": call.name, "arguments": call.arguments})

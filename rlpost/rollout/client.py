@@ -131,6 +131,8 @@ def completion_body(job: Job, model: str | None) -> dict:
         "return_token_ids": True,
         "return_tokens_as_token_ids": True,
     }
+    if p.stop_texts:
+        body["stop"] = list(p.stop_texts)
     if model is not None:
         body["model"] = model
     if job.seed is not None:

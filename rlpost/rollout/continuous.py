@@ -56,7 +56,7 @@ class ContinuousEngine:
         seeds = [None if params.seed is None else params.seed + i for i in range(len(prompt_ids))]
         tickets = self.scheduler.submit_all(
             [
-                GenerationRequest(list(p), params, n=n, seed=seed)
+                GenerationRequest(list(p), params, n=n, seed=seed, stop_texts=params.stop_texts)
                 for p, seed in zip(prompt_ids, seeds, strict=True)
             ]
         )
@@ -78,7 +78,10 @@ class ContinuousEngine:
         finishes, on the scheduler's thread, so the abort lands at the very
         next decode step.
         """
-        reqs = [GenerationRequest(list(p), q) for p, q in zip(prompt_ids, params, strict=True)]
+        reqs = [
+            GenerationRequest(list(p), q, stop_texts=q.stop_texts)
+            for p, q in zip(prompt_ids, params, strict=True)
+        ]
         lock, finished, settled = threading.Lock(), [], threading.Event()
         tickets: list = []
 

@@ -84,6 +84,10 @@ class HFEngine:
         self, prompts: list[list[int]], params: SamplingParams, n: int, group_offset: int, generator
     ) -> list[Completion]:
         stop_ids = set(params.stop_token_ids) | {self.eos_id}
+        stops = [t for t in params.stop_texts if t]
+        # A stop text can only be completed by the newest token, and every token that is not
+        # special writes at least one character: the last len(stop)+1 tokens hold it.
+        window = max((len(t) for t in stops), default=0) + 1
         ids, attn = self._left_pad(prompts)
         if not self.share_prefix:
             ids, attn = ids.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)
@@ -114,7 +118,9 @@ class HFEngine:
                     continue  # stays in the batch until compaction; its tokens ended at the stop
                 tokens[row].append(tok_l[j])
                 logps[row].append(lp_l[j])
-                if tok_l[j] in stop_ids:
+                if tok_l[j] in stop_ids or (
+                    stops and self._ends_with_stop(tokens[row][-window:], stops)
+                ):
                     finished[row] = True
                 else:
                     still.append(j)
@@ -148,6 +154,10 @@ class HFEngine:
             )
             for r in range(rows)
         ]
+
+    def _ends_with_stop(self, tail: list[int], stops: list[str]) -> bool:
+        text = self.tokenizer.decode(tail, skip_special_tokens=True)
+        return any(t in text for t in stops)
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)

@@ -231,9 +231,16 @@ class MultiTurnRollout:
             groups.append(_Group(prompts[i] if prompts is not None else None, episodes))
         return groups
 
+    def _turn_params(self, params: SamplingParams, live: list[_Live]) -> SamplingParams:
+        """``params`` that also stop where a call closes, so a calling turn ends there."""
+        tools = tuple(dict.fromkeys(t for e in live for t in e.env.tools))
+        stops = self.fmt.stop_texts(tools) if tools else ()
+        return replace(params, stop_texts=tuple(dict.fromkeys(params.stop_texts + stops)))
+
     def _first_turn(self, groups: list[_Group], params: SamplingParams, n: int, pool) -> None:
         # One call with n samples per prompt, so each prompt is prefilled once.
-        first = self.engine.generate([g.episodes[0].prompt_ids for g in groups], params, n=n)
+        turn = self._turn_params(params, [g.episodes[0] for g in groups])
+        first = self.engine.generate([g.episodes[0].prompt_ids for g in groups], turn, n=n)
         self._take_turns([e for g in groups for e in g.episodes], first, params, pool)
 
     def _finish(self, groups: list[_Group], group_offset: int) -> list[Completion]:
@@ -264,7 +271,8 @@ class MultiTurnRollout:
         for limit in sorted(set(budgets)):
             batch = [e for e, b in zip(active, budgets, strict=True) if b == limit]
             ids = [e.prompt_ids + e.tokens for e in batch]
-            out = self.engine.generate(ids, replace(params, max_tokens=limit), n=1)
+            turn = self._turn_params(replace(params, max_tokens=limit), batch)
+            out = self.engine.generate(ids, turn, n=1)
             self._take_turns(batch, out, params, pool)
 
     def _take_turns(

@@ -24,6 +24,8 @@ class SamplingParams:
 
     ``seed``: per-request seed (as in vLLM): sampling uses its own generator and
     leaves the engine's stream untouched, so evaluations never shift training samples.
+    ``stop_texts``: a sample also ends on the token that completes one of these strings in
+    its decoded text (the tokens that wrote it are kept: token in, token out).
     """
 
     temperature: float = 1.0
@@ -32,6 +34,7 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     seed: int | None = None
+    stop_texts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -94,6 +94,8 @@ class VLLMEngine:
             top_k=params.top_k,
             max_tokens=params.max_tokens,
             stop_token_ids=list(params.stop_token_ids),
+            stop=list(params.stop_texts) or None,
+            include_stop_str_in_output=True,
             logprobs=0,
             seed=seed,
         )

@@ -117,3 +117,32 @@ def test_a_stopped_row_gets_no_tokens_after_its_stop(tiny):
             assert c.token_ids.index(tok.eos_token_id) == len(c.token_ids) - 1
             assert c.finish_reason == "stop"
         assert len(c.logprobs) == len(c.token_ids)
+
+
+@pytest.mark.parametrize("engine_kind", ["hf", "continuous"])
+def test_a_stop_text_ends_a_sample_on_the_token_that_completes_it(tiny, engine_kind):
+    from rlpost.rollout.continuous import ContinuousEngine
+    from rlpost.rollout.scheduler import Scheduler
+
+    model, tok = tiny
+    prompt = [_prompts(tok)[0]]
+
+    def run(params):
+        if engine_kind == "hf":
+            return HFEngine(model, tok, batch_size=8, seed=5).generate(prompt, params, n=1)[0]
+        scheduler = Scheduler(model, tok, max_batch=8, seed=5).start()
+        try:
+            return ContinuousEngine(scheduler, tok).generate(prompt, params, n=1)[0]
+        finally:
+            scheduler.stop()
+
+    free = run(SamplingParams(max_tokens=24, seed=7))
+    text = tok.decode(free.token_ids, skip_special_tokens=True)
+    assert len(text) >= 6, text
+    stop = text[3:5]  # two characters the sample wrote: it must end where they first appear
+    cut = text.index(stop) + len(stop)
+    stopped = run(SamplingParams(max_tokens=24, seed=7, stop_texts=(stop,)))
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[: len(stopped.token_ids)]  # the same draws
+    assert tok.decode(stopped.token_ids, skip_special_tokens=True) == text[:cut]
+    assert stopped.logprobs == free.logprobs[: len(stopped.token_ids)]

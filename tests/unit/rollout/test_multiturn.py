@@ -204,3 +204,21 @@ def test_partial_rollout_carries_unfinished_episodes_to_the_next_step(tok):
     assert q_done.policy_version == 3 and set(q_done.token_versions) == {3, 4}
     assert [c.group for c in second.completions] == [0, 1]
     assert resumed.last_stats.tool_calls == 1 and resumed.last_stats.episodes == 2
+
+
+def test_a_calling_turn_stops_where_its_call_closes(tok):
+    fmt = TagFormat()
+    assert fmt.stop_texts(("calc",)) == ("</calc>",)
+    assert fmt.stop_texts(("add", "mul")) == ("</add>", "</mul>")
+    assert TagFormat(call="CALL {name}: {arguments}").stop_texts(("calc",)) == ()
+    assert TagFormat(call="[{arguments}]").stop_texts(("calc",)) == ("]",)
+
+    policy = ScriptedPolicy(tok, ["<add>2,3</add>", "It is 5."])
+    asked = []
+    generate = policy.generate
+    policy.generate = lambda ids, params, n=1, group_offset=0: (
+        asked.append(params.stop_texts) or generate(ids, params, n, group_offset)
+    )
+    rollout = MultiTurnRollout(policy, tok, {"add": lambda a: "5"})
+    rollout.generate([_encode(tok, "Q: ")], SamplingParams(max_tokens=60), n=1)
+    assert asked == [("</add>",), ("</add>",)]  # every turn may call, so every turn may stop
