@@ -112,7 +112,7 @@ def pick_threads(requested: int, *, cores: int | None = None, load: float | None
     """torch intra-op threads for ``run.threads``: ``requested`` when > 0.
 
     0 picks the cores other processes leave free: the cores this process may
-    run on minus the 1-minute load average (rounded), at least 1, decided on
+    run on minus the CPUs other work keeps busy now (sampled, rounded), at least 1, decided on
     the first call and kept for the life of the process. On a quiet
     machine that is every core; beside a job that keeps a core busy it is one
     fewer, because a thread sharing a core with another process stalls every
@@ -143,8 +143,38 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _load() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:  # no load average on this platform
+def busy_cpus(before: list[int], after: list[int], cpus: int) -> float:
+    """CPUs other work kept busy between two samples of ``/proc/stat``'s ``cpu`` line
+    (user, nice, system, idle, iowait, irq, softirq, steal jiffies, summed over all CPUs)."""
+    spent = [b - a for a, b in zip(before[:8], after[:8], strict=False)]
+    total = sum(spent)
+    if total <= 0:
         return 0.0
+    idle = spent[3] + (spent[4] if len(spent) > 4 else 0)
+    return max(0.0, cpus * (1.0 - idle / total))
+
+
+def _cpu_times() -> list[int] | None:
+    try:
+        with open("/proc/stat") as f:
+            first = f.readline().split()
+    except OSError:
+        return None
+    return [int(x) for x in first[1:9]] if first and first[0] == "cpu" else None
+
+
+def _load(window_s: float = 0.3) -> float:
+    """CPUs busy now: sampled from /proc/stat over ``window_s`` while this process waits.
+
+    Why not the 1-minute load average: it decays for a minute after work ends, so a
+    run started right after another (a bench's next subprocess, a resumed run) took
+    fewer threads than the idle machine had. Falls back to it off Linux."""
+    before = _cpu_times()
+    if before is None:
+        try:
+            return os.getloadavg()[0]
+        except OSError:  # no load average on this platform
+            return 0.0
+    time.sleep(window_s)
+    after = _cpu_times()
+    return busy_cpus(before, after, os.cpu_count() or 1) if after else 0.0

@@ -133,3 +133,18 @@ def test_automatic_threads_are_decided_once_per_process(monkeypatch):
     first = mfu_module.pick_threads(0)
     assert first == 2
     assert mfu_module.pick_threads(0) == first  # the load rose; the choice stands
+
+
+def test_busy_cpus_come_from_the_jiffies_spent_between_two_samples():
+    # user nice system idle iowait irq softirq steal, summed over 4 CPUs
+    before = [100, 0, 50, 1000, 10, 0, 0, 0]
+    one_busy = [200, 0, 100, 1240, 20, 0, 0, 0]  # 150 busy of 400 spent: 1.5 of 4 CPUs
+    assert mfu_module.busy_cpus(before, one_busy, 4) == pytest.approx(1.5)
+    idle = [100, 0, 50, 1400, 10, 0, 0, 0]
+    assert mfu_module.busy_cpus(before, idle, 4) == 0.0
+    assert mfu_module.busy_cpus(before, before, 4) == 0.0  # no time passed: nothing known
+
+
+def test_the_live_sample_reads_this_machine():
+    busy = mfu_module._load(window_s=0.05)
+    assert 0.0 <= busy <= (__import__("os").cpu_count() or 1) + 1e-6
