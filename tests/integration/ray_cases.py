@@ -220,7 +220,7 @@ def test_a_lost_node_takes_a_rollout_worker_and_the_run_goes_on(tmp_path, cluste
             "cluster.rollout.cpus": 1,
         },
     )
-    held, per_step, lost = [], {}, []
+    held, per_step, lost, after = [], {}, [], []
 
     def start(*args, **kwargs):
         held.append(start_ray_workers(*args, **kwargs))
@@ -240,6 +240,9 @@ def test_a_lost_node_takes_a_rollout_worker_and_the_run_goes_on(tmp_path, cluste
             while not fleet.members[lost[0]].health.serving:
                 assert time.monotonic() < deadline, fleet.states()
                 time.sleep(0.2)
+        if step == 5:  # after step 4's weights went out
+            back = fleet.members[lost[0]].handle
+            after.append((back.node, back.version(), fleet.version()))
 
     result = train(cfg, start=start, on_groups=on_groups)
     assert [h["step"] for h in result.history] == [1, 2, 3, 4, 5]
@@ -247,6 +250,10 @@ def test_a_lost_node_takes_a_rollout_worker_and_the_run_goes_on(tmp_path, cluste
         assert len(texts) == cfg.rollout.prompts_per_step == len(set(texts)), step
     rows = [r for r in _events(result.run_dir) if r["worker"] == lost[0]]
     states = [r["state"] for r in rows]
-    dead = states.index("dead")
-    assert states[dead : dead + 4] == ["dead", "restarting", "stale", "healthy"]
-    assert rows[dead + 3]["version"] == rows[dead + 3]["current"]
+    node, version, current = after[0]
+    assert node != spot.node_id and version == current  # rescheduled, and holds the newest
+    if "dead" in states:  # a call failed before Ray had it back: the fleet restarted it
+        dead = states.index("dead")
+        assert states[dead : dead + 4] == ["dead", "restarting", "stale", "healthy"]
+        assert rows[dead + 3]["version"] == rows[dead + 3]["current"]
+    # else Ray had restarted it between calls, and the step's full weight push synced it
