@@ -15,6 +15,7 @@ directory, where the trainer's process loads it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing as mp
 import os
@@ -83,8 +84,10 @@ def _serve(conn, factory: str, cfg_data: dict, run_dir: str, kwargs: dict | None
             if drain_at:
                 with send_lock:
                     idle = busy[0] == 0
-                if idle:
-                    return
+                if idle:  # drained: release the worker (its engine threads) and leave now
+                    with contextlib.suppress(Exception):  # exiting either way; nothing to report
+                        worker.close()
+                    os._exit(0)
                 if time.monotonic() - drain_at[0] > cfg.cluster.drain_timeout_s:
                     os._exit(0)  # the parent sees the pipe close and re-sends the unfinished
             try:
