@@ -9,6 +9,10 @@ one worker's reply). The lost worker is restarted in the background, at most
 ``max_restarts`` times; before it gets a prompt it receives the newest weights
 in full and must report their version. New weights go to every admitted
 worker; one that misses a version is ``stale`` and is synced the same way.
+Each call carries the version last sent, and a worker holding an older one
+refuses it: one its host restarted between calls (Ray does this on its own)
+is found stale, synced and readmitted, its share re-sent, and never samples
+from old weights.
 
 It is generic over worker handles: anything with the rollout worker's methods
 (a :class:`~rlpost.cluster.process.ProcessWorker`, a Ray actor proxy, a plain
@@ -31,7 +35,7 @@ from typing import Any, Protocol
 from rlpost.cluster.health import HealthPolicy, State, WorkerHealth
 from rlpost.pipeline.workers import WorkerLost
 from rlpost.rollout.protocol import SamplingParams
-from rlpost.rollout.worker import RolloutResult
+from rlpost.rollout.worker import BEHIND, RolloutResult
 from rlpost.types import Prompt
 
 DRAINING = "WorkerDraining"  # the marker a worker host's refusal carries after SIGTERM
@@ -147,11 +151,19 @@ class RolloutFleet:
             chunks = _split(todo, len(workers))
             todo = []
             running: dict[Future, tuple[Member, Chunk]] = {}
+            with self._lock:
+                floor = self._version if self._latest is not None else None
             for k, chunk in enumerate(chunks):
                 m = workers[k % len(workers)]  # more shares than workers: a re-send left gaps
                 m.health.call_started()
                 fut = self._pool.submit(
-                    m.handle.generate, chunk.prompts, params, n, train=train, last=last
+                    m.handle.generate,
+                    chunk.prompts,
+                    params,
+                    n,
+                    train=train,
+                    last=last,
+                    min_version=floor,
                 )
                 running[fut] = (m, chunk)
             while running:
@@ -161,6 +173,10 @@ class RolloutFleet:
                     try:
                         result = fut.result()
                     except Exception as exc:  # re-sent below; a real bug fails twice and is raised
+                        if BEHIND in str(exc):  # restarted behind our back: sync, then serve
+                            self._behind(m, exc)
+                            todo.append(chunk)
+                            continue
                         chunk.failures.append(_one_line(exc))
                         self._failed(m, exc)
                         if len(chunk.failures) >= 2 and not _is_loss(exc, self.spawner, m):
@@ -232,6 +248,14 @@ class RolloutFleet:
             dead = m.health.state is State.DEAD
         if dead:
             self._restart_later(m)
+
+    def _behind(self, m: Member, exc: BaseException) -> None:
+        """A worker refused a call for holding older weights: stale until a full sync."""
+        with self._lock:
+            m.health.succeeded()  # it replied: responsive, only behind
+            m.health.missed(self._version, _one_line(exc))
+            self._log(m)
+        self._resync_later(m)
 
     # ---------------------------------------------------------------- restarts
 

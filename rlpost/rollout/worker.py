@@ -37,6 +37,9 @@ def to_groups(prompts: list[Prompt], completions: list[Completion], n: int) -> l
     return [Group(p, completions[i * n : (i + 1) * n]) for i, p in enumerate(prompts)]
 
 
+BEHIND = "WorkerBehind"  # the marker of a refused call: the worker holds older weights
+
+
 class RolloutWorker:
     """One engine and the state the training loop keeps beside it."""
 
@@ -68,6 +71,7 @@ class RolloutWorker:
         *,
         train: bool = False,
         last: bool = False,
+        min_version: int | None = None,
     ) -> RolloutResult:
         """``n`` samples per prompt as :class:`Group` records.
 
@@ -76,7 +80,15 @@ class RolloutWorker:
         partial rollout the groups returned are those that finished (carried
         ones from earlier steps included; ``last`` waits for all). Otherwise
         (evaluation) every prompt comes back, in order.
+
+        ``min_version`` is the version the caller last sent: a worker holding an
+        older one (restarted behind the caller's back) refuses the call, so it
+        never samples from weights the caller has moved past.
         """
+        if min_version is not None and self.version() < min_version:
+            raise RuntimeError(
+                f"{BEHIND}: holds weights version {self.version()}, was sent {min_version}"
+            )
         if not train:
             completions, stats = self._sample(prompts, self._ids(prompts), params, n)
             return RolloutResult(to_groups(prompts, completions, n), stats)

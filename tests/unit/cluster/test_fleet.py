@@ -4,6 +4,8 @@ tested with real processes in tests/integration/test_fleet_process.py."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from rlpost.cluster.fleet import Chunk, RolloutFleet, _merge_stats, _split
@@ -88,5 +90,33 @@ def test_fleet_of_local_workers_serves_in_order_after_its_first_sync(tmp_path):
         assert fleet.states() == ["healthy", "retired"]
         assert len(fleet.generate(prompts, params, 1).groups) == 5
         assert fleet.members[1].served == 2
+    finally:
+        fleet.close()
+
+
+def test_a_worker_restarted_behind_the_fleets_back_is_synced_before_it_serves(tmp_path):
+    """A host (Ray) may restart a worker between calls: it comes back at version 0. Its next
+    call is refused, it is synced in full, its share is re-sent, and no token is sampled from
+    the old weights."""
+    cfg = load_config(None, small_overrides(tmp_path, **{"rollout.max_tokens": 3}))
+    model, _ = build.build_policy(cfg)
+    spawner = LocalSpawner(cfg)
+    events = tmp_path / "events.jsonl"
+    fleet = RolloutFleet(spawner, 2, events=events)
+    try:
+        fleet.load_weights(model.named_parameters(), 4)
+        fresh = spawner.start(1)  # what the host put in the slot: never sent any weights
+        assert fresh.version() == 0
+        fleet.members[1].handle.close()
+        fleet.members[1].handle = fresh
+        prompts = _prompts(6)
+        out = fleet.generate(prompts, build.sampling_params(cfg, eos_token_id=0), 2)
+        assert [g.prompt.text for g in out.groups] == [p.text for p in prompts]
+        assert {v for g in out.groups for c in g.completions for v in c.versions_per_token()} == {4}
+        assert fresh.version() == 4 and fleet.states() == ["healthy", "healthy"]
+        rows = [json.loads(x) for x in events.read_text().splitlines()]
+        mine = [r["state"] for r in rows if r["worker"] == 1]
+        assert mine[-2:] == ["stale", "healthy"]
+        assert "WorkerBehind" in [r for r in rows if r["worker"] == 1][-2]["why"]
     finally:
         fleet.close()
