@@ -152,7 +152,11 @@ def test_sigterm_drains_a_worker_and_it_comes_back_synced(tmp_path):
         os.kill(old.pid, signal.SIGTERM)
         t.join(timeout=300)
         assert [g.prompt.text for g in out[0].groups] == [p.text for p in prompts]
-        old._proc.join(timeout=60)  # it finished its running call, then left on its own
+        # it finished its running call, then left on its own; the handle's pipe reader reaps
+        # it too, and a join racing that reap can return before the exit code is recorded
+        deadline = time.monotonic() + 60
+        while old._proc.exitcode is None and time.monotonic() < deadline:
+            old._proc.join(timeout=0.5)
         assert old._proc.exitcode == 0, (old._proc.exitcode, fleet.states())
         again = fleet.generate(prompts, params, 1)  # finds it gone, re-sends, restarts it
         assert [g.prompt.text for g in again.groups] == [p.text for p in prompts]
