@@ -453,6 +453,13 @@ class AlgoConfig(Section):
     """KL penalty against the frozen reference policy."""
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
     """Importance correction for samples from older weights or another engine's numerics."""
+    old_logprobs: Literal["trainer", "rollout"] = "trainer"
+    """The logprobs the policy loss's ratio is taken against. trainer: recomputed by the trainer
+    before the update (the proximal policy; a forward pass over the batch when the batch makes
+    more than one optimizer step). rollout: the engine's own sampling logprobs, no extra pass
+    (the behaviour policy; exact when the engine serves the trainer's weights in the trainer's
+    dtype, as in sync mode; samples from older weights are then clipped against the weights
+    that sampled them)."""
     entropy_coef: float = Field(0.0, ge=0.0)
     """Entropy bonus coefficient."""
     nll_coef: float = Field(0.0, ge=0.0)
@@ -939,6 +946,21 @@ def find_combination_problems(cfg: Config) -> list[str]:
             "already keeps rollout running across steps; set rollout.partial=false or "
             "pipeline.mode=sync"
         )
+    if cfg.algo.old_logprobs == "rollout":
+        if r.top_p < 1.0 or r.top_k > 0:
+            out.append(
+                f"algo.old_logprobs=rollout with rollout.top_p={r.top_p:g}, "
+                f"rollout.top_k={r.top_k}: the engine's logprobs are of the truncated "
+                "distribution, not the policy's; sample with top_p=1 and top_k=-1 or set "
+                "algo.old_logprobs=trainer"
+            )
+        if cfg.algo.rollout_correction.name != "none":
+            out.append(
+                f"algo.old_logprobs=rollout with algo.rollout_correction.name="
+                f"{cfg.algo.rollout_correction.name}: the ratio is already against the "
+                "engine's logprobs, so the correction's weight is always 1; set one of them "
+                "to its default"
+            )
     if r.engine == "vllm" and cfg.model.path is None:
         out.append("rollout.engine=vllm needs model.path (a local HF checkpoint vLLM can load)")
     return out

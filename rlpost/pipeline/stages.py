@@ -165,8 +165,10 @@ def train_stage(
         log.warning(
             "guard nonfinite_reward: drop_samples - %d/%d invalid scores", len(dropped), len(batch)
         )
+    if algo.old_logprobs == "rollout":  # the engine's sampling logprobs: no trainer pass
+        batch.old_logprobs = batch.rollout_logprobs * batch.response_mask
     # On-policy single-update steps take the old logprobs from the loss pass itself.
-    if not trainer.single_update(len(batch)) or in_reward:
+    elif not trainer.single_update(len(batch)) or in_reward:
         batch.old_logprobs = trainer.logprobs(batch, "old")
     batch.ref_logprobs = trainer.logprobs(batch, "ref")
     batch.values = trainer.values(batch)
