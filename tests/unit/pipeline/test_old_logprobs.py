@@ -52,7 +52,9 @@ def test_rollout_logprobs_anchor_the_ratio_without_a_trainer_pass(tmp_path):
     batch = collate_groups(groups, 0)
     mask = batch.response_mask.bool()
     engine = batch.rollout_logprobs[mask]
-    assert torch.allclose(engine, recomputed[mask], atol=1e-4), (engine - recomputed[mask]).abs().max()
+    assert torch.allclose(engine, recomputed[mask], atol=1e-4), (
+        (engine - recomputed[mask]).abs().max()
+    )
 
 
 @pytest.mark.parametrize(
