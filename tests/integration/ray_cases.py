@@ -17,6 +17,7 @@ from rlpost.cluster.ray_backend import PlacementError, RewardPool, start_ray_wor
 from rlpost.config import load_config  # noqa: E402
 from rlpost.pipeline.loop import train  # noqa: E402
 from tests.conftest import small_overrides  # noqa: E402
+from tests.fleet_util import await_serving, keeping  # noqa: E402
 
 CPUS = 4
 
@@ -78,11 +79,8 @@ def test_every_ray_process_listens_on_loopback_only():
 
 def test_sigkill_of_a_rollout_actor_mid_run(tmp_path):
     cfg = _cfg(tmp_path, **{"train.steps": 5, "eval.every": 0})
-    held, per_step, pids, served = [], {}, [], []
-
-    def start(*args, **kwargs):
-        held.append(start_ray_workers(*args, **kwargs))
-        return held[-1]
+    held, start = keeping(start_ray_workers)
+    per_step, pids, served = {}, [], []
 
     def on_groups(step, groups):
         per_step[step] = [g.prompt.text for g in groups]
@@ -91,10 +89,7 @@ def test_sigkill_of_a_rollout_actor_mid_run(tmp_path):
             pids.append(fleet.members[0].handle.pid)
             os.kill(pids[0], signal.SIGKILL)
         if step == 4:
-            deadline = time.monotonic() + 240
-            while not fleet.members[0].health.serving:
-                assert time.monotonic() < deadline, fleet.states()
-                time.sleep(0.1)
+            await_serving(fleet, 0, 240)
             served.append(fleet.members[0].served)
             pids.append(fleet.members[0].handle.pid)
 
@@ -154,11 +149,7 @@ def test_sigterm_to_the_trainer_actor_checkpoints_and_stops_then_resumes(tmp_pat
     from rlpost.train.checkpoint import latest_checkpoint, latest_step
 
     cfg = _cfg(tmp_path, **{"train.steps": 6, "eval.every": 0, "checkpoint.every": 0})
-    held: list = []
-
-    def start(*args, **kwargs):
-        held.append(start_ray_workers(*args, **kwargs))
-        return held[-1]
+    held, start = keeping(start_ray_workers)
 
     with Interrupts() as interrupts:
 
@@ -220,11 +211,8 @@ def test_a_lost_node_takes_a_rollout_worker_and_the_run_goes_on(tmp_path, cluste
             "cluster.rollout.cpus": 1,
         },
     )
-    held, per_step, lost, after = [], {}, [], []
-
-    def start(*args, **kwargs):
-        held.append(start_ray_workers(*args, **kwargs))
-        return held[-1]
+    held, start = keeping(start_ray_workers)
+    per_step, lost, after = {}, [], []
 
     def on_groups(step, groups):
         per_step[step] = [g.prompt.text for g in groups]
@@ -240,10 +228,7 @@ def test_a_lost_node_takes_a_rollout_worker_and_the_run_goes_on(tmp_path, cluste
             cluster.remove_node(spot, allow_graceful=False)
             os.kill(pid, signal.SIGKILL)
         if step == 4:
-            deadline = time.monotonic() + 240
-            while not fleet.members[lost[0]].health.serving:
-                assert time.monotonic() < deadline, fleet.states()
-                time.sleep(0.2)
+            await_serving(fleet, lost[0], 240)
         if step == 5:  # after step 4's weights went out
             back = fleet.members[lost[0]].handle
             after.append((back.node, back.version(), fleet.version()))

@@ -23,6 +23,7 @@ from rlpost.pipeline import build
 from rlpost.pipeline.loop import train
 from rlpost.types import Prompt
 from tests.conftest import small_overrides
+from tests.fleet_util import await_serving, keeping
 
 
 def _cfg(tmp_path, **extra):
@@ -44,13 +45,9 @@ def _events(run_dir):
 @pytest.mark.slow
 def test_sigkill_of_a_rollout_process_mid_run_loses_no_prompt(tmp_path):
     cfg = _cfg(tmp_path, **{"train.steps": 5, "eval.every": 0})
-    held: list = []
+    held, start = keeping(start_process_workers)
     per_step: dict[int, list[str]] = {}
     served: list[int] = []
-
-    def start(*args, **kwargs):
-        held.append(start_process_workers(*args, **kwargs))
-        return held[-1]
 
     def on_groups(step, groups):
         per_step[step] = [g.prompt.text for g in groups]
@@ -58,10 +55,7 @@ def test_sigkill_of_a_rollout_process_mid_run_loses_no_prompt(tmp_path):
         if step == 2:  # the weights of step 2 go to a dead worker; step 3 runs without it
             os.kill(fleet.members[0].handle.pid, signal.SIGKILL)
         if step == 4:  # let the restart finish: step 5 is served by both again
-            deadline = time.monotonic() + 240
-            while not fleet.members[0].health.serving:
-                assert time.monotonic() < deadline, fleet.states()
-                time.sleep(0.1)
+            await_serving(fleet, 0, 240)
             served.append(fleet.members[0].served)
 
     result = train(cfg, start=start, on_groups=on_groups)
@@ -124,10 +118,7 @@ def test_a_worker_killed_during_generate_has_its_prompts_resent(tmp_path):
         rows = _events(tmp_path)
         assert any(r["worker"] == 1 and r["state"] == "dead" for r in rows)
         # restarted and readmitted at the version the fleet serves, then new weights reach it
-        deadline = time.monotonic() + 120
-        while not fleet.members[1].health.serving:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        await_serving(fleet, 1, 120)
         assert fleet.members[1].handle.version() == 1
         fleet.load_weights(model.named_parameters(), 2)
         assert [m.handle.version() for m in fleet.members] == [2, 2]
@@ -160,10 +151,7 @@ def test_sigterm_drains_a_worker_and_it_comes_back_synced(tmp_path):
         assert old._proc.exitcode == 0, (old._proc.exitcode, fleet.states())
         again = fleet.generate(prompts, params, 1)  # finds it gone, re-sends, restarts it
         assert [g.prompt.text for g in again.groups] == [p.text for p in prompts]
-        deadline = time.monotonic() + 120
-        while not fleet.members[0].health.serving:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        await_serving(fleet, 0, 120)
         assert fleet.members[0].handle is not old and fleet.members[0].handle.version() == 1
     finally:
         fleet.close()
@@ -179,13 +167,9 @@ def test_scale_a_running_job_up_and_down_from_the_command_line(tmp_path, capsys)
     from rlpost.cli import main
 
     cfg = _cfg(tmp_path, **{"train.steps": 6, "eval.every": 0})
-    held: list = []
+    held, start = keeping(start_process_workers)
     per_step: dict[int, int] = {}
     answers: list[int] = []
-
-    def start(*args, **kwargs):
-        held.append(start_process_workers(*args, **kwargs))
-        return held[-1]
 
     def on_groups(step, groups):
         per_step[step] = len(groups)
