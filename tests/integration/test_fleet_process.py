@@ -100,19 +100,24 @@ def _busy(member, timeout=60.0):
         time.sleep(0.005)
 
 
+def _signal_mid_generate(fleet, prompts, params, index: int, sig: int):
+    """``fleet.generate(prompts, params, 4)``, with ``sig`` sent to worker ``index`` once it
+    is busy with its share."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fleet.generate(prompts, params, 4)))
+    t.start()
+    _busy(fleet.members[index])
+    os.kill(fleet.members[index].handle.pid, sig)
+    t.join(timeout=300)
+    return out[0]
+
+
 def test_a_worker_killed_during_generate_has_its_prompts_resent(tmp_path):
     cfg, model, fleet = _fleet(tmp_path)
     try:
         prompts = _prompts(48)
         params = build.sampling_params(cfg, eos_token_id=0)
-        out: list = []
-        t = threading.Thread(target=lambda: out.append(fleet.generate(prompts, params, 4)))
-        t.start()
-        victim = fleet.members[1]
-        _busy(victim)
-        os.kill(victim.handle.pid, signal.SIGKILL)
-        t.join(timeout=300)
-        groups = out[0].groups
+        groups = _signal_mid_generate(fleet, prompts, params, 1, signal.SIGKILL).groups
         assert [g.prompt.text for g in groups] == [p.text for p in prompts]  # once, in order
         assert all(g.n == 4 for g in groups)
         rows = _events(tmp_path)
@@ -134,15 +139,9 @@ def test_sigterm_drains_a_worker_and_it_comes_back_synced(tmp_path):
     try:
         prompts = _prompts(32)
         params = build.sampling_params(cfg, eos_token_id=0)
-        out: list = []
-        t = threading.Thread(target=lambda: out.append(fleet.generate(prompts, params, 4)))
-        t.start()
-        victim = fleet.members[0]
-        old = victim.handle
-        _busy(victim)
-        os.kill(old.pid, signal.SIGTERM)
-        t.join(timeout=300)
-        assert [g.prompt.text for g in out[0].groups] == [p.text for p in prompts]
+        old = fleet.members[0].handle
+        out = _signal_mid_generate(fleet, prompts, params, 0, signal.SIGTERM)
+        assert [g.prompt.text for g in out.groups] == [p.text for p in prompts]
         # it finished its running call, then left on its own; the handle's pipe reader reaps
         # it too, and a join racing that reap can return before the exit code is recorded
         deadline = time.monotonic() + 60
