@@ -20,6 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from rlpost.rollout.protocol import SamplingParams, sample_tokens
+from rlpost.train.batch import keeps_logits
 from rlpost.types import Completion
 
 
@@ -94,7 +95,12 @@ class HFEngine:
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         out = self.model(
-            input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=pos,
+            cache=cache,
+            use_cache=True,
+            **({"logits_to_keep": 1} if keeps_logits(self.model) else {}),
         )
         logits = out.logits[:, -1, :]
         if self.share_prefix and n > 1:

@@ -8,6 +8,7 @@ width T, concatenated into ``input_ids [B, P + T]``. The logits at positions
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -108,16 +109,35 @@ def collate(completions: list[Completion], scores: list[float], pad_id: int) -> 
     )
 
 
+def keeps_logits(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s forward takes ``logits_to_keep`` (transformers' causal LMs do)."""
+    known = _KEEPS_LOGITS.get(type(model))
+    if known is None:
+        known = "logits_to_keep" in inspect.signature(model.forward).parameters
+        _KEEPS_LOGITS[type(model)] = known
+    return known
+
+
+_KEEPS_LOGITS: dict[type, bool] = {}
+
+
 def response_logits(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
-    """Logits [B, T, V] that predict the response tokens."""
+    """Logits [B, T, V] that predict the response tokens.
+
+    The LM head runs on the last ``T + 1`` positions only where the model allows
+    it: the prompt's logits are never used, and with a large vocabulary and long
+    prompts they are most of the head's FLOPs and of the activation memory (the
+    forward's [B, P + T, V] logits and their gradient)."""
+    T = batch.responses.shape[1]
+    extra = {"logits_to_keep": T + 1} if keeps_logits(model) else {}
     out = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
         use_cache=False,
+        **extra,
     )
-    P = batch.prompt_width
-    return out.logits[:, P - 1 : -1, :]
+    return out.logits[:, -(T + 1) : -1, :]
 
 
 def token_logprobs(
