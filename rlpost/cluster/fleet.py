@@ -96,11 +96,16 @@ class RolloutFleet:
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * size), thread_name_prefix="fleet")
         self.members: list[Member] = []
-        try:
-            handles = list(self._pool.map(lambda i: spawner.start(i), range(size)))
-        except Exception:
+        starts = [self._pool.submit(spawner.start, i) for i in range(size)]
+        wait(starts)
+        failed = [f.exception() for f in starts if f.exception() is not None]
+        if failed:  # the ones that did start are stopped: nothing outlives a failed start
+            for f in starts:
+                if f.exception() is None:
+                    self._stop_quietly(f.result())
             self._pool.shutdown(wait=False)
-            raise
+            raise failed[0]
+        handles = [f.result() for f in starts]
         for i, handle in enumerate(handles):
             self.members.append(Member(i, handle, WorkerHealth(self.policy, clock)))
             self._log(self.members[-1])
@@ -150,7 +155,7 @@ class RolloutFleet:
             workers = self._await_serving()
             chunks = _split(todo, len(workers))
             todo = []
-            running: dict[Future, tuple[Member, Chunk]] = {}
+            running: dict[Future, tuple[Member, Chunk, Any]] = {}
             with self._lock:
                 floor = self._version if self._latest is not None else None
             for k, chunk in enumerate(chunks):
@@ -165,41 +170,46 @@ class RolloutFleet:
                     last=last,
                     min_version=floor,
                 )
-                running[fut] = (m, chunk)
+                running[fut] = (m, chunk, m.handle)
             while running:
                 finished, _ = wait(list(running), timeout=1.0, return_when=FIRST_COMPLETED)
                 for fut in finished:
-                    m, chunk = running.pop(fut)
+                    m, chunk, handle = running.pop(fut)
                     try:
                         result = fut.result()
                     except Exception as exc:  # re-sent below; a real bug fails twice and is raised
-                        if BEHIND in str(exc):  # restarted behind our back: sync, then serve
+                        why = str(exc)
+                        if handle is not m.handle or DRAINING in why:
+                            # a replaced worker's call, or a refusal after a preemption notice:
+                            # nothing wrong with the share; it goes to another worker
+                            self._failed(m, exc, handle)
+                        elif BEHIND in why:  # restarted behind our back: sync, then serve
                             self._behind(m, exc)
-                            todo.append(chunk)
-                            continue
-                        chunk.failures.append(_one_line(exc))
-                        self._failed(m, exc)
-                        if len(chunk.failures) >= 2 and not _is_loss(exc, self.spawner, m):
-                            raise WorkerLost(
-                                f"rollout failed on two workers: {chunk.failures[-1]}", "rollout"
-                            ) from exc
+                        else:
+                            chunk.failures.append(_one_line(exc))
+                            self._failed(m, exc, handle)
+                            if len(chunk.failures) >= 2 and not _is_loss(self.spawner, handle):
+                                raise WorkerLost(
+                                    f"rollout failed on two workers: {chunk.failures[-1]}",
+                                    "rollout",
+                                ) from exc
                         todo.append(chunk)
                         continue
                     with self._lock:
-                        m.health.succeeded()
+                        if handle is m.handle:
+                            m.health.succeeded()
+                            self._log(m)
                         m.served += len(chunk.prompts)
-                        self._log(m)
                     done[chunk.start] = result.groups
                     stats.append(result.stats)
-                for fut, (m, chunk) in list(running.items()):
+                for fut, (m, chunk, handle) in list(running.items()):
                     with self._lock:
-                        state = m.health.check()
+                        state = m.health.check() if handle is m.handle else State.DEAD
                         self._log(m)
                     if state is State.DEAD:  # silent too long: abandon it, re-send its share
                         running.pop(fut)
                         chunk.failures.append("no reply")
-                        self.spawner.stop(m.handle)
-                        self._restart_later(m)
+                        self._restart_later(m, stop_old=True)  # stopping it may take a while
                         todo.append(chunk)
         groups = [g for start in sorted(done) for g in done[start]]
         return RolloutResult(groups, _merge_stats(stats))
@@ -234,13 +244,18 @@ class RolloutFleet:
             for m, e in zip(self.members, last, strict=True)
         )
 
-    def _failed(self, m: Member, exc: BaseException) -> None:
+    def _failed(self, m: Member, exc: BaseException, handle: Any = None) -> None:
+        """Record a failed call of ``m`` (made on ``handle``: a report about a worker that has
+        since been replaced changes nothing)."""
         why = _one_line(exc)
+        handle = m.handle if handle is None else handle
         with self._lock:
+            if handle is not m.handle:
+                return
             if DRAINING in why:
                 m.health.drain(why)
                 m.health.drained()
-            elif _is_loss(exc, self.spawner, m):
+            elif _is_loss(self.spawner, handle):
                 m.health.lost(why)
             else:
                 m.health.failed(why)
@@ -259,37 +274,56 @@ class RolloutFleet:
 
     # ---------------------------------------------------------------- restarts
 
-    def _restart_later(self, m: Member) -> None:
+    def _restart_later(self, m: Member, *, stop_old: bool = False) -> None:
+        """Restart ``m`` in a thread of its own (``stop_old``: stop its silent worker first)."""
         with self._lock:
             if m.restarting or self._closed:
                 return
             m.restarting = True
         threading.Thread(
-            target=self._restart, args=(m,), name=f"fleet-restart-{m.index}", daemon=True
+            target=self._restart, args=(m, stop_old), name=f"fleet-restart-{m.index}", daemon=True
         ).start()
 
-    def _restart(self, m: Member) -> None:
+    def _stop_quietly(self, handle: Any) -> None:
         try:
+            self.spawner.stop(handle)
+        except Exception:  # stopping a worker that is already gone: nothing left to release
+            return
+
+    def _restart(self, m: Member, stop_old: bool = False) -> None:
+        try:
+            if stop_old:
+                self._stop_quietly(m.handle)
             while True:
                 with self._lock:
                     if self._closed or m.health.state is not State.DEAD:
                         return
+                    old = m.handle
                     if not m.health.begin_restart():
                         self._log(m)
-                        return
-                    self._log(m)
-                    old = m.handle
+                        spent = True
+                    else:
+                        self._log(m)
+                        spent = False
+                if spent:  # retired: its worker, if still running, is stopped
+                    self._stop_quietly(old)
+                    return
                 try:
                     handle = self.spawner.start(m.index, old)
                 except Exception as exc:
                     with self._lock:
-                        m.health.lost(f"restart failed: {_one_line(exc)}")
+                        m.health.restart_failed(f"restart failed: {_one_line(exc)}")
                         self._log(m)
                     continue
                 with self._lock:
-                    m.handle = handle
-                    m.health.started()
-                    self._log(m)
+                    wanted = not self._closed and m.health.state is State.RESTARTING
+                    if wanted:
+                        m.handle = handle
+                        m.health.started()
+                        self._log(m)
+                if not wanted:  # closed or scaled down while it started: not needed
+                    self._stop_quietly(handle)
+                    return
                 if self._admit(m):
                     return
         finally:
@@ -298,10 +332,13 @@ class RolloutFleet:
                 self._lock.notify_all()
 
     def _admit(self, m: Member) -> bool:
-        """Full weight sync until the worker reports the newest version; then it serves."""
+        """Full weight sync until the worker reports the newest version; then it serves (True).
+        A failed sync is tried again until the failures make the worker dead (False)."""
         while True:
             with self._lock:
-                latest = self._latest
+                latest, handle = self._latest, m.handle
+                if m.health.state is not State.STALE or self._closed:
+                    return m.health.state is State.HEALTHY
             if latest is None:  # nothing pushed yet: the first load_weights admits it
                 with self._lock:
                     if self._latest is None:
@@ -309,18 +346,18 @@ class RolloutFleet:
                 continue
             tensors, version = latest
             try:
-                m.handle.load_weights(tensors, version)
-                reported = int(m.handle.version())
+                handle.load_weights(tensors, version)
+                reported = int(handle.version())
             except Exception as exc:
-                self._failed(m, exc)
-                return m.health.state is not State.DEAD
+                self._failed(m, exc, handle)
+                continue  # still stale: once more; dead: the loop's check returns False
             with self._lock:
                 if self._latest is not None and self._latest[1] != version:
                     continue  # newer weights arrived during the sync: send those
                 m.health.synced(reported, version)
                 self._log(m, current=version)
                 self._lock.notify_all()
-                return True
+                return m.health.state is State.HEALTHY
 
     # ---------------------------------------------------------------- weights
 
@@ -345,21 +382,28 @@ class RolloutFleet:
             )
 
     def _push(self, m: Member, tensors: list, version: int) -> None:
+        handle = m.handle
         try:
-            m.handle.load_weights(tensors, version)
-            reported = int(m.handle.version())
+            handle.load_weights(tensors, version)
+            reported = int(handle.version())
         except Exception as exc:
             with self._lock:
+                if handle is not m.handle:
+                    return  # replaced meanwhile: its restart syncs the new one
                 m.health.missed(version, _one_line(exc))
-            self._failed(m, exc)
+            self._failed(m, exc, handle)
             if m.health.state is State.STALE:  # still there: a full sync readmits it
                 self._resync_later(m)
             return
         with self._lock:
+            if handle is not m.handle:
+                return
             if m.health.state is State.STALE:
                 m.health.synced(reported, version)
             elif reported != version:
                 m.health.missed(version, f"reports version {reported}")
+            else:
+                m.health.responded(f"took version {version}")
             self._log(m, current=version)
             self._lock.notify_all()
 
@@ -374,13 +418,17 @@ class RolloutFleet:
         ).start()
 
     def _admit_marked(self, m: Member) -> None:
-        """:meth:`_admit` for a worker marked ``restarting``; the mark goes when it is done."""
+        """:meth:`_admit` for a worker marked ``restarting``; the mark goes when it is done,
+        and a worker that died during the sync is restarted."""
         try:
             self._admit(m)
         finally:
             with self._lock:
                 m.restarting = False
+                dead = m.health.state is State.DEAD
                 self._lock.notify_all()
+            if dead:
+                self._restart_later(m)
 
     def version(self) -> int:
         return self._version
@@ -545,9 +593,9 @@ def _split(chunks: list[Chunk], parts: int) -> list[Chunk]:
     return out
 
 
-def _is_loss(exc: BaseException, spawner: Spawner, m: Member) -> bool:
+def _is_loss(spawner: Spawner, handle: Any) -> bool:
     try:
-        return not spawner.alive(m.handle)
+        return not spawner.alive(handle)
     except Exception:  # cannot even ask: treat as gone
         return True
 

@@ -113,6 +113,8 @@ class WorkerHealth:
         if state not in ALLOWED[self.state]:
             raise IllegalTransition(f"{self.state.value} -> {state.value} ({why})")
         self.state = state
+        if state not in (State.HEALTHY, State.SUSPECT):
+            self.busy_since = None  # its calls are over: a later one is timed from its start
         self.history.append(Event(self.clock(), state, why))
 
     def call_started(self) -> None:
@@ -125,6 +127,13 @@ class WorkerHealth:
         self.failures = 0
         if self.state is State.SUSPECT:
             self._to(State.HEALTHY, "replied")
+
+    def responded(self, why: str) -> None:
+        """It answered something other than a generate call (a weight push): responsive, but
+        a call still outstanding stays timed."""
+        self.failures = 0
+        if self.state is State.SUSPECT:
+            self._to(State.HEALTHY, why)
 
     def failed(self, why: str) -> None:
         """A call raised (the worker is still there): suspect, then dead after max_failures."""
@@ -140,8 +149,8 @@ class WorkerHealth:
     def lost(self, why: str) -> None:
         """The worker is gone (its process died, its actor is unreachable)."""
         self.busy_since = None
-        if self.state in (State.DEAD, State.RETIRED):
-            return
+        if self.state in (State.DEAD, State.RETIRED, State.RESTARTING):
+            return  # already known (a second report of the same loss)
         self._to(State.DEAD, why)
 
     def drain(self, why: str = "preemption notice") -> None:
@@ -174,6 +183,11 @@ class WorkerHealth:
         self.failures = 0
         self._to(State.RESTARTING, f"restart {self.restarts}/{self.policy.max_restarts}")
         return True
+
+    def restart_failed(self, why: str) -> None:
+        """The new worker did not come up: dead again (another restart, if any are left)."""
+        if self.state is State.RESTARTING:
+            self._to(State.DEAD, why)
 
     def started(self) -> None:
         """The restarted worker is up; it serves nothing before a full weight sync."""

@@ -25,6 +25,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
@@ -211,6 +212,10 @@ class ProcessWorker:
             fut.set_exception(WorkerError(f"{self.label} worker {why} during {name}", self.label))
 
     def call(self, name: str, *args, **kwargs) -> Any:
+        return self._call(name, args, kwargs).result()
+
+    def _call(self, name: str, args: tuple, kwargs: dict) -> Future:
+        """Send one call; its future holds the reply."""
         fut: Future = Future()
         with self._lock:
             if self._dead is not None:
@@ -228,7 +233,7 @@ class ProcessWorker:
                     f"{self.label} worker process exited (code {self._proc.exitcode}) during {name}",
                     self.label,
                 ) from None
-        return fut.result()
+        return fut
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
@@ -248,12 +253,15 @@ class ProcessWorker:
         return self._proc.pid
 
     def close(self) -> None:
+        """Ask the child to finish its running calls and exit; kill it when it has not within
+        the close timeout (a hung call never holds a close up longer)."""
         if self._proc.is_alive() and self._dead is None:
+            deadline = time.monotonic() + self._close_timeout_s
             try:
-                self.call("close")
-            except (WorkerError, OSError, EOFError):
-                pass  # closing a worker that already failed: nothing left to release
-            self._proc.join(timeout=self._close_timeout_s)
+                self._call("close", (), {}).result(timeout=self._close_timeout_s)
+            except (WorkerError, OSError, EOFError, FutureTimeout):
+                pass  # a worker that failed or hangs: killed below
+            self._proc.join(timeout=max(0.0, deadline - time.monotonic()))
         if self._proc.is_alive():
             self._proc.kill()
         self._proc.join(timeout=10)

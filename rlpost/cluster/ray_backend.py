@@ -360,12 +360,23 @@ class RaySpawner:
                 f"{c.placement_timeout_s:g} s"
             )
         self.extra_groups.append(pg)
+        self.placement.groups.append(pg)  # removed with the others when the workers close
         self.placement.rollout.append((pg, 0))
         return pg, 0
 
+    def _leaving(self, old: RayWorker) -> bool:
+        """The actor is draining after a preemption notice, or cannot be asked."""
+        try:
+            return bool(self.ray.get(old.actor.notice.remote(), timeout=10))
+        except Exception:  # gone or unreachable: Ray's restart is what to wait for
+            return True
+
     def start(self, index: int, old: RayWorker | None = None) -> RayWorker:
         c = self.cfg.cluster
-        if old is not None:
+        if old is not None and old.lost is None and not self._leaving(old):
+            # its calls failed while its actor lived (a broken engine): a new actor, not it
+            self.ray.kill(old.actor, no_restart=True)
+        elif old is not None:  # lost or draining: Ray restarts it in its bundle
             deadline = time.monotonic() + c.start_timeout_s
             from ray.exceptions import ActorDiedError, RayActorError
 
