@@ -462,7 +462,7 @@ def build_trainer_worker(cfg: Config, model, tokenizer, dp: DPSpec | None = None
         from rlpost.train.dp import DataParallel, init_group
 
         init_group(dp, timeout_s=cfg.cluster.start_timeout_s)
-        group = DataParallel(dp)
+        group = DataParallel(dp, device=device)
         return TrainerWorker(build_trainer(cfg, model, group), tokenizer, dp=group)
     model.to(run_device(cfg))
     critic = build_critic(cfg, model)

@@ -25,6 +25,7 @@ outputs are dropped.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import socket
 from collections.abc import Callable
@@ -166,9 +167,12 @@ def resharded(model: nn.Module) -> nn.Module:
 class DataParallel:
     """This rank's view of its group: which rows it takes, and the sums and gathers."""
 
-    def __init__(self, spec: DPSpec) -> None:
+    def __init__(self, spec: DPSpec, device: torch.device | None = None) -> None:
         self.spec = spec
         self.rank, self.world = spec.rank, spec.world
+        # this rank's device, named explicitly: calls arrive on threads whose current CUDA
+        # device is not the one set at start (it is per thread)
+        self.device = device if device is not None else torch.device("cpu")
 
     # ------------------------------------------------------------- rows
 
@@ -223,12 +227,19 @@ class DataParallel:
     def sum_floats(self, values: dict[str, float]) -> dict[str, float]:
         """Each value summed over the ranks; a key a rank lacks counts 0 there."""
         names: list[list[str]] = [[] for _ in range(self.world)]
-        dist.all_gather_object(names, sorted(values))
+        with self._on_device():  # nccl moves the objects through the current device
+            dist.all_gather_object(names, sorted(values))
         keys = sorted(set().union(*names))
-        device = "cuda" if self.spec.backend == "nccl" else "cpu"
-        t = torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64, device=device)
+        t = torch.tensor(
+            [values.get(k, 0.0) for k in keys], dtype=torch.float64, device=self.device
+        )
         dist.all_reduce(t)
         return dict(zip(keys, t.tolist(), strict=True))
+
+    def _on_device(self):
+        if self.device.type == "cuda":
+            return torch.cuda.device(self.device)
+        return contextlib.nullcontext()
 
     def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the ranks, in place; returned."""

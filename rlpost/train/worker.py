@@ -151,7 +151,9 @@ class TrainerWorker:
         if self.dp is not None:
             from rlpost.train.dp import full_parameters
 
-            whole = full_parameters(self.trainer.model)
+            whole = full_parameters(self.trainer.model)  # a collective: every rank takes part
+            if self.dp.rank != 0:  # the group returns rank 0's; the others send nothing back
+                return WeightsExport(self._version, [])
             return WeightsExport(self._version, [(n, t.cpu()) for n, t in whole])
         # .cpu() is the tensor itself on CPU (no copy); a GPU trainer exports CPU copies.
         tensors = [(n, p.detach().cpu()) for n, p in self.trainer.model.named_parameters()]
