@@ -359,9 +359,28 @@ class MultiTurnRollout:
                 result = StepResult(f"error: {type(exc).__name__}: {line}", error=True)
         return result, time.perf_counter() - t0
 
+    def _wrapped_ids(self, output: str) -> list[int]:
+        """The tokens of ``output`` in the format's wrapper, at most ``max_tool_tokens``: the
+        output is cut, never the wrapper (a cut closing tag, or a chat template's
+        turn markers, would leave the next policy turn inside the tool message)."""
+
+        def encode(text: str) -> list[int]:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+        ids = encode(self.fmt.observation_text(output))
+        if len(ids) <= self.max_tool_tokens:
+            return ids
+        room = max(0, self.max_tool_tokens - len(encode(self.fmt.observation_text(""))))
+        kept = encode(output)[:room]
+        while True:  # merges across the seams can add a token or two: cut until it fits
+            cut = self.tokenizer.decode(kept, skip_special_tokens=True)
+            ids = encode(self.fmt.observation_text(cut))
+            if len(ids) <= self.max_tool_tokens or not kept:
+                return ids  # (a wrapper longer than the limit is kept whole)
+            kept = kept[: -max(1, len(ids) - self.max_tool_tokens)]
+
     def _append_answer(self, ep: _Live, observation: str, params) -> None:
-        text = self.fmt.observation_text(str(observation)[: self.max_output_chars])
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: self.max_tool_tokens]
+        ids = self._wrapped_ids(str(observation)[: self.max_output_chars])
         ids = ids[: params.max_tokens - len(ep.tokens)]
         start = len(ep.tokens)
         ep.tokens += ids

@@ -222,3 +222,16 @@ def test_a_calling_turn_stops_where_its_call_closes(tok):
     rollout = MultiTurnRollout(policy, tok, {"add": lambda a: "5"})
     rollout.generate([_encode(tok, "Q: ")], SamplingParams(max_tokens=60), n=1)
     assert asked == [("</add>",), ("</add>",)]  # every turn may call, so every turn may stop
+
+
+def test_a_long_tool_answer_is_cut_inside_its_wrapper(tok):
+    """The output is cut to fit max_tool_tokens; the closing tag stays, so the next policy
+    turn starts after the tool's message, not inside it."""
+    policy = ScriptedPolicy(tok, ["<add>1,2</add>", "It is 3."])
+    tools = {"add": lambda args: "y" * 300}
+    rollout = MultiTurnRollout(policy, tok, tools, max_tool_tokens=20)
+    (c,) = rollout.generate([_encode(tok, "Q: ")], SamplingParams(max_tokens=200))
+    env = [t for t in c.episode.turns if t.role == "env"][0]
+    assert env.end - env.start <= 20
+    assert env.text.startswith("<result>y") and env.text.endswith("</result>")
+    assert c.text.endswith("</result>It is 3.")
