@@ -954,12 +954,29 @@ def find_combination_problems(cfg: Config) -> list[str]:
                 "distribution, not the policy's; sample with top_p=1 and top_k=-1 or set "
                 "algo.old_logprobs=trainer"
             )
-        if cfg.algo.rollout_correction.name != "none":
+        a = cfg.algo
+        one = {
+            f"algo.rollout_correction.name={a.rollout_correction.name}": (
+                a.rollout_correction.name != "none"
+            ),
+            f"algo.loss_params.tis_cap={a.loss_params.tis_cap}": a.loss_params.tis_cap is not None,
+            "algo.policy_loss=flash_reinforce": a.policy_loss == "flash_reinforce",
+        }
+        for key in (k for k, bad in one.items() if bad):
             out.append(
-                f"algo.old_logprobs=rollout with algo.rollout_correction.name="
-                f"{cfg.algo.rollout_correction.name}: the ratio is already against the "
-                "engine's logprobs, so the correction's weight is always 1; set one of them "
-                "to its default"
+                f"algo.old_logprobs=rollout with {key}: the ratio is already against the "
+                "engine's logprobs, so the engine/trainer weight is always 1; use "
+                "algo.old_logprobs=trainer"
+            )
+        differs = {
+            f"model.dtype={cfg.model.dtype}": cfg.model.dtype == "bfloat16",
+            f"sync.codec={cfg.sync.codec}": cfg.sync.codec != "none",
+        }
+        for key in (k for k, bad in differs.items() if bad):
+            out.append(
+                f"algo.old_logprobs=rollout with {key}: the engine serves other numbers than "
+                "the trainer's, so its logprobs are not the policy's; use "
+                "algo.old_logprobs=trainer"
             )
     if r.engine == "vllm" and cfg.model.path is None:
         out.append("rollout.engine=vllm needs model.path (a local HF checkpoint vLLM can load)")

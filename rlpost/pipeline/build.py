@@ -95,6 +95,21 @@ def check_names(cfg: Config) -> None:
             env_factory(cfg.agent.env, cfg.agent.params)
         except EnvError as exc:
             raise ConfigError(f"config agent.env: {exc}") from None
+    if a.old_logprobs == "rollout" and bf16_compute(cfg):  # model.dtype=auto, resolved here
+        raise ConfigError(
+            f"algo.old_logprobs=rollout with model.dtype={cfg.model.dtype} (bf16 on this CPU): "
+            "the engine's bf16 logprobs are not the trainer's; use algo.old_logprobs=trainer "
+            "or model.dtype=float32"
+        )
+    if ADVANTAGES.trait(a.advantage, "needs_components") and (
+        a.kl.placement == "reward" or cfg.agent.env is not None
+    ):
+        why = "algo.kl.placement=reward" if a.kl.placement == "reward" else "agent.env"
+        raise ConfigError(
+            f"algo.advantage={a.advantage} with {why}: it normalises the reward terms' "
+            "outcome scores and would drop the per-token rewards (the KL penalty, an "
+            "environment's turn rewards); use another estimator or algo.kl.placement=loss"
+        )
     check_data_parallel(cfg)
     if cfg.cluster.backend != "ray":  # Ray workers resolve the device where they run
         run_device(cfg)
@@ -368,7 +383,7 @@ def build_trainer(cfg: Config, model, dp=None) -> PolicyTrainer:
     if dp is not None:
         from rlpost.train.dp import shard_model
 
-        bf16 = cfg.model.dtype == "bfloat16"
+        bf16 = bf16_compute(cfg)
         shard_model(model, bf16=bf16)
         if ref is not None:
             shard_model(ref, bf16=bf16, trainable=False)

@@ -124,3 +124,34 @@ def test_engine_serves_the_policy_memory_only_when_every_sync_writes_the_same_va
     engine.load_weights([(name, p.detach())], version=1)
     assert torch.equal(served[name].float(), p.detach().to(served[name].dtype).float())
     assert p.data_ptr() != served[name].data_ptr() or torch.equal(p.detach(), before + 1.0)
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"algo.kl.placement": "reward"}, "algo.kl.placement=reward"),
+        ({"agent.env": "calc"}, "agent.env"),
+    ],
+)
+def test_gdpo_refuses_what_would_drop_per_token_rewards(tmp_path, extra, named):
+    from rlpost.config import ConfigError
+
+    over = {"algo.advantage": "gdpo", **extra}
+    cfg = load_config(None, [f"run.output_dir={tmp_path}", *[f"{k}={v}" for k, v in over.items()]])
+    with pytest.raises(ConfigError) as err:
+        check_names(cfg)
+    assert named in str(err.value) and "\n" not in str(err.value)
+
+
+def test_rollout_logprobs_refuse_bf16_that_auto_resolves_to(tmp_path, monkeypatch):
+    from rlpost.config import ConfigError
+    from rlpost.pipeline import build
+
+    cfg = load_config(
+        None, [f"run.output_dir={tmp_path}", "algo.old_logprobs=rollout", "model.dtype=auto"]
+    )
+    monkeypatch.setattr(build, "cpu_bf16_native", lambda: False)
+    check_names(cfg)  # fp32 here: accepted
+    monkeypatch.setattr(build, "cpu_bf16_native", lambda: True)
+    with pytest.raises(ConfigError, match="model.dtype=auto"):
+        check_names(cfg)

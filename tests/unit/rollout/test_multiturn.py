@@ -231,7 +231,7 @@ def test_a_long_tool_answer_is_cut_inside_its_wrapper(tok):
     tools = {"add": lambda args: "y" * 300}
     rollout = MultiTurnRollout(policy, tok, tools, max_tool_tokens=20)
     (c,) = rollout.generate([_encode(tok, "Q: ")], SamplingParams(max_tokens=200))
-    env = [t for t in c.episode.turns if t.role == "env"][0]
+    env = next(t for t in c.episode.turns if t.role == "env")
     assert env.end - env.start <= 20
     assert env.text.startswith("<result>y") and env.text.endswith("</result>")
     assert c.text.endswith("</result>It is 3.")
