@@ -69,8 +69,17 @@ class TagFormat:
             self._patterns[tools] = re.compile(out, re.S)
         return self._patterns[tools]
 
+    def check(self, tools: tuple[str, ...]) -> None:
+        """Raise EnvError now if the call template cannot name these tools (not at the first
+        policy turn of a run)."""
+        if tools:
+            self._pattern(tools)
+
     def find_call(self, text: str, tools: tuple[str, ...]) -> tuple[int, ToolCall] | None:
-        """(end of the first complete call in ``text``, the call), or None."""
+        """(end of the first complete call in ``text``, the call), or None (always, for an
+        environment without tools)."""
+        if not tools:
+            return None
         m = self._pattern(tools).search(text)
         if m is None:
             return None
@@ -126,8 +135,11 @@ class ChatTemplateFormat:
         tail = tail[len(self.eos) :] if self.eos and tail.startswith(self.eos) else tail
         self.prefix, self.suffix = (tail + full[len(base) :]).split(_MARK)
 
+    def check(self, tools: tuple[str, ...]) -> None:
+        """Any tool names work in this format (an unknown one is answered with an error)."""
+
     def find_call(self, text: str, tools: tuple[str, ...]) -> tuple[int, ToolCall] | None:
-        m = self._CALL.search(text)
+        m = self._CALL.search(text) if tools else None
         if m is None:
             return None
         try:

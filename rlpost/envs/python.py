@@ -14,7 +14,14 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from rlpost.envs.base import Action, Demonstration, StepResult, ToolCall, environment
+from rlpost.envs.base import (
+    Action,
+    Demonstration,
+    EnvError,
+    StepResult,
+    ToolCall,
+    environment,
+)
 from rlpost.types import Prompt
 
 
@@ -25,7 +32,13 @@ class PythonSandbox:
     tools = ("python",)
 
     def __init__(self, *, sandbox: dict[str, Any] | None = None, pass_reward: float = 0.0) -> None:
-        self.sandbox = dict(sandbox or {})
+        from rlpost.rewards.sandbox import SandboxConfig
+
+        try:  # checked here, at load: a bad key would otherwise fail every call of the run
+            self.config = SandboxConfig(**sandbox) if sandbox else None
+        except (TypeError, ValueError) as exc:
+            line = (str(exc).strip().splitlines() or [""])[0]
+            raise EnvError(f"python sandbox={sandbox!r}: {line}") from None
         self.pass_reward = pass_reward  # per call, times the fraction of tests passed
 
     def reset(self, prompt: Prompt) -> None:
@@ -34,14 +47,9 @@ class PythonSandbox:
     def step(self, action: Action) -> StepResult:
         if action.call is None:
             return StepResult(done=True)
-        from rlpost.rewards.sandbox import (
-            SandboxConfig,
-            SandboxUnavailable,
-            run_code,
-            run_python_tests,
-        )
+        from rlpost.rewards.sandbox import SandboxUnavailable, run_code, run_python_tests
 
-        config = SandboxConfig(**self.sandbox) if self.sandbox else None
+        config = self.config
         code = action.call.arguments
         try:
             if not self.tests:

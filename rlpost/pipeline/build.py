@@ -28,7 +28,7 @@ from rlpost.data.code import code_splits
 from rlpost.data.render import prepare_prompts
 from rlpost.envs.base import EnvError
 from rlpost.envs.catalog import env_factory
-from rlpost.envs.formats import build_format, demonstration_completion
+from rlpost.envs.formats import TagFormat, build_format, demonstration_completion
 from rlpost.models.loading import context_length, frozen_copy, load_policy, load_tokenizer
 from rlpost.models.tiny import build_char_tokenizer
 from rlpost.observe.mfu import cpu_bf16_native
@@ -92,7 +92,10 @@ def check_names(cfg: Config) -> None:
         raise ConfigError(f"config reward.terms: {exc}") from None
     if cfg.agent.env is not None:
         try:
-            env_factory(cfg.agent.env, cfg.agent.params)
+            make_env = env_factory(cfg.agent.env, cfg.agent.params)
+            if cfg.agent.format == "tags":  # (the other formats need the tokenizer)
+                tags = TagFormat(cfg.agent.call_template, cfg.agent.result_template)
+                tags.check(tuple(make_env().tools))
         except EnvError as exc:
             raise ConfigError(f"config agent.env: {exc}") from None
     if a.old_logprobs == "rollout" and bf16_compute(cfg):  # model.dtype=auto, resolved here
@@ -527,6 +530,7 @@ def build_agent(cfg: Config, engine, tokenizer) -> MultiTurnRollout | None:
     try:
         make_env = env_factory(a.env, a.params)
         fmt = agent_format(cfg, tokenizer)
+        fmt.check(tuple(make_env().tools))
     except EnvError as exc:
         raise ConfigError(f"config agent: {exc}") from None
     return MultiTurnRollout(

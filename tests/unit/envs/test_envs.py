@@ -200,3 +200,51 @@ def test_a_run_with_a_bad_environment_is_refused_before_any_work(tmp_path, capsy
         err = capsys.readouterr().err.strip()
         assert why in err and len(err.splitlines()) == 1
     assert not any(tmp_path.iterdir())  # refused before any work: nothing was written
+
+
+@pytest.mark.parametrize(
+    ("sandbox", "named"), [({"timeout": 3}, "timeout"), ({"memory_mb": 10}, "memory_mb=10")]
+)
+def test_python_env_refuses_a_bad_sandbox_at_load(sandbox, named):
+    with pytest.raises(EnvError) as err:
+        env_factory("python", {"sandbox": sandbox})
+    assert named in str(err.value) and "\n" not in str(err.value)
+
+
+class TwoTools:
+    """An environment with two tools (a custom one, loaded by path)."""
+
+    tools = ("add", "mul")
+
+    def reset(self, prompt):
+        pass
+
+    def step(self, action):
+        return StepResult(done=True)
+
+
+class NoTools(TwoTools):
+    tools = ()
+
+
+def test_a_call_template_that_cannot_name_the_tools_is_refused_at_load(tmp_path):
+    from rlpost.config import ConfigError, load_config
+    from rlpost.pipeline.build import check_names
+
+    cfg = load_config(
+        None,
+        [
+            f"run.output_dir={tmp_path}",
+            "agent.env=tests.unit.envs.test_envs:TwoTools",
+            "agent.format=tags",
+            "agent.call_template=<call>{arguments}</call>",
+        ],
+    )
+    with pytest.raises(ConfigError, match=r"has no \{name\} but the environment has 2 tools"):
+        check_names(cfg)
+
+
+def test_an_environment_without_tools_never_sees_a_call():
+    tags = TagFormat()
+    tags.check(())
+    assert tags.find_call("<>x</> <add>1</add>", ()) is None
