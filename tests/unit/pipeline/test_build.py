@@ -153,5 +153,5 @@ def test_rollout_logprobs_refuse_bf16_that_auto_resolves_to(tmp_path, monkeypatc
     monkeypatch.setattr(build, "cpu_bf16_native", lambda: False)
     check_names(cfg)  # fp32 here: accepted
     monkeypatch.setattr(build, "cpu_bf16_native", lambda: True)
-    with pytest.raises(ConfigError, match="model.dtype=auto"):
+    with pytest.raises(ConfigError, match=r"model\.dtype=auto"):
         check_names(cfg)
