@@ -192,7 +192,7 @@ def optimal_token_baseline_advantages(
     ``optimal_token_baseline``; the optimal-baseline argument of OPO, arXiv
     2505.23585, per token). ``G_it`` is the reward-to-go. ``pi_is`` =
     ``exp(old_logprobs)``; ``sum_pi_squared [B, T]`` from the trainer's forward pass.
-    A row alone at a position gets advantage 0 there.
+    A row alone at a position has baseline 0 there (its advantage is its reward-to-go).
     Shapes: ``[B, T]`` tensors, group ``[B]`` -> ``(advantages, returns)`` ``[B, T]``.
     """
     _check(token_level_rewards, response_mask, group)
@@ -211,6 +211,10 @@ def optimal_token_baseline_advantages(
     index = inverse[:, None].expand(-1, width)
     numerator = zeros.scatter_add(0, index, returns * w_cum)[inverse]
     denominator = zeros.scatter_add(0, index, w_cum)[inverse]
-    adv = torch.where(m, returns - numerator / (denominator + eps), 0.0)
+    running = zeros.scatter_add(0, index, m.to(torch.float64))[inverse]
+    # a row alone at a position has no baseline there (verl: the unique longest row's
+    # baseline past the second-longest length is 0), so its reward-to-go is its advantage
+    baseline = torch.where(running > 1, numerator / (denominator + eps), 0.0)
+    adv = torch.where(m, returns - baseline, 0.0)
     dtype = token_level_rewards.dtype
     return adv.to(dtype), torch.where(m, returns, 0.0).to(dtype)

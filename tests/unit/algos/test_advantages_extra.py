@@ -122,7 +122,7 @@ def test_optimal_token_baseline_hand_computed():
         rewards, mask, torch.tensor([0, 0, 0, 1]), old_logprobs=old, sum_pi_squared=spsq
     )
     b0, b1 = 0.5 / 1.25, 1.0 / 2.25
-    want = torch.tensor([[1 - b0, 1 - b1], [-b0, -b1], [0.0, 0.0], [0.0, 0.0]])
+    want = torch.tensor([[1 - b0, 1 - b1], [-b0, -b1], [0.0, 0.0], [2.0, 2.0]])  # alone: A = G
     torch.testing.assert_close(adv, want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [2.0, 2.0]]))
 
@@ -154,7 +154,8 @@ def test_optimal_token_baseline_matches_loop():
             members = [j for j in range(B) if groups[j] == groups[i] and t < lengths[j]]
             num = sum(G[j][t] * W[j][t] for j in members)
             den = sum(W[j][t] for j in members) + 1e-8
-            assert adv[i, t].item() == pytest.approx(G[i][t] - num / den, abs=1e-5)
+            baseline = num / den if len(members) > 1 else 0.0  # alone: no baseline (verl)
+            assert adv[i, t].item() == pytest.approx(G[i][t] - baseline, abs=1e-5)
 
 
 def test_traits_announce_the_extra_inputs():
