@@ -154,13 +154,28 @@ def busy_cpus(before: list[int], after: list[int], cpus: int) -> float:
     return max(0.0, cpus * (1.0 - idle / total))
 
 
-def _cpu_times() -> list[int] | None:
+def _cpu_times(cpus: set[int] | None = None) -> list[int] | None:
+    """The jiffies of ``/proc/stat`` summed over ``cpus`` (its ``cpuN`` lines; None: every
+    CPU, its ``cpu`` line)."""
     try:
         with open("/proc/stat") as f:
-            first = f.readline().split()
+            lines = [line.split() for line in f if line.startswith("cpu")]
     except OSError:
         return None
-    return [int(x) for x in first[1:9]] if first and first[0] == "cpu" else None
+    if cpus is None:
+        rows = [x for x in lines if x[0] == "cpu"]
+    else:
+        rows = [x for x in lines if x[0][3:].isdigit() and int(x[0][3:]) in cpus]
+    if not rows:
+        return None
+    return [sum(int(x[k]) for x in rows) for k in range(1, 9)]
+
+
+def _allowed_cpus() -> set[int] | None:
+    try:
+        return set(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return None
 
 
 def _load(window_s: float = 0.3) -> float:
@@ -169,12 +184,14 @@ def _load(window_s: float = 0.3) -> float:
     Why not the 1-minute load average: it decays for a minute after work ends, so a
     run started right after another (a bench's next subprocess, a resumed run) took
     fewer threads than the idle machine had. Falls back to it off Linux."""
-    before = _cpu_times()
+    allowed = _allowed_cpus()  # only the CPUs this process may run on count
+    before = _cpu_times(allowed)
     if before is None:
         try:
             return os.getloadavg()[0]
         except OSError:  # no load average on this platform
             return 0.0
     time.sleep(window_s)
-    after = _cpu_times()
-    return busy_cpus(before, after, os.cpu_count() or 1) if after else 0.0
+    after = _cpu_times(allowed)
+    cpus = len(allowed) if allowed is not None else os.cpu_count() or 1
+    return busy_cpus(before, after, cpus) if after else 0.0

@@ -148,3 +148,13 @@ def test_busy_cpus_come_from_the_jiffies_spent_between_two_samples():
 def test_the_live_sample_reads_this_machine():
     busy = mfu_module._load(window_s=0.05)
     assert 0.0 <= busy <= (__import__("os").cpu_count() or 1) + 1e-6
+
+
+def test_cpu_times_sum_only_the_cpus_this_process_may_use():
+    every = mfu_module._cpu_times()
+    cpus = sorted(__import__("os").sched_getaffinity(0))
+    one = mfu_module._cpu_times({cpus[0]})
+    mine = mfu_module._cpu_times(set(cpus))
+    assert every is not None and one is not None and mine is not None
+    assert all(a <= b for a, b in zip(one, mine, strict=True))  # a subset spends no more
+    assert mfu_module._cpu_times({10**6}) is None  # no such CPU: nothing to read
