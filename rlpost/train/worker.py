@@ -257,19 +257,20 @@ class TrainerWorker:
         resumes on any number of workers."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
+            get_model_state_dict,
             get_optimizer_state_dict,
         )
 
-        from rlpost.train.dp import full_state_dict
+        from rlpost.train.dp import resharded
 
-        model, ref = self.trainer.model, self.trainer.ref_model
-        policy = full_state_dict(model)
-        ref_state = full_state_dict(ref) if ref is not None else None
-        optim = get_optimizer_state_dict(
-            model,
-            self.trainer.optimizer,
-            options=StateDictOptions(full_state_dict=True, cpu_offload=True),
-        )
+        # gathered into rank 0's memory only (the others take part and keep nothing)
+        to_rank0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model, ref = resharded(self.trainer.model), self.trainer.ref_model
+        policy = get_model_state_dict(model, options=to_rank0)
+        ref_state = None
+        if ref is not None:
+            ref_state = get_model_state_dict(resharded(ref), options=to_rank0)
+        optim = get_optimizer_state_dict(model, self.trainer.optimizer, options=to_rank0)
         if self.dp.rank == 0:
             _save_plain(model, policy, d / "model")
             self.tokenizer.save_pretrained(d / "model")
