@@ -6,24 +6,9 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from bench.bench_response_logits import FullHead as FullHeadOnly  # the head everywhere
 from rlpost.train.batch import collate, keeps_logits, response_logits, token_logprobs
 from rlpost.types import Completion
-
-
-class FullHeadOnly(torch.nn.Module):
-    """A causal LM whose forward has no ``logits_to_keep``."""
-
-    def __init__(self, inner: LlamaForCausalLM) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
-        return self.inner(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=use_cache,
-        )
 
 
 def _model(vocab: int = 512) -> LlamaForCausalLM:
