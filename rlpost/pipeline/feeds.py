@@ -86,6 +86,11 @@ class PromptSource:
         with self._lock:
             return list(self.pending)
 
+    def untaken(self) -> list[list[Prompt]]:
+        """Batches drawn but not yet taken by a finished rollout (one that failed part way)."""
+        with self._lock:
+            return list(self._drawn)
+
 
 @dataclass
 class Fed:
@@ -129,7 +134,9 @@ class SyncFeed:
         }
 
     def pending(self) -> list[list[Prompt]]:
-        return self.source.waiting()
+        """Batches drawn but not trained: a rollout that failed part way (a lost worker)
+        leaves its batch drawn, and a resume generates it first."""
+        return self.source.untaken() + self.source.waiting()
 
     def pause(self) -> None:
         """Nothing runs in the background: the engine already serves the newest weights."""

@@ -158,7 +158,9 @@ def train(
                 r.recorder.count_guard(action.guard)
                 step = _carry_out(r, action, step)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                r.feed.pause()  # the sampler's cursor and the batches ahead, as one snapshot
                 _save(r, step)
+                r.feed.resume()
         r.feed.close()
         final_eval = _full_eval(r, held_out)
         r.recorder.record(step, final_eval)

@@ -68,21 +68,47 @@ def save_checkpoint(
     tmp.mkdir(parents=True)
     write_parts(tmp)
     torch.save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
-    if out.exists():
-        shutil.rmtree(out)
+    replaced = None
+    if out.exists():  # the same step saved again: the old copy stays until the new is in place
+        replaced = root / f".step_{step}.old"
+        if replaced.exists():
+            shutil.rmtree(replaced)
+        out.rename(replaced)
     tmp.rename(out)
-    (root / "latest").write_text(out.name)
-    for old in sorted(root.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))[:-keep]:
+    marker = root / ".latest.tmp"
+    marker.write_text(out.name)
+    marker.replace(root / "latest")  # atomic: ``latest`` is always whole
+    if replaced is not None:
+        shutil.rmtree(replaced)
+    # the newest ``keep`` by step, this one always among them (after a rollback it may not
+    # be the highest step on disk)
+    others = sorted(
+        (p for p in _complete(root) if p != out), key=lambda p: _step_of(p), reverse=True
+    )
+    for old in others[max(0, keep - 1) :]:
         shutil.rmtree(old)
     return out
 
 
+def _step_of(path: Path) -> int:
+    return int(path.name.split("_")[1])
+
+
+def _complete(root: Path) -> list[Path]:
+    """The checkpoint directories under ``root`` that were renamed into place."""
+    return [p for p in root.glob("step_*") if p.is_dir() and p.name.split("_")[1].isdigit()]
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    marker = run_dir / "checkpoints" / "latest"
-    if not marker.is_file():
-        return None
-    path = run_dir / "checkpoints" / marker.read_text().strip()
-    return path if (path / "state.pt").is_file() else None
+    """The checkpoint ``latest`` names; without a usable marker, the highest complete step."""
+    root = run_dir / "checkpoints"
+    marker = root / "latest"
+    if marker.is_file():
+        path = root / marker.read_text().strip()
+        if marker.read_text().strip() and (path / "state.pt").is_file():
+            return path
+    done = [p for p in _complete(root) if (p / "state.pt").is_file()] if root.is_dir() else []
+    return max(done, key=_step_of) if done else None
 
 
 def load_state(ckpt: Path) -> dict[str, Any]:

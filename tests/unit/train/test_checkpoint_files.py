@@ -1,0 +1,51 @@
+"""Checkpoint files: a step saved twice keeps a complete copy at every moment, ``latest`` is
+replaced atomically, a broken marker falls back to the newest complete step, and pruning
+never removes the checkpoint just written."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlpost.train.checkpoint import latest_checkpoint, load_state, save_checkpoint
+
+
+def _parts(tag: str):
+    def write(d):
+        (d / "model.txt").write_text(tag)
+
+    return write
+
+
+def test_saving_a_step_again_replaces_it_whole(tmp_path):
+    save_checkpoint(tmp_path, 20, _parts("first"), {"x": 1}, keep=1)
+
+    def failing(d):
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        save_checkpoint(tmp_path, 20, failing, {"x": 2}, keep=1)  # a second save that fails
+    kept = latest_checkpoint(tmp_path)
+    assert kept is not None and (kept / "model.txt").read_text() == "first"
+    save_checkpoint(tmp_path, 20, _parts("second"), {"x": 3}, keep=1)
+    kept = latest_checkpoint(tmp_path)
+    assert (kept / "model.txt").read_text() == "second" and load_state(kept)["x"] == 3
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["latest", "step_20"]  # nothing half-written or replaced is left
+
+
+def test_a_broken_marker_falls_back_to_the_newest_complete_step(tmp_path):
+    for step in (100, 200):
+        save_checkpoint(tmp_path, step, _parts(str(step)), {}, keep=3)
+    (tmp_path / "checkpoints" / "latest").write_text("")  # torn
+    assert latest_checkpoint(tmp_path).name == "step_200"
+    (tmp_path / "checkpoints" / "latest").write_text("step_999")  # names nothing
+    assert latest_checkpoint(tmp_path).name == "step_200"
+
+
+def test_pruning_keeps_the_checkpoint_just_written(tmp_path):
+    for step in (100, 200):
+        save_checkpoint(tmp_path, step, _parts(str(step)), {}, keep=2)
+    out = save_checkpoint(tmp_path, 20, _parts("20"), {}, keep=2)  # after a rollback
+    assert out.is_dir() and latest_checkpoint(tmp_path) == out
+    left = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert left == ["step_20", "step_200"]
