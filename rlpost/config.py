@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
@@ -40,7 +47,8 @@ class RunConfig(Section):
     output_dir: str = "runs"
     """Parent directory of run directories."""
     name: str = "grpo_arith"
-    """Run name; the run directory is ``output_dir/name``."""
+    """Run name; the run directory is ``output_dir/name`` (one path part: not empty, ``.`` or
+    ``..``, no slash)."""
     overwrite: bool = False
     """Replace an existing run directory of the same name (its files are deleted); without it
     an existing run directory is refused (``--overwrite`` on the command line sets it)."""
@@ -60,8 +68,17 @@ class RunConfig(Section):
     peak RSS ~16% at ~25M parameters and cost 20-45% of the step time (docs/performance.md,
     Memory). Linux/glibc only; elsewhere it changes nothing."""
 
+    # ------------------------------------------------------------------------- model
 
-# ------------------------------------------------------------------------- model
+    @field_validator("name")
+    @classmethod
+    def _one_path_part(cls, name: str) -> str:
+        if name in ("", ".", "..") or "/" in name or "\\" in name:
+            raise ValueError(
+                f"run.name={name!r} must name one directory inside run.output_dir "
+                "(not empty, '.' or '..', no slash)"
+            )
+        return name
 
 
 class TinyModelConfig(Section):

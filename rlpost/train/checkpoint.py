@@ -37,6 +37,11 @@ def claim_run_dir(run_dir: Path, *, overwrite: bool, config_text: str) -> Path:
                 f"run directory {str(run_dir)!r} already exists; continue it with "
                 f"--resume {run_dir}, replace it with --overwrite, or choose another run.name"
             )
+        if not (run_dir / "config.yaml").is_file():  # only a run's directory is replaced
+            raise ConfigError(
+                f"run directory {str(run_dir)!r} holds files but no run (no config.yaml); "
+                "--overwrite replaces runs only: choose another run.name or move the files"
+            )
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config_text)

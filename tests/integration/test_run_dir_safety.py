@@ -86,3 +86,17 @@ def test_overwrite_replaces_the_run(tmp_path, old_run):
     assert main(["sft", *small_overrides(tmp_path, **{"sft.steps": 1}), "--overwrite"]) == 0
     assert not (old_run / "summary.json").exists()
     assert (old_run / "sft_model" / "config.json").stat().st_size > 2
+
+
+def test_overwrite_never_replaces_what_is_not_a_run(tmp_path, capsys):
+    """--overwrite on a directory without a run's config.yaml, or a run.name that would make
+    the run directory the output directory or its parent, deletes nothing."""
+    mine = tmp_path / "t"
+    (mine / "notes").mkdir(parents=True)
+    (mine / "notes" / "keep.txt").write_text("mine")
+    for name in ["t", "", "..", "."]:
+        over = [f"run.output_dir={tmp_path}", f"run.name={name}", "sft.steps=1"]
+        assert main(["sft", *over, "--overwrite"]) == 2, name
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "run" in err, (name, err)
+    assert (mine / "notes" / "keep.txt").read_text() == "mine"
