@@ -186,6 +186,9 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: deque[Ticket] = deque()
         self._weights: deque[_WeightUpdate] = deque()
+        # names an update wrote before it failed: until a later update rewrites them all the
+        # model holds a mix of two versions, and no request is admitted
+        self._mixed: set[str] = set()
         self._rows: list[_Seq] = []
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None
@@ -274,6 +277,8 @@ class Scheduler:
         vouches that the stream matches ``shapes`` and does not fail midway.
         """
         tensors = dict(named_tensors) if shapes is None else named_tensors
+        if not (shapes if shapes is not None else tensors):  # a version with nothing in it
+            raise ValueError(f"weights for version {version}: the update holds no tensor")
         for name, shape in (shapes or {k: t.shape for k, t in tensors.items()}).items():
             target = self._params.get(name)
             if target is None:
@@ -295,7 +300,16 @@ class Scheduler:
             self._weights.append(update)
             self._cond.notify_all()
         if not update.done.wait(timeout):
-            raise TimeoutError(f"weights for version {version} were not applied within {timeout} s")
+            with self._cond:
+                queued = update in self._weights
+                if queued:  # not started: withdrawn whole, nothing was written
+                    self._weights.remove(update)
+            if queued:
+                raise TimeoutError(
+                    f"weights for version {version} were not applied within {timeout} s"
+                )
+            # started: its tensors (a stream the caller owns) are read until it ends
+            update.done.wait()
         if update.error is not None:
             raise update.error
         return time.perf_counter() - start
@@ -307,6 +321,7 @@ class Scheduler:
             **self.counters,
             "active": len(self._rows),
             "waiting": waiting,
+            "weights_mixed": float(len(self._mixed)),  # > 0: serving paused until a full update
             "policy_version": self.version,
             "busy_seconds": self.busy_seconds,
             "uptime_seconds": time.monotonic() - self.started,
@@ -317,7 +332,9 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._stop or self._waiting or self._weights or self._rows):
+                while not (
+                    self._stop or (self._waiting and not self._mixed) or self._weights or self._rows
+                ):
                     self._cond.wait()
                 if self._stop:
                     break
@@ -327,6 +344,9 @@ class Scheduler:
             start = time.perf_counter()
             for update in updates:
                 self._apply_weights(update)
+            if self._mixed and self._rows:  # their KV and their next tokens: mixed weights
+                self.counters["errors"] += 1
+                self._fail_all([], RuntimeError("the weights being served were updated in part"))
             try:
                 self._drop_cancelled()
                 self._admit(admitted)
@@ -339,8 +359,11 @@ class Scheduler:
         self._fail_all([], RuntimeError("the scheduler stopped"))
 
     def _take_admissible(self) -> list[Ticket]:
-        """Waiting tickets that fit in the batch, first come first served (caller holds the lock)."""
+        """Waiting tickets that fit in the batch, first come first served (caller holds the lock);
+        none while the model holds a partly applied update."""
         taken: list[Ticket] = []
+        if self._mixed:
+            return taken
         room = self.max_batch - len(self._rows)
         while self._waiting:
             ticket = self._waiting[0]
@@ -356,6 +379,7 @@ class Scheduler:
 
     @torch.no_grad()
     def _apply_weights(self, update: _WeightUpdate) -> None:
+        written: set[str] = set()
         try:
             items = update.tensors
             for name, tensor in items.items() if isinstance(items, dict) else items:
@@ -365,10 +389,14 @@ class Scheduler:
                         f"weight {name!r} has shape {tuple(tensor.shape)}, not {tuple(param.shape)}"
                     )
                 param.copy_(tensor)
+                written.add(name)
             self.version = update.version
-            self.prefix_cache.clear()
+            self._mixed -= written
         except Exception as exc:  # reported to the caller of load_weights
             update.error = exc
+            self._mixed |= written  # nothing new is admitted until an update rewrites these
+        if written:
+            self.prefix_cache.clear()
         update.done.set()
 
     def _drop_cancelled(self) -> None:

@@ -295,3 +295,54 @@ def test_abort_keeps_partial_samples_that_continue_exactly(sched, model_tok):
     assert [o.token_ids for o in queued.future.result(timeout=30)] == [[], []]
     assert queued.future.result()[0].policy_version is None
     never_admitted.stop()
+
+
+def test_a_stream_that_fails_part_way_pauses_serving_until_a_whole_update(sched, model_tok):
+    """Half the tensors written, then the stream breaks: the version stays, running requests
+    fail, new ones wait (never sampled from a mix of two versions) until an update rewrites
+    what was written; then they run on the new weights."""
+    model, tok = model_tok
+    target = {k: v + 0.1 for k, v in model.state_dict().items()}
+    shapes = {k: tuple(v.shape) for k, v in target.items()}
+    half = len(target) // 2
+
+    def broken():
+        for i, item in enumerate(target.items()):
+            if i == half:
+                raise OSError("the spool file is gone")
+            yield item
+
+    with pytest.raises(OSError, match="spool"):
+        sched.load_weights(broken(), version=1, shapes=shapes)
+    assert sched.version == 0 and sched.stats()["weights_mixed"] == half
+    params = SamplingParams(temperature=0, max_tokens=4)
+    ticket = sched.submit(GenerationRequest(_ids(tok)[0], params))
+    time.sleep(0.3)
+    assert not ticket.future.done()  # waits: the model holds two versions
+    sched.load_weights(target.items(), version=2)
+    (out,) = ticket.future.result(timeout=60)
+    assert out.policy_version == 2 and sched.stats()["weights_mixed"] == 0
+
+
+def test_an_empty_update_is_refused(sched):
+    with pytest.raises(ValueError, match="no tensor"):
+        sched.load_weights([], version=3)
+    with pytest.raises(ValueError, match="no tensor"):
+        sched.load_weights(iter([]), version=3, shapes={})
+    assert sched.version == 0
+
+
+def test_a_timed_out_update_that_never_started_is_withdrawn(model_tok):
+    model, tok = model_tok
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    s = Scheduler(model, tok)  # not started: nothing applies updates
+    target = {k: v + 1.0 for k, v in model.state_dict().items()}
+    with pytest.raises(TimeoutError):
+        s.load_weights(target.items(), version=5, timeout=0.2)
+    s.start()
+    try:
+        time.sleep(0.2)
+        assert s.version == 0  # withdrawn: applied neither then nor later
+        assert all(torch.equal(v, snapshot[k]) for k, v in model.state_dict().items())
+    finally:
+        s.stop()
