@@ -75,6 +75,7 @@ class ServerSettings:
     max_tokens_limit: int = 512
     max_n: int = 64
     max_model_len: int | None = None
+    max_prompts: int = 1024  # prompts in one /v1/completions request
     weights_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
     weights_dir: Path | None = None  # resolved; None: no loads from a path
@@ -147,6 +148,8 @@ def _field(body: dict, key: str, default, low, high=math.inf, *, integer=False, 
     if isinstance(value, bool) or not isinstance(value, int if integer else int | float):
         kind = "an integer" if integer else "a number"
         raise APIError(400, f"{key} must be {kind}, got {value!r}", key)
+    if not math.isfinite(value):  # JSON parsers accept NaN and Infinity
+        raise APIError(400, f"{key} must be a finite number, got {value!r}", key)
     if value < low or (low_open and value == low) or value > high:
         if math.isinf(high):
             bound = f"{'>' if low_open else '>='} {low}"
@@ -154,6 +157,13 @@ def _field(body: dict, key: str, default, low, high=math.inf, *, integer=False, 
             bound = f"in {'(' if low_open else '['}{low}, {high}]"
         raise APIError(400, f"{key}={value} must be {bound}", key)
     return value
+
+
+GREEDY_BELOW = 1e-5  # a temperature this small samples greedily (logits / T would overflow)
+
+
+def _temperature(value: float) -> float:
+    return 0.0 if value < GREEDY_BELOW else float(value)
 
 
 def _token_list(value: Any, vocab: int, key: str) -> list[int]:
@@ -165,12 +175,19 @@ def _token_list(value: Any, vocab: int, key: str) -> list[int]:
     return list(value)
 
 
-def parse_prompts(value: Any, tokenizer, add_special_tokens: bool) -> list[list[int]]:
-    """The prompt(s) of a completion request as token ids: text, ids, or a list of either."""
+def parse_prompts(
+    value: Any, tokenizer, add_special_tokens: bool, limit: int | None = None
+) -> list[list[int]]:
+    """The prompt(s) of a completion request as token ids: text, ids, or a list of either
+    (at most ``limit`` of them: each costs the server memory until it is answered)."""
     flat_ids = isinstance(value, list) and value and all(isinstance(v, int) for v in value)
     items = [value] if isinstance(value, str) or flat_ids else value
     if not isinstance(items, list) or not items:
         raise APIError(400, "prompt is missing or empty", "prompt")
+    if limit is not None and len(items) > limit:
+        raise APIError(
+            400, f"{len(items)} prompts in one request; this server takes at most {limit}", "prompt"
+        )
     prompts = []
     for item in items:
         if isinstance(item, str):
@@ -231,7 +248,7 @@ def parse_sampling(body: dict, settings: ServerSettings, tokenizer, *, chat: boo
         )
     top_k = _field(body, "top_k", -1, -1, integer=True)
     params = SamplingParams(
-        temperature=float(_field(body, "temperature", 1.0, 0)),
+        temperature=_temperature(_field(body, "temperature", 1.0, 0)),
         top_p=float(_field(body, "top_p", 1.0, 0, 1, low_open=True)),
         top_k=-1 if top_k == 0 else top_k,  # vLLM spells "no top-k" as 0 or -1
         max_tokens=_field(body, key, 16, 1, limit, integer=True),

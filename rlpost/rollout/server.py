@@ -135,7 +135,10 @@ class RolloutService:
             prompts = [chat_prompt(body.get("messages"), tok)]
         else:
             prompts = parse_prompts(
-                body.get("prompt"), tok, body.get("add_special_tokens", True) is True
+                body.get("prompt"),
+                tok,
+                body.get("add_special_tokens", True) is True,
+                settings.max_prompts,
             )
         check_context(prompts, fields["params"].max_tokens, settings)
         want = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
@@ -369,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-batch", type=int, default=64, help="sequences decoded together")
     add("--max-tokens-limit", type=int, default=512, help="largest max_tokens accepted")
     add("--max-n", type=int, default=64, help="largest n accepted")
+    add("--max-prompts", type=int, default=1024, help="most prompts in one completions request")
     add("--prefix-cache-tokens", type=int, default=65536, help="prefix cache size [tokens]")
     add("--seed", type=int, default=0)
     add("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -409,7 +413,9 @@ def _checked(args: argparse.Namespace) -> str | None:
     """The one-line reason the flags cannot run, or None; fills keys from the environment."""
     args.api_key = args.api_key or os.environ.get("RLPOST_API_KEY") or None
     args.admin_key = args.admin_key or os.environ.get("RLPOST_ADMIN_KEY") or None
-    for flag in ("max_batch", "max_tokens_limit", "max_n", "max_connections", "max_pending"):
+    for flag in (
+        "max_batch", "max_tokens_limit", "max_n", "max_prompts", "max_connections", "max_pending"
+    ):  # fmt: skip
         if getattr(args, flag) < 1:
             return f"--{flag.replace('_', '-')} must be >= 1"
     for flag in ("max_body_mb", "max_weights_mb", "request_timeout", "header_timeout"):
@@ -451,6 +457,7 @@ def main(argv: list[str] | None = None, routers: dict | None = None) -> int:
     settings = ServerSettings(
         name, args.max_tokens_limit, args.max_n, scheduler.max_model_len,
         request_timeout_s=args.request_timeout, weights_dir=args.weights_dir,
+        max_prompts=args.max_prompts,
     )  # fmt: skip
     guard = GuardSettings(
         args.api_key, args.admin_key, int(args.max_body_mb * MIB), int(args.max_weights_mb * MIB),

@@ -132,6 +132,9 @@ def test_concurrent_requests_share_decode_steps(server):
         ({"prompt": [], "max_tokens": 2}, 400, "prompt is missing or empty"),
         ({"prompt": "1", "temperature": "hot"}, 400, "temperature must be a number"),
         ({"prompt": "x" * 100, "max_tokens": 100}, 400, "exceeds the model's context"),
+        (b'{"prompt": "1", "temperature": NaN}', 400, "temperature must be a finite number"),
+        (b'{"prompt": "1", "top_p": Infinity}', 400, "top_p must be a finite number"),
+        ({"prompt": [[5]] * 1025, "max_tokens": 1}, 400, "takes at most 1024"),
     ],
 )
 def test_bad_input_is_a_one_line_4xx(server, body, status, says):

@@ -141,3 +141,10 @@ def test_defaults_leave_sampling_bit_identical(tiny):
         mine = [e for e in events if e.index == i]
         assert [e.token_id for e in mine] == out.token_ids
         assert [e.finish for e in mine] == [None] * (len(mine) - 1) + [out.finish_reason]
+
+
+def test_a_vanishing_temperature_samples_greedily():
+    from rlpost.rollout.openai_params import _temperature
+
+    assert _temperature(1e-45) == 0.0 and _temperature(0.0) == 0.0  # logits / T would overflow
+    assert _temperature(0.7) == 0.7
