@@ -182,7 +182,14 @@ class WeightSync:
         if not self.delta:
             return [encode(name, tensor, self.codec, self.keep_bf16)] * len(groups)
         full = encode(name, tensor, "bf16")
-        new_base[name] = full.parts["data"]
+        data = full.parts["data"]
+        # a bf16 tensor encodes to itself: the base must not be the live parameter, which the
+        # next optimizer step changes under it
+        new_base[name] = (
+            data.clone()
+            if data.untyped_storage().data_ptr() == (tensor.untyped_storage().data_ptr())
+            else data
+        )
         if groups[0].meta.base_version is None:
             return [full]
         return [encode_delta(full.parts["data"], self._base.get(name), self.threshold), full]

@@ -147,3 +147,19 @@ def test_inprocess_channel_still_copies_a_model():
     stats = InProcessChannel(engine).push(model, version=5)
     assert engine.version == 5 and stats.bytes == (12 + 3) * 4
     assert torch.equal(engine.weights["weight"], model.weight.detach())
+
+
+def test_delta_from_a_bf16_model_keeps_its_own_base():
+    """bf16 weights encode to themselves; the sender's base is a copy, so stepping the live
+    tensors in place does not move the base, and the next delta carries the step."""
+    live = {k: v.to(torch.bfloat16) for k, v in toy_weights().items()}
+    engine = DictEngine(_zeros(live))
+    sync = build_weight_sync(_cfg(codec="bf16", delta=True), [engine])
+    sync.push(live.items(), 1)
+    with torch.no_grad():
+        for v in live.values():
+            v.add_(0.5)  # an optimizer step, in place
+    stats = sync.push(live.items(), 2)
+    assert not stats.failed and engine.version == 2
+    for k, v in live.items():
+        assert torch.equal(engine.weights[k].to(torch.bfloat16), v)
