@@ -37,7 +37,15 @@ TOKEN_ID_PREFIX = "token_id:"
 
 
 class ServerUnavailable(RuntimeError):
-    """A server that could not answer (connection, timeout, 5xx): worth retrying elsewhere."""
+    """A server that could not answer (connection, timeout, 5xx, or busy: 408 / 429): worth
+    retrying elsewhere. ``retry_after``: seconds the server asked to be left alone."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+BUSY = (408, 429)  # the request timed out waiting, or too many are pending: not its fault
 
 
 class RequestRejected(ValueError):
@@ -245,8 +253,11 @@ class CompletionClient:
             r = self.http.post(path, **kwargs)
         except httpx.TransportError as exc:  # connection refused/reset, timeouts
             raise ServerUnavailable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from None
-        if r.status_code >= 500:
-            raise ServerUnavailable(f"{self.url}{path}: HTTP {r.status_code}: {_error_line(r)}")
+        if r.status_code >= 500 or r.status_code in BUSY:
+            raise ServerUnavailable(
+                f"{self.url}{path}: HTTP {r.status_code}: {_error_line(r)}",
+                retry_after=_retry_after(r),
+            )
         if r.status_code >= 400:
             raise RequestRejected(f"{self.url}{path}: HTTP {r.status_code}: {_error_line(r)}")
         return r.json()
@@ -267,6 +278,13 @@ def keys_from_env(api_key_env: str | None, admin_key_env: str | None) -> dict[st
         return (os.environ.get(name) or None) if name else None
 
     return {"api_key": read(api_key_env), "admin_key": read(admin_key_env)}
+
+
+def _retry_after(r: httpx.Response) -> float | None:
+    try:
+        return max(0.0, float(r.headers["retry-after"]))
+    except (KeyError, ValueError):  # absent, or an HTTP date: the balancer's cool-down
+        return None
 
 
 def _error_line(r: httpx.Response) -> str:
@@ -346,7 +364,7 @@ class RequestLoadBalancer:
                 try:
                     choices = fut.result()
                 except ServerUnavailable as exc:
-                    self._mark_down(server)
+                    self._mark_down(server, exc.retry_after)
                     last_error[job.id] = str(exc)
                     if attempts[job.id] >= self.max_attempts:
                         self._abandon(inflight)
@@ -376,9 +394,10 @@ class RequestLoadBalancer:
     def _next_up(self) -> float:
         return min(s.down_until for s in self.servers)
 
-    def _mark_down(self, server: _Server) -> None:
+    def _mark_down(self, server: _Server, retry_after: float | None = None) -> None:
         server.failures += 1
-        server.down_until = time.monotonic() + self.cooldown_s
+        wait_s = self.cooldown_s if retry_after is None else min(retry_after, self.cooldown_s)
+        server.down_until = time.monotonic() + wait_s
 
     def _abandon(self, inflight: dict) -> None:
         for fut in inflight:

@@ -155,3 +155,40 @@ def test_rejection_is_raised_and_all_down_is_loud():
         lb.run(_jobs(1))
     with pytest.raises(ValueError, match="unique"):
         RequestLoadBalancer([FakeClient("f")]).run(_jobs(1) + _jobs(1))
+
+
+def test_a_busy_server_is_retried_after_what_it_asks_not_refused():
+    """429 (too many pending) and 408 are the server's load, not the request's fault: the
+    balancer sends the job elsewhere or later, after the server's Retry-After."""
+    import http.server
+    import json
+
+    from rlpost.rollout.client import CompletionClient
+
+    class Busy(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (the http.server hook's name)
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            body = json.dumps({"error": {"message": "too many pending requests"}}).encode()
+            self.send_response(int(self.path.rsplit("/", 1)[-1]))
+            self.send_header("retry-after", "2")
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            """Quiet."""
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = CompletionClient(f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        for status in (429, 408):
+            with pytest.raises(ServerUnavailable, match=f"HTTP {status}") as err:
+                client._post(f"/busy/{status}", json={})
+            assert err.value.retry_after == 2.0
+        with pytest.raises(RequestRejected, match="HTTP 400"):
+            client._post("/busy/400", json={})
+    finally:
+        client.close()
+        server.shutdown()
