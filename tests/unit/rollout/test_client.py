@@ -166,7 +166,7 @@ def test_a_busy_server_is_retried_after_what_it_asks_not_refused():
     from rlpost.rollout.client import CompletionClient
 
     class Busy(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 (the http.server hook's name)
+        def do_POST(self):
             self.rfile.read(int(self.headers.get("content-length", 0)))
             body = json.dumps({"error": {"message": "too many pending requests"}}).encode()
             self.send_response(int(self.path.rsplit("/", 1)[-1]))
