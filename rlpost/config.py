@@ -272,6 +272,12 @@ class DataConfig(Section):
             names = {f for _, f, _, _ in string.Formatter().parse(self.prompt_template) if f}
         except ValueError as exc:
             raise ValueError(f"data.prompt_template is not a format string ({exc})") from None
+        reach = sorted(f for f in names if "." in f or "[" in f)
+        if reach:  # {prompt.upper} formats a bound method; {x[5]} indexes into a value
+            raise ValueError(
+                f"data.prompt_template field {{{reach[0]}}} reaches into a value; name whole "
+                "fields only, e.g. {prompt}"
+            )
         if self.task != "file" and names - {"prompt"}:
             raise ValueError(
                 f"data.prompt_template names {sorted(names - {'prompt'})[0]!r}; the built-in "

@@ -133,6 +133,13 @@ def _check_row(row: Any, prompt_field: str, answer_field: str, template: str) ->
             f"data.prompt_template names field {missing[0]!r}, which this row lacks "
             f"(its fields: {', '.join(sorted(row))})"
         )
+    try:  # a format spec the row's value does not take ({level:d} on a string)
+        template.format(**{**row, "prompt": prompt})
+    except (ValueError, KeyError, IndexError, AttributeError, TypeError) as exc:
+        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if isinstance(exc, KeyError):
+            line = f"it names field {exc.args[0]!r}, which this row lacks"
+        return "template_error", f"data.prompt_template cannot format this row ({line})"
     return None
 
 

@@ -90,3 +90,31 @@ def test_chat_template_and_system_prompt():
     )
     assert render_prompt("1+1=", tok, system_prompt="S") == "<system>S\n<user>1+1=\n<assistant>"
     assert render_prompt("1+1=", tok, chat_template="none") == "1+1="
+
+
+def test_a_template_a_row_cannot_fill_is_a_row_problem_not_a_traceback(tmp_path):
+    f = tmp_path / "d.jsonl"
+    rows = [
+        {"question": "1+1=", "answer": 2, "level": 3},
+        {"question": "2+2=", "answer": 4, "level": "x"},
+    ]
+    _write(f, [json.dumps(r).encode() for r in rows])
+    template = "Q: {prompt} L{level:d}"
+    with pytest.raises(DataError, match=r"d.jsonl:2: data.prompt_template cannot format this row"):
+        load_prompt_file(f, prompt_field="question", template=template)
+    prompts, report = load_prompt_file(
+        f, prompt_field="question", template=template, on_bad_row="skip"
+    )
+    assert [p.text for p in prompts] == ["Q: 1+1= L3"]
+    assert report.skipped_by_reason == {"template_error": 1}
+
+
+def test_a_template_that_reaches_into_a_value_is_refused_at_load(tmp_path):
+    from rlpost.config import ConfigError, load_config
+
+    for bad in ("{prompt.upper}", "{level[0]}"):
+        with pytest.raises(ConfigError, match="reaches into a value"):
+            load_config(
+                None,
+                [f"run.output_dir={tmp_path}", "data.task=file", f"data.prompt_template={bad}"],
+            )
