@@ -310,7 +310,7 @@ def rl_step(r: Run, step: int) -> tuple[dict, list]:
     metrics = {
         **m,
         **fed.stats,
-        "rollout_tps": stats.tokens / max(out.seconds, 1e-9),
+        "rollout_tps": out.generated / max(out.seconds, 1e-9),  # sampled, dropped included
         "step_seconds": elapsed,
         "rollout_utilization": out.seconds / max(elapsed, 1e-9),
         "train_utilization": 1.0 - busy / max(elapsed, 1e-9),

@@ -47,6 +47,16 @@ class RolloutOutput:
     rounds: int = 1
     stats: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
+    generated: int = 0  # tokens the policy sampled in every round, dropped groups included
+
+
+def sampled_tokens(groups: list[Group]) -> int:
+    """Tokens the policy sampled in ``groups`` (a tool's tokens in an episode are not)."""
+    return sum(
+        len(c.token_ids) if c.loss_mask is None else sum(c.loss_mask)
+        for g in groups
+        for c in g.completions
+    )
 
 
 @dataclass
@@ -91,11 +101,12 @@ def rollout_stage(
     """
     t0 = time.perf_counter()
     kept: list[Group] = []
-    rounds, stats, groups = 0, {}, []
+    rounds, stats, groups, generated = 0, {}, [], 0
     while rounds < (s.max_sampling_rounds if s.dynamic_sampling else 1):
         rounds += 1
         result = rollout.generate(sampler.next_batch(), params, s.n, train=True, last=last)
         stats = result.stats
+        generated += sampled_tokens(result.groups)
         groups = reward.score(result.groups)
         keep = [g for g in groups if not s.dynamic_sampling or len(set(g.scores)) > 1]
         if not s.partial:  # DAPO fills the batch exactly; finished partial groups all train
@@ -106,21 +117,24 @@ def rollout_stage(
     if not kept:  # every group was flat in every round: train on the last round (zero advantage)
         kept = groups
     if s.greedy_baseline:
-        kept = greedy_baselines(rollout, reward, kept, params)
-    return RolloutOutput(kept, rounds, stats, time.perf_counter() - t0)
+        kept, greedy = greedy_baselines(rollout, reward, kept, params)
+        generated += greedy
+    return RolloutOutput(kept, rounds, stats, time.perf_counter() - t0, generated)
 
 
 def greedy_baselines(
     rollout: RolloutAPI, reward: RewardAPI, groups: list[Group], params: SamplingParams
-) -> list[Group]:
-    """The groups with ``baseline_score``: the reward of one greedy answer to each prompt.
+) -> tuple[list[Group], int]:
+    """The groups with ``baseline_score``: the reward of one greedy answer to each prompt,
+    and the tokens those answers took.
 
     Costs one more generate call of one greedy sample per prompt (a ``1/n`` share
     of the step's sampling) and its scoring, in the same rollout stage.
     """
     greedy = rollout.generate([g.prompt for g in groups], replace(params, temperature=0.0), 1)
     scored = reward.score(greedy.groups)
-    return [replace(g, baseline_score=b.scores[0]) for g, b in zip(groups, scored, strict=True)]
+    out = [replace(g, baseline_score=b.scores[0]) for g, b in zip(groups, scored, strict=True)]
+    return out, sampled_tokens(greedy.groups)
 
 
 def collate_groups(groups: list[Group], pad_id: int) -> TrainBatch:

@@ -109,3 +109,13 @@ def test_compute_advantages_passes_the_inputs():
     # score - greedy score on every valid token
     want = torch.tensor([[0.5, 0.5], [-0.5, 0.0], [-1.0, 0.0], [1.0, 1.0]])
     torch.testing.assert_close(batch.advantages, want)
+
+
+def test_generated_tokens_count_every_round_and_the_greedy_answers():
+    """rollout_tps is what the engine sampled: groups dynamic sampling dropped count too."""
+    s = RolloutSettings(
+        n=3, prompts_per_step=2, dynamic_sampling=True, max_sampling_rounds=3, greedy_baseline=True
+    )
+    out = rollout_stage(FakeRollout(), FakeReward(), Sampler(), SamplingParams(), s)
+    assert out.rounds == 3  # every sampled group is flat (0.5 each): all three rounds ran
+    assert out.generated == 3 * 2 * 3 * 2 + 2 * 1  # rounds x prompts x n x 2 tokens + greedy
