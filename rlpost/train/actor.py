@@ -18,6 +18,7 @@ share of the rows; gradients are summed over ranks, so the step is one worker's.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -360,6 +361,8 @@ class PolicyTrainer:
         """:meth:`mfu` from the batch's non-padding token count and padded sequence length."""
         if seconds <= 0:
             return 0.0
+        if model_device(self.model).type != "cpu":  # the peak measured here is the CPU's
+            return math.nan
         cfg = self.model.config
         n_params = sum(p.numel() for n, p in self.model.named_parameters() if "embed" not in n)
         passes = 1 + self.has_reference
