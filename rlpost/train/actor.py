@@ -376,7 +376,12 @@ class PolicyTrainer:
 
     def scale_lr(self, factor: float) -> float:
         """Multiply the LR schedule by ``factor`` (used by guards); returns the new peak LR."""
-        self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
+        return self.set_base_lrs([lr * factor for lr in self.scheduler.base_lrs])
+
+    def set_base_lrs(self, base_lrs: list[float]) -> float:
+        """The LR schedule's peaks, applied to the next update too (the optimizer's current
+        LR is the schedule's value now); returns the first peak."""
+        self.scheduler.base_lrs = list(base_lrs)
         for g, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
             g["lr"] = base * warmup_lambda(self.s.warmup_steps)(self.scheduler.last_epoch)
         return self.scheduler.base_lrs[0]

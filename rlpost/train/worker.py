@@ -228,8 +228,8 @@ class TrainerWorker:
         if self.critic is not None and "critic" in state:
             self.critic.load_state_dict(state["critic"])
         set_rng_state(state["rng"])
-        if keep_lr:
-            self.trainer.scheduler.base_lrs = base_lrs
+        if keep_lr:  # the optimizer's LR came from the checkpoint: the cuts apply now too
+            self.trainer.set_base_lrs(base_lrs)
         self._version = version
         return version
 

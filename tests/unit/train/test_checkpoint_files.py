@@ -49,3 +49,19 @@ def test_pruning_keeps_the_checkpoint_just_written(tmp_path):
     assert out.is_dir() and latest_checkpoint(tmp_path) == out
     left = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
     assert left == ["step_20", "step_200"]
+
+
+def test_a_rollback_that_keeps_lr_cuts_applies_them_to_the_next_update(tmp_path):
+    from rlpost.config import load_config
+    from rlpost.pipeline import build
+    from tests.conftest import small_overrides
+
+    cfg = load_config(None, small_overrides(tmp_path, **{"train.warmup_steps": 0}))
+    model, tokenizer = build.build_policy(cfg)
+    worker = build.build_trainer_worker(cfg, model, tokenizer)
+    worker.save(tmp_path / "ckpt")
+    before = worker.trainer.optimizer.param_groups[0]["lr"]
+    worker.scale_lr(0.5)  # a guard cut the LR after the checkpoint
+    worker.restore(tmp_path / "ckpt", version=0, keep_lr=True)
+    assert worker.trainer.optimizer.param_groups[0]["lr"] == pytest.approx(before * 0.5)
+    assert worker.trainer.scheduler.base_lrs[0] == pytest.approx(before * 0.5)
