@@ -244,6 +244,8 @@ class Scheduler:
             for i, ticket in enumerate(tickets):
                 ticket.future.add_done_callback(lambda f, i=i: on_done(i, f))
         with self._cond:
+            if self._stop:  # nothing would ever answer them
+                raise RuntimeError("the scheduler stopped; it takes no new requests")
             self._waiting.extend(tickets)
             self._cond.notify_all()
         return tickets
@@ -297,6 +299,10 @@ class Scheduler:
         update = _WeightUpdate(tensors, version)
         start = time.perf_counter()
         with self._cond:
+            if self._stop:
+                raise RuntimeError(
+                    f"the scheduler stopped; weights for version {version} not applied"
+                )
             self._weights.append(update)
             self._cond.notify_all()
         if not update.done.wait(timeout):
@@ -357,6 +363,13 @@ class Scheduler:
                 self._fail_all(admitted, exc)
             self.busy_seconds += time.perf_counter() - start
         self._fail_all([], RuntimeError("the scheduler stopped"))
+        with self._cond:  # updates queued behind the stop are answered, not left waiting
+            left, self._weights = list(self._weights), deque()
+        for update in left:
+            update.error = RuntimeError(
+                f"the scheduler stopped; version {update.version} not applied"
+            )
+            update.done.set()
 
     def _take_admissible(self) -> list[Ticket]:
         """Waiting tickets that fit in the batch, first come first served (caller holds the lock);

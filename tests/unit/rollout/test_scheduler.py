@@ -346,3 +346,13 @@ def test_a_timed_out_update_that_never_started_is_withdrawn(model_tok):
         assert all(torch.equal(v, snapshot[k]) for k, v in model.state_dict().items())
     finally:
         s.stop()
+
+
+def test_a_stopped_scheduler_refuses_work_instead_of_leaving_it_waiting(model_tok):
+    model, tok = model_tok
+    s = Scheduler(model, tok).start()
+    s.stop()
+    with pytest.raises(RuntimeError, match="stopped"):
+        s.submit(GenerationRequest(_ids(tok)[0], SamplingParams(max_tokens=2)))
+    with pytest.raises(RuntimeError, match="stopped"):
+        s.load_weights(model.state_dict().items(), version=1)
