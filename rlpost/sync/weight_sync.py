@@ -213,7 +213,9 @@ class WeightSync:
     def _finish(self, g: _Group, failed: dict[str, str]) -> dict:
         live = [t for t in g.targets if t.target not in failed]
         manifest: Manifest = g.packer.manifest()
-        results = list(self._pool.map(lambda t: _attempt(t.finish, manifest), live))
+        results = list(
+            self._pool.map(lambda t: _attempt(t.finish, manifest, target=t.target), live)
+        )
         reports = {}
         for t, (report, exc) in zip(live, results, strict=True):
             if exc is not None:
@@ -242,7 +244,9 @@ class WeightSync:
                     break
 
     def _each(self, transports: list[Transport], fn) -> list[Exception | None]:
-        return [exc for _, exc in self._pool.map(lambda t: _attempt(fn, t), transports)]
+        return [
+            exc for _, exc in self._pool.map(lambda t: _attempt(fn, t, target=t.target), transports)
+        ]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -250,12 +254,16 @@ class WeightSync:
             t.close()
 
 
-def _attempt(fn, *args):
-    """``(result, None)`` or ``(None, error)``: one target's failure must not stop the others."""
+def _attempt(fn, *args, target: str = "a target"):
+    """``(result, None)`` or ``(None, error)``: one target's failure must not stop the others
+    (an error that is not a SyncError, such as a malformed reply, is one too, in one line)."""
     try:
         return fn(*args), None
     except SyncError as exc:
         return None, exc
+    except Exception as exc:
+        line = (str(exc).strip().splitlines() or [""])[0]
+        return None, SyncError("transport", target, f"{type(exc).__name__}: {line}")
 
 
 def build_weight_sync(

@@ -163,3 +163,20 @@ def test_delta_from_a_bf16_model_keeps_its_own_base():
     assert not stats.failed and engine.version == 2
     for k, v in live.items():
         assert torch.equal(engine.weights[k].to(torch.bfloat16), v)
+
+
+def test_a_transport_error_that_is_not_a_sync_error_drops_only_its_target():
+    """A malformed reply (here a KeyError from a finish) fails that target in one line; the
+    others commit and the push returns."""
+    w = toy_weights()
+    good_engine, odd_engine = DictEngine(_zeros(w)), DictEngine(_zeros(w))
+
+    class Odd(InProcessTransport):
+        def finish(self, manifest):
+            raise KeyError("checksums")
+
+    good = InProcessTransport(good_engine, TransportOptions(), name="good")
+    odd = Odd(odd_engine, TransportOptions(), name="odd")
+    stats = WeightSync([good, odd], codec="bf16", bucket_bytes=4096).push(w.items(), 1)
+    assert stats.committed == ["good"] and good_engine.version == 1
+    assert stats.failed["odd"] == "weight sync transport on odd: KeyError: 'checksums'"
