@@ -75,8 +75,11 @@ def from_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
 
 
 def keeps_bf16(name: str, tensor: torch.Tensor, patterns: Sequence[str]) -> bool:
-    """True when a lossy codec must leave ``name`` in bf16 (not 2-D, or a kept pattern)."""
-    return tensor.dim() != 2 or any(re.search(p, name) for p in patterns)
+    """True when a lossy codec must leave ``name`` in bf16: not 2-D, empty, a kept pattern,
+    or holding a NaN or an infinity (block scales would turn those into finite numbers)."""
+    if tensor.dim() != 2 or tensor.numel() == 0 or any(re.search(p, name) for p in patterns):
+        return True
+    return not bool(torch.isfinite(tensor).all())
 
 
 def encode(

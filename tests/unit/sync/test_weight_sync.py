@@ -180,3 +180,16 @@ def test_a_transport_error_that_is_not_a_sync_error_drops_only_its_target():
     stats = WeightSync([good, odd], codec="bf16", bucket_bytes=4096).push(w.items(), 1)
     assert stats.committed == ["good"] and good_engine.version == 1
     assert stats.failed["odd"] == "weight sync transport on odd: KeyError: 'checksums'"
+
+
+@pytest.mark.parametrize("codec", ["fp8", "mxfp4"])
+def test_lossy_codecs_send_empty_and_non_finite_tensors_as_bf16(codec):
+    from rlpost.sync.codecs import decode, encode
+
+    empty = encode("w", torch.zeros(0, 64), codec)
+    assert empty.codec == "bf16" and decode(empty).shape == (0, 64)
+    bad = torch.ones(4, 64)
+    bad[1, 3] = float("nan")
+    enc = encode("w", bad, codec)
+    assert enc.codec == "bf16" and torch.isnan(decode(enc)[1, 3])
+    assert encode("w", torch.ones(4, 64), codec).codec == codec
