@@ -123,10 +123,17 @@ def train(
     ckpt = latest_checkpoint(run_dir) if resume else None
     start = start or start_workers
     workers = start(cfg, run_dir, train_prompts, console, resuming=ckpt is not None)
-    r = _new_run(cfg, run_dir, workers, train_prompts, ckpt)
-    r.on_groups = on_groups
-    r.deliver = _deliverer(cfg, workers.rollout)
-    step, pending = _restore(r, ckpt) if ckpt is not None else (_sync(r)[0], [])
+    r = None
+    try:
+        r = _new_run(cfg, run_dir, workers, train_prompts, ckpt)
+        r.on_groups = on_groups
+        r.deliver = _deliverer(cfg, workers.rollout)
+        step, pending = _restore(r, ckpt) if ckpt is not None else (_sync(r)[0], [])
+    except BaseException:  # a failed start releases what it started (processes, the exporter)
+        if r is not None:
+            r.recorder.close()
+        workers.close()
+        raise
     start_step, history, rl_seconds = step, [], 0.0
     try:
         first_eval = _full_eval(r, held_out)

@@ -147,7 +147,7 @@ def finish_run(
         "eval_greedy_accuracy_end": final_eval.get("eval_greedy_accuracy"),
         "eval_temperature": cfg.eval.temperature,
         "eval_problems": first_eval.get("eval_problems"),
-        "steps": cfg.train.steps,
+        "steps": history[-1]["step"] if history else start_step,  # reached (a stop ends early)
         "steps_this_run": len(history),
         "resumed_from_step": start_step,
         "reward_mean_first": history[0]["reward_mean"] if history else None,

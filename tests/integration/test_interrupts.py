@@ -46,6 +46,8 @@ def test_sigterm_checkpoints_and_the_printed_command_resumes(tmp_path):
     stopped = _training_steps(run_dir)[-1]
     assert stopped < 40 and (run_dir / "checkpoints" / f"step_{stopped}" / "state.pt").is_file()
     assert f"checkpoint at step {stopped}; continue with:" in err
+    summary = run_dir / "summary.json"
+    assert json.loads(summary.read_text())["steps"] == stopped  # the step reached, not 40
     command = shlex.split(err.strip().splitlines()[-1])
     assert command[:2] == ["rlpost", "train"] and command[-2:] == ["--resume", str(run_dir)]
     resumed = subprocess.run(
@@ -54,6 +56,7 @@ def test_sigterm_checkpoints_and_the_printed_command_resumes(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming {run_dir} from step {stopped}" in resumed.stderr
     assert _training_steps(run_dir) == list(range(1, 41))  # each step once
+    assert json.loads(summary.read_text())["steps"] == 40
 
 
 def test_ctrl_c_in_the_warm_up_saves_it_and_resume_finishes_it(tmp_path, monkeypatch, capsys):
