@@ -333,3 +333,24 @@ def test_cli_runs_a_file_and_exits_by_status(tmp_path: Path, capsys: pytest.Capt
     bad.write_text("while True:\n    pass\n")
     assert cli.main(["run", str(bad), "--timeout", "0.5"]) == 1
     assert capsys.readouterr().out.splitlines()[:2] == ["status:    timeout", "exit code: None"]
+
+
+@pytest.mark.parametrize(
+    "cheat",
+    [
+        "import os, sys\nos.write(int(sys.argv[-1]) if sys.argv[-1].isdigit() else 3, b'pass')\n",
+        "import os\nfor f in os.listdir('/proc/self/fd'):\n    try:\n        os.write(int(f), b'pass')\n"
+        "    except OSError:\n        pass\n",
+        "import os\nfor f in range(3, 5000):\n    try:\n        os.write(f, b'pass' * 8)\n"
+        "    except OSError:\n        pass\n",
+        "try:\n    raise ValueError\nexcept ValueError as e:\n    f = e.__traceback__.tb_frame.f_back\n"
+        "    __import__('os').write(f.f_locals['fd'], f.f_locals['token'])\n",
+        "import gc\nfor o in gc.get_objects():\n    pass\n",
+    ],
+)
+def test_a_candidate_cannot_report_a_pass_for_a_failing_test(cheat: str) -> None:
+    """Writing to the report pipe (found from argv, /proc/self/fd or by trying every
+    descriptor) or reading the child's secrets through frames or the object graph, then
+    exiting 0 before the test runs: the failing tests stay failures."""
+    fraction, _ = run_python_tests(ADD + cheat + "__import__('os')._exit(0)\n", ADD_TESTS)
+    assert fraction == 0.0

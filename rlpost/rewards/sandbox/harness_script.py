@@ -16,36 +16,70 @@ leave the pipe empty and count as a failure, and the child holds its own
 references to ``exec`` and ``os.write`` so patching builtins cannot skip the
 test. Each test runs in its own session, killed after it, so a looping or
 forking test costs only its own time budget.
+
+The candidate shares the child's interpreter, so the child's report is made
+hard to forge: what it must write is a fresh random token per test, not a
+fixed word; the token and the pipe's descriptor (moved to a random number)
+arrive on stdin, not in argv, and the spec holding them is gone before the
+candidate runs; and an audit hook, which no Python code can remove, refuses
+the ways to find them: listing or opening the process's descriptors
+(/proc/self/fd, /dev/fd), and the interpreter's object graph and frames
+(``gc.get_objects`` and referrers, ``sys._current_frames``, traceback and
+generator frames). Code that walks its own stack with ``sys._getframe`` and
+``f_back`` can still reach the child's locals: that door stays open because
+the standard library (``typing``, ``enum``, ``collections.namedtuple``)
+needs ``sys._getframe`` to import, so the token is one more thing a cheat
+must know to look for, not a proof.
 """
 
 import contextlib
 import ctypes
 import json
 import os
+import resource
+import secrets
 import signal
 import subprocess
 import sys
 
 _PR_SET_DUMPABLE = 4
-_PASS = b"pass"
 
 # Runs in the child, as -c code. Everything it needs after the candidate's code
 # starts is bound to locals first: the candidate shares the interpreter.
 _CHILD = r"""
-import json, os, sys, traceback
+import json, os, sys
+
+def _guard():
+    closed = ("/proc/self/fd", "/proc/thread-self/fd", "/dev/fd", f"/proc/{os.getpid()}/fd")
+    frames = {"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"}
+    introspect = {"gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames"}
+
+    def hook(event, args):
+        if event in introspect:
+            raise RuntimeError(f"{event} is not allowed in a test")
+        if event == "object.__getattr__" and len(args) > 1 and args[1] in frames:
+            raise RuntimeError(f"{args[1]} is not allowed in a test")
+        if event in ("open", "os.listdir", "os.scandir") and args and isinstance(args[0], str):
+            if args[0].rstrip("/").startswith(closed):
+                raise RuntimeError(f"{args[0]} is not allowed in a test")
+
+    sys.addaudithook(hook)
 
 def main():
     run, compile_, write, exit_now = exec, compile, os.write, os._exit
-    report = int(sys.argv[1])
+    report_error, exc_info = sys.__excepthook__, sys.exc_info  # C: reads no frame attributes
     spec = json.loads(sys.stdin.read())
+    code, test, fd, token = spec["code"], spec["test"], spec["fd"], spec["token"].encode()
+    del spec
     namespace = {"__name__": "solution"}
+    _guard()
     try:
-        run(compile_(spec["code"], "solution.py", "exec"), namespace)
-        run(compile_(spec["test"], "test.py", "exec"), namespace)
+        run(compile_(code, "solution.py", "exec"), namespace)
+        run(compile_(test, "test.py", "exec"), namespace)
     except BaseException:
-        traceback.print_exc()
+        report_error(*exc_info())
         exit_now(1)
-    write(report, b"pass")
+    write(fd, token)
     exit_now(0)
 
 main()
@@ -69,8 +103,11 @@ def _make_undumpable() -> None:
 
 
 def _run_test(code: str, test: str, timeout_s: float) -> str:
-    read_fd, write_fd = os.pipe()
-    argv = [sys.executable, "-E", "-s", "-S", "-c", _CHILD, str(write_fd)]
+    token = os.urandom(16).hex()  # what a passing test writes: new for every test
+    read_fd, pipe_fd = os.pipe()
+    write_fd = _random_fd(pipe_fd)
+    argv = [sys.executable, "-E", "-s", "-S", "-c", _CHILD]
+    spec = {"code": code, "test": test, "fd": write_fd, "token": token}
     try:
         child = subprocess.Popen(
             argv,
@@ -88,7 +125,7 @@ def _run_test(code: str, test: str, timeout_s: float) -> str:
         os.close(write_fd)
     timed_out = False
     try:
-        child.communicate(json.dumps({"code": code, "test": test}).encode(), timeout=timeout_s)
+        child.communicate(json.dumps(spec).encode(), timeout=timeout_s)
     except subprocess.TimeoutExpired:
         timed_out = True
     with contextlib.suppress(ProcessLookupError):
@@ -96,13 +133,28 @@ def _run_test(code: str, test: str, timeout_s: float) -> str:
     child.wait()
     os.set_blocking(read_fd, False)
     try:
-        report = os.read(read_fd, len(_PASS) + 1)
+        report = os.read(read_fd, len(token) + 1)
     except BlockingIOError:  # a leftover still holds the pipe open, empty
         report = b""
     os.close(read_fd)
     if timed_out:
         return "timeout"
-    return "pass" if report == _PASS and child.returncode == 0 else "fail"
+    return "pass" if report == token.encode() and child.returncode == 0 else "fail"
+
+
+def _random_fd(fd: int) -> int:
+    """``fd`` moved to a free descriptor number drawn at random (closed at the old one)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    high = min(soft if soft > 0 else 1024, 4096)
+    for _ in range(64):
+        want = 64 + secrets.randbelow(max(1, high - 64))
+        try:
+            os.fstat(want)
+        except OSError:  # free
+            os.dup2(fd, want)
+            os.close(fd)
+            return want
+    return fd
 
 
 if __name__ == "__main__":
