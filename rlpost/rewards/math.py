@@ -6,9 +6,12 @@ and compares them symbolically, which is what the leaderboards built on it
 (Open R1, lighteval) count as correct.
 
 math-verify bounds its own run time with ``signal.alarm``, which only works on
-the main thread; on any other thread (an async pipeline, a scorer pool) the
-alarm is switched off and the completion is cut to its last ``max_chars``
-characters instead, so a pathological completion cannot stall scoring for long.
+the main thread. On any other thread (the overlapped pipeline's producer, a
+worker process's call pool) the check runs in a helper process instead, on its
+main thread where the alarm works, and the caller also waits at most a few
+seconds past the timeout before it kills the helper and scores 0: a short
+completion like ``\boxed{10^{10^{10}}}`` keeps sympy busy far longer than any
+character limit would prevent.
 """
 
 from __future__ import annotations
@@ -22,8 +25,46 @@ from rlpost.rewards.verifiable import extract_final_answer, extract_tag
 from rlpost.types import RewardSample
 
 
-def _timeout(seconds: int) -> int | None:
-    return seconds if threading.current_thread() is threading.main_thread() else None
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+class _Checker:
+    """One helper process that runs :func:`_check` with math-verify's own timeouts; killed
+    and started afresh when a call overruns. Hand-written because a process pool cannot
+    stop one running task (``multiprocessing.Pool.terminate`` is the only way out)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool = None
+
+    def __call__(self, reference: str, text: str, timeout_s: int, rounding: int) -> bool:
+        import multiprocessing as mp
+
+        with self._lock:  # one check at a time: the helper has one thread
+            if self._pool is None:
+                self._pool = mp.get_context("spawn").Pool(1)
+            job = self._pool.apply_async(_check, (reference, text, timeout_s, rounding))
+            try:
+                return bool(job.get(timeout=2 * timeout_s + 10))
+            except mp.TimeoutError:
+                self._pool.terminate()
+                self._pool = None
+                return False
+
+
+_CHECKER = _Checker()
+
+
+def _check(reference: str, text: str, timeout: int | None, rounding: int) -> bool:
+    """Is ``text``'s answer ``reference``? (math-verify; ``timeout`` needs the main thread)"""
+    from math_verify import parse, verify
+
+    gold = list(_parse_gold(reference, timeout))
+    predicted = parse(text, parsing_timeout=timeout)
+    if not predicted:
+        return False
+    return bool(verify(gold, predicted, float_rounding=rounding, timeout_seconds=timeout))
 
 
 @lru_cache(maxsize=4096)
@@ -59,19 +100,16 @@ def math_verify_reward(
     text = sample.completion if tag is None else extract_tag(sample.completion, tag)
     if not text or not text.strip():
         return 0.0
-    from math_verify import parse, verify
-
-    timeout = _timeout(timeout_seconds)
     reference = str(sample.answer)
     if "####" in reference:
         reference = extract_final_answer(reference) or reference
-    gold = list(_parse_gold(reference, timeout))
     if "####" in text:
         text = extract_final_answer(text) or ""
         if not text:
             return 0.0
-    predicted = parse(text[-max_chars:], parsing_timeout=timeout)
-    if not predicted:
-        return 0.0
-    ok = verify(gold, predicted, float_rounding=float_rounding, timeout_seconds=timeout)
+    text = text[-max_chars:]
+    if _on_main_thread():
+        ok = _check(reference, text, timeout_seconds, float_rounding)
+    else:  # no alarm off the main thread: a helper process that can be killed
+        ok = _CHECKER(reference, text, timeout_seconds, float_rounding)
     return 1.0 if ok else 0.0

@@ -51,3 +51,20 @@ def test_works_off_the_main_thread():
     t.start()
     t.join(timeout=30)
     assert out == [1.0]
+
+
+def test_a_short_pathological_answer_cannot_stall_a_scoring_thread():
+    """sympy can spend minutes on 10^10^10; off the main thread the check runs in a helper
+    process that math-verify's timeout bounds (and that is killed if it overruns)."""
+    out = []
+    t = threading.Thread(
+        target=lambda: out.append(score(r"\boxed{10^{10^{10}}}", "5", timeout_seconds=2))
+    )
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive() and out == [0.0]
+    # the helper still answers afterwards
+    t = threading.Thread(target=lambda: out.append(score(r"\boxed{\tfrac12}", "0.5")))
+    t.start()
+    t.join(timeout=60)
+    assert out == [0.0, 1.0]
