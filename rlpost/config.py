@@ -13,6 +13,7 @@ naming the key, the value, the reason and the fix.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -553,7 +554,7 @@ class SFTConfig(Section):
 class RewardTerm(Section):
     name: str
     """Registered reward function name (or ``package.module:function``)."""
-    weight: float = 1.0
+    weight: float = Field(1.0, allow_inf_nan=False)
     """Weight of this term in the weighted sum."""
     kind: Literal["verifiable", "rule", "model", "judge"] = "verifiable"
     """Rank of the signal: verifiable > rule > model > judge. Used by the mixture."""
@@ -566,10 +567,21 @@ class RewardConfig(Section):
     """Reward terms summed with their weights (per kind; see alpha)."""
     alpha: float | None = Field(None, ge=0.0, le=1.0)
     """Mixture: final = alpha * verifiable + (1 - alpha) * model/judge (None: plain weighted sum)."""
-    invalid_score: float = 0.0
+    invalid_score: float = Field(0.0, allow_inf_nan=False)
     """Score used in place of a NaN / Inf / out-of-range reward (the sample is counted)."""
     score_range: tuple[float, float] = (-10.0, 10.0)
     """Scores outside this range are treated as invalid."""
+
+    @model_validator(mode="after")
+    def _range_is_a_range(self) -> RewardConfig:
+        lo, hi = self.score_range
+        if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+            raise ValueError(
+                f"reward.score_range={list(self.score_range)} must be [low, high] with finite "
+                "low < high"
+            )
+        return self
+
     sample_every: int = Field(10, ge=0)
     """Write RUN_DIR/samples/step_N.jsonl every N steps (0: never)."""
     sample_count: int = Field(8, ge=1)

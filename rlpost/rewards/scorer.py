@@ -158,11 +158,14 @@ class RewardScorer:
                 components[term.name].append(math.nan if value is None else value)
                 if value is not None and not math.isnan(value):
                     parts[term.name] = value
+            combined = None if bad else self._combine(parts)
+            if combined is not None and not math.isfinite(combined):  # weights can overflow
+                bad = True
             if bad:
                 invalid_rows.append(i)
                 scores.append(self.invalid_score)
             else:
-                scores.append(self._combine(parts))
+                scores.append(combined)
         return ScoredBatch(
             scores=scores,
             components=components,

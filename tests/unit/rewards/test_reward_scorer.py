@@ -207,3 +207,23 @@ def test_verifiable_accuracy_uses_verifiable_terms_only():
     assert scorer.verifiable_accuracy(out) == 0.5  # answers 0 and 1; 2 is not applicable
     only_rule = RewardScorer([Term("fmt", const(1.0), 1.0, "rule")])
     assert only_rule.verifiable_accuracy(only_rule.score(samples(1))) is None
+
+
+def test_a_combined_score_that_overflows_is_invalid_not_inf():
+    big = [Term("a", const(10.0), 1e308, "verifiable"), Term("b", const(10.0), 1e308, "rule")]
+    scorer = RewardScorer(big, score_range=(-100.0, 100.0))
+    out = scorer.score(samples(2))
+    assert out.scores == [0.0, 0.0] and out.invalid == 2
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"score_range": (10.0, -10.0)},
+        {"invalid_score": math.inf},
+        {"terms": [{"name": "x", "weight": math.nan}]},
+    ],
+)
+def test_reward_config_numbers_that_cannot_work_are_refused(bad):
+    with pytest.raises(ValueError):
+        RewardConfig(**bad)
