@@ -16,6 +16,7 @@ character limit would prevent.
 
 from __future__ import annotations
 
+import atexit
 import threading
 from functools import lru_cache
 from typing import Any
@@ -44,6 +45,7 @@ class _Checker:
         with self._lock:  # one check at a time: the helper has one thread
             if self._pool is None:
                 self._pool = mp.get_context("spawn").Pool(1)
+                atexit.register(self.close)  # before interpreter teardown, not in Pool.__del__
             job = self._pool.apply_async(_check, (reference, text, timeout_s, rounding))
             try:
                 return bool(job.get(timeout=2 * timeout_s + 10))
@@ -51,6 +53,13 @@ class _Checker:
                 self._pool.terminate()
                 self._pool = None
                 return False
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.terminate()
+                self._pool.join()
+                self._pool = None
 
 
 _CHECKER = _Checker()

@@ -83,8 +83,13 @@ class RewardModelWorker:
 
         if not samples:
             return []
+        templated = bool(getattr(self.tokenizer, "chat_template", None))
         encoded = self.tokenizer(
-            [self._render(s) for s in samples], truncation=True, max_length=self.max_length
+            [self._render(s) for s in samples],
+            truncation=True,
+            max_length=self.max_length,
+            # the chat template already wrote the special tokens (BOS): not twice
+            add_special_tokens=not templated,
         )["input_ids"]
         # An empty text has no last token to read the score from; give it one.
         filler = self.tokenizer.eos_token_id or self.tokenizer.pad_token_id
