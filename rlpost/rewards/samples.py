@@ -82,7 +82,8 @@ class SampleWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"step_{step}.jsonl"
         tmp = path.with_suffix(".jsonl.tmp")
-        with tmp.open("w", encoding="utf-8") as f:
+        # model text can hold lone surrogates (a token cut inside a character): replaced
+        with tmp.open("w", encoding="utf-8", errors="replace") as f:
             for i in range(min(self.count, len(samples))):
                 completion = completions[i] if completions is not None else None
                 record = sample_record(samples[i], scored, i, completion)

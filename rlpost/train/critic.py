@@ -74,7 +74,8 @@ class ValueModel(nn.Module):
             use_cache=False,
         )
         hidden = out.last_hidden_state.to(self.value_head.weight.dtype)
-        return self.value_head(hidden).squeeze(-1)
+        with torch.autocast(hidden.device.type, enabled=False):  # the head stays float32
+            return self.value_head(hidden).squeeze(-1)
 
     def save_pretrained(self, directory: str | Path) -> Path:
         """Write the backbone as an HF directory plus ``value_head.safetensors``."""

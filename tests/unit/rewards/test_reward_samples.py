@@ -49,3 +49,10 @@ def test_never_writes_with_every_zero_and_checks_lengths(tmp_path):
         SampleWriter(tmp_path, every=1, count=2).maybe_write(1, samples, ScoredBatch([0.0]))
     with pytest.raises(ValueError, match="count"):
         SampleWriter(tmp_path, every=1, count=0)
+
+
+def test_a_lone_surrogate_in_model_text_is_written_replaced(tmp_path):
+    writer = SampleWriter(tmp_path, every=1, count=1)
+    samples = [RewardSample("p", "a\ud800b", answer=1)]
+    path = writer.maybe_write(1, samples, ScoredBatch(scores=[0.0], components={}))
+    assert json.loads(path.read_text(encoding="utf-8"))["completion"] == "a?b"

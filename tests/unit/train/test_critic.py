@@ -161,3 +161,14 @@ def test_update_needs_returns_and_old_values(policy):
     model, tokenizer = policy
     with pytest.raises(ValueError, match=r"needs batch\.returns and batch\.values"):
         _trainer(ValueModel.from_policy(model)).update(_batch(tokenizer))
+
+
+def test_the_value_head_computes_in_float32_under_bf16_autocast():
+    from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
+    from rlpost.train.critic import ValueModel
+
+    model = ValueModel.from_policy(build_tiny_model(build_char_tokenizer()))
+    ids = torch.arange(3, 11).reshape(1, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        values = model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=None)
+    assert values.dtype == torch.float32
