@@ -47,7 +47,14 @@ def _tests_of(metadata: dict[str, Any]) -> list[str] | None:
     return list(tests)
 
 
-@reward_function("code_tests", concurrency=min(8, os.cpu_count() or 1))
+def _check_code(*, sandbox: dict[str, Any] | None = None, **_) -> None:
+    from rlpost.rewards.sandbox import SandboxConfig
+
+    if sandbox:
+        SandboxConfig(**sandbox)
+
+
+@reward_function("code_tests", concurrency=min(8, os.cpu_count() or 1), check=_check_code)
 def code_tests(
     sample: RewardSample,
     *,

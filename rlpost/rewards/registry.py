@@ -41,18 +41,23 @@ REWARDS: Registry[RewardFn] = Registry("reward function")
 SCORERS: Registry[ScorerFactory] = Registry("batched reward scorer")
 
 
-def reward_function(name: str, *, concurrency: int = 1) -> Callable[[RewardFn], RewardFn]:
+def reward_function(
+    name: str, *, concurrency: int = 1, check: Callable[..., None] | None = None
+) -> Callable[[RewardFn], RewardFn]:
     """Decorator registering a per-sample reward function under ``name``.
 
     ``concurrency > 1`` marks an I/O-bound function (it waits on a subprocess or
     the network): the scorer then calls it on up to that many samples at once
-    from a thread pool.
+    from a thread pool. ``check(**params)`` raises ValueError for parameter
+    values the function would refuse on its first sample, so a config is
+    refused at load, not after the warm-up.
     """
 
     def deco(fn: RewardFn) -> RewardFn:
         if name in SCORERS:
             raise ValueError(f"reward {name!r} is already registered as a batched scorer")
         fn.concurrency = concurrency  # type: ignore[attr-defined]
+        fn.check_values = check  # type: ignore[attr-defined]
         return REWARDS.register(name)(fn)
 
     return deco
@@ -91,6 +96,13 @@ def check_params(
         raise ValueError(
             f"reward {name!r}: bad params {sorted(params)} ({exc}); accepted: {', '.join(accepted)}"
         ) from None
+    values = getattr(fn, "check_values", None)
+    if values is not None:
+        try:
+            values(**params)
+        except (TypeError, ValueError) as exc:
+            line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ValueError(f"reward {name!r}: {line}") from None
 
 
 __all__ = [

@@ -27,7 +27,13 @@ def _compile(pattern: str, dotall: bool, ignore_case: bool) -> re.Pattern[str]:
         raise ValueError(f"format: invalid regex {pattern!r} ({exc})") from None
 
 
-@reward_function("format")
+def _check_format(
+    *, pattern: str = THINK_ANSWER, dotall: bool = True, ignore_case: bool = False, **_
+):
+    _compile(pattern, dotall, ignore_case)
+
+
+@reward_function("format", check=_check_format)
 def format_reward(
     sample: RewardSample,
     *,

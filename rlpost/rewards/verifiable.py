@@ -93,7 +93,12 @@ def _answer_text(sample: RewardSample, tag: str | None) -> str | None:
     return sample.completion if tag is None else extract_tag(sample.completion, tag)
 
 
-@reward_function("numeric_match")
+def _check_numeric(*, position: str = "first", **_) -> None:
+    if position not in ("first", "last"):
+        raise ValueError(f"numeric_match: position must be 'first' or 'last', got {position!r}")
+
+
+@reward_function("numeric_match", check=_check_numeric)
 def numeric_match(
     sample: RewardSample,
     *,
@@ -111,8 +116,7 @@ def numeric_match(
     solution ending in such a marker (GSM8K's answer field). ``None`` if the reference
     answer is not a finite number.
     """
-    if position not in ("first", "last"):
-        raise ValueError(f"numeric_match: position must be 'first' or 'last', got {position!r}")
+    _check_numeric(position=position)
     target = _reference_number(sample.answer)
     if target is None:
         return None

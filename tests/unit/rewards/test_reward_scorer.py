@@ -227,3 +227,20 @@ def test_a_combined_score_that_overflows_is_invalid_not_inf():
 def test_reward_config_numbers_that_cannot_work_are_refused(bad):
     with pytest.raises(ValueError):
         RewardConfig(**bad)
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "says"),
+    [
+        ("numeric_match", {"position": "middle"}, "position must be 'first' or 'last'"),
+        ("format", {"pattern": "("}, "invalid regex"),
+        ("code_tests", {"sandbox": {"memroy_mb": 5}}, "memroy_mb"),
+        ("code_tests", {"sandbox": {"memory_mb": 5}}, "memory_mb=5"),
+    ],
+)
+def test_parameter_values_a_reward_would_refuse_are_refused_at_load(name, params, says):
+    from rlpost.rewards.scorer import check_terms
+
+    with pytest.raises(ValueError) as err:
+        check_terms(RewardConfig(terms=[RewardTerm(name=name, params=params)]))
+    assert says in str(err.value) and "\n" not in str(err.value)
