@@ -24,6 +24,14 @@ Why the outer bwrap: a pyenv interpreter lives under /root (mode 0700), which
 uid 65534 cannot traverse; the outer mount namespace bind-mounts the prefix
 onto a fresh tmpfs where the inner bwrap can reach it. Inside, the prefix is
 mounted at ``/opt/python`` so nothing of /root is visible.
+
+What the layers do not bound: the CPU pin and the rlimits are per process,
+not per sandbox. The program may widen its own CPU affinity
+(``sched_setaffinity``), and each of its up to ``max_processes`` processes
+has its own address-space limit, so a run can use more than one CPU and more
+than ``memory_mb`` in total until its wall-clock deadline kills it. A cgroup
+per run (``memory.max``, ``pids.max``, ``cpu.max``) would bound both; it
+needs a delegated cgroup, which hosts do not all give.
 """
 
 from __future__ import annotations
