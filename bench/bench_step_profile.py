@@ -41,7 +41,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from model_sizes import SIZES
+from model_sizes import QUIET_RUN, SIZES
 
 from rlpost.config import RECIPES_DIR, load_config
 from rlpost.observe.mfu import cpu_bf16_native, cpu_flags, flops_per_token, measure_cpu_peak_flops
@@ -204,11 +204,7 @@ def run_size(name: str, args) -> list[str]:
         "sft.steps=0",
         f"train.steps={args.steps}",
         "eval.limit=8",
-        "eval.samples=1",
-        "eval.every=0",
-        "checkpoint.every=0",
-        "observe.progress=false",
-        "observe.plot=false",
+        *QUIET_RUN,
         f"run.output_dir={out}",
         *args.overrides,
     ]

@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from model_sizes import SIZES
+from model_sizes import QUIET_RUN, SIZES
 
 PROMPTS, GROUP, MAX_TOKENS, LR = 16, 8, 8, 1e-5
 PEAK: dict[str, float] = {}  # a worker's peak RSS when it is not the process's own
@@ -140,11 +140,7 @@ def run_rlpost(ckpt: str, dtype: str, steps: int, extra: list[str] = ()) -> list
             f"train.micro_batch_size={PROMPTS * GROUP}",
             "algo.kl.beta=0.0",
             "eval.limit=1",
-            "eval.samples=1",
-            "eval.every=0",
-            "checkpoint.every=0",
-            "observe.progress=false",
-            "observe.plot=false",
+            *QUIET_RUN,
             f"run.output_dir={out}",
             f"run.threads={torch.get_num_threads()}",  # the worker's choice, as TRL's
             *extra,

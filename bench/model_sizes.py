@@ -18,3 +18,13 @@ SIZES = {
         num_key_value_heads=8,
     ),
 }
+
+# A bench run measures the loop, not its side work: no periodic evaluation or checkpoints,
+# no progress bar or plot, one sample per held-out problem.
+QUIET_RUN = [
+    "eval.samples=1",
+    "eval.every=0",
+    "checkpoint.every=0",
+    "observe.progress=false",
+    "observe.plot=false",
+]

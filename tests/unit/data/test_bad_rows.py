@@ -46,17 +46,37 @@ def test_skipped_rows_are_counted_by_reason(tmp_path):
     assert counts["train_skipped"] == len(BAD_ROWS) and counts["train_skipped_not_utf8"] == 1
 
 
-def test_template_names_dataset_fields(tmp_path):
+@pytest.mark.parametrize(
+    ("second", "template", "says", "kept", "reason"),
+    [
+        (  # a field the row lacks
+            {"question": "3+3=", "answer": 6},
+            "Q: {prompt} (level {level})",
+            "names field 'level'",
+            "Q: 1+1= (level 1)",
+            "template_field",
+        ),
+        (  # a format spec the row's value does not take: a row problem, not a traceback
+            {"question": "2+2=", "answer": 4, "level": "x"},
+            "Q: {prompt} L{level:d}",
+            "cannot format this row",
+            "Q: 1+1= L1",
+            "template_error",
+        ),
+    ],
+)
+def test_a_template_a_row_cannot_fill_is_refused_or_skipped_by_line(
+    tmp_path, second, template, says, kept, reason
+):
     f = tmp_path / "d.jsonl"
-    _write(f, [json.dumps(GOOD).encode(), json.dumps({"question": "3+3=", "answer": 6}).encode()])
-    template = "Q: {prompt} (level {level})"
-    with pytest.raises(DataError, match=r"d.jsonl:2: data.prompt_template names field 'level'"):
+    _write(f, [json.dumps(GOOD).encode(), json.dumps(second).encode()])
+    with pytest.raises(DataError, match=rf"d.jsonl:2: data.prompt_template {says}"):
         load_prompt_file(f, prompt_field="question", template=template)
     prompts, report = load_prompt_file(
         f, prompt_field="question", template=template, on_bad_row="skip"
     )
-    assert [p.text for p in prompts] == ["Q: 1+1= (level 1)"]
-    assert report.skipped_by_reason == {"template_field": 1}
+    assert [p.text for p in prompts] == [kept]
+    assert report.skipped_by_reason == {reason: 1}
 
 
 def test_overlong_prompts_are_filtered_and_counted_never_truncated():
@@ -90,23 +110,6 @@ def test_chat_template_and_system_prompt():
     )
     assert render_prompt("1+1=", tok, system_prompt="S") == "<system>S\n<user>1+1=\n<assistant>"
     assert render_prompt("1+1=", tok, chat_template="none") == "1+1="
-
-
-def test_a_template_a_row_cannot_fill_is_a_row_problem_not_a_traceback(tmp_path):
-    f = tmp_path / "d.jsonl"
-    rows = [
-        {"question": "1+1=", "answer": 2, "level": 3},
-        {"question": "2+2=", "answer": 4, "level": "x"},
-    ]
-    _write(f, [json.dumps(r).encode() for r in rows])
-    template = "Q: {prompt} L{level:d}"
-    with pytest.raises(DataError, match=r"d.jsonl:2: data.prompt_template cannot format this row"):
-        load_prompt_file(f, prompt_field="question", template=template)
-    prompts, report = load_prompt_file(
-        f, prompt_field="question", template=template, on_bad_row="skip"
-    )
-    assert [p.text for p in prompts] == ["Q: 1+1= L3"]
-    assert report.skipped_by_reason == {"template_error": 1}
 
 
 def test_a_template_that_reaches_into_a_value_is_refused_at_load(tmp_path):

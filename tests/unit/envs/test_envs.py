@@ -217,14 +217,10 @@ class TwoTools:
     tools = ("add", "mul")
 
     def reset(self, prompt):
-        pass
+        """Nothing to remember between episodes."""
 
     def step(self, action):
         return StepResult(done=True)
-
-
-class NoTools(TwoTools):
-    tools = ()
 
 
 def test_a_call_template_that_cannot_name_the_tools_is_refused_at_load(tmp_path):
