@@ -546,6 +546,9 @@ class SFTConfig(Section):
     distractor: float = Field(0.0, ge=0.0, lt=1.0)
     """Fraction of warm-up targets written with their digits reversed (27 -> 72): the starting
     policy can answer but does not reliably choose the right form, which RL then selects."""
+    save_every: int = Field(100, ge=0)
+    """Save the warm-up's resume state every this many steps (0: only when stopped), so a
+    killed warm-up continues from there."""
 
 
 # ------------------------------------------------------------------------ reward

@@ -14,14 +14,19 @@ import torch
 
 
 def rng_state() -> dict[str, Any]:
+    """The states as plain data (numpy's key as a tensor), so a state file loads without
+    unpickling (``rlpost.statefile``)."""
+    name, key, pos, has_gauss, cached = np.random.get_state()
     return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (name, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, cached),
         "torch": torch.get_rng_state(),
     }
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, key, pos, has_gauss, cached = state["numpy"]
+    key = key.numpy() if isinstance(key, torch.Tensor) else np.asarray(key)
+    np.random.set_state((name, key.astype(np.uint32), int(pos), int(has_gauss), float(cached)))
     torch.set_rng_state(state["torch"])

@@ -53,7 +53,7 @@ from rlpost.rewards.samples import SampleWriter
 from rlpost.rewards.worker import reward_samples
 from rlpost.rng import set_rng_state
 from rlpost.sync import build_weight_sync
-from rlpost.train.checkpoint import latest_checkpoint, latest_step, load_state, save_checkpoint
+from rlpost.train.checkpoint import latest_step, load_state, save_checkpoint, usable_checkpoint
 from rlpost.types import Group, ScoredBatch
 
 
@@ -120,7 +120,7 @@ def train(
     started = time.time()
     train_prompts, held_out, _ = build.build_data(cfg)
     held_out = held_out[: cfg.eval.limit] if cfg.eval.limit else held_out
-    ckpt = latest_checkpoint(run_dir) if resume else None
+    ckpt = usable_checkpoint(run_dir) if resume else None
     start = start or start_workers
     workers = start(cfg, run_dir, train_prompts, console, resuming=ckpt is not None)
     r = None
@@ -419,7 +419,7 @@ def _carry_out(r: Run, action, step: int) -> int:
         r.w.rollout.reset_stats()
         _sync(r)
     elif action.kind == "rollback":
-        ckpt = latest_checkpoint(r.run_dir)
+        ckpt = usable_checkpoint(r.run_dir)
         if ckpt is not None:
             r.feed.close()
             step, pending = _restore(r, ckpt, keep_lr=True)  # keep LR cuts made since

@@ -24,8 +24,8 @@ from rlpost.observe.recorder import METRICS_FILE
 from rlpost.pipeline import build
 from rlpost.pipeline.interrupts import stop_requested
 from rlpost.pipeline.preflight import check_inputs, read_data_counts, report_data
-from rlpost.train.checkpoint import claim_run_dir, latest_checkpoint, latest_step
-from rlpost.train.sft import sft_train
+from rlpost.train.checkpoint import claim_run_dir, latest_step, usable_checkpoint
+from rlpost.train.sft import save_model, sft_train
 
 SFT_STATE = "sft_state"
 
@@ -52,7 +52,7 @@ def reopen_run_dir(run_dir: Path) -> Path:
     ``metrics.jsonl`` holds each step once."""
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"--resume {str(run_dir)!r} is not a run directory (no config.yaml)")
-    ckpt = latest_checkpoint(run_dir)
+    ckpt = usable_checkpoint(run_dir)
     step = latest_step(ckpt)
     if ckpt is not None:
         where = f"step {step} ({ckpt})"
@@ -127,11 +127,11 @@ def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: 
         state_dir=run_dir / SFT_STATE,
         stop=stop_requested,
         example=build.agent_demonstrations(cfg, tokenizer),
+        save_every=s.save_every,
     )
     console.done(task)
-    model.save_pretrained(sft_dir)
-    tokenizer.save_pretrained(sft_dir)
     (run_dir / "sft_losses.json").write_text(json.dumps(losses))
+    save_model(model, tokenizer, sft_dir, state_dir=run_dir / SFT_STATE)
     return model, tokenizer
 
 

@@ -11,15 +11,28 @@ a crash mid-save never leaves a half checkpoint marked as latest.
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from rlpost.config import ConfigError
 from rlpost.rng import rng_state
+from rlpost.statefile import (
+    StateFileError,
+    allow,
+    check_state_file,
+    fsync_dir,
+    fsync_tree,
+    save_state,
+)
+from rlpost.statefile import load_state as load_state_file
+from rlpost.types import Prompt
+
+allow(Prompt)  # prompts drawn ahead of the trainer are part of the loop's state
+TRAINER_STATE = "trainer_state.pt"  # the trainer worker's part (optimizer, scheduler, RNG)
 
 
 def claim_run_dir(run_dir: Path, *, overwrite: bool, config_text: str) -> Path:
@@ -72,7 +85,8 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     write_parts(tmp)
-    torch.save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
+    save_state({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
+    fsync_tree(tmp)  # every part on disk before the rename makes it the checkpoint
     replaced = None
     if out.exists():  # the same step saved again: the old copy stays until the new is in place
         replaced = root / f".step_{step}.old"
@@ -81,8 +95,12 @@ def save_checkpoint(
         out.rename(replaced)
     tmp.rename(out)
     marker = root / ".latest.tmp"
-    marker.write_text(out.name)
+    with open(marker, "w") as fh:
+        fh.write(out.name)
+        fh.flush()
+        os.fsync(fh.fileno())
     marker.replace(root / "latest")  # atomic: ``latest`` is always whole
+    fsync_dir(root)
     if replaced is not None:
         shutil.rmtree(replaced)
     # the newest ``keep`` by step, this one always among them (after a rollback it may not
@@ -117,8 +135,59 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def load_state(ckpt: Path) -> dict[str, Any]:
-    # weights_only=False: the state holds RNG tuples and numpy arrays we wrote ourselves.
-    return torch.load(ckpt / "state.pt", weights_only=False)
+    """The loop's state of a checkpoint, loaded without unpickling code
+    (:class:`~rlpost.statefile.StateFileError` for a torn or tampered file)."""
+    return load_state_file(ckpt / "state.pt")
+
+
+def older_checkpoints(run_dir: Path, than: Path) -> list[Path]:
+    """The complete checkpoints saved at a lower step than ``than``, newest first: where a
+    resume falls back to when ``than`` fails to load."""
+    root = run_dir / "checkpoints"
+    done = [p for p in _complete(root) if (p / "state.pt").is_file() and p != than]
+    return sorted((p for p in done if _step_of(p) < _step_of(than)), key=_step_of, reverse=True)
+
+
+def usable_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint that loads: ``latest``, or when its files are torn or refused,
+    the complete step before it (a one-line warning for each one passed over)."""
+    first = latest_checkpoint(run_dir)
+    if first is None:
+        return None
+    for ckpt in [first, *older_checkpoints(run_dir, first)]:
+        why = _unloadable(ckpt)
+        if why is None:
+            return ckpt
+        print(f"rlpost: warning: {why}; falling back to the checkpoint before", file=sys.stderr)
+    raise StateFileError(
+        f"no checkpoint under {run_dir / 'checkpoints'} loads (see the warnings above); restore "
+        "one from a trusted copy or start a new run"
+    )
+
+
+def _unloadable(ckpt: Path) -> str | None:
+    """Why ``ckpt`` would fail to restore, or None; reads the small loop state whole and
+    checks the trainer's state without loading its tensors."""
+    try:
+        load_state_file(ckpt / "state.pt")
+        check_state_file(ckpt / TRAINER_STATE)
+    except StateFileError as exc:
+        return str(exc)
+    if not ((ckpt / "model" / "config.json").is_file() or (ckpt / "adapter").is_dir()):
+        return f"checkpoint {ckpt} has no model"
+    return None
+
+
+__all__ = [
+    "StateFileError",
+    "claim_run_dir",
+    "latest_checkpoint",
+    "latest_step",
+    "load_state",
+    "older_checkpoints",
+    "save_checkpoint",
+    "usable_checkpoint",
+]
 
 
 def latest_step(ckpt: Path | None) -> int:

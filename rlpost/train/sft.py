@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from rlpost.algos.aggregate import Aggregation
+from rlpost.statefile import fsync_dir, fsync_tree, load_state, save_state
 from rlpost.train.actor import warmup_lambda
 from rlpost.train.batch import collate, model_device, response_logits, token_logprobs
 from rlpost.types import Completion, Prompt
@@ -65,13 +66,16 @@ def sft_train(
     state_dir: Path | None = None,
     stop: Callable[[], bool] | None = None,
     example: Callable[[Prompt, random.Random], Completion | None] | None = None,
+    save_every: int = 0,
 ) -> list[float]:
     """Train ``model`` in place for ``steps`` steps; returns the loss of each step.
 
     When ``stop()`` turns true the current step finishes, the warm-up state (weights,
     optimizer, scheduler, data RNG, losses) is saved to ``state_dir`` and
     :class:`WarmupInterrupted` is raised; a later call with the same ``state_dir``
-    continues from there exactly, and removes the state once the warm-up is done.
+    continues from there exactly. The state is also saved every ``save_every`` steps (0:
+    only on a stop), so a kill loses at most that many. It is kept when the warm-up ends:
+    the caller removes it once the finished model is safely written (:func:`save_model`).
     ``example(prompt, rng)`` builds a target in place of :func:`sft_example` (a multi-turn
     demonstration whose tool output is masked); None falls back to the plain target.
     """
@@ -79,14 +83,21 @@ def sft_train(
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_cosine(warmup_steps, steps))
     losses: list[float] = []
+    if state_dir is not None:
+        old = state_dir.with_name(state_dir.name + ".old")
+        if not state_dir.exists() and old.is_dir():  # stopped between the two renames
+            old.rename(state_dir)
     if state_dir is not None and (state_dir / STATE_FILE).is_file():
         losses = _load_state(state_dir, model, opt, sched, rng)
+    len_at_start = len(losses)
     model.train()
     for step in range(len(losses), steps):
         if stop is not None and stop():
             if state_dir is not None:
                 _save_state(state_dir, model, opt, sched, rng, losses)
             raise WarmupInterrupted(step, state_dir)
+        if state_dir is not None and save_every and step > len_at_start and step % save_every == 0:
+            _save_state(state_dir, model, opt, sched, rng, losses)  # a kill loses at most this
         rows = [
             (example(p, rng) if example is not None else None)
             or sft_example(p, tokenizer, rng, distractor)
@@ -104,9 +115,23 @@ def sft_train(
         if on_step is not None:
             on_step(step, losses[-1])
     model.eval()
+    return losses
+
+
+def save_model(model, tokenizer, out: Path, state_dir: Path | None = None) -> None:
+    """Write the finished warm-up policy to ``out`` atomically and durably, then remove its
+    resume state: a crash at any point leaves either the state to continue from or the
+    whole model, never a half-written model the loader trips on."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    fsync_tree(tmp)
+    tmp.rename(out)
+    fsync_dir(out.parent)
     if state_dir is not None and state_dir.exists():
         shutil.rmtree(state_dir)  # our own resume state, superseded by the finished model
-    return losses
 
 
 STATE_FILE = "state.pt"
@@ -123,15 +148,20 @@ def _save_state(state_dir: Path, model, opt, sched, rng: random.Random, losses) 
         "torch_rng": torch.get_rng_state(),
         "losses": losses,
     }
-    torch.save(state, tmp / STATE_FILE)
-    if state_dir.exists():
-        shutil.rmtree(state_dir)
+    save_state(state, tmp / STATE_FILE)
+    old = state_dir.with_name(state_dir.name + ".old")
+    if state_dir.exists():  # the previous state stays until the new one is in place
+        if old.exists():
+            shutil.rmtree(old)
+        state_dir.rename(old)
     tmp.rename(state_dir)  # a half-written state is never taken for a complete one
+    fsync_dir(state_dir.parent)
+    if old.exists():
+        shutil.rmtree(old)
 
 
 def _load_state(state_dir: Path, model, opt, sched, rng: random.Random) -> list[float]:
-    # weights_only=False: the state holds the RNG tuple we wrote ourselves.
-    state = torch.load(state_dir / STATE_FILE, weights_only=False, map_location="cpu")
+    state = load_state(state_dir / STATE_FILE)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from rlpost.rng import rng_state, set_rng_state
+from rlpost.statefile import load_state, save_state
 from rlpost.train.actor import PolicyTrainer
 from rlpost.train.batch import TrainBatch
 
@@ -184,7 +185,7 @@ class TrainerWorker:
         state = {"trainer": self.trainer.state_dict(), "rng": rng_state()}
         if self.critic is not None:
             state["critic"] = self.critic.state_dict()
-        torch.save(state, d / STATE_FILE)
+        save_state(state, d / STATE_FILE)
 
     def restore(self, directory: str | Path, *, version: int, keep_lr: bool = False) -> int:
         """Load what :meth:`save` wrote; the weights' version becomes ``version``.
@@ -207,9 +208,8 @@ class TrainerWorker:
             ref = self.trainer.ref_model
             if ref is not None and (d / "ref_model").is_dir():
                 ref.load_state_dict(load_causal_lm(d / "ref_model").state_dict())
-        # weights_only=False: the state holds RNG tuples and numpy arrays we wrote ourselves.
-        # map_location: optimizer.load_state_dict moves the state onto its parameters' device.
-        state = torch.load(d / STATE_FILE, weights_only=False, map_location="cpu")
+        # on the CPU: optimizer.load_state_dict moves the state onto its parameters' device
+        state = load_state(d / STATE_FILE)
         # A checkpoint resumes on any number of workers: the optimizer state is keyed by
         # parameter index (one worker's save) or by name (data-parallel workers' save).
         from rlpost.train.dp import optimizer_state_by_index, optimizer_state_by_name
@@ -277,7 +277,7 @@ class TrainerWorker:
             if ref_state is not None:
                 _save_plain(ref, ref_state, d / "ref_model")
             trainer_state = self.trainer.state_dict() | {"optimizer": optim}
-            torch.save({"trainer": trainer_state, "rng": rng_state()}, d / STATE_FILE)
+            save_state({"trainer": trainer_state, "rng": rng_state()}, d / STATE_FILE)
         self.dp.barrier()  # no rank returns before the files are there
 
     def _restore_sharded(self, d: Path) -> None:
