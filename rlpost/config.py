@@ -546,6 +546,8 @@ class SFTConfig(Section):
     distractor: float = Field(0.0, ge=0.0, lt=1.0)
     """Fraction of warm-up targets written with their digits reversed (27 -> 72): the starting
     policy can answer but does not reliably choose the right form, which RL then selects."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Gradient-norm clip of each warm-up step."""
     save_every: int = Field(100, ge=0)
     """Save the warm-up's resume state every this many steps (0: only when stopped), so a
     killed warm-up continues from there."""

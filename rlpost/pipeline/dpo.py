@@ -78,6 +78,7 @@ def _warm_up(cfg: Config, model, tokenizer, train: list[PreferencePair], bar) ->
         warmup_steps=s.warmup_steps,
         seed=cfg.run.seed,
         on_step=lambda i, loss: bar.update(task, advance=1, info=f"loss {loss:.3f}"),
+        grad_clip=s.grad_clip,
     )
 
 

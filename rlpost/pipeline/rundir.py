@@ -128,6 +128,7 @@ def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: 
         stop=stop_requested,
         example=build.agent_demonstrations(cfg, tokenizer),
         save_every=s.save_every,
+        grad_clip=s.grad_clip,
     )
     console.done(task)
     (run_dir / "sft_losses.json").write_text(json.dumps(losses))

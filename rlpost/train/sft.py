@@ -24,6 +24,7 @@ from rlpost.algos.aggregate import Aggregation
 from rlpost.statefile import fsync_dir, fsync_tree, load_state, save_state
 from rlpost.train.actor import warmup_lambda
 from rlpost.train.batch import collate, model_device, response_logits, token_logprobs
+from rlpost.train.optim import optimizer_step
 from rlpost.types import Completion, Prompt
 
 
@@ -67,6 +68,7 @@ def sft_train(
     stop: Callable[[], bool] | None = None,
     example: Callable[[Prompt, random.Random], Completion | None] | None = None,
     save_every: int = 0,
+    grad_clip: float = 1.0,
 ) -> list[float]:
     """Train ``model`` in place for ``steps`` steps; returns the loss of each step.
 
@@ -76,7 +78,8 @@ def sft_train(
     continues from there exactly. The state is also saved every ``save_every`` steps (0:
     only on a stop), so a kill loses at most that many. It is kept when the warm-up ends:
     the caller removes it once the finished model is safely written (:func:`save_model`).
-    ``example(prompt, rng)`` builds a target in place of :func:`sft_example` (a multi-turn
+    Each step is the shared :func:`~rlpost.train.optim.optimizer_step` (gradient clipped at
+    ``grad_clip``, a non-finite step skipped). ``example(prompt, rng)`` builds a target in place of :func:`sft_example` (a multi-turn
     demonstration whose tool output is masked); None falls back to the plain target.
     """
     rng = random.Random(seed)
@@ -104,14 +107,13 @@ def sft_train(
             for p in rng.sample(prompts, min(batch_size, len(prompts)))
         ]
         batch = collate(rows, [0.0] * len(rows), tokenizer.pad_token_id).to(model_device(model))
-        logprobs = token_logprobs(response_logits(model, batch), batch.responses)
-        loss = Aggregation("token-mean").reduce(-logprobs, batch.response_mask)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(float(loss.detach()))
+
+        def nll(batch):
+            logprobs = token_logprobs(response_logits(model, batch), batch.responses)
+            return Aggregation("token-mean").reduce(-logprobs, batch.response_mask), {}
+
+        params = list(model.parameters())
+        losses.append(optimizer_step(opt, sched, params, grad_clip, [batch], nll).loss)
         if on_step is not None:
             on_step(step, losses[-1])
     model.eval()

@@ -1,21 +1,31 @@
-"""Same numbers: short runs reproduce the per-step metrics recorded before the loop became
-stages and workers (relative difference under 1e-6).
+"""Same numbers: short runs reproduce the per-step metrics of a baseline commit (relative
+difference under 1e-6), on every CPU.
 
-Recorded with ``rlpost train [RECIPE] sft.steps=200 train.steps=5 eval.limit=50
+The cases are ``rlpost train [RECIPE] sft.steps=200 train.steps=5 eval.limit=50
 eval.samples=1`` for the default recipe (grpo), ppo_arith (critic), dapo_arith
 (dynamic sampling) and the default recipe with partial rollout and length-aware
-batching. Float rounding differs between CPUs (AMX, AVX-512 BF16 or neither,
-and their kernels), and 200 warm-up steps carry a one-ulp difference into
-visibly different numbers, so the values hold on CPUs whose numerics match the
-recording's: the fingerprint below (the digest of a fixed forward pass) says
-whether this one does. Elsewhere the test is skipped with the reason, and the
-two-process equivalence test still guards the shape.
+batching. Float rounding differs between CPUs (AMX, AVX-512 BF16 or neither, and
+their kernels), and 200 warm-up steps carry a one-ulp difference into visibly
+different numbers, so a recording holds only on CPUs whose numerics match it: the
+fingerprint below (the digest of a fixed forward pass) names them.
+``golden_metrics.json`` keeps one recording per fingerprint, all of the same
+baseline commit. On a CPU with no recording the test runs the baseline commit's own
+code (``git archive`` of it, in a subprocess) on this CPU and compares against that,
+so the guarantee "a refactor changes no number" holds everywhere and never skips.
+
+After a deliberate numerical change, commit it, then run this file as a script: it
+moves the baseline to HEAD and records this CPU alone (the other recordings are of
+the old numbers). Say why in the commit.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,14 +35,45 @@ from rlpost.config import RECIPES_DIR, load_config
 from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
 from rlpost.pipeline.loop import train
 
-GOLDEN = json.loads((Path(__file__).parent / "golden_metrics.json").read_text())
-RECORDED_ON = "03ac4fd8fe48cb6e"  # numeric_fingerprint() where the values were recorded
+GOLDEN_FILE = Path(__file__).parent / "golden_metrics.json"
+GOLDEN = json.loads(GOLDEN_FILE.read_text())
+REPO = Path(__file__).resolve().parents[2]
 CASES = {
-    "grpo": (None, []),
+    "grpo": ("grpo_arith.yaml", []),
     "ppo": ("ppo_arith.yaml", []),
     "dapo": ("dapo_arith.yaml", []),
-    "partial": (None, ["rollout.partial=true", "rollout.length_aware=true"]),
+    "partial": ("grpo_arith.yaml", ["rollout.partial=true", "rollout.length_aware=true"]),
 }
+COMMON = [
+    "sft.steps=200",
+    "train.steps=5",
+    "eval.limit=50",
+    "eval.samples=1",
+    "observe.progress=false",
+    "observe.plot=false",
+]
+STEP_KEYS = [
+    "loss", "pg_loss", "reward_mean", "kl", "grad_norm", "clip_frac", "logprob_gap",
+    "response_length_mean", "vf_loss",
+]  # fmt: skip; a case records those its rows have (PPO's critic warm-up steps have no pg_loss)
+SUMMARY_KEYS = ["eval_accuracy_start", "eval_accuracy_end"]
+
+# Runs the cases with whichever rlpost is first on sys.path (the baseline's tree, when
+# the test runs it): only load_config and train, whose signatures every commit keeps.
+DRIVER = """
+import json, sys
+from rlpost.config import RECIPES_DIR, load_config
+from rlpost.pipeline.loop import train
+spec = json.loads(open(sys.argv[1]).read())
+out = {}
+for case, (recipe, extra) in spec["cases"].items():
+    over = [*spec["common"], f"run.output_dir={spec['dir']}/{case}", *extra]
+    result = train(load_config(RECIPES_DIR / recipe, over))
+    keys = [k for k in spec["step_keys"] if all(k in row for row in result.history)]
+    out[case] = [{k: row[k] for k in keys} for row in result.history]
+    out[case + "_summary"] = {k: result.summary[k] for k in spec["summary_keys"]}
+open(sys.argv[2], "w").write(json.dumps(out))
+"""
 
 
 def numeric_fingerprint() -> str:
@@ -54,44 +95,78 @@ def numeric_fingerprint() -> str:
 
 def run_case(case: str, out: Path):
     recipe, extra = CASES[case]
-    cfg = load_config(
-        RECIPES_DIR / (recipe or "grpo_arith.yaml"),
-        [
-            "sft.steps=200",
-            "train.steps=5",
-            "eval.limit=50",
-            "eval.samples=1",
-            f"run.output_dir={out}",
-            "observe.progress=false",
-            "observe.plot=false",
-            *extra,
-        ],
-    )
+    cfg = load_config(RECIPES_DIR / recipe, [*COMMON, f"run.output_dir={out}", *extra])
     return train(cfg)
 
 
+def run_commit(commit: str, work: Path) -> dict:
+    """Every case's numbers as the code of ``commit`` computes them on this CPU."""
+    try:
+        subprocess.run(
+            ["git", "-C", str(REPO), "cat-file", "-e", f"{commit}^{{commit}}"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        pytest.fail(
+            f"no recording for this CPU and no baseline commit {commit[:12]} in {REPO} to run; "
+            "run tests/integration/test_golden_metrics.py as a script in a full clone"
+        )
+    tree = work / "baseline"
+    tree.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", commit, "rlpost"], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    spec = {
+        "cases": CASES, "common": COMMON, "dir": str(work / "runs"),
+        "step_keys": STEP_KEYS, "summary_keys": SUMMARY_KEYS,
+    }  # fmt: skip
+    (work / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(work / "spec.json"), str(work / "out.json")],
+        cwd=tree, env=env, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"baseline {commit[:12]} failed:\n{proc.stderr[-3000:]}"
+    return json.loads((work / "out.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    recorded = GOLDEN["by_fingerprint"].get(numeric_fingerprint())
+    if recorded is not None:
+        return recorded
+    return run_commit(GOLDEN["baseline"], tmp_path_factory.mktemp("golden"))
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_same_numbers_as_recorded(case, tmp_path):
-    here = numeric_fingerprint()
-    if here != RECORDED_ON:
-        pytest.skip(f"this CPU rounds differently (fingerprint {here}, recorded {RECORDED_ON})")
+def test_same_numbers_as_baseline(case, reference, tmp_path):
     result = run_case(case, tmp_path)
-    assert len(result.history) == len(GOLDEN[case])
-    for got, want in zip(result.history, GOLDEN[case], strict=True):
+    assert len(result.history) == len(reference[case])
+    for got, want in zip(result.history, reference[case], strict=True):
         for key, value in want.items():
             assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-12), (case, got["step"], key)
-    for key, value in GOLDEN[f"{case}_summary"].items():
+    for key, value in reference[f"{case}_summary"].items():
         assert result.summary[key] == value
 
 
-if __name__ == "__main__":  # re-record after a deliberate numerical change; say why in the commit
-    import tempfile
+def test_recordings_share_one_baseline():
+    """Every recording has every case and key, so no CPU compares against less."""
+    assert len(GOLDEN["baseline"]) == 40
+    for recording in GOLDEN["by_fingerprint"].values():
+        assert set(recording) == {c for case in CASES for c in (case, f"{case}_summary")}
+        for case in CASES:
+            keys = set(recording[case][0])
+            assert {"reward_mean", "kl", "logprob_gap"} <= keys <= set(STEP_KEYS)
+            assert all(set(row) == keys for row in recording[case])
+            assert set(recording[f"{case}_summary"]) == set(SUMMARY_KEYS)
 
-    recorded = {}
-    for case in sorted(CASES):
-        result = run_case(case, Path(tempfile.mkdtemp()))
-        keys = list(GOLDEN[case][0])
-        recorded[case] = [{k: row[k] for k in keys} for row in result.history]
-        recorded[f"{case}_summary"] = {k: result.summary[k] for k in GOLDEN[f"{case}_summary"]}
-    (Path(__file__).parent / "golden_metrics.json").write_text(json.dumps(recorded, indent=1))
-    print(f"recorded on {numeric_fingerprint()}; set RECORDED_ON to it")
+
+if __name__ == "__main__":  # after a deliberate numerical change (committed): rebase and record
+    head = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    numbers = run_commit(head, Path(tempfile.mkdtemp()))
+    golden = {"baseline": head, "by_fingerprint": {numeric_fingerprint(): numbers}}
+    GOLDEN_FILE.write_text(json.dumps(golden, indent=1) + "\n")
+    print(f"baseline {head[:12]}, recorded on {numeric_fingerprint()}")
