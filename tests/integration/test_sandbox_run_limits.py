@@ -43,12 +43,24 @@ def _has_cgroup() -> bool:
     return host.get("memory") is not None and host.get("pids") is not None
 
 
-@pytest.fixture(params=["cgroup", "seccomp"])
-def mode(request: pytest.FixtureRequest) -> str:
-    if request.param == "cgroup" and not _has_cgroup():
+def _skip_without_cgroup() -> None:
+    if not _has_cgroup():
         reasons = "; ".join(f"{n}: {r}" for n, r in cgroups.detect().missing)
         pytest.skip(f"no per-run cgroup on this host ({reasons})")
+
+
+@pytest.fixture(params=["cgroup", "seccomp"])
+def mode(request: pytest.FixtureRequest) -> str:
+    if request.param == "cgroup":
+        _skip_without_cgroup()
     return request.param
+
+
+@pytest.fixture
+def cgroup_mode() -> str:
+    """For what only a cgroup bounds: the run's total over many processes."""
+    _skip_without_cgroup()
+    return "cgroup"
 
 
 def _config(mode: str, **overrides: object) -> SandboxConfig:
@@ -117,9 +129,7 @@ def test_shared_memory_beyond_the_limit_is_stopped_or_refused(mode: str, program
     _host_unharmed()
 
 
-def test_memory_of_many_processes_is_bounded_per_run(mode: str) -> None:
-    if mode != "cgroup":
-        pytest.skip("without a memory cgroup each process has its own limit (documented)")
+def test_memory_of_many_processes_is_bounded_per_run(cgroup_mode: str) -> None:
     # Six children of 40 MiB each: every one is under RLIMIT_AS, the run is not. The
     # program fails when the kernel kills one of them, which makes the verdict.
     code = (
@@ -132,7 +142,7 @@ def test_memory_of_many_processes_is_bounded_per_run(mode: str) -> None:
         "pid, status = os.wait()\n"
         "sys.exit(9 if os.WIFSIGNALED(status) else 0)\n"
     )
-    result = run_code(code, config=_config(mode))
+    result = run_code(code, config=_config(cgroup_mode))
     assert (result.status, result.exit_code) == ("memory", 9)
     assert result.wall_seconds < 5  # killed at the limit, not at the children's own pace
     _host_unharmed()
@@ -209,10 +219,8 @@ def test_cpu_affinity_cannot_be_widened(mode: str) -> None:
     assert verdict == ("set" if mode == "cgroup" else "refused 1")
 
 
-def test_run_groups_carry_the_limits_and_are_removed(mode: str) -> None:
-    if mode != "cgroup":
-        pytest.skip("the seccomp path makes no cgroup")
-    config = _config(mode, max_processes=20)
+def test_run_groups_carry_the_limits_and_are_removed(cgroup_mode: str) -> None:
+    config = _config(cgroup_mode, max_processes=20)
     group = cgroups.RunGroup.create(
         {c.name: c for c in cgroups.detect().usable},
         memory_bytes=config.memory_mb << 20,

@@ -64,7 +64,7 @@ def make_plan(mode: RunLimits, host: cgroup.CgroupHost, seccomp_supported: bool)
         blocked += seccomp.AFFINITY_CALLS
     if blocked and not seccomp_supported:
         raise SandboxUnavailable(
-            f"sandbox run_limits={mode}: no seccomp syscall table for this machine and no "
+            f"sandbox run_limits={mode}: no seccomp filter for this machine or kernel and no "
             "memory/cpuset cgroup to bound the run instead; run where a cgroup is delegated"
         )
     return RunPlan(mode, host.usable, tuple(blocked), host)

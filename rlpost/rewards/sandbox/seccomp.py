@@ -117,8 +117,15 @@ ARCHES = {
 
 
 def supported(machine: str | None = None) -> bool:
-    """Whether a filter can be built for this machine (``platform.machine()``)."""
-    return (machine or platform.machine()) in ARCHES
+    """Whether a filter can be built for this machine (``platform.machine()``) and loaded
+    by this kernel (one built with seccomp shows a ``Seccomp:`` line in /proc/self/status)."""
+    if (machine or platform.machine()) not in ARCHES:
+        return False
+    try:
+        with open("/proc/self/status", encoding="utf-8") as f:
+            return any(line.startswith("Seccomp:") for line in f)
+    except OSError:
+        return False
 
 
 def build_filter(blocked: tuple[str, ...] | list[str], machine: str | None = None) -> bytes:
