@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=SandboxConfig.memory_mb,
         metavar="MB",
-        help="address-space limit in MiB (default %(default)s)",
+        help="memory limit in MiB: each process's address space, and the whole run's "
+        "memory where a per-run cgroup is available (default %(default)s)",
     )
     run.add_argument("--stdin", metavar="FILE", help="file whose text is the program's stdin")
     _run_limits_option(run)
