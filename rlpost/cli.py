@@ -9,6 +9,7 @@
     rlpost rewards                             the registered rewards and their parameters
     rlpost report RUN_DIR [RUN_DIR ...]        HTML report and a text summary (several: overlaid)
     rlpost sandbox run FILE.py [--timeout S] [--memory MB] [--json]
+    rlpost sandbox check [--run-limits MODE]   which sandbox limits hold on this host
     rlpost serve [--model DIR] [--port N]       OpenAI-compatible rollout server
     rlpost cluster scale --rollout N RUN_DIR   grow or shrink a running job's rollout fleet
 

@@ -58,6 +58,7 @@ def test_config_is_frozen() -> None:
         ("max_open_files", 8),
         ("cpu", -1),
         ("max_processes", True),
+        ("run_limits", "cgroups"),
     ],
 )
 def test_bad_config_values_are_one_line_errors_naming_the_field(field: str, value: object) -> None:
@@ -84,6 +85,20 @@ def test_bad_config_values_are_one_line_errors_naming_the_field(field: str, valu
 )
 def test_classify(returncode, stderr, stopped, expected) -> None:
     assert classify(returncode, stderr, stopped) == expected
+
+
+@pytest.mark.parametrize(
+    ("returncode", "stopped", "expected"),
+    [
+        (128 + signal.SIGKILL, None, ("memory", -signal.SIGKILL)),  # the program was OOM-killed
+        (-signal.SIGKILL, None, ("memory", -signal.SIGKILL)),  # a bwrap monitor was
+        (1, None, ("memory", 1)),  # a child was killed and the parent failed
+        (0, None, ("ok", 0)),  # a child was killed, the program coped
+        (137, "timeout", ("timeout", None)),
+    ],
+)
+def test_an_oom_kill_in_the_run_cgroup_is_a_memory_verdict(returncode, stopped, expected) -> None:
+    assert classify(returncode, b"", stopped, oom_kills=1) == expected
 
 
 def test_memory_hint_is_read_only_from_the_tail_of_stderr() -> None:
@@ -206,7 +221,9 @@ def _pairs(argv: list[str], option: str) -> list[tuple[str, str]]:
 
 def test_command_isolates_and_limits(monkeypatch) -> None:
     argv = _command(monkeypatch, 1000, Interpreter(None, "/usr/bin/python3.11"))
-    assert argv[0] == "/usr/bin/bwrap" and "/usr/bin/setpriv" not in argv
+    # The pin is set outside bwrap: inside, seccomp may refuse sched_setaffinity.
+    assert argv[:4] == ["/usr/bin/taskset", "--cpu-list", "3", "/usr/bin/bwrap"]
+    assert "/usr/bin/setpriv" not in argv and "--seccomp" not in argv
     isolation = {"--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent"}
     assert isolation | {"--new-session", "--clearenv", "--info-fd"} <= set(argv)
     assert ("/usr", "/usr") in _pairs(argv, "--ro-bind")
@@ -219,7 +236,7 @@ def test_command_isolates_and_limits(monkeypatch) -> None:
     assert [dest for dest, _ in _pairs(argv, "--remount-ro")] == ["/dev", "/"]
     assert argv.index("--file") < len(argv) - argv[::-1].index("--remount-ro")
     tail = argv[argv.index("--", argv.index("--clearenv")) :]
-    assert tail[1:4] == ["/usr/bin/taskset", "--cpu-list", "3"]
+    assert tail[1] == "/usr/bin/prlimit"
     assert {"--as=2147483648", "--cpu=6:7", "--nproc=64", "--core=0"} <= set(tail)
     assert tail[-3:] == ["/usr/bin/python3.11", "-S", "main.py"]
 
@@ -240,7 +257,7 @@ def test_command_as_root_drops_to_nobody_and_stages_a_private_prefix(monkeypatch
 
 def test_command_as_root_binds_a_public_prefix_directly(monkeypatch) -> None:
     argv = _command(monkeypatch, 0, Interpreter("/usr/lib", "/opt/python/bin/python3"))
-    assert argv[0] == "/usr/bin/setpriv"
+    assert argv[3] == "/usr/bin/setpriv"
     assert argv.count("/usr/bin/bwrap") == 1
     assert ("/usr/lib", "/opt/python") in _pairs(argv, "--ro-bind")
 
@@ -264,6 +281,8 @@ def test_interpreter_is_this_python_seen_from_inside() -> None:
         (["run", "x.py", "--timeout", "soon"], "invalid float value"),
         (["run", "x.py", "--timeout", "-1"], "timeout_s=-1.0"),
         (["run", "x.py", "--memory", "10"], "memory_mb=10"),
+        (["run", "x.py", "--run-limits", "cgroups"], "invalid choice: 'cgroups'"),
+        (["check", "--run-limits", "off"], "invalid choice: 'off'"),
         (["run", "/nonexistent/prog.py"], "cannot read /nonexistent/prog.py"),
     ],
 )

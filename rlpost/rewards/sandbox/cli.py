@@ -1,7 +1,11 @@
-"""``rlpost sandbox run FILE.py [--timeout S] [--memory MB] [--stdin FILE] [--json]``.
+"""``rlpost sandbox run FILE.py [--timeout S] [--memory MB] [--stdin FILE] [--run-limits M] [--json]``
+and ``rlpost sandbox check [--run-limits M]``.
 
-Exit status: 0 when the program's status is ``ok``, 1 for any other status or
-when the sandbox cannot run here, 2 for bad arguments. Every error is one line.
+``run`` exits 0 when the program's status is ``ok``, 1 for any other status or
+when the sandbox cannot run here. ``check`` prints one line per limit (memory,
+processes, cpu, cpuset, seccomp, network, root: how far each holds on this
+host and what a probe in the sandbox saw) and exits 0 only when every limit
+holds as planned, else 1. Both exit 2 for bad arguments. Every error is one line.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from rlpost.rewards.sandbox.command import SandboxUnavailable
-from rlpost.rewards.sandbox.limits import SandboxConfig, SandboxResult
+from rlpost.rewards.sandbox.limits import RUN_LIMITS, SandboxConfig, SandboxResult
 from rlpost.rewards.sandbox.runner import run_code
 
 PROG = "rlpost sandbox"
@@ -46,18 +50,36 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=SandboxConfig.memory_mb,
         metavar="MB",
-        help="address-space limit in MiB (default %(default)s)",
+        help="memory limit in MiB: each process's address space, and the whole run's "
+        "memory where a per-run cgroup is available (default %(default)s)",
     )
     run.add_argument("--stdin", metavar="FILE", help="file whose text is the program's stdin")
+    _run_limits_option(run)
     run.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    check = commands.add_parser("check", help="say which limits hold on this host, one line each")
+    _run_limits_option(check)
     return parser
+
+
+def _run_limits_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--run-limits",
+        choices=RUN_LIMITS,
+        default=SandboxConfig.run_limits,
+        help="how the whole run is bounded: cgroup where possible (auto), cgroup or refuse, "
+        "seccomp only, or per-process rlimits only (default %(default)s)",
+    )
 
 
 def main(argv: list[str]) -> int:
     """Entry point for ``rlpost sandbox ...``; ``argv`` excludes ``rlpost sandbox``."""
     try:
         args = build_parser().parse_args(argv)
-        config = SandboxConfig(timeout_s=args.timeout, memory_mb=args.memory)
+        if args.command == "check":
+            return _check(args.run_limits)
+        config = SandboxConfig(
+            timeout_s=args.timeout, memory_mb=args.memory, run_limits=args.run_limits
+        )
         code = _read(args.file)
         stdin = _read(args.stdin) if args.stdin else ""
     except (_UsageError, ValueError) as exc:
@@ -70,6 +92,19 @@ def main(argv: list[str]) -> int:
         return 1
     print(json.dumps(dataclasses.asdict(result)) if args.json else format_result(result))
     return 0 if result.ok else 1
+
+
+def _check(mode: str) -> int:
+    from rlpost.rewards.sandbox.check import run_check
+
+    try:
+        lines = run_check(mode)
+    except SandboxUnavailable as exc:
+        print(f"sandbox   unavailable {exc}")
+        return 1
+    for line in lines:
+        print(line.render())
+    return 0 if all(line.ok for line in lines) else 1
 
 
 def _read(path: str) -> str:

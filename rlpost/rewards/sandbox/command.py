@@ -2,14 +2,16 @@
 
 Layers, outermost first::
 
+    sh      (only with a per-run cgroup: writes its pid into the run's groups, then execs)
+    taskset one CPU (outside bwrap: inside, seccomp may refuse sched_setaffinity)
     bwrap   (only when started as root and the interpreter prefix is private:
              a mount namespace where the prefix is staged on a world-readable path)
     setpriv (only when started as root: become uid/gid 65534, no groups, no new privileges)
     bwrap   user, pid, network, ipc, uts and cgroup namespaces; read-only /usr and
             interpreter; size-capped private tmpfs on /tmp and /dev/shm, the only
             writable places (bwrap's own root is remounted read-only); fresh /proc,
-            minimal /dev; cleared environment; dies with its parent
-    taskset one CPU
+            minimal /dev; cleared environment; dies with its parent; a seccomp
+            filter where the run has no memory or cpuset cgroup (``plan.py``)
     prlimit RLIMIT_AS, RLIMIT_CPU, RLIMIT_NPROC, RLIMIT_FSIZE, RLIMIT_NOFILE, no core dumps
     python  -E -s -S main.py   (standard library only, no site-packages)
 
@@ -25,13 +27,13 @@ uid 65534 cannot traverse; the outer mount namespace bind-mounts the prefix
 onto a fresh tmpfs where the inner bwrap can reach it. Inside, the prefix is
 mounted at ``/opt/python`` so nothing of /root is visible.
 
-What the layers do not bound: the CPU pin and the rlimits are per process,
-not per sandbox. The program may widen its own CPU affinity
-(``sched_setaffinity``), and each of its up to ``max_processes`` processes
-has its own address-space limit, so a run can use more than one CPU and more
-than ``memory_mb`` in total until its wall-clock deadline kills it. A cgroup
-per run (``memory.max``, ``pids.max``, ``cpu.max``) would bound both; it
-needs a delegated cgroup, which hosts do not all give.
+Per run, not per process: the rlimits bind each process; the run as a whole
+is bounded by its cgroup (``cgroup.py``: memory with shared memory included,
+pids, CPU quota, cpuset) where the host gives one, and otherwise by the
+seccomp filter (``seccomp.py``) refusing memfd, SysV IPC and
+``sched_setaffinity``, so memory no address space counts cannot be held and
+the CPU pin cannot be widened. Without a memory cgroup a run can still hold
+up to ``max_processes`` address spaces of ``memory_mb`` each.
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ class Tools:
     prlimit: str
     taskset: str
     setpriv: str | None
+    # Only the cgroup join needs a shell; cgroup detection needs one too, so a host
+    # without sh plans no cgroup.
+    sh: str | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,7 @@ def find_tools() -> Tools:
         prlimit=found["prlimit"],
         taskset=found["taskset"],
         setpriv=found.get("setpriv"),
+        sh=shutil.which("sh"),
     )
 
 
@@ -146,14 +152,18 @@ def build_command(
     files: list[tuple[int, str]],
     info_fd: int,
     argv: list[str],
+    join: list[str] | None = None,
+    seccomp_fd: int | None = None,
 ) -> list[str]:
-    """The full argv: privilege drop, bwrap, taskset, prlimit, then ``python <argv>``.
+    """The full argv: cgroup join, CPU pin, privilege drop, bwrap, prlimit, then ``python <argv>``.
 
     ``files`` are ``(fd, name)`` pairs copied into ``/tmp/name``; ``info_fd``
-    receives bwrap's JSON with the host pid of the sandbox's pid 1.
+    receives bwrap's JSON with the host pid of the sandbox's pid 1; ``join``
+    is the prefix that moves the run into its cgroups (``RunGroup.join_argv``);
+    ``seccomp_fd`` holds the compiled filter bwrap loads for the program.
     """
     prefix_source = interpreter.host_prefix
-    outer: list[str] = []
+    outer: list[str] = [*(join or []), tools.taskset, "--cpu-list", str(cpu)]
     if os.geteuid() == 0:
         if prefix_source is not None and not _readable_by_others(prefix_source):
             outer += [tools.bwrap, "--dev-bind", "/", "/", "--tmpfs", "/tmp"]
@@ -164,12 +174,14 @@ def build_command(
         outer += ["--no-new-privs", "--"]
     inner = _namespaces(tools) + _filesystem(config, prefix_source, files)
     inner += ["--info-fd", str(info_fd), "--clearenv"]
+    if seccomp_fd is not None:
+        inner += ["--seccomp", str(seccomp_fd)]
     inner += ["--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
     inner += ["--setenv", "LANG", "C.UTF-8"]
     if interpreter.host_prefix is not None:
         # A relocated prefix: its RUNPATH points at the host path of libpython.
         inner += ["--setenv", "LD_LIBRARY_PATH", f"{SANDBOX_PYTHON}/lib"]
-    return outer + inner + ["--", *_limits(tools, config, cpu), interpreter.executable, *argv]
+    return outer + inner + ["--", *_limits(tools, config), interpreter.executable, *argv]
 
 
 def _namespaces(tools: Tools) -> list[str]:
@@ -205,12 +217,9 @@ def _filesystem(
     return args
 
 
-def _limits(tools: Tools, config: SandboxConfig, cpu: int) -> list[str]:
+def _limits(tools: Tools, config: SandboxConfig) -> list[str]:
     cpu_s = config.cpu_seconds
     return [
-        tools.taskset,
-        "--cpu-list",
-        str(cpu),
         tools.prlimit,
         f"--as={config.memory_mb << 20}",
         f"--cpu={cpu_s}:{cpu_s + 1}",

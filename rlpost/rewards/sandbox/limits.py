@@ -14,6 +14,8 @@ import signal
 from dataclasses import dataclass
 from typing import Literal
 
+RunLimits = Literal["auto", "cgroup", "seccomp", "none"]
+RUN_LIMITS: tuple[RunLimits, ...] = ("auto", "cgroup", "seccomp", "none")
 Status = Literal["ok", "error", "timeout", "memory", "output_limit", "killed"]
 STATUSES: tuple[Status, ...] = ("ok", "error", "timeout", "memory", "output_limit", "killed")
 
@@ -37,6 +39,17 @@ class SandboxConfig:
     of one run (RLIMIT_NPROC, counted per run).
     ``cpu`` pins the run to one CPU; ``None`` spreads runs round-robin over the
     CPUs this process may use.
+
+    ``memory_mb`` bounds each process's address space (RLIMIT_AS) and, with a
+    per-run cgroup, everything the run holds together (shared memory, tmpfs
+    and kernel memory included). ``run_limits`` says how the run as a whole is
+    bounded: ``auto`` uses a cgroup for each of memory, processes, CPU quota
+    and cpuset where the host allows one, and a seccomp filter refusing what
+    the missing ones would not bound (memfd, SysV IPC, ``sched_setaffinity``);
+    ``cgroup`` is ``auto`` that refuses to run without memory and pids
+    cgroups; ``seccomp`` skips the cgroup and refuses all of those calls;
+    ``none`` keeps only the per-process rlimits and CPU pin (shared memory then
+    escapes ``memory_mb``; a baseline for benchmarks, not for untrusted code).
     """
 
     timeout_s: float = 5.0
@@ -47,6 +60,7 @@ class SandboxConfig:
     tmpfs_mb: int = 64
     max_open_files: int = 256
     cpu: int | None = None
+    run_limits: RunLimits = "auto"
 
     def __post_init__(self) -> None:
         _require(
@@ -66,6 +80,10 @@ class SandboxConfig:
         _require(
             self.cpu is None or self.cpu >= 0, "cpu", self.cpu, "must be a CPU index >= 0 or None"
         )
+        if self.run_limits not in RUN_LIMITS:
+            raise ValueError(
+                f"sandbox run_limits={self.run_limits!r} must be one of {', '.join(RUN_LIMITS)}"
+            )
 
     @property
     def cpu_seconds(self) -> int:
@@ -101,27 +119,29 @@ class SandboxResult:
 
 
 def classify(
-    returncode: int | None, stderr: bytes, stopped: Status | None
+    returncode: int | None, stderr: bytes, stopped: Status | None, oom_kills: int = 0
 ) -> tuple[Status, int | None]:
     """Map a finished run to ``(status, exit_code)``.
 
     ``returncode`` is bwrap's exit status (signals arrive as ``128 + N``),
     ``stopped`` is ``"timeout"`` or ``"output_limit"`` when the supervisor
-    killed the run itself, else ``None``.
+    killed the run itself, else ``None``; ``oom_kills`` counts processes the
+    kernel killed at the run's cgroup memory limit, which makes a failed run
+    a ``memory`` verdict whatever signal or exit status reached bwrap.
     """
     if stopped is not None:
         return stopped, None
     if returncode is None:
         return "killed", None
     if returncode < 0:  # bwrap itself died from a signal nobody in the supervisor sent
-        return "killed", returncode
+        return ("memory" if oom_kills > 0 else "killed"), returncode
     sig = (
         returncode - _SIGNAL_BASE if _SIGNAL_BASE < returncode <= _SIGNAL_BASE + _MAX_SIGNAL else 0
     )
     exit_code = -sig if sig else returncode
     if returncode == 0:
         return "ok", 0
-    if _MEMORY_HINT.search(stderr[-_HINT_WINDOW:]):
+    if oom_kills > 0 or _MEMORY_HINT.search(stderr[-_HINT_WINDOW:]):
         return "memory", exit_code
     if sig == signal.SIGXCPU:
         return "timeout", exit_code

@@ -9,7 +9,8 @@ The supervisor feeds stdin, reads stdout and stderr incrementally (at most
 wall-clock deadline, and at the end kills the sandbox's pid 1, which takes
 every process of its pid namespace with it, and waits until they are gone.
 Program files reach the private tmpfs through memfds, so nothing is written
-on the host.
+on the host. Each run gets its own cgroups where the host allows them
+(``plan.py``), removed with every process left in them when the run ends.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from rlpost.rewards.sandbox.cgroup import CHAIN_PIDS, RunGroup
 from rlpost.rewards.sandbox.command import (
     Interpreter,
     SandboxUnavailable,
@@ -35,6 +37,7 @@ from rlpost.rewards.sandbox.command import (
     find_tools,
 )
 from rlpost.rewards.sandbox.limits import SandboxConfig, SandboxResult, Status, classify
+from rlpost.rewards.sandbox.plan import RunPlan, plan
 
 MAIN_FILE = "main.py"
 # -E -s -S: no PYTHON* variables, no user or system site-packages; unlike -I the
@@ -66,7 +69,9 @@ def check_available() -> None:
     with _probe_lock:
         if key in _probed:
             return
-        result = _execute(tools, interpreter, "print(6 * 7)", b"", SandboxConfig(timeout_s=20), {})
+        # run_limits="none": this proves bwrap works; each run then plans its own limits.
+        probe = SandboxConfig(timeout_s=20, run_limits="none")
+        result = _execute(tools, interpreter, "print(6 * 7)", b"", probe, {})
         if result.status != "ok" or result.stdout.strip() != "42":
             lines = [line for line in result.stderr.splitlines() if line.strip()]
             detail = lines[0] if lines else f"status {result.status}"
@@ -153,7 +158,46 @@ def _execute(
     files: dict[str, str],
 ) -> SandboxResult:
     cpu = _pick_cpu(config)
+    limits = plan(config.run_limits)
+    group = _run_group(limits, config, cpu)
+    try:
+        return _supervise(tools, interpreter, code, stdin, config, files, cpu, limits, group)
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _run_group(limits: RunPlan, config: SandboxConfig, cpu: int) -> RunGroup | None:
+    if not limits.controllers:
+        return None
+    try:
+        return RunGroup.create(
+            {c.name: c for c in limits.controllers},
+            memory_bytes=config.memory_mb << 20,
+            max_pids=config.max_processes + CHAIN_PIDS,
+            cpu=cpu,
+        )
+    except OSError as exc:  # fail closed: never run with fewer limits than planned
+        raise SandboxUnavailable(
+            f"cannot make the run's cgroup ({exc.strerror or exc}); "
+            "set run_limits=seccomp to run without one"
+        ) from None
+
+
+def _supervise(
+    tools: Tools,
+    interpreter: Interpreter,
+    code: str,
+    stdin: bytes,
+    config: SandboxConfig,
+    files: dict[str, str],
+    cpu: int,
+    limits: RunPlan,
+    group: RunGroup | None,
+) -> SandboxResult:
     entries: list[tuple[int, str]] = []
+    program = limits.seccomp_program
+    seccomp_fd = _memfd("seccomp", program) if program is not None else None
     info_r, info_w = os.pipe()
     try:
         for name, text in [(MAIN_FILE, code), *files.items()]:
@@ -166,14 +210,17 @@ def _execute(
             files=entries,
             info_fd=info_w,
             argv=[*PYTHON_FLAGS, MAIN_FILE],
+            join=group.join_argv(tools.sh or "sh") if group is not None else None,
+            seccomp_fd=seccomp_fd,
         )
+        extra = () if seccomp_fd is None else (seccomp_fd,)
         start = time.monotonic()
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            pass_fds=(info_w, *(fd for fd, _ in entries)),
+            pass_fds=(info_w, *extra, *(fd for fd, _ in entries)),
             start_new_session=True,
             env=_HOST_ENV,
             cwd="/",
@@ -183,12 +230,13 @@ def _execute(
         raise
     finally:
         os.close(info_w)
-        for fd, _ in entries:
+        for fd in [fd for fd, _ in entries] + ([] if seccomp_fd is None else [seccomp_fd]):
             os.close(fd)
     with _Supervisor(proc, info_r, config, deadline=start + config.timeout_s) as supervisor:
         stopped = supervisor.pump(stdin)
         out, err = bytes(supervisor.stdout), bytes(supervisor.stderr)
-    status, exit_code = classify(proc.returncode, err, stopped)
+    oom_kills = group.oom_kills() if group is not None else 0
+    status, exit_code = classify(proc.returncode, err, stopped, oom_kills)
     return SandboxResult(
         status=status,
         exit_code=exit_code,

@@ -1,0 +1,216 @@
+"""``rlpost sandbox check``: which limits hold on this host, one line each, each one probed.
+
+Two programs run in the real sandbox: one reports what it can reach (memfd,
+SysV shm, a wider CPU affinity, the network, a write to /), the other tries
+to hold more memory than a small limit allows and to fork past a small
+process cap. Each line is then what the plan promised and what the probes
+saw; a promise the probes contradict makes the check fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from rlpost.rewards.sandbox import seccomp
+from rlpost.rewards.sandbox.cgroup import CHAIN_PIDS, swap_accounted
+from rlpost.rewards.sandbox.command import SANDBOX_UID, find_tools
+from rlpost.rewards.sandbox.limits import RunLimits, SandboxConfig, SandboxResult
+from rlpost.rewards.sandbox.plan import RunPlan, plan
+from rlpost.rewards.sandbox.runner import check_available, run_code
+
+PROBE = r"""
+import ctypes, errno, json, os, socket, sys
+host = json.loads(sys.stdin.read())
+out = {}
+def attempt(key, fn):
+    try:
+        fn()
+        out[key] = "allowed"
+    except OSError as exc:
+        out[key] = errno.errorcode.get(exc.errno, str(exc.errno))
+attempt("memfd", lambda: os.close(os.memfd_create("probe")))
+libc = ctypes.CDLL(None, use_errno=True)
+sid = libc.shmget(0, 4096, 0o1600)
+out["shm"] = "allowed" if sid >= 0 else errno.errorcode.get(ctypes.get_errno(), "?")
+if sid >= 0:
+    libc.shmctl(sid, 0, None)
+attempt("affinity", lambda: os.sched_setaffinity(0, host["cpus"]))
+out["cpus"] = len(os.sched_getaffinity(0))
+out["interfaces"] = [name for _, name in socket.if_nameindex()]
+attempt("connect", lambda: socket.create_connection(("192.0.2.1", 80), timeout=1).close())
+attempt("write_root", lambda: open("/probe", "w").close())
+print(json.dumps(out))
+"""
+
+# Holds memfd memory past the limit, 8 MiB at a time.
+HOLD_MEMORY = r"""
+import os
+held = []
+while True:
+    fd = os.memfd_create("held")
+    os.posix_fallocate(fd, 0, 8 << 20)
+    held.append(fd)
+    print("memfd", len(held) * 8, flush=True)
+"""
+# Forks sleeping children until the process cap refuses one.
+FORK = r"""
+import os, time
+children = 0
+try:
+    while True:
+        if os.fork() == 0:
+            time.sleep(30)
+            os._exit(0)
+        children += 1
+except OSError:
+    print("forks", children, flush=True)
+"""
+PROBE_MEMORY_MB = 64
+PROBE_PROCESSES = 8
+
+
+@dataclass(frozen=True)
+class Line:
+    """One limit: its name, how far it holds (per run, per process, none...), how, and whether
+    the probes agree with the promise."""
+
+    name: str
+    scope: str
+    detail: str
+    ok: bool = True
+
+    def render(self) -> str:
+        return f"{self.name:<9} {self.scope:<11} {self.detail}" + ("" if self.ok else "  [MISSING]")
+
+
+def run_check(mode: RunLimits) -> list[Line]:
+    """Probe the sandbox under ``mode``; raises ``SandboxUnavailable`` when it cannot run."""
+    check_available()
+    limits = plan(mode)
+    config = SandboxConfig(run_limits=mode, timeout_s=10)
+    cpus = list(range(os.cpu_count() or 1))
+    probe = run_code(PROBE, stdin=json.dumps({"cpus": cpus}), config=config)
+    if probe.status != "ok":
+        tail = (probe.stderr.strip().splitlines() or [probe.status])[-1]
+        return [Line("probe", "failed", f"the probe program did not finish ({tail})", ok=False)]
+    seen = json.loads(probe.stdout)
+    small = SandboxConfig(
+        run_limits=mode,
+        timeout_s=10,
+        memory_mb=PROBE_MEMORY_MB,
+        max_processes=PROBE_PROCESSES,
+    )
+    # Without a memory cgroup nothing bounds held memfds but the refusal the first probe saw.
+    memory = run_code(HOLD_MEMORY, config=small) if limits.controller("memory") else None
+    forks = run_code(FORK, config=small)
+    tools = find_tools()
+    started = f"bubblewrap {tools.bwrap}, as uid {SANDBOX_UID}, run_limits={mode}"
+    return [
+        Line("sandbox", "runs", started),
+        _memory_line(limits, seen, memory),
+        _processes_line(limits, forks.stdout),
+        _cpu_line(limits),
+        _cpuset_line(limits, seen, len(cpus)),
+        _seccomp_line(limits),
+        _network_line(seen),
+        _root_line(seen, config),
+    ]
+
+
+def _where(limits: RunPlan, name: str) -> str | None:
+    controller = limits.controller(name)
+    return None if controller is None else f"cgroup v{controller.version}"
+
+
+def _why_not(limits: RunPlan, name: str) -> str:
+    if limits.mode in ("seccomp", "none"):
+        return f"run_limits={limits.mode} skips the cgroup"
+    return f"no {name} cgroup: {limits.host.reason(name)}"
+
+
+def _memory_line(limits: RunPlan, seen: dict, memory: SandboxResult | None) -> Line:
+    where = _where(limits, "memory")
+    if memory is not None and where is not None:
+        lines = memory.stdout.splitlines()
+        most = max((int(line.split()[1]) for line in lines if line.startswith("memfd ")), default=0)
+        status = memory.status
+        ok = status == "memory" and most <= PROBE_MEMORY_MB
+        swap = "swap off" if swap_accounted(limits.controller("memory")) else "swap not counted"
+        detail = (
+            f"{where}: memory_mb for the whole run, shared memory and tmpfs included, {swap} "
+            f"(probe: stopped at {most} of {PROBE_MEMORY_MB} MiB of memfd, status {status})"
+        )
+        return Line("memory", "per run", detail, ok)
+    refused = "memfd_create" in limits.blocked
+    ok = refused and seen["memfd"] == "EPERM" and seen["shm"] == "EPERM"
+    how = "refused by seccomp" if refused else "NOT bounded"
+    detail = (
+        f"RLIMIT_AS memory_mb per process, up to max_processes; memfd and SysV shm {how} "
+        f"(probe: memfd {seen['memfd']}, shm {seen['shm']}); {_why_not(limits, 'memory')}"
+    )
+    return Line("memory", "per process", detail, ok)
+
+
+def _processes_line(limits: RunPlan, stdout: str) -> Line:
+    forks = [int(line.split()[1]) for line in stdout.splitlines() if line.startswith("forks ")]
+    ok = bool(forks) and forks[0] < PROBE_PROCESSES
+    probe = f"probe: {forks[0] if forks else 'no'} forks under a cap of {PROBE_PROCESSES}"
+    where = _where(limits, "pids")
+    if where is not None:
+        detail = f"{where} pids.max = max_processes + {CHAIN_PIDS}, and RLIMIT_NPROC ({probe})"
+    else:
+        detail = f"RLIMIT_NPROC counted in the run's own user namespace ({probe})"
+    return Line("processes", "per run", detail, ok)
+
+
+def _cpu_line(limits: RunPlan) -> Line:
+    where = _where(limits, "cpu")
+    if where is not None:
+        return Line("cpu", "per run", f"{where} quota of one CPU, and RLIMIT_CPU per process")
+    if limits.controller("cpuset") is None and "sched_setaffinity" not in limits.blocked:
+        detail = f"RLIMIT_CPU per process; the pin can be widened; {_why_not(limits, 'cpu')}"
+        return Line("cpu", "per process", detail, ok=False)
+    return Line("cpu", "per run", f"one CPU by the pin (see cpuset); {_why_not(limits, 'cpu')}")
+
+
+def _cpuset_line(limits: RunPlan, seen: dict, host_cpus: int) -> Line:
+    ok = seen["cpus"] == 1
+    probe = f"probe: asked for {host_cpus} CPUs ({seen['affinity']}), has {seen['cpus']}"
+    where = _where(limits, "cpuset")
+    if where is not None:
+        return Line("cpuset", "per run", f"{where} cpuset.cpus: one CPU ({probe})", ok)
+    if "sched_setaffinity" in limits.blocked:
+        detail = f"taskset pin, sched_setaffinity refused by seccomp ({probe})"
+        return Line("cpuset", "per run", detail, ok and seen["affinity"] == "EPERM")
+    detail = f"taskset pin only, the program may widen it ({probe}); {_why_not(limits, 'cpuset')}"
+    return Line("cpuset", "none", detail, ok=False)
+
+
+def _seccomp_line(limits: RunPlan) -> Line:
+    if limits.mode == "none":
+        return Line("seccomp", "off", "run_limits=none loads no filter")
+    if not limits.blocked:
+        return Line("seccomp", "off", "not needed: the cgroup bounds shared memory and affinity")
+    arch = "/".join(seccomp.ARCHES)
+    detail = f"refuses {', '.join(limits.blocked)} with EPERM (other ABIs killed; {arch})"
+    return Line("seccomp", "on", detail)
+
+
+def _network_line(seen: dict) -> Line:
+    ok = seen["interfaces"] == ["lo"] and seen["connect"] != "allowed"
+    detail = (
+        f"own network namespace (probe: interfaces {','.join(seen['interfaces'])}, "
+        f"connect out {seen['connect']})"
+    )
+    return Line("network", "none", detail, ok)
+
+
+def _root_line(seen: dict, config: SandboxConfig) -> Line:
+    ok = seen["write_root"] != "allowed"
+    detail = (
+        f"read-only; writable only private /tmp and /dev/shm, {config.tmpfs_mb} MiB each "
+        f"(probe: write to / {seen['write_root']})"
+    )
+    return Line("root", "read-only", detail, ok)

@@ -1,0 +1,70 @@
+"""Which per-run limits one run gets: cgroup controllers, and a seccomp filter for the rest.
+
+The two mechanisms cover each other's gaps, limit by limit: without a memory
+cgroup, the calls that hold memory outside every address space (memfd, SysV
+IPC) are refused; without a cpuset, ``sched_setaffinity`` is refused so the
+CPU pin holds. Processes are bounded per run either way (``pids.max``, or
+RLIMIT_NPROC counted in the run's own user namespace), and so is CPU (a
+quota, or the pin that cannot be widened).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from rlpost.rewards.sandbox import cgroup, seccomp
+from rlpost.rewards.sandbox.command import SandboxUnavailable
+from rlpost.rewards.sandbox.limits import RunLimits
+
+# A run with run_limits="cgroup" refuses to start without these.
+REQUIRED_FOR_CGROUP = ("memory", "pids")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The cgroup controllers a run is limited by and the calls its filter refuses."""
+
+    mode: RunLimits
+    controllers: tuple[cgroup.Controller, ...]
+    blocked: tuple[str, ...]
+    host: cgroup.CgroupHost
+
+    def controller(self, name: str) -> cgroup.Controller | None:
+        return next((c for c in self.controllers if c.name == name), None)
+
+    @functools.cached_property
+    def seccomp_program(self) -> bytes | None:
+        return seccomp.build_filter(self.blocked) if self.blocked else None
+
+
+@functools.cache
+def plan(mode: RunLimits) -> RunPlan:
+    """The limits of a run under ``mode`` on this host; ``SandboxUnavailable`` if they cannot hold."""
+    host = cgroup.detect() if mode in ("auto", "cgroup") else cgroup.CgroupHost((), ())
+    return make_plan(mode, host, seccomp.supported())
+
+
+def make_plan(mode: RunLimits, host: cgroup.CgroupHost, seccomp_supported: bool) -> RunPlan:
+    """``plan`` for a given host: what ``host`` lacks, the filter refuses."""
+    if mode == "none":
+        return RunPlan(mode, (), (), host)
+    if mode == "cgroup":
+        lacking = [name for name in REQUIRED_FOR_CGROUP if host.get(name) is None]
+        if lacking:
+            reasons = "; ".join(f"{name}: {host.reason(name)}" for name in lacking)
+            raise SandboxUnavailable(
+                f"sandbox run_limits=cgroup: no usable {', '.join(lacking)} cgroup ({reasons}); "
+                "delegate the controllers to this process's cgroup or set run_limits=auto"
+            )
+    blocked: list[str] = []
+    if host.get("memory") is None:
+        blocked += seccomp.SHARED_MEMORY_CALLS
+    if host.get("cpuset") is None:
+        blocked += seccomp.AFFINITY_CALLS
+    if blocked and not seccomp_supported:
+        raise SandboxUnavailable(
+            f"sandbox run_limits={mode}: no seccomp filter for this machine or kernel and no "
+            "memory/cpuset cgroup to bound the run instead; run where a cgroup is delegated"
+        )
+    return RunPlan(mode, host.usable, tuple(blocked), host)

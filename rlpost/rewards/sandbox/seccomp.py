@@ -1,0 +1,154 @@
+"""A seccomp filter refusing the system calls whose memory or CPU no per-process limit bounds.
+
+Used where no per-run cgroup is available (see ``cgroup.py``): RLIMIT_AS
+does not count a memfd's pages (``memfd_create`` + ``fallocate``) nor a SysV
+segment once detached (``shmget``/``shmat``/``shmdt``), and SysV message
+queues hold kernel memory outside any process; ``sched_setaffinity`` would let
+the program leave the CPU it was pinned to. The filter makes those calls fail
+with EPERM, so a program gets an ordinary error instead of holding the host's
+memory.
+
+Why a hand-written classic-BPF program instead of libseccomp: the Python
+bindings of libseccomp come only with the system interpreter's packages, not
+with a virtualenv or pyenv interpreter, and the program needed is a dozen
+instructions (check the architecture, compare the syscall number against a
+short list). bubblewrap loads it from a file descriptor (``--seccomp FD``,
+an array of ``struct sock_filter``) after setting no_new_privs.
+
+The layout follows the kernel's ``samples/seccomp`` and
+Documentation/userspace-api/seccomp_filter.rst: a call from another ABI
+(i386 via ``int 0x80``, x32, arm32 compat) kills the process, since its
+numbers differ and the list would not apply.
+"""
+
+from __future__ import annotations
+
+import platform
+import struct
+
+# struct seccomp_data: int nr; __u32 arch; __u64 instruction_pointer; __u64 args[6].
+_NR_OFFSET = 0
+_ARCH_OFFSET = 4
+# Classic BPF opcodes (linux/bpf_common.h).
+_LD_W_ABS = 0x00 | 0x00 | 0x20  # BPF_LD | BPF_W | BPF_ABS
+_JEQ_K = 0x05 | 0x10 | 0x00  # BPF_JMP | BPF_JEQ | BPF_K
+_JGE_K = 0x05 | 0x30 | 0x00  # BPF_JMP | BPF_JGE | BPF_K
+_RET_K = 0x06 | 0x00  # BPF_RET | BPF_K
+# linux/seccomp.h return actions.
+RET_KILL_PROCESS = 0x80000000
+RET_ERRNO = 0x00050000
+RET_ALLOW = 0x7FFF0000
+EPERM = 1
+# x32 system calls are x86_64 calls with this bit set; the filter refuses them all.
+_X32_SYSCALL_BIT = 0x40000000
+
+# What the filter refuses, by purpose; ``plan`` picks the groups a cgroup does not cover.
+SHARED_MEMORY_CALLS = (
+    "memfd_create",
+    "memfd_secret",
+    "shmget",
+    "shmat",
+    "shmdt",
+    "shmctl",
+    "msgget",
+    "msgsnd",
+    "msgrcv",
+    "msgctl",
+    "semget",
+    "semop",
+    "semctl",
+    "semtimedop",
+)
+AFFINITY_CALLS = ("sched_setaffinity",)
+
+
+class _Arch:
+    def __init__(self, audit: int, numbers: dict[str, int], x32_bit: bool) -> None:
+        self.audit = audit
+        self.numbers = numbers
+        self.x32_bit = x32_bit
+
+
+# Numbers from arch/x86/entry/syscalls/syscall_64.tbl and include/uapi/asm-generic/unistd.h.
+ARCHES = {
+    "x86_64": _Arch(
+        0xC000003E,  # AUDIT_ARCH_X86_64
+        {
+            "shmget": 29,
+            "shmat": 30,
+            "shmctl": 31,
+            "semget": 64,
+            "semop": 65,
+            "semctl": 66,
+            "shmdt": 67,
+            "msgget": 68,
+            "msgsnd": 69,
+            "msgrcv": 70,
+            "msgctl": 71,
+            "sched_setaffinity": 203,
+            "semtimedop": 220,
+            "memfd_create": 319,
+            "memfd_secret": 447,
+        },
+        x32_bit=True,
+    ),
+    "aarch64": _Arch(
+        0xC00000B7,  # AUDIT_ARCH_AARCH64
+        {
+            "sched_setaffinity": 122,
+            "msgget": 186,
+            "msgctl": 187,
+            "msgrcv": 188,
+            "msgsnd": 189,
+            "semget": 190,
+            "semctl": 191,
+            "semtimedop": 192,
+            "semop": 193,
+            "shmget": 194,
+            "shmctl": 195,
+            "shmat": 196,
+            "shmdt": 197,
+            "memfd_create": 279,
+            "memfd_secret": 447,
+        },
+        x32_bit=False,
+    ),
+}
+
+
+def supported(machine: str | None = None) -> bool:
+    """Whether a filter can be built for this machine (``platform.machine()``) and loaded
+    by this kernel (one built with seccomp shows a ``Seccomp:`` line in /proc/self/status)."""
+    if (machine or platform.machine()) not in ARCHES:
+        return False
+    try:
+        with open("/proc/self/status", encoding="utf-8") as f:
+            return any(line.startswith("Seccomp:") for line in f)
+    except OSError:
+        return False
+
+
+def build_filter(blocked: tuple[str, ...] | list[str], machine: str | None = None) -> bytes:
+    """The ``struct sock_filter`` array refusing ``blocked`` with EPERM, allowing the rest.
+
+    Raises ``ValueError`` for a machine without a table or a call not in it.
+    """
+    machine = machine or platform.machine()
+    arch = ARCHES.get(machine)
+    if arch is None:
+        raise ValueError(f"no seccomp syscall table for {machine}; known: {', '.join(ARCHES)}")
+    unknown = [name for name in blocked if name not in arch.numbers]
+    if unknown:
+        raise ValueError(f"no syscall number for {', '.join(unknown)} on {machine}")
+    program = [
+        (_LD_W_ABS, 0, 0, _ARCH_OFFSET),
+        (_JEQ_K, 1, 0, arch.audit),  # the expected ABI skips the kill
+        (_RET_K, 0, 0, RET_KILL_PROCESS),
+        (_LD_W_ABS, 0, 0, _NR_OFFSET),
+    ]
+    if arch.x32_bit:
+        program += [(_JGE_K, 0, 1, _X32_SYSCALL_BIT), (_RET_K, 0, 0, RET_KILL_PROCESS)]
+    for name in sorted(set(blocked), key=arch.numbers.__getitem__):
+        program += [(_JEQ_K, 0, 1, arch.numbers[name]), (_RET_K, 0, 0, RET_ERRNO | EPERM)]
+    program.append((_RET_K, 0, 0, RET_ALLOW))
+    return b"".join(struct.pack("=HBBI", *insn) for insn in program)
