@@ -35,6 +35,7 @@ from rlpost.config import Config, ConfigError
 from rlpost.pipeline.workers import WorkerLost, Workers
 
 INSTALL = 'pip install -e ".[ray]"'
+log = logging.getLogger(__name__)
 
 
 class PlacementError(ConfigError):
@@ -141,10 +142,11 @@ def rendezvous() -> tuple[str, int]:
 
     import ray
 
+    host = ray.util.get_node_ip_address()  # 127.0.0.1 on a local cluster (connect)
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    return host, port
 
 
 # ------------------------------------------------------------------ proxy
@@ -530,30 +532,115 @@ class RayWorkers(Workers):
                 remove_placement_group(pg)
             if self.started_ray:
                 self.ray.shutdown()
+                _LOCAL.leave(self.ray)
 
 
 def connect(ray, cfg: Config) -> bool:
-    """Join ``cluster.address`` or start a local cluster; True when this call started one."""
+    """Join ``cluster.address`` or start a local cluster; True when this call started one.
+
+    A local cluster listens on 127.0.0.1 only (every Ray process: GCS, raylet, object
+    manager, workers, agents, the driver) and requires a token generated for it; joining a
+    cluster that has no token authentication warns in one line.
+    """
     if ray.is_initialized():
         return False
     address = cfg.cluster.address
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if address:
         ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
+        if not _token_auth_on():
+            log.warning(
+                "cluster.address=%s: this Ray cluster has no token authentication, so whoever "
+                "reaches its ports can run code as its user; start it with RAY_AUTH_MODE=token "
+                "(Ray >= 2.52, docs/operations.md)",
+                address,
+            )
         return False
     c = cfg.cluster
     demand = c.trainer_workers * c.trainer.cpus + c.reward_workers * c.reward.cpus
     if c.placement == "split":
         demand += c.rollout_workers * c.rollout.cpus
-    # Ray's CPUs are scheduling units: a local cluster gets at least what the roles ask for
-    ray.init(
-        address="local",  # a new cluster, even where an earlier one left RAY_ADDRESS set
-        num_cpus=max(os.cpu_count() or 1, math.ceil(demand)),
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level=logging.ERROR,
-    )
+    _LOCAL.enter(ray)
+    try:
+        # Ray's CPUs are scheduling units: a local cluster gets at least what the roles ask for
+        ray.init(
+            address="local",  # a new cluster, even where an earlier one left RAY_ADDRESS set
+            num_cpus=max(os.cpu_count() or 1, math.ceil(demand)),
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+        )
+    except BaseException:
+        _LOCAL.leave(ray)
+        raise
     return True
+
+
+def _token_auth_on() -> bool:
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    except ImportError:  # a Ray without token authentication
+        return False
+    return bool(is_token_auth_enabled())
+
+
+class _LocalCluster:
+    """The process environment a loopback-only, token-guarded local cluster starts under.
+
+    Ray binds a process to 127.0.0.1 only when its node address is 127.0.0.1, and turns a
+    loopback ``node_ip_address`` into the routable one unless it runs as a single-machine
+    cluster (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, the mode Ray uses on macOS and
+    Windows). The token (``RAY_AUTH_MODE=token``, ``RAY_AUTH_TOKEN``) reaches every Ray
+    process through the environment, which only their user can read. ``leave`` restores
+    what was there before, once the cluster is stopped.
+    """
+
+    ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
+
+    def __init__(self) -> None:
+        self.saved: dict[str, str | None] | None = None
+        self.cluster_mode = True
+
+    def enter(self, ray) -> None:
+        import secrets
+
+        self.saved = {k: os.environ.get(k) for k in self.ENV}
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        if os.environ.get("RAY_AUTH_MODE", "").lower() != "disabled":  # an explicit opt-out
+            os.environ["RAY_AUTH_MODE"] = "token"
+            if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+                os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)  # 256 bits, this cluster's
+        from ray._private import ray_constants
+
+        self.cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
+        self._refresh(ray, cluster=False)
+
+    def leave(self, ray) -> None:
+        if self.saved is None:
+            return
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        self.saved = None
+        self._refresh(ray, cluster=self.cluster_mode)
+
+    @staticmethod
+    def _refresh(ray, *, cluster: bool) -> None:
+        """This process read those variables when it imported Ray: have it read them again."""
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = cluster
+        try:
+            from ray._raylet import AuthenticationTokenLoader, Config
+        except ImportError:  # a Ray without token authentication: nothing cached
+            return
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+
+
+_LOCAL = _LocalCluster()
 
 
 def start_ray_workers(cfg: Config, run_dir: Path, train_prompts, console, *, resuming: bool):
@@ -599,6 +686,7 @@ def start_ray_workers(cfg: Config, run_dir: Path, train_prompts, console, *, res
                 remove_placement_group(pg)
         if started:
             ray.shutdown()
+            _LOCAL.leave(ray)
         raise
     trainers = [trainer] if isinstance(trainer, RayWorker) else list(trainer.handles)
     return RayWorkers(
