@@ -13,12 +13,12 @@ Placement: one placement group per role (split), or the rollout workers inside
 the trainers' bundles (colocated). A request the cluster cannot hold fails at
 once, in one line naming the role and the resource; a group not placed within
 ``cluster.placement_timeout_s`` is removed and fails the same way, never a
-silent hang. Ray is imported only here, and only when this backend is chosen.
+silent hang. Ray is imported only here and in ``ray_connect``, and only when this backend
+is chosen.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import signal
@@ -31,11 +31,11 @@ from typing import Any
 
 from rlpost.cluster.fleet import DRAINING, RolloutFleet
 from rlpost.cluster.process import check_fleet, health_policy, slot_config
+from rlpost.cluster.ray_connect import LOCAL, connect
 from rlpost.config import Config, ConfigError
 from rlpost.pipeline.workers import WorkerLost, Workers
 
 INSTALL = 'pip install -e ".[ray]"'
-log = logging.getLogger(__name__)
 
 
 class PlacementError(ConfigError):
@@ -532,115 +532,7 @@ class RayWorkers(Workers):
                 remove_placement_group(pg)
             if self.started_ray:
                 self.ray.shutdown()
-                _LOCAL.leave(self.ray)
-
-
-def connect(ray, cfg: Config) -> bool:
-    """Join ``cluster.address`` or start a local cluster; True when this call started one.
-
-    A local cluster listens on 127.0.0.1 only (every Ray process: GCS, raylet, object
-    manager, workers, agents, the driver) and requires a token generated for it; joining a
-    cluster that has no token authentication warns in one line.
-    """
-    if ray.is_initialized():
-        return False
-    address = cfg.cluster.address
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if address:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
-        if not _token_auth_on():
-            log.warning(
-                "cluster.address=%s: this Ray cluster has no token authentication, so whoever "
-                "reaches its ports can run code as its user; start it with RAY_AUTH_MODE=token "
-                "(Ray >= 2.52, docs/operations.md)",
-                address,
-            )
-        return False
-    c = cfg.cluster
-    demand = c.trainer_workers * c.trainer.cpus + c.reward_workers * c.reward.cpus
-    if c.placement == "split":
-        demand += c.rollout_workers * c.rollout.cpus
-    _LOCAL.enter(ray)
-    try:
-        # Ray's CPUs are scheduling units: a local cluster gets at least what the roles ask for
-        ray.init(
-            address="local",  # a new cluster, even where an earlier one left RAY_ADDRESS set
-            num_cpus=max(os.cpu_count() or 1, math.ceil(demand)),
-            include_dashboard=False,
-            log_to_driver=False,
-            logging_level=logging.ERROR,
-        )
-    except BaseException:
-        _LOCAL.leave(ray)
-        raise
-    return True
-
-
-def _token_auth_on() -> bool:
-    try:
-        from ray._private.authentication.authentication_utils import is_token_auth_enabled
-    except ImportError:  # a Ray without token authentication
-        return False
-    return bool(is_token_auth_enabled())
-
-
-class _LocalCluster:
-    """The process environment a loopback-only, token-guarded local cluster starts under.
-
-    Ray binds a process to 127.0.0.1 only when its node address is 127.0.0.1, and turns a
-    loopback ``node_ip_address`` into the routable one unless it runs as a single-machine
-    cluster (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, the mode Ray uses on macOS and
-    Windows). The token (``RAY_AUTH_MODE=token``, ``RAY_AUTH_TOKEN``) reaches every Ray
-    process through the environment, which only their user can read. ``leave`` restores
-    what was there before, once the cluster is stopped.
-    """
-
-    ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
-
-    def __init__(self) -> None:
-        self.saved: dict[str, str | None] | None = None
-        self.cluster_mode = True
-
-    def enter(self, ray) -> None:
-        import secrets
-
-        self.saved = {k: os.environ.get(k) for k in self.ENV}
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-        if os.environ.get("RAY_AUTH_MODE", "").lower() != "disabled":  # an explicit opt-out
-            os.environ["RAY_AUTH_MODE"] = "token"
-            if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
-                os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)  # 256 bits, this cluster's
-        from ray._private import ray_constants
-
-        self.cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
-        self._refresh(ray, cluster=False)
-
-    def leave(self, ray) -> None:
-        if self.saved is None:
-            return
-        for k, v in self.saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        self.saved = None
-        self._refresh(ray, cluster=self.cluster_mode)
-
-    @staticmethod
-    def _refresh(ray, *, cluster: bool) -> None:
-        """This process read those variables when it imported Ray: have it read them again."""
-        from ray._private import ray_constants
-
-        ray_constants.ENABLE_RAY_CLUSTER = cluster
-        try:
-            from ray._raylet import AuthenticationTokenLoader, Config
-        except ImportError:  # a Ray without token authentication: nothing cached
-            return
-        Config.initialize("")
-        AuthenticationTokenLoader.instance().reset_cache()
-
-
-_LOCAL = _LocalCluster()
+                LOCAL.leave(self.ray)
 
 
 def start_ray_workers(cfg: Config, run_dir: Path, train_prompts, console, *, resuming: bool):
@@ -686,7 +578,7 @@ def start_ray_workers(cfg: Config, run_dir: Path, train_prompts, console, *, res
                 remove_placement_group(pg)
         if started:
             ray.shutdown()
-            _LOCAL.leave(ray)
+            LOCAL.leave(ray)
         raise
     trainers = [trainer] if isinstance(trainer, RayWorker) else list(trainer.handles)
     return RayWorkers(

@@ -44,25 +44,25 @@ def local_address_towards(host: str) -> str:
 
 
 def tcp_store(
-    host: str, port: int, world_size: int, is_master: bool, timeout: timedelta
+    host: str, port: int, world_size: int | None, is_master: bool, timeout: timedelta
 ) -> dist.TCPStore:
     """A ``TCPStore`` whose server (``is_master``) listens on ``host:port`` only."""
     if not is_master:
         return dist.TCPStore(host, port, world_size, False, timeout)
     info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(info[0], socket.SOCK_STREAM)
-    try:
+    with socket.socket(info[0], socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(info[4])
         sock.listen(128)
-        store = dist.TCPStore(
-            host, sock.getsockname()[1], world_size, True, timeout, master_listen_fd=sock.fileno()
-        )
+        bound, fd = sock.getsockname()[1], sock.detach()  # the store's server owns it now
+    try:
+        return dist.TCPStore(host, bound, world_size, True, timeout, master_listen_fd=fd)
     except BaseException:
-        sock.close()
+        try:
+            os.close(fd)
+        except OSError:
+            pass  # the store had closed it already
         raise
-    sock.detach()  # the store's server owns the socket now
-    return store
 
 
 def gloo_device(host: str):

@@ -74,6 +74,28 @@ def test_a_short_ray_run_listens_on_loopback_only_and_its_cluster_wants_a_token(
     assert "RAY_AUTH_TOKEN" not in os.environ  # the run's token left with its cluster
 
 
+def test_joining_a_cluster_without_token_auth_warns_in_one_line(tmp_path, monkeypatch, caplog):
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    from rlpost.cluster.ray_connect import connect
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
+    try:
+        cfg = load_config(None, small_overrides(tmp_path, **{"cluster.address": cluster.address}))
+        with caplog.at_level("WARNING", logger="rlpost.cluster.ray_connect"):
+            assert connect(ray, cfg) is False  # joined, not started
+        ray.shutdown()
+    finally:
+        cluster.shutdown()
+    lines = [r.getMessage() for r in caplog.records if "token authentication" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert f"cluster.address={cluster.address}" in lines[0] and "RAY_AUTH_MODE=token" in lines[0]
+
+
 def _gcs_answers_without_token(ray) -> str:
     import grpc
     from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc

@@ -35,5 +35,5 @@ def test_every_listener_is_on_loopback_in_a_namespace_with_a_routable_address(tm
     tail = "\n".join(kept)[-6000:]
     assert done.returncode == 0, tail
     summary = re.search(r"(\d+) passed", done.stdout)
-    assert summary and int(summary.group(1)) == 4, tail
+    assert summary and int(summary.group(1)) == 5, tail
     assert not re.search(r"\d+ (failed|skipped|error)", done.stdout), tail
