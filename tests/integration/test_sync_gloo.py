@@ -169,3 +169,15 @@ def test_a_signed_message_is_refused_when_its_size_exceeds_the_bucket_size():
             assert "signature" in str(exc) and "\n" not in str(exc)
         else:
             raise AssertionError("a forged value was accepted")
+
+
+def test_a_bucket_header_with_an_unknown_key_is_an_error_reported_at_finish():
+    from rlpost.sync.gloo import _update
+    from rlpost.sync.receiver import Receiver
+
+    receiver = Receiver(DictEngine(dict(toy_weights())), name="r")
+    receiver.start(SessionMeta.new(1, "bf16", 64, False, None))
+    header = {"session": "s", "index": 0, "entries": [], "crc": 0, "run": "x"}
+    error = _update(receiver, {"header": header}, torch.zeros(8, dtype=torch.uint8))
+    assert "bad bucket header" in error and "'run'" in error and "\n" not in error
+    assert not receiver.in_session  # the session is dropped; the engine keeps its version
