@@ -84,8 +84,9 @@ def test_joining_a_cluster_without_token_auth_warns_in_one_line(tmp_path, monkey
     cluster = Cluster(
         initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
     )
+    address = cluster.address
     try:
-        cfg = load_config(None, small_overrides(tmp_path, **{"cluster.address": cluster.address}))
+        cfg = load_config(None, small_overrides(tmp_path, **{"cluster.address": address}))
         with caplog.at_level("WARNING", logger="rlpost.cluster.ray_connect"):
             assert connect(ray, cfg) is False  # joined, not started
         ray.shutdown()
@@ -93,7 +94,7 @@ def test_joining_a_cluster_without_token_auth_warns_in_one_line(tmp_path, monkey
         cluster.shutdown()
     lines = [r.getMessage() for r in caplog.records if "token authentication" in r.getMessage()]
     assert len(lines) == 1 and "\n" not in lines[0], lines
-    assert f"cluster.address={cluster.address}" in lines[0] and "RAY_AUTH_MODE=token" in lines[0]
+    assert f"cluster.address={address}" in lines[0] and "RAY_AUTH_MODE=token" in lines[0]
 
 
 def _gcs_answers_without_token(ray) -> str:
