@@ -13,12 +13,12 @@ Placement: one placement group per role (split), or the rollout workers inside
 the trainers' bundles (colocated). A request the cluster cannot hold fails at
 once, in one line naming the role and the resource; a group not placed within
 ``cluster.placement_timeout_s`` is removed and fails the same way, never a
-silent hang. Ray is imported only here, and only when this backend is chosen.
+silent hang. Ray is imported only here and in ``ray_connect``, and only when this backend
+is chosen.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import signal
@@ -31,6 +31,7 @@ from typing import Any
 
 from rlpost.cluster.fleet import DRAINING, RolloutFleet
 from rlpost.cluster.process import check_fleet, health_policy, slot_config
+from rlpost.cluster.ray_connect import LOCAL, connect
 from rlpost.config import Config, ConfigError
 from rlpost.pipeline.workers import WorkerLost, Workers
 
@@ -141,10 +142,11 @@ def rendezvous() -> tuple[str, int]:
 
     import ray
 
+    host = ray.util.get_node_ip_address()  # 127.0.0.1 on a local cluster (connect)
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    return host, port
 
 
 # ------------------------------------------------------------------ proxy
@@ -530,30 +532,7 @@ class RayWorkers(Workers):
                 remove_placement_group(pg)
             if self.started_ray:
                 self.ray.shutdown()
-
-
-def connect(ray, cfg: Config) -> bool:
-    """Join ``cluster.address`` or start a local cluster; True when this call started one."""
-    if ray.is_initialized():
-        return False
-    address = cfg.cluster.address
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if address:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
-        return False
-    c = cfg.cluster
-    demand = c.trainer_workers * c.trainer.cpus + c.reward_workers * c.reward.cpus
-    if c.placement == "split":
-        demand += c.rollout_workers * c.rollout.cpus
-    # Ray's CPUs are scheduling units: a local cluster gets at least what the roles ask for
-    ray.init(
-        address="local",  # a new cluster, even where an earlier one left RAY_ADDRESS set
-        num_cpus=max(os.cpu_count() or 1, math.ceil(demand)),
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level=logging.ERROR,
-    )
-    return True
+                LOCAL.leave(self.ray)
 
 
 def start_ray_workers(cfg: Config, run_dir: Path, train_prompts, console, *, resuming: bool):
@@ -599,6 +578,7 @@ def start_ray_workers(cfg: Config, run_dir: Path, train_prompts, console, *, res
                 remove_placement_group(pg)
         if started:
             ray.shutdown()
+            LOCAL.leave(ray)
         raise
     trainers = [trainer] if isinstance(trainer, RayWorker) else list(trainer.handles)
     return RayWorkers(

@@ -11,21 +11,40 @@ here: no GPU).
 
 The group is a standalone ProcessGroup on its own store, not the default
 group, so a trainer that already runs torch.distributed (FSDP) is untouched.
+
+The store listens on ``link.host`` only and the gloo pairs on the address that
+reaches it (:mod:`rlpost.sync.listen`). Anyone who can reach the store can still
+write its keys, so every control message and reply is signed (HMAC-SHA256 over
+its sequence number and text) with a key rank 0 draws at random and broadcasts
+over the group's own sockets, which a store client never sees. A message that
+fails its signature or its schema (an unknown op or header key, a payload size
+above the session's bucket size) is refused with one log line and the receiver
+waits on; it never allocates, replies or stops for it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import logging
+import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from rlpost.sync.listen import gloo_options, pin_interface, tcp_store
 from rlpost.sync.receiver import CommitReport, Receiver
 from rlpost.sync.session import Bucket, DeltaRefused, Manifest, SessionMeta, SyncError
 
 IDLE_POLL_S = 1.0  # how often an idle receiver re-checks for the next message
+KEY_BYTES = 32
+OPS = ("start", "update", "finish", "abort", "close")
+HEADER_KEYS = {"session", "index", "entries", "crc"}
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,13 +61,42 @@ class GlooLink:
 
 
 def _connect(link: GlooLink, rank: int, timeout_s: float):
+    """(store, group, signing key) of ``rank``; the key travels over the group, not the store."""
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(link.host, link.port, link.world_size, rank == 0, timeout)
+    store = tcp_store(link.host, link.port, link.world_size, rank == 0, timeout)
     if link.backend == "nccl":
+        pin_interface(link.host, "NCCL_SOCKET_IFNAME")
         group = dist.ProcessGroupNCCL(store, rank, link.world_size)
     else:
-        group = dist.ProcessGroupGloo(store, rank, link.world_size, timeout)
-    return store, group
+        opts = gloo_options(link.host, timeout)
+        group = dist.ProcessGroupGloo(store, rank, link.world_size, opts)
+    key = torch.zeros(KEY_BYTES, dtype=torch.uint8)
+    if rank == 0:
+        key = torch.frombuffer(bytearray(os.urandom(KEY_BYTES)), dtype=torch.uint8)
+    key = key.to(_device(link))
+    _broadcast(group, key)
+    return store, group, bytes(key.cpu().tolist())
+
+
+def _sign(key: bytes, name: str, text: str) -> str:
+    """``mac \\n text``: the store value of message or reply ``name`` (``msg/3``)."""
+    mac = hmac.new(key, f"{name}\n{text}".encode(), hashlib.sha256).hexdigest()
+    return f"{mac}\n{text}"
+
+
+def _verify(key: bytes, name: str, raw: bytes) -> dict:
+    """The message in store value ``raw``; ValueError (one line) when it is not ours."""
+    mac, sep, text = raw.decode("utf-8", "replace").partition("\n")
+    want = hmac.new(key, f"{name}\n{text}".encode(), hashlib.sha256).hexdigest()
+    if not sep or not hmac.compare_digest(mac, want):
+        raise ValueError("its signature does not match this group's key")
+    try:
+        msg = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"it is not JSON ({exc.msg})") from None
+    if not isinstance(msg, dict):
+        raise ValueError("it is not a JSON object")
+    return msg
 
 
 def _device(link: GlooLink) -> str:
@@ -71,7 +119,7 @@ class GlooTransport:
             raise ValueError("sync.channel=gloo targets are GlooLink(host, port, world_size)")
         self.link, self.target, self.timeout_s = link, str(link), options.timeout_s
         try:
-            self.store, self.group = _connect(link, 0, options.timeout_s)
+            self.store, self.group, self.key = _connect(link, 0, options.timeout_s)
         except Exception as exc:  # rendezvous failures come as several torch error types
             raise SyncError("init", self.target, f"{type(exc).__name__}: {exc}") from None
         self.seq = 0
@@ -131,23 +179,42 @@ class GlooTransport:
 
     def _send(self, phase: str, msg: dict) -> None:
         self.seq += 1
+        name = f"msg/{self.seq}"
         try:
-            self.store.set(f"msg/{self.seq}", json.dumps(msg))
+            self.store.set(name, _sign(self.key, name, json.dumps(msg)))
         except Exception as exc:
             raise SyncError(phase, self.target, f"{type(exc).__name__}: {exc}") from None
 
     def _call(self, phase: str, msg: dict) -> list[dict]:
         self._send(phase, msg)
         keys = [f"reply/{self.seq}/{r}" for r in range(1, self.link.world_size)]
+        deadline = time.monotonic() + self.timeout_s
         try:
             self.store.wait(keys, timedelta(seconds=self.timeout_s))
-            replies = [json.loads(self.store.get(k)) for k in keys]
+            replies = [self._reply(k, deadline) for k in keys]
+        except SyncError:
+            raise
         except Exception as exc:
             raise SyncError(
                 phase, self.target, f"no reply within {self.timeout_s:g} s ({type(exc).__name__})"
             ) from None
         self.acked = self.seq
         return replies
+
+    def _reply(self, name: str, deadline: float) -> dict:
+        """A receiver's signed reply; a forged one is refused and the real one awaited."""
+        forged = None
+        while True:
+            raw = self.store.get(name)
+            if raw != forged:
+                try:
+                    return _verify(self.key, name, raw)
+                except ValueError as exc:
+                    log.warning("%s: refused a forged reply at %s: %s", self.target, name, exc)
+                    forged = raw
+            if time.monotonic() > deadline:
+                raise SyncError("reply", self.target, f"only forged replies at {name}")
+            time.sleep(0.05)
 
     def _raise_first(self, phase: str, replies: list[dict]) -> None:
         for r in replies:
@@ -161,18 +228,19 @@ def serve_gloo(
     """Receive sessions for ``engine`` as ``rank`` until the sender closes the group.
 
     Raises SyncError when the sender goes away; the engine then keeps the last
-    version it committed.
+    version it committed. A message that is not the sender's is refused (one log line).
     """
     name = f"{link} rank {rank}"
-    store, group = _connect(link, rank, timeout_s)
+    store, group, key = _connect(link, rank, timeout_s)
     receiver = Receiver(engine, name=name, verify=verify, timeout_s=timeout_s)
-    seq, error = 0, None
+    seq, error, bucket_bytes = 0, None, 0
     while True:
         seq += 1
-        msg = _next_message(store, seq, name, receiver, timeout_s)
+        msg = _next_message(store, key, seq, name, receiver, timeout_s, bucket_bytes)
         op, reply = msg["op"], None
         if op == "start":
             error, reply = None, _start(receiver, msg)
+            bucket_bytes = _bucket_bytes(msg)
         elif op == "update":
             payload = torch.empty(msg["size"], dtype=torch.uint8, device=_device(link))
             try:
@@ -183,10 +251,7 @@ def serve_gloo(
                     "update", name, f"sender gone: {type(exc).__name__}: {exc}"
                 ) from None
             if error is None:
-                try:
-                    receiver.update(Bucket(payload=payload.cpu(), **msg["header"]))
-                except SyncError as exc:
-                    error = str(exc)  # reported at finish; later buckets are drained
+                error = _update(receiver, msg, payload)
         elif op == "finish":
             reply = {"error": error} if error else _finish(receiver, msg)
         elif op == "abort":
@@ -194,30 +259,81 @@ def serve_gloo(
         elif op == "close":
             return
         if reply is not None:
-            store.set(f"reply/{seq}/{rank}", json.dumps(reply))
+            slot = f"reply/{seq}/{rank}"
+            store.set(slot, _sign(key, slot, json.dumps(reply)))
 
 
-def _next_message(store, seq: int, name: str, receiver: Receiver, timeout_s: float) -> dict:
-    """The next control message; idle waits are unbounded, waits inside a session are not."""
-    waited = 0.0
+def _bucket_bytes(msg: dict) -> int:
+    meta = msg.get("meta")
+    size = meta.get("bucket_bytes") if isinstance(meta, dict) else None
+    return size if isinstance(size, int) and size > 0 else 0
+
+
+def _update(receiver: Receiver, msg: dict, payload: torch.Tensor) -> str | None:
+    """Stage one bucket; the error to report at finish, if any (later buckets are drained)."""
+    header = msg.get("header")
+    if not isinstance(header, dict) or set(header) != HEADER_KEYS:
+        got = sorted(header) if isinstance(header, dict) else type(header).__name__
+        receiver.abort()
+        return f"weight sync update on {receiver.name}: bad bucket header {got}"
+    try:
+        receiver.update(Bucket(payload=payload.cpu(), **header))
+    except SyncError as exc:
+        return str(exc)
+    return None
+
+
+def _refusal(msg: dict, bucket_bytes: int) -> str | None:
+    """Why a signed message cannot be acted on, or None."""
+    op = msg.get("op")
+    if op not in OPS:
+        return f"unknown op {op!r}"
+    if op == "update":
+        size = msg.get("size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return f"payload size {size!r} is not a byte count"
+        if size > bucket_bytes:
+            return f"payload size {size} exceeds the session's bucket_bytes {bucket_bytes}"
+    return None
+
+
+def _next_message(
+    store, key: bytes, seq: int, name: str, receiver: Receiver, timeout_s: float, bucket_bytes=0
+) -> dict:
+    """The next control message, signed and well formed; idle waits are unbounded, waits
+    inside a session are not. A forged value is refused once and the real one awaited."""
+    slot, waited, forged = f"msg/{seq}", 0.0, None
     while True:
         try:
-            store.wait([f"msg/{seq}"], timedelta(seconds=IDLE_POLL_S))
-            return json.loads(store.get(f"msg/{seq}"))
+            store.wait([slot], timedelta(seconds=IDLE_POLL_S))
+            raw = store.get(slot)
         except dist.DistStoreError as exc:
-            in_session = receiver.in_session
             if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
                 receiver.abort()
                 raise SyncError("update", name, f"sender gone: {type(exc).__name__}") from None
-            waited += IDLE_POLL_S
-            if in_session and waited > timeout_s:
-                receiver.abort()
-                raise SyncError(
-                    "update", name, f"sender silent for {timeout_s:g} s mid-session"
-                ) from None
+            raw = None
         except Exception as exc:  # the store's socket closed: the sender is gone
             receiver.abort()
             raise SyncError("update", name, f"sender gone: {type(exc).__name__}") from None
+        if raw is not None and raw != forged:
+            try:
+                msg = _verify(key, slot, raw)
+            except ValueError as exc:
+                log.warning("%s: refused a forged message at %s: %s", name, slot, exc)
+                forged = raw
+                continue
+            why = _refusal(msg, bucket_bytes)
+            if why is None:
+                return msg
+            # signed, so the sender's own: a payload may follow that cannot be drained
+            receiver.abort()
+            raise SyncError("update", name, f"refused message {slot}: {why}")
+        if raw is not None:
+            time.sleep(IDLE_POLL_S)  # the forged value is still there
+        waited += IDLE_POLL_S
+        if receiver.in_session and waited > timeout_s:
+            receiver.abort()
+            raise SyncError("update", name, f"sender silent for {timeout_s:g} s mid-session")
 
 
 def _start(receiver: Receiver, msg: dict) -> dict:

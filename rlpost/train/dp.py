@@ -71,14 +71,19 @@ def init_group(spec: DPSpec, timeout_s: float = 600.0) -> None:
     """Join the process group of ``spec`` (blocks until all ``world`` ranks have joined)."""
     from datetime import timedelta
 
+    from rlpost.sync.listen import pin_interface, tcp_store
+
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group is already set up in this process")
+    timeout = timedelta(seconds=timeout_s)
+    # the store listens on master_addr only (a tcp:// init_method would bind every address),
+    # the collectives' sockets on the interface that reaches it
+    store = tcp_store(spec.master_addr, spec.master_port, spec.world, spec.rank == 0, timeout)
+    pin_interface(
+        spec.master_addr, "NCCL_SOCKET_IFNAME" if spec.backend == "nccl" else "GLOO_SOCKET_IFNAME"
+    )
     dist.init_process_group(
-        spec.backend,
-        init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
-        rank=spec.rank,
-        world_size=spec.world,
-        timeout=timedelta(seconds=timeout_s),
+        spec.backend, store=store, rank=spec.rank, world_size=spec.world, timeout=timeout
     )
 
 
