@@ -9,6 +9,9 @@ loop's own builders); the algo keys are walked in every group, the train, rollou
 keys in the default recipe and wherever a recipe's value differs from it (the same wiring
 reads them for every algorithm), the reward keys of every recipe on fixed completions.
 ``train.steps`` and ``sync.every``, read only by ``loop.train``, have their own test.
+
+The whole walk is slow (330 keys, about 250 probes); the default recipe's walk runs in the fast tier.
+``RLPOST_KNOB_RECIPES=grpo_arith,dapo_arith`` limits the slow walk to a few recipes.
 """
 
 from __future__ import annotations
@@ -391,8 +394,8 @@ def recipe_extra(name: str, tmp_path, tiny_dir) -> dict:
     return {}
 
 
-def groups_of_recipes(tmp_path, tiny_dir) -> dict[tuple[str, str], list[Recipe]]:
-    only = os.environ.get("RLPOST_KNOB_RECIPES")  # a comma list, to walk a few while editing
+def groups_of_recipes(tmp_path, tiny_dir, only: str | None) -> dict[tuple[str, str], list[Recipe]]:
+    """Shipped recipes by (advantage, policy loss); ``only``: a comma list of names."""
     out: dict[tuple[str, str], list[Recipe]] = {}
     for path in shipped_recipes():
         name = path.stem
@@ -440,9 +443,17 @@ REPORT: dict[str, dict[str, int]] = {}
 
 @pytest.mark.slow
 def test_every_knob_of_every_recipe_acts(tmp_path, tiny_dir, capsys):
+    walk_recipes(tmp_path, tiny_dir, capsys, os.environ.get("RLPOST_KNOB_RECIPES"))
+
+
+def test_every_knob_of_the_default_recipe_acts(tmp_path, tiny_dir, capsys):
+    walk_recipes(tmp_path, tiny_dir, capsys, "grpo_arith")
+
+
+def walk_recipes(tmp_path, tiny_dir, capsys, only: str | None) -> None:
     torch.set_num_threads(1)
     start = time.perf_counter()
-    groups = groups_of_recipes(tmp_path, tiny_dir)
+    groups = groups_of_recipes(tmp_path, tiny_dir, only)
     default = next((r for g in groups.values() for r in g if r.name == "grpo_arith"), None)
     default = default or next(iter(groups.values()))[0]
     default_knobs = dict(knobs(default))
