@@ -1020,6 +1020,85 @@ def find_combination_problems(cfg: Config) -> list[str]:
             )
     if r.engine == "vllm" and cfg.model.path is None:
         out.append("rollout.engine=vllm needs model.path (a local HF checkpoint vLLM can load)")
+    return out + find_inert_knobs(cfg)
+
+
+def find_inert_knobs(cfg: Config) -> list[str]:
+    """Knobs set away from their default where nothing reads them: refused, never ignored."""
+    a, r, s, w = cfg.algo, cfg.rollout, cfg.sync, cfg.reward
+    corr, p = a.rollout_correction.name, a.loss_params
+    copied = r.engine != "remote" and s.codec == "none" and not s.delta
+    mixed = any(t.kind in ("model", "judge") for t in w.terms)
+    rules = [  # (section, its key, field, nothing reads it, the fix)
+        (
+            a.kl,
+            "algo.kl",
+            ("estimator", "placement", "target"),
+            a.kl.beta == 0,
+            "set algo.kl.beta > 0",
+        ),
+        (a.kl, "algo.kl", ("horizon",), a.kl.target is None, "set algo.kl.target (adaptive KL)"),
+        (
+            a.rollout_correction,
+            "algo.rollout_correction",
+            ("cap",),
+            corr not in ("tis", "seq_tis", "seq_mask"),
+            "set algo.rollout_correction.name to tis, seq_tis or seq_mask",
+        ),
+        (
+            a.rollout_correction,
+            "algo.rollout_correction",
+            ("low", "high"),
+            corr not in ("mask", "seq_mask"),
+            "set algo.rollout_correction.name to mask or seq_mask",
+        ),
+        (
+            a,
+            "algo",
+            ("max_sampling_rounds",),
+            not a.dynamic_sampling,
+            "set algo.dynamic_sampling=true",
+        ),
+        (r, "rollout", ("partial_fraction",), not r.partial, "set rollout.partial=true"),
+        (
+            r,
+            "rollout",
+            ("partial_chunk_tokens",),
+            not r.partial or r.engine == "hf",
+            "it applies to a partial rollout on a remote or vllm engine",
+        ),
+        (s, "sync", ("delta_full_threshold",), not s.delta, "set sync.delta=true"),
+        (
+            s,
+            "sync",
+            ("bucket_mb", "verify", "timeout_s", "keep_bf16"),
+            copied,
+            "weights are copied in process with sync.codec=none; set sync.codec to stream them",
+        ),
+        (
+            w,
+            "reward",
+            ("alpha",),
+            not mixed,
+            "alpha mixes verifiable with model or judge terms; add one",
+        ),
+        (w, "reward", ("sample_count",), w.sample_every == 0, "set reward.sample_every > 0"),
+        (
+            p,
+            "algo.loss_params",
+            ("tr_tv",),
+            p.divergence != "tv",
+            "set algo.loss_params.divergence=tv",
+        ),
+        (p, "algo.loss_params", ("tr_kl",), p.divergence == "tv", "unset divergence (binary_kl)"),
+        (p, "algo.loss_params", ("clip_ratio_c",), p.dual_clip is False, "set dual_clip=true"),
+    ]
+    out = []
+    for section, prefix, fields, inert, fix in rules:
+        for name in fields:
+            value = getattr(section, name)
+            if inert and value != type(section).model_fields[name].default:
+                out.append(f"{prefix}.{name}={value}: nothing reads it in this config; {fix}")
     return out
 
 

@@ -192,7 +192,8 @@ def optimal_token_baseline_advantages(
     ``optimal_token_baseline``; the optimal-baseline argument of OPO, arXiv
     2505.23585, per token). ``G_it`` is the reward-to-go. ``pi_is`` =
     ``exp(old_logprobs)``; ``sum_pi_squared [B, T]`` from the trainer's forward pass.
-    A row alone at a position has baseline 0 there (its advantage is its reward-to-go).
+    A row alone at a position has baseline 0 there (its advantage is its reward-to-go);
+    verl's rule, except with holes inside a mask (docs/algorithms.md).
     Shapes: ``[B, T]`` tensors, group ``[B]`` -> ``(advantages, returns)`` ``[B, T]``.
     """
     _check(token_level_rewards, response_mask, group)
@@ -212,8 +213,9 @@ def optimal_token_baseline_advantages(
     numerator = zeros.scatter_add(0, index, returns * w_cum)[inverse]
     denominator = zeros.scatter_add(0, index, w_cum)[inverse]
     running = zeros.scatter_add(0, index, m.to(torch.float64))[inverse]
-    # a row alone at a position has no baseline there (verl: the unique longest row's
-    # baseline past the second-longest length is 0), so its reward-to-go is its advantage
+    # a row alone at a position has no baseline there, so its reward-to-go is its advantage;
+    # verl zeroes the unique longest row past the second-longest row's token count, the same
+    # positions when padding is at the end, not with holes in a mask (docs/algorithms.md)
     baseline = torch.where(running > 1, numerator / (denominator + eps), 0.0)
     adv = torch.where(m, returns - baseline, 0.0)
     dtype = token_level_rewards.dtype

@@ -30,6 +30,8 @@ from rlpost.registry import Registry
 
 # verl clamps the per-token log-ratio to +-20 before exp: beyond it the ratio is
 # meaningless and exp would overflow; the clamp also zeroes the gradient there.
+# One rule, verl's: the clamp applies where verl applies it (ppo_clip/dapo, cispo, sapo,
+# dppo and every engine IS weight); gmpo, dro, kl_cov and clip_cov take the raw log-ratio.
 LOG_RATIO_CLAMP = 20.0
 # verl's GSPO clamps the sequence log-ratio from above only.
 GSPO_LOG_RATIO_MAX = 10.0

@@ -38,6 +38,11 @@ CLIP_COV_LB = 1.0
 CLIP_COV_UB = 5.0
 
 
+def _raw_log_ratio(logprobs: Tensor, old: Tensor, mask: Tensor) -> Tensor:
+    """``lp - old`` unclamped (verl's rule for these losses), 0 on padding so exp stays finite."""
+    return torch.where(mask, logprobs - old, torch.zeros_like(logprobs))
+
+
 @POLICY_LOSSES.register("gmpo")
 def gmpo_loss(
     logprobs: Tensor,
@@ -53,19 +58,19 @@ def gmpo_loss(
 ) -> PolicyLossOutput:
     """GMPO: the geometric mean of token ratios, clipped in log space (arXiv 2507.20673).
 
-    ``d_t = clamp(lp - old, +-20)``; ``c_t = sgn(A) min(sgn(A) d_t, sgn(A) clip(d_t,
+    ``d_t = lp - old`` (no +-20 clamp, as verl); ``c_t = sgn(A) min(sgn(A) d_t, sgn(A) clip(d_t,
     -clip_low, clip_high))`` (sign-aware like PPO's clip, on the log-ratio);
     ``rho_i = exp(sum_t c_t m / n_i)``; every valid token of row i carries
     ``-A_i rho_i`` with ``A_i`` the row's mean advantage. With
     ``seq-mean-token-mean`` this is the paper's (and verl's ``geo_mean``)
     ``mean_i(-A_i rho_i)``. Default range ``(e^-0.4, e^0.4)`` is the paper's.
-    Shapes ``[B, T]`` -> scalar; ``clip_frac`` = tokens whose log-ratio was clipped.
+    Shapes ``[B, T]`` -> scalar; ``clip_frac`` = tokens whose log-ratio the sign-aware
+    clip replaced (verl's ``pg_clipfrac`` counts other tokens, see docs/algorithms.md).
     """
     old, adv, mask = _prepare(logprobs, old_logprobs, advantages, response_mask)
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"gmpo needs clip_low, clip_high >= 0, got {clip_low}, {clip_high}")
-    log_ratio, _ = _ratio(logprobs, old)
-    log_ratio = torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
+    log_ratio = _raw_log_ratio(logprobs, old, mask)
     sign = torch.sign(adv)
     bounded = torch.clamp(log_ratio, -clip_low, clip_high)
     kept = sign * torch.minimum(sign * log_ratio, sign * bounded)
@@ -106,14 +111,15 @@ def dppo_loss(
     moved up past the threshold (``p > q`` and ``D > tr_kl``, or ``p - q > tr_tv``),
     with ``A <= 0`` when it has moved down past it. verl's ``dppo_kl`` /
     ``dppo_tv`` (one threshold for both sides here). Shapes ``[B, T]`` -> scalar.
-    Stats: ``clip_frac`` (dropped tokens), ``is_capped_frac``.
+    Stats: ``clip_frac`` (dropped tokens), ``is_capped_frac``, ``approx_kl`` of the
+    clamped log-ratio.
     """
     old, adv, mask = _prepare(logprobs, old_logprobs, advantages, response_mask)
     if divergence not in ("binary_kl", "tv"):
         raise ValueError(f"dppo divergence must be 'binary_kl' or 'tv', got {divergence!r}")
     if is_cap <= 0:
         raise ValueError(f"dppo is_cap must be > 0, got {is_cap}")
-    _, ratio = _ratio(logprobs, old)
+    log_ratio, ratio = _ratio(logprobs, old)
     lp = logprobs.detach()
     p, q = torch.exp(torch.clamp(lp, max=0.0)), torch.exp(torch.clamp(old, max=0.0))
     if divergence == "tv":
@@ -126,7 +132,7 @@ def dppo_loss(
     loss_mat = torch.where(keep, -adv * weight * logprobs, torch.zeros_like(logprobs))
     stats = {
         "clip_frac": _frac(~keep, mask),
-        "approx_kl": _approx_kl(logprobs, old, mask),
+        "approx_kl": masked_mean(-log_ratio.detach(), mask),
         "is_capped_frac": _frac(ratio > is_cap, mask),
     }
     return PolicyLossOutput(agg.reduce(loss_mat, mask), stats)
@@ -149,13 +155,13 @@ def dro_loss(
     The squared log-ratio penalty replaces clipping with a quadratic trust
     region: its gradient ``reg_coef (lp - old)`` pulls each token back towards the
     policy that sampled it. Direct Reward Optimisation, Richemond et al., arXiv
-    2405.19107 (the per-token form of the Tinker cookbook's ``dro`` loss).
-    Shapes ``[B, T]`` -> scalar. ``clip_frac`` is 0.
+    2405.19107 (the per-token form of the Tinker cookbook's ``dro`` loss; verl's ``dro``).
+    ``lp - old`` is not clamped (as verl). Shapes ``[B, T]`` -> scalar. ``clip_frac`` is 0.
     """
     old, adv, mask = _prepare(logprobs, old_logprobs, advantages, response_mask)
     if reg_coef < 0:
         raise ValueError(f"dro reg_coef must be >= 0, got {reg_coef}")
-    log_ratio, _ = _ratio(logprobs, old)
+    log_ratio = _raw_log_ratio(logprobs, old, mask)
     loss_mat = -adv * logprobs + 0.5 * reg_coef * log_ratio**2
     stats = {
         "clip_frac": logprobs.new_zeros((), dtype=torch.float32),
@@ -241,7 +247,9 @@ def kl_cov_loss(
     fastest; a KL penalty holds them near the sampling policy while every other
     token gets the plain importance-weighted gradient. ``selected [B, T]`` is
     supplied by the trainer per mini-batch; without it the loss selects over its
-    own inputs. Shapes ``[B, T]`` -> scalar; ``clip_frac`` = selected fraction.
+    own inputs. ``r = exp(lp - old)``, not clamped (as verl). Shapes ``[B, T]`` -> scalar;
+    ``clip_frac`` = selected fraction; ``abs_kl`` = masked mean of ``|lp - old|`` (what verl's
+    ``kl_cov`` logs as ``ppo_kl``; ``approx_kl`` stays the signed mean of every loss).
     """
     old, adv, mask = _prepare(logprobs, old_logprobs, advantages, response_mask)
     if not 0 < kl_cov_ratio <= 1:
@@ -249,12 +257,14 @@ def kl_cov_loss(
     chosen = _selection(
         selected, logprobs, kl_cov_select, logprobs, adv, mask, kl_cov_ratio=kl_cov_ratio
     )
-    log_ratio, ratio = _ratio(logprobs, old)
+    log_ratio = _raw_log_ratio(logprobs, old, mask)
+    ratio = torch.exp(log_ratio)
     penalty = torch.where(chosen, ppo_kl_coef * log_ratio.abs(), torch.zeros_like(log_ratio))
     loss_mat = -adv * ratio + penalty
     stats = {
         "clip_frac": _frac(chosen, mask),
         "approx_kl": _approx_kl(logprobs, old, mask),
+        "abs_kl": masked_mean(log_ratio.detach().abs(), mask),
     }
     return PolicyLossOutput(agg.reduce(loss_mat, mask), stats)
 
@@ -280,7 +290,8 @@ def clip_cov_loss(
 
     ``L = max(-A r, -A clip(r, 1-clip_low, 1+clip_high)) (1 - [selected])``;
     the selected tokens (:func:`clip_cov_select`) are the highest-covariance
-    tokens inside the band ``(clip_cov_lb, clip_cov_ub)``. No dual clip (verl).
+    tokens inside the band ``(clip_cov_lb, clip_cov_ub)``. ``r = exp(lp - old)``, not
+    clamped, and no dual clip (both as verl).
     Shapes ``[B, T]`` -> scalar. Stats: ``clip_frac`` (PPO-clipped or selected),
     ``cov_selected_frac``.
     """
@@ -292,7 +303,8 @@ def clip_cov_loss(
     chosen = _selection(
         selected, logprobs, clip_cov_select, logprobs, adv, mask, clip_cov_ub=clip_cov_ub, **params
     )
-    log_ratio, ratio = _ratio(logprobs, old)
+    log_ratio = _raw_log_ratio(logprobs, old, mask)
+    ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     loss_mat = torch.where(chosen, torch.zeros_like(ratio), torch.maximum(unclipped, clipped))

@@ -433,6 +433,13 @@ class RolloutFleet:
     def version(self) -> int:
         return self._version
 
+    def served_checksum(self) -> int | None:
+        """The first serving worker's weights checksum (None when none can say)."""
+        for m in self.members:
+            if not m.restarting and m.health.state is State.HEALTHY:
+                return m.handle.served_checksum()
+        return None
+
     # ---------------------------------------------------------- elastic, drain
 
     def drain(self, index: int, why: str = "preemption notice") -> None:

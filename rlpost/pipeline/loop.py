@@ -45,6 +45,7 @@ from rlpost.pipeline.feeds import (
     SyncFeed,
     direct_loader,
 )
+from rlpost.pipeline.learnability import LearnabilityCheck
 from rlpost.pipeline.rundir import finish_run, prepare_run_dir, warm_start
 from rlpost.pipeline.stages import RolloutSettings, TrainSettings, train_stage
 from rlpost.pipeline.workers import WorkerLost, Workers
@@ -86,6 +87,7 @@ class Run:
     feed: object = None
     deliver: Callable | None = None
     on_groups: Callable | None = None
+    learn: LearnabilityCheck | None = None  # "cannot learn" warnings at the first steps
 
 
 def start_workers(cfg: Config, run_dir: Path, train_prompts, console, *, resuming: bool) -> Workers:
@@ -129,6 +131,7 @@ def train(
         r.on_groups = on_groups
         r.deliver = _deliverer(cfg, workers.rollout)
         step, pending = _restore(r, ckpt) if ckpt is not None else (_sync(r)[0], [])
+        r.learn = learnability_check(cfg, workers) if ckpt is None else None
     except BaseException:  # a failed start releases what it started (processes, the exporter)
         if r is not None:
             r.recorder.close()
@@ -158,6 +161,8 @@ def train(
                 r.feed.pause()
                 m.update(_eval(r, held_out, greedy=False))
                 r.feed.resume()
+            if r.learn is not None:
+                r.learn.after_step(step, m, r.w)
             r.recorder.record(step, m)
             history.append({"step": step, **m})
             console.update(step, m)
@@ -203,6 +208,16 @@ def _deliverer(cfg: Config, rollout) -> Callable[[list, int], dict]:
         return direct_loader(rollout)
     channel = build_weight_sync(s, [rollout])
     return lambda tensors, version: channel.push(tensors, version).metrics()
+
+
+def learnability_check(cfg: Config, workers: Workers) -> LearnabilityCheck:
+    check = LearnabilityCheck(
+        max_tokens=cfg.rollout.max_tokens,
+        truncated_reward=cfg.rollout.truncated_reward,
+        group_relative=ADVANTAGES.trait(cfg.algo.advantage, "group_relative"),
+    )
+    check.start(workers)
+    return check
 
 
 def _eval_due(cfg: Config, step: int) -> bool:

@@ -11,6 +11,7 @@ process or a Ray actor.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,15 @@ def to_groups(prompts: list[Prompt], completions: list[Completion], n: int) -> l
 
 
 BEHIND = "WorkerBehind"  # the marker of a refused call: the worker holds older weights
+
+
+def weights_checksum(named_tensors) -> int:
+    """CRC-32 over the names and bytes of ``(name, tensor)`` pairs, in name order."""
+    crc = 0
+    for name, t in sorted(named_tensors, key=lambda pair: pair[0]):
+        crc = zlib.crc32(name.encode(), crc)
+        crc = zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
+    return crc
 
 
 class RolloutWorker:
@@ -139,6 +149,16 @@ class RolloutWorker:
 
     def version(self) -> int:
         return int(self.engine.version)
+
+    def served_checksum(self) -> int | None:
+        """CRC-32 of the weights the engine serves now (None: they live elsewhere, as on a
+        remote server, which checks its own with ``sync.verify``)."""
+        model = getattr(self.engine, "model", None)
+        if model is None:  # the continuous engine serves its scheduler's model
+            model = getattr(getattr(self.engine, "scheduler", None), "model", None)
+        if not isinstance(model, torch.nn.Module):
+            return None
+        return weights_checksum(model.named_parameters())
 
     def throughput(self) -> float:
         return float(self.engine.throughput()) if hasattr(self.engine, "throughput") else 0.0
