@@ -24,7 +24,7 @@ from typing import Any
 from rlpost.pipeline.workers import WorkerLost
 
 # Methods that touch no process group: they may run while a collective call is in flight.
-LOCAL_CALLS = frozenset({"describe", "version", "single_update", "mfu", "scale_lr"})
+LOCAL_CALLS = frozenset({"describe", "version", "mfu", "scale_lr"})
 
 GRACE_S = 10.0
 """Seconds the other ranks get to finish after one fails before the group is given up."""
@@ -98,9 +98,6 @@ class TrainerGroup:
 
     def version(self) -> int:
         return self.call("version")
-
-    def single_update(self, batch_size: int) -> bool:
-        return self.call("single_update", batch_size)
 
     def logprobs(self, batch, which: str = "old"):
         return self.call("logprobs", batch, which)

@@ -32,6 +32,7 @@ from rlpost.envs.formats import TagFormat, build_format, demonstration_completio
 from rlpost.models.loading import context_length, frozen_copy, load_policy, load_tokenizer
 from rlpost.models.tiny import build_char_tokenizer
 from rlpost.observe.mfu import cpu_bf16_native
+from rlpost.pipeline.plan import resolve_step_plan
 from rlpost.registry import UnknownNameError
 from rlpost.rewards.scorer import build_scorer, check_terms
 from rlpost.rewards.worker import RewardWorker
@@ -373,7 +374,7 @@ def build_trainer(cfg: Config, model, dp=None) -> PolicyTrainer:
         loss_params=a.loss_params.given(),
         correction_params={"cap": c.cap, "low": c.low, "high": c.high},
     )
-    keep_ref = a.kl.beta > 0 or POLICY_LOSSES.trait(a.policy_loss, "needs_reference")
+    keep_ref = resolve_step_plan(cfg).reference
     lora = cfg.model.lora.rank > 0
     if settings.bf16 and eager_attention_pays(model):
         model.set_attn_implementation("eager")
@@ -422,7 +423,7 @@ def eager_attention_pays(model) -> bool:
 
 def build_critic(cfg: Config, model):
     """A critic trainer when the advantage estimator needs values (PPO), else None."""
-    if not ADVANTAGES.trait(cfg.algo.advantage, "needs_critic"):
+    if not resolve_step_plan(cfg).values:
         return None
     from rlpost.train.critic import CriticTrainer, ValueModel
 

@@ -45,6 +45,7 @@ from rlpost.pipeline.feeds import (
     SyncFeed,
     direct_loader,
 )
+from rlpost.pipeline.plan import StepPlan, checked_plan, resolve_step_plan
 from rlpost.pipeline.rundir import finish_run, prepare_run_dir, warm_start
 from rlpost.pipeline.stages import RolloutSettings, TrainSettings, train_stage
 from rlpost.pipeline.workers import WorkerLost, Workers
@@ -83,6 +84,7 @@ class Run:
     monitor: HackingMonitor
     pad_id: int
     eos_id: int
+    plan: StepPlan  # what each train step computes, resolved once
     feed: object = None
     deliver: Callable | None = None
     on_groups: Callable | None = None
@@ -285,6 +287,7 @@ def _new_run(cfg: Config, run_dir: Path, workers: Workers, train_prompts, ckpt) 
         monitor=HackingMonitor(),
         pad_id=int(info["pad_token_id"]),
         eos_id=int(info["eos_token_id"]),
+        plan=checked_plan(resolve_step_plan(cfg), info),
     )
 
 
@@ -301,7 +304,7 @@ def rl_step(r: Run, step: int) -> tuple[dict, list]:
     stats = train_stage(
         out.groups,
         r.w.trainer,
-        TrainSettings(cfg.algo, cfg.critic.warmup_steps),
+        TrainSettings(cfg.algo, r.plan),
         pad_id=r.pad_id,
         kl_ctl=r.kl_ctl,
         guards=r.guards,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -75,6 +75,16 @@ class MinibatchAux:
         selected = None if self.selected is None else self.selected[micro_rows]
         rewarded = None if self.rewarded is None else self.rewarded[micro_rows]
         return MinibatchAux(selected, rewarded, self.nll_agg)
+
+
+@dataclass(frozen=True)
+class PolicyUpdate:
+    """What :meth:`PolicyTrainer.update` did: ``stats``, the means over its optimizer steps
+    (``loss``, ``grad_norm``, ``clip_frac``, ``lr``...), and ``old_logprobs`` ``[B, T]``
+    when they came from its own loss pass (None when the batch brought them)."""
+
+    stats: dict[str, float]
+    old_logprobs: torch.Tensor | None = None
 
 
 ADDITIVE_STATS = frozenset({"pg_loss", "nll_loss", "entropy"})
@@ -194,44 +204,42 @@ class PolicyTrainer:
         """True when a batch makes exactly one optimizer step (one epoch, one mini-batch).
 
         Then the policy that computes the loss is the one that sampled, so the
-        old logprobs are the loss pass's own (detached) and a separate forward
-        pass over the batch is skipped (``update`` fills ``batch.old_logprobs``).
+        old logprobs may be the loss pass's own (detached) and a separate forward
+        pass over the batch is skipped (``update`` returns them).
         """
         return self.s.epochs == 1 and self.s.mini_batch_size >= batch_size
 
-    def update(self, batch: TrainBatch, *, beta: float = 0.0) -> dict[str, float]:
-        """Epochs x mini-batches of optimizer steps on ``batch``.
+    def update(self, batch: TrainBatch, *, beta: float = 0.0) -> PolicyUpdate:
+        """Epochs x mini-batches of optimizer steps on ``batch`` (which is left as it was).
 
         Needs ``batch.advantages``; ``batch.old_logprobs`` may be None only when
-        :meth:`single_update` holds, and is then filled from the loss pass.
+        :meth:`single_update` holds and no token selector reads them first: the loss
+        pass's own are then used and returned in the result.
         """
         if batch.advantages is None:
             raise ValueError("update() needs batch.advantages")
-        fill_old = batch.old_logprobs is None
-        if fill_old and not self.single_update(len(batch)):
+        own_old = batch.old_logprobs is None
+        if own_old and not self.single_update(len(batch)):
             raise ValueError(
                 "update() needs batch.old_logprobs when it makes more than one optimizer step"
             )
-        if fill_old and self.token_selector is not None:
-            batch.old_logprobs = self.old_logprobs(batch)  # the selector needs them up front
-            fill_old = False
-        if fill_old:
-            batch.old_logprobs = torch.zeros_like(batch.response_mask)
+        if own_old and self.token_selector is not None:
+            raise ValueError("update() needs batch.old_logprobs: the token selector reads them")
+        if own_old:  # the trainer's own record, filled row by row from the loss pass
+            batch = replace(batch, old_logprobs=torch.zeros_like(batch.response_mask))
         self.model.train()
-        on_device = batch.to(model_device(self.model))  # ``batch`` itself on CPU
+        on_device = batch.to(model_device(self.model))
         out = minibatch_updates(
             len(batch),
             self.s.mini_batch_size,
             self.s.epochs,
             self.shuffle,
-            lambda rows: self._step(on_device, rows, beta, fill_old),
+            lambda rows: self._step(on_device, rows, beta, own_old),
         )
-        if fill_old and self.dp is not None:
+        if own_old and self.dp is not None:
             self.dp.sum_tensor(on_device.old_logprobs)  # each row was filled on one rank only
-        if fill_old:
-            batch.old_logprobs = on_device.old_logprobs.cpu()
         out["lr"] = self.optimizer.param_groups[0]["lr"]
-        return out
+        return PolicyUpdate(out, on_device.old_logprobs.cpu() if own_old else None)
 
     def _step(
         self, batch: TrainBatch, rows: torch.Tensor, beta: float, fill_old: bool

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rlpost.rng import rng_state, set_rng_state
-from rlpost.train.actor import PolicyTrainer
+from rlpost.train.actor import PolicyTrainer, PolicyUpdate
 from rlpost.train.batch import TrainBatch
 
 STATE_FILE = "trainer_state.pt"
@@ -95,9 +95,6 @@ class TrainerWorker:
     def version(self) -> int:
         return self._version
 
-    def single_update(self, batch_size: int) -> bool:
-        return self.trainer.single_update(batch_size)
-
     # ------------------------------------------------------------ logprobs
 
     def logprobs(self, batch: TrainBatch, which: str = "old") -> torch.Tensor | None:
@@ -125,13 +122,9 @@ class TrainerWorker:
     def update(self, batch: TrainBatch, *, beta: float, train_policy: bool = True) -> UpdateResult:
         """One trainer step: optimizer steps on the policy (unless ``train_policy`` is False,
         during critic warm-up), then the version moves on."""
-        stats, old = {}, None
-        if train_policy:
-            filled = batch.old_logprobs is None
-            stats = self.trainer.update(batch, beta=beta)
-            old = batch.old_logprobs if filled else None
+        done = self.trainer.update(batch, beta=beta) if train_policy else PolicyUpdate({})
         self._version += 1
-        return UpdateResult(stats=stats, old_logprobs=old, version=self._version)
+        return UpdateResult(stats=done.stats, old_logprobs=done.old_logprobs, version=self._version)
 
     def export_weights(self) -> WeightsExport:
         """The policy's current weights on CPU, tagged with their version (no copy in this

@@ -97,14 +97,14 @@ def _run_case(settings: dict, options: dict, batch, dp: DataParallel | None) -> 
     if not options.get("fill"):
         noise = torch.randn(before.shape, generator=torch.Generator().manual_seed(1))
         b.old_logprobs = before + 0.2 * noise
-    stats = trainer.update(b, beta=options.get("beta", 0.0))
+    done = trainer.update(b, beta=options.get("beta", 0.0))
     after = trainer.old_logprobs(b)
     weights = dict(full_parameters(model))
     return {
-        "stats": stats,
+        "stats": done.stats,
         "before": before,
         "after": after,
-        "filled_old": b.old_logprobs,
+        "filled_old": b.old_logprobs if done.old_logprobs is None else done.old_logprobs,
         "weights": weights,
     }
 
