@@ -32,6 +32,7 @@ import torch
 from rlpost.algos import ADVANTAGES, AdaptiveKLController, FixedKLController
 from rlpost.config import Config
 from rlpost.data import PromptSampler
+from rlpost.errors import WorkerError, one_line
 from rlpost.observe import Guards, Recorder
 from rlpost.observe.memory import set_mmap_threshold
 from rlpost.observe.mfu import pick_threads
@@ -48,7 +49,7 @@ from rlpost.pipeline.feeds import (
 from rlpost.pipeline.plan import StepPlan, checked_plan, resolve_step_plan
 from rlpost.pipeline.rundir import finish_run, prepare_run_dir, warm_start
 from rlpost.pipeline.stages import RolloutSettings, TrainSettings, train_stage
-from rlpost.pipeline.workers import WorkerLost, Workers
+from rlpost.pipeline.workers import Workers
 from rlpost.rewards.monitor import HackingMonitor
 from rlpost.rewards.samples import SampleWriter
 from rlpost.rewards.worker import reward_samples
@@ -152,7 +153,7 @@ def train(
                     m.update(r.feed.push(r.w.trainer.export_weights()))
                 else:  # sync.every > 1: the engine keeps serving an older version
                     m.update(sync_seconds=0.0, sync_bytes=0.0)
-            except (RolloutFailed, WorkerLost) as exc:
+            except (RolloutFailed, WorkerError) as exc:
                 _stop_on_lost_worker(r, step, exc)
             step += 1
             rl_seconds += time.perf_counter() - t0
@@ -214,8 +215,8 @@ def _eval_due(cfg: Config, step: int) -> bool:
 def _stop_on_lost_worker(r: Run, step: int, exc: Exception) -> None:
     """A lost rollout side: checkpoint what trained and stop in one line (a lost trainer
     cannot checkpoint: the last saved one stands)."""
-    why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if getattr(exc, "role", "rollout") == "trainer":
+    why = one_line(exc)
+    if isinstance(exc, WorkerError) and exc.role == "trainer":
         raise TrainingStopped(
             f"trainer worker lost at step {step} ({why}); continue from the last checkpoint "
             f"with rlpost train --resume {r.run_dir}"
