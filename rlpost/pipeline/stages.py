@@ -152,7 +152,7 @@ class TrainSettings:
     """The fields of the config the train stage reads: the algorithm's and the step plan."""
 
     algo: AlgoConfig
-    plan: StepPlan = field(default_factory=StepPlan)
+    plan: StepPlan  # resolve_step_plan(cfg), once per run
 
 
 @dataclass(frozen=True)
