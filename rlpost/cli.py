@@ -94,9 +94,9 @@ def cmd_train(args) -> int:
     cfg = load_config(_resume_recipe(args, recipe), overrides)
     _quiet_libraries()
     from rlpost.cluster import starter
+    from rlpost.errors import WorkerError
     from rlpost.pipeline.interrupts import Interrupts
     from rlpost.pipeline.loop import TrainingStopped, train
-    from rlpost.pipeline.workers import WorkerLost
 
     run_dir = Path(args.resume) if args.resume else cfg.run_dir
     with Interrupts() as interrupts:
@@ -107,7 +107,7 @@ def cmd_train(args) -> int:
                 stop=interrupts.stop,
                 start=starter(cfg),
             )
-        except (TrainingStopped, WorkerLost) as exc:
+        except (TrainingStopped, WorkerError) as exc:
             print(f"rlpost: {exc}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:

@@ -33,12 +33,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rlpost.cluster.health import HealthPolicy, State, WorkerHealth
-from rlpost.pipeline.workers import WorkerLost
+from rlpost.errors import WorkerError, kind_of, typed_line
 from rlpost.rollout.protocol import SamplingParams
-from rlpost.rollout.worker import BEHIND, RolloutResult
+from rlpost.rollout.worker import RolloutResult
 from rlpost.types import Prompt
 
-DRAINING = "WorkerDraining"  # the marker a worker host's refusal carries after SIGTERM
 SCALE_REQUEST = "scale.json"  # in <run_dir>/cluster: {"rollout": N, "id": ...}
 FLEET_STATE = "fleet.json"  # in <run_dir>/cluster: the fleet after the last request
 
@@ -178,20 +177,21 @@ class RolloutFleet:
                     try:
                         result = fut.result()
                     except Exception as exc:  # re-sent below; a real bug fails twice and is raised
-                        why = str(exc)
-                        if handle is not m.handle or DRAINING in why:
+                        kind = kind_of(exc)
+                        if handle is not m.handle or kind == "draining":
                             # a replaced worker's call, or a refusal after a preemption notice:
                             # nothing wrong with the share; it goes to another worker
                             self._failed(m, exc, handle)
-                        elif BEHIND in why:  # restarted behind our back: sync, then serve
+                        elif kind == "behind":  # restarted behind our back: sync, then serve
                             self._behind(m, exc)
                         else:
-                            chunk.failures.append(_one_line(exc))
+                            chunk.failures.append(typed_line(exc))
                             self._failed(m, exc, handle)
                             if len(chunk.failures) >= 2 and not _is_loss(self.spawner, handle):
-                                raise WorkerLost(
-                                    f"rollout failed on two workers: {chunk.failures[-1]}",
+                                raise WorkerError(
                                     "rollout",
+                                    "failed",
+                                    f"rollout failed on two workers: {chunk.failures[-1]}",
                                 ) from exc
                         todo.append(chunk)
                         continue
@@ -228,12 +228,15 @@ class RolloutFleet:
                     return workers
                 coming = [m for m in self.members if m.restarting or m.health.alive]
                 if not coming or self._closed:
-                    raise WorkerLost(f"no rollout worker left ({self._why_gone()})", "rollout")
+                    raise WorkerError(
+                        "rollout", "lost", f"no rollout worker left ({self._why_gone()})"
+                    )
                 if self.clock() >= deadline:
-                    raise WorkerLost(
+                    raise WorkerError(
+                        "rollout",
+                        "timeout",
                         f"no rollout worker became healthy within {self.admit_timeout_s:.0f} s "
                         f"({self._why_gone()})",
-                        "rollout",
                     )
                 self._lock.wait(timeout=1.0)
 
@@ -247,12 +250,12 @@ class RolloutFleet:
     def _failed(self, m: Member, exc: BaseException, handle: Any = None) -> None:
         """Record a failed call of ``m`` (made on ``handle``: a report about a worker that has
         since been replaced changes nothing)."""
-        why = _one_line(exc)
+        why = typed_line(exc)
         handle = m.handle if handle is None else handle
         with self._lock:
             if handle is not m.handle:
                 return
-            if DRAINING in why:
+            if kind_of(exc) == "draining":
                 m.health.drain(why)
                 m.health.drained()
             elif _is_loss(self.spawner, handle):
@@ -268,7 +271,7 @@ class RolloutFleet:
         """A worker refused a call for holding older weights: stale until a full sync."""
         with self._lock:
             m.health.succeeded()  # it replied: responsive, only behind
-            m.health.missed(self._version, _one_line(exc))
+            m.health.missed(self._version, typed_line(exc))
             self._log(m)
         self._resync_later(m)
 
@@ -312,7 +315,7 @@ class RolloutFleet:
                     handle = self.spawner.start(m.index, old)
                 except Exception as exc:
                     with self._lock:
-                        m.health.restart_failed(f"restart failed: {_one_line(exc)}")
+                        m.health.restart_failed(f"restart failed: {typed_line(exc)}")
                         self._log(m)
                     continue
                 with self._lock:
@@ -377,8 +380,10 @@ class RolloutFleet:
         for fut in futures:
             fut.result()
         if not self.serving() and not any(m.restarting for m in self.members):
-            raise WorkerLost(
-                f"no rollout worker took weights version {version} ({self._why_gone()})", "rollout"
+            raise WorkerError(
+                "rollout",
+                "lost",
+                f"no rollout worker took weights version {version} ({self._why_gone()})",
             )
 
     def _push(self, m: Member, tensors: list, version: int) -> None:
@@ -390,7 +395,7 @@ class RolloutFleet:
             with self._lock:
                 if handle is not m.handle:
                     return  # replaced meanwhile: its restart syncs the new one
-                m.health.missed(version, _one_line(exc))
+                m.health.missed(version, typed_line(exc))
             self._failed(m, exc, handle)
             if m.health.state is State.STALE:  # still there: a full sync readmits it
                 self._resync_later(m)
@@ -497,7 +502,7 @@ class RolloutFleet:
                 self.scale(size)
                 self._report(ident, "")
             except Exception as exc:  # reported to the caller; the run goes on with what it has
-                self._report(ident, _one_line(exc))
+                self._report(ident, typed_line(exc))
 
     def _report(self, ident: str | None, error: str, *, only_changed: bool = False) -> None:
         with self._lock:
@@ -614,8 +619,3 @@ def _merge_stats(stats: list[dict[str, float]]) -> dict[str, float]:
         values = [s[key] for s in stats if key in s]
         out[key] = sum(values) if key.startswith("carried_") else sum(values) / len(values)
     return out
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

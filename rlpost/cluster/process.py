@@ -29,14 +29,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
-from rlpost.cluster.fleet import DRAINING, RolloutFleet
+from rlpost.cluster.fleet import RolloutFleet
 from rlpost.cluster.health import HealthPolicy
 from rlpost.config import Config, ConfigError
-from rlpost.pipeline.workers import WorkerLost
-
-
-class WorkerError(WorkerLost):
-    """A worker process failed; the message names the worker, the call and the cause."""
+from rlpost.errors import WorkerError, typed_line
 
 
 def _serve(conn, factory: str, cfg_data: dict, run_dir: str, kwargs: dict | None = None) -> None:
@@ -48,10 +44,11 @@ def _serve(conn, factory: str, cfg_data: dict, run_dir: str, kwargs: dict | None
     side still makes one call at a time, so calls from one thread keep their order.
 
     SIGTERM (a preemption notice) drains the worker: every new call is refused
-    with a ``WorkerDraining`` error (a rollout fleet re-sends it elsewhere), the
+    with a ``draining`` :class:`WorkerError` (a rollout fleet re-sends it elsewhere), the
     running ones finish, then the process exits; after ``cluster.drain_timeout_s``
     it exits regardless and the parent re-sends what did not finish.
     """
+    role = factory.removesuffix("_factory")
     try:
         import torch
 
@@ -63,7 +60,7 @@ def _serve(conn, factory: str, cfg_data: dict, run_dir: str, kwargs: dict | None
             torch.set_num_threads(cfg.run.threads)
         worker = getattr(me, factory)(cfg, Path(run_dir), **(kwargs or {}))
     except Exception as exc:  # the parent reports it in one line and stops the run
-        conn.send_bytes(pickle.dumps(("error", 0, _one_line(exc))))
+        conn.send_bytes(pickle.dumps(("error", 0, _worker_error(role, exc))))
         return
     send_lock = threading.Lock()
     busy = [0]
@@ -74,7 +71,7 @@ def _serve(conn, factory: str, cfg_data: dict, run_dir: str, kwargs: dict | None
         try:
             reply = ("ok", call_id, getattr(worker, name)(*args, **kwargs))
         except Exception as exc:
-            reply = ("error", call_id, _one_line(exc))
+            reply = ("error", call_id, _worker_error(role, exc))
         with send_lock:
             conn.send_bytes(pickle.dumps(reply))
             busy[0] -= 1
@@ -112,20 +109,24 @@ def _serve(conn, factory: str, cfg_data: dict, run_dir: str, kwargs: dict | None
                 return
             with send_lock:
                 if drain_at:
-                    conn.send_bytes(pickle.dumps(("error", call_id, REFUSED)))
+                    refused = WorkerError(role, "draining", REFUSED)
+                    conn.send_bytes(pickle.dumps(("error", call_id, refused)))
                     continue
                 busy[0] += 1
             pool.submit(run, call_id, name, args, kwargs)
 
 
-REFUSED = f"{DRAINING}: received SIGTERM; finishing its running calls, taking no new ones"
+REFUSED = "received SIGTERM; finishing its running calls, taking no new ones"
 
 
-def _one_line(exc: BaseException) -> str:
+def _worker_error(role: str, exc: BaseException) -> WorkerError:
+    """What the child sends back for ``exc``: a :class:`WorkerError` keeps its kind; any
+    other error is a ``failed`` call, in one line with the file and line it came from."""
+    if isinstance(exc, WorkerError):
+        return exc
     where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
     at = f" ({where[0].filename.rsplit('/', 1)[-1]}:{where[0].lineno})" if where else ""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}{at}"
+    return WorkerError(role, "failed", typed_line(exc) + at)
 
 
 class ProcessWorker:
@@ -140,7 +141,7 @@ class ProcessWorker:
         self, label: str, factory: str, cfg: Config, run_dir: Path, **factory_kwargs
     ) -> None:
         ctx = mp.get_context("spawn")
-        self.label = label
+        self.label, self.role = label, factory.removesuffix("_factory")
         # close waits this long for the child: a draining one may finish its running calls
         self._close_timeout_s = cfg.cluster.drain_timeout_s + 30.0
         self._conn, child = ctx.Pipe()
@@ -167,27 +168,26 @@ class ProcessWorker:
         waited = 0.0
         while not self._conn.poll(1.0):
             if not self._proc.is_alive():
-                raise WorkerError(
-                    f"{self.label} worker process exited (code {self._proc.exitcode}) during start",
-                    self.label,
-                )
+                raise self._lost(f"process exited (code {self._proc.exitcode}) during start")
             waited += 1.0
             if waited >= timeout:
                 self._proc.kill()
                 raise WorkerError(
-                    f"{self.label} worker did not start within {timeout:.0f} s", self.label
+                    self.role,
+                    "timeout",
+                    f"{self.label} worker did not start within {timeout:.0f} s",
                 )
         try:
             kind, _, value = pickle.loads(self._conn.recv_bytes())
         except (EOFError, OSError):
             self._proc.join(timeout=10)
-            raise WorkerError(
-                f"{self.label} worker process exited (code {self._proc.exitcode}) during start",
-                self.label,
-            ) from None
+            raise self._lost(f"process exited (code {self._proc.exitcode}) during start") from None
         if kind == "error":
             self._proc.join(timeout=10)
-            raise WorkerError(f"{self.label} worker, start: {value}", self.label)
+            raise value.again(f"{self.label} worker, start: {value.message}", role=self.role)
+
+    def _lost(self, why: str) -> WorkerError:
+        return WorkerError(self.role, "lost", f"{self.label} worker {why}")
 
     def _receive(self) -> None:
         while True:
@@ -200,7 +200,8 @@ class ProcessWorker:
             with self._lock:
                 name, fut = self._pending.pop(call_id)
             if kind == "error":
-                fut.set_exception(WorkerError(f"{self.label} worker, {name}: {value}", self.label))
+                message = f"{self.label} worker, {name}: {value.message}"
+                fut.set_exception(value.again(message, role=self.role))
             else:
                 fut.set_result(value)
 
@@ -209,7 +210,7 @@ class ProcessWorker:
             self._dead = why
             pending, self._pending = self._pending, {}
         for name, fut in pending.values():
-            fut.set_exception(WorkerError(f"{self.label} worker {why} during {name}", self.label))
+            fut.set_exception(self._lost(f"{why} during {name}"))
 
     def call(self, name: str, *args, **kwargs) -> Any:
         return self._call(name, args, kwargs).result()
@@ -219,9 +220,7 @@ class ProcessWorker:
         fut: Future = Future()
         with self._lock:
             if self._dead is not None:
-                raise WorkerError(
-                    f"{self.label} worker {self._dead}; cannot call {name}", self.label
-                )
+                raise self._lost(f"{self._dead}; cannot call {name}")
             call_id = next(self._ids)
             self._pending[call_id] = (name, fut)
             try:
@@ -229,9 +228,8 @@ class ProcessWorker:
             except OSError:  # the child is gone (broken pipe): the receiver reports why
                 del self._pending[call_id]
                 self._proc.join(timeout=5)
-                raise WorkerError(
-                    f"{self.label} worker process exited (code {self._proc.exitcode}) during {name}",
-                    self.label,
+                raise self._lost(
+                    f"process exited (code {self._proc.exitcode}) during {name}"
                 ) from None
         return fut
 

@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlpost.cluster.fleet import DRAINING, RolloutFleet
+from rlpost.cluster.fleet import RolloutFleet
 from rlpost.cluster.process import check_fleet, health_policy, slot_config
 from rlpost.cluster.ray_connect import LOCAL, connect
 from rlpost.config import Config, ConfigError
-from rlpost.pipeline.workers import WorkerLost, Workers
+from rlpost.errors import WorkerError, kind_of, typed_line
+from rlpost.pipeline.workers import Workers
 
 INSTALL = 'pip install -e ".[ray]"'
 
@@ -59,7 +60,7 @@ class _Host:
     """Actor body: builds one worker, then runs its methods by name.
 
     SIGTERM (a preemption notice): ``notice()`` turns True. A rollout or reward
-    host then refuses new calls with a ``WorkerDraining`` error (the fleet re-sends
+    host then refuses new calls with a ``draining`` :class:`WorkerError` (the fleet re-sends
     them elsewhere), lets its running calls finish and exits (Ray restarts it,
     within ``max_restarts``), at the latest after ``cluster.drain_timeout_s``. A
     trainer host keeps serving: the driver sees the notice and the loop saves a
@@ -77,7 +78,8 @@ class _Host:
         torch.set_num_threads(max(1, threads))
         kwargs = {} if dp is None else {"dp": dp}
         self.worker = getattr(process, factory)(cfg, Path(run_dir), **kwargs)
-        self.drains = factory != "trainer_factory"
+        self.role = factory.removesuffix("_factory")
+        self.drains = self.role != "trainer"
         self.drain_timeout_s = cfg.cluster.drain_timeout_s
         self.draining = False
         self.busy = 0
@@ -102,7 +104,7 @@ class _Host:
     def call(self, name: str, args: tuple, kwargs: dict) -> Any:
         with self.lock:
             if self.draining and self.drains and name != "close":
-                raise RuntimeError(f"{DRAINING}: received SIGTERM; taking no new calls")
+                raise WorkerError(self.role, "draining", "received SIGTERM; taking no new calls")
             self.busy += 1
         try:
             return getattr(self.worker, name)(*args, **kwargs)
@@ -154,7 +156,8 @@ def rendezvous() -> tuple[str, int]:
 
 class RayWorker:
     """Blocking calls to an actor: ``proxy.method(*args)``; a lost actor or a failed call is a
-    one-line :class:`WorkerLost` naming the worker, as with the other backends."""
+    one-line :class:`WorkerError` naming the worker, as with the other backends: ``lost``
+    for an actor that died, else the kind the actor's own error carried."""
 
     def __init__(self, label: str, actor, role: str) -> None:
         self.label, self.actor, self.role = label, actor, role
@@ -167,15 +170,14 @@ class RayWorker:
         try:
             return ray.get(self.actor.call.remote(name, args, kwargs))
         except RayActorError as exc:
-            self.lost = _first_line(exc)
-            raise WorkerLost(
-                f"{self.label} worker lost during {name}: {self.lost}", self.role
+            self.lost = typed_line(exc, limit=300)
+            raise WorkerError(
+                self.role, "lost", f"{self.label} worker lost during {name}: {self.lost}"
             ) from None
         except RayTaskError as exc:
             cause = exc.cause if exc.cause is not None else exc
-            raise WorkerLost(
-                f"{self.label} worker, {name}: {_first_line(cause)}", self.role
-            ) from None
+            line = f"{self.label} worker, {name}: {typed_line(cause, limit=300)}"
+            raise WorkerError(self.role, kind_of(cause), line) from None
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
@@ -198,12 +200,6 @@ class RayWorker:
 
     def kill(self) -> None:
         import_ray().kill(self.actor, no_restart=True)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    line = text.splitlines()[0] if text else ""
-    return f"{type(exc).__name__}: {line}"[:300]
 
 
 # --------------------------------------------------------------- placement
@@ -423,7 +419,7 @@ class RaySpawner:
     def stop(self, handle: RayWorker) -> None:
         try:
             handle.call("close")
-        except WorkerLost:
+        except WorkerError:
             pass  # already gone: nothing left to close
         self.ray.kill(handle.actor, no_restart=True)
 
@@ -442,12 +438,14 @@ def _ready(ray, workers: list[RayWorker], timeout: float) -> None:
         try:
             ray.get(ref)
         except (RayActorError, RayTaskError) as exc:
-            raise WorkerLost(
-                f"{refs[ref].label} worker, start: {_first_line(exc)}", refs[ref].role
-            ) from None
+            w = refs[ref]
+            line = f"{w.label} worker, start: {typed_line(exc, limit=300)}"
+            raise WorkerError(w.role, "failed", line) from None
     if pending:
+        w = refs[pending[0]]
         names = ", ".join(refs[r].label for r in pending)
-        raise WorkerLost(f"{names} did not start within {timeout:.0f} s (cluster.start_timeout_s)")
+        line = f"{names} did not start within {timeout:.0f} s (cluster.start_timeout_s)"
+        raise WorkerError(w.role, "timeout", line)
 
 
 # ------------------------------------------------------------------ rewards

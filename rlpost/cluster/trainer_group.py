@@ -10,7 +10,7 @@ Calls that run collectives (everything but a few local queries) are made one at
 a time: every rank must enter its collectives in the same order, and two calls
 racing in the ranks' call pools could interleave them differently.
 
-If a rank fails, the call raises :class:`WorkerLost` in one line naming the rank,
+If a rank fails, the call raises a :class:`WorkerError` in one line naming the rank,
 without waiting for the others (they are blocked in a collective that will not
 complete); :meth:`close` then stops them.
 """
@@ -21,19 +21,13 @@ import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
-from rlpost.pipeline.workers import WorkerLost
+from rlpost.errors import WorkerError, kind_of, one_line
 
 # Methods that touch no process group: they may run while a collective call is in flight.
-LOCAL_CALLS = frozenset({"describe", "version", "single_update", "mfu", "scale_lr"})
+LOCAL_CALLS = frozenset({"describe", "version", "mfu", "scale_lr"})
 
 GRACE_S = 10.0
 """Seconds the other ranks get to finish after one fails before the group is given up."""
-
-
-def _first_line(exc: BaseException, limit: int = 240) -> str:
-    text = str(exc).strip().splitlines()
-    line = text[0] if text else type(exc).__name__
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 class TrainerGroup:
@@ -57,7 +51,8 @@ class TrainerGroup:
 
     def _call_all(self, name: str, *args, **kwargs) -> Any:
         if self._failed is not None:
-            raise WorkerLost(f"{self.role} group unusable after {self._failed}; cannot {name}")
+            line = f"{self.role} group unusable after {self._failed}; cannot {name}"
+            raise WorkerError(self.role, "lost", line)
         futures = [self._pool.submit(getattr(h, name), *args, **kwargs) for h in self.handles]
         order: list[int] = []  # ranks in the order their calls ended (the first failure is
         for rank, fut in enumerate(futures):  # usually the cause, later ones its echoes)
@@ -73,15 +68,18 @@ class TrainerGroup:
         # (a rank's done callback may not have run yet when its result is visible)
         ended = list(dict.fromkeys([*order, *range(self.world)]))
         failed = [r for r in ended if futures[r].done() and futures[r].exception() is not None]
-        causes = {_first_line(futures[r].exception()).split(f", {name}: ", 1)[-1] for r in failed}
+        causes = {
+            one_line(futures[r].exception(), limit=240).split(f", {name}: ", 1)[-1] for r in failed
+        }
         if running or len(failed) < self.world or len(causes) > 1:
             self._failed = f"rank {failed[0]} failed in {name}"
         # One line naming every failed rank: a lost process shows up in its peers as a
         # collective error, and which ends first is a race.
-        parts = [f"rank {r}: {_first_line(futures[r].exception())}" for r in failed]
-        raise WorkerLost(
-            f"{self.role} rank {failed[0]} of {self.world} failed in {name} ({'; '.join(parts)})",
+        parts = [f"rank {r}: {one_line(futures[r].exception(), limit=240)}" for r in failed]
+        raise WorkerError(
             self.role,
+            kind_of(futures[failed[0]].exception()),
+            f"{self.role} rank {failed[0]} of {self.world} failed in {name} ({'; '.join(parts)})",
         ) from None
 
     def call(self, name: str, *args, **kwargs) -> Any:
@@ -98,9 +96,6 @@ class TrainerGroup:
 
     def version(self) -> int:
         return self.call("version")
-
-    def single_update(self, batch_size: int) -> bool:
-        return self.call("single_update", batch_size)
 
     def logprobs(self, batch, which: str = "old"):
         return self.call("logprobs", batch, which)
@@ -142,7 +137,7 @@ class TrainerGroup:
                 with self._serial:
                     self._call_all("close")
                 return
-        except WorkerLost:
+        except WorkerError:
             pass  # a rank failed while closing: stop them all below
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -152,5 +147,5 @@ class TrainerGroup:
                 if kill is not None:
                     kill()
                 h.close()
-            except (WorkerLost, OSError):
+            except (WorkerError, OSError):
                 pass  # a rank already gone: nothing left to release

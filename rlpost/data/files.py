@@ -23,6 +23,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from rlpost.errors import one_line
 from rlpost.types import Prompt
 
 # A problem with a row: (reason, one-line description). The reason is what is counted.
@@ -136,7 +137,7 @@ def _check_row(row: Any, prompt_field: str, answer_field: str, template: str) ->
     try:  # a format spec the row's value does not take ({level:d} on a string)
         template.format(**{**row, "prompt": prompt})
     except (ValueError, KeyError, IndexError, AttributeError, TypeError) as exc:
-        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        line = one_line(exc)
         if isinstance(exc, KeyError):
             line = f"it names field {exc.args[0]!r}, which this row lacks"
         return "template_error", f"data.prompt_template cannot format this row ({line})"

@@ -22,6 +22,7 @@ from rlpost.envs.base import (
     ToolCall,
     environment,
 )
+from rlpost.errors import one_line
 from rlpost.types import Prompt
 
 
@@ -37,8 +38,7 @@ class PythonSandbox:
         try:  # checked here, at load: a bad key would otherwise fail every call of the run
             self.config = SandboxConfig(**sandbox) if sandbox else None
         except (TypeError, ValueError) as exc:
-            line = (str(exc).strip().splitlines() or [""])[0]
-            raise EnvError(f"python sandbox={sandbox!r}: {line}") from None
+            raise EnvError(f"python sandbox={sandbox!r}: {one_line(exc)}") from None
         self.pass_reward = pass_reward  # per call, times the fraction of tests passed
 
     def reset(self, prompt: Prompt) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import httpx
 
 from rlpost.envs.base import Action, StepResult
+from rlpost.errors import typed_line
 from rlpost.types import Prompt
 
 Tool = Callable[[str], str]
@@ -73,5 +74,4 @@ class ToolEnv:
         try:
             return StepResult(str(tool(action.call.arguments)))
         except Exception as exc:  # the policy sees the failure; the episode goes on
-            line = (str(exc).strip().splitlines() or [""])[0]
-            return StepResult(f"error: {type(exc).__name__}: {line}", error=True)
+            return StepResult(f"error: {typed_line(exc)}", error=True)

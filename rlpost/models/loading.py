@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from rlpost.errors import one_line
 from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -29,9 +30,7 @@ def load_tokenizer(path: str | Path):
     try:
         tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(
-            f"cannot load a tokenizer from {str(p)!r}: {_first_line(exc)}"
-        ) from None
+        raise ModelLoadError(f"cannot load a tokenizer from {str(p)!r}: {one_line(exc)}") from None
     if tok.pad_token_id is None:
         # Decoder-only checkpoints often ship without a pad token; padding is
         # always masked, so reusing EOS is safe.
@@ -62,9 +61,7 @@ def context_length(path: str | Path) -> int | None:
     try:
         cfg = json.loads((p / "config.json").read_text())
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(
-            f"cannot read {str(p / 'config.json')!r}: {_first_line(exc)}"
-        ) from None
+        raise ModelLoadError(f"cannot read {str(p / 'config.json')!r}: {one_line(exc)}") from None
     for section in (cfg, cfg.get("text_config") or {}):
         for key in POSITION_KEYS:
             if isinstance(section.get(key), int):
@@ -77,9 +74,7 @@ def load_causal_lm(path: str | Path, *, dtype: str = "float32") -> PreTrainedMod
     try:
         model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=DTYPES[dtype])
     except (OSError, ValueError, RuntimeError) as exc:
-        raise ModelLoadError(
-            f"cannot load a causal LM from {str(p)!r}: {_first_line(exc)}"
-        ) from None
+        raise ModelLoadError(f"cannot load a causal LM from {str(p)!r}: {one_line(exc)}") from None
     return model
 
 
@@ -104,8 +99,3 @@ def frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
     ref.eval()
     ref.requires_grad_(False)
     return ref
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

@@ -32,6 +32,7 @@ from rlpost.envs.formats import TagFormat, build_format, demonstration_completio
 from rlpost.models.loading import context_length, frozen_copy, load_policy, load_tokenizer
 from rlpost.models.tiny import build_char_tokenizer
 from rlpost.observe.mfu import cpu_bf16_native
+from rlpost.pipeline.plan import resolve_step_plan
 from rlpost.registry import UnknownNameError
 from rlpost.rewards.scorer import build_scorer, check_terms
 from rlpost.rewards.worker import RewardWorker
@@ -373,35 +374,39 @@ def build_trainer(cfg: Config, model, dp=None) -> PolicyTrainer:
         loss_params=a.loss_params.given(),
         correction_params={"cap": c.cap, "low": c.low, "high": c.high},
     )
-    keep_ref = a.kl.beta > 0 or POLICY_LOSSES.trait(a.policy_loss, "needs_reference")
-    lora = cfg.model.lora.rank > 0
     if settings.bf16 and eager_attention_pays(model):
         model.set_attn_implementation("eager")
-    ref = frozen_copy(model) if keep_ref and not lora else None
-    reference = None
-    if keep_ref and lora:
-        from rlpost.models.lora import reference_mode
-
-        reference = lambda: reference_mode(model)  # noqa: E731
-    if dp is not None:
-        from rlpost.train.dp import shard_model
-
-        bf16 = bf16_compute(cfg)
-        shard_model(model, bf16=bf16)
-        if ref is not None:
-            shard_model(ref, bf16=bf16, trainable=False)
     return PolicyTrainer(
         model,
         get_policy_loss(a.policy_loss),
         settings,
-        ref_model=ref,
+        layout=build_layout(cfg, model, dp),
         kl_estimator=get_kl_estimator(a.kl.estimator),
         correction=None if c.name == "none" else get_correction(c.name),
-        reference=reference,
         token_selector=POLICY_LOSSES.trait(a.policy_loss, "token_selector", None),
         seed=cfg.run.seed,
-        dp=dp,
     )
+
+
+def build_layout(cfg: Config, model, dp=None):
+    """The weights' layout, chosen once: sharded over ``dp``'s ranks, LoRA adapters
+    (``model.lora.rank > 0``, ``model`` already wears them) or plain; with the reference
+    the step plan asks for (a frozen copy, or the base with the adapters off)."""
+    from rlpost.train.layout import LoRALayout, PlainLayout, ShardedLayout
+
+    keep_ref = resolve_step_plan(cfg).reference
+    if cfg.model.lora.rank > 0:
+        return LoRALayout(model, keep_reference=keep_ref)
+    ref = frozen_copy(model) if keep_ref else None
+    if dp is None:
+        return PlainLayout(model, ref)
+    from rlpost.train.dp import shard_model
+
+    bf16 = bf16_compute(cfg)
+    shard_model(model, bf16=bf16)
+    if ref is not None:
+        shard_model(ref, bf16=bf16, trainable=False)
+    return ShardedLayout(model, ref, dp)
 
 
 EAGER_ATTENTION_MAX_POSITIONS = 512
@@ -422,7 +427,7 @@ def eager_attention_pays(model) -> bool:
 
 def build_critic(cfg: Config, model):
     """A critic trainer when the advantage estimator needs values (PPO), else None."""
-    if not ADVANTAGES.trait(cfg.algo.advantage, "needs_critic"):
+    if not resolve_step_plan(cfg).values:
         return None
     from rlpost.train.critic import CriticTrainer, ValueModel
 
@@ -481,7 +486,8 @@ def build_trainer_worker(cfg: Config, model, tokenizer, dp: DPSpec | None = None
 
         init_group(dp, timeout_s=cfg.cluster.start_timeout_s)
         group = DataParallel(dp, device=device)
-        return TrainerWorker(build_trainer(cfg, model, group), tokenizer, dp=group)
+        trainer = build_trainer(cfg, model, group)
+        return TrainerWorker(trainer, tokenizer, layout=trainer.layout)
     model.to(run_device(cfg))
     critic = build_critic(cfg, model)
     lora = cfg.model.lora
@@ -490,7 +496,8 @@ def build_trainer_worker(cfg: Config, model, tokenizer, dp: DPSpec | None = None
 
         settings = LoRASettings(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules))
         model = apply_lora(model, settings)
-    return TrainerWorker(build_trainer(cfg, model), tokenizer, critic=critic, lora=lora.rank > 0)
+    trainer = build_trainer(cfg, model)
+    return TrainerWorker(trainer, tokenizer, layout=trainer.layout, critic=critic)
 
 
 def build_rollout_worker(cfg: Config, model=None, tokenizer=None) -> RolloutWorker:

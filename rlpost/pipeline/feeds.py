@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from rlpost.data import PromptSampler
+from rlpost.errors import one_line
 from rlpost.pipeline.stages import RolloutOutput, RolloutSettings, rollout_stage
 from rlpost.pipeline.workers import RewardAPI, RolloutAPI
 from rlpost.rollout.protocol import SamplingParams
@@ -259,7 +260,7 @@ class OverlapFeed:
         with self._cond:
             self._cond.wait_for(lambda: self.ready or self.error is not None)
             if self.error is not None and not self.ready:
-                raise RolloutFailed(str(self.error).strip().splitlines()[0]) from self.error
+                raise RolloutFailed(one_line(self.error)) from self.error
             j, out, _ = self.ready.popleft()
             queued = len(self.ready)
             in_flight = self.admitted - j - 1 - queued

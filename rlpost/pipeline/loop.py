@@ -32,6 +32,7 @@ import torch
 from rlpost.algos import ADVANTAGES, AdaptiveKLController, FixedKLController
 from rlpost.config import Config
 from rlpost.data import PromptSampler
+from rlpost.errors import WorkerError, one_line
 from rlpost.observe import Guards, Recorder
 from rlpost.observe.memory import set_mmap_threshold
 from rlpost.observe.mfu import pick_threads
@@ -46,9 +47,10 @@ from rlpost.pipeline.feeds import (
     direct_loader,
 )
 from rlpost.pipeline.learnability import LearnabilityCheck
+from rlpost.pipeline.plan import StepPlan, checked_plan, resolve_step_plan
 from rlpost.pipeline.rundir import finish_run, prepare_run_dir, warm_start
 from rlpost.pipeline.stages import RolloutSettings, TrainSettings, train_stage
-from rlpost.pipeline.workers import WorkerLost, Workers
+from rlpost.pipeline.workers import Workers
 from rlpost.rewards.monitor import HackingMonitor
 from rlpost.rewards.samples import SampleWriter
 from rlpost.rewards.worker import reward_samples
@@ -84,6 +86,7 @@ class Run:
     monitor: HackingMonitor
     pad_id: int
     eos_id: int
+    plan: StepPlan  # what each train step computes, resolved once
     feed: object = None
     deliver: Callable | None = None
     on_groups: Callable | None = None
@@ -153,7 +156,7 @@ def train(
                     m.update(r.feed.push(r.w.trainer.export_weights()))
                 else:  # sync.every > 1: the engine keeps serving an older version
                     m.update(sync_seconds=0.0, sync_bytes=0.0)
-            except (RolloutFailed, WorkerLost) as exc:
+            except (RolloutFailed, WorkerError) as exc:
                 _stop_on_lost_worker(r, step, exc)
             step += 1
             rl_seconds += time.perf_counter() - t0
@@ -227,8 +230,8 @@ def _eval_due(cfg: Config, step: int) -> bool:
 def _stop_on_lost_worker(r: Run, step: int, exc: Exception) -> None:
     """A lost rollout side: checkpoint what trained and stop in one line (a lost trainer
     cannot checkpoint: the last saved one stands)."""
-    why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if getattr(exc, "role", "rollout") == "trainer":
+    why = one_line(exc)
+    if isinstance(exc, WorkerError) and exc.role == "trainer":
         raise TrainingStopped(
             f"trainer worker lost at step {step} ({why}); continue from the last checkpoint "
             f"with rlpost train --resume {r.run_dir}"
@@ -300,6 +303,7 @@ def _new_run(cfg: Config, run_dir: Path, workers: Workers, train_prompts, ckpt) 
         monitor=HackingMonitor(),
         pad_id=int(info["pad_token_id"]),
         eos_id=int(info["eos_token_id"]),
+        plan=checked_plan(resolve_step_plan(cfg), info),
     )
 
 
@@ -316,7 +320,7 @@ def rl_step(r: Run, step: int) -> tuple[dict, list]:
     stats = train_stage(
         out.groups,
         r.w.trainer,
-        TrainSettings(cfg.algo, cfg.critic.warmup_steps),
+        TrainSettings(cfg.algo, r.plan),
         pad_id=r.pad_id,
         kl_ctl=r.kl_ctl,
         guards=r.guards,

@@ -31,6 +31,7 @@ from rlpost.config import AlgoConfig
 from rlpost.data import PromptSampler
 from rlpost.observe import Guards
 from rlpost.pipeline.evaluate import logprob_gap, rollout_health
+from rlpost.pipeline.plan import StepPlan
 from rlpost.pipeline.workers import RewardAPI, RolloutAPI, TrainerAPI
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.train.batch import TrainBatch, collate
@@ -138,21 +139,30 @@ def greedy_baselines(
 
 
 def collate_groups(groups: list[Group], pad_id: int) -> TrainBatch:
-    """A :class:`TrainBatch` of every completion, ``group`` = the record's index; rows whose
-    reward was invalid are masked out (their scores still count in group statistics)."""
+    """A :class:`TrainBatch` of every completion, ``group`` = the record's index."""
     completions = [c for g in groups for c in g.completions]
     scores = [s for g in groups for s in g.scores]
     batch = collate(completions, scores, pad_id)
-    batch.group = torch.tensor([i for i, g in enumerate(groups) for _ in range(g.n)])
-    return batch
+    group = torch.tensor([i for i, g in enumerate(groups) for _ in range(g.n)])
+    return replace(batch, group=group)
 
 
 @dataclass
 class TrainSettings:
-    """The fields of the config the train stage reads."""
+    """The fields of the config the train stage reads: the algorithm's and the step plan."""
 
     algo: AlgoConfig
-    critic_warmup_steps: int = 0
+    plan: StepPlan  # resolve_step_plan(cfg), once per run
+
+
+@dataclass(frozen=True)
+class Advantages:
+    """What the estimator made of a batch: ``token_level_rewards``, ``advantages`` and
+    ``returns``, each ``[B, T]``."""
+
+    token_level_rewards: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
 
 
 def train_stage(
@@ -165,45 +175,42 @@ def train_stage(
     guards: Guards | None = None,
     step: int = 0,
 ) -> StepStats:
-    """Old / reference logprobs, values, advantages, critic and policy updates for ``groups``."""
+    """Old / reference logprobs, values, advantages, critic and policy updates for ``groups``.
+
+    Each input is a record built once and never written after: the collated batch, the
+    logprobs and values the plan asks for, the advantages, the update's result. The
+    trainer gets a batch holding all of them and returns what it computed."""
     kl_ctl = kl_ctl if kl_ctl is not None else FixedKLController(0.0)
-    algo, in_reward = s.algo, s.algo.kl.placement == "reward"
-    batch = collate_groups(groups, pad_id)
-    scores = batch.scores.tolist()
-    invalid = [
-        r for r, bad in enumerate(b for g in groups for b in (g.invalid or [False] * g.n)) if bad
-    ]
-    dropped = sorted(set(invalid) | set(guards.check_rewards(scores) if guards else []))
-    if dropped:
-        batch.response_mask[dropped] = 0.0  # a NaN / Inf reward never reaches the optimizer
-        log.warning(
-            "guard nonfinite_reward: drop_samples - %d/%d invalid scores", len(dropped), len(batch)
-        )
-    if algo.old_logprobs == "rollout":  # the engine's sampling logprobs: no trainer pass
-        batch.old_logprobs = batch.rollout_logprobs * batch.response_mask
-    # On-policy single-update steps take the old logprobs from the loss pass itself.
-    elif not trainer.single_update(len(batch)) or in_reward:
-        batch.old_logprobs = trainer.logprobs(batch, "old")
-    batch.ref_logprobs = trainer.logprobs(batch, "ref")
-    batch.values = trainer.values(batch)
-    inputs = estimator_inputs(groups, batch, trainer, algo.advantage)
+    algo, plan = s.algo, s.plan
+    batch, dropped = trainable_batch(groups, pad_id, guards)
+    source = plan.old_source(len(batch), step)
+    old = None
+    if source == "rollout":  # the engine's sampling logprobs: no trainer pass
+        old = batch.rollout_logprobs * batch.response_mask
+    elif source == "pass":
+        old = trainer.logprobs(batch, "old")
+    scored = replace(
+        batch,
+        old_logprobs=old,
+        ref_logprobs=trainer.logprobs(batch, "ref") if plan.reference else None,
+        values=trainer.values(batch) if plan.values else None,
+    )
+    inputs = estimator_inputs(groups, scored, trainer, algo.advantage)
     turn = turn_rewards(groups, batch.response_mask)
-    compute_advantages(batch, algo, beta=kl_ctl.beta, inputs=inputs, turn_rewards=turn)
-    critic_stats = trainer.update_critic(batch) if batch.values is not None else {}
-    train_policy = batch.values is None or step >= s.critic_warmup_steps
-    if batch.old_logprobs is None and not train_policy:
-        batch.old_logprobs = trainer.logprobs(batch, "old")
-    beta = kl_ctl.beta if algo.kl.placement == "loss" else 0.0
-    result = trainer.update(batch, beta=beta, train_policy=train_policy)
-    if result.old_logprobs is not None:
-        batch.old_logprobs = result.old_logprobs
+    adv = compute_advantages(scored, algo, beta=kl_ctl.beta, inputs=inputs, turn_rewards=turn)
+    ready = replace(scored, **vars(adv))
+    critic_stats = trainer.update_critic(ready) if plan.values else {}
+    beta = 0.0 if plan.kl_in_reward else kl_ctl.beta
+    result = trainer.update(ready, beta=beta, train_policy=plan.trains_policy(step))
+    if source == "update":  # the single update's own loss pass
+        old = result.old_logprobs
     actions = []
     if result.stats and guards is not None:
         bad = guards.check_update(
             result.stats.get("loss", math.nan), result.stats.get("grad_norm", math.nan)
         )
         actions += [bad] if bad is not None else []
-    kl_value = kl_to_reference(batch, algo.kl.estimator)
+    kl_value = kl_to_reference(old, scored.ref_logprobs, batch.response_mask, algo.kl.estimator)
     kl_ctl.update(kl_value, len(batch))
     metrics = {
         **rollout_health([c for g in groups for c in g.completions], batch.scores, batch.group),
@@ -211,10 +218,10 @@ def train_stage(
         **critic_stats,
         "kl": kl_value,
         "beta": kl_ctl.beta,
-        "logprob_gap": logprob_gap(batch.rollout_logprobs, batch.old_logprobs, batch.response_mask),
+        "logprob_gap": logprob_gap(batch.rollout_logprobs, old, batch.response_mask),
         "invalid_rewards": float(len(dropped)),
         "completions": float(len(batch)),
-        "rollout_kl": rollout_mismatch(batch),
+        "rollout_kl": rollout_mismatch(batch.rollout_logprobs, old, batch.response_mask),
         **sample_lag(batch, result.version - 1),
         "sample_drop_ratio": len(dropped) / len(batch),
         "policy_version": float(result.version - 1),
@@ -229,10 +236,33 @@ def train_stage(
     )
 
 
+def trainable_batch(
+    groups: list[Group], pad_id: int, guards: Guards | None
+) -> tuple[TrainBatch, list[int]]:
+    """The collated batch with the rows of invalid or non-finite rewards masked out (their
+    scores still count in group statistics), and those rows."""
+    batch = collate_groups(groups, pad_id)
+    invalid = [
+        r for r, bad in enumerate(b for g in groups for b in (g.invalid or [False] * g.n)) if bad
+    ]
+    scores = batch.scores.tolist()
+    dropped = sorted(set(invalid) | set(guards.check_rewards(scores) if guards else []))
+    if not dropped:
+        return batch, dropped
+    log.warning(
+        "guard nonfinite_reward: drop_samples - %d/%d invalid scores", len(dropped), len(batch)
+    )
+    mask = batch.response_mask.clone()
+    mask[dropped] = 0.0  # a NaN / Inf reward never reaches the optimizer
+    return replace(batch, response_mask=mask), dropped
+
+
 def estimator_inputs(
     groups: list[Group], batch: TrainBatch, trainer: TrainerAPI, name: str
 ) -> dict[str, torch.Tensor]:
-    """The extra inputs the estimator's traits ask for (see ``algos/advantages_extra.py``)."""
+    """The extra inputs the estimator's traits ask for (see ``algos/advantages_extra.py``);
+    ``batch`` already holds the old logprobs when the estimator takes them (the plan's
+    ``sum_pi_squared``)."""
     inputs: dict[str, torch.Tensor] = {}
     if ADVANTAGES.trait(name, "needs_components"):
         terms = sorted({k for g in groups for k in g.components})
@@ -250,7 +280,7 @@ def estimator_inputs(
         )
     if ADVANTAGES.trait(name, "needs_sum_pi_squared"):
         if batch.old_logprobs is None:
-            batch.old_logprobs = trainer.logprobs(batch, "old")
+            raise ValueError(f"advantage estimator {name!r} needs the old logprobs up front")
         inputs["old_logprobs"] = batch.old_logprobs
         inputs["sum_pi_squared"] = trainer.logprobs(batch, "sum_pi_squared")
     return inputs
@@ -279,8 +309,8 @@ def compute_advantages(
     beta: float,
     inputs: dict | None = None,
     turn_rewards: torch.Tensor | None = None,
-) -> None:
-    """Fill token_level_rewards, advantages and returns (KL in the reward when so placed).
+) -> Advantages:
+    """Token-level rewards (KL in the reward when so placed), advantages and returns.
 
     ``inputs``: extra keyword inputs of the estimator (:func:`estimator_inputs`);
     ``turn_rewards`` [B, T]: per-turn rewards of episodes, added to the outcome scores'
@@ -299,9 +329,8 @@ def compute_advantages(
             beta=beta,
             estimator=algo.kl.estimator,
         )
-    batch.token_level_rewards = rewards
     estimator = get_advantage_estimator(algo.advantage)
-    batch.advantages, batch.returns = estimator(
+    advantages, returns = estimator(
         rewards,
         mask,
         batch.group,
@@ -309,21 +338,24 @@ def compute_advantages(
         **(inputs or {}),
         **algo.advantage_params.given(),
     )
+    return Advantages(rewards, advantages, returns)
 
 
-def kl_to_reference(batch: TrainBatch, estimator: str) -> float:
-    """Mean per-token KL of the sampling policy to the reference (the configured estimator)."""
-    if batch.ref_logprobs is None or batch.old_logprobs is None:
+def kl_to_reference(
+    old: torch.Tensor | None, ref: torch.Tensor | None, mask: torch.Tensor, estimator: str
+) -> float:
+    """Mean per-token KL of the sampling policy (``old``) to the reference (the configured
+    estimator); 0 without either."""
+    if ref is None or old is None:
         return 0.0
-    kl = get_kl_estimator(estimator)(batch.old_logprobs, batch.ref_logprobs)
-    return float(masked_mean(kl, batch.response_mask))
+    return float(masked_mean(get_kl_estimator(estimator)(old, ref), mask))
 
 
-def rollout_mismatch(batch: TrainBatch) -> float:
+def rollout_mismatch(rollout: torch.Tensor, old: torch.Tensor | None, mask: torch.Tensor) -> float:
     """KL(engine || trainer) estimate on the sampled tokens: mean of ``rollout - old`` (k1)."""
-    if batch.old_logprobs is None:
+    if old is None:
         return 0.0
-    return float(masked_mean(batch.rollout_logprobs - batch.old_logprobs, batch.response_mask))
+    return float(masked_mean(rollout - old, mask))
 
 
 def sample_lag(batch: TrainBatch, version: int) -> dict[str, float]:

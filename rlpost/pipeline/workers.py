@@ -23,21 +23,11 @@ from rlpost.train.worker import UpdateResult, WeightsExport
 from rlpost.types import Group, Prompt
 
 
-class WorkerLost(RuntimeError):
-    """A worker that lives elsewhere is gone or failed; ``role`` says which (trainer, rollout,
-    reward) and the message says why in one line."""
-
-    def __init__(self, message: str, role: str = "") -> None:
-        super().__init__(message)
-        self.role = role
-
-
 class TrainerAPI(Protocol):
     """Policy, reference and critic: logprobs, values, updates, weights, checkpoints."""
 
     def describe(self) -> dict[str, Any]: ...
     def version(self) -> int: ...
-    def single_update(self, batch_size: int) -> bool: ...
     def logprobs(self, batch: TrainBatch, which: str = "old") -> torch.Tensor | None: ...
     def values(self, batch: TrainBatch) -> torch.Tensor | None: ...
     def update_critic(self, batch: TrainBatch) -> dict[str, float]: ...

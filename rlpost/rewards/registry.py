@@ -23,6 +23,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from rlpost.errors import one_line
 from rlpost.registry import Registry
 from rlpost.types import RewardSample
 
@@ -101,8 +102,7 @@ def check_params(
         try:
             values(**params)
         except (TypeError, ValueError) as exc:
-            line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise ValueError(f"reward {name!r}: {line}") from None
+            raise ValueError(f"reward {name!r}: {one_line(exc)}") from None
 
 
 __all__ = [

@@ -31,6 +31,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from rlpost.errors import one_line
 from rlpost.rollout.protocol import SamplingParams
 
 TOKEN_ID_PREFIX = "token_id:"
@@ -289,9 +290,9 @@ def _retry_after(r: httpx.Response) -> float | None:
 
 def _error_line(r: httpx.Response) -> str:
     try:
-        return str(r.json()["error"]["message"]).splitlines()[0]
-    except (ValueError, KeyError, TypeError, IndexError):
-        return (r.text.strip().splitlines() or [""])[0][:200]
+        return one_line(str(r.json()["error"]["message"]))
+    except (ValueError, KeyError, TypeError):
+        return one_line(r.text, limit=200)
 
 
 # ---------------------------------------------------------------- balancer

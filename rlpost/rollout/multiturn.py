@@ -33,6 +33,7 @@ from typing import Any
 from rlpost.envs.base import Action, Environment, StepResult, ToolCall
 from rlpost.envs.formats import TagFormat
 from rlpost.envs.tools import CodeTool, HttpTool, Tool, ToolEnv
+from rlpost.errors import typed_line
 from rlpost.rollout.protocol import RolloutEngine, SamplingParams
 from rlpost.types import Completion, Episode, FinishReason, Prompt, Turn
 
@@ -355,8 +356,7 @@ class MultiTurnRollout:
             try:
                 result = env.step(action)
             except Exception as exc:  # the policy sees the failure; the rollout goes on
-                line = (str(exc).strip().splitlines() or [""])[0]
-                result = StepResult(f"error: {type(exc).__name__}: {line}", error=True)
+                result = StepResult(f"error: {typed_line(exc)}", error=True)
         return result, time.perf_counter() - t0
 
     def _wrapped_ids(self, output: str) -> list[int]:

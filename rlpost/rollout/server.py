@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
+from rlpost.errors import typed_line
 from rlpost.observe import Recorder
 from rlpost.rollout.client import decode_weights
 from rlpost.rollout.openai_format import ChoiceStream, format_choice
@@ -302,8 +303,7 @@ def create_app(
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         service.counts["failed"] += 1
-        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        body = error_body(f"internal error: {type(exc).__name__}: {line}", kind="internal_error")
+        body = error_body(f"internal error: {typed_line(exc)}", kind="internal_error")
         return JSONResponse(body, status_code=500)
 
     async def completions(request: Request):

@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from rlpost.errors import one_line
 from rlpost.sync import DeltaRefused, Receiver, SyncError
 from rlpost.sync.session import Bucket, Manifest, SessionMeta
 
@@ -80,7 +81,7 @@ async def _run(fn, *args):
     except SyncError as exc:
         return _error(500 if exc.phase == "commit" else 400, str(exc))
     except ValueError as exc:
-        return _error(400, str(exc).splitlines()[0])
+        return _error(400, one_line(exc))
 
 
 @router.get("/state")
@@ -94,7 +95,7 @@ async def start(request: Request):
     try:
         meta = SessionMeta.from_json(await request.json())
     except ValueError as exc:
-        return _error(400, f"session metadata: {str(exc).splitlines()[0]}")
+        return _error(400, f"session metadata: {one_line(exc)}")
     result = await _run(receiver_of(request.app).start, meta)
     return result if isinstance(result, JSONResponse) else {"session": meta.session}
 
@@ -119,7 +120,7 @@ async def finish(session: str, request: Request):
     try:
         manifest = Manifest.from_json(await request.json())
     except ValueError as exc:
-        return _error(400, str(exc).splitlines()[0])
+        return _error(400, one_line(exc))
     if manifest.session != session:
         return _error(400, f"manifest belongs to session {manifest.session}, posted to {session}")
     report = await _run(receiver_of(request.app).finish, manifest)

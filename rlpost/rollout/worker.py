@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from rlpost.errors import WorkerError
 from rlpost.rng import rng_state, set_rng_state
 from rlpost.rollout.longtail import LengthPredictor, PartialRollout, bucket_by_length
 from rlpost.rollout.protocol import SamplingParams
@@ -36,9 +37,6 @@ def to_groups(prompts: list[Prompt], completions: list[Completion], n: int) -> l
     if len(completions) != len(prompts) * n:
         raise ValueError(f"{len(completions)} completions for {len(prompts)} prompts x n={n}")
     return [Group(p, completions[i * n : (i + 1) * n]) for i, p in enumerate(prompts)]
-
-
-BEHIND = "WorkerBehind"  # the marker of a refused call: the worker holds older weights
 
 
 def weights_checksum(named_tensors) -> int:
@@ -96,8 +94,10 @@ class RolloutWorker:
         never samples from weights the caller has moved past.
         """
         if min_version is not None and self.version() < min_version:
-            raise RuntimeError(
-                f"{BEHIND}: holds weights version {self.version()}, was sent {min_version}"
+            raise WorkerError(
+                "rollout",
+                "behind",
+                f"holds weights version {self.version()}, was sent {min_version}",
             )
         if not train:
             completions, stats = self._sample(prompts, self._ids(prompts), params, n)

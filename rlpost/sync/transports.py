@@ -21,6 +21,7 @@ from typing import Protocol
 
 import httpx
 
+from rlpost.errors import one_line
 from rlpost.sync.receiver import CommitReport, Receiver
 from rlpost.sync.session import Bucket, DeltaRefused, Manifest, SessionMeta, SyncError
 
@@ -153,9 +154,9 @@ class HttpTransport:
 
 def _error_line(r: httpx.Response) -> str:
     try:
-        return str(r.json()["error"]["message"]).splitlines()[0]
-    except (ValueError, KeyError, TypeError, IndexError):
-        return (r.text.strip().splitlines() or [""])[0][:200]
+        return one_line(str(r.json()["error"]["message"]))
+    except (ValueError, KeyError, TypeError):
+        return one_line(r.text, limit=200)
 
 
 # ------------------------------------------------------------------ vllm

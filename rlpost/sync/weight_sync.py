@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlpost.errors import typed_line
 from rlpost.sync.codecs import DEFAULT_KEEP_BF16, Encoded, decode, encode
 from rlpost.sync.delta import encode_delta
 from rlpost.sync.session import (
@@ -262,8 +263,7 @@ def _attempt(fn, *args, target: str = "a target"):
     except SyncError as exc:
         return None, exc
     except Exception as exc:
-        line = (str(exc).strip().splitlines() or [""])[0]
-        return None, SyncError("transport", target, f"{type(exc).__name__}: {line}")
+        return None, SyncError("transport", target, typed_line(exc))
 
 
 def build_weight_sync(

@@ -10,16 +10,18 @@ however a mini-batch is split into micro-batches.
 Precision: weights and optimizer state are float32; ``bf16=True`` runs the
 forward and backward under bfloat16 autocast (bf16 compute, fp32 master).
 
-Data parallel (``dp``, :mod:`rlpost.train.dp`): every rank is handed the whole
-batch, computes the denominators on the whole mini-batch as above, and runs its
-share of the rows; gradients are summed over ranks, so the step is one worker's.
+The weights' layout (:mod:`rlpost.train.layout`: plain, LoRA or sharded) says where
+the reference comes from and how the rows are shared. Sharded (data parallel): every
+rank is handed the whole batch, computes the denominators on the whole mini-batch as
+above, and runs its share of the rows; gradients are summed over ranks, so the step
+is one worker's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -34,7 +36,8 @@ from rlpost.train.batch import (
     response_logits,
     token_logprobs,
 )
-from rlpost.train.optim import micro_slices, minibatch_updates, optimizer_step
+from rlpost.train.layout import PlainLayout, WeightLayout
+from rlpost.train.optim import minibatch_updates, optimizer_step
 
 
 @dataclass
@@ -77,6 +80,16 @@ class MinibatchAux:
         return MinibatchAux(selected, rewarded, self.nll_agg)
 
 
+@dataclass(frozen=True)
+class PolicyUpdate:
+    """What :meth:`PolicyTrainer.update` did: ``stats``, the means over its optimizer steps
+    (``loss``, ``grad_norm``, ``clip_frac``, ``lr``...), and ``old_logprobs`` ``[B, T]``
+    when they came from its own loss pass (None when the batch brought them)."""
+
+    stats: dict[str, float]
+    old_logprobs: torch.Tensor | None = None
+
+
 ADDITIVE_STATS = frozenset({"pg_loss", "nll_loss", "entropy"})
 """Statistics that are shares of the mini-batch value (reduced with its denominators)."""
 
@@ -92,10 +105,30 @@ def warmup_lambda(warmup_steps: int):
     return fn
 
 
-def build_optimizer(model: torch.nn.Module, s: ActorSettings):
+@dataclass
+class LRScale:
+    """The guards' cuts of the LR: one factor on the whole schedule, saved with the
+    trainer's state (a rollback to an older checkpoint may keep the cuts made since)."""
+
+    factor: float = 1.0
+
+    def cut(self, by: float) -> float:
+        self.factor *= by
+        return self.factor
+
+    def state_dict(self) -> dict[str, float]:
+        return {"factor": self.factor}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.factor = float(state["factor"])
+
+
+def build_optimizer(model: torch.nn.Module, s: ActorSettings, scale: LRScale | None = None):
+    """AdamW over the trainable parameters; the LR is ``s.lr`` x warm-up x ``scale``."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_lambda(s.warmup_steps))
+    warmup, scale = warmup_lambda(s.warmup_steps), scale if scale is not None else LRScale()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: warmup(step) * scale.factor)
     return opt, sched
 
 
@@ -108,28 +141,24 @@ class PolicyTrainer:
         policy_loss,
         settings: ActorSettings,
         *,
-        ref_model: torch.nn.Module | None = None,
+        layout: WeightLayout | None = None,
         kl_estimator=None,
         correction=None,
-        reference=None,
         token_selector=None,
         seed: int = 0,
-        dp=None,
     ) -> None:
         self.model = model
-        self.dp = dp  # rlpost.train.dp.DataParallel when the batch is sharded over ranks
+        self.layout = layout if layout is not None else PlainLayout(model)
+        self.ranks = self.layout.ranks  # how a batch's rows are shared (one rank, or DP)
         # A loss that treats tokens chosen over the whole batch (KL-Cov, Clip-Cov) gets its
         # choice made once per mini-batch here, so micro-batch splits cannot change it.
         self.token_selector = token_selector
-        self.ref_model = ref_model
         self.policy_loss = policy_loss
         self.kl_estimator = kl_estimator
         self.correction = correction
-        # With adapters, the reference is the policy with its adapters off (a context
-        # manager factory), so no second copy of the model is kept.
-        self.reference = reference
         self.s = settings
-        self.optimizer, self.scheduler = build_optimizer(model, settings)
+        self.lr_scale = LRScale()
+        self.optimizer, self.scheduler = build_optimizer(model, settings, self.lr_scale)
         self.shuffle = torch.Generator().manual_seed(seed + 7)
         self.skipped_updates = 0
 
@@ -142,7 +171,7 @@ class PolicyTrainer:
 
     def _rows(self, fn, batch: TrainBatch) -> torch.Tensor:
         """``fn(batch)``, or under data parallelism each rank's share gathered (on CPU)."""
-        return (fn(batch) if self.dp is None else self.dp.map_rows(batch, fn)).cpu()
+        return self.ranks.map_rows(batch, fn).cpu()
 
     def old_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return self._rows(lambda b: self._logprobs(self.model, b), batch)
@@ -158,15 +187,13 @@ class PolicyTrainer:
 
     @property
     def has_reference(self) -> bool:
-        return self.ref_model is not None or self.reference is not None
+        return self.layout.has_reference
 
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
-        if self.ref_model is None and self.reference is not None:
-            with self.reference():
-                return self._logprobs(self.model, batch).cpu()
-        if self.ref_model is None:
+        if not self.layout.has_reference:
             return None
-        return self._rows(lambda b: self._logprobs(self.ref_model, b), batch)
+        with self.layout.reference() as ref:
+            return self._rows(lambda b: self._logprobs(ref, b), batch)
 
     def sum_pi_squared(self, batch: TrainBatch) -> torch.Tensor:
         """``[B, T]`` ``sum_v pi(v)^2`` of the policy (at the sampling temperature) at each
@@ -194,44 +221,42 @@ class PolicyTrainer:
         """True when a batch makes exactly one optimizer step (one epoch, one mini-batch).
 
         Then the policy that computes the loss is the one that sampled, so the
-        old logprobs are the loss pass's own (detached) and a separate forward
-        pass over the batch is skipped (``update`` fills ``batch.old_logprobs``).
+        old logprobs may be the loss pass's own (detached) and a separate forward
+        pass over the batch is skipped (``update`` returns them).
         """
         return self.s.epochs == 1 and self.s.mini_batch_size >= batch_size
 
-    def update(self, batch: TrainBatch, *, beta: float = 0.0) -> dict[str, float]:
-        """Epochs x mini-batches of optimizer steps on ``batch``.
+    def update(self, batch: TrainBatch, *, beta: float = 0.0) -> PolicyUpdate:
+        """Epochs x mini-batches of optimizer steps on ``batch`` (which is left as it was).
 
         Needs ``batch.advantages``; ``batch.old_logprobs`` may be None only when
-        :meth:`single_update` holds, and is then filled from the loss pass.
+        :meth:`single_update` holds and no token selector reads them first: the loss
+        pass's own are then used and returned in the result.
         """
         if batch.advantages is None:
             raise ValueError("update() needs batch.advantages")
-        fill_old = batch.old_logprobs is None
-        if fill_old and not self.single_update(len(batch)):
+        own_old = batch.old_logprobs is None
+        if own_old and not self.single_update(len(batch)):
             raise ValueError(
                 "update() needs batch.old_logprobs when it makes more than one optimizer step"
             )
-        if fill_old and self.token_selector is not None:
-            batch.old_logprobs = self.old_logprobs(batch)  # the selector needs them up front
-            fill_old = False
-        if fill_old:
-            batch.old_logprobs = torch.zeros_like(batch.response_mask)
+        if own_old and self.token_selector is not None:
+            raise ValueError("update() needs batch.old_logprobs: the token selector reads them")
+        if own_old:  # the trainer's own record, filled row by row from the loss pass
+            batch = replace(batch, old_logprobs=torch.zeros_like(batch.response_mask))
         self.model.train()
-        on_device = batch.to(model_device(self.model))  # ``batch`` itself on CPU
+        on_device = batch.to(model_device(self.model))
         out = minibatch_updates(
             len(batch),
             self.s.mini_batch_size,
             self.s.epochs,
             self.shuffle,
-            lambda rows: self._step(on_device, rows, beta, fill_old),
+            lambda rows: self._step(on_device, rows, beta, own_old),
         )
-        if fill_old and self.dp is not None:
-            self.dp.sum_tensor(on_device.old_logprobs)  # each row was filled on one rank only
-        if fill_old:
-            batch.old_logprobs = on_device.old_logprobs.cpu()
+        if own_old:
+            self.ranks.sum_tensor(on_device.old_logprobs)  # each row was filled on one rank only
         out["lr"] = self.optimizer.param_groups[0]["lr"]
-        return out
+        return PolicyUpdate(out, on_device.old_logprobs.cpu() if own_old else None)
 
     def _step(
         self, batch: TrainBatch, rows: torch.Tensor, beta: float, fill_old: bool
@@ -243,10 +268,7 @@ class PolicyTrainer:
         aux = self._minibatch_aux(batch, rows)
 
         def micro_loss(micro_rows: torch.Tensor):
-            if self.dp is None:
-                micro = batch.select(micro_rows)
-            else:  # padding rows (PAD = -1) carry a zero mask
-                micro = self.dp.select(batch, micro_rows)
+            micro = self.ranks.select(batch, micro_rows)  # padding rows (PAD) carry a zero mask
             real = micro_rows >= 0
             aux_rows = aux.rows(micro_rows.clamp(min=0))
             loss, stats = self._micro_loss(micro, agg, beta, fill_old, aux_rows)
@@ -260,11 +282,7 @@ class PolicyTrainer:
         # The optimizer's own tensors: a sharded model lists its gathered (unsharded)
         # parameters between a forward and the next reshard, and those get no gradient.
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        if self.dp is None:
-            micros, sum_ranks = micro_slices(rows, self.s.micro_batch_size), None
-        else:
-            micros = self.dp.micro_slices(rows, self.s.micro_batch_size)
-            sum_ranks = self.dp.sum_floats
+        micros = self.ranks.micro_slices(rows, self.s.micro_batch_size)
         outcome = optimizer_step(
             self.optimizer,
             self.scheduler,
@@ -272,7 +290,7 @@ class PolicyTrainer:
             self.s.grad_clip,
             micros,
             micro_loss,
-            sum_ranks,
+            self.ranks.sum_floats,
         )
         if outcome.skipped:
             self.skipped_updates += 1
@@ -376,26 +394,40 @@ class PolicyTrainer:
 
     def scale_lr(self, factor: float) -> float:
         """Multiply the LR schedule by ``factor`` (used by guards); returns the new peak LR."""
-        return self.set_base_lrs([lr * factor for lr in self.scheduler.base_lrs])
+        self.lr_scale.cut(factor)
+        self._apply_lr()
+        return self.scheduler.base_lrs[0] * self.lr_scale.factor
 
-    def set_base_lrs(self, base_lrs: list[float]) -> float:
-        """The LR schedule's peaks, applied to the next update too (the optimizer's current
-        LR is the schedule's value now); returns the first peak."""
-        self.scheduler.base_lrs = list(base_lrs)
-        for g, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
-            g["lr"] = base * warmup_lambda(self.s.warmup_steps)(self.scheduler.last_epoch)
-        return self.scheduler.base_lrs[0]
+    def _apply_lr(self) -> None:
+        """The schedule's value now, in the optimizer (the next update uses it)."""
+        step = self.scheduler.last_epoch
+        for g, base, fn in zip(
+            self.optimizer.param_groups,
+            self.scheduler.base_lrs,
+            self.scheduler.lr_lambdas,
+            strict=True,
+        ):
+            g["lr"] = base * fn(step)
 
     def state_dict(self) -> dict[str, Any]:
+        """Optimizer (in the layout's form), schedule, LR scale, shuffle generator."""
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.layout.optimizer_state(self.optimizer),
             "scheduler": self.scheduler.state_dict(),
+            "lr_scale": self.lr_scale.state_dict(),
             "shuffle": self.shuffle.get_state(),
             "skipped_updates": self.skipped_updates,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+    def load_state_dict(self, state: dict[str, Any], *, keep_lr_scale: bool = False) -> None:
+        """What :meth:`state_dict` returned; ``keep_lr_scale``: the LR cuts made since that
+        state stay (a guard's rollback). A state without ``lr_scale`` holds its cuts in the
+        schedule's own peaks, and loads with a factor of 1."""
+        self.layout.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.shuffle.set_state(state["shuffle"])
         self.skipped_updates = int(state["skipped_updates"])
+        if keep_lr_scale:  # the optimizer's LR came from the state: the cuts apply now too
+            self._apply_lr()
+        else:
+            self.lr_scale.load_state_dict(state.get("lr_scale", {"factor": 1.0}))

@@ -28,6 +28,7 @@ from rlpost.rollout.protocol import SamplingParams
 from rlpost.train.actor import ActorSettings, PolicyTrainer
 from rlpost.train.batch import collate
 from rlpost.train.dp import PAD, DataParallel, DPSpec, free_port
+from rlpost.train.layout import PlainLayout, ShardedLayout
 
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2)
 REL = 1e-5
@@ -82,13 +83,9 @@ def _run_case(settings: dict, options: dict, batch, dp: DataParallel | None) -> 
         if ref is not None:
             shard_model(ref, bf16=settings.get("bf16", False), trainable=False)
     s = ActorSettings(lr=1e-3, **{"mini_batch_size": 16, "micro_batch_size": 4, **settings})
+    layout = PlainLayout(model, ref) if dp is None else ShardedLayout(model, ref, dp)
     trainer = PolicyTrainer(
-        model,
-        get_policy_loss("ppo_clip"),
-        s,
-        ref_model=ref,
-        kl_estimator=get_kl_estimator("k3"),
-        dp=dp,
+        model, get_policy_loss("ppo_clip"), s, layout=layout, kl_estimator=get_kl_estimator("k3")
     )
     b = copy.deepcopy(batch)
     before = trainer.old_logprobs(b)
@@ -97,14 +94,14 @@ def _run_case(settings: dict, options: dict, batch, dp: DataParallel | None) -> 
     if not options.get("fill"):
         noise = torch.randn(before.shape, generator=torch.Generator().manual_seed(1))
         b.old_logprobs = before + 0.2 * noise
-    stats = trainer.update(b, beta=options.get("beta", 0.0))
+    done = trainer.update(b, beta=options.get("beta", 0.0))
     after = trainer.old_logprobs(b)
     weights = dict(full_parameters(model))
     return {
-        "stats": stats,
+        "stats": done.stats,
         "before": before,
         "after": after,
-        "filled_old": b.old_logprobs,
+        "filled_old": b.old_logprobs if done.old_logprobs is None else done.old_logprobs,
         "weights": weights,
     }
 

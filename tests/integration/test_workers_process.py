@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from rlpost.cluster.process import ProcessWorker, WorkerError, start_process_workers
+from rlpost.cluster.process import ProcessWorker, start_process_workers
 from rlpost.config import load_config
+from rlpost.errors import WorkerError
 from rlpost.pipeline.loop import train
 
 KEYS = ("loss", "pg_loss", "reward_mean", "kl", "grad_norm", "clip_frac", "logprob_gap")
@@ -64,3 +65,32 @@ def test_a_failing_worker_process_is_one_line(tmp_path):
     message = str(err.value)
     assert "rollout worker, start" in message and "does not exist" in message
     assert "\n" not in message
+
+
+def test_a_worker_errors_kind_crosses_the_process_boundary(tmp_path):
+    """The kind is chosen where the failure happens and read where it lands: a rollout
+    worker behind the weights it was sent, a failed call, a lost process."""
+    from rlpost.pipeline import build
+    from rlpost.types import Prompt
+
+    cfg = _cfg(tmp_path, "kinds")
+    worker = ProcessWorker("rollout-0", "rollout_factory", cfg, tmp_path)
+    try:
+        params = build.sampling_params(cfg, eos_token_id=0)
+        with pytest.raises(WorkerError) as behind:
+            worker.generate([Prompt("1+1=")], params, 1, train=True, min_version=3)
+        assert (behind.value.role, behind.value.kind) == ("rollout", "behind")
+        assert (
+            str(behind.value) == "rollout-0 worker, generate: holds weights version 0, was sent 3"
+        )
+        with pytest.raises(WorkerError) as failed:
+            worker.call("no_such_method")  # raises inside the child: the worker is still there
+        assert failed.value.kind == "failed" and "AttributeError" in str(failed.value)
+        assert worker.version() == 0
+        assert "\n" not in str(failed.value)
+        worker.kill()
+        with pytest.raises(WorkerError) as lost:
+            worker.version()
+        assert (lost.value.role, lost.value.kind) == ("rollout", "lost")
+    finally:
+        worker.close()

@@ -2,7 +2,7 @@
 
 Every import counts, including those inside functions (a lazy import is still a
 dependency). A package may import its own modules and any lower layer, never a
-higher one; the foundation modules (registry, types, rng, statefile) import no
+higher one; the foundation modules (registry, types, rng, statefile, errors) import no
 other rlpost module.
 """
 
@@ -28,7 +28,7 @@ LAYERS = [
     ("algos",),
     ("observe",),
     ("config",),
-    ("registry", "types", "rng", "statefile"),
+    ("registry", "types", "rng", "statefile", "errors"),
 ]
 RANK = {name: i for i, row in enumerate(LAYERS) for name in row}
 

@@ -117,6 +117,9 @@ def test_a_worker_restarted_behind_the_fleets_back_is_synced_before_it_serves(tm
         rows = [json.loads(x) for x in events.read_text().splitlines()]
         mine = [r["state"] for r in rows if r["worker"] == 1]
         assert mine[-2:] == ["stale", "healthy"]
-        assert "WorkerBehind" in [r for r in rows if r["worker"] == 1][-2]["why"]
+        assert (
+            "holds weights version 0, was sent 4"
+            in [r for r in rows if r["worker"] == 1][-2]["why"]
+        )
     finally:
         fleet.close()

@@ -16,10 +16,11 @@ import torch
 
 from rlpost.cluster.fleet import RolloutFleet
 from rlpost.cluster.health import HealthPolicy, State
+from rlpost.errors import WorkerError
 from rlpost.rollout.worker import RolloutResult
 
-DRAINING_REFUSAL = (
-    "rollout-0 worker, generate: WorkerDraining: received SIGTERM; taking no new ones"
+DRAINING_REFUSAL = WorkerError(
+    "rollout", "draining", "rollout-0 worker, generate: received SIGTERM; taking no new ones"
 )
 
 
@@ -146,7 +147,7 @@ def test_preemption_notices_on_two_workers_do_not_fail_the_step():
     spawner = Spawner(start_delay=0.5)
     fleet = _fleet(spawner, 3, suspect_after_s=30, dead_after_s=60)
     try:
-        refusal = RuntimeError(DRAINING_REFUSAL)
+        refusal = DRAINING_REFUSAL
         fleet.members[0].handle.gen_error = refusal
         second = fleet.members[1].handle
         calls = [0]
@@ -286,3 +287,27 @@ def test_a_failed_start_stops_the_workers_that_did_start():
     with pytest.raises(RuntimeError, match="no GPU left"):
         RolloutFleet(spawner, 3)
     assert sorted(h.index for h in spawner.stopped) == [0, 1]
+
+
+def test_the_fleet_acts_on_the_kind_never_on_the_words():
+    """A refusal is known by its kind: a plain error whose text reads like one is a failed
+    call (the worker turns suspect), a ``draining`` WorkerError drains the worker."""
+    spawner = Spawner()
+    fleet = _fleet(spawner, 3, suspect_after_s=30, dead_after_s=60)
+    try:
+        words, typed = fleet.members[0].handle, fleet.members[1].handle
+        plain = words.generate
+
+        def once(prompts, params, n, **kw):
+            words.generate = plain  # fails once, then serves
+            raise RuntimeError("WorkerDraining: received SIGTERM (words only)")
+
+        words.generate = once
+        typed.gen_error = DRAINING_REFUSAL
+        out = fleet.generate(list(range(9)), None, 1)
+        assert [p for _, p in out.groups] == list(range(9))
+        history = [[e.state for e in m.health.history] for m in fleet.members]
+        assert State.SUSPECT in history[0] and State.DRAINING not in history[0]
+        assert State.DRAINING in history[1] and State.SUSPECT not in history[1]
+    finally:
+        fleet.close()

@@ -211,10 +211,10 @@ def test_per_turn_rewards_reach_the_advantage_estimator(episodes):
             t.reward = 0.0
     group.scores = [1.0] * group.n
     batch = collate_groups([group], 0)
-    compute_advantages(
+    adv = compute_advantages(
         batch, AlgoConfig(), beta=0.0, turn_rewards=turn_rewards([group], batch.response_mask)
-    )
-    first, second = (float(batch.advantages[i][batch.response_mask[i] > 0][0]) for i in (0, 1))
+    ).advantages
+    first, second = (float(adv[i][batch.response_mask[i] > 0][0]) for i in (0, 1))
     assert first > 0 > second
-    compute_advantages(batch, AlgoConfig(), beta=0.0)  # outcome only: no difference
-    assert torch.all(batch.advantages == 0)
+    outcome = compute_advantages(batch, AlgoConfig(), beta=0.0)  # outcome only: no difference
+    assert torch.all(outcome.advantages == 0)

@@ -86,7 +86,7 @@ def test_bf16_trainer_runs_eager_attention_on_short_contexts_only():
         cfg = load_config(None, [f"model.dtype={dtype}"])
         trainer = build.build_trainer(cfg, model)
         assert trainer.model.config._attn_implementation == want, (dtype, positions)
-        assert trainer.ref_model.config._attn_implementation == want
+        assert trainer.layout.ref.config._attn_implementation == want
 
 
 @pytest.mark.parametrize(

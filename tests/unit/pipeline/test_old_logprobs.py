@@ -4,11 +4,14 @@ serving the trainer's fp32 weights, they are the trainer's logprobs up to float 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from rlpost.config import ConfigError, load_config
 from rlpost.pipeline import build
+from rlpost.pipeline.plan import resolve_step_plan
 from rlpost.pipeline.stages import TrainSettings, collate_groups, train_stage
 from rlpost.types import Group, Prompt
 from tests.conftest import small_overrides
@@ -43,10 +46,13 @@ def test_rollout_logprobs_anchor_the_ratio_without_a_trainer_pass(tmp_path):
     trainer = build.build_trainer_worker(cfg, model, tokenizer)
     rollout = build.build_rollout_worker(cfg)
     groups = _scored(cfg, rollout, model)
-    assert not trainer.single_update(16)  # two mini-batches: the trainer would recompute
+    plan = resolve_step_plan(cfg)
+    assert plan.old_source(16, step=0) == "rollout"
+    # two mini-batches: with the trainer's old logprobs this step would run a pass
+    assert replace(plan, old_logprobs="trainer").old_source(16, step=0) == "pass"
     recomputed = trainer.logprobs(collate_groups(groups, 0), "old")
     recording = Recording(trainer)
-    stats = train_stage(groups, recording, TrainSettings(cfg.algo), pad_id=0)
+    stats = train_stage(groups, recording, TrainSettings(cfg.algo, plan), pad_id=0)
     assert "old" not in recording.asked
     assert stats.metrics["logprob_gap"] == 0.0  # the anchor is the engine's own
     batch = collate_groups(groups, 0)

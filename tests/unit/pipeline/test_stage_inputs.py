@@ -4,6 +4,7 @@ estimators whose traits ask for them (CPU, fake workers)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -94,8 +95,11 @@ def test_estimator_inputs_follow_the_traits():
     torch.testing.assert_close(comps, want.double(), equal_nan=True)
     base = estimator_inputs(groups, batch, trainer, "remax")["baseline_scores"]
     assert base.tolist() == [0.5, 0.5, 1.0, 1.0]
-    otb = estimator_inputs(groups, batch, trainer, "optimal_token_baseline")
-    assert set(otb) == {"old_logprobs", "sum_pi_squared"} and batch.old_logprobs is not None
+    with pytest.raises(ValueError, match="old logprobs up front"):
+        estimator_inputs(groups, batch, trainer, "optimal_token_baseline")
+    with_old = replace(batch, old_logprobs=trainer.logprobs(batch, "old"))
+    otb = estimator_inputs(groups, with_old, trainer, "optimal_token_baseline")
+    assert set(otb) == {"old_logprobs", "sum_pi_squared"} and batch.old_logprobs is None
     groups[1].baseline_score = None
     with pytest.raises(ValueError, match="greedy baselines"):
         estimator_inputs(groups, batch, trainer, "remax")
@@ -105,10 +109,12 @@ def test_compute_advantages_passes_the_inputs():
     groups = scored_groups()
     batch = collate_groups(groups, pad_id=0)
     algo = AlgoConfig(advantage="remax", kl={"beta": 0.0})
-    compute_advantages(batch, algo, beta=0.0, inputs=estimator_inputs(groups, batch, None, "remax"))
+    inputs = estimator_inputs(groups, batch, None, "remax")
+    adv = compute_advantages(batch, algo, beta=0.0, inputs=inputs)
     # score - greedy score on every valid token
     want = torch.tensor([[0.5, 0.5], [-0.5, 0.0], [-1.0, 0.0], [1.0, 1.0]])
-    torch.testing.assert_close(batch.advantages, want)
+    torch.testing.assert_close(adv.advantages, want)
+    assert batch.advantages is None  # returned, not written into the batch
 
 
 def test_generated_tokens_count_every_round_and_the_greedy_answers():

@@ -64,4 +64,33 @@ def test_a_rollback_that_keeps_lr_cuts_applies_them_to_the_next_update(tmp_path)
     worker.scale_lr(0.5)  # a guard cut the LR after the checkpoint
     worker.restore(tmp_path / "ckpt", version=0, keep_lr=True)
     assert worker.trainer.optimizer.param_groups[0]["lr"] == pytest.approx(before * 0.5)
-    assert worker.trainer.scheduler.base_lrs[0] == pytest.approx(before * 0.5)
+    assert worker.trainer.lr_scale.factor == 0.5  # the cut is its own state, not the schedule's
+    worker.restore(tmp_path / "ckpt", version=0)  # a plain restore takes the checkpoint's LR
+    assert worker.trainer.optimizer.param_groups[0]["lr"] == pytest.approx(before)
+    assert worker.trainer.lr_scale.factor == 1.0
+
+
+def test_the_lr_cut_is_saved_with_the_checkpoint_and_old_states_load(tmp_path):
+    import torch
+
+    from rlpost.config import load_config
+    from rlpost.pipeline import build
+    from rlpost.train.worker import STATE_FILE
+    from tests.conftest import small_overrides
+
+    cfg = load_config(None, small_overrides(tmp_path, **{"train.warmup_steps": 0}))
+    model, tokenizer = build.build_policy(cfg)
+    worker = build.build_trainer_worker(cfg, model, tokenizer)
+    full = worker.trainer.optimizer.param_groups[0]["lr"]
+    assert worker.scale_lr(0.25) == pytest.approx(full * 0.25)
+    worker.save(tmp_path / "cut")
+    fresh = build.build_trainer_worker(cfg, build.build_policy(cfg)[0], tokenizer)
+    fresh.restore(tmp_path / "cut", version=3)
+    assert fresh.trainer.lr_scale.factor == 0.25
+    assert fresh.trainer.optimizer.param_groups[0]["lr"] == pytest.approx(full * 0.25)
+    # a state written before the LR scale was saved on its own: the factor reads as 1
+    state = torch.load(tmp_path / "cut" / STATE_FILE, weights_only=False)
+    del state["trainer"]["lr_scale"]
+    torch.save(state, tmp_path / "cut" / STATE_FILE)
+    fresh.restore(tmp_path / "cut", version=3)
+    assert fresh.trainer.lr_scale.factor == 1.0

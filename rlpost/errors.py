@@ -1,0 +1,71 @@
+"""Errors that cross boundaries: a worker's failure as a typed record, and the one-line
+form of any error.
+
+A worker may live in this process, in a child process or in a Ray actor; its failure
+reaches the caller pickled. :class:`WorkerError` keeps what the caller acts on as data
+(``role``, ``kind``) beside the message, so a fleet re-sends a draining worker's share
+and syncs a worker that is behind, and the loop stops for a lost trainer, by the
+``kind`` and ``role`` fields and never by reading the message.
+"""
+
+from __future__ import annotations
+
+KINDS = ("behind", "draining", "lost", "failed", "timeout")
+"""What happened to a worker's call, and so what its caller does about it.
+
+- ``behind``: the worker holds older weights than the caller sent (it refuses to sample
+  from them); it is responsive: sync it, then it serves.
+- ``draining``: the worker got a preemption notice (SIGTERM) and takes no new calls; the
+  call goes to another worker.
+- ``lost``: the worker's process or actor is gone (exited, died, its pipe closed).
+- ``failed``: the call raised inside a worker that is still there.
+- ``timeout``: the worker did not start, or no worker became healthy, within the limit.
+"""
+
+
+class WorkerError(RuntimeError):
+    """A worker's failure: ``role`` (trainer, rollout, reward), ``kind`` (one of
+    :data:`KINDS`) and a one-line ``message`` naming the worker and the call.
+
+    It pickles with all three (process pipes, Ray's task errors), so the kind chosen
+    where the failure happened is the kind the caller reads."""
+
+    def __init__(self, role: str, kind: str, message: str) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"worker error kind {kind!r}: use one of {', '.join(KINDS)}")
+        super().__init__(message)
+        self.role, self.kind, self.message = role, kind, message
+
+    def __reduce__(self):
+        return (type(self), (self.role, self.kind, self.message))
+
+    def again(self, message: str, *, role: str | None = None) -> WorkerError:
+        """The same kind with a message that says more (the caller's worker and call)."""
+        return WorkerError(role or self.role, self.kind, message)
+
+
+def kind_of(exc: BaseException) -> str:
+    """The :data:`KINDS` entry of ``exc``: its own for a :class:`WorkerError`, else
+    ``failed`` (an in-process worker's plain exception)."""
+    return exc.kind if isinstance(exc, WorkerError) else "failed"
+
+
+def one_line(exc: BaseException | str, *, limit: int | None = None) -> str:
+    """The first non-blank line of an error's text (the type's name when it has none),
+    cut to ``limit`` characters with ``...`` when longer."""
+    text = exc if isinstance(exc, str) else str(exc)
+    lines = [x.strip() for x in text.strip().splitlines() if x.strip()]
+    line = lines[0] if lines else ("" if isinstance(exc, str) else type(exc).__name__)
+    if limit is not None and len(line) > limit:
+        line = line[: max(0, limit - 3)] + "..."
+    return line
+
+
+def typed_line(exc: BaseException, *, limit: int | None = None) -> str:
+    """``Type: first line`` (the message of an error that crosses a boundary without its
+    type; a :class:`WorkerError`'s own message), cut as :func:`one_line` cuts."""
+    if isinstance(exc, WorkerError):
+        return one_line(exc.message, limit=limit)
+    text = one_line(exc)
+    line = f"{type(exc).__name__}: {text}" if text != type(exc).__name__ else text
+    return one_line(line, limit=limit)

@@ -1,0 +1,277 @@
+"""Weight layouts: how the policy's weights are held, scored, exported and checkpointed.
+
+- ``plain``: one module holds the whole weights; the reference is a frozen copy.
+- ``lora``: a frozen base with trained adapters (peft); the reference is the base with
+  the adapters off (no second copy), engines get the merged weights under the base's
+  names, and a checkpoint holds the adapters and the merged model.
+- ``sharded``: FSDP2 shards of the policy and the reference over the data-parallel
+  ranks; each rank scores and trains its share of the rows, weights are gathered to be
+  exported or saved, and rank 0 writes the files.
+
+The builder picks one (:func:`rlpost.pipeline.build.build_layout`); the trainer and its
+worker call it and never ask which. Every layout writes the same checkpoint files
+(``model/`` an ordinary HF directory, ``ref_model/``, LoRA's ``adapter/``), and the
+optimizer state in the form any layout reads back, so a run resumes on another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from rlpost.train.dp import (
+    DataParallel,
+    optimizer_state_by_index,
+    optimizer_state_by_name,
+)
+from rlpost.train.optim import micro_slices
+
+
+class SingleRank:
+    """A batch's rows on one worker: the row interface of :class:`DataParallel`, one rank."""
+
+    rank, world = 0, 1
+
+    def micro_slices(self, rows: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
+        return micro_slices(rows, micro_batch_size)
+
+    @staticmethod
+    def select(batch, rows: torch.Tensor):
+        return batch.select(rows)
+
+    def map_rows(self, batch, fn: Callable) -> torch.Tensor:
+        return fn(batch)
+
+    def sum_floats(self, values: dict[str, float]) -> dict[str, float]:
+        return values
+
+    def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def barrier(self) -> None:
+        """Nothing to wait for: one rank."""
+
+
+class WeightLayout(Protocol):
+    """What the trainer and its worker ask of the weights (see the module docstring)."""
+
+    ranks: SingleRank | DataParallel
+    writes_files: bool
+
+    @property
+    def has_reference(self) -> bool: ...
+    def reference(self) -> contextlib.AbstractContextManager[torch.nn.Module]: ...
+    def export(self) -> list[tuple[str, torch.Tensor]]: ...
+    def save_weights(self, directory: Path, tokenizer) -> None: ...
+    def load_weights(self, directory: Path) -> None: ...
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict: ...
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None: ...
+    def close(self) -> None: ...
+
+
+def _trainable_names(model: torch.nn.Module) -> list[str]:
+    """Names of the optimizer's parameters, in its order (the trainable ones, as built)."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _load_plain(module: torch.nn.Module, directory: Path) -> None:
+    from rlpost.models.loading import load_causal_lm
+
+    module.load_state_dict(load_causal_lm(directory).state_dict())
+
+
+class PlainLayout:
+    """The whole policy in one module; ``ref`` a frozen copy (None: no reference)."""
+
+    writes_files = True
+
+    def __init__(self, model: torch.nn.Module, ref: torch.nn.Module | None = None) -> None:
+        self.model, self.ref, self.ranks = model, ref, SingleRank()
+
+    @property
+    def has_reference(self) -> bool:
+        return self.ref is not None
+
+    def reference(self) -> contextlib.AbstractContextManager[torch.nn.Module]:
+        return contextlib.nullcontext(self.ref)
+
+    def export(self) -> list[tuple[str, torch.Tensor]]:
+        # .cpu() is the tensor itself on CPU (no copy); a GPU trainer exports CPU copies.
+        return [(n, p.detach().cpu()) for n, p in self.model.named_parameters()]
+
+    def save_weights(self, directory: Path, tokenizer) -> None:
+        self.model.save_pretrained(directory / "model")
+        tokenizer.save_pretrained(directory / "model")
+        if self.ref is not None:
+            self.ref.save_pretrained(directory / "ref_model")
+
+    def load_weights(self, directory: Path) -> None:
+        _load_plain(self.model, directory / "model")
+        if self.ref is not None and (directory / "ref_model").is_dir():
+            _load_plain(self.ref, directory / "ref_model")
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        # keyed by parameter index (one worker's save) or by name (sharded workers' save)
+        optimizer.load_state_dict(optimizer_state_by_index(state, _trainable_names(self.model)))
+
+    def close(self) -> None:
+        """Nothing held beyond the modules."""
+
+
+class LoRALayout(PlainLayout):
+    """A peft model whose adapters train; the reference (``keep_reference``) is the base
+    with the adapters off."""
+
+    def __init__(self, model: torch.nn.Module, *, keep_reference: bool) -> None:
+        super().__init__(model)
+        self.keep_reference = keep_reference
+
+    @property
+    def has_reference(self) -> bool:
+        return self.keep_reference
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[torch.nn.Module]:
+        from rlpost.models.lora import reference_mode
+
+        with reference_mode(self.model):
+            yield self.model
+
+    def export(self) -> list[tuple[str, torch.Tensor]]:
+        """Engines serve plain weights: the adapters folded in, under the base's names."""
+        from rlpost.models.lora import merged_weights
+
+        merged = merged_weights(self.model)
+        base = self.model.get_base_model()
+        # named_parameters lists a tied weight once, as engines expect
+        names = [
+            n.replace(".base_layer.", ".") for n, _ in base.named_parameters() if "lora_" not in n
+        ]
+        return [(n, merged[n].cpu()) for n in names]
+
+    def save_weights(self, directory: Path, tokenizer) -> None:
+        """``adapter/`` in peft's format (what a resume loads) and ``model/``, the merged
+        weights as an ordinary HF checkpoint (what ``model.path`` and engines load)."""
+        from rlpost.models.lora import merged_weights, save_adapters
+
+        save_adapters(self.model, directory / "adapter")
+        base = self.model.get_base_model()
+        with torch.random.fork_rng(devices=[]):  # building it must not move the run's streams
+            plain = type(base)(base.config)
+        missing, unexpected = plain.load_state_dict(merged_weights(self.model), strict=False)
+        if unexpected or [k for k in missing if k in dict(plain.named_parameters())]:
+            raise RuntimeError(f"merged LoRA weights do not fit the base model: {missing[:3]}")
+        plain.save_pretrained(directory / "model")
+        tokenizer.save_pretrained(directory / "model")
+
+    def load_weights(self, directory: Path) -> None:
+        from rlpost.models.lora import load_adapters
+
+        if not (directory / "adapter").is_dir():
+            raise ValueError(
+                f"{directory} holds no adapter/ directory: it was not written by a LoRA run "
+                "(model.lora.rank=0 resumes it)"
+            )
+        load_adapters(self.model, directory / "adapter")
+
+
+class ShardedLayout:
+    """FSDP2 shards of ``model`` (and ``ref``) over the ranks of ``dp``."""
+
+    def __init__(self, model: torch.nn.Module, ref: torch.nn.Module | None, dp: DataParallel):
+        self.model, self.ref, self.ranks = model, ref, dp
+        self.writes_files = dp.rank == 0
+
+    @property
+    def has_reference(self) -> bool:
+        return self.ref is not None
+
+    def reference(self) -> contextlib.AbstractContextManager[torch.nn.Module]:
+        return contextlib.nullcontext(self.ref)
+
+    def export(self) -> list[tuple[str, torch.Tensor]]:
+        from rlpost.train.dp import full_parameters
+
+        whole = full_parameters(self.model)  # a collective: every rank takes part
+        if self.ranks.rank != 0:  # the group returns rank 0's; the others send nothing back
+            return []
+        return [(n, t.cpu()) for n, t in whole]
+
+    def save_weights(self, directory: Path, tokenizer) -> None:
+        """The same files as one worker's save: every shard gathered into rank 0's memory
+        (the others take part and keep nothing), rank 0 writes."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from rlpost.train.dp import resharded
+
+        to_rank0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        policy = get_model_state_dict(resharded(self.model), options=to_rank0)
+        ref = None
+        if self.ref is not None:
+            ref = get_model_state_dict(resharded(self.ref), options=to_rank0)
+        if self.writes_files:
+            _save_plain(self.model, policy, directory / "model")
+            tokenizer.save_pretrained(directory / "model")
+            if ref is not None:
+                _save_plain(self.ref, ref, directory / "ref_model")
+
+    def load_weights(self, directory: Path) -> None:
+        """Every rank reads the whole checkpoint and keeps its shards."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from rlpost.models.loading import load_causal_lm
+        from rlpost.train.dp import resharded
+
+        whole = StateDictOptions(full_state_dict=True)
+        model = resharded(self.model)
+        set_model_state_dict(model, load_causal_lm(directory / "model").state_dict(), options=whole)
+        if self.ref is not None and (directory / "ref_model").is_dir():
+            state = load_causal_lm(directory / "ref_model").state_dict()
+            set_model_state_dict(resharded(self.ref), state, options=whole)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The whole state keyed by parameter name (a collective), so a checkpoint
+        resumes on any number of workers."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        to_rank0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.model, optimizer, options=to_rank0)
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        by_name = optimizer_state_by_name(state, _trainable_names(self.model))
+        options = StateDictOptions(full_state_dict=True)
+        set_optimizer_state_dict(self.model, optimizer, by_name, options=options)
+
+    def close(self) -> None:
+        """Leave the data-parallel group."""
+        from rlpost.train.dp import destroy_group
+
+        destroy_group()
+
+
+def _save_plain(model: torch.nn.Module, state: dict[str, torch.Tensor], out: Path) -> None:
+    """``state`` saved as an ordinary HF directory of ``model``'s class (sharded modules
+    cannot ``save_pretrained`` themselves)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    # fully_shard swaps the class for an FSDP subclass; build the model's own class
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    with torch.random.fork_rng(devices=[]):  # building it must not move the run's streams
+        plain = cls(model.config)
+    plain.load_state_dict(state)
+    plain.save_pretrained(out)
