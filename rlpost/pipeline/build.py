@@ -295,8 +295,9 @@ def build_engine(cfg: Config, model, tokenizer, *, push: bool = True):
         else:
             from rlpost.rollout import remote_engine as module
         engine = module.build(cfg, tokenizer)
-        if push:
-            # Servers load from disk: push the starting policy (after warm-up) first.
+        if push and r.engine == "vllm":
+            # The engine loads from disk: push the starting policy (after warm-up) first
+            # (remote servers get it through the weight path: build_rollout_worker).
             engine.load_weights(((n, p.detach()) for n, p in model.named_parameters()), version=0)
         return engine
     if serves_policy_storage(cfg):
@@ -493,10 +494,14 @@ def build_trainer_worker(cfg: Config, model, tokenizer, dp: DPSpec | None = None
     return TrainerWorker(build_trainer(cfg, model), tokenizer, critic=critic, lora=lora.rank > 0)
 
 
-def build_rollout_worker(cfg: Config, model=None, tokenizer=None) -> RolloutWorker:
+def build_rollout_worker(
+    cfg: Config, model=None, tokenizer=None, *, serve: bool = True
+) -> RolloutWorker:
     """The rollout worker. Without ``model`` it builds its own copy of the policy's shape
     (the weights arrive from the trainer through ``load_weights`` before the first rollout);
-    the global random state is left as it was, so building here changes no other stream."""
+    the global random state is left as it was, so building here changes no other stream.
+    ``serve=False``: remote servers are left as they loaded (the loop's weight path sends
+    the starting weights itself)."""
     own = model is None
     if own:
         with torch.random.fork_rng(devices=[]):
@@ -512,7 +517,7 @@ def build_rollout_worker(cfg: Config, model=None, tokenizer=None) -> RolloutWork
             tokenizer=tokenizer,
         )
     lengths = LengthPredictor() if r.length_aware else None
-    return RolloutWorker(
+    worker = RolloutWorker(
         engine,
         tokenizer,
         partial=partial,
@@ -520,6 +525,16 @@ def build_rollout_worker(cfg: Config, model=None, tokenizer=None) -> RolloutWork
         batch_size=r.batch_size,
         agent=build_agent(cfg, engine, tokenizer),
     )
+    if r.engine == "remote" and serve and not own:  # servers load from disk: send the policy
+        from rlpost.pipeline.weights import build_weight_path
+        from rlpost.train.worker import WeightsExport
+
+        path = build_weight_path(cfg, worker)
+        try:
+            path.push(WeightsExport(0, [(n, p.detach()) for n, p in model.named_parameters()]))
+        finally:
+            path.close()
+    return worker
 
 
 def build_agent(cfg: Config, engine, tokenizer) -> MultiTurnRollout | None:

@@ -137,6 +137,11 @@ class RolloutWorker:
         """Serve these weights, and stamp ``version`` on every token sampled from now on."""
         self.engine.load_weights(named_tensors, version)
 
+    def weights_served(self, version: int, committed: list[str], failed: list[str]) -> None:
+        """The run's weight path put ``version`` on the engine's servers itself (a remote
+        engine): ``committed`` serve it now, ``failed`` are behind."""
+        self.engine.weights_served(version, committed, failed)
+
     def version(self) -> int:
         return int(self.engine.version)
 
