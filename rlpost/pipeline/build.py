@@ -32,6 +32,7 @@ from rlpost.envs.formats import TagFormat, build_format, demonstration_completio
 from rlpost.models.loading import context_length, frozen_copy, load_policy, load_tokenizer
 from rlpost.models.tiny import build_char_tokenizer
 from rlpost.observe.mfu import cpu_bf16_native
+from rlpost.pipeline.weights import build_weight_path
 from rlpost.registry import UnknownNameError
 from rlpost.rewards.scorer import build_scorer, check_terms
 from rlpost.rewards.worker import RewardWorker
@@ -43,9 +44,10 @@ from rlpost.rollout.prefix_cache import PrefixCache
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.rollout.scheduler import Scheduler
 from rlpost.rollout.worker import RolloutWorker
+from rlpost.sync.codecs import CODECS
 from rlpost.train.actor import ActorSettings, PolicyTrainer
 from rlpost.train.dp import DPSpec
-from rlpost.train.worker import TrainerWorker
+from rlpost.train.worker import TrainerWorker, WeightsExport
 from rlpost.types import Prompt
 
 
@@ -275,7 +277,7 @@ def serves_policy_storage(cfg: Config) -> bool:
     return (
         cfg.pipeline.mode == "sync"
         and s.every == 1
-        and s.codec == "none"
+        and CODECS.trait(s.codec, "identity")
         and not s.delta
         and cfg.model.lora.rank == 0
         and not cfg.rollout.partial
@@ -526,9 +528,6 @@ def build_rollout_worker(
         agent=build_agent(cfg, engine, tokenizer),
     )
     if r.engine == "remote" and serve and not own:  # servers load from disk: send the policy
-        from rlpost.pipeline.weights import build_weight_path
-        from rlpost.train.worker import WeightsExport
-
         path = build_weight_path(cfg, worker)
         try:
             path.push(WeightsExport(0, [(n, p.detach()) for n, p in model.named_parameters()]))

@@ -25,6 +25,7 @@ import time
 from typing import Protocol
 
 from rlpost.sync import SyncError, WeightSync, build_weight_sync
+from rlpost.sync.codecs import CODECS
 
 
 class WeightPath(Protocol):
@@ -111,7 +112,7 @@ def build_weight_path(cfg, rollout) -> WeightPath:
         return ChannelPath(sync, served=lambda *told: rollout.weights_served(*told))
     if s.channel == "disk":
         return ChannelPath(build_weight_sync(s, [s.directory]), served=_disk_reader(rollout, s))
-    if s.codec == "none" and not s.delta:
+    if CODECS.trait(s.codec, "identity") and not s.delta:
         return DirectPath(rollout)
     return ChannelPath(build_weight_sync(s, [rollout]))
 
