@@ -80,13 +80,19 @@ def check_names(cfg: Config) -> None:
             f"rollout.n=1 gives every {a.advantage} group zero advantage; set rollout.n >= 2 "
             "or use algo.advantage=reinforce_pp with algo.policy_loss=flash_reinforce"
         )
-    if cfg.sync.channel not in ("inprocess", "http") or (
-        cfg.sync.channel == "http" and cfg.rollout.engine != "remote"
-    ):
+    remote = cfg.rollout.engine == "remote"
+    if cfg.sync.channel not in (("http", "inprocess") if remote else ("inprocess", "disk")):
         raise ConfigError(
-            f"sync.channel={cfg.sync.channel}: the training loop sends weights in process "
-            "(sync.channel=inprocess) or to rollout servers over http (rollout.engine=remote); "
-            "disk, gloo and vllm channels are for engines started outside the loop (docs/sync.md)"
+            f"sync.channel={cfg.sync.channel}: rlpost train sends weights in process "
+            "(inprocess), through the run's weights/ directory to rollout workers (disk) or to "
+            "rollout servers (http, with rollout.engine=remote); set one of those (gloo and "
+            "vllm are for engines started outside the loop: docs/sync.md)"
+        )
+    if cfg.sync.channel == "disk" and cfg.cluster.rollout_workers > 1:
+        raise ConfigError(
+            f"sync.channel=disk with cluster.rollout_workers={cfg.cluster.rollout_workers}: a "
+            "fleet readmits restarted workers from its own copy of the weights; set "
+            "sync.channel=inprocess or cluster.rollout_workers=1"
         )
     try:
         check_terms(cfg.reward)

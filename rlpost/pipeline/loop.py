@@ -127,7 +127,7 @@ def train(
     try:
         r = _new_run(cfg, run_dir, workers, train_prompts, ckpt)
         r.on_groups = on_groups
-        r.weights = build_weight_path(cfg, workers.rollout)
+        r.weights = build_weight_path(cfg, workers.rollout, run_dir)
         step, pending = _restore(r, ckpt) if ckpt is not None else (_push(r), [])
         r.weights.take_sent()  # the starting weights are no step's sync
     except BaseException:  # a failed start releases what it started (processes, the exporter)

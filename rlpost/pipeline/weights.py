@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Protocol
 
 from rlpost.sync import SyncError, WeightSync, build_weight_sync
@@ -98,9 +99,10 @@ class ChannelPath(_Counter):
         self.sync.close()
 
 
-def build_weight_path(cfg, rollout) -> WeightPath:
+def build_weight_path(cfg, rollout, run_dir=None) -> WeightPath:
     """The weight path of ``cfg`` (the whole config: the sync, rollout and engine keys)
-    into ``rollout`` (the rollout worker, a fleet, or a proxy of either)."""
+    into ``rollout`` (the rollout worker, a fleet, or a proxy of either). The disk channel
+    publishes under ``run_dir/weights``."""
     s = cfg.sync
     if cfg.rollout.engine == "remote":
         from rlpost.rollout.client import keys_from_env
@@ -111,17 +113,21 @@ def build_weight_path(cfg, rollout) -> WeightPath:
         sync = build_weight_sync(http, list(cfg.rollout.servers), headers=headers)
         return ChannelPath(sync, served=lambda *told: rollout.weights_served(*told))
     if s.channel == "disk":
-        return ChannelPath(build_weight_sync(s, [s.directory]), served=_disk_reader(rollout, s))
+        if run_dir is None:
+            raise ValueError("sync.channel=disk publishes under the run directory; none given")
+        root = str(Path(run_dir) / "weights")
+        return ChannelPath(build_weight_sync(s, [root]), served=_disk_reader(rollout, root, s))
     if CODECS.trait(s.codec, "identity") and not s.delta:
         return DirectPath(rollout)
     return ChannelPath(build_weight_sync(s, [rollout]))
 
 
-def _disk_reader(rollout, s):
-    """After a version is published, the rollout worker loads it from the directory."""
+def _disk_reader(rollout, root: str, s):
+    """After a version is published, the rollout worker (in any process that sees the
+    directory) loads it from there."""
 
     def served(version: int, committed: list[str], failed: list[str]) -> None:
         if committed:
-            rollout.load_published(s.directory, version)
+            rollout.load_published(root, version, s.verify)
 
     return served
