@@ -23,7 +23,8 @@ def wide_dir(tmp_path_factory):
 
 
 def _sync_bytes(tmp_path, model_dir, name: str, **sync) -> list[float]:
-    """Per-step ``sync_bytes`` of a 3-step run against a fresh server, from metrics.jsonl."""
+    """Per-step ``sync_bytes`` of a 3-step run against a fresh server, from metrics.jsonl
+    (every step's update moved the weights)."""
     proc, url = start_server(model_dir, "--max-tokens-limit", "64", "--threads", "1")
     try:
         over = small_overrides(
@@ -34,6 +35,9 @@ def _sync_bytes(tmp_path, model_dir, name: str, **sync) -> list[float]:
                 "rollout.servers": json.dumps([url]),
                 "train.steps": 3,
                 "train.lr": 1e-6,
+                # an untrained model scores 0 (zero advantages): the entropy bonus keeps each
+                # update non-zero, so the delta carries a real step
+                "algo.entropy_coef": 0.01,
                 "sft.steps": 0,
                 "eval.every": 0,
                 "eval.limit": 4,
@@ -47,7 +51,9 @@ def _sync_bytes(tmp_path, model_dir, name: str, **sync) -> list[float]:
     rows = [
         json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()
     ]
-    return [r["sync_bytes"] for r in rows if "loss" in r]
+    steps = [r for r in rows if "loss" in r]
+    assert steps and all(r["grad_norm"] > 0 for r in steps)
+    return [r["sync_bytes"] for r in steps]
 
 
 def test_sync_bytes_are_the_bytes_each_codec_sends(tmp_path, wide_dir):
