@@ -33,6 +33,7 @@ from rlpost.models.loading import context_length, frozen_copy, load_policy, load
 from rlpost.models.tiny import build_char_tokenizer
 from rlpost.observe.mfu import cpu_bf16_native
 from rlpost.pipeline.plan import resolve_step_plan
+from rlpost.pipeline.weights import build_weight_path
 from rlpost.registry import UnknownNameError
 from rlpost.rewards.scorer import build_scorer, check_terms
 from rlpost.rewards.worker import RewardWorker
@@ -44,9 +45,10 @@ from rlpost.rollout.prefix_cache import PrefixCache
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.rollout.scheduler import Scheduler
 from rlpost.rollout.worker import RolloutWorker
+from rlpost.sync.codecs import CODECS
 from rlpost.train.actor import ActorSettings, PolicyTrainer
 from rlpost.train.dp import DPSpec
-from rlpost.train.worker import TrainerWorker
+from rlpost.train.worker import TrainerWorker, WeightsExport
 from rlpost.types import Prompt
 
 
@@ -79,13 +81,19 @@ def check_names(cfg: Config) -> None:
             f"rollout.n=1 gives every {a.advantage} group zero advantage; set rollout.n >= 2 "
             "or use algo.advantage=reinforce_pp with algo.policy_loss=flash_reinforce"
         )
-    if cfg.sync.channel not in ("inprocess", "http") or (
-        cfg.sync.channel == "http" and cfg.rollout.engine != "remote"
-    ):
+    remote = cfg.rollout.engine == "remote"
+    if cfg.sync.channel not in (("http", "inprocess") if remote else ("inprocess", "disk")):
         raise ConfigError(
-            f"sync.channel={cfg.sync.channel}: the training loop sends weights in process "
-            "(sync.channel=inprocess) or to rollout servers over http (rollout.engine=remote); "
-            "disk, gloo and vllm channels are for engines started outside the loop (docs/sync.md)"
+            f"sync.channel={cfg.sync.channel}: rlpost train sends weights in process "
+            "(inprocess), through the run's weights/ directory to rollout workers (disk) or to "
+            "rollout servers (http, with rollout.engine=remote); set one of those (gloo and "
+            "vllm are for engines started outside the loop: docs/sync.md)"
+        )
+    if cfg.sync.channel == "disk" and cfg.cluster.rollout_workers > 1:
+        raise ConfigError(
+            f"sync.channel=disk with cluster.rollout_workers={cfg.cluster.rollout_workers}: a "
+            "fleet readmits restarted workers from its own copy of the weights; set "
+            "sync.channel=inprocess or cluster.rollout_workers=1"
         )
     try:
         check_terms(cfg.reward)
@@ -276,7 +284,7 @@ def serves_policy_storage(cfg: Config) -> bool:
     return (
         cfg.pipeline.mode == "sync"
         and s.every == 1
-        and s.codec == "none"
+        and CODECS.trait(s.codec, "identity")
         and not s.delta
         and cfg.model.lora.rank == 0
         and not cfg.rollout.partial
@@ -296,8 +304,9 @@ def build_engine(cfg: Config, model, tokenizer, *, push: bool = True):
         else:
             from rlpost.rollout import remote_engine as module
         engine = module.build(cfg, tokenizer)
-        if push:
-            # Servers load from disk: push the starting policy (after warm-up) first.
+        if push and r.engine == "vllm":
+            # The engine loads from disk: push the starting policy (after warm-up) first
+            # (remote servers get it through the weight path: build_rollout_worker).
             engine.load_weights(((n, p.detach()) for n, p in model.named_parameters()), version=0)
         return engine
     if serves_policy_storage(cfg):
@@ -500,10 +509,14 @@ def build_trainer_worker(cfg: Config, model, tokenizer, dp: DPSpec | None = None
     return TrainerWorker(trainer, tokenizer, layout=trainer.layout, critic=critic)
 
 
-def build_rollout_worker(cfg: Config, model=None, tokenizer=None) -> RolloutWorker:
+def build_rollout_worker(
+    cfg: Config, model=None, tokenizer=None, *, serve: bool = True
+) -> RolloutWorker:
     """The rollout worker. Without ``model`` it builds its own copy of the policy's shape
     (the weights arrive from the trainer through ``load_weights`` before the first rollout);
-    the global random state is left as it was, so building here changes no other stream."""
+    the global random state is left as it was, so building here changes no other stream.
+    ``serve=False``: remote servers are left as they loaded (the loop's weight path sends
+    the starting weights itself)."""
     own = model is None
     if own:
         with torch.random.fork_rng(devices=[]):
@@ -519,7 +532,7 @@ def build_rollout_worker(cfg: Config, model=None, tokenizer=None) -> RolloutWork
             tokenizer=tokenizer,
         )
     lengths = LengthPredictor() if r.length_aware else None
-    return RolloutWorker(
+    worker = RolloutWorker(
         engine,
         tokenizer,
         partial=partial,
@@ -527,6 +540,13 @@ def build_rollout_worker(cfg: Config, model=None, tokenizer=None) -> RolloutWork
         batch_size=r.batch_size,
         agent=build_agent(cfg, engine, tokenizer),
     )
+    if r.engine == "remote" and serve and not own:  # servers load from disk: send the policy
+        path = build_weight_path(cfg, worker)
+        try:
+            path.push(WeightsExport(0, [(n, p.detach()) for n, p in model.named_parameters()]))
+        finally:
+            path.close()
+    return worker
 
 
 def build_agent(cfg: Config, engine, tokenizer) -> MultiTurnRollout | None:

@@ -29,25 +29,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from rlpost.data import PromptSampler
 from rlpost.errors import one_line
 from rlpost.pipeline.stages import RolloutOutput, RolloutSettings, rollout_stage
+from rlpost.pipeline.weights import DirectPath, WeightPath
 from rlpost.pipeline.workers import RewardAPI, RolloutAPI
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.types import Group, Prompt
-
-
-def direct_loader(rollout: RolloutAPI) -> Callable[[list, int], dict]:
-    """Weights straight into the rollout worker (its own copy; no codec)."""
-
-    def load(tensors: list, version: int) -> dict:
-        rollout.load_weights(tensors, version)
-        return {}
-
-    return load
 
 
 class RolloutFailed(RuntimeError):
@@ -111,11 +101,11 @@ class SyncFeed:
         source: PromptSource,
         params: SamplingParams,
         settings: RolloutSettings,
-        deliver: Callable[[list, int], dict] | None = None,
+        weights: WeightPath | None = None,
     ) -> None:
         self.rollout, self.reward, self.source = rollout, reward, source
         self.params, self.settings = params, settings
-        self.deliver = deliver or direct_loader(rollout)
+        self.weights = weights or DirectPath(rollout)
 
     def next(self, step: int, version: int, last: bool) -> Fed:
         out = rollout_stage(
@@ -124,15 +114,12 @@ class SyncFeed:
         self.source.take()
         return Fed(out)
 
-    def push(self, export) -> dict[str, float]:
-        """Serve the trainer's new weights now (nothing is generating); returns sync metrics."""
-        start = time.perf_counter()
-        extra = self.deliver(export.tensors, export.version)
-        return {
-            "sync_seconds": time.perf_counter() - start,
-            "sync_bytes": float(export.bytes),
-            **extra,
-        }
+    def push(self, export, *, report: bool = True) -> dict[str, float]:
+        """Serve the trainer's new weights now (nothing is generating); returns sync metrics,
+        ``sync_bytes`` counting every push since the last report (``report=False``: a
+        re-send, counted in the next report)."""
+        m = self.weights.push(export)
+        return {**m, "sync_bytes": self.weights.take_sent()} if report else {}
 
     def pending(self) -> list[list[Prompt]]:
         """Batches drawn but not trained: a rollout that failed part way (a lost worker)
@@ -167,14 +154,14 @@ class OverlapFeed:
         version: int,
         total_steps: int,
         defer_weights: bool = False,
-        deliver: Callable[[list, int], dict] | None = None,
+        weights: WeightPath | None = None,
     ) -> None:
         self.rollout, self.reward, self.source = rollout, reward, source
         self.params, self.settings = params, settings
         self.eta, self.queue_batches, self.stale = eta, queue_batches, stale
         self.total_steps = total_steps
         self.defer_weights = defer_weights
-        self.deliver = deliver or direct_loader(rollout)
+        self.path = weights or DirectPath(rollout)
         self._cond = threading.Condition()
         self._start_state(first_step, version)
 
@@ -220,7 +207,7 @@ class OverlapFeed:
                         self.admitted += 1
                     self.rollout_wait += time.perf_counter() - t0
                 if weights is not None:  # between two batches: no sample mixes versions
-                    self.deliver(weights.tensors, weights.version)
+                    self.path.push(weights)
                     self.synced(weights.version)
                     continue
                 last = j + 1 >= self.total_steps
@@ -296,27 +283,31 @@ class OverlapFeed:
         out.groups = keep
         return out, drop
 
-    def push(self, export) -> dict[str, float]:
-        """New weights from the trainer; returns sync metrics (seconds the trainer spent).
+    def push(self, export, *, report: bool = True) -> dict[str, float]:
+        """New weights from the trainer; returns sync metrics (seconds the trainer spent,
+        bytes the weight path sent since the last report). ``report=False``: a re-send
+        (a guard's), counted in the next report.
 
         The continuous engine (async) takes them at once, between two decode steps
         of whatever it is generating; the batch engine (one_step_off) gets them from
         the producer before its next batch, so the trainer does not wait (the
         tensors are copied first: the trainer goes on updating its own).
         """
-        start, extra = time.perf_counter(), {}
+        start, m = time.perf_counter(), {}
         if self.defer_weights:
             tensors = [(name, t.detach().clone()) for name, t in export.tensors]
             with self._cond:
                 self.weights = replace(export, tensors=tensors)
                 self._cond.notify_all()
         else:
-            extra = self.deliver(export.tensors, export.version)
+            m = self.path.push(export)
             self.synced(export.version)
+        if not report:
+            return {}
         return {
+            **m,
             "sync_seconds": time.perf_counter() - start,
-            "sync_bytes": float(export.bytes),
-            **extra,
+            "sync_bytes": self.path.take_sent(),
         }
 
     def synced(self, version: int) -> None:
@@ -339,7 +330,7 @@ class OverlapFeed:
             self._cond.wait_for(lambda: self._idle or not self._thread.is_alive())
             weights, self.weights = self.weights, None
         if weights is not None:
-            self.deliver(weights.tensors, weights.version)
+            self.path.push(weights)
             self.synced(weights.version)
 
     def resume(self) -> None:

@@ -44,18 +44,17 @@ from rlpost.pipeline.feeds import (
     PromptSource,
     RolloutFailed,
     SyncFeed,
-    direct_loader,
 )
 from rlpost.pipeline.learnability import LearnabilityCheck
 from rlpost.pipeline.plan import StepPlan, checked_plan, resolve_step_plan
 from rlpost.pipeline.rundir import finish_run, prepare_run_dir, warm_start
 from rlpost.pipeline.stages import RolloutSettings, TrainSettings, train_stage
+from rlpost.pipeline.weights import WeightPath, build_weight_path
 from rlpost.pipeline.workers import Workers
 from rlpost.rewards.monitor import HackingMonitor
 from rlpost.rewards.samples import SampleWriter
 from rlpost.rewards.worker import reward_samples
 from rlpost.rng import set_rng_state
-from rlpost.sync import build_weight_sync
 from rlpost.train.checkpoint import latest_step, load_state, save_checkpoint, usable_checkpoint
 from rlpost.types import Group, ScoredBatch
 
@@ -88,7 +87,7 @@ class Run:
     eos_id: int
     plan: StepPlan  # what each train step computes, resolved once
     feed: object = None
-    deliver: Callable | None = None
+    weights: WeightPath | None = None  # the one thing that moves weights (pipeline/weights.py)
     on_groups: Callable | None = None
     learn: LearnabilityCheck | None = None  # "cannot learn" warnings at the first steps
 
@@ -98,7 +97,8 @@ def start_workers(cfg: Config, run_dir: Path, train_prompts, console, *, resumin
     rollout worker serving a copy of it (or its memory: build.serves_policy_storage), and
     the reward worker."""
     model, tokenizer = warm_start(cfg, run_dir, train_prompts, console, skip_sft=resuming)
-    rollout = build.build_rollout_worker(cfg, model, tokenizer)  # a copy, before any adapters
+    # a copy, before any adapters; the weight path sends it its first weights
+    rollout = build.build_rollout_worker(cfg, model, tokenizer, serve=False)
     trainer = build.build_trainer_worker(cfg, model, tokenizer)
     return Workers(trainer, rollout, build.build_reward_worker(cfg))
 
@@ -132,12 +132,15 @@ def train(
     try:
         r = _new_run(cfg, run_dir, workers, train_prompts, ckpt)
         r.on_groups = on_groups
-        r.deliver = _deliverer(cfg, workers.rollout)
-        step, pending = _restore(r, ckpt) if ckpt is not None else (_sync(r)[0], [])
+        r.weights = build_weight_path(cfg, workers.rollout, run_dir)
+        step, pending = _restore(r, ckpt) if ckpt is not None else (_push(r), [])
+        r.weights.take_sent()  # the starting weights are no step's sync
         r.learn = learnability_check(cfg, workers) if ckpt is None else None
     except BaseException:  # a failed start releases what it started (processes, the exporter)
         if r is not None:
             r.recorder.close()
+            if r.weights is not None:
+                r.weights.close()
         workers.close()
         raise
     start_step, history, rl_seconds = step, [], 0.0
@@ -183,6 +186,7 @@ def train(
     finally:
         if r.feed is not None:
             r.feed.close()
+        r.weights.close()
         console.stop()
         r.recorder.close()
         workers.close()
@@ -200,17 +204,6 @@ def train(
         cfg, run_dir, first_eval, final_eval, history, start_step, wall, console, extra=pace
     )
     return RunResult(run_dir=run_dir, summary=summary, history=history)
-
-
-def _deliverer(cfg: Config, rollout) -> Callable[[list, int], dict]:
-    """How a step's weights reach the rollout worker: a plain copy, or the sync layer's
-    channel with its codec, buckets, delta and checksums (``sync.*``). Remote engines
-    stream to their servers through the sync layer themselves."""
-    s = cfg.sync
-    if cfg.rollout.engine == "remote" or (s.codec == "none" and not s.delta):
-        return direct_loader(rollout)
-    channel = build_weight_sync(s, [rollout])
-    return lambda tensors, version: channel.push(tensors, version).metrics()
 
 
 def learnability_check(cfg: Config, workers: Workers) -> LearnabilityCheck:
@@ -258,7 +251,7 @@ def _feed(r: Run, source: PromptSource, step: int):
     )
     params = build.sampling_params(cfg, r.eos_id)
     if p.mode == "sync":
-        return SyncFeed(r.w.rollout, r.w.reward, source, params, settings, deliver=r.deliver)
+        return SyncFeed(r.w.rollout, r.w.reward, source, params, settings, weights=r.weights)
     one_step_off = p.mode == "one_step_off"
     return OverlapFeed(
         r.w.rollout,
@@ -275,7 +268,7 @@ def _feed(r: Run, source: PromptSource, step: int):
         # async runs the continuous engine, which takes weights between decode steps;
         # one_step_off keeps the batch engine and swaps weights between batches.
         defer_weights=one_step_off,
-        deliver=r.deliver,
+        weights=r.weights,
     )
 
 
@@ -378,13 +371,12 @@ def _write_samples(r: Run, step: int, groups) -> None:
     r.samples.maybe_write(step, samples, scored, completions)
 
 
-def _sync(r: Run) -> tuple[int, float, float]:
-    """Send the trainer's weights to the rollout worker the way every step does (the sync
-    layer's codec when one is set): (version, seconds, bytes)."""
-    start = time.perf_counter()
+def _push(r: Run) -> int:
+    """Serve the trainer's weights through the run's weight path while no feed is running
+    (start, restore); returns their version. With a feed running, ``feed.push`` does it."""
     export = r.w.trainer.export_weights()
-    r.deliver(export.tensors, export.version)
-    return export.version, time.perf_counter() - start, float(export.bytes)
+    r.weights.push(export)
+    return export.version
 
 
 def _eval(r: Run, held_out, *, greedy: bool) -> dict:
@@ -422,7 +414,7 @@ def _restore(r: Run, ckpt: Path, *, keep_lr: bool = False) -> tuple[int, list]:
     if state["rollout"] is not None:  # None: saved after the rollout worker was lost
         r.w.rollout.load_state_dict(state["rollout"])
     set_rng_state(state["rng"])
-    _sync(r)
+    _push(r)
     return step, state.get("pending", [])
 
 
@@ -436,7 +428,8 @@ def _carry_out(r: Run, action, step: int) -> int:
         r.w.trainer.scale_lr(action.factor or 0.5)
     elif action.kind == "rebuild_engine":
         r.w.rollout.reset_stats()
-        _sync(r)
+        # through the feed, which (one_step_off) holds them until the batch in flight ends
+        r.feed.push(r.w.trainer.export_weights(), report=False)
     elif action.kind == "rollback":
         ckpt = usable_checkpoint(r.run_dir)
         if ckpt is not None:

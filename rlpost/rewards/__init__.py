@@ -7,7 +7,7 @@ models and judges are batched scorers (``SCORERS``). ``build_scorer`` turns the
 ``rlpost.rewards.sandbox``.
 """
 
-from rlpost.rewards.catalog import get_reward, load_builtin_rewards
+from rlpost.rewards.catalog import get_reward
 from rlpost.rewards.monitor import HackingMonitor
 from rlpost.rewards.registry import REWARDS, SCORERS, batched_scorer, reward_function
 from rlpost.rewards.samples import SampleWriter
@@ -23,6 +23,5 @@ __all__ = [
     "batched_scorer",
     "build_scorer",
     "get_reward",
-    "load_builtin_rewards",
     "reward_function",
 ]

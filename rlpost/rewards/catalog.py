@@ -19,11 +19,6 @@ from rlpost.rewards import math as _math  # noqa: F401
 from rlpost.rewards.registry import REWARDS, SCORERS, RewardFn
 
 
-def load_builtin_rewards() -> None:
-    """The built-in rewards are registered when this module is imported; kept for callers
-    that want to say so explicitly."""
-
-
 def _import_object(name: str) -> Any:
     module_name, _, attr = name.partition(":")
     try:

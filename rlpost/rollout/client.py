@@ -26,7 +26,6 @@ import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import torch
@@ -109,20 +108,6 @@ def decode_weights(payload: bytes) -> dict[str, torch.Tensor]:
         return load(payload)
     except (SafetensorError, ValueError) as exc:
         raise ValueError(f"weights payload is not a safetensors file: {exc}") from None
-
-
-def read_weights(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a ``.safetensors`` file, or of all such files in a directory (sharded checkpoints)."""
-    from safetensors.torch import load_file
-
-    p = Path(path)
-    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p] if p.is_file() else []
-    if not files:
-        raise ValueError(f"weights path {path!r} has no .safetensors file")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(f))
-    return tensors
 
 
 def completion_body(job: Job, model: str | None) -> dict:

@@ -9,12 +9,14 @@ against the same servers and checkpointing the generator state is enough.
 
 Works against ``rlpost serve`` and, for generation, against ``vllm serve`` and
 SGLang (token ids are recovered when a server does not return them; see
-:mod:`rlpost.rollout.client`). ``load_weights`` streams the weights in
-buckets to each server's ``/v1/sync`` routes (the ``http`` channel of
-:mod:`rlpost.sync`, with ``sync.codec``, ``sync.delta`` and verification), an
-rlpost endpoint: vLLM and SGLang servers need their own weight-update route. A
-server that misses an update would serve stale weights, so it is taken out of
-rotation; the update fails only if no server took it.
+:mod:`rlpost.rollout.client`). Weights reach the servers' ``/v1/sync`` routes
+from the run's weight path (:mod:`rlpost.pipeline.weights`: the ``http``
+channel of :mod:`rlpost.sync`, with ``sync.codec``, ``sync.delta`` and
+verification), an rlpost endpoint: vLLM and SGLang servers need their own
+weight-update route. The path then calls :meth:`RemoteEngine.weights_served`:
+a server that missed the update would serve stale weights, so it is taken out
+of rotation; the update fails only if no server took it. ``load_weights``
+does the same push for a script driving an engine of its own.
 """
 
 from __future__ import annotations
@@ -34,14 +36,7 @@ from rlpost.rollout.client import (
 )
 from rlpost.rollout.continuous import VersionedCompletion
 from rlpost.rollout.protocol import SamplingParams
-from rlpost.sync import (
-    SyncError,
-    SyncStats,
-    TransportOptions,
-    WeightSync,
-    build_weight_sync,
-    make_transport,
-)
+from rlpost.sync import SyncError, SyncStats, TransportOptions, WeightSync, make_transport
 
 FINISH_REASONS = ("stop", "length")
 
@@ -81,12 +76,8 @@ class RemoteEngine:
         self.tokens_generated = 0
         self.seconds = 0.0
         self.stale_answers = 0
-        # weight-sync routes sit behind the server's admin key
-        admin = {"Authorization": f"Bearer {admin_key}"} if admin_key else None
-        options = TransportOptions(timeout_s=timeout, headers=admin)
-        self.weight_sync = weight_sync or WeightSync(
-            [make_transport("http", u, options) for u in urls]
-        )
+        self.urls, self.admin_key, self.timeout = list(urls), admin_key, timeout
+        self.weight_sync = weight_sync  # load_weights only: a run pushes through its own path
         self.last_sync: SyncStats | None = None
 
     def generate(
@@ -167,18 +158,30 @@ class RemoteEngine:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Stream the weights to every server in buckets; servers that fail leave the rotation."""
+        """Stream the weights to every server in buckets (plain, over http); servers that
+        fail leave the rotation. A training run does not call this: its weight path pushes."""
+        if self.weight_sync is None:
+            # weight-sync routes sit behind the server's admin key
+            admin = {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else None
+            options = TransportOptions(timeout_s=self.timeout, headers=admin)
+            self.weight_sync = WeightSync([make_transport("http", u, options) for u in self.urls])
         try:
             stats = self.weight_sync.push(named_tensors, version)
         except SyncError:
-            for client in self.clients:
-                self.balancer.disable(client.url)
+            self.weights_served(version, [], [c.url for c in self.clients])
             raise
-        for url in stats.failed:
+        self.weights_served(version, stats.committed, list(stats.failed))
+        self.last_sync = stats
+
+    def weights_served(self, version: int, committed: list[str], failed: list[str]) -> None:
+        """``version`` reached the servers in ``committed``: they serve from now on; those in
+        ``failed`` (behind) leave the rotation until a later push reaches them."""
+        for url in failed:
             self.balancer.disable(url)
-        for url in stats.committed:
+        for url in committed:
             self.balancer.enable(url)
-        self.version, self.last_sync = version, stats
+        if committed:
+            self.version = version
 
     def throughput(self) -> float:
         """Generated tokens per second of wall time spent in ``generate``."""
@@ -190,16 +193,15 @@ class RemoteEngine:
 
     def close(self) -> None:
         self.balancer.close()
-        self.weight_sync.close()
+        if self.weight_sync is not None:
+            self.weight_sync.close()
 
 
 def build(cfg, tokenizer) -> RemoteEngine:
     """The remote engine for ``rollout.engine=remote`` (servers from ``rollout.servers``;
     keys from the environment variables ``rollout.api_key_env`` and ``rollout.admin_key_env`` name)."""
     r = cfg.rollout
-    sync_cfg = cfg.sync.model_copy(update={"channel": "http"})  # servers are reached over HTTP
     keys = keys_from_env(r.api_key_env, r.admin_key_env)
-    admin = {"Authorization": f"Bearer {keys['admin_key']}"} if keys["admin_key"] else None
     return RemoteEngine(
         list(r.servers),
         tokenizer,
@@ -207,7 +209,6 @@ def build(cfg, tokenizer) -> RemoteEngine:
         timeout=r.server_timeout_s,
         seed=cfg.run.seed,
         **keys,
-        weight_sync=build_weight_sync(sync_cfg, list(r.servers), headers=admin),
     )
 
 

@@ -21,6 +21,8 @@ from rlpost.errors import WorkerError
 from rlpost.rng import rng_state, set_rng_state
 from rlpost.rollout.longtail import LengthPredictor, PartialRollout, bucket_by_length
 from rlpost.rollout.protocol import SamplingParams
+from rlpost.sync import Receiver
+from rlpost.sync.disk import load_version
 from rlpost.types import Completion, Group, Prompt
 
 
@@ -67,6 +69,7 @@ class RolloutWorker:
         self.lengths = lengths
         self.batch_size = batch_size
         self.agent = agent  # a MultiTurnRollout over this engine: every sample is an episode
+        self._reader: Receiver | None = None  # the disk channel's, built on first use
 
     def _ids(self, prompts: list[Prompt]) -> list[list[int]]:
         return [self.tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
@@ -146,6 +149,18 @@ class RolloutWorker:
     def load_weights(self, named_tensors, version: int) -> None:
         """Serve these weights, and stamp ``version`` on every token sampled from now on."""
         self.engine.load_weights(named_tensors, version)
+
+    def load_published(self, root: str, version: int, verify: bool = True) -> None:
+        """Load ``version`` from the ``disk`` channel's directory ``root`` (the trainer
+        published it there), checking every bucket and tensor checksum."""
+        if self._reader is None or self._reader.verify != verify:
+            self._reader = Receiver(self.engine, name=f"reader of {root}", verify=verify)
+        load_version(root, version, self._reader)
+
+    def weights_served(self, version: int, committed: list[str], failed: list[str]) -> None:
+        """The run's weight path put ``version`` on the engine's servers itself (a remote
+        engine): ``committed`` serve it now, ``failed`` are behind."""
+        self.engine.weights_served(version, committed, failed)
 
     def version(self) -> int:
         return int(self.engine.version)

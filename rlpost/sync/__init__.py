@@ -6,7 +6,6 @@ version)`` after each update; receivers wrap any engine in a
 """
 
 from rlpost.sync.codecs import codec_names
-from rlpost.sync.inprocess import InProcessChannel
 from rlpost.sync.receiver import CommitReport, Receiver
 from rlpost.sync.session import DeltaRefused, SyncError
 from rlpost.sync.transports import TRANSPORTS, TransportOptions, make_transport
@@ -16,7 +15,6 @@ __all__ = [
     "TRANSPORTS",
     "CommitReport",
     "DeltaRefused",
-    "InProcessChannel",
     "Receiver",
     "SyncError",
     "SyncStats",

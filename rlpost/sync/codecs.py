@@ -1,7 +1,13 @@
 """Weight codecs: how one tensor is written on the wire, and read back.
 
 A codec turns a tensor into named *parts* (plain tensors) plus a small JSON
-``meta`` dict, and back. Registered by name; the name is ``sync.codec``.
+``meta`` dict, and back. Codecs sit in the :data:`CODECS` registry by the
+name ``sync.codec`` uses, with traits the sender and receiver ask instead of
+comparing names: ``identity`` (the trainer's tensor as is), ``exact`` (the
+``data`` part is the decoded tensor), ``lossy`` (kept tensors fall back to
+bf16), ``bit_patterns`` (a delta can be taken against it) and ``needs_base``
+(decoding reads the receiver's previous version: the delta of
+:mod:`rlpost.sync.delta`).
 
 * ``none``: the trainer's tensor as is.
 * ``bf16``: cast to bfloat16 (exact for a bf16 trainer, the usual serving dtype).
@@ -31,6 +37,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from rlpost.registry import Registry
+
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 MX_BLOCK = 32
@@ -50,21 +58,43 @@ class Encoded:
 
 Encoder = Callable[[torch.Tensor], Encoded]
 Decoder = Callable[[dict[str, torch.Tensor], dict], torch.Tensor]
-CODECS: dict[str, tuple[Encoder, Decoder]] = {}
+Shape = Callable[[dict[str, tuple], dict], tuple]  # decoded shape from the parts' shapes, meta
 
 
-def register(name: str, encode: Encoder, decode: Decoder) -> None:
-    CODECS[name] = (encode, decode)
+@dataclass(frozen=True)
+class Codec:
+    encode: Encoder | None  # None: encoded by its own function (the delta needs a base)
+    decode: Callable[..., torch.Tensor]  # (parts, meta) or, with needs_base, (parts, meta, base)
+    shape: Shape
 
 
-def codec_names() -> list[str]:
-    return sorted(CODECS)
+CODECS: Registry[Codec] = Registry("weight codec")
 
 
-def _lookup(name: str) -> tuple[Encoder, Decoder]:
-    if name not in CODECS:
+def codec_names(wire: bool = False) -> list[str]:
+    """The values of ``sync.codec`` (``wire=True``: also what a manifest may name)."""
+    return (
+        CODECS.names() if wire else [n for n in CODECS.names() if not CODECS.trait(n, "needs_base")]
+    )
+
+
+def lookup(name: str) -> Codec:
+    """The codec ``sync.codec`` names; an unknown one is a ValueError listing the valid ones."""
+    if name not in codec_names():
         raise ValueError(f"unknown codec {name!r}; valid: {', '.join(codec_names())}")
-    return CODECS[name]
+    return CODECS.get(name)
+
+
+def _data_shape(shapes: dict[str, tuple], meta: dict) -> tuple:
+    return tuple(shapes["data"])
+
+
+def _q_shape(shapes: dict[str, tuple], meta: dict) -> tuple:
+    return tuple(shapes["q"])
+
+
+def _meta_shape(shapes: dict[str, tuple], meta: dict) -> tuple:
+    return tuple(meta["shape"])
 
 
 def from_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
@@ -87,13 +117,15 @@ def encode(
 ) -> Encoded:
     """``tensor`` (detached, any device) encoded with ``codec``; kept tensors fall back to bf16."""
     t = tensor.detach().cpu()
-    if codec in ("fp8", "mxfp4") and keeps_bf16(name, t, keep_bf16):
-        codec = "bf16"
-    return _lookup(codec)[0](t)
+    chosen = lookup(codec)
+    if CODECS.trait(codec, "lossy") and keeps_bf16(name, t, keep_bf16):
+        chosen = lookup("bf16")
+    return chosen.encode(t)
 
 
 def decode(enc: Encoded) -> torch.Tensor:
-    return _lookup(enc.codec)[1](enc.parts, enc.meta)
+    """A tensor without a base (a delta is decoded by the receiver, against its copy)."""
+    return lookup(enc.codec).decode(enc.parts, enc.meta)
 
 
 # ------------------------------------------------------------ none / bf16
@@ -177,7 +209,9 @@ def _decode_mxfp4(parts: dict[str, torch.Tensor], meta: dict) -> torch.Tensor:
     return value.reshape(rows, -1)[:, :cols].contiguous()
 
 
-register("none", _encode_none, _decode_plain)
-register("bf16", _encode_bf16, _decode_plain)
-register("fp8", _encode_fp8, _decode_fp8)
-register("mxfp4", _encode_mxfp4, _decode_mxfp4)
+CODECS.register("none", identity=True, exact=True)(Codec(_encode_none, _decode_plain, _data_shape))
+CODECS.register("bf16", exact=True, bit_patterns=True)(
+    Codec(_encode_bf16, _decode_plain, _data_shape)
+)
+CODECS.register("fp8", lossy=True)(Codec(_encode_fp8, _decode_fp8, _q_shape))
+CODECS.register("mxfp4", lossy=True)(Codec(_encode_mxfp4, _decode_mxfp4, _meta_shape))

@@ -120,6 +120,11 @@ def load_latest(root, receiver: Receiver) -> CommitReport | None:
     version = latest_version(root)
     if version is None or version <= receiver.version:
         return None
+    return load_version(root, version, receiver)
+
+
+def load_version(root, version: int, receiver: Receiver) -> CommitReport:
+    """Commit published ``version`` into ``receiver`` (a restore may name an older one)."""
     folder = version_dir(Path(root), version)
     try:
         body = json.loads((folder / "session.json").read_text())

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
+from rlpost.sync import delta as _delta  # noqa: F401  (registers the delta codec)
 from rlpost.sync.codecs import CODECS
-from rlpost.sync.delta import apply_delta
 from rlpost.sync.session import (
     PART_SEP,
     Bucket,
@@ -78,12 +78,11 @@ class TensorStream:
 
 
 def decoded_shape(spec) -> tuple[int, ...]:
-    """The shape a manifest entry decodes to."""
-    if spec.codec in ("none", "bf16"):
-        return tuple(spec.parts["data"][1])
-    if spec.codec == "fp8":
-        return tuple(spec.parts["q"][1])
-    return tuple(spec.meta["shape"])  # mxfp4, delta
+    """The shape a manifest entry decodes to (an unknown codec fails at decode)."""
+    if spec.codec not in CODECS:
+        return ()
+    shapes = {part: shape for part, (_, shape) in spec.parts.items()}
+    return tuple(CODECS.get(spec.codec).shape(shapes, spec.meta))
 
 
 @dataclass
@@ -243,14 +242,15 @@ class Receiver:
         for part, (dtype, shape) in spec.parts.items():
             raw = done.pop(f"{spec.name}{PART_SEP}{part}")
             parts[part] = raw.view(to_dtype(dtype)).reshape(shape)
-        if spec.codec == "delta":
-            base = self._base.get(spec.name)
-            if base is None:
-                self._fail("finish", f"delta for {spec.name!r} but no base tensor is held")
-            return apply_delta(parts, spec.meta, base)
         if spec.codec not in CODECS:
             self._fail("finish", f"tensor {spec.name!r} uses unknown codec {spec.codec!r}")
-        return CODECS[spec.codec][1](parts, spec.meta)
+        codec = CODECS.get(spec.codec)
+        if not CODECS.trait(spec.codec, "needs_base"):
+            return codec.decode(parts, spec.meta)
+        base = self._base.get(spec.name)
+        if base is None:
+            self._fail("finish", f"delta for {spec.name!r} but no base tensor is held")
+        return codec.decode(parts, spec.meta, base)
 
     # ------------------------------------------------------------ staging
 

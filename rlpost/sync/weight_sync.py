@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlpost.errors import typed_line
-from rlpost.sync.codecs import DEFAULT_KEEP_BF16, Encoded, decode, encode
+from rlpost.sync.codecs import CODECS, DEFAULT_KEEP_BF16, Encoded, decode, encode, lookup
 from rlpost.sync.delta import encode_delta
 from rlpost.sync.session import (
     BucketPacker,
@@ -86,7 +86,8 @@ class WeightSync:
     ) -> None:
         if not transports:
             raise ValueError("weight sync needs at least one target")
-        if delta and codec != "bf16":
+        lookup(codec)  # an unknown codec fails here, naming the valid ones
+        if delta and not CODECS.trait(codec, "bit_patterns"):
             raise ValueError(
                 f"sync.delta=true works on bf16 bit patterns; set sync.codec=bf16 (got {codec})"
             )
@@ -118,7 +119,7 @@ class WeightSync:
             for name, tensor in named_tensors:
                 encs = self._encode(name, tensor, groups, new_base)
                 expected[name] = self._expected(name, encs[0], new_base)
-                delta_tensors += encs[0].codec == "delta"
+                delta_tensors += CODECS.trait(encs[0].codec, "needs_base")
                 for g, enc in zip(groups, encs, strict=True):
                     if g.targets:  # a group nobody is left in packs nothing
                         self._send_all(g, g.packer.add(name, enc, expected[name]), failed)
@@ -182,7 +183,7 @@ class WeightSync:
     ) -> list[Encoded]:
         if not self.delta:
             return [encode(name, tensor, self.codec, self.keep_bf16)] * len(groups)
-        full = encode(name, tensor, "bf16")
+        full = encode(name, tensor, self.codec)  # the bit-pattern codec the delta is taken on
         data = full.parts["data"]
         # a bf16 tensor encodes to itself: the base must not be the live parameter, which the
         # next optimizer step changes under it
@@ -197,9 +198,9 @@ class WeightSync:
 
     def _expected(self, name: str, enc: Encoded, new_base: dict) -> int:
         """Checksum of the tensor the receiver will rebuild (lossy codecs: their decoded value)."""
-        if enc.codec == "delta":
+        if CODECS.trait(enc.codec, "needs_base"):
             return checksum(new_base[name])
-        if enc.codec in ("none", "bf16"):
+        if CODECS.trait(enc.codec, "exact"):
             return checksum(enc.parts["data"])
         return checksum(decode(enc))
 

@@ -5,11 +5,9 @@ import math
 
 import pytest
 
-from rlpost.rewards.catalog import get_reward, load_builtin_rewards
+from rlpost.rewards.catalog import get_reward
 from rlpost.rewards.registry import REWARDS, SCORERS
 from rlpost.types import RewardSample
-
-load_builtin_rewards()
 
 CANONICAL = RewardSample(
     prompt="Using 3, 5 and 7 once each, make 22.",
