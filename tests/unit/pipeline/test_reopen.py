@@ -8,13 +8,20 @@ import pytest
 
 from rlpost.config import ConfigError
 from rlpost.pipeline.rundir import reopen_run_dir
+from rlpost.statefile import save_state
+from rlpost.train.checkpoint import TRAINER_STATE, save_checkpoint
 
 
 def test_rows_after_the_checkpoint_are_dropped(tmp_path, capsys):
     run = tmp_path / "r"
-    (run / "checkpoints" / "step_2").mkdir(parents=True)
-    (run / "checkpoints" / "step_2" / "state.pt").write_bytes(b"x")
-    (run / "checkpoints" / "latest").write_text("step_2")
+    run.mkdir()
+
+    def parts(d):
+        (d / "model").mkdir()
+        (d / "model" / "config.json").write_text("{}")
+        save_state({}, d / TRAINER_STATE)
+
+    save_checkpoint(run, 2, parts, {})
     (run / "config.yaml").write_text("{}")
     rows = [{"step": s, "loss": s} for s in (0, 1, 2, 3, 4)]
     lines = [json.dumps(r) for r in rows] + ['{"step": 5, "lo']  # torn last line of a kill
