@@ -49,11 +49,14 @@ from rlpost.rollout.openai_format import ChoiceStream, format_choice
 from rlpost.rollout.openai_params import (
     APIError,
     ServerSettings,
+    ascii_int,
     chat_prompt,
     check_context,
     error_body,
+    parse_json_object,
     parse_prompts,
     parse_sampling,
+    shown,
 )
 from rlpost.rollout.prefix_cache import PrefixCache
 from rlpost.rollout.scheduler import GenerationRequest, Scheduler, Ticket
@@ -270,13 +273,13 @@ class RolloutService:
 
 
 async def json_body(request: Request) -> dict:
-    try:
-        body = await request.json()
-    except ValueError:
-        raise APIError(400, "request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object")
-    return body
+    return parse_json_object(await request.body())
+
+
+def error_response(status: int, body: dict, headers: dict | None = None) -> Response:
+    """An error body as ASCII JSON: a client's lone surrogate, echoed, cannot break it."""
+    content = json.dumps(body, ensure_ascii=True).encode()
+    return Response(content, status_code=status, headers=headers, media_type="application/json")
 
 
 def create_app(
@@ -296,15 +299,14 @@ def create_app(
         headers = dict(exc.headers or {})
         if exc.status in (408, 413):  # the rest of the body is not worth reading
             headers["connection"] = "close"
-        body = error_body(exc.message, exc.param)
-        return JSONResponse(body, status_code=exc.status, headers=headers)
+        return error_response(exc.status, error_body(exc.message, exc.param), headers)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         service.counts["failed"] += 1
         line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         body = error_body(f"internal error: {type(exc).__name__}: {line}", kind="internal_error")
-        return JSONResponse(body, status_code=500)
+        return error_response(500, body)
 
     async def completions(request: Request):
         return await service.respond(request, chat=False)
@@ -356,10 +358,12 @@ def _post(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, prompt, event) 
 
 
 def _version(value: Any) -> int:
-    text = str(value) if isinstance(value, int | str) and not isinstance(value, bool) else ""
-    if not text.isdigit():
-        raise APIError(400, f"version must be an integer >= 0, got {value!r}", "version")
-    return int(text)
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62:
+        return value
+    number = ascii_int(value) if isinstance(value, str) else None
+    if number is None:
+        raise APIError(400, f"version must be an integer >= 0, got {shown(value)}", "version")
+    return number
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from rlpost.rollout.openai_params import APIError, parse_json_object
 from rlpost.sync import DeltaRefused, Receiver, SyncError
 from rlpost.sync.session import Bucket, Manifest, SessionMeta
 
@@ -92,7 +93,9 @@ async def state(request: Request) -> dict:
 @router.post("/start")
 async def start(request: Request):
     try:
-        meta = SessionMeta.from_json(await request.json())
+        meta = SessionMeta.from_json(parse_json_object(await request.body()))
+    except APIError as exc:
+        return _error(400, f"session metadata: {exc.message}")
     except ValueError as exc:
         return _error(400, f"session metadata: {str(exc).splitlines()[0]}")
     result = await _run(receiver_of(request.app).start, meta)
@@ -117,7 +120,9 @@ def _update(receiver: Receiver, session: str, data: bytes) -> int:
 @router.post("/{session}/finish")
 async def finish(session: str, request: Request):
     try:
-        manifest = Manifest.from_json(await request.json())
+        manifest = Manifest.from_json(parse_json_object(await request.body()))
+    except APIError as exc:
+        return _error(400, exc.message)
     except ValueError as exc:
         return _error(400, str(exc).splitlines()[0])
     if manifest.session != session:

@@ -1,0 +1,99 @@
+"""`rlpost serve` against hostile clients: malformed input, stalled readers, slow bodies, huge asks.
+
+Every case is raw HTTP on a socket to a real server process on 127.0.0.1; after
+each one the server must still answer ``/health`` and a normal request.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+import pytest
+
+from tests.integration.test_server import start_server, stop_server
+
+ADMIN = "hostile-admin-key"
+
+
+@pytest.fixture(scope="module")
+def hostile(tiny_dir):
+    flags = ["--max-tokens-limit", "64", "--max-n", "8", "--max-pending", "16"]
+    env = {"RLPOST_ADMIN_KEY": ADMIN}
+    proc, url = start_server(tiny_dir, *flags, env=env)
+    yield url
+    stop_server(proc)
+
+
+def raw_post(url: str, path: str, body: bytes, timeout: float = 60.0) -> tuple[int, dict]:
+    """POST ``body`` as JSON over a bare socket; (status, the answer's JSON)."""
+    host, port = url.removeprefix("http://").split(":")
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(head.encode() + body)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    payload = data.split(b"\r\n\r\n", 1)[1]
+    return status, json.loads(payload) if payload else {}
+
+
+def assert_healthy(url: str) -> None:
+    assert httpx.get(f"{url}/health", timeout=30).json()["status"] == "ok"
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "1+", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+COMPLETION = {"prompt": "1+", "max_tokens": 2}
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+NESTED = b"[" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "says"),
+    [
+        ("/v1/completions", {**COMPLETION, "logit_bias": {"²": 1}}, "logit_bias", "token id"),
+        ("/v1/completions", {**COMPLETION, "logit_bias": {"9" * 5000: 1}}, "logit_bias", ""),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+            "messages",
+            "messages[0].content[0]",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages",
+            "text part",
+        ),
+        ("/v1/completions", NESTED, None, "nested deeper than 64"),
+        ("/v1/chat/completions", b'{"messages": ' + NESTED + b"}", None, "nested deeper"),
+        ("/v1/completions", {**COMPLETION, "n": 10**400}, "n", "must be in"),
+        ("/v1/completions", {**COMPLETION, "temperature": 10**400}, "temperature", "finite"),
+        ("/v1/completions", {**COMPLETION, "stop_token_ids": 5}, "stop_token_ids", "list"),
+        ("/v1/completions", {**COMPLETION, "prompt": "\ud800"}, "prompt", "lone surrogate"),
+        ("/v1/chat/completions", {**CHAT, "\ud800": 1}, "\\ud800", "not supported"),
+        ("/v1/completions", {**COMPLETION, "ignore_eos": "false"}, "ignore_eos", "true or false"),
+        ("/v1/completions", {**COMPLETION, "user": ["x"]}, "user", "string"),
+        ("/v1/completions", b"\xff\xfe{", None, "not valid JSON"),
+    ],
+)
+def test_malformed_input_is_a_4xx_naming_the_field(hostile, path, body, param, says):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    status, answer = raw_post(hostile, path, raw)
+    error = answer["error"]
+    assert status == 400 and error["param"] == param, answer
+    assert says in error["message"] and "\n" not in error["message"]
+    assert len(error["message"]) < 300  # a megabyte of input is not echoed back
+    assert_healthy(hostile)
+
+
+def test_weight_versions_that_are_not_numbers_are_4xx(hostile):
+    for version in ("²", "9" * 5000):
+        headers = {"content-type": "application/octet-stream", "authorization": f"Bearer {ADMIN}"}
+        r = httpx.post(f"{hostile}/v1/weights?version={version}", content=b"x", headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "version", r.text
+    assert_healthy(hostile)
