@@ -8,7 +8,9 @@ body is read:
   ``/metrics``) need ``Authorization: Bearer <api key>`` when an API key is
   set (401 otherwise, as vLLM does); paths under an admin prefix
   (``/v1/weights``, ``/v1/sync``, ``/v1/admin``) need the admin key (the API
-  key alone is a 403). The decision is by prefix, so a route that another
+  key alone is a 403) and are closed (403) on a server without one, loopback
+  included: any local process could otherwise replace the weights. The
+  decision is by prefix, so a route that another
   module mounts under ``/v1/sync`` later is guarded without a line here.
   Keys are compared as SHA-256 digests with :func:`hmac.compare_digest`
   (constant time, length included) and never logged.
@@ -40,6 +42,10 @@ OPEN_PATHS = ("/health", "/metrics")
 ADMIN_PREFIXES = ("/v1/weights", "/v1/sync", "/v1/admin")
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 MIB = 1 << 20
+NO_ADMIN_KEY = (
+    "this endpoint changes the served weights and is closed: the server has no admin key "
+    "(start it with --admin-key or RLPOST_ADMIN_KEY)"
+)
 
 
 @dataclass
@@ -102,13 +108,13 @@ class Guard:
 
     def authorize(self, path: str, token: str | None) -> tuple[int, str] | None:
         """None when the request may go on, else (status, one-line reason)."""
-        if path in OPEN_PATHS or (self._api is None and self._admin is None):
+        if path in OPEN_PATHS:
             return None
         if is_admin_path(path):
             if _matches(token, self._admin):
                 return None
-            if self._admin is None:
-                return 403, "this endpoint needs the admin key; the server has no --admin-key"
+            if self._admin is None:  # closed: any local process could replace the weights
+                return 403, NO_ADMIN_KEY
             if _matches(token, self._api):
                 return 403, "this endpoint needs the admin key; the API key is not enough"
             return 401, "missing or wrong admin key (send Authorization: Bearer <admin key>)"

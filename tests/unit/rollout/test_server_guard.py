@@ -12,6 +12,7 @@ from rlpost.rollout.protocol import LogitAdjust, SamplingParams, adjust_logits
 from rlpost.rollout.scheduler import GenerationRequest, Scheduler
 from rlpost.rollout.server_guard import (
     Guard,
+    NO_ADMIN_KEY,
     GuardSettings,
     confined_weights_files,
     is_admin_path,
@@ -47,11 +48,16 @@ def test_authorize_matrix():
     assert both.authorize("/docs", None)[0] == 401  # everything but /health, /metrics
     assert both.authorize("/health", None) is None
     api_only = Guard(None, GuardSettings(api_key="a"))
-    assert api_only.authorize("/v1/weights", "a") == (
-        403,
-        "this endpoint needs the admin key; the server has no --admin-key",
-    )
-    assert Guard(None, GuardSettings()).authorize("/v1/weights", None) is None  # loopback default
+    assert api_only.authorize("/v1/weights", "a") == (403, NO_ADMIN_KEY)
+    keyless = Guard(None, GuardSettings())  # the loopback default: generation open, control closed
+    assert keyless.authorize("/v1/completions", None) is None
+    for path in ("/v1/weights", "/v1/sync/start", "/v1/admin/x", "/v1//sync/x"):
+        assert keyless.authorize(path, None) == (403, NO_ADMIN_KEY)
+        assert keyless.authorize(path, "anything") == (403, NO_ADMIN_KEY)
+    admin_only = Guard(None, GuardSettings(admin_key="b"))
+    assert admin_only.authorize("/v1/completions", None) is None
+    assert admin_only.authorize("/v1/weights", "b") is None
+    assert admin_only.authorize("/v1/weights", None)[0] == 401
     assert "s3cr3t" not in repr(GuardSettings(api_key="s3cr3t", admin_key="s3cr3t2"))
 
 
