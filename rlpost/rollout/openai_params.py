@@ -109,6 +109,8 @@ class ServerSettings:
     max_n: int = 64
     max_model_len: int | None = None
     max_prompts: int = 1024  # prompts in one /v1/completions request
+    max_request_sequences: int = 1024  # prompts x n of one request
+    max_request_tokens: int = 1 << 21  # prompts x n x max_tokens x (1 + top logprobs)
     weights_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
     weights_dir: Path | None = None  # resolved; None: no loads from a path
@@ -374,3 +376,31 @@ def check_context(prompts: list[list[int]], max_tokens: int, settings: ServerSet
             f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {limit} tokens",
             "max_tokens",
         )
+
+
+def check_work(prompts: list[list[int]], fields: dict, settings: ServerSettings) -> int:
+    """The request's sequences (prompts x n); a 400 naming the limit it passes.
+
+    Sequences bound the batch slots and memory a request holds; token entries
+    (sequences x max_tokens x (1 + top logprobs)) bound the decode steps and the
+    size of the response it builds.
+    """
+    n, max_tokens, top = fields["n"], fields["params"].max_tokens, fields["top_logprobs"]
+    sequences = len(prompts) * n
+    if sequences > settings.max_request_sequences:
+        raise APIError(
+            400,
+            f"{len(prompts)} prompts x n={n} = {sequences} sequences; this server takes at most "
+            f"{settings.max_request_sequences} in one request (--max-request-sequences)",
+            "n",
+        )
+    entries = sequences * max_tokens * (1 + top)
+    if entries > settings.max_request_tokens:
+        raise APIError(
+            400,
+            f"{sequences} sequences x max_tokens={max_tokens} x (1 + {top} top logprobs) = "
+            f"{entries} token entries; this server takes at most {settings.max_request_tokens} "
+            "in one request (--max-request-tokens)",
+            "max_tokens",
+        )
+    return sequences

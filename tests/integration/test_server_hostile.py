@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import httpx
 import pytest
@@ -19,7 +20,9 @@ ADMIN = "hostile-admin-key"
 
 @pytest.fixture(scope="module")
 def hostile(tiny_dir):
-    flags = ["--max-tokens-limit", "64", "--max-n", "8", "--max-pending", "16"]
+    flags = ["--max-tokens-limit", "120", "--max-n", "32", "--max-pending", "40"]
+    flags += ["--max-request-sequences", "32", "--max-request-tokens", "70000"]
+    flags += ["--body-timeout", "2", "--write-timeout", "2"]
     env = {"RLPOST_ADMIN_KEY": ADMIN}
     proc, url = start_server(tiny_dir, *flags, env=env)
     yield url
@@ -111,3 +114,97 @@ def test_a_keyless_server_keeps_its_control_routes_closed(tiny_dir):
         assert_healthy(url)  # generation stays open on loopback
     finally:
         stop_server(proc)
+
+
+def _open(url: str, path: str, body: bytes, *, rcvbuf: int | None = None, send_all=True):
+    """A socket that sent the request head and (``send_all``) its body, never reading."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    if rcvbuf is not None:  # before connecting, so the window is small from the start
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect((host, int(port)))
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(body)}\r\n\r\n"
+    sock.sendall(head.encode() + (body if send_all else body[:1]))
+    return sock
+
+
+def _http(url: str) -> dict:
+    return httpx.get(f"{url}/health", timeout=30).json()["http"]
+
+
+def _wait_until(check, seconds: float = 60.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    sock.settimeout(10)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except OSError:  # reset: the server aborted the connection
+        pass
+    sock.close()
+    return data
+
+
+def test_a_stalled_reader_is_cut_and_its_slots_freed(hostile):
+    """A stream of ~10 MB to a client that never reads, through a 4 KiB receive buffer:
+    more than every buffer on the way holds, so the server's sends block for good."""
+    body = {
+        "messages": [{"role": "user", "content": "1+"}],
+        "n": 32, "max_tokens": 100, "logprobs": True, "top_logprobs": 20,
+        "stream": True, "ignore_eos": True,
+    }  # fmt: skip
+    cuts = _http(hostile)["write_timeouts"]
+    sock = _open(hostile, "/v1/chat/completions", json.dumps(body).encode(), rcvbuf=4096)
+    assert _wait_until(lambda: _http(hostile)["pending"] == 32)
+    more = {"prompt": "1+", "max_tokens": 2, "n": 16}
+    held = httpx.post(f"{hostile}/v1/completions", json=more, timeout=60)
+    if _http(hostile)["pending"] == 32:  # still held when the request came in
+        assert held.status_code == 429 and "32 of 40 sequences pending" in held.text
+    assert _wait_until(lambda: _http(hostile)["pending"] == 0)  # cut at --write-timeout
+    assert _http(hostile)["write_timeouts"] == cuts + 1
+    assert httpx.post(f"{hostile}/v1/completions", json=more, timeout=60).status_code == 200
+    data = _read_all(sock)
+    assert data.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in data  # cut mid-stream
+    assert httpx.get(f"{hostile}/health").json()["active"] == 0
+    assert_healthy(hostile)
+
+
+def test_slow_bodies_hold_no_pending_slot(hostile):
+    body = json.dumps({"prompt": "1+", "max_tokens": 2}).encode()
+    slow = [_open(hostile, "/v1/completions", body, send_all=False) for _ in range(8)]
+    assert _http(hostile)["pending"] == 0
+    ok = [httpx.post(f"{hostile}/v1/completions", content=body, timeout=60) for _ in range(4)]
+    assert [r.status_code for r in ok] == [200] * 4
+    answers = [_read_all(s) for s in slow]  # cut at --body-timeout (2 s)
+    assert all(a.startswith(b"HTTP/1.1 408") for a in answers), answers[0][:200]
+    assert b"not received within 2.0 s" in answers[0]
+    assert _http(hostile)["pending"] == 0
+    assert_healthy(hostile)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"prompt": ["1", "2"], "n": 17, "max_tokens": 2}, "n", "--max-request-sequences"),
+        (
+            {"prompt": "1+", "n": 32, "max_tokens": 110, "logprobs": 20},
+            "max_tokens",
+            "73920 token entries; this server takes at most 70000",
+        ),
+    ],
+)
+def test_a_request_over_the_work_cap_is_a_400_naming_the_limit(hostile, body, param, says):
+    status, answer = raw_post(hostile, "/v1/completions", json.dumps(body).encode())
+    assert (
+        status == 400 and answer["error"]["param"] == param and says in answer["error"]["message"]
+    )
+    assert_healthy(hostile)
