@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 
 import httpx
@@ -208,3 +209,19 @@ def test_a_request_over_the_work_cap_is_a_400_naming_the_limit(hostile, body, pa
         status == 400 and answer["error"]["param"] == param and says in answer["error"]["message"]
     )
     assert_healthy(hostile)
+
+
+def test_health_answers_while_a_huge_request_is_tokenised(hostile):
+    """1,000 prompts of 1,200 characters take seconds to tokenise; the event loop stays free."""
+    body = json.dumps({"prompt": ["1+2=3 " * 200] * 1000, "max_tokens": 1}).encode()
+    answer: list = []
+    big = threading.Thread(target=lambda: answer.append(raw_post(hostile, "/v1/completions", body)))
+    big.start()
+    during = 0
+    while big.is_alive():
+        assert httpx.get(f"{hostile}/health", timeout=10).status_code == 200
+        during += big.is_alive()
+    big.join()
+    status, error = answer[0]
+    assert status == 400 and error["error"]["param"] == "max_tokens"  # longer than the context
+    assert during >= 2, during
