@@ -554,13 +554,19 @@ class Scheduler:
         self.counters["tokens"] += len(seqs)
 
     def _top_alternatives(self, seqs: list[_Seq], logits: torch.Tensor) -> list:
+        """The ``top_logprobs`` most likely (id, logprob) of each row that asks, in one topk
+        over those rows (a row at a time cost a Python round trip per row and step)."""
         out: list = [None] * len(seqs)
-        for i, s in enumerate(seqs):
-            k = s.ticket.request.top_logprobs
-            if k > 0:
-                temp = s.ticket.request.params.temperature or 1.0
-                values, ids = torch.log_softmax(logits[i].float() / temp, dim=-1).topk(k)
-                out[i] = list(zip(ids.tolist(), values.tolist(), strict=True))
+        ks = [s.ticket.request.top_logprobs for s in seqs]
+        rows = [i for i, k in enumerate(ks) if k > 0]
+        if not rows:
+            return out
+        temps = [seqs[i].ticket.request.params.temperature or 1.0 for i in rows]
+        scaled = logits[rows].float() / torch.tensor(temps, device=logits.device)[:, None]
+        values, ids = torch.log_softmax(scaled, dim=-1).topk(max(ks[i] for i in rows), dim=-1)
+        for j, (vs, ts) in enumerate(zip(values.tolist(), ids.tolist(), strict=True)):
+            k = ks[rows[j]]
+            out[rows[j]] = list(zip(ts[:k], vs[:k], strict=True))
         return out
 
     def _check_finished(self, s: _Seq, token: int) -> None:
