@@ -26,7 +26,7 @@ def _bench():
 
 def test_load_with_slow_clients_drops_nothing_accepted(tiny_dir):
     bench = _bench()
-    flags = "--concurrency 16 --requests 160 --tricklers 8 --max-pending 48 --header-timeout 1"
+    flags = "--concurrency 16 --requests 160 --tricklers 8 --header-timeout 1"
     flags += " --trickle-s 0.2 --settle-s 1 --max-tokens 8 --stalled 1 --slow-bodies 2 --huge 1"
     args = bench.parser().parse_args(flags.split())
     result = bench.run(tiny_dir, args)
