@@ -11,8 +11,8 @@ from rlpost.rollout.openai_params import APIError, parse_adjust, refuse_unsuppor
 from rlpost.rollout.protocol import LogitAdjust, SamplingParams, adjust_logits
 from rlpost.rollout.scheduler import GenerationRequest, Scheduler
 from rlpost.rollout.server_guard import (
-    Guard,
     NO_ADMIN_KEY,
+    Guard,
     GuardSettings,
     confined_weights_files,
     is_admin_path,
