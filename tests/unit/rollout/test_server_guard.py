@@ -14,6 +14,7 @@ from rlpost.rollout.server_guard import (
     NO_ADMIN_KEY,
     Guard,
     GuardSettings,
+    PendingBudget,
     confined_weights_files,
     is_admin_path,
 )
@@ -154,3 +155,22 @@ def test_a_vanishing_temperature_samples_greedily():
 
     assert _temperature(1e-45) == 0.0 and _temperature(0.0) == 0.0  # logits / T would overflow
     assert _temperature(0.7) == 0.7
+
+
+def test_pending_is_counted_in_sequences_and_refused_past_the_bound():
+    stats: dict = {}
+    budget = PendingBudget(10, stats, retry_after_s=3)
+    budget.take(6)  # one request of 2 prompts x n 3
+    budget.take(4)
+    assert stats["pending"] == 10
+    with pytest.raises(APIError) as full:
+        budget.take(1)
+    assert full.value.status == 429 and full.value.headers == {"retry-after": "3"}
+    assert "10 of 10 sequences pending" in full.value.message and stats["pending"] == 10
+    budget.release(6)
+    budget.take(5)
+    budget.release(5)
+    budget.release(4)
+    assert stats["pending"] == 0
+    budget.take(25)  # an idle server takes any request the work caps let through
+    assert stats["pending"] == 25
