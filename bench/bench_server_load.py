@@ -16,6 +16,13 @@ A request is *accepted* when the server did not refuse it for load (429,
 503); every accepted request must be served (200 and, when streamed, a
 ``[DONE]``): the report's ``accepted_not_served`` is the goal's 0.
 
+Then the same load runs again with a hostile mix alongside (``--stalled``
+clients that send a large streaming request through a 4 KiB receive buffer
+and never read, ``--slow-bodies`` clients that trickle a body byte by byte,
+``--huge`` clients sending requests at the server's work caps, 1024 sequences
+each): the normal requests' p50/p99 with and without the mix, their ratio,
+and how many normal requests failed (the goal: none).
+
     python bench/bench_server_load.py [--concurrency 64] [--requests 2000] [--tricklers 32]
 """
 
@@ -23,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import socket
 import statistics
 import subprocess
 import sys
@@ -140,14 +149,92 @@ async def trickler(host: str, port: int, every_s: float, stop: asyncio.Event, re
             writer.close()
 
 
-async def drive(url: str, args, report: Report) -> None:
-    """Run the load: ``args.concurrency`` clients over ``args.requests`` requests, plus tricklers."""
+STALLED_BODY = {
+    "messages": [{"role": "user", "content": "1+"}],
+    "n": 32,
+    "max_tokens": 100,
+    "logprobs": True,
+    "top_logprobs": 20,
+    "stream": True,
+    "ignore_eos": True,
+}  # fmt: skip  ~10 MB of events: more than every buffer between server and client holds
+
+
+async def stalled_reader(host: str, port: int, stop: asyncio.Event, hostile: Counter) -> None:
+    """Sends a large streaming request through a 4 KiB receive buffer and never reads;
+    reconnects once the server has cut it (``--write-timeout``)."""
+    body = json.dumps(STALLED_BODY).encode()
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API}\r\n"
+    head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, (host, port))
+            await loop.sock_sendall(sock, head.encode() + body)
+            hostile["stalled_sent"] += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 6.0)  # hold it past the write timeout
+        except OSError:
+            hostile["stalled_errors"] += 1
+        finally:
+            sock.close()
+
+
+async def slow_body(host: str, port: int, stop: asyncio.Event, hostile: Counter) -> None:
+    """Sends a request head, then its body one byte every 0.2 s, until the server answers."""
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API}\r\n"
+    head += "Content-Type: application/json\r\nContent-Length: 4000\r\n\r\n"
+    while not stop.is_set():
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(head.encode())
+            for _ in range(4000):
+                writer.write(b" ")
+                await writer.drain()
+                try:
+                    answer = await asyncio.wait_for(reader.read(64), 0.2)
+                except TimeoutError:
+                    continue
+                hostile[f"slow_body_{answer[9:12].decode() or 'closed'}"] += 1
+                break
+        except (ConnectionError, OSError):
+            hostile["slow_body_cut"] += 1
+        finally:
+            writer.close()
+
+
+async def huge(client: httpx.AsyncClient, stop: asyncio.Event, hostile: Counter) -> None:
+    """Requests at the server's default work caps: 16 prompts x n 64 = 1024 sequences."""
+    body = {"prompt": [f"{i}+{i}=" for i in range(16)], "n": 64, "max_tokens": 16}
+    while not stop.is_set():
+        try:
+            r = await client.post("/v1/completions", json=body)
+            hostile[f"huge_{r.status_code}"] += 1
+        except httpx.HTTPError as exc:
+            hostile[f"huge_{type(exc).__name__}"] += 1
+
+
+async def drive(url: str, args, report: Report, hostile: Counter | None = None) -> None:
+    """Run the load: ``args.concurrency`` clients over ``args.requests`` requests, plus tricklers
+    and, with ``hostile`` (its counts), the hostile mix."""
     host, port = url.removeprefix("http://").split(":")
     stop = asyncio.Event()
     slow = [
         asyncio.create_task(trickler(host, int(port), args.trickle_s, stop, report))
         for _ in range(args.tricklers)
     ]
+    if hostile is not None:
+        slow += [
+            asyncio.create_task(stalled_reader(host, int(port), stop, hostile))
+            for _ in range(args.stalled)
+        ]
+        slow += [
+            asyncio.create_task(slow_body(host, int(port), stop, hostile))
+            for _ in range(args.slow_bodies)
+        ]
     numbers = iter(range(args.requests))
     headers = {"Authorization": f"Bearer {API}"}
     limits = httpx.Limits(max_connections=args.concurrency)
@@ -157,16 +244,23 @@ async def drive(url: str, args, report: Report) -> None:
             for i in numbers:
                 await one_request(c, *request_for(i, args.stream_every, args.max_tokens), report)
 
+        if hostile is not None:
+            big = httpx.AsyncClient(base_url=url, headers=headers, timeout=600)
+            slow += [asyncio.create_task(huge(big, stop, hostile)) for _ in range(args.huge)]
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         report.seconds = time.perf_counter() - start
     stop.set()
     await asyncio.gather(*slow, return_exceptions=True)
+    if hostile is not None:
+        await big.aclose()
 
 
 def run(model_dir: Path | None, args) -> dict:
     """Start a server, warm it up, load it ``args.rounds`` times, let it settle; the numbers."""
     flags = ["--max-pending", str(args.max_pending), "--header-timeout", str(args.header_timeout)]
+    flags += ["--write-timeout", str(args.write_timeout), "--body-timeout", str(args.body_timeout)]
+    flags += ["--max-request-sequences", str(min(1024, args.max_pending))]
     proc, url = start_server(model_dir, *flags)
     try:
         warm = argparse.Namespace(**{**vars(args), "requests": args.concurrency, "tricklers": 0})
@@ -177,10 +271,12 @@ def run(model_dir: Path | None, args) -> dict:
             reports.append(Report())
             asyncio.run(drive(url, args, reports[-1]))
             after_rounds.append(round(rss_bytes(proc.pid) / 2**20, 1))
+        mixed = hostile_round(url, args)
         time.sleep(args.settle_s)
         health = httpx.get(f"{url}/health", timeout=10).json()
         return {
             **reports[-1].summary(),
+            **mixed,
             "rounds": [r.summary() for r in reports[:-1]],
             "concurrency": args.concurrency,
             "tricklers": args.tricklers,
@@ -189,11 +285,31 @@ def run(model_dir: Path | None, args) -> dict:
             "rss_mib_settled": round(rss_bytes(proc.pid) / 2**20, 1),
             "server_active_after": health["active"],
             "server_pending_after": health["http"]["pending"],
+            "server_write_timeouts": health["http"]["write_timeouts"],
             "prefix_cache_tokens_after": health["prefix_cache"]["tokens"],
         }
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def hostile_round(url: str, args) -> dict:
+    """The same normal load without and with the hostile mix: latency of the normal requests."""
+    if not (args.stalled or args.slow_bodies or args.huge):
+        return {}
+    quiet, mixed, hostile = Report(), Report(), Counter()
+    plain = argparse.Namespace(**{**vars(args), "tricklers": 0})
+    asyncio.run(drive(url, plain, quiet))
+    asyncio.run(drive(url, plain, mixed, hostile))
+    q, m = quiet.summary(), mixed.summary()
+    return {
+        "normal_alone": {k: q[k] for k in ("served", "p50_ms", "p99_ms", "status")},
+        "normal_with_hostile": {k: m[k] for k in ("served", "p50_ms", "p99_ms", "status")},
+        "p50_ratio": round(m["p50_ms"] / q["p50_ms"], 2) if q["p50_ms"] else None,
+        "p99_ratio": round(m["p99_ms"] / q["p99_ms"], 2) if q["p99_ms"] else None,
+        "normal_failed": mixed.requests - mixed.served + quiet.requests - quiet.served,
+        "hostile": dict(sorted(hostile.items())),
+    }
 
 
 def parser() -> argparse.ArgumentParser:
@@ -206,13 +322,21 @@ def parser() -> argparse.ArgumentParser:
     add("--trickle-s", type=float, default=0.5, help="seconds between a trickler's bytes")
     add("--stream-every", type=int, default=4, help="every k-th request is streamed (0: none)")
     add("--max-tokens", type=int, default=16)
-    add("--max-pending", type=int, default=256, help="the server's --max-pending")
+    add("--max-pending", type=int, default=4096, help="the server's --max-pending [sequences]")
     add("--header-timeout", type=float, default=10.0, help="the server's --header-timeout")
     add("--settle-s", type=float, default=5.0, help="seconds before the settled memory reading")
     add("--rounds", type=int, default=1, help="load rounds (memory after each: a leak grows)")
+    add("--stalled", type=int, default=4, help="hostile: clients that never read a stream")
+    add("--slow-bodies", type=int, default=8, help="hostile: clients trickling a body")
+    add("--huge", type=int, default=1, help="hostile: clients sending requests at the caps")
+    add("--write-timeout", type=float, default=2.0, help="the server's --write-timeout")
+    add("--body-timeout", type=float, default=2.0, help="the server's --body-timeout")
     return ap
 
 
 if __name__ == "__main__":
     a = parser().parse_args()
-    print(json.dumps(run(Path(a.model) if a.model else None, a), indent=2))
+    result = run(Path(a.model) if a.model else None, a)
+    print(json.dumps(result, indent=2))
+    if result.get("normal_failed"):
+        raise SystemExit(f"{result['normal_failed']} normal requests failed under the hostile mix")

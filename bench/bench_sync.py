@@ -155,8 +155,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+ADMIN = "bench-sync-admin"  # the server's /v1/weights and /v1/sync need an admin key
+
+
 def start_server(model_dir: Path, threads: int) -> tuple[subprocess.Popen, str]:
-    return serve_util.start_server(model_dir, "--threads", str(threads))
+    env = {"RLPOST_ADMIN_KEY": ADMIN}
+    return serve_util.start_server(model_dir, "--threads", str(threads), env=env)
 
 
 def rss_kb(pid: int, field: str) -> int:
@@ -240,7 +244,8 @@ def run_model(name: str, args, out: dict) -> None:
 
 
 def _setups(transport: str, name, config, model, args, rows):
-    options = TransportOptions(timeout_s=TIMEOUT_S)
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    options = TransportOptions(timeout_s=TIMEOUT_S, headers=headers)
     if transport == "inprocess":
         yield _Ctx(lambda: [InProcessTransport(empty_engine(config), options)])
     elif transport == "http":
@@ -279,7 +284,7 @@ class _HttpCtx:
         self.model.save_pretrained(d)
         build_char_tokenizer().save_pretrained(d)
         self.proc, url = start_server(d, self.args.threads)
-        client = CompletionClient(url, timeout=TIMEOUT_S)
+        client = CompletionClient(url, timeout=TIMEOUT_S, admin_key=ADMIN)
 
         def old_push():
             start = time.perf_counter()

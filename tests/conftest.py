@@ -7,6 +7,10 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Rollout servers the tests start and the trainers that push weights to them share one admin
+# key through the environment, as an operator's do: a server without one refuses weights.
+TEST_ADMIN_KEY = os.environ.setdefault("RLPOST_ADMIN_KEY", "rlpost-test-admin-key")
+ADMIN_HEADERS = {"Authorization": f"Bearer {TEST_ADMIN_KEY}"}
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,8 @@
 
 A malformed row is either skipped and counted by reason or refused with the file
 and line, as ``data.on_bad_row`` says; it is never used silently. Bad rows are:
-bytes that are not UTF-8, a line that is not JSON, a row that is not an object,
+bytes that are not UTF-8, a line that is not JSON, JSON nested deeper than
+64 levels, a row that is not an object,
 a missing or empty prompt, a missing or empty answer, and a prompt template
 naming a field the row lacks. (Prompts too long for the model are a reason too,
 counted by :mod:`rlpost.data.render` once the tokenizer is known.)
@@ -23,6 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from rlpost.data import safe_json
 from rlpost.errors import one_line
 from rlpost.types import Prompt
 
@@ -81,8 +83,8 @@ def read_rows(path: Path) -> list[tuple[int, Any]]:
                 if not line.strip():
                     continue
                 try:
-                    out.append((i, json.loads(line)))
-                except json.JSONDecodeError as exc:
+                    out.append((i, safe_json.loads(line)))
+                except (json.JSONDecodeError, safe_json.TooDeep) as exc:
                     out.append((i, exc))
         return out
     if path.suffix == ".parquet":
@@ -102,6 +104,8 @@ def unreadable(row: Any) -> Problem | None:
         return "not_utf8", f"not UTF-8 ({row})"
     if isinstance(row, json.JSONDecodeError):
         return "invalid_json", f"not valid JSON ({row.msg})"
+    if isinstance(row, safe_json.TooDeep):
+        return "too_deep", f"JSON {row}"
     if not isinstance(row, dict):
         return "not_object", "row is not an object"
     return None

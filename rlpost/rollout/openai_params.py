@@ -10,10 +10,12 @@ a 4xx with a one-line reason in the OpenAI error envelope.
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlpost.data import safe_json
 from rlpost.rollout.protocol import LogitAdjust, SamplingParams
 
 MAX_TOP_LOGPROBS = 20
@@ -47,6 +49,9 @@ NEUTRAL = {
     "parallel_tool_calls": lambda v, _: isinstance(v, bool),
     "response_format": lambda v, _: v == {"type": "text"},
 }
+# Flags that must be JSON booleans (a string "false" would otherwise read as true).
+_BOOLS = {"stream", "ignore_eos", "return_token_ids", "return_tokens_as_token_ids"}
+BOOL_FIELDS = {False: _BOOLS | {"add_special_tokens"}, True: _BOOLS | {"logprobs"}}
 NEUTRAL_ON = {
     "completions": {"echo", "suffix", "best_of"},
     "chat": set(NEUTRAL) - {"echo", "suffix", "best_of"},
@@ -67,6 +72,34 @@ def error_body(message: str, param: str | None = None, kind: str = "invalid_requ
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
+_SHOW = reprlib.Repr()  # Python 3.11's Repr takes no arguments
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 2, 40, 40, 40
+_SHOW.maxlist = _SHOW.maxdict = 4
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` cut short (a client's value may be megabytes, or nested deep), ASCII."""
+    return _SHOW.repr(value).encode("ascii", "backslashreplace").decode()
+
+
+def name_of(key: Any) -> str:
+    """A client's field name as it may appear in a message and ``param``: short, ASCII."""
+    text = key if isinstance(key, str) else repr(key)
+    text = text.encode("ascii", "backslashreplace").decode()
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def checked_text(value: str, param: str) -> str:
+    """``value`` unless it holds a lone surrogate (JSON allows ``"\\ud800"``; no tokenizer does)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(
+            400, f"{param} holds a lone surrogate ({shown(value[exc.start])}) at {exc.start}", param
+        ) from None
+    return value
+
+
 @dataclass
 class ServerSettings:
     """Limits a request is checked against."""
@@ -76,9 +109,24 @@ class ServerSettings:
     max_n: int = 64
     max_model_len: int | None = None
     max_prompts: int = 1024  # prompts in one /v1/completions request
+    max_request_sequences: int = 1024  # prompts x n of one request
+    max_request_tokens: int = 1 << 21  # prompts x n x max_tokens x (1 + top logprobs)
     weights_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
     weights_dir: Path | None = None  # resolved; None: no loads from a path
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """A request body as a JSON object; a 400 for anything else (nesting bounded)."""
+    try:
+        body = safe_json.loads(raw)
+    except safe_json.TooDeep as exc:
+        raise APIError(400, f"request body: JSON {exc}") from None
+    except ValueError:  # JSONDecodeError, bytes that are not UTF-8, a 5000-digit number
+        raise APIError(400, "request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    return body
 
 
 def refuse_unsupported(body: dict, *, chat: bool) -> None:
@@ -92,16 +140,24 @@ def refuse_unsupported(body: dict, *, chat: bool) -> None:
         if key in neutral:
             if NEUTRAL[key](value, body):
                 continue
-            raise APIError(400, f"{key}={value!r} is not supported by this server", key)
-        raise APIError(400, f"{key} is not supported by this server's {endpoint}", key)
+            raise APIError(400, f"{key}={shown(value)} is not supported by this server", key)
+        field = name_of(key)
+        raise APIError(400, f"{field} is not supported by this server's {endpoint}", field)
+    for key in BOOL_FIELDS[chat] & body.keys():
+        if body[key] is not None and not isinstance(body[key], bool):
+            raise APIError(400, f"{key} must be true or false, got {shown(body[key])}", key)
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise APIError(400, f"user must be a string, got {shown(body['user'])}", "user")
     if body.get("stream_options") is not None:
         options = body["stream_options"]
         if not body.get("stream"):
             raise APIError(400, "stream_options needs stream=true", "stream_options")
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise APIError(400, "stream_options supports only include_usage", "stream_options")
-    if not isinstance(body.get("stream", False), bool):
-        raise APIError(400, "stream must be true or false", "stream")
+        if not isinstance(options.get("include_usage", False), bool):
+            raise APIError(
+                400, "stream_options.include_usage must be true or false", "stream_options"
+            )
 
 
 def parse_adjust(body: dict, vocab: int) -> LogitAdjust | None:
@@ -115,10 +171,10 @@ def parse_adjust(body: dict, vocab: int) -> LogitAdjust | None:
         )
     pairs = []
     for key, value in bias.items():
-        token = int(key) if isinstance(key, str) and key.isdigit() else -1
-        if not 0 <= token < vocab:
+        token = ascii_int(key) if isinstance(key, str) else None
+        if token is None or not 0 <= token < vocab:
             raise APIError(
-                400, f"logit_bias key {key!r} is not a token id in [0, {vocab})", "logit_bias"
+                400, f"logit_bias key {shown(key)} is not a token id in [0, {vocab})", "logit_bias"
             )
         if (
             isinstance(value, bool)
@@ -126,7 +182,9 @@ def parse_adjust(body: dict, vocab: int) -> LogitAdjust | None:
             or not -100 <= value <= 100
         ):
             raise APIError(
-                400, f"logit_bias[{key}]={value!r} must be a number in [-100, 100]", "logit_bias"
+                400,
+                f"logit_bias[{key}]={shown(value)} must be a number in [-100, 100]",
+                "logit_bias",
             )
         pairs.append((token, float(value)))
     adjust = LogitAdjust(
@@ -140,6 +198,13 @@ def parse_adjust(body: dict, vocab: int) -> LogitAdjust | None:
 # ---------------------------------------------------------------- parsing
 
 
+def ascii_int(text: str, digits: int = 18) -> int | None:
+    """``int(text)`` for up to ``digits`` ASCII digits, else None (``"²".isdigit()`` is True,
+    and ``int`` refuses more than 4300 digits)."""
+    ok = text.isascii() and text.isdigit() and len(text) <= digits
+    return int(text) if ok else None
+
+
 def _field(body: dict, key: str, default, low, high=math.inf, *, integer=False, low_open=False):
     """``body[key]`` checked to be a number (an integer if ``integer``) in range; ``default`` if absent."""
     value = body.get(key)
@@ -147,15 +212,17 @@ def _field(body: dict, key: str, default, low, high=math.inf, *, integer=False, 
         return default
     if isinstance(value, bool) or not isinstance(value, int if integer else int | float):
         kind = "an integer" if integer else "a number"
-        raise APIError(400, f"{key} must be {kind}, got {value!r}", key)
-    if not math.isfinite(value):  # JSON parsers accept NaN and Infinity
-        raise APIError(400, f"{key} must be a finite number, got {value!r}", key)
+        raise APIError(400, f"{key} must be {kind}, got {shown(value)}", key)
+    if not integer and isinstance(value, int):
+        value = float(value) if abs(value) < 1e300 else math.inf  # float() overflows beyond
+    if not isinstance(value, int) and not math.isfinite(value):  # JSON allows NaN, Infinity
+        raise APIError(400, f"{key} must be a finite number, got {shown(value)}", key)
     if value < low or (low_open and value == low) or value > high:
         if math.isinf(high):
             bound = f"{'>' if low_open else '>='} {low}"
         else:
             bound = f"in {'(' if low_open else '['}{low}, {high}]"
-        raise APIError(400, f"{key}={value} must be {bound}", key)
+        raise APIError(400, f"{key}={shown(value)} must be {bound}", key)
     return value
 
 
@@ -167,6 +234,8 @@ def _temperature(value: float) -> float:
 
 
 def _token_list(value: Any, vocab: int, key: str) -> list[int]:
+    if not isinstance(value, list):
+        raise APIError(400, f"{key} must be a list of token ids, got {shown(value)}", key)
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise APIError(400, f"{key} token ids must be integers", key)
     bad = [t for t in value if not 0 <= t < vocab]
@@ -191,7 +260,8 @@ def parse_prompts(
     prompts = []
     for item in items:
         if isinstance(item, str):
-            ids = tokenizer(item, add_special_tokens=add_special_tokens)["input_ids"]
+            text = checked_text(item, "prompt")
+            ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         elif isinstance(item, list):
             ids = _token_list(item, len(tokenizer), "prompt")
         else:
@@ -207,17 +277,20 @@ def chat_prompt(messages: Any, tokenizer) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list", "messages")
     turns = []
-    for m in messages:
+    for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, "each message needs a string role and content", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # OpenAI content parts; only text parts are understood
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        if not isinstance(content, str):
-            raise APIError(400, "each message needs a string role and content", "messages")
-        turns.append({"role": m["role"], "content": content})
+            raise APIError(400, f"messages[{i}] needs a string role and content", "messages")
+        role = checked_text(m["role"], f"messages[{i}].role")
+        turns.append({"role": role, "content": _content(m.get("content"), i)})
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+        from jinja2 import TemplateError
+
+        try:
+            ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+        except (TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
+            line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            why = f"messages: the chat template refused them ({line})"
+            raise APIError(400, why, "messages") from None
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     else:
         text = "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant: "
@@ -225,6 +298,27 @@ def chat_prompt(messages: Any, tokenizer) -> list[int]:
     if not ids:
         raise APIError(400, "messages are empty: the prompt has no tokens", "messages")
     return list(ids)
+
+
+def _content(content: Any, i: int) -> str:
+    """A message's text: a string, or OpenAI content parts that are all text parts."""
+    where = f"messages[{i}].content"
+    if isinstance(content, str):
+        return checked_text(content, where)
+    if not isinstance(content, list):
+        raise APIError(400, f"{where} must be a string or a list of text parts", "messages")
+    texts = []
+    for j, part in enumerate(content):
+        ok = isinstance(part, dict) and part.get("type", "text") == "text"
+        if not ok or not isinstance(part.get("text"), str):
+            raise APIError(
+                400,
+                f'{where}[{j}] must be a text part {{"type": "text", "text": string}}, '
+                f"got {shown(part)}",
+                "messages",
+            )
+        texts.append(checked_text(part["text"], f"{where}[{j}].text"))
+    return "".join(texts)
 
 
 def parse_sampling(body: dict, settings: ServerSettings, tokenizer, *, chat: bool) -> dict:
@@ -246,7 +340,7 @@ def parse_sampling(body: dict, settings: ServerSettings, tokenizer, *, chat: boo
         raise APIError(
             400, f"stop must be a string or a list of at most {MAX_STOP_TEXTS} strings", "stop"
         )
-    top_k = _field(body, "top_k", -1, -1, integer=True)
+    top_k = _field(body, "top_k", -1, -1, 1 << 31, integer=True)
     params = SamplingParams(
         temperature=_temperature(_field(body, "temperature", 1.0, 0)),
         top_p=float(_field(body, "top_p", 1.0, 0, 1, low_open=True)),
@@ -282,3 +376,31 @@ def check_context(prompts: list[list[int]], max_tokens: int, settings: ServerSet
             f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {limit} tokens",
             "max_tokens",
         )
+
+
+def check_work(prompts: list[list[int]], fields: dict, settings: ServerSettings) -> int:
+    """The request's sequences (prompts x n); a 400 naming the limit it passes.
+
+    Sequences bound the batch slots and memory a request holds; token entries
+    (sequences x max_tokens x (1 + top logprobs)) bound the decode steps and the
+    size of the response it builds.
+    """
+    n, max_tokens, top = fields["n"], fields["params"].max_tokens, fields["top_logprobs"]
+    sequences = len(prompts) * n
+    if sequences > settings.max_request_sequences:
+        raise APIError(
+            400,
+            f"{len(prompts)} prompts x n={n} = {sequences} sequences; this server takes at most "
+            f"{settings.max_request_sequences} in one request (--max-request-sequences)",
+            "n",
+        )
+    entries = sequences * max_tokens * (1 + top)
+    if entries > settings.max_request_tokens:
+        raise APIError(
+            400,
+            f"{sequences} sequences x max_tokens={max_tokens} x (1 + {top} top logprobs) = "
+            f"{entries} token entries; this server takes at most {settings.max_request_tokens} "
+            "in one request (--max-request-tokens)",
+            "max_tokens",
+        )
+    return sequences

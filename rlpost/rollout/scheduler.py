@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -42,6 +42,7 @@ import torch
 from transformers import DynamicCache
 
 from rlpost.rollout import prefix_cache as pc
+from rlpost.rollout.admission import FairQueue
 from rlpost.rollout.prefix_cache import LayerKV, PrefixCache
 from rlpost.rollout.protocol import LogitAdjust, SamplingParams, adjust_logits, sample_tokens
 from rlpost.types import FinishReason
@@ -121,6 +122,7 @@ class Ticket:
         self.future: Future[list[SampleOutput]] = Future()
         self.cancelled = False
         self.keep_partial = False
+        self.group = -1  # the submission it came with (fair admission)
         self.outputs: list[SampleOutput | None] = [None] * request.n
         self.remaining = request.n
         seed = request.seed if request.seed is not None else request.params.seed
@@ -184,7 +186,7 @@ class Scheduler:
         self._params = dict(model.named_parameters(remove_duplicate=False))
         self._params.update(dict(model.named_buffers(remove_duplicate=False)))
         self._cond = threading.Condition()
-        self._waiting: deque[Ticket] = deque()
+        self._waiting = FairQueue()
         self._weights: deque[_WeightUpdate] = deque()
         # names an update wrote before it failed: until a later update rewrites them all the
         # model holds a mix of two versions, and no request is admitted
@@ -246,7 +248,7 @@ class Scheduler:
         with self._cond:
             if self._stop:  # nothing would ever answer them
                 raise RuntimeError("the scheduler stopped; it takes no new requests")
-            self._waiting.extend(tickets)
+            self._waiting.push(tickets)
             self._cond.notify_all()
         return tickets
 
@@ -322,7 +324,7 @@ class Scheduler:
 
     def stats(self) -> dict[str, float]:
         with self._cond:
-            waiting = sum(t.request.n for t in self._waiting)
+            waiting = self._waiting.sequences()
         return {
             **self.counters,
             "active": len(self._rows),
@@ -372,23 +374,14 @@ class Scheduler:
             update.done.set()
 
     def _take_admissible(self) -> list[Ticket]:
-        """Waiting tickets that fit in the batch, first come first served (caller holds the lock);
-        none while the model holds a partly applied update."""
-        taken: list[Ticket] = []
+        """Waiting tickets that fit in the batch, a fair share per submission
+        (:mod:`~rlpost.rollout.admission`; caller holds the lock); none while the model
+        holds a partly applied update."""
         if self._mixed:
-            return taken
+            return []
+        running = Counter(s.ticket.group for s in self._rows)
         room = self.max_batch - len(self._rows)
-        while self._waiting:
-            ticket = self._waiting[0]
-            if ticket.cancelled:
-                self._waiting.popleft()
-                self._finish_cancelled(ticket)
-                continue
-            if ticket.request.n > room and (self._rows or taken):
-                break
-            taken.append(self._waiting.popleft())
-            room -= ticket.request.n
-        return taken
+        return self._waiting.take(room, running, bool(self._rows), self._finish_cancelled)
 
     @torch.no_grad()
     def _apply_weights(self, update: _WeightUpdate) -> None:
@@ -438,8 +431,7 @@ class Scheduler:
         tickets.update({id(t): t for t in admitted})
         if self._stop:
             with self._cond:
-                tickets.update({id(t): t for t in self._waiting})
-                self._waiting.clear()
+                tickets.update({id(t): t for t in self._waiting.clear()})
         for ticket in tickets.values():
             if not ticket.future.done():
                 ticket.future.set_exception(exc)
@@ -562,13 +554,19 @@ class Scheduler:
         self.counters["tokens"] += len(seqs)
 
     def _top_alternatives(self, seqs: list[_Seq], logits: torch.Tensor) -> list:
+        """The ``top_logprobs`` most likely (id, logprob) of each row that asks, in one topk
+        over those rows (a row at a time cost a Python round trip per row and step)."""
         out: list = [None] * len(seqs)
-        for i, s in enumerate(seqs):
-            k = s.ticket.request.top_logprobs
-            if k > 0:
-                temp = s.ticket.request.params.temperature or 1.0
-                values, ids = torch.log_softmax(logits[i].float() / temp, dim=-1).topk(k)
-                out[i] = list(zip(ids.tolist(), values.tolist(), strict=True))
+        ks = [s.ticket.request.top_logprobs for s in seqs]
+        rows = [i for i, k in enumerate(ks) if k > 0]
+        if not rows:
+            return out
+        temps = [seqs[i].ticket.request.params.temperature or 1.0 for i in rows]
+        scaled = logits[rows].float() / torch.tensor(temps, device=logits.device)[:, None]
+        values, ids = torch.log_softmax(scaled, dim=-1).topk(max(ks[i] for i in rows), dim=-1)
+        for j, (vs, ts) in enumerate(zip(values.tolist(), ids.tolist(), strict=True)):
+            k = ks[rows[j]]
+            out[rows[j]] = list(zip(ts[:k], vs[:k], strict=True))
         return out
 
     def _check_finished(self, s: _Seq, token: int) -> None:

@@ -34,6 +34,7 @@ import socket
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -50,11 +51,15 @@ from rlpost.rollout.openai_format import ChoiceStream, format_choice
 from rlpost.rollout.openai_params import (
     APIError,
     ServerSettings,
+    ascii_int,
     chat_prompt,
     check_context,
+    check_work,
     error_body,
+    parse_json_object,
     parse_prompts,
     parse_sampling,
+    shown,
 )
 from rlpost.rollout.prefix_cache import PrefixCache
 from rlpost.rollout.scheduler import GenerationRequest, Scheduler, Ticket
@@ -62,13 +67,46 @@ from rlpost.rollout.server_guard import (
     MIB,
     Guard,
     GuardSettings,
+    PendingBudget,
     confined_weights_files,
     load_safetensors_files,
 )
-from rlpost.rollout.server_net import bind_refusal, guarded_h11, is_loopback
+from rlpost.rollout.server_net import WRITE_TIMEOUTS, bind_refusal, guarded_h11, is_loopback
 from rlpost.rollout.sync_routes import router as sync_router
 
 POLL_SECONDS = 0.1  # how often a waiting request checks that its client is still there
+
+
+@dataclass
+class Plan:
+    """One parsed, tokenised, checked generation request."""
+
+    prompts: list[list[int]]
+    fields: dict  # GenerationRequest keyword arguments, plus n and seed
+    head: dict  # id, created, model
+    chat: bool
+    logprobs: bool
+    stream: bool
+    usage: bool
+    sequences: int  # prompts x n
+
+
+class ReleasingStream(StreamingResponse):
+    """A streamed response that closes its events and calls ``release`` however it ends
+    (finished, client gone, connection cut for a stalled reader)."""
+
+    def __init__(self, events, release, **kwargs) -> None:
+        super().__init__(events, **kwargs)
+        self.release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()  # its finally cancels the tickets
+            finally:
+                self.release()
 
 
 class RolloutService:
@@ -78,7 +116,8 @@ class RolloutService:
         self.scheduler, self.tokenizer, self.settings = scheduler, tokenizer, settings
         self.recorder = Recorder(None)
         self.counts = {"ok": 0, "rejected": 0, "failed": 0, "disconnected": 0, "timed_out": 0}
-        self.guard: dict[str, int] = {"pending": 0}  # kept by Guard: pending, refused_<status>
+        self.guard: dict[str, int] = {"pending": 0}  # pending sequences, refused_<status>
+        self.budget = PendingBudget(GuardSettings().max_pending, self.guard)
         # Throughput and utilisation are measured between two /metrics scrapes.
         self.window = (time.monotonic(), 0, 0.0)
         self.rates = {"rollout_tps": 0.0, "rollout_utilization": 0.0}
@@ -129,8 +168,9 @@ class RolloutService:
     def _timeout_line(self) -> str:
         return f"the request ran past the server's --request-timeout of {self.settings.request_timeout_s} s"
 
-    async def respond(self, request: Request, chat: bool):
-        body, tok, settings = await json_body(request), self.tokenizer, self.settings
+    def plan(self, raw: bytes, chat: bool) -> Plan:
+        """Parse, tokenise and check one request (on a worker thread: it may be megabytes)."""
+        body, tok, settings = parse_json_object(raw), self.tokenizer, self.settings
         fields = parse_sampling(body, settings, tok, chat=chat)
         if chat:
             prompts = [chat_prompt(body.get("messages"), tok)]
@@ -142,76 +182,108 @@ class RolloutService:
                 settings.max_prompts,
             )
         check_context(prompts, fields["params"].max_tokens, settings)
-        want = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
+        sequences = check_work(prompts, fields, settings)
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "created": int(time.time()),
             "model": settings.model_name,
         }
-        if body.get("stream"):
-            usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            events = self.stream(prompts, fields, head, chat=chat, logprobs=want, usage=usage)
-            return StreamingResponse(events, media_type="text/event-stream")
-        results = await self.generate(request, prompts, fields)
-        if results is None:
-            return Response(status_code=499)  # nobody is listening
+        return Plan(
+            prompts,
+            fields,
+            head,
+            chat=chat,
+            logprobs=bool(body.get("logprobs")) if chat else body.get("logprobs") is not None,
+            stream=body.get("stream") is True,
+            usage=bool((body.get("stream_options") or {}).get("include_usage")),
+            sequences=sequences,
+        )
+
+    async def respond(self, request: Request, chat: bool):
+        plan = await run_in_threadpool(self.plan, await request.body(), chat)
+        self.budget.take(plan.sequences)  # 429 when the server is full
+        release = partial(self.budget.release, plan.sequences)
+        if plan.stream:
+            return ReleasingStream(self.stream(plan), release, media_type="text/event-stream")
+        try:
+            results = await self.generate(request, plan.prompts, plan.fields)
+            if results is None:
+                return Response(status_code=499)  # nobody is listening
+            content = await run_in_threadpool(self.whole_response, plan, results)
+        finally:
+            release()
+        self.counts["ok"] += 1
+        return Response(content, media_type="application/json")
+
+    def whole_response(self, plan: Plan, results: list) -> bytes:
+        """The response body of a finished request, serialised (on a worker thread)."""
+        n, tok = plan.fields["n"], self.tokenizer
         choices = [
-            format_choice(i * fields["n"] + j, out, tok, chat=chat, logprobs=want)
+            format_choice(i * n + j, out, tok, chat=plan.chat, logprobs=plan.logprobs)
             for i, outs in enumerate(results)
             for j, out in enumerate(outs)
         ]
-        self.counts["ok"] += 1
-        return {
-            **head,
-            "object": "chat.completion" if chat else "text_completion",
+        body = {
+            **plan.head,
+            "object": "chat.completion" if plan.chat else "text_completion",
             "policy_version": min(c["policy_version"] for c in choices),
             "choices": choices,
-            "usage": _usage(prompts, sum(len(c["token_ids"]) for c in choices)),
+            "usage": _usage(plan.prompts, sum(len(c["token_ids"]) for c in choices)),
         }
+        return json.dumps(body).encode()
 
-    async def stream(self, prompts, fields, head, *, chat, logprobs, usage):
+    async def stream(self, plan: Plan):
         """Server-sent events: one chunk per sampled token, then ``data: [DONE]``.
 
         A chunk carries the token's id, logprob and policy version; a failure
         mid-stream is an ``error`` event (the status line has gone already).
+        Events that arrived together are turned into chunks together, on a
+        worker thread (decoding text is the costly part).
         """
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        n, tok = fields["n"], self.tokenizer
-        holdback = max((len(s) for s in fields["stop_texts"]), default=1) - 1
-        streams = [ChoiceStream(i, tok, holdback, chat=chat) for i in range(len(prompts) * n)]
-        tickets = self.submit(prompts, fields, partial(_post, loop, queue))
+        n, tok, chat = plan.fields["n"], self.tokenizer, plan.chat
+        holdback = max((len(s) for s in plan.fields["stop_texts"]), default=1) - 1
+        streams = [ChoiceStream(i, tok, holdback, chat=chat) for i in range(len(plan.prompts) * n)]
+        tickets = self.submit(plan.prompts, plan.fields, partial(_post, loop, queue))
         for t in tickets:
             t.future.add_done_callback(partial(_post, loop, queue, None))
-        head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+        head = {**plan.head, "object": "chat.completion.chunk" if chat else "text_completion"}
+
+        def chunks(events: list) -> tuple[str, int]:
+            out, finished = [], 0
+            for prompt, event in events:
+                choice = streams[prompt * n + event.index].chunk(event, plan.logprobs)
+                finished += event.finish is not None
+                out.append(_sse({**head, "policy_version": event.version, "choices": [choice]}))
+            return "".join(out), finished
+
         left, sampled = len(streams), 0
         deadline = time.monotonic() + self.settings.request_timeout_s
         try:
             while left:
                 try:
-                    prompt, event = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
+                    first = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
                 except TimeoutError:
                     self.counts["timed_out"] += 1
                     yield _sse(error_body(self._timeout_line(), kind="timeout"))
                     return
-                if prompt is None:  # a ticket's future: only a failure matters here
-                    if not event.cancelled() and event.exception() is not None:
-                        self.counts["failed"] += 1
-                        yield _sse(
-                            error_body(
-                                f"generation failed: {event.exception()}", kind="internal_error"
-                            )
-                        )
-                        return
-                    continue
-                choice = streams[prompt * n + event.index].chunk(event, logprobs)
-                sampled += 1
-                left -= event.finish is not None
-                yield _sse({**head, "policy_version": event.version, "choices": [choice]})
-            if usage:
-                yield _sse({**head, "choices": [], "usage": _usage(prompts, sampled)})
+                events = [first] + [queue.get_nowait() for _ in range(queue.qsize())]
+                tokens = [(p, e) for p, e in events if p is not None]
+                failed = [e for p, e in events if p is None and _failure(e) is not None]
+                if tokens:
+                    text, finished = await run_in_threadpool(chunks, tokens)
+                    sampled, left = sampled + len(tokens), left - finished
+                    yield text
+                if failed:  # a ticket's future: only a failure matters here
+                    self.counts["failed"] += 1
+                    line = f"generation failed: {_failure(failed[0])}"
+                    yield _sse(error_body(line, kind="internal_error"))
+                    return
+            if plan.usage:
+                yield _sse({**head, "choices": [], "usage": _usage(plan.prompts, sampled)})
             self.counts["ok"] += 1
             yield "data: [DONE]\n\n"
-        finally:  # also when the client goes away: its samples leave the batch
+        finally:  # also when the client goes away or is cut: its samples leave the batch
             self.cancel(tickets)
 
     async def weights(self, request: Request) -> dict:
@@ -251,7 +323,7 @@ class RolloutService:
             "status": "ok" if alive else "scheduler stopped",
             "model": self.settings.model_name,
             **self.scheduler.stats(),
-            "http": {**self.counts, **self.guard},
+            "http": {**self.counts, **self.guard, "write_timeouts": WRITE_TIMEOUTS[0]},
             "rss_bytes": _rss_bytes(),
             "prefix_cache": self.scheduler.prefix_cache.stats(),
         }
@@ -271,13 +343,13 @@ class RolloutService:
 
 
 async def json_body(request: Request) -> dict:
-    try:
-        body = await request.json()
-    except ValueError:
-        raise APIError(400, "request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object")
-    return body
+    return parse_json_object(await request.body())
+
+
+def error_response(status: int, body: dict, headers: dict | None = None) -> Response:
+    """An error body as ASCII JSON: a client's lone surrogate, echoed, cannot break it."""
+    content = json.dumps(body, ensure_ascii=True).encode()
+    return Response(content, status_code=status, headers=headers, media_type="application/json")
 
 
 def create_app(
@@ -289,7 +361,9 @@ def create_app(
     """
     app = FastAPI(title="rlpost rollout server")
     service = app.state.service = RolloutService(scheduler, tokenizer, settings)
-    app.add_middleware(Guard, settings=guard or GuardSettings(), stats=service.guard)
+    guard = guard or GuardSettings()
+    service.budget = PendingBudget(guard.max_pending, service.guard, guard.retry_after_s)
+    app.add_middleware(Guard, settings=guard, stats=service.guard)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -297,14 +371,13 @@ def create_app(
         headers = dict(exc.headers or {})
         if exc.status in (408, 413):  # the rest of the body is not worth reading
             headers["connection"] = "close"
-        body = error_body(exc.message, exc.param)
-        return JSONResponse(body, status_code=exc.status, headers=headers)
+        return error_response(exc.status, error_body(exc.message, exc.param), headers)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         service.counts["failed"] += 1
         body = error_body(f"internal error: {typed_line(exc)}", kind="internal_error")
-        return JSONResponse(body, status_code=500)
+        return error_response(500, body)
 
     async def completions(request: Request):
         return await service.respond(request, chat=False)
@@ -348,6 +421,10 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
+def _failure(future) -> BaseException | None:
+    return None if future.cancelled() else future.exception()
+
+
 def _post(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, prompt, event) -> None:
     """Hand an event from the scheduler thread to the stream's queue; never raises there."""
     # RuntimeError: the loop has closed, so nobody is listening any more.
@@ -356,10 +433,12 @@ def _post(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, prompt, event) 
 
 
 def _version(value: Any) -> int:
-    text = str(value) if isinstance(value, int | str) and not isinstance(value, bool) else ""
-    if not text.isdigit():
-        raise APIError(400, f"version must be an integer >= 0, got {value!r}", "version")
-    return int(text)
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62:
+        return value
+    number = ascii_int(value) if isinstance(value, str) else None
+    if number is None:
+        raise APIError(400, f"version must be an integer >= 0, got {shown(value)}", "version")
+    return number
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -397,13 +476,17 @@ LIMIT_FLAGS = [
     ("--max-body-mb", float, 16.0, "largest request body [MiB]; 413 beyond"),
     ("--max-weights-mb", float, 65536.0, "largest /v1/weights body [MiB]; 413 beyond"),
     ("--max-connections", int, 1024, "open connections; 503 beyond (uvicorn's limit)"),
-    ("--max-pending", int, 256, "generation requests running or queued; 429 + Retry-After beyond"),
+    ("--max-pending", int, 4096, "sequences (prompts x n) running or queued; 429 beyond"),
+    ("--max-request-sequences", int, 1024, "prompts x n of one request; 400 beyond"),
     (
-        "--request-timeout",
-        float,
-        600.0,
-        "seconds a request may take, body included; 408/504 beyond",
+        "--max-request-tokens",
+        int,
+        1 << 21,
+        "prompts x n x max_tokens x (1 + top logprobs) of one request; 400 beyond",
     ),
+    ("--request-timeout", float, 600.0, "seconds a request may generate; 504 beyond"),
+    ("--body-timeout", float, 30.0, "seconds to receive a generation request's body; 408 beyond"),
+    ("--write-timeout", float, 30.0, "seconds a response may not drain; the connection is cut"),
     ("--header-timeout", float, 10.0, "seconds to receive a request's headers; closed beyond"),
     ("--keep-alive-timeout", float, 5.0, "seconds an idle connection is kept"),
 ]
@@ -414,13 +497,19 @@ def _checked(args: argparse.Namespace) -> str | None:
     args.api_key = args.api_key or os.environ.get("RLPOST_API_KEY") or None
     args.admin_key = args.admin_key or os.environ.get("RLPOST_ADMIN_KEY") or None
     for flag in (
-        "max_batch", "max_tokens_limit", "max_n", "max_prompts", "max_connections", "max_pending"
+        "max_batch", "max_tokens_limit", "max_n", "max_prompts", "max_connections", "max_pending",
+        "max_request_sequences", "max_request_tokens",
     ):  # fmt: skip
         if getattr(args, flag) < 1:
             return f"--{flag.replace('_', '-')} must be >= 1"
-    for flag in ("max_body_mb", "max_weights_mb", "request_timeout", "header_timeout"):
+    for flag in (
+        "max_body_mb", "max_weights_mb", "request_timeout", "header_timeout", "body_timeout",
+        "write_timeout",
+    ):  # fmt: skip
         if not getattr(args, flag) > 0:
             return f"--{flag.replace('_', '-')} must be > 0"
+    if args.max_request_sequences > args.max_pending:  # such a request could never run
+        return "--max-request-sequences must be <= --max-pending"
     if args.weights_dir is not None:
         if not Path(args.weights_dir).is_dir():
             return f"--weights-dir {args.weights_dir} is not a directory"
@@ -457,11 +546,12 @@ def main(argv: list[str] | None = None, routers: dict | None = None) -> int:
     settings = ServerSettings(
         name, args.max_tokens_limit, args.max_n, scheduler.max_model_len,
         request_timeout_s=args.request_timeout, weights_dir=args.weights_dir,
-        max_prompts=args.max_prompts,
+        max_prompts=args.max_prompts, max_request_sequences=args.max_request_sequences,
+        max_request_tokens=args.max_request_tokens,
     )  # fmt: skip
     guard = GuardSettings(
         args.api_key, args.admin_key, int(args.max_body_mb * MIB), int(args.max_weights_mb * MIB),
-        args.max_pending, args.request_timeout,
+        args.max_pending, args.request_timeout, args.body_timeout,
     )  # fmt: skip
     app = create_app(scheduler, tokenizer, settings, guard)
     for prefix, router in (routers or {}).items():
@@ -486,7 +576,7 @@ def _serve(app: FastAPI, scheduler: Scheduler, args: argparse.Namespace, name: s
         app,
         log_level="warning",
         access_log=False,
-        http=guarded_h11(args.header_timeout),
+        http=guarded_h11(args.header_timeout, args.write_timeout),
         limit_concurrency=args.max_connections,
         timeout_keep_alive=args.keep_alive_timeout,
     )

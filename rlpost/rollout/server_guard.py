@@ -8,15 +8,22 @@ body is read:
   ``/metrics``) need ``Authorization: Bearer <api key>`` when an API key is
   set (401 otherwise, as vLLM does); paths under an admin prefix
   (``/v1/weights``, ``/v1/sync``, ``/v1/admin``) need the admin key (the API
-  key alone is a 403). The decision is by prefix, so a route that another
+  key alone is a 403) and are closed (403) on a server without one, loopback
+  included: any local process could otherwise replace the weights. The
+  decision is by prefix, so a route that another
   module mounts under ``/v1/sync`` later is guarded without a line here.
   Keys are compared as SHA-256 digests with :func:`hmac.compare_digest`
   (constant time, length included) and never logged.
 * **body size**: a ``Content-Length`` above the limit is a 413 at once; a
   chunked body is counted as it arrives and refused when it passes the limit.
-* **pending requests**: generation requests in flight (running or queued)
-  are bounded; one more is a 429 with ``Retry-After``.
-* **request time**: the body must arrive within the request timeout (408).
+* **bodies first**: a generation request's body is read whole, within the
+  short body timeout (408 beyond), before it counts as pending, so a client
+  trickling its body holds no slot; a control route's body (weights, up to
+  gigabytes) streams to its route within the request timeout.
+* **pending sequences**: the sequences of accepted generation requests
+  (prompts x n, running or queued) are bounded by :class:`PendingBudget`; a
+  request that would pass the bound is a 429 with ``Retry-After``, and once
+  the bound is reached one is refused from its headers alone.
 
 A refusal for size closes the connection (the body is not read); other
 refusals keep it, and uvicorn reads past the (bounded) body.
@@ -40,6 +47,10 @@ OPEN_PATHS = ("/health", "/metrics")
 ADMIN_PREFIXES = ("/v1/weights", "/v1/sync", "/v1/admin")
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 MIB = 1 << 20
+NO_ADMIN_KEY = (
+    "this endpoint changes the served weights and is closed: the server has no admin key "
+    "(start it with --admin-key or RLPOST_ADMIN_KEY)"
+)
 
 
 @dataclass
@@ -50,8 +61,9 @@ class GuardSettings:
     admin_key: str | None = None
     max_body_bytes: int = 16 * MIB
     max_weights_bytes: int = 65536 * MIB
-    max_pending: int = 256
+    max_pending: int = 4096  # sequences (prompts x n)
     request_timeout_s: float = 600.0
+    body_timeout_s: float = 30.0
     retry_after_s: int = 1
 
     def __repr__(self) -> str:  # keys never reach a log line or a traceback
@@ -102,13 +114,13 @@ class Guard:
 
     def authorize(self, path: str, token: str | None) -> tuple[int, str] | None:
         """None when the request may go on, else (status, one-line reason)."""
-        if path in OPEN_PATHS or (self._api is None and self._admin is None):
+        if path in OPEN_PATHS:
             return None
         if is_admin_path(path):
             if _matches(token, self._admin):
                 return None
-            if self._admin is None:
-                return 403, "this endpoint needs the admin key; the server has no --admin-key"
+            if self._admin is None:  # closed: any local process could replace the weights
+                return 403, NO_ADMIN_KEY
             if _matches(token, self._api):
                 return 403, "this endpoint needs the admin key; the API key is not enough"
             return 401, "missing or wrong admin key (send Authorization: Bearer <admin key>)"
@@ -121,15 +133,18 @@ class Guard:
             return await self.app(scope, receive, send)
         path, headers = scope["path"], scope["headers"]
         refusal = self.authorize(path, bearer_token(headers))
-        limit = (
-            self.settings.max_weights_bytes if is_admin_path(path) else self.settings.max_body_bytes
-        )
-        generate = path in GENERATE_PATHS
+        admin = is_admin_path(path)
+        limit = self.settings.max_weights_bytes if admin else self.settings.max_body_bytes
         if refusal is None and _content_length(headers) > limit:
             refusal = 413, f"request body is larger than the server's limit of {limit} bytes"
         pending = self.stats["pending"]
-        if refusal is None and generate and pending >= self.settings.max_pending:
-            refusal = 429, f"the server has {pending} requests pending; retry later"
+        if refusal is None and path in GENERATE_PATHS and pending >= self.settings.max_pending:
+            refusal = 429, f"the server has {pending} sequences pending; retry later"
+        if refusal is None and not admin:
+            body, refusal = await self._read_body(receive, limit)
+            if refusal is None:
+                return await self.app(scope, _replay(body, receive), send)
+            return await self._refuse(send, *refusal, close=True)
         if refusal is not None:
             # A body of a known, allowed size is left for uvicorn to read past and the
             # connection kept; closing with unread bytes would reset it, and the client
@@ -141,14 +156,32 @@ class Guard:
                 or _content_length(headers) > self.settings.max_body_bytes
             )
             return await self._refuse(send, *refusal, close=close)
-        self.stats["pending"] += generate
-        try:
-            await self.app(scope, self._limited(receive, limit), send)
-        finally:
-            self.stats["pending"] -= generate
+        await self.app(scope, self._limited(receive, limit), send)
+
+    async def _read_body(self, receive, limit: int) -> tuple[bytes, tuple[int, str] | None]:
+        """The whole body within the body timeout: (body, None), or (b"", refusal)."""
+        timeout = self.settings.body_timeout_s
+        deadline, parts, size = time.monotonic() + timeout, [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                return b"", (408, f"request body not received within {timeout} s")
+            if message["type"] != "http.request":  # the client went away
+                return b"", (400, "the client disconnected before sending its body")
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > limit:
+                return b"", (
+                    413,
+                    f"request body is larger than the server's limit of {limit} bytes",
+                )
+            if not message.get("more_body", False):
+                return b"".join(parts), None
 
     def _limited(self, receive, limit: int):
-        """``receive`` that counts body bytes and times the whole body out."""
+        """``receive`` that counts body bytes and times the whole body out (control routes:
+        their bodies stream to the route)."""
         timeout, state = self.settings.request_timeout_s, {"read": 0, "done": False}
         deadline = time.monotonic() + timeout
 
@@ -189,6 +222,46 @@ class Guard:
             headers.append((b"retry-after", str(self.settings.retry_after_s).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def _replay(body: bytes, receive):
+    """``receive`` that hands the app the body already read, then waits for a disconnect."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+class PendingBudget:
+    """Sequences (prompts x n) of accepted generation requests, bounded by ``max_pending``.
+
+    ``stats["pending"]`` is the count ``/health`` reports as ``http.pending``.
+    """
+
+    def __init__(self, max_pending: int, stats: dict, retry_after_s: int = 1) -> None:
+        self.max_pending, self.stats, self.retry_after_s = max_pending, stats, retry_after_s
+        self.stats.setdefault("pending", 0)
+
+    def take(self, sequences: int) -> None:
+        """Count ``sequences`` as pending, or raise a 429 when they would pass the bound."""
+        pending = self.stats["pending"]
+        if pending and pending + sequences > self.max_pending:  # an idle server takes any
+            raise APIError(
+                429,
+                f"the server has {pending} of {self.max_pending} sequences pending and this "
+                f"request adds {sequences}; retry later",
+                headers={"retry-after": str(self.retry_after_s)},
+            )
+        self.stats["pending"] = pending + sequences
+
+    def release(self, sequences: int) -> None:
+        self.stats["pending"] -= sequences
 
 
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int:

@@ -8,7 +8,10 @@ connection whose request head is not complete ``header_timeout`` seconds
 after the connection opened, or after the first byte of a later request on a
 kept-alive connection; the same bound holds for the rest of a body the
 server answered without reading (a refusal). Heads are also bounded in size
-(h11's 16 KiB).
+(h11's 16 KiB). A response that cannot drain for ``write_timeout`` seconds (the
+transport's buffer stays above its high-water mark: the client stopped
+reading, or reads a trickle) has its connection aborted; the request then sees
+a disconnect and frees its batch slots.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import socket
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+WRITE_TIMEOUTS = [0]  # connections cut because their responses did not drain (/health)
 
 
 def is_loopback(host: str) -> bool:
@@ -51,11 +56,42 @@ def bind_refusal(
     )
 
 
-def guarded_h11(header_timeout: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a timeout on receiving each request head."""
+def guarded_h11(header_timeout: float, write_timeout: float = 30.0) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a timeout on receiving each request head, and one on
+    a response that cannot drain (a client that stopped reading)."""
 
     class GuardedH11Protocol(H11Protocol):
         _head_timer = None
+        _write_timer = None
+
+        def pause_writing(self) -> None:
+            # The transport's buffer passed its high-water mark: the client is not reading
+            # as fast as we write. A zero TCP window would hold the send, the request's
+            # batch slots and the buffer for ever; abort unless it drains in time.
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_timer = self.loop.call_later(write_timeout, self._write_timed_out)
+
+        def resume_writing(self) -> None:
+            self._cancel_write_timer()
+            super().resume_writing()
+
+        def timeout_keep_alive_handler(self) -> None:
+            super().timeout_keep_alive_handler()
+            # close() waits for the buffer to drain: bytes a client never reads would keep
+            # the connection open for ever.
+            if self.transport.get_write_buffer_size() and self._write_timer is None:
+                self._write_timer = self.loop.call_later(write_timeout, self._write_timed_out)
+
+        def _cancel_write_timer(self) -> None:
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _write_timed_out(self) -> None:
+            self._write_timer = None
+            WRITE_TIMEOUTS[0] += 1
+            self.transport.abort()  # connection_lost follows: the request sees a disconnect
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -86,6 +122,7 @@ def guarded_h11(header_timeout: float) -> type[H11Protocol]:
 
         def connection_lost(self, exc) -> None:
             self._disarm()
+            self._cancel_write_timer()
             super().connection_lost(exc)
 
         def _arm(self) -> None:

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from rlpost.errors import one_line
+from rlpost.rollout.openai_params import APIError, parse_json_object
 from rlpost.sync import DeltaRefused, Receiver, SyncError
 from rlpost.sync.session import Bucket, Manifest, SessionMeta
 
@@ -93,7 +94,9 @@ async def state(request: Request) -> dict:
 @router.post("/start")
 async def start(request: Request):
     try:
-        meta = SessionMeta.from_json(await request.json())
+        meta = SessionMeta.from_json(parse_json_object(await request.body()))
+    except APIError as exc:
+        return _error(400, f"session metadata: {exc.message}")
     except ValueError as exc:
         return _error(400, f"session metadata: {one_line(exc)}")
     result = await _run(receiver_of(request.app).start, meta)
@@ -118,7 +121,9 @@ def _update(receiver: Receiver, session: str, data: bytes) -> int:
 @router.post("/{session}/finish")
 async def finish(session: str, request: Request):
     try:
-        manifest = Manifest.from_json(await request.json())
+        manifest = Manifest.from_json(parse_json_object(await request.body()))
+    except APIError as exc:
+        return _error(400, exc.message)
     except ValueError as exc:
         return _error(400, one_line(exc))
     if manifest.session != session:

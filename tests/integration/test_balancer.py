@@ -14,6 +14,7 @@ from rlpost.models.loading import load_causal_lm, load_tokenizer
 from rlpost.rollout.client import CompletionClient, encode_weights
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.rollout.remote_engine import RemoteEngine
+from tests.conftest import TEST_ADMIN_KEY
 from tests.integration.test_server import start_server, stop_server
 
 
@@ -48,7 +49,7 @@ def _urls(pair):
 
 
 def test_groups_stay_whole_and_weights_reach_every_server(pair, tok):
-    engine = RemoteEngine(_urls(pair), tok, max_inflight_per_server=2)
+    engine = RemoteEngine(_urls(pair), tok, max_inflight_per_server=2, admin_key=TEST_ADMIN_KEY)
     params = SamplingParams(temperature=1.0, max_tokens=8, stop_token_ids=(tok.eos_token_id,))
     out = engine.generate(_prompts(tok, 10), params, n=4, group_offset=100)
     assert [c.group for c in out] == [100 + g for g in range(10) for _ in range(4)]
@@ -66,9 +67,13 @@ def test_groups_stay_whole_and_weights_reach_every_server(pair, tok):
 def test_server_behind_on_weights_leaves_rotation(pair, tok):
     """A server that missed an update (e.g. restarted) must not serve a synchronous step."""
     model = load_causal_lm(pair["dir"])
-    engine = RemoteEngine(_urls(pair), tok, version=1, max_inflight_per_server=2)
+    engine = RemoteEngine(
+        _urls(pair), tok, version=1, max_inflight_per_server=2, admin_key=TEST_ADMIN_KEY
+    )
     behind = pair["servers"]["b"][1]
-    CompletionClient(behind).push_weights(encode_weights(model.named_parameters()), version=0)
+    CompletionClient(behind, admin_key=TEST_ADMIN_KEY).push_weights(
+        encode_weights(model.named_parameters()), version=0
+    )
     params = SamplingParams(temperature=1.0, max_tokens=4)
     out = engine.generate(_prompts(tok, 8), params, n=2)
     assert {c.policy_version for c in out} == {1} and len(out) == 16

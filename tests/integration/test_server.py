@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from rlpost.models.loading import load_causal_lm
 from rlpost.rollout.client import CompletionClient, Job, encode_weights
 from rlpost.rollout.protocol import SamplingParams
+from tests.conftest import ADMIN_HEADERS, TEST_ADMIN_KEY
 
 START_TIMEOUT_S = 90
 
@@ -180,7 +181,7 @@ def test_client_disconnect_frees_its_slots(server):
 
 
 def test_weight_update_changes_outputs_and_version(server, tiny_dir, weights_dir):
-    client = CompletionClient(server)
+    client = CompletionClient(server, admin_key=TEST_ADMIN_KEY)
     job = Job("w", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8))
     before = client.complete(job)[0]
     model = load_causal_lm(tiny_dir)
@@ -196,14 +197,19 @@ def test_weight_update_changes_outputs_and_version(server, tiny_dir, weights_dir
     (weights_dir / "step6").mkdir()
     original = {k: v.clone() for k, v in model.state_dict().items()}
     save_file(original, weights_dir / "step6" / "model.safetensors")
-    r = httpx.post(f"{server}/v1/weights", json={"path": "step6", "version": 6}, timeout=60)
+    r = httpx.post(
+        f"{server}/v1/weights",
+        json={"path": "step6", "version": 6},
+        headers=ADMIN_HEADERS,
+        timeout=60,
+    )
     assert r.json()["policy_version"] == 6
     again = client.complete(job)[0]
     assert again.token_ids == before.token_ids and again.policy_version == 6
     bad = httpx.post(
         f"{server}/v1/weights?version=7",
         content=b"junk",
-        headers={"content-type": "application/octet-stream"},
+        headers={"content-type": "application/octet-stream", **ADMIN_HEADERS},
     )
     assert bad.status_code == 400 and "not a safetensors file" in bad.json()["error"]["message"]
     assert httpx.get(f"{server}/health").json()["policy_version"] == 6

@@ -51,7 +51,8 @@ def keyed(tiny_dir, tmp_path_factory):
     script = root / "serve_with_sync.py"
     script.write_text(EXTRA_ROUTES)
     flags = ["--weights-dir", str(root / "weights"), "--max-body-mb", "1", "--max-pending", "2"]
-    flags += ["--header-timeout", "1", "--request-timeout", "4"]
+    flags += ["--max-request-sequences", "2", "--header-timeout", "1", "--request-timeout", "4"]
+    flags += ["--body-timeout", "4"]
     proc, url = start_server(tiny_dir, *flags, env=KEYS, entry=[str(script)])
     yield {"url": url, "root": root, "model": tiny_dir}
     stop_server(proc)
@@ -192,20 +193,18 @@ def _server_rss(url: str) -> int:
     return int(httpx.get(f"{url}/health").json()["rss_bytes"])
 
 
-def test_pending_requests_are_bounded_with_retry_after(keyed):
+def test_bodies_still_arriving_hold_no_pending_slot(keyed):
     url = keyed["url"]
-    # Two requests whose bodies never finish hold the two pending slots.
+    # Two requests whose bodies never finish: read before they count, they hold nothing.
     held = [_raw(url, _head("/v1/completions", 100) + b'{"prompt"') for _ in range(2)]
-    deadline = time.time() + 30
-    while httpx.get(f"{url}/health").json()["http"]["pending"] < 2 and time.time() < deadline:
-        time.sleep(0.02)
-    r = _post(url, "/v1/completions", API, json={"prompt": "1", "max_tokens": 2})
-    assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
-    assert [_status(s) for s in held] == [408, 408]  # the body never came: request timeout
+    assert httpx.get(f"{url}/health").json()["http"]["pending"] == 0
+    r = _post(url, "/v1/completions", API, json={"prompt": "1", "max_tokens": 2, "n": 2})
+    assert r.status_code == 200
+    assert [_status(s) for s in held] == [408, 408]  # the body never came: body timeout
     for s in held:
         s.close()
-    r = _post(url, "/v1/completions", API, json={"prompt": "1", "max_tokens": 2})
-    assert r.status_code == 200
+    r = _post(url, "/v1/completions", API, json={"prompt": "1", "max_tokens": 2, "n": 3})
+    assert r.status_code == 400 and "--max-request-sequences" in r.json()["error"]["message"]
 
 
 def test_slow_header_clients_do_not_starve_others(keyed):
@@ -236,10 +235,10 @@ def test_slow_header_clients_do_not_starve_others(keyed):
         s.close()
 
 
-def test_an_accepted_body_must_arrive_within_the_request_timeout(keyed):
-    """A body trickled byte by byte is cut at --request-timeout in all, not per byte."""
+def test_an_accepted_body_must_arrive_within_the_body_timeout(keyed):
+    """A body trickled byte by byte is cut at --body-timeout in all, not per byte."""
     sock = _raw(keyed["url"], _head("/v1/completions", 1000) + b"{")
-    for _ in range(300):  # up to 30 s of one byte every 0.1 s; the request timeout is 4 s
+    for _ in range(300):  # up to 30 s of one byte every 0.1 s; the body timeout is 4 s
         if select.select([sock], [], [], 0.1)[0]:
             break
         sock.sendall(b" ")

@@ -16,6 +16,7 @@ from rlpost.sync import DeltaRefused, SyncError, build_weight_sync
 from rlpost.sync.codecs import encode
 from rlpost.sync.session import BucketPacker, SessionMeta, checksum
 from rlpost.sync.transports import HttpTransport, TransportOptions
+from tests.conftest import ADMIN_HEADERS
 from tests.integration.test_server import start_server, stop_server
 
 BUCKET_MB = 0.005  # ~5 kB: the tiny model streams as many buckets
@@ -57,7 +58,9 @@ def test_each_codec_and_delta_reach_the_server_verified(servers, tiny_dir):
     sizes = {}
     for version, codec in enumerate(["none", "bf16", "fp8", "mxfp4"], start=1):
         sync = build_weight_sync(
-            SyncConfig(channel="http", codec=codec, bucket_mb=BUCKET_MB), [url]
+            SyncConfig(channel="http", codec=codec, bucket_mb=BUCKET_MB),
+            [url],
+            headers=ADMIN_HEADERS,
         )
         stats = sync.push(w.items(), version)  # verify is on: a wrong tensor would raise
         assert stats.committed == [url] and stats.buckets > 1 and _served_version(url) == version
@@ -65,13 +68,15 @@ def test_each_codec_and_delta_reach_the_server_verified(servers, tiny_dir):
         sync.close()
     assert sizes["bf16"] == sizes["none"] / 2 and sizes["mxfp4"] < sizes["fp8"] < sizes["bf16"]
     sync = build_weight_sync(
-        SyncConfig(channel="http", codec="bf16", delta=True, bucket_mb=BUCKET_MB), [url]
+        SyncConfig(channel="http", codec="bf16", delta=True, bucket_mb=BUCKET_MB),
+        [url],
+        headers=ADMIN_HEADERS,
     )
     full = sync.push(w.items(), 5)
     stepped = {k: v - 1e-6 * torch.sign(v) for k, v in w.items()}
     delta = sync.push(stepped.items(), 6)
     assert delta.delta_tensors == len(w) and delta.bytes < 0.1 * full.bytes
-    state = httpx.get(f"{url}/v1/sync/state", timeout=10).json()
+    state = httpx.get(f"{url}/v1/sync/state", headers=ADMIN_HEADERS, timeout=10).json()
     assert state == {"version": 6, "base_version": 6, "in_session": False}
     sync.close()
 
@@ -79,7 +84,7 @@ def test_each_codec_and_delta_reach_the_server_verified(servers, tiny_dir):
 def test_corrupted_bucket_and_wrong_delta_base_are_refused(servers, tiny_dir):
     url = servers["b"][1]
     before = _served_version(url)
-    t = HttpTransport(url, TransportOptions(timeout_s=30))
+    t = HttpTransport(url, TransportOptions(timeout_s=30, headers=ADMIN_HEADERS))
     with pytest.raises(DeltaRefused, match="delta against version 99 refused"):
         t.start(SessionMeta.new(before + 1, "bf16", 4096, True, 99))
     meta = SessionMeta.new(before + 1, "bf16", 4096, False, None)
@@ -103,7 +108,8 @@ def test_server_killed_mid_push_fails_over_and_the_restarted_one_gets_a_full_syn
     procs = {n: start_server(tiny_dir, "--threads", "1") for n in ("a", "b")}
     urls = [procs[n][1] for n in ("a", "b")]
     cfg = SyncConfig(channel="http", codec="bf16", delta=True, bucket_mb=BUCKET_MB)
-    engine = RemoteEngine(urls, tok, weight_sync=build_weight_sync(cfg, urls))
+    sync = build_weight_sync(cfg, urls, headers=ADMIN_HEADERS)
+    engine = RemoteEngine(urls, tok, weight_sync=sync)
     try:
         w = _weights(tiny_dir, 1)
         engine.load_weights(w.items(), 1)
@@ -141,7 +147,9 @@ def test_server_killed_mid_push_fails_over_and_the_restarted_one_gets_a_full_syn
 def test_the_only_server_killed_mid_push_is_a_one_line_error(tiny_dir):
     proc, url = start_server(tiny_dir, "--threads", "1")
     sync = build_weight_sync(
-        SyncConfig(channel="http", codec="bf16", bucket_mb=BUCKET_MB, timeout_s=20), [url]
+        SyncConfig(channel="http", codec="bf16", bucket_mb=BUCKET_MB, timeout_s=20),
+        [url],
+        headers=ADMIN_HEADERS,
     )
     w = _weights(tiny_dir, 2)
 

@@ -16,6 +16,7 @@ BAD_ROWS = {  # reason -> raw JSONL line
     "not_utf8": b'{"question": "caf\xe9", "answer": "1"}',
     "invalid_json": b"{broken",
     "not_object": b"[1, 2]",
+    "too_deep": b'{"question": "1+1=", "answer": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
     "empty_prompt": json.dumps({"question": "  ", "answer": "3"}).encode(),
     "missing_answer": json.dumps({"question": "2+2="}).encode(),
     "empty_answer": json.dumps({"question": "2+2=", "answer": ""}).encode(),

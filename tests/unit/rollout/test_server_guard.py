@@ -11,8 +11,10 @@ from rlpost.rollout.openai_params import APIError, parse_adjust, refuse_unsuppor
 from rlpost.rollout.protocol import LogitAdjust, SamplingParams, adjust_logits
 from rlpost.rollout.scheduler import GenerationRequest, Scheduler
 from rlpost.rollout.server_guard import (
+    NO_ADMIN_KEY,
     Guard,
     GuardSettings,
+    PendingBudget,
     confined_weights_files,
     is_admin_path,
 )
@@ -47,11 +49,16 @@ def test_authorize_matrix():
     assert both.authorize("/docs", None)[0] == 401  # everything but /health, /metrics
     assert both.authorize("/health", None) is None
     api_only = Guard(None, GuardSettings(api_key="a"))
-    assert api_only.authorize("/v1/weights", "a") == (
-        403,
-        "this endpoint needs the admin key; the server has no --admin-key",
-    )
-    assert Guard(None, GuardSettings()).authorize("/v1/weights", None) is None  # loopback default
+    assert api_only.authorize("/v1/weights", "a") == (403, NO_ADMIN_KEY)
+    keyless = Guard(None, GuardSettings())  # the loopback default: generation open, control closed
+    assert keyless.authorize("/v1/completions", None) is None
+    for path in ("/v1/weights", "/v1/sync/start", "/v1/admin/x", "/v1//sync/x"):
+        assert keyless.authorize(path, None) == (403, NO_ADMIN_KEY)
+        assert keyless.authorize(path, "anything") == (403, NO_ADMIN_KEY)
+    admin_only = Guard(None, GuardSettings(admin_key="b"))
+    assert admin_only.authorize("/v1/completions", None) is None
+    assert admin_only.authorize("/v1/weights", "b") is None
+    assert admin_only.authorize("/v1/weights", None)[0] == 401
     assert "s3cr3t" not in repr(GuardSettings(api_key="s3cr3t", admin_key="s3cr3t2"))
 
 
@@ -148,3 +155,22 @@ def test_a_vanishing_temperature_samples_greedily():
 
     assert _temperature(1e-45) == 0.0 and _temperature(0.0) == 0.0  # logits / T would overflow
     assert _temperature(0.7) == 0.7
+
+
+def test_pending_is_counted_in_sequences_and_refused_past_the_bound():
+    stats: dict = {}
+    budget = PendingBudget(10, stats, retry_after_s=3)
+    budget.take(6)  # one request of 2 prompts x n 3
+    budget.take(4)
+    assert stats["pending"] == 10
+    with pytest.raises(APIError) as full:
+        budget.take(1)
+    assert full.value.status == 429 and full.value.headers == {"retry-after": "3"}
+    assert "10 of 10 sequences pending" in full.value.message and stats["pending"] == 10
+    budget.release(6)
+    budget.take(5)
+    budget.release(5)
+    budget.release(4)
+    assert stats["pending"] == 0
+    budget.take(25)  # an idle server takes any request the work caps let through
+    assert stats["pending"] == 25
