@@ -414,6 +414,7 @@ def _restore(r: Run, ckpt: Path, *, keep_lr: bool = False) -> tuple[int, list]:
     if state["rollout"] is not None:  # None: saved after the rollout worker was lost
         r.w.rollout.load_state_dict(state["rollout"])
     set_rng_state(state["rng"])
+    r.weights.restart_versions()  # the version numbers after ``step`` are reused from here
     _push(r)
     return step, state.get("pending", [])
 

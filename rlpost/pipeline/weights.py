@@ -40,6 +40,10 @@ class WeightPath(Protocol):
         """Bytes pushed since the last call (every push counts, whoever asked for it)."""
         ...
 
+    def restart_versions(self) -> None:
+        """The trainer's versions start again (a restore): readers must follow, not ignore."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -71,6 +75,9 @@ class DirectPath(_Counter):
         self.count(float(export.bytes))
         return {"sync_seconds": time.perf_counter() - start, "sync_bytes": float(export.bytes)}
 
+    def restart_versions(self) -> None:
+        """Nothing to tell: the copy lands whatever its number."""
+
     def close(self) -> None:
         """Nothing of its own to release."""
 
@@ -94,6 +101,9 @@ class ChannelPath(_Counter):
         if self.served is not None:
             self.served(export.version, stats.committed, list(stats.failed))
         return {k: float(v) for k, v in stats.metrics().items()}
+
+    def restart_versions(self) -> None:
+        self.sync.restart_versions()
 
     def close(self) -> None:
         self.sync.close()

@@ -121,6 +121,9 @@ class RolloutService:
         # Throughput and utilisation are measured between two /metrics scrapes.
         self.window = (time.monotonic(), 0, 0.0)
         self.rates = {"rollout_tps": 0.0, "rollout_utilization": 0.0}
+        # The run id of the weights served (SessionMeta.run_id of the last /v1/sync commit;
+        # "" for the weights the server started with or a /v1/weights upload).
+        self.weights_run_id = ""
 
     def submit(self, prompts: list[list[int]], fields: dict, on_token=None) -> list[Ticket]:
         """One scheduler request per prompt, joining the batch together.
@@ -227,6 +230,7 @@ class RolloutService:
             **plan.head,
             "object": "chat.completion" if plan.chat else "text_completion",
             "policy_version": min(c["policy_version"] for c in choices),
+            "weights_run_id": self.weights_run_id,
             "choices": choices,
             "usage": _usage(plan.prompts, sum(len(c["token_ids"]) for c in choices)),
         }
@@ -247,7 +251,11 @@ class RolloutService:
         tickets = self.submit(plan.prompts, plan.fields, partial(_post, loop, queue))
         for t in tickets:
             t.future.add_done_callback(partial(_post, loop, queue, None))
-        head = {**plan.head, "object": "chat.completion.chunk" if chat else "text_completion"}
+        head = {
+            **plan.head,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "weights_run_id": self.weights_run_id,
+        }
 
         def chunks(events: list) -> tuple[str, int]:
             out, finished = [], 0
@@ -311,6 +319,7 @@ class RolloutService:
         except (KeyError, ValueError) as exc:
             raise APIError(400, str(exc).strip("'\"")) from None
         self.recorder.record(version, {"sync_seconds": seconds})
+        self.weights_run_id = ""
         return {
             "policy_version": self.scheduler.version,
             "tensors": len(tensors),
@@ -322,6 +331,7 @@ class RolloutService:
         body = {
             "status": "ok" if alive else "scheduler stopped",
             "model": self.settings.model_name,
+            "weights_run_id": self.weights_run_id,
             **self.scheduler.stats(),
             "http": {**self.counts, **self.guard, "write_timeouts": WRITE_TIMEOUTS[0]},
             "rss_bytes": _rss_bytes(),

@@ -132,6 +132,7 @@ async def finish(session: str, request: Request):
     if isinstance(report, JSONResponse):
         return report
     service = request.app.state.service
+    service.weights_run_id = receiver_of(request.app).run_id
     service.recorder.record(
         report.version, {"sync_seconds": report.pause_seconds, "sync_bytes": report.bytes}
     )

@@ -116,11 +116,24 @@ def latest_version(root) -> int | None:
 
 
 def load_latest(root, receiver: Receiver) -> CommitReport | None:
-    """Commit the newest published version into ``receiver`` if it is newer than what it serves."""
+    """Commit the newest published version into ``receiver`` unless it already serves it: a
+    higher version of its run id, or any version of a new run id (a resume or rollback
+    publishes lower numbers under a new one, and readers follow)."""
     version = latest_version(root)
-    if version is None or version <= receiver.version:
+    if version is None:
+        return None
+    run_id = _published_meta(Path(root), version).run_id
+    if run_id == receiver.run_id and version <= receiver.version:
         return None
     return load_version(root, version, receiver)
+
+
+def _published_meta(root: Path, version: int) -> SessionMeta:
+    try:
+        body = json.loads((version_dir(root, version) / "session.json").read_text())
+        return SessionMeta.from_json(body["meta"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SyncError("start", str(root), f"cannot read version {version}: {exc}") from None
 
 
 def load_version(root, version: int, receiver: Receiver) -> CommitReport:

@@ -114,6 +114,7 @@ class Receiver:
         self.spool_dir = Path(spool_dir) if spool_dir is not None else None
         self._version = _engine_version(engine, 0)
         self.base_version: int | None = None
+        self.run_id = ""  # the run id of the weights committed last (SessionMeta.run_id)
         self._base: dict[str, torch.Tensor] = {}
         self._staged: _Staged | None = None
         self._lock = threading.RLock()
@@ -209,6 +210,7 @@ class Receiver:
             raise SyncError("commit", self.name, f"{type(exc).__name__}: {exc}") from None
         pause = time.perf_counter() - start
         self._version = staged.meta.version
+        self.run_id = staged.meta.run_id
         self._base = new_base
         self.base_version = staged.meta.version if staged.meta.delta else None
         return CommitReport(staged.meta.version, sums, pause, staged.bytes)

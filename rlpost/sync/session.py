@@ -49,7 +49,12 @@ def checksum(t: torch.Tensor) -> int:
 
 @dataclass
 class SessionMeta:
-    """What ``start`` announces. ``base_version`` is set for delta sessions only."""
+    """What ``start`` announces. ``base_version`` is set for delta sessions only.
+
+    ``run_id`` names the line of weights the version belongs to: versions only grow
+    within one run id, and a sender starts a new one whenever its versions restart
+    (a resume or rollback reuses numbers), so a reader tells "older, ignore" from "the
+    trainer went back, follow" and two trainers sharing a fleet are told apart."""
 
     session: str
     version: int
@@ -57,10 +62,13 @@ class SessionMeta:
     bucket_bytes: int
     delta: bool = False
     base_version: int | None = None
+    run_id: str = ""
 
     @staticmethod
-    def new(version: int, codec: str, bucket_bytes: int, delta: bool, base: int | None):
-        return SessionMeta(uuid.uuid4().hex, version, codec, bucket_bytes, delta, base)
+    def new(
+        version: int, codec: str, bucket_bytes: int, delta: bool, base: int | None, run_id=""
+    ):
+        return SessionMeta(uuid.uuid4().hex, version, codec, bucket_bytes, delta, base, run_id)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -71,6 +79,8 @@ class SessionMeta:
             meta = SessionMeta(**d)
         except TypeError as exc:
             raise ValueError(f"bad session metadata: {exc}") from None
+        if not isinstance(meta.run_id, str) or len(meta.run_id) > 64:
+            raise ValueError("bad session metadata: run_id must be a string of <= 64 characters")
         if meta.bucket_bytes < 1 or meta.version < 0:
             raise ValueError("bad session metadata: bucket_bytes must be >= 1 and version >= 0")
         return meta

@@ -16,6 +16,7 @@ servers fails over); the push raises only when no target committed.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -101,12 +102,19 @@ class WeightSync:
             if names.count(t.target) > 1:  # e.g. two engines of one class: keep errors apart
                 t.target = f"{t.target}#{i}"
         self.codec, self.bucket_bytes, self.delta = codec, int(bucket_bytes), delta
+        self.run_id = uuid.uuid4().hex  # SessionMeta.run_id; restart_versions() draws anew
         self.threshold, self.keep_bf16, self.verify = delta_full_threshold, tuple(keep_bf16), verify
         self.base_version: int | None = None
         self._base: dict[str, torch.Tensor] = {}
         self._pool = ThreadPoolExecutor(max_workers=len(self.transports))
 
     @torch.no_grad()
+    def restart_versions(self) -> None:
+        """The next push starts a new line of versions (a restore reuses numbers): a new run
+        id, and no delta base, so readers follow it instead of ignoring "older" versions."""
+        self.run_id = uuid.uuid4().hex
+        self._base, self.base_version = {}, None
+
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         """Send ``named_tensors`` as ``version`` to every target; raises SyncError if none took it."""
         start = time.perf_counter()
@@ -154,9 +162,13 @@ class WeightSync:
     def _start(self, version: int, failed: dict[str, str]) -> list[_Group]:
         """Start a session on every target: the delta group first, then those needing full."""
         base = self.base_version if self.delta and self._base else None
-        metas = [SessionMeta.new(version, self.codec, self.bucket_bytes, self.delta, base)]
+        metas = [
+            SessionMeta.new(version, self.codec, self.bucket_bytes, self.delta, base, self.run_id)
+        ]
         if base is not None:
-            metas.append(SessionMeta.new(version, self.codec, self.bucket_bytes, True, None))
+            metas.append(
+                SessionMeta.new(version, self.codec, self.bucket_bytes, True, None, self.run_id)
+            )
         answers = self._each(self.transports, lambda t: t.start(metas[0]))
         members: list[list[Transport]] = [[] for _ in metas]
         for t, exc in zip(self.transports, answers, strict=True):

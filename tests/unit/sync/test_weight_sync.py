@@ -185,3 +185,36 @@ def test_lossy_codecs_send_empty_and_non_finite_tensors_as_bf16(codec):
     enc = encode("w", bad, codec)
     assert enc.codec == "bf16" and torch.isnan(decode(enc)[1, 3])
     assert encode("w", torch.ones(4, 64), codec).codec == codec
+
+
+def test_a_restore_publishes_versions_readers_follow(tmp_path):
+    """A resume or rollback reuses version numbers: under a new run id a disk reader loads
+    the lower version instead of ignoring it as older; the same run id's older one it skips."""
+    w, w2 = toy_weights(0), toy_weights(1)
+    root = tmp_path / "weights"
+    sync = build_weight_sync(_cfg(channel="disk", codec="bf16"), [root])
+    reader = Receiver(DictEngine(_zeros(w)), name="reader")
+    sync.push(w.items(), 5)
+    assert load_latest(root, reader).version == 5 and reader.run_id == sync.run_id
+    first = sync.run_id
+    sync.restart_versions()  # the trainer went back to step 3
+    assert sync.run_id != first
+    sync.push(w2.items(), 3)
+    report = load_latest(root, reader)
+    assert report is not None and report.version == 3 and reader.run_id == sync.run_id
+    assert torch.equal(
+        reader.engine.weights["lm_head.weight"], w2["lm_head.weight"].bfloat16().float()
+    )
+    assert load_latest(root, reader) is None  # served already
+
+
+def test_every_session_names_its_run_id():
+    w = toy_weights()
+    transport = InProcessTransport(DictEngine(_zeros(w)), TransportOptions())
+    sync = WeightSync([transport], codec="bf16", bucket_bytes=4096)
+    sync.push(w.items(), 1)
+    assert len(sync.run_id) == 32 and transport.receiver.run_id == sync.run_id
+    from rlpost.sync.session import SessionMeta
+
+    with pytest.raises(ValueError, match="run_id"):
+        SessionMeta.from_json({**_meta(1).to_json(), "run_id": "x" * 65})
