@@ -813,24 +813,6 @@ class ClusterConfig(Section):
     """Seconds a Ray placement group may take to be placed before the run stops (one line
     naming the role and the resource)."""
 
-    @model_validator(mode="after")
-    def _bounds(self) -> ClusterConfig:
-        if self.suspect_after_s > self.dead_after_s:
-            raise ValueError(
-                f"cluster.suspect_after_s={self.suspect_after_s} is above "
-                f"cluster.dead_after_s={self.dead_after_s}; a worker is suspect before it is dead"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _data_parallel_needs_processes(self) -> ClusterConfig:
-        if self.trainer_workers > 1 and self.backend == "local":
-            raise ValueError(
-                f"cluster.trainer_workers={self.trainer_workers} with cluster.backend=local: "
-                "data-parallel trainers run one per process; set cluster.backend=process (or ray)"
-            )
-        return self
-
 
 # -------------------------------------------------------------------------- sync
 
@@ -861,20 +843,6 @@ class SyncConfig(Section):
     """Seconds each sync phase (start, one bucket, finish) may take before it is an error."""
     keep_bf16: list[str] = ["embed", "lm_head", "norm"]
     """Regular expressions of tensor names that lossy codecs (fp8, mxfp4) send as bf16."""
-
-    @model_validator(mode="after")
-    def _delta_needs_bf16(self) -> SyncConfig:
-        if self.delta and self.codec != "bf16":
-            raise ValueError(
-                f"sync.delta=true with sync.codec={self.codec}: delta compares bf16 bit patterns; "
-                "set sync.codec=bf16"
-            )
-        if self.delta and self.channel == "disk":
-            raise ValueError(
-                "sync.delta=true with sync.channel=disk: disk readers cannot acknowledge a base "
-                "version; use http, gloo or inprocess, or set sync.delta=false"
-            )
-        return self
 
 
 # ------------------------------------------------------------------------- agent
@@ -933,12 +901,6 @@ class Config(Section):
     sync: SyncConfig = SyncConfig()
     agent: AgentConfig = AgentConfig()
 
-    @model_validator(mode="after")
-    def _combinations(self) -> Config:
-        for problem in find_combination_problems(self):
-            raise ValueError(problem)
-        return self
-
     @property
     def batch_size(self) -> int:
         """Sequences per RL step."""
@@ -947,75 +909,6 @@ class Config(Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.run.output_dir) / self.run.name
-
-
-def find_combination_problems(cfg: Config) -> list[str]:
-    """Combinations that would train silently wrong, each as 'key=value: reason; fix'."""
-    out = []
-    t, r = cfg.train, cfg.rollout
-    if t.micro_batch_size > t.mini_batch_size:
-        out.append(
-            f"train.micro_batch_size={t.micro_batch_size} is larger than "
-            f"train.mini_batch_size={t.mini_batch_size}; set micro_batch_size <= mini_batch_size"
-        )
-    if t.mini_batch_size > cfg.batch_size:
-        out.append(
-            f"train.mini_batch_size={t.mini_batch_size} is larger than the rollout batch "
-            f"(rollout.prompts_per_step * rollout.n = {cfg.batch_size}); lower it or raise the batch"
-        )
-    if cfg.data.task == "file" and not (cfg.data.train_path or cfg.data.eval_path):
-        out.append("data.task=file needs data.train_path; set it to a JSONL or Parquet file")
-    if cfg.model.path is None and r.max_tokens + 32 > cfg.model.tiny.max_position_embeddings:
-        out.append(
-            f"rollout.max_tokens={r.max_tokens} leaves no room for the prompt within "
-            f"model.tiny.max_position_embeddings={cfg.model.tiny.max_position_embeddings}; "
-            "raise max_position_embeddings or lower max_tokens"
-        )
-    if r.engine == "remote" and not r.servers:
-        out.append(
-            "rollout.engine=remote needs rollout.servers; start servers with `rlpost serve` and list their URLs"
-        )
-    if r.partial and cfg.pipeline.mode != "sync":
-        out.append(
-            f"rollout.partial=true with pipeline.mode={cfg.pipeline.mode}: the overlapped loop "
-            "already keeps rollout running across steps; set rollout.partial=false or "
-            "pipeline.mode=sync"
-        )
-    if cfg.algo.old_logprobs == "rollout":
-        if r.top_p < 1.0 or r.top_k > 0:
-            out.append(
-                f"algo.old_logprobs=rollout with rollout.top_p={r.top_p:g}, "
-                f"rollout.top_k={r.top_k}: the engine's logprobs are of the truncated "
-                "distribution, not the policy's; sample with top_p=1 and top_k=-1 or set "
-                "algo.old_logprobs=trainer"
-            )
-        a = cfg.algo
-        one = {
-            f"algo.rollout_correction.name={a.rollout_correction.name}": (
-                a.rollout_correction.name != "none"
-            ),
-            f"algo.loss_params.tis_cap={a.loss_params.tis_cap}": a.loss_params.tis_cap is not None,
-            "algo.policy_loss=flash_reinforce": a.policy_loss == "flash_reinforce",
-        }
-        for key in (k for k, bad in one.items() if bad):
-            out.append(
-                f"algo.old_logprobs=rollout with {key}: the ratio is already against the "
-                "engine's logprobs, so the engine/trainer weight is always 1; use "
-                "algo.old_logprobs=trainer"
-            )
-        differs = {
-            f"model.dtype={cfg.model.dtype}": cfg.model.dtype == "bfloat16",
-            f"sync.codec={cfg.sync.codec}": cfg.sync.codec != "none",
-        }
-        for key in (k for k, bad in differs.items() if bad):
-            out.append(
-                f"algo.old_logprobs=rollout with {key}: the engine serves other numbers than "
-                "the trainer's, so its logprobs are not the policy's; use "
-                "algo.old_logprobs=trainer"
-            )
-    if r.engine == "vllm" and cfg.model.path is None:
-        out.append("rollout.engine=vllm needs model.path (a local HF checkpoint vLLM can load)")
-    return out
 
 
 # ------------------------------------------------------------------- loading

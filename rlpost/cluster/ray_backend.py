@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from rlpost.cluster.fleet import DRAINING, RolloutFleet
-from rlpost.cluster.process import check_fleet, health_policy, slot_config
+from rlpost.cluster.process import health_policy, slot_config
 from rlpost.config import Config, ConfigError
 from rlpost.pipeline.workers import WorkerLost, Workers
 
@@ -564,7 +564,6 @@ def start_ray_workers(cfg: Config, run_dir: Path, train_prompts, console, *, res
     from rlpost.pipeline.rundir import warm_start
 
     c = cfg.cluster
-    check_fleet(cfg)
     started = connect(ray, cfg)
     placement = None
     made: list = []

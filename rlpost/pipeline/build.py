@@ -16,8 +16,6 @@ import torch
 from rlpost.algos import (
     ADVANTAGES,
     POLICY_LOSSES,
-    get_advantage_estimator,
-    get_aggregation,
     get_kl_estimator,
     get_policy_loss,
 )
@@ -28,12 +26,12 @@ from rlpost.data.code import code_splits
 from rlpost.data.render import prepare_prompts
 from rlpost.envs.base import EnvError
 from rlpost.envs.catalog import env_factory
-from rlpost.envs.formats import TagFormat, build_format, demonstration_completion
+from rlpost.envs.formats import build_format, demonstration_completion
 from rlpost.models.loading import context_length, frozen_copy, load_policy, load_tokenizer
 from rlpost.models.tiny import build_char_tokenizer
 from rlpost.observe.mfu import cpu_bf16_native
 from rlpost.registry import UnknownNameError
-from rlpost.rewards.scorer import build_scorer, check_terms
+from rlpost.rewards.scorer import build_scorer
 from rlpost.rewards.worker import RewardWorker
 from rlpost.rollout.continuous import ContinuousEngine
 from rlpost.rollout.hf_engine import HFEngine
@@ -47,75 +45,6 @@ from rlpost.train.actor import ActorSettings, PolicyTrainer
 from rlpost.train.dp import DPSpec
 from rlpost.train.worker import TrainerWorker
 from rlpost.types import Prompt
-
-
-def check_names(cfg: Config) -> None:
-    """Resolve every registered name and parameter; raise ConfigError naming the key.
-
-    Parameter values were checked by the typed config at load; here each one set
-    is checked to be a parameter of the estimator or loss chosen, and the
-    registered traits are checked against the rest of the config.
-    """
-    a = cfg.algo
-    checks = [
-        ("algo.advantage", a.advantage, get_advantage_estimator, a.advantage_params.given()),
-        ("algo.policy_loss", a.policy_loss, get_policy_loss, a.loss_params.given()),
-        ("algo.kl.estimator", a.kl.estimator, get_kl_estimator, {}),
-        ("algo.loss_agg_mode", a.loss_agg_mode, get_aggregation, {}),
-    ]
-    if a.rollout_correction.name != "none":
-        checks.append(
-            ("algo.rollout_correction.name", a.rollout_correction.name, get_correction, {})
-        )
-    for key, name, lookup, params in checks:
-        try:
-            fn = lookup(name)
-        except UnknownNameError as exc:
-            raise ConfigError(f"config {key}={name!r}: {exc}") from None
-        _check_params(key, name, fn, params)
-    if cfg.rollout.n == 1 and ADVANTAGES.trait(a.advantage, "group_relative"):
-        raise ConfigError(
-            f"rollout.n=1 gives every {a.advantage} group zero advantage; set rollout.n >= 2 "
-            "or use algo.advantage=reinforce_pp with algo.policy_loss=flash_reinforce"
-        )
-    if cfg.sync.channel not in ("inprocess", "http") or (
-        cfg.sync.channel == "http" and cfg.rollout.engine != "remote"
-    ):
-        raise ConfigError(
-            f"sync.channel={cfg.sync.channel}: the training loop sends weights in process "
-            "(sync.channel=inprocess) or to rollout servers over http (rollout.engine=remote); "
-            "disk, gloo and vllm channels are for engines started outside the loop (docs/sync.md)"
-        )
-    try:
-        check_terms(cfg.reward)
-    except (UnknownNameError, ValueError) as exc:
-        raise ConfigError(f"config reward.terms: {exc}") from None
-    if cfg.agent.env is not None:
-        try:
-            make_env = env_factory(cfg.agent.env, cfg.agent.params)
-            if cfg.agent.format == "tags":  # (the other formats need the tokenizer)
-                tags = TagFormat(cfg.agent.call_template, cfg.agent.result_template)
-                tags.check(tuple(make_env().tools))
-        except EnvError as exc:
-            raise ConfigError(f"config agent.env: {exc}") from None
-    if a.old_logprobs == "rollout" and bf16_compute(cfg):  # model.dtype=auto, resolved here
-        raise ConfigError(
-            f"algo.old_logprobs=rollout with model.dtype={cfg.model.dtype} (bf16 on this CPU): "
-            "the engine's bf16 logprobs are not the trainer's; use algo.old_logprobs=trainer "
-            "or model.dtype=float32"
-        )
-    if ADVANTAGES.trait(a.advantage, "needs_components") and (
-        a.kl.placement == "reward" or cfg.agent.env is not None
-    ):
-        why = "algo.kl.placement=reward" if a.kl.placement == "reward" else "agent.env"
-        raise ConfigError(
-            f"algo.advantage={a.advantage} with {why}: it normalises the reward terms' "
-            "outcome scores and would drop the per-token rewards (the KL penalty, an "
-            "environment's turn rewards); use another estimator or algo.kl.placement=loss"
-        )
-    check_data_parallel(cfg)
-    if cfg.cluster.backend != "ray":  # Ray workers resolve the device where they run
-        run_device(cfg)
 
 
 def run_device(cfg: Config, rank: int | None = None) -> torch.device:
@@ -152,22 +81,27 @@ _CALLER_PARAMS = {
 }
 
 
-def _check_params(key: str, name: str, fn, params: dict) -> None:
+def param_problem(section: str, name: str, lookup, params: dict) -> str | None:
+    """Why ``params`` (set under ``algo.<section>``) are not all parameters of ``name``, or None."""
     if not params:
-        return
+        return None
+    try:
+        fn = lookup(name)
+    except UnknownNameError:
+        return None  # the name rule reports it
     sig = inspect.signature(fn)
     valid = [
         p.name
         for p in sig.parameters.values()
         if p.kind is p.KEYWORD_ONLY and p.name not in _CALLER_PARAMS
     ]
-    section = "advantage_params" if key == "algo.advantage" else "loss_params"
     for param in params:
         if param not in valid:
-            raise ConfigError(
+            return (
                 f"config algo.{section}.{param}: {name} takes no parameter {param!r}; "
                 f"valid: {', '.join(valid) or 'none'}"
             )
+    return None
 
 
 def build_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, int]]:
@@ -195,12 +129,7 @@ def load_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, LoadRe
             train, held_out = code_splits(d.code.train_size, d.code.eval_size)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-    elif d.task == "prefs":
-        raise ConfigError(
-            "data.task=prefs holds preference pairs, for rlpost dpo; rlpost train needs prompts "
-            "(data.task=arith, code or file)"
-        )
-    else:
+    else:  # file (data.task=prefs is refused by the rule table)
         kwargs = dict(
             prompt_field=d.prompt_field,
             answer_field=d.answer_field,
@@ -445,23 +374,6 @@ def build_critic(cfg: Config, model):
 # ------------------------------------------------------------------ workers
 
 
-def check_data_parallel(cfg: Config) -> None:
-    """What sharded trainers do not cover yet is refused in one line before any work."""
-    n = cfg.cluster.trainer_workers
-    if n <= 1:
-        return
-    if ADVANTAGES.trait(cfg.algo.advantage, "needs_critic"):
-        raise ConfigError(
-            f"cluster.trainer_workers={n}: the PPO critic (algo.advantage={cfg.algo.advantage}) "
-            "trains on one worker only; set cluster.trainer_workers=1"
-        )
-    if cfg.model.lora.rank > 0:
-        raise ConfigError(
-            f"cluster.trainer_workers={n} with model.lora.rank={cfg.model.lora.rank}: adapters "
-            "train on one worker only; set cluster.trainer_workers=1 or model.lora.rank=0"
-        )
-
-
 def build_trainer_worker(cfg: Config, model, tokenizer, dp: DPSpec | None = None) -> TrainerWorker:
     """The trainer worker around ``model`` (the starting policy, after any warm-up); with
     ``model.lora.rank > 0`` the model gets adapters and only they train.
@@ -469,7 +381,6 @@ def build_trainer_worker(cfg: Config, model, tokenizer, dp: DPSpec | None = None
     ``dp``: this worker is rank ``dp.rank`` of ``dp.world`` data-parallel trainers; it joins
     their process group here (blocking until all have joined) and shards its modules."""
     if dp is not None:
-        check_data_parallel(cfg)
         device = run_device(cfg, dp.rank)
         if dp.backend != ("nccl" if device.type == "cuda" else "gloo"):
             raise ConfigError(

@@ -35,7 +35,7 @@ from rlpost.data import PromptSampler
 from rlpost.observe import Guards, Recorder
 from rlpost.observe.memory import set_mmap_threshold
 from rlpost.observe.mfu import pick_threads
-from rlpost.pipeline import build
+from rlpost.pipeline import build, rules
 from rlpost.pipeline.console import Console
 from rlpost.pipeline.evaluate import evaluate
 from rlpost.pipeline.feeds import (
@@ -111,7 +111,7 @@ def train(
     step (final eval, checkpoint and summary still happen). ``start`` places the workers
     (a ``rlpost.cluster`` backend); by default they are built in this process.
     ``on_groups(step, groups)`` sees every step's trained groups (tools and tests)."""
-    build.check_names(cfg)
+    rules.check(cfg, "train")
     run_dir = prepare_run_dir(cfg, resume)
     console = console or Console(enabled=cfg.observe.progress)
     torch.manual_seed(cfg.run.seed)

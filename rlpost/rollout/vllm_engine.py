@@ -150,8 +150,6 @@ class VLLMEngine:
 def build(cfg, tokenizer) -> VLLMEngine:
     """The vLLM engine for ``rollout.engine=vllm`` (serves ``model.path``)."""
     _import_vllm()
-    if cfg.model.path is None:
-        raise ValueError("rollout.engine=vllm needs model.path: vLLM loads a checkpoint directory")
     r = cfg.rollout
     return VLLMEngine(
         str(cfg.model.path),

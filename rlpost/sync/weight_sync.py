@@ -85,10 +85,6 @@ class WeightSync:
     ) -> None:
         if not transports:
             raise ValueError("weight sync needs at least one target")
-        if delta and codec != "bf16":
-            raise ValueError(
-                f"sync.delta=true works on bf16 bit patterns; set sync.codec=bf16 (got {codec})"
-            )
         if delta and not all(t.supports_delta for t in transports):
             raise ValueError(
                 "sync.delta=true needs receivers that acknowledge versions; the disk channel cannot"

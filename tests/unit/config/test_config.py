@@ -4,7 +4,8 @@ import sys
 import pytest
 
 from rlpost.config import Config, ConfigError, describe_fields, load_config, parse_overrides
-from rlpost.pipeline.build import check_names
+from rlpost.pipeline.rules import check as check_names
+from rlpost.pipeline.rules import load_checked
 
 
 def test_overrides_parse_yaml_scalars_and_nest():
@@ -44,7 +45,7 @@ def test_recipe_then_overrides(tmp_path):
 )
 def test_bad_config_is_one_line(overrides, needle):
     with pytest.raises(ConfigError) as err:
-        load_config(None, overrides)
+        load_checked(None, overrides)
     assert needle in str(err.value)
     assert "\n" not in str(err.value)
 
