@@ -28,6 +28,8 @@ from pydantic import (
     model_validator,
 )
 
+from rlpost.params import AdvantagesConfig, LossesConfig
+
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -373,79 +375,6 @@ class KLConfig(Section):
     """Adaptive controller horizon in samples."""
 
 
-class AdvantageParams(Section):
-    """Parameters of the advantage estimator. A field left None takes the estimator's own
-    default; setting one the chosen estimator does not take is refused at load."""
-
-    norm_by_std: bool | None = None
-    """grpo, grpo_passk: divide by the group std (False: Dr.GRPO's centred score)."""
-    std_scope: Literal["group", "batch"] | None = None
-    """grpo: the std of each group (default) or of the whole batch (TRL's scale_rewards=batch)."""
-    eps: float | None = Field(None, ge=0.0)
-    """grpo, grpo_passk, gdpo: added to the std before dividing (1e-6); optimal_token_baseline:
-    added to the baseline's denominator (1e-8)."""
-    gamma: float | None = Field(None, ge=0.0, le=1.0)
-    """reinforce_pp, gae, vapo_gae: discount (default 1.0)."""
-    lam: float | None = Field(None, ge=0.0, le=1.0)
-    """gae: the GAE lambda (default 1.0)."""
-    alpha: float | None = Field(None, gt=0.0)
-    """vapo_gae: length-adaptive lambda = 1 - 1 / (alpha * length) (default 0.05)."""
-    value_lam: float | None = Field(None, ge=0.0, le=1.0)
-    """vapo_gae: the critic's lambda for its returns (default 1.0)."""
-
-    def given(self) -> dict[str, Any]:
-        """The parameters set explicitly (passed to the estimator as keywords)."""
-        return {k: v for k, v in self.model_dump().items() if v is not None}
-
-
-class LossParams(Section):
-    """Parameters of the policy loss. A field left None takes the loss's own default (see
-    docs/algorithms.md); setting one the chosen loss does not take is refused at load."""
-
-    clip_low: float | None = Field(None, ge=0.0, le=1.0)
-    """ppo_clip, dapo, gspo, cispo, clip_cov: lower ratio clip 1 - clip_low (0.2; gspo 3e-4; cispo
-    1.0 = none); gmpo: lower log-ratio clip -clip_low (0.4)."""
-    clip_high: float | None = Field(None, ge=0.0)
-    """ppo_clip, dapo, gspo, cispo, clip_cov: upper ratio clip 1 + clip_high (0.2; dapo and cispo
-    0.28; gspo 4e-4); gmpo: upper log-ratio clip (0.4)."""
-    clip_ratio_c: float | None = Field(None, gt=1.0)
-    """ppo_clip, dapo: dual-clip bound c on the loss of negative-advantage tokens (3.0)."""
-    dual_clip: bool | None = None
-    """ppo_clip, dapo: apply the dual clip (True)."""
-    tis_cap: float | None = Field(None, gt=0.0)
-    """ppo_clip, dapo, cispo, reinforce: cap of the truncated engine/trainer importance weight (off)."""
-    tau_pos: float | None = Field(None, gt=0.0)
-    """sapo: gate temperature for positive advantages (1.0)."""
-    tau_neg: float | None = Field(None, gt=0.0)
-    """sapo: gate temperature for negative advantages (1.05)."""
-    divergence: Literal["binary_kl", "tv"] | None = None
-    """flash_reinforce: trust-region divergence between trainer and engine; dppo: between the
-    current and the sampling policy (binary_kl)."""
-    tr_kl: float | None = Field(None, gt=0.0)
-    """flash_reinforce, dppo: binary-KL trust-region threshold (0.05)."""
-    tr_tv: float | None = Field(None, gt=0.0)
-    """flash_reinforce, dppo: total-variation trust-region threshold (0.2)."""
-    is_cap: float | None = Field(None, gt=0.0)
-    """flash_reinforce, dppo: cap of the truncated importance weight (2.0; dppo 20.0)."""
-    reg_coef: float | None = Field(None, ge=0.0)
-    """dro: coefficient of the squared log-ratio penalty reg_coef/2 (lp - old)^2 (1.0)."""
-    kl_cov_ratio: float | None = Field(None, gt=0.0, le=1.0)
-    """kl_cov: fraction of valid tokens, highest advantage-logprob covariance first, that get the
-    KL penalty (2e-4)."""
-    ppo_kl_coef: float | None = Field(None, ge=0.0)
-    """kl_cov: coefficient of |lp - old| on the selected tokens (1.0)."""
-    clip_cov_ratio: float | None = Field(None, gt=0.0, le=1.0)
-    """clip_cov: fraction of valid tokens whose gradient is removed (2e-4)."""
-    clip_cov_lb: float | None = None
-    """clip_cov: lower bound of the covariance band tokens are chosen from (1.0)."""
-    clip_cov_ub: float | None = None
-    """clip_cov: upper bound of the covariance band tokens are chosen from (5.0)."""
-
-    def given(self) -> dict[str, Any]:
-        """The parameters set explicitly (passed to the loss as keywords)."""
-        return {k: v for k, v in self.model_dump().items() if v is not None}
-
-
 class RolloutCorrectionConfig(Section):
     """Importance correction between the policy that sampled (the engine's logprobs) and the
     one the loss is computed against (docs/algorithms.md, "Rollout corrections")."""
@@ -464,12 +393,12 @@ class RolloutCorrectionConfig(Section):
 class AlgoConfig(Section):
     advantage: str = "grpo"
     """Advantage estimator, by registered name (see docs/algorithms.md)."""
-    advantage_params: AdvantageParams = AdvantageParams()
-    """Parameters of the advantage estimator (typed; None: the estimator's default)."""
+    advantages: AdvantagesConfig = AdvantagesConfig()
+    """Parameters of each advantage estimator; the one of algo.advantage is used."""
     policy_loss: str = "ppo_clip"
     """Policy loss, by registered name."""
-    loss_params: LossParams = LossParams()
-    """Parameters of the policy loss (typed; None: the loss's default)."""
+    losses: LossesConfig = LossesConfig()
+    """Parameters of each policy loss; the one of algo.policy_loss is used."""
     loss_agg_mode: str = "token-mean"
     """How a [B, T] loss is reduced: token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean,
     seq-mean-token-sum-norm."""
@@ -493,6 +422,27 @@ class AlgoConfig(Section):
     """DAPO: drop groups whose rewards are all equal and sample more until the batch is full."""
     max_sampling_rounds: int = Field(3, ge=1)
     """Cap on rollout rounds per step under dynamic sampling."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_params(cls, data: Any) -> Any:
+        # algo.loss_params / algo.advantage_params were one flat bag for every loss.
+        if not isinstance(data, dict):
+            return data
+        for old, new, name_key, default in (
+            ("loss_params", "losses", "policy_loss", "ppo_clip"),
+            ("advantage_params", "advantages", "advantage", "grpo"),
+        ):
+            if old in data:
+                given = data[old] if isinstance(data[old], dict) and data[old] else {"NAME": "X"}
+                key, value = next(iter(given.items()))
+                name = data.get(name_key, default)
+                raise ValueError(
+                    f"algo.{old}.{key}={value}: the key was renamed, each "
+                    f"{name_key.replace('_', ' ')} has its own section; write "
+                    f"algo.{new}.{name}.{key}={value}"
+                )
+        return data
 
 
 # ------------------------------------------------------------------------- train

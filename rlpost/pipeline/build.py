@@ -8,7 +8,6 @@ estimator, aggregation mode or reward fails before any work starts.
 from __future__ import annotations
 
 import copy
-import inspect
 import os
 
 import torch
@@ -30,7 +29,7 @@ from rlpost.envs.formats import build_format, demonstration_completion
 from rlpost.models.loading import context_length, frozen_copy, load_policy, load_tokenizer
 from rlpost.models.tiny import build_char_tokenizer
 from rlpost.observe.mfu import cpu_bf16_native
-from rlpost.registry import UnknownNameError
+from rlpost.params import params_of
 from rlpost.rewards.scorer import build_scorer
 from rlpost.rewards.worker import RewardWorker
 from rlpost.rollout.continuous import ContinuousEngine
@@ -65,43 +64,6 @@ def run_device(cfg: Config, rank: int | None = None) -> torch.device:
     local = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
     torch.cuda.set_device(local)
     return torch.device("cuda", local)
-
-
-# Keyword parameters every estimator or loss takes from the caller, not from the config.
-_CALLER_PARAMS = {
-    "values",
-    "agg",
-    "rollout_logprobs",
-    "ref_logprobs",
-    "selected",
-    "components",
-    "baseline_scores",
-    "old_logprobs",
-    "sum_pi_squared",
-}
-
-
-def param_problem(section: str, name: str, lookup, params: dict) -> str | None:
-    """Why ``params`` (set under ``algo.<section>``) are not all parameters of ``name``, or None."""
-    if not params:
-        return None
-    try:
-        fn = lookup(name)
-    except UnknownNameError:
-        return None  # the name rule reports it
-    sig = inspect.signature(fn)
-    valid = [
-        p.name
-        for p in sig.parameters.values()
-        if p.kind is p.KEYWORD_ONLY and p.name not in _CALLER_PARAMS
-    ]
-    for param in params:
-        if param not in valid:
-            return (
-                f"config algo.{section}.{param}: {name} takes no parameter {param!r}; "
-                f"valid: {', '.join(valid) or 'none'}"
-            )
-    return None
 
 
 def build_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, int]]:
@@ -299,7 +261,7 @@ def build_trainer(cfg: Config, model, dp=None) -> PolicyTrainer:
         nll_coef=a.nll_coef,
         kl_in_loss=a.kl.placement == "loss",
         bf16=bf16_compute(cfg),
-        loss_params=a.loss_params.given(),
+        loss_params=params_of(a.losses, a.policy_loss),
         correction_params={"cap": c.cap, "low": c.low, "high": c.high},
     )
     keep_ref = a.kl.beta > 0 or POLICY_LOSSES.trait(a.policy_loss, "needs_reference")

@@ -31,7 +31,8 @@ from rlpost.config import Config, ConfigError, load_config
 from rlpost.envs.base import EnvError
 from rlpost.envs.catalog import env_factory
 from rlpost.envs.formats import TagFormat
-from rlpost.pipeline.build import bf16_compute, param_problem, run_device
+from rlpost.params import changed_sections, params_of
+from rlpost.pipeline.build import bf16_compute, run_device
 from rlpost.registry import UnknownNameError
 from rlpost.rewards.scorer import check_terms
 
@@ -233,12 +234,12 @@ def rollout_logprobs_need_no_correction(cfg: Config) -> str | None:
     a = cfg.algo
     if a.old_logprobs != "rollout":
         return None
-    tis_cap = a.loss_params.given().get("tis_cap")
+    tis_cap = params_of(a.losses, a.policy_loss).get("tis_cap")
     one = {
         f"algo.rollout_correction.name={a.rollout_correction.name}": (
             a.rollout_correction.name != "none"
         ),
-        f"algo.loss_params.tis_cap={tis_cap}": tis_cap is not None,
+        f"algo.losses.{a.policy_loss}.tis_cap={tis_cap}": tis_cap is not None,
         "algo.policy_loss=flash_reinforce": a.policy_loss == "flash_reinforce",
     }
     for key in (k for k, bad in one.items() if bad):
@@ -302,11 +303,18 @@ def algorithm_names_are_registered(cfg: Config) -> str | None:
 
 
 @rule("train")
-def algorithm_params_are_taken(cfg: Config) -> str | None:
+def params_set_for_the_chosen_algorithm(cfg: Config) -> str | None:
     a = cfg.algo
-    return param_problem(
-        "advantage_params", a.advantage, get_advantage_estimator, a.advantage_params.given()
-    ) or param_problem("loss_params", a.policy_loss, get_policy_loss, a.loss_params.given())
+    for section, changed, chosen, key in (
+        ("losses", changed_sections(a.losses), a.policy_loss, "policy_loss"),
+        ("advantages", changed_sections(a.advantages), a.advantage, "advantage"),
+    ):
+        for name in (n for n in changed if n != chosen):
+            return (
+                f"algo.{section}.{name} is set but algo.{key}={chosen} does not read it; set "
+                f"algo.{key}={name} or move the values to algo.{section}.{chosen}"
+            )
+    return None
 
 
 @rule("train")

@@ -30,6 +30,7 @@ from rlpost.algos.kl_control import FixedKLController
 from rlpost.config import AlgoConfig
 from rlpost.data import PromptSampler
 from rlpost.observe import Guards
+from rlpost.params import params_of
 from rlpost.pipeline.evaluate import logprob_gap, rollout_health
 from rlpost.pipeline.workers import RewardAPI, RolloutAPI, TrainerAPI
 from rlpost.rollout.protocol import SamplingParams
@@ -307,7 +308,7 @@ def compute_advantages(
         batch.group,
         values=batch.values,
         **(inputs or {}),
-        **algo.advantage_params.given(),
+        **params_of(algo.advantages, algo.advantage),
     )
 
 

@@ -85,11 +85,11 @@ CASES = {
         ["algo.policy_loss=nope"],
         "algo.policy_loss='nope'",
     ),
-    "algorithm_params_are_taken": (
+    "params_set_for_the_chosen_algorithm": (
         "train",
         [],
-        ["algo.loss_params.tau_pos=2"],
-        "ppo_clip takes no parameter 'tau_pos'",
+        ["algo.losses.gspo.clip_low=0.1"],
+        "algo.losses.gspo is set but algo.policy_loss=ppo_clip",
     ),
     "component_estimator_needs_outcome_rewards": (
         "train",
@@ -202,7 +202,9 @@ PARITY = [
     ["cluster.backend=local", "cluster.trainer_workers=2"],
     ["cluster.backend=local", "cluster.rollout_workers=2"],
     ["rollout.n=1", "train.mini_batch_size=16", "train.micro_batch_size=16"],
-    ["algo.loss_params.tau_pos=2"],
+    ["algo.losses.sapo.tau_pos=2"],
+    ["algo.advantage=gae", "algo.advantages.vapo_gae.alpha=1"],
+    ["algo.loss_params.clip_high=0.3"],
     ["cluster.suspect_after_s=100", "cluster.dead_after_s=50"],
 ]
 
