@@ -27,6 +27,7 @@ from rlpost.algos import (
     scores_to_token_rewards,
 )
 from rlpost.algos.kl_control import FixedKLController
+from rlpost.algos.sampling import spread_per_group
 from rlpost.config import AlgoConfig
 from rlpost.data import PromptSampler
 from rlpost.observe import Guards
@@ -109,7 +110,8 @@ def rollout_stage(
         stats = result.stats
         generated += sampled_tokens(result.groups)
         groups = reward.score(result.groups)
-        keep = [g for g in groups if not s.dynamic_sampling or len(set(g.scores)) > 1]
+        spread = spread_per_group([g.scores for g in groups]) if s.dynamic_sampling else None
+        keep = [g for i, g in enumerate(groups) if spread is None or spread[i]]
         if not s.partial:  # DAPO fills the batch exactly; finished partial groups all train
             keep = keep[: s.prompts_per_step - len(kept)]
         kept += keep
