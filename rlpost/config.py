@@ -301,8 +301,11 @@ SAMPLING_PRESETS: dict[str, dict[str, float]] = {
 
 
 class RolloutConfig(Section):
-    engine: Literal["hf", "vllm", "remote"] = "hf"
-    """Rollout engine: transformers in process (CPU), vLLM (GPU, extra [vllm]) or remote servers."""
+    engine: str = "hf"
+    """Rollout engine, by registered name: hf (transformers in this process, batch decoding;
+    with rollout.partial or pipeline.mode=async it is hf_continuous, which those need),
+    hf_continuous (transformers in this process, continuous batching), vllm (GPU, extra
+    [vllm]) or remote (rollout servers, rollout.servers)."""
     preset: Literal["rlvr", "rlhf"] | None = None
     """Sampling preset filling temperature / top_p / top_k that are not set explicitly."""
     servers: list[str] = []

@@ -37,7 +37,7 @@ from rlpost.rollout.hf_engine import HFEngine
 from rlpost.rollout.longtail import LengthPredictor, PartialRollout
 from rlpost.rollout.multiturn import MultiTurnRollout
 from rlpost.rollout.prefix_cache import PrefixCache
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.protocol import ENGINES, SamplingParams
 from rlpost.rollout.scheduler import Scheduler
 from rlpost.rollout.worker import RolloutWorker
 from rlpost.train.actor import ActorSettings, PolicyTrainer
@@ -169,27 +169,37 @@ def serves_policy_storage(cfg: Config) -> bool:
         and s.codec == "none"
         and not s.delta
         and cfg.model.lora.rank == 0
-        and not cfg.rollout.partial
+        and engine_name(cfg) == "hf"
         and not bf16_compute(cfg)
     )
 
 
-def build_engine(cfg: Config, model, tokenizer, *, push: bool = True):
-    """The rollout engine, serving ``model``'s current weights (later ones arrive through sync).
+def engine_name(cfg: Config) -> str:
+    """The registered engine ``rollout.engine`` names: ``hf`` becomes ``hf_continuous`` where
+    only continuous batching works (a partial rollout stops the moment enough samples are
+    done; the async loop hands new weights to the engine while it generates)."""
+    name = cfg.rollout.engine
+    if name == "hf" and (cfg.rollout.partial or cfg.pipeline.mode == "async"):
+        return "hf_continuous"
+    return name
 
-    ``push=False``: a remote or vLLM engine is left as its servers loaded it (the
-    caller sends the weights itself)."""
-    r = cfg.rollout
-    if r.engine in ("vllm", "remote"):
-        if r.engine == "vllm":
-            from rlpost.rollout import vllm_engine as module  # lazy: vLLM is a GPU extra
-        else:
-            from rlpost.rollout import remote_engine as module
-        engine = module.build(cfg, tokenizer)
-        if push:
-            # Servers load from disk: push the starting policy (after warm-up) first.
-            engine.load_weights(((n, p.detach()) for n, p in model.named_parameters()), version=0)
-        return engine
+
+def build_engine(cfg: Config, model, tokenizer, *, push: bool = True):
+    """The rollout engine of ``rollout.engine`` (``ENGINES``), serving ``model``'s current
+    weights (later ones arrive through sync).
+
+    ``push=False``: an engine that loads its own weights (vLLM, remote servers) is left as
+    it loaded them (the caller sends the weights itself)."""
+    name = engine_name(cfg)
+    engine = ENGINES.get(name)(cfg, model, tokenizer)
+    if push and ENGINES.trait(name, "loads_own_weights"):
+        # Servers load from disk: push the starting policy (after warm-up) first.
+        engine.load_weights(((n, p.detach()) for n, p in model.named_parameters()), version=0)
+    return engine
+
+
+def serving_copy(cfg: Config, model) -> torch.nn.Module:
+    """The in-process engines' module: the policy's storage or a copy, no grad, on the device."""
     if serves_policy_storage(cfg):
         # The serving module shares the policy's parameter storage: no second copy of the
         # weights in the process (docs/performance.md, Memory). Its own Parameter objects
@@ -203,21 +213,47 @@ def build_engine(cfg: Config, model, tokenizer, *, push: bool = True):
     serving.requires_grad_(False)
     if bf16_compute(cfg):
         serving = serving.to(dtype=torch.bfloat16)
-    serving.to(run_device(cfg))
-    if r.partial or cfg.pipeline.mode == "async":
-        # Continuous batching lets a partial step stop the moment enough samples are done,
-        # and takes new weights between decode steps while it generates (overlapped modes).
-        scheduler = Scheduler(
-            serving,
-            tokenizer,
-            max_batch=r.batch_size,
-            prefix_cache=PrefixCache(),
-            seed=cfg.run.seed,
-        )
-        return ContinuousEngine(scheduler.start(), tokenizer)
+    return serving.to(run_device(cfg))
+
+
+@ENGINES.register("hf")
+def build_hf_engine(cfg: Config, model, tokenizer) -> HFEngine:
+    r = cfg.rollout
     return HFEngine(
-        serving, tokenizer, batch_size=r.batch_size, share_prefix=r.share_prefix, seed=cfg.run.seed
+        serving_copy(cfg, model),
+        tokenizer,
+        batch_size=r.batch_size,
+        share_prefix=r.share_prefix,
+        seed=cfg.run.seed,
     )
+
+
+@ENGINES.register("hf_continuous")
+def build_continuous_engine(cfg: Config, model, tokenizer) -> ContinuousEngine:
+    # Continuous batching lets a partial step stop the moment enough samples are done,
+    # and takes new weights between decode steps while it generates (overlapped modes).
+    scheduler = Scheduler(
+        serving_copy(cfg, model),
+        tokenizer,
+        max_batch=cfg.rollout.batch_size,
+        prefix_cache=PrefixCache(),
+        seed=cfg.run.seed,
+    )
+    return ContinuousEngine(scheduler.start(), tokenizer)
+
+
+@ENGINES.register("vllm", loads_own_weights=True)
+def build_vllm_engine(cfg: Config, model, tokenizer):
+    from rlpost.rollout import vllm_engine  # lazy: vLLM is a GPU extra
+
+    return vllm_engine.build(cfg, tokenizer)
+
+
+@ENGINES.register("remote", loads_own_weights=True)
+def build_remote_engine(cfg: Config, model, tokenizer):
+    from rlpost.rollout import remote_engine
+
+    return remote_engine.build(cfg, tokenizer)
 
 
 def sampling_params(cfg: Config, eos_token_id: int) -> SamplingParams:

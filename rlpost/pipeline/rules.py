@@ -35,6 +35,7 @@ from rlpost.params import changed_sections, params_of
 from rlpost.pipeline.build import bf16_compute, run_device
 from rlpost.registry import UnknownNameError
 from rlpost.rewards.scorer import check_terms
+from rlpost.rollout.protocol import ENGINES
 
 COMMANDS = ("train", "sft", "eval", "dpo")
 RL = ("train", "sft", "eval")  # the commands that sample prompts (not preference pairs)
@@ -181,6 +182,11 @@ def tiny_context_fits_max_tokens(cfg: Config) -> str | None:
 
 
 # ----------------------------------------------------------------------- rollout
+
+
+@rule(*RL)
+def engine_is_registered(cfg: Config) -> str | None:
+    return _name_problem("rollout.engine", cfg.rollout.engine, ENGINES.get)
 
 
 @rule(*RL)

@@ -53,6 +53,7 @@ CASES = {
         "data.task=file needs data.train_path",
     ),
     "tiny_context_fits_max_tokens": ("train", [], ["rollout.max_tokens=200"], "max_tokens=200"),
+    "engine_is_registered": ("train", [], ["rollout.engine=hff"], "valid: hf, hf_continuous"),
     "remote_needs_servers": ("train", [], ["rollout.engine=remote"], "rollout.engine=remote"),
     "vllm_needs_model_path": ("train", [], ["rollout.engine=vllm"], "rollout.engine=vllm"),
     "partial_needs_sync_mode": (
