@@ -219,7 +219,6 @@ def train_stage(
         "completions": float(len(batch)),
         "rollout_kl": rollout_mismatch(batch),
         **sample_lag(batch, result.version - 1),
-        "sample_drop_ratio": len(dropped) / len(batch),
         "policy_version": float(result.version - 1),
     }
     return StepStats(
