@@ -432,12 +432,19 @@ class AlgoConfig(Section):
         # algo.loss_params / algo.advantage_params were one flat bag for every loss.
         if not isinstance(data, dict):
             return data
+        data = dict(data)
         for old, new, name_key, default in (
             ("loss_params", "losses", "policy_loss", "ppo_clip"),
             ("advantage_params", "advantages", "advantage", "grpo"),
         ):
             if old in data:
-                given = data[old] if isinstance(data[old], dict) and data[old] else {"NAME": "X"}
+                given = data.pop(old)
+                if isinstance(given, dict):  # None was the old "the default" (a resumed run)
+                    given = {k: v for k, v in given.items() if v is not None}
+                    if not given:
+                        continue
+                else:
+                    given = {"NAME": given}
                 key, value = next(iter(given.items()))
                 name = data.get(name_key, default)
                 raise ValueError(

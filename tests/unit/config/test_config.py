@@ -142,3 +142,12 @@ def test_cli_unknown_algorithm_names_valid_ones(tmp_path):
     assert proc.returncode == 2
     assert "ppo_clip" in proc.stderr and "valid" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_an_old_run_config_without_loss_params_set_still_loads():
+    # Run directories written before the per-loss sections hold the flat bag of Nones.
+    old = {"algo": {"loss_params": {"clip_low": None, "tau_pos": None}, "advantage_params": {}}}
+    cfg = Config.model_validate(old)
+    assert cfg.algo.losses.ppo_clip.clip_low == 0.2
+    with pytest.raises(ValueError, match=r"write algo\.losses\.ppo_clip\.tis_cap=2\.0"):
+        Config.model_validate({"algo": {"loss_params": {"clip_low": None, "tis_cap": 2.0}}})
