@@ -4,7 +4,8 @@
     rlpost sft [RECIPE] [key=value ...]        warm-up only, saves RUN_DIR/sft_model
     rlpost dpo [RECIPE] [key=value ...]        offline preference optimisation
     rlpost eval [RECIPE] [key=value ...]       held-out accuracy of model.path
-    rlpost config [RECIPE] [key=value ...]     print the resolved config (--keys: every key)
+    rlpost config [RECIPE] [key=value ...]     print the resolved config, checked as train does
+                                               (--keys: every key; --for dpo|eval|sft)
     rlpost recipes                             the recipes installed with rlpost
     rlpost rewards                             the registered rewards and their parameters
     rlpost report RUN_DIR [RUN_DIR ...]        HTML report and a text summary (several: overlaid)
@@ -71,6 +72,13 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _load(command: str, recipe: str | None, overrides: list[str]):
+    """The config, checked against the rule table as ``command`` (rlpost.pipeline.rules)."""
+    from rlpost.pipeline.rules import check
+
+    return check(load_config(recipe, overrides), command)
+
+
 def _overrides(args) -> tuple[str | None, list[str]]:
     recipe, overrides = _split_args(args.items)
     if getattr(args, "overwrite", False):
@@ -91,7 +99,7 @@ def _resume_recipe(args, recipe: str | None) -> str | None:
 
 def cmd_train(args) -> int:
     recipe, overrides = _overrides(args)
-    cfg = load_config(_resume_recipe(args, recipe), overrides)
+    cfg = _load(args.command, _resume_recipe(args, recipe), overrides)
     _quiet_libraries()
     from rlpost.cluster import starter
     from rlpost.errors import WorkerError
@@ -140,7 +148,7 @@ def _interrupted(args, run_dir: Path, code: int, total: int | None = None) -> in
 
 def cmd_sft(args) -> int:
     recipe, overrides = _overrides(args)
-    cfg = load_config(_resume_recipe(args, recipe), overrides)
+    cfg = _load(args.command, _resume_recipe(args, recipe), overrides)
     _quiet_libraries()
     from rlpost.pipeline.build import build_data
     from rlpost.pipeline.console import Console
@@ -161,14 +169,14 @@ def cmd_sft(args) -> int:
 
 def cmd_eval(args) -> int:
     recipe, overrides = _split_args(args.items)
-    cfg = load_config(recipe, overrides)
+    cfg = _load("eval", recipe, overrides)
     _quiet_libraries()
     from rlpost.pipeline import build
     from rlpost.pipeline.evaluate import evaluate
 
     _, held_out, _ = build.build_data(cfg)
     if not held_out:
-        raise ConfigError("nothing to evaluate: data.task=file needs data.eval_path")
+        raise ConfigError("nothing to evaluate: no held-out prompt was loaded")
     held_out = held_out[: cfg.eval.limit] if cfg.eval.limit else held_out
     model, tokenizer = build.build_policy(cfg)
     rollout = build.build_rollout_worker(cfg, model, tokenizer)
@@ -190,23 +198,23 @@ def cmd_dpo(args) -> int:
         recipe = str(DEFAULT_RECIPE.parent / "dpo_prefs.yaml")
     from rlpost.pipeline.dpo import run_dpo
 
-    cfg = load_config(recipe, overrides)
+    cfg = _load("dpo", recipe, overrides)
     _quiet_libraries()
     run_dpo(cfg)
     return 0
 
 
 def cmd_config(args) -> int:
+    from rlpost.pipeline.rules import check, command_for
+
     recipe, overrides = _split_args(args.items)
     cfg = load_config(recipe, overrides)
+    check(cfg, args.check_as or command_for(cfg))
     if args.keys:
         # The values this recipe and these overrides would run with, each with its help.
         for key, value, help_text in describe_fields(values=cfg):
             print(f"{key} = {value}\n    {' '.join(help_text.split())}")
         return 0
-    from rlpost.pipeline.build import check_names
-
-    check_names(cfg)
     print(dump_config(cfg), end="")
     return 0
 
@@ -274,6 +282,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--keys",
         action="store_true",
         help="list every config key with the value the recipe gives it, and its help",
+    )
+    sp.add_argument(
+        "--for",
+        dest="check_as",
+        choices=["train", "sft", "eval", "dpo"],
+        help="check the config as this command would (default: dpo for data.task=prefs, "
+        "else train)",
     )
     sp.set_defaults(fn=cmd_config)
     sp = sub.add_parser("recipes", help="list the recipes installed with rlpost")

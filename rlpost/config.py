@@ -28,6 +28,8 @@ from pydantic import (
     model_validator,
 )
 
+from rlpost.params import AdvantagesConfig, LossesConfig
+
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -299,8 +301,11 @@ SAMPLING_PRESETS: dict[str, dict[str, float]] = {
 
 
 class RolloutConfig(Section):
-    engine: Literal["hf", "vllm", "remote"] = "hf"
-    """Rollout engine: transformers in process (CPU), vLLM (GPU, extra [vllm]) or remote servers."""
+    engine: str = "hf"
+    """Rollout engine, by registered name: hf (transformers in this process, batch decoding;
+    with rollout.partial or pipeline.mode=async it is hf_continuous, which those need),
+    hf_continuous (transformers in this process, continuous batching), vllm (GPU, extra
+    [vllm]) or remote (rollout servers, rollout.servers)."""
     preset: Literal["rlvr", "rlhf"] | None = None
     """Sampling preset filling temperature / top_p / top_k that are not set explicitly."""
     servers: list[str] = []
@@ -373,79 +378,6 @@ class KLConfig(Section):
     """Adaptive controller horizon in samples."""
 
 
-class AdvantageParams(Section):
-    """Parameters of the advantage estimator. A field left None takes the estimator's own
-    default; setting one the chosen estimator does not take is refused at load."""
-
-    norm_by_std: bool | None = None
-    """grpo, grpo_passk: divide by the group std (False: Dr.GRPO's centred score)."""
-    std_scope: Literal["group", "batch"] | None = None
-    """grpo: the std of each group (default) or of the whole batch (TRL's scale_rewards=batch)."""
-    eps: float | None = Field(None, ge=0.0)
-    """grpo, grpo_passk, gdpo: added to the std before dividing (1e-6); optimal_token_baseline:
-    added to the baseline's denominator (1e-8)."""
-    gamma: float | None = Field(None, ge=0.0, le=1.0)
-    """reinforce_pp, gae, vapo_gae: discount (default 1.0)."""
-    lam: float | None = Field(None, ge=0.0, le=1.0)
-    """gae: the GAE lambda (default 1.0)."""
-    alpha: float | None = Field(None, gt=0.0)
-    """vapo_gae: length-adaptive lambda = 1 - 1 / (alpha * length) (default 0.05)."""
-    value_lam: float | None = Field(None, ge=0.0, le=1.0)
-    """vapo_gae: the critic's lambda for its returns (default 1.0)."""
-
-    def given(self) -> dict[str, Any]:
-        """The parameters set explicitly (passed to the estimator as keywords)."""
-        return {k: v for k, v in self.model_dump().items() if v is not None}
-
-
-class LossParams(Section):
-    """Parameters of the policy loss. A field left None takes the loss's own default (see
-    docs/algorithms.md); setting one the chosen loss does not take is refused at load."""
-
-    clip_low: float | None = Field(None, ge=0.0, le=1.0)
-    """ppo_clip, dapo, gspo, cispo, clip_cov: lower ratio clip 1 - clip_low (0.2; gspo 3e-4; cispo
-    1.0 = none); gmpo: lower log-ratio clip -clip_low (0.4)."""
-    clip_high: float | None = Field(None, ge=0.0)
-    """ppo_clip, dapo, gspo, cispo, clip_cov: upper ratio clip 1 + clip_high (0.2; dapo and cispo
-    0.28; gspo 4e-4); gmpo: upper log-ratio clip (0.4)."""
-    clip_ratio_c: float | None = Field(None, gt=1.0)
-    """ppo_clip, dapo: dual-clip bound c on the loss of negative-advantage tokens (3.0)."""
-    dual_clip: bool | None = None
-    """ppo_clip, dapo: apply the dual clip (True)."""
-    tis_cap: float | None = Field(None, gt=0.0)
-    """ppo_clip, dapo, cispo, reinforce: cap of the truncated engine/trainer importance weight (off)."""
-    tau_pos: float | None = Field(None, gt=0.0)
-    """sapo: gate temperature for positive advantages (1.0)."""
-    tau_neg: float | None = Field(None, gt=0.0)
-    """sapo: gate temperature for negative advantages (1.05)."""
-    divergence: Literal["binary_kl", "tv"] | None = None
-    """flash_reinforce: trust-region divergence between trainer and engine; dppo: between the
-    current and the sampling policy (binary_kl)."""
-    tr_kl: float | None = Field(None, gt=0.0)
-    """flash_reinforce, dppo: binary-KL trust-region threshold (0.05)."""
-    tr_tv: float | None = Field(None, gt=0.0)
-    """flash_reinforce, dppo: total-variation trust-region threshold (0.2)."""
-    is_cap: float | None = Field(None, gt=0.0)
-    """flash_reinforce, dppo: cap of the truncated importance weight (2.0; dppo 20.0)."""
-    reg_coef: float | None = Field(None, ge=0.0)
-    """dro: coefficient of the squared log-ratio penalty reg_coef/2 (lp - old)^2 (1.0)."""
-    kl_cov_ratio: float | None = Field(None, gt=0.0, le=1.0)
-    """kl_cov: fraction of valid tokens, highest advantage-logprob covariance first, that get the
-    KL penalty (2e-4)."""
-    ppo_kl_coef: float | None = Field(None, ge=0.0)
-    """kl_cov: coefficient of |lp - old| on the selected tokens (1.0)."""
-    clip_cov_ratio: float | None = Field(None, gt=0.0, le=1.0)
-    """clip_cov: fraction of valid tokens whose gradient is removed (2e-4)."""
-    clip_cov_lb: float | None = None
-    """clip_cov: lower bound of the covariance band tokens are chosen from (1.0)."""
-    clip_cov_ub: float | None = None
-    """clip_cov: upper bound of the covariance band tokens are chosen from (5.0)."""
-
-    def given(self) -> dict[str, Any]:
-        """The parameters set explicitly (passed to the loss as keywords)."""
-        return {k: v for k, v in self.model_dump().items() if v is not None}
-
-
 class RolloutCorrectionConfig(Section):
     """Importance correction between the policy that sampled (the engine's logprobs) and the
     one the loss is computed against (docs/algorithms.md, "Rollout corrections")."""
@@ -464,12 +396,12 @@ class RolloutCorrectionConfig(Section):
 class AlgoConfig(Section):
     advantage: str = "grpo"
     """Advantage estimator, by registered name (see docs/algorithms.md)."""
-    advantage_params: AdvantageParams = AdvantageParams()
-    """Parameters of the advantage estimator (typed; None: the estimator's default)."""
+    advantages: AdvantagesConfig = AdvantagesConfig()
+    """Parameters of each advantage estimator; the one of algo.advantage is used."""
     policy_loss: str = "ppo_clip"
     """Policy loss, by registered name."""
-    loss_params: LossParams = LossParams()
-    """Parameters of the policy loss (typed; None: the loss's default)."""
+    losses: LossesConfig = LossesConfig()
+    """Parameters of each policy loss; the one of algo.policy_loss is used."""
     loss_agg_mode: str = "token-mean"
     """How a [B, T] loss is reduced: token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean,
     seq-mean-token-sum-norm."""
@@ -493,6 +425,34 @@ class AlgoConfig(Section):
     """DAPO: drop groups whose rewards are all equal and sample more until the batch is full."""
     max_sampling_rounds: int = Field(3, ge=1)
     """Cap on rollout rounds per step under dynamic sampling."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_params(cls, data: Any) -> Any:
+        # algo.loss_params / algo.advantage_params were one flat bag for every loss.
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for old, new, name_key, default in (
+            ("loss_params", "losses", "policy_loss", "ppo_clip"),
+            ("advantage_params", "advantages", "advantage", "grpo"),
+        ):
+            if old in data:
+                given = data.pop(old)
+                if isinstance(given, dict):  # None was the old "the default" (a resumed run)
+                    given = {k: v for k, v in given.items() if v is not None}
+                    if not given:
+                        continue
+                else:
+                    given = {"NAME": given}
+                key, value = next(iter(given.items()))
+                name = data.get(name_key, default)
+                raise ValueError(
+                    f"algo.{old}.{key}={value}: the key was renamed, each "
+                    f"{name_key.replace('_', ' ')} has its own section; write "
+                    f"algo.{new}.{name}.{key}={value}"
+                )
+        return data
 
 
 # ------------------------------------------------------------------------- train
@@ -818,24 +778,6 @@ class ClusterConfig(Section):
     """Seconds a Ray placement group may take to be placed before the run stops (one line
     naming the role and the resource)."""
 
-    @model_validator(mode="after")
-    def _bounds(self) -> ClusterConfig:
-        if self.suspect_after_s > self.dead_after_s:
-            raise ValueError(
-                f"cluster.suspect_after_s={self.suspect_after_s} is above "
-                f"cluster.dead_after_s={self.dead_after_s}; a worker is suspect before it is dead"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _data_parallel_needs_processes(self) -> ClusterConfig:
-        if self.trainer_workers > 1 and self.backend == "local":
-            raise ValueError(
-                f"cluster.trainer_workers={self.trainer_workers} with cluster.backend=local: "
-                "data-parallel trainers run one per process; set cluster.backend=process (or ray)"
-            )
-        return self
-
 
 # -------------------------------------------------------------------------- sync
 
@@ -866,20 +808,6 @@ class SyncConfig(Section):
     """Seconds each sync phase (start, one bucket, finish) may take before it is an error."""
     keep_bf16: list[str] = ["embed", "lm_head", "norm"]
     """Regular expressions of tensor names that lossy codecs (fp8, mxfp4) send as bf16."""
-
-    @model_validator(mode="after")
-    def _delta_needs_bf16(self) -> SyncConfig:
-        if self.delta and self.codec != "bf16":
-            raise ValueError(
-                f"sync.delta=true with sync.codec={self.codec}: delta compares bf16 bit patterns; "
-                "set sync.codec=bf16"
-            )
-        if self.delta and self.channel == "disk":
-            raise ValueError(
-                "sync.delta=true with sync.channel=disk: disk readers cannot acknowledge a base "
-                "version; use http, gloo or inprocess, or set sync.delta=false"
-            )
-        return self
 
 
 # ------------------------------------------------------------------------- agent
@@ -938,12 +866,6 @@ class Config(Section):
     sync: SyncConfig = SyncConfig()
     agent: AgentConfig = AgentConfig()
 
-    @model_validator(mode="after")
-    def _combinations(self) -> Config:
-        for problem in find_combination_problems(self):
-            raise ValueError(problem)
-        return self
-
     @property
     def batch_size(self) -> int:
         """Sequences per RL step."""
@@ -952,154 +874,6 @@ class Config(Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.run.output_dir) / self.run.name
-
-
-def find_combination_problems(cfg: Config) -> list[str]:
-    """Combinations that would train silently wrong, each as 'key=value: reason; fix'."""
-    out = []
-    t, r = cfg.train, cfg.rollout
-    if t.micro_batch_size > t.mini_batch_size:
-        out.append(
-            f"train.micro_batch_size={t.micro_batch_size} is larger than "
-            f"train.mini_batch_size={t.mini_batch_size}; set micro_batch_size <= mini_batch_size"
-        )
-    if t.mini_batch_size > cfg.batch_size:
-        out.append(
-            f"train.mini_batch_size={t.mini_batch_size} is larger than the rollout batch "
-            f"(rollout.prompts_per_step * rollout.n = {cfg.batch_size}); lower it or raise the batch"
-        )
-    if cfg.data.task == "file" and not (cfg.data.train_path or cfg.data.eval_path):
-        out.append("data.task=file needs data.train_path; set it to a JSONL or Parquet file")
-    if cfg.model.path is None and r.max_tokens + 32 > cfg.model.tiny.max_position_embeddings:
-        out.append(
-            f"rollout.max_tokens={r.max_tokens} leaves no room for the prompt within "
-            f"model.tiny.max_position_embeddings={cfg.model.tiny.max_position_embeddings}; "
-            "raise max_position_embeddings or lower max_tokens"
-        )
-    if r.engine == "remote" and not r.servers:
-        out.append(
-            "rollout.engine=remote needs rollout.servers; start servers with `rlpost serve` and list their URLs"
-        )
-    if r.partial and cfg.pipeline.mode != "sync":
-        out.append(
-            f"rollout.partial=true with pipeline.mode={cfg.pipeline.mode}: the overlapped loop "
-            "already keeps rollout running across steps; set rollout.partial=false or "
-            "pipeline.mode=sync"
-        )
-    if cfg.algo.old_logprobs == "rollout":
-        if r.top_p < 1.0 or r.top_k > 0:
-            out.append(
-                f"algo.old_logprobs=rollout with rollout.top_p={r.top_p:g}, "
-                f"rollout.top_k={r.top_k}: the engine's logprobs are of the truncated "
-                "distribution, not the policy's; sample with top_p=1 and top_k=-1 or set "
-                "algo.old_logprobs=trainer"
-            )
-        a = cfg.algo
-        one = {
-            f"algo.rollout_correction.name={a.rollout_correction.name}": (
-                a.rollout_correction.name != "none"
-            ),
-            f"algo.loss_params.tis_cap={a.loss_params.tis_cap}": a.loss_params.tis_cap is not None,
-            "algo.policy_loss=flash_reinforce": a.policy_loss == "flash_reinforce",
-        }
-        for key in (k for k, bad in one.items() if bad):
-            out.append(
-                f"algo.old_logprobs=rollout with {key}: the ratio is already against the "
-                "engine's logprobs, so the engine/trainer weight is always 1; use "
-                "algo.old_logprobs=trainer"
-            )
-        differs = {
-            f"model.dtype={cfg.model.dtype}": cfg.model.dtype == "bfloat16",
-            f"sync.codec={cfg.sync.codec}": cfg.sync.codec != "none",
-        }
-        for key in (k for k, bad in differs.items() if bad):
-            out.append(
-                f"algo.old_logprobs=rollout with {key}: the engine serves other numbers than "
-                "the trainer's, so its logprobs are not the policy's; use "
-                "algo.old_logprobs=trainer"
-            )
-    if r.engine == "vllm" and cfg.model.path is None:
-        out.append("rollout.engine=vllm needs model.path (a local HF checkpoint vLLM can load)")
-    return out + find_inert_knobs(cfg)
-
-
-def find_inert_knobs(cfg: Config) -> list[str]:
-    """Knobs set away from their default where nothing reads them: refused, never ignored."""
-    a, r, s, w = cfg.algo, cfg.rollout, cfg.sync, cfg.reward
-    corr, p = a.rollout_correction.name, a.loss_params
-    copied = r.engine != "remote" and s.codec == "none" and not s.delta
-    mixed = any(t.kind in ("model", "judge") for t in w.terms)
-    rules = [  # (section, its key, field, nothing reads it, the fix)
-        (
-            a.kl,
-            "algo.kl",
-            ("estimator", "placement", "target"),
-            a.kl.beta == 0,
-            "set algo.kl.beta > 0",
-        ),
-        (a.kl, "algo.kl", ("horizon",), a.kl.target is None, "set algo.kl.target (adaptive KL)"),
-        (
-            a.rollout_correction,
-            "algo.rollout_correction",
-            ("cap",),
-            corr not in ("tis", "seq_tis", "seq_mask"),
-            "set algo.rollout_correction.name to tis, seq_tis or seq_mask",
-        ),
-        (
-            a.rollout_correction,
-            "algo.rollout_correction",
-            ("low", "high"),
-            corr not in ("mask", "seq_mask"),
-            "set algo.rollout_correction.name to mask or seq_mask",
-        ),
-        (
-            a,
-            "algo",
-            ("max_sampling_rounds",),
-            not a.dynamic_sampling,
-            "set algo.dynamic_sampling=true",
-        ),
-        (r, "rollout", ("partial_fraction",), not r.partial, "set rollout.partial=true"),
-        (
-            r,
-            "rollout",
-            ("partial_chunk_tokens",),
-            not r.partial or r.engine == "hf",
-            "it applies to a partial rollout on a remote or vllm engine",
-        ),
-        (s, "sync", ("delta_full_threshold",), not s.delta, "set sync.delta=true"),
-        (
-            s,
-            "sync",
-            ("bucket_mb", "verify", "timeout_s", "keep_bf16"),
-            copied,
-            "weights are copied in process with sync.codec=none; set sync.codec to stream them",
-        ),
-        (
-            w,
-            "reward",
-            ("alpha",),
-            not mixed,
-            "alpha mixes verifiable with model or judge terms; add one",
-        ),
-        (w, "reward", ("sample_count",), w.sample_every == 0, "set reward.sample_every > 0"),
-        (
-            p,
-            "algo.loss_params",
-            ("tr_tv",),
-            p.divergence != "tv",
-            "set algo.loss_params.divergence=tv",
-        ),
-        (p, "algo.loss_params", ("tr_kl",), p.divergence == "tv", "unset divergence (binary_kl)"),
-        (p, "algo.loss_params", ("clip_ratio_c",), p.dual_clip is False, "set dual_clip=true"),
-    ]
-    out = []
-    for section, prefix, fields, inert, fix in rules:
-        for name in fields:
-            value = getattr(section, name)
-            if inert and value != type(section).model_fields[name].default:
-                out.append(f"{prefix}.{name}={value}: nothing reads it in this config; {fix}")
-    return out
 
 
 # ------------------------------------------------------------------- loading

@@ -22,7 +22,12 @@ from rlpost.algos.entropy import entropy_from_logits
 from rlpost.algos.kl import KL_ESTIMATORS, get_kl_estimator, kl_loss, kl_penalized_rewards
 from rlpost.algos.kl_control import AdaptiveKLController, FixedKLController
 from rlpost.algos.policy_losses import POLICY_LOSSES, PolicyLossOutput, get_policy_loss
-from rlpost.algos.sampling import group_zero_spread_fraction, groups_with_spread, overlong_penalty
+from rlpost.algos.sampling import (
+    group_has_spread,
+    group_zero_spread_fraction,
+    groups_with_spread,
+    overlong_penalty,
+)
 from rlpost.algos.value import value_loss
 
 __all__ = [
@@ -40,6 +45,7 @@ __all__ = [
     "get_aggregation",
     "get_kl_estimator",
     "get_policy_loss",
+    "group_has_spread",
     "group_zero_spread_fraction",
     "groups_with_spread",
     "kl_loss",

@@ -49,6 +49,9 @@ class PolicyLossOutput:
 
 PolicyLoss = Callable[..., PolicyLossOutput]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+# The keywords the trainer supplies (``selected``: a ``token_selector`` loss's tokens); every
+# other keyword is a parameter, typed in ``rlpost.params`` with the same default.
+CALLER_INPUTS = frozenset({"agg", "rollout_logprobs", "ref_logprobs", "selected"})
 
 
 def get_policy_loss(name: str) -> PolicyLoss:

@@ -13,19 +13,27 @@ import torch
 from torch import Tensor
 
 
-def overlong_penalty(lengths: Tensor, max_len: int, cache_len: int, factor: float = 1.0) -> Tensor:
-    """DAPO soft overlong punishment (eq. 13), added to the outcome reward.
+def overlong_penalty(
+    lengths: Tensor,
+    max_len: int,
+    cache_len: int,
+    factor: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """DAPO soft overlong punishment (eq. 13), added to the outcome reward; the one
+    definition (the ``overlong_penalty`` reward calls it).
 
-    Shapes: ``lengths [B]`` (response tokens) -> ``[B]`` float32:
+    Shapes: ``lengths [B]`` (response tokens) -> ``[B]`` of ``dtype`` (float32; the reward
+    asks float64, the precision of its Python float):
     ``0`` if ``len <= max_len - cache_len``; ``((max_len - cache_len) - len) / cache_len
-    * factor`` inside the window; ``-factor`` beyond ``max_len``. ``cache_len = 0``
-    is a hard cliff at ``max_len``.
+    * factor`` inside the window, reaching ``-factor`` at ``len = max_len``; ``-factor``
+    beyond ``max_len``. ``cache_len = 0`` is a hard cliff: 0 up to ``max_len`` included.
     """
     if not 0 <= cache_len <= max_len:
         raise ValueError(
             f"need 0 <= cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}"
         )
-    n = lengths.to(torch.float32)
+    n = lengths.to(dtype)
     start = float(max_len - cache_len)
     ramp = (start - n) / float(max(cache_len, 1)) * factor
     penalty = torch.where(n <= start, torch.zeros_like(n), ramp)
@@ -47,14 +55,33 @@ def _group_range(scores: Tensor, group: Tensor) -> tuple[Tensor, Tensor]:
     return high - low, inverse
 
 
-def groups_with_spread(scores: Tensor, group: Tensor) -> Tensor:
-    """DAPO dynamic-sampling filter: True for rows whose group's scores are not all equal.
+def group_has_spread(scores: Tensor, group: Tensor) -> Tensor:
+    """DAPO dynamic-sampling filter, per group: True where a group's scores are not all equal.
 
-    Shapes: ``scores [B]``, ``group [B]`` int64 prompt ids (any order) -> bool ``[B]``.
-    A singleton group has no spread and is dropped.
+    Shapes: ``scores [B]``, ``group [B]`` int64 prompt ids (any order) -> bool ``[G]``, one
+    per distinct id in ascending order. A singleton group has no spread; nor has a group
+    with a NaN score (its advantages would not be numbers). The rollout stage's filter.
     """
-    spread, inverse = _group_range(scores, group)
-    return (spread > 0)[inverse]
+    spread, _ = _group_range(scores, group)
+    return spread > 0
+
+
+def spread_per_group(scores: list[list[float]]) -> list[bool]:
+    """:func:`group_has_spread` for groups given as lists of scores (the rollout stage's)."""
+    if not scores:
+        return []
+    flat = torch.tensor([x for g in scores for x in g], dtype=torch.float64)
+    ids = torch.tensor([i for i, g in enumerate(scores) for _ in g], dtype=torch.long)
+    spread = group_has_spread(flat, ids).tolist()
+    if len(spread) != len(scores):
+        raise ValueError("every group needs at least one score")
+    return spread
+
+
+def groups_with_spread(scores: Tensor, group: Tensor) -> Tensor:
+    """:func:`group_has_spread` per row: bool ``[B]``, True for rows whose group keeps."""
+    _, inverse = torch.unique(group, return_inverse=True)
+    return group_has_spread(scores, group)[inverse]
 
 
 def group_zero_spread_fraction(scores: Tensor, group: Tensor) -> float:

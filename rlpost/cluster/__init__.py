@@ -12,28 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rlpost.config import Config, ConfigError
+from rlpost.config import Config
+from rlpost.pipeline.rules import resolve_backend
 
 
 def starter(cfg: Config) -> Callable:
     """The start function of ``cfg.cluster.backend`` (``auto``: local for the synchronous loop,
     separate processes for the overlapped ones)."""
-    c = cfg.cluster
-    backend = c.backend
-    if backend == "auto":
-        one = cfg.pipeline.mode == "sync" and c.trainer_workers == 1 and c.rollout_workers == 1
-        backend = "local" if one else "process"
-    if backend != "ray" and c.reward_workers:
-        raise ConfigError(
-            f"cluster.reward_workers={c.reward_workers} needs cluster.backend=ray "
-            f"(backend={c.backend}); 0 scores in the driver"
-        )
-    if backend == "local" and (c.rollout_workers > 1 or c.trainer_workers > 1):
-        raise ConfigError(
-            f"cluster.rollout_workers={c.rollout_workers}, trainer_workers={c.trainer_workers}: "
-            "several workers of a role need processes of their own; set cluster.backend=process "
-            "or cluster.backend=ray"
-        )
+    backend = resolve_backend(cfg)
     if backend == "ray":
         from rlpost.cluster.ray_backend import import_ray, start_ray_workers
 

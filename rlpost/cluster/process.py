@@ -31,7 +31,7 @@ from typing import Any
 
 from rlpost.cluster.fleet import RolloutFleet
 from rlpost.cluster.health import HealthPolicy
-from rlpost.config import Config, ConfigError
+from rlpost.config import Config
 from rlpost.errors import WorkerError, typed_line
 
 
@@ -328,21 +328,6 @@ def health_policy(cfg: Config) -> HealthPolicy:
     )
 
 
-def check_fleet(cfg: Config) -> None:
-    """Settings a fleet of several rollout workers cannot honour, as one-line errors."""
-    n = cfg.cluster.rollout_workers
-    if n > 1 and cfg.rollout.partial:
-        raise ConfigError(
-            f"cluster.rollout_workers={n} with rollout.partial=true: carried groups live in one "
-            "worker and would be lost with it; set rollout.partial=false or rollout_workers=1"
-        )
-    if n > 1 and cfg.rollout.engine == "remote":
-        raise ConfigError(
-            f"cluster.rollout_workers={n} with rollout.engine=remote: the remote engine already "
-            "balances over rollout.servers; set cluster.rollout_workers=1"
-        )
-
-
 def start_process_workers(cfg: Config, run_dir: Path, train_prompts, console, *, resuming: bool):
     """The trainer and the rollout worker (or a fleet of ``cluster.rollout_workers``) in
     processes of their own; the reward worker here."""
@@ -350,7 +335,6 @@ def start_process_workers(cfg: Config, run_dir: Path, train_prompts, console, *,
     from rlpost.pipeline.rundir import warm_start
     from rlpost.pipeline.workers import Workers
 
-    check_fleet(cfg)
     if not resuming:
         warm_start(cfg, run_dir, train_prompts, console, skip_sft=False)  # saves sft_model
     trainer = start_trainers(cfg, run_dir)

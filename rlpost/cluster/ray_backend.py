@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from rlpost.cluster.fleet import RolloutFleet
-from rlpost.cluster.process import check_fleet, health_policy, slot_config
+from rlpost.cluster.process import health_policy, slot_config
 from rlpost.cluster.ray_connect import LOCAL, connect
 from rlpost.config import Config, ConfigError
 from rlpost.errors import WorkerError, kind_of, typed_line
@@ -541,7 +541,6 @@ def start_ray_workers(cfg: Config, run_dir: Path, train_prompts, console, *, res
     from rlpost.pipeline.rundir import warm_start
 
     c = cfg.cluster
-    check_fleet(cfg)
     started = connect(ray, cfg)
     placement = None
     made: list = []

@@ -105,7 +105,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "rl_sample_drop_ratio",
         "gauge",
-        "Fraction of generated samples dropped as too stale [0-1].",
+        "Fraction of the step's generated samples not trained: invalid rewards and "
+        "samples dropped as too stale [0-1].",
         "sample_drop_ratio",
     ),
 )
@@ -140,3 +141,19 @@ def exposed_sample_name(spec: MetricSpec) -> str:
     seen through its ``_count`` series.
     """
     return spec.name + "_count" if spec.kind == "histogram" else spec.name
+
+
+class DuplicateMetric(ValueError):
+    """Two sources of one step's metrics wrote the same key."""
+
+
+def merge_metrics(*parts: dict[str, float]) -> dict[str, float]:
+    """One step's metrics from the dicts of the stages that own them; a key written by two
+    parts is an error (a later part would otherwise overwrite it silently)."""
+    out: dict[str, float] = {}
+    for part in parts:
+        for key, value in part.items():
+            if key in out:
+                raise DuplicateMetric(f"metric {key!r} is written by two sources of one step")
+            out[key] = value
+    return out

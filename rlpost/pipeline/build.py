@@ -8,16 +8,12 @@ estimator, aggregation mode or reward fails before any work starts.
 from __future__ import annotations
 
 import copy
-import inspect
 import os
 
 import torch
 
 from rlpost.algos import (
-    ADVANTAGES,
     POLICY_LOSSES,
-    get_advantage_estimator,
-    get_aggregation,
     get_kl_estimator,
     get_policy_loss,
 )
@@ -28,21 +24,21 @@ from rlpost.data.code import code_splits
 from rlpost.data.render import prepare_prompts
 from rlpost.envs.base import EnvError
 from rlpost.envs.catalog import env_factory
-from rlpost.envs.formats import TagFormat, build_format, demonstration_completion
+from rlpost.envs.formats import build_format, demonstration_completion
 from rlpost.models.loading import context_length, frozen_copy, load_policy, load_tokenizer
 from rlpost.models.tiny import build_char_tokenizer
 from rlpost.observe.mfu import cpu_bf16_native
+from rlpost.params import params_of
 from rlpost.pipeline.plan import resolve_step_plan
 from rlpost.pipeline.weights import build_weight_path
-from rlpost.registry import UnknownNameError
-from rlpost.rewards.scorer import build_scorer, check_terms
+from rlpost.rewards.scorer import build_scorer
 from rlpost.rewards.worker import RewardWorker
 from rlpost.rollout.continuous import ContinuousEngine
 from rlpost.rollout.hf_engine import HFEngine
 from rlpost.rollout.longtail import LengthPredictor, PartialRollout
 from rlpost.rollout.multiturn import MultiTurnRollout
 from rlpost.rollout.prefix_cache import PrefixCache
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.protocol import ENGINES, SamplingParams
 from rlpost.rollout.scheduler import Scheduler
 from rlpost.rollout.worker import RolloutWorker
 from rlpost.sync.codecs import CODECS
@@ -50,81 +46,6 @@ from rlpost.train.actor import ActorSettings, PolicyTrainer
 from rlpost.train.dp import DPSpec
 from rlpost.train.worker import TrainerWorker, WeightsExport
 from rlpost.types import Prompt
-
-
-def check_names(cfg: Config) -> None:
-    """Resolve every registered name and parameter; raise ConfigError naming the key.
-
-    Parameter values were checked by the typed config at load; here each one set
-    is checked to be a parameter of the estimator or loss chosen, and the
-    registered traits are checked against the rest of the config.
-    """
-    a = cfg.algo
-    checks = [
-        ("algo.advantage", a.advantage, get_advantage_estimator, a.advantage_params.given()),
-        ("algo.policy_loss", a.policy_loss, get_policy_loss, a.loss_params.given()),
-        ("algo.kl.estimator", a.kl.estimator, get_kl_estimator, {}),
-        ("algo.loss_agg_mode", a.loss_agg_mode, get_aggregation, {}),
-    ]
-    if a.rollout_correction.name != "none":
-        checks.append(
-            ("algo.rollout_correction.name", a.rollout_correction.name, get_correction, {})
-        )
-    for key, name, lookup, params in checks:
-        try:
-            fn = lookup(name)
-        except UnknownNameError as exc:
-            raise ConfigError(f"config {key}={name!r}: {exc}") from None
-        _check_params(key, name, fn, params)
-    if cfg.rollout.n == 1 and ADVANTAGES.trait(a.advantage, "group_relative"):
-        raise ConfigError(
-            f"rollout.n=1 gives every {a.advantage} group zero advantage; set rollout.n >= 2 "
-            "or use algo.advantage=reinforce_pp with algo.policy_loss=flash_reinforce"
-        )
-    remote = cfg.rollout.engine == "remote"
-    if cfg.sync.channel not in (("http", "inprocess") if remote else ("inprocess", "disk")):
-        raise ConfigError(
-            f"sync.channel={cfg.sync.channel}: rlpost train sends weights in process "
-            "(inprocess), through the run's weights/ directory to rollout workers (disk) or to "
-            "rollout servers (http, with rollout.engine=remote); set one of those (gloo and "
-            "vllm are for engines started outside the loop: docs/sync.md)"
-        )
-    if cfg.sync.channel == "disk" and cfg.cluster.rollout_workers > 1:
-        raise ConfigError(
-            f"sync.channel=disk with cluster.rollout_workers={cfg.cluster.rollout_workers}: a "
-            "fleet readmits restarted workers from its own copy of the weights; set "
-            "sync.channel=inprocess or cluster.rollout_workers=1"
-        )
-    try:
-        check_terms(cfg.reward)
-    except (UnknownNameError, ValueError) as exc:
-        raise ConfigError(f"config reward.terms: {exc}") from None
-    if cfg.agent.env is not None:
-        try:
-            make_env = env_factory(cfg.agent.env, cfg.agent.params)
-            if cfg.agent.format == "tags":  # (the other formats need the tokenizer)
-                tags = TagFormat(cfg.agent.call_template, cfg.agent.result_template)
-                tags.check(tuple(make_env().tools))
-        except EnvError as exc:
-            raise ConfigError(f"config agent.env: {exc}") from None
-    if a.old_logprobs == "rollout" and bf16_compute(cfg):  # model.dtype=auto, resolved here
-        raise ConfigError(
-            f"algo.old_logprobs=rollout with model.dtype={cfg.model.dtype} (bf16 on this CPU): "
-            "the engine's bf16 logprobs are not the trainer's; use algo.old_logprobs=trainer "
-            "or model.dtype=float32"
-        )
-    if ADVANTAGES.trait(a.advantage, "needs_components") and (
-        a.kl.placement == "reward" or cfg.agent.env is not None
-    ):
-        why = "algo.kl.placement=reward" if a.kl.placement == "reward" else "agent.env"
-        raise ConfigError(
-            f"algo.advantage={a.advantage} with {why}: it normalises the reward terms' "
-            "outcome scores and would drop the per-token rewards (the KL penalty, an "
-            "environment's turn rewards); use another estimator or algo.kl.placement=loss"
-        )
-    check_data_parallel(cfg)
-    if cfg.cluster.backend != "ray":  # Ray workers resolve the device where they run
-        run_device(cfg)
 
 
 def run_device(cfg: Config, rank: int | None = None) -> torch.device:
@@ -145,38 +66,6 @@ def run_device(cfg: Config, rank: int | None = None) -> torch.device:
     local = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
     torch.cuda.set_device(local)
     return torch.device("cuda", local)
-
-
-# Keyword parameters every estimator or loss takes from the caller, not from the config.
-_CALLER_PARAMS = {
-    "values",
-    "agg",
-    "rollout_logprobs",
-    "ref_logprobs",
-    "selected",
-    "components",
-    "baseline_scores",
-    "old_logprobs",
-    "sum_pi_squared",
-}
-
-
-def _check_params(key: str, name: str, fn, params: dict) -> None:
-    if not params:
-        return
-    sig = inspect.signature(fn)
-    valid = [
-        p.name
-        for p in sig.parameters.values()
-        if p.kind is p.KEYWORD_ONLY and p.name not in _CALLER_PARAMS
-    ]
-    section = "advantage_params" if key == "algo.advantage" else "loss_params"
-    for param in params:
-        if param not in valid:
-            raise ConfigError(
-                f"config algo.{section}.{param}: {name} takes no parameter {param!r}; "
-                f"valid: {', '.join(valid) or 'none'}"
-            )
 
 
 def build_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, int]]:
@@ -204,12 +93,7 @@ def load_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, LoadRe
             train, held_out = code_splits(d.code.train_size, d.code.eval_size)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-    elif d.task == "prefs":
-        raise ConfigError(
-            "data.task=prefs holds preference pairs, for rlpost dpo; rlpost train needs prompts "
-            "(data.task=arith, code or file)"
-        )
-    else:
+    else:  # file (data.task=prefs is refused by the rule table)
         kwargs = dict(
             prompt_field=d.prompt_field,
             answer_field=d.answer_field,
@@ -287,28 +171,43 @@ def serves_policy_storage(cfg: Config) -> bool:
         and CODECS.trait(s.codec, "identity")
         and not s.delta
         and cfg.model.lora.rank == 0
-        and not cfg.rollout.partial
+        and engine_name(cfg) == "hf"
         and not bf16_compute(cfg)
     )
 
 
-def build_engine(cfg: Config, model, tokenizer, *, push: bool = True):
-    """The rollout engine, serving ``model``'s current weights (later ones arrive through sync).
+def engine_name(cfg: Config) -> str:
+    """The registered engine ``rollout.engine`` names: ``hf`` becomes ``hf_continuous`` where
+    only continuous batching works (a partial rollout stops the moment enough samples are
+    done; the async loop hands new weights to the engine while it generates)."""
+    name = cfg.rollout.engine
+    if name == "hf" and (cfg.rollout.partial or cfg.pipeline.mode == "async"):
+        return "hf_continuous"
+    return name
 
-    ``push=False``: a remote or vLLM engine is left as its servers loaded it (the
-    caller sends the weights itself)."""
-    r = cfg.rollout
-    if r.engine in ("vllm", "remote"):
-        if r.engine == "vllm":
-            from rlpost.rollout import vllm_engine as module  # lazy: vLLM is a GPU extra
-        else:
-            from rlpost.rollout import remote_engine as module
-        engine = module.build(cfg, tokenizer)
-        if push and r.engine == "vllm":
-            # The engine loads from disk: push the starting policy (after warm-up) first
-            # (remote servers get it through the weight path: build_rollout_worker).
-            engine.load_weights(((n, p.detach()) for n, p in model.named_parameters()), version=0)
-        return engine
+
+def build_engine(cfg: Config, model, tokenizer, *, push: bool = True):
+    """The rollout engine of ``rollout.engine`` (``ENGINES``), serving ``model``'s current
+    weights (later ones arrive through sync).
+
+    ``push=False``: an engine that loads its own weights (vLLM, remote servers) is left as
+    it loaded them (the caller sends the weights itself)."""
+    name = engine_name(cfg)
+    engine = ENGINES.get(name)(cfg, model, tokenizer)
+    if push and ENGINES.trait(name, "loads_own_weights") and not _over_http(name):
+        # vLLM loads from disk: push the starting policy (after warm-up) first (servers over
+        # http get it through the run's weight path: build_rollout_worker).
+        engine.load_weights(((n, p.detach()) for n, p in model.named_parameters()), version=0)
+    return engine
+
+
+def _over_http(name: str) -> bool:
+    """Whether engine ``name`` serves from HTTP servers that the weight path pushes to."""
+    return bool(ENGINES.trait(name, "over_http", False))
+
+
+def serving_copy(cfg: Config, model) -> torch.nn.Module:
+    """The in-process engines' module: the policy's storage or a copy, no grad, on the device."""
     if serves_policy_storage(cfg):
         # The serving module shares the policy's parameter storage: no second copy of the
         # weights in the process (docs/performance.md, Memory). Its own Parameter objects
@@ -322,21 +221,47 @@ def build_engine(cfg: Config, model, tokenizer, *, push: bool = True):
     serving.requires_grad_(False)
     if bf16_compute(cfg):
         serving = serving.to(dtype=torch.bfloat16)
-    serving.to(run_device(cfg))
-    if r.partial or cfg.pipeline.mode == "async":
-        # Continuous batching lets a partial step stop the moment enough samples are done,
-        # and takes new weights between decode steps while it generates (overlapped modes).
-        scheduler = Scheduler(
-            serving,
-            tokenizer,
-            max_batch=r.batch_size,
-            prefix_cache=PrefixCache(),
-            seed=cfg.run.seed,
-        )
-        return ContinuousEngine(scheduler.start(), tokenizer)
+    return serving.to(run_device(cfg))
+
+
+@ENGINES.register("hf")
+def build_hf_engine(cfg: Config, model, tokenizer) -> HFEngine:
+    r = cfg.rollout
     return HFEngine(
-        serving, tokenizer, batch_size=r.batch_size, share_prefix=r.share_prefix, seed=cfg.run.seed
+        serving_copy(cfg, model),
+        tokenizer,
+        batch_size=r.batch_size,
+        share_prefix=r.share_prefix,
+        seed=cfg.run.seed,
     )
+
+
+@ENGINES.register("hf_continuous")
+def build_continuous_engine(cfg: Config, model, tokenizer) -> ContinuousEngine:
+    # Continuous batching lets a partial step stop the moment enough samples are done,
+    # and takes new weights between decode steps while it generates (overlapped modes).
+    scheduler = Scheduler(
+        serving_copy(cfg, model),
+        tokenizer,
+        max_batch=cfg.rollout.batch_size,
+        prefix_cache=PrefixCache(),
+        seed=cfg.run.seed,
+    )
+    return ContinuousEngine(scheduler.start(), tokenizer)
+
+
+@ENGINES.register("vllm", loads_own_weights=True)
+def build_vllm_engine(cfg: Config, model, tokenizer):
+    from rlpost.rollout import vllm_engine  # lazy: vLLM is a GPU extra
+
+    return vllm_engine.build(cfg, tokenizer)
+
+
+@ENGINES.register("remote", loads_own_weights=True, over_http=True)
+def build_remote_engine(cfg: Config, model, tokenizer):
+    from rlpost.rollout import remote_engine
+
+    return remote_engine.build(cfg, tokenizer)
 
 
 def sampling_params(cfg: Config, eos_token_id: int) -> SamplingParams:
@@ -380,7 +305,7 @@ def build_trainer(cfg: Config, model, dp=None) -> PolicyTrainer:
         nll_coef=a.nll_coef,
         kl_in_loss=a.kl.placement == "loss",
         bf16=bf16_compute(cfg),
-        loss_params=a.loss_params.given(),
+        loss_params=params_of(a.losses, a.policy_loss),
         correction_params={"cap": c.cap, "low": c.low, "high": c.high},
     )
     if settings.bf16 and eager_attention_pays(model):
@@ -459,23 +384,6 @@ def build_critic(cfg: Config, model):
 # ------------------------------------------------------------------ workers
 
 
-def check_data_parallel(cfg: Config) -> None:
-    """What sharded trainers do not cover yet is refused in one line before any work."""
-    n = cfg.cluster.trainer_workers
-    if n <= 1:
-        return
-    if ADVANTAGES.trait(cfg.algo.advantage, "needs_critic"):
-        raise ConfigError(
-            f"cluster.trainer_workers={n}: the PPO critic (algo.advantage={cfg.algo.advantage}) "
-            "trains on one worker only; set cluster.trainer_workers=1"
-        )
-    if cfg.model.lora.rank > 0:
-        raise ConfigError(
-            f"cluster.trainer_workers={n} with model.lora.rank={cfg.model.lora.rank}: adapters "
-            "train on one worker only; set cluster.trainer_workers=1 or model.lora.rank=0"
-        )
-
-
 def build_trainer_worker(cfg: Config, model, tokenizer, dp: DPSpec | None = None) -> TrainerWorker:
     """The trainer worker around ``model`` (the starting policy, after any warm-up); with
     ``model.lora.rank > 0`` the model gets adapters and only they train.
@@ -483,7 +391,6 @@ def build_trainer_worker(cfg: Config, model, tokenizer, dp: DPSpec | None = None
     ``dp``: this worker is rank ``dp.rank`` of ``dp.world`` data-parallel trainers; it joins
     their process group here (blocking until all have joined) and shards its modules."""
     if dp is not None:
-        check_data_parallel(cfg)
         device = run_device(cfg, dp.rank)
         if dp.backend != ("nccl" if device.type == "cuda" else "gloo"):
             raise ConfigError(
@@ -540,7 +447,7 @@ def build_rollout_worker(
         batch_size=r.batch_size,
         agent=build_agent(cfg, engine, tokenizer),
     )
-    if r.engine == "remote" and serve and not own:  # servers load from disk: send the policy
+    if _over_http(engine_name(cfg)) and serve and not own:  # servers load from disk: send it
         path = build_weight_path(cfg, worker)
         try:
             path.push(WeightsExport(0, [(n, p.detach()) for n, p in model.named_parameters()]))

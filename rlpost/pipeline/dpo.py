@@ -22,12 +22,13 @@ from rich.console import Console as RichConsole
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from rlpost.config import Config, ConfigError
+from rlpost.config import Config
 from rlpost.data.preferences import PreferencePair, load_pairs
 from rlpost.data.sampler import PromptSampler
 from rlpost.models.loading import load_policy
 from rlpost.observe import Recorder
 from rlpost.observe.mfu import pick_threads
+from rlpost.pipeline import rules
 from rlpost.pipeline.rundir import prepare_run_dir
 from rlpost.train.dpo import attach_reference, dpo_update, encode_pairs, evaluate_pairs
 from rlpost.train.sft import sft_train, warmup_then_cosine
@@ -95,11 +96,7 @@ def run_dpo(cfg: Config) -> DPOResult:
 
 
 def _run(cfg: Config, started: float) -> DPOResult:
-    if cfg.data.task not in ("prefs", "file"):
-        raise ConfigError(
-            f"rlpost dpo trains on preference pairs: data.task={cfg.data.task} has none; "
-            "use data.task=prefs (the built-in pairs) or data.task=file with a pairs file"
-        )
+    rules.check(cfg, "dpo")
     # Inputs first: a start that fails on them leaves an existing run untouched.
     train_pairs, eval_pairs, counts = load_pairs(cfg.data, cfg.run.seed)
     model, tokenizer = load_policy(

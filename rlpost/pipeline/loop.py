@@ -35,8 +35,9 @@ from rlpost.data import PromptSampler
 from rlpost.errors import WorkerError, one_line
 from rlpost.observe import Guards, Recorder
 from rlpost.observe.memory import set_mmap_threshold
+from rlpost.observe.metrics import merge_metrics
 from rlpost.observe.mfu import pick_threads
-from rlpost.pipeline import build
+from rlpost.pipeline import build, rules
 from rlpost.pipeline.console import Console
 from rlpost.pipeline.evaluate import evaluate
 from rlpost.pipeline.feeds import (
@@ -116,7 +117,7 @@ def train(
     step (final eval, checkpoint and summary still happen). ``start`` places the workers
     (a ``rlpost.cluster`` backend); by default they are built in this process.
     ``on_groups(step, groups)`` sees every step's trained groups (tools and tests)."""
-    build.check_names(cfg)
+    rules.check(cfg, "train")
     run_dir = prepare_run_dir(cfg, resume)
     console = console or Console(enabled=cfg.observe.progress)
     torch.manual_seed(cfg.run.seed)
@@ -156,16 +157,16 @@ def train(
                 m, actions = rl_step(r, step)
                 due = step + 1 >= cfg.train.steps or _eval_due(cfg, step + 1)
                 if due or (step + 1) % cfg.sync.every == 0:
-                    m.update(r.feed.push(r.w.trainer.export_weights()))
+                    m = merge_metrics(m, r.feed.push(r.w.trainer.export_weights()))
                 else:  # sync.every > 1: the engine keeps serving an older version
-                    m.update(sync_seconds=0.0, sync_bytes=0.0)
+                    m = merge_metrics(m, {"sync_seconds": 0.0, "sync_bytes": 0.0})
             except (RolloutFailed, WorkerError) as exc:
                 _stop_on_lost_worker(r, step, exc)
             step += 1
             rl_seconds += time.perf_counter() - t0
             if _eval_due(cfg, step):
                 r.feed.pause()
-                m.update(_eval(r, held_out, greedy=False))
+                m = merge_metrics(m, _eval(r, held_out, greedy=False))
                 r.feed.resume()
             if r.learn is not None:
                 r.learn.after_step(step, m, r.w)
@@ -326,23 +327,20 @@ def rl_step(r: Run, step: int) -> tuple[dict, list]:
     verifiable = r.w.reward.verifiable_accuracy(out.groups)
     flags = r.monitor.update(m["reward_mean"], verifiable, m["response_length_mean"])
     busy = out.seconds if cfg.pipeline.mode == "sync" else fed.stats["trainer_wait_seconds"]
-    metrics = {
-        **m,
-        **fed.stats,
+    own = {
         "rollout_tps": out.generated / max(out.seconds, 1e-9),  # sampled, dropped included
         "step_seconds": elapsed,
         "rollout_utilization": out.seconds / max(elapsed, 1e-9),
         "train_utilization": 1.0 - busy / max(elapsed, 1e-9),
         "mfu": r.w.trainer.mfu(stats.attended, stats.seq_len, elapsed - busy),
-        **out.stats,
         "prompts": float(len(out.groups)),
         "sample_drop_ratio": _drop_ratio(m, fed.stats.get("stale_dropped", 0.0)),
         "sampling_rounds": float(out.rounds),
         "verifiable_accuracy": verifiable if verifiable is not None else math.nan,
         "hacking_flags": float(len(flags)),
-        **{f"reward/{k}": _nanmean(v) for k, v in _components(out.groups).items()},
     }
-    return metrics, stats.actions
+    components = {f"reward/{k}": _nanmean(v) for k, v in _components(out.groups).items()}
+    return merge_metrics(m, fed.stats, own, out.stats, components), stats.actions
 
 
 def _drop_ratio(m: dict, stale: float) -> float:

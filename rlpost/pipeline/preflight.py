@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from rlpost.config import Config, ConfigError
+from rlpost.config import Config
 from rlpost.data import LoadReport
 from rlpost.models.loading import check_model_dir
 from rlpost.observe import Recorder
@@ -34,10 +34,6 @@ def check_inputs(cfg: Config, *, prompts: bool = True) -> dict[str, LoadReport]:
         if cfg.model.path is not None:
             check_model_dir(cfg.model.path)
         return {}
-    if cfg.data.task == "file" and not cfg.data.train_path:
-        raise ConfigError(
-            "data.task=file needs data.train_path to train; set it to a JSONL or Parquet file"
-        )
     if cfg.model.path is not None:
         check_model_dir(cfg.model.path)
     _, held_out, reports = build.load_data(cfg)

@@ -27,9 +27,11 @@ from rlpost.algos import (
     scores_to_token_rewards,
 )
 from rlpost.algos.kl_control import FixedKLController
+from rlpost.algos.sampling import spread_per_group
 from rlpost.config import AlgoConfig
 from rlpost.data import PromptSampler
 from rlpost.observe import Guards
+from rlpost.params import params_of
 from rlpost.pipeline.evaluate import logprob_gap, rollout_health
 from rlpost.pipeline.plan import StepPlan
 from rlpost.pipeline.workers import RewardAPI, RolloutAPI, TrainerAPI
@@ -109,7 +111,8 @@ def rollout_stage(
         stats = result.stats
         generated += sampled_tokens(result.groups)
         groups = reward.score(result.groups)
-        keep = [g for g in groups if not s.dynamic_sampling or len(set(g.scores)) > 1]
+        spread = spread_per_group([g.scores for g in groups]) if s.dynamic_sampling else None
+        keep = [g for i, g in enumerate(groups) if spread is None or spread[i]]
         if not s.partial:  # DAPO fills the batch exactly; finished partial groups all train
             keep = keep[: s.prompts_per_step - len(kept)]
         kept += keep
@@ -223,7 +226,6 @@ def train_stage(
         "completions": float(len(batch)),
         "rollout_kl": rollout_mismatch(batch.rollout_logprobs, old, batch.response_mask),
         **sample_lag(batch, result.version - 1),
-        "sample_drop_ratio": len(dropped) / len(batch),
         "policy_version": float(result.version - 1),
     }
     return StepStats(
@@ -336,7 +338,7 @@ def compute_advantages(
         batch.group,
         values=batch.values,
         **(inputs or {}),
-        **algo.advantage_params.given(),
+        **params_of(algo.advantages, algo.advantage),
     )
     return Advantages(rewards, advantages, returns)
 

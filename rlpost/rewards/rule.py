@@ -12,6 +12,9 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
+import torch
+
+from rlpost.algos.sampling import overlong_penalty as soft_overlong_penalty
 from rlpost.rewards.registry import reward_function
 from rlpost.types import RewardSample
 
@@ -67,21 +70,20 @@ def overlong_penalty(
         -1                                  if L > L_max
 
     ``max_tokens`` defaults to ``sample.max_tokens`` (the generation budget);
-    ``cache_len`` defaults to a fifth of it (DAPO: 4096 of 20480). ``None`` when no
-    budget is known.
+    ``cache_len`` defaults to a fifth of it (DAPO: 4096 of 20480); 0 is a hard cliff.
+    ``None`` when no budget is known. The math is :func:`rlpost.algos.overlong_penalty`'s.
     """
     l_max = _max_tokens(sample, max_tokens)
     if l_max is None:
         return None
     cache = cache_len if cache_len is not None else max(1, round(0.2 * l_max))
-    if not 0 < cache <= l_max:
-        raise ValueError(f"overlong_penalty: cache_len must be in (0, {l_max}], got {cache}")
-    length = sample.num_tokens
-    if length <= l_max - cache:
-        return 0.0
-    if length > l_max:
-        return -1.0
-    return ((l_max - cache) - length) / cache
+    try:
+        penalty = soft_overlong_penalty(
+            torch.tensor([sample.num_tokens]), l_max, cache, dtype=torch.float64
+        )
+    except ValueError as exc:
+        raise ValueError(f"overlong_penalty: {exc}") from None
+    return float(penalty[0])
 
 
 @reward_function("length")

@@ -182,3 +182,6 @@ class HFEngine:
     def reset_stats(self) -> None:
         self.tokens_generated = 0
         self.seconds = 0.0
+
+    def close(self) -> None:
+        """Nothing to release: the model is a module of this process."""

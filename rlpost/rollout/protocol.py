@@ -1,20 +1,28 @@
-"""The rollout protocol every engine implements (hf, vllm, remote).
+"""The rollout protocol every engine implements, and the registry of engines by name.
 
 An engine is token in, token out: it takes prompt token ids and returns
 :class:`~rlpost.types.Completion` records with the sampled token ids, the
 engine's log-probabilities of those tokens, the finish reason and the policy
 version of the weights that produced them. Weights arrive through
 ``load_weights`` tagged with a version.
+
+``ENGINES`` maps each ``rollout.engine`` value to the builder of that engine
+(``pipeline/build.py`` registers them): ``hf`` (transformers in process, batch
+decoding), ``hf_continuous`` (transformers in process, continuous batching: new
+weights between decode steps, exact early stop), ``vllm`` and ``remote``. A builder
+registered with ``loads_own_weights=True`` starts from weights it loads itself (a
+checkpoint directory, a server), so the starting policy is pushed to it once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from rlpost.registry import Registry
 from rlpost.types import Completion
 
 
@@ -87,10 +95,15 @@ def adjust_logits(logits: torch.Tensor, sampled: list[int], adjust: LogitAdjust)
     return logits
 
 
+@runtime_checkable
 class RolloutEngine(Protocol):
-    """What the pipeline needs from an engine."""
+    """What the pipeline needs from an engine: every method, none optional."""
 
     version: int
+    tokenizer: object
+    """The tokenizer its prompts were encoded with (text of completions, stop ids)."""
+    generator: torch.Generator
+    """The sampling stream (saved in checkpoints so a resumed run samples as the first)."""
 
     def generate(
         self, prompt_ids: list[list[int]], params: SamplingParams, n: int = 1, group_offset: int = 0
@@ -102,6 +115,22 @@ class RolloutEngine(Protocol):
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Replace the serving weights and report ``version`` from now on."""
         ...
+
+    def throughput(self) -> float:
+        """Generated tokens per second since the last :meth:`reset_stats` (0.0 if none)."""
+        ...
+
+    def reset_stats(self) -> None:
+        """Start a new throughput window."""
+        ...
+
+    def close(self) -> None:
+        """Release threads, servers' connections and devices (idempotent)."""
+        ...
+
+
+ENGINES: Registry = Registry("rollout engine")
+"""``rollout.engine`` name -> ``builder(cfg, model, tokenizer) -> RolloutEngine``."""
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -24,6 +24,7 @@ an engine without vLLM raises a one-line ImportError naming the extra.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 
 import torch
@@ -85,6 +86,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
         )
         self.tokens_generated = 0
+        self.seconds = 0.0
 
     def _params(self, params: SamplingParams, n: int, seed: int | None):
         return self._vllm.SamplingParams(
@@ -110,7 +112,9 @@ class VLLMEngine:
             sampling = self._params(params, n, None)
         else:  # one seed per prompt, or every prompt would draw the same random stream
             sampling = [self._params(params, n, params.seed + i) for i in range(len(prompts))]
+        start = time.perf_counter()
         outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        self.seconds += time.perf_counter() - start
         out = []
         for i, request in enumerate(outputs):
             for sample in sorted(request.outputs, key=lambda s: s.index):
@@ -143,15 +147,22 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self.version = version
 
+    def throughput(self) -> float:
+        """Generated tokens per second of generate() since the last reset."""
+        return self.tokens_generated / self.seconds if self.seconds > 0 else 0.0
+
     def reset_stats(self) -> None:
         self.tokens_generated = 0
+        self.seconds = 0.0
+
+    def close(self) -> None:
+        """vLLM frees its engine when the LLM object goes; drop it."""
+        self.llm = None
 
 
 def build(cfg, tokenizer) -> VLLMEngine:
     """The vLLM engine for ``rollout.engine=vllm`` (serves ``model.path``)."""
     _import_vllm()
-    if cfg.model.path is None:
-        raise ValueError("rollout.engine=vllm needs model.path: vLLM loads a checkpoint directory")
     r = cfg.rollout
     return VLLMEngine(
         str(cfg.model.path),

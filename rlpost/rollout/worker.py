@@ -176,18 +176,15 @@ class RolloutWorker:
         return weights_checksum(model.named_parameters())
 
     def throughput(self) -> float:
-        return float(self.engine.throughput()) if hasattr(self.engine, "throughput") else 0.0
+        return float(self.engine.throughput())
 
     def reset_stats(self) -> None:
-        if hasattr(self.engine, "reset_stats"):
-            self.engine.reset_stats()
+        self.engine.reset_stats()
 
     def state_dict(self) -> dict[str, Any]:
         """The sampling stream, carried groups and length statistics (for checkpoints)."""
         state: dict[str, Any] = {"rng": rng_state()}
-        generator = getattr(self.engine, "generator", None)
-        if isinstance(generator, torch.Generator):
-            state["engine_generator"] = generator.get_state()
+        state["engine_generator"] = self.engine.generator.get_state()
         if self.partial is not None:
             state["partial"] = self.partial.state_dict()
         if self.agent is not None:
@@ -197,9 +194,8 @@ class RolloutWorker:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        generator = getattr(self.engine, "generator", None)
-        if isinstance(generator, torch.Generator) and "engine_generator" in state:
-            generator.set_state(state["engine_generator"])
+        if "engine_generator" in state:
+            self.engine.generator.set_state(state["engine_generator"])
         if self.partial is not None and "partial" in state:
             self.partial.load_state_dict(state["partial"])
         if self.agent is not None and "agent" in state:
@@ -209,6 +205,4 @@ class RolloutWorker:
         set_rng_state(state["rng"])
 
     def close(self) -> None:
-        close = getattr(self.engine, "close", None)
-        if callable(close):
-            close()
+        self.engine.close()

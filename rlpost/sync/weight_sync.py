@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlpost.errors import typed_line
-from rlpost.sync.codecs import CODECS, DEFAULT_KEEP_BF16, Encoded, decode, encode, lookup
+from rlpost.sync.codecs import CODECS, DEFAULT_KEEP_BF16, Encoded, decode, encode
 from rlpost.sync.delta import encode_delta
 from rlpost.sync.session import (
     BucketPacker,
@@ -87,11 +87,6 @@ class WeightSync:
     ) -> None:
         if not transports:
             raise ValueError("weight sync needs at least one target")
-        lookup(codec)  # an unknown codec fails here, naming the valid ones
-        if delta and not CODECS.trait(codec, "bit_patterns"):
-            raise ValueError(
-                f"sync.delta=true works on bf16 bit patterns; set sync.codec=bf16 (got {codec})"
-            )
         if delta and not all(t.supports_delta for t in transports):
             raise ValueError(
                 "sync.delta=true needs receivers that acknowledge versions; the disk channel cannot"

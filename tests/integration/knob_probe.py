@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from rlpost.config import Config
-from rlpost.pipeline import build, loop
+from rlpost.pipeline import build, loop, rules
 from rlpost.pipeline.feeds import PromptSource
 from rlpost.pipeline.workers import Workers
 
@@ -72,7 +72,7 @@ TIMED = ("seconds", "tps", "utilization", "mfu", "throughput", "_time")
 
 def probe(cfg: Config, prompts, model_state: dict, run_dir: Path, steps: int = 1) -> dict[str, str]:
     """Fingerprints of ``steps`` loop steps of ``cfg`` (see the module docstring)."""
-    build.check_names(cfg)
+    rules.check(cfg)
     torch.manual_seed(cfg.run.seed)
     model, tokenizer = build.build_policy(cfg)
     model.load_state_dict(model_state)

@@ -16,7 +16,6 @@ The whole walk is slow (330 keys, about 250 probes); the default recipe's walk r
 
 from __future__ import annotations
 
-import inspect
 import os
 import time
 from dataclasses import dataclass
@@ -24,9 +23,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from rlpost.algos import Aggregation, get_advantage_estimator, get_policy_loss
+from rlpost.algos import Aggregation, get_policy_loss
 from rlpost.config import ConfigError, load_config, shipped_recipes
-from rlpost.pipeline import build
+from rlpost.params import params_of
+from rlpost.pipeline import build, rules
 from rlpost.pipeline.loop import train
 from rlpost.types import Completion, Group
 from tests.conftest import small_overrides
@@ -66,7 +66,7 @@ ALTS = {
     "algo.nll_coef": (other(0.5, 0.0), "update", {}),
     "algo.dynamic_sampling": (lambda v: not v, "rounds", {"rollout.temperature": 0.0}),
     "algo.max_sampling_rounds": (other(1, 2), "rounds", {"rollout.temperature": 0.0}),
-    # advantage_params.<name> and loss_params.<name>
+    # algo.advantages.<estimator>.<name> and algo.losses.<loss>.<name>
     "norm_by_std": (other(False, True), "update", {}),
     "std_scope": (other("batch", "group"), "update", {}),
     "eps": (other(0.5, 1.0), "update", {}),
@@ -196,16 +196,13 @@ def knobs(recipe: Recipe) -> list[tuple[str, object]]:
     for section in ("train", "sync"):
         out += [(f"{section}.{k}", v) for k, v in d[section].items() if k != "keep_bf16"]
     for key, v in leaves(d["algo"], "algo."):
-        if ".advantage_params." in key or ".loss_params." in key:
+        if key.startswith(("algo.advantages.", "algo.losses.")):
             continue
         out.append((key, v))
     a = d["algo"]
-    for section, fn in (
-        ("advantage_params", get_advantage_estimator(a["advantage"])),
-        ("loss_params", get_policy_loss(a["policy_loss"])),
-    ):
-        for name in build_params(fn):
-            out.append((f"algo.{section}.{name}", a[section][name]))
+    for section, chosen in (("advantages", a["advantage"]), ("losses", a["policy_loss"])):
+        for name, value in (a[section].get(chosen) or {}).items():
+            out.append((f"algo.{section}.{chosen}.{name}", value))
     w = d["reward"]
     out += [(f"reward.{k}", w[k]) for k in ("alpha", "invalid_score", "score_range")]
     out += [(f"reward.{k}", w[k]) for k in ("sample_every", "sample_count")]
@@ -222,14 +219,6 @@ def knobs(recipe: Recipe) -> list[tuple[str, object]]:
     return out
 
 
-def build_params(fn) -> list[str]:
-    return [
-        p.name
-        for p in inspect.signature(fn).parameters.values()
-        if p.kind is p.KEYWORD_ONLY and p.name not in build._CALLER_PARAMS
-    ]
-
-
 def alt_for(key: str):
     if key in ALTS:
         return ALTS[key]
@@ -240,7 +229,7 @@ def load(recipe: Recipe, extra: dict):
     """The recipe's config with ``extra`` overrides, or the one-line refusal."""
     try:
         cfg = load_config(recipe.name, as_overrides({**recipe.extra, **extra}))
-        build.check_names(cfg)
+        rules.check(cfg)
     except ConfigError as exc:
         return None, str(exc)
     return cfg, None
@@ -292,7 +281,7 @@ def configured_loss(cfg) -> str:
         mask,
         agg=Aggregation(cfg.algo.loss_agg_mode),
         rollout_logprobs=rollout.clamp(max=0.0),
-        **cfg.algo.loss_params.given(),
+        **params_of(cfg.algo.losses, cfg.algo.policy_loss),
     )
     return repr(
         [round(float(out.loss), 7)]
@@ -416,8 +405,8 @@ def groups_of_recipes(tmp_path, tiny_dir, only: str | None) -> dict[tuple[str, s
 ALGORITHM_KEYS = (
     "algo.advantage",
     "algo.policy_loss",
-    "algo.advantage_params.",
-    "algo.loss_params.",
+    "algo.advantages.",
+    "algo.losses.",
 )
 
 
@@ -429,9 +418,9 @@ def skip(key, value, recipe, index, default, default_knobs, first: set) -> bool:
     if key.startswith("reward.") or recipe is default:
         return False
     a = recipe.resolved["algo"]
-    if key.startswith("algo.advantage_params."):
+    if key.startswith("algo.advantages."):
         return ("advantage", a["advantage"]) not in first
-    if key.startswith("algo.loss_params."):
+    if key.startswith("algo.losses."):
         return ("loss", a["policy_loss"]) not in first
     if key.startswith(ALGORITHM_KEYS):
         return index > 0

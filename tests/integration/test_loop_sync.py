@@ -51,7 +51,7 @@ def test_bf16_delta_through_the_sync_layer_sends_fewer_bytes(tmp_path):
 
 
 def test_channels_the_loop_cannot_drive_are_refused(tmp_path):
-    from rlpost.pipeline.build import check_names
+    from rlpost.pipeline.rules import check as check_names
 
     with pytest.raises(ConfigError, match=r"sync\.channel=gloo"):
         check_names(_cfg(tmp_path, "gloo", "sync.channel=gloo"))

@@ -63,11 +63,13 @@ def test_ray_backend_without_ray_is_one_line_naming_the_extra(tmp_path, monkeypa
 
 
 def test_worker_counts_other_backends_cannot_honour_are_one_line(tmp_path):
+    from rlpost.pipeline import rules
+
     for extra in (
         ["cluster.backend=local", "cluster.rollout_workers=2"],
         ["cluster.backend=process", "cluster.reward_workers=1"],
     ):
         cfg = load_config(None, [f"run.output_dir={tmp_path}", *extra])
         with pytest.raises(ConfigError) as err:
-            starter(cfg)
+            rules.check(cfg)
         assert "\n" not in str(err.value) and "cluster." in str(err.value)

@@ -14,7 +14,7 @@ from rlpost.cluster.process import start_trainers
 from rlpost.config import load_config
 from rlpost.errors import WorkerError
 from rlpost.models.loading import load_causal_lm
-from rlpost.pipeline import build
+from rlpost.pipeline import build, rules
 from rlpost.rollout.hf_engine import HFEngine
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.train.batch import collate
@@ -162,8 +162,9 @@ def test_a_killed_rank_stops_the_group_in_one_line(pair):
 
 
 def test_local_backend_with_two_trainers_is_refused(tmp_path):
+    cfg = _cfg(tmp_path, "cluster.trainer_workers=2", "cluster.backend=local")
     with pytest.raises(ValueError, match=r"cluster\.backend=process") as err:
-        _cfg(tmp_path, "cluster.trainer_workers=2", "cluster.backend=local")
+        rules.check(cfg)
     assert "\n" not in str(err.value).split("\n")[-1]
 
 
@@ -178,7 +179,7 @@ def test_auto_backend_puts_two_trainers_in_processes(tmp_path):
 def test_a_critic_under_data_parallel_is_refused(tmp_path):
     cfg = _cfg(tmp_path, "cluster.trainer_workers=2", "algo.advantage=gae")
     with pytest.raises(ValueError, match="trainer_workers=1"):
-        build.check_data_parallel(cfg)
+        rules.check(cfg)
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@
 Every import counts, including those inside functions (a lazy import is still a
 dependency). A package may import its own modules and any lower layer, never a
 higher one; the foundation modules (registry, types, rng, statefile, errors) import no
-other rlpost module.
+other rlpost module, nor does params (the typed algorithm parameters config is built from).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ LAYERS = [
     ("algos",),
     ("observe",),
     ("config",),
+    ("params",),
     ("registry", "types", "rng", "statefile", "errors"),
 ]
 RANK = {name: i for i, row in enumerate(LAYERS) for name in row}

@@ -4,7 +4,8 @@ import sys
 import pytest
 
 from rlpost.config import Config, ConfigError, describe_fields, load_config, parse_overrides
-from rlpost.pipeline.build import check_names
+from rlpost.pipeline.rules import check as check_names
+from rlpost.pipeline.rules import load_checked
 
 
 def test_overrides_parse_yaml_scalars_and_nest():
@@ -31,10 +32,20 @@ def test_recipe_then_overrides(tmp_path):
     [
         (["train.lrx=1"], "unknown config key 'train.lrx'"),
         (["train.lr=-1"], "train.lr=-1"),
-        (["algo.loss_params.clip_high=-0.1"], "algo.loss_params.clip_high=-0.1"),
-        (["algo.loss_params.divergence=l2"], "algo.loss_params.divergence"),
-        (["algo.loss_params.clip_hgh=0.3"], "unknown config key 'algo.loss_params.clip_hgh'"),
-        (["algo.advantage_params.std_scope=global"], "algo.advantage_params.std_scope"),
+        (["algo.losses.ppo_clip.clip_high=-0.1"], "algo.losses.ppo_clip.clip_high=-0.1"),
+        (["algo.losses.dppo.divergence=l2"], "algo.losses.dppo.divergence"),
+        (["algo.losses.dapo.clip_hgh=0.3"], "unknown config key 'algo.losses.dapo.clip_hgh'"),
+        (["algo.advantages.grpo.std_scope=global"], "algo.advantages.grpo.std_scope"),
+        (
+            ["algo.policy_loss=dapo", "algo.loss_params.clip_high=0.3"],
+            "algo.loss_params.clip_high=0.3: the key was renamed, each policy loss has its own "
+            "section; write algo.losses.dapo.clip_high=0.3",
+        ),
+        (
+            ["algo.advantage=gae", "algo.advantage_params.lam=0.9"],
+            "write algo.advantages.gae.lam=0.9",
+        ),
+        (["algo.losses.ppo_clip.tau_pos=2"], "did you mean algo.losses.sapo.tau_pos"),
         (["train.micro_batch_size=128", "train.mini_batch_size=64"], "micro_batch_size"),
         (["train.mini_batch_size=1000"], "larger than the rollout batch"),
         (["rollout.max_tokens=200"], "max_position_embeddings"),
@@ -44,7 +55,7 @@ def test_recipe_then_overrides(tmp_path):
 )
 def test_bad_config_is_one_line(overrides, needle):
     with pytest.raises(ConfigError) as err:
-        load_config(None, overrides)
+        load_checked(None, overrides)
     assert needle in str(err.value)
     assert "\n" not in str(err.value)
 
@@ -56,10 +67,13 @@ def test_bad_config_is_one_line(overrides, needle):
             ["rollout.n=1", "train.mini_batch_size=16", "train.micro_batch_size=16"],
             "rollout.n=1 gives every grpo group zero advantage",
         ),
-        (["algo.loss_params.tau_pos=2"], "ppo_clip takes no parameter 'tau_pos'"),
         (
-            ["algo.advantage=gae", "algo.advantage_params.std_scope=batch"],
-            "gae takes no parameter 'std_scope'",
+            ["algo.losses.sapo.tau_pos=2"],
+            "algo.losses.sapo is set but algo.policy_loss=ppo_clip does not read it",
+        ),
+        (
+            ["algo.advantage=gae", "algo.advantages.grpo.std_scope=batch"],
+            "algo.advantages.grpo is set but algo.advantage=gae does not read it",
         ),
     ],
 )
@@ -72,11 +86,15 @@ def test_registry_checks_name_the_key(overrides, needle):
     assert "\n" not in str(err.value)
 
 
-def test_loss_params_are_typed_fields_with_help():
-    keys = {k: h for k, _, h in describe_fields(Config)}
-    for name in ("clip_low", "clip_high", "clip_ratio_c", "tis_cap", "tau_pos", "tr_kl", "is_cap"):
-        assert keys[f"algo.loss_params.{name}"], name
-    assert keys["algo.advantage_params.std_scope"]
+def test_loss_params_are_typed_fields_with_their_real_defaults_and_help():
+    rows = {k: (v, h) for k, v, h in describe_fields(Config)}
+    assert rows["algo.losses.dapo.clip_high"][0] == "0.28"
+    assert rows["algo.losses.ppo_clip.clip_high"][0] == "0.2"
+    assert rows["algo.losses.dppo.is_cap"][0] == "20.0"
+    assert rows["algo.advantages.optimal_token_baseline.eps"][0] == "1e-08"
+    for key, (_, help_text) in rows.items():
+        if key.startswith(("algo.losses.", "algo.advantages.")):
+            assert help_text and "(0." not in help_text, key  # help, no default in prose
 
 
 def test_missing_and_malformed_recipe(tmp_path):
@@ -124,3 +142,12 @@ def test_cli_unknown_algorithm_names_valid_ones(tmp_path):
     assert proc.returncode == 2
     assert "ppo_clip" in proc.stderr and "valid" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_an_old_run_config_without_loss_params_set_still_loads():
+    # Run directories written before the per-loss sections hold the flat bag of Nones.
+    old = {"algo": {"loss_params": {"clip_low": None, "tau_pos": None}, "advantage_params": {}}}
+    cfg = Config.model_validate(old)
+    assert cfg.algo.losses.ppo_clip.clip_low == 0.2
+    with pytest.raises(ValueError, match=r"write algo\.losses\.ppo_clip\.tis_cap=2\.0"):
+        Config.model_validate({"algo": {"loss_params": {"clip_low": None, "tis_cap": 2.0}}})

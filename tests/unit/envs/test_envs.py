@@ -225,7 +225,7 @@ class TwoTools:
 
 def test_a_call_template_that_cannot_name_the_tools_is_refused_at_load(tmp_path):
     from rlpost.config import ConfigError, load_config
-    from rlpost.pipeline.build import check_names
+    from rlpost.pipeline.rules import check as check_names
 
     cfg = load_config(
         None,

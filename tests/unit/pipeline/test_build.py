@@ -7,7 +7,8 @@ import math
 import pytest
 
 from rlpost.config import load_config
-from rlpost.pipeline.build import build_reward_worker, check_names
+from rlpost.pipeline.build import build_reward_worker
+from rlpost.pipeline.rules import check as check_names
 from rlpost.types import Completion, Group, Prompt
 
 

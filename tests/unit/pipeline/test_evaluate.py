@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 
 from rlpost.config import Config
 from rlpost.pipeline.evaluate import evaluate
@@ -20,6 +21,20 @@ class AnswerSheet:
         self.by_text = {p.text: (p.answer, r) for p, r in zip(prompts, right, strict=True)}
         self.calls = []
         self.seeds = []
+
+    # The rest of the engine protocol (scripted answers cost no time).
+    generator = torch.Generator()
+    tokenizer = None
+    closed = False
+
+    def throughput(self):
+        return 0.0
+
+    def reset_stats(self):
+        self.calls.clear()
+
+    def close(self):
+        self.closed = True
 
     def generate(self, prompt_ids, params, n=1, group_offset=0):
         self.calls.append((len(prompt_ids), n))

@@ -12,6 +12,7 @@ import torch
 from rlpost.config import ConfigError, load_config
 from rlpost.pipeline import build
 from rlpost.pipeline.plan import resolve_step_plan
+from rlpost.pipeline.rules import load_checked
 from rlpost.pipeline.stages import TrainSettings, collate_groups, train_stage
 from rlpost.types import Group, Prompt
 from tests.conftest import small_overrides
@@ -68,7 +69,7 @@ def test_rollout_logprobs_anchor_the_ratio_without_a_trainer_pass(tmp_path):
     [
         ({"rollout.top_p": 0.9}, "rollout.top_p=0.9"),
         ({"algo.rollout_correction.name": "tis"}, "algo.rollout_correction.name=tis"),
-        ({"algo.loss_params.tis_cap": 2.0}, "algo.loss_params.tis_cap=2.0"),
+        ({"algo.losses.ppo_clip.tis_cap": 2.0}, "algo.losses.ppo_clip.tis_cap=2.0"),
         ({"algo.policy_loss": "flash_reinforce"}, "algo.policy_loss=flash_reinforce"),
         ({"model.dtype": "bfloat16"}, "model.dtype=bfloat16"),
         ({"sync.codec": "fp8"}, "sync.codec=fp8"),
@@ -76,5 +77,5 @@ def test_rollout_logprobs_anchor_the_ratio_without_a_trainer_pass(tmp_path):
 )
 def test_rollout_logprobs_refuse_what_would_make_them_wrong_in_one_line(tmp_path, extra, named):
     with pytest.raises(ConfigError) as err:
-        load_config(None, small_overrides(tmp_path, **{"algo.old_logprobs": "rollout", **extra}))
+        load_checked(None, small_overrides(tmp_path, **{"algo.old_logprobs": "rollout", **extra}))
     assert named in str(err.value) and "\n" not in str(err.value)

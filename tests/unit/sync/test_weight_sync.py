@@ -102,13 +102,6 @@ def test_a_failing_engine_is_dropped_and_the_others_commit():
         build_weight_sync(_cfg(), [bad]).push(w.items(), 2)
 
 
-def test_delta_config_is_refused_without_bf16_or_on_disk():
-    with pytest.raises(ValueError, match=r"set sync\.codec=bf16"):
-        SyncConfig(delta=True)
-    with pytest.raises(ValueError, match="disk readers cannot acknowledge"):
-        SyncConfig(delta=True, codec="bf16", channel="disk")
-
-
 def test_disk_publishes_whole_versions_and_readers_load_the_latest(tmp_path):
     w, w2 = toy_weights(0), toy_weights(1)
     sync = build_weight_sync(_cfg(channel="disk", codec="fp8"), [tmp_path / "weights"])

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from rlpost.config import ConfigError, load_config
-from rlpost.pipeline.build import build_trainer_worker, check_names, run_device
+from rlpost.pipeline.build import build_trainer_worker, run_device
+from rlpost.pipeline.rules import check as check_names
 from rlpost.train.batch import TrainBatch, collate
 from rlpost.train.dp import DPSpec
 from rlpost.types import Completion

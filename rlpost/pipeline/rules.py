@@ -1,0 +1,584 @@
+"""The rule table: every rule that relates two or more config fields, in one place.
+
+A rule is a small named function of the whole config that returns one line,
+``key=value: reason; fix``, or None when the config passes it. The typed tree in
+``rlpost.config`` checks each value on its own (types, ranges, a section's own shape);
+what holds only between fields, or between a field and a registered name's traits,
+is checked here and nowhere else: builders, engines and the sync layer trust it.
+
+Every command that loads a config runs the table through :func:`check` (``rlpost
+config`` included), so ``rlpost config X`` cannot call valid what ``rlpost train X``
+refuses. A rule names the commands it applies to; ``rlpost config`` checks as the
+command it is told with ``--for`` (default: ``dpo`` for ``data.task=prefs``, else
+``train``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlpost.algos import (
+    ADVANTAGES,
+    get_advantage_estimator,
+    get_aggregation,
+    get_kl_estimator,
+    get_policy_loss,
+)
+from rlpost.algos.correction import get_correction
+from rlpost.config import Config, ConfigError, load_config
+from rlpost.envs.base import EnvError
+from rlpost.envs.catalog import env_factory
+from rlpost.envs.formats import TagFormat
+from rlpost.params import changed_sections, params_of
+from rlpost.pipeline.build import bf16_compute, run_device
+from rlpost.registry import UnknownNameError
+from rlpost.rewards.scorer import check_terms
+from rlpost.rollout.protocol import ENGINES
+
+COMMANDS = ("train", "sft", "eval", "dpo")
+RL = ("train", "sft", "eval")  # the commands that sample prompts (not preference pairs)
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    check: Callable[[Config], str | None]
+    commands: tuple[str, ...]
+
+
+RULES: list[Rule] = []
+"""The table, in the order it is checked (the first problem found is the one reported)."""
+
+
+def rule(*commands: str):
+    """Add the decorated function to the table, for ``commands`` (default: every command)."""
+
+    def add(fn: Callable[[Config], str | None]):
+        RULES.append(Rule(fn.__name__, fn, commands or COMMANDS))
+        return fn
+
+    return add
+
+
+def problems(cfg: Config, command: str = "train") -> list[str]:
+    """Every rule of ``command`` that ``cfg`` breaks, one line each, in table order."""
+    found = (r.check(cfg) for r in RULES if command in r.commands)
+    return [line for line in found if line is not None]
+
+
+def check(cfg: Config, command: str = "train") -> Config:
+    """``cfg`` when it passes every rule of ``command``; else ConfigError with the first line."""
+    for r in RULES:
+        if command in r.commands and (line := r.check(cfg)) is not None:
+            raise ConfigError(line)
+    return cfg
+
+
+def load_checked(
+    path: str | Path | None, overrides: list[str] | None = None, command: str = "train"
+) -> Config:
+    """:func:`rlpost.config.load_config`, then the table for ``command``."""
+    return check(load_config(path, overrides), command)
+
+
+def command_for(cfg: Config) -> str:
+    """The command a config is checked as when none is named (``rlpost config``)."""
+    return "dpo" if cfg.data.task == "prefs" else "train"
+
+
+# ------------------------------------------------------------------- batch shape
+
+
+@rule("train")
+def micro_batch_fits_mini_batch(cfg: Config) -> str | None:
+    t = cfg.train
+    if t.micro_batch_size > t.mini_batch_size:
+        return (
+            f"train.micro_batch_size={t.micro_batch_size} is larger than "
+            f"train.mini_batch_size={t.mini_batch_size}; set micro_batch_size <= mini_batch_size"
+        )
+    return None
+
+
+@rule("train")
+def mini_batch_fits_rollout_batch(cfg: Config) -> str | None:
+    if cfg.train.mini_batch_size > cfg.batch_size:
+        return (
+            f"train.mini_batch_size={cfg.train.mini_batch_size} is larger than the rollout batch "
+            f"(rollout.prompts_per_step * rollout.n = {cfg.batch_size}); lower it or raise the batch"
+        )
+    return None
+
+
+@rule("train")
+def group_relative_needs_groups(cfg: Config) -> str | None:
+    a = cfg.algo.advantage
+    if cfg.rollout.n == 1 and _trait(ADVANTAGES, a, "group_relative"):
+        return (
+            f"rollout.n=1 gives every {a} group zero advantage; set rollout.n >= 2 "
+            "or use algo.advantage=reinforce_pp with algo.policy_loss=flash_reinforce"
+        )
+    return None
+
+
+# -------------------------------------------------------------------------- data
+
+
+@rule(*RL)
+def prompts_not_pairs(cfg: Config) -> str | None:
+    if cfg.data.task == "prefs":
+        return (
+            "data.task=prefs holds preference pairs, for rlpost dpo; rlpost train needs prompts "
+            "(data.task=arith, code or file)"
+        )
+    return None
+
+
+@rule("train", "sft")
+def file_task_needs_train_path(cfg: Config) -> str | None:
+    if cfg.data.task == "file" and not cfg.data.train_path:
+        return "data.task=file needs data.train_path; set it to a JSONL or Parquet file"
+    return None
+
+
+@rule("eval")
+def file_task_needs_eval_path(cfg: Config) -> str | None:
+    if cfg.data.task == "file" and not cfg.data.eval_path:
+        return "data.task=file needs data.eval_path to evaluate; set it to a JSONL or Parquet file"
+    return None
+
+
+@rule("dpo")
+def pairs_not_prompts(cfg: Config) -> str | None:
+    if cfg.data.task not in ("prefs", "file"):
+        return (
+            f"rlpost dpo trains on preference pairs: data.task={cfg.data.task} has none; "
+            "use data.task=prefs (the built-in pairs) or data.task=file with a pairs file"
+        )
+    return None
+
+
+@rule("dpo")
+def pairs_file_needs_train_path(cfg: Config) -> str | None:
+    if cfg.data.task == "file" and not cfg.data.train_path:
+        return (
+            "data.task=file needs data.train_path (a pairs file); set it to a JSONL or Parquet file"
+        )
+    return None
+
+
+@rule()
+def tiny_context_fits_max_tokens(cfg: Config) -> str | None:
+    tiny, r = cfg.model.tiny, cfg.rollout
+    if cfg.model.path is None and r.max_tokens + 32 > tiny.max_position_embeddings:
+        return (
+            f"rollout.max_tokens={r.max_tokens} leaves no room for the prompt within "
+            f"model.tiny.max_position_embeddings={tiny.max_position_embeddings}; "
+            "raise max_position_embeddings or lower max_tokens"
+        )
+    return None
+
+
+# ----------------------------------------------------------------------- rollout
+
+
+@rule(*RL)
+def engine_is_registered(cfg: Config) -> str | None:
+    return _name_problem("rollout.engine", cfg.rollout.engine, ENGINES.get)
+
+
+@rule(*RL)
+def remote_needs_servers(cfg: Config) -> str | None:
+    if cfg.rollout.engine == "remote" and not cfg.rollout.servers:
+        return (
+            "rollout.engine=remote needs rollout.servers; start servers with `rlpost serve` and "
+            "list their URLs"
+        )
+    return None
+
+
+@rule(*RL)
+def vllm_needs_model_path(cfg: Config) -> str | None:
+    if cfg.rollout.engine == "vllm" and cfg.model.path is None:
+        return (
+            "rollout.engine=vllm needs model.path: vLLM loads a checkpoint directory; set "
+            "model.path to a local HF checkpoint or use rollout.engine=hf"
+        )
+    return None
+
+
+@rule("train")
+def partial_needs_sync_mode(cfg: Config) -> str | None:
+    mode = cfg.pipeline.mode
+    if cfg.rollout.partial and mode != "sync":
+        return (
+            f"rollout.partial=true with pipeline.mode={mode}: the overlapped loop already keeps "
+            "rollout running across steps; set rollout.partial=false or pipeline.mode=sync"
+        )
+    return None
+
+
+# ------------------------------------------------------------- old logprobs source
+
+
+@rule("train")
+def rollout_logprobs_need_full_distribution(cfg: Config) -> str | None:
+    r = cfg.rollout
+    if cfg.algo.old_logprobs == "rollout" and (r.top_p < 1.0 or r.top_k > 0):
+        return (
+            f"algo.old_logprobs=rollout with rollout.top_p={r.top_p:g}, rollout.top_k={r.top_k}: "
+            "the engine's logprobs are of the truncated distribution, not the policy's; sample "
+            "with top_p=1 and top_k=-1 or set algo.old_logprobs=trainer"
+        )
+    return None
+
+
+@rule("train")
+def rollout_logprobs_need_no_correction(cfg: Config) -> str | None:
+    a = cfg.algo
+    if a.old_logprobs != "rollout":
+        return None
+    tis_cap = params_of(a.losses, a.policy_loss).get("tis_cap")
+    one = {
+        f"algo.rollout_correction.name={a.rollout_correction.name}": (
+            a.rollout_correction.name != "none"
+        ),
+        f"algo.losses.{a.policy_loss}.tis_cap={tis_cap}": tis_cap is not None,
+        "algo.policy_loss=flash_reinforce": a.policy_loss == "flash_reinforce",
+    }
+    for key in (k for k, bad in one.items() if bad):
+        return (
+            f"algo.old_logprobs=rollout with {key}: the ratio is already against the engine's "
+            "logprobs, so the engine/trainer weight is always 1; use algo.old_logprobs=trainer"
+        )
+    return None
+
+
+@rule("train")
+def rollout_logprobs_need_trainer_numbers(cfg: Config) -> str | None:
+    if cfg.algo.old_logprobs != "rollout":
+        return None
+    if bf16_compute(cfg):  # bfloat16, or auto on a CPU with native bf16
+        on = " (bf16 on this CPU)" if cfg.model.dtype == "auto" else ""
+        key = f"model.dtype={cfg.model.dtype}{on}"
+    elif cfg.sync.codec != "none":
+        key = f"sync.codec={cfg.sync.codec}"
+    else:
+        return None
+    return (
+        f"algo.old_logprobs=rollout with {key}: the engine serves other numbers than the "
+        "trainer's, so its logprobs are not the policy's; use algo.old_logprobs=trainer"
+    )
+
+
+# ------------------------------------------------------------ registered names
+
+
+def _trait(registry, name: str, trait: str):
+    try:
+        return registry.trait(name, trait, None)
+    except UnknownNameError:
+        return None  # the name rules report it
+
+
+def _name_problem(key: str, name: str, lookup) -> str | None:
+    try:
+        lookup(name)
+    except UnknownNameError as exc:
+        return f"config {key}={name!r}: {exc}"
+    return None
+
+
+@rule("train")
+def algorithm_names_are_registered(cfg: Config) -> str | None:
+    a = cfg.algo
+    names = [
+        ("algo.advantage", a.advantage, get_advantage_estimator),
+        ("algo.policy_loss", a.policy_loss, get_policy_loss),
+        ("algo.kl.estimator", a.kl.estimator, get_kl_estimator),
+        ("algo.loss_agg_mode", a.loss_agg_mode, get_aggregation),
+    ]
+    if a.rollout_correction.name != "none":
+        names.append(("algo.rollout_correction.name", a.rollout_correction.name, get_correction))
+    for key, name, lookup in names:
+        if (line := _name_problem(key, name, lookup)) is not None:
+            return line
+    return None
+
+
+@rule("train")
+def params_set_for_the_chosen_algorithm(cfg: Config) -> str | None:
+    a = cfg.algo
+    for section, changed, chosen, key in (
+        ("losses", changed_sections(a.losses), a.policy_loss, "policy_loss"),
+        ("advantages", changed_sections(a.advantages), a.advantage, "advantage"),
+    ):
+        for name in (n for n in changed if n != chosen):
+            return (
+                f"algo.{section}.{name} is set but algo.{key}={chosen} does not read it; set "
+                f"algo.{key}={name} or move the values to algo.{section}.{chosen}"
+            )
+    return None
+
+
+@rule("train")
+def component_estimator_needs_outcome_rewards(cfg: Config) -> str | None:
+    a = cfg.algo
+    if not _trait(ADVANTAGES, a.advantage, "needs_components"):
+        return None
+    if a.kl.placement != "reward" and cfg.agent.env is None:
+        return None
+    why = "algo.kl.placement=reward" if a.kl.placement == "reward" else "agent.env"
+    return (
+        f"algo.advantage={a.advantage} with {why}: it normalises the reward terms' outcome "
+        "scores and would drop the per-token rewards (the KL penalty, an environment's turn "
+        "rewards); use another estimator or algo.kl.placement=loss"
+    )
+
+
+@rule(*RL)
+def reward_terms_resolve(cfg: Config) -> str | None:
+    try:
+        check_terms(cfg.reward)
+    except (UnknownNameError, ValueError) as exc:
+        return f"config reward.terms: {exc}"
+    return None
+
+
+@rule(*RL)
+def agent_env_resolves(cfg: Config) -> str | None:
+    a = cfg.agent
+    if a.env is None:
+        return None
+    try:
+        make_env = env_factory(a.env, a.params)
+        if a.format == "tags":  # (the other formats need the tokenizer: checked when built)
+            TagFormat(a.call_template, a.result_template).check(tuple(make_env().tools))
+    except EnvError as exc:
+        return f"config agent.env: {exc}"
+    return None
+
+
+# -------------------------------------------------------------------------- sync
+
+
+@rule("train")
+def sync_channel_is_wired(cfg: Config) -> str | None:
+    channel, remote = cfg.sync.channel, cfg.rollout.engine == "remote"
+    if channel in (("http", "inprocess") if remote else ("inprocess", "disk")):
+        return None
+    return (
+        f"sync.channel={channel}: rlpost train sends weights in process (inprocess), through "
+        "the run's weights/ directory to rollout workers (disk) or to rollout servers (http, "
+        "with rollout.engine=remote); set one of those (gloo and vllm are for engines "
+        "started outside the loop: docs/sync.md)"
+    )
+
+
+@rule("train")
+def disk_channel_one_rollout_worker(cfg: Config) -> str | None:
+    n = cfg.cluster.rollout_workers
+    if cfg.sync.channel == "disk" and n > 1:
+        return (
+            f"sync.channel=disk with cluster.rollout_workers={n}: a fleet readmits restarted "
+            "workers from its own copy of the weights; set sync.channel=inprocess or "
+            "cluster.rollout_workers=1"
+        )
+    return None
+
+
+@rule("train")
+def engine_logprobs_of_the_full_distribution(cfg: Config) -> str | None:
+    """vLLM reports logprobs after top-p / top-k truncation, the in-process engines before
+    it: an engine/trainer importance weight would then depend on the engine."""
+    r, corr = cfg.rollout, cfg.algo.rollout_correction.name
+    if r.engine == "vllm" and (r.top_p < 1.0 or r.top_k > 0) and corr != "none":
+        return (
+            f"algo.rollout_correction.name={corr} with rollout.engine=vllm and "
+            f"rollout.top_p={r.top_p:g}, rollout.top_k={r.top_k}: vLLM's logprobs are of the "
+            "truncated distribution, so the correction's weights would depend on the engine; "
+            "sample with top_p=1 and top_k=-1, or set algo.rollout_correction.name=none"
+        )
+    return None
+
+
+@rule("train")
+def delta_needs_bf16(cfg: Config) -> str | None:
+    s = cfg.sync
+    if s.delta and s.codec != "bf16":
+        return (
+            f"sync.delta=true with sync.codec={s.codec}: delta compares bf16 bit patterns; "
+            "set sync.codec=bf16"
+        )
+    return None
+
+
+@rule("train")
+def delta_needs_acknowledging_readers(cfg: Config) -> str | None:
+    if cfg.sync.delta and cfg.sync.channel == "disk":
+        return (
+            "sync.delta=true with sync.channel=disk: disk readers cannot acknowledge a base "
+            "version; use http, gloo or inprocess, or set sync.delta=false"
+        )
+    return None
+
+
+# ----------------------------------------------------------------------- cluster
+
+
+def resolve_backend(cfg: Config) -> str:
+    """``cluster.backend`` resolved (auto: local for one worker of each role in sync mode)."""
+    c = cfg.cluster
+    if c.backend != "auto":
+        return c.backend
+    one = cfg.pipeline.mode == "sync" and c.trainer_workers == 1 and c.rollout_workers == 1
+    return "local" if one else "process"
+
+
+@rule("train")
+def local_backend_one_worker_per_role(cfg: Config) -> str | None:
+    c = cfg.cluster
+    if resolve_backend(cfg) == "local" and (c.rollout_workers > 1 or c.trainer_workers > 1):
+        return (
+            f"cluster.rollout_workers={c.rollout_workers}, trainer_workers={c.trainer_workers} "
+            "with cluster.backend=local: several workers of a role need processes of their own; "
+            "set cluster.backend=process or cluster.backend=ray"
+        )
+    return None
+
+
+@rule("train")
+def reward_workers_need_ray(cfg: Config) -> str | None:
+    c = cfg.cluster
+    if c.reward_workers and resolve_backend(cfg) != "ray":
+        return (
+            f"cluster.reward_workers={c.reward_workers} needs cluster.backend=ray "
+            f"(backend={c.backend}); 0 scores in the driver"
+        )
+    return None
+
+
+@rule("train")
+def suspect_before_dead(cfg: Config) -> str | None:
+    c = cfg.cluster
+    if c.suspect_after_s > c.dead_after_s:
+        return (
+            f"cluster.suspect_after_s={c.suspect_after_s} is above "
+            f"cluster.dead_after_s={c.dead_after_s}; a worker is suspect before it is dead"
+        )
+    return None
+
+
+@rule("train")
+def data_parallel_without_critic(cfg: Config) -> str | None:
+    n, a = cfg.cluster.trainer_workers, cfg.algo.advantage
+    if n > 1 and _trait(ADVANTAGES, a, "needs_critic"):
+        return (
+            f"cluster.trainer_workers={n}: the PPO critic (algo.advantage={a}) trains on one "
+            "worker only; set cluster.trainer_workers=1"
+        )
+    return None
+
+
+@rule("train")
+def data_parallel_without_adapters(cfg: Config) -> str | None:
+    n, rank = cfg.cluster.trainer_workers, cfg.model.lora.rank
+    if n > 1 and rank > 0:
+        return (
+            f"cluster.trainer_workers={n} with model.lora.rank={rank}: adapters train on one "
+            "worker only; set cluster.trainer_workers=1 or model.lora.rank=0"
+        )
+    return None
+
+
+@rule("train")
+def fleet_without_partial(cfg: Config) -> str | None:
+    n = cfg.cluster.rollout_workers
+    if n > 1 and cfg.rollout.partial:
+        return (
+            f"cluster.rollout_workers={n} with rollout.partial=true: carried groups live in one "
+            "worker and would be lost with it; set rollout.partial=false or rollout_workers=1"
+        )
+    return None
+
+
+@rule("train")
+def fleet_not_over_remote(cfg: Config) -> str | None:
+    n = cfg.cluster.rollout_workers
+    if n > 1 and cfg.rollout.engine == "remote":
+        return (
+            f"cluster.rollout_workers={n} with rollout.engine=remote: the remote engine already "
+            "balances over rollout.servers; set cluster.rollout_workers=1"
+        )
+    return None
+
+
+@rule()
+def device_is_visible(cfg: Config) -> str | None:
+    if cfg.cluster.backend == "ray":  # Ray workers resolve the device where they run
+        return None
+    try:
+        run_device(cfg)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+# ----------------------------------------------------------- knobs nothing reads
+
+
+@rule("train")
+def no_inert_knobs(cfg: Config) -> str | None:
+    """A knob set away from its default where nothing reads it is refused, never ignored."""
+    found = inert_knobs(cfg)
+    return found[0] if found else None
+
+
+def inert_knobs(cfg: Config) -> list[str]:
+    """Every knob of ``cfg`` set away from its default that this config never reads."""
+    a, r, s, w = cfg.algo, cfg.rollout, cfg.sync, cfg.reward
+    corr = a.rollout_correction.name
+    copied = r.engine != "remote" and s.codec == "none" and not s.delta
+    mixed = any(t.kind in ("model", "judge") for t in w.terms)
+    loss, losses = a.policy_loss, a.losses
+    rules = [  # (section, its key, fields, nothing reads them, the fix)
+        (a.kl, "algo.kl", ("estimator", "placement", "target"), a.kl.beta == 0,
+         "set algo.kl.beta > 0"),
+        (a.kl, "algo.kl", ("horizon",), a.kl.target is None, "set algo.kl.target (adaptive KL)"),
+        (a.rollout_correction, "algo.rollout_correction", ("cap",),
+         corr not in ("tis", "seq_tis", "seq_mask"),
+         "set algo.rollout_correction.name to tis, seq_tis or seq_mask"),
+        (a.rollout_correction, "algo.rollout_correction", ("low", "high"),
+         corr not in ("mask", "seq_mask"), "set algo.rollout_correction.name to mask or seq_mask"),
+        (a, "algo", ("max_sampling_rounds",), not a.dynamic_sampling,
+         "set algo.dynamic_sampling=true"),
+        (r, "rollout", ("partial_fraction",), not r.partial, "set rollout.partial=true"),
+        (r, "rollout", ("partial_chunk_tokens",), not r.partial or r.engine == "hf",
+         "it applies to a partial rollout on a remote or vllm engine"),
+        (s, "sync", ("delta_full_threshold",), not s.delta, "set sync.delta=true"),
+        (s, "sync", ("bucket_mb", "verify", "timeout_s", "keep_bf16"), copied,
+         "weights are copied in process with sync.codec=none; set sync.codec to stream them"),
+        (w, "reward", ("alpha",), not mixed,
+         "alpha mixes verifiable with model or judge terms; add one"),
+        (w, "reward", ("sample_count",), w.sample_every == 0, "set reward.sample_every > 0"),
+    ]  # fmt: skip
+    for name in ("flash_reinforce", "dppo"):  # the trust region reads one threshold
+        p = getattr(losses, name)
+        key = f"algo.losses.{name}"
+        rules.append((p, key, ("tr_tv",), loss == name and p.divergence != "tv",
+                      f"set {key}.divergence=tv"))  # fmt: skip
+        rules.append((p, key, ("tr_kl",), loss == name and p.divergence == "tv",
+                      f"set {key}.divergence=binary_kl"))  # fmt: skip
+    for name in ("ppo_clip", "dapo"):
+        p, key = getattr(losses, name), f"algo.losses.{name}"
+        rules.append((p, key, ("clip_ratio_c",), loss == name and p.dual_clip is False,
+                      f"set {key}.dual_clip=true"))  # fmt: skip
+    out = []
+    for section, prefix, fields, inert, fix in rules:
+        for field in fields:
+            value = getattr(section, field)
+            if inert and value != type(section).model_fields[field].default:
+                out.append(f"{prefix}.{field}={value}: nothing reads it in this config; {fix}")
+    return out

@@ -1,0 +1,253 @@
+"""The rule table (CPU): each rule has a case it refuses and passes the default, the table is
+complete, and ``rlpost config`` refuses exactly what the command it checks as refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlpost.cli import main
+from rlpost.config import ConfigError, load_config
+from rlpost.pipeline import rules
+
+PAIRS = ["data.task=prefs"]  # the passing base of the rules only rlpost dpo runs
+
+# rule name -> (command, passing base overrides, the overrides that break it, text of its line)
+CASES = {
+    "micro_batch_fits_mini_batch": (
+        "train",
+        [],
+        ["train.micro_batch_size=128", "train.mini_batch_size=64"],
+        "train.micro_batch_size=128",
+    ),
+    "mini_batch_fits_rollout_batch": (
+        "train",
+        [],
+        ["train.mini_batch_size=1000"],
+        "train.mini_batch_size=1000",
+    ),
+    "group_relative_needs_groups": (
+        "train",
+        [],
+        ["rollout.n=1", "train.mini_batch_size=16", "train.micro_batch_size=16"],
+        "rollout.n=1",
+    ),
+    "prompts_not_pairs": ("train", [], ["data.task=prefs"], "data.task=prefs"),
+    "file_task_needs_train_path": (
+        "train",
+        [],
+        ["data.task=file", "data.eval_path=e.jsonl"],
+        "data.task=file needs data.train_path",
+    ),
+    "file_task_needs_eval_path": (
+        "eval",
+        [],
+        ["data.task=file", "data.train_path=t.jsonl"],
+        "data.task=file needs data.eval_path",
+    ),
+    "pairs_not_prompts": ("dpo", PAIRS, ["data.task=arith"], "data.task=arith"),
+    "pairs_file_needs_train_path": (
+        "dpo",
+        PAIRS,
+        ["data.task=file", "data.eval_path=e.jsonl"],
+        "data.task=file needs data.train_path",
+    ),
+    "tiny_context_fits_max_tokens": ("train", [], ["rollout.max_tokens=200"], "max_tokens=200"),
+    "engine_is_registered": ("train", [], ["rollout.engine=hff"], "valid: hf, hf_continuous"),
+    "remote_needs_servers": ("train", [], ["rollout.engine=remote"], "rollout.engine=remote"),
+    "vllm_needs_model_path": ("train", [], ["rollout.engine=vllm"], "rollout.engine=vllm"),
+    "partial_needs_sync_mode": (
+        "train",
+        [],
+        ["rollout.partial=true", "pipeline.mode=async"],
+        "rollout.partial=true with pipeline.mode=async",
+    ),
+    "rollout_logprobs_need_full_distribution": (
+        "train",
+        [],
+        ["algo.old_logprobs=rollout", "rollout.top_p=0.9"],
+        "rollout.top_p=0.9",
+    ),
+    "rollout_logprobs_need_no_correction": (
+        "train",
+        [],
+        ["algo.old_logprobs=rollout", "algo.rollout_correction.name=tis"],
+        "algo.rollout_correction.name=tis",
+    ),
+    "rollout_logprobs_need_trainer_numbers": (
+        "train",
+        [],
+        ["algo.old_logprobs=rollout", "sync.codec=bf16"],
+        "sync.codec=bf16",
+    ),
+    "algorithm_names_are_registered": (
+        "train",
+        [],
+        ["algo.policy_loss=nope"],
+        "algo.policy_loss='nope'",
+    ),
+    "params_set_for_the_chosen_algorithm": (
+        "train",
+        [],
+        ["algo.losses.gspo.clip_low=0.1"],
+        "algo.losses.gspo is set but algo.policy_loss=ppo_clip",
+    ),
+    "component_estimator_needs_outcome_rewards": (
+        "train",
+        [],
+        ["algo.advantage=gdpo", "algo.kl.placement=reward"],
+        "algo.advantage=gdpo with algo.kl.placement=reward",
+    ),
+    "reward_terms_resolve": ("train", [], ["reward.terms=[{name: nope}]"], "reward.terms"),
+    "agent_env_resolves": ("train", [], ["agent.env=nope"], "agent.env"),
+    "sync_channel_is_wired": ("train", [], ["sync.channel=gloo"], "sync.channel=gloo"),
+    "delta_needs_bf16": ("train", [], ["sync.delta=true"], "sync.delta=true with sync.codec=none"),
+    "disk_channel_one_rollout_worker": (
+        "train",
+        ["sync.channel=disk"],
+        ["cluster.rollout_workers=2", "cluster.backend=process"],
+        "sync.channel=disk with cluster.rollout_workers=2",
+    ),
+    "engine_logprobs_of_the_full_distribution": (
+        "train",
+        ["rollout.engine=vllm", "model.path=/nonexistent", "algo.rollout_correction.name=tis"],
+        ["rollout.top_p=0.9"],
+        "vLLM's logprobs are of the truncated distribution",
+    ),
+    "no_inert_knobs": (
+        "train",
+        [],
+        ["algo.kl.horizon=5000"],
+        "algo.kl.horizon=5000: nothing reads it",
+    ),
+    "delta_needs_acknowledging_readers": (
+        "train",
+        [],
+        ["sync.delta=true", "sync.codec=bf16", "sync.channel=disk"],
+        "sync.delta=true with sync.channel=disk",
+    ),
+    "local_backend_one_worker_per_role": (
+        "train",
+        [],
+        ["cluster.backend=local", "cluster.trainer_workers=2"],
+        "cluster.backend=local",
+    ),
+    "reward_workers_need_ray": ("train", [], ["cluster.reward_workers=1"], "reward_workers=1"),
+    "suspect_before_dead": (
+        "train",
+        [],
+        ["cluster.suspect_after_s=100", "cluster.dead_after_s=50"],
+        "cluster.suspect_after_s=100.0",
+    ),
+    "data_parallel_without_critic": (
+        "train",
+        [],
+        ["cluster.trainer_workers=2", "algo.advantage=gae"],
+        "cluster.trainer_workers=2",
+    ),
+    "data_parallel_without_adapters": (
+        "train",
+        [],
+        ["cluster.trainer_workers=2", "model.lora.rank=4"],
+        "model.lora.rank=4",
+    ),
+    "fleet_without_partial": (
+        "train",
+        [],
+        ["cluster.rollout_workers=2", "rollout.partial=true"],
+        "cluster.rollout_workers=2 with rollout.partial=true",
+    ),
+    "fleet_not_over_remote": (
+        "train",
+        [],
+        ["cluster.rollout_workers=2", "rollout.engine=remote", "rollout.servers=[http://x:1]"],
+        "cluster.rollout_workers=2 with rollout.engine=remote",
+    ),
+    "device_is_visible": ("train", [], ["run.device=cuda"], "run.device=cuda"),
+}
+RULE = {r.name: r for r in rules.RULES}
+
+
+def test_every_rule_has_a_case_and_every_case_a_rule():
+    assert sorted(CASES) == sorted(RULE)
+    assert len(RULE) == len(rules.RULES)  # one function per name
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    # The device rule's case must hold on a machine with a GPU too.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_rule_refuses_its_case_in_one_line_and_passes_the_base(name, no_gpu):
+    command, base, bad, text = CASES[name]
+    r = RULE[name]
+    assert command in r.commands
+    assert r.check(load_config(None, base)) is None
+    line = r.check(load_config(None, [*base, *bad]))
+    assert line is not None and text in line, line
+    assert "\n" not in line and ";" in line, line  # reason; fix
+
+
+def test_the_shipped_default_passes_the_whole_table_for_every_command_but_dpo():
+    cfg = load_config(None)
+    for command in ("train", "sft", "eval"):
+        assert rules.problems(cfg, command) == []
+    assert rules.problems(load_config(None, PAIRS), "dpo") == []
+
+
+def test_check_reports_the_first_problem_of_the_table():
+    cfg = load_config(None, ["sync.delta=true", "rollout.engine=vllm"])
+    found = rules.problems(cfg)
+    assert len(found) == 2
+    with pytest.raises(ConfigError) as err:
+        rules.check(cfg)
+    assert str(err.value) == found[0]
+
+
+def test_an_eval_config_with_only_a_held_out_file_passes_as_eval_not_as_train():
+    cfg = load_config(None, ["data.task=file", "data.eval_path=e.jsonl"])
+    assert rules.problems(cfg, "eval") == []
+    assert [line.split(";")[0] for line in rules.problems(cfg, "train")] == [
+        "data.task=file needs data.train_path"
+    ]
+
+
+PARITY = [
+    ["data.task=file", "data.eval_path=e.jsonl"],
+    ["sync.delta=true"],
+    ["rollout.engine=vllm"],
+    ["cluster.backend=local", "cluster.trainer_workers=2"],
+    ["cluster.backend=local", "cluster.rollout_workers=2"],
+    ["rollout.n=1", "train.mini_batch_size=16", "train.micro_batch_size=16"],
+    ["algo.losses.sapo.tau_pos=2"],
+    ["algo.advantage=gae", "algo.advantages.vapo_gae.alpha=1"],
+    ["algo.loss_params.clip_high=0.3"],
+    ["cluster.suspect_after_s=100", "cluster.dead_after_s=50"],
+]
+
+
+@pytest.mark.parametrize("overrides", PARITY, ids=lambda o: " ".join(o))
+def test_config_and_train_refuse_the_same_way(overrides, tmp_path, capsys):
+    out = f"run.output_dir={tmp_path}"
+    lines = []
+    for command in (["config"], ["train"], ["config", "--for", "train"]):
+        assert main([*command, *overrides, out]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0, err
+        lines.append(err)
+    assert lines[0] == lines[1] == lines[2]
+    assert lines[0].startswith("rlpost: error: ")
+    assert not (tmp_path / "grpo_arith").exists()  # refused before any work
+
+
+def test_config_checks_dpo_recipes_as_dpo(tmp_path, capsys):
+    assert main(["config", "dpo_prefs"]) == 0
+    capsys.readouterr()
+    bad = ["data.task=file", "data.eval_path=e.jsonl", f"run.output_dir={tmp_path}"]
+    assert main(["config", "--for", "dpo", "dpo_prefs", *bad]) == 2
+    as_config = capsys.readouterr().err.strip()
+    assert main(["dpo", "dpo_prefs", *bad]) == 2
+    assert capsys.readouterr().err.strip() == as_config
+    assert "data.train_path" in as_config
