@@ -28,6 +28,7 @@ import torch
 from rlpost.config import Config
 from rlpost.pipeline import build, loop, rules
 from rlpost.pipeline.feeds import PromptSource
+from rlpost.pipeline.weights import build_weight_path
 from rlpost.pipeline.workers import Workers
 
 
@@ -88,8 +89,9 @@ def probe(cfg: Config, prompts, model_state: dict, run_dir: Path, steps: int = 1
     r = loop._new_run(cfg, run_dir, workers, prompts, None)
     try:
         r.on_groups = lambda step, groups: seen.extend(groups)
-        r.deliver = loop._deliverer(cfg, rollout)
-        loop._sync(r)
+        r.weights = build_weight_path(cfg, rollout, run_dir)
+        loop._push(r)
+        r.weights.take_sent()
         r.feed = loop._feed(r, PromptSource(r.sampler, []), 0)
         for step in range(steps):
             m, _ = loop.rl_step(r, step)
@@ -101,6 +103,8 @@ def probe(cfg: Config, prompts, model_state: dict, run_dir: Path, steps: int = 1
             h.remove()
     finally:
         r.recorder.close()
+        if r.weights is not None:
+            r.weights.close()
         workers.close()
     completions = [c for g in seen for c in g.completions]
     samples = (
