@@ -517,6 +517,10 @@ class TrainConfig(Section):
     """Sequences per forward/backward pass (gradient accumulation inside a mini-batch)."""
     epochs: int = Field(1, ge=1)
     """Passes over each rollout batch (PPO epochs)."""
+    logits_chunk_tokens: int = Field(0, ge=-1)
+    """Response tokens per chunk of the LM head in the trainer's passes (logprobs, entropy):
+    the full [B, T, V] logits never exist. 0: what fits 64 MiB of float32 logits; -1: the
+    whole logits at once (the unchunked path)."""
 
 
 class CriticConfig(Section):

@@ -370,6 +370,7 @@ def build_trainer(cfg: Config, model, dp=None) -> PolicyTrainer:
         nll_coef=a.nll_coef,
         kl_in_loss=a.kl.placement == "loss",
         bf16=bf16_compute(cfg),
+        logits_chunk=t.logits_chunk_tokens,
         loss_params=a.loss_params.given(),
         correction_params={"cap": c.cap, "low": c.low, "high": c.high},
     )

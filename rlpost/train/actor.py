@@ -25,14 +25,13 @@ from typing import Any
 import torch
 
 from rlpost.algos.aggregate import Aggregation
-from rlpost.algos.entropy import entropy_from_logits
 from rlpost.observe.mfu import default_cpu_peak_flops, flops_per_token
 from rlpost.train.batch import (
     TrainBatch,
     compute_logprobs,
     model_device,
-    response_logits,
-    token_logprobs,
+    response_logprobs,
+    response_sum_pi_squared,
 )
 from rlpost.train.optim import micro_slices, minibatch_updates, optimizer_step
 
@@ -54,6 +53,7 @@ class ActorSettings:
     nll_coef: float = 0.0
     kl_in_loss: bool = True
     bf16: bool = False
+    logits_chunk: int = 0  # LM-head tokens per chunk (0: from the vocabulary; -1: full logits)
     loss_params: dict[str, Any] = field(default_factory=dict)
     correction_params: dict[str, Any] = field(default_factory=dict)
 
@@ -154,6 +154,7 @@ class PolicyTrainer:
                 batch,
                 temperature=self.s.temperature,
                 micro_batch_size=self.s.micro_batch_size,
+                chunk=self.s.logits_chunk,
             )
 
     @property
@@ -183,8 +184,11 @@ class PolicyTrainer:
             mb = batch.select(torch.arange(lo, min(lo + self.s.micro_batch_size, len(batch))))
             mb = mb.to(device)
             with self._autocast():
-                logits = response_logits(self.model, mb).float() / self.s.temperature
-            chunks.append(torch.softmax(logits, dim=-1).pow(2).sum(-1))
+                chunks.append(
+                    response_sum_pi_squared(
+                        self.model, mb, self.s.temperature, chunk=self.s.logits_chunk
+                    )
+                )
         self.model.train(was_training)
         return torch.cat(chunks, dim=0)
 
@@ -305,8 +309,13 @@ class PolicyTrainer:
         aux = aux if aux is not None else MinibatchAux()
         mask = micro.response_mask
         with self._autocast():
-            logits = response_logits(self.model, micro)
-            logprobs = token_logprobs(logits, micro.responses, self.s.temperature)
+            logprobs, entropy = response_logprobs(
+                self.model,
+                micro,
+                self.s.temperature,
+                with_entropy=self.s.entropy_coef > 0,
+                chunk=self.s.logits_chunk,
+            )
         if fill_old:
             micro.old_logprobs = logprobs.detach()
         advantages, correction_stats = micro.advantages, {}
@@ -341,7 +350,7 @@ class PolicyTrainer:
             loss = loss + self.s.nll_coef * nll
             stats["nll_loss"] = float(nll.detach())
         if self.s.entropy_coef > 0:
-            entropy = agg.reduce(entropy_from_logits(logits.float() / self.s.temperature), mask)
+            entropy = agg.reduce(entropy, mask)
             loss = loss - self.s.entropy_coef * entropy
             stats["entropy"] = float(entropy.detach())
         return loss, stats

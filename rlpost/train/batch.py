@@ -13,6 +13,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from rlpost.algos.entropy import entropy_from_logits
+from rlpost.train.lm_head import head_logprobs, head_sum_pi_squared, split_head
 from rlpost.types import Completion
 
 
@@ -152,9 +154,86 @@ def token_logprobs(
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+FULL_LOGITS = -1
+"""``chunk`` value that computes the whole ``[B, T, V]`` logits at once (the unchunked path)."""
+
+
+def response_hidden(model: torch.nn.Module, batch: TrainBatch):
+    """(hidden [N, H] of the real response tokens, their targets [N], where [B, T] bool, head),
+    or None when the model's head cannot be split off (:func:`split_head`).
+
+    Padding positions are left out: the head never runs on them."""
+    split = split_head(model)
+    if split is None:
+        return None
+    decoder, head = split
+    T = batch.responses.shape[1]
+    out = decoder(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    )
+    where = batch.attention_mask[:, -T:].bool()
+    hidden = out.last_hidden_state[:, -(T + 1) : -1][where]
+    return hidden, batch.responses[where], where, head
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    temperature: float = 1.0,
+    *,
+    with_entropy: bool = False,
+    chunk: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logprobs [B, T], entropy [B, T] or None) of the responses, float32, differentiable.
+
+    The LM head runs on the response tokens in chunks (:mod:`rlpost.train.lm_head`), so the
+    full ``[B, T, V]`` logits never exist; padding positions hold 0. ``chunk`` tokens per
+    chunk (0: from the vocabulary size; :data:`FULL_LOGITS`: the unchunked path, also taken
+    by a model whose head cannot be split off)."""
+    split = None if chunk == FULL_LOGITS else response_hidden(model, batch)
+    if split is None:
+        logits = response_logits(model, batch)
+        logprobs = token_logprobs(logits, batch.responses, temperature)
+        if not with_entropy:
+            return logprobs, None
+        tau = temperature if temperature not in (0.0, 1.0) else 1.0
+        return logprobs, entropy_from_logits(logits.float() / tau)
+    hidden, targets, where, head = split
+    lp, ent = head_logprobs(
+        hidden, head, targets, temperature=temperature, with_entropy=with_entropy, chunk=chunk
+    )
+    return _scatter(lp, where), (None if ent is None else _scatter(ent, where))
+
+
+def response_sum_pi_squared(
+    model: torch.nn.Module, batch: TrainBatch, temperature: float, *, chunk: int = 0
+) -> torch.Tensor:
+    """``[B, T]`` ``sum_v pi(v)^2`` at each response position (no gradient; 0 on padding)."""
+    split = None if chunk == FULL_LOGITS else response_hidden(model, batch)
+    if split is None:
+        logits = response_logits(model, batch).float() / temperature
+        return torch.softmax(logits, dim=-1).pow(2).sum(-1)
+    hidden, _, where, head = split
+    return _scatter(head_sum_pi_squared(hidden, head, temperature=temperature, chunk=chunk), where)
+
+
+def _scatter(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """``[N]`` values at the True entries of ``where [B, T]``, 0 elsewhere (differentiable)."""
+    out = values.new_zeros(where.shape)
+    return out.masked_scatter(where, values)
+
+
 @torch.no_grad()
 def compute_logprobs(
-    model: torch.nn.Module, batch: TrainBatch, *, temperature: float, micro_batch_size: int
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    *,
+    temperature: float,
+    micro_batch_size: int,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """Per-token logprobs [B, T] of the batch's responses under ``model`` (no gradient)."""
     was_training = model.training
@@ -163,6 +242,6 @@ def compute_logprobs(
     device = model_device(model)
     for lo in range(0, len(batch), micro_batch_size):
         mb = batch.select(torch.arange(lo, min(lo + micro_batch_size, len(batch)))).to(device)
-        chunks.append(token_logprobs(response_logits(model, mb), mb.responses, temperature))
+        chunks.append(response_logprobs(model, mb, temperature, chunk=chunk)[0])
     model.train(was_training)
     return torch.cat(chunks, dim=0)

@@ -22,7 +22,7 @@ import torch
 
 from rlpost.algos.aggregate import Aggregation
 from rlpost.train.actor import warmup_lambda
-from rlpost.train.batch import collate, model_device, response_logits, token_logprobs
+from rlpost.train.batch import collate, model_device, response_logprobs
 from rlpost.types import Completion, Prompt
 
 
@@ -93,7 +93,7 @@ def sft_train(
             for p in rng.sample(prompts, min(batch_size, len(prompts)))
         ]
         batch = collate(rows, [0.0] * len(rows), tokenizer.pad_token_id).to(model_device(model))
-        logprobs = token_logprobs(response_logits(model, batch), batch.responses)
+        logprobs, _ = response_logprobs(model, batch)
         loss = Aggregation("token-mean").reduce(-logprobs, batch.response_mask)
         opt.zero_grad(set_to_none=True)
         loss.backward()
