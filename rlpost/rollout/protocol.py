@@ -15,7 +15,6 @@ from typing import Protocol
 
 import torch
 
-from rlpost.train.lm_head import logits_logprobs
 from rlpost.types import Completion
 
 
@@ -132,8 +131,10 @@ def sample_tokens(
     logits = logits.float()
     if params.temperature == 0:
         tokens = logits.argmax(dim=-1)
-        return tokens, logits_logprobs(logits, tokens)
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, logprobs
     scaled = logits / params.temperature
+    full = torch.log_softmax(scaled, dim=-1)
     filtered = filter_logits(scaled, params.top_k, params.top_p)
     probs = torch.softmax(filtered, dim=-1)
     if generator is not None and generator.device != probs.device:
@@ -143,5 +144,4 @@ def sample_tokens(
     else:
         tokens = torch.multinomial(probs, 1, generator=generator)
     tokens = tokens.squeeze(-1)
-    # The trainer's formula (logsumexp and gather), so both sides round alike.
-    return tokens, logits_logprobs(scaled, tokens)
+    return tokens, full.gather(-1, tokens[:, None]).squeeze(-1)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from rlpost.algos.entropy import entropy_from_logits
-from rlpost.train.lm_head import head_logprobs, head_sum_pi_squared, split_head
+from rlpost.train.lm_head import head_logprobs, head_sum_pi_squared, needs_chunks, split_head
 from rlpost.types import Completion
 
 
@@ -158,16 +158,17 @@ FULL_LOGITS = -1
 """``chunk`` value that computes the whole ``[B, T, V]`` logits at once (the unchunked path)."""
 
 
-def response_hidden(model: torch.nn.Module, batch: TrainBatch):
+def response_hidden(model: torch.nn.Module, batch: TrainBatch, chunk: int = 0):
     """(hidden [N, H] of the real response tokens, their targets [N], where [B, T] bool, head),
-    or None when the model's head cannot be split off (:func:`split_head`).
+    or None when the model's head cannot be split off (:func:`split_head`) or the logits
+    fit one chunk (:func:`needs_chunks`).
 
     Padding positions are left out: the head never runs on them."""
     split = split_head(model)
-    if split is None:
+    T = batch.responses.shape[1]
+    if split is None or not needs_chunks(len(batch) * T, split[1].weight.shape[0], chunk):
         return None
     decoder, head = split
-    T = batch.responses.shape[1]
     out = decoder(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
@@ -191,9 +192,10 @@ def response_logprobs(
 
     The LM head runs on the response tokens in chunks (:mod:`rlpost.train.lm_head`), so the
     full ``[B, T, V]`` logits never exist; padding positions hold 0. ``chunk`` tokens per
-    chunk (0: from the vocabulary size; :data:`FULL_LOGITS`: the unchunked path, also taken
-    by a model whose head cannot be split off)."""
-    split = None if chunk == FULL_LOGITS else response_hidden(model, batch)
+    chunk (0: from the vocabulary size, and the unchunked path where the logits fit one
+    chunk; :data:`FULL_LOGITS`: the unchunked path, also taken by a model whose head cannot
+    be split off)."""
+    split = None if chunk == FULL_LOGITS else response_hidden(model, batch, chunk)
     if split is None:
         logits = response_logits(model, batch)
         logprobs = token_logprobs(logits, batch.responses, temperature)
@@ -212,7 +214,7 @@ def response_sum_pi_squared(
     model: torch.nn.Module, batch: TrainBatch, temperature: float, *, chunk: int = 0
 ) -> torch.Tensor:
     """``[B, T]`` ``sum_v pi(v)^2`` at each response position (no gradient; 0 on padding)."""
-    split = None if chunk == FULL_LOGITS else response_hidden(model, batch)
+    split = None if chunk == FULL_LOGITS else response_hidden(model, batch, chunk)
     if split is None:
         logits = response_logits(model, batch).float() / temperature
         return torch.softmax(logits, dim=-1).pow(2).sum(-1)

@@ -30,6 +30,13 @@ CHUNK_BYTES = 64 * 2**20
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
+def needs_chunks(tokens: int, vocab: int, setting: int = 0) -> bool:
+    """Whether ``tokens`` positions' logits go through the head in chunks: always when
+    ``setting`` is positive, else only when they exceed one chunk (a small vocabulary keeps
+    the one-matmul head and its exact numbers)."""
+    return setting > 0 or tokens > chunk_tokens(vocab, setting)
+
+
 def chunk_tokens(vocab: int, setting: int = 0) -> int:
     """Tokens per chunk: ``setting`` when positive, else what fits :data:`CHUNK_BYTES`."""
     if setting > 0:
@@ -186,10 +193,3 @@ def head_sum_pi_squared(
         z = _chunk_logits(hidden[lo : lo + size], w, head.bias, tau, dtype)
         out[lo : lo + size] = torch.softmax(z, dim=-1).pow_(2).sum(-1)
     return out
-
-
-def logits_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
-    """``log_softmax(logits)`` at ``tokens`` without a second ``[..., V]`` tensor:
-    ``[..., V]``, ``[...]`` -> ``[...]`` float32 (the engine's sampled-token logprob)."""
-    logits = logits.float()
-    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)

@@ -69,7 +69,7 @@ def _grads(model, fn, batch):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("chunk", [1, 4, 0])
+@pytest.mark.parametrize("chunk", [1, 4, 64])
 def test_chunked_matches_full_logits(tied, chunk):
     model, batch, temperature = _model(tied), _batch(), 0.8
     assert split_head(model) is not None
@@ -159,3 +159,19 @@ def test_a_head_that_cannot_be_split_keeps_the_full_path():
     assert lp.shape == batch.responses.shape
     model.config.final_logit_softcapping = 30.0
     assert split_head(model) is None
+
+
+def test_auto_chunking_only_where_the_logits_exceed_a_chunk(monkeypatch):
+    from rlpost.train import lm_head
+
+    model, batch = _model(False), _batch()
+    real = batch.attention_mask[:, batch.prompt_width :].bool()
+    full, _ = response_logprobs(model, batch, 1.0, chunk=FULL_LOGITS)
+    small, _ = response_logprobs(model, batch, 1.0)  # fits one chunk: the one-matmul head
+    assert torch.equal(small, full)
+    assert not lm_head.needs_chunks(len(batch) * batch.responses.shape[1], VOCAB)
+    monkeypatch.setattr(lm_head, "CHUNK_BYTES", 4 * VOCAB * 2)  # two tokens a chunk
+    assert lm_head.chunk_tokens(VOCAB) == 2 and lm_head.needs_chunks(3, VOCAB)
+    chunked, _ = response_logprobs(model, batch, 1.0)
+    assert not torch.equal(chunked[~real], full[~real])  # padding left out: 0 there
+    torch.testing.assert_close(chunked[real], full[real], atol=1e-5, rtol=1e-5)
