@@ -371,6 +371,7 @@ def build_trainer(cfg: Config, model, dp=None) -> PolicyTrainer:
         kl_in_loss=a.kl.placement == "loss",
         bf16=bf16_compute(cfg),
         logits_chunk=t.logits_chunk_tokens,
+        max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
         loss_params=a.loss_params.given(),
         correction_params={"cap": c.cap, "low": c.low, "high": c.high},
     )
@@ -460,6 +461,12 @@ def check_data_parallel(cfg: Config) -> None:
         raise ConfigError(
             f"cluster.trainer_workers={n} with model.lora.rank={cfg.model.lora.rank}: adapters "
             "train on one worker only; set cluster.trainer_workers=1 or model.lora.rank=0"
+        )
+    budget = cfg.train.max_tokens_per_micro_batch
+    if budget > 0:
+        raise ConfigError(
+            f"train.max_tokens_per_micro_batch={budget} with cluster.trainer_workers={n}: "
+            "data-parallel ranks cut micro-batches by rows; set train.max_tokens_per_micro_batch=0"
         )
 
 

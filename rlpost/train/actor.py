@@ -30,10 +30,12 @@ from rlpost.train.batch import (
     TrainBatch,
     compute_logprobs,
     model_device,
+    pad_responses,
     response_logprobs,
     response_sum_pi_squared,
+    score_rows,
 )
-from rlpost.train.optim import micro_slices, minibatch_updates, optimizer_step
+from rlpost.train.optim import budget_slices, minibatch_updates, optimizer_step
 
 
 @dataclass
@@ -54,6 +56,7 @@ class ActorSettings:
     kl_in_loss: bool = True
     bf16: bool = False
     logits_chunk: int = 0  # LM-head tokens per chunk (0: from the vocabulary; -1: full logits)
+    max_tokens_per_micro_batch: int = 0  # padded tokens per micro-batch (0: rows only)
     loss_params: dict[str, Any] = field(default_factory=dict)
     correction_params: dict[str, Any] = field(default_factory=dict)
 
@@ -75,6 +78,11 @@ class MinibatchAux:
         selected = None if self.selected is None else self.selected[micro_rows]
         rewarded = None if self.rewarded is None else self.rewarded[micro_rows]
         return MinibatchAux(selected, rewarded, self.nll_agg)
+
+    def trimmed(self, width: int) -> MinibatchAux:
+        """The first ``width`` response columns (a trimmed micro-batch's)."""
+        selected = None if self.selected is None else self.selected[:, :width]
+        return MinibatchAux(selected, self.rewarded, self.nll_agg)
 
 
 ADDITIVE_STATS = frozenset({"pg_loss", "nll_loss", "entropy"})
@@ -116,6 +124,11 @@ class PolicyTrainer:
         seed: int = 0,
         dp=None,
     ) -> None:
+        if dp is not None and settings.max_tokens_per_micro_batch > 0:
+            raise ValueError(
+                f"train.max_tokens_per_micro_batch={settings.max_tokens_per_micro_batch}: "
+                "data-parallel ranks cut micro-batches by rows; set it to 0"
+            )
         self.model = model
         self.dp = dp  # rlpost.train.dp.DataParallel when the batch is sharded over ranks
         # A loss that treats tokens chosen over the whole batch (KL-Cov, Clip-Cov) gets its
@@ -155,6 +168,7 @@ class PolicyTrainer:
                 temperature=self.s.temperature,
                 micro_batch_size=self.s.micro_batch_size,
                 chunk=self.s.logits_chunk,
+                max_tokens=self.s.max_tokens_per_micro_batch,
             )
 
     @property
@@ -176,21 +190,19 @@ class PolicyTrainer:
 
     @torch.no_grad()
     def _sum_pi_squared(self, batch: TrainBatch) -> torch.Tensor:
-        was_training = self.model.training
-        self.model.eval()
-        chunks = []
-        device = model_device(self.model)
-        for lo in range(0, len(batch), self.s.micro_batch_size):
-            mb = batch.select(torch.arange(lo, min(lo + self.s.micro_batch_size, len(batch))))
-            mb = mb.to(device)
+        def fn(mb: TrainBatch) -> torch.Tensor:
             with self._autocast():
-                chunks.append(
-                    response_sum_pi_squared(
-                        self.model, mb, self.s.temperature, chunk=self.s.logits_chunk
-                    )
+                return response_sum_pi_squared(
+                    self.model, mb, self.s.temperature, chunk=self.s.logits_chunk
                 )
-        self.model.train(was_training)
-        return torch.cat(chunks, dim=0)
+
+        return score_rows(
+            self.model,
+            batch,
+            fn,
+            micro_batch_size=self.s.micro_batch_size,
+            max_tokens=self.s.max_tokens_per_micro_batch,
+        )
 
     # -------------------------------------------------------------- update
 
@@ -253,9 +265,15 @@ class PolicyTrainer:
                 micro = self.dp.select(batch, micro_rows)
             real = micro_rows >= 0
             aux_rows = aux.rows(micro_rows.clamp(min=0))
+            if self.s.max_tokens_per_micro_batch > 0:  # this micro-batch's own widths
+                micro = micro.trimmed()
+                aux_rows = aux_rows.trimmed(micro.responses.shape[1])
             loss, stats = self._micro_loss(micro, agg, beta, fill_old, aux_rows)
             if fill_old:
-                batch.old_logprobs[micro_rows[real]] = micro.old_logprobs[real]
+                width = batch.responses.shape[1]
+                batch.old_logprobs[micro_rows[real]] = pad_responses(micro.old_logprobs, width)[
+                    real
+                ]
             # Loss terms reduced with the mini-batch denominators add up over micro-batches
             # (and ranks); per-micro-batch means are weighted by their share of the tokens.
             weight = float(micro.response_mask.sum()) / total_tokens
@@ -265,7 +283,10 @@ class PolicyTrainer:
         # parameters between a forward and the next reshard, and those get no gradient.
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if self.dp is None:
-            micros, sum_ranks = micro_slices(rows, self.s.micro_batch_size), None
+            lengths = batch.lengths()
+            budget = self.s.max_tokens_per_micro_batch
+            micros = budget_slices(rows, *lengths, self.s.micro_batch_size, budget)
+            sum_ranks = None
         else:
             micros = self.dp.micro_slices(rows, self.s.micro_batch_size)
             sum_ranks = self.dp.sum_floats

@@ -15,6 +15,7 @@ import torch
 
 from rlpost.algos.entropy import entropy_from_logits
 from rlpost.train.lm_head import head_logprobs, head_sum_pi_squared, needs_chunks, split_head
+from rlpost.train.optim import budget_slices, micro_slices
 from rlpost.types import Completion
 
 
@@ -59,6 +60,32 @@ class TrainBatch:
                 changes[f.name] = v[idx]
         return replace(self, **changes)
 
+    def lengths(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt lengths [B], response lengths [B]) in tokens, padding left out."""
+        P = self.prompt_width
+        return self.attention_mask[:, :P].sum(-1), self.attention_mask[:, P:].sum(-1)
+
+    def trimmed(self) -> TrainBatch:
+        """The same rows without the columns that are padding in every row (the prompts'
+        left, the responses' right): a micro-batch of short rows gets its own, narrower
+        shape. Response tensors become ``[B, T']``; :func:`pad_responses` restores T."""
+        prompt_lens, response_lens = self.lengths()
+        keep_p = max(1, int(prompt_lens.max()))
+        keep_t = max(1, int(response_lens.max()))
+        P, T = self.prompt_width, self.responses.shape[1]
+        if keep_p == P and keep_t == T:
+            return self
+        changes = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, torch.Tensor) or v.dim() < 2:
+                continue
+            if v.shape[1] == P + T:
+                changes[f.name] = v[:, P - keep_p : P + keep_t]
+            elif v.shape[1] == T:
+                changes[f.name] = v[:, :keep_t]
+        return replace(self, prompt_width=keep_p, **changes)
+
     def to(self, device: torch.device | str) -> TrainBatch:
         """Every tensor on ``device`` (tensors already there are the same objects)."""
         changes = {}
@@ -67,6 +94,13 @@ class TrainBatch:
             if isinstance(v, torch.Tensor):
                 changes[f.name] = v.to(device)
         return replace(self, **changes)
+
+
+def pad_responses(values: torch.Tensor, width: int) -> torch.Tensor:
+    """``[b, T']`` per-token values right-padded with 0 to ``[b, width]`` (undoes
+    :meth:`TrainBatch.trimmed`)."""
+    extra = width - values.shape[1]
+    return torch.nn.functional.pad(values, (0, extra)) if extra > 0 else values
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -236,14 +270,40 @@ def compute_logprobs(
     temperature: float,
     micro_batch_size: int,
     chunk: int = 0,
+    max_tokens: int = 0,
 ) -> torch.Tensor:
-    """Per-token logprobs [B, T] of the batch's responses under ``model`` (no gradient)."""
+    """Per-token logprobs [B, T] of the batch's responses under ``model`` (no gradient);
+    ``max_tokens`` > 0 cuts the passes by a token budget (:func:`score_rows`)."""
+    return score_rows(
+        model,
+        batch,
+        lambda mb: response_logprobs(model, mb, temperature, chunk=chunk)[0],
+        micro_batch_size=micro_batch_size,
+        max_tokens=max_tokens,
+    )
+
+
+def score_rows(model, batch: TrainBatch, fn, *, micro_batch_size: int, max_tokens: int = 0):
+    """``fn(micro) -> [b, T]`` over micro-batches of ``batch`` in eval mode, as ``[B, T]``.
+
+    ``max_tokens`` > 0: micro-batches are cut by a token budget and trimmed to their own
+    widths (:func:`rlpost.train.optim.budget_slices`, :meth:`TrainBatch.trimmed`)."""
     was_training = model.training
     model.eval()
-    chunks = []
     device = model_device(model)
-    for lo in range(0, len(batch), micro_batch_size):
-        mb = batch.select(torch.arange(lo, min(lo + micro_batch_size, len(batch)))).to(device)
-        chunks.append(response_logprobs(model, mb, temperature, chunk=chunk)[0])
+    rows = torch.arange(len(batch))
+    T = batch.responses.shape[1]
+    if max_tokens > 0:
+        slices = budget_slices(rows, *batch.lengths(), micro_batch_size, max_tokens)
+    else:
+        slices = micro_slices(rows, micro_batch_size)
+    out = None
+    for idx in slices:
+        mb = batch.select(idx)
+        mb = (mb.trimmed() if max_tokens > 0 else mb).to(device)
+        values = pad_responses(fn(mb), T)
+        if out is None:
+            out = values.new_zeros((len(batch), T))
+        out[idx.to(values.device)] = values
     model.train(was_training)
-    return torch.cat(chunks, dim=0)
+    return out

@@ -19,8 +19,12 @@ The result equals the full-logits path up to float summation order.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor, nn
+
+from rlpost.observe.mfu import cpu_bf16_native
 
 CHUNK_BYTES = 64 * 2**20
 """Float32 logits per chunk (the backward holds about four such tensors at once)."""
@@ -72,10 +76,20 @@ def split_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     return decoder, head
 
 
+@functools.cache
+def _cpu_bf16() -> bool:
+    return cpu_bf16_native()  # read once: /proc/cpuinfo does not change
+
+
 def compute_dtype(weight: Tensor) -> torch.dtype:
     """The head's matmul dtype: autocast's where it is on (as ``nn.Linear`` would get), else
-    the weight's."""
+    the weight's; but float32 on a CPU without native bf16 instructions. There bf16 is
+    emulated, and at the head's shapes (a vocabulary-wide output, or a reduction over the
+    vocabulary) it ran 3x (forward) to 270x (the hidden-state gradient, [c, V] x [V, H])
+    slower than float32 (AVX2 CPU, docs/performance.md)."""
     kind = weight.device.type
+    if kind == "cpu" and not _cpu_bf16():
+        return torch.promote_types(weight.dtype, torch.float32)
     if torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
     return weight.dtype
