@@ -160,8 +160,6 @@ def run_rlpost(ckpt: str, dtype: str, length: int, steps: int, extra: list[str])
     return {
         "step_seconds": [b - a for a, b in itertools.pairwise(starts)],
         "peak_rss_mib": seen[-1] if seen else peak_rss_mib(),
-        "history_keys": sorted(last),
-        "response_length": last.get("response_length_mean", last.get("response_length")),
     }
 
 

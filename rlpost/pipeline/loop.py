@@ -45,6 +45,7 @@ from rlpost.pipeline.feeds import (
     SyncFeed,
     direct_loader,
 )
+from rlpost.pipeline.memory import check_memory, summary_fields
 from rlpost.pipeline.rundir import finish_run, prepare_run_dir, warm_start
 from rlpost.pipeline.stages import RolloutSettings, TrainSettings, train_stage
 from rlpost.pipeline.workers import WorkerLost, Workers
@@ -112,6 +113,7 @@ def train(
     (a ``rlpost.cluster`` backend); by default they are built in this process.
     ``on_groups(step, groups)`` sees every step's trained groups (tools and tests)."""
     build.check_names(cfg)
+    memory = check_memory(cfg)  # before the run directory is touched
     run_dir = prepare_run_dir(cfg, resume)
     console = console or Console(enabled=cfg.observe.progress)
     torch.manual_seed(cfg.run.seed)
@@ -189,7 +191,15 @@ def train(
         pace["eval_tool_call_rate_start"] = first_eval["eval_tool_call_rate"]
         pace["eval_tool_call_rate_end"] = final_eval.get("eval_tool_call_rate")
     summary = finish_run(
-        cfg, run_dir, first_eval, final_eval, history, start_step, wall, console, extra=pace
+        cfg,
+        run_dir,
+        first_eval,
+        final_eval,
+        history,
+        start_step,
+        wall,
+        console,
+        extra=pace | summary_fields(memory),
     )
     return RunResult(run_dir=run_dir, summary=summary, history=history)
 
