@@ -259,8 +259,13 @@ def build_policy(cfg: Config):
 
 
 def bf16_compute(cfg: Config) -> bool:
-    """``model.dtype`` resolved: bfloat16, or auto on a CPU with native bf16 instructions."""
-    return cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and cpu_bf16_native())
+    """``model.dtype`` resolved: bfloat16, or auto on a CPU with native bf16 instructions (or
+    a GPU run on a GPU that computes in bf16)."""
+    if cfg.model.dtype != "auto":
+        return cfg.model.dtype == "bfloat16"
+    if cfg.run.device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    return cpu_bf16_native()
 
 
 def serves_policy_storage(cfg: Config) -> bool:

@@ -62,3 +62,32 @@ def test_summary_fields_hold_the_measured_peak_and_the_estimate():
     out = json.loads(json.dumps(summary_fields(est)))
     assert out["peak_rss_mib"] > 50
     assert out["memory_estimate_mib"]["total"] == round(est.total)
+
+
+def test_one_thread_at_a_real_shape_is_noted(tmp_path, capsys, monkeypatch):
+    from rlpost.pipeline.memory import note_idle_cores
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+    real = {"params": 40_000_000, "vocab": 151_936}
+    toy = {"params": 100_000, "vocab": 83}
+    assert note_idle_cores(load_config(None, ["run.threads=1"]), real)
+    line = capsys.readouterr().out.strip()
+    assert "run.threads=1 leaves 3 of 4 cores idle" in line and "\n" not in line
+    assert not note_idle_cores(load_config(None, ["run.threads=1"]), toy)
+    assert not note_idle_cores(load_config(None, ["run.threads=0"]), real)
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0})
+    assert not note_idle_cores(load_config(None, ["run.threads=1"]), real)
+
+
+def test_real_checkpoint_recipe_resolves_bf16_from_the_cpu():
+    from rlpost.config import RECIPES_DIR
+    from rlpost.observe.mfu import cpu_bf16_native
+    from rlpost.pipeline.build import bf16_compute
+
+    cfg = load_config(
+        RECIPES_DIR / "grpo_file.yaml", ["data.train_path=t.jsonl", "rollout.max_tokens=16"]
+    )
+    assert cfg.model.dtype == "auto"
+    assert bf16_compute(cfg) == cpu_bf16_native()
+    assert not bf16_compute(load_config(None, ["model.dtype=float32"]))
+    assert bf16_compute(load_config(None, ["model.dtype=bfloat16"]))
