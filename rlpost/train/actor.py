@@ -270,10 +270,8 @@ class PolicyTrainer:
                 aux_rows = aux_rows.trimmed(micro.responses.shape[1])
             loss, stats = self._micro_loss(micro, agg, beta, fill_old, aux_rows)
             if fill_old:
-                width = batch.responses.shape[1]
-                batch.old_logprobs[micro_rows[real]] = pad_responses(micro.old_logprobs, width)[
-                    real
-                ]
+                old = pad_responses(micro.old_logprobs, batch.responses.shape[1])
+                batch.old_logprobs[micro_rows[real]] = old[real]
             # Loss terms reduced with the mini-batch denominators add up over micro-batches
             # (and ranks); per-micro-batch means are weighted by their share of the tokens.
             weight = float(micro.response_mask.sum()) / total_tokens

@@ -15,7 +15,7 @@ import torch
 
 from rlpost.algos.entropy import entropy_from_logits
 from rlpost.train.lm_head import head_logprobs, head_sum_pi_squared, needs_chunks, split_head
-from rlpost.train.optim import budget_slices, micro_slices
+from rlpost.train.optim import budget_slices
 from rlpost.types import Completion
 
 
@@ -293,12 +293,8 @@ def score_rows(model, batch: TrainBatch, fn, *, micro_batch_size: int, max_token
     device = model_device(model)
     rows = torch.arange(len(batch))
     T = batch.responses.shape[1]
-    if max_tokens > 0:
-        slices = budget_slices(rows, *batch.lengths(), micro_batch_size, max_tokens)
-    else:
-        slices = micro_slices(rows, micro_batch_size)
     out = None
-    for idx in slices:
+    for idx in budget_slices(rows, *batch.lengths(), micro_batch_size, max_tokens):
         mb = batch.select(idx)
         mb = (mb.trimmed() if max_tokens > 0 else mb).to(device)
         values = pad_responses(fn(mb), T)
