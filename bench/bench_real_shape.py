@@ -334,9 +334,7 @@ def main() -> None:
         f"{args.steps} steps per run; load {os.getloadavg()[0]:.2f}",
         flush=True,
     )
-    runs = {
-        (s, d, n): one_run(s, d, n, ckpt, args) for n in lengths for d in dtypes for s in sides
-    }
+    runs = {(s, d, n): one_run(s, d, n, ckpt, args) for n in lengths for d in dtypes for s in sides}
     print("\n" + table(runs, lengths, sides))
     if args.plot:
         plot(runs, lengths, sides, args.plot)
