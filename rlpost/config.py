@@ -477,6 +477,16 @@ class TrainConfig(Section):
     """Sequences per forward/backward pass (gradient accumulation inside a mini-batch)."""
     epochs: int = Field(1, ge=1)
     """Passes over each rollout batch (PPO epochs)."""
+    max_tokens_per_micro_batch: int = Field(0, ge=0)
+    """Token budget of a micro-batch (and of the scoring passes' batches): rows, longest
+    first, go into micro-batches of at most micro_batch_size rows whose padded size (rows x
+    widest row) stays within it, each trimmed to its own widths, so one long row does not
+    set the shape of the others. 0: micro-batches of micro_batch_size rows, the batch's
+    widths. Not with data parallel (cluster.trainer_workers > 1)."""
+    logits_chunk_tokens: int = Field(0, ge=-1)
+    """Response tokens per chunk of the LM head in the trainer's passes (logprobs, entropy):
+    the full [B, T, V] logits never exist. 0: what fits 64 MiB of float32 logits; -1: the
+    whole logits at once (the unchunked path)."""
 
 
 class CriticConfig(Section):

@@ -152,8 +152,13 @@ def build_policy(cfg: Config):
 
 
 def bf16_compute(cfg: Config) -> bool:
-    """``model.dtype`` resolved: bfloat16, or auto on a CPU with native bf16 instructions."""
-    return cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and cpu_bf16_native())
+    """``model.dtype`` resolved: bfloat16, or auto on a CPU with native bf16 instructions (or
+    a GPU run on a GPU that computes in bf16)."""
+    if cfg.model.dtype != "auto":
+        return cfg.model.dtype == "bfloat16"
+    if cfg.run.device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    return cpu_bf16_native()
 
 
 def serves_policy_storage(cfg: Config) -> bool:
@@ -305,6 +310,8 @@ def build_trainer(cfg: Config, model, dp=None) -> PolicyTrainer:
         nll_coef=a.nll_coef,
         kl_in_loss=a.kl.placement == "loss",
         bf16=bf16_compute(cfg),
+        logits_chunk=t.logits_chunk_tokens,
+        max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
         loss_params=params_of(a.losses, a.policy_loss),
         correction_params={"cap": c.cap, "low": c.low, "high": c.high},
     )

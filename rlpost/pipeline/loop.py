@@ -47,6 +47,7 @@ from rlpost.pipeline.feeds import (
     SyncFeed,
 )
 from rlpost.pipeline.learnability import LearnabilityCheck
+from rlpost.pipeline.memory import check_memory, summary_fields
 from rlpost.pipeline.plan import StepPlan, checked_plan, resolve_step_plan
 from rlpost.pipeline.rundir import finish_run, prepare_run_dir, warm_start
 from rlpost.pipeline.stages import RolloutSettings, TrainSettings, train_stage
@@ -118,6 +119,7 @@ def train(
     (a ``rlpost.cluster`` backend); by default they are built in this process.
     ``on_groups(step, groups)`` sees every step's trained groups (tools and tests)."""
     rules.check(cfg, "train")
+    memory = check_memory(cfg)  # before the run directory is touched
     run_dir = prepare_run_dir(cfg, resume)
     console = console or Console(enabled=cfg.observe.progress)
     torch.manual_seed(cfg.run.seed)
@@ -202,7 +204,15 @@ def train(
         pace["eval_tool_call_rate_start"] = first_eval["eval_tool_call_rate"]
         pace["eval_tool_call_rate_end"] = final_eval.get("eval_tool_call_rate")
     summary = finish_run(
-        cfg, run_dir, first_eval, final_eval, history, start_step, wall, console, extra=pace
+        cfg,
+        run_dir,
+        first_eval,
+        final_eval,
+        history,
+        start_step,
+        wall,
+        console,
+        extra=pace | summary_fields(memory),
     )
     return RunResult(run_dir=run_dir, summary=summary, history=history)
 

@@ -494,6 +494,17 @@ def data_parallel_without_adapters(cfg: Config) -> str | None:
 
 
 @rule("train")
+def data_parallel_cuts_by_rows(cfg: Config) -> str | None:
+    n, budget = cfg.cluster.trainer_workers, cfg.train.max_tokens_per_micro_batch
+    if n > 1 and budget > 0:
+        return (
+            f"train.max_tokens_per_micro_batch={budget} with cluster.trainer_workers={n}: "
+            "data-parallel ranks cut micro-batches by rows; set train.max_tokens_per_micro_batch=0"
+        )
+    return None
+
+
+@rule("train")
 def fleet_without_partial(cfg: Config) -> str | None:
     n = cfg.cluster.rollout_workers
     if n > 1 and cfg.rollout.partial:

@@ -27,17 +27,18 @@ from typing import Any
 import torch
 
 from rlpost.algos.aggregate import Aggregation
-from rlpost.algos.entropy import entropy_from_logits
 from rlpost.observe.mfu import default_cpu_peak_flops, flops_per_token
 from rlpost.train.batch import (
     TrainBatch,
     compute_logprobs,
     model_device,
-    response_logits,
-    token_logprobs,
+    pad_responses,
+    response_logprobs,
+    response_sum_pi_squared,
+    score_rows,
 )
 from rlpost.train.layout import PlainLayout, WeightLayout
-from rlpost.train.optim import minibatch_updates, optimizer_step
+from rlpost.train.optim import budget_slices, minibatch_updates, optimizer_step
 
 
 @dataclass
@@ -57,6 +58,8 @@ class ActorSettings:
     nll_coef: float = 0.0
     kl_in_loss: bool = True
     bf16: bool = False
+    logits_chunk: int = 0  # LM-head tokens per chunk (0: from the vocabulary; -1: full logits)
+    max_tokens_per_micro_batch: int = 0  # padded tokens per micro-batch (0: rows only)
     loss_params: dict[str, Any] = field(default_factory=dict)
     correction_params: dict[str, Any] = field(default_factory=dict)
 
@@ -78,6 +81,11 @@ class MinibatchAux:
         selected = None if self.selected is None else self.selected[micro_rows]
         rewarded = None if self.rewarded is None else self.rewarded[micro_rows]
         return MinibatchAux(selected, rewarded, self.nll_agg)
+
+    def trimmed(self, width: int) -> MinibatchAux:
+        """The first ``width`` response columns (a trimmed micro-batch's)."""
+        selected = None if self.selected is None else self.selected[:, :width]
+        return MinibatchAux(selected, self.rewarded, self.nll_agg)
 
 
 @dataclass(frozen=True)
@@ -183,6 +191,8 @@ class PolicyTrainer:
                 batch,
                 temperature=self.s.temperature,
                 micro_batch_size=self.s.micro_batch_size,
+                chunk=self.s.logits_chunk,
+                max_tokens=self.s.max_tokens_per_micro_batch,
             )
 
     @property
@@ -202,18 +212,19 @@ class PolicyTrainer:
 
     @torch.no_grad()
     def _sum_pi_squared(self, batch: TrainBatch) -> torch.Tensor:
-        was_training = self.model.training
-        self.model.eval()
-        chunks = []
-        device = model_device(self.model)
-        for lo in range(0, len(batch), self.s.micro_batch_size):
-            mb = batch.select(torch.arange(lo, min(lo + self.s.micro_batch_size, len(batch))))
-            mb = mb.to(device)
+        def fn(mb: TrainBatch) -> torch.Tensor:
             with self._autocast():
-                logits = response_logits(self.model, mb).float() / self.s.temperature
-            chunks.append(torch.softmax(logits, dim=-1).pow(2).sum(-1))
-        self.model.train(was_training)
-        return torch.cat(chunks, dim=0)
+                return response_sum_pi_squared(
+                    self.model, mb, self.s.temperature, chunk=self.s.logits_chunk
+                )
+
+        return score_rows(
+            self.model,
+            batch,
+            fn,
+            micro_batch_size=self.s.micro_batch_size,
+            max_tokens=self.s.max_tokens_per_micro_batch,
+        )
 
     # -------------------------------------------------------------- update
 
@@ -271,9 +282,13 @@ class PolicyTrainer:
             micro = self.ranks.select(batch, micro_rows)  # padding rows (PAD) carry a zero mask
             real = micro_rows >= 0
             aux_rows = aux.rows(micro_rows.clamp(min=0))
+            if self.s.max_tokens_per_micro_batch > 0:  # this micro-batch's own widths
+                micro = micro.trimmed()
+                aux_rows = aux_rows.trimmed(micro.responses.shape[1])
             loss, stats = self._micro_loss(micro, agg, beta, fill_old, aux_rows)
             if fill_old:
-                batch.old_logprobs[micro_rows[real]] = micro.old_logprobs[real]
+                old = pad_responses(micro.old_logprobs, batch.responses.shape[1])
+                batch.old_logprobs[micro_rows[real]] = old[real]
             # Loss terms reduced with the mini-batch denominators add up over micro-batches
             # (and ranks); per-micro-batch means are weighted by their share of the tokens.
             weight = float(micro.response_mask.sum()) / total_tokens
@@ -282,7 +297,11 @@ class PolicyTrainer:
         # The optimizer's own tensors: a sharded model lists its gathered (unsharded)
         # parameters between a forward and the next reshard, and those get no gradient.
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        micros = self.ranks.micro_slices(rows, self.s.micro_batch_size)
+        budget = self.s.max_tokens_per_micro_batch
+        if budget > 0:  # one rank (a rule refuses it with data-parallel trainers)
+            micros = budget_slices(rows, *batch.lengths(), self.s.micro_batch_size, budget)
+        else:
+            micros = self.ranks.micro_slices(rows, self.s.micro_batch_size)
         outcome = optimizer_step(
             self.optimizer,
             self.scheduler,
@@ -323,8 +342,13 @@ class PolicyTrainer:
         aux = aux if aux is not None else MinibatchAux()
         mask = micro.response_mask
         with self._autocast():
-            logits = response_logits(self.model, micro)
-            logprobs = token_logprobs(logits, micro.responses, self.s.temperature)
+            logprobs, entropy = response_logprobs(
+                self.model,
+                micro,
+                self.s.temperature,
+                with_entropy=self.s.entropy_coef > 0,
+                chunk=self.s.logits_chunk,
+            )
         if fill_old:
             micro.old_logprobs = logprobs.detach()
         advantages, correction_stats = micro.advantages, {}
@@ -359,7 +383,7 @@ class PolicyTrainer:
             loss = loss + self.s.nll_coef * nll
             stats["nll_loss"] = float(nll.detach())
         if self.s.entropy_coef > 0:
-            entropy = agg.reduce(entropy_from_logits(logits.float() / self.s.temperature), mask)
+            entropy = agg.reduce(entropy, mask)
             loss = loss - self.s.entropy_coef * entropy
             stats["entropy"] = float(entropy.detach())
         return loss, stats

@@ -13,6 +13,9 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from rlpost.algos.entropy import entropy_from_logits
+from rlpost.train.lm_head import head_logprobs, head_sum_pi_squared, needs_chunks, split_head
+from rlpost.train.optim import budget_slices
 from rlpost.types import Completion
 
 
@@ -57,6 +60,32 @@ class TrainBatch:
                 changes[f.name] = v[idx]
         return replace(self, **changes)
 
+    def lengths(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt lengths [B], response lengths [B]) in tokens, padding left out."""
+        P = self.prompt_width
+        return self.attention_mask[:, :P].sum(-1), self.attention_mask[:, P:].sum(-1)
+
+    def trimmed(self) -> TrainBatch:
+        """The same rows without the columns that are padding in every row (the prompts'
+        left, the responses' right): a micro-batch of short rows gets its own, narrower
+        shape. Response tensors become ``[B, T']``; :func:`pad_responses` restores T."""
+        prompt_lens, response_lens = self.lengths()
+        keep_p = max(1, int(prompt_lens.max()))
+        keep_t = max(1, int(response_lens.max()))
+        P, T = self.prompt_width, self.responses.shape[1]
+        if keep_p == P and keep_t == T:
+            return self
+        changes = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, torch.Tensor) or v.dim() < 2:
+                continue
+            if v.shape[1] == P + T:
+                changes[f.name] = v[:, P - keep_p : P + keep_t]
+            elif v.shape[1] == T:
+                changes[f.name] = v[:, :keep_t]
+        return replace(self, prompt_width=keep_p, **changes)
+
     def to(self, device: torch.device | str) -> TrainBatch:
         """Every tensor on ``device`` (tensors already there are the same objects)."""
         changes = {}
@@ -65,6 +94,13 @@ class TrainBatch:
             if isinstance(v, torch.Tensor):
                 changes[f.name] = v.to(device)
         return replace(self, **changes)
+
+
+def pad_responses(values: torch.Tensor, width: int) -> torch.Tensor:
+    """``[b, T']`` per-token values right-padded with 0 to ``[b, width]`` (undoes
+    :meth:`TrainBatch.trimmed`)."""
+    extra = width - values.shape[1]
+    return torch.nn.functional.pad(values, (0, extra)) if extra > 0 else values
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -152,17 +188,118 @@ def token_logprobs(
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+FULL_LOGITS = -1
+"""``chunk`` value that computes the whole ``[B, T, V]`` logits at once (the unchunked path)."""
+
+
+def response_hidden(model: torch.nn.Module, batch: TrainBatch, chunk: int = 0):
+    """(hidden [N, H] of the real response tokens, their targets [N], where [B, T] bool, head),
+    or None when the model's head cannot be split off (:func:`split_head`) or the logits
+    fit one chunk (:func:`needs_chunks`).
+
+    Padding positions are left out: the head never runs on them."""
+    split = split_head(model)
+    T = batch.responses.shape[1]
+    if split is None or not needs_chunks(len(batch) * T, split[1].weight.shape[0], chunk):
+        return None
+    decoder, head = split
+    out = decoder(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    )
+    where = batch.attention_mask[:, -T:].bool()
+    hidden = out.last_hidden_state[:, -(T + 1) : -1][where]
+    return hidden, batch.responses[where], where, head
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    temperature: float = 1.0,
+    *,
+    with_entropy: bool = False,
+    chunk: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logprobs [B, T], entropy [B, T] or None) of the responses, float32, differentiable.
+
+    The LM head runs on the response tokens in chunks (:mod:`rlpost.train.lm_head`), so the
+    full ``[B, T, V]`` logits never exist; padding positions hold 0. ``chunk`` tokens per
+    chunk (0: from the vocabulary size, and the unchunked path where the logits fit one
+    chunk; :data:`FULL_LOGITS`: the unchunked path, also taken by a model whose head cannot
+    be split off)."""
+    split = None if chunk == FULL_LOGITS else response_hidden(model, batch, chunk)
+    if split is None:
+        logits = response_logits(model, batch)
+        logprobs = token_logprobs(logits, batch.responses, temperature)
+        if not with_entropy:
+            return logprobs, None
+        tau = temperature if temperature not in (0.0, 1.0) else 1.0
+        return logprobs, entropy_from_logits(logits.float() / tau)
+    hidden, targets, where, head = split
+    lp, ent = head_logprobs(
+        hidden, head, targets, temperature=temperature, with_entropy=with_entropy, chunk=chunk
+    )
+    return _scatter(lp, where), (None if ent is None else _scatter(ent, where))
+
+
+def response_sum_pi_squared(
+    model: torch.nn.Module, batch: TrainBatch, temperature: float, *, chunk: int = 0
+) -> torch.Tensor:
+    """``[B, T]`` ``sum_v pi(v)^2`` at each response position (no gradient; 0 on padding)."""
+    split = None if chunk == FULL_LOGITS else response_hidden(model, batch, chunk)
+    if split is None:
+        logits = response_logits(model, batch).float() / temperature
+        return torch.softmax(logits, dim=-1).pow(2).sum(-1)
+    hidden, _, where, head = split
+    return _scatter(head_sum_pi_squared(hidden, head, temperature=temperature, chunk=chunk), where)
+
+
+def _scatter(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """``[N]`` values at the True entries of ``where [B, T]``, 0 elsewhere (differentiable)."""
+    out = values.new_zeros(where.shape)
+    return out.masked_scatter(where, values)
+
+
 @torch.no_grad()
 def compute_logprobs(
-    model: torch.nn.Module, batch: TrainBatch, *, temperature: float, micro_batch_size: int
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    *,
+    temperature: float,
+    micro_batch_size: int,
+    chunk: int = 0,
+    max_tokens: int = 0,
 ) -> torch.Tensor:
-    """Per-token logprobs [B, T] of the batch's responses under ``model`` (no gradient)."""
+    """Per-token logprobs [B, T] of the batch's responses under ``model`` (no gradient);
+    ``max_tokens`` > 0 cuts the passes by a token budget (:func:`score_rows`)."""
+    return score_rows(
+        model,
+        batch,
+        lambda mb: response_logprobs(model, mb, temperature, chunk=chunk)[0],
+        micro_batch_size=micro_batch_size,
+        max_tokens=max_tokens,
+    )
+
+
+def score_rows(model, batch: TrainBatch, fn, *, micro_batch_size: int, max_tokens: int = 0):
+    """``fn(micro) -> [b, T]`` over micro-batches of ``batch`` in eval mode, as ``[B, T]``.
+
+    ``max_tokens`` > 0: micro-batches are cut by a token budget and trimmed to their own
+    widths (:func:`rlpost.train.optim.budget_slices`, :meth:`TrainBatch.trimmed`)."""
     was_training = model.training
     model.eval()
-    chunks = []
     device = model_device(model)
-    for lo in range(0, len(batch), micro_batch_size):
-        mb = batch.select(torch.arange(lo, min(lo + micro_batch_size, len(batch)))).to(device)
-        chunks.append(token_logprobs(response_logits(model, mb), mb.responses, temperature))
+    rows = torch.arange(len(batch))
+    T = batch.responses.shape[1]
+    out = None
+    for idx in budget_slices(rows, *batch.lengths(), micro_batch_size, max_tokens):
+        mb = batch.select(idx)
+        mb = (mb.trimmed() if max_tokens > 0 else mb).to(device)
+        values = pad_responses(fn(mb), T)
+        if out is None:
+            out = values.new_zeros((len(batch), T))
+        out[idx.to(values.device)] = values
     model.train(was_training)
-    return torch.cat(chunks, dim=0)
+    return out

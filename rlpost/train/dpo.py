@@ -29,8 +29,7 @@ from rlpost.train.batch import (
     TrainBatch,
     collate,
     compute_logprobs,
-    response_logits,
-    token_logprobs,
+    response_logprobs,
 )
 from rlpost.train.optim import optimizer_step
 from rlpost.types import Completion
@@ -78,7 +77,7 @@ def pair_batch(pairs: PairSet, idx: list[int], pad_id: int) -> TrainBatch:
 
 def sequence_logprobs(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
     """Summed response log-probs ``[B]`` (with gradient): sum_t log pi(y_t | x, y_<t)."""
-    logprobs = token_logprobs(response_logits(model, batch), batch.responses)
+    logprobs, _ = response_logprobs(model, batch)
     return masked_sum(logprobs, batch.response_mask, dim=-1)
 
 

@@ -104,3 +104,33 @@ def minibatch_updates(
 def micro_slices(rows: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
     """``rows`` cut into consecutive micro-batches."""
     return [rows[lo : lo + micro_batch_size] for lo in range(0, len(rows), micro_batch_size)]
+
+
+def budget_slices(
+    rows: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    response_lens: torch.Tensor,
+    micro_batch_size: int,
+    max_tokens: int,
+) -> list[torch.Tensor]:
+    """``rows`` cut into micro-batches of at most ``micro_batch_size`` rows whose padded size,
+    rows x (longest prompt + longest response among them), stays within ``max_tokens``.
+
+    ``prompt_lens``/``response_lens`` [B] are indexed by row id. Rows go longest first, so
+    rows of like length share a micro-batch and one long row does not set the shape of the
+    others (verl's dynamic batch size, slime's max tokens per GPU); a row longer than the
+    budget is a micro-batch of its own. ``max_tokens <= 0``: :func:`micro_slices`."""
+    if max_tokens <= 0:
+        return micro_slices(rows, micro_batch_size)
+    order = sorted(rows.tolist(), key=lambda r: -(int(prompt_lens[r]) + int(response_lens[r])))
+    out: list[list[int]] = []
+    widest_p = widest_r = 0
+    for r in order:
+        p, t = max(widest_p, int(prompt_lens[r])), max(widest_r, int(response_lens[r]))
+        full = out and len(out[-1]) >= micro_batch_size
+        if not out or full or (len(out[-1]) + 1) * (p + t) > max_tokens:
+            out.append([])
+            p, t = int(prompt_lens[r]), int(response_lens[r])
+        out[-1].append(r)
+        widest_p, widest_r = p, t
+    return [torch.tensor(m, dtype=rows.dtype) for m in out]

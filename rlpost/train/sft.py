@@ -23,7 +23,7 @@ import torch
 from rlpost.algos.aggregate import Aggregation
 from rlpost.statefile import fsync_dir, fsync_tree, load_state, save_state
 from rlpost.train.actor import warmup_lambda
-from rlpost.train.batch import collate, model_device, response_logits, token_logprobs
+from rlpost.train.batch import collate, model_device, response_logprobs
 from rlpost.train.optim import optimizer_step
 from rlpost.types import Completion, Prompt
 
@@ -109,7 +109,7 @@ def sft_train(
         batch = collate(rows, [0.0] * len(rows), tokenizer.pad_token_id).to(model_device(model))
 
         def nll(batch):
-            logprobs = token_logprobs(response_logits(model, batch), batch.responses)
+            logprobs, _ = response_logprobs(model, batch)
             return Aggregation("token-mean").reduce(-logprobs, batch.response_mask), {}
 
         params = list(model.parameters())

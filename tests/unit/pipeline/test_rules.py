@@ -114,6 +114,12 @@ CASES = {
         ["rollout.top_p=0.9"],
         "vLLM's logprobs are of the truncated distribution",
     ),
+    "data_parallel_cuts_by_rows": (
+        "train",
+        ["cluster.trainer_workers=2", "cluster.backend=process"],
+        ["train.max_tokens_per_micro_batch=4096"],
+        "data-parallel ranks cut micro-batches by rows",
+    ),
     "no_inert_knobs": (
         "train",
         [],

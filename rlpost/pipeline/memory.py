@@ -1,0 +1,206 @@
+"""Memory preflight: the configured step's peak estimated before any work, and refused in one
+line, naming the key to change, when it cannot fit this machine.
+
+The estimate adds what one process holds at the peak of a step (the trainer's backward):
+the weights (float32 master), gradients and AdamW's two moments of the trainable
+parameters, a frozen reference copy when one is kept, the in-process engine's serving copy
+when it does not share the policy's memory, its KV cache for a rollout chunk, the
+activations of one micro-batch (Korthikanti et al. 2022, eq. 2 without flash attention, at
+the compute dtype's width) and the LM head's logits (one chunk, or the whole micro-batch on
+the unchunked path), over the interpreter with torch and transformers loaded. The
+parameter count comes from the checkpoint's config on the meta device (no weights read).
+It is an estimate: ``summary.json`` records it beside the measured ``peak_rss_mib`` so it
+can be checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rlpost.config import Config, ConfigError
+from rlpost.pipeline import build
+from rlpost.train.lm_head import chunk_tokens, needs_chunks
+
+MIB = 2**20
+BASE_MIB = 450.0
+"""Resident set of a process with torch and transformers imported (measured, docs)."""
+PROMPT_TOKENS = 256
+"""Prompt length assumed for the estimate when the data is not read yet (a bound, not a mean)."""
+
+
+@dataclass
+class MemoryEstimate:
+    """MiB per term of the step's peak; ``total`` is their sum."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    reference: float
+    engine: float
+    kv_cache: float
+    activations: float
+    logits: float
+    base: float = BASE_MIB
+
+    @property
+    def total(self) -> float:
+        return sum(asdict(self).values())
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 1) for k, v in asdict(self).items()} | {"total": round(self.total)}
+
+
+def model_shape(cfg: Config) -> dict:
+    """Parameter count and the shape fields of the configured model (meta device)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if cfg.model.path is None:
+        from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
+
+        with torch.device("meta"):
+            model = build_tiny_model(build_char_tokenizer(), **cfg.model.tiny.model_dump())
+    else:
+        conf = AutoConfig.from_pretrained(Path(cfg.model.path), local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(conf)
+    c = model.config
+    heads = getattr(c, "num_attention_heads", 1)
+    hidden = getattr(c, "hidden_size", 0)
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "vocab": int(getattr(c, "vocab_size", 0)),
+        "hidden": hidden,
+        "layers": int(getattr(c, "num_hidden_layers", 1)),
+        "heads": heads,
+        "kv_dim": getattr(c, "num_key_value_heads", heads) * (hidden // max(1, heads)),
+    }
+
+
+def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
+    """The step's peak by term (see the module docstring)."""
+    t, r = cfg.train, cfg.rollout
+    bf16 = build.bf16_compute(cfg)
+    width = 2 if bf16 else 4
+    n = shape["params"]
+    lora = cfg.model.lora.rank > 0
+    trainable = 0.01 * n if lora else n  # adapters: a small fraction (rank-dependent)
+    keep_ref = cfg.algo.kl.beta > 0 and not lora
+    in_process = r.engine == "hf"
+    engine_copy = in_process and not build.serves_policy_storage(cfg)
+    seq = PROMPT_TOKENS + r.max_tokens
+    rows = min(r.batch_size, r.prompts_per_step * r.n)
+    kv = rows * seq * shape["layers"] * 2 * shape["kv_dim"] * width if in_process else 0
+    micro = t.micro_batch_size
+    if t.max_tokens_per_micro_batch > 0:
+        micro = max(1, min(micro, t.max_tokens_per_micro_batch // seq))
+    h, a, layers = shape["hidden"], shape["heads"], shape["layers"]
+    per_layer = seq * micro * (34 * h + 5 * a * seq) * width / 2
+    if cfg.model.gradient_checkpointing:
+        per_layer = seq * micro * h * width
+    tokens = micro * r.max_tokens
+    if needs_chunks(tokens, shape["vocab"], t.logits_chunk_tokens) and t.logits_chunk_tokens >= 0:
+        logits = 4 * chunk_tokens(shape["vocab"], t.logits_chunk_tokens) * shape["vocab"] * 4
+    else:  # the full logits, their float32 copy and the gradient
+        logits = 3 * tokens * shape["vocab"] * 4
+    return MemoryEstimate(
+        weights=n * 4 / MIB,
+        gradients=trainable * 4 / MIB,
+        optimizer=trainable * 8 / MIB,
+        reference=n * 4 / MIB if keep_ref else 0.0,
+        engine=n * width / MIB if engine_copy else 0.0,
+        kv_cache=kv / MIB,
+        activations=per_layer * layers / MIB,
+        logits=logits / MIB,
+    )
+
+
+FIXES = {
+    "activations": "lower train.micro_batch_size or set train.max_tokens_per_micro_batch "
+    "(or model.gradient_checkpointing=true)",
+    "logits": "set train.logits_chunk_tokens=0 (chunked) or lower train.micro_batch_size",
+    "kv_cache": "lower rollout.batch_size",
+    "reference": "set algo.kl.beta=0 (no reference copy) or use model.lora.rank > 0",
+    "optimizer": "use model.lora.rank > 0 (adapters only)",
+    "engine": "set model.dtype=bfloat16 (a half-size serving copy)",
+}
+
+
+def machine_mib() -> tuple[float, float]:
+    """(total, available) memory of this machine in MiB (/proc/meminfo; 0 where unknown)."""
+    values = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                values[key] = float(rest.split()[0]) / 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return 0.0, 0.0
+    return values.get("MemTotal", 0.0), values.get("MemAvailable", 0.0)
+
+
+def check_memory(cfg: Config, *, total_mib: float | None = None) -> MemoryEstimate | None:
+    """The estimate, after refusing (:class:`ConfigError`) a step that exceeds this machine's
+    memory; prints one line when it exceeds what is free now. None on a GPU run (the device's
+    memory is not modelled here) or where the model's config cannot be read."""
+    import torch
+
+    if cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available()):
+        return None
+    try:
+        shape = model_shape(cfg)
+    except (OSError, ValueError, KeyError):
+        return None  # the model checks report an unreadable checkpoint in their own words
+    est = estimate(cfg, shape)
+    note_idle_cores(cfg, shape)
+    total, free = machine_mib()
+    total = total if total_mib is None else total_mib
+    if total and est.total > total:
+        terms = {k: v for k, v in asdict(est).items() if k in FIXES}
+        worst = max(terms, key=terms.get)
+        raise ConfigError(
+            f"memory: the step needs ~{est.total:,.0f} MiB (largest: {worst} "
+            f"{terms[worst]:,.0f} MiB) and this machine has {total:,.0f} MiB; "
+            f"{FIXES[worst]}"
+        )
+    if free and est.total > free:
+        print(
+            f"rlpost: the step needs ~{est.total:,.0f} MiB and {free:,.0f} MiB are free now; "
+            "other processes may push it into swap",
+            flush=True,
+        )
+    return est
+
+
+REAL_SHAPE_PARAMS, REAL_SHAPE_VOCAB = 10_000_000, 32_000
+"""From here on a step is matmul-bound, not overhead-bound: more threads pay."""
+
+
+def note_idle_cores(cfg: Config, shape: dict) -> bool:
+    """One line when ``run.threads=1`` leaves cores idle at a real shape (the toy recipe's
+    setting, 1.6x slower than ``run.threads=0`` at a 151,936-token vocabulary); True if said."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    real = shape["params"] >= REAL_SHAPE_PARAMS or shape["vocab"] >= REAL_SHAPE_VOCAB
+    if cfg.run.threads != 1 or (cores or 1) < 2 or not real:
+        return False
+    print(
+        f"rlpost: run.threads=1 leaves {cores - 1} of {cores} cores idle for a model of "
+        f"{shape['params'] / 1e6:.0f}M parameters (vocabulary {shape['vocab']:,}); "
+        "run.threads=0 uses the cores other work leaves free",
+        flush=True,
+    )
+    return True
+
+
+def summary_fields(est: MemoryEstimate | None) -> dict:
+    """``summary.json`` fields: the measured peak RSS of this process and the estimate."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    out = {"peak_rss_mib": round(peak, 1)}
+    if est is not None:
+        out["memory_estimate_mib"] = json.loads(json.dumps(est.as_dict()))
+    return out

@@ -1,0 +1,209 @@
+"""The LM head in chunks of tokens: log-probabilities and entropy without the [N, V] logits.
+
+With a real vocabulary (128k-152k) the logits of a batch of long responses are
+the largest tensor of a step: ``[B, T, V]`` in float32, kept for the backward
+together with the softmax the loss differentiates through. Here the hidden
+states of the response tokens go through the head ``chunk`` tokens at a time;
+each chunk's logits give that chunk's logprob of the target token (and its
+entropy) and are freed. The backward (:class:`ChunkedHeadLogprobs`) recomputes a
+chunk's logits from the saved hidden states instead of storing them, so the
+memory of the head is one chunk's ``[chunk, V]`` whatever the response length
+(TRL's chunked entropy, verl's fused kernels and Liger's fused linear
+cross-entropy take the same route).
+
+Formulas, per token with tempered logits ``z = (h W^T + b) / tau``:
+``logp_t = z_t - logsumexp(z)``, ``H = logsumexp(z) - sum_v p_v z_v`` and the
+gradients ``d logp_t / dz = onehot(t) - p``, ``dH / dz = -p (log p + H)``.
+The result equals the full-logits path up to float summation order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor, nn
+
+from rlpost.observe.mfu import cpu_bf16_native
+
+CHUNK_BYTES = 64 * 2**20
+"""Float32 logits per chunk (the backward holds about four such tensors at once)."""
+
+# Config fields of models whose forward does more than ``lm_head(hidden)`` to the logits
+# (soft-capping, scaling): those keep the full head, which knows how.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def needs_chunks(tokens: int, vocab: int, setting: int = 0) -> bool:
+    """Whether ``tokens`` positions' logits go through the head in chunks: always when
+    ``setting`` is positive, else only when they exceed one chunk (a small vocabulary keeps
+    the one-matmul head and its exact numbers)."""
+    return setting > 0 or tokens > chunk_tokens(vocab, setting)
+
+
+def chunk_tokens(vocab: int, setting: int = 0) -> int:
+    """Tokens per chunk: ``setting`` when positive, else what fits :data:`CHUNK_BYTES`."""
+    if setting > 0:
+        return setting
+    return max(1, CHUNK_BYTES // (4 * max(1, vocab)))
+
+
+def split_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
+    """(decoder, head) of a causal LM whose logits are exactly ``head(decoder(...))``, else None.
+
+    None for a model sharded over ranks (its root's hooks gather the head in the full
+    forward only), a head that is not a plain linear layer, or a config that transforms the
+    logits; those keep the full-logits path."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        if any(isinstance(m, FSDPModule) for m in model.modules()):
+            return None
+    except ImportError:  # pragma: no cover - torch built without distributed
+        pass
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    getters = ("get_decoder", "get_output_embeddings")
+    if not all(callable(getattr(base, g, None)) for g in getters):
+        return None
+    head, decoder = base.get_output_embeddings(), base.get_decoder()
+    if type(head) is not nn.Linear or decoder is None or decoder is base:
+        return None
+    cfg = getattr(base, "config", None)
+    for key in _LOGIT_TRANSFORMS:
+        value = getattr(cfg, key, None)
+        if value not in (None, 1, 1.0):
+            return None
+    return decoder, head
+
+
+@functools.cache
+def _cpu_bf16() -> bool:
+    return cpu_bf16_native()  # read once: /proc/cpuinfo does not change
+
+
+def compute_dtype(weight: Tensor) -> torch.dtype:
+    """The head's matmul dtype: autocast's where it is on (as ``nn.Linear`` would get), else
+    the weight's; but float32 on a CPU without native bf16 instructions. There bf16 is
+    emulated, and at the head's shapes (a vocabulary-wide output, or a reduction over the
+    vocabulary) it ran 3x (forward) to 270x (the hidden-state gradient, [c, V] x [V, H])
+    slower than float32 (AVX2 CPU, docs/performance.md)."""
+    kind = weight.device.type
+    if kind == "cpu" and not _cpu_bf16():
+        return torch.promote_types(weight.dtype, torch.float32)
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return weight.dtype
+
+
+def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, tau: float, dtype) -> Tensor:
+    """Float32 tempered logits ``[c, V]`` of hidden states ``h [c, H]`` (``weight`` already in
+    ``dtype``: cast once per pass, not per chunk)."""
+    z = h.to(dtype) @ weight.t()
+    if bias is not None:
+        z = z + bias.to(dtype)
+    z = z.float()
+    return z / tau if tau != 1.0 else z
+
+
+class ChunkedHeadLogprobs(torch.autograd.Function):
+    """(logprobs [N], entropy [N]) of ``targets [N]`` from ``hidden [N, H]`` and the head
+    ``weight [V, H]`` (``bias [V]`` or None), ``chunk`` tokens of logits at a time.
+
+    Differentiable in ``hidden``, ``weight`` and ``bias``; the backward recomputes each
+    chunk's logits. ``entropy`` is all zeros unless ``with_entropy``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, tau, chunk, with_entropy, dtype):
+        n = hidden.shape[0]
+        logprobs = hidden.new_empty(n, dtype=torch.float32)
+        entropy = hidden.new_zeros(n, dtype=torch.float32)
+        lse = hidden.new_empty(n, dtype=torch.float32)
+        w = weight.to(dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for lo in range(0, n, chunk):
+                hi = min(n, lo + chunk)
+                z = _chunk_logits(hidden[lo:hi], w, bias, tau, dtype)
+                lse[lo:hi] = torch.logsumexp(z, dim=-1)
+                logprobs[lo:hi] = z.gather(-1, targets[lo:hi, None]).squeeze(-1) - lse[lo:hi]
+                if with_entropy:
+                    # -sum p log p: a sum of non-negative terms, no cancellation near H = 0
+                    logp = z.sub_(lse[lo:hi, None])
+                    entropy[lo:hi] = -(logp.exp() * logp).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.settings = (tau, chunk, with_entropy, dtype)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        tau, chunk, with_entropy, dtype = ctx.settings
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if want_b else None
+        use_entropy = with_entropy and grad_entropy is not None
+        w = weight.to(dtype)
+        for lo in range(0, hidden.shape[0], chunk):
+            hi = min(hidden.shape[0], lo + chunk)
+            h = hidden[lo:hi]
+            logp = _chunk_logits(h, w, bias, tau, dtype).sub_(lse[lo:hi, None])
+            p = logp.exp()
+            if grad_logprobs is not None:
+                g = grad_logprobs[lo:hi, None]
+                gz = p * -g
+                gz.scatter_add_(-1, targets[lo:hi, None], g)
+            else:
+                gz = torch.zeros_like(p)
+            if use_entropy:
+                gz -= p * logp.add_(entropy[lo:hi, None]) * grad_entropy[lo:hi, None]
+            del logp, p
+            if tau != 1.0:
+                gz.div_(tau)
+            if grad_b is not None:
+                grad_b += gz.sum(0)
+            gz = gz.to(dtype)
+            if grad_h is not None:
+                grad_h[lo:hi] = (gz @ w).to(hidden.dtype)
+            if grad_w is not None:
+                grad_w += (gz.t() @ h.to(dtype)).float()
+        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+        grad_b = None if grad_b is None else grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def head_logprobs(
+    hidden: Tensor,
+    head: nn.Linear,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk: int = 0,
+) -> tuple[Tensor, Tensor | None]:
+    """(logprobs [N], entropy [N] or None) of ``targets [N]`` under ``softmax(head(hidden) / T)``.
+
+    ``hidden [N, H]``; T = 1 when ``temperature`` is 0 (greedy) or 1, as
+    :func:`rlpost.train.batch.token_logprobs` does. ``chunk`` tokens per chunk (0: from
+    :data:`CHUNK_BYTES`)."""
+    tau = 1.0 if temperature in (0.0, 1.0) else float(temperature)
+    size = chunk_tokens(head.weight.shape[0], chunk)
+    lp, ent = ChunkedHeadLogprobs.apply(
+        hidden, head.weight, head.bias, targets, tau, size, with_entropy, compute_dtype(head.weight)
+    )
+    return lp, (ent if with_entropy else None)
+
+
+@torch.no_grad()
+def head_sum_pi_squared(
+    hidden: Tensor, head: nn.Linear, *, temperature: float = 1.0, chunk: int = 0
+) -> Tensor:
+    """``sum_v softmax(head(hidden) / T)_v^2`` per token: ``[N, H]`` -> ``[N]`` float32."""
+    tau = 1.0 if temperature in (0.0, 1.0) else float(temperature)
+    size = chunk_tokens(head.weight.shape[0], chunk)
+    dtype = compute_dtype(head.weight)
+    out = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+    w = head.weight.to(dtype)
+    for lo in range(0, hidden.shape[0], size):
+        z = _chunk_logits(hidden[lo : lo + size], w, head.bias, tau, dtype)
+        out[lo : lo + size] = torch.softmax(z, dim=-1).pow_(2).sum(-1)
+    return out

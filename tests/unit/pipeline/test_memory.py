@@ -1,0 +1,93 @@
+"""The memory preflight: its terms follow the configured step, and a step that cannot fit
+is refused in one line that names the key to change."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import LlamaConfig
+
+from rlpost.config import ConfigError, load_config
+from rlpost.pipeline.memory import check_memory, estimate, model_shape, summary_fields
+
+
+def _real_shape_dir(tmp_path):
+    """A config.json of a 151,936-token Llama (no weights: the estimate reads none)."""
+    cfg = LlamaConfig(
+        vocab_size=151_936,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+    )
+    cfg.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_terms_follow_the_config(tmp_path):
+    path = _real_shape_dir(tmp_path)
+    base = ["rollout.max_tokens=256", "train.micro_batch_size=8", "algo.kl.beta=0"]
+    cfg = load_config(None, [f"model.path={path}", *base])
+    shape = model_shape(cfg)
+    assert shape["vocab"] == 151_936 and 38e6 < shape["params"] < 45e6
+    chunked = estimate(cfg, shape)
+    full = estimate(
+        load_config(None, [f"model.path={path}", *base, "train.logits_chunk_tokens=-1"]), shape
+    )
+    assert full.logits > 10 * chunked.logits  # [8, 256, V] x3 against one 64 MiB chunk x4
+    assert chunked.reference == 0
+    with_ref = estimate(load_config(None, [f"model.path={path}", "algo.kl.beta=0.1"]), shape)
+    assert with_ref.reference == pytest.approx(chunked.weights)
+    assert chunked.optimizer == pytest.approx(2 * chunked.gradients)
+    default = check_memory(load_config(None, []))
+    assert default is not None and default.total < chunked.total
+
+
+def test_a_step_that_cannot_fit_is_refused_naming_the_key(tmp_path):
+    path = _real_shape_dir(tmp_path)
+    full = ["train.logits_chunk_tokens=-1", "rollout.max_tokens=1024", "train.micro_batch_size=8"]
+    cfg = load_config(None, [f"model.path={path}", *full])
+    est = estimate(cfg, model_shape(cfg))
+    with pytest.raises(ConfigError, match=r"largest: logits .*train.logits_chunk_tokens=0") as e:
+        check_memory(cfg, total_mib=est.total - 1)
+    assert "\n" not in str(e.value)
+    assert check_memory(cfg, total_mib=est.total + 1).total == pytest.approx(est.total)
+
+
+def test_summary_fields_hold_the_measured_peak_and_the_estimate():
+    est = check_memory(load_config(None, []))
+    out = json.loads(json.dumps(summary_fields(est)))
+    assert out["peak_rss_mib"] > 50
+    assert out["memory_estimate_mib"]["total"] == round(est.total)
+
+
+def test_one_thread_at_a_real_shape_is_noted(tmp_path, capsys, monkeypatch):
+    from rlpost.pipeline.memory import note_idle_cores
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+    real = {"params": 40_000_000, "vocab": 151_936}
+    toy = {"params": 100_000, "vocab": 83}
+    assert note_idle_cores(load_config(None, ["run.threads=1"]), real)
+    line = capsys.readouterr().out.strip()
+    assert "run.threads=1 leaves 3 of 4 cores idle" in line and "\n" not in line
+    assert not note_idle_cores(load_config(None, ["run.threads=1"]), toy)
+    assert not note_idle_cores(load_config(None, ["run.threads=0"]), real)
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0})
+    assert not note_idle_cores(load_config(None, ["run.threads=1"]), real)
+
+
+def test_real_checkpoint_recipe_resolves_bf16_from_the_cpu():
+    from rlpost.config import RECIPES_DIR
+    from rlpost.observe.mfu import cpu_bf16_native
+    from rlpost.pipeline.build import bf16_compute
+
+    cfg = load_config(
+        RECIPES_DIR / "grpo_file.yaml", ["data.train_path=t.jsonl", "rollout.max_tokens=16"]
+    )
+    assert cfg.model.dtype == "auto"
+    assert bf16_compute(cfg) == cpu_bf16_native()
+    assert not bf16_compute(load_config(None, ["model.dtype=float32"]))
+    assert bf16_compute(load_config(None, ["model.dtype=bfloat16"]))
