@@ -101,6 +101,10 @@ ALTS = {
     "train.mini_batch_size": (lambda v: max(1, v // 2), "update", {}),
     "train.micro_batch_size": (lambda v: v // 2 if v > 1 else 2, "passes", {}),
     "train.epochs": (lambda v: v + 1, "update", {}),
+    # the token budget cuts the loss pass into more, smaller micro-batches
+    "train.max_tokens_per_micro_batch": (other(48, 0), "passes", {}),
+    # a chunk below the logits' size takes the chunked head (its own summation order)
+    "train.logits_chunk_tokens": (other(4, 0), "update", {}),
     "rollout.engine": (other("vllm", "hf"), "batch", {}),
     "rollout.preset": (other("rlhf", "rlvr"), "batch", {}),
     "rollout.prompts_per_step": (lambda v: v + 1, "batch", {}),
