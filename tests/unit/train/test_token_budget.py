@@ -91,7 +91,7 @@ def test_token_budget_update_equals_the_padded_update(tiny, budget):
     b1.old_logprobs, b2.old_logprobs = ta.old_logprobs(b1), tc.old_logprobs(b2)
     mask = b.response_mask.bool()
     torch.testing.assert_close(b1.old_logprobs[mask], b2.old_logprobs[mask], atol=1e-5, rtol=0)
-    s1, s2 = ta.update(b1), tc.update(b2)
+    s1, s2 = ta.update(b1).stats, tc.update(b2).stats
     assert s1["loss"] == pytest.approx(s2["loss"], abs=1e-5)
     assert s1["entropy"] == pytest.approx(s2["entropy"], abs=1e-5)
     moved = max(
@@ -111,7 +111,7 @@ def test_on_policy_fill_of_old_logprobs_under_a_budget(tiny):
     tr = PolicyTrainer(copy.deepcopy(model), get_policy_loss("ppo_clip"), s)
     explicit = tr.old_logprobs(b)
     b.old_logprobs = None
-    tr.update(b)
+    filled = tr.update(b).old_logprobs  # returned, never written into the batch
     mask = b.response_mask.bool()
-    assert b.old_logprobs.shape == b.response_mask.shape
-    torch.testing.assert_close(b.old_logprobs[mask], explicit[mask], atol=1e-5, rtol=0)
+    assert b.old_logprobs is None and filled.shape == b.response_mask.shape
+    torch.testing.assert_close(filled[mask], explicit[mask], atol=1e-5, rtol=0)
