@@ -56,11 +56,10 @@ def split_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     logits; those keep the full-logits path."""
     try:
         from torch.distributed.fsdp import FSDPModule
-
-        if any(isinstance(m, FSDPModule) for m in model.modules()):
-            return None
-    except ImportError:  # pragma: no cover - torch built without distributed
-        pass
+    except ImportError:  # pragma: no cover - torch built without distributed: nothing sharded
+        FSDPModule = None
+    if FSDPModule is not None and any(isinstance(m, FSDPModule) for m in model.modules()):
+        return None
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     getters = ("get_decoder", "get_output_embeddings")
     if not all(callable(getattr(base, g, None)) for g in getters):

@@ -149,8 +149,9 @@ def _read_all(sock: socket.socket) -> bytes:
     try:
         while chunk := sock.recv(65536):
             data += chunk
-    except OSError:  # reset: the server aborted the connection
-        pass
+    except OSError:  # reset: the server aborted the connection; what came before counts
+        sock.close()
+        return data
     sock.close()
     return data
 
