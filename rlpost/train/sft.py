@@ -118,7 +118,7 @@ def sft_train(
         )
         params = list(model.parameters())
         step_out = optimizer_step(
-            opt, sched, params, grad_clip, batches, lambda b: (nll(model, b, agg), {})
+            opt, sched, params, grad_clip, batches, lambda b, agg=agg: (nll(model, b, agg), {})
         )
         losses.append(step_out.loss)
         if on_step is not None:
