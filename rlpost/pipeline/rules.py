@@ -85,6 +85,8 @@ def load_checked(
 
 def command_for(cfg: Config) -> str:
     """The command a config is checked as when none is named (``rlpost config``)."""
+    if cfg.sft.data != "task":
+        return "sft"
     return "dpo" if cfg.data.task == "prefs" else "train"
 
 
