@@ -101,7 +101,8 @@ def run_conversation_sft(cfg: Config, resume: Path | None = None, console=None) 
     train_convs, held_convs, reports = load_conversations(cfg)
     model, tokenizer = build.build_policy(cfg)
     templated = ensure_chat_template(tokenizer)
-    max_len = s.max_seq_len or model.config.max_position_embeddings
+    context = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
+    max_len = s.max_seq_len or context
     enc = dict(last_turn_only=s.last_turn_only, max_len=max_len, on_bad_row=cfg.data.on_bad_row)
     train = encode_conversations(train_convs, tokenizer, report=reports["train"], **enc)
     held = encode_conversations(

@@ -182,3 +182,22 @@ def test_an_over_long_row_is_refused_with_its_line(tok):
         encode_conversations(
             [conv], tok, last_turn_only=False, max_len=128, on_bad_row="error", report=LoadReport()
         )
+
+
+def test_parquet_rows_load_like_jsonl(tmp_path, tok):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    convs = chat_arith(6)
+    table = pa.Table.from_pylist([{"messages": c.messages, "answer": c.answer} for c in convs])
+    pq.write_table(table, tmp_path / "chats.parquet")
+    got, report = load_conversation_file(tmp_path / "chats.parquet")
+    assert report.rows == 6 and [c.answer for c in got] == [c.answer for c in convs]
+    want = encode_conversations(
+        convs, tok, last_turn_only=False, max_len=512, on_bad_row="error", report=LoadReport()
+    )
+    have = encode_conversations(
+        got, tok, last_turn_only=False, max_len=512, on_bad_row="error", report=report
+    )
+    assert [e.token_ids for e in have] == [e.token_ids for e in want]
+    assert [e.loss_mask for e in have] == [e.loss_mask for e in want]
