@@ -156,6 +156,8 @@ def cmd_sft(args) -> int:
     from rlpost.pipeline.rundir import prepare_run_dir, warm_start
 
     run_dir = Path(args.resume) if args.resume else cfg.run_dir
+    if cfg.sft.data != "task":
+        return _sft_conversations(args, cfg, run_dir)
     with Interrupts() as interrupts:
         try:
             prepare_run_dir(cfg, Path(args.resume) if args.resume else None)
@@ -164,6 +166,22 @@ def cmd_sft(args) -> int:
         except KeyboardInterrupt:
             return _interrupted(args, run_dir, interrupts.exit_code)
     print(f"warm-up policy saved to {run_dir / 'sft_model'}")
+    return 0
+
+
+def _sft_conversations(args, cfg, run_dir: Path) -> int:
+    from rlpost.pipeline.console import Console
+    from rlpost.pipeline.interrupts import Interrupts
+    from rlpost.pipeline.sft_chat import run_conversation_sft
+
+    with Interrupts() as interrupts:
+        try:
+            out = run_conversation_sft(
+                cfg, Path(args.resume) if args.resume else None, Console(cfg.observe.progress)
+            )
+        except KeyboardInterrupt:
+            return _interrupted(args, run_dir, interrupts.exit_code)
+    print(f"conversation SFT model saved to {out} (use it as model.path)")
     return 0
 
 

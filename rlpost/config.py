@@ -521,6 +521,30 @@ class SFTConfig(Section):
     save_every: int = Field(100, ge=0)
     """Save the warm-up's resume state every this many steps (0: only when stopped), so a
     killed warm-up continues from there."""
+    data: Literal["task", "file", "chat_arith"] = "task"
+    """What the warm-up trains on: task (the data section's prompt -> reference-answer rows),
+    file (conversations: rows of OpenAI-style messages in sft.train_path, rlpost sft) or
+    chat_arith (a built-in tiny multi-turn conversation set)."""
+    train_path: str | None = None
+    """JSONL or Parquet file of conversations (sft.data=file)."""
+    eval_path: str | None = None
+    """JSONL or Parquet file of held-out conversations (None: sft.eval_fraction of train_path)."""
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    """Share of the conversations held out when sft.eval_path is None (0: none)."""
+    messages_field: str = "messages"
+    """Column holding a row's list of messages (role: system, user, assistant or tool)."""
+    answer_field: str = "answer"
+    """Column holding a row's reference answer to its last turn, if any (held-out accuracy)."""
+    last_turn_only: bool = False
+    """Train on the last assistant turn of each conversation only (else on every one)."""
+    max_seq_len: int | None = Field(None, ge=8)
+    """Longest conversation in tokens; a longer one is a bad row (None: the model's context)."""
+    max_tokens_per_micro_batch: int = Field(0, ge=0)
+    """Token budget of a warm-up micro-batch (rows x widest row); 0: the whole step at once."""
+    eval_every: int = Field(0, ge=0)
+    """Held-out loss every this many steps (0: at the start and the end only)."""
+    eval_max_tokens: int = Field(16, ge=1)
+    """Longest greedy reply when the held-out accuracy is measured."""
 
 
 # ------------------------------------------------------------------------ reward

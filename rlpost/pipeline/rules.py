@@ -85,6 +85,8 @@ def load_checked(
 
 def command_for(cfg: Config) -> str:
     """The command a config is checked as when none is named (``rlpost config``)."""
+    if cfg.sft.data != "task":
+        return "sft"
     return "dpo" if cfg.data.task == "prefs" else "train"
 
 
@@ -593,3 +595,23 @@ def inert_knobs(cfg: Config) -> list[str]:
             if inert and value != type(section).model_fields[field].default:
                 out.append(f"{prefix}.{field}={value}: nothing reads it in this config; {fix}")
     return out
+
+
+# ------------------------------------------------------------- conversation SFT
+
+
+@rule("sft")
+def sft_file_needs_train_path(cfg: Config) -> str | None:
+    if cfg.sft.data == "file" and not cfg.sft.train_path:
+        return "sft.data=file needs sft.train_path; set it to a JSONL or Parquet file of messages"
+    return None
+
+
+@rule("train", "dpo")
+def conversations_are_for_rlpost_sft(cfg: Config) -> str | None:
+    if cfg.sft.data != "task" and cfg.sft.steps > 0:
+        return (
+            f"sft.data={cfg.sft.data} trains on conversations with rlpost sft only; run rlpost sft "
+            "first, then this command with model.path=RUN_DIR/sft_model sft.steps=0"
+        )
+    return None

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from rlpost.algos.aggregate import Aggregation
 from rlpost.statefile import fsync_dir, fsync_tree, load_state, save_state
 from rlpost.train.actor import warmup_lambda
-from rlpost.train.batch import collate, model_device, response_logprobs
+from rlpost.train.batch import model_device
 from rlpost.train.optim import optimizer_step
+from rlpost.train.sft_chat import micro_batches, nll
 from rlpost.types import Completion, Prompt
 
 
@@ -69,6 +69,7 @@ def sft_train(
     example: Callable[[Prompt, random.Random], Completion | None] | None = None,
     save_every: int = 0,
     grad_clip: float = 1.0,
+    max_tokens_per_micro_batch: int = 0,
 ) -> list[float]:
     """Train ``model`` in place for ``steps`` steps; returns the loss of each step.
 
@@ -81,6 +82,8 @@ def sft_train(
     Each step is the shared :func:`~rlpost.train.optim.optimizer_step` (gradient clipped at
     ``grad_clip``, a non-finite step skipped). ``example(prompt, rng)`` builds a target in place of :func:`sft_example` (a multi-turn
     demonstration whose tool output is masked); None falls back to the plain target.
+    ``max_tokens_per_micro_batch`` > 0 cuts a step's rows into micro-batches of at most that
+    many padded tokens (the step's loss is the same whatever the cut).
     """
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -106,14 +109,18 @@ def sft_train(
             or sft_example(p, tokenizer, rng, distractor)
             for p in rng.sample(prompts, min(batch_size, len(prompts)))
         ]
-        batch = collate(rows, [0.0] * len(rows), tokenizer.pad_token_id).to(model_device(model))
-
-        def nll(batch):
-            logprobs, _ = response_logprobs(model, batch)
-            return Aggregation("token-mean").reduce(-logprobs, batch.response_mask), {}
-
+        batches, agg = micro_batches(
+            rows,
+            tokenizer.pad_token_id,
+            max_tokens=max_tokens_per_micro_batch,
+            max_rows=len(rows),
+            device=model_device(model),
+        )
         params = list(model.parameters())
-        losses.append(optimizer_step(opt, sched, params, grad_clip, [batch], nll).loss)
+        step_out = optimizer_step(
+            opt, sched, params, grad_clip, batches, lambda b, agg=agg: (nll(model, b, agg), {})
+        )
+        losses.append(step_out.loss)
         if on_step is not None:
             on_step(step, losses[-1])
     model.eval()

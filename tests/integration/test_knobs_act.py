@@ -392,7 +392,7 @@ def groups_of_recipes(tmp_path, tiny_dir, only: str | None) -> dict[tuple[str, s
     out: dict[tuple[str, str], list[Recipe]] = {}
     for path in shipped_recipes():
         name = path.stem
-        if name == "dpo_prefs":  # offline DPO: its keys live under dpo.*, not walked here
+        if name in ("dpo_prefs", "sft_chat"):  # no RL stage: their keys are not walked here
             continue
         if only and name not in only.split(","):
             continue

@@ -170,6 +170,13 @@ CASES = {
         "cluster.rollout_workers=2 with rollout.engine=remote",
     ),
     "device_is_visible": ("train", [], ["run.device=cuda"], "run.device=cuda"),
+    "sft_file_needs_train_path": ("sft", [], ["sft.data=file"], "sft.data=file needs"),
+    "conversations_are_for_rlpost_sft": (
+        "train",
+        [],
+        ["sft.data=chat_arith"],
+        "sft.data=chat_arith trains on conversations with rlpost sft only",
+    ),
 }
 RULE = {r.name: r for r in rules.RULES}
 
