@@ -8,7 +8,9 @@ field it does not implement by name) and add what RL needs: each choice
 carries ``token_ids`` (the sampled ids), the logprob of every sampled token,
 the ``policy_version`` of its first token and every version it spans; each
 response carries the server's ``policy_version``. ``stream=true`` sends one
-server-sent event per sampled token, with its id, logprob and version.
+server-sent event per sampled token, with its id, logprob and version. Chat
+``tools`` are rendered by the chat template and the output read back into
+``tool_calls`` (:mod:`rlpost.rollout.tool_calls`, ``--tool-parser``).
 ``POST /v1/weights`` swaps weights between two decode steps (a safetensors
 path inside ``--weights-dir``, or safetensors bytes streamed in the body with
 ``?version=N``). ``/health`` reports the scheduler's counters, ``/metrics``
