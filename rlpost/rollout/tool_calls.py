@@ -60,7 +60,8 @@ def parse_tools(body: dict, fmt: CallFormat) -> ToolRequest | None:
     tools, choice = body.get("tools") or [], body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise APIError(400, f"parallel_tool_calls must be true or false, got {shown(parallel)}")
+        why = f"parallel_tool_calls must be true or false, got {shown(parallel)}"
+        raise APIError(400, why, "parallel_tool_calls")
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise APIError(400, f"tools must be a list of at most {MAX_TOOLS} tools", "tools")
     if not tools:

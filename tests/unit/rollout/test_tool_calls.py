@@ -95,6 +95,7 @@ def test_tools_and_choices_are_read():
             "tool_choice",
         ),
         ({"tool_choice": "required"}, "tool_choice='required' needs tools", "tool_choice"),
+        ({"parallel_tool_calls": 1}, "must be true or false", "parallel_tool_calls"),
     ],
 )
 def test_bad_tools_are_refused_naming_the_problem(body, says, param):
