@@ -7,11 +7,12 @@ body decodes to calls, and the text a forced call begins with. One
 :class:`CallParser` reads any format, a piece of text at a time, so a streamed
 response and a whole one are parsed by the same code and always agree.
 
-As in vLLM's ``--tool-call-parser hermes``: the text of a call that does not
-decode (bad JSON, no name) stays in the content, word for word, and is counted
-as a parse failure; whitespace between a call and the text around it is
-dropped. Unlike vLLM, a call's arguments arrive whole in the chunk of the token
-that closes it, never as partial JSON.
+As with vLLM's ``--tool-call-parser hermes``, the text of a call that does
+not decode (bad JSON, no name) stays in the content, word for word; here it is
+also counted as a parse failure. Unlike vLLM (which keeps only the text before
+the first call), text between and after calls is content too, less the
+whitespace next to a call; and a call's arguments arrive whole in the chunk of
+the token that closes it, never as partial JSON.
 """
 
 from __future__ import annotations
