@@ -1,7 +1,7 @@
 """The OpenAI request fields ``rlpost serve`` understands, checked and parsed.
 
 Every field of a request is either implemented, accepted only at its neutral
-value (``echo: false``, ``tools: []``, ``response_format: {"type": "text"}``,
+value (``echo: false``, ``functions: []``, ``response_format: {"type": "text"}``,
 ``best_of`` equal to ``n``...), or refused with a 400 naming it: a client
 never gets a response that silently ignored what it asked for. Bad values are
 a 4xx with a one-line reason in the OpenAI error envelope.
@@ -30,7 +30,11 @@ COMMON_FIELDS = {
     "frequency_penalty", "logit_bias", "user", "return_token_ids", "return_tokens_as_token_ids",
 }  # fmt: skip
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "add_special_tokens"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+# tools, tool_choice and parallel_tool_calls are checked by rlpost.rollout.tool_calls.
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+    "parallel_tool_calls",
+}  # fmt: skip
 
 
 def _neutral_best_of(value, body) -> bool:
@@ -42,11 +46,8 @@ NEUTRAL = {
     "echo": lambda v, _: v is False,
     "suffix": lambda v, _: v == "",
     "best_of": _neutral_best_of,
-    "tools": lambda v, _: v == [],
-    "functions": lambda v, _: v == [],
-    "tool_choice": lambda v, _: v == "none",
+    "functions": lambda v, _: v == [],  # the API's older spelling of tools
     "function_call": lambda v, _: v == "none",
-    "parallel_tool_calls": lambda v, _: isinstance(v, bool),
     "response_format": lambda v, _: v == {"type": "text"},
 }
 # Flags that must be JSON booleans (a string "false" would otherwise read as true).
@@ -114,6 +115,7 @@ class ServerSettings:
     weights_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
     weights_dir: Path | None = None  # resolved; None: no loads from a path
+    tool_parser: str = "hermes"  # the call format read from chat outputs (tool_parsers.py)
 
 
 def parse_json_object(raw: bytes) -> dict:
@@ -272,35 +274,7 @@ def parse_prompts(
     return prompts
 
 
-def chat_prompt(messages: Any, tokenizer) -> list[int]:
-    """Token ids of a chat: the tokenizer's chat template, or ``role: content`` lines without one."""
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "messages must be a non-empty list", "messages")
-    turns = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, f"messages[{i}] needs a string role and content", "messages")
-        role = checked_text(m["role"], f"messages[{i}].role")
-        turns.append({"role": role, "content": _content(m.get("content"), i)})
-    if getattr(tokenizer, "chat_template", None):
-        from jinja2 import TemplateError
-
-        try:
-            ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
-        except (TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
-            line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-            why = f"messages: the chat template refused them ({line})"
-            raise APIError(400, why, "messages") from None
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-    else:
-        text = "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant: "
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if not ids:
-        raise APIError(400, "messages are empty: the prompt has no tokens", "messages")
-    return list(ids)
-
-
-def _content(content: Any, i: int) -> str:
+def content_text(content: Any, i: int) -> str:
     """A message's text: a string, or OpenAI content parts that are all text parts."""
     where = f"messages[{i}].content"
     if isinstance(content, str):

@@ -8,7 +8,9 @@ field it does not implement by name) and add what RL needs: each choice
 carries ``token_ids`` (the sampled ids), the logprob of every sampled token,
 the ``policy_version`` of its first token and every version it spans; each
 response carries the server's ``policy_version``. ``stream=true`` sends one
-server-sent event per sampled token, with its id, logprob and version.
+server-sent event per sampled token, with its id, logprob and version. Chat
+``tools`` are rendered by the chat template and the output read back into
+``tool_calls`` (:mod:`rlpost.rollout.tool_calls`, ``--tool-parser``).
 ``POST /v1/weights`` swaps weights between two decode steps (a safetensors
 path inside ``--weights-dir``, or safetensors bytes streamed in the body with
 ``?version=N``). ``/health`` reports the scheduler's counters, ``/metrics``
@@ -52,7 +54,6 @@ from rlpost.rollout.openai_params import (
     APIError,
     ServerSettings,
     ascii_int,
-    chat_prompt,
     check_context,
     check_work,
     error_body,
@@ -73,6 +74,8 @@ from rlpost.rollout.server_guard import (
 )
 from rlpost.rollout.server_net import WRITE_TIMEOUTS, bind_refusal, guarded_h11, is_loopback
 from rlpost.rollout.sync_routes import router as sync_router
+from rlpost.rollout.tool_calls import ToolRequest, ToolStream, chat_prompt, parse_tools, read_calls
+from rlpost.rollout.tool_parsers import TOOL_PARSERS, tool_format
 
 POLL_SECONDS = 0.1  # how often a waiting request checks that its client is still there
 
@@ -89,6 +92,7 @@ class Plan:
     stream: bool
     usage: bool
     sequences: int  # prompts x n
+    tools: ToolRequest | None = None  # chat with tools whose calls are read from the output
 
 
 class ReleasingStream(StreamingResponse):
@@ -124,6 +128,7 @@ class RolloutService:
         # The run id of the weights served (SessionMeta.run_id of the last /v1/sync commit;
         # "" for the weights the server started with or a /v1/weights upload).
         self.weights_run_id = ""
+        self.tool_stats = {"tool_calls": 0, "tool_parse_failures": 0}
 
     def submit(self, prompts: list[list[int]], fields: dict, on_token=None) -> list[Ticket]:
         """One scheduler request per prompt, joining the batch together.
@@ -175,8 +180,9 @@ class RolloutService:
         """Parse, tokenise and check one request (on a worker thread: it may be megabytes)."""
         body, tok, settings = parse_json_object(raw), self.tokenizer, self.settings
         fields = parse_sampling(body, settings, tok, chat=chat)
+        tools = parse_tools(body, tool_format(settings.tool_parser)) if chat else None
         if chat:
-            prompts = [chat_prompt(body.get("messages"), tok)]
+            prompts = [chat_prompt(body.get("messages"), tok, tools, settings.model_name)]
         else:
             prompts = parse_prompts(
                 body.get("prompt"),
@@ -200,6 +206,7 @@ class RolloutService:
             stream=body.get("stream") is True,
             usage=bool((body.get("stream_options") or {}).get("include_usage")),
             sequences=sequences,
+            tools=tools if tools is not None and tools.parses else None,
         )
 
     async def respond(self, request: Request, chat: bool):
@@ -226,6 +233,8 @@ class RolloutService:
             for i, outs in enumerate(results)
             for j, out in enumerate(outs)
         ]
+        for choice in choices if plan.tools else ():
+            read_calls(choice, plan.tools, self.tool_stats)
         body = {
             **plan.head,
             "object": "chat.completion" if plan.chat else "text_completion",
@@ -248,6 +257,7 @@ class RolloutService:
         n, tok, chat = plan.fields["n"], self.tokenizer, plan.chat
         holdback = max((len(s) for s in plan.fields["stop_texts"]), default=1) - 1
         streams = [ChoiceStream(i, tok, holdback, chat=chat) for i in range(len(plan.prompts) * n)]
+        calls = [ToolStream(plan.tools, self.tool_stats) for _ in streams] if plan.tools else None
         tickets = self.submit(plan.prompts, plan.fields, partial(_post, loop, queue))
         for t in tickets:
             t.future.add_done_callback(partial(_post, loop, queue, None))
@@ -260,7 +270,9 @@ class RolloutService:
         def chunks(events: list) -> tuple[str, int]:
             out, finished = [], 0
             for prompt, event in events:
-                choice = streams[prompt * n + event.index].chunk(event, plan.logprobs)
+                k = prompt * n + event.index
+                choice = streams[k].chunk(event, plan.logprobs)
+                choice = calls[k].rewrite(choice) if calls else choice
                 finished += event.finish is not None
                 out.append(_sse({**head, "policy_version": event.version, "choices": [choice]}))
             return "".join(out), finished
@@ -334,6 +346,7 @@ class RolloutService:
             "weights_run_id": self.weights_run_id,
             **self.scheduler.stats(),
             "http": {**self.counts, **self.guard, "write_timeouts": WRITE_TIMEOUTS[0]},
+            "tool_calls": self.tool_stats,
             "rss_bytes": _rss_bytes(),
             "prefix_cache": self.scheduler.prefix_cache.stats(),
         }
@@ -465,6 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--prefix-cache-tokens", type=int, default=65536, help="prefix cache size [tokens]")
     add("--seed", type=int, default=0)
     add("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    add("--tool-parser", default="hermes", choices=sorted(TOOL_PARSERS), help="call format")
     sec = ap.add_argument_group("keys (prefer the environment: flags show in ps)")
     sec.add_argument("--api-key", help="Bearer key for the OpenAI endpoints (env RLPOST_API_KEY)")
     sec.add_argument(
@@ -557,7 +571,7 @@ def main(argv: list[str] | None = None, routers: dict | None = None) -> int:
         name, args.max_tokens_limit, args.max_n, scheduler.max_model_len,
         request_timeout_s=args.request_timeout, weights_dir=args.weights_dir,
         max_prompts=args.max_prompts, max_request_sequences=args.max_request_sequences,
-        max_request_tokens=args.max_request_tokens,
+        max_request_tokens=args.max_request_tokens, tool_parser=args.tool_parser,
     )  # fmt: skip
     guard = GuardSettings(
         args.api_key, args.admin_key, int(args.max_body_mb * MIB), int(args.max_weights_mb * MIB),

@@ -314,6 +314,15 @@ def test_unimplemented_parameters_are_refused_by_name(server, path, extra, param
     assert error["param"] == param and param in error["message"]
 
 
+def test_tools_on_a_model_without_a_chat_template_are_a_400_naming_it(server):
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "tools": [tool]}
+    r = httpx.post(f"{server}/v1/chat/completions", json=chat)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "tools" and "'model' has no chat template" in error["message"]
+
+
 def test_neutral_values_of_unimplemented_parameters_pass(server):
     chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     neutral = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "user": "u"}
