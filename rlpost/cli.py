@@ -150,7 +150,6 @@ def cmd_sft(args) -> int:
     recipe, overrides = _overrides(args)
     cfg = _load(args.command, _resume_recipe(args, recipe), overrides)
     _quiet_libraries()
-    from rlpost.pipeline.build import build_data
     from rlpost.pipeline.console import Console
     from rlpost.pipeline.interrupts import Interrupts
     from rlpost.pipeline.rundir import prepare_run_dir, warm_start
@@ -158,8 +157,7 @@ def cmd_sft(args) -> int:
     run_dir = Path(args.resume) if args.resume else cfg.run_dir
     with Interrupts() as interrupts:
         try:
-            prepare_run_dir(cfg, Path(args.resume) if args.resume else None)
-            train_prompts, _, _ = build_data(cfg)
+            _, train_prompts, _ = prepare_run_dir(cfg, Path(args.resume) if args.resume else None)
             warm_start(cfg, run_dir, train_prompts, Console(cfg.observe.progress), skip_sft=False)
         except KeyboardInterrupt:
             return _interrupted(args, run_dir, interrupts.exit_code)
