@@ -255,10 +255,9 @@ class ProcessWorker:
         the close timeout (a hung call never holds a close up longer)."""
         if self._proc.is_alive() and self._dead is None:
             deadline = time.monotonic() + self._close_timeout_s
-            try:
+            # a worker that failed or hangs: killed below
+            with contextlib.suppress(WorkerError, OSError, EOFError, FutureTimeout):
                 self._call("close", (), {}).result(timeout=self._close_timeout_s)
-            except (WorkerError, OSError, EOFError, FutureTimeout):
-                pass  # a worker that failed or hangs: killed below
             self._proc.join(timeout=max(0.0, deadline - time.monotonic()))
         if self._proc.is_alive():
             self._proc.kill()

@@ -19,6 +19,7 @@ is chosen.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -417,10 +418,8 @@ class RaySpawner:
         return handle.alive()
 
     def stop(self, handle: RayWorker) -> None:
-        try:
+        with contextlib.suppress(WorkerError):  # already gone: nothing left to close
             handle.call("close")
-        except WorkerError:
-            pass  # already gone: nothing left to close
         self.ray.kill(handle.actor, no_restart=True)
 
 
