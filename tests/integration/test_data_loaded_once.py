@@ -11,7 +11,9 @@ from tests.conftest import small_overrides
 
 
 def _files(tmp_path):
-    rows = [json.dumps({"prompt": f"{a}+{b}=", "answer": a + b}) for a in range(5) for b in range(5)]
+    rows = [
+        json.dumps({"prompt": f"{a}+{b}=", "answer": a + b}) for a in range(5) for b in range(5)
+    ]
     train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
     train.write_text("\n".join(rows[:20]) + "\n")
     held_out.write_text("\n".join(rows[20:]) + "\n")
