@@ -150,7 +150,6 @@ def cmd_sft(args) -> int:
     recipe, overrides = _overrides(args)
     cfg = _load(args.command, _resume_recipe(args, recipe), overrides)
     _quiet_libraries()
-    from rlpost.pipeline.build import build_data
     from rlpost.pipeline.console import Console
     from rlpost.pipeline.interrupts import Interrupts
     from rlpost.pipeline.rundir import prepare_run_dir, warm_start
@@ -160,8 +159,7 @@ def cmd_sft(args) -> int:
         return _sft_conversations(args, cfg, run_dir)
     with Interrupts() as interrupts:
         try:
-            prepare_run_dir(cfg, Path(args.resume) if args.resume else None)
-            train_prompts, _, _ = build_data(cfg)
+            _, train_prompts, _ = prepare_run_dir(cfg, Path(args.resume) if args.resume else None)
             warm_start(cfg, run_dir, train_prompts, Console(cfg.observe.progress), skip_sft=False)
         except KeyboardInterrupt:
             return _interrupted(args, run_dir, interrupts.exit_code)
@@ -256,14 +254,22 @@ def cmd_rewards(args) -> int:
     return 0
 
 
-def cmd_report(args) -> int:
-    return _report(args.rest)
+# Commands that own their arguments (and --help): the rest of the line goes to the module's
+# main() unparsed.
+OWN_ARGS = {
+    "report": ("rlpost.observe.report", "HTML report of a run, or several overlaid"),
+    "serve": ("rlpost.rollout.server", "OpenAI-compatible rollout server"),
+    "cluster": ("rlpost.cluster.control", "a running job's workers"),
+    "sandbox": ("rlpost.rewards.sandbox.cli", "run untrusted code in the sandbox"),
+}
 
 
-def _report(rest: list[str]) -> int:
-    from rlpost.observe.report import main as report_main
+def _own_args(command: str, rest: list[str]) -> int:
+    import importlib
 
-    return report_main(rest)
+    if command == "serve":
+        _quiet_libraries()
+    return importlib.import_module(OWN_ARGS[command][0]).main(rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -313,55 +319,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_recipes)
     sp = sub.add_parser("rewards", help="list the registered rewards and their parameters")
     sp.set_defaults(fn=cmd_rewards)
-    sp = sub.add_parser(
-        "report",
-        help="HTML report of a run, or several overlaid (rlpost report --help)",
-        add_help=False,
-    )
-    sp.add_argument("rest", nargs=argparse.REMAINDER)
-    sp.set_defaults(fn=cmd_report)
-    sp = sub.add_parser(
-        "serve", help="OpenAI-compatible rollout server (rlpost serve --help)", add_help=False
-    )
-    sp.add_argument("rest", nargs=argparse.REMAINDER)
-    sp.set_defaults(fn=lambda a: _serve(a.rest))
-    sp = sub.add_parser(
-        "cluster", help="a running job's workers (rlpost cluster --help)", add_help=False
-    )
-    sp.add_argument("rest", nargs=argparse.REMAINDER)
-    sp.set_defaults(fn=lambda a: _cluster(a.rest))
-    sp = sub.add_parser("sandbox", help="run untrusted code in the sandbox", add_help=False)
-    sp.add_argument("rest", nargs=argparse.REMAINDER)
-    sp.set_defaults(fn=lambda a: _sandbox(a.rest))
+    for name, (_, text) in OWN_ARGS.items():
+        sp = sub.add_parser(name, help=f"{text} (rlpost {name} --help)", add_help=False)
+        sp.add_argument("rest", nargs=argparse.REMAINDER)
+        sp.set_defaults(fn=lambda a, name=name: _own_args(name, a.rest))
     return p
-
-
-def _serve(rest: list[str]) -> int:
-    _quiet_libraries()
-    from rlpost.rollout.server import main as serve_main
-
-    return serve_main(rest)
-
-
-def _cluster(rest: list[str]) -> int:
-    from rlpost.cluster.control import main as cluster_main
-
-    return cluster_main(rest)
-
-
-def _sandbox(rest: list[str]) -> int:
-    from rlpost.rewards.sandbox.cli import main as sandbox_main
-
-    return sandbox_main(rest)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("serve", "sandbox", "report", "cluster"):
-        # These own their arguments (and --help); hand them the rest unparsed.
-        own = {"serve": _serve, "sandbox": _sandbox, "report": _report, "cluster": _cluster}
-        return own[argv[0]](argv[1:])
+    if argv and argv[0] in OWN_ARGS:
+        return _own_args(argv[0], argv[1:])
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides may follow a flag (rlpost config dapo_arith --keys rollout.n=4).

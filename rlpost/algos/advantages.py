@@ -85,10 +85,12 @@ def _outcome_scores(token_level_rewards: Tensor) -> Tensor:
     return token_level_rewards.to(torch.float64).sum(-1)
 
 
-def _tile(row_values: Tensor, response_mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """Broadcast ``row_values [B]`` over ``[B, T]``, zero on padding."""
+def _tile(row_values: Tensor, response_mask: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(advantages, returns): ``row_values [B]`` broadcast over ``[B, T]``, zero on padding;
+    an outcome estimator's returns equal its advantages (a copy)."""
     m = response_mask.to(torch.float64) > 0
-    return torch.where(m, row_values[:, None], 0.0).to(dtype)
+    advantages = torch.where(m, row_values[:, None], 0.0).to(dtype)
+    return advantages, advantages.clone()
 
 
 @ADVANTAGES.register("grpo", group_relative=True)
@@ -120,8 +122,7 @@ def grpo_advantages(
     if std_scope == "batch" and scores.numel() > 1:
         std = torch.full_like(std, float((scores - scores.min()).std()))
     adv = centered / (std + eps) if norm_by_std else centered
-    advantages = _tile(adv, response_mask, token_level_rewards.dtype)
-    return advantages, advantages.clone()
+    return _tile(adv, response_mask, token_level_rewards.dtype)
 
 
 @ADVANTAGES.register("dr_grpo", group_relative=True)
@@ -157,8 +158,7 @@ def rloo_advantages(
     _check(token_level_rewards, response_mask, group)
     centered, _, count = _group_centered(_outcome_scores(token_level_rewards), group)
     adv = torch.where(count > 1, centered * count / (count - 1).clamp(min=1.0), centered)
-    advantages = _tile(adv, response_mask, token_level_rewards.dtype)
-    return advantages, advantages.clone()
+    return _tile(adv, response_mask, token_level_rewards.dtype)
 
 
 @ADVANTAGES.register("gpg", group_relative=True)
@@ -179,8 +179,7 @@ def gpg_advantages(
     scores = _outcome_scores(token_level_rewards)
     centered, _, _ = _group_centered(scores, group)
     alpha = scores.numel() / max(1, int((scores != 0).sum()))
-    advantages = _tile(alpha * centered, response_mask, token_level_rewards.dtype)
-    return advantages, advantages.clone()
+    return _tile(alpha * centered, response_mask, token_level_rewards.dtype)
 
 
 @ADVANTAGES.register("reinforce_pp")

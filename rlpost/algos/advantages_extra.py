@@ -61,8 +61,7 @@ def opo_advantages(
     weight = zeros.scatter_add(0, inverse, lengths)[inverse]
     weighted = zeros.scatter_add(0, inverse, lengths * scores)[inverse]
     baseline = torch.where((count > 1) & (weight > 0), weighted / weight.clamp(min=1.0), 0.0)
-    advantages = _tile(scores - baseline, response_mask, token_level_rewards.dtype)
-    return advantages, advantages.clone()
+    return _tile(scores - baseline, response_mask, token_level_rewards.dtype)
 
 
 @ADVANTAGES.register("grpo_passk", group_relative=True)
@@ -98,8 +97,7 @@ def grpo_passk_advantages(
         top, where = torch.topk(scores[rows], 2)  # topk keeps the first of equal values first
         margin = top[0] - top[1]
         adv[rows[where[0]]] = margin / (std[rows[0]] + eps) if norm_by_std else margin
-    advantages = _tile(adv, response_mask, token_level_rewards.dtype)
-    return advantages, advantages.clone()
+    return _tile(adv, response_mask, token_level_rewards.dtype)
 
 
 @ADVANTAGES.register("gdpo", group_relative=True, needs_components=True)

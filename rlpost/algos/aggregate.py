@@ -78,76 +78,51 @@ def _nonempty_rows(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return (mask.to(dtype).sum(-1) > 0).to(dtype).sum()
 
 
+def _over_seqs(total: Tensor, mask: Tensor, num_seqs: float | None) -> Tensor:
+    """``total / S``: S = ``num_seqs``, else the non-empty rows of ``mask``."""
+    if num_seqs is not None:
+        return total / num_seqs
+    return total / _nonempty_rows(mask, total.dtype).clamp(min=1.0)
+
+
+# Each mode is ``fn(loss_mat [B, T], mask [B, T], agg: Aggregation) -> scalar``; ``agg``
+# holds the whole mini-batch's denominators (None: the local counts of ``mask``).
+
+
 @AGGREGATIONS.register("token-mean")
-def reduce_token_mean(
-    loss_mat: Tensor,
-    mask: Tensor,
-    num_tokens: float | None = None,
-    num_seqs: float | None = None,
-    norm_constant: float | None = None,
-) -> Tensor:
+def reduce_token_mean(loss_mat: Tensor, mask: Tensor, agg: Aggregation) -> Tensor:
     """``sum_{i,t} L*m / N`` with N the global token count (DAPO token-level loss, arXiv 2503.14476)."""
     total = masked_sum(loss_mat, mask)
-    if num_tokens is not None:
-        return total / num_tokens
+    if agg.num_tokens is not None:
+        return total / agg.num_tokens
     return total / mask.to(loss_mat.dtype).sum().clamp(min=1.0)
 
 
 @AGGREGATIONS.register("token-sum")
-def reduce_token_sum(
-    loss_mat: Tensor,
-    mask: Tensor,
-    num_tokens: float | None = None,
-    num_seqs: float | None = None,
-    norm_constant: float | None = None,
-) -> Tensor:
+def reduce_token_sum(loss_mat: Tensor, mask: Tensor, agg: Aggregation) -> Tensor:
     """``sum_{i,t} L*m``, no denominator (verl's ``token-sum``): the gradient grows with the
     number of tokens, so the learning rate carries the scale. Micro-batch invariant as is."""
     return masked_sum(loss_mat, mask)
 
 
 @AGGREGATIONS.register("seq-mean-token-sum")
-def reduce_seq_mean_token_sum(
-    loss_mat: Tensor,
-    mask: Tensor,
-    num_tokens: float | None = None,
-    num_seqs: float | None = None,
-    norm_constant: float | None = None,
-) -> Tensor:
+def reduce_seq_mean_token_sum(loss_mat: Tensor, mask: Tensor, agg: Aggregation) -> Tensor:
     """``sum_i (sum_t L*m) / S`` with S the number of non-empty rows (or ``num_seqs``)."""
-    total = masked_sum(loss_mat, mask)
-    if num_seqs is not None:
-        return total / num_seqs
-    return total / _nonempty_rows(mask, loss_mat.dtype).clamp(min=1.0)
+    return _over_seqs(masked_sum(loss_mat, mask), mask, agg.num_seqs)
 
 
 @AGGREGATIONS.register("seq-mean-token-mean")
-def reduce_seq_mean_token_mean(
-    loss_mat: Tensor,
-    mask: Tensor,
-    num_tokens: float | None = None,
-    num_seqs: float | None = None,
-    norm_constant: float | None = None,
-) -> Tensor:
+def reduce_seq_mean_token_mean(loss_mat: Tensor, mask: Tensor, agg: Aggregation) -> Tensor:
     """``sum_i [sum_t L*m / n_i] / S`` over non-empty rows (GRPO's sample-level mean, arXiv 2402.03300)."""
-    per_seq = masked_mean(loss_mat, mask, dim=-1)
-    total = per_seq.sum()
-    if num_seqs is not None:
-        return total / num_seqs
-    return total / _nonempty_rows(mask, loss_mat.dtype).clamp(min=1.0)
+    return _over_seqs(masked_mean(loss_mat, mask, dim=-1).sum(), mask, agg.num_seqs)
 
 
 @AGGREGATIONS.register("seq-mean-token-sum-norm")
-def reduce_seq_mean_token_sum_norm(
-    loss_mat: Tensor,
-    mask: Tensor,
-    num_tokens: float | None = None,
-    num_seqs: float | None = None,
-    norm_constant: float | None = None,
-) -> Tensor:
+def reduce_seq_mean_token_sum_norm(loss_mat: Tensor, mask: Tensor, agg: Aggregation) -> Tensor:
     """Dr.GRPO: ``sum_{i,t} L*m / (S * C)``, C = ``norm_constant`` or T (arXiv 2503.20783)."""
-    constant = float(norm_constant) if norm_constant is not None else float(mask.shape[-1])
-    return reduce_seq_mean_token_sum(loss_mat, mask, num_tokens, num_seqs) / constant
+    c = agg.norm_constant
+    constant = float(c) if c is not None else float(mask.shape[-1])
+    return reduce_seq_mean_token_sum(loss_mat, mask, agg) / constant
 
 
 def get_aggregation(name: str):
@@ -202,5 +177,4 @@ class Aggregation:
             raise ValueError(
                 f"loss matrix shape {tuple(loss_mat.shape)} != mask shape {tuple(mask.shape)}"
             )
-        fn = get_aggregation(self.mode)
-        return fn(loss_mat, mask, self.num_tokens, self.num_seqs, self.norm_constant)
+        return get_aggregation(self.mode)(loss_mat, mask, self)

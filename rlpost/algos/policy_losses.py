@@ -101,29 +101,39 @@ def _check_rollout(rollout_logprobs: Tensor | None, logprobs: Tensor) -> Tensor 
     return rollout_logprobs.detach()
 
 
-def _tis_weights(
-    old: Tensor, rollout_logprobs: Tensor | None, cap: float | None, logprobs: Tensor
-) -> Tensor | None:
-    """Truncated IS weight ``min(exp(old - rollout), cap)`` between trainer and engine, or None.
+def _tis_reduce(
+    loss_mat: Tensor,
+    mask: Tensor,
+    stats: dict,
+    agg: Aggregation,
+    old: Tensor,
+    logprobs: Tensor,
+    rollout_logprobs: Tensor | None,
+    cap: float | None,
+) -> PolicyLossOutput:
+    """``agg.reduce(loss_mat * w)`` with the truncated IS weight ``w = min(exp(old - rollout),
+    cap)`` between trainer and engine (adds ``tis_weight_mean`` to ``stats``).
 
     Corrects for the engine's sampling distribution differing from the trainer's
     recomputation ("Your efficient RL framework secretly brings you off-policy RL
-    training", Yao et al. 2025). Off unless both a cap and rollout logprobs exist.
+    training", Yao et al. 2025). Off (``w = 1``) unless both a cap and rollout logprobs exist.
     """
     rollout = _check_rollout(rollout_logprobs, logprobs)
-    if cap is None or rollout is None:
-        return None
-    if cap <= 0:
-        raise ValueError(f"tis_cap must be > 0, got {cap}")
-    log_w = torch.clamp(old - rollout, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return torch.clamp(torch.exp(log_w), max=cap)
+    if cap is not None and rollout is not None:
+        if cap <= 0:
+            raise ValueError(f"tis_cap must be > 0, got {cap}")
+        log_w = torch.clamp(old - rollout, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        weights = torch.clamp(torch.exp(log_w), max=cap)
+        stats["tis_weight_mean"] = masked_mean(weights, mask)
+        loss_mat = loss_mat * weights
+    return PolicyLossOutput(agg.reduce(loss_mat, mask), stats)
 
 
-def _apply_tis(loss_mat: Tensor, weights: Tensor | None, mask: Tensor, stats: dict) -> Tensor:
-    if weights is None:
-        return loss_mat
-    stats["tis_weight_mean"] = masked_mean(weights, mask)
-    return loss_mat * weights
+def _check_trust(loss: str, divergence: str, is_cap: float) -> None:
+    if divergence not in ("binary_kl", "tv"):
+        raise ValueError(f"{loss} divergence must be 'binary_kl' or 'tv', got {divergence!r}")
+    if is_cap <= 0:
+        raise ValueError(f"{loss} is_cap must be > 0, got {is_cap}")
 
 
 def _check_clip(clip_low: float, clip_high: float) -> None:
@@ -174,9 +184,7 @@ def ppo_clip_loss(
         "clip_frac_lower": _frac(lower, mask),
         "approx_kl": masked_mean(-log_ratio.detach(), mask),
     }
-    weights = _tis_weights(old, rollout_logprobs, tis_cap, logprobs)
-    loss_mat = _apply_tis(loss_mat, weights, mask, stats)
-    return PolicyLossOutput(agg.reduce(loss_mat, mask), stats)
+    return _tis_reduce(loss_mat, mask, stats, agg, old, logprobs, rollout_logprobs, tis_cap)
 
 
 @POLICY_LOSSES.register("dapo")
@@ -283,9 +291,7 @@ def cispo_loss(
         "clip_frac": _frac(weight != ratio, mask),
         "approx_kl": masked_mean(-log_ratio.detach(), mask),
     }
-    weights = _tis_weights(old, rollout_logprobs, tis_cap, logprobs)
-    loss_mat = _apply_tis(loss_mat, weights, mask, stats)
-    return PolicyLossOutput(agg.reduce(loss_mat, mask), stats)
+    return _tis_reduce(loss_mat, mask, stats, agg, old, logprobs, rollout_logprobs, tis_cap)
 
 
 @POLICY_LOSSES.register("sapo")
@@ -346,9 +352,7 @@ def reinforce_loss(
         "clip_frac": logprobs.new_zeros((), dtype=torch.float32),
         "approx_kl": _approx_kl(logprobs, old, mask),
     }
-    weights = _tis_weights(old, rollout_logprobs, tis_cap, logprobs)
-    loss_mat = _apply_tis(-adv * logprobs, weights, mask, stats)
-    return PolicyLossOutput(agg.reduce(loss_mat, mask), stats)
+    return _tis_reduce(-adv * logprobs, mask, stats, agg, old, logprobs, rollout_logprobs, tis_cap)
 
 
 def _token_divergence(logprobs: Tensor, rollout: Tensor, divergence: str) -> Tensor:
@@ -394,12 +398,7 @@ def flash_reinforce_loss(
     Stats: ``trust_masked_frac`` (= ``clip_frac``), ``is_capped_frac``.
     """
     old, adv, mask = _prepare(logprobs, old_logprobs, advantages, response_mask)
-    if divergence not in ("binary_kl", "tv"):
-        raise ValueError(
-            f"flash_reinforce divergence must be 'binary_kl' or 'tv', got {divergence!r}"
-        )
-    if is_cap <= 0:
-        raise ValueError(f"flash_reinforce is_cap must be > 0, got {is_cap}")
+    _check_trust("flash_reinforce", divergence, is_cap)
     rollout = _check_rollout(rollout_logprobs, logprobs)
     stats = {"approx_kl": _approx_kl(logprobs, old, mask)}
     if rollout is None:

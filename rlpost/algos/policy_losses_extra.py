@@ -25,6 +25,7 @@ from rlpost.algos.policy_losses import (
     PolicyLossOutput,
     _approx_kl,
     _check_clip,
+    _check_trust,
     _frac,
     _prepare,
     _ratio,
@@ -115,10 +116,7 @@ def dppo_loss(
     clamped log-ratio.
     """
     old, adv, mask = _prepare(logprobs, old_logprobs, advantages, response_mask)
-    if divergence not in ("binary_kl", "tv"):
-        raise ValueError(f"dppo divergence must be 'binary_kl' or 'tv', got {divergence!r}")
-    if is_cap <= 0:
-        raise ValueError(f"dppo is_cap must be > 0, got {is_cap}")
+    _check_trust("dppo", divergence, is_cap)
     log_ratio, ratio = _ratio(logprobs, old)
     lp = logprobs.detach()
     p, q = torch.exp(torch.clamp(lp, max=0.0)), torch.exp(torch.clamp(old, max=0.0))

@@ -255,10 +255,9 @@ class ProcessWorker:
         the close timeout (a hung call never holds a close up longer)."""
         if self._proc.is_alive() and self._dead is None:
             deadline = time.monotonic() + self._close_timeout_s
-            try:
+            # a worker that failed or hangs: killed below
+            with contextlib.suppress(WorkerError, OSError, EOFError, FutureTimeout):
                 self._call("close", (), {}).result(timeout=self._close_timeout_s)
-            except (WorkerError, OSError, EOFError, FutureTimeout):
-                pass  # a worker that failed or hangs: killed below
             self._proc.join(timeout=max(0.0, deadline - time.monotonic()))
         if self._proc.is_alive():
             self._proc.kill()
@@ -319,12 +318,21 @@ def slot_config(cfg: Config, index: int, start: int) -> Config:
     return Config.model_validate(data)
 
 
-def health_policy(cfg: Config) -> HealthPolicy:
+def run_fleet(spawner, cfg: Config, run_dir: Path) -> RolloutFleet:
+    """A fleet of ``cluster.rollout_workers`` from ``spawner``, with the run's health policy,
+    events file and scale-request directory."""
     c = cfg.cluster
-    return HealthPolicy(
-        suspect_after_s=c.suspect_after_s,
-        dead_after_s=c.dead_after_s,
-        max_restarts=c.max_restarts,
+    return RolloutFleet(
+        spawner,
+        c.rollout_workers,
+        policy=HealthPolicy(
+            suspect_after_s=c.suspect_after_s,
+            dead_after_s=c.dead_after_s,
+            max_restarts=c.max_restarts,
+        ),
+        events=run_dir / "cluster_events.jsonl",
+        control=run_dir / "cluster",
+        admit_timeout_s=c.start_timeout_s,
     )
 
 
@@ -340,14 +348,7 @@ def start_process_workers(cfg: Config, run_dir: Path, train_prompts, console, *,
     trainer = start_trainers(cfg, run_dir)
     try:
         if cfg.cluster.rollout_workers > 1:
-            rollout = RolloutFleet(
-                ProcessSpawner(cfg, run_dir),
-                cfg.cluster.rollout_workers,
-                policy=health_policy(cfg),
-                events=run_dir / "cluster_events.jsonl",
-                control=run_dir / "cluster",
-                admit_timeout_s=cfg.cluster.start_timeout_s,
-            )
+            rollout = run_fleet(ProcessSpawner(cfg, run_dir), cfg, run_dir)
         else:
             rollout = ProcessWorker("rollout", "rollout_factory", cfg, run_dir)
     except WorkerError:

@@ -19,6 +19,7 @@ is chosen.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -29,8 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlpost.cluster.fleet import RolloutFleet
-from rlpost.cluster.process import health_policy, slot_config
+from rlpost.cluster.process import run_fleet, slot_config
 from rlpost.cluster.ray_connect import LOCAL, connect
 from rlpost.config import Config, ConfigError
 from rlpost.errors import WorkerError, kind_of, typed_line
@@ -221,8 +221,9 @@ def _bundle(cpus: float, gpus: float) -> dict[str, float]:
     return b or {"CPU": 0.001}  # Ray refuses an empty bundle
 
 
-def _add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in set(a) | set(b)}
+def _add(*bundles: dict[str, float]) -> dict[str, float]:
+    """The resources of ``bundles`` together."""
+    return {k: sum(b.get(k, 0.0) for b in bundles) for k in set().union(*bundles)}
 
 
 def plan(cfg: Config) -> list[tuple[str, list[dict[str, float]], str]]:
@@ -252,9 +253,7 @@ _KEY = {"CPU": "cpus", "GPU": "gpus"}
 def check_fits(ray, role: str, bundles: list[dict[str, float]], cfg: Config) -> None:
     """Fail at once when the cluster cannot hold ``bundles`` (before asking Ray to place them)."""
     avail, total = ray.available_resources(), ray.cluster_resources()
-    need: dict[str, float] = {}
-    for b in bundles:
-        need = _add(need, b)
+    need = _add(*bundles)
     for res, amount in sorted(need.items()):
         have = avail.get(res, 0.0)
         if have + 1e-9 < amount:
@@ -292,9 +291,7 @@ def place(ray, cfg: Config) -> Placement:
             p.groups.append(pg)
             ready, _ = ray.wait([pg.ready()], timeout=c.placement_timeout_s)
             if not ready:
-                need: dict[str, float] = {}
-                for b in bundles:
-                    need = _add(need, b)
+                need = _add(*bundles)
                 want = ", ".join(f"{k} {v:g}" for k, v in sorted(need.items()))
                 free = ", ".join(
                     f"{k} {v:g}" for k, v in sorted(ray.available_resources().items()) if k in need
@@ -417,10 +414,8 @@ class RaySpawner:
         return handle.alive()
 
     def stop(self, handle: RayWorker) -> None:
-        try:
+        with contextlib.suppress(WorkerError):  # already gone: nothing left to close
             handle.call("close")
-        except WorkerError:
-            pass  # already gone: nothing left to close
         self.ray.kill(handle.actor, no_restart=True)
 
 
@@ -549,14 +544,7 @@ def start_ray_workers(cfg: Config, run_dir: Path, train_prompts, console, *, res
         if not resuming:
             warm_start(cfg, run_dir, train_prompts, console, skip_sft=False)  # saves sft_model
         trainer = _start_trainers(ray, cfg, run_dir, placement, made)
-        rollout = RolloutFleet(
-            RaySpawner(ray, cfg, run_dir, placement),
-            c.rollout_workers,
-            policy=health_policy(cfg),
-            events=run_dir / "cluster_events.jsonl",
-            control=run_dir / "cluster",
-            admit_timeout_s=c.start_timeout_s,
-        )
+        rollout = run_fleet(RaySpawner(ray, cfg, run_dir, placement), cfg, run_dir)
         made.append(rollout)
         if c.reward_workers:
             reward = RewardPool(_start_rewards(ray, cfg, run_dir, placement))

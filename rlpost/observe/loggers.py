@@ -37,16 +37,11 @@ def open_loggers(names: list[str] | tuple[str, ...], run_dir: Path | None) -> li
     """The loggers named (each once, in order); they need a run directory."""
     if names and run_dir is None:
         raise ValueError("metric loggers need a run directory; pass run_dir")
-    opened = []
-    for name in dict.fromkeys(names):
-        if name not in LOGGERS:
+    classes = {"tensorboard": TensorBoardLogger, "wandb": WandbLogger, "mlflow": MLflowLogger}
+    for name in names:
+        if name not in classes:
             raise ValueError(f"unknown logger {name!r}; valid: {', '.join(LOGGERS)}")
-        opened.append(
-            {"tensorboard": TensorBoardLogger, "wandb": WandbLogger, "mlflow": MLflowLogger}[name](
-                run_dir
-            )
-        )
-    return opened
+    return [classes[name](run_dir) for name in dict.fromkeys(names)]
 
 
 def _run_config(run_dir: Path) -> dict[str, Any]:

@@ -102,7 +102,7 @@ def _run(cfg: Config, started: float) -> DPOResult:
     model, tokenizer = load_policy(
         cfg.model.path, tiny_shape=cfg.model.tiny.model_dump(), seed=cfg.run.seed
     )
-    run_dir = prepare_run_dir(cfg, None, prompts=False)
+    run_dir, _, _ = prepare_run_dir(cfg, None, prompts=False)
     pad_id, s = tokenizer.pad_token_id, cfg.dpo
     recorder = Recorder(run_dir)
     bar = _progress(cfg.observe.progress)

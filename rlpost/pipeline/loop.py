@@ -120,13 +120,12 @@ def train(
     ``on_groups(step, groups)`` sees every step's trained groups (tools and tests)."""
     rules.check(cfg, "train")
     memory = check_memory(cfg)  # before the run directory is touched
-    run_dir = prepare_run_dir(cfg, resume)
+    run_dir, train_prompts, held_out = prepare_run_dir(cfg, resume)  # the one data load
     console = console or Console(enabled=cfg.observe.progress)
     torch.manual_seed(cfg.run.seed)
     torch.set_num_threads(pick_threads(cfg.run.threads))
     set_mmap_threshold(cfg.run.malloc_mmap_threshold)
     started = time.time()
-    train_prompts, held_out, _ = build.build_data(cfg)
     held_out = held_out[: cfg.eval.limit] if cfg.eval.limit else held_out
     ckpt = usable_checkpoint(run_dir) if resume else None
     start = start or start_workers

@@ -20,24 +20,27 @@ from rlpost.data import LoadReport
 from rlpost.models.loading import check_model_dir
 from rlpost.observe import Recorder
 from rlpost.pipeline import build
+from rlpost.types import Prompt
 
 DATA_REPORT = "data_report.json"
 SHOWN_PROBLEMS = 20
 
 
-def check_inputs(cfg: Config, *, prompts: bool = True) -> dict[str, LoadReport]:
-    """Load the data for the model and check the model directory; returns the load reports.
+def check_inputs(
+    cfg: Config, *, prompts: bool = True
+) -> tuple[list[Prompt], list[Prompt], dict[str, LoadReport]]:
+    """Check the model directory and load the data for the model: (train prompts, held-out
+    prompts, load reports). The start keeps these prompts: the data is read once per start.
 
     ``prompts=False`` (rlpost dpo: its pairs are loaded and checked by the caller) checks
     the model directory only."""
-    if not prompts:
-        if cfg.model.path is not None:
-            check_model_dir(cfg.model.path)
-        return {}
     if cfg.model.path is not None:
         check_model_dir(cfg.model.path)
-    _, held_out, reports = build.load_data(cfg)
-    return {"train": reports["train"], **({"eval": reports["eval"]} if held_out else {})}
+    if not prompts:
+        return [], [], {}
+    train, held_out, reports = build.load_data(cfg)
+    shown = {"train": reports["train"], **({"eval": reports["eval"]} if held_out else {})}
+    return train, held_out, shown
 
 
 def data_counts(reports: dict[str, LoadReport]) -> dict[str, int]:

@@ -30,13 +30,17 @@ from rlpost.train.sft import save_model, sft_train
 SFT_STATE = "sft_state"
 
 
-def prepare_run_dir(cfg: Config, resume: Path | None, *, prompts: bool = True) -> Path:
-    """Check the inputs, then create the run directory (or reopen it to resume).
+def prepare_run_dir(
+    cfg: Config, resume: Path | None, *, prompts: bool = True
+) -> tuple[Path, list, list]:
+    """Check the inputs, then create the run directory (or reopen it to resume); returns
+    (run directory, train prompts, held-out prompts), the data loaded by the check (the
+    start uses these: nothing reads the data files again).
 
     Nothing is written before the data, the model and the context length pass, and an
     existing run directory is never replaced unless ``run.overwrite`` asks for it.
     """
-    reports = check_inputs(cfg, prompts=prompts)
+    train, held_out, reports = check_inputs(cfg, prompts=prompts)
     if resume is not None:
         run_dir = reopen_run_dir(Path(resume))
     else:
@@ -44,7 +48,7 @@ def prepare_run_dir(cfg: Config, resume: Path | None, *, prompts: bool = True) -
             cfg.run_dir, overwrite=cfg.run.overwrite, config_text=dump_config(cfg)
         )
     report_data(run_dir, reports, fresh=resume is None)
-    return run_dir
+    return run_dir, train, held_out
 
 
 def reopen_run_dir(run_dir: Path) -> Path:

@@ -113,25 +113,21 @@ class RolloutWorker:
         stats: dict[str, float] = {}
         if self.partial is None:
             completions, stats = self._sample(prompts, ids, params, n)
-        elif self.agent is not None:  # episodes carry across steps at turn boundaries
-            fraction = 1.0 if last else self.partial.fraction
-            part = self.agent.generate_partial(ids, params, n, prompts, fraction=fraction)
-            prompts, completions = part.payloads, part.completions
-            stats = {
-                "carried_samples": float(part.carried_samples),
-                "carried_groups": float(part.carried_groups),
-                "partial_done_fraction": part.done_fraction,
-                **self.agent.last_stats.metrics(),
-            }
         else:
-            out = self.partial.step(
-                ids, params, n, payloads=prompts, fraction=1.0 if last else None
-            )
+            if self.agent is not None:  # episodes carry across steps at turn boundaries
+                fraction = 1.0 if last else self.partial.fraction
+                out = self.agent.generate_partial(ids, params, n, prompts, fraction=fraction)
+                extra = self.agent.last_stats.metrics()
+            else:
+                fraction = 1.0 if last else None
+                out = self.partial.step(ids, params, n, payloads=prompts, fraction=fraction)
+                extra = {}
             prompts, completions = out.payloads, out.completions
             stats = {
                 "carried_samples": float(out.carried_samples),
                 "carried_groups": float(out.carried_groups),
                 "partial_done_fraction": out.done_fraction,
+                **extra,
             }
         groups = to_groups(prompts, completions, n)
         if self.lengths is not None:

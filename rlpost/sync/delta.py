@@ -26,12 +26,6 @@ from rlpost.sync.codecs import CODECS, Codec, Encoded, from_bytes
 ZSTD_LEVEL = 3  # fast; higher levels gain a few % on these streams at several times the CPU
 
 
-def changed_fraction(new: torch.Tensor, base: torch.Tensor) -> float:
-    """Fraction of elements whose bf16 bit pattern differs between ``new`` and ``base``."""
-    diff = new.to(torch.bfloat16).view(torch.int16) != base.view(torch.int16)
-    return diff.float().mean().item() if diff.numel() else 0.0
-
-
 def encode_delta(tensor: torch.Tensor, base: torch.Tensor | None, full_threshold: float) -> Encoded:
     """``tensor`` as a bf16 delta against ``base`` (bf16, same shape), or plain bf16.
 

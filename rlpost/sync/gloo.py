@@ -24,6 +24,7 @@ waits on; it never allocates, replies or stops for it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -155,16 +156,12 @@ class GlooTransport:
         return reports[0]
 
     def abort(self) -> None:
-        try:
+        with contextlib.suppress(SyncError):  # receivers drop a session whose sender went away
             self._send("abort", {"op": "abort"})
-        except SyncError:
-            pass  # the receivers also drop a session whose sender went away
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(SyncError):  # receivers already gone have nothing to close
             self._send("close", {"op": "close"})
-        except SyncError:
-            pass  # receivers that are already gone have nothing left to close
 
     def _forget(self) -> None:
         """Delete the keys of messages every receiver has read, so the store does not grow."""

@@ -12,6 +12,7 @@ one interface, not every one).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import ipaddress
 import os
@@ -58,10 +59,8 @@ def tcp_store(
     try:
         return dist.TCPStore(host, bound, world_size, True, timeout, master_listen_fd=fd)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):  # the store had closed it already
             os.close(fd)
-        except OSError:
-            pass  # the store had closed it already
         raise
 
 

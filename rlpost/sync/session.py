@@ -65,9 +65,7 @@ class SessionMeta:
     run_id: str = ""
 
     @staticmethod
-    def new(
-        version: int, codec: str, bucket_bytes: int, delta: bool, base: int | None, run_id=""
-    ):
+    def new(version: int, codec: str, bucket_bytes: int, delta: bool, base: int | None, run_id=""):
         return SessionMeta(uuid.uuid4().hex, version, codec, bucket_bytes, delta, base, run_id)
 
     def to_json(self) -> dict:

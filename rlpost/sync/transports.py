@@ -15,6 +15,7 @@ the target (an engine, a URL, a directory...) and the options below.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -132,10 +133,10 @@ class HttpTransport:
 
     def abort(self) -> None:
         if self.session is not None:
-            try:  # best effort: the server also drops a session that stays idle
+            # best effort: the server also drops a session that stays idle, and an
+            # unreachable server cannot hold the session open either
+            with contextlib.suppress(httpx.HTTPError):
                 self.http.post(f"/v1/sync/{self.session}/abort", timeout=5.0)
-            except httpx.HTTPError:
-                pass  # an unreachable server cannot hold the session open either
 
     def close(self) -> None:
         self.http.close()

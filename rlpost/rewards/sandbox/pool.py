@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from rlpost.rewards.sandbox.harness import run_python_tests
 from rlpost.rewards.sandbox.limits import SandboxConfig, SandboxResult
 from rlpost.rewards.sandbox.runner import check_available, run_code
 
@@ -39,19 +38,6 @@ class SandboxPool:
         return list(
             self._executor.map(
                 lambda code, stdin: run_code(code, stdin=stdin, config=self.config), codes, stdins
-            )
-        )
-
-    def map_tests(
-        self, cases: Sequence[tuple[str, list[str]]], test_timeout_s: float | None = None
-    ) -> list[tuple[float, SandboxResult]]:
-        """``run_python_tests`` on each ``(code, tests)`` pair, concurrently."""
-        return list(
-            self._executor.map(
-                lambda case: run_python_tests(
-                    case[0], case[1], config=self.config, test_timeout_s=test_timeout_s
-                ),
-                cases,
             )
         )
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlpost.sync.delta import apply_delta, changed_fraction, encode_delta
+from rlpost.sync.delta import apply_delta, encode_delta
+
+
+def changed_fraction(new: torch.Tensor, base: torch.Tensor) -> float:
+    """Fraction of elements whose bf16 bit pattern differs between ``new`` and ``base``."""
+    diff = new.to(torch.bfloat16).view(torch.int16) != base.view(torch.int16)
+    return diff.float().mean().item()
 
 
 def _step(base: torch.Tensor, lr: float, seed: int = 0) -> torch.Tensor:
