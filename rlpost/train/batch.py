@@ -210,7 +210,7 @@ def response_hidden(
     decoder, head = split
     if packed:
         rows = pack_rows(batch)
-        hidden = packed_forward(decoder, rows).last_hidden_state[0, rows.at]
+        hidden = rows.gather(packed_forward(decoder, rows).last_hidden_state)
         return hidden, rows.targets, rows.where, head
     out = decoder(
         input_ids=batch.input_ids,
@@ -230,10 +230,10 @@ def _full_logits(model: torch.nn.Module, batch: TrainBatch, packed: bool):
     if not packed:
         return response_logits(model, batch), batch.responses, lambda v: v
     rows = pack_rows(batch)
-    if keeps_logits(model):  # the head runs on the response positions only
+    if keeps_logits(model) and len(rows.input_ids) == 1:  # the head on the responses only
         logits = packed_forward(model, rows, logits_to_keep=rows.at).logits
     else:
-        logits = packed_forward(model, rows).logits[:, rows.at]
+        logits = rows.gather(packed_forward(model, rows).logits)[None]
     return logits, rows.targets[None], lambda v: rows.scatter(v[0])
 
 

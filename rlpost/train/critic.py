@@ -112,7 +112,7 @@ def response_values(value_model: ValueModel, batch: TrainBatch, packed: bool = F
     """
     if packed:
         rows = pack_rows(batch)
-        return rows.scatter(value_model(rows.input_ids, None, rows.position_ids)[0, rows.at])
+        return rows.scatter(rows.gather(value_model(rows.input_ids, None, rows.position_ids)))
     values = value_model(batch.input_ids, batch.attention_mask, batch.position_ids)
     P = batch.prompt_width
     return values[:, P - 1 : -1]

@@ -3,8 +3,9 @@
 A padded micro-batch is ``[b, P + T]`` wide, set by its longest prompt and longest
 response; with responses of mixed lengths most of it can be padding, and every
 layer (and the LM head, on the padded response columns) computes on it. Packed,
-the real tokens of the ``b`` rows are laid end to end as ``input_ids [1, N]`` with
-``N`` their total, and the position ids restart at 0 at each row, so each row sees
+the real tokens of the ``b`` rows are laid end to end, ``N`` tokens in all, in as
+few sequences of :data:`LINE_TOKENS` as they fit, and the position ids restart at 0
+at each row, so each row sees
 the positions it has alone (verl's remove-padding, slime's and TRL's packing).
 
 Attention must not cross rows. transformers (5.x) reads the restarts itself: with
@@ -15,9 +16,9 @@ with its own mask code, a recurrent layer) would let rows see each other, so
 :func:`pack_reason` runs a probe once per model class: two rows packed against the
 same rows alone. Where it fails the trainer pads, and says so in one line.
 
-On CPU the sdpa mask is a dense ``[N, N]``: attention costs ``N^2`` instead of
-``sum_i L_i^2``, small beside the MLP and the LM head at the token budgets of a
-micro-batch, and the price of not computing on padding anywhere else.
+The sdpa and eager masks are dense ``[W, W]`` per sequence: attention costs ``W^2``
+instead of ``sum_i L_i^2``, which :data:`LINE_TOKENS` bounds; small beside the MLP and
+the LM head, and the price of not computing on padding anywhere else.
 """
 
 from __future__ import annotations
@@ -40,13 +41,19 @@ PACKING_MODES = ("auto", "on", "off")
 _PACKED_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
+LINE_TOKENS = 2048
+"""Tokens per packed sequence: the rows go into as few sequences of this length as they fit
+(a longer row is a sequence of its own). It bounds the dense ``[N, N]`` attention mask."""
+
+
 @dataclass(frozen=True)
 class PackedRows:
-    """The real tokens of ``b`` rows end to end.
+    """The real tokens of ``b`` rows end to end in ``k`` sequences of width ``W``.
 
-    input_ids, position_ids: ``[1, N]`` (positions restart at 0 at each row).
-    at: ``[n]`` the positions in ``N`` whose output predicts a response token, in the
-    order of ``where [b, T]`` (True at each real response token), row by row.
+    input_ids, position_ids: ``[k, W]`` (positions restart at 0 at each row; a sequence's
+    unused tail is a segment of its own, after every row, so no row sees it).
+    at: ``[n]`` the places in the flattened ``[k * W]`` whose output predicts a response
+    token, in the order of ``where [b, T]`` (True at each real response token), row by row.
     targets: ``[n]`` those response tokens.
     """
 
@@ -56,31 +63,71 @@ class PackedRows:
     where: Tensor
     targets: Tensor
 
+    def gather(self, out: Tensor) -> Tensor:
+        """The ``[k, W, ...]`` outputs at :attr:`at`: ``[n, ...]``."""
+        return out.flatten(0, 1)[self.at]
+
     def scatter(self, values: Tensor) -> Tensor:
         """``[n]`` values back at ``where``: ``[b, T]``, 0 elsewhere (differentiable)."""
         out = values.new_zeros(self.where.shape)
         return out.masked_scatter(self.where, values)
 
 
-def pack_rows(batch: TrainBatch) -> PackedRows:
-    """:class:`PackedRows` of ``batch`` (its layout: prompts left-, responses right-padded)."""
+def _lines(lengths: list[int], line_tokens: int) -> list[list[int]]:
+    """Row ids in sequences of at most ``line_tokens`` tokens: first fit, longest first."""
+    lines: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        j = next((j for j, free in enumerate(room) if lengths[i] <= free), len(lines))
+        if j == len(lines):
+            lines.append([])
+            room.append(max(line_tokens, lengths[i]))
+        lines[j].append(i)
+        room[j] -= lengths[i]
+    return lines
+
+
+def pack_rows(batch: TrainBatch, line_tokens: int = 0) -> PackedRows:
+    """:class:`PackedRows` of ``batch`` (its layout: prompts left-, responses right-padded),
+    in sequences of ``line_tokens`` (0: :data:`LINE_TOKENS`)."""
+    line_tokens = line_tokens if line_tokens > 0 else LINE_TOKENS
     keep = batch.attention_mask.bool()
-    flat = keep.flatten().cumsum(0).view(keep.shape) - 1  # each kept token's place in N
-    P, T = batch.prompt_width, batch.responses.shape[1]
+    P = batch.prompt_width
+    lengths = keep.sum(-1).tolist()
+    prompt_lens = keep[:, :P].sum(-1).tolist()
     where = keep[:, P:]
-    # The output at column c predicts the token at c + 1: columns P - 1 .. P + T - 2.
-    at = flat[:, P - 1 : P + T - 1][where]
-    return PackedRows(
-        input_ids=batch.input_ids[keep][None],
-        position_ids=batch.position_ids[keep][None],
-        at=at,
-        where=where,
-        targets=batch.responses[where],
+    lines = _lines(lengths, line_tokens)
+    width = max(sum(lengths[i] for i in line) for line in lines)
+    ids = batch.input_ids.new_zeros((len(lines), width))
+    pos = torch.zeros_like(ids)
+    start = [0] * len(lengths)
+    for j, line in enumerate(lines):
+        offset = 0
+        for i in line:
+            n = lengths[i]
+            ids[j, offset : offset + n] = batch.input_ids[i][keep[i]]
+            start[i] = j * width + offset
+            offset += n
+        pos[j] = _restarts([lengths[i] for i in line] + [width - offset], ids.device)
+    # Row i's token c (of its real ones) sits at start + c, and the output there predicts
+    # token c + 1: the response's at start + prompt - 1 + t.
+    response_lens = where.sum(-1).tolist()
+    at = torch.cat(
+        [
+            torch.arange(r, device=ids.device) + (start[i] + prompt_lens[i] - 1)
+            for i, r in enumerate(response_lens)
+        ]
     )
+    return PackedRows(ids, pos, at, where, batch.responses[where])
+
+
+def _restarts(lengths: list[int], device) -> Tensor:
+    """Positions ``0 .. n - 1`` of each length, end to end."""
+    return torch.cat([torch.arange(n, device=device) for n in lengths])
 
 
 def packed_forward(module: torch.nn.Module, packed: PackedRows, **extra):
-    """``module`` (a causal LM or its decoder) on the packed sequence: no attention mask,
+    """``module`` (a causal LM or its decoder) on the packed sequences: no attention mask,
     so the position ids' restarts set the rows' boundaries."""
     return module(
         input_ids=packed.input_ids,

@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlpost.algos import get_advantage_estimator, get_policy_loss, scores_to_token_rewards
+from rlpost.train import packing
 from rlpost.train.actor import ActorSettings, PolicyTrainer
 from rlpost.train.batch import FULL_LOGITS, collate, response_logprobs, response_sum_pi_squared
 from rlpost.train.critic import CriticTrainer, ValueModel
@@ -57,16 +58,28 @@ def _batch(n: int = 4):
     return b
 
 
-def test_pack_rows_lays_real_tokens_end_to_end():
-    b = _batch()
-    rows = pack_rows(b)
+@pytest.mark.parametrize("line_tokens", [0, 12])
+def test_pack_rows_lays_real_tokens_end_to_end(line_tokens):
+    b = _batch(6)
+    rows = pack_rows(b, line_tokens)
     p_lens, r_lens = b.lengths()
-    assert rows.input_ids.shape == (1, int((p_lens + r_lens).sum()))
-    starts = (rows.position_ids[0] == 0).nonzero().flatten().tolist()
-    assert starts == [0, *(p_lens + r_lens).cumsum(0)[:-1].tolist()]
-    # each target is the token right after the position that predicts it
-    torch.testing.assert_close(rows.input_ids[0, rows.at + 1], rows.targets)
-    assert rows.where.sum() == r_lens.sum()
+    lengths = (p_lens + r_lens).tolist()
+    k, width = rows.input_ids.shape
+    if line_tokens == 0:  # one sequence, no tail
+        assert (k, width) == (1, sum(lengths))
+    else:  # sequences of 12 tokens, or one row longer than that alone
+        assert k > 1 and width == max(lengths)
+    ids, pos = rows.input_ids.flatten(), rows.position_ids.flatten()
+    starts = pos.eq(0).nonzero().flatten().tolist()
+    for i, n in enumerate(lengths):  # each row whole, at a restart, positions 0 .. n - 1
+        real = b.input_ids[i][b.attention_mask[i].bool()]
+        assert any(
+            torch.equal(ids[s : s + n], real) and torch.equal(pos[s : s + n], torch.arange(n))
+            for s in starts
+        )
+    # each target is the token right after the place that predicts it
+    torch.testing.assert_close(rows.input_ids.flatten()[rows.at + 1], rows.targets)
+    assert rows.where.sum() == r_lens.sum() == len(rows.at)
 
 
 def _grads(model, fn, mask):
@@ -77,8 +90,10 @@ def _grads(model, fn, mask):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("chunk", [FULL_LOGITS, 0, 4])
-def test_packed_logprobs_entropy_and_grads_equal_padded(attn, chunk):
+@pytest.mark.parametrize(("chunk", "line_tokens"), [(FULL_LOGITS, 0), (0, 0), (4, 0), (0, 12)])
+def test_packed_logprobs_entropy_and_grads_equal_padded(attn, chunk, line_tokens, monkeypatch):
+    """Also with the rows in several sequences (12 tokens each, a tail of padding)."""
+    monkeypatch.setattr(packing, "LINE_TOKENS", line_tokens or packing.LINE_TOKENS)
     model, b, tau = _model(attn), _batch(), 0.8
     mask = b.response_mask
     real = b.attention_mask[:, b.prompt_width :].bool()
