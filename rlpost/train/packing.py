@@ -188,14 +188,21 @@ def _probe(model: torch.nn.Module) -> str | None:
     return None
 
 
+AUTO_MIN_VOCAB = 32_768
+"""``auto`` packs models with at least this vocabulary: real checkpoints (32k-152k), where
+padding costs the most; the built-in character vocabulary keeps its exact padded numbers."""
+
+
 def resolve_packing(mode: str, model: torch.nn.Module, *, sharded: bool = False) -> bool:
     """Whether the trainer packs ``model``'s passes under ``train.packing=mode``.
 
-    ``off``: never. ``on``/``auto``: where the model can (:func:`pack_reason`); where it
-    cannot the trainer pads and one warning line says why."""
+    ``off``: never. ``on``: where the model can (:func:`pack_reason`). ``auto``: as ``on``
+    for a vocabulary of :data:`AUTO_MIN_VOCAB` or more, else never. Where the model cannot,
+    the trainer pads and one warning line says why."""
     if mode not in PACKING_MODES:
         raise ValueError(f"train.packing={mode}: unknown; use one of {', '.join(PACKING_MODES)}")
-    if mode == "off":
+    vocab = int(getattr(getattr(_base(model), "config", None), "vocab_size", 0) or 0)
+    if mode == "off" or (mode == "auto" and vocab < AUTO_MIN_VOCAB):
         return False
     reason = "data-parallel ranks cut micro-batches by rows" if sharded else pack_reason(model)
     if reason is not None:

@@ -205,10 +205,14 @@ def test_a_model_that_cannot_pack_pads_and_says_so(caplog):
     assert "attend to each other" in pack_reason(_NoBoundaries(_model()))
     with caplog.at_level(logging.WARNING, logger="rlpost.train.packing"):
         assert not resolve_packing("on", _NoBoundaries(_model()))
-        assert not resolve_packing("auto", _model(), sharded=True)
+        assert not resolve_packing("on", _model(), sharded=True)
+        assert not resolve_packing("auto", _model())  # a 300-token vocabulary: padded, silently
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and all(line.startswith("train.packing=") for line in lines)
     assert "padding instead" in lines[0] and "\n" not in lines[0]
     assert not resolve_packing("off", _model())
+    big = _model()
+    big.config.vocab_size = packing.AUTO_MIN_VOCAB  # what auto reads; the probe stays in range
+    assert resolve_packing("auto", big)
     with pytest.raises(ValueError, match=r"train\.packing=sometimes"):
         resolve_packing("sometimes", _model())
