@@ -11,8 +11,9 @@ what the trainer does with a rollout batch: the old-logprob pass and the update 
 pass, backward and AdamW step). Sides: ``padded`` (``train.packing=off``), ``packed``
 (``on``), and ``*_budget``, the same with ``train.max_tokens_per_micro_batch=--budget``
 (rows longest first; padded counts rows x widest, packed counts real tokens). Each side is
-its own process, so its peak RSS (``ru_maxrss``) is its own; its step time is the median of
-its steps after the first. The last lines print each side against ``padded``.
+its own process, so its peak RSS (``ru_maxrss``) is its own; its step time (wall and CPU,
+the CPU time being the steadier on a shared machine) is the median of its steps after the
+first (the first when there is one). The last lines print each side against ``padded``.
 """
 
 from __future__ import annotations
@@ -85,13 +86,15 @@ def worker(args) -> None:
     trainer = PolicyTrainer(model, get_policy_loss("ppo_clip"), settings)
     assert trainer.packed == (packing == "on"), "this model should pack"
     batch = make_batch(model.config.vocab_size, args.min_len, args.max_len)
-    seconds, losses = [], []
+    seconds, cpu, losses = [], [], []
     for _ in range(args.steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         batch.old_logprobs = trainer.old_logprobs(batch)
         losses.append(trainer.update(batch).stats["loss"])
         seconds.append(time.perf_counter() - t0)
-    out = {"step_seconds": seconds, "peak_rss_mib": peak_rss_mib(), "loss": losses[0]}
+        cpu.append(time.process_time() - c0)
+    out = {"step_seconds": seconds, "cpu_seconds": cpu, "peak_rss_mib": peak_rss_mib()}
+    out["loss"] = losses[0]
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -110,8 +113,10 @@ def one_run(side: str, ckpt: str, args) -> dict | None:
         return None
     out = json.loads(line[len("RESULT ") :])
     out["step"] = statistics.median(out["step_seconds"][1:] or out["step_seconds"])
+    out["cpu"] = statistics.median(out["cpu_seconds"][1:] or out["cpu_seconds"])
     print(
         f"  {side:>13}: peak RSS {out['peak_rss_mib']:7.0f} MiB  step {out['step']:6.1f} s  "
+        f"(CPU {out['cpu']:6.1f} s)  "
         f"first loss {out['loss']:+.6f}  load {load:.2f}",
         flush=True,
     )
@@ -148,7 +153,7 @@ def main() -> None:
         if r and base and s != "padded":
             print(
                 f"{s} / padded: peak RSS {r['peak_rss_mib'] / base['peak_rss_mib']:.2f}x, "
-                f"speed {base['step'] / r['step']:.2f}x"
+                f"speed {base['step'] / r['step']:.2f}x (CPU time {base['cpu'] / r['cpu']:.2f}x)"
             )
 
 
