@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from rlpost.train.batch import TrainBatch
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +84,9 @@ def _lines(lengths: list[int], line_tokens: int) -> list[list[int]]:
     return lines
 
 
-def pack_rows(batch: TrainBatch, line_tokens: int = 0) -> PackedRows:
-    """:class:`PackedRows` of ``batch`` (its layout: prompts left-, responses right-padded),
+def pack_rows(batch: Any, line_tokens: int = 0) -> PackedRows:
+    """:class:`PackedRows` of ``batch``, a :class:`rlpost.train.batch.TrainBatch` (not
+    imported: that module imports this one; prompts left-, responses right-padded),
     in sequences of ``line_tokens`` (0: :data:`LINE_TOKENS`)."""
     line_tokens = line_tokens if line_tokens > 0 else LINE_TOKENS
     keep = batch.attention_mask.bool()
