@@ -312,6 +312,7 @@ def build_trainer(cfg: Config, model, dp=None) -> PolicyTrainer:
         bf16=bf16_compute(cfg),
         logits_chunk=t.logits_chunk_tokens,
         max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+        packing=t.packing,
         loss_params=params_of(a.losses, a.policy_loss),
         correction_params={"cap": c.cap, "low": c.low, "high": c.high},
     )
@@ -385,6 +386,8 @@ def build_critic(cfg: Config, model):
         epochs=c.epochs,
         clip_range=c.clip_range,
         loss_agg_mode=cfg.algo.loss_agg_mode,
+        max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+        packing=t.packing,
     )
 
 

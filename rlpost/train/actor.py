@@ -37,8 +37,9 @@ from rlpost.train.batch import (
     response_sum_pi_squared,
     score_rows,
 )
-from rlpost.train.layout import PlainLayout, WeightLayout
+from rlpost.train.layout import PlainLayout, SingleRank, WeightLayout
 from rlpost.train.optim import budget_slices, minibatch_updates, optimizer_step
+from rlpost.train.packing import resolve_packing
 
 
 @dataclass
@@ -60,6 +61,7 @@ class ActorSettings:
     bf16: bool = False
     logits_chunk: int = 0  # LM-head tokens per chunk (0: from the vocabulary; -1: full logits)
     max_tokens_per_micro_batch: int = 0  # padded tokens per micro-batch (0: rows only)
+    packing: str = "off"  # auto | on | off: rows packed end to end (rlpost.train.packing)
     loss_params: dict[str, Any] = field(default_factory=dict)
     correction_params: dict[str, Any] = field(default_factory=dict)
 
@@ -165,6 +167,9 @@ class PolicyTrainer:
         self.kl_estimator = kl_estimator
         self.correction = correction
         self.s = settings
+        # Decided once: the rows of every pass run packed, or padded where the model cannot.
+        sharded = not isinstance(self.ranks, SingleRank)
+        self.packed = resolve_packing(settings.packing, model, sharded=sharded)
         self.lr_scale = LRScale()
         self.optimizer, self.scheduler = build_optimizer(model, settings, self.lr_scale)
         self.shuffle = torch.Generator().manual_seed(seed + 7)
@@ -193,6 +198,7 @@ class PolicyTrainer:
                 micro_batch_size=self.s.micro_batch_size,
                 chunk=self.s.logits_chunk,
                 max_tokens=self.s.max_tokens_per_micro_batch,
+                packed=self.packed,
             )
 
     @property
@@ -215,8 +221,9 @@ class PolicyTrainer:
         def fn(mb: TrainBatch) -> torch.Tensor:
             with self._autocast():
                 return response_sum_pi_squared(
-                    self.model, mb, self.s.temperature, chunk=self.s.logits_chunk
-                )
+                    self.model, mb, self.s.temperature, chunk=self.s.logits_chunk,
+                    packed=self.packed,
+                )  # fmt: skip
 
         return score_rows(
             self.model,
@@ -224,6 +231,7 @@ class PolicyTrainer:
             fn,
             micro_batch_size=self.s.micro_batch_size,
             max_tokens=self.s.max_tokens_per_micro_batch,
+            packed=self.packed,
         )
 
     # -------------------------------------------------------------- update
@@ -299,7 +307,8 @@ class PolicyTrainer:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         budget = self.s.max_tokens_per_micro_batch
         if budget > 0:  # one rank (a rule refuses it with data-parallel trainers)
-            micros = budget_slices(rows, *batch.lengths(), self.s.micro_batch_size, budget)
+            lens = batch.lengths()
+            micros = budget_slices(rows, *lens, self.s.micro_batch_size, budget, packed=self.packed)
         else:
             micros = self.ranks.micro_slices(rows, self.s.micro_batch_size)
         outcome = optimizer_step(
@@ -348,6 +357,7 @@ class PolicyTrainer:
                 self.s.temperature,
                 with_entropy=self.s.entropy_coef > 0,
                 chunk=self.s.logits_chunk,
+                packed=self.packed,
             )
         if fill_old:
             micro.old_logprobs = logprobs.detach()

@@ -16,6 +16,7 @@ import torch
 from rlpost.algos.entropy import entropy_from_logits
 from rlpost.train.lm_head import head_logprobs, head_sum_pi_squared, needs_chunks, split_head
 from rlpost.train.optim import budget_slices
+from rlpost.train.packing import pack_rows, packed_forward
 from rlpost.types import Completion
 
 
@@ -192,17 +193,25 @@ FULL_LOGITS = -1
 """``chunk`` value that computes the whole ``[B, T, V]`` logits at once (the unchunked path)."""
 
 
-def response_hidden(model: torch.nn.Module, batch: TrainBatch, chunk: int = 0):
+def response_hidden(
+    model: torch.nn.Module, batch: TrainBatch, chunk: int = 0, packed: bool = False
+):
     """(hidden [N, H] of the real response tokens, their targets [N], where [B, T] bool, head),
     or None when the model's head cannot be split off (:func:`split_head`) or the logits
     fit one chunk (:func:`needs_chunks`).
 
-    Padding positions are left out: the head never runs on them."""
+    Padding positions are left out: the head never runs on them. ``packed``: the decoder
+    runs on the rows packed end to end (:mod:`rlpost.train.packing`), not padded."""
     split = split_head(model)
     T = batch.responses.shape[1]
-    if split is None or not needs_chunks(len(batch) * T, split[1].weight.shape[0], chunk):
+    tokens = int(batch.attention_mask[:, -T:].sum()) if packed else len(batch) * T
+    if split is None or not needs_chunks(tokens, split[1].weight.shape[0], chunk):
         return None
     decoder, head = split
+    if packed:
+        rows = pack_rows(batch)
+        hidden = rows.gather(packed_forward(decoder, rows).last_hidden_state)
+        return hidden, rows.targets, rows.where, head
     out = decoder(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
@@ -214,6 +223,20 @@ def response_hidden(model: torch.nn.Module, batch: TrainBatch, chunk: int = 0):
     return hidden, batch.responses[where], where, head
 
 
+def _full_logits(model: torch.nn.Module, batch: TrainBatch, packed: bool):
+    """(logits [..., V], their targets [...], a function that lays [...] values out as
+    [B, T]): the padded ``[B, T, V]`` logits, or packed the ``[1, N, V]`` of the real
+    response tokens alone."""
+    if not packed:
+        return response_logits(model, batch), batch.responses, lambda v: v
+    rows = pack_rows(batch)
+    if keeps_logits(model) and len(rows.input_ids) == 1:  # the head on the responses only
+        logits = packed_forward(model, rows, logits_to_keep=rows.at).logits
+    else:
+        logits = rows.gather(packed_forward(model, rows).logits)[None]
+    return logits, rows.targets[None], lambda v: rows.scatter(v[0])
+
+
 def response_logprobs(
     model: torch.nn.Module,
     batch: TrainBatch,
@@ -221,6 +244,7 @@ def response_logprobs(
     *,
     with_entropy: bool = False,
     chunk: int = 0,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs [B, T], entropy [B, T] or None) of the responses, float32, differentiable.
 
@@ -228,15 +252,15 @@ def response_logprobs(
     full ``[B, T, V]`` logits never exist; padding positions hold 0. ``chunk`` tokens per
     chunk (0: from the vocabulary size, and the unchunked path where the logits fit one
     chunk; :data:`FULL_LOGITS`: the unchunked path, also taken by a model whose head cannot
-    be split off)."""
-    split = None if chunk == FULL_LOGITS else response_hidden(model, batch, chunk)
+    be split off). ``packed``: the rows run packed (:mod:`rlpost.train.packing`)."""
+    split = None if chunk == FULL_LOGITS else response_hidden(model, batch, chunk, packed)
     if split is None:
-        logits = response_logits(model, batch)
-        logprobs = token_logprobs(logits, batch.responses, temperature)
+        logits, targets, lay_out = _full_logits(model, batch, packed)
+        logprobs = lay_out(token_logprobs(logits, targets, temperature))
         if not with_entropy:
             return logprobs, None
         tau = temperature if temperature not in (0.0, 1.0) else 1.0
-        return logprobs, entropy_from_logits(logits.float() / tau)
+        return logprobs, lay_out(entropy_from_logits(logits.float() / tau))
     hidden, targets, where, head = split
     lp, ent = head_logprobs(
         hidden, head, targets, temperature=temperature, with_entropy=with_entropy, chunk=chunk
@@ -245,13 +269,18 @@ def response_logprobs(
 
 
 def response_sum_pi_squared(
-    model: torch.nn.Module, batch: TrainBatch, temperature: float, *, chunk: int = 0
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    temperature: float,
+    *,
+    chunk: int = 0,
+    packed: bool = False,
 ) -> torch.Tensor:
     """``[B, T]`` ``sum_v pi(v)^2`` at each response position (no gradient; 0 on padding)."""
-    split = None if chunk == FULL_LOGITS else response_hidden(model, batch, chunk)
+    split = None if chunk == FULL_LOGITS else response_hidden(model, batch, chunk, packed)
     if split is None:
-        logits = response_logits(model, batch).float() / temperature
-        return torch.softmax(logits, dim=-1).pow(2).sum(-1)
+        logits, _, lay_out = _full_logits(model, batch, packed)
+        return lay_out(torch.softmax(logits.float() / temperature, dim=-1).pow(2).sum(-1))
     hidden, _, where, head = split
     return _scatter(head_sum_pi_squared(hidden, head, temperature=temperature, chunk=chunk), where)
 
@@ -271,30 +300,43 @@ def compute_logprobs(
     micro_batch_size: int,
     chunk: int = 0,
     max_tokens: int = 0,
+    packed: bool = False,
 ) -> torch.Tensor:
     """Per-token logprobs [B, T] of the batch's responses under ``model`` (no gradient);
-    ``max_tokens`` > 0 cuts the passes by a token budget (:func:`score_rows`)."""
+    ``max_tokens`` > 0 cuts the passes by a token budget (:func:`score_rows`); ``packed``:
+    each pass runs on its rows packed."""
     return score_rows(
         model,
         batch,
-        lambda mb: response_logprobs(model, mb, temperature, chunk=chunk)[0],
+        lambda mb: response_logprobs(model, mb, temperature, chunk=chunk, packed=packed)[0],
         micro_batch_size=micro_batch_size,
         max_tokens=max_tokens,
+        packed=packed,
     )
 
 
-def score_rows(model, batch: TrainBatch, fn, *, micro_batch_size: int, max_tokens: int = 0):
+def score_rows(
+    model,
+    batch: TrainBatch,
+    fn,
+    *,
+    micro_batch_size: int,
+    max_tokens: int = 0,
+    packed: bool = False,
+):
     """``fn(micro) -> [b, T]`` over micro-batches of ``batch`` in eval mode, as ``[B, T]``.
 
     ``max_tokens`` > 0: micro-batches are cut by a token budget and trimmed to their own
-    widths (:func:`rlpost.train.optim.budget_slices`, :meth:`TrainBatch.trimmed`)."""
+    widths (:func:`rlpost.train.optim.budget_slices`, :meth:`TrainBatch.trimmed`); the
+    budget counts real tokens when ``packed``."""
     was_training = model.training
     model.eval()
     device = model_device(model)
     rows = torch.arange(len(batch))
     T = batch.responses.shape[1]
     out = None
-    for idx in budget_slices(rows, *batch.lengths(), micro_batch_size, max_tokens):
+    lens = batch.lengths()
+    for idx in budget_slices(rows, *lens, micro_batch_size, max_tokens, packed=packed):
         mb = batch.select(idx)
         mb = (mb.trimmed() if max_tokens > 0 else mb).to(device)
         values = pad_responses(fn(mb), T)

@@ -27,8 +27,9 @@ from transformers import AutoModel, PreTrainedModel
 from rlpost.algos.aggregate import Aggregation
 from rlpost.algos.value import value_loss
 from rlpost.train.actor import ActorSettings, build_optimizer
-from rlpost.train.batch import TrainBatch, model_device
-from rlpost.train.optim import micro_slices, minibatch_updates, optimizer_step
+from rlpost.train.batch import TrainBatch, model_device, pad_responses
+from rlpost.train.optim import budget_slices, minibatch_updates, optimizer_step
+from rlpost.train.packing import pack_rows, resolve_packing
 
 HEAD_FILE = "value_head.safetensors"
 
@@ -63,10 +64,11 @@ class ValueModel(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Values ``[B, L]`` float32: entry ``l`` is the value of the prefix ``input_ids[:, : l + 1]``."""
+        """Values ``[B, L]`` float32: entry ``l`` is the value of the prefix ``input_ids[:, : l + 1]``
+        (no ``attention_mask``: rows packed, their boundaries set by ``position_ids``)."""
         out = self.backbone(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -99,14 +101,18 @@ class ValueModel(nn.Module):
         return cls(backbone, head)
 
 
-def response_values(value_model: ValueModel, batch: TrainBatch) -> torch.Tensor:
+def response_values(value_model: ValueModel, batch: TrainBatch, packed: bool = False):
     """Values ``[B, T]`` aligned with the responses, with gradient.
 
     Entry ``t`` is the value of the state before response token ``t`` (prompt
     plus ``responses[:, :t]``): positions ``P - 1 .. P + T - 2``, as
     :func:`rlpost.train.batch.response_logits`. Padding entries hold whatever the
-    head outputs there; mask them with ``response_mask``.
+    head outputs there (0 when ``packed``, the rows run end to end); mask them with
+    ``response_mask``.
     """
+    if packed:
+        rows = pack_rows(batch)
+        return rows.scatter(rows.gather(value_model(rows.input_ids, None, rows.position_ids)))
     values = value_model(batch.input_ids, batch.attention_mask, batch.position_ids)
     P = batch.prompt_width
     return values[:, P - 1 : -1]
@@ -130,6 +136,8 @@ class CriticTrainer:
         weight_decay: float = 0.0,
         bf16: bool = False,
         seed: int = 0,
+        max_tokens_per_micro_batch: int = 0,
+        packing: str = "off",
     ) -> None:
         if micro_batch_size > mini_batch_size:
             raise ValueError(
@@ -147,7 +155,10 @@ class CriticTrainer:
             epochs=epochs,
             loss_agg_mode=loss_agg_mode,
             bf16=bf16,
+            max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+            packing=packing,
         )
+        self.packed = resolve_packing(packing, value_model.backbone)
         self.clip_range = clip_range
         self.optimizer, self.scheduler = build_optimizer(value_model, self.s)
         # Its own stream, offset from the actor's, so the two shuffles are independent.
@@ -164,16 +175,25 @@ class CriticTrainer:
         """Old values ``[B, T]`` float32 for GAE, zero on padding (no gradient)."""
         was_training = self.model.training
         self.model.eval()
-        chunks = []
         device = model_device(self.model)
-        for lo in range(0, len(batch), self.s.micro_batch_size):
-            micro = batch.select(torch.arange(lo, min(lo + self.s.micro_batch_size, len(batch))))
-            micro = micro.to(device)
+        values = torch.zeros_like(batch.response_mask)
+        for rows in self._micro_slices(batch):
+            micro = self._micro(batch.select(rows)).to(device)
             with self._autocast():
-                chunks.append(response_values(self.model, micro).float())
+                part = response_values(self.model, micro, self.packed).float()
+            values[rows] = pad_responses(part, values.shape[1]).cpu()
         self.model.train(was_training)
-        values = torch.cat(chunks, dim=0).cpu()
         return torch.where(batch.response_mask > 0, values, torch.zeros_like(values))
+
+    def _micro_slices(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """Row ids of ``batch``'s micro-batches: by rows, or by the token budget."""
+        rows, budget = torch.arange(len(batch)), self.s.max_tokens_per_micro_batch
+        lens = batch.lengths()
+        return budget_slices(rows, *lens, self.s.micro_batch_size, budget, packed=self.packed)
+
+    def _micro(self, micro: TrainBatch) -> TrainBatch:
+        """A micro-batch under a token budget is trimmed to its own widths."""
+        return micro.trimmed() if self.s.max_tokens_per_micro_batch > 0 else micro
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """Epochs x mini-batches of critic steps on ``batch`` (needs ``returns`` and ``values``).
@@ -198,12 +218,12 @@ class CriticTrainer:
 
     def _step(self, mb: TrainBatch) -> dict[str, float]:
         agg = Aggregation.for_minibatch(mb.response_mask, self.s.loss_agg_mode)
-        preds: list[torch.Tensor] = []
+        preds = torch.zeros_like(mb.response_mask)
 
         def micro_loss(rows: torch.Tensor):
-            micro = mb.select(rows)
+            micro = self._micro(mb.select(rows))
             with self._autocast():
-                pred = response_values(self.model, micro).float()
+                pred = response_values(self.model, micro, self.packed).float()
             out = value_loss(
                 pred,
                 micro.returns,
@@ -212,7 +232,7 @@ class CriticTrainer:
                 agg=agg,
                 clip_range=self.clip_range,
             )
-            preds.append(pred.detach())
+            preds[rows.to(preds.device)] = pad_responses(pred.detach(), preds.shape[1])
             return out.loss, {}
 
         outcome = optimizer_step(
@@ -220,13 +240,13 @@ class CriticTrainer:
             self.scheduler,
             list(self.model.parameters()),
             self.s.grad_clip,
-            micro_slices(torch.arange(len(mb)), self.s.micro_batch_size),
+            self._micro_slices(mb),
             micro_loss,
         )
         # Statistics over the whole mini-batch (explained variance does not add up over parts).
         with torch.no_grad():
             whole = value_loss(
-                torch.cat(preds),
+                preds,
                 mb.returns,
                 mb.values,
                 mb.response_mask,

@@ -112,9 +112,13 @@ def budget_slices(
     response_lens: torch.Tensor,
     micro_batch_size: int,
     max_tokens: int,
+    *,
+    packed: bool = False,
 ) -> list[torch.Tensor]:
     """``rows`` cut into micro-batches of at most ``micro_batch_size`` rows whose padded size,
-    rows x (longest prompt + longest response among them), stays within ``max_tokens``.
+    rows x (longest prompt + longest response among them), stays within ``max_tokens``;
+    ``packed``: whose real tokens, the sum of their lengths, do (the rows run packed end to
+    end, :mod:`rlpost.train.packing`).
 
     ``prompt_lens``/``response_lens`` [B] are indexed by row id. Rows go longest first, so
     rows of like length share a micro-batch and one long row does not set the shape of the
@@ -124,13 +128,15 @@ def budget_slices(
         return micro_slices(rows, micro_batch_size)
     order = sorted(rows.tolist(), key=lambda r: -(int(prompt_lens[r]) + int(response_lens[r])))
     out: list[list[int]] = []
-    widest_p = widest_r = 0
+    widest_p = widest_r = total = 0
     for r in order:
-        p, t = max(widest_p, int(prompt_lens[r])), max(widest_r, int(response_lens[r]))
+        pr, tr = int(prompt_lens[r]), int(response_lens[r])
+        p, t = max(widest_p, pr), max(widest_r, tr)
+        size = total + pr + tr if packed else (len(out[-1]) + 1 if out else 1) * (p + t)
         full = out and len(out[-1]) >= micro_batch_size
-        if not out or full or (len(out[-1]) + 1) * (p + t) > max_tokens:
+        if not out or full or size > max_tokens:
             out.append([])
-            p, t = int(prompt_lens[r]), int(response_lens[r])
+            p, t, total = pr, tr, 0
         out[-1].append(r)
-        widest_p, widest_r = p, t
+        widest_p, widest_r, total = p, t, total + pr + tr
     return [torch.tensor(m, dtype=rows.dtype) for m in out]
