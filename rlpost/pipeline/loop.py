@@ -32,6 +32,7 @@ import torch
 from rlpost.algos import ADVANTAGES, AdaptiveKLController, FixedKLController
 from rlpost.config import Config
 from rlpost.data import PromptSampler
+from rlpost.data.sources import make_sampler
 from rlpost.errors import WorkerError, one_line
 from rlpost.observe import Guards, Recorder
 from rlpost.observe.memory import set_mmap_threshold
@@ -290,7 +291,9 @@ def _new_run(cfg: Config, run_dir: Path, workers: Workers, train_prompts, ckpt) 
         cfg=cfg,
         run_dir=run_dir,
         w=workers,
-        sampler=PromptSampler(train_prompts, cfg.rollout.prompts_per_step, seed=cfg.run.seed),
+        sampler=make_sampler(
+            train_prompts, cfg.data.sources, cfg.rollout.prompts_per_step, cfg.run.seed
+        ),
         kl_ctl=AdaptiveKLController(kl.beta, kl.target, kl.horizon)
         if kl.target
         else FixedKLController(kl.beta),
