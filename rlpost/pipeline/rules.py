@@ -679,3 +679,16 @@ def source_rewards_resolve(cfg: Config) -> str | None:
         except (UnknownNameError, ValueError) as exc:
             return f"data.sources[{s.name}].reward: {exc}"
     return None
+
+
+@rule()
+def reasoning_gym_task_generates(cfg: Config) -> str | None:
+    from rlpost.data.reasoning_gym import task_problem
+
+    for s in cfg.data.sources:
+        if s.task != "reasoning_gym":
+            continue
+        problem = task_problem(s.reasoning_gym)
+        if problem is not None:
+            return f"data.sources[{s.name}].reasoning_gym.task={s.reasoning_gym.task}: {problem}"
+    return None
