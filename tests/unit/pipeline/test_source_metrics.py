@@ -1,0 +1,40 @@
+"""Per-source step metrics, computed by hand on a small batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlpost.observe.metrics import DuplicateMetric, merge_metrics
+from rlpost.pipeline.source_metrics import source_metrics, sources_in
+from rlpost.types import Completion, Group, Prompt
+
+
+def _group(source: str, scores: list[float], lengths: list[int], cut: int = 0) -> Group:
+    completions = [
+        Completion([1], [2] * n, [0.0] * n, "length" if i < cut else "stop", 0, 0)
+        for i, n in enumerate(lengths)
+    ]
+    return Group(Prompt("p", source=source), completions, scores=scores)
+
+
+def test_each_source_gets_its_own_numbers():
+    groups = [
+        _group("a", [1.0, 0.0], [2, 4], cut=1),
+        _group("b", [0.2, 0.2], [3, 3]),
+        _group("a", [1.0, 1.0], [6, 8]),
+    ]
+    m = source_metrics(groups)
+    assert m["source/a/reward_mean"] == pytest.approx(0.75)
+    assert m["source/a/accuracy"] == 0.75 and m["source/b/accuracy"] == 0.0
+    assert m["source/a/response_length_mean"] == 5.0 and m["source/b/response_length_mean"] == 3.0
+    assert m["source/a/truncated_frac"] == 0.25 and m["source/b/truncated_frac"] == 0.0
+    assert m["source/a/zero_spread_frac"] == 0.5 and m["source/b/zero_spread_frac"] == 1.0
+    assert m["source/a/prompts"] == 2.0 and m["source/b/prompts"] == 1.0
+    assert sources_in(m) == ["a", "b"]
+
+
+def test_one_source_runs_have_none_and_keys_have_one_owner():
+    assert source_metrics([_group("", [1.0, 0.0], [2, 2])]) == {}
+    m = source_metrics([_group("a", [1.0, 0.0], [2, 2])])
+    with pytest.raises(DuplicateMetric):
+        merge_metrics(m, {"source/a/accuracy": 0.0})
