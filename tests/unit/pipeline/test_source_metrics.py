@@ -38,3 +38,20 @@ def test_one_source_runs_have_none_and_keys_have_one_owner():
     m = source_metrics([_group("a", [1.0, 0.0], [2, 2])])
     with pytest.raises(DuplicateMetric):
         merge_metrics(m, {"source/a/accuracy": 0.0})
+
+
+def test_report_draws_every_source_curve(tmp_path):
+    from rlpost.observe import Recorder
+    from rlpost.observe.report import SOURCE_PLOTS, write_report
+
+    with Recorder(tmp_path) as rec:
+        for step in (1, 2, 3):
+            groups = [_group("arith", [1.0, 0.0], [2, 3]), _group("legs", [0.0, 0.0], [5, 5])]
+            rec.record(step, {"reward_mean": 0.25, **source_metrics(groups)})
+    page = write_report(tmp_path).read_text()
+    for title, _ in SOURCE_PLOTS:
+        assert f'<img alt="{title}' in page
+    plain = tmp_path / "plain"
+    with Recorder(plain) as rec:
+        rec.record(1, {"reward_mean": 0.5})
+    assert "by source" not in write_report(plain).read_text()
