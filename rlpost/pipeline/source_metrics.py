@@ -11,7 +11,8 @@ prompts in its batch, ``source/<name>/<metric>``:
 - ``zero_spread_frac``: fraction of its groups whose scores are all equal (no GRPO signal);
 - ``prompts``: its groups in the batch.
 
-These keys have this module as their one owner; a one-source run has none.
+These keys have this module as their one owner; a one-source run has none. The
+recorder exports all but ``prompts`` to Prometheus as ``rl_source_<metric>{source=...}``.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from __future__ import annotations
 import torch
 
 from rlpost.algos import group_zero_spread_fraction
+from rlpost.observe.metrics import SOURCE_KEY_PREFIX as PREFIX
 from rlpost.types import Group
 
-PREFIX = "source/"
 FIELDS = (
     "reward_mean",
     "accuracy",

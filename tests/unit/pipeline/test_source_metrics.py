@@ -55,3 +55,20 @@ def test_report_draws_every_source_curve(tmp_path):
     with Recorder(plain) as rec:
         rec.record(1, {"reward_mean": 0.5})
     assert "by source" not in write_report(plain).read_text()
+
+
+def test_prometheus_gauges_carry_the_source_label(tmp_path):
+    from prometheus_client import generate_latest
+
+    from rlpost.observe import Recorder
+
+    groups = [_group("arith", [1.0, 0.0], [2, 4]), _group("legs", [1.0, 1.0], [5, 5])]
+    with Recorder(tmp_path) as rec:
+        rec.record(1, source_metrics(groups))
+        text = generate_latest(rec.registry).decode()
+    assert 'rl_source_reward_mean{source="arith"} 0.5' in text
+    assert 'rl_source_zero_spread_frac{source="legs"} 1.0' in text
+    assert 'rl_source_response_length_mean{source="arith"} 3.0' in text
+    assert "rl_source_prompts" not in text  # jsonl only
+    row = (tmp_path / "metrics.jsonl").read_text().splitlines()[0]
+    assert '"source/legs/accuracy": 1.0' in row
