@@ -72,3 +72,13 @@ def test_prometheus_gauges_carry_the_source_label(tmp_path):
     assert "rl_source_prompts" not in text  # jsonl only
     row = (tmp_path / "metrics.jsonl").read_text().splitlines()[0]
     assert '"source/legs/accuracy": 1.0' in row
+
+
+def test_every_source_gauge_is_documented():
+    from pathlib import Path
+
+    from rlpost.observe.metrics import SOURCE_METRICS
+
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "operations.md").read_text()
+    for spec in SOURCE_METRICS:
+        assert f"| `{spec.name}{{source}}` | gauge |" in doc, spec.name
