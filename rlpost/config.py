@@ -266,6 +266,10 @@ class DataConfig(Section):
     the generation prompt; none: plain text."""
     system_prompt: str | None = None
     """System message before each prompt (a first paragraph when no chat template applies)."""
+    sources: list[SourceConfig] = []
+    """A mixture of prompt sources, each with its weight, reward terms, template and system
+    prompt (docs/data.md); set, it replaces task, train_path and eval_path. []: one source as
+    task says."""
 
     @model_validator(mode="after")
     def _template_fields(self) -> DataConfig:
@@ -885,6 +889,59 @@ class AgentConfig(Section):
     policy then sometimes answers in its head, which RL has to unlearn)."""
 
 
+# ------------------------------------------------------------------ data sources
+
+
+class ReasoningGymConfig(Section):
+    """A reasoning-gym task as a source (extra [reasoning_gym]): rows generated at load."""
+
+    task: str = ""
+    """The task's registered name in reasoning-gym (e.g. basic_arithmetic, leg_counting)."""
+    config: dict[str, Any] = {}
+    """The task's generator settings (its config dataclass's fields, seed and size aside)."""
+    train_size: int = Field(1000, ge=1)
+    """Unique training rows asked for (fewer when the task's space holds fewer; reported)."""
+    eval_size: int = Field(100, ge=0)
+    """Unique held-out rows asked for, none of them a training row's question."""
+    seed: int = 0
+    """Generator seed: the rows do not depend on the run's seed."""
+
+
+class SourceConfig(Section):
+    """One source of prompts in ``data.sources``."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    """Unique name: rows carry it, rewards are routed by it, metrics are labelled with it."""
+    weight: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    """Share of each batch's prompts drawn from this source (weights need not sum to 1)."""
+    task: Literal["arith", "code", "file", "reasoning_gym"] = "file"
+    """Where its rows come from: a built-in task, a file, or a reasoning-gym task."""
+    arith: ArithConfig = ArithConfig()
+    """Settings of the arithmetic task (task=arith)."""
+    code: CodeTaskConfig = CodeTaskConfig()
+    """Settings of the code task (task=code)."""
+    reasoning_gym: ReasoningGymConfig = ReasoningGymConfig()
+    """The reasoning-gym task and its generator settings (task=reasoning_gym)."""
+    train_path: str | None = None
+    """JSONL or Parquet file, or a ``datasets`` save_to_disk directory, of training rows (task=file)."""
+    eval_path: str | None = None
+    """The same for held-out rows (task=file; None: none from this source)."""
+    prompt_field: str = "prompt"
+    """Column holding the prompt text (task=file)."""
+    answer_field: str = "answer"
+    """Column holding the reference answer (task=file)."""
+    prompt_template: str = "{prompt}"
+    """Format string over the row's fields, as data.prompt_template."""
+    system_prompt: str | None = None
+    """System message of this source's prompts (None: data.system_prompt)."""
+    reward: list[RewardTerm] | None = None
+    """This source's reward terms (None: reward.terms); alpha, invalid_score and score_range are
+    the reward section's."""
+
+
+DataConfig.model_rebuild()
+
+
 # -------------------------------------------------------------------------- root
 
 
@@ -1095,3 +1152,4 @@ def _plain(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return type(value)(_plain(v) for v in value)
     return value
+

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
+from typing import get_args, get_origin
 
 import yaml
 from pydantic import BaseModel
@@ -27,6 +28,8 @@ def section_model(section: str) -> type[BaseModel]:
     model: type[BaseModel] = Config
     for part in section.split("."):
         model = model.model_fields[part].annotation
+        if get_origin(model) is list:  # a list of sections (data.sources): its item's table
+            model = get_args(model)[0]
     return model
 
 
@@ -34,11 +37,20 @@ def markdown_table(section: str) -> str:
     """``| key | default | meaning |`` rows for every field of the config ``section``."""
     rows = ["| key | default | meaning |", "| --- | --- | --- |"]
     for name, field in section_model(section).model_fields.items():
-        default = yaml.safe_dump(field.get_default(call_default_factory=True)).strip()
+        if field.is_required():
+            rows.append(f"| `{name}` | required | {_meaning(field)} |")
+            continue
+        value = field.get_default(call_default_factory=True)
+        nested = isinstance(value, BaseModel)  # a nested section: its keys on one line
+        value = value.model_dump() if nested else value
+        default = yaml.safe_dump(value, default_flow_style=nested).strip()
         default = default.removesuffix("\n...").strip()
-        meaning = " ".join((field.description or "").split()).replace("|", "\\|")
-        rows.append(f"| `{name}` | `{default}` | {meaning} |")
+        rows.append(f"| `{name}` | `{default}` | {_meaning(field)} |")
     return "\n".join(rows) + "\n"
+
+
+def _meaning(field) -> str:
+    return " ".join((field.description or "").split()).replace("|", "\\|")
 
 
 def render(text: str) -> str:

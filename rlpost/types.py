@@ -72,6 +72,7 @@ class Prompt:
     answer: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     uid: str = ""
+    source: str = ""  # the data.sources entry it came from ("": a one-source config)
 
 
 @dataclass
@@ -156,6 +157,7 @@ class RewardSample:
     finish_reason: FinishReason = "stop"
     num_tokens: int = 0
     max_tokens: int = 0
+    source: str = ""  # the prompt's data source: which source's reward terms score it
 
 
 @dataclass

@@ -44,6 +44,10 @@ class LoadReport:
     skipped_by_reason: Counter = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
     """Every skipped row as ``file:line: problem``."""
+    sources: dict[str, LoadReport] = field(default_factory=dict)
+    """Each data source's own report when this one sums several (data.sources)."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """What a generated source could give (asked, unique, kept rows), for the data report."""
 
     @property
     def skipped(self) -> int:
@@ -56,6 +60,13 @@ class LoadReport:
     def skip(self, reason: str, where: str) -> None:
         self.skipped_by_reason[reason] += 1
         self.problems.append(where)
+
+    def add(self, name: str, other: LoadReport) -> None:
+        """Count ``other`` (data source ``name``'s report) in this sum, and keep it by name."""
+        self.rows += other.rows
+        self.skipped_by_reason.update(other.skipped_by_reason)
+        self.problems.extend(other.problems)
+        self.sources[name] = other
 
     def counts(self, prefix: str) -> dict[str, int]:
         """``{prefix}_rows``, ``{prefix}_skipped`` and ``{prefix}_skipped_{reason}``."""
@@ -87,6 +98,21 @@ def read_rows(path: Path) -> list[tuple[int, Any]]:
                 except (json.JSONDecodeError, safe_json.TooDeep) as exc:
                     out.append((i, exc))
         return out
+    if path.is_dir():  # a ``datasets`` save_to_disk directory
+        try:
+            import datasets
+        except ImportError:
+            raise DataError(f"{path}: a dataset directory needs pip install datasets") from None
+        try:
+            table = datasets.load_from_disk(str(path))
+        except Exception as exc:  # datasets raises its own types for a directory it cannot read
+            raise DataError(f"{path}: cannot read a save_to_disk directory ({exc})") from None
+        if isinstance(table, datasets.DatasetDict):
+            raise DataError(
+                f"{path}: holds splits {sorted(table)}; name one split's directory "
+                f"({path}/{sorted(table)[0]})"
+            )
+        return [(i, row) for i, row in enumerate(table, start=1)]
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -186,7 +212,7 @@ def load_prompt_file(
     ``uid`` is ``file:line``, so a later problem with the prompt can name its row.
     """
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise DataError(f"dataset {str(p)!r} does not exist")
     report = LoadReport()
     prompts = []

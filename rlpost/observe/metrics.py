@@ -130,8 +130,24 @@ multi-GB transfers over the network (minutes)."""
 BY_KEY: dict[str, MetricSpec] = {spec.key: spec for spec in METRICS}
 """Record key -> spec, for the keys exported to Prometheus."""
 
+SOURCE_METRICS: tuple[MetricSpec, ...] = tuple(
+    MetricSpec(f"rl_source_{key}", "gauge", f"{text}, labelled by data source [{unit}].", key)
+    for key, text, unit in (
+        ("reward_mean", "Mean final reward of one source's samples", "reward units"),
+        ("accuracy", "Fraction of one source's samples scoring above 0.5", "0-1"),
+        ("response_length_mean", "Mean response length of one source's samples", "tokens"),
+        ("truncated_frac", "Fraction of one source's samples cut at max_tokens", "0-1"),
+        ("zero_spread_frac", "Fraction of one source's groups with equal scores", "0-1"),
+    )
+)
+"""Gauges labelled ``source=<name>``, set from the ``source/<name>/<key>`` record keys of a
+mixture run (``pipeline/source_metrics.py``)."""
+
+SOURCE_KEY_PREFIX = "source/"
+
 ALL_NAMES: tuple[str, ...] = (*(spec.name for spec in METRICS), GUARD_METRIC.name)
-"""Every exported metric name (the 14 step metrics and the guard counter)."""
+"""Every exported metric name of every run (the 14 step metrics and the guard counter;
+a mixture run adds :data:`SOURCE_METRICS`)."""
 
 
 def exposed_sample_name(spec: MetricSpec) -> str:

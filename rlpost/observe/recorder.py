@@ -27,6 +27,8 @@ from rlpost.observe.metrics import (
     GUARD_KEY_PREFIX,
     GUARD_METRIC,
     METRICS,
+    SOURCE_KEY_PREFIX,
+    SOURCE_METRICS,
     SYNC_BUCKETS,
     MetricSpec,
 )
@@ -79,6 +81,10 @@ class Recorder:
         self._guards = Counter(
             GUARD_METRIC.name, GUARD_METRIC.help, ["guard"], registry=self.registry
         )
+        self._sources = {
+            spec.key: Gauge(spec.name, spec.help, ["source"], registry=self.registry)
+            for spec in SOURCE_METRICS
+        }
         self._guard_counts: dict[str, int] = {}
         self._guards_changed: set[str] = set()
         # Rows recorded at ``start_step`` (the evaluation before the first
@@ -129,6 +135,9 @@ class Recorder:
                 self._metrics["step"].inc()
                 self._last_step = step
             for key, value in floats.items():
+                if key.startswith(SOURCE_KEY_PREFIX):
+                    self._set_source(key, value)
+                    continue
                 spec = BY_KEY.get(key)
                 if spec is None or key in missing:
                     continue
@@ -155,6 +164,13 @@ class Recorder:
             measured = {key: value for key, value in floats.items() if key not in missing}
             for logger in self._loggers:
                 logger.log(step, measured)
+
+    def _set_source(self, key: str, value: float) -> None:
+        """``source/<name>/<field>``: the per-source gauge of ``field`` at ``source=<name>``."""
+        name, _, field = key[len(SOURCE_KEY_PREFIX) :].rpartition("/")
+        gauge = self._sources.get(field)
+        if gauge is not None and name and math.isfinite(value):
+            gauge.labels(source=name).set(value)
 
     def count_guard(self, guard: str) -> None:
         """Count one guard action; the running count goes into the next JSONL row."""

@@ -126,7 +126,7 @@ def _plot_block(runs: Runs, smooth: float = 0.0) -> tuple[list[str], list[str]]:
         figures.append(
             f'<figure><img alt="{alt}" src="data:image/png;base64,{_png_base64(fig)}"></figure>'
         )
-    return figures, skipped
+    return figures + source_figures(runs), skipped
 
 
 def plot_curves(metrics: list[dict[str, Any]], out_png: Path) -> None:
@@ -393,3 +393,49 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _error(message: str) -> int:
     print(f"rlpost report: error: {message}", file=sys.stderr)
     return 2
+
+
+SOURCE_PLOTS = (
+    ("Reward by source", "reward_mean"),
+    ("Accuracy by source", "accuracy"),
+    ("Response length by source [tokens]", "response_length_mean"),
+    ("Truncated fraction by source", "truncated_frac"),
+    ("Zero-spread groups by source", "zero_spread_frac"),
+)
+"""(title, field) of the per-source plots: one line per ``source/<name>/<field>`` series."""
+
+
+def source_figures(runs: Runs) -> list[str]:
+    """``<figure>`` HTML of each per-source plot of a mixture run ([] for one source)."""
+    names = sorted(
+        {
+            k.split("/")[1]
+            for _, rows in runs
+            for row in rows
+            for k in row
+            if k.startswith("source/")
+        }
+    )
+    figures = []
+    for title, field in SOURCE_PLOTS if names else ():
+        fig = Figure(figsize=(5.5, 3.2), layout="constrained")
+        ax = fig.add_subplot()
+        for run, rows in runs:
+            for name in names:
+                steps, values = _series(rows, f"source/{name}/{field}")
+                if steps:
+                    ax.plot(
+                        steps,
+                        values,
+                        marker=".",
+                        label=name if len(runs) == 1 else f"{run}: {name}",
+                    )
+        ax.set_title(title, fontsize=11)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+        alt = html.escape(title)
+        figures.append(
+            f'<figure><img alt="{alt}" src="data:image/png;base64,{_png_base64(fig)}"></figure>'
+        )
+    return figures

@@ -22,6 +22,7 @@ from rlpost.config import Config, ConfigError
 from rlpost.data import DataError, LoadReport, arith_splits, load_prompt_file
 from rlpost.data.code import code_splits
 from rlpost.data.render import prepare_prompts
+from rlpost.data.sources import load_source
 from rlpost.envs.base import EnvError
 from rlpost.envs.catalog import env_factory
 from rlpost.envs.formats import build_format, demonstration_completion
@@ -31,7 +32,7 @@ from rlpost.observe.mfu import cpu_bf16_native
 from rlpost.params import params_of
 from rlpost.pipeline.plan import resolve_step_plan
 from rlpost.pipeline.weights import build_weight_path
-from rlpost.rewards.scorer import build_scorer
+from rlpost.rewards.routing import build_routed_scorer
 from rlpost.rewards.worker import RewardWorker
 from rlpost.rollout.continuous import ContinuousEngine
 from rlpost.rollout.hf_engine import HFEngine
@@ -78,6 +79,8 @@ def build_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, int]]
 def load_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, LoadReport]]:
     """(train prompts, held-out prompts, {"train": report, "eval": report})."""
     d = cfg.data
+    if d.sources:
+        return load_sources(cfg)
     reports = {"train": LoadReport(), "eval": LoadReport()}
     if d.task == "arith":
         try:
@@ -112,9 +115,12 @@ def load_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, LoadRe
     return train, held_out, reports
 
 
-def fit_to_model(cfg: Config, prompts: list[Prompt], report: LoadReport) -> list[Prompt]:
-    """Prompts rendered for the model (chat template, system prompt), those too long for its
-    context refused or skipped and counted; rollout.max_tokens must leave room for a prompt."""
+def fit_to_model(
+    cfg: Config, prompts: list[Prompt], report: LoadReport, *, system_prompt: str | None = None
+) -> list[Prompt]:
+    """Prompts rendered for the model (chat template, system prompt: ``system_prompt`` or
+    data.system_prompt), those too long for its context refused or skipped and counted;
+    rollout.max_tokens must leave room for a prompt."""
     if cfg.model.path is None:
         tokenizer, limit = build_char_tokenizer(), cfg.model.tiny.max_position_embeddings
         source = "model.tiny.max_position_embeddings"
@@ -136,7 +142,7 @@ def fit_to_model(cfg: Config, prompts: list[Prompt], report: LoadReport) -> list
         on_bad_row=cfg.data.on_bad_row,
         report=report,
         chat_template=cfg.data.chat_template,
-        system_prompt=cfg.data.system_prompt,
+        system_prompt=system_prompt or cfg.data.system_prompt,
     )
 
 
@@ -516,5 +522,32 @@ def agent_demonstrations(cfg: Config, tokenizer):
 
 
 def build_reward_worker(cfg: Config) -> RewardWorker:
-    scorer = build_scorer(cfg.reward, truncated_reward=cfg.rollout.truncated_reward)
+    truncated = cfg.rollout.truncated_reward
+    scorer = build_routed_scorer(cfg.reward, cfg.data.sources, truncated_reward=truncated)
     return RewardWorker(scorer, max_tokens=cfg.rollout.max_tokens)
+
+
+def load_sources(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, LoadReport]]:
+    """``data.sources``: each source loaded, rendered with its own system prompt and fitted
+    to the model; the reports sum them and keep each source's own (``LoadReport.sources``)."""
+    reports = {"train": LoadReport(), "eval": LoadReport()}
+    train, held_out = [], []
+    for src in cfg.data.sources:
+        try:
+            got = load_source(src, on_bad_row=cfg.data.on_bad_row)
+        except ValueError as exc:
+            if isinstance(exc, DataError):
+                raise
+            raise ConfigError(str(exc)) from None
+        sp = src.system_prompt
+        part = fit_to_model(cfg, got.train, got.train_report, system_prompt=sp)
+        if not part:
+            raise DataError(
+                f"data.sources[{src.name}]: no training prompt fits the model "
+                f"({got.train_report.first_problem or 'no rows'})"
+            )
+        train += part
+        held_out += fit_to_model(cfg, got.held_out, got.eval_report, system_prompt=sp)
+        reports["train"].add(src.name, got.train_report)
+        reports["eval"].add(src.name, got.eval_report)
+    return train, held_out, reports

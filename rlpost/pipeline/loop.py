@@ -32,6 +32,7 @@ import torch
 from rlpost.algos import ADVANTAGES, AdaptiveKLController, FixedKLController
 from rlpost.config import Config
 from rlpost.data import PromptSampler
+from rlpost.data.sources import make_sampler
 from rlpost.errors import WorkerError, one_line
 from rlpost.observe import Guards, Recorder
 from rlpost.observe.memory import set_mmap_threshold
@@ -50,6 +51,7 @@ from rlpost.pipeline.learnability import LearnabilityCheck
 from rlpost.pipeline.memory import check_memory, summary_fields
 from rlpost.pipeline.plan import StepPlan, checked_plan, resolve_step_plan
 from rlpost.pipeline.rundir import finish_run, prepare_run_dir, warm_start
+from rlpost.pipeline.source_metrics import source_metrics
 from rlpost.pipeline.stages import RolloutSettings, TrainSettings, train_stage
 from rlpost.pipeline.weights import WeightPath, build_weight_path
 from rlpost.pipeline.workers import Workers
@@ -289,7 +291,9 @@ def _new_run(cfg: Config, run_dir: Path, workers: Workers, train_prompts, ckpt) 
         cfg=cfg,
         run_dir=run_dir,
         w=workers,
-        sampler=PromptSampler(train_prompts, cfg.rollout.prompts_per_step, seed=cfg.run.seed),
+        sampler=make_sampler(
+            train_prompts, cfg.data.sources, cfg.rollout.prompts_per_step, cfg.run.seed
+        ),
         kl_ctl=AdaptiveKLController(kl.beta, kl.target, kl.horizon)
         if kl.target
         else FixedKLController(kl.beta),
@@ -349,7 +353,16 @@ def rl_step(r: Run, step: int) -> tuple[dict, list]:
         "hacking_flags": float(len(flags)),
     }
     components = {f"reward/{k}": _nanmean(v) for k, v in _components(out.groups).items()}
-    return merge_metrics(m, fed.stats, own, out.stats, components), stats.actions
+    sources = source_metrics(out.groups) | reward_counts(r)
+    return merge_metrics(m, fed.stats, own, out.stats, components, sources), stats.actions
+
+
+def reward_counts(r: Run) -> dict[str, float]:
+    """The reward worker's running counts (invalid scores, scorer errors) of a mixture run,
+    as ``reward_count/<term>/<count>`` ({} for one source)."""
+    if not r.cfg.data.sources:
+        return {}
+    return {f"reward_count/{k}": float(v) for k, v in r.w.reward.counters().items()}
 
 
 def _drop_ratio(m: dict, stale: float) -> float:

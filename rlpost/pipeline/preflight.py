@@ -54,7 +54,8 @@ def data_counts(reports: dict[str, LoadReport]) -> dict[str, int]:
 def report_data(run_dir: Path, reports: dict[str, LoadReport], *, fresh: bool) -> None:
     """Show skipped rows on the console and write them to the run directory."""
     detail = {
-        split: {**r.counts(split), "skipped_rows": r.problems} for split, r in reports.items()
+        split: {**r.counts(split), "skipped_rows": r.problems, **source_detail(split, r)}
+        for split, r in reports.items()
     }
     (run_dir / DATA_REPORT).write_text(json.dumps(detail, indent=2))
     for split, r in reports.items():
@@ -82,4 +83,18 @@ def read_data_counts(run_dir: Path) -> dict[str, int]:
     if not path.is_file():
         return {}
     detail = json.loads(path.read_text())
-    return {k: v for split in detail.values() for k, v in split.items() if k != "skipped_rows"}
+    skip = ("skipped_rows", "sources")
+    return {k: v for split in detail.values() for k, v in split.items() if k not in skip}
+
+
+def source_detail(split: str, report: LoadReport) -> dict:
+    """``{"sources": {name: counts, skipped rows and info}}`` of a report that sums
+    data.sources ({} for one source)."""
+    if not report.sources:
+        return {}
+    return {
+        "sources": {
+            name: {**r.counts(split), "skipped_rows": r.problems, **r.info}
+            for name, r in report.sources.items()
+        }
+    }

@@ -615,3 +615,102 @@ def conversations_are_for_rlpost_sft(cfg: Config) -> str | None:
             "first, then this command with model.path=RUN_DIR/sft_model sft.steps=0"
         )
     return None
+
+
+# ------------------------------------------------------------------ data sources
+
+
+@rule()
+def sources_named_once(cfg: Config) -> str | None:
+    names = [s.name for s in cfg.data.sources]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        return (
+            f"data.sources name={twice[0]}: two sources share the name (rows, rewards and "
+            "metrics are told apart by it); give each source its own name"
+        )
+    return None
+
+
+@rule()
+def sources_replace_one_source_keys(cfg: Config) -> str | None:
+    d = cfg.data
+    if not d.sources:
+        return None
+    if d.task == "prefs":
+        return (
+            "data.task=prefs: data.sources holds prompt sources, for rlpost train; "
+            "drop data.sources for rlpost dpo"
+        )
+    for key in ("train_path", "eval_path"):
+        if getattr(d, key):
+            return (
+                f"data.{key}={getattr(d, key)}: data.sources replaces it; "
+                f"set it on a source (data.sources[i].{key}) and drop data.{key}"
+            )
+    if d.task != "arith":  # the default: a recipe's base may name it
+        return f"data.task={d.task}: data.sources replaces it; set task on each source"
+    if d.prompt_template != "{prompt}":
+        return (
+            f"data.prompt_template={d.prompt_template}: data.sources replaces it; "
+            "set prompt_template on each source"
+        )
+    return None
+
+
+@rule()
+def source_keys_fit_its_task(cfg: Config) -> str | None:
+    for s in cfg.data.sources:
+        key = f"data.sources[{s.name}]"
+        if s.task == "file" and not s.train_path:
+            return f"{key}.train_path=None: a file source needs it; set it to its rows' file"
+        if s.task != "file" and (s.train_path or s.eval_path):
+            path = s.train_path or s.eval_path
+            return f"{key}.train_path={path}: task={s.task} reads no file; set task=file or drop it"
+        problem = _template_problem(s.prompt_template, s.task)
+        if problem is not None:
+            return f"{key}.prompt_template={s.prompt_template}: {problem}"
+    return None
+
+
+def _template_problem(template: str, task: str) -> str | None:
+    """Why ``template`` cannot format a row of ``task`` (one phrase and its fix), or None."""
+    import string
+
+    try:
+        names = {f for _, f, _, _ in string.Formatter().parse(template) if f}
+    except ValueError as exc:
+        return f"not a format string ({exc}); escape braces as {{{{ and }}}}"
+    reach = sorted(f for f in names if "." in f or "[" in f)
+    if reach:
+        return f"field {{{reach[0]}}} reaches into a value; name whole fields, e.g. {{prompt}}"
+    if task != "file" and names - {"prompt"}:
+        return f"names {sorted(names - {'prompt'})[0]!r}; task={task} rows have only {{prompt}}"
+    return None
+
+
+@rule(*RL)
+def source_rewards_resolve(cfg: Config) -> str | None:
+    for s in cfg.data.sources:
+        if s.reward is None:
+            continue
+        if not s.reward:
+            return f"data.sources[{s.name}].reward=[]: no term scores it; add one or drop reward"
+        try:
+            check_terms(cfg.reward.model_copy(update={"terms": s.reward}))
+        except (UnknownNameError, ValueError) as exc:
+            return f"data.sources[{s.name}].reward: {exc}"
+    return None
+
+
+@rule()
+def reasoning_gym_task_generates(cfg: Config) -> str | None:
+    from rlpost.data.reasoning_gym import task_problem
+
+    for s in cfg.data.sources:
+        if s.task != "reasoning_gym":
+            continue
+        problem = task_problem(s.reasoning_gym)
+        if problem is not None:
+            return f"data.sources[{s.name}].reasoning_gym.task={s.reasoning_gym.task}: {problem}"
+    return None

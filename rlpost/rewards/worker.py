@@ -27,6 +27,7 @@ def reward_samples(groups: list[Group], max_tokens: int) -> list[RewardSample]:
             finish_reason=c.finish_reason,
             num_tokens=len(c.token_ids),
             max_tokens=max_tokens,
+            source=g.prompt.source,
         )
         for g in groups
         for c in g.completions

@@ -178,6 +178,32 @@ CASES = {
         "sft.data=chat_arith trains on conversations with rlpost sft only",
     ),
 }
+SRC = "data.sources=[{name: a, task: arith}]"
+CASES.update(
+    {
+        "sources_named_once": (
+            "train", [], ["data.sources=[{name: a, task: arith}, {name: a, task: code}]"],
+            "data.sources name=a: two sources share the name",
+        ),
+        "sources_replace_one_source_keys": (
+            "train", [SRC], ["data.train_path=t.jsonl"],
+            "data.train_path=t.jsonl: data.sources replaces it",
+        ),
+        "source_keys_fit_its_task": (
+            "train", [], ["data.sources=[{name: a}]"],
+            "data.sources[a].train_path=None: a file source needs it",
+        ),
+        "source_rewards_resolve": (
+            "train", [], ["data.sources=[{name: a, task: arith, reward: [{name: nope}]}]"],
+            "data.sources[a].reward: unknown reward 'nope'",
+        ),
+        "reasoning_gym_task_generates": (
+            "train", [],
+            ["data.sources=[{name: g, task: reasoning_gym, reasoning_gym: {task: nope}}]"],
+            "data.sources[g].reasoning_gym.task=nope:",
+        ),
+    }
+)  # fmt: skip
 RULE = {r.name: r for r in rules.RULES}
 
 

@@ -1,0 +1,165 @@
+"""reasoning-gym tasks as a data source (extra ``[reasoning_gym]``).
+
+A source ``task: reasoning_gym`` names a task and its generator settings; its rows
+are generated once at load, in this process, from a fixed seed (never the run
+seed), and de-duplicated by question. The first ``eval_size`` unique questions are
+held out and the next ``train_size`` train, so no held-out question is a training
+one; a task whose space holds fewer unique questions than asked gives what it has,
+and the data report says how many it found in how many draws.
+
+Each prompt keeps the task's entry, in memory, in ``metadata["reasoning_gym"]``:
+the ``reasoning_gym`` reward calls the task's own scorer on it (some scorers,
+arc_agi's and rearc's, score wrongly once an entry went through JSON, which turns
+their tuples into lists). Entries are plain data, so they survive pickling to a
+worker and a checkpoint.
+
+Known traps, checked by ``tests/integration/test_reasoning_gym_tasks.py``:
+- a few tasks draw their rows in an order that depends on Python's string hash, so
+  another process (a resume) would see other rows: they are generated in a child
+  process with ``PYTHONHASHSEED=0`` unless this process already fixes it;
+- tasks whose scorer is broken are refused at load with the reason (:data:`BROKEN`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import pickle
+import subprocess
+import sys
+from typing import Any
+
+from rlpost.config import ReasoningGymConfig
+from rlpost.types import Prompt
+
+BROKEN: dict[str, str] = {
+    "game_of_life_halting": "its scorer gives 1.0 to any non-empty answer",
+    "composite": "it mixes other tasks; list those tasks as sources of their own",
+}
+"""Tasks refused at load, with the reason."""
+
+HASH_SEEDED = frozenset(
+    {
+        "isomorphic_strings",
+        "knight_swap",
+        "list_functions",
+        "polynomial_multiplication",
+        "ransom_note",
+        "word_ladder",
+    }
+)
+"""Tasks whose rows depend on Python's string hash (seen with PYTHONHASHSEED=1 and 2)."""
+
+STALL_DRAWS = 200
+"""Draws in a row without a new question after which the task's space is taken as spent."""
+
+
+def _import():
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise ValueError(
+            "task=reasoning_gym needs the reasoning-gym package: pip install 'rlpost[reasoning_gym]'"
+        ) from None
+    return reasoning_gym
+
+
+def task_problem(c: ReasoningGymConfig) -> str | None:
+    """Why this source cannot generate rows (one phrase with its fix), or None."""
+    try:
+        rg = _import()
+    except ValueError as exc:
+        return str(exc)
+    from reasoning_gym.factory import DATASETS
+
+    if not c.task:
+        return "no task named; set reasoning_gym.task (e.g. basic_arithmetic)"
+    if c.task not in DATASETS:
+        near = difflib.get_close_matches(c.task, list(DATASETS), n=3)
+        fix = f"did you mean {', '.join(near)}" if near else "see reasoning_gym.factory.DATASETS"
+        return f"reasoning-gym has no task {c.task!r}; {fix}"
+    if c.task in BROKEN:
+        return f"refused: {BROKEN[c.task]}"
+    reserved = sorted({"seed", "size"} & set(c.config))
+    if reserved:
+        return f"config.{reserved[0]} is set by the source; use reasoning_gym.{reserved[0]}"
+    try:
+        rg.create_dataset(c.task, seed=c.seed, size=1, **c.config)
+    except (TypeError, ValueError, AssertionError) as exc:  # the task's own config checks
+        return f"task {c.task} refuses config {c.config} ({type(exc).__name__}: {exc})"
+    return None
+
+
+def draw(task: str, config: dict[str, Any], seed: int, wanted: int, max_draws: int) -> tuple:
+    """(entries of unique questions with their draw index, draws made): up to ``wanted``
+    of them in at most ``max_draws`` draws, stopping early once :data:`STALL_DRAWS`
+    draws in a row bring nothing new."""
+    rg = _import()
+    dataset = rg.create_dataset(task, seed=seed, size=max_draws, **config)
+    seen: set[str] = set()
+    out: list[tuple[int, dict]] = []
+    stall = i = 0
+    for i in range(max_draws):
+        entry = dataset[i]
+        if entry["question"] in seen:
+            stall += 1
+            if stall >= STALL_DRAWS:
+                break
+            continue
+        stall = 0
+        seen.add(entry["question"])
+        out.append((i, entry))
+        if len(out) >= wanted:
+            break
+    return out, i + 1
+
+
+def _draw_fixed_hash(*args) -> tuple:
+    """:func:`draw` in a child process whose string hash is fixed (:data:`HASH_SEEDED`)."""
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    code = (
+        "import pickle, sys; from rlpost.data.reasoning_gym import draw; "
+        "sys.stdout.buffer.write(pickle.dumps(draw(*pickle.loads(sys.stdin.buffer.read()))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], input=pickle.dumps(args), capture_output=True, env=env
+    )
+    if done.returncode != 0:
+        tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:]
+        raise ValueError(f"generating {args[0]} in a child process failed ({''.join(tail)})")
+    return pickle.loads(done.stdout)  # our own child's output, written just above
+
+
+def generate_splits(
+    c: ReasoningGymConfig, template: str
+) -> tuple[list[Prompt], list[Prompt], dict[str, Any]]:
+    """(train prompts, held-out prompts, what the generation gave) of one source."""
+    problem = task_problem(c)
+    if problem is not None:
+        raise ValueError(f"reasoning_gym.task={c.task}: {problem}")
+    asked = c.train_size + c.eval_size
+    args = (c.task, dict(c.config), c.seed, asked, 4 * asked + STALL_DRAWS)
+    fixed = os.environ.get("PYTHONHASHSEED") == "0"  # the child's, so every start agrees
+    entries, draws = draw(*args) if fixed or c.task not in HASH_SEEDED else _draw_fixed_hash(*args)
+    if len(entries) <= c.eval_size:
+        raise ValueError(
+            f"reasoning_gym.eval_size={c.eval_size}: task {c.task} gave {len(entries)} unique "
+            f"questions in {draws} draws, none left to train on; lower eval_size or widen its config"
+        )
+    prompts = [
+        Prompt(
+            text=template.format(prompt=e["question"]),
+            answer=e.get("answer"),
+            metadata={"reasoning_gym": {"task": c.task, "config": dict(c.config), "entry": e}},
+            uid=f"{c.task}:{i}",
+        )
+        for i, e in entries
+    ]
+    info = {
+        "task": c.task,
+        "asked": asked,
+        "draws": draws,
+        "unique": len(entries),
+        "short": max(0, asked - len(entries)),
+    }
+    return prompts[c.eval_size :], prompts[: c.eval_size], info

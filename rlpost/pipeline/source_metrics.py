@@ -1,0 +1,63 @@
+"""Per-source health of a step: what the run-wide means hide in a mixture of sources.
+
+One source stuck at zero reward, or always truncated, or flat in every group, is
+averaged away by the others; so every step writes, for each source that had
+prompts in its batch, ``source/<name>/<metric>``:
+
+- ``reward_mean``: mean final score of its samples;
+- ``accuracy``: fraction of its samples scoring above 0.5 (as held-out accuracy);
+- ``response_length_mean``: mean response tokens;
+- ``truncated_frac``: fraction cut at ``rollout.max_tokens``;
+- ``zero_spread_frac``: fraction of its groups whose scores are all equal (no GRPO signal);
+- ``prompts``: its groups in the batch.
+
+These keys have this module as their one owner; a one-source run has none. The
+recorder exports all but ``prompts`` to Prometheus as ``rl_source_<metric>{source=...}``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlpost.algos import group_zero_spread_fraction
+from rlpost.observe.metrics import SOURCE_KEY_PREFIX as PREFIX
+from rlpost.types import Group
+
+FIELDS = (
+    "reward_mean",
+    "accuracy",
+    "response_length_mean",
+    "truncated_frac",
+    "zero_spread_frac",
+    "prompts",
+)
+
+
+def source_metrics(groups: list[Group]) -> dict[str, float]:
+    """``source/<name>/<field>`` of every source in ``groups`` ({} when none has a source)."""
+    by: dict[str, list[Group]] = {}
+    for g in groups:
+        if g.prompt.source:
+            by.setdefault(g.prompt.source, []).append(g)
+    out: dict[str, float] = {}
+    for name, part in sorted(by.items()):
+        scores = [s for g in part for s in g.scores]
+        completions = [c for g in part for c in g.completions]
+        group = torch.tensor([i for i, g in enumerate(part) for _ in range(g.n)])
+        values = {
+            "reward_mean": sum(scores) / len(scores),
+            "accuracy": sum(s > 0.5 for s in scores) / len(scores),
+            "response_length_mean": sum(len(c.token_ids) for c in completions) / len(completions),
+            "truncated_frac": sum(c.truncated for c in completions) / len(completions),
+            "zero_spread_frac": group_zero_spread_fraction(
+                torch.tensor(scores, dtype=torch.float64), group
+            ),
+            "prompts": float(len(part)),
+        }
+        out.update({f"{PREFIX}{name}/{k}": float(v) for k, v in values.items()})
+    return out
+
+
+def sources_in(row: dict) -> list[str]:
+    """The source names of a metrics row's ``source/<name>/...`` keys, sorted."""
+    return sorted({k[len(PREFIX) :].rsplit("/", 1)[0] for k in row if k.startswith(PREFIX)})
