@@ -68,36 +68,49 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
     return slope, my - slope * mx
 
 
-def reference_slopes() -> dict[str, float]:
-    """MiB per response token of the two candidates for what sets the slope.
+PROMPT_TOKENS = 6
+"""The default job's prompts: 4-6 characters ("16+9=") and BOS, one token each."""
 
-    hidden: what grows with the response on the chunked path, from the formulas of the
-    memory preflight (``rlpost/pipeline/memory.py``): one micro-batch's activations,
-    ``MICRO x L x 34 h`` float32 values per token (Korthikanti et al. 2022), plus the
-    engine's KV cache for every row, ``rows x L x 2 h`` float32 values per token (the
-    ``5 a s`` attention-score term is left out: the fp32 trainer runs sdpa, which keeps
-    no score matrix). vocabulary: the unchunked path's logits, their float32 copy and their
-    gradient, ``3 x MICRO x V`` float32 values per token."""
-    act = MICRO * LAYERS * 34 * HIDDEN * 4 / 2  # Korthikanti's 34 h is in 2-byte units
-    kv = PROMPTS * GROUP * LAYERS * 2 * HIDDEN * 4
-    return {"hidden": (act + kv) / MIB, "vocabulary": 3 * MICRO * VOCAB * 4 / MIB}
+
+def hidden_estimate_mib(tokens: int) -> float:
+    """What grows with the response on the chunked path, from the formulas of the memory
+    preflight (``rlpost/pipeline/memory.py``): one micro-batch's activations (Korthikanti et
+    al. 2022, eq. 2, ``s b (34 h + 5 a s)`` values per layer, float32 here) and the engine's
+    KV cache of every row (``rows x s x L x 2 h`` float32 values), at ``s`` = prompt +
+    response. The vocabulary is not in it: the head holds one chunk whatever ``s``."""
+    s = PROMPT_TOKENS + tokens
+    act = LAYERS * MICRO * s * (34 * HIDDEN + 5 * HEADS * s) * 4 / 2 * 2  # fp32: twice 2 bytes
+    kv = PROMPTS * GROUP * s * LAYERS * 2 * HIDDEN * 4
+    return (act + kv) / MIB
+
+
+def reference_slopes(lengths: list[int]) -> dict[str, float]:
+    """MiB per response token of the two candidates for what sets the slope, over
+    ``lengths``: hidden, the least-squares slope of :func:`hidden_estimate_mib` (its
+    ``5 a s`` attention term makes it grow a little with ``s``); vocabulary, the slope the
+    unchunked path's logits, their float32 copy and their gradient would add,
+    ``3 x MICRO x V`` float32 values per token."""
+    line = fit([(n, hidden_estimate_mib(n)) for n in lengths])
+    hidden = line[0] if line else hidden_estimate_mib(1) - hidden_estimate_mib(0)
+    return {"hidden": hidden, "vocabulary": 3 * MICRO * VOCAB * 4 / MIB}
 
 
 def slope_note(runs: dict, lengths: list[int], side: str = "chunked") -> str:
     pts = [(n, best(runs, side, n, "peak_rss_mib")) for n in lengths]
     pts = [(n, m) for n, m in pts if m is not None]
-    line, ref = fit(pts), reference_slopes()
+    line, ref = fit(pts), reference_slopes([n for n, _ in pts])
     if line is None:
         return f"{side}: fewer than two lengths measured, no slope"
     slope, icpt = line
     return (
         f"{side} peak RSS ~ {icpt:,.0f} MiB + {slope:.2f} MiB per response token "
         f"(fit over {', '.join(str(n) for n, _ in pts)} tokens); the hidden-size estimate "
-        f"is {ref['hidden']:.2f} MiB/token (activations of a micro-batch of {MICRO} and the "
-        f"KV cache of {PROMPTS * GROUP} rows at hidden {HIDDEN}, {LAYERS} layers), the "
-        f"vocabulary-driven one {ref['vocabulary']:.1f} MiB/token (the [{MICRO}, T, "
-        f"{VOCAB:,}] logits, copy and gradient): measured / hidden "
-        f"{slope / ref['hidden']:.2f}x, measured / vocabulary {slope / ref['vocabulary']:.3f}x"
+        f"over the same lengths is {ref['hidden']:.2f} MiB/token (activations of a "
+        f"micro-batch of {MICRO} and the KV cache of {PROMPTS * GROUP} rows at hidden "
+        f"{HIDDEN}, {LAYERS} layers), the vocabulary-driven one {ref['vocabulary']:.1f} "
+        f"MiB/token (the [{MICRO}, T, {VOCAB:,}] logits, copy and gradient): measured / "
+        f"hidden {slope / ref['hidden']:.2f}x, measured / vocabulary "
+        f"{slope / ref['vocabulary']:.3f}x"
     )
 
 
@@ -124,7 +137,7 @@ def plot(runs: dict, lengths: list[int], sides: list[str], path: str) -> None:
                 color="grey",
                 label=f"chunked fit: {line[0]:.2f} MiB/token",
             )
-            ref = reference_slopes()["vocabulary"]
+            ref = reference_slopes(lengths)["vocabulary"]
             x0, y0 = pts[0]
             ax.plot(
                 xs,

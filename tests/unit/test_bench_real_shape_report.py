@@ -16,11 +16,13 @@ def test_the_fit_recovers_a_line_and_needs_two_points():
 
 
 def test_the_reference_slopes_are_the_hidden_size_and_the_vocabulary_formulas():
-    ref = reference_slopes()
-    # 8 rows x 4 layers x 34 x 256 x 2 bytes + 32 rows x 4 layers x 2 x 256 x 4 bytes
-    assert ref["hidden"] == pytest.approx((8 * 4 * 34 * 256 * 2 + 32 * 4 * 2 * 256 * 4) / 2**20)
+    ref = reference_slopes([0, 1])
+    # 4 layers x 8 rows x (34 x 256 + 5 x 4 x (2 s + 1)) x 4 bytes, s = 6, and the KV cache:
+    # 32 rows x 4 layers x 2 x 256 x 4 bytes
+    act = 4 * 8 * (34 * 256 + 5 * 4 * 13) * 4
+    assert ref["hidden"] == pytest.approx((act + 32 * 4 * 2 * 256 * 4) / 2**20)
     assert ref["vocabulary"] == pytest.approx(3 * 8 * 151_936 * 4 / 2**20)  # ~13.9 MiB
-    assert ref["vocabulary"] > 10 * ref["hidden"]
+    assert ref["vocabulary"] > 5 * reference_slopes([8, 256])["hidden"]
 
 
 def test_the_report_gives_ratios_slope_and_says_what_did_not_fit(tmp_path):
