@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 from model_sizes import QUIET_RUN
+from real_shape_report import report
 
 VOCAB, PROMPTS, GROUP, MICRO, LR = 151_936, 4, 8, 8, 1e-5
 SHAPE = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4)
@@ -154,13 +155,43 @@ def run_rlpost(ckpt: str, dtype: str, length: int, steps: int, extra: list[str])
         return real_eval(r, held_out)
 
     loop.rl_step, loop._full_eval = rl_step, full_eval
-    result = loop.train(cfg)
+    from rlpost.cluster import starter
+
+    result = loop.train(cfg, start=starter(cfg))  # overlapped modes: separate processes
     last = result.history[-1]
     starts.append(starts[-1] + last["step_seconds"] + last.get("sync_seconds", 0.0))
     return {
         "step_seconds": [b - a for a, b in itertools.pairwise(starts)],
         "peak_rss_mib": seen[-1] if seen else peak_rss_mib(),
+        "run_dir": str(result.run_dir),
     }
+
+
+MODE_KEYS = ("trainer_wait_seconds", "sample_lag", "rollout_utilization", "train_utilization")
+
+
+def run_mode(ckpt: str, dtype: str, length: int, steps: int, mode: str) -> dict:
+    """One ``pipeline.mode`` at the real shape: read back from its metrics.jsonl and
+    summary.json. Its workers are separate processes in the overlapped modes, so the loop
+    process's RSS is not the step's peak and is not reported."""
+    import torch
+
+    from rlpost.observe.recorder import read_metrics
+
+    extra = [f"pipeline.mode={mode}"] + (["pipeline.max_staleness=2"] if mode == "async" else [])
+    if mode != "sync":  # the trainer and the rollout process share the cores
+        extra.append(f"run.threads={max(1, torch.get_num_threads() // 2)}")
+    out = run_rlpost(ckpt, dtype, length, steps, extra)
+    run_dir = Path(out.pop("run_dir"))
+    rows = [r for r in read_metrics(run_dir) if "trainer_wait_seconds" in r or "step_seconds" in r]
+    steady = rows[1:] or rows  # the first step fills the pipeline
+    summary = json.loads((run_dir / "summary.json").read_text())
+    out |= {k: statistics.median(r.get(k) or 0.0 for r in steady) for k in MODE_KEYS}
+    out["completions_per_second"] = summary["completions_per_second"]
+    out["steady_completions_per_second"] = (
+        PROMPTS * GROUP / statistics.median(out["step_seconds"][1:] or out["step_seconds"])
+    )
+    return out
 
 
 def run_trl(ckpt: str, dtype: str, length: int, steps: int) -> dict:
@@ -227,6 +258,8 @@ def worker(args) -> None:
     torch.set_num_threads(pick_threads(args.threads))
     if args.worker == "trl":
         out = run_trl(args.ckpt, args.dtype, args.length, args.steps)
+    elif args.worker.startswith("mode:"):
+        out = run_mode(args.ckpt, args.dtype, args.length, args.steps, args.worker[5:])
     else:
         extra = ["train.logits_chunk_tokens=-1"] if args.worker == "full" else []
         out = run_rlpost(args.ckpt, args.dtype, args.length, args.steps, extra)
@@ -237,75 +270,72 @@ def worker(args) -> None:
 # -------------------------------------------------------------------- parent
 
 
-def one_run(side: str, dtype: str, length: int, ckpt: str, args) -> dict | None:
+def rss_mib(pid: int) -> float:
+    """The resident set of a live process (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            line = next((x for x in f if x.startswith("VmRSS:")), "VmRSS: 0 kB")
+    except OSError:
+        return 0.0
+    return float(line.split()[1]) / 1024
+
+
+def capped(cmd: list[str], env: dict, cap_mib: float) -> tuple[int, str, str | None]:
+    """Run ``cmd``; kill it once its RSS passes ``cap_mib`` (exit code, output, why killed)."""
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+        why, top = None, 0.0
+        while proc.poll() is None:
+            top = max(top, rss_mib(proc.pid))
+            if cap_mib and top > cap_mib:
+                proc.kill()
+                why = f"did not fit: its RSS passed the {cap_mib:,.0f} MiB cap"
+            time.sleep(0.5)
+        log.seek(0)
+        return proc.wait(), log.read(), why
+
+
+def one_run(side: str, dtype: str, length: int, ckpt: str, args) -> dict:
+    """One measurement in its own process, so its peak RSS is its own; ``why`` when none."""
     cmd = [sys.executable, __file__, "--worker", side, "--dtype", dtype, "--ckpt", ckpt]
     cmd += ["--length", str(length), "--steps", str(args.steps), "--threads", str(args.threads)]
     root = str(Path(__file__).resolve().parents[1])  # this checkout's rlpost, not an install
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     load = os.getloadavg()[0]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        tail = " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])
-        print(f"  {side} {dtype} {length}: failed (exit {proc.returncode}): {tail}", flush=True)
-        return None
-    out = json.loads(line[len("RESULT ") :])
-    timed = out["step_seconds"][1:] or out["step_seconds"]
-    out["step"] = statistics.median(timed)
-    print(
-        f"  {side:>7} {dtype} {length:>5} tokens: peak RSS {out['peak_rss_mib']:7.0f} MiB  "
-        f"step {out['step']:7.1f} s  threads {out['threads']}  load {load:.2f}",
-        flush=True,
-    )
+    tag = dict(side=side, dtype=dtype, length=length, load=load)
+    free = available_mib()
+    if args.cap_mib and free < args.cap_mib + 1024:  # the cap plus room for everything else
+        out = tag | {"why": f"skipped: {free:,.0f} MiB available, under the cap + 1 GiB"}
+    else:
+        code, text, why = capped(cmd, env, args.cap_mib)
+        line = next((x for x in text.splitlines() if x.startswith("RESULT ")), None)
+        if why or code != 0 or line is None:
+            tail = " | ".join(text.strip().splitlines()[-2:])
+            out = tag | {"why": why or f"failed (exit {code}): {tail}"}
+        else:
+            out = json.loads(line[len("RESULT ") :]) | tag
+            timed = out["step_seconds"][1:] or out["step_seconds"]
+            out["step"] = statistics.median(timed)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        with open(Path(args.out) / "runs.jsonl", "a") as f:
+            f.write(json.dumps(out) + "\n")
+    if "why" in out:
+        print(f"  {side:>7} {dtype} {length:>5} tokens: {out['why']}", flush=True)
+    else:
+        print(
+            f"  {side:>7} {dtype} {length:>5} tokens: peak RSS {out['peak_rss_mib']:7.0f} MiB  "
+            f"step {out['step']:7.1f} s  threads {out['threads']}  load {load:.2f}",
+            flush=True,
+        )
     return out
 
 
-def best(runs: dict, side: str, length: int, key: str) -> float | None:
-    """The side's best (lowest) value of ``key`` over the dtypes run at ``length``."""
-    vals = [r[key] for (s, _, n), r in runs.items() if s == side and n == length and r]
-    return min(vals) if vals else None
-
-
-def table(runs: dict, lengths: list[int], sides: list[str]) -> str:
-    head = "| tokens | " + " | ".join(f"{s} peak MiB / step s" for s in sides)
-    ratios = [(a, b) for a, b in (("chunked", "full"), ("chunked", "trl")) if {a, b} <= set(sides)]
-    head += "".join(f" | {a} / {b} memory, speed" for a, b in ratios) + " |"
-    lines = [head, "|" + " --- |" * (1 + len(sides) + len(ratios))]
-    for n in lengths:
-        cells = []
-        for s in sides:
-            m, t = best(runs, s, n, "peak_rss_mib"), best(runs, s, n, "step")
-            cells.append("failed" if m is None else f"{m:.0f} / {t:.1f}")
-        for a, b in ratios:
-            ma, mb = best(runs, a, n, "peak_rss_mib"), best(runs, b, n, "peak_rss_mib")
-            ta, tb = best(runs, a, n, "step"), best(runs, b, n, "step")
-            ok = None not in (ma, mb, ta, tb)
-            cells.append(f"**{ma / mb:.2f}x**, **{tb / ta:.2f}x**" if ok else "-")
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def plot(runs: dict, lengths: list[int], sides: list[str], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for s in sides:
-        pts = [(n, best(runs, s, n, "peak_rss_mib")) for n in lengths]
-        pts = [(n, m) for n, m in pts if m is not None]
-        if pts:
-            ax.plot(*zip(*pts, strict=True), marker="o", label=s)
-    ax.set_xlabel("response tokens")
-    ax.set_ylabel("peak RSS (MiB)")
-    ax.set_title(f"vocab {VOCAB:,}, hidden 256, 4 layers; {PROMPTS} x {GROUP}, micro {MICRO}")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    print(f"plot: {path}")
+def available_mib() -> float:
+    with open("/proc/meminfo") as f:
+        line = next((x for x in f if x.startswith("MemAvailable:")), "MemAvailable: 0 kB")
+    return float(line.split()[1]) / 1024
 
 
 def main() -> None:
@@ -318,7 +348,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="steps per run (the first is warm-up)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: rlpost's rule)")
     ap.add_argument("--plot", default="", help="PNG path for peak memory against length")
-    ap.add_argument("--worker", choices=["trl", "full", "chunked"], help=argparse.SUPPRESS)
+    ap.add_argument("--modes", default="", help="pipeline modes, e.g. sync,one_step_off,async")
+    ap.add_argument("--mode-length", type=int, default=256, help="response tokens of --modes")
+    ap.add_argument("--mode-steps", type=int, default=3, help="steps per mode (first: fill)")
+    ap.add_argument("--out", default="", help="directory for runs.jsonl (one line per run)")
+    ap.add_argument(
+        "--cap-mib", type=float, default=6144, help="kill a run whose RSS passes this (0: none)"
+    )
+    ap.add_argument("--worker", help=argparse.SUPPRESS)  # trl, full, chunked or mode:NAME
     ap.add_argument("--dtype", choices=["fp32", "bf16"], help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     ap.add_argument("--length", type=int, help=argparse.SUPPRESS)
@@ -326,18 +363,26 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    lengths = [int(x) for x in args.lengths.split(",")]
+    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else []
     sides, dtypes = args.sides.split(","), args.dtypes.split(",")
-    ckpt = str(save_checkpoint(Path(tempfile.mkdtemp(prefix="real-ckpt-")), max(lengths) + 128))
+    modes = [m for m in args.modes.split(",") if m]
+    longest = max(lengths + ([args.mode_length] if modes else []))
+    ckpt = str(save_checkpoint(Path(tempfile.mkdtemp(prefix="real-ckpt-")), longest + 128))
     print(
         f"vocab {VOCAB:,}, {PROMPTS} prompts x {GROUP}, micro-batches of {MICRO}, "
-        f"{args.steps} steps per run; load {os.getloadavg()[0]:.2f}",
+        f"{args.steps} steps per run, RSS cap {args.cap_mib:,.0f} MiB; "
+        f"load {os.getloadavg()[0]:.2f} (2 shared cores: step times are taken under load)",
         flush=True,
     )
     runs = {(s, d, n): one_run(s, d, n, ckpt, args) for n in lengths for d in dtypes for s in sides}
-    print("\n" + table(runs, lengths, sides))
-    if args.plot:
-        plot(runs, lengths, sides, args.plot)
+    steps = args.steps
+    args.steps = args.mode_steps
+    for m in modes:
+        runs[(f"mode:{m}", dtypes[0], args.mode_length)] = one_run(
+            f"mode:{m}", dtypes[0], args.mode_length, ckpt, args
+        )
+    args.steps = steps
+    print("\n" + report(runs, args.plot))
     print(f"load after {os.getloadavg()[0]:.2f}")
 
 

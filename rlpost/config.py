@@ -59,8 +59,8 @@ class RunConfig(Section):
     """Seed for data order, sampling and initialisation."""
     threads: int = Field(0, ge=0)
     """torch intra-op threads; 0: the cores other processes leave free at start (cores minus
-    the CPUs busy in a short /proc/stat sample, at least 1). Tiny models run best on 1
-    (docs/performance.md)."""
+    the CPUs busy in a short /proc/stat sample, at least 1), said in one line and re-checked
+    after every step as the load moves. Tiny models run best on 1 (docs/performance.md)."""
     device: Literal["auto", "cpu", "cuda"] = "cpu"
     """Where the trainer and the in-process engine compute: cpu; cuda (the current GPU, or
     one per data-parallel rank, with bf16 autocast when model.dtype=bfloat16; refused

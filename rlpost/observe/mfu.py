@@ -126,7 +126,9 @@ def pick_threads(requested: int, *, cores: int | None = None, load: float | None
         # Decided once per process: two runs in one process (a run and its resume)
         # then compute with the same thread count, so with the same float rounding.
         if not _AUTO_THREADS:
-            _AUTO_THREADS.append(pick_threads(0, cores=_usable_cores(), load=_load()))
+            cores, load = _usable_cores(), _load()
+            _AUTO_THREADS.append(pick_threads(0, cores=cores, load=load))
+            _AUTO_WHY[:] = [cores, load]  # for the one line that says why
         return _AUTO_THREADS[0]
     cores = _usable_cores() if cores is None else cores
     load = _load() if load is None else load
@@ -134,6 +136,7 @@ def pick_threads(requested: int, *, cores: int | None = None, load: float | None
 
 
 _AUTO_THREADS: list[int] = []
+_AUTO_WHY: list[float] = []  # the usable cores and the busy CPUs behind _AUTO_THREADS
 
 
 def _usable_cores() -> int:

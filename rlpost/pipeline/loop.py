@@ -37,7 +37,7 @@ from rlpost.errors import WorkerError, one_line
 from rlpost.observe import Guards, Recorder
 from rlpost.observe.memory import set_mmap_threshold
 from rlpost.observe.metrics import merge_metrics
-from rlpost.observe.mfu import pick_threads
+from rlpost.observe.threads import start_threads
 from rlpost.pipeline import build, rules
 from rlpost.pipeline.console import Console
 from rlpost.pipeline.evaluate import evaluate
@@ -125,7 +125,7 @@ def train(
     run_dir, train_prompts, held_out = prepare_run_dir(cfg, resume)  # the one data load
     console = console or Console(enabled=cfg.observe.progress)
     torch.manual_seed(cfg.run.seed)
-    torch.set_num_threads(pick_threads(cfg.run.threads))
+    follower = start_threads(cfg.run.threads, torch.set_num_threads)  # None unless 0
     set_mmap_threshold(cfg.run.malloc_mmap_threshold)
     started = time.time()
     held_out = held_out[: cfg.eval.limit] if cfg.eval.limit else held_out
@@ -167,6 +167,8 @@ def train(
                 _stop_on_lost_worker(r, step, exc)
             step += 1
             rl_seconds += time.perf_counter() - t0
+            if follower is not None:
+                follower.after_step()
             if _eval_due(cfg, step):
                 r.feed.pause()
                 m = merge_metrics(m, _eval(r, held_out, greedy=False))
@@ -199,7 +201,7 @@ def train(
     pace = {
         "rl_seconds": rl_seconds,
         "completions_per_second": trained / max(rl_seconds, 1e-9),
-        "threads": torch.get_num_threads(),  # run.threads=0 decides it at start from the load
+        "threads": torch.get_num_threads(),  # run.threads=0: the count after the last step
     }
     if "eval_tool_call_rate" in first_eval:  # multi-turn episodes: tool use before and after RL
         pace["eval_tool_call_rate_start"] = first_eval["eval_tool_call_rate"]

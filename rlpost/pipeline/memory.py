@@ -180,14 +180,16 @@ REAL_SHAPE_PARAMS, REAL_SHAPE_VOCAB = 10_000_000, 32_000
 
 
 def note_idle_cores(cfg: Config, shape: dict) -> bool:
-    """One line when ``run.threads=1`` leaves cores idle at a real shape (the toy recipe's
-    setting, 1.6x slower than ``run.threads=0`` at a 151,936-token vocabulary); True if said."""
+    """One line when a fixed ``run.threads`` leaves cores idle at a real shape (the toy
+    recipe's 1 is 1.6x slower than ``run.threads=0`` at a 151,936-token vocabulary); True
+    if said."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     real = shape["params"] >= REAL_SHAPE_PARAMS or shape["vocab"] >= REAL_SHAPE_VOCAB
-    if cfg.run.threads != 1 or (cores or 1) < 2 or not real:
+    threads, cores = cfg.run.threads, cores or 1
+    if not 0 < threads < cores or not real:
         return False
     print(
-        f"rlpost: run.threads=1 leaves {cores - 1} of {cores} cores idle for a model of "
+        f"rlpost: run.threads={threads} leaves {cores - threads} of {cores} cores idle for a model of "
         f"{shape['params'] / 1e6:.0f}M parameters (vocabulary {shape['vocab']:,}); "
         "run.threads=0 uses the cores other work leaves free",
         flush=True,

@@ -75,6 +75,10 @@ def test_one_thread_at_a_real_shape_is_noted(tmp_path, capsys, monkeypatch):
     assert "run.threads=1 leaves 3 of 4 cores idle" in line and "\n" not in line
     assert not note_idle_cores(load_config(None, ["run.threads=1"]), toy)
     assert not note_idle_cores(load_config(None, ["run.threads=0"]), real)
+    capsys.readouterr()
+    assert note_idle_cores(load_config(None, ["run.threads=2"]), real)
+    assert "run.threads=2 leaves 2 of 4 cores idle" in capsys.readouterr().out
+    assert not note_idle_cores(load_config(None, ["run.threads=4"]), real)
     monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0})
     assert not note_idle_cores(load_config(None, ["run.threads=1"]), real)
 

@@ -1,0 +1,99 @@
+"""``run.threads=0`` during a run: the torch threads follow the cores other work leaves free.
+
+The start decision (:func:`rlpost.observe.mfu.pick_threads`) samples the machine once; a
+moment of other load then kept a whole run on one thread (a real-shape sync step took 70 s
+instead of 51 s after starting beside another job). :class:`ThreadFollower` re-checks after
+every step, from counters the kernel already keeps (``/proc/stat`` and this process's CPU
+time over the step just run), so the check costs no sampling window.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from rlpost.observe import mfu
+from rlpost.observe.mfu import _allowed_cpus, _cpu_times, _usable_cores, busy_cpus
+
+MARGIN = 0.25
+"""CPUs beyond the half-way point the free cores must move before the count changes: a
+load hovering at a rounding boundary would otherwise flip the count (and the float
+rounding) every step."""
+
+
+def follow_threads(current: int, cores: int, others_busy: float, margin: float = MARGIN) -> int:
+    """The thread count after a step: ``cores - others_busy`` rounded, within 1..cores, but
+    ``current`` kept unless the free cores moved more than ``0.5 + margin`` away from it."""
+    if current < 1 or cores < 1:
+        raise ValueError(f"threads and cores must be >= 1, got {current} and {cores}")
+    free = cores - max(0.0, others_busy)
+    if abs(free - current) <= 0.5 + margin:
+        return min(current, cores)
+    return max(1, min(cores, round(free)))
+
+
+def describe_choice(threads: int, cores: int, others_busy: float) -> str:
+    """The one line that says what ``run.threads=0`` chose and why."""
+    return (
+        f"rlpost: run.threads=0 -> {threads} thread{'s' if threads != 1 else ''} "
+        f"({cores} usable cores, {others_busy:.1f} busy with other work); "
+        "re-checked after every step"
+    )
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _process_cpu() -> float:
+    return time.process_time()  # every thread of this process, user + system
+
+
+def _sample():
+    return time.perf_counter(), _process_cpu(), _cpu_times(_allowed_cpus())
+
+
+class ThreadFollower:
+    """Re-checks the load after every step and sets torch's threads (the loop's thread: the
+    trainer's passes and, in sync mode, the engine). Other load is the CPUs busy over the
+    step minus this process's own CPU time over it, so its own threads do not count."""
+
+    def __init__(self, set_threads: Callable[[int], None], current: int, say=_say, **probe):
+        """``probe`` (tests): ``cores`` and ``sample``, a callable returning wall seconds,
+        this process's CPU seconds and the ``/proc/stat`` jiffies (None off Linux)."""
+        self.set_threads, self.current, self.say = set_threads, current, say
+        self.cores = probe.get("cores") or _usable_cores()
+        self._sample = probe.get("sample", _sample)
+        self.changes = 0
+        self._mark = self._sample()
+
+    def after_step(self) -> int:
+        """The count for the next step (changed, and said in one line, when the load moved)."""
+        (w0, p0, c0), (w1, p1, c1) = self._mark, self._sample()
+        self._mark = (w1, p1, c1)
+        if c0 is None or c1 is None or w1 - w0 <= 0:
+            return self.current  # no /proc/stat (not Linux): the start decision stands
+        others = max(0.0, busy_cpus(c0, c1, self.cores) - (p1 - p0) / (w1 - w0))
+        new = follow_threads(self.current, self.cores, others)
+        if new != self.current:
+            self.say(
+                f"rlpost: run.threads=0: {self.current} -> {new} threads "
+                f"({others:.1f} of {self.cores} cores busy with other work over the last step)",
+            )
+            self.set_threads(new)
+            self.current, self.changes = new, self.changes + 1
+        return new
+
+
+def start_threads(
+    requested: int, set_threads: Callable[[int], None], say=_say
+) -> ThreadFollower | None:
+    """Set the threads of ``run.threads`` at the start of a run; for 0 also say in one line
+    what was chosen and why, and return the follower that re-checks after each step."""
+    threads = mfu.pick_threads(requested)
+    set_threads(threads)
+    if requested:
+        return None
+    cores, busy = mfu._AUTO_WHY or [_usable_cores(), 0.0]
+    say(describe_choice(threads, int(cores), busy))
+    return ThreadFollower(set_threads, threads, say)
