@@ -7,7 +7,9 @@
 Both sides train one local Llama checkpoint (built from a config, saved to a
 temporary directory) on the same arithmetic prompts (the default job's data):
 16 prompts x 8 samples, responses up to 8 tokens, one optimizer step per batch,
-no KL (so neither keeps a reference model), temperature 1, the same LR. Each
+no KL (so neither keeps a reference model), temperature 1, the same LR, all
+128 rows generated in one batch (TRL's generation batch; rlpost's
+``rollout.batch_size``, 64 by default, as the default job's recipe sets 512). Each
 side runs in fp32 and in bf16 compute (rlpost: ``model.dtype=bfloat16``; TRL:
 ``bf16=True``), each configuration in its own subprocess (so peak RSS is its
 own; rlpost's is read after its last step, before the final evaluation and
@@ -135,6 +137,7 @@ def run_rlpost(ckpt: str, dtype: str, steps: int, extra: list[str] = ()) -> list
             f"rollout.prompts_per_step={PROMPTS}",
             f"rollout.n={GROUP}",
             f"rollout.max_tokens={MAX_TOKENS}",
+            f"rollout.batch_size={PROMPTS * GROUP}",  # TRL generates the whole batch at once
             "rollout.temperature=1.0",
             f"train.mini_batch_size={PROMPTS * GROUP}",
             f"train.micro_batch_size={PROMPTS * GROUP}",

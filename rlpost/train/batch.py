@@ -113,24 +113,24 @@ def collate(completions: list[Completion], scores: list[float], pad_id: int) -> 
     """Lay completions out as a :class:`TrainBatch` (scores are the outcome rewards)."""
     if not completions:
         raise ValueError("cannot build a training batch from zero completions")
-    B = len(completions)
     P = max(len(c.prompt_ids) for c in completions)
     T = max(1, max(len(c.token_ids) for c in completions))
-    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, P + T), dtype=torch.long)
-    response_mask = torch.zeros((B, T), dtype=torch.float32)
-    rollout_lp = torch.zeros((B, T), dtype=torch.float32)
-    versions = torch.full((B, T), -1, dtype=torch.long)
-    for i, c in enumerate(completions):
-        p, r = len(c.prompt_ids), len(c.token_ids)
-        input_ids[i, P - p : P] = torch.tensor(c.prompt_ids, dtype=torch.long)
-        attn[i, P - p : P + r] = 1
-        if r:
-            input_ids[i, P : P + r] = torch.tensor(c.token_ids, dtype=torch.long)
-            rollout_lp[i, :r] = torch.tensor(c.logprobs, dtype=torch.float32)
-            versions[i, :r] = torch.tensor(c.versions_per_token(), dtype=torch.long)
-            mask = c.loss_mask if c.loss_mask is not None else [1] * r
-            response_mask[i, :r] = torch.tensor(mask, dtype=torch.float32)
+    # Padded Python rows and one tensor per field: a tensor per row and field costs more
+    # than the step's model at the default job's shapes.
+    ids_rows, attn_rows, lp_rows, ver_rows, mask_rows = [], [], [], [], []
+    for c in completions:
+        left, right = P - len(c.prompt_ids), T - len(c.token_ids)
+        ids_rows.append([pad_id] * left + list(c.prompt_ids) + list(c.token_ids) + [pad_id] * right)
+        attn_rows.append([0] * left + [1] * (P - left + T - right) + [0] * right)
+        lp_rows.append(list(c.logprobs) + [0.0] * right)
+        ver_rows.append(c.versions_per_token() + [-1] * right)
+        mask = c.loss_mask if c.loss_mask is not None else [1] * (T - right)
+        mask_rows.append(list(mask) + [0] * right)
+    input_ids = torch.tensor(ids_rows, dtype=torch.long)
+    attn = torch.tensor(attn_rows, dtype=torch.long)
+    response_mask = torch.tensor(mask_rows, dtype=torch.float32)
+    rollout_lp = torch.tensor(lp_rows, dtype=torch.float32)
+    versions = torch.tensor(ver_rows, dtype=torch.long)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     return TrainBatch(
         input_ids=input_ids,
