@@ -116,16 +116,22 @@ def load_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, LoadRe
 
 
 def fit_to_model(
-    cfg: Config, prompts: list[Prompt], report: LoadReport, *, system_prompt: str | None = None
+    cfg: Config,
+    prompts: list[Prompt],
+    report: LoadReport,
+    *,
+    system_prompt: str | None = None,
+    tokenizer=None,
 ) -> list[Prompt]:
     """Prompts rendered for the model (chat template, system prompt: ``system_prompt`` or
     data.system_prompt), those too long for its context refused or skipped and counted;
-    rollout.max_tokens must leave room for a prompt."""
+    rollout.max_tokens must leave room for a prompt. ``tokenizer``: the model's, if loaded."""
     if cfg.model.path is None:
-        tokenizer, limit = build_char_tokenizer(), cfg.model.tiny.max_position_embeddings
-        source = "model.tiny.max_position_embeddings"
+        tokenizer = tokenizer or build_char_tokenizer()
+        limit, source = cfg.model.tiny.max_position_embeddings, "model.tiny.max_position_embeddings"
     else:
-        tokenizer, limit = load_tokenizer(cfg.model.path), context_length(cfg.model.path)
+        tokenizer = tokenizer or load_tokenizer(cfg.model.path)
+        limit = context_length(cfg.model.path)
         source = f"max_position_embeddings in {cfg.model.path}/config.json"
     budget = None if limit is None else limit - cfg.rollout.max_tokens
     if budget is not None and budget < 1:
@@ -541,7 +547,11 @@ def load_sources(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, Loa
             raise ConfigError(str(exc)) from None
         sp = src.system_prompt
         part = fit_to_model(cfg, got.train, got.train_report, system_prompt=sp)
-        if not part:
+        if src.stream:  # its training rows are read as the run draws them
+            from rlpost.pipeline.streaming import preflight_stream
+
+            preflight_stream(cfg, src)
+        elif not part:
             raise DataError(
                 f"data.sources[{src.name}]: no training prompt fits the model "
                 f"({got.train_report.first_problem or 'no rows'})"
