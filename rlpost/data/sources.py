@@ -123,7 +123,7 @@ class MixtureSampler:
         # Each source its own permutation stream, so adding a source leaves another's order.
         # A streamed source (data/stream.py) comes built, seeded the same way.
         self.samplers = {
-            n: streams[n](seed * 7919 + i)
+            n: streams[n](seed=seed * 7919 + i)
             if n in streams
             else PromptSampler(prompts[n], 1, seed=seed * 7919 + i)
             for i, n in enumerate(self.names)
@@ -166,7 +166,7 @@ def make_sampler(
 ) -> PromptSampler | MixtureSampler:
     """The run's sampler: one permutation of ``prompts`` without sources (the one-source
     order, unchanged), else the weighted mixture over them. ``streams``: each streamed
-    source's sampler, built from its seed (``name -> seed -> StreamSampler``)."""
+    source's sampler, made from its seed (``streams[name](seed=...)``)."""
     if not sources:
         return PromptSampler(prompts, batch_size, seed=seed)
     weights = {s.name: s.weight for s in sources}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+from functools import partial
 
 import torch
 
@@ -18,11 +19,12 @@ from rlpost.algos import (
     get_policy_loss,
 )
 from rlpost.algos.correction import get_correction
-from rlpost.config import Config, ConfigError
+from rlpost.config import Config, ConfigError, SourceConfig
 from rlpost.data import DataError, LoadReport, arith_splits, load_prompt_file
 from rlpost.data.code import code_splits
 from rlpost.data.render import prepare_prompts
 from rlpost.data.sources import load_source
+from rlpost.data.stream import preflight as stream_preflight
 from rlpost.envs.base import EnvError
 from rlpost.envs.catalog import env_factory
 from rlpost.envs.formats import build_format, demonstration_completion
@@ -547,10 +549,8 @@ def load_sources(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, Loa
             raise ConfigError(str(exc)) from None
         sp = src.system_prompt
         part = fit_to_model(cfg, got.train, got.train_report, system_prompt=sp)
-        if src.stream:  # its training rows are read as the run draws them
-            from rlpost.pipeline.streaming import preflight_stream
-
-            preflight_stream(cfg, src)
+        if src.stream:  # its training rows are read as the run draws them: the first checked
+            stream_preflight(stream_args(cfg, src), stream_fit(cfg, src))
         elif not part:
             raise DataError(
                 f"data.sources[{src.name}]: no training prompt fits the model "
@@ -561,3 +561,22 @@ def load_sources(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, Loa
         reports["train"].add(src.name, got.train_report)
         reports["eval"].add(src.name, got.eval_report)
     return train, held_out, reports
+
+
+def stream_args(cfg: Config, src: SourceConfig) -> dict:
+    """A streamed source's reader settings (rlpost.data.stream.StreamSampler's keywords)."""
+    return dict(
+        path=src.train_path,
+        name=src.name,
+        on_bad_row=cfg.data.on_bad_row,
+        prompt_field=src.prompt_field,
+        answer_field=src.answer_field,
+        template=src.prompt_template,
+    )
+
+
+def stream_fit(cfg: Config, src: SourceConfig):
+    """A streamed source's row fitter: rendered and checked against the model's context,
+    the tokenizer loaded once."""
+    tokenizer = build_char_tokenizer() if cfg.model.path is None else load_tokenizer(cfg.model.path)
+    return partial(fit_to_model, cfg, system_prompt=src.system_prompt, tokenizer=tokenizer)
