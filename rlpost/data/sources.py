@@ -121,7 +121,8 @@ class MixtureSampler:
         self.seed = seed
         self.batches = 0
         # Each source its own permutation stream, so adding a source leaves another's order.
-        # A streamed source (data/stream.py) comes built, seeded the same way.
+        # A streamed source (data/stream.py) is made here from its seed the same way; its rows
+        # in ``prompts`` (the start's check of its first rows) only feed the warm-up.
         self.samplers = {
             n: streams[n](seed=seed * 7919 + i)
             if n in streams

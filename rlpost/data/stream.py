@@ -206,14 +206,17 @@ class StreamSampler:
             self._counting = True
 
 
-def preflight(sampler_args: dict, fit: Fit) -> None:
+def preflight(sampler_args: dict, fit: Fit) -> list[Prompt]:
     """Check the first :data:`PREFLIGHT_ROWS` rows of a streamed file (the start reads no
-    more): a bad row under on_bad_row=error is refused now; none usable is a DataError.
-    What it finds is not counted: the stream counts each row when it meets it."""
+    more) and return the usable ones (the SFT warm-up's examples of this source): a bad
+    row under on_bad_row=error is refused now; none usable is a DataError. What it finds
+    is not counted: the stream counts each row when it meets it."""
     s = StreamSampler(**sampler_args, fit=fit, buffer=1, seed=0)
     scratch = LoadReport()
-    if not s.chunk_prompts(list(islice(raw_rows(s.path), PREFLIGHT_ROWS)), scratch):
+    kept = s.chunk_prompts(list(islice(raw_rows(s.path), PREFLIGHT_ROWS)), scratch)
+    if not kept:
         raise DataError(
             f"data.sources[{s.name}]: no usable row in the first {PREFLIGHT_ROWS} rows of "
             f"{s.path} ({scratch.first_problem or 'it is empty'})"
         )
+    return kept

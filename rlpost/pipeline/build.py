@@ -549,8 +549,8 @@ def load_sources(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, Loa
             raise ConfigError(str(exc)) from None
         sp = src.system_prompt
         part = fit_to_model(cfg, got.train, got.train_report, system_prompt=sp)
-        if src.stream:  # its training rows are read as the run draws them: the first checked
-            stream_preflight(stream_args(cfg, src), stream_fit(cfg, src))
+        if src.stream:  # read as the run draws; its first rows checked (the warm-up's)
+            part = stream_preflight(stream_args(cfg, src), stream_fit(cfg, src))
         elif not part:
             raise DataError(
                 f"data.sources[{src.name}]: no training prompt fits the model "

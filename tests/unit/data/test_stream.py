@@ -107,7 +107,8 @@ def test_preflight_checks_the_first_rows_only(tmp_path):
     with pytest.raises(DataError, match=f"no usable row in the first {PREFLIGHT_ROWS} rows"):
         preflight({**args, "path": str(bad_head)}, _keep)
     late = _write(tmp_path / "l.jsonl", PREFLIGHT_ROWS + 5, bad={PREFLIGHT_ROWS + 2})
-    preflight({**args, "path": str(late), "on_bad_row": "error"}, _keep)  # not read at start
+    head = preflight({**args, "path": str(late), "on_bad_row": "error"}, _keep)  # 258 not read
+    assert [p.uid for p in head] == [f"s/l.jsonl:{i}" for i in range(1, PREFLIGHT_ROWS + 1)]
     with pytest.raises(DataError, match=r"stream reads \.jsonl or \.parquet"):
         preflight({**args, "path": str(tmp_path)}, _keep)
 
