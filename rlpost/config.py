@@ -937,6 +937,11 @@ class SourceConfig(Section):
     reward: list[RewardTerm] | None = None
     """This source's reward terms (None: reward.terms); alpha, invalid_score and score_range are
     the reward section's."""
+    stream: bool = False
+    """Read train_path lazily (JSONL or Parquet), shuffled by a buffer, instead of loading it whole
+    (task=file)."""
+    shuffle_buffer: int = Field(10000, ge=1)
+    """Rows held by a streamed source's shuffle buffer (stream=true): more mixes better, costs memory."""
 
 
 DataConfig.model_rebuild()

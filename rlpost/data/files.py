@@ -80,24 +80,30 @@ class _NotUTF8(Exception):
         super().__init__(f"byte 0x{exc.object[exc.start]:02x} at column {exc.start + 1}")
 
 
+BLANK = object()
+"""What :func:`decode_line` gives for a blank line (not a row)."""
+
+
+def decode_line(raw: bytes) -> Any:
+    """One JSONL line's row, :data:`BLANK`, or the exception that kept it from being read."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return _NotUTF8(exc)
+    if not line.strip():
+        return BLANK
+    try:
+        return safe_json.loads(line)
+    except (json.JSONDecodeError, safe_json.TooDeep) as exc:
+        return exc
+
+
 def read_rows(path: Path) -> list[tuple[int, Any]]:
     """(line, row) of every non-blank row; a row that cannot be read is an exception in place."""
     if path.suffix in (".jsonl", ".json"):
-        out: list[tuple[int, Any]] = []
         with path.open("rb") as f:
-            for i, raw in enumerate(f, start=1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    out.append((i, _NotUTF8(exc)))
-                    continue
-                if not line.strip():
-                    continue
-                try:
-                    out.append((i, safe_json.loads(line)))
-                except (json.JSONDecodeError, safe_json.TooDeep) as exc:
-                    out.append((i, exc))
-        return out
+            rows = ((i, decode_line(raw)) for i, raw in enumerate(f, start=1))
+            return [(i, row) for i, row in rows if row is not BLANK]
     if path.is_dir():  # a ``datasets`` save_to_disk directory
         try:
             import datasets
@@ -220,11 +226,17 @@ def load_prompt_file(
         _check_row, prompt_field=prompt_field, answer_field=answer_field, template=template
     )
     for line, row in valid_rows(p, check, on_bad_row, report):
-        meta = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
-        text = template.format(**{**row, "prompt": row[prompt_field]})
-        prompts.append(
-            Prompt(text=text, answer=row[answer_field], metadata=meta, uid=f"{p.name}:{line}")
-        )
+        prompts.append(row_prompt(row, f"{p.name}:{line}", prompt_field, answer_field, template))
     if not prompts:
         raise DataError(f"dataset {str(p)!r} has no usable rows ({report.first_problem})")
     return prompts, report
+
+
+def row_prompt(row: dict, uid: str, prompt_field: str, answer_field: str, template: str) -> Prompt:
+    """The prompt of a row that passed the checks; other columns go to ``metadata``."""
+    meta = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
+    text = template.format(**{**row, "prompt": row[prompt_field]})
+    return Prompt(text=text, answer=row[answer_field], metadata=meta, uid=uid)
+
+
+check_row = _check_row  # (the checks one row of a file source passes; also used by streams)

@@ -70,7 +70,9 @@ def load_source(src: SourceConfig, *, on_bad_row: str) -> LoadedSource:
             on_bad_row=on_bad_row,
             template=src.prompt_template,
         )
-        train, train_report = load_prompt_file(src.train_path, **kwargs)
+        train = []  # a streamed source's rows are read as the run draws them (data/stream.py)
+        if not src.stream:
+            train, train_report = load_prompt_file(src.train_path, **kwargs)
         held_out = []
         if src.eval_path:
             held_out, eval_report = load_prompt_file(src.eval_path, **kwargs)
@@ -107,8 +109,10 @@ class MixtureSampler:
         weights: dict[str, float],
         batch_size: int,
         seed: int = 0,
+        streams: dict | None = None,
     ) -> None:
-        empty = [name for name in weights if not prompts.get(name)]
+        streams = streams or {}
+        empty = [name for name in weights if not prompts.get(name) and name not in streams]
         if empty:
             raise DataError(f"data.sources[{empty[0]}] has no training rows to sample")
         self.names = list(weights)
@@ -117,8 +121,13 @@ class MixtureSampler:
         self.seed = seed
         self.batches = 0
         # Each source its own permutation stream, so adding a source leaves another's order.
+        # A streamed source (data/stream.py) is made here from its seed the same way; its rows
+        # in ``prompts`` (the start's check of its first rows) only feed the warm-up.
         self.samplers = {
-            n: PromptSampler(prompts[n], 1, seed=seed * 7919 + i) for i, n in enumerate(self.names)
+            n: streams[n](seed=seed * 7919 + i)
+            if n in streams
+            else PromptSampler(prompts[n], 1, seed=seed * 7919 + i)
+            for i, n in enumerate(self.names)
         }
 
     def sources_of(self, batch: int) -> list[str]:
@@ -150,11 +159,16 @@ class MixtureSampler:
 
 
 def make_sampler(
-    prompts: list[Prompt], sources: list[SourceConfig], batch_size: int, seed: int
+    prompts: list[Prompt],
+    sources: list[SourceConfig],
+    batch_size: int,
+    seed: int,
+    streams: dict | None = None,
 ) -> PromptSampler | MixtureSampler:
     """The run's sampler: one permutation of ``prompts`` without sources (the one-source
-    order, unchanged), else the weighted mixture over them."""
+    order, unchanged), else the weighted mixture over them. ``streams``: each streamed
+    source's sampler, made from its seed (``streams[name](seed=...)``)."""
     if not sources:
         return PromptSampler(prompts, batch_size, seed=seed)
     weights = {s.name: s.weight for s in sources}
-    return MixtureSampler(by_source(prompts), weights, batch_size, seed=seed)
+    return MixtureSampler(by_source(prompts), weights, batch_size, seed=seed, streams=streams)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+from functools import partial
 
 import torch
 
@@ -18,11 +19,12 @@ from rlpost.algos import (
     get_policy_loss,
 )
 from rlpost.algos.correction import get_correction
-from rlpost.config import Config, ConfigError
+from rlpost.config import Config, ConfigError, SourceConfig
 from rlpost.data import DataError, LoadReport, arith_splits, load_prompt_file
 from rlpost.data.code import code_splits
 from rlpost.data.render import prepare_prompts
 from rlpost.data.sources import load_source
+from rlpost.data.stream import preflight as stream_preflight
 from rlpost.envs.base import EnvError
 from rlpost.envs.catalog import env_factory
 from rlpost.envs.formats import build_format, demonstration_completion
@@ -116,16 +118,22 @@ def load_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, LoadRe
 
 
 def fit_to_model(
-    cfg: Config, prompts: list[Prompt], report: LoadReport, *, system_prompt: str | None = None
+    cfg: Config,
+    prompts: list[Prompt],
+    report: LoadReport,
+    *,
+    system_prompt: str | None = None,
+    tokenizer=None,
 ) -> list[Prompt]:
     """Prompts rendered for the model (chat template, system prompt: ``system_prompt`` or
     data.system_prompt), those too long for its context refused or skipped and counted;
-    rollout.max_tokens must leave room for a prompt."""
+    rollout.max_tokens must leave room for a prompt. ``tokenizer``: the model's, if loaded."""
     if cfg.model.path is None:
-        tokenizer, limit = build_char_tokenizer(), cfg.model.tiny.max_position_embeddings
-        source = "model.tiny.max_position_embeddings"
+        tokenizer = tokenizer or build_char_tokenizer()
+        limit, source = cfg.model.tiny.max_position_embeddings, "model.tiny.max_position_embeddings"
     else:
-        tokenizer, limit = load_tokenizer(cfg.model.path), context_length(cfg.model.path)
+        tokenizer = tokenizer or load_tokenizer(cfg.model.path)
+        limit = context_length(cfg.model.path)
         source = f"max_position_embeddings in {cfg.model.path}/config.json"
     budget = None if limit is None else limit - cfg.rollout.max_tokens
     if budget is not None and budget < 1:
@@ -541,7 +549,9 @@ def load_sources(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, Loa
             raise ConfigError(str(exc)) from None
         sp = src.system_prompt
         part = fit_to_model(cfg, got.train, got.train_report, system_prompt=sp)
-        if not part:
+        if src.stream:  # read as the run draws; its first rows checked (the warm-up's)
+            part = stream_preflight(stream_args(cfg, src), stream_fit(cfg, src))
+        elif not part:
             raise DataError(
                 f"data.sources[{src.name}]: no training prompt fits the model "
                 f"({got.train_report.first_problem or 'no rows'})"
@@ -551,3 +561,22 @@ def load_sources(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, Loa
         reports["train"].add(src.name, got.train_report)
         reports["eval"].add(src.name, got.eval_report)
     return train, held_out, reports
+
+
+def stream_args(cfg: Config, src: SourceConfig) -> dict:
+    """A streamed source's reader settings (rlpost.data.stream.StreamSampler's keywords)."""
+    return dict(
+        path=src.train_path,
+        name=src.name,
+        on_bad_row=cfg.data.on_bad_row,
+        prompt_field=src.prompt_field,
+        answer_field=src.answer_field,
+        template=src.prompt_template,
+    )
+
+
+def stream_fit(cfg: Config, src: SourceConfig):
+    """A streamed source's row fitter: rendered and checked against the model's context,
+    the tokenizer loaded once."""
+    tokenizer = build_char_tokenizer() if cfg.model.path is None else load_tokenizer(cfg.model.path)
+    return partial(fit_to_model, cfg, system_prompt=src.system_prompt, tokenizer=tokenizer)

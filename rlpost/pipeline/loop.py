@@ -53,6 +53,7 @@ from rlpost.pipeline.plan import StepPlan, checked_plan, resolve_step_plan
 from rlpost.pipeline.rundir import finish_run, prepare_run_dir, warm_start
 from rlpost.pipeline.source_metrics import source_metrics
 from rlpost.pipeline.stages import RolloutSettings, TrainSettings, train_stage
+from rlpost.pipeline.streaming import stream_samplers, update_data_report
 from rlpost.pipeline.weights import WeightPath, build_weight_path
 from rlpost.pipeline.workers import Workers
 from rlpost.rewards.monitor import HackingMonitor
@@ -294,7 +295,11 @@ def _new_run(cfg: Config, run_dir: Path, workers: Workers, train_prompts, ckpt) 
         run_dir=run_dir,
         w=workers,
         sampler=make_sampler(
-            train_prompts, cfg.data.sources, cfg.rollout.prompts_per_step, cfg.run.seed
+            train_prompts,
+            cfg.data.sources,
+            cfg.rollout.prompts_per_step,
+            cfg.run.seed,
+            streams=stream_samplers(cfg),
         ),
         kl_ctl=AdaptiveKLController(kl.beta, kl.target, kl.horizon)
         if kl.target
@@ -423,6 +428,7 @@ def _save(r: Run, step: int, *, rollout_state: bool = True) -> None:
         "pending": r.feed.pending() if r.feed is not None else [],
     }
     save_checkpoint(r.run_dir, step, r.w.trainer.save, state, keep=r.cfg.checkpoint.keep)
+    update_data_report(r.run_dir, r.sampler)  # the rows streamed sources met so far
 
 
 def _restore(r: Run, ckpt: Path, *, keep_lr: bool = False) -> tuple[int, list]:

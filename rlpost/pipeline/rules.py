@@ -714,3 +714,15 @@ def reasoning_gym_task_generates(cfg: Config) -> str | None:
         if problem is not None:
             return f"data.sources[{s.name}].reasoning_gym.task={s.reasoning_gym.task}: {problem}"
     return None
+
+
+@rule()
+def streamed_sources_hold_out_by_file(cfg: Config) -> str | None:
+    for s in cfg.data.sources:
+        if s.stream and (s.task != "file" or not s.eval_path):
+            what = f"task={s.task} is generated, not read" if s.task != "file" else "eval_path=None"
+            return (
+                f"data.sources[{s.name}].stream=true: {what}; a streamed file holds out no rows "
+                "itself, so name its held-out rows in eval_path (or drop stream)"
+            )
+    return None

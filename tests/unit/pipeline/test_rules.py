@@ -204,6 +204,10 @@ CASES.update(
         ),
     }
 )  # fmt: skip
+CASES["streamed_sources_hold_out_by_file"] = (
+    "train", [], ["data.sources=[{name: b, train_path: t.jsonl, stream: true}]"],
+    "data.sources[b].stream=true: eval_path=None",
+)  # fmt: skip
 RULE = {r.name: r for r in rules.RULES}
 
 

@@ -1,0 +1,134 @@
+"""Streamed file sources: lazy reads, buffer shuffle, bad rows as met, exact resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlpost.config import load_config
+from rlpost.data import DataError
+from rlpost.data.stream import PREFLIGHT_ROWS, StreamSampler, preflight
+from rlpost.pipeline import rules
+
+
+def _keep(prompts, report):
+    return prompts
+
+
+def _write(path, n, bad=()):
+    lines = []
+    for i in range(1, n + 1):
+        lines.append("{not json" if i in bad else json.dumps({"prompt": f"q{i}", "answer": str(i)}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _sampler(path, **kw):
+    args = dict(name="s", fit=_keep, buffer=8, seed=3, on_bad_row="skip") | kw
+    return StreamSampler(str(path), **args)
+
+
+def _draw(s, k):
+    return [s.next_batch()[0].uid for _ in range(k)]
+
+
+def test_each_epoch_is_a_shuffled_pass_over_every_row(tmp_path):
+    f = _write(tmp_path / "d.jsonl", 50)
+    s = _sampler(f)
+    first, second = _draw(s, 50), _draw(s, 50)
+    rows = {f"s/d.jsonl:{i}" for i in range(1, 51)}
+    assert set(first) == rows and set(second) == rows and len(set(first)) == 50
+    assert first != sorted(first, key=lambda u: int(u.split(":")[1]))  # shuffled
+    assert first != second and s.epoch == 1  # the epoch seeds the buffer
+    assert _draw(_sampler(f, buffer=1), 5) == [f"s/d.jsonl:{i}" for i in range(1, 6)]
+    assert _draw(_sampler(f), 50) == first  # deterministic
+
+
+@pytest.mark.parametrize("cut", [0, 7, 49, 50, 73])
+def test_a_resume_draws_exactly_the_uninterrupted_rows(tmp_path, cut):
+    f = _write(tmp_path / "d.jsonl", 50, bad={4, 30})
+    whole = _draw(_sampler(f), 130)
+    a = _sampler(f)
+    head = _draw(a, cut)
+    state = a.state_dict()
+    b = _sampler(f)
+    b.load_state_dict(state)
+    assert head + _draw(b, 130 - cut) == whole
+    assert b.report.problems == _sampler_report_after(f, 130)
+
+
+def _sampler_report_after(f, k):
+    s = _sampler(f)
+    _draw(s, k)
+    return s.report.problems
+
+
+def test_bad_rows_are_counted_once_with_file_and_line(tmp_path):
+    f = _write(tmp_path / "d.jsonl", 40, bad={5, 33})
+    s = _sampler(f, buffer=4)
+    _draw(s, 2)  # the buffer (4 rows) and a chunk were read: line 5 met, 33 too (one chunk)
+    assert s.report.skipped_by_reason["invalid_json"] == 2
+    _draw(s, 38 * 2)  # two more passes meet the same rows: not counted again
+    assert s.report.rows == 38 and s.report.skipped == 2
+    assert s.report.problems[0].startswith(f"{f}:5: not valid JSON")
+    with pytest.raises(DataError, match=r"d.jsonl:5: not valid JSON"):
+        _draw(_sampler(f, on_bad_row="error"), 1)
+
+
+def test_rows_are_read_lazily_a_chunk_at_a_time(tmp_path):
+    f = _write(tmp_path / "d.jsonl", PREFLIGHT_ROWS * 4)
+    s = _sampler(f, buffer=10)
+    _draw(s, 3)
+    assert s.report.rows == PREFLIGHT_ROWS  # one chunk read, not the file
+
+
+def test_parquet_streams_by_row_groups(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(30)] + [
+        {"prompt": "", "answer": "x"}
+    ]
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=7)
+    s = _sampler(path)
+    got = _draw(s, 30)
+    assert sorted(got) == sorted(f"s/d.parquet:{i}" for i in range(1, 31))
+    assert s.report.skipped_by_reason["empty_prompt"] == 1
+    assert s.report.problems[0].startswith(f"{path}:31:")
+
+
+def test_preflight_checks_the_first_rows_only(tmp_path):
+    args = dict(name="s", on_bad_row="skip")
+    bad_head = _write(
+        tmp_path / "b.jsonl", PREFLIGHT_ROWS + 5, bad=set(range(1, PREFLIGHT_ROWS + 1))
+    )
+    with pytest.raises(DataError, match=f"no usable row in the first {PREFLIGHT_ROWS} rows"):
+        preflight({**args, "path": str(bad_head)}, _keep)
+    late = _write(tmp_path / "l.jsonl", PREFLIGHT_ROWS + 5, bad={PREFLIGHT_ROWS + 2})
+    head = preflight({**args, "path": str(late), "on_bad_row": "error"}, _keep)  # 258 not read
+    assert [p.uid for p in head] == [f"s/l.jsonl:{i}" for i in range(1, PREFLIGHT_ROWS + 1)]
+    with pytest.raises(DataError, match=r"stream reads \.jsonl or \.parquet"):
+        preflight({**args, "path": str(tmp_path)}, _keep)
+
+
+@pytest.mark.parametrize(
+    "src, expected",
+    [
+        ({"train_path": "t.jsonl"}, "eval_path=None; a streamed file holds out no rows"),
+        ({"task": "arith"}, "task=arith is generated, not read"),
+    ],
+)
+def test_a_streamed_source_names_its_held_out_file(src, expected):
+    entry = json.dumps([{"name": "big", "stream": True, **src}])
+    found = rules.problems(load_config(None, [f"data.sources={entry}"]), "train")
+    assert found and found[0].startswith(f"data.sources[big].stream=true: {expected}")
+    ok = json.dumps(
+        [{"name": "big", "stream": True, "train_path": "t.jsonl", "eval_path": "e.jsonl"}]
+    )
+    assert not [
+        p
+        for p in rules.problems(load_config(None, [f"data.sources={ok}"]), "train")
+        if "stream" in p
+    ]
