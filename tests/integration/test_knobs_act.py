@@ -105,6 +105,8 @@ ALTS = {
     "train.max_tokens_per_micro_batch": (other(48, 0), "passes", {}),
     # a chunk below the logits' size takes the chunked head (its own summation order)
     "train.logits_chunk_tokens": (other(4, 0), "update", {}),
+    # packed rows carry no padding: the trainer's passes read fewer tokens
+    "train.packing": (other("on", "off"), "passes", {}),
     "rollout.engine": (other("vllm", "hf"), "batch", {}),
     "rollout.preset": (other("rlhf", "rlvr"), "batch", {}),
     "rollout.prompts_per_step": (lambda v: v + 1, "batch", {}),
