@@ -31,7 +31,9 @@ def test_eval_sets_run_and_rlpost_eval_agree(tmp_path, capsys):
     sets = _sets(tmp_path)
     over = {"eval.sets": sets, "train.steps": 2, "eval.every": 1, "checkpoint.every": 2}
     result = train(load_config(None, small_overrides(tmp_path, **over)))
-    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
     evals = [r for r in rows if "eval/sums/pass@4" in r]
     assert [r["step"] for r in evals] == [0, 1, 2]  # start, eval.every, end
     for r in evals:
@@ -53,7 +55,9 @@ def test_eval_sets_run_and_rlpost_eval_agree(tmp_path, capsys):
     model = result.run_dir / "checkpoints" / "step_2" / "model"
     over = {"eval.sets": sets, "model.path": model, "sft.steps": 0}
     assert main(["eval", *small_overrides(tmp_path, **over)]) == 0
-    printed = dict(line.split(": ") for line in capsys.readouterr().out.splitlines() if ": " in line)
+    printed = dict(
+        line.split(": ") for line in capsys.readouterr().out.splitlines() if ": " in line
+    )
     for key, value in evals[-1].items():
         if key.startswith("eval/"):
             assert float(printed[key]) == round(value, 4) or abs(float(printed[key]) - value) < 1e-4
