@@ -193,13 +193,20 @@ def cmd_eval(args) -> int:
     _, held_out, _ = build.build_data(cfg)
     if not held_out:
         raise ConfigError("nothing to evaluate: no held-out prompt was loaded")
-    held_out = held_out[: cfg.eval.limit] if cfg.eval.limit else held_out
+    if cfg.eval.limit and not cfg.eval.sets:  # eval.sets: applied to each set at load
+        held_out = held_out[: cfg.eval.limit]
     model, tokenizer = build.build_policy(cfg)
     rollout = build.build_rollout_worker(cfg, model, tokenizer)
     reward = build.build_reward_worker(cfg)
     try:
         params = build.eval_params(cfg, tokenizer.eos_token_id)
-        result = evaluate(rollout, reward, held_out, params, samples=cfg.eval.samples)
+        if cfg.eval.sets:  # eval/<set>/<metric>, as a training run reports them
+            from rlpost.pipeline.eval_sets import evaluate_sets
+
+            greedy = build.eval_params(cfg, tokenizer.eos_token_id, greedy=True)
+            result = evaluate_sets(cfg, rollout, reward, held_out, params, greedy)
+        else:
+            result = evaluate(rollout, reward, held_out, params, samples=cfg.eval.samples)
     finally:
         rollout.close()
         reward.close()

@@ -612,6 +612,9 @@ class EvalConfig(Section):
     samples: int = Field(1, ge=1)
     """Samples per held-out problem at the eval temperature; accuracy is their mean (pass@1),
     its standard error falls as 1/sqrt(samples * problems). Greedy always takes one."""
+    sets: list[EvalSetConfig] = []
+    """Evaluation sets, each a source with its own metrics (docs/data.md); set, they replace
+    the held-out rows of data. []: one held-out evaluation of data's held-out rows."""
 
 
 class CheckpointConfig(Section):
@@ -947,6 +950,27 @@ class SourceConfig(Section):
 DataConfig.model_rebuild()
 
 
+class EvalSetConfig(SourceConfig):
+    """One evaluation set of ``eval.sets``: a source's held-out rows (a file source reads
+    eval_path) and the metrics computed on them."""
+
+    metrics: list[str] = ["mean@1"]
+    """Metrics of this set: mean@k, pass@k, maj@k (k samples per problem) and greedy."""
+    samples: int | None = Field(None, ge=1)
+    """Samples drawn per problem at eval.temperature (None: the largest k of its metrics)."""
+
+    @property
+    def n(self) -> int:
+        """Samples per problem: ``samples``, or the largest k of the sampled metrics."""
+        if self.samples is not None:
+            return self.samples
+        ks = [m.split("@", 1)[1] for m in self.metrics if "@" in m]
+        return max((int(k) for k in ks if k.isdigit()), default=1)
+
+
+EvalConfig.model_rebuild()
+
+
 # -------------------------------------------------------------------------- root
 
 
@@ -1157,4 +1181,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return type(value)(_plain(v) for v in value)
     return value
-

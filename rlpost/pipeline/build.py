@@ -79,7 +79,15 @@ def build_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, int]]
 
 
 def load_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, LoadReport]]:
-    """(train prompts, held-out prompts, {"train": report, "eval": report})."""
+    """(train prompts, held-out prompts, {"train": report, "eval": report}); with
+    eval.sets, the held-out prompts are the sets' rows (each tagged with its set's name)."""
+    train, held_out, reports = _load_prompts(cfg)
+    if cfg.eval.sets:
+        held_out, reports["eval"] = load_eval_sets(cfg, train)
+    return train, held_out, reports
+
+
+def _load_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, LoadReport]]:
     d = cfg.data
     if d.sources:
         return load_sources(cfg)
@@ -531,7 +539,8 @@ def agent_demonstrations(cfg: Config, tokenizer):
 
 def build_reward_worker(cfg: Config) -> RewardWorker:
     truncated = cfg.rollout.truncated_reward
-    scorer = build_routed_scorer(cfg.reward, cfg.data.sources, truncated_reward=truncated)
+    sources = cfg.data.sources + [s for s in cfg.eval.sets if s.reward is not None]
+    scorer = build_routed_scorer(cfg.reward, sources, truncated_reward=truncated)
     return RewardWorker(scorer, max_tokens=cfg.rollout.max_tokens)
 
 
@@ -580,3 +589,39 @@ def stream_fit(cfg: Config, src: SourceConfig):
     the tokenizer loaded once."""
     tokenizer = build_char_tokenizer() if cfg.model.path is None else load_tokenizer(cfg.model.path)
     return partial(fit_to_model, cfg, system_prompt=src.system_prompt, tokenizer=tokenizer)
+
+
+def load_eval_sets(cfg: Config, train: list[Prompt]) -> tuple[list[Prompt], LoadReport]:
+    """``eval.sets``: each set's held-out rows through the source loader (a file set's
+    ``eval_path``), tagged with the set's name, rendered and fitted to the model; the
+    report sums the sets and says per set how many prompts are also training prompts."""
+    report, out = LoadReport(), []
+    trained = {p.text for p in train}
+    for s in cfg.eval.sets:
+        src = s.model_copy(update={"stream": False})  # a set is scored whole, never streamed
+        if s.task == "file":  # the file's rows are the set: loaded as one split
+            src = src.model_copy(update={"train_path": s.eval_path, "eval_path": None})
+        try:
+            got = load_source(src, on_bad_row=cfg.data.on_bad_row)
+        except ValueError as exc:
+            if isinstance(exc, DataError):
+                raise
+            raise ConfigError(str(exc).replace("data.sources[", "eval.sets[", 1)) from None
+        rows, part_report = (
+            (got.train, got.train_report) if s.task == "file" else (got.held_out, got.eval_report)
+        )
+        part = fit_to_model(cfg, rows, part_report, system_prompt=s.system_prompt)
+        part = part[: cfg.eval.limit] if cfg.eval.limit else part
+        if not part:
+            raise DataError(
+                f"eval.sets[{s.name}]: no held-out prompt fits the model "
+                f"({part_report.first_problem or 'no rows'})"
+            )
+        part_report.rows = len(part)
+        part_report.info = {
+            **got.train_report.info,
+            "in_train": sum(p.text in trained for p in part),
+        }
+        report.add(s.name, part_report)
+        out += part
+    return out, report

@@ -78,6 +78,11 @@ class Console:
                 _pct(s["eval_greedy_accuracy_start"]),
                 _pct(s["eval_greedy_accuracy_end"]),
             )
+        for name, entry in (s.get("eval_sets") or {}).items():  # eval.sets: one row a metric
+            for key in entry:
+                if key.endswith("_start") and not key.startswith("reward_mean"):
+                    m = key.removesuffix("_start")
+                    table.add_row(f"{name} {m}", _pct(entry[key]), _pct(entry.get(f"{m}_end")))
         table.add_row("train reward", _num(s["reward_mean_first"]), _num(s["reward_mean_last"]))
         table.add_row("steps", "", str(s["steps"]))
         table.add_row("wall time", "", f"{s['wall_seconds']:.0f} s")

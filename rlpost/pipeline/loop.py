@@ -40,6 +40,7 @@ from rlpost.observe.metrics import merge_metrics
 from rlpost.observe.threads import start_threads
 from rlpost.pipeline import build, rules
 from rlpost.pipeline.console import Console
+from rlpost.pipeline.eval_sets import evaluate_sets, per_set_summary
 from rlpost.pipeline.evaluate import evaluate
 from rlpost.pipeline.feeds import (
     OverlapFeed,
@@ -95,6 +96,7 @@ class Run:
     weights: WeightPath | None = None  # the one thing that moves weights (pipeline/weights.py)
     on_groups: Callable | None = None
     learn: LearnabilityCheck | None = None  # "cannot learn" warnings at the first steps
+    eval_seconds: float = 0.0  # wall time spent in held-out evaluation
 
 
 def start_workers(cfg: Config, run_dir: Path, train_prompts, console, *, resuming: bool) -> Workers:
@@ -129,7 +131,8 @@ def train(
     follower = start_threads(cfg.run.threads, torch.set_num_threads)  # None unless 0
     set_mmap_threshold(cfg.run.malloc_mmap_threshold)
     started = time.time()
-    held_out = held_out[: cfg.eval.limit] if cfg.eval.limit else held_out
+    if cfg.eval.limit and not cfg.eval.sets:  # eval.sets: applied to each set at load
+        held_out = held_out[: cfg.eval.limit]
     ckpt = usable_checkpoint(run_dir) if resume else None
     start = start or start_workers
     workers = start(cfg, run_dir, train_prompts, console, resuming=ckpt is not None)
@@ -203,7 +206,11 @@ def train(
         "rl_seconds": rl_seconds,
         "completions_per_second": trained / max(rl_seconds, 1e-9),
         "threads": torch.get_num_threads(),  # run.threads=0: the count after the last step
+        "eval_seconds": r.eval_seconds,
+        "eval_share": r.eval_seconds / max(wall, 1e-9),
     }
+    if cfg.eval.sets:
+        pace["eval_sets"] = per_set_summary(cfg, first_eval, final_eval)
     if "eval_tool_call_rate" in first_eval:  # multi-turn episodes: tool use before and after RL
         pace["eval_tool_call_rate_start"] = first_eval["eval_tool_call_rate"]
         pace["eval_tool_call_rate_end"] = final_eval.get("eval_tool_call_rate")
@@ -407,13 +414,22 @@ def _push(r: Run) -> int:
 
 
 def _eval(r: Run, held_out, *, greedy: bool) -> dict:
+    t0 = time.perf_counter()
     params = build.eval_params(r.cfg, r.eos_id, greedy=greedy)
-    return evaluate(r.w.rollout, r.w.reward, held_out, params, samples=r.cfg.eval.samples)
+    if r.cfg.eval.sets:  # every metric of every set, greedy included, each time
+        greedy_params = build.eval_params(r.cfg, r.eos_id, greedy=True)
+        out = evaluate_sets(r.cfg, r.w.rollout, r.w.reward, held_out, params, greedy_params)
+    else:
+        out = evaluate(r.w.rollout, r.w.reward, held_out, params, samples=r.cfg.eval.samples)
+    r.eval_seconds += time.perf_counter() - t0
+    return out
 
 
 def _full_eval(r: Run, held_out) -> dict:
     """Held-out metrics at the eval temperature, plus greedy accuracy when that differs."""
     out = _eval(r, held_out, greedy=False)
+    if r.cfg.eval.sets:
+        return out
     if r.cfg.eval.temperature > 0 and held_out:
         out["eval_greedy_accuracy"] = _eval(r, held_out, greedy=True)["eval_accuracy"]
     return out

@@ -726,3 +726,98 @@ def streamed_sources_hold_out_by_file(cfg: Config) -> str | None:
                 "itself, so name its held-out rows in eval_path (or drop stream)"
             )
     return None
+
+
+# ------------------------------------------------------------------ evaluation sets
+
+
+@rule("train", "eval")
+def eval_sets_named_once(cfg: Config) -> str | None:
+    names = [s.name for s in cfg.eval.sets]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        return (
+            f"eval.sets name={twice[0]}: two sets share the name (their metrics are "
+            f"eval/<name>/...); give each set its own name"
+        )
+    return None
+
+
+@rule("train", "eval")
+def eval_set_metrics_known(cfg: Config) -> str | None:
+    from rlpost.algos.eval_metrics import parse_metric
+
+    for s in cfg.eval.sets:
+        key = f"eval.sets[{s.name}].metrics"
+        if not s.metrics:
+            return f"{key}=[]: a set measures something; list e.g. mean@8, pass@8, maj@8, greedy"
+        for m in s.metrics:
+            try:
+                parse_metric(m)
+            except ValueError as exc:
+                return f"{key}={m}: {exc}; write e.g. pass@8"
+        twice = sorted({m for m in s.metrics if s.metrics.count(m) > 1})
+        if twice:
+            return f"{key}={twice[0]}: listed twice (one key each); list it once"
+    return None
+
+
+@rule("train", "eval")
+def eval_set_k_within_samples(cfg: Config) -> str | None:
+    for s in cfg.eval.sets:
+        for m in s.metrics:
+            if "@" in m and m.split("@", 1)[1].isdigit() and int(m.split("@", 1)[1]) > s.n:
+                return (
+                    f"eval.sets[{s.name}].samples={s.n}: {m} needs at least "
+                    f"{m.split('@', 1)[1]} samples per problem; raise samples or lower k"
+                )
+    return None
+
+
+@rule("train", "eval")
+def eval_set_keys_fit_its_task(cfg: Config) -> str | None:
+    for s in cfg.eval.sets:
+        key = f"eval.sets[{s.name}]"
+        if s.task == "file" and not s.eval_path:
+            return f"{key}.eval_path=None: a file set reads its rows from it; set it"
+        if s.train_path:
+            return f"{key}.train_path={s.train_path}: a set trains on nothing; drop it"
+        if s.task != "file" and s.eval_path:
+            return f"{key}.eval_path={s.eval_path}: task={s.task} reads no file; drop it"
+        if s.weight != 1.0:
+            return f"{key}.weight={s.weight}: a set is not sampled for training; drop it"
+        problem = _template_problem(s.prompt_template, s.task)
+        if problem is not None:
+            return f"{key}.prompt_template={s.prompt_template}: {problem}"
+    return None
+
+
+@rule("train", "eval")
+def eval_set_rewards_resolve(cfg: Config) -> str | None:
+    sources = {s.name for s in cfg.data.sources}
+    for s in cfg.eval.sets:
+        if s.reward is None:
+            continue
+        key = f"eval.sets[{s.name}].reward"
+        if s.name in sources:
+            return (
+                f"{key}: data.sources[{s.name}]'s terms score the set of its name; "
+                "drop reward or rename the set"
+            )
+        if not s.reward:
+            return f"{key}=[]: no term scores it; add one or drop reward"
+        try:
+            check_terms(cfg.reward.model_copy(update={"terms": s.reward}))
+        except (UnknownNameError, ValueError) as exc:
+            return f"{key}: {exc}"
+    return None
+
+
+@rule("train", "eval")
+def eval_set_reasoning_gym_generates(cfg: Config) -> str | None:
+    from rlpost.data.reasoning_gym import task_problem
+
+    for s in cfg.eval.sets:
+        if s.task == "reasoning_gym" and (problem := task_problem(s.reasoning_gym)) is not None:
+            return f"eval.sets[{s.name}].reasoning_gym.task={s.reasoning_gym.task}: {problem}"
+    return None

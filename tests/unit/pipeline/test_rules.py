@@ -207,6 +207,36 @@ CASES.update(
 CASES["streamed_sources_hold_out_by_file"] = (
     "train", [], ["data.sources=[{name: b, train_path: t.jsonl, stream: true}]"],
     "data.sources[b].stream=true: eval_path=None",
+)
+SET = "eval.sets=[{name: s, task: arith, metrics: [pass@4]}]"
+CASES.update(
+    {
+        "eval_sets_named_once": (
+            "train", [], ["eval.sets=[{name: s, task: arith}, {name: s, task: code}]"],
+            "eval.sets name=s: two sets share the name",
+        ),
+        "eval_set_metrics_known": (
+            "eval", [SET], ["eval.sets=[{name: s, task: arith, metrics: [best@4]}]"],
+            "eval.sets[s].metrics=best@4: 'best@4' is not mean@k",
+        ),
+        "eval_set_k_within_samples": (
+            "train", [SET], ["eval.sets=[{name: s, task: arith, metrics: [maj@8], samples: 4}]"],
+            "eval.sets[s].samples=4: maj@8 needs at least 8 samples",
+        ),
+        "eval_set_keys_fit_its_task": (
+            "train", [SET], ["eval.sets=[{name: s, train_path: t.jsonl}]"],
+            "eval.sets[s].eval_path=None: a file set reads its rows from it",
+        ),
+        "eval_set_rewards_resolve": (
+            "train", [SRC], ["eval.sets=[{name: a, task: arith, reward: [{name: exact_match}]}]"],
+            "eval.sets[a].reward: data.sources[a]'s terms score the set of its name",
+        ),
+        "eval_set_reasoning_gym_generates": (
+            "eval", [],
+            ["eval.sets=[{name: g, task: reasoning_gym, reasoning_gym: {task: nope}}]"],
+            "eval.sets[g].reasoning_gym.task=nope:",
+        ),
+    }
 )  # fmt: skip
 RULE = {r.name: r for r in rules.RULES}
 
@@ -294,3 +324,26 @@ def test_config_checks_dpo_recipes_as_dpo(tmp_path, capsys):
     assert main(["dpo", "dpo_prefs", *bad]) == 2
     assert capsys.readouterr().err.strip() == as_config
     assert "data.train_path" in as_config
+
+
+@pytest.mark.parametrize(
+    "overrides, text",
+    [
+        (["eval.sets=[{name: s, task: arith, metrics: []}]"], "eval.sets[s].metrics=[]"),
+        (["eval.sets=[{name: s, task: arith, metrics: [greedy, greedy]}]"], "listed twice"),
+        (["eval.sets=[{name: s, task: arith, metrics: [pass@4, mean@16], samples: 8}]"], "mean@16"),
+        (["eval.sets=[{name: s, task: arith, eval_path: e.jsonl}]"], "task=arith reads no file"),
+        (["eval.sets=[{name: s, task: arith, weight: 2}]"], "eval.sets[s].weight=2.0"),
+        (["eval.sets=[{name: s, task: arith, reward: []}]"], "eval.sets[s].reward=[]"),
+    ],
+)
+def test_eval_set_rules_refuse_the_other_mistakes(overrides, text):
+    found = rules.problems(load_config(None, overrides), "train")
+    assert found and text in found[0], found
+    assert "\n" not in found[0] and ";" in found[0]
+
+
+def test_an_eval_set_sized_by_its_metrics_passes():
+    cfg = load_config(None, ["eval.sets=[{name: s, task: arith, metrics: [mean@8, maj@4]}]"])
+    assert cfg.eval.sets[0].n == 8
+    assert rules.problems(cfg, "train") == []

@@ -1,0 +1,108 @@
+"""Evaluation sets (``eval.sets``): each set's held-out problems and its own metrics.
+
+Every set is sampled through the run's rollout worker in chunks, as the single
+held-out evaluation is (:func:`rlpost.pipeline.evaluate.evaluate`), and scored by
+the reward worker (its set's terms: the set's own ``reward``, the data source of its
+name, or ``reward.terms``). From ``n`` samples per problem at ``eval.temperature``
+come mean@k, pass@k and maj@k (:mod:`rlpost.algos.eval_metrics`); ``greedy`` is one
+sample at temperature 0. A sample is correct when it scores above 0.5.
+
+Keys, this module their one owner: ``eval/<set>/<metric>`` (each a mean over the
+set's problems), ``eval/<set>/problems`` and ``eval/<set>/reward_mean`` (the
+sampled completions' mean score).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from rlpost.algos.eval_metrics import parse_metric, problem_metric
+from rlpost.config import Config, EvalSetConfig
+from rlpost.data.sources import by_source
+from rlpost.rewards.answers import answer_extractor
+from rlpost.rollout.protocol import SamplingParams
+from rlpost.types import Group, Prompt
+
+PREFIX = "eval/"
+
+
+def set_terms(cfg: Config, s: EvalSetConfig):
+    """The reward terms that score set ``s`` (and whose extraction its vote reads)."""
+    if s.reward is not None:
+        return s.reward
+    own = {d.name: d.reward for d in cfg.data.sources if d.reward is not None}
+    return own.get(s.name, cfg.reward.terms)
+
+
+def sample_groups(
+    rollout, reward, prompts: list[Prompt], params: SamplingParams, k: int, chunk: int = 256
+) -> list[Group]:
+    """``k`` scored samples of every prompt, generated ``chunk`` sequences at a time."""
+    out: list[Group] = []
+    per_chunk = max(1, chunk // k)
+    for lo in range(0, len(prompts), per_chunk):
+        # Each chunk its own seed, or every chunk would replay the same random stream.
+        call = params if params.seed is None else replace(params, seed=params.seed + lo)
+        generated = rollout.generate(prompts[lo : lo + per_chunk], call, k).groups
+        out += reward.score(generated, params.max_tokens, training=False)
+    return out
+
+
+def set_metrics(s: EvalSetConfig, groups: list[Group], extract) -> dict[str, float]:
+    """Metrics of ``s`` over its sampled groups (greedy aside), keyed by metric name."""
+    sampled = [parse_metric(m) for m in s.metrics if m != "greedy"]
+    per: dict[str, float] = {f"{kind}@{k}": 0.0 for kind, k in sampled}
+    for g in groups:
+        correct = [x > 0.5 for x in g.scores]
+        answers = [extract(c.episode.answer if c.episode else c.text) for c in g.completions]
+        for kind, k in sampled:
+            per[f"{kind}@{k}"] += problem_metric(kind, k, correct, answers)
+    scores = [x for g in groups for x in g.scores]
+    out = {m: v / len(groups) for m, v in per.items()}
+    out["reward_mean"] = sum(scores) / len(scores)
+    return out
+
+
+def evaluate_sets(
+    cfg: Config,
+    rollout,
+    reward,
+    prompts: list[Prompt],
+    sampled: SamplingParams,
+    greedy: SamplingParams | None,
+) -> dict[str, float]:
+    """``eval/<set>/<metric>`` of every set; ``greedy=None`` leaves the greedy metric out
+    (the evaluations between the start and the end)."""
+    rows = by_source(prompts)
+    out: dict[str, float] = {}
+    for i, s in enumerate(cfg.eval.sets):
+        part = rows.get(s.name, [])
+        if not part:
+            continue
+        key = f"{PREFIX}{s.name}/"
+        values: dict[str, float] = {"problems": float(len(part))}
+        if any(m != "greedy" for m in s.metrics):
+            # Each set its own seeds, so two sets of one task do not share samples.
+            params = replace(
+                sampled, seed=None if sampled.seed is None else sampled.seed + i * 7919
+            )
+            groups = sample_groups(rollout, reward, part, params, s.n)
+            values |= set_metrics(s, groups, answer_extractor(set_terms(cfg, s)))
+        if "greedy" in s.metrics and greedy is not None:
+            groups = sample_groups(rollout, reward, part, greedy, 1)
+            values["greedy"] = sum(g.scores[0] > 0.5 for g in groups) / len(groups)
+        out.update({key + k: float(v) for k, v in values.items()})
+    return out
+
+
+def per_set_summary(cfg: Config, first: dict, final: dict) -> dict[str, dict]:
+    """``{set: {metric_start, metric_end, problems}}`` for summary.json."""
+    out: dict[str, dict] = {}
+    for s in cfg.eval.sets:
+        key = f"{PREFIX}{s.name}/"
+        entry: dict = {"problems": first.get(key + "problems")}
+        for m in [*s.metrics, "reward_mean"]:
+            entry[f"{m}_start"] = first.get(key + m)
+            entry[f"{m}_end"] = final.get(key + m)
+        out[s.name] = entry
+    return out

@@ -1,0 +1,84 @@
+"""The answer a reply states, as the reward terms that score it read it (majority vote).
+
+maj@k votes over answers, so two replies that a reward scores alike must give one
+answer: ``"12"`` and ``" 12.0"`` under ``numeric_match``, ``"<answer>ab</answer>"``
+and ``"x <answer>ab</answer>"`` under ``exact_match(tag=answer)``. The first term of
+a known reward decides how: its own extraction (tag, final-answer marker, number,
+normalisation) is applied here. Replies under another reward vote with their
+stripped text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+from rlpost.config import RewardTerm
+from rlpost.rewards.reasoning_gym import extract_answer
+from rlpost.rewards.verifiable import (
+    extract_final_answer,
+    extract_first_number,
+    extract_last_number,
+    extract_tag,
+)
+
+Extractor = Callable[[str], Hashable | None]
+
+
+def _numeric(tag: str | None = None, position: str = "first", **_) -> Extractor:
+    def read(text: str) -> Hashable | None:
+        if tag is not None and (text := extract_tag(text, tag)) is None:
+            return None
+        final = extract_final_answer(text)
+        text = final if final is not None else text
+        return extract_first_number(text) if position == "first" else extract_last_number(text)
+
+    return read
+
+
+def _exact(
+    tag: str | None = None,
+    strip: bool = True,
+    ignore_case: bool = False,
+    collapse_space: bool = False,
+    **_,
+) -> Extractor:
+    def read(text: str) -> Hashable | None:
+        if tag is not None and (text := extract_tag(text, tag)) is None:
+            return None
+        if collapse_space:
+            text = " ".join(text.split())
+        if strip:
+            text = text.strip()
+        return text.lower() if ignore_case else text
+
+    return read
+
+
+def _reasoning_gym(extract: str = "tag", tag: str = "answer", **_) -> Extractor:
+    return lambda text: extract_answer(text, extract, tag)
+
+
+def _math(tag: str | None = None, **_) -> Extractor:
+    def read(text: str) -> Hashable | None:
+        if tag is not None and (text := extract_tag(text, tag)) is None:
+            return None
+        return (extract_final_answer(text) or text).strip() or None
+
+    return read
+
+
+EXTRACTORS: dict[str, Callable[..., Extractor]] = {
+    "numeric_match": _numeric,
+    "exact_match": _exact,
+    "reasoning_gym": _reasoning_gym,
+    "math_verify": _math,
+}
+
+
+def answer_extractor(terms: list[RewardTerm]) -> Extractor:
+    """How the first term with a known extraction reads a reply's answer (else the
+    stripped reply)."""
+    for t in terms:
+        if t.name in EXTRACTORS:
+            return EXTRACTORS[t.name](**t.params)
+    return lambda text: text.strip() or None
