@@ -17,21 +17,21 @@ order they were drawn (a sample counts as correct when its score is above 0.5);
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Hashable, Sequence
 
 METRIC_NAMES = ("mean", "pass", "maj")
-_METRIC = re.compile(r"^(mean|pass|maj)@([1-9][0-9]*)$")
+_KINDS = ("mean", "pass", "maj")
 
 
 def parse_metric(name: str) -> tuple[str, int]:
     """``"pass@8"`` -> ("pass", 8); ``"greedy"`` -> ("greedy", 1); ValueError otherwise."""
     if name == "greedy":
         return "greedy", 1
-    m = _METRIC.match(name)
-    if m is None:
+    kind, at, k = name.partition("@")
+    # k: a positive decimal without a leading zero (isdecimal alone takes other scripts' digits)
+    if kind not in _KINDS or not at or not k.isascii() or not k.isdigit() or k[0] == "0":
         raise ValueError(f"{name!r} is not mean@k, pass@k, maj@k or greedy")
-    return m.group(1), int(m.group(2))
+    return kind, int(k)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
