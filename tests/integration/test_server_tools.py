@@ -177,8 +177,7 @@ def test_streamed_calls_accumulate_in_the_official_client(trained):
     # The next turn, streamed, is plain content.
     answered = _answered(_run_calls(final.message.tool_calls))
     with client.chat.completions.stream(messages=answered, **GREEDY) as stream:
-        for _ in stream:
-            pass
+        stream.until_done()  # read every chunk: the final completion is built from them
         last = stream.get_final_completion().choices[0]
     assert last.message.content == "5 and 20" and last.finish_reason == "stop"
 
@@ -190,8 +189,7 @@ def test_a_malformed_call_from_the_model_is_content_and_counted(trained):
     assert reply.message.content == BROKEN and not reply.message.tool_calls
     assert reply.finish_reason == "stop"
     with _client(trained).chat.completions.stream(messages=broken, **GREEDY) as stream:
-        for _ in stream:
-            pass
+        stream.until_done()
         streamed = stream.get_final_completion().choices[0]
     assert streamed.message.content == BROKEN and not streamed.message.tool_calls
     after = httpx.get(f"{trained}/health").json()["tool_calls"]["tool_parse_failures"]

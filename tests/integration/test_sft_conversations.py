@@ -122,7 +122,7 @@ class _StopAfter:
             self.interrupts.stop.set()
 
     def done(self, task):
-        pass
+        """The progress bar's end: the stop was set at the counted step."""
 
 
 def test_a_stopped_conversation_sft_resumes_where_it_stopped(tmp_path, chats):
