@@ -43,17 +43,14 @@ def load_source(src: SourceConfig, *, on_bad_row: str) -> LoadedSource:
     line naming the source."""
     train_report, eval_report = LoadReport(), LoadReport()
     where = f"data.sources[{src.name}]"
-    if src.task == "arith":
-        a = src.arith
+    if src.task in ("arith", "code"):
+        a, c = src.arith, src.code
         try:
-            train, held_out = arith_splits(a.max_operand, a.ops, a.train_size, a.eval_size)
-        except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from None
-        for p in train + held_out:
-            p.text = src.prompt_template.format(prompt=p.text)
-    elif src.task == "code":
-        try:
-            train, held_out = code_splits(src.code.train_size, src.code.eval_size)
+            train, held_out = (
+                arith_splits(a.max_operand, a.ops, a.train_size, a.eval_size)
+                if src.task == "arith"
+                else code_splits(c.train_size, c.eval_size)
+            )
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
         for p in train + held_out:
