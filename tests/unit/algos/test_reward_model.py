@@ -54,7 +54,8 @@ def test_micro_batches_sum_to_the_whole():
 def test_loop_matches_vectorised():
     torch.manual_seed(1)
     rc, rr = torch.randn(5), torch.randn(5)
-    loop = sum(-math.log(1 / (1 + math.exp(-(a - b)))) for a, b in zip(rc.tolist(), rr.tolist()))
+    pairs = zip(rc.tolist(), rr.tolist(), strict=True)
+    loop = sum(-math.log(1 / (1 + math.exp(-(a - b)))) for a, b in pairs)
     assert bradley_terry_loss(rc, rr).loss.item() == pytest.approx(loop / 5, rel=1e-5)
 
 
