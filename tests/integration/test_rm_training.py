@@ -12,8 +12,9 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from rlpost.cli import main
-from rlpost.config import load_config
+from rlpost.config import RECIPES_DIR, load_config
 from rlpost.pipeline.interrupts import Interrupts
+from rlpost.pipeline.loop import train
 from rlpost.pipeline.rm import run_rm
 from rlpost.rewards.model import RewardModelWorker
 from rlpost.train.sft import WarmupInterrupted
@@ -62,9 +63,7 @@ def _args(tmp_path, pairs_file, *extra):
     ]
 
 
-def test_rm_learns_reports_bad_rows_and_its_output_is_a_reward_model(
-    tmp_path, pairs_file, capsys
-):
+def test_rm_learns_reports_bad_rows_and_its_output_is_a_reward_model(tmp_path, pairs_file, capsys):
     assert main(["rm", *_args(tmp_path, pairs_file, "rm.steps=40", "run.name=r")]) == 0
     run = tmp_path / "r"
     report = json.loads((run / "data_report.json").read_text())
@@ -170,3 +169,64 @@ def test_config_mistakes_are_one_line(tmp_path, capsys, over, words):
     err = capsys.readouterr().err.strip()
     assert err.startswith("rlpost: error: ") and words in err and "\n" not in err
     assert not any(tmp_path.iterdir())
+
+
+def test_the_rlhf_recipe_trains_against_the_trained_reward_model(tmp_path, pairs_file):
+    """The pipeline's RL stage on a freshly trained reward model: the RM is a reward term
+    of the mixed reward, and the run reports the RM's held-out score and the verifiable
+    accuracy side by side."""
+    assert main(["rm", *_args(tmp_path, pairs_file, "rm.steps=2", "run.name=rm")]) == 0
+    rm = tmp_path / "rm" / "rm_model"
+    recipe = tmp_path / "rlhf.yaml"
+    arith = {"max_operand": 30, "ops": ["+", "-"], "eval_size": 8}
+    term = {"name": "reward_model", "kind": "model", "params": {"path": str(rm)}}
+    recipe.write_text(
+        json.dumps(
+            {
+                "base": str(RECIPES_DIR / "rlhf_arith.yaml"),
+                "model": {"path": None},
+                "reward": {"terms": [{"name": "numeric_match"}, term]},
+                "eval": {
+                    "every": 0,
+                    "sets": [
+                        {
+                            "name": "verifiable",
+                            "task": "arith",
+                            "arith": arith,
+                            "metrics": ["mean@2"],
+                            "reward": [{"name": "numeric_match"}],
+                        },
+                        {
+                            "name": "rm",
+                            "task": "arith",
+                            "arith": arith,
+                            "metrics": ["mean@2"],
+                            "reward": [term],
+                        },
+                    ],
+                },
+            }
+        )
+    )
+    over = [
+        "train.steps=1",
+        "rollout.prompts_per_step=4",
+        "rollout.n=2",
+        "train.mini_batch_size=8",
+        "train.micro_batch_size=8",
+        f"run.output_dir={tmp_path}",
+        "observe.progress=false",
+        "observe.plot=false",
+    ]
+    result = train(load_config(recipe, over))
+    sets = result.summary["eval_sets"]
+    for name in ("verifiable", "rm"):
+        assert sets[name]["problems"] == 8
+        assert sets[name]["reward_mean_start"] is not None
+        assert sets[name]["reward_mean_end"] is not None
+    # The verifiable set's mean score is its accuracy (exact match scores 0 or 1); the RM
+    # set's is the raw reward-model score, scored by the model just trained.
+    v = sets["verifiable"]
+    assert v["reward_mean_end"] == pytest.approx(v["mean@2_end"])
+    worker = RewardModelWorker(str(rm))
+    assert worker.model.config.num_labels == 1
