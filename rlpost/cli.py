@@ -6,7 +6,7 @@
     rlpost rm [RECIPE] [key=value ...]         reward model on preference pairs (RUN_DIR/rm_model)
     rlpost eval [RECIPE] [key=value ...]       held-out accuracy of model.path
     rlpost config [RECIPE] [key=value ...]     print the resolved config, checked as train does
-                                               (--keys: every key; --for dpo|eval|sft)
+                                               (--keys: every key; --for dpo|eval|sft|rm)
     rlpost recipes                             the recipes installed with rlpost
     rlpost rewards                             the registered rewards and their parameters
     rlpost report RUN_DIR [RUN_DIR ...]        HTML report and a text summary (several: overlaid)
