@@ -3,9 +3,10 @@
     rlpost train [RECIPE] [key=value ...] [--resume RUN_DIR]
     rlpost sft [RECIPE] [key=value ...]        warm-up only, saves RUN_DIR/sft_model
     rlpost dpo [RECIPE] [key=value ...]        offline preference optimisation
+    rlpost rm [RECIPE] [key=value ...]         reward model on preference pairs (RUN_DIR/rm_model)
     rlpost eval [RECIPE] [key=value ...]       held-out accuracy of model.path
     rlpost config [RECIPE] [key=value ...]     print the resolved config, checked as train does
-                                               (--keys: every key; --for dpo|eval|sft)
+                                               (--keys: every key; --for dpo|eval|sft|rm)
     rlpost recipes                             the recipes installed with rlpost
     rlpost rewards                             the registered rewards and their parameters
     rlpost report RUN_DIR [RUN_DIR ...]        HTML report and a text summary (several: overlaid)
@@ -227,6 +228,34 @@ def cmd_dpo(args) -> int:
     return 0
 
 
+def cmd_rm(args) -> int:
+    recipe, overrides = _overrides(args)
+    if recipe == str(DEFAULT_RECIPE):
+        recipe = str(DEFAULT_RECIPE.parent / "rm_prefs.yaml")
+    cfg = _load("rm", _resume_recipe(args, recipe), overrides)
+    _quiet_libraries()
+    from rlpost.pipeline.console import Console
+    from rlpost.pipeline.interrupts import Interrupts
+    from rlpost.pipeline.rm import run_rm
+
+    run_dir = Path(args.resume) if args.resume else cfg.run_dir
+    with Interrupts() as interrupts:
+        try:
+            out = run_rm(cfg, run_dir if args.resume else None, Console(cfg.observe.progress))
+        except KeyboardInterrupt:
+            if not (run_dir / "config.yaml").is_file():
+                return _interrupted(args, run_dir, interrupts.exit_code)
+            items = [i for i in args.items if not (args.resume and i == args.resume)]
+            command = shlex.join(["rlpost", "rm", *items, "--resume", str(run_dir)])
+            print(
+                f"rlpost: stopped (its state is saved); continue with:\n  {command}",
+                file=sys.stderr,
+            )
+            return interrupts.exit_code
+    print(f"reward model saved to {out} (the reward_model reward's path)")
+    return 0
+
+
 def cmd_config(args) -> int:
     from rlpost.pipeline.rules import check, command_for
 
@@ -291,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("sft", cmd_sft, "supervised warm-up only"),
         ("eval", cmd_eval, "held-out accuracy of a policy"),
         ("dpo", cmd_dpo, "offline preference optimisation (DPO / IPO)"),
+        ("rm", cmd_rm, "reward model on preference pairs (Bradley-Terry)"),
     ]:
         sp = sub.add_parser(name, help=text)
         sp.add_argument("items", nargs="*", help="recipe YAML, then key=value overrides")
@@ -301,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="replace an existing run directory of the same name (deletes its files)",
             )
-        if name in ("train", "sft"):
+        if name in ("train", "sft", "rm"):
             sp.add_argument(
                 "--resume", metavar="RUN_DIR", help="continue from the run's latest checkpoint"
             )
@@ -317,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--for",
         dest="check_as",
-        choices=["train", "sft", "eval", "dpo"],
+        choices=["train", "sft", "eval", "dpo", "rm"],
         help="check the config as this command would (default: dpo for data.task=prefs, "
         "else train)",
     )

@@ -741,6 +741,43 @@ class DPOConfig(Section):
         }
 
 
+# ------------------------------------------------------------------- reward model
+
+
+class RMConfig(Section):
+    """Reward-model training (``rlpost rm``): a one-output sequence classifier on preference
+    pairs with the Bradley-Terry loss, started from model.path (or the tiny model)."""
+
+    lr: float = Field(1e-3, gt=0.0)
+    """Peak learning rate (linear warm-up, then cosine decay to a tenth of it)."""
+    steps: int = Field(300, ge=1)
+    """Optimizer steps."""
+    batch_size: int = Field(64, ge=1)
+    """Pairs per optimizer step."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Pairs per forward/backward pass (gradient accumulation inside a step)."""
+    warmup_steps: int = Field(10, ge=0)
+    """Linear LR warm-up, in optimizer steps."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Gradient-norm clip."""
+    eval_every: int = Field(50, ge=0)
+    """Held-out pairwise accuracy and loss every N steps (0: at the start and the end only)."""
+    save_every: int = Field(100, ge=0)
+    """Save the resume state (RUN_DIR/rm_state) every N steps (0: only when stopped)."""
+    margin_field: str | None = None
+    """Column of a pairs file (data.task=file) holding each pair's margin m in
+    -log sigmoid(r_chosen - r_rejected - m); None: no margin."""
+
+    @model_validator(mode="after")
+    def _micro_fits(self) -> RMConfig:
+        if self.micro_batch_size > self.batch_size:
+            raise ValueError(
+                f"micro_batch_size={self.micro_batch_size} is larger than "
+                f"batch_size={self.batch_size}; set micro_batch_size <= batch_size"
+            )
+        return self
+
+
 # ---------------------------------------------------------------------- pipeline
 
 
@@ -984,6 +1021,7 @@ class Config(Section):
     sft: SFTConfig = SFTConfig()
     critic: CriticConfig = CriticConfig()
     dpo: DPOConfig = DPOConfig()
+    rm: RMConfig = RMConfig()
     reward: RewardConfig = RewardConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

@@ -15,6 +15,7 @@ config is defined here, next to the task it configures.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,9 @@ class PreferencePair:
     chosen: str
     rejected: str
     uid: str = ""
+    margin: float | None = None
+    """How far the chosen reward should lead the rejected one (reward-model training's
+    margin, Llama 2's); None: no margin."""
 
 
 def _wrong_answers(answer: int, count: int, max_offset: int, rng: random.Random) -> list[int]:
@@ -71,10 +75,16 @@ def preference_splits(
     return train, held_out
 
 
-def _check_row(row: Any, fields: tuple[str, str, str]) -> Problem | None:
+def _check_row(
+    row: Any, fields: tuple[str, str, str], margin_field: str | None = None
+) -> Problem | None:
     problem = unreadable(row)
     if problem is not None:
         return problem
+    if margin_field is not None:
+        value = row.get(margin_field)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            return "bad_margin", f"field {margin_field!r} is missing or not a finite number"
     for name in fields:
         value = row.get(name)
         if not isinstance(value, str) or not value.strip():
@@ -94,19 +104,23 @@ def load_preference_file(
     rejected_field: str = "rejected",
     on_bad_row: str = "error",
     template: str = "{prompt}",
+    margin_field: str | None = None,
 ) -> tuple[list[PreferencePair], LoadReport]:
-    """Read preference pairs from a JSONL or Parquet file; raises :class:`DataError`."""
+    """Read preference pairs from a JSONL or Parquet file; raises :class:`DataError`.
+
+    ``margin_field``: a column of per-pair margins every row must have (a finite number)."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"dataset {str(p)!r} does not exist")
     fields = (prompt_field, chosen_field, rejected_field)
     report = LoadReport()
     pairs = []
-    for line, row in valid_rows(p, lambda row: _check_row(row, fields), on_bad_row, report):
+    check = lambda row: _check_row(row, fields, margin_field)  # noqa: E731
+    for line, row in valid_rows(p, check, on_bad_row, report):
         text = template.format(prompt=row[prompt_field])
-        pairs.append(
-            PreferencePair(text, row[chosen_field], row[rejected_field], uid=f"{p.name}:{line}")
-        )
+        margin = None if margin_field is None else float(row[margin_field])
+        uid = f"{p.name}:{line}"
+        pairs.append(PreferencePair(text, row[chosen_field], row[rejected_field], uid, margin))
     if not pairs:
         raise DataError(f"dataset {str(p)!r} has no usable rows")
     return pairs, report
@@ -177,3 +191,32 @@ def load_pairs(
         on_bad_row=d.on_bad_row,
         template=d.prompt_template,
     )
+
+
+def load_pairs_reported(
+    d: DataConfig, seed: int, *, margin_field: str | None = None
+) -> tuple[list[PreferencePair], list[PreferencePair], dict[str, LoadReport]]:
+    """(train pairs, held-out pairs, {split: LoadReport}) as the data section says; the
+    reports hold every skipped row as ``file:line: problem`` (rlpost rm's data report).
+    ``margin_field``: the per-pair margin column of a pairs file."""
+    if d.task == "prefs":
+        train, held_out, _ = load_pairs(d, seed)
+        reports = {"train": LoadReport(rows=len(train)), "eval": LoadReport(rows=len(held_out))}
+        return train, held_out, reports
+    fields = dict(
+        prompt_field=d.prompt_field,
+        chosen_field=d.chosen_field,
+        rejected_field=d.rejected_field,
+        on_bad_row=d.on_bad_row,
+        template=d.prompt_template,
+        margin_field=margin_field,
+    )
+    train, report = load_preference_file(d.train_path, **fields)
+    reports = {"train": report}
+    if d.eval_path:
+        held_out, reports["eval"] = load_preference_file(d.eval_path, **fields)
+    else:
+        train, held_out = split_off(train, d.eval_fraction, seed)
+        report.rows = len(train)
+        reports["eval"] = LoadReport(rows=len(held_out))
+    return train, held_out, reports

@@ -821,3 +821,31 @@ def eval_set_reasoning_gym_generates(cfg: Config) -> str | None:
         if s.task == "reasoning_gym" and (problem := task_problem(s.reasoning_gym)) is not None:
             return f"eval.sets[{s.name}].reasoning_gym.task={s.reasoning_gym.task}: {problem}"
     return None
+
+
+# ------------------------------------------------------------------ reward model
+
+
+@rule("rm")
+def rm_trains_on_pairs(cfg: Config) -> str | None:
+    if cfg.data.task not in ("prefs", "file"):
+        return (
+            f"rlpost rm trains on preference pairs: data.task={cfg.data.task} has none; "
+            "use data.task=prefs (the built-in pairs) or data.task=file with a pairs file"
+        )
+    return pairs_file_needs_train_path(cfg)
+
+
+@rule("rm")
+def rm_margin_needs_a_file(cfg: Config) -> str | None:
+    if cfg.rm.margin_field is not None and cfg.data.task != "file":
+        return (
+            f"rm.margin_field={cfg.rm.margin_field}: data.task={cfg.data.task} has no columns; "
+            "drop it or use data.task=file with a pairs file that has the column"
+        )
+    return None
+
+
+@rule("rm")
+def rm_device_is_visible(cfg: Config) -> str | None:
+    return device_is_visible(cfg)

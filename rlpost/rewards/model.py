@@ -68,32 +68,14 @@ class RewardModelWorker:
         self.batch_size = batch_size
         self.max_length = max_length
 
-    def _render(self, sample: RewardSample) -> str:
-        if getattr(self.tokenizer, "chat_template", None):
-            messages = [
-                {"role": "user", "content": sample.prompt},
-                {"role": "assistant", "content": sample.completion},
-            ]
-            return self.tokenizer.apply_chat_template(messages, tokenize=False)
-        return sample.prompt + sample.completion
-
     def score(self, samples: Sequence[RewardSample]) -> list[float]:
         """One float per sample, in order. Inputs: right-padded ``[b, T]`` batches."""
         import torch
 
         if not samples:
             return []
-        templated = bool(getattr(self.tokenizer, "chat_template", None))
-        encoded = self.tokenizer(
-            [self._render(s) for s in samples],
-            truncation=True,
-            max_length=self.max_length,
-            # the chat template already wrote the special tokens (BOS): not twice
-            add_special_tokens=not templated,
-        )["input_ids"]
-        # An empty text has no last token to read the score from; give it one.
-        filler = self.tokenizer.eos_token_id or self.tokenizer.pad_token_id
-        encoded = [ids if ids else [filler] for ids in encoded]
+        pairs = [(s.prompt, s.completion) for s in samples]
+        encoded = reward_input_ids(self.tokenizer, pairs, max_length=self.max_length)
         order = sorted(range(len(samples)), key=lambda i: len(encoded[i]))
         scores: list[float] = [0.0] * len(samples)
         for start in range(0, len(order), self.batch_size):
@@ -111,6 +93,38 @@ class RewardModelWorker:
     def close(self) -> None:
         """Drop the weights (the worker is unusable afterwards)."""
         self.model = None  # type: ignore[assignment]
+
+
+def reward_input_ids(
+    tokenizer, pairs: Sequence[tuple[str, str]], *, max_length: int | None = None
+) -> list[list[int]]:
+    """The token ids a reward model reads for each (prompt, response): with a chat template
+    a user / assistant exchange, otherwise ``prompt + response``; cut to ``max_length``.
+
+    One function for scoring and for training (``rlpost rm``), so a trained model sees
+    exactly the inputs it was trained on.
+    """
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    if templated:
+        texts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}, {"role": "assistant", "content": r}],
+                tokenize=False,
+            )
+            for p, r in pairs
+        ]
+    else:
+        texts = [p + r for p, r in pairs]
+    encoded = tokenizer(
+        texts,
+        truncation=max_length is not None,
+        max_length=max_length,
+        # the chat template already wrote the special tokens (BOS): not twice
+        add_special_tokens=not templated,
+    )["input_ids"]
+    # An empty text has no last token to read the score from; give it one.
+    filler = tokenizer.eos_token_id or tokenizer.pad_token_id
+    return [ids if ids else [filler] for ids in encoded]
 
 
 def build_tiny_reward_model(out_dir: str | Path, seed: int = 0) -> Path:

@@ -95,11 +95,9 @@ def sft_train(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_cosine(warmup_steps, steps))
     losses: list[float] = []
     if state_dir is not None:
-        old = state_dir.with_name(state_dir.name + ".old")
-        if not state_dir.exists() and old.is_dir():  # stopped between the two renames
-            old.rename(state_dir)
+        recover_state_dir(state_dir)
     if state_dir is not None and (state_dir / STATE_FILE).is_file():
-        losses = _load_state(state_dir, model, opt, sched, rng)
+        losses = load_train_state(state_dir, model, opt, sched, rng)
     len_at_start = len(losses)
     # Every step draws from the same prompts: tokenising each text once is a fifth of a
     # tiny model's warm-up saved.
@@ -110,10 +108,10 @@ def sft_train(
     for step in range(len(losses), steps):
         if stop is not None and stop():
             if state_dir is not None:
-                _save_state(state_dir, model, opt, sched, rng, losses)
+                save_train_state(state_dir, model, opt, sched, rng, losses)
             raise WarmupInterrupted(step, state_dir)
         if state_dir is not None and save_every and step > len_at_start and step % save_every == 0:
-            _save_state(state_dir, model, opt, sched, rng, losses)  # a kill loses at most this
+            save_train_state(state_dir, model, opt, sched, rng, losses)  # a kill loses at most this
         rows = [
             (example(p, rng) if example is not None else None)
             or sft_example(p, tokenizer, rng, distractor, encode)
@@ -156,7 +154,7 @@ def save_model(model, tokenizer, out: Path, state_dir: Path | None = None) -> No
 STATE_FILE = "state.pt"
 
 
-def _save_state(state_dir: Path, model, opt, sched, rng: random.Random, losses) -> None:
+def save_train_state(state_dir: Path, model, opt, sched, rng: random.Random, losses) -> None:
     tmp = state_dir.with_name(state_dir.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     state = {
@@ -179,7 +177,14 @@ def _save_state(state_dir: Path, model, opt, sched, rng: random.Random, losses) 
         shutil.rmtree(old)
 
 
-def _load_state(state_dir: Path, model, opt, sched, rng: random.Random) -> list[float]:
+def recover_state_dir(state_dir: Path) -> None:
+    """Put back the previous state when a save stopped between its two renames."""
+    old = state_dir.with_name(state_dir.name + ".old")
+    if not state_dir.exists() and old.is_dir():
+        old.rename(state_dir)
+
+
+def load_train_state(state_dir: Path, model, opt, sched, rng: random.Random) -> list[float]:
     state = load_state(state_dir / STATE_FILE)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])

@@ -394,7 +394,9 @@ def groups_of_recipes(tmp_path, tiny_dir, only: str | None) -> dict[tuple[str, s
     out: dict[tuple[str, str], list[Recipe]] = {}
     for path in shipped_recipes():
         name = path.stem
-        if name in ("dpo_prefs", "sft_chat"):  # no RL stage: their keys are not walked here
+        if name in ("dpo_prefs", "sft_chat", "rm_prefs"):  # no RL stage: keys not walked here
+            continue
+        if name == "rlhf_arith":  # grpo_arith's algorithm; it needs an rlpost rm output first
             continue
         if only and name not in only.split(","):
             continue

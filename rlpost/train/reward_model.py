@@ -1,0 +1,221 @@
+"""Reward-model training: a one-output sequence classifier, its pair tensors and its steps.
+
+    causal-LM checkpoint --backbone--> sequence classifier (num_labels=1, new score head)
+    pairs --reward_input_ids--> chosen / rejected token ids --BT steps--> reward model
+
+The model is ``AutoModelForSequenceClassification`` built from the causal LM's own
+config with ``num_labels=1``; the LM's backbone weights are copied in, the score head is
+new (seeded). Its inputs are :func:`rlpost.rewards.model.reward_input_ids`'s, the same
+function the ``reward_model`` reward scores with, so the saved model reads at scoring
+time exactly what it was trained on. A micro-batch's chosen and rejected responses go
+through the model in one forward pass, right-padded; the classifier reads the logit at
+the last non-pad token (``config.pad_token_id``). The loss is
+:func:`rlpost.algos.reward_model.bradley_terry_loss`; each step is the shared
+:func:`~rlpost.train.optim.optimizer_step`, and the resume state is the warm-up's
+(:func:`~rlpost.train.sft.save_train_state`): weights, optimizer, scheduler, data RNG.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from rlpost.algos.reward_model import bradley_terry_loss
+from rlpost.data.files import LoadReport, refuse_or_skip
+from rlpost.data.preferences import PreferencePair
+from rlpost.rewards.model import reward_input_ids
+from rlpost.statefile import load_state
+from rlpost.train.batch import model_device
+from rlpost.train.optim import optimizer_step
+from rlpost.train.sft import (
+    STATE_FILE,
+    WarmupInterrupted,
+    load_train_state,
+    recover_state_dir,
+    save_train_state,
+    warmup_then_cosine,
+)
+
+
+@dataclass(frozen=True)
+class EncodedPairs:
+    """Token ids of each pair's (prompt + chosen) and (prompt + rejected); ``margin``
+    ``[N]`` float32 or None (no pair has one)."""
+
+    chosen: list[list[int]]
+    rejected: list[list[int]]
+    margin: torch.Tensor | None
+
+    def __len__(self) -> int:
+        return len(self.chosen)
+
+
+def reward_model_from(lm: torch.nn.Module, pad_token_id: int, seed: int) -> torch.nn.Module:
+    """A ``num_labels=1`` sequence classifier with ``lm``'s backbone weights and a new score
+    head (initialised under ``seed``)."""
+    config = lm.config.__class__.from_dict(lm.config.to_dict())
+    config.num_labels = 1
+    config.pad_token_id = pad_token_id
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForSequenceClassification.from_config(config)
+    backbone = getattr(model, model.base_model_prefix)
+    backbone.load_state_dict(getattr(lm, lm.base_model_prefix).state_dict())
+    return model.to(next(lm.parameters()).dtype)
+
+
+def encode_pairs(
+    pairs: list[PreferencePair], tokenizer, *, max_len: int, on_bad_row: str, report: LoadReport
+) -> EncodedPairs:
+    """Tokenise every pair as the reward model will be scored; a pair longer than
+    ``max_len`` tokens is a bad row (``pair_too_long``), refused or skipped and counted in
+    ``report`` under its ``uid`` (``file:line`` for a file), never truncated."""
+    chosen_ids = reward_input_ids(tokenizer, [(p.prompt, p.chosen) for p in pairs])
+    rejected_ids = reward_input_ids(tokenizer, [(p.prompt, p.rejected) for p in pairs])
+    kept: list[int] = []
+    for i, p in enumerate(pairs):
+        longest = max(len(chosen_ids[i]), len(rejected_ids[i]))
+        if longest > max_len:
+            problem = ("pair_too_long", f"pair is {longest} tokens; the model holds {max_len}")
+            refuse_or_skip(p.uid or "pair", problem, on_bad_row, report)
+            report.rows -= 1
+            continue
+        kept.append(i)
+    margins = [pairs[i].margin for i in kept]
+    margin = None
+    if any(m is not None for m in margins):
+        margin = torch.tensor([m or 0.0 for m in margins], dtype=torch.float32)
+    return EncodedPairs([chosen_ids[i] for i in kept], [rejected_ids[i] for i in kept], margin)
+
+
+def pair_rewards(model, pairs: EncodedPairs, idx: list[int], pad_id: int):
+    """(chosen ``[n]``, rejected ``[n]``) rewards of pairs ``idx``, one forward pass of
+    ``2n`` right-padded rows, with gradient when the caller allows it."""
+    rows = [pairs.chosen[i] for i in idx] + [pairs.rejected[i] for i in idx]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for j, r in enumerate(rows):
+        ids[j, : len(r)] = torch.tensor(r)
+        mask[j, : len(r)] = 1
+    device = model_device(model)
+    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0]
+    logits = logits.float()
+    return logits[: len(idx)], logits[len(idx) :]
+
+
+def _margin(pairs: EncodedPairs, idx: list[int]) -> torch.Tensor | None:
+    if pairs.margin is None:
+        return None
+    return pairs.margin[torch.tensor(idx)]
+
+
+@torch.no_grad()
+def evaluate_rm(model, pairs: EncodedPairs, pad_id: int, chunk: int = 128) -> dict[str, float]:
+    """Held-out ``eval_accuracy`` (pairs ranked right, ties half), ``eval_loss`` (the mean
+    Bradley-Terry loss, margins included) and reward means of ``model`` on ``pairs``."""
+    was_training = model.training
+    model.eval()
+    chosen, rejected = [], []
+    for lo in range(0, len(pairs), chunk):
+        c, r = pair_rewards(model, pairs, list(range(lo, min(lo + chunk, len(pairs)))), pad_id)
+        chosen.append(c)
+        rejected.append(r)
+    model.train(was_training)
+    rc, rr = torch.cat(chosen), torch.cat(rejected)
+    out = bradley_terry_loss(rc, rr, margin=pairs.margin)
+    return {
+        "eval_accuracy": float(out.stats["accuracy"]),
+        "eval_loss": float(out.loss),
+        "eval_reward_margin": float(out.stats["reward_margin"]),
+        "eval_chosen_reward": float(out.stats["chosen_reward"]),
+        "eval_rejected_reward": float(out.stats["rejected_reward"]),
+    }
+
+
+def rm_step(
+    model,
+    opt,
+    sched,
+    pairs: EncodedPairs,
+    idx: list[int],
+    pad_id: int,
+    *,
+    micro: int,
+    grad_clip: float,
+) -> dict[str, float]:
+    """One optimizer step on pairs ``idx``, accumulated over micro-batches of ``micro``
+    pairs; each micro-batch divides by ``len(idx)``, so the step does not depend on the cut."""
+
+    def micro_loss(part: list[int]):
+        rc, rr = pair_rewards(model, pairs, part, pad_id)
+        out = bradley_terry_loss(rc, rr, margin=_margin(pairs, part), num_pairs=len(idx))
+        return out.loss, {k: float(v) * len(part) / len(idx) for k, v in out.stats.items()}
+
+    parts = [idx[lo : lo + micro] for lo in range(0, len(idx), micro)]
+    lr = opt.param_groups[0]["lr"]
+    outcome = optimizer_step(opt, sched, list(model.parameters()), grad_clip, parts, micro_loss)
+    return {"loss": outcome.loss, **outcome.as_dict(), "lr": lr}
+
+
+def steps_done(state_dir: Path) -> int:
+    """Steps a saved resume state holds (0: none saved)."""
+    state = state_dir / STATE_FILE
+    return len(load_state(state)["losses"]) if state.is_file() else 0
+
+
+def rm_train(
+    model,
+    pairs: EncodedPairs,
+    pad_id: int,
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    micro_batch_size: int,
+    warmup_steps: int,
+    grad_clip: float,
+    seed: int,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+    state_dir: Path | None = None,
+    stop: Callable[[], bool] | None = None,
+    save_every: int = 0,
+) -> list[float]:
+    """Train ``model`` in place for ``steps`` steps; returns every step's loss.
+
+    Resumes from ``state_dir`` when it holds a state, saves it every ``save_every`` steps
+    and, when ``stop()`` turns true, saves it and raises
+    :class:`~rlpost.train.sft.WarmupInterrupted`; a resumed run takes the same steps as
+    one that never stopped. ``on_step(step, metrics)`` gets the 1-based step.
+    """
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_cosine(warmup_steps, steps))
+    losses: list[float] = []
+    if state_dir is not None:
+        recover_state_dir(state_dir)
+    if state_dir is not None and (state_dir / STATE_FILE).is_file():
+        losses = load_train_state(state_dir, model, opt, sched, rng)
+    at_start = len(losses)
+    model.train()
+    for step in range(len(losses), steps):
+        if stop is not None and stop():
+            if state_dir is not None:
+                save_train_state(state_dir, model, opt, sched, rng, losses)
+            raise WarmupInterrupted(step, state_dir)
+        if state_dir is not None and save_every and step > at_start and step % save_every == 0:
+            save_train_state(state_dir, model, opt, sched, rng, losses)
+        idx = rng.sample(range(len(pairs)), min(batch_size, len(pairs)))
+        m = rm_step(
+            model, opt, sched, pairs, idx, pad_id, micro=micro_batch_size, grad_clip=grad_clip
+        )
+        losses.append(m["loss"])
+        if on_step is not None:
+            on_step(step + 1, m)
+    model.eval()
+    return losses
