@@ -291,6 +291,14 @@ def env_splits(c) -> tuple[list[Prompt], list[Prompt], str | None, dict[str, Any
         system = system if train else eval_system
     if not train and not held_out:
         raise VerifiersError(f"verifiers env {c.env!r} has no dataset rows")
+    first = (train or held_out)[0]
+    try:  # what verifiers refuses in a row (a plain-string task column) fails now, not mid-run
+        new_state(classic(), env, row_input(first.text, first.answer, first.metadata))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise VerifiersError(
+            f"verifiers env {c.env!r}: its first row cannot start a rollout "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
     info = {"env": c.env, "class": type(env).__name__, "train": len(train), "eval": len(held_out)}
     return train, held_out, system, info
 

@@ -260,6 +260,8 @@ def test_what_cannot_be_had_offline_is_one_line(monkeypatch):
         VerifiersEnv(env="vf-no-such-env")
     with pytest.raises(ValueError, match="needs a download"):
         VerifiersRubric(env=f"{HELPERS}:load_from_hub")
+    with pytest.raises(VerifiersError, match="first row cannot start a rollout .*task payloads"):
+        env_splits(VerifiersSourceConfig(env=f"{HELPERS}:load_string_task"))
 
 
 def test_a_bad_source_stops_the_run_in_one_line(tmp_path):

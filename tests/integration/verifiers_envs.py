@@ -87,3 +87,9 @@ class SumTask(v1.Task[SumData, v1.State, v1.TaskConfig]):
     @v1.metric
     async def reply_chars(self, trace: v1.Trace) -> float:
         return float(len(trace.last_reply))
+
+
+def load_string_task() -> vf.Environment:
+    """A row routed by a plain-string task column, which verifiers 0.3.1 no longer takes."""
+    rows = [{**r, "task": "arith"} for r in _rows(2)]
+    return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), rubric=arith_rubric())
