@@ -260,7 +260,7 @@ def test_what_cannot_be_had_offline_is_one_line(monkeypatch):
         VerifiersEnv(env="vf-no-such-env")
     with pytest.raises(ValueError, match="needs a download"):
         VerifiersRubric(env=f"{HELPERS}:load_from_hub")
-    with pytest.raises(VerifiersError, match="first row cannot start a rollout .*task payloads"):
+    with pytest.raises(VerifiersError, match=r"first row cannot start a rollout .*task payloads"):
         env_splits(VerifiersSourceConfig(env=f"{HELPERS}:load_string_task"))
 
 
