@@ -193,7 +193,6 @@ def test_single_turn_env_trains_on_its_rubric(tmp_path):
             assert record["components"]["verifiers_rubric/digits_only"] == metrics["digits_only"]
 
 
-@pytest.mark.slow
 def test_tool_env_trains_through_the_episode_loop(tmp_path):
     args = {"tools": True}
     over = {
