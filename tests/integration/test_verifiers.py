@@ -285,3 +285,48 @@ def test_another_api_generation_is_refused(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.startswith("verifiers 0.4.0 has no classic API"), out.stderr[-500:]
     assert "verifiers==0.3.1" in out.stdout and "task=package.module:Class" in out.stdout
+
+
+def test_verifiers_own_evaluate_against_rlpost_serve_scores_as_the_adapter(tiny_dir):
+    """verifiers runs its own rollouts against `rlpost serve` (its OpenAI chat client) and
+    scores them; the adapter, given the same completions, gives the same rewards and metrics."""
+    from openai import AsyncOpenAI
+
+    from tests.integration.test_server import start_server, stop_server
+
+    env = load_env(ARITH)
+    _, held_out, _, _ = env_splits(VerifiersSourceConfig(env=ARITH))
+    rows = {p.uid: p for p in held_out}
+    proc, url = start_server(tiny_dir)
+    try:
+        client = vf.OpenAIChatCompletionsClient(
+            AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        )
+        args = {"max_tokens": 1, "temperature": 1.0}  # one character: a digit one time in ten
+        out = asyncio.run(
+            env.evaluate(
+                client,
+                model="model",
+                sampling_args=args,
+                num_examples=64,
+                rollouts_per_example=2,
+                on_progress=lambda *a: None,
+            )
+        )["outputs"]
+    finally:
+        stop_server(proc)
+    assert len(out) == 128
+    out = [o for o in out if o["error"] is None]  # (an end-of-text first: verifiers' own error)
+    assert len(out) > 100
+    samples = []
+    for o in out:
+        p = rows[str(o["example_id"])]
+        reply = o["completion"][-1].content
+        samples.append(
+            RewardSample(prompt=p.text, completion=reply, answer=p.answer, metadata=p.metadata)
+        )
+    scorer = VerifiersRubric(env=ARITH)
+    assert scorer.score(samples) == pytest.approx([o["reward"] for o in out])
+    for name in ("exact_match", "digits_only", "num_turns"):
+        assert scorer.last_components[name] == pytest.approx([o["metrics"][name] for o in out])
+    assert any(o["metrics"]["digits_only"] == 1.0 for o in out)  # not only zeros compared
