@@ -947,6 +947,21 @@ class ReasoningGymConfig(Section):
     """Generator seed: the rows do not depend on the run's seed."""
 
 
+class VerifiersSourceConfig(Section):
+    """A verifiers environment's dataset as a source (extra [verifiers]): its rows, answers and
+    info, loaded offline at start (docs/agents.md "verifiers environments")."""
+
+    env: str = ""
+    """The environment: an installed environment's id (what vf.load_environment loads) or
+    ``package.module:function`` returning one."""
+    env_args: dict[str, Any] = {}
+    """Keyword arguments of the environment's load_environment (or of the function)."""
+    train_size: int | None = Field(None, ge=1)
+    """Rows of its dataset to train on, from the first (None: all)."""
+    eval_size: int | None = Field(None, ge=0)
+    """Rows of its eval dataset held out, from the first (None: all; 0: none)."""
+
+
 class SourceConfig(Section):
     """One source of prompts in ``data.sources``."""
 
@@ -954,14 +969,17 @@ class SourceConfig(Section):
     """Unique name: rows carry it, rewards are routed by it, metrics are labelled with it."""
     weight: float = Field(1.0, gt=0.0, allow_inf_nan=False)
     """Share of each batch's prompts drawn from this source (weights need not sum to 1)."""
-    task: Literal["arith", "code", "file", "reasoning_gym"] = "file"
-    """Where its rows come from: a built-in task, a file, or a reasoning-gym task."""
+    task: Literal["arith", "code", "file", "reasoning_gym", "verifiers"] = "file"
+    """Where its rows come from: a built-in task, a file, a reasoning-gym task, or a verifiers
+    environment's dataset."""
     arith: ArithConfig = ArithConfig()
     """Settings of the arithmetic task (task=arith)."""
     code: CodeTaskConfig = CodeTaskConfig()
     """Settings of the code task (task=code)."""
     reasoning_gym: ReasoningGymConfig = ReasoningGymConfig()
     """The reasoning-gym task and its generator settings (task=reasoning_gym)."""
+    verifiers: VerifiersSourceConfig = VerifiersSourceConfig()
+    """The verifiers environment whose dataset the rows are (task=verifiers)."""
     train_path: str | None = None
     """JSONL or Parquet file, or a ``datasets`` save_to_disk directory, of training rows (task=file)."""
     eval_path: str | None = None

@@ -34,6 +34,7 @@ class Turn:
     reward: float = 0.0
     error: bool = False
     seconds: float = 0.0
+    arguments: str | None = None  # the call's argument text, as the environment got it
 
 
 @dataclass
@@ -158,6 +159,7 @@ class RewardSample:
     num_tokens: int = 0
     max_tokens: int = 0
     source: str = ""  # the prompt's data source: which source's reward terms score it
+    episode: Episode | None = None  # a multi-turn completion's turns (rewards that read them)
 
 
 @dataclass

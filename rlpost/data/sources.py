@@ -36,6 +36,7 @@ class LoadedSource:
     held_out: list[Prompt]
     train_report: LoadReport
     eval_report: LoadReport
+    system_prompt: str | None = None  # the rows' own system message (a verifiers environment's)
 
 
 def load_source(src: SourceConfig, *, on_bad_row: str) -> LoadedSource:
@@ -43,6 +44,7 @@ def load_source(src: SourceConfig, *, on_bad_row: str) -> LoadedSource:
     line naming the source."""
     train_report, eval_report = LoadReport(), LoadReport()
     where = f"data.sources[{src.name}]"
+    system = None
     if src.task in ("arith", "code"):
         a, c = src.arith, src.code
         try:
@@ -60,6 +62,8 @@ def load_source(src: SourceConfig, *, on_bad_row: str) -> LoadedSource:
 
         train, held_out, info = generate_splits(src.reasoning_gym, src.prompt_template)
         train_report.info = info
+    elif src.task == "verifiers":
+        train, held_out, system = _verifiers_rows(src, where)
     else:
         kwargs = dict(
             prompt_field=src.prompt_field,
@@ -77,7 +81,19 @@ def load_source(src: SourceConfig, *, on_bad_row: str) -> LoadedSource:
         train_report.rows, eval_report.rows = len(train), len(held_out)
     train = [_tag(p, src.name) for p in train]
     held_out = [_tag(p, src.name) for p in held_out]
-    return LoadedSource(src.name, train, held_out, train_report, eval_report)
+    return LoadedSource(src.name, train, held_out, train_report, eval_report, system)
+
+
+def _verifiers_rows(src: SourceConfig, where: str) -> tuple[list[Prompt], list[Prompt], str | None]:
+    from rlpost.data.verifiers_source import env_splits  # lazy: an optional extra
+
+    try:
+        train, held_out, system, _ = env_splits(src.verifiers)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    for p in train + held_out:
+        p.text = src.prompt_template.format(prompt=p.text)
+    return train, held_out, system
 
 
 def _tag(p: Prompt, name: str) -> Prompt:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlpost.envs import calculator, countdown, python  # noqa: F401
+from rlpost.envs import verifiers_env as _verifiers_env  # noqa: F401
 from rlpost.envs.base import ENVS, EnvError, Environment
 from rlpost.registry import UnknownNameError
 

@@ -556,7 +556,7 @@ def load_sources(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, Loa
             if isinstance(exc, DataError):
                 raise
             raise ConfigError(str(exc)) from None
-        sp = src.system_prompt
+        sp = src.system_prompt or got.system_prompt
         part = fit_to_model(cfg, got.train, got.train_report, system_prompt=sp)
         if src.stream:  # read as the run draws; its first rows checked (the warm-up's)
             part = stream_preflight(stream_args(cfg, src), stream_fit(cfg, src))
@@ -610,7 +610,8 @@ def load_eval_sets(cfg: Config, train: list[Prompt]) -> tuple[list[Prompt], Load
         rows, part_report = (
             (got.train, got.train_report) if s.task == "file" else (got.held_out, got.eval_report)
         )
-        part = fit_to_model(cfg, rows, part_report, system_prompt=s.system_prompt)
+        sp = s.system_prompt or got.system_prompt
+        part = fit_to_model(cfg, rows, part_report, system_prompt=sp)
         part = part[: cfg.eval.limit] if cfg.eval.limit else part
         if not part:
             raise DataError(

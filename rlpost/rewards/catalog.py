@@ -17,6 +17,7 @@ from rlpost.registry import UnknownNameError
 from rlpost.rewards import code, countdown, judge, model, rule, verifiable  # noqa: F401
 from rlpost.rewards import math as _math  # noqa: F401
 from rlpost.rewards import reasoning_gym as _reasoning_gym  # noqa: F401
+from rlpost.rewards import verifiers_rubric as _verifiers_rubric  # noqa: F401
 from rlpost.rewards.registry import REWARDS, SCORERS, RewardFn
 
 

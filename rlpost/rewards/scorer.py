@@ -137,6 +137,7 @@ class RewardScorer:
             for t in self.terms
         }
         components: dict[str, list[float]] = {t.name: [] for t in self.terms}
+        components.update(_sub_components(self.terms, len(scored), cut))
         if any(cut):
             components[TRUNCATED] = [self.truncated_reward if c else math.nan for c in cut]
         scores: list[float] = []
@@ -272,3 +273,15 @@ def build_scorer(cfg: RewardConfig, *, truncated_reward: float | None = None) ->
         score_range=tuple(cfg.score_range),
         truncated_reward=truncated_reward,
     )
+
+
+def _sub_components(terms: list[Term], scored: int, cut: list[bool]) -> dict[str, list[float]]:
+    """``term/name`` columns a batched scorer kept of its latest batch (``last_components``:
+    a verifiers rubric's per-function values), for logging; only the term's value trains."""
+    out = {}
+    for t in terms:
+        parts = getattr(t.scorer, "last_components", None) or {}
+        for name, col in parts.items():
+            if len(col) == scored:
+                out[f"{t.name}/{name}"] = [math.nan if v is None else v for v in _spread(col, cut)]
+    return out

@@ -28,6 +28,7 @@ def reward_samples(groups: list[Group], max_tokens: int) -> list[RewardSample]:
             num_tokens=len(c.token_ids),
             max_tokens=max_tokens,
             source=g.prompt.source,
+            episode=c.episode,
         )
         for g in groups
         for c in g.completions

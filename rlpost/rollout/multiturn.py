@@ -294,7 +294,8 @@ class MultiTurnRollout:
             ep.versions += out.versions_per_token()[: len(keep)]
             text = self.tokenizer.decode(keep, skip_special_tokens=True)
             tool = call.name if call else None
-            ep.turns.append(Turn("policy", start, len(ep.tokens), tool, text=text))
+            args = call.arguments if call else None
+            ep.turns.append(Turn("policy", start, len(ep.tokens), tool, text=text, arguments=args))
             ep.answer = text
             full = len(ep.tokens) >= params.max_tokens
             if call is not None and (last_turn or full):

@@ -1,0 +1,1 @@
+"""Example environments written against other libraries' APIs (each imports no rlpost)."""
