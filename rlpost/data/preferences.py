@@ -83,7 +83,11 @@ def _check_row(
         return problem
     if margin_field is not None:
         value = row.get(margin_field)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
             return "bad_margin", f"field {margin_field!r} is missing or not a finite number"
     for name in fields:
         value = row.get(name)

@@ -37,7 +37,7 @@ from rlpost.registry import UnknownNameError
 from rlpost.rewards.scorer import check_terms
 from rlpost.rollout.protocol import ENGINES
 
-COMMANDS = ("train", "sft", "eval", "dpo")
+COMMANDS = ("train", "sft", "eval", "dpo", "rm")
 RL = ("train", "sft", "eval")  # the commands that sample prompts (not preference pairs)
 
 
@@ -152,17 +152,18 @@ def file_task_needs_eval_path(cfg: Config) -> str | None:
     return None
 
 
-@rule("dpo")
+@rule("dpo", "rm")
 def pairs_not_prompts(cfg: Config) -> str | None:
     if cfg.data.task not in ("prefs", "file"):
         return (
-            f"rlpost dpo trains on preference pairs: data.task={cfg.data.task} has none; "
+            f"rlpost dpo and rlpost rm train on preference pairs: data.task={cfg.data.task} "
+            "has none; "
             "use data.task=prefs (the built-in pairs) or data.task=file with a pairs file"
         )
     return None
 
 
-@rule("dpo")
+@rule("dpo", "rm")
 def pairs_file_needs_train_path(cfg: Config) -> str | None:
     if cfg.data.task == "file" and not cfg.data.train_path:
         return (
@@ -827,16 +828,6 @@ def eval_set_reasoning_gym_generates(cfg: Config) -> str | None:
 
 
 @rule("rm")
-def rm_trains_on_pairs(cfg: Config) -> str | None:
-    if cfg.data.task not in ("prefs", "file"):
-        return (
-            f"rlpost rm trains on preference pairs: data.task={cfg.data.task} has none; "
-            "use data.task=prefs (the built-in pairs) or data.task=file with a pairs file"
-        )
-    return pairs_file_needs_train_path(cfg)
-
-
-@rule("rm")
 def rm_margin_needs_a_file(cfg: Config) -> str | None:
     if cfg.rm.margin_field is not None and cfg.data.task != "file":
         return (
@@ -844,8 +835,3 @@ def rm_margin_needs_a_file(cfg: Config) -> str | None:
             "drop it or use data.task=file with a pairs file that has the column"
         )
     return None
-
-
-@rule("rm")
-def rm_device_is_visible(cfg: Config) -> str | None:
-    return device_is_visible(cfg)

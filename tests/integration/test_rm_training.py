@@ -157,7 +157,10 @@ def test_a_stopped_rm_run_resumes_where_it_stopped(tmp_path, pairs_file):
 @pytest.mark.parametrize(
     ("over", "words"),
     [
-        (["data.task=arith"], "rlpost rm trains on preference pairs: data.task=arith"),
+        (
+            ["data.task=arith"],
+            "rlpost dpo and rlpost rm train on preference pairs: data.task=arith",
+        ),
         (["data.task=file"], "data.task=file needs data.train_path"),
         (["rm.margin_field=m"], "rm.margin_field=m: data.task=prefs has no columns"),
         (["rm.micro_batch_size=100"], "micro_batch_size=100 is larger than batch_size=64"),

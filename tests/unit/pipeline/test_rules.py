@@ -238,6 +238,9 @@ CASES.update(
         ),
     }
 )  # fmt: skip
+CASES["rm_margin_needs_a_file"] = (
+    "rm", PAIRS, ["rm.margin_field=margin"], "rm.margin_field=margin: data.task=prefs",
+)
 RULE = {r.name: r for r in rules.RULES}
 
 
