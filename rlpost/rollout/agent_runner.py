@@ -59,18 +59,40 @@ class HarnessSettings:
 
 
 def load_entry(name: str) -> Callable:
-    """``package.module:function``; ValueError naming what is missing."""
-    module_name, _, attr = name.partition(":")
+    """``package.module:function`` or ``path/to/file.py:function`` (a relative path: from the
+    working directory, else from the checkout rlpost lives in); ValueError naming what is
+    missing."""
+    module_name, _, attr = name.rpartition(":")
     if not module_name or not attr:
-        raise ValueError(f"{name!r} must be package.module:function")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import {module_name!r} ({exc})") from None
+        raise ValueError(f"{name!r} must be package.module:function or file.py:function")
+    if module_name.endswith(".py"):
+        module = _load_file(module_name)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(f"cannot import {module_name!r} ({exc})") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"{module_name} has no function {attr!r}")
     return fn
+
+
+def _load_file(path: str):
+    import importlib.util
+    from pathlib import Path
+
+    checkout = Path(__file__).resolve().parents[2]
+    found = next((p for p in (Path(path), checkout / path) if p.is_file()), None)
+    if found is None:
+        raise ValueError(f"no file {path!r} (looked in . and {checkout})")
+    spec = importlib.util.spec_from_file_location(f"rlpost_harness_{found.stem}", found)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise ValueError(f"{path} does not load ({type(exc).__name__}: {exc})") from None
+    return module
 
 
 @dataclass

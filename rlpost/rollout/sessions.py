@@ -22,6 +22,10 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 
+from fastapi import Request as HTTPRequest
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
 from rlpost.rollout.openai_params import APIError, parse_json_object
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.types import Completion, Episode, Turn
@@ -136,9 +140,10 @@ def admit(session: Session, plan, context: int) -> None:
 
 
 def unbounded_body(raw: bytes) -> tuple[bytes, int | None]:
-    """(the body with max_tokens 1, the max_tokens the agent asked for or None): the plan's
+    """(the body with max_tokens 1 and no model name, the max_tokens the agent asked for or None): the plan's
     context check then passes, and :func:`admit` fits the real one to what is left."""
     body = parse_json_object(raw)
+    body.pop("model", None)  # a harness names its own model: a session serves the policy
     asked = body.pop("max_completion_tokens", None)
     asked = body.pop("max_tokens", asked)
     body["max_tokens"] = 1
@@ -147,10 +152,6 @@ def unbounded_body(raw: bytes) -> tuple[bytes, int | None]:
 
 def add_session_routes(app, service, store: SessionStore) -> None:
     """``/sessions/{id}/v1/chat/completions`` and ``/sessions/{id}/v1/completions``."""
-    from fastapi import Request as HTTPRequest
-    from fastapi.responses import Response
-    from starlette.concurrency import run_in_threadpool
-
     async def respond(request: HTTPRequest, sid: str, chat: bool):
         session = store.get(sid)
         raw, asked = unbounded_body(await request.body())
