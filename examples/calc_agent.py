@@ -18,6 +18,7 @@ import operator
 import os
 import sys
 
+import httpx
 from openai import OpenAI
 
 TOOLS = [
@@ -34,6 +35,7 @@ TOOLS = [
         },
     }
 ]
+HTTP = httpx.Client(timeout=60)  # one connection pool for every conversation this process has
 OPS = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -60,7 +62,7 @@ def calc(expression: str) -> str:
 
 def run(prompt: str, base_url: str, api_key: str = "none", max_turns: int = 3) -> str:
     """Solve ``prompt`` with the model at ``base_url``; the final answer's text."""
-    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=60)
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=HTTP)
     messages: list[dict] = [{"role": "user", "content": prompt}]
     content = ""
     for _ in range(max_turns):

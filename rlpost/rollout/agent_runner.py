@@ -52,10 +52,11 @@ class HarnessSettings:
     workers: int = 8
     chat_template: str | None = None  # served in place of the tokenizer's (None: its own)
     tool_parser: str = "hermes"
+    grace_s: float = GRACE_S
 
     @property
     def timeout_s(self) -> float:
-        return self.bounds.max_seconds + GRACE_S
+        return self.bounds.max_seconds + self.grace_s
 
 
 def load_entry(name: str) -> Callable:
@@ -189,6 +190,7 @@ class AgentRunner:
             served.chat_template = settings.chat_template
         self.server = LoopbackServer(scheduler, served, name, settings.tool_parser)
         self.last_stats = HarnessStats()
+        self.last_sessions: list[Session] = []  # the latest call's sessions, as recorded
         self.api_key = "rlpost"  # loopback without keys: any key is accepted
 
     @property
@@ -293,8 +295,10 @@ class AgentRunner:
     def _collect(self, jobs: list[_Job]) -> list[Completion]:
         s = self.last_stats = HarnessStats(sessions=len(jobs))
         rows: list[Completion] = []
+        self.last_sessions = []
         for job in jobs:
             session = self.server.sessions.close(job.session.id) or job.session
+            self.last_sessions.append(session)
             if job.timed_out:
                 s.timed_out += 1
                 continue
