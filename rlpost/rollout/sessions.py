@@ -155,7 +155,12 @@ def add_session_routes(app, service, store: SessionStore) -> None:
     async def respond(request: HTTPRequest, sid: str, chat: bool):
         session = store.get(sid)
         raw, asked = unbounded_body(await request.body())
-        plan = await run_in_threadpool(service.plan, raw, chat)
+        try:
+            plan = await run_in_threadpool(service.plan, raw, chat)
+        except APIError as exc:
+            if exc.param == "max_tokens":  # the context is full: the session's token bound
+                session.bound_hit = "tokens"
+            raise
         limit = service.settings.max_tokens_limit
         plan.fields["params"] = replace(plan.fields["params"], max_tokens=min(asked or limit, limit))
         admit(session, plan, service.settings.max_model_len or 1 << 62)

@@ -268,6 +268,11 @@ def test_session_bounds_and_unknown_sessions_are_4xx(engine):
         store.close(fresh.id)
         with pytest.raises(NotFoundError, match=f"session '{fresh.id}' is unknown or closed"):
             client.chat.completions.create(model="m", messages=chat)
+        full = store.open(SessionBounds(4, 80, 60), GREEDY)
+        client = OpenAI(base_url=runner.base_url(full), api_key="k", max_retries=0)
+        with pytest.raises(BadRequestError, match="context"):  # the model's 128 positions
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * 200}])
+        assert full.bound_hit == "tokens"  # a full context ends the session as truncated
         assert one.bound_hit == "requests" and few.bound_hit == "tokens"
         assert len(one.requests) == 1 and json.dumps(one.requests[0].versions)
     finally:
