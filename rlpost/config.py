@@ -898,6 +898,40 @@ class SyncConfig(Section):
 # ------------------------------------------------------------------------- agent
 
 
+class HarnessConfig(Section):
+    """An outside agent as the rollout: rlpost runs it against recorded sessions of a loopback
+    OpenAI server (docs/agents.md, "Bring your own harness")."""
+
+    entry: str | None = None
+    """The agent as ``package.module:function``, called ``fn(prompt, base_url, **info)`` in a
+    thread (info: api_key, session_id, metadata, those it accepts); it returns its final
+    answer (judged by the reward terms), a number (the session's reward) or None."""
+    command: list[str] = []
+    """The agent as a command (instead of entry): OPENAI_BASE_URL, OPENAI_API_KEY and
+    RLPOST_PROMPT in its environment, the prompt on stdin; its last stdout line is the answer
+    or a number."""
+    chat_template: str | None = None
+    """Jinja chat template the server renders the agent's chats with (None: the tokenizer's)."""
+    tool_parser: str = "hermes"
+    """How the model's output is read into tool_calls (rlpost serve --tool-parser)."""
+    demonstrations: str | None = None
+    """``package.module:function`` giving the warm-up a conversation per prompt:
+    ``fn(prompt, answer, rng) -> {"messages": [...], "tools": [...]}`` or None (OpenAI
+    messages; the assistant turns train, the rest is masked)."""
+    max_requests: int = Field(8, ge=1)
+    """Requests (model calls) per session; the next one is a 400 and the session ends as
+    truncated. rollout.max_tokens bounds its sampled tokens, all requests together."""
+    max_seconds: float = Field(120.0, gt=0)
+    """Wall time of a session; requests after it are refused, and a harness still running 5 s
+    later is counted as hung (harness_timed_out) and its session dropped."""
+    workers: int = Field(8, ge=1)
+    """Sessions run at once."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.entry is not None or bool(self.command)
+
+
 class AgentConfig(Section):
     """Multi-turn episodes: the policy calls tools of an environment between its turns."""
 
@@ -927,6 +961,8 @@ class AgentConfig(Section):
     sft_direct: float = Field(0.0, ge=0.0, le=1.0)
     """Fraction of warm-up demonstrations that answer without calling a tool (the starting
     policy then sometimes answers in its head, which RL has to unlearn)."""
+    harness: HarnessConfig = HarnessConfig()
+    """An outside agent written against the OpenAI API as the rollout (instead of env)."""
 
 
 # ------------------------------------------------------------------ data sources

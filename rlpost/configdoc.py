@@ -43,7 +43,7 @@ def markdown_table(section: str) -> str:
         value = field.get_default(call_default_factory=True)
         nested = isinstance(value, BaseModel)  # a nested section: its keys on one line
         value = value.model_dump() if nested else value
-        default = yaml.safe_dump(value, default_flow_style=nested).strip()
+        default = yaml.safe_dump(value, default_flow_style=nested, width=1 << 16).strip()
         default = default.removesuffix("\n...").strip()
         rows.append(f"| `{name}` | `{default}` | {_meaning(field)} |")
     return "\n".join(rows) + "\n"

@@ -210,6 +210,8 @@ def engine_name(cfg: Config) -> str:
     name = cfg.rollout.engine
     if name == "hf" and (cfg.rollout.partial or cfg.pipeline.mode == "async"):
         return "hf_continuous"
+    if name == "hf" and cfg.agent.harness.enabled:  # the harness's server runs on its scheduler
+        return "hf_continuous"
     return name
 
 
@@ -491,6 +493,8 @@ def build_rollout_worker(
 def build_agent(cfg: Config, engine, tokenizer) -> MultiTurnRollout | None:
     """The episode runner over ``engine`` when ``agent.env`` is set (None: single turn)."""
     a = cfg.agent
+    if a.harness.enabled:
+        return build_harness(cfg, engine, tokenizer)
     if a.env is None:
         return None
     try:
@@ -525,6 +529,8 @@ def agent_demonstrations(cfg: Config, tokenizer):
     the environment's demonstration in the run's call format, its tool output masked;
     ``agent.sft_direct`` of them answer without calling a tool."""
     a = cfg.agent
+    if a.harness.demonstrations is not None:
+        return harness_demonstrations(cfg, tokenizer)
     if a.env is None:
         return None
     make_env = env_factory(a.env, a.params)
@@ -626,3 +632,45 @@ def load_eval_sets(cfg: Config, train: list[Prompt]) -> tuple[list[Prompt], Load
         report.add(s.name, part_report)
         out += part
     return out, report
+
+
+def build_harness(cfg: Config, engine, tokenizer):
+    """The runner of ``agent.harness``: the outside agent against recorded sessions of a
+    loopback OpenAI server over ``engine``'s scheduler."""
+    from rlpost.rollout.agent_runner import AgentRunner, HarnessSettings, load_entry
+    from rlpost.rollout.sessions import SessionBounds
+
+    h = cfg.agent.harness
+    entry = None
+    if h.entry is not None:
+        try:
+            entry = load_entry(h.entry)
+        except ValueError as exc:
+            raise ConfigError(f"config agent.harness.entry={h.entry}: {exc}") from None
+    bounds = SessionBounds(h.max_requests, cfg.rollout.max_tokens, h.max_seconds)
+    settings = HarnessSettings(
+        entry, tuple(h.command), bounds, h.workers, h.chat_template, h.tool_parser
+    )
+    return AgentRunner(engine, tokenizer, settings, name=cfg.run.name)
+
+
+def harness_demonstrations(cfg: Config, tokenizer):
+    """The warm-up's example builder of ``agent.harness.demonstrations``: its conversations
+    rendered by the served chat template, the assistant turns trained."""
+    from rlpost.rollout.agent_runner import load_entry
+    from rlpost.rollout.demonstrations import conversation_example
+
+    h = cfg.agent.harness
+    try:
+        fn = load_entry(h.demonstrations)
+    except ValueError as exc:
+        raise ConfigError(f"config agent.harness.demonstrations={h.demonstrations}: {exc}") from None
+    served = copy.copy(tokenizer)
+    if h.chat_template is not None:
+        served.chat_template = h.chat_template
+
+    def example(prompt: Prompt, rng):
+        convo = fn(prompt.text, prompt.answer, rng)
+        return None if convo is None else conversation_example(served, convo)
+
+    return example

@@ -835,3 +835,32 @@ def rm_margin_needs_a_file(cfg: Config) -> str | None:
             "drop it or use data.task=file with a pairs file that has the column"
         )
     return None
+
+
+# ------------------------------------------------------------------ outside agents
+
+
+@rule("train", "eval")
+def agent_harness_runs(cfg: Config) -> str | None:
+    """An outside agent (agent.harness) runs on the in-process continuous engine, alone."""
+    h = cfg.agent.harness
+    if not h.enabled:
+        return None
+    if h.entry is not None and h.command:
+        return "agent.harness.command: entry is set too; give one of them"
+    if cfg.agent.env is not None:
+        return f"agent.env={cfg.agent.env}: agent.harness runs the episodes; drop one of them"
+    if cfg.rollout.engine not in ("hf", "hf_continuous"):
+        return (
+            f"rollout.engine={cfg.rollout.engine}: agent.harness records sessions on the "
+            "run's in-process engine; use rollout.engine=hf"
+        )
+    if cfg.rollout.partial:
+        return "rollout.partial=true: harness sessions never carry across steps; set it false"
+    if cfg.cluster.backend in ("process", "ray"):
+        return f"cluster.backend={cfg.cluster.backend}: agent.harness runs in this process; use local"
+    from rlpost.rollout.tool_parsers import TOOL_PARSERS
+
+    if h.tool_parser not in TOOL_PARSERS:
+        return f"agent.harness.tool_parser={h.tool_parser}: unknown; valid: {', '.join(sorted(TOOL_PARSERS))}"
+    return None

@@ -73,6 +73,7 @@ from rlpost.rollout.server_guard import (
     load_safetensors_files,
 )
 from rlpost.rollout.server_net import WRITE_TIMEOUTS, bind_refusal, guarded_h11, is_loopback
+from rlpost.rollout.sessions import SessionStore, add_session_routes
 from rlpost.rollout.sync_routes import router as sync_router
 from rlpost.rollout.tool_calls import ToolRequest, ToolStream, chat_prompt, parse_tools, read_calls
 from rlpost.rollout.tool_parsers import TOOL_PARSERS, tool_format
@@ -419,6 +420,8 @@ def create_app(
     app.get("/v1/models")(models)
     app.get("/health")(service.health)
     app.get("/metrics")(service.metrics)
+    app.state.sessions = SessionStore()  # recorded requests of outside agents (sessions.py)
+    add_session_routes(app, service, app.state.sessions)
     return app
 
 

@@ -34,8 +34,13 @@ class RolloutResult:
     stats: dict[str, float] = field(default_factory=dict)
 
 
-def to_groups(prompts: list[Prompt], completions: list[Completion], n: int) -> list[Group]:
-    """Completions ``i*n .. i*n+n-1`` answer ``prompts[i]``."""
+def to_groups(
+    prompts: list[Prompt], completions: list[Completion], n: int, *, by_index: bool = False
+) -> list[Group]:
+    """Completions ``i*n .. i*n+n-1`` answer ``prompts[i]``; ``by_index``: those whose
+    ``group`` is ``i`` do (an agent harness's rows vary in number per prompt)."""
+    if by_index:
+        return [Group(p, [c for c in completions if c.group == i]) for i, p in enumerate(prompts)]
     if len(completions) != len(prompts) * n:
         raise ValueError(f"{len(completions)} completions for {len(prompts)} prompts x n={n}")
     return [Group(p, completions[i * n : (i + 1) * n]) for i, p in enumerate(prompts)]
@@ -70,6 +75,7 @@ class RolloutWorker:
         self.batch_size = batch_size
         self.agent = agent  # a MultiTurnRollout over this engine: every sample is an episode
         self._reader: Receiver | None = None  # the disk channel's, built on first use
+        self._by_index = bool(getattr(agent, "variable_groups", False))
 
     def _ids(self, prompts: list[Prompt]) -> list[list[int]]:
         return [self.tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
@@ -104,7 +110,7 @@ class RolloutWorker:
             )
         if not train:
             completions, stats = self._sample(prompts, self._ids(prompts), params, n)
-            return RolloutResult(to_groups(prompts, completions, n), stats)
+            return RolloutResult(to_groups(prompts, completions, n, by_index=self._by_index), stats)
         if self.lengths is not None:
             per_batch = max(1, self.batch_size // n)
             buckets = bucket_by_length(prompts, self.lengths, math.ceil(len(prompts) / per_batch))
@@ -129,7 +135,7 @@ class RolloutWorker:
                 "partial_done_fraction": out.done_fraction,
                 **extra,
             }
-        groups = to_groups(prompts, completions, n)
+        groups = to_groups(prompts, completions, n, by_index=self._by_index)
         if self.lengths is not None:
             for g in groups:
                 self.lengths.observe(g.prompt, (len(c.token_ids) for c in g.completions))
@@ -201,4 +207,6 @@ class RolloutWorker:
         set_rng_state(state["rng"])
 
     def close(self) -> None:
+        if self.agent is not None and hasattr(self.agent, "close"):
+            self.agent.close()  # an agent harness's loopback server
         self.engine.close()

@@ -1,0 +1,343 @@
+"""Bring your own harness: an outside agent, written against the OpenAI API, as the rollout.
+
+For every prompt x ``n`` the runner opens a recorded session on a loopback
+OpenAI server over the run's own continuous-batching scheduler (the engine
+the trainer syncs weights into, so a weight update mid-episode lands between
+two decode steps and every token keeps the version that sampled it), runs the
+user's agent against the session's base URL, and turns the finished session
+into training rows (:func:`rlpost.rollout.sessions.session_samples`).
+
+The agent is a Python callable ``fn(prompt, base_url, **info)`` run in a
+thread (``info``: the keywords among ``api_key``, ``session_id``, ``metadata``
+it accepts), or a command run with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``,
+``RLPOST_PROMPT`` in its environment and the prompt on its stdin. It returns
+(a command: prints as its last line) its final answer, which the run's reward
+terms judge, a number, which is the session's reward added to theirs, or
+nothing (the text of its last request is the answer). A harness that raises,
+exits non-zero or runs past ``timeout_s`` is counted and its session dropped;
+one that stops after a session bound refused it (requests, tokens, seconds)
+is kept as truncated.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.sessions import Session, SessionBounds, session_samples
+from rlpost.types import Completion, Prompt
+
+GRACE_S = 5.0  # past the session's wall bound, a harness still running is hung
+
+
+@dataclass(frozen=True)
+class HarnessSettings:
+    """How to run the agent and bound its sessions (``agent.harness``)."""
+
+    entry: Callable | None = None
+    command: tuple[str, ...] = ()
+    bounds: SessionBounds = field(default_factory=SessionBounds)
+    workers: int = 8
+    chat_template: str | None = None  # served in place of the tokenizer's (None: its own)
+    tool_parser: str = "hermes"
+    grace_s: float = GRACE_S
+
+    @property
+    def timeout_s(self) -> float:
+        return self.bounds.max_seconds + self.grace_s
+
+
+def load_entry(name: str) -> Callable:
+    """``package.module:function`` or ``path/to/file.py:function`` (a relative path: from the
+    working directory, else from the checkout rlpost lives in); ValueError naming what is
+    missing."""
+    module_name, _, attr = name.rpartition(":")
+    if not module_name or not attr:
+        raise ValueError(f"{name!r} must be package.module:function or file.py:function")
+    if module_name.endswith(".py"):
+        module = _load_file(module_name)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(f"cannot import {module_name!r} ({exc})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"{module_name} has no function {attr!r}")
+    return fn
+
+
+def _load_file(path: str):
+    import importlib.util
+    from pathlib import Path
+
+    checkout = Path(__file__).resolve().parents[2]
+    found = next((p for p in (Path(path), checkout / path) if p.is_file()), None)
+    if found is None:
+        raise ValueError(f"no file {path!r} (looked in . and {checkout})")
+    spec = importlib.util.spec_from_file_location(f"rlpost_harness_{found.stem}", found)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise ValueError(f"{path} does not load ({type(exc).__name__}: {exc})") from None
+    return module
+
+
+@dataclass
+class HarnessStats:
+    """Counts over the sessions of one ``generate`` call."""
+
+    sessions: int = 0
+    failed: int = 0
+    timed_out: int = 0
+    truncated: int = 0
+    requests: int = 0
+    rows: int = 0
+    tool_calls: int = 0
+    tokens: int = 0
+    last_error: str = ""
+
+    def metrics(self) -> dict[str, float]:
+        s, kept = max(self.sessions, 1), max(self.sessions - self.failed - self.timed_out, 1)
+        return {
+            "harness_sessions": float(self.sessions),
+            "harness_failed": float(self.failed),
+            "harness_timed_out": float(self.timed_out),
+            "harness_dropped_frac": (self.failed + self.timed_out) / s,
+            "harness_bound_frac": self.truncated / s,
+            "harness_segments_mean": self.rows / kept,
+            "agent_turns_mean": self.requests / kept,
+            "agent_tool_calls_mean": self.tool_calls / kept,
+            "agent_episode_tokens_mean": self.tokens / kept,
+        }
+
+
+@dataclass
+class _Job:
+    prompt: Prompt
+    group: int
+    session: Session
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: str | None = None
+    timed_out: bool = False
+    deadline: float = 0.0
+    process: subprocess.Popen | None = None
+
+
+class LoopbackServer:
+    """The OpenAI server over a started scheduler, on 127.0.0.1 in a daemon thread."""
+
+    def __init__(self, scheduler, tokenizer, name: str, tool_parser: str) -> None:
+        import uvicorn
+
+        from rlpost.rollout.openai_params import ServerSettings
+        from rlpost.rollout.server import create_app
+
+        settings = ServerSettings(
+            name, max_tokens_limit=1 << 20, max_model_len=scheduler.max_model_len,
+            tool_parser=tool_parser,
+        )  # fmt: skip
+        self.app = create_app(scheduler, tokenizer, settings)
+        self.sessions = self.app.state.sessions
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the loopback OpenAI server did not start")
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
+class AgentRunner:
+    """Runs the harness once per sample; the rollout worker's ``agent`` in harness mode."""
+
+    variable_groups = True  # dropped sessions and segments: a prompt's rows vary in number
+
+    def __init__(self, engine, tokenizer, settings: HarnessSettings, name: str = "policy") -> None:
+        scheduler = getattr(engine, "scheduler", None)
+        if scheduler is None:
+            raise ValueError("an agent harness needs the in-process continuous engine")
+        self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
+        served = tokenizer
+        if settings.chat_template is not None:  # a copy: the training tokenizer is untouched
+            served = copy.copy(tokenizer)
+            served.chat_template = settings.chat_template
+        self.server = LoopbackServer(scheduler, served, name, settings.tool_parser)
+        self.last_stats = HarnessStats()
+        self.last_sessions: list[Session] = []  # the latest call's sessions, as recorded
+        self.api_key = "rlpost"  # loopback without keys: any key is accepted
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def base_url(self, session: Session) -> str:
+        return f"{self.server.url}/sessions/{session.id}/v1"
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        n: int = 1,
+        group_offset: int = 0,
+        prompts: list[Prompt] | None = None,
+    ) -> list[Completion]:
+        """Rows for ``n`` sessions of each prompt (``group`` = the prompt's index)."""
+        prompts = prompts or [Prompt(self.tokenizer.decode(ids)) for ids in prompt_ids]
+        sampling = replace(params, stop_token_ids=())
+        bounds = replace(self.settings.bounds, max_tokens=params.max_tokens)
+        jobs = []
+        for i, p in enumerate(prompts):
+            for j in range(n):
+                seed = None if params.seed is None else params.seed + 1000 * (i * n + j)
+                session = self.server.sessions.open(bounds, sampling, seed=seed)
+                jobs.append(_Job(p, group_offset + i, session))
+        self._run_all(jobs)
+        return self._collect(jobs)
+
+    def _run_all(self, jobs: list[_Job]) -> None:
+        """Every job, ``workers`` at a time; one past its deadline is abandoned (a command is
+        killed; a hung function's thread is left to finish on its own, its session closed)."""
+        queue, running, changed = deque(jobs), [], threading.Event()
+        while queue or running:
+            while queue and len(running) < self.settings.workers:
+                job = queue.popleft()
+                job.deadline = time.monotonic() + self.settings.timeout_s
+                threading.Thread(target=self._run, args=(job, changed), daemon=True).start()
+                running.append(job)
+            changed.wait(0.05)
+            changed.clear()
+            now = time.monotonic()
+            for job in list(running):
+                if job.done.is_set():
+                    running.remove(job)
+                elif now > job.deadline:
+                    job.timed_out = True
+                    self.server.sessions.close(job.session.id)
+                    _kill(job.process)
+                    running.remove(job)
+
+    def _run(self, job: _Job, changed: threading.Event) -> None:
+        try:
+            if self.settings.entry is not None:
+                job.result = self._call(job)
+            else:
+                job.result = self._command(job)
+        except Exception as exc:  # the harness's failure: counted, the session dropped
+            job.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        finally:
+            job.done.set()
+            changed.set()
+
+    def _call(self, job: _Job):
+        fn = self.settings.entry
+        info = {"api_key": self.api_key, "session_id": job.session.id}
+        info["metadata"] = job.prompt.metadata
+        try:
+            accepted = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            accepted = {}
+        takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+        kwargs = {k: v for k, v in info.items() if takes_all or k in accepted}
+        return fn(job.prompt.text, self.base_url(job.session), **kwargs)
+
+    def _command(self, job: _Job):
+        env = {
+            **os.environ,
+            "OPENAI_BASE_URL": self.base_url(job.session),
+            "OPENAI_API_KEY": self.api_key,
+            "RLPOST_PROMPT": job.prompt.text,
+            "RLPOST_SESSION": job.session.id,
+        }
+        job.process = subprocess.Popen(
+            list(self.settings.command), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )  # fmt: skip
+        out, err = job.process.communicate(job.prompt.text)
+        if job.process.returncode != 0:
+            tail = (err.strip().splitlines() or [""])[-1][:200]
+            raise RuntimeError(f"exit status {job.process.returncode}: {tail}")
+        lines = [line for line in out.splitlines() if line.strip()]
+        if not lines:
+            return None
+        last = lines[-1].strip()
+        try:
+            return float(last)
+        except ValueError:
+            return last
+
+    def _collect(self, jobs: list[_Job]) -> list[Completion]:
+        s = self.last_stats = HarnessStats(sessions=len(jobs))
+        rows: list[Completion] = []
+        self.last_sessions = []
+        for job in jobs:
+            session = self.server.sessions.close(job.session.id) or job.session
+            self.last_sessions.append(session)
+            if job.timed_out:
+                s.timed_out += 1
+                continue
+            truncated = session.bound_hit is not None
+            if (job.error is not None and not truncated) or not session.requests:
+                s.failed += 1
+                s.last_error = job.error or "the harness sent no request"
+                continue
+            result = None if job.error is not None else job.result
+            reward = float(result) if isinstance(result, int | float) else 0.0
+            answer = result if isinstance(result, str) else None
+            out = session_samples(session, job.group, answer)
+            for c in out:
+                if truncated:
+                    c.finish_reason = "length"
+                    c.episode.budget = session.bound_hit
+                last = [t for t in c.episode.turns if t.role == "policy"][-1]
+                last.reward = reward
+            s.truncated += truncated
+            s.requests += len(session.requests)
+            s.tool_calls += sum(r.tool_calls for r in session.requests)
+            s.tokens += session.tokens
+            s.rows += len(out)
+            rows += out
+        return rows
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # sessions never outlive a step
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def _kill(process: subprocess.Popen | None) -> None:
+    if process is not None and process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,268 @@
+"""Recorded sessions on the OpenAI server: what an outside agent's requests sampled.
+
+A request sent under ``/sessions/<id>/v1/...`` is served like any other and
+recorded in session ``<id>``: the prompt token ids the chat template produced,
+the sampled token ids, their logprobs and the policy version of every token.
+A finished session becomes training samples (:func:`session_samples`): token in,
+token out, exactly as recorded.
+
+A session samples at the sampling parameters it was opened with (the run's),
+whatever the agent asks: the trainer recomputes the logprobs of that
+distribution, so a harness's own temperature or penalties would make the
+recorded logprobs wrong. A session is bounded (requests, sampled tokens, wall
+time); a request past a bound, with ``n`` > 1 or ``stream=true`` is a 400 in
+one line, and an unknown or closed session is a 404 naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from rlpost.rollout.openai_params import APIError, parse_json_object
+from rlpost.rollout.protocol import SamplingParams
+from rlpost.types import Completion, Episode, Turn
+
+
+@dataclass(frozen=True)
+class SessionBounds:
+    """What one session may use: requests, sampled tokens (all requests together), seconds."""
+
+    max_requests: int = 8
+    max_tokens: int = 512
+    max_seconds: float = 120.0
+
+
+@dataclass
+class Request:
+    """One recorded request: the context the model saw and what it sampled."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    text: str = ""
+    tool_calls: int = 0
+
+
+@dataclass
+class Session:
+    id: str
+    bounds: SessionBounds
+    sampling: SamplingParams
+    requests: list[Request] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+    seed: int | None = None
+    closed: bool = False
+    bound_hit: str | None = None  # the bound a refused request ran into
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+
+class SessionStore:
+    """The open sessions of one server (thread-safe: the runner opens and closes them from
+    its threads while the server's event loop records into them)."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def open(
+        self, bounds: SessionBounds, sampling: SamplingParams, seed: int | None = None
+    ) -> Session:
+        session = Session(uuid.uuid4().hex, bounds, sampling, seed=seed)
+        with self._lock:
+            self._open[session.id] = session
+        return session
+
+    def get(self, sid: str) -> Session:
+        with self._lock:
+            session = self._open.get(sid)
+        if session is None or session.closed:
+            raise APIError(404, f"session {sid[:64]!r} is unknown or closed")
+        return session
+
+    def close(self, sid: str) -> Session | None:
+        """End a session: later requests get a 404, one in flight is not recorded."""
+        with self._lock:
+            session = self._open.pop(sid, None)
+        if session is not None:
+            session.closed = True
+        return session
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+
+def _refuse(session: Session, bound: str, line: str) -> APIError:
+    session.bound_hit = bound
+    return APIError(400, f"session {session.id}: {line}")
+
+
+def admit(session: Session, plan, context: int) -> None:
+    """Check a planned request against its session's bounds and give it the session's
+    sampling (max_tokens: the agent's, within what the session and the context have left)."""
+    b = session.bounds
+    if plan.stream:
+        raise APIError(400, f"session {session.id}: stream=true is not recorded; send stream=false")
+    if plan.fields["n"] != 1 or len(plan.prompts) != 1:
+        raise APIError(400, f"session {session.id}: a session records one choice; n must be 1")
+    if len(session.requests) >= b.max_requests:
+        raise _refuse(session, "requests", f"all {b.max_requests} requests are spent")
+    if time.monotonic() - session.started > b.max_seconds:
+        raise _refuse(session, "seconds", f"ran past its {b.max_seconds} s")
+    room = min(b.max_tokens - session.tokens, context - len(plan.prompts[0]))
+    if room < 1:
+        raise _refuse(session, "tokens", f"its {b.max_tokens} sampled tokens are spent")
+    asked = plan.fields["params"].max_tokens
+    s = session.sampling
+    plan.fields["params"] = replace(
+        plan.fields["params"],
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        max_tokens=min(asked, room),
+    )
+    plan.fields["adjust"] = None  # penalties would make the logprobs another distribution's
+    plan.fields["ignore_eos"] = False
+    if session.seed is not None:
+        plan.fields["seed"] = session.seed + len(session.requests)
+
+
+def unbounded_body(raw: bytes) -> tuple[bytes, int | None]:
+    """(the body with max_tokens 1 and no model name, the max_tokens the agent asked for or None): the plan's
+    context check then passes, and :func:`admit` fits the real one to what is left."""
+    body = parse_json_object(raw)
+    body.pop("model", None)  # a harness names its own model: a session serves the policy
+    asked = body.pop("max_completion_tokens", None)
+    asked = body.pop("max_tokens", asked)
+    body["max_tokens"] = 1
+    return json.dumps(body).encode(), asked if isinstance(asked, int) else None
+
+
+def add_session_routes(app, service, store: SessionStore) -> None:
+    """``/sessions/{id}/v1/chat/completions`` and ``/sessions/{id}/v1/completions``."""
+    async def respond(request: HTTPRequest, sid: str, chat: bool):
+        session = store.get(sid)
+        raw, asked = unbounded_body(await request.body())
+        try:
+            plan = await run_in_threadpool(service.plan, raw, chat)
+        except APIError as exc:
+            if exc.param == "max_tokens":  # the context is full: the session's token bound
+                session.bound_hit = "tokens"
+            raise
+        limit = service.settings.max_tokens_limit
+        plan.fields["params"] = replace(plan.fields["params"], max_tokens=min(asked or limit, limit))
+        admit(session, plan, service.settings.max_model_len or 1 << 62)
+        service.budget.take(plan.sequences)
+        try:
+            results = await service.generate(request, plan.prompts, plan.fields)
+            if results is None:
+                return Response(status_code=499)
+            content = await run_in_threadpool(service.whole_response, plan, results)
+        finally:
+            service.budget.release(plan.sequences)
+        if session.closed:  # the session ended (its harness ran out of time) while it sampled
+            raise APIError(404, f"session {sid[:64]!r} closed during the request")
+        out, choice = results[0][0], json.loads(content)["choices"][0]
+        message = choice.get("message") or {}
+        session.requests.append(
+            Request(
+                list(plan.prompts[0]),
+                list(out.token_ids),
+                list(out.logprobs),
+                list(out.token_versions),
+                out.finish_reason,
+                text=message.get("content") or choice.get("text") or "",
+                tool_calls=len(message.get("tool_calls") or []),
+            )
+        )
+        service.counts["ok"] += 1
+        return Response(content, media_type="application/json")
+
+    async def chat(request: HTTPRequest, sid: str):
+        return await respond(request, sid, chat=True)
+
+    async def completions(request: HTTPRequest, sid: str):
+        return await respond(request, sid, chat=False)
+
+    app.post("/sessions/{sid}/v1/chat/completions")(chat)
+    app.post("/sessions/{sid}/v1/completions")(completions)
+
+
+# ------------------------------------------------------------------ samples
+
+
+def _extends(context: list[int], prompt: list[int]) -> bool:
+    return len(prompt) >= len(context) and prompt[: len(context)] == context
+
+
+def segments(requests: list[Request]) -> list[list[Request]]:
+    """The requests split where a prompt does not extend the previous request's prompt and
+    completion token for token (a template that rewrote the history)."""
+    out: list[list[Request]] = []
+    for r in requests:
+        if out:
+            last = out[-1][-1]
+            seen = last.prompt_ids + last.token_ids
+            if _extends(seen, r.prompt_ids):
+                out[-1].append(r)
+                continue
+        out.append([r])
+    return out
+
+
+def segment_completion(seg: list[Request], group: int, answer: str) -> Completion:
+    """One interleaved sequence: the first prompt, then each request's sampled tokens
+    (trained) and the tokens the next prompt added (tool outputs, template markers:
+    masked, logprob 0, the version of the token before them)."""
+    first = seg[0]
+    tokens, logprobs, mask, versions, turns = [], [], [], [], []
+    for k, r in enumerate(seg):
+        if k:
+            added = r.prompt_ids[len(first.prompt_ids) + len(tokens) :]
+            start = len(tokens)
+            tokens += added
+            logprobs += [0.0] * len(added)
+            mask += [0] * len(added)
+            versions += [versions[-1] if versions else 0] * len(added)
+            turns.append(Turn("env", start, len(tokens)))
+        start = len(tokens)
+        tokens += r.token_ids
+        logprobs += r.logprobs
+        mask += [1] * len(r.token_ids)
+        versions += r.versions
+        tool = "tool_calls" if r.tool_calls else None
+        turns.append(Turn("policy", start, len(tokens), tool, text=r.text))
+    finish = "length" if seg[-1].finish_reason == "length" else "stop"
+    return Completion(
+        prompt_ids=list(first.prompt_ids),
+        token_ids=tokens,
+        logprobs=logprobs,
+        finish_reason=finish,
+        policy_version=versions[0] if versions else 0,
+        group=group,
+        text=answer,
+        loss_mask=mask,
+        token_versions=versions,
+        episode=Episode(turns, answer),
+    )
+
+
+def session_samples(session: Session, group: int, answer: str | None = None) -> list[Completion]:
+    """A finished session's training rows, one per segment, each judged on ``answer`` (the
+    agent's final answer; None: the text of the session's last request)."""
+    if not session.requests:
+        return []
+    final = answer if answer is not None else session.requests[-1].text
+    return [segment_completion(seg, group, final) for seg in segments(session.requests)]

@@ -1,0 +1,279 @@
+"""Bring your own harness: outside agents, written against the official ``openai`` client,
+run against recorded sessions of a loopback server over a real engine.
+
+The tiny model is fitted here for a few seconds to answer every chat turn with
+``<think>a</think>b``, so a template that strips earlier think blocks really rewrites
+the history the next request sees.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from openai import BadRequestError, NotFoundError, OpenAI
+
+from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
+from rlpost.rollout.agent_runner import AgentRunner, HarnessSettings
+from rlpost.rollout.continuous import ContinuousEngine
+from rlpost.rollout.prefix_cache import PrefixCache
+from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.scheduler import Scheduler
+from rlpost.rollout.sessions import SessionBounds
+from rlpost.rollout.worker import to_groups
+from rlpost.types import Prompt
+
+ANSWER = "<think>a</think>b"
+# Qwen3-style: an earlier assistant turn is shown without its think block.
+STRIP = (
+    "{%- for m in messages %}{% if m.role == 'user' %}U:{{ m.content }}{{ '\n' }}"
+    "{%- else %}A:{{ m.content.split('</think>')[-1] }}</s>{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}A:{% endif %}"
+)
+PLAIN = STRIP.replace("{{ m.content.split('</think>')[-1] }}", "{{ m.content }}")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=(2,))
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+def _fit(model, tokenizer, steps: int = 200) -> None:
+    """Fit ``model`` to answer the first and the second turn of both templates with ANSWER."""
+    tok = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompts = ["U:hi\nA:", "U:hi\nA:b</s>U:go\nA:", f"U:hi\nA:{ANSWER}</s>U:go\nA:"]
+    rows = [(tok(p), [*tok(ANSWER), tokenizer.eos_token_id]) for p in prompts]
+    width = max(len(p) + len(t) for p, t in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    labels = torch.full((len(rows), width), -100)
+    for i, (p, t) in enumerate(rows):
+        ids[i, : len(p) + len(t)] = torch.tensor(p + t)
+        labels[i, len(p) : len(p) + len(t)] = torch.tensor(t)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 1e-2:
+            break
+    model.eval()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: more threads only wait on each other
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer)
+    _fit(model, tokenizer)
+    scheduler = Scheduler(model, tokenizer, max_batch=16, prefix_cache=PrefixCache(), seed=0)
+    eng = ContinuousEngine(scheduler.start(), tokenizer)
+    yield eng
+    eng.close()
+    torch.set_num_threads(threads)
+
+
+def _runner(engine, entry=None, *, template=PLAIN, bounds=None, command=(), grace=5.0):
+    settings = HarnessSettings(
+        entry, tuple(command), bounds or SessionBounds(4, 80, 60), workers=4,
+        chat_template=template, grace_s=grace,
+    )  # fmt: skip
+    return AgentRunner(engine, engine.tokenizer, settings)
+
+
+def two_turns(prompt: str, base_url: str, api_key: str) -> str:
+    """An agent with two chat turns, the second after the first's answer."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": prompt}]
+    first = client.chat.completions.create(model="any", messages=messages, max_tokens=30)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}]
+    messages += [{"role": "user", "content": "go"}]
+    second = client.chat.completions.create(model="any", messages=messages, max_tokens=30)
+    return second.choices[0].message.content
+
+
+def _decode(engine, ids):
+    return engine.tokenizer.decode(ids)
+
+
+def test_think_stripping_template_trains_per_segment(engine):
+    runner = _runner(engine, two_turns, template=STRIP)
+    try:
+        rows = runner.generate([[1]], GREEDY, n=1, prompts=[Prompt("hi")])
+        (session,) = runner.last_sessions
+    finally:
+        runner.close()
+    first, second = session.requests
+    assert _decode(engine, first.token_ids) == ANSWER + "</s>"
+    # The second context shows the first answer without its think block...
+    assert _decode(engine, second.prompt_ids) == "U:hi\nA:b</s>U:go\nA:"
+    # ...so it is its own segment, trained on exactly that context.
+    assert len(rows) == 2 and {r.group for r in rows} == {0}
+    for row, rec in zip(rows, session.requests, strict=True):
+        assert row.prompt_ids == rec.prompt_ids
+        assert row.token_ids == rec.token_ids and row.logprobs == rec.logprobs
+        assert row.loss_mask == [1] * len(rec.token_ids)
+        assert row.episode.answer == ANSWER  # both judged on the session's final answer
+    assert runner.last_stats.metrics()["harness_segments_mean"] == 2.0
+
+
+def test_an_extending_template_is_one_interleaved_sequence(engine):
+    runner = _runner(engine, two_turns, template=PLAIN)
+    try:
+        (row,) = runner.generate([[1]], GREEDY, n=1, prompts=[Prompt("hi")])
+        (session,) = runner.last_sessions
+    finally:
+        runner.close()
+    first, second = session.requests
+    added = second.prompt_ids[len(first.prompt_ids) + len(first.token_ids) :]
+    assert _decode(engine, added) == "U:go\nA:"  # the template's and the user's tokens
+    assert row.prompt_ids == first.prompt_ids
+    assert row.token_ids == first.token_ids + added + second.token_ids
+    assert row.loss_mask == [1] * len(first.token_ids) + [0] * len(added) + [1] * len(
+        second.token_ids
+    )
+    assert row.logprobs == first.logprobs + [0.0] * len(added) + second.logprobs
+
+
+def test_every_trained_logprob_is_the_record_and_the_models(engine):
+    """At temperature 1 the sampled tokens vary; each trained one carries the logprob the
+    server recorded, which is the model's own in that exact context."""
+    runner = _runner(engine, two_turns, template=PLAIN)
+    params = SamplingParams(temperature=1.0, max_tokens=40, stop_token_ids=(2,), seed=3)
+    try:
+        rows = runner.generate([[1], [1]], params, n=2, prompts=[Prompt("hi"), Prompt("yo")])
+        sessions = runner.last_sessions
+    finally:
+        runner.close()
+    assert len(rows) == 4
+    model = engine.scheduler.model
+    for row, session in zip(rows, sessions, strict=True):
+        recorded = [lp for r in session.requests for lp in r.logprobs]
+        sampled = [t for r in session.requests for t in r.token_ids]
+        trained = [i for i, m in enumerate(row.loss_mask) if m]
+        assert [row.token_ids[i] for i in trained] == sampled
+        assert [row.logprobs[i] for i in trained] == recorded
+        ids = torch.tensor([row.prompt_ids + row.token_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(row.prompt_ids) - 1 : -1].float()
+        model_lp = torch.log_softmax(logits, -1).gather(-1, ids[0, len(row.prompt_ids) :, None])
+        got = torch.tensor([row.logprobs[i] for i in trained])
+        assert torch.allclose(got, model_lp[trained, 0], atol=1e-4)
+
+
+def test_a_weight_update_mid_session_keeps_each_tokens_version(engine):
+    model = engine.scheduler.model
+    weights = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+
+    def agent(prompt, base_url, api_key):
+        client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        messages = [{"role": "user", "content": prompt}]
+        first = client.chat.completions.create(model="m", messages=messages, max_tokens=30)
+        engine.load_weights(weights, version=engine.version + 1)  # the trainer's sync
+        messages += [{"role": "assistant", "content": first.choices[0].message.content}]
+        messages += [{"role": "user", "content": "go"}]
+        client.chat.completions.create(model="m", messages=messages, max_tokens=30)
+
+    runner = _runner(engine, agent)
+    before = engine.version
+    try:
+        (row,) = runner.generate([[1]], GREEDY, n=1, prompts=[Prompt("hi")])
+    finally:
+        runner.close()
+    versions = [v for v, m in zip(row.token_versions, row.loss_mask, strict=True) if m]
+    assert versions[0] == before and versions[-1] == before + 1
+    assert row.policy_version == before
+
+
+def test_crashing_and_hanging_harnesses_are_counted_and_dropped(engine):
+    release = threading.Event()
+
+    def agent(prompt, base_url, api_key):
+        if prompt == "crash":
+            raise RuntimeError("the harness broke")
+        if prompt == "hang":
+            release.wait(120)  # never answers within the session's time
+            return None
+        return two_turns(prompt, base_url, api_key)
+
+    runner = _runner(engine, agent, bounds=SessionBounds(4, 80, 0.5), grace=0.2)
+    prompts = [Prompt("crash"), Prompt("hi"), Prompt("hang")]
+    try:
+        rows = runner.generate([[1]] * 3, GREEDY, n=1, prompts=prompts)
+    finally:
+        release.set()
+        runner.close()
+    metrics = runner.last_stats.metrics()
+    assert metrics["harness_failed"] == 1.0 and metrics["harness_timed_out"] == 1.0
+    assert "the harness broke" in runner.last_stats.last_error
+    groups = to_groups(prompts, rows, 1, by_index=True)
+    assert [g.n for g in groups] == [0, 1, 0]  # only the working session trains
+
+
+def test_commands_that_fail_or_hang_are_counted_and_killed(engine):
+    for code, counted in (("import sys; sys.exit(3)", "harness_failed"),
+                          ("import time; time.sleep(120)", "harness_timed_out")):  # fmt: skip
+        runner = _runner(
+            engine, command=(sys.executable, "-c", code), bounds=SessionBounds(2, 40, 1.0),
+            grace=0.5,
+        )  # fmt: skip
+        try:
+            rows = runner.generate([[1]], GREEDY, n=1, prompts=[Prompt("hi")])
+        finally:
+            runner.close()
+        assert rows == [] and runner.last_stats.metrics()[counted] == 1.0
+
+
+def test_the_calc_agent_as_a_command(engine):
+    """examples/calc_agent.py run as a process: the official client over OPENAI_BASE_URL."""
+    command = (sys.executable, str(CHECKOUT / "examples" / "calc_agent.py"))
+    runner = _runner(engine, command=command, template=PLAIN + "{% if tools %}{% endif %}")
+    try:
+        rows = runner.generate([[1]], GREEDY, n=1, prompts=[Prompt("hi")])
+        (session,) = runner.last_sessions
+    finally:
+        runner.close()
+    assert runner.last_stats.failed == 0, runner.last_stats.last_error
+    assert len(rows) == 1 and rows[0].token_ids[: len(session.requests[0].token_ids)] == (
+        session.requests[0].token_ids
+    )
+
+
+def test_session_bounds_and_unknown_sessions_are_4xx(engine):
+    runner = _runner(engine, two_turns)
+    store = runner.server.sessions
+    chat = [{"role": "user", "content": "hi"}]
+    try:
+        one = store.open(SessionBounds(1, 80, 60), GREEDY)
+        client = OpenAI(base_url=runner.base_url(one), api_key="k", max_retries=0)
+        client.chat.completions.create(model="m", messages=chat)
+        with pytest.raises(BadRequestError, match="all 1 requests are spent"):
+            client.chat.completions.create(model="m", messages=chat)
+        few = store.open(SessionBounds(4, 5, 60), GREEDY)
+        client = OpenAI(base_url=runner.base_url(few), api_key="k", max_retries=0)
+        reply = client.chat.completions.create(model="m", messages=chat, max_tokens=30)
+        assert reply.usage.completion_tokens == 5  # cut to what the session had left
+        with pytest.raises(BadRequestError, match="its 5 sampled tokens are spent"):
+            client.chat.completions.create(model="m", messages=chat)
+        fresh = store.open(SessionBounds(4, 80, 60), GREEDY)
+        client = OpenAI(base_url=runner.base_url(fresh), api_key="k", max_retries=0)
+        with pytest.raises(BadRequestError, match="n must be 1"):
+            client.chat.completions.create(model="m", messages=chat, n=2)
+        with pytest.raises(BadRequestError, match="stream=true is not recorded"):
+            client.chat.completions.create(model="m", messages=chat, stream=True)
+        store.close(fresh.id)
+        with pytest.raises(NotFoundError, match=f"session '{fresh.id}' is unknown or closed"):
+            client.chat.completions.create(model="m", messages=chat)
+        full = store.open(SessionBounds(4, 80, 60), GREEDY)
+        client = OpenAI(base_url=runner.base_url(full), api_key="k", max_retries=0)
+        with pytest.raises(BadRequestError, match="context"):  # the model's 128 positions
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * 200}])
+        assert full.bound_hit == "tokens"  # a full context ends the session as truncated
+        assert one.bound_hit == "requests" and few.bound_hit == "tokens"
+        assert len(one.requests) == 1 and json.dumps(one.requests[0].versions)
+    finally:
+        runner.close()
