@@ -241,6 +241,10 @@ CASES.update(
 CASES["rm_margin_needs_a_file"] = (
     "rm", PAIRS, ["rm.margin_field=margin"], "rm.margin_field=margin: data.task=prefs",
 )
+CASES["agent_harness_runs"] = (
+    "train", [], ["agent.harness.entry=agent.py:run", "rollout.partial=true"],
+    "rollout.partial=true: harness sessions never carry across steps",
+)
 RULE = {r.name: r for r in rules.RULES}
 
 
