@@ -48,15 +48,14 @@ class LocalTeacher:
 
         if not Path(path).is_dir():
             raise TeacherError(f"model.teacher.path={path}: not a local model directory")
-        try:
-            tokenizer = load_tokenizer(path)
+        try:  # the tokenizers are compared before the weights load
+            problem = vocab_mismatch(student, vocab_digest(load_tokenizer(path)))
+            if problem is not None:
+                raise TeacherError(f"model.teacher.path={path}: {problem}; distil from a "
+                                   "teacher with the student's tokenizer")  # fmt: skip
             self.model = load_causal_lm(path, dtype="float32")
         except ModelLoadError as exc:
             raise TeacherError(f"model.teacher.path={path}: {exc}") from None
-        problem = vocab_mismatch(student, vocab_digest(tokenizer))
-        if problem is not None:
-            raise TeacherError(f"model.teacher.path={path}: {problem}; distil from a teacher "
-                               "with the student's tokenizer")  # fmt: skip
         self.model.eval().requires_grad_(False)
         self.micro_batch_size = micro_batch_size
 
