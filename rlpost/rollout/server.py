@@ -63,8 +63,8 @@ from rlpost.rollout.openai_params import (
     shown,
 )
 from rlpost.rollout.prefix_cache import PrefixCache
-from rlpost.rollout.score_routes import router as score_router
 from rlpost.rollout.scheduler import GenerationRequest, Scheduler, Ticket
+from rlpost.rollout.score_routes import router as score_router
 from rlpost.rollout.server_guard import (
     MIB,
     Guard,
