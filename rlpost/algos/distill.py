@@ -63,7 +63,8 @@ def on_policy_distill_advantages(
     task_weight: float = 0.0,
     eps: float = 1e-6,
 ) -> tuple[Tensor, Tensor]:
-    """``A[i, t] = distill_weight * -(lp_s - lp_t)[i, t] + task_weight * A_grpo[i, t]``.
+    """``A[i, t] = distill_weight * -(lp_s - lp_t)[i, t] + task_weight * A_grpo[i, t]``
+    (on-policy distillation: GKD, arXiv 2306.13649; Thinking Machines 2025).
 
     ``old_logprobs`` (the student that sampled) and ``teacher_logprobs``: ``[B, T]``.
     The distillation term is per token, undiscounted and unnormalised (each token's own
@@ -126,7 +127,8 @@ def gkd_loss(
     distill_weight: float = 1.0,
     task_weight: float = 0.0,
 ) -> PolicyLossOutput:
-    """``distill_weight * agg(D(p_t, p_s)) + task_weight * ppo_clip(advantages)``.
+    """``distill_weight * agg(D(p_t, p_s)) + task_weight * ppo_clip(advantages)`` (GKD,
+    Agarwal et al., arXiv 2306.13649, eq. 1 with the student's own samples).
 
     ``logits`` ``[B, T, V]``: the student's (with gradient) at each response position;
     ``teacher_logits`` ``[B, T, V]``: the teacher's on the same positions. ``D``: see
