@@ -224,6 +224,9 @@ class OnPolicyDistillParams(ParamSet):
     """Weight of GRPO's advantage on the task reward (0: the teacher alone)."""
     eps: float = Field(1e-6, ge=0.0)
     """Added to the group std of the task term."""
+    center: bool = False
+    """Subtract the batch's mean per-token KL from the distillation term (a constant baseline:
+    unbiased, lower variance)."""
 
 
 class AdvantagesConfig(ParamSet):

@@ -62,18 +62,24 @@ def on_policy_distill_advantages(
     distill_weight: float = 1.0,
     task_weight: float = 0.0,
     eps: float = 1e-6,
+    center: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``A[i, t] = distill_weight * -(lp_s - lp_t)[i, t] + task_weight * A_grpo[i, t]``
     (on-policy distillation: GKD, arXiv 2306.13649; Thinking Machines 2025).
 
     ``old_logprobs`` (the student that sampled) and ``teacher_logprobs``: ``[B, T]``.
     The distillation term is per token, undiscounted and unnormalised (each token's own
-    reverse KL); the task term is GRPO's group-normalised outcome advantage with ``eps``
-    (computed only when ``task_weight`` is not 0). Zero on padding; returns = advantages.
+    reverse KL); ``center`` subtracts the batch's mean ``k`` over valid tokens first (a
+    constant baseline: unbiased, as ``E[grad log pi] = 0``, and with less variance). The
+    task term is GRPO's group-normalised outcome advantage with ``eps`` (computed only when
+    ``task_weight`` is not 0). Zero on padding; returns = advantages.
     """
     if old_logprobs is None or teacher_logprobs is None:
         raise ValueError("advantage estimator 'on_policy_distill' needs old and teacher logprobs")
     kl = reverse_kl_tokens(old_logprobs, teacher_logprobs, response_mask).to(torch.float64)
+    if center:
+        valid = response_mask > 0
+        kl = kl - (kl.sum() / valid.sum().clamp(min=1))
     adv = -distill_weight * kl
     if task_weight != 0.0:
         task, _ = grpo_advantages(token_level_rewards, response_mask, group, eps=eps)

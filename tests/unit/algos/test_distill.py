@@ -48,6 +48,16 @@ def test_distill_advantage_is_negative_reverse_kl_times_weight():
     assert torch.equal(adv, torch.tensor([[-1.0, 2.0, 0.0], [-3.0, 0.0, 0.0], [0.0, 0.0, 0.0]]))
 
 
+def test_center_subtracts_the_mean_kl_over_valid_tokens():
+    adv, _ = on_policy_distill_advantages(
+        torch.zeros(3, 3), MASK, torch.tensor([0, 1, 2]), old_logprobs=STUDENT,
+        teacher_logprobs=TEACHER, center=True,
+    )  # fmt: skip
+    # k = [0.5, -1, 1.5] on the valid tokens, mean 1/3; padding stays 0
+    want = torch.tensor([[-0.5 + 1 / 3, 1.0 + 1 / 3, 0.0], [-1.5 + 1 / 3, 0.0, 0.0], [0.0] * 3])
+    assert torch.allclose(adv, want, atol=1e-6)
+
+
 def test_task_weight_adds_grpo_advantage():
     # rows 0 and 1 share a prompt with scores 1 and 0 (on each row's last valid token):
     # GRPO gives +-0.5 / (std 0.7071 + 1e-6); row 2 is alone and masked.
