@@ -107,3 +107,21 @@ def test_a_server_that_is_not_there_is_a_one_line_error():
         TeacherError, match=re.escape("model.teacher.url=http://127.0.0.1:9: Connect")
     ):
         ServerTeacher("http://127.0.0.1:9", {"vocab_size": 1}, timeout=2)
+
+
+def test_a_run_distils_from_the_served_teacher(tmp_path, teacher_dir, served):
+    import json
+
+    from rlpost.config import load_config
+    from rlpost.pipeline.loop import train
+    from tests.conftest import small_overrides
+
+    over = small_overrides(
+        tmp_path, **{"model.teacher.url": served, "sft.steps": 0, "train.steps": 2, "eval.every": 0}
+    )
+    result = train(load_config("rlpost/recipes/distill_arith.yaml", over))
+    rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "distill_kl" in r]
+    assert len(steps) == 2
+    # two different random models: the student's tokens are unlikely under the teacher
+    assert all(r["teacher_seconds"] > 0 and r["distill_kl"] != 0 for r in steps)
