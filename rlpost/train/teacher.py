@@ -23,12 +23,14 @@ from typing import Protocol
 
 import torch
 
+from rlpost.models.loading import ModelLoadError
 from rlpost.models.vocab import vocab_digest, vocab_mismatch
 from rlpost.train.batch import TrainBatch, compute_logprobs, model_device, response_logits
 
 
-class TeacherError(ValueError):
-    """A teacher that cannot be used (missing, another tokenizer, a server that refuses)."""
+class TeacherError(ModelLoadError):
+    """A teacher that cannot be used (missing, another tokenizer, a server that refuses);
+    the CLI prints it as one line, as a policy that cannot be loaded."""
 
 
 class TeacherAPI(Protocol):
@@ -44,7 +46,7 @@ class LocalTeacher:
     can_give_logits = True
 
     def __init__(self, path: str, student: dict, micro_batch_size: int = 64) -> None:
-        from rlpost.models.loading import ModelLoadError, load_causal_lm, load_tokenizer
+        from rlpost.models.loading import load_causal_lm, load_tokenizer
 
         if not Path(path).is_dir():
             raise TeacherError(f"model.teacher.path={path}: not a local model directory")

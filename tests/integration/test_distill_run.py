@@ -84,6 +84,9 @@ def test_distillation_config_errors_are_one_line(tmp_path, teacher_dir):
             "algo.policy_loss": "gkd",
         },
         "names a teacher too": {"model.teacher.url": "http://127.0.0.1:8000"},
+        "model.teacher.path=/nonexistent/teacher: not a directory": {
+            "model.teacher.path": "/nonexistent/teacher"
+        },
         "no part of the run reads it": {"algo.advantage": "grpo"},
         "task_weight is 0 too": {"algo.advantages.on_policy_distill.distill_weight": 0.0},
     }
