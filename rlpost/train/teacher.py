@@ -56,6 +56,8 @@ class LocalTeacher:
                 raise TeacherError(f"model.teacher.path={path}: {problem}; distil from a "
                                    "teacher with the student's tokenizer")  # fmt: skip
             self.model = load_causal_lm(path, dtype="float32")
+        except TeacherError:
+            raise
         except ModelLoadError as exc:
             raise TeacherError(f"model.teacher.path={path}: {exc}") from None
         self.model.eval().requires_grad_(False)
@@ -76,11 +78,11 @@ class LocalTeacher:
     def logits(self, batch: TrainBatch) -> torch.Tensor:
         """``[B, T, V]`` float32 logits predicting each response token (a GKD loss's input)."""
         on = batch.to(model_device(self.model))
+        rows = torch.arange(len(on))
         parts = [
-            response_logits(self.model, on.select(torch.arange(i, min(i + self.micro_batch_size, len(on)))))
-            .float().cpu()
-            for i in range(0, len(on), self.micro_batch_size)
-        ]  # fmt: skip
+            response_logits(self.model, on.select(chunk)).float().cpu()
+            for chunk in rows.split(self.micro_batch_size)
+        ]
         return torch.cat(parts)
 
     def close(self) -> None:
