@@ -386,6 +386,8 @@ def recipe_extra(name: str, tmp_path, tiny_dir) -> dict:
             "data.train_path": str(rows),
             "data.eval_path": str(rows),
         }
+    if name.startswith("distill_"):  # a teacher with the tiny student's tokenizer
+        return {"model.teacher.path": str(tiny_dir)}
     return {}
 
 
