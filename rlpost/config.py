@@ -145,6 +145,21 @@ class LoRAConfig(Section):
         return self
 
 
+class TeacherConfig(Section):
+    path: str | None = None
+    """Local directory of the teacher, a causal LM with the student's tokenizer (e.g. a trained
+    run's checkpoints/step_N/model), run in this process. None: no local teacher."""
+    url: str | None = None
+    """Base URL of a server that returns prompt logprobs of given token ids (rlpost serve's
+    /v1/prompt_logprobs), instead of path. Gives no full logits: not for algo.policy_loss=gkd."""
+    api_key: str | None = None
+    """Bearer key sent to the teacher server (rlpost serve --api-key)."""
+    timeout_s: float = Field(120.0, gt=0.0)
+    """Seconds one scoring request to the teacher server may take."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Rows per forward pass of the local teacher."""
+
+
 class ModelConfig(Section):
     path: str | None = None
     """Local directory of a Hugging Face causal LM and its tokenizer. None: the built-in tiny model."""
@@ -158,6 +173,8 @@ class ModelConfig(Section):
     """Recompute activations in the backward pass to save memory."""
     lora: LoRAConfig = LoRAConfig()
     """Train low-rank adapters instead of every weight (model.lora.rank > 0)."""
+    teacher: TeacherConfig = TeacherConfig()
+    """The on-policy distillation teacher (algo.advantage=on_policy_distill or algo.policy_loss=gkd)."""
 
 
 # -------------------------------------------------------------------------- data

@@ -122,6 +122,18 @@ class GMPOParams(ParamSet):
     """Upper log-ratio clip clip_high."""
 
 
+class GKDParams(ParamSet):
+    divergence: Literal["forward_kl", "reverse_kl", "jsd"] = "jsd"
+    """forward_kl: KL(teacher || student); reverse_kl: KL(student || teacher); jsd: the
+    generalised Jensen-Shannon divergence with beta (GKD)."""
+    beta: float = Field(0.5, gt=0.0, lt=1.0)
+    """jsd's mixture weight of the teacher, m = beta teacher + (1 - beta) student."""
+    distill_weight: float = Field(1.0, ge=0.0)
+    """Weight of the divergence term."""
+    task_weight: float = Field(0.0, ge=0.0)
+    """Weight of the PPO clipped surrogate on the task advantages (0: distillation alone)."""
+
+
 class LossesConfig(ParamSet):
     """Parameters of each policy loss; the run reads the section of ``algo.policy_loss``."""
 
@@ -151,6 +163,8 @@ class LossesConfig(ParamSet):
     """clip_cov (no gradient on high-covariance tokens)."""
     gmpo: GMPOParams = GMPOParams()
     """gmpo (geometric-mean ratio)."""
+    gkd: GKDParams = GKDParams()
+    """gkd (teacher-student divergence over the whole vocabulary: on-policy distillation)."""
 
 
 # ------------------------------------------------------------ advantage estimators
@@ -203,6 +217,18 @@ class VAPOGAEParams(ParamSet):
     """The critic's lambda for its returns."""
 
 
+class OnPolicyDistillParams(ParamSet):
+    distill_weight: float = Field(1.0, ge=0.0)
+    """Weight of the per-token distillation advantage -(log pi_student - log pi_teacher)."""
+    task_weight: float = Field(0.0, ge=0.0)
+    """Weight of GRPO's advantage on the task reward (0: the teacher alone)."""
+    eps: float = Field(1e-6, ge=0.0)
+    """Added to the group std of the task term."""
+    center: bool = False
+    """Subtract the batch's mean per-token KL from the distillation term (a constant baseline:
+    unbiased, lower variance)."""
+
+
 class AdvantagesConfig(ParamSet):
     """Parameters of each advantage estimator that takes any; the run reads the section of
     ``algo.advantage`` (an estimator without one takes none)."""
@@ -221,6 +247,8 @@ class AdvantagesConfig(ParamSet):
     """gae (PPO's generalised advantage estimate from the critic)."""
     vapo_gae: VAPOGAEParams = VAPOGAEParams()
     """vapo_gae (VAPO's decoupled, length-adaptive GAE)."""
+    on_policy_distill: OnPolicyDistillParams = OnPolicyDistillParams()
+    """on_policy_distill (the teacher's per-token reverse KL as a dense advantage)."""
 
 
 def params_of(section: ParamSet, name: str) -> dict[str, Any]:

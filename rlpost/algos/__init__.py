@@ -6,6 +6,7 @@ piece is registered by the name a recipe uses; look it up through the
 """
 
 from rlpost.algos import advantages_extra as _advantages_extra  # noqa: F401  (registers)
+from rlpost.algos import distill as _distill  # noqa: F401  (registers)
 from rlpost.algos import policy_losses_extra as _policy_losses_extra  # noqa: F401  (registers)
 from rlpost.algos.advantages import ADVANTAGES, get_advantage_estimator, scores_to_token_rewards
 from rlpost.algos.aggregate import (

@@ -31,6 +31,7 @@ ADVANTAGES: Registry[AdvantageEstimator] = Registry("advantage estimator")
 # other keyword is a parameter, typed in ``rlpost.params`` with the same default.
 CALLER_INPUTS = frozenset(
     {"values", "components", "baseline_scores", "old_logprobs", "sum_pi_squared"}
+    | {"teacher_logprobs"}
 )
 
 

@@ -51,7 +51,9 @@ PolicyLoss = Callable[..., PolicyLossOutput]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 # The keywords the trainer supplies (``selected``: a ``token_selector`` loss's tokens); every
 # other keyword is a parameter, typed in ``rlpost.params`` with the same default.
-CALLER_INPUTS = frozenset({"agg", "rollout_logprobs", "ref_logprobs", "selected"})
+CALLER_INPUTS = frozenset(
+    {"agg", "rollout_logprobs", "ref_logprobs", "selected", "logits", "teacher_logits"}
+)
 
 
 def get_policy_loss(name: str) -> PolicyLoss:

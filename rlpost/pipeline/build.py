@@ -339,6 +339,7 @@ def build_trainer(cfg: Config, model, dp=None) -> PolicyTrainer:
         packing=t.packing,
         loss_params=params_of(a.losses, a.policy_loss),
         correction_params={"cap": c.cap, "low": c.low, "high": c.high},
+        full_logits=bool(POLICY_LOSSES.trait(a.policy_loss, "needs_teacher_logits")),
     )
     if settings.bf16 and eager_attention_pays(model):
         model.set_attn_implementation("eager")
@@ -674,3 +675,23 @@ def harness_demonstrations(cfg: Config, tokenizer):
         return None if convo is None else conversation_example(served, convo)
 
     return example
+
+
+def build_teacher_worker(cfg: Config, tokenizer=None):
+    """The distillation teacher ``model.teacher`` names, checked against the student's
+    tokenizer (``tokenizer``, else loaded from ``model.path``); None when the step plan
+    reads no teacher."""
+    plan = resolve_step_plan(cfg)
+    if not (plan.teacher or plan.teacher_logits):
+        return None
+    from rlpost.train.teacher import build_teacher
+
+    if tokenizer is None:
+        tokenizer = (
+            build_char_tokenizer() if cfg.model.path is None else load_tokenizer(cfg.model.path)
+        )
+    t = cfg.model.teacher
+    return build_teacher(
+        t.path, t.url, tokenizer, api_key=t.api_key, timeout=t.timeout_s,
+        micro_batch_size=t.micro_batch_size,
+    )  # fmt: skip

@@ -297,6 +297,8 @@ def _feed(r: Run, source: PromptSource, step: int):
 def _new_run(cfg: Config, run_dir: Path, workers: Workers, train_prompts, ckpt) -> Run:
     kl = cfg.algo.kl
     info = workers.trainer.describe()
+    if workers.teacher is None:  # a backend that placed none: the teacher runs here
+        workers.teacher = build.build_teacher_worker(cfg)
     return Run(
         cfg=cfg,
         run_dir=run_dir,
@@ -341,7 +343,7 @@ def rl_step(r: Run, step: int) -> tuple[dict, list]:
     stats = train_stage(
         out.groups,
         r.w.trainer,
-        TrainSettings(cfg.algo, r.plan),
+        TrainSettings(cfg.algo, r.plan, r.w.teacher),
         pad_id=r.pad_id,
         kl_ctl=r.kl_ctl,
         guards=r.guards,

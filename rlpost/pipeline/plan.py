@@ -55,6 +55,8 @@ class StepPlan:
     kl_in_reward: bool = False
     token_selector: bool = False
     critic_warmup_steps: int = 0
+    teacher: bool = False  # the estimator reads a teacher's logprobs (on-policy distillation)
+    teacher_logits: bool = False  # the loss reads the teacher's full logits (gkd)
 
     def trains_policy(self, step: int) -> bool:
         """Whether step ``step`` (0-based) updates the policy (not during critic warm-up)."""
@@ -65,6 +67,7 @@ class StepPlan:
         if self.old_logprobs == "rollout":
             return "rollout"
         read_before = self.kl_in_reward or self.sum_pi_squared or self.token_selector
+        read_before = read_before or self.teacher  # the distillation advantage reads them
         single = rows <= self.single_update_rows
         return "update" if single and not read_before and self.trains_policy(step) else "pass"
 
@@ -83,6 +86,8 @@ def resolve_step_plan(cfg: Config) -> StepPlan:
         kl_in_reward=a.kl.placement == "reward",
         token_selector=POLICY_LOSSES.trait(a.policy_loss, "token_selector", None) is not None,
         critic_warmup_steps=cfg.critic.warmup_steps,
+        teacher=bool(ADVANTAGES.trait(a.advantage, "needs_teacher")),
+        teacher_logits=bool(POLICY_LOSSES.trait(a.policy_loss, "needs_teacher_logits")),
     )
 
 

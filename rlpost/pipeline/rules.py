@@ -21,6 +21,7 @@ from pathlib import Path
 
 from rlpost.algos import (
     ADVANTAGES,
+    POLICY_LOSSES,
     get_advantage_estimator,
     get_aggregation,
     get_kl_estimator,
@@ -863,4 +864,68 @@ def agent_harness_runs(cfg: Config) -> str | None:
 
     if h.tool_parser not in TOOL_PARSERS:
         return f"agent.harness.tool_parser={h.tool_parser}: unknown; valid: {', '.join(sorted(TOOL_PARSERS))}"
+    return None
+
+
+# ------------------------------------------------------------------ distillation
+
+
+def _distils(cfg: Config) -> tuple[bool, bool]:
+    """(the estimator reads teacher logprobs, the loss reads teacher logits)."""
+    a = cfg.algo
+    return (
+        bool(_trait(ADVANTAGES, a.advantage, "needs_teacher")),
+        bool(_trait(POLICY_LOSSES, a.policy_loss, "needs_teacher_logits")),
+    )
+
+
+@rule("train")
+def distillation_has_one_teacher(cfg: Config) -> str | None:
+    t = cfg.model.teacher
+    if t.path and t.url:
+        return (
+            f"model.teacher.url={t.url}: model.teacher.path={t.path} names a teacher too; "
+            "set one of them"
+        )
+    reads_lp, reads_logits = _distils(cfg)
+    uses = "algo.advantage=on_policy_distill or algo.policy_loss=gkd"
+    if (reads_lp or reads_logits) and not (t.path or t.url):
+        name = cfg.algo.policy_loss if reads_logits else cfg.algo.advantage
+        return (
+            f"model.teacher.path=None: {name} distils from a teacher; set model.teacher.path "
+            "(a trained run's checkpoints/step_N/model) or model.teacher.url"
+        )
+    if t.path and not Path(t.path).is_dir():
+        return f"model.teacher.path={t.path}: not a directory; point it at a model directory"
+    if (t.path or t.url) and not (reads_lp or reads_logits):
+        key = "path" if t.path else "url"
+        return f"model.teacher.{key}={t.path or t.url}: no part of the run reads it; set {uses}"
+    return None
+
+
+@rule("train")
+def gkd_needs_local_teacher(cfg: Config) -> str | None:
+    _, reads_logits = _distils(cfg)
+    if reads_logits and cfg.model.teacher.url:
+        return (
+            f"model.teacher.url={cfg.model.teacher.url}: algo.policy_loss={cfg.algo.policy_loss} "
+            "needs the teacher's full logits, which a server does not return; use "
+            "model.teacher.path (in-process) or algo.advantage=on_policy_distill"
+        )
+    return None
+
+
+@rule("train")
+def distillation_weights_not_both_zero(cfg: Config) -> str | None:
+    reads_lp, reads_logits = _distils(cfg)
+    for on, section, name in (
+        (reads_lp, "advantages", cfg.algo.advantage),
+        (reads_logits, "losses", cfg.algo.policy_loss),
+    ):
+        p = params_of(getattr(cfg.algo, section), name)
+        if on and p.get("distill_weight") == 0 and p.get("task_weight") == 0:
+            return (
+                f"algo.{section}.{name}.distill_weight=0: task_weight is 0 too, so nothing "
+                "trains; raise either"
+            )
     return None

@@ -26,6 +26,7 @@ from rlpost.algos import (
     masked_mean,
     scores_to_token_rewards,
 )
+from rlpost.algos.distill import distill_kl
 from rlpost.algos.kl_control import FixedKLController
 from rlpost.algos.sampling import spread_per_group
 from rlpost.config import AlgoConfig
@@ -36,7 +37,7 @@ from rlpost.pipeline.evaluate import logprob_gap, rollout_health
 from rlpost.pipeline.plan import StepPlan
 from rlpost.pipeline.workers import RewardAPI, RolloutAPI, TrainerAPI
 from rlpost.rollout.protocol import SamplingParams
-from rlpost.train.batch import TrainBatch, collate
+from rlpost.train.batch import TrainBatch, collate, token_logprobs
 from rlpost.types import Group
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,7 @@ class TrainSettings:
 
     algo: AlgoConfig
     plan: StepPlan  # resolve_step_plan(cfg), once per run
+    teacher: object = None  # the distillation teacher the plan reads (TeacherAPI), or None
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,7 @@ def train_stage(
         ref_logprobs=trainer.logprobs(batch, "ref") if plan.reference else None,
         values=trainer.values(batch) if plan.values else None,
     )
+    scored, teacher_seconds = with_teacher(scored, s.teacher, plan)
     inputs = estimator_inputs(groups, scored, trainer, algo.advantage)
     turn = turn_rewards(groups, batch.response_mask)
     adv = compute_advantages(scored, algo, beta=kl_ctl.beta, inputs=inputs, turn_rewards=turn)
@@ -227,6 +230,7 @@ def train_stage(
         "rollout_kl": rollout_mismatch(batch.rollout_logprobs, old, batch.response_mask),
         **sample_lag(batch, result.version - 1),
         "policy_version": float(result.version - 1),
+        **distill_metrics(old, scored.teacher_logprobs, batch.response_mask, teacher_seconds),
     }
     return StepStats(
         metrics,
@@ -280,6 +284,9 @@ def estimator_inputs(
         inputs["baseline_scores"] = torch.tensor(
             [g.baseline_score for g in groups for _ in range(g.n)], dtype=torch.float64
         )
+    if ADVANTAGES.trait(name, "needs_teacher"):
+        inputs["old_logprobs"] = batch.old_logprobs
+        inputs["teacher_logprobs"] = batch.teacher_logprobs
     if ADVANTAGES.trait(name, "needs_sum_pi_squared"):
         if batch.old_logprobs is None:
             raise ValueError(f"advantage estimator {name!r} needs the old logprobs up front")
@@ -370,3 +377,31 @@ def sample_lag(batch: TrainBatch, version: int) -> dict[str, float]:
     oldest = torch.where(v >= 0, v, torch.full_like(v, version)).min(dim=-1).values
     lags = (version - oldest).tolist() or [0]
     return {"sample_lag": sum(lags) / len(lags), "sample_lag_max": float(max(lags))}
+
+
+def with_teacher(batch: TrainBatch, teacher, plan: StepPlan) -> tuple[TrainBatch, float]:
+    """``batch`` with the teacher's logprobs of its responses (and its logits when the loss
+    reads them), and the seconds the teacher took; as it was when the plan reads none."""
+    if not (plan.teacher or plan.teacher_logits):
+        return batch, 0.0
+    if teacher is None:
+        raise ValueError("the step plan distils from a teacher but the run built none")
+    t0 = time.perf_counter()
+    if plan.teacher_logits:
+        logits = teacher.logits(batch)
+        real = batch.attention_mask[:, batch.prompt_width :] > 0
+        lp = torch.where(real, token_logprobs(logits, batch.responses), 0.0)
+        batch = replace(batch, teacher_logits=logits, teacher_logprobs=lp)
+    else:
+        batch = replace(batch, teacher_logprobs=teacher.logprobs(batch))
+    return batch, time.perf_counter() - t0
+
+
+def distill_metrics(
+    old: torch.Tensor | None, teacher: torch.Tensor | None, mask: torch.Tensor, seconds: float
+) -> dict[str, float]:
+    """``distill_kl`` (the sampling student's mean per-token reverse KL to the teacher on its
+    own tokens) and ``teacher_seconds``; {} in a run without a teacher."""
+    if teacher is None or old is None:
+        return {}
+    return {"distill_kl": distill_kl(old, teacher, mask), "teacher_seconds": seconds}

@@ -81,7 +81,10 @@ class Workers:
     trainer: TrainerAPI
     rollout: RolloutAPI
     reward: RewardAPI
+    teacher: Any = None  # a distillation teacher (rlpost.train.teacher.TeacherAPI), or None
 
     def close(self) -> None:
         for w in (self.rollout, self.reward, self.trainer):
             w.close()
+        if self.teacher is not None:
+            self.teacher.close()

@@ -64,6 +64,7 @@ from rlpost.rollout.openai_params import (
 )
 from rlpost.rollout.prefix_cache import PrefixCache
 from rlpost.rollout.scheduler import GenerationRequest, Scheduler, Ticket
+from rlpost.rollout.score_routes import router as score_router
 from rlpost.rollout.server_guard import (
     MIB,
     Guard,
@@ -417,6 +418,7 @@ def create_app(
     app.post("/v1/chat/completions")(chat_completions)
     app.post("/v1/weights")(service.weights)
     app.include_router(sync_router)
+    app.include_router(score_router)  # a distillation teacher's prompt logprobs
     app.get("/v1/models")(models)
     app.get("/health")(service.health)
     app.get("/metrics")(service.metrics)

@@ -27,15 +27,18 @@ from typing import Any
 import torch
 
 from rlpost.algos.aggregate import Aggregation
+from rlpost.algos.entropy import entropy_from_logits
 from rlpost.observe.mfu import default_cpu_peak_flops, flops_per_token
 from rlpost.train.batch import (
     TrainBatch,
     compute_logprobs,
     model_device,
     pad_responses,
+    response_logits,
     response_logprobs,
     response_sum_pi_squared,
     score_rows,
+    token_logprobs,
 )
 from rlpost.train.layout import PlainLayout, SingleRank, WeightLayout
 from rlpost.train.optim import budget_slices, minibatch_updates, optimizer_step
@@ -64,6 +67,7 @@ class ActorSettings:
     packing: str = "off"  # auto | on | off: rows packed end to end (rlpost.train.packing)
     loss_params: dict[str, Any] = field(default_factory=dict)
     correction_params: dict[str, Any] = field(default_factory=dict)
+    full_logits: bool = False  # the loss reads the whole [B, T, V] logits (gkd)
 
 
 @dataclass
@@ -349,7 +353,8 @@ class PolicyTrainer:
         aux: MinibatchAux | None = None,
     ):
         aux = aux if aux is not None else MinibatchAux()
-        mask = micro.response_mask
+        if self.s.full_logits:
+            return self._full_logits_loss(micro, agg, beta, fill_old, aux)
         with self._autocast():
             logprobs, entropy = response_logprobs(
                 self.model,
@@ -359,6 +364,21 @@ class PolicyTrainer:
                 chunk=self.s.logits_chunk,
                 packed=self.packed,
             )
+        return self._loss_terms(micro, agg, beta, fill_old, aux, logprobs, entropy)
+
+    def _full_logits_loss(self, micro, agg, beta, fill_old, aux):
+        """The loss of a policy loss that reads the whole distribution (gkd): the padded
+        ``[B, T, V]`` logits of the responses with the teacher's on the same positions."""
+        with self._autocast():
+            logits = response_logits(self.model, micro)
+        logprobs = token_logprobs(logits, micro.responses, self.s.temperature)
+        entropy = entropy_from_logits(logits.float()) if self.s.entropy_coef > 0 else None
+        extra = {"logits": logits, "teacher_logits": micro.teacher_logits}
+        return self._loss_terms(micro, agg, beta, fill_old, aux, logprobs, entropy, extra)
+
+    def _loss_terms(self, micro, agg, beta, fill_old, aux, logprobs, entropy, extra=None):
+        """The policy loss of ``logprobs`` plus the KL, NLL and entropy terms, and stats."""
+        mask = micro.response_mask
         if fill_old:
             micro.old_logprobs = logprobs.detach()
         advantages, correction_stats = micro.advantages, {}
@@ -379,6 +399,7 @@ class PolicyTrainer:
             rollout_logprobs=micro.rollout_logprobs,
             ref_logprobs=micro.ref_logprobs,
             **({"selected": aux.selected} if aux.selected is not None else {}),
+            **(extra or {}),
             **self.s.loss_params,
         )
         loss = out.loss

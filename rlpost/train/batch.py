@@ -48,6 +48,10 @@ class TrainBatch:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    # On-policy distillation: the teacher's logprobs of the responses [B, T], and its
+    # logits [B, T, V] for a loss over the whole vocabulary (rlpost.train.teacher).
+    teacher_logprobs: torch.Tensor | None = None
+    teacher_logits: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -138,6 +138,17 @@ ALTS = {
     "sync.verify": (lambda v: not v, "sync", {}),
     "sync.timeout_s": (other(10.0, 20.0), "sync", {}),
 }
+# on-policy distillation: eps acts on the task term only, so the context turns it on
+ALTS.update(
+    {
+        "algo.advantages.on_policy_distill.eps": (
+            other(0.5, 1.0), "update", {"algo.advantages.on_policy_distill.task_weight": 1.0}
+        ),
+        "distill_weight": (other(2.0, 1.0), "update", {}),
+        "task_weight": (other(1.0, 0.5), "update", {}),
+        "center": (other(True, False), "update", {}),
+    }
+)
 
 
 def small(cfg_dict: dict) -> dict:
@@ -386,6 +397,8 @@ def recipe_extra(name: str, tmp_path, tiny_dir) -> dict:
             "data.train_path": str(rows),
             "data.eval_path": str(rows),
         }
+    if name.startswith("distill_"):  # a teacher with the tiny student's tokenizer
+        return {"model.teacher.path": str(tiny_dir)}
     return {}
 
 

@@ -310,6 +310,9 @@ def extra_inputs(name, batch, width):
         out["components"] = torch.rand(batch, 2, requires_grad=True)
     if ADVANTAGES.trait(name, "needs_greedy_baseline"):
         out["baseline_scores"] = torch.rand(batch, requires_grad=True)
+    if ADVANTAGES.trait(name, "needs_teacher"):
+        out["old_logprobs"] = (-torch.rand(batch, width)).requires_grad_(True)
+        out["teacher_logprobs"] = (-torch.rand(batch, width)).requires_grad_(True)
     if ADVANTAGES.trait(name, "needs_sum_pi_squared"):
         out["old_logprobs"] = (-torch.rand(batch, width)).requires_grad_(True)
         out["sum_pi_squared"] = torch.rand(batch, width, requires_grad=True)

@@ -245,6 +245,22 @@ CASES["agent_harness_runs"] = (
     "train", [], ["agent.harness.entry=agent.py:run", "rollout.partial=true"],
     "rollout.partial=true: harness sessions never carry across steps",
 )
+CASES.update(
+    {
+        "distillation_has_one_teacher": (
+            "train", [], ["algo.advantage=on_policy_distill"], "model.teacher.path=None",
+        ),
+        "gkd_needs_local_teacher": (
+            "train", [], ["algo.policy_loss=gkd", "model.teacher.url=http://127.0.0.1:8000"],
+            "model.teacher.url=http://127.0.0.1:8000",
+        ),
+        "distillation_weights_not_both_zero": (
+            "train", [],
+            ["algo.advantage=on_policy_distill", "algo.advantages.on_policy_distill.distill_weight=0"],
+            "algo.advantages.on_policy_distill.distill_weight=0",
+        ),
+    }
+)  # fmt: skip
 RULE = {r.name: r for r in rules.RULES}
 
 
