@@ -21,6 +21,7 @@ is kept as truncated.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import inspect
@@ -337,7 +338,5 @@ class AgentRunner:
 
 def _kill(process: subprocess.Popen | None) -> None:
     if process is not None and process.poll() is None:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # it exited since the poll
             os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
