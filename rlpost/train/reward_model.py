@@ -17,7 +17,6 @@ the last non-pad token (``config.pad_token_id``). The loss is
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +34,8 @@ from rlpost.train.optim import optimizer_step
 from rlpost.train.sft import (
     STATE_FILE,
     WarmupInterrupted,
-    load_train_state,
-    recover_state_dir,
     save_train_state,
-    warmup_then_cosine,
+    start_train_state,
 )
 
 
@@ -193,14 +190,7 @@ def rm_train(
     :class:`~rlpost.train.sft.WarmupInterrupted`; a resumed run takes the same steps as
     one that never stopped. ``on_step(step, metrics)`` gets the 1-based step.
     """
-    rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_cosine(warmup_steps, steps))
-    losses: list[float] = []
-    if state_dir is not None:
-        recover_state_dir(state_dir)
-    if state_dir is not None and (state_dir / STATE_FILE).is_file():
-        losses = load_train_state(state_dir, model, opt, sched, rng)
+    opt, sched, rng, losses = start_train_state(model, lr, warmup_steps, steps, seed, state_dir)
     at_start = len(losses)
     model.train()
     for step in range(len(losses), steps):

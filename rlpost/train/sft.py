@@ -90,14 +90,7 @@ def sft_train(
     ``max_tokens_per_micro_batch`` > 0 cuts a step's rows into micro-batches of at most that
     many padded tokens (the step's loss is the same whatever the cut).
     """
-    rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_cosine(warmup_steps, steps))
-    losses: list[float] = []
-    if state_dir is not None:
-        recover_state_dir(state_dir)
-    if state_dir is not None and (state_dir / STATE_FILE).is_file():
-        losses = load_train_state(state_dir, model, opt, sched, rng)
+    opt, sched, rng, losses = start_train_state(model, lr, warmup_steps, steps, seed, state_dir)
     len_at_start = len(losses)
     # Every step draws from the same prompts: tokenising each text once is a fifth of a
     # tiny model's warm-up saved.
@@ -192,6 +185,20 @@ def load_train_state(state_dir: Path, model, opt, sched, rng: random.Random) -> 
     rng.setstate(state["rng"])
     torch.set_rng_state(state["torch_rng"])
     return list(state["losses"])
+
+
+def start_train_state(model, lr: float, warmup_steps: int, steps: int, seed: int, state_dir):
+    """AdamW, its warm-up-then-cosine schedule, the sampling rng and the losses so far: fresh,
+    or resumed from ``state_dir`` when it holds a state (the SFT and reward-model stages)."""
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_cosine(warmup_steps, steps))
+    losses: list[float] = []
+    if state_dir is not None:
+        recover_state_dir(state_dir)
+    if state_dir is not None and (state_dir / STATE_FILE).is_file():
+        losses = load_train_state(state_dir, model, opt, sched, rng)
+    return opt, sched, rng, losses
 
 
 def warmup_then_cosine(warmup_steps: int, total: int):
