@@ -1,4 +1,4 @@
-"""The agent_blackbox recipe end to end, briefly: examples/calc_agent.py (the official
+"""The agent_blackbox recipe end to end, briefly: rlpost/envs/examples/calc_agent.py (the official
 ``openai`` client, no rlpost import) trains through recorded sessions (CPU)."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def test_agent_blackbox_trains_the_openai_client_agent(tmp_path):
 
 
 def test_a_harness_with_an_env_or_a_remote_engine_is_refused():
-    base = ["agent.harness.entry=examples/calc_agent.py:run"]
+    base = ["agent.harness.entry=rlpost.envs.examples.calc_agent:run"]
     for extra, needle in (
         ("agent.env=calc", "agent.env=calc: agent.harness runs the episodes"),
         ("rollout.engine=remote rollout.servers=[http://127.0.0.1:9]", "rollout.engine=remote: agent"),

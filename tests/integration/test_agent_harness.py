@@ -229,8 +229,8 @@ def test_commands_that_fail_or_hang_are_counted_and_killed(engine):
 
 
 def test_the_calc_agent_as_a_command(engine):
-    """examples/calc_agent.py run as a process: the official client over OPENAI_BASE_URL."""
-    command = (sys.executable, str(CHECKOUT / "examples" / "calc_agent.py"))
+    """rlpost/envs/examples/calc_agent.py run as a process: the official client over OPENAI_BASE_URL."""
+    command = (sys.executable, str(CHECKOUT / "rlpost" / "envs" / "examples" / "calc_agent.py"))
     runner = _runner(engine, command=command, template=PLAIN + "{% if tools %}{% endif %}")
     try:
         rows = runner.generate([[1]], GREEDY, n=1, prompts=[Prompt("hi")])

@@ -2,8 +2,8 @@
 
 It asks the model with one ``calc`` tool, runs every call itself, sends the results
 back as ``tool`` messages, and returns the model's final answer. Pointed at rlpost
-(``agent.harness.entry=examples/calc_agent.py:run``, recipe ``agent_blackbox``) it is
-trained by swapping its base URL; as a command (``python examples/calc_agent.py``) it
+(``agent.harness.entry=rlpost.envs.examples.calc_agent:run``, recipe ``agent_blackbox``) it is
+trained by swapping its base URL; as a command (``python rlpost/envs/examples/calc_agent.py``) it
 reads ``OPENAI_BASE_URL`` and the prompt on stdin and prints the answer.
 
 ``demonstration`` writes the conversations of the warm-up: the chat this agent has
