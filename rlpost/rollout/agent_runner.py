@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.remote_sessions import RemoteSessions
 from rlpost.rollout.sessions import Session, SessionBounds, session_samples
 from rlpost.types import Completion, Prompt
 
@@ -180,25 +181,42 @@ class AgentRunner:
 
     variable_groups = True  # dropped sessions and segments: a prompt's rows vary in number
 
-    def __init__(self, engine, tokenizer, settings: HarnessSettings, name: str = "policy") -> None:
-        scheduler = getattr(engine, "scheduler", None)
-        if scheduler is None:
-            raise ValueError("an agent harness needs the in-process continuous engine")
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        settings: HarnessSettings,
+        name: str = "policy",
+        remote: RemoteSessions | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        """``remote``: sessions live on rollout servers (``rollout.engine=remote``; ``api_key``
+        is theirs, given to the agent); None: on a loopback server over ``engine``'s scheduler."""
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
-        served = tokenizer
-        if settings.chat_template is not None:  # a copy: the training tokenizer is untouched
-            served = copy.copy(tokenizer)
-            served.chat_template = settings.chat_template
-        self.server = LoopbackServer(scheduler, served, name, settings.tool_parser)
+        self.server: LoopbackServer | None = None
+        if remote is not None:
+            self.sessions = remote
+        else:
+            scheduler = getattr(engine, "scheduler", None)
+            if scheduler is None:
+                raise ValueError("an agent harness needs the in-process continuous engine")
+            served = tokenizer
+            if settings.chat_template is not None:  # a copy: the training tokenizer is untouched
+                served = copy.copy(tokenizer)
+                served.chat_template = settings.chat_template
+            self.server = LoopbackServer(scheduler, served, name, settings.tool_parser)
+            self.sessions = self.server.sessions
         self.last_stats = HarnessStats()
         self.last_sessions: list[Session] = []  # the latest call's sessions, as recorded
-        self.api_key = "rlpost"  # loopback without keys: any key is accepted
+        self.api_key = api_key or "rlpost"  # loopback without keys: any key is accepted
 
     @property
     def version(self) -> int:
         return self.engine.version
 
     def base_url(self, session: Session) -> str:
+        if self.server is None:
+            return self.sessions.base_url(session.id)
         return f"{self.server.url}/sessions/{session.id}/v1"
 
     def generate(
@@ -217,7 +235,7 @@ class AgentRunner:
         for i, p in enumerate(prompts):
             for j in range(n):
                 seed = None if params.seed is None else params.seed + 1000 * (i * n + j)
-                session = self.server.sessions.open(bounds, sampling, seed=seed)
+                session = self.sessions.open(bounds, sampling, seed=seed)
                 jobs.append(_Job(p, group_offset + i, session))
         self._run_all(jobs)
         return self._collect(jobs)
@@ -240,7 +258,7 @@ class AgentRunner:
                     running.remove(job)
                 elif now > job.deadline:
                     job.timed_out = True
-                    self.server.sessions.close(job.session.id)
+                    self._close(job.session.id)
                     _kill(job.process)
                     running.remove(job)
 
@@ -298,15 +316,18 @@ class AgentRunner:
         rows: list[Completion] = []
         self.last_sessions = []
         for job in jobs:
-            session = self.server.sessions.close(job.session.id) or job.session
+            session, lost = self._close(job.session.id), None
+            if isinstance(session, str):  # its server did not answer: the session is lost
+                session, lost = None, session
+            session = session or job.session
             self.last_sessions.append(session)
             if job.timed_out:
                 s.timed_out += 1
                 continue
             truncated = session.bound_hit is not None
-            if (job.error is not None and not truncated) or not session.requests:
+            if (job.error is not None and not truncated) or not session.requests or lost:
                 s.failed += 1
-                s.last_error = job.error or "the harness sent no request"
+                s.last_error = lost or job.error or "the harness sent no request"
                 continue
             result = None if job.error is not None else job.result
             reward = float(result) if isinstance(result, int | float) else 0.0
@@ -332,8 +353,19 @@ class AgentRunner:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         del state
 
+    def _close(self, sid: str) -> Session | str | None:
+        """The closed session (None: closed already), or the line saying why its remote
+        server could not close it."""
+        try:
+            return self.sessions.close(sid)
+        except RuntimeError as exc:
+            return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
     def close(self) -> None:
-        self.server.close()
+        if self.server is not None:
+            self.server.close()
+        else:
+            self.sessions.close_all()
 
 
 def _kill(process: subprocess.Popen | None) -> None:
