@@ -5,7 +5,10 @@ OpenAI server over the run's own continuous-batching scheduler (the engine
 the trainer syncs weights into, so a weight update mid-episode lands between
 two decode steps and every token keeps the version that sampled it), runs the
 user's agent against the session's base URL, and turns the finished session
-into training rows (:func:`rlpost.rollout.sessions.session_samples`).
+into training rows (:func:`rlpost.rollout.sessions.session_samples`). With
+``rollout.engine=remote`` the sessions are opened on the rollout servers instead
+(:class:`rlpost.rollout.remote_sessions.RemoteSessions`, their admin routes) and
+the rows are built from the record each server returns when it closes one.
 
 The agent is a Python callable ``fn(prompt, base_url, **info)`` run in a
 thread (``info``: the keywords among ``api_key``, ``session_id``, ``metadata``
@@ -316,9 +319,7 @@ class AgentRunner:
         rows: list[Completion] = []
         self.last_sessions = []
         for job in jobs:
-            session, lost = self._close(job.session.id), None
-            if isinstance(session, str):  # its server did not answer: the session is lost
-                session, lost = None, session
+            session, lost = self._close(job.session.id)
             session = session or job.session
             self.last_sessions.append(session)
             if job.timed_out:
@@ -353,13 +354,13 @@ class AgentRunner:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         del state
 
-    def _close(self, sid: str) -> Session | str | None:
-        """The closed session (None: closed already), or the line saying why its remote
-        server could not close it."""
+    def _close(self, sid: str) -> tuple[Session | None, str | None]:
+        """(the closed session, None: closed already; the line saying why its remote server
+        could not close it: the session is lost, or None)."""
         try:
-            return self.sessions.close(sid)
+            return self.sessions.close(sid), None
         except RuntimeError as exc:
-            return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return None, (str(exc).splitlines() or [type(exc).__name__])[0]
 
     def close(self) -> None:
         if self.server is not None:

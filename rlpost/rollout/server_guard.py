@@ -49,7 +49,7 @@ ADMIN_PREFIXES = ("/v1/weights", "/v1/sync", "/v1/admin", "/v1/sessions")
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 MIB = 1 << 20
 NO_ADMIN_KEY = (
-    "this endpoint changes the served weights and is closed: the server has no admin key "
+    "this control endpoint (weights, sessions) is closed: the server has no admin key "
     "(start it with --admin-key or RLPOST_ADMIN_KEY)"
 )
 

@@ -17,6 +17,7 @@ one line, and an unknown or closed session is a 404 naming it.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 import uuid
@@ -268,12 +269,10 @@ def parse_open(raw: bytes) -> tuple[SessionBounds, SamplingParams, int | None]:
         raise APIError(400, f"session: unknown field {unknown[0]!r}", unknown[0])
     for name, kind in {**_BOUNDS, **_SAMPLING}.items():
         value = body.get(name)
-        ok = value is None or (
-            not isinstance(value, bool)
-            and isinstance(value, int if kind is int else int | float)
-        )
-        if not ok:
-            raise APIError(400, f"session: {name} must be a number, got {json.dumps(value)[:40]}", name)
+        if value is not None and not _is(value, kind):
+            shown = json.dumps(value)[:40]
+            what = "an integer" if kind is int else "a finite number"
+            raise APIError(400, f"session: {name} must be {what}, got {shown}", name)
     defaults = SessionBounds()
     bounds = SessionBounds(
         body.get("max_requests", defaults.max_requests),
@@ -283,12 +282,23 @@ def parse_open(raw: bytes) -> tuple[SessionBounds, SamplingParams, int | None]:
     for name in _BOUNDS:
         if getattr(bounds, name) <= 0:
             raise APIError(400, f"session: {name} must be > 0", name)
+    seed = body.get("seed")
+    if seed is not None and not 0 <= seed < 1 << 62:
+        raise APIError(400, f"session: seed must be in [0, 2**62), got {seed}", "seed")
     picked = {k: body[k] for k in ("temperature", "top_p", "top_k") if k in body}
     try:
         sampling = SamplingParams(**picked)
     except ValueError as exc:
         raise APIError(400, f"session: {exc}") from None
-    return bounds, sampling, body.get("seed")
+    return bounds, sampling, seed
+
+
+def _is(value, kind: type) -> bool:
+    if isinstance(value, bool):
+        return False
+    if kind is int:
+        return isinstance(value, int)
+    return isinstance(value, int | float) and math.isfinite(value)
 
 
 def add_session_admin_routes(app, store: SessionStore) -> None:

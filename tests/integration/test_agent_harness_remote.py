@@ -76,7 +76,7 @@ def test_session_routes_need_the_admin_key_and_refuse_bad_bodies(servers):
         assert r.status_code == 404 and "'nope' is unknown" in r.json()["error"]["message"]
     for bad, needle in (
         (b"{not json", "JSON"),
-        (b'{"temperature": "hot"}', "temperature must be a number"),
+        (b'{"temperature": "hot"}', "temperature must be a finite number"),
         (b'{"max_tokens": 0}', "max_tokens must be > 0"),
         (b'{"top_p": 2}', "top_p=2"),
         (b'{"stream": true}', "unknown field 'stream'"),
