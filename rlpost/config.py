@@ -928,7 +928,8 @@ class HarnessConfig(Section):
     RLPOST_PROMPT in its environment, the prompt on stdin; its last stdout line is the answer
     or a number."""
     chat_template: str | None = None
-    """Jinja chat template the server renders the agent's chats with (None: the tokenizer's)."""
+    """Jinja chat template the server renders the agent's chats with (None: the tokenizer's;
+    rollout.engine=remote: the servers' own, so it must be None)."""
     tool_parser: str = "hermes"
     """How the model's output is read into tool_calls (rlpost serve --tool-parser)."""
     demonstrations: str | None = None

@@ -652,6 +652,15 @@ def build_harness(cfg: Config, engine, tokenizer):
     settings = HarnessSettings(
         entry, tuple(h.command), bounds, h.workers, h.chat_template, h.tool_parser
     )
+    if cfg.rollout.engine == "remote":  # sessions on the rollout servers, over their admin routes
+        from rlpost.rollout.client import keys_from_env
+        from rlpost.rollout.remote_sessions import RemoteSessions
+
+        keys = keys_from_env(cfg.rollout.api_key_env, cfg.rollout.admin_key_env)
+        remote = RemoteSessions(list(cfg.rollout.servers), keys["admin_key"])
+        return AgentRunner(
+            engine, tokenizer, settings, cfg.run.name, remote=remote, api_key=keys["api_key"]
+        )
     return AgentRunner(engine, tokenizer, settings, name=cfg.run.name)
 
 

@@ -843,7 +843,8 @@ def rm_margin_needs_a_file(cfg: Config) -> str | None:
 
 @rule("train", "eval")
 def agent_harness_runs(cfg: Config) -> str | None:
-    """An outside agent (agent.harness) runs on the in-process continuous engine, alone."""
+    """An outside agent (agent.harness) runs on the in-process continuous engine or on remote
+    rlpost servers (sessions over their admin routes), alone."""
     h = cfg.agent.harness
     if not h.enabled:
         return None
@@ -851,10 +852,15 @@ def agent_harness_runs(cfg: Config) -> str | None:
         return "agent.harness.command: entry is set too; give one of them"
     if cfg.agent.env is not None:
         return f"agent.env={cfg.agent.env}: agent.harness runs the episodes; drop one of them"
-    if cfg.rollout.engine not in ("hf", "hf_continuous"):
+    if cfg.rollout.engine not in ("hf", "hf_continuous", "remote"):
         return (
             f"rollout.engine={cfg.rollout.engine}: agent.harness records sessions on the "
-            "run's in-process engine; use rollout.engine=hf"
+            "run's in-process engine or on rlpost servers; use rollout.engine=hf or remote"
+        )
+    if cfg.rollout.engine == "remote" and h.chat_template is not None:
+        return (
+            "agent.harness.chat_template: remote servers render chats with their own "
+            "tokenizer's template; drop it or use rollout.engine=hf"
         )
     if cfg.rollout.partial:
         return "rollout.partial=true: harness sessions never carry across steps; set it false"

@@ -5,7 +5,10 @@ OpenAI server over the run's own continuous-batching scheduler (the engine
 the trainer syncs weights into, so a weight update mid-episode lands between
 two decode steps and every token keeps the version that sampled it), runs the
 user's agent against the session's base URL, and turns the finished session
-into training rows (:func:`rlpost.rollout.sessions.session_samples`).
+into training rows (:func:`rlpost.rollout.sessions.session_samples`). With
+``rollout.engine=remote`` the sessions are opened on the rollout servers instead
+(:class:`rlpost.rollout.remote_sessions.RemoteSessions`, their admin routes) and
+the rows are built from the record each server returns when it closes one.
 
 The agent is a Python callable ``fn(prompt, base_url, **info)`` run in a
 thread (``info``: the keywords among ``api_key``, ``session_id``, ``metadata``
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.remote_sessions import RemoteSessions
 from rlpost.rollout.sessions import Session, SessionBounds, session_samples
 from rlpost.types import Completion, Prompt
 
@@ -180,25 +184,42 @@ class AgentRunner:
 
     variable_groups = True  # dropped sessions and segments: a prompt's rows vary in number
 
-    def __init__(self, engine, tokenizer, settings: HarnessSettings, name: str = "policy") -> None:
-        scheduler = getattr(engine, "scheduler", None)
-        if scheduler is None:
-            raise ValueError("an agent harness needs the in-process continuous engine")
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        settings: HarnessSettings,
+        name: str = "policy",
+        remote: RemoteSessions | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        """``remote``: sessions live on rollout servers (``rollout.engine=remote``; ``api_key``
+        is theirs, given to the agent); None: on a loopback server over ``engine``'s scheduler."""
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
-        served = tokenizer
-        if settings.chat_template is not None:  # a copy: the training tokenizer is untouched
-            served = copy.copy(tokenizer)
-            served.chat_template = settings.chat_template
-        self.server = LoopbackServer(scheduler, served, name, settings.tool_parser)
+        self.server: LoopbackServer | None = None
+        if remote is not None:
+            self.sessions = remote
+        else:
+            scheduler = getattr(engine, "scheduler", None)
+            if scheduler is None:
+                raise ValueError("an agent harness needs the in-process continuous engine")
+            served = tokenizer
+            if settings.chat_template is not None:  # a copy: the training tokenizer is untouched
+                served = copy.copy(tokenizer)
+                served.chat_template = settings.chat_template
+            self.server = LoopbackServer(scheduler, served, name, settings.tool_parser)
+            self.sessions = self.server.sessions
         self.last_stats = HarnessStats()
         self.last_sessions: list[Session] = []  # the latest call's sessions, as recorded
-        self.api_key = "rlpost"  # loopback without keys: any key is accepted
+        self.api_key = api_key or "rlpost"  # loopback without keys: any key is accepted
 
     @property
     def version(self) -> int:
         return self.engine.version
 
     def base_url(self, session: Session) -> str:
+        if self.server is None:
+            return self.sessions.base_url(session.id)
         return f"{self.server.url}/sessions/{session.id}/v1"
 
     def generate(
@@ -217,7 +238,7 @@ class AgentRunner:
         for i, p in enumerate(prompts):
             for j in range(n):
                 seed = None if params.seed is None else params.seed + 1000 * (i * n + j)
-                session = self.server.sessions.open(bounds, sampling, seed=seed)
+                session = self.sessions.open(bounds, sampling, seed=seed)
                 jobs.append(_Job(p, group_offset + i, session))
         self._run_all(jobs)
         return self._collect(jobs)
@@ -240,7 +261,7 @@ class AgentRunner:
                     running.remove(job)
                 elif now > job.deadline:
                     job.timed_out = True
-                    self.server.sessions.close(job.session.id)
+                    self._close(job.session.id)
                     _kill(job.process)
                     running.remove(job)
 
@@ -298,15 +319,16 @@ class AgentRunner:
         rows: list[Completion] = []
         self.last_sessions = []
         for job in jobs:
-            session = self.server.sessions.close(job.session.id) or job.session
+            session, lost = self._close(job.session.id)
+            session = session or job.session
             self.last_sessions.append(session)
             if job.timed_out:
                 s.timed_out += 1
                 continue
             truncated = session.bound_hit is not None
-            if (job.error is not None and not truncated) or not session.requests:
+            if (job.error is not None and not truncated) or not session.requests or lost:
                 s.failed += 1
-                s.last_error = job.error or "the harness sent no request"
+                s.last_error = lost or job.error or "the harness sent no request"
                 continue
             result = None if job.error is not None else job.result
             reward = float(result) if isinstance(result, int | float) else 0.0
@@ -332,8 +354,19 @@ class AgentRunner:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         del state
 
+    def _close(self, sid: str) -> tuple[Session | None, str | None]:
+        """(the closed session, None: closed already; the line saying why its remote server
+        could not close it: the session is lost, or None)."""
+        try:
+            return self.sessions.close(sid), None
+        except RuntimeError as exc:
+            return None, (str(exc).splitlines() or [type(exc).__name__])[0]
+
     def close(self) -> None:
-        self.server.close()
+        if self.server is not None:
+            self.server.close()
+        else:
+            self.sessions.close_all()
 
 
 def _kill(process: subprocess.Popen | None) -> None:

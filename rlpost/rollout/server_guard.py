@@ -7,9 +7,10 @@ body is read:
 * **keys**: paths under ``/v1/`` (and anything else but ``/health`` and
   ``/metrics``) need ``Authorization: Bearer <api key>`` when an API key is
   set (401 otherwise, as vLLM does); paths under an admin prefix
-  (``/v1/weights``, ``/v1/sync``, ``/v1/admin``) need the admin key (the API
-  key alone is a 403) and are closed (403) on a server without one, loopback
-  included: any local process could otherwise replace the weights. The
+  (``/v1/weights``, ``/v1/sync``, ``/v1/admin``, ``/v1/sessions``) need the
+  admin key (the API key alone is a 403) and are closed (403) on a server
+  without one, loopback included: any local process could otherwise replace the
+  weights or read another agent's sessions. The
   decision is by prefix, so a route that another
   module mounts under ``/v1/sync`` later is guarded without a line here.
   Keys are compared as SHA-256 digests with :func:`hmac.compare_digest`
@@ -44,11 +45,11 @@ from pathlib import Path
 from rlpost.rollout.openai_params import APIError, error_body
 
 OPEN_PATHS = ("/health", "/metrics")
-ADMIN_PREFIXES = ("/v1/weights", "/v1/sync", "/v1/admin")
+ADMIN_PREFIXES = ("/v1/weights", "/v1/sync", "/v1/admin", "/v1/sessions")
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 MIB = 1 << 20
 NO_ADMIN_KEY = (
-    "this endpoint changes the served weights and is closed: the server has no admin key "
+    "this control endpoint (weights, sessions) is closed: the server has no admin key "
     "(start it with --admin-key or RLPOST_ADMIN_KEY)"
 )
 

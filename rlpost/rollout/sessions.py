@@ -17,6 +17,7 @@ one line, and an unknown or closed session is a 404 naming it.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 import uuid
@@ -99,6 +100,10 @@ class SessionStore:
         if session is not None:
             session.closed = True
         return session
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return list(self._open)
 
     def __len__(self) -> int:
         return len(self._open)
@@ -198,6 +203,130 @@ def add_session_routes(app, service, store: SessionStore) -> None:
 
     app.post("/sessions/{sid}/v1/chat/completions")(chat)
     app.post("/sessions/{sid}/v1/completions")(completions)
+    add_session_admin_routes(app, store)
+
+
+# ------------------------------------------------------------------ managed over HTTP
+
+
+def session_record(session: Session) -> dict:
+    """A session as JSON: what :func:`session_from_record` reads back on the trainer's side."""
+    return {
+        "id": session.id,
+        "closed": session.closed,
+        "bound_hit": session.bound_hit,
+        "tokens": session.tokens,
+        "requests": [
+            {
+                "prompt_ids": r.prompt_ids,
+                "token_ids": r.token_ids,
+                "logprobs": r.logprobs,
+                "token_versions": r.versions,
+                "finish_reason": r.finish_reason,
+                "text": r.text,
+                "tool_calls": r.tool_calls,
+            }
+            for r in session.requests
+        ],
+    }
+
+
+def session_from_record(record: dict, bounds: SessionBounds, sampling: SamplingParams) -> Session:
+    """The :class:`Session` a server's record describes (ValueError naming a bad field)."""
+    try:
+        requests = [
+            Request(
+                [int(t) for t in r["prompt_ids"]],
+                [int(t) for t in r["token_ids"]],
+                [float(x) for x in r["logprobs"]],
+                [int(v) for v in r["token_versions"]],
+                str(r["finish_reason"]),
+                text=str(r.get("text") or ""),
+                tool_calls=int(r.get("tool_calls") or 0),
+            )
+            for r in record["requests"]
+        ]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"session record: bad request entry ({type(exc).__name__}: {exc})") from None
+    for r in requests:
+        if not len(r.token_ids) == len(r.logprobs) == len(r.versions):
+            raise ValueError("session record: token_ids, logprobs and token_versions differ in length")
+    session = Session(str(record.get("id", "")), bounds, sampling, requests, closed=True)
+    session.bound_hit = record.get("bound_hit")
+    return session
+
+
+_BOUNDS = {"max_requests": int, "max_tokens": int, "max_seconds": float}
+_SAMPLING = {"temperature": float, "top_p": float, "top_k": int, "seed": int}
+
+
+def parse_open(raw: bytes) -> tuple[SessionBounds, SamplingParams, int | None]:
+    """``POST /v1/sessions``'s body: bounds and the sampling the session must use (400 naming
+    the bad field)."""
+    body = parse_json_object(raw)
+    unknown = sorted(set(body) - set(_BOUNDS) - set(_SAMPLING))
+    if unknown:
+        raise APIError(400, f"session: unknown field {unknown[0]!r}", unknown[0])
+    for name, kind in {**_BOUNDS, **_SAMPLING}.items():
+        value = body.get(name)
+        if value is not None and not _is(value, kind):
+            shown = json.dumps(value)[:40]
+            what = "an integer" if kind is int else "a finite number"
+            raise APIError(400, f"session: {name} must be {what}, got {shown}", name)
+    defaults = SessionBounds()
+    bounds = SessionBounds(
+        body.get("max_requests", defaults.max_requests),
+        body.get("max_tokens", defaults.max_tokens),
+        float(body.get("max_seconds", defaults.max_seconds)),
+    )
+    for name in _BOUNDS:
+        if getattr(bounds, name) <= 0:
+            raise APIError(400, f"session: {name} must be > 0", name)
+    seed = body.get("seed")
+    if seed is not None and not 0 <= seed < 1 << 62:
+        raise APIError(400, f"session: seed must be in [0, 2**62), got {seed}", "seed")
+    picked = {k: body[k] for k in ("temperature", "top_p", "top_k") if k in body}
+    try:
+        sampling = SamplingParams(**picked)
+    except ValueError as exc:
+        raise APIError(400, f"session: {exc}") from None
+    return bounds, sampling, seed
+
+
+def _is(value, kind: type) -> bool:
+    if isinstance(value, bool):
+        return False
+    if kind is int:
+        return isinstance(value, int)
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def add_session_admin_routes(app, store: SessionStore) -> None:
+    """``POST`` / ``GET /v1/sessions`` (open one / the open ids), ``GET`` and ``DELETE
+    /v1/sessions/{id}`` (its record / close it, returning the record): a trainer elsewhere
+    opens, reads and closes sessions (behind the admin key: the guard's admin prefixes)."""
+
+    async def open_session(request: HTTPRequest):
+        bounds, sampling, seed = parse_open(await request.body())
+        session = store.open(bounds, sampling, seed=seed)
+        return {"id": session.id, "base_path": f"/sessions/{session.id}/v1"}
+
+    async def list_sessions():
+        return {"open": store.ids()}
+
+    async def read_session(sid: str):
+        return session_record(store.get(sid))
+
+    async def close_session(sid: str):
+        session = store.close(sid)
+        if session is None:
+            raise APIError(404, f"session {sid[:64]!r} is unknown or closed")
+        return session_record(session)
+
+    app.post("/v1/sessions")(open_session)
+    app.get("/v1/sessions")(list_sessions)
+    app.get("/v1/sessions/{sid}")(read_session)
+    app.delete("/v1/sessions/{sid}")(close_session)
 
 
 # ------------------------------------------------------------------ samples

@@ -241,9 +241,11 @@ CASES.update(
 CASES["rm_margin_needs_a_file"] = (
     "rm", PAIRS, ["rm.margin_field=margin"], "rm.margin_field=margin: data.task=prefs",
 )
-CASES["agent_harness_runs"] = (
-    "train", [], ["agent.harness.entry=agent.py:run", "rollout.partial=true"],
-    "rollout.partial=true: harness sessions never carry across steps",
+CASES["agent_harness_runs"] = (  # remote servers pass: sessions open over their admin routes
+    "train",
+    ["agent.harness.entry=agent.py:run", "rollout.engine=remote", "rollout.servers=[http://127.0.0.1:9]"],
+    ["rollout.engine=vllm"],
+    "rollout.engine=vllm: agent.harness records sessions on the run's in-process engine or on rlpost servers",
 )
 CASES.update(
     {
