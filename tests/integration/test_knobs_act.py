@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from rlpost.algos import Aggregation, get_policy_loss
+from rlpost.algos import POLICY_LOSSES, Aggregation, get_policy_loss
 from rlpost.config import ConfigError, load_config, shipped_recipes
 from rlpost.params import params_of
 from rlpost.pipeline import build, rules
@@ -147,6 +147,9 @@ ALTS.update(
         "distill_weight": (other(2.0, 1.0), "update", {}),
         "task_weight": (other(1.0, 0.5), "update", {}),
         "center": (other(True, False), "update", {}),
+        "algo.losses.gkd.divergence": (other("reverse_kl", "forward_kl"), "loss_fn", {}),
+        # beta mixes the two distributions of the generalised JSD only
+        "algo.losses.gkd.beta": (other(0.25, 0.5), "loss_fn", {"algo.losses.gkd.divergence": "jsd"}),
     }
 )
 
@@ -291,6 +294,9 @@ def configured_loss(cfg) -> str:
     adv = torch.randn(4, 6, generator=gen)
     mask = torch.ones(4, 6)
     fn = get_policy_loss(cfg.algo.policy_loss)
+    full = {}  # a distillation loss reads the student's and the teacher's whole distributions
+    if POLICY_LOSSES.trait(cfg.algo.policy_loss, "needs_teacher_logits"):
+        full = {k: torch.randn(4, 6, 11, generator=gen) * 2 for k in ("logits", "teacher_logits")}
     out = fn(
         lp.clamp(max=0.0),
         old.clamp(max=0.0),
@@ -298,6 +304,7 @@ def configured_loss(cfg) -> str:
         mask,
         agg=Aggregation(cfg.algo.loss_agg_mode),
         rollout_logprobs=rollout.clamp(max=0.0),
+        **full,
         **params_of(cfg.algo.losses, cfg.algo.policy_loss),
     )
     return repr(
