@@ -84,8 +84,10 @@ def probe(cfg: Config, prompts, model_state: dict, run_dir: Path, steps: int = 1
     seen, metrics, sent = [], {}, {}
     counts = {"trainer": 0, "trainer_tokens": 0, "engine": 0, "engine_tokens": 0}
     hooks = [_counter(trainer.trainer.model, counts, "trainer")]
-    if hasattr(rollout.engine, "model"):
-        hooks.append(_counter(rollout.engine.model, counts, "engine"))
+    engine = getattr(rollout.engine, "engine", rollout.engine)  # an agent harness wraps one
+    engine = getattr(engine, "scheduler", engine)  # the continuous engine's model is its scheduler's
+    if hasattr(engine, "model"):
+        hooks.append(_counter(engine.model, counts, "engine"))
     r = loop._new_run(cfg, run_dir, workers, prompts, None)
     try:
         r.on_groups = lambda step, groups: seen.extend(groups)
