@@ -10,6 +10,7 @@ are the server's: weights reach it through the run's weight sync.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 
@@ -100,8 +101,6 @@ class RemoteSessions:
     def close_all(self) -> None:
         """Close what is still open (best effort) and the HTTP client."""
         for sid in list(self._open):
-            try:
+            with contextlib.suppress(RuntimeError):  # a server that cannot close it already lost it
                 self.close(sid)
-            except RuntimeError:
-                pass
         self.http.close()
