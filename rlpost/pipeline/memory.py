@@ -20,6 +20,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rlpost.algos import POLICY_LOSSES
 from rlpost.config import Config, ConfigError
 from rlpost.pipeline import build
 from rlpost.train.lm_head import chunk_tokens, needs_chunks
@@ -102,7 +103,11 @@ def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
     if cfg.model.gradient_checkpointing:
         per_layer = seq * micro * h * width
     tokens = micro * r.max_tokens
-    if needs_chunks(tokens, shape["vocab"], t.logits_chunk_tokens) and t.logits_chunk_tokens >= 0:
+    if POLICY_LOSSES.trait(cfg.algo.policy_loss, "needs_teacher_logits"):
+        # gkd reads whole distributions, past the chunked head: the student's logits, their
+        # float32 copy and gradient, the teacher's logits and the divergence's two log-softmaxes
+        logits = 6 * tokens * shape["vocab"] * 4
+    elif needs_chunks(tokens, shape["vocab"], t.logits_chunk_tokens) and t.logits_chunk_tokens >= 0:
         logits = 4 * chunk_tokens(shape["vocab"], t.logits_chunk_tokens) * shape["vocab"] * 4
     else:  # the full logits, their float32 copy and the gradient
         logits = 3 * tokens * shape["vocab"] * 4

@@ -44,6 +44,10 @@ def test_terms_follow_the_config(tmp_path):
     assert chunked.optimizer == pytest.approx(2 * chunked.gradients)
     default = check_memory(load_config(None, []))
     assert default is not None and default.total < chunked.total
+    # the full-vocabulary distillation loss holds [8, 256, V] of the student's and the
+    # teacher's, past the chunked head: twice the unchunked path's term
+    gkd = estimate(load_config(None, [f"model.path={path}", *base, "algo.policy_loss=gkd"]), shape)
+    assert gkd.logits == pytest.approx(2 * full.logits)
 
 
 def test_a_step_that_cannot_fit_is_refused_naming_the_key(tmp_path):
