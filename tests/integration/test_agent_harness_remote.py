@@ -207,3 +207,32 @@ def test_training_steps_with_the_agent_on_remote_servers(
     visits = Path(seen).read_text().split()  # 32 training sessions, then eval's
     assert len(visits) >= 32 and {v.split("/sessions/")[0] for v in visits} == set(servers)
     assert all(_open_ids(u) == [] for u in servers)  # every session closed at the end
+
+
+def test_a_server_killed_mid_session_drops_the_session_without_a_hang(tiny_dir, tiny):
+    """The server dies between a session's two requests: the agent's second request fails,
+    the close cannot reach the server; the session is counted failed and dropped, and the
+    call returns (no row, no hang)."""
+    _, tokenizer = tiny
+    proc, url = start_server(tiny_dir, "--max-tokens-limit", "64", "--api-key", API_KEY)
+
+    def dying(prompt, base_url, api_key):
+        client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=30)
+        client.completions.create(model="any", prompt=prompt, max_tokens=3)
+        proc.kill()
+        proc.wait(timeout=30)
+        return client.completions.create(model="any", prompt=prompt, max_tokens=3).choices[0].text
+
+    remote = RemoteSessions([url], TEST_ADMIN_KEY)
+    settings = HarnessSettings(dying, bounds=SessionBounds(4, 8, 60.0), workers=1)
+    runner = AgentRunner(None, tokenizer, settings, remote=remote, api_key=API_KEY)
+    try:
+        params = SamplingParams(temperature=1.0, max_tokens=8, seed=3)
+        prompt = Prompt("1+2=")
+        rows = runner.generate([tokenizer(prompt.text)["input_ids"]], params, n=1, prompts=[prompt])
+    finally:
+        runner.close()
+        stop_server(proc)
+    assert rows == []
+    assert runner.last_stats.sessions == 1 and runner.last_stats.failed == 1
+    assert runner.last_stats.last_error and "\n" not in runner.last_stats.last_error
