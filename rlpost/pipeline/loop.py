@@ -107,7 +107,8 @@ def start_workers(cfg: Config, run_dir: Path, train_prompts, console, *, resumin
     # a copy, before any adapters; the weight path sends it its first weights
     rollout = build.build_rollout_worker(cfg, model, tokenizer, serve=False)
     trainer = build.build_trainer_worker(cfg, model, tokenizer)
-    return Workers(trainer, rollout, build.build_reward_worker(cfg))
+    teacher = build.build_teacher_worker(cfg, tokenizer)  # checked against the live tokenizer
+    return Workers(trainer, rollout, build.build_reward_worker(cfg), teacher=teacher)
 
 
 def train(
