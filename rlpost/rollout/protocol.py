@@ -149,6 +149,15 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+INVERSE_CDF_VOCAB = 32_768
+"""From this vocabulary size up, a sample is drawn by inverting the CDF (one uniform per
+row) instead of ``torch.multinomial``. For one sample torch's multinomial races one
+exponential draw per category: at 151,936 categories and 32 rows that is 0.2 s of a
+single-threaded generator per decode step on CPU, about six times the LM head's matmul
+(docs/performance.md, Rollout). Below it the race is kept: a seeded small-vocabulary run
+samples the tokens it always did."""
+
+
 def sample_tokens(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,15 +171,75 @@ def sample_tokens(
         tokens = logits.argmax(dim=-1)
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
         return tokens, logprobs
-    scaled = logits / params.temperature
-    full = torch.log_softmax(scaled, dim=-1)
+    # x / 1.0 == x exactly: skip the [B, V] copy at T = 1
+    scaled = logits if params.temperature == 1.0 else logits / params.temperature
     filtered = filter_logits(scaled, params.top_k, params.top_p)
-    probs = torch.softmax(filtered, dim=-1)
+    if logits.shape[-1] >= INVERSE_CDF_VOCAB:
+        # One exp pass serves both: the unnormalised weights are the draw's (filtered
+        # tokens zeroed), their sum the untruncated log-softmax's normaliser.
+        top = scaled.amax(dim=-1, keepdim=True)
+        weights = scaled.sub(top).exp_()
+        log_norm = top + weights.sum(dim=-1, keepdim=True).log_()
+        if filtered is not scaled:
+            weights.masked_fill_(filtered == float("-inf"), 0.0)
+        tokens = inverse_cdf_sample(weights, generator)
+        return tokens, (scaled.gather(-1, tokens[:, None]) - log_norm).squeeze(-1)
+    full = torch.log_softmax(scaled, dim=-1)
+    tokens = _multinomial(torch.softmax(filtered, dim=-1), generator)
+    return tokens, full.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _multinomial(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     if generator is not None and generator.device != probs.device:
         # Seeded streams are CPU generators: draw there, so a seed picks the same tokens
         # whatever device computed the probabilities.
-        tokens = torch.multinomial(probs.cpu(), 1, generator=generator).to(probs.device)
-    else:
-        tokens = torch.multinomial(probs, 1, generator=generator)
-    tokens = tokens.squeeze(-1)
-    return tokens, full.gather(-1, tokens[:, None]).squeeze(-1)
+        return torch.multinomial(probs.cpu(), 1, generator=generator).to(probs.device).squeeze(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+_CDF_BLOCK = 1024
+
+
+def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs [B, V]`` (non-negative, any positive row sum).
+
+    Two levels, in float64: a uniform picks a block of :data:`_CDF_BLOCK` tokens by the
+    CDF of the block sums, then a token inside it by that block's own CDF, so the work
+    beyond one reduction pass is a cumulative sum of ``V / 1024 + 1024`` values a row,
+    not ``V``. Each token's share of the draw is its probability to the rounding of a
+    1024-value float32 sum (about 1e-7 relative, below the float32 probabilities' own). A zero-probability token (masked by top-k/top-p) is never picked. The
+    uniforms come from the CPU generator when ``generator`` is one, so a seed picks the
+    same tokens on every device."""
+    rows, vocab = probs.shape
+    full = vocab // _CDF_BLOCK * _CDF_BLOCK
+    blocks = probs[:, :full].reshape(rows, -1, _CDF_BLOCK)
+    tail = probs[:, full:]
+    # float32 block sums (torch's cascaded sum: about 1e-7 relative; a float64 reduction
+    # costs 20x), accumulated in float64
+    sums = blocks.sum(-1)
+    if tail.shape[1]:
+        sums = torch.cat([sums, tail.sum(-1, keepdim=True)], dim=1)
+    sums = sums.double()
+    device = generator.device if generator is not None else probs.device
+    u = torch.rand(rows, 1, dtype=torch.float64, generator=generator, device=device)
+    cdf = sums.cumsum(-1)
+    u = u.to(probs.device) * cdf[:, -1:]
+    block = torch.searchsorted(cdf, u, right=True).clamp_(max=sums.shape[1] - 1)
+    # the block's own values, the tail zero-padded to a whole block
+    inside = torch.zeros(rows, _CDF_BLOCK, dtype=torch.float64, device=probs.device)
+    in_full = (block < blocks.shape[1]).squeeze(-1)
+    if in_full.any():
+        idx = in_full.nonzero().squeeze(-1)
+        inside[idx] = blocks[idx, block[idx, 0]].double()
+    if tail.shape[1] and not in_full.all():
+        idx = (~in_full).nonzero().squeeze(-1)
+        inside[idx, : tail.shape[1]] = tail[idx].double()
+    before = cdf.gather(-1, block) - sums.gather(-1, block)
+    local = inside.cumsum(-1)
+    # the remaining mass, rescaled to this block's own sum (the two sums' rounding differ)
+    share = ((u - before) / sums.gather(-1, block)).clamp_(0.0, 1.0)
+    pick = torch.searchsorted(local, share * local[:, -1:], right=True)
+    # never past the block's last token with probability (a share that rounded up to 1)
+    last = (inside > 0).to(torch.int64).mul_(torch.arange(1, _CDF_BLOCK + 1, device=probs.device))
+    pick = torch.minimum(pick, last.amax(-1, keepdim=True) - 1)
+    return (block * _CDF_BLOCK + pick).squeeze(-1)
