@@ -145,17 +145,24 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         for lo in range(0, hidden.shape[0], chunk):
             hi = min(hidden.shape[0], lo + chunk)
             h = hidden[lo:hi]
+            # Every [c, V] step below is in place where it can be: the chunk's logits become
+            # its probabilities, then its gradient, so the backward holds one or two such
+            # tensors, not four (the entropy term needs log p and p at once).
             logp = _chunk_logits(h, w, bias, tau, dtype).sub_(lse[lo:hi, None])
-            p = logp.exp()
+            if use_entropy:
+                p = logp.exp()
+                ent = p * logp.add_(entropy[lo:hi, None]).mul_(-grad_entropy[lo:hi, None])
+                del logp
+            else:
+                p, ent = logp.exp_(), None
             if grad_logprobs is not None:
                 g = grad_logprobs[lo:hi, None]
-                gz = p * -g
-                gz.scatter_add_(-1, targets[lo:hi, None], g)
+                gz = p.mul_(-g).scatter_add_(-1, targets[lo:hi, None], g)
             else:
-                gz = torch.zeros_like(p)
-            if use_entropy:
-                gz -= p * logp.add_(entropy[lo:hi, None]) * grad_entropy[lo:hi, None]
-            del logp, p
+                gz = p.zero_()
+            if ent is not None:
+                gz += ent
+            del p, ent
             if tau != 1.0:
                 gz.div_(tau)
             if grad_b is not None:
@@ -164,7 +171,10 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
             if grad_h is not None:
                 grad_h[lo:hi] = (gz @ w).to(hidden.dtype)
             if grad_w is not None:
-                grad_w += (gz.t() @ h.to(dtype)).float()
+                if grad_w.dtype == dtype:  # accumulate inside the matmul: no [V, H] temporary
+                    grad_w.addmm_(gz.t(), h.to(dtype))
+                else:
+                    grad_w += (gz.t() @ h.to(dtype)).float()
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
         return grad_h, grad_w, grad_b, None, None, None, None, None
