@@ -28,11 +28,9 @@ from rlpost.algos.reward_model import bradley_terry_loss
 from rlpost.data.files import LoadReport, refuse_or_skip
 from rlpost.data.preferences import PreferencePair
 from rlpost.rewards.model import reward_input_ids
-from rlpost.statefile import load_state
 from rlpost.train.batch import model_device
 from rlpost.train.optim import optimizer_step
 from rlpost.train.sft import (
-    STATE_FILE,
     WarmupInterrupted,
     save_train_state,
     start_train_state,
@@ -158,12 +156,6 @@ def rm_step(
     lr = opt.param_groups[0]["lr"]
     outcome = optimizer_step(opt, sched, list(model.parameters()), grad_clip, parts, micro_loss)
     return {"loss": outcome.loss, **outcome.as_dict(), "lr": lr}
-
-
-def steps_done(state_dir: Path) -> int:
-    """Steps a saved resume state holds (0: none saved)."""
-    state = state_dir / STATE_FILE
-    return len(load_state(state)["losses"]) if state.is_file() else 0
 
 
 def rm_train(

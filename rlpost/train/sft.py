@@ -170,6 +170,12 @@ def save_train_state(state_dir: Path, model, opt, sched, rng: random.Random, los
         shutil.rmtree(old)
 
 
+def steps_done(state_dir: Path) -> int:
+    """Steps a saved resume state holds (0: none saved)."""
+    state = state_dir / STATE_FILE
+    return len(load_state(state)["losses"]) if state.is_file() else 0
+
+
 def recover_state_dir(state_dir: Path) -> None:
     """Put back the previous state when a save stopped between its two renames."""
     old = state_dir.with_name(state_dir.name + ".old")
