@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -57,6 +57,23 @@ class WarmupInterrupted(KeyboardInterrupt):
         self.step, self.state_dir = step, state_dir
 
 
+def resumable_steps(
+    steps: int, state_dir: Path | None, save_every: int, stop, model, opt, sched, rng, losses
+) -> Iterator[int]:
+    """The steps after the ``losses`` already taken, up to ``steps``. Before each, the state
+    is saved to ``state_dir`` every ``save_every`` steps (a kill loses at most that many) and,
+    when ``stop()`` turns true, saved once more and :class:`WarmupInterrupted` raised."""
+    first = len(losses)
+    for step in range(first, steps):
+        if stop is not None and stop():
+            if state_dir is not None:
+                save_train_state(state_dir, model, opt, sched, rng, losses)
+            raise WarmupInterrupted(step, state_dir)
+        if state_dir is not None and save_every and step > first and step % save_every == 0:
+            save_train_state(state_dir, model, opt, sched, rng, losses)
+        yield step
+
+
 def sft_train(
     model: torch.nn.Module,
     tokenizer,
@@ -91,20 +108,13 @@ def sft_train(
     many padded tokens (the step's loss is the same whatever the cut).
     """
     opt, sched, rng, losses = start_train_state(model, lr, warmup_steps, steps, seed, state_dir)
-    len_at_start = len(losses)
     # Every step draws from the same prompts: tokenising each text once is a fifth of a
     # tiny model's warm-up saved.
     encode = functools.lru_cache(maxsize=1 << 16)(
         lambda t: tuple(tokenizer(t, add_special_tokens=False)["input_ids"])
     )
     model.train()
-    for step in range(len(losses), steps):
-        if stop is not None and stop():
-            if state_dir is not None:
-                save_train_state(state_dir, model, opt, sched, rng, losses)
-            raise WarmupInterrupted(step, state_dir)
-        if state_dir is not None and save_every and step > len_at_start and step % save_every == 0:
-            save_train_state(state_dir, model, opt, sched, rng, losses)  # a kill loses at most this
+    for step in resumable_steps(steps, state_dir, save_every, stop, model, opt, sched, rng, losses):
         rows = [
             (example(p, rng) if example is not None else None)
             or sft_example(p, tokenizer, rng, distractor, encode)
