@@ -154,33 +154,21 @@ def cmd_sft(args) -> int:
     from rlpost.pipeline.console import Console
     from rlpost.pipeline.interrupts import Interrupts
     from rlpost.pipeline.rundir import prepare_run_dir, warm_start
+    from rlpost.pipeline.sft_chat import run_conversation_sft
 
-    run_dir = Path(args.resume) if args.resume else cfg.run_dir
-    if cfg.sft.data != "task":
-        return _sft_conversations(args, cfg, run_dir)
+    resume = Path(args.resume) if args.resume else None
+    run_dir, console = resume or cfg.run_dir, Console(cfg.observe.progress)
     with Interrupts() as interrupts:
         try:
-            _, train_prompts, _ = prepare_run_dir(cfg, Path(args.resume) if args.resume else None)
-            warm_start(cfg, run_dir, train_prompts, Console(cfg.observe.progress), skip_sft=False)
+            if cfg.sft.data != "task":
+                out = run_conversation_sft(cfg, resume, console)
+                print(f"conversation SFT model saved to {out} (use it as model.path)")
+                return 0
+            _, train_prompts, _ = prepare_run_dir(cfg, resume)
+            warm_start(cfg, run_dir, train_prompts, console, skip_sft=False)
         except KeyboardInterrupt:
             return _interrupted(args, run_dir, interrupts.exit_code)
     print(f"warm-up policy saved to {run_dir / 'sft_model'}")
-    return 0
-
-
-def _sft_conversations(args, cfg, run_dir: Path) -> int:
-    from rlpost.pipeline.console import Console
-    from rlpost.pipeline.interrupts import Interrupts
-    from rlpost.pipeline.sft_chat import run_conversation_sft
-
-    with Interrupts() as interrupts:
-        try:
-            out = run_conversation_sft(
-                cfg, Path(args.resume) if args.resume else None, Console(cfg.observe.progress)
-            )
-        except KeyboardInterrupt:
-            return _interrupted(args, run_dir, interrupts.exit_code)
-    print(f"conversation SFT model saved to {out} (use it as model.path)")
     return 0
 
 
