@@ -126,8 +126,11 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _interrupted(args, run_dir: Path, code: int, total: int | None = None) -> int:
-    """Say where an interrupted run stands and the exact command that continues it."""
+def _interrupted(
+    args, run_dir: Path, code: int, total: int | None = None, where: str | None = None
+) -> int:
+    """Say where an interrupted run stands (``where``: as the caller says) and the exact
+    command that continues it."""
     from rlpost.pipeline.rundir import SFT_STATE
     from rlpost.train.checkpoint import latest_checkpoint, latest_step
 
@@ -137,9 +140,9 @@ def _interrupted(args, run_dir: Path, code: int, total: int | None = None) -> in
     step = latest_step(latest_checkpoint(run_dir))
     if total is not None and step >= total:
         return 0  # the signal came during the last step: the run is complete
-    if (run_dir / SFT_STATE).is_dir():
+    if where is None and (run_dir / SFT_STATE).is_dir():
         where = "during the warm-up (its state is saved)"
-    else:
+    elif where is None:
         where = f"with a checkpoint at step {step}" if step else "before the first checkpoint"
     items = [i for i in args.items if not (args.resume and i == args.resume)]
     command = shlex.join(["rlpost", args.command, *items, "--resume", str(run_dir)])
@@ -231,15 +234,7 @@ def cmd_rm(args) -> int:
         try:
             out = run_rm(cfg, run_dir if args.resume else None, Console(cfg.observe.progress))
         except KeyboardInterrupt:
-            if not (run_dir / "config.yaml").is_file():
-                return _interrupted(args, run_dir, interrupts.exit_code)
-            items = [i for i in args.items if not (args.resume and i == args.resume)]
-            command = shlex.join(["rlpost", "rm", *items, "--resume", str(run_dir)])
-            print(
-                f"rlpost: stopped (its state is saved); continue with:\n  {command}",
-                file=sys.stderr,
-            )
-            return interrupts.exit_code
+            return _interrupted(args, run_dir, interrupts.exit_code, where="(its state is saved)")
     print(f"reward model saved to {out} (the reward_model reward's path)")
     return 0
 
