@@ -218,19 +218,7 @@ def dapo_loss(
     Shapes and stats as :func:`ppo_clip_loss`. DAPO's token-level loss is the
     ``token-mean`` aggregation over the whole mini-batch.
     """
-    return ppo_clip_loss(
-        logprobs,
-        old_logprobs,
-        advantages,
-        response_mask,
-        agg=agg,
-        rollout_logprobs=rollout_logprobs,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        clip_ratio_c=clip_ratio_c,
-        dual_clip=dual_clip,
-        tis_cap=tis_cap,
-    )
+    return ppo_clip_loss(**locals())  # every argument as given: only the defaults differ
 
 
 @POLICY_LOSSES.register("gspo")
