@@ -31,7 +31,7 @@ from rlpost.pipeline import rules
 from rlpost.pipeline.console import Console
 from rlpost.pipeline.rundir import prepare_run_dir
 from rlpost.train.dpo import attach_reference, dpo_update, encode_pairs, evaluate_pairs
-from rlpost.train.sft import sft_train, warmup_then_cosine
+from rlpost.train.sft import sft_train, start_train_state
 from rlpost.types import Prompt
 
 # --------------------------------------------------------------------------- run
@@ -130,10 +130,7 @@ def _run(cfg: Config, started: float) -> DPOResult:
 def _train(model, train_set, eval_set, pad_id, cfg: Config, recorder, bar) -> dict[str, float]:
     """The DPO steps; returns the final held-out metrics."""
     s = cfg.dpo
-    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_then_cosine(s.warmup_steps, s.steps)
-    )
+    optimizer, scheduler, _, _ = start_train_state(model, s.lr, s.warmup_steps, s.steps, 0, None)
     sampler = PromptSampler(list(range(len(train_set))), s.batch_size, seed=cfg.run.seed)
     task = bar.add_task(f"dpo ({s.loss_type})", total=s.steps, info="")
     held = ""

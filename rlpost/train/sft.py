@@ -205,7 +205,7 @@ def load_train_state(state_dir: Path, model, opt, sched, rng: random.Random) -> 
 
 def start_train_state(model, lr: float, warmup_steps: int, steps: int, seed: int, state_dir):
     """AdamW, its warm-up-then-cosine schedule, the sampling rng and the losses so far: fresh,
-    or resumed from ``state_dir`` when it holds a state (the SFT and reward-model stages)."""
+    or resumed from ``state_dir`` when it holds a state (the SFT, reward-model and DPO stages)."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_cosine(warmup_steps, steps))
