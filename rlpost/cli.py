@@ -126,8 +126,11 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _interrupted(args, run_dir: Path, code: int, total: int | None = None) -> int:
-    """Say where an interrupted run stands and the exact command that continues it."""
+def _interrupted(
+    args, run_dir: Path, code: int, total: int | None = None, where: str | None = None
+) -> int:
+    """Say where an interrupted run stands (``where``: as the caller says) and the exact
+    command that continues it."""
     from rlpost.pipeline.rundir import SFT_STATE
     from rlpost.train.checkpoint import latest_checkpoint, latest_step
 
@@ -137,9 +140,9 @@ def _interrupted(args, run_dir: Path, code: int, total: int | None = None) -> in
     step = latest_step(latest_checkpoint(run_dir))
     if total is not None and step >= total:
         return 0  # the signal came during the last step: the run is complete
-    if (run_dir / SFT_STATE).is_dir():
+    if where is None and (run_dir / SFT_STATE).is_dir():
         where = "during the warm-up (its state is saved)"
-    else:
+    elif where is None:
         where = f"with a checkpoint at step {step}" if step else "before the first checkpoint"
     items = [i for i in args.items if not (args.resume and i == args.resume)]
     command = shlex.join(["rlpost", args.command, *items, "--resume", str(run_dir)])
@@ -154,33 +157,21 @@ def cmd_sft(args) -> int:
     from rlpost.pipeline.console import Console
     from rlpost.pipeline.interrupts import Interrupts
     from rlpost.pipeline.rundir import prepare_run_dir, warm_start
+    from rlpost.pipeline.sft_chat import run_conversation_sft
 
-    run_dir = Path(args.resume) if args.resume else cfg.run_dir
-    if cfg.sft.data != "task":
-        return _sft_conversations(args, cfg, run_dir)
+    resume = Path(args.resume) if args.resume else None
+    run_dir, console = resume or cfg.run_dir, Console(cfg.observe.progress)
     with Interrupts() as interrupts:
         try:
-            _, train_prompts, _ = prepare_run_dir(cfg, Path(args.resume) if args.resume else None)
-            warm_start(cfg, run_dir, train_prompts, Console(cfg.observe.progress), skip_sft=False)
+            if cfg.sft.data != "task":
+                out = run_conversation_sft(cfg, resume, console)
+                print(f"conversation SFT model saved to {out} (use it as model.path)")
+                return 0
+            _, train_prompts, _ = prepare_run_dir(cfg, resume)
+            warm_start(cfg, run_dir, train_prompts, console, skip_sft=False)
         except KeyboardInterrupt:
             return _interrupted(args, run_dir, interrupts.exit_code)
     print(f"warm-up policy saved to {run_dir / 'sft_model'}")
-    return 0
-
-
-def _sft_conversations(args, cfg, run_dir: Path) -> int:
-    from rlpost.pipeline.console import Console
-    from rlpost.pipeline.interrupts import Interrupts
-    from rlpost.pipeline.sft_chat import run_conversation_sft
-
-    with Interrupts() as interrupts:
-        try:
-            out = run_conversation_sft(
-                cfg, Path(args.resume) if args.resume else None, Console(cfg.observe.progress)
-            )
-        except KeyboardInterrupt:
-            return _interrupted(args, run_dir, interrupts.exit_code)
-    print(f"conversation SFT model saved to {out} (use it as model.path)")
     return 0
 
 
@@ -243,15 +234,7 @@ def cmd_rm(args) -> int:
         try:
             out = run_rm(cfg, run_dir if args.resume else None, Console(cfg.observe.progress))
         except KeyboardInterrupt:
-            if not (run_dir / "config.yaml").is_file():
-                return _interrupted(args, run_dir, interrupts.exit_code)
-            items = [i for i in args.items if not (args.resume and i == args.resume)]
-            command = shlex.join(["rlpost", "rm", *items, "--resume", str(run_dir)])
-            print(
-                f"rlpost: stopped (its state is saved); continue with:\n  {command}",
-                file=sys.stderr,
-            )
-            return interrupts.exit_code
+            return _interrupted(args, run_dir, interrupts.exit_code, where="(its state is saved)")
     print(f"reward model saved to {out} (the reward_model reward's path)")
     return 0
 

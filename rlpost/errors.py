@@ -69,3 +69,12 @@ def typed_line(exc: BaseException, *, limit: int | None = None) -> str:
     text = one_line(exc)
     line = f"{type(exc).__name__}: {text}" if text != type(exc).__name__ else text
     return one_line(line, limit=limit)
+
+
+def http_error_line(response) -> str:
+    """One line saying why an HTTP answer failed: the OpenAI error envelope's message
+    (``{"error": {"message": ...}}``, as ``rlpost serve`` answers), else the body's start."""
+    try:
+        return one_line(str(response.json()["error"]["message"]))
+    except (ValueError, KeyError, TypeError):
+        return one_line(response.text, limit=200)

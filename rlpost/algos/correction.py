@@ -53,7 +53,12 @@ def get_correction(name: str) -> Correction:
     return CORRECTIONS.get(name)
 
 
-def _log_ratio(prox: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
+def _log_ratio(prox: Tensor, rollout: Tensor, mask: Tensor, cap, low, high) -> Tensor:
+    """``d = prox - mu`` ``[B, T]`` clamped to +-20, 0 on padding (shapes and band checked)."""
+    if cap <= 0 or not 0 <= low < 1 < high:
+        raise ValueError(
+            f"need cap > 0 and 0 <= low < 1 < high, got cap={cap}, low={low}, high={high}"
+        )
     if prox.shape != rollout.shape or mask.shape != prox.shape:
         raise ValueError(
             f"correction shapes differ: proximal {tuple(prox.shape)}, rollout "
@@ -77,13 +82,6 @@ def _stats(weights: Tensor, mask: Tensor, masked: Tensor) -> dict[str, Tensor]:
     }
 
 
-def _check_band(cap: float, low: float, high: float) -> None:
-    if cap <= 0 or not 0 <= low < 1 < high:
-        raise ValueError(
-            f"need cap > 0 and 0 <= low < 1 < high, got cap={cap}, low={low}, high={high}"
-        )
-
-
 @CORRECTIONS.register("tis")
 def token_tis(
     proximal_logprobs: Tensor,
@@ -96,8 +94,9 @@ def token_tis(
 ) -> CorrectionOutput:
     """Token-level truncated IS ``w_t = min(exp(d_t), cap)`` (Yao et al. 2025, "Your efficient
     RL framework secretly brings you off-policy RL training")."""
-    _check_band(cap, low, high)
-    w = torch.exp(_log_ratio(proximal_logprobs, rollout_logprobs, response_mask)).clamp(max=cap)
+    w = torch.exp(
+        _log_ratio(proximal_logprobs, rollout_logprobs, response_mask, cap, low, high)
+    ).clamp(max=cap)
     w = torch.where(response_mask > 0, w, torch.zeros_like(w))
     return CorrectionOutput(w, _stats(w, response_mask, torch.zeros_like(w, dtype=torch.bool)))
 
@@ -114,8 +113,7 @@ def sequence_tis(
 ) -> CorrectionOutput:
     """Sequence-level truncated IS ``w_i = min(exp(sum_t d_it), cap)`` on every token of row i
     (the sequence's likelihood ratio; unbiased for sequence-level rewards, higher variance)."""
-    _check_band(cap, low, high)
-    d = _log_ratio(proximal_logprobs, rollout_logprobs, response_mask)
+    d = _log_ratio(proximal_logprobs, rollout_logprobs, response_mask, cap, low, high)
     seq = torch.exp(d.sum(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=cap)
     w = torch.where(response_mask > 0, seq[:, None].expand_as(d), torch.zeros_like(d))
     return CorrectionOutput(w, _stats(w, response_mask, torch.zeros_like(w, dtype=torch.bool)))
@@ -133,8 +131,7 @@ def token_mask(
 ) -> CorrectionOutput:
     """Masked IS (IcePop, "Every step evolves", arXiv 2510.18855): ``w_t = exp(d_t)`` inside
     ``[low, high]``, 0 outside: tokens the two policies disagree on do not train."""
-    _check_band(cap, low, high)
-    r = torch.exp(_log_ratio(proximal_logprobs, rollout_logprobs, response_mask))
+    r = torch.exp(_log_ratio(proximal_logprobs, rollout_logprobs, response_mask, cap, low, high))
     outside = ((r < low) | (r > high)) & (response_mask > 0)
     w = torch.where(outside | (response_mask <= 0), torch.zeros_like(r), r)
     return CorrectionOutput(w, _stats(w, response_mask, outside))
@@ -152,8 +149,7 @@ def sequence_mask(
 ) -> CorrectionOutput:
     """Masked IS by sequence: a row any of whose tokens' ratio leaves ``[low, high]`` is
     dropped whole (weight 0); the others keep ``w_t = min(exp(d_t), cap)``."""
-    _check_band(cap, low, high)
-    r = torch.exp(_log_ratio(proximal_logprobs, rollout_logprobs, response_mask))
+    r = torch.exp(_log_ratio(proximal_logprobs, rollout_logprobs, response_mask, cap, low, high))
     valid = response_mask > 0
     bad_row = (((r < low) | (r > high)) & valid).any(-1, keepdim=True)
     masked = bad_row.expand_as(r) & valid

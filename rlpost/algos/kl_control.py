@@ -56,8 +56,6 @@ class AdaptiveKLController:
         self.beta *= 1.0 + err * n_steps / self.horizon
         return self.beta
 
-    def state_dict(self) -> dict[str, float]:
-        return {"beta": self.beta}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.beta = float(state["beta"])
+    # The saved state is beta alone, as the fixed controller's.
+    state_dict = FixedKLController.state_dict
+    load_state_dict = FixedKLController.load_state_dict

@@ -131,6 +131,16 @@ def _tis_reduce(
     return PolicyLossOutput(agg.reduce(loss_mat, mask), stats)
 
 
+def _clipped_surrogate(
+    adv: Tensor, ratio: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """PPO's ``max(-A r, -A clip(r, 1-clip_low, 1+clip_high))`` ``[B, T]``, and where the
+    clipped term won (the tokens whose gradient the trust region cut)."""
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
 def _check_trust(loss: str, divergence: str, is_cap: float) -> None:
     if divergence not in ("binary_kl", "tv"):
         raise ValueError(f"{loss} divergence must be 'binary_kl' or 'tv', got {divergence!r}")
@@ -173,16 +183,14 @@ def ppo_clip_loss(
     if dual_clip and clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 for dual clip, got {clip_ratio_c}")
     log_ratio, ratio = _ratio(logprobs, old)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss_mat = torch.maximum(unclipped, clipped)
+    loss_mat, cut = _clipped_surrogate(adv, ratio, clip_low, clip_high)
     lower = torch.zeros_like(mask)
     if dual_clip:
         floor = -adv * clip_ratio_c
         lower = (loss_mat > floor) & (adv < 0)
         loss_mat = torch.where(adv < 0, torch.minimum(loss_mat, floor), loss_mat)
     stats = {
-        "clip_frac": _frac(clipped > unclipped, mask),
+        "clip_frac": _frac(cut, mask),
         "clip_frac_lower": _frac(lower, mask),
         "approx_kl": masked_mean(-log_ratio.detach(), mask),
     }
@@ -210,19 +218,7 @@ def dapo_loss(
     Shapes and stats as :func:`ppo_clip_loss`. DAPO's token-level loss is the
     ``token-mean`` aggregation over the whole mini-batch.
     """
-    return ppo_clip_loss(
-        logprobs,
-        old_logprobs,
-        advantages,
-        response_mask,
-        agg=agg,
-        rollout_logprobs=rollout_logprobs,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        clip_ratio_c=clip_ratio_c,
-        dual_clip=dual_clip,
-        tis_cap=tis_cap,
-    )
+    return ppo_clip_loss(**locals())  # every argument as given: only the defaults differ
 
 
 @POLICY_LOSSES.register("gspo")
@@ -252,11 +248,9 @@ def gspo_loss(
     seq_log_ratio = masked_mean(log_ratio, mask, dim=-1).detach()
     token_log_ratio = logprobs - logprobs.detach() + seq_log_ratio[:, None]
     ratio = torch.exp(torch.clamp(token_log_ratio, max=GSPO_LOG_RATIO_MAX))
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss_mat = torch.maximum(unclipped, clipped)
+    loss_mat, cut = _clipped_surrogate(adv, ratio, clip_low, clip_high)
     stats = {
-        "clip_frac": _frac(clipped > unclipped, mask),
+        "clip_frac": _frac(cut, mask),
         "approx_kl": _approx_kl(logprobs, old, mask),
         "seq_ratio_mean": masked_mean(ratio.detach(), mask),
     }

@@ -26,6 +26,7 @@ from rlpost.algos.policy_losses import (
     _approx_kl,
     _check_clip,
     _check_trust,
+    _clipped_surrogate,
     _frac,
     _prepare,
     _ratio,
@@ -303,11 +304,10 @@ def clip_cov_loss(
     )
     log_ratio = _raw_log_ratio(logprobs, old, mask)
     ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss_mat = torch.where(chosen, torch.zeros_like(ratio), torch.maximum(unclipped, clipped))
+    surrogate, cut = _clipped_surrogate(adv, ratio, clip_low, clip_high)
+    loss_mat = torch.where(chosen, torch.zeros_like(ratio), surrogate)
     stats = {
-        "clip_frac": _frac((clipped > unclipped) | chosen, mask),
+        "clip_frac": _frac(cut | chosen, mask),
         "cov_selected_frac": _frac(chosen, mask),
         "approx_kl": masked_mean(-log_ratio.detach(), mask),
     }

@@ -302,12 +302,8 @@ class RolloutFleet:
                     if self._closed or m.health.state is not State.DEAD:
                         return
                     old = m.handle
-                    if not m.health.begin_restart():
-                        self._log(m)
-                        spent = True
-                    else:
-                        self._log(m)
-                        spent = False
+                    spent = not m.health.begin_restart()
+                    self._log(m)
                 if spent:  # retired: its worker, if still running, is stopped
                     self._stop_quietly(old)
                     return
@@ -527,30 +523,25 @@ class RolloutFleet:
 
     # ------------------------------------------------------------ the rest
 
-    def _each(self, name: str, *args) -> list:
-        out = []
+    def _each(self, name: str, *args) -> dict[int, Any]:
+        """``name(*args)`` of every serving worker, by index (a failed call is recorded)."""
+        out = {}
         for m in self.serving():
             try:
-                out.append(getattr(m.handle, name)(*args))
+                out[m.index] = getattr(m.handle, name)(*args)
             except Exception as exc:
                 self._failed(m, exc)
         return out
 
     def throughput(self) -> float:
-        return float(sum(self._each("throughput")))
+        return float(sum(self._each("throughput").values()))
 
     def reset_stats(self) -> None:
         self._each("reset_stats")
 
     def state_dict(self) -> dict[str, Any]:
         """Each slot's sampling stream and length statistics (a restarted slot starts afresh)."""
-        states = {}
-        for m in self.serving():
-            try:
-                states[m.index] = m.handle.state_dict()
-            except Exception as exc:
-                self._failed(m, exc)
-        return {"fleet": states}
+        return {"fleet": self._each("state_dict")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Each live slot's saved state (a resume loads it before the first weight sync)."""

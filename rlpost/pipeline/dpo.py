@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 from rich.console import Console as RichConsole
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from rlpost.config import Config
@@ -29,9 +28,10 @@ from rlpost.models.loading import load_policy
 from rlpost.observe import Recorder
 from rlpost.observe.mfu import pick_threads
 from rlpost.pipeline import rules
+from rlpost.pipeline.console import Console
 from rlpost.pipeline.rundir import prepare_run_dir
 from rlpost.train.dpo import attach_reference, dpo_update, encode_pairs, evaluate_pairs
-from rlpost.train.sft import sft_train, warmup_then_cosine
+from rlpost.train.sft import sft_train, start_train_state
 from rlpost.types import Prompt
 
 # --------------------------------------------------------------------------- run
@@ -50,17 +50,6 @@ SUMMARY_KEYS = tuple(key for key, _, _ in SUMMARY_ROWS)
 class DPOResult:
     run_dir: Path
     summary: dict[str, Any]
-
-
-def _progress(enabled: bool) -> Progress:
-    columns = (BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        *columns,
-        TextColumn("{task.fields[info]}"),
-        console=RichConsole(stderr=True),
-        disable=not enabled,
-    )
 
 
 def _warm_up(cfg: Config, model, tokenizer, train: list[PreferencePair], bar) -> list[float]:
@@ -105,7 +94,7 @@ def _run(cfg: Config, started: float) -> DPOResult:
     run_dir, _, _ = prepare_run_dir(cfg, None, prompts=False)
     pad_id, s = tokenizer.pad_token_id, cfg.dpo
     recorder = Recorder(run_dir)
-    bar = _progress(cfg.observe.progress)
+    bar = Console(cfg.observe.progress).progress  # the bar every command shows
     try:
         with bar:
             sft_losses = _warm_up(cfg, model, tokenizer, train_pairs, bar)
@@ -141,10 +130,7 @@ def _run(cfg: Config, started: float) -> DPOResult:
 def _train(model, train_set, eval_set, pad_id, cfg: Config, recorder, bar) -> dict[str, float]:
     """The DPO steps; returns the final held-out metrics."""
     s = cfg.dpo
-    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_then_cosine(s.warmup_steps, s.steps)
-    )
+    optimizer, scheduler, _, _ = start_train_state(model, s.lr, s.warmup_steps, s.steps, 0, None)
     sampler = PromptSampler(list(range(len(train_set))), s.batch_size, seed=cfg.run.seed)
     task = bar.add_task(f"dpo ({s.loss_type})", total=s.steps, info="")
     held = ""

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from rlpost.config import Config, ConfigError, dump_config
+from rlpost.config import Config
 from rlpost.data.files import DataError
 from rlpost.data.preferences import load_pairs_reported
 from rlpost.models.loading import load_policy
@@ -30,15 +30,8 @@ from rlpost.observe import Recorder
 from rlpost.observe.mfu import pick_threads
 from rlpost.pipeline.interrupts import stop_requested
 from rlpost.pipeline.preflight import report_data
-from rlpost.pipeline.rundir import drop_metrics_after
-from rlpost.train.checkpoint import claim_run_dir
-from rlpost.train.reward_model import (
-    encode_pairs,
-    evaluate_rm,
-    reward_model_from,
-    rm_train,
-    steps_done,
-)
+from rlpost.pipeline.rundir import open_stage_run_dir
+from rlpost.train.reward_model import encode_pairs, evaluate_rm, reward_model_from, rm_train
 from rlpost.train.sft import save_model
 
 RM_STATE = "rm_state"
@@ -73,7 +66,7 @@ def _run(cfg: Config, resume: Path | None, console) -> Path:
     held = encode_pairs(held_pairs, tokenizer, report=reports["eval"], **enc)
     if not len(train) or not len(held):
         raise DataError(f"no {'training' if not len(train) else 'held-out'} pair fits the model")
-    run_dir = _open_run_dir(cfg, resume)
+    run_dir = open_stage_run_dir(cfg, resume, RM_STATE)
     report_data(run_dir, reports, fresh=resume is None)
     out = run_dir / RM_MODEL
     if (out / "config.json").is_file():
@@ -141,15 +134,3 @@ def _run(cfg: Config, resume: Path | None, console) -> Path:
     tokenizer.padding_side = "right"
     save_model(model, tokenizer, out, state_dir=run_dir / RM_STATE)
     return out
-
-
-def _open_run_dir(cfg: Config, resume: Path | None) -> Path:
-    if resume is None:
-        return claim_run_dir(cfg.run_dir, overwrite=cfg.run.overwrite, config_text=dump_config(cfg))
-    run_dir = Path(resume)
-    if not (run_dir / "config.yaml").is_file():
-        raise ConfigError(f"--resume {str(run_dir)!r} is not a run directory (no config.yaml)")
-    done = steps_done(run_dir / RM_STATE)
-    print(f"rlpost: resuming {run_dir} from step {done}", file=sys.stderr)
-    drop_metrics_after(run_dir, done)  # rows past the saved state are replayed
-    return run_dir

@@ -25,7 +25,7 @@ from rlpost.pipeline import build
 from rlpost.pipeline.interrupts import stop_requested
 from rlpost.pipeline.preflight import check_inputs, read_data_counts, report_data
 from rlpost.train.checkpoint import claim_run_dir, latest_step, usable_checkpoint
-from rlpost.train.sft import save_model, sft_train
+from rlpost.train.sft import save_model, sft_train, steps_done
 
 SFT_STATE = "sft_state"
 
@@ -68,6 +68,20 @@ def reopen_run_dir(run_dir: Path) -> Path:
         where = "the start (no checkpoint was saved)"
     print(f"rlpost: resuming {run_dir} from {where}", file=sys.stderr)
     drop_metrics_after(run_dir, step)
+    return run_dir
+
+
+def open_stage_run_dir(cfg: Config, resume: Path | None, state: str) -> Path:
+    """A fresh run directory, or ``resume`` reopened at the steps its resume state
+    ``RUN_DIR/<state>`` holds (``rlpost sft`` on conversations, ``rlpost rm``)."""
+    if resume is None:
+        return claim_run_dir(cfg.run_dir, overwrite=cfg.run.overwrite, config_text=dump_config(cfg))
+    run_dir = Path(resume)
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"--resume {str(run_dir)!r} is not a run directory (no config.yaml)")
+    done = steps_done(run_dir / state)
+    print(f"rlpost: resuming {run_dir} from step {done}", file=sys.stderr)
+    drop_metrics_after(run_dir, done)  # rows past the saved state are replayed
     return run_dir
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from rlpost.config import Config, ConfigError, dump_config
+from rlpost.config import Config, ConfigError
 from rlpost.data.conversations import (
     Conversation,
     chat_arith,
@@ -36,11 +36,9 @@ from rlpost.observe import Recorder
 from rlpost.pipeline import build
 from rlpost.pipeline.interrupts import stop_requested
 from rlpost.pipeline.preflight import report_data
-from rlpost.pipeline.rundir import SFT_STATE, drop_metrics_after
+from rlpost.pipeline.rundir import SFT_STATE, open_stage_run_dir
 from rlpost.rewards.verifiable import exact_match, numeric_match
-from rlpost.statefile import load_state
-from rlpost.train.checkpoint import claim_run_dir
-from rlpost.train.sft import STATE_FILE, save_model, sft_train
+from rlpost.train.sft import save_model, sft_train
 from rlpost.train.sft_chat import greedy_replies, mean_nll
 from rlpost.types import Prompt, RewardSample
 
@@ -110,7 +108,7 @@ def run_conversation_sft(cfg: Config, resume: Path | None = None, console=None) 
     )
     if not train:
         raise DataError("no conversation to train on")
-    run_dir = _open_run_dir(cfg, resume)
+    run_dir = open_stage_run_dir(cfg, resume, SFT_STATE)
     report_data(run_dir, reports, fresh=resume is None)
     out = run_dir / "sft_model"
     if (out / "config.json").is_file():
@@ -180,16 +178,3 @@ def run_conversation_sft(cfg: Config, resume: Path | None = None, console=None) 
     model.to("cpu")
     save_model(model, tokenizer, out, state_dir=run_dir / SFT_STATE)
     return out
-
-
-def _open_run_dir(cfg: Config, resume: Path | None) -> Path:
-    if resume is None:
-        return claim_run_dir(cfg.run_dir, overwrite=cfg.run.overwrite, config_text=dump_config(cfg))
-    run_dir = Path(resume)
-    if not (run_dir / "config.yaml").is_file():
-        raise ConfigError(f"--resume {str(run_dir)!r} is not a run directory (no config.yaml)")
-    state = run_dir / SFT_STATE / STATE_FILE
-    done = len(load_state(state)["losses"]) if state.is_file() else 0
-    print(f"rlpost: resuming {run_dir} from step {done}", file=sys.stderr)
-    drop_metrics_after(run_dir, done)  # rows past the saved state are replayed
-    return run_dir

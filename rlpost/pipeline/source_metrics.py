@@ -23,15 +23,6 @@ from rlpost.algos import group_zero_spread_fraction
 from rlpost.observe.metrics import SOURCE_KEY_PREFIX as PREFIX
 from rlpost.types import Group
 
-FIELDS = (
-    "reward_mean",
-    "accuracy",
-    "response_length_mean",
-    "truncated_frac",
-    "zero_spread_frac",
-    "prompts",
-)
-
 
 def source_metrics(groups: list[Group]) -> dict[str, float]:
     """``source/<name>/<field>`` of every source in ``groups`` ({} when none has a source)."""

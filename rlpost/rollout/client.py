@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import httpx
 import torch
 
-from rlpost.errors import one_line
+from rlpost.errors import http_error_line
 from rlpost.rollout.protocol import SamplingParams
 
 TOKEN_ID_PREFIX = "token_id:"
@@ -241,11 +241,11 @@ class CompletionClient:
             raise ServerUnavailable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from None
         if r.status_code >= 500 or r.status_code in BUSY:
             raise ServerUnavailable(
-                f"{self.url}{path}: HTTP {r.status_code}: {_error_line(r)}",
+                f"{self.url}{path}: HTTP {r.status_code}: {http_error_line(r)}",
                 retry_after=_retry_after(r),
             )
         if r.status_code >= 400:
-            raise RequestRejected(f"{self.url}{path}: HTTP {r.status_code}: {_error_line(r)}")
+            raise RequestRejected(f"{self.url}{path}: HTTP {r.status_code}: {http_error_line(r)}")
         return r.json()
 
     def close(self) -> None:
@@ -271,13 +271,6 @@ def _retry_after(r: httpx.Response) -> float | None:
         return max(0.0, float(r.headers["retry-after"]))
     except (KeyError, ValueError):  # absent, or an HTTP date: the balancer's cool-down
         return None
-
-
-def _error_line(r: httpx.Response) -> str:
-    try:
-        return one_line(str(r.json()["error"]["message"]))
-    except (ValueError, KeyError, TypeError):
-        return one_line(r.text, limit=200)
 
 
 # ---------------------------------------------------------------- balancer

@@ -19,12 +19,12 @@ from collections.abc import Iterable
 import torch
 from transformers import DynamicCache
 
-from rlpost.rollout.protocol import SamplingParams, sample_tokens
+from rlpost.rollout.protocol import SamplingParams, TokenRate, sample_tokens
 from rlpost.train.batch import keeps_logits
 from rlpost.types import Completion
 
 
-class HFEngine:
+class HFEngine(TokenRate):
     """Rollout engine around a transformers causal LM in this process."""
 
     def __init__(
@@ -46,8 +46,6 @@ class HFEngine:
         self.generator = torch.Generator().manual_seed(seed)
         self.pad_id = tokenizer.pad_token_id
         self.eos_id = tokenizer.eos_token_id
-        self.tokens_generated = 0
-        self.seconds = 0.0
 
     # ----------------------------------------------------------------- weights
 
@@ -174,14 +172,6 @@ class HFEngine:
             attn[i, width - len(p) :] = 1
         device = next(self.model.parameters()).device
         return ids.to(device), attn.to(device)
-
-    def throughput(self) -> float:
-        """Generated tokens per second since the last reset."""
-        return self.tokens_generated / self.seconds if self.seconds > 0 else 0.0
-
-    def reset_stats(self) -> None:
-        self.tokens_generated = 0
-        self.seconds = 0.0
 
     def close(self) -> None:
         """Nothing to release: the model is a module of this process."""

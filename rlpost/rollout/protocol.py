@@ -95,6 +95,22 @@ def adjust_logits(logits: torch.Tensor, sampled: list[int], adjust: LogitAdjust)
     return logits
 
 
+class TokenRate:
+    """An engine's throughput window: ``generate`` adds to ``tokens_generated`` and
+    ``seconds``; :meth:`reset_stats` starts a new window."""
+
+    tokens_generated: int = 0
+    seconds: float = 0.0
+
+    def throughput(self) -> float:
+        """Generated tokens per second of ``generate`` since the last reset (0.0 if none)."""
+        return self.tokens_generated / self.seconds if self.seconds > 0 else 0.0
+
+    def reset_stats(self) -> None:
+        self.tokens_generated = 0
+        self.seconds = 0.0
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What the pipeline needs from an engine: every method, none optional."""

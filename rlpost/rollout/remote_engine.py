@@ -35,13 +35,13 @@ from rlpost.rollout.client import (
     seeds_from,
 )
 from rlpost.rollout.continuous import VersionedCompletion
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.protocol import SamplingParams, TokenRate
 from rlpost.sync import SyncError, SyncStats, TransportOptions, WeightSync, make_transport
 
 FINISH_REASONS = ("stop", "length")
 
 
-class RemoteEngine:
+class RemoteEngine(TokenRate):
     """A rollout engine whose model lives in one or more rollout servers."""
 
     def __init__(
@@ -73,8 +73,6 @@ class RemoteEngine:
         self.balancer = RequestLoadBalancer(
             self.clients, max_inflight=max_inflight_per_server, cooldown_s=cooldown_s
         )
-        self.tokens_generated = 0
-        self.seconds = 0.0
         self.stale_answers = 0
         self.urls, self.admin_key, self.timeout = list(urls), admin_key, timeout
         self.weight_sync = weight_sync  # load_weights only: a run pushes through its own path
@@ -182,14 +180,6 @@ class RemoteEngine:
             self.balancer.enable(url)
         if committed:
             self.version = version
-
-    def throughput(self) -> float:
-        """Generated tokens per second of wall time spent in ``generate``."""
-        return self.tokens_generated / self.seconds if self.seconds > 0 else 0.0
-
-    def reset_stats(self) -> None:
-        self.tokens_generated = 0
-        self.seconds = 0.0
 
     def close(self) -> None:
         self.balancer.close()

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 
 import torch
 
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.protocol import SamplingParams, TokenRate
 from rlpost.types import Completion
 
 MISSING = "rollout.engine=vllm needs the [vllm] extra: pip install 'rlpost[vllm]'"
@@ -49,7 +49,7 @@ def _load_on_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
     return len(weights)
 
 
-class VLLMEngine:
+class VLLMEngine(TokenRate):
     """Rollout engine around ``vllm.LLM``."""
 
     def __init__(
@@ -85,8 +85,6 @@ class VLLMEngine:
             max_num_seqs=256,
             logprobs_mode="processed_logprobs",
         )
-        self.tokens_generated = 0
-        self.seconds = 0.0
 
     def _params(self, params: SamplingParams, n: int, seed: int | None):
         return self._vllm.SamplingParams(
@@ -146,14 +144,6 @@ class VLLMEngine:
         self.llm.collective_rpc(_load_on_worker, args=(weights,))
         self.llm.reset_prefix_cache()
         self.version = version
-
-    def throughput(self) -> float:
-        """Generated tokens per second of generate() since the last reset."""
-        return self.tokens_generated / self.seconds if self.seconds > 0 else 0.0
-
-    def reset_stats(self) -> None:
-        self.tokens_generated = 0
-        self.seconds = 0.0
 
     def close(self) -> None:
         """vLLM frees its engine when the LLM object goes; drop it."""

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import httpx
 
-from rlpost.errors import one_line
+from rlpost.errors import http_error_line
 from rlpost.sync.receiver import CommitReport, Receiver
 from rlpost.sync.session import Bucket, DeltaRefused, Manifest, SessionMeta, SyncError
 
@@ -147,17 +147,10 @@ class HttpTransport:
         except httpx.TransportError as exc:  # refused, reset, timed out
             raise SyncError(phase, self.target, f"{type(exc).__name__}: {exc}") from None
         if r.status_code == 409 and phase == "start":
-            raise DeltaRefused(phase, self.target, _error_line(r))
+            raise DeltaRefused(phase, self.target, http_error_line(r))
         if r.status_code >= 400:
-            raise SyncError(phase, self.target, f"HTTP {r.status_code}: {_error_line(r)}")
+            raise SyncError(phase, self.target, f"HTTP {r.status_code}: {http_error_line(r)}")
         return r.json()
-
-
-def _error_line(r: httpx.Response) -> str:
-    try:
-        return one_line(str(r.json()["error"]["message"]))
-    except (ValueError, KeyError, TypeError):
-        return one_line(r.text, limit=200)
 
 
 # ------------------------------------------------------------------ vllm

@@ -146,6 +146,13 @@ def build_optimizer(model: torch.nn.Module, s: ActorSettings, scale: LRScale | N
     return opt, sched
 
 
+def bf16_autocast(model: torch.nn.Module, bf16: bool):
+    """bfloat16 autocast on ``model``'s device when ``bf16``, else no change."""
+    if bf16:
+        return torch.autocast(model_device(model).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 class PolicyTrainer:
     """Updates ``model`` from :class:`TrainBatch` es with a registered policy loss."""
 
@@ -181,11 +188,6 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------ logprobs
 
-    def _autocast(self):
-        if self.s.bf16:
-            return torch.autocast(model_device(self.model).type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def _rows(self, fn, batch: TrainBatch) -> torch.Tensor:
         """``fn(batch)``, or under data parallelism each rank's share gathered (on CPU)."""
         return self.ranks.map_rows(batch, fn).cpu()
@@ -194,7 +196,7 @@ class PolicyTrainer:
         return self._rows(lambda b: self._logprobs(self.model, b), batch)
 
     def _logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
-        with self._autocast():
+        with bf16_autocast(self.model, self.s.bf16):
             return compute_logprobs(
                 model,
                 batch,
@@ -223,7 +225,7 @@ class PolicyTrainer:
     @torch.no_grad()
     def _sum_pi_squared(self, batch: TrainBatch) -> torch.Tensor:
         def fn(mb: TrainBatch) -> torch.Tensor:
-            with self._autocast():
+            with bf16_autocast(self.model, self.s.bf16):
                 return response_sum_pi_squared(
                     self.model, mb, self.s.temperature, chunk=self.s.logits_chunk,
                     packed=self.packed,
@@ -355,7 +357,7 @@ class PolicyTrainer:
         aux = aux if aux is not None else MinibatchAux()
         if self.s.full_logits:
             return self._full_logits_loss(micro, agg, beta, fill_old, aux)
-        with self._autocast():
+        with bf16_autocast(self.model, self.s.bf16):
             logprobs, entropy = response_logprobs(
                 self.model,
                 micro,
@@ -369,7 +371,7 @@ class PolicyTrainer:
     def _full_logits_loss(self, micro, agg, beta, fill_old, aux):
         """The loss of a policy loss that reads the whole distribution (gkd): the padded
         ``[B, T, V]`` logits of the responses with the teacher's on the same positions."""
-        with self._autocast():
+        with bf16_autocast(self.model, self.s.bf16):
             logits = response_logits(self.model, micro)
         logprobs = token_logprobs(logits, micro.responses, self.s.temperature)
         entropy = entropy_from_logits(logits.float()) if self.s.entropy_coef > 0 else None

@@ -14,7 +14,6 @@ micro-batch size. The loss math is :func:`rlpost.algos.value.value_loss`.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from transformers import AutoModel, PreTrainedModel
 
 from rlpost.algos.aggregate import Aggregation
 from rlpost.algos.value import value_loss
-from rlpost.train.actor import ActorSettings, build_optimizer
+from rlpost.train.actor import ActorSettings, bf16_autocast, build_optimizer
 from rlpost.train.batch import TrainBatch, model_device, pad_responses
 from rlpost.train.optim import budget_slices, minibatch_updates, optimizer_step
 from rlpost.train.packing import pack_rows, resolve_packing
@@ -165,11 +164,6 @@ class CriticTrainer:
         self.shuffle = torch.Generator().manual_seed(seed + 11)
         self.skipped_updates = 0
 
-    def _autocast(self):
-        if self.s.bf16:
-            return torch.autocast(model_device(self.model).type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     @torch.no_grad()
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """Old values ``[B, T]`` float32 for GAE, zero on padding (no gradient)."""
@@ -179,7 +173,7 @@ class CriticTrainer:
         values = torch.zeros_like(batch.response_mask)
         for rows in self._micro_slices(batch):
             micro = self._micro(batch.select(rows)).to(device)
-            with self._autocast():
+            with bf16_autocast(self.model, self.s.bf16):
                 part = response_values(self.model, micro, self.packed).float()
             values[rows] = pad_responses(part, values.shape[1]).cpu()
         self.model.train(was_training)
@@ -222,7 +216,7 @@ class CriticTrainer:
 
         def micro_loss(rows: torch.Tensor):
             micro = self._micro(mb.select(rows))
-            with self._autocast():
+            with bf16_autocast(self.model, self.s.bf16):
                 pred = response_values(self.model, micro, self.packed).float()
             out = value_loss(
                 pred,

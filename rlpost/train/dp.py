@@ -149,12 +149,6 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with every shard gathered (every rank gets the whole)."""
-    resharded(model)
-    return {k: full_tensor(v).detach() for k, v in model.state_dict().items()}
-
-
 def full_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``named_parameters`` with every shard gathered (every rank gets the whole)."""
     resharded(model)

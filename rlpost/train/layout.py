@@ -189,12 +189,9 @@ class ShardedLayout:
         self.model, self.ref, self.ranks = model, ref, dp
         self.writes_files = dp.rank == 0
 
-    @property
-    def has_reference(self) -> bool:
-        return self.ref is not None
-
-    def reference(self) -> contextlib.AbstractContextManager[torch.nn.Module]:
-        return contextlib.nullcontext(self.ref)
+    # ``ref`` is sharded as the policy is: held and lent as the plain layout holds its own.
+    has_reference = PlainLayout.has_reference
+    reference = PlainLayout.reference
 
     def export(self) -> list[tuple[str, torch.Tensor]]:
         from rlpost.train.dp import full_parameters

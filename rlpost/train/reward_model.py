@@ -28,15 +28,9 @@ from rlpost.algos.reward_model import bradley_terry_loss
 from rlpost.data.files import LoadReport, refuse_or_skip
 from rlpost.data.preferences import PreferencePair
 from rlpost.rewards.model import reward_input_ids
-from rlpost.statefile import load_state
 from rlpost.train.batch import model_device
 from rlpost.train.optim import optimizer_step
-from rlpost.train.sft import (
-    STATE_FILE,
-    WarmupInterrupted,
-    save_train_state,
-    start_train_state,
-)
+from rlpost.train.sft import resumable_steps, start_train_state
 
 
 @dataclass(frozen=True)
@@ -160,12 +154,6 @@ def rm_step(
     return {"loss": outcome.loss, **outcome.as_dict(), "lr": lr}
 
 
-def steps_done(state_dir: Path) -> int:
-    """Steps a saved resume state holds (0: none saved)."""
-    state = state_dir / STATE_FILE
-    return len(load_state(state)["losses"]) if state.is_file() else 0
-
-
 def rm_train(
     model,
     pairs: EncodedPairs,
@@ -191,15 +179,8 @@ def rm_train(
     one that never stopped. ``on_step(step, metrics)`` gets the 1-based step.
     """
     opt, sched, rng, losses = start_train_state(model, lr, warmup_steps, steps, seed, state_dir)
-    at_start = len(losses)
     model.train()
-    for step in range(len(losses), steps):
-        if stop is not None and stop():
-            if state_dir is not None:
-                save_train_state(state_dir, model, opt, sched, rng, losses)
-            raise WarmupInterrupted(step, state_dir)
-        if state_dir is not None and save_every and step > at_start and step % save_every == 0:
-            save_train_state(state_dir, model, opt, sched, rng, losses)
+    for step in resumable_steps(steps, state_dir, save_every, stop, model, opt, sched, rng, losses):
         idx = rng.sample(range(len(pairs)), min(batch_size, len(pairs)))
         m = rm_step(
             model, opt, sched, pairs, idx, pad_id, micro=micro_batch_size, grad_clip=grad_clip

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -57,6 +57,23 @@ class WarmupInterrupted(KeyboardInterrupt):
         self.step, self.state_dir = step, state_dir
 
 
+def resumable_steps(
+    steps: int, state_dir: Path | None, save_every: int, stop, model, opt, sched, rng, losses
+) -> Iterator[int]:
+    """The steps after the ``losses`` already taken, up to ``steps``. Before each, the state
+    is saved to ``state_dir`` every ``save_every`` steps (a kill loses at most that many) and,
+    when ``stop()`` turns true, saved once more and :class:`WarmupInterrupted` raised."""
+    first = len(losses)
+    for step in range(first, steps):
+        if stop is not None and stop():
+            if state_dir is not None:
+                save_train_state(state_dir, model, opt, sched, rng, losses)
+            raise WarmupInterrupted(step, state_dir)
+        if state_dir is not None and save_every and step > first and step % save_every == 0:
+            save_train_state(state_dir, model, opt, sched, rng, losses)
+        yield step
+
+
 def sft_train(
     model: torch.nn.Module,
     tokenizer,
@@ -91,20 +108,13 @@ def sft_train(
     many padded tokens (the step's loss is the same whatever the cut).
     """
     opt, sched, rng, losses = start_train_state(model, lr, warmup_steps, steps, seed, state_dir)
-    len_at_start = len(losses)
     # Every step draws from the same prompts: tokenising each text once is a fifth of a
     # tiny model's warm-up saved.
     encode = functools.lru_cache(maxsize=1 << 16)(
         lambda t: tuple(tokenizer(t, add_special_tokens=False)["input_ids"])
     )
     model.train()
-    for step in range(len(losses), steps):
-        if stop is not None and stop():
-            if state_dir is not None:
-                save_train_state(state_dir, model, opt, sched, rng, losses)
-            raise WarmupInterrupted(step, state_dir)
-        if state_dir is not None and save_every and step > len_at_start and step % save_every == 0:
-            save_train_state(state_dir, model, opt, sched, rng, losses)  # a kill loses at most this
+    for step in resumable_steps(steps, state_dir, save_every, stop, model, opt, sched, rng, losses):
         rows = [
             (example(p, rng) if example is not None else None)
             or sft_example(p, tokenizer, rng, distractor, encode)
@@ -170,6 +180,12 @@ def save_train_state(state_dir: Path, model, opt, sched, rng: random.Random, los
         shutil.rmtree(old)
 
 
+def steps_done(state_dir: Path) -> int:
+    """Steps a saved resume state holds (0: none saved)."""
+    state = state_dir / STATE_FILE
+    return len(load_state(state)["losses"]) if state.is_file() else 0
+
+
 def recover_state_dir(state_dir: Path) -> None:
     """Put back the previous state when a save stopped between its two renames."""
     old = state_dir.with_name(state_dir.name + ".old")
@@ -189,7 +205,7 @@ def load_train_state(state_dir: Path, model, opt, sched, rng: random.Random) -> 
 
 def start_train_state(model, lr: float, warmup_steps: int, steps: int, seed: int, state_dir):
     """AdamW, its warm-up-then-cosine schedule, the sampling rng and the losses so far: fresh,
-    or resumed from ``state_dir`` when it holds a state (the SFT and reward-model stages)."""
+    or resumed from ``state_dir`` when it holds a state (the SFT, reward-model and DPO stages)."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_cosine(warmup_steps, steps))

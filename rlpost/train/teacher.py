@@ -43,8 +43,6 @@ class TeacherAPI(Protocol):
 class LocalTeacher:
     """A causal LM loaded from ``path``, frozen, scoring batches in micro-batches."""
 
-    can_give_logits = True
-
     def __init__(self, path: str, student: dict, micro_batch_size: int = 64) -> None:
         from rlpost.models.loading import load_causal_lm, load_tokenizer
 
@@ -91,8 +89,6 @@ class LocalTeacher:
 
 class ServerTeacher:
     """A server answering ``POST /v1/prompt_logprobs`` for the student's token ids."""
-
-    can_give_logits = False
 
     def __init__(
         self, url: str, student: dict, *, api_key: str | None = None, timeout: float = 120.0,
