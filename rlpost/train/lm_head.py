@@ -94,14 +94,28 @@ def compute_dtype(weight: Tensor) -> torch.dtype:
     return weight.dtype
 
 
-def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, tau: float, dtype) -> Tensor:
+def _chunk_logits(
+    h: Tensor, weight: Tensor, bias: Tensor | None, tau: float, dtype, buf: Tensor | None = None
+) -> Tensor:
     """Float32 tempered logits ``[c, V]`` of hidden states ``h [c, H]`` (``weight`` already in
-    ``dtype``: cast once per pass, not per chunk)."""
-    z = h.to(dtype) @ weight.t()
-    if bias is not None:
-        z = z + bias.to(dtype)
-    z = z.float()
-    return z / tau if tau != 1.0 else z
+    ``dtype``: cast once per pass, not per chunk), written into the rows of ``buf`` when
+    given (float32 compute). A pass reuses one buffer for all its chunks: a fresh
+    ``[c, V]`` tensor is past glibc's largest mmap threshold (32 MiB), so every chunk
+    would map, fault in and unmap it again, a fifth of the forward matmul's time."""
+    if buf is not None and dtype == torch.float32:
+        z = torch.mm(h.float(), weight.t(), out=buf[: h.shape[0]])
+        if bias is not None:
+            z += bias.float()
+    else:
+        z = h.to(dtype) @ weight.t()
+        if bias is not None:
+            z = z + bias.to(dtype)
+        z = z.float()
+    return z.div_(tau) if tau != 1.0 else z
+
+
+def _chunk_buffer(hidden: Tensor, weight: Tensor, chunk: int) -> Tensor:
+    return torch.empty(min(chunk, hidden.shape[0]), weight.shape[0], device=hidden.device)
 
 
 class ChunkedHeadLogprobs(torch.autograd.Function):
@@ -118,16 +132,21 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         entropy = hidden.new_zeros(n, dtype=torch.float32)
         lse = hidden.new_empty(n, dtype=torch.float32)
         w = weight.to(dtype)
+        buf = _chunk_buffer(hidden, weight, chunk)
         with torch.autocast(hidden.device.type, enabled=False):
             for lo in range(0, n, chunk):
                 hi = min(n, lo + chunk)
-                z = _chunk_logits(hidden[lo:hi], w, bias, tau, dtype)
-                lse[lo:hi] = torch.logsumexp(z, dim=-1)
-                logprobs[lo:hi] = z.gather(-1, targets[lo:hi, None]).squeeze(-1) - lse[lo:hi]
+                z = _chunk_logits(hidden[lo:hi], w, bias, tau, dtype, buf)
+                target = z.gather(-1, targets[lo:hi, None]).squeeze(-1)
                 if with_entropy:
+                    lse[lo:hi] = torch.logsumexp(z, dim=-1)
                     # -sum p log p: a sum of non-negative terms, no cancellation near H = 0
                     logp = z.sub_(lse[lo:hi, None])
                     entropy[lo:hi] = -(logp.exp() * logp).sum(-1)
+                else:  # logsumexp's own steps, in place on the chunk
+                    top = z.amax(dim=-1, keepdim=True)
+                    lse[lo:hi] = top.squeeze(-1) + z.sub_(top).exp_().sum(-1).log_()
+                logprobs[lo:hi] = target - lse[lo:hi]
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.settings = (tau, chunk, with_entropy, dtype)
         return logprobs, entropy
@@ -142,13 +161,14 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if want_b else None
         use_entropy = with_entropy and grad_entropy is not None
         w = weight.to(dtype)
+        buf = _chunk_buffer(hidden, weight, chunk)
         for lo in range(0, hidden.shape[0], chunk):
             hi = min(hidden.shape[0], lo + chunk)
             h = hidden[lo:hi]
             # Every [c, V] step below is in place where it can be: the chunk's logits become
             # its probabilities, then its gradient, so the backward holds one or two such
             # tensors, not four (the entropy term needs log p and p at once).
-            logp = _chunk_logits(h, w, bias, tau, dtype).sub_(lse[lo:hi, None])
+            logp = _chunk_logits(h, w, bias, tau, dtype, buf).sub_(lse[lo:hi, None])
             if use_entropy:
                 p = logp.exp()
                 ent = p * logp.add_(entropy[lo:hi, None]).mul_(-grad_entropy[lo:hi, None])
