@@ -231,7 +231,7 @@ def compare(name: str, args) -> str:
     rates: dict[tuple[str, str], list[float]] = {}
     rss: dict[str, float] = {}
     for r in range(args.rounds):
-        order = [("trl", "fp32"), ("rlpost", "fp32"), ("trl", "bf16"), ("rlpost", "bf16")]
+        order = [(side, d) for d in args.dtypes.split(",") for side in ("trl", "rlpost")]
         if r % 2:
             order = order[::-1]  # alternate who goes first, so a trend in load hits both
         for side, dtype in order:
@@ -245,10 +245,14 @@ def compare(name: str, args) -> str:
                 flush=True,
             )
     med = {k: statistics.median(v) for k, v in rates.items()}
-    best = {s: max(med[(s, d)] for d in ("fp32", "bf16")) for s in ("trl", "rlpost")}
+    dtypes = args.dtypes.split(",")
+    best = {s: max(med[(s, d)] for d in dtypes) for s in ("trl", "rlpost")}
+
+    def rates_of(side: str) -> str:
+        return " / ".join(f"{med[(side, d)]:.1f}" for d in dtypes)
+
     return (
-        f"| {name} | {med[('trl', 'fp32')]:.1f} / {med[('trl', 'bf16')]:.1f} | "
-        f"{med[('rlpost', 'fp32')]:.1f} / {med[('rlpost', 'bf16')]:.1f} | "
+        f"| {name} | {rates_of('trl')} | {rates_of('rlpost')} | "
         f"**{best['rlpost'] / best['trl']:.2f}x** | {rss['trl']:.0f} / {rss['rlpost']:.0f} |"
     )
 
@@ -264,6 +268,9 @@ def main() -> None:
         "--threads", type=int, default=0, help="torch threads, both sides (0: rlpost's rule)"
     )
     ap.add_argument("--quick", action="store_true", help="1 round of 4 steps per run")
+    ap.add_argument(
+        "--dtypes", default="fp32,bf16", help="fp32, bf16 or both (best of them per side)"
+    )
     ap.add_argument(
         "--rlpost-set",
         action="append",
@@ -286,7 +293,8 @@ def main() -> None:
     )
     rows = [compare(name, args) for name in args.sizes.split(",")]
     print(
-        "\n| model | TRL fp32 / bf16 completions/s | rlpost fp32 / bf16 | rlpost / TRL, best "
+        f"\n| model | TRL {args.dtypes.replace(',', ' / ')} completions/s | rlpost "
+        f"{args.dtypes.replace(',', ' / ')} | rlpost / TRL, best "
         "against best | peak RSS MiB, TRL / rlpost |\n| --- | --- | --- | --- | --- |"
     )
     print("\n".join(rows))
