@@ -170,7 +170,7 @@ INVERSE_CDF_VOCAB = 32_768
 row) instead of ``torch.multinomial``. For one sample torch's multinomial races one
 exponential draw per category: at 151,936 categories and 32 rows that is 0.2 s of a
 single-threaded generator per decode step on CPU, about six times the LM head's matmul
-(docs/performance.md, Rollout). Below it the race is kept: a seeded small-vocabulary run
+(docs/performance.md, "Sampling at a real vocabulary"). Below it the race is kept: a seeded small-vocabulary run
 samples the tokens it always did."""
 
 
@@ -223,9 +223,10 @@ def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -
     CDF of the block sums, then a token inside it by that block's own CDF, so the work
     beyond one reduction pass is a cumulative sum of ``V / 1024 + 1024`` values a row,
     not ``V``. Each token's share of the draw is its probability to the rounding of a
-    1024-value float32 sum (about 1e-7 relative, below the float32 probabilities' own). A zero-probability token (masked by top-k/top-p) is never picked. The
-    uniforms come from the CPU generator when ``generator`` is one, so a seed picks the
-    same tokens on every device."""
+    1024-value float32 sum (about 1e-7 relative, below the float32 probabilities' own).
+    A zero-probability token (masked by top-k/top-p) is never picked. The uniforms come
+    from the CPU generator when ``generator`` is one, so a seed picks the same tokens on
+    every device."""
     rows, vocab = probs.shape
     full = vocab // _CDF_BLOCK * _CDF_BLOCK
     blocks = probs[:, :full].reshape(rows, -1, _CDF_BLOCK)
