@@ -170,8 +170,8 @@ INVERSE_CDF_VOCAB = 32_768
 row) instead of ``torch.multinomial``. For one sample torch's multinomial races one
 exponential draw per category: at 151,936 categories and 32 rows that is 0.2 s of a
 single-threaded generator per decode step on CPU, about six times the LM head's matmul
-(docs/performance.md, "Sampling at a real vocabulary"). Below it the race is kept: a seeded small-vocabulary run
-samples the tokens it always did."""
+(docs/performance.md, "Sampling at a real vocabulary"). Below it the race is kept: a
+seeded small-vocabulary run samples the tokens it always did."""
 
 
 def sample_tokens(
