@@ -67,3 +67,16 @@ def test_inverse_cdf_over_many_blocks_and_a_partial_tail():
     edge[0, vocab - 5] = 1.0
     edge[1, 0] = 2.0
     assert inverse_cdf_sample(edge, gen).tolist() == [vocab - 5, 0]
+
+
+def test_a_uniform_at_the_top_lands_on_the_last_token_with_mass(monkeypatch):
+    # u just below 1, and a block of little mass after a heavy one: the share of the block
+    # left to draw rounds up to all of it, the very end of its CDF, past its last positive
+    # token (zeros follow); the draw must stay on a token with mass
+    block = protocol._CDF_BLOCK
+    probs = torch.zeros(3, 2 * block)
+    probs[:, 0] = 1.0
+    probs[:, block : block + 10] = 1e-9 * torch.arange(1, 11)
+    top = torch.full((3, 1), 1.0 - 2.0**-53, dtype=torch.float64)
+    monkeypatch.setattr(protocol.torch, "rand", lambda *a, **k: top.clone())
+    assert inverse_cdf_sample(probs, None).tolist() == [block + 9] * 3
