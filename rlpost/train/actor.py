@@ -41,7 +41,7 @@ from rlpost.train.batch import (
     token_logprobs,
 )
 from rlpost.train.layout import PlainLayout, SingleRank, WeightLayout
-from rlpost.train.optim import budget_slices, minibatch_updates, optimizer_step
+from rlpost.train.optim import SlicedAdamW, budget_slices, minibatch_updates, optimizer_step
 from rlpost.train.packing import resolve_packing
 
 
@@ -140,7 +140,7 @@ class LRScale:
 def build_optimizer(model: torch.nn.Module, s: ActorSettings, scale: LRScale | None = None):
     """AdamW over the trainable parameters; the LR is ``s.lr`` x warm-up x ``scale``."""
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay)
+    opt = SlicedAdamW(params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay)
     warmup, scale = warmup_lambda(s.warmup_steps), scale if scale is not None else LRScale()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: warmup(step) * scale.factor)
     return opt, sched

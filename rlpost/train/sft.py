@@ -24,7 +24,7 @@ import torch
 from rlpost.statefile import fsync_dir, fsync_tree, load_state, save_state
 from rlpost.train.actor import warmup_lambda
 from rlpost.train.batch import model_device
-from rlpost.train.optim import optimizer_step
+from rlpost.train.optim import SlicedAdamW, optimizer_step
 from rlpost.train.sft_chat import micro_batches, nll
 from rlpost.types import Completion, Prompt
 
@@ -207,7 +207,7 @@ def start_train_state(model, lr: float, warmup_steps: int, steps: int, seed: int
     """AdamW, its warm-up-then-cosine schedule, the sampling rng and the losses so far: fresh,
     or resumed from ``state_dir`` when it holds a state (the SFT, reward-model and DPO stages)."""
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    opt = SlicedAdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_cosine(warmup_steps, steps))
     losses: list[float] = []
     if state_dir is not None:
