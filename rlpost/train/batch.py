@@ -14,7 +14,13 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from rlpost.algos.entropy import entropy_from_logits
-from rlpost.train.lm_head import head_logprobs, head_sum_pi_squared, needs_chunks, split_head
+from rlpost.train.lm_head import (
+    embed_tokens,
+    head_logprobs,
+    head_sum_pi_squared,
+    needs_chunks,
+    split_head,
+)
 from rlpost.train.optim import budget_slices
 from rlpost.train.packing import pack_rows, packed_forward
 from rlpost.types import Completion
@@ -212,12 +218,15 @@ def response_hidden(
     if split is None or not needs_chunks(tokens, split[1].weight.shape[0], chunk):
         return None
     decoder, head = split
+    # The lookup adds its gradient into the (tied) weight's own: lm_head.grad_sink.
+    embed = decoder.get_input_embeddings()
     if packed:
         rows = pack_rows(batch)
-        hidden = rows.gather(packed_forward(decoder, rows).last_hidden_state)
+        embeds = embed_tokens(embed, rows.input_ids)
+        hidden = rows.gather(packed_forward(decoder, rows, inputs_embeds=embeds).last_hidden_state)
         return hidden, rows.targets, rows.where, head
     out = decoder(
-        input_ids=batch.input_ids,
+        inputs_embeds=embed_tokens(embed, batch.input_ids),
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
         use_cache=False,

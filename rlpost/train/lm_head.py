@@ -157,7 +157,13 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         tau, chunk, with_entropy, dtype = ctx.settings
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if want_h else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+        # The weight's gradient goes straight into its ``.grad`` where it may (no [V, H]
+        # tensor of its own, nor a sum with a tied embedding's gradient), else is returned.
+        sink = grad_sink(weight) if want_w else None
+        if sink is not None:
+            grad_w = sink
+        else:
+            grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if want_b else None
         use_entropy = with_entropy and grad_entropy is not None
         w = weight.to(dtype)
@@ -195,9 +201,67 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
                     grad_w.addmm_(gz.t(), h.to(dtype))
                 else:
                     grad_w += (gz.t() @ h.to(dtype)).float()
-        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+        grad_w = None if grad_w is None or sink is not None else grad_w.to(weight.dtype)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
         return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def _in_place_ok(weight: Tensor) -> bool:
+    if not (weight.is_leaf and weight.requires_grad and weight.dtype == torch.float32):
+        return False
+    return not (weight._backward_hooks or getattr(weight, "_post_accumulate_grad_hooks", None))
+
+
+def grad_sink(weight: Tensor) -> Tensor | None:
+    """``weight.grad`` (zeros when it has none yet) when a backward may add a gradient into it
+    itself, as autograd's own accumulation would: a float32 leaf that takes gradients and has
+    no hooks (a hook would not see the part added here); else None.
+
+    At a real vocabulary a tied embedding's gradient is 148 MiB (151,936 x 256, float32), and
+    autograd holds three at once in the backward: the head's, the embedding lookup's and
+    their sum, beside ``.grad`` itself. Added in place, only ``.grad`` is left. The price:
+    those gradients reach ``.grad`` under ``backward()`` but not under ``torch.autograd.grad``
+    (rlpost's passes only call ``backward()``)."""
+    if not _in_place_ok(weight):
+        return None
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    return weight.grad
+
+
+class _EmbedIntoGrad(torch.autograd.Function):
+    """``embedding(ids, weight)`` whose backward adds the rows' gradients into ``weight.grad``
+    (:func:`grad_sink`) instead of making a dense ``[V, H]`` gradient to sum with it."""
+
+    @staticmethod
+    def forward(ctx, weight, ids, padding_idx):
+        ctx.save_for_backward(weight, ids)
+        ctx.padding_idx = padding_idx
+        return torch.nn.functional.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, ids = ctx.saved_tensors
+        ids, grad = ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).to(weight.dtype)
+        if ctx.padding_idx is not None:  # as nn.Embedding: the padding row takes no gradient
+            keep = ids != ctx.padding_idx
+            ids, grad = ids[keep], grad[keep]
+        sink = grad_sink(weight)
+        if sink is None:  # the weight changed since the forward (hooked, frozen): return it
+            return torch.zeros_like(weight).index_add_(0, ids, grad), None, None
+        sink.index_add_(0, ids, grad)
+        return None, None, None
+
+
+def embed_tokens(embedding: nn.Module, ids: Tensor) -> Tensor:
+    """``embedding(ids)``; for a plain ``nn.Embedding`` whose weight takes gradients in place
+    (:func:`grad_sink`), by a lookup whose backward adds into ``weight.grad``."""
+    plain = type(embedding) is nn.Embedding and embedding.max_norm is None
+    plain = plain and not (embedding.sparse or embedding.scale_grad_by_freq)
+    weight = getattr(embedding, "weight", None)
+    if not (plain and torch.is_grad_enabled() and weight is not None and _in_place_ok(weight)):
+        return embedding(ids)
+    return _EmbedIntoGrad.apply(weight, ids, embedding.padding_idx)
 
 
 def head_logprobs(

@@ -124,11 +124,14 @@ def _restarts(lengths: list[int], device) -> Tensor:
     return torch.cat([torch.arange(n, device=device) for n in lengths])
 
 
-def packed_forward(module: torch.nn.Module, packed: PackedRows, **extra):
-    """``module`` (a causal LM or its decoder) on the packed sequences: no attention mask,
-    so the position ids' restarts set the rows' boundaries."""
+def packed_forward(module: torch.nn.Module, packed: PackedRows, inputs_embeds=None, **extra):
+    """``module`` (a causal LM or its decoder) on the packed sequences (or their
+    ``inputs_embeds``): no attention mask, so the position ids' restarts set the rows'
+    boundaries."""
+    ids = {"input_ids": packed.input_ids} if inputs_embeds is None else {}
     return module(
-        input_ids=packed.input_ids,
+        **ids,
+        inputs_embeds=inputs_embeds,
         position_ids=packed.position_ids,
         attention_mask=None,
         use_cache=False,
