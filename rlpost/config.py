@@ -879,6 +879,11 @@ class ClusterConfig(Section):
     placement_timeout_s: float = Field(60.0, gt=0)
     """Seconds a Ray placement group may take to be placed before the run stops (one line
     naming the role and the resource)."""
+    share_cores: bool = True
+    """process backend, one trainer and one rollout worker, run.threads >= 1: while the rollout
+    process has no call running (it waits for weights), the trainer also runs on its cores,
+    and hands them back when it starts again (docs/performance.md). Thread counts then change
+    within a step, so the trainer's float rounding depends on timing; false keeps them fixed."""
 
 
 # -------------------------------------------------------------------------- sync

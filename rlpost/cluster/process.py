@@ -49,16 +49,23 @@ def _serve(conn, factory: str, cfg_data: dict, run_dir: str, kwargs: dict | None
     it exits regardless and the parent re-sends what did not finish.
     """
     role = factory.removesuffix("_factory")
+    kwargs = dict(kwargs or {})
+    # cluster.share_cores: the rollout process marks its running calls in ``cores``; the
+    # trainer's takes its cores while none runs (observe.threads.CoreShare).
+    cores, lend = kwargs.pop("cores", None), kwargs.pop("lend_cores", 0)
     try:
         import torch
 
         from rlpost.cluster import process as me
+        from rlpost.observe.threads import CoreShare, share_cores
 
         cfg = Config.model_validate(cfg_data)
         torch.manual_seed(cfg.run.seed)
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
-        worker = getattr(me, factory)(cfg, Path(run_dir), **(kwargs or {}))
+        if cores is not None and lend:
+            share_cores(CoreShare(cores, cfg.run.threads, lend, torch.set_num_threads))
+        worker = getattr(me, factory)(cfg, Path(run_dir), **kwargs)
     except Exception as exc:  # the parent reports it in one line and stops the run
         conn.send_bytes(pickle.dumps(("error", 0, _worker_error(role, exc))))
         return
@@ -67,12 +74,19 @@ def _serve(conn, factory: str, cfg_data: dict, run_dir: str, kwargs: dict | None
     drain_at: list[float] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: drain_at.append(time.monotonic()))
 
+    marks = cores is not None and not lend  # the side that lends: its calls in flight
+
     def run(call_id: int, name: str, args, kwargs) -> None:
+        if marks:
+            with send_lock:
+                cores.value += 1
         try:
             reply = ("ok", call_id, getattr(worker, name)(*args, **kwargs))
         except Exception as exc:
             reply = ("error", call_id, _worker_error(role, exc))
         with send_lock:
+            if marks:
+                cores.value -= 1
             conn.send_bytes(pickle.dumps(reply))
             busy[0] -= 1
 
@@ -345,10 +359,13 @@ def start_process_workers(cfg: Config, run_dir: Path, train_prompts, console, *,
 
     if not resuming:
         warm_start(cfg, run_dir, train_prompts, console, skip_sft=False)  # saves sft_model
-    trainer = start_trainers(cfg, run_dir)
+    flag, lend = _core_share(cfg)
+    trainer = start_trainers(cfg, run_dir, flag, lend)
     try:
         if cfg.cluster.rollout_workers > 1:
             rollout = run_fleet(ProcessSpawner(cfg, run_dir), cfg, run_dir)
+        elif flag is not None:
+            rollout = ProcessWorker("rollout", "rollout_factory", cfg, run_dir, cores=flag)
         else:
             rollout = ProcessWorker("rollout", "rollout_factory", cfg, run_dir)
     except WorkerError:
@@ -357,10 +374,29 @@ def start_process_workers(cfg: Config, run_dir: Path, train_prompts, console, *,
     return Workers(trainer, rollout, build.build_reward_worker(cfg))
 
 
-def start_trainers(cfg: Config, run_dir: Path):
+def _core_share(cfg: Config):
+    """(the shared count of the rollout process's running calls, the cores it lends the
+    trainer while it is 0), or (None, 0) where ``cluster.share_cores`` does not apply: one
+    trainer and one rollout worker, CPU threads set, and cores beyond the trainer's."""
+    from rlpost.observe.mfu import _usable_cores
+    from rlpost.pipeline.build import run_device
+
+    c = cfg.cluster
+    if not (c.share_cores and c.trainer_workers == 1 and c.rollout_workers == 1):
+        return None, 0
+    lend = min(cfg.run.threads, _usable_cores() - cfg.run.threads)
+    if cfg.run.threads < 1 or lend < 1 or run_device(cfg).type != "cpu":
+        return None, 0
+    return mp.get_context("spawn").RawValue("i", 0), lend
+
+
+def start_trainers(cfg: Config, run_dir: Path, cores=None, lend: int = 0):
     """One trainer process, or ``cluster.trainer_workers`` data-parallel ones behind a
-    :class:`TrainerGroup` (a gloo group, nccl on cuda, on a free port of 127.0.0.1)."""
+    :class:`TrainerGroup` (a gloo group, nccl on cuda, on a free port of 127.0.0.1).
+    ``cores``, ``lend``: :func:`_core_share`'s, for the one trainer."""
     n = cfg.cluster.trainer_workers
+    if n == 1 and cores is not None:
+        return ProcessWorker("trainer", "trainer_factory", cfg, run_dir, cores=cores, lend_cores=lend)
     if n == 1:
         return ProcessWorker("trainer", "trainer_factory", cfg, run_dir)
     from rlpost.cluster.trainer_group import TrainerGroup

@@ -9,6 +9,7 @@ time over the step just run), so the check costs no sampling window.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -97,3 +98,47 @@ def start_threads(
     cores, busy = mfu._AUTO_WHY or [_usable_cores(), 0.0]
     say(describe_choice(threads, int(cores), busy))
     return ThreadFollower(set_threads, threads, say)
+
+
+class CoreShare:
+    """The trainer's threads beside a rollout process on the same cores: ``base`` while the
+    rollout process runs a call (``busy.value`` > 0), ``base + lend`` while it does not.
+
+    In the overlapped modes each process has its own cores; at the real shape the rollout
+    process generates a batch in about half a step and then waits for the next weights, its
+    core idle. The trainer's passes call :func:`pace` between chunks of the LM head and
+    between micro-batches, so it takes that core within a step and hands it back within a
+    chunk (a tenth of a second) of the rollout starting again: two OpenMP teams on one core
+    would make each wait at every barrier. ``torch.set_num_threads`` acts on the calling
+    thread, which is the one running the passes."""
+
+    def __init__(self, busy, base: int, lend: int, set_threads: Callable[[int], None]):
+        if base < 1 or lend < 0:
+            raise ValueError(f"base must be >= 1 and lend >= 0, got {base} and {lend}")
+        self.busy, self.base, self.lend, self.set_threads = busy, base, lend, set_threads
+        self._set = threading.local()  # a thread's count is its own (an OpenMP setting)
+        self.switches = 0
+
+    def pace(self) -> int:
+        """Set the calling thread's count for the rollout process's state now; returns it."""
+        want = self.base if self.busy.value > 0 else self.base + self.lend
+        if getattr(self._set, "threads", None) != want:
+            self.set_threads(want)
+            self._set.threads = want
+            self.switches += 1
+        return want
+
+
+_SHARE: list[CoreShare] = []
+
+
+def share_cores(share: CoreShare | None) -> None:
+    """Install (or with None remove) this process's :class:`CoreShare`."""
+    _SHARE[:] = [share] if share is not None else []
+
+
+def pace() -> None:
+    """Between chunks of the trainer's passes: take or hand back the cores of
+    :class:`CoreShare`; nothing when none is installed."""
+    if _SHARE:
+        _SHARE[0].pace()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from rlpost.algos.entropy import entropy_from_logits
+from rlpost.observe.threads import pace
 from rlpost.train.lm_head import (
     embed_tokens,
     head_logprobs,
@@ -350,6 +351,7 @@ def score_rows(
     out = None
     lens = batch.lengths()
     for idx in budget_slices(rows, *lens, micro_batch_size, max_tokens, packed=packed):
+        pace()  # the cores a co-located rollout process lends: observe.threads
         mb = batch.select(idx)
         mb = (mb.trimmed() if max_tokens > 0 else mb).to(device)
         values = pad_responses(fn(mb), T)

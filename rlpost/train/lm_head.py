@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from rlpost.observe.mfu import cpu_bf16_native
+from rlpost.observe.threads import pace
 
 CHUNK_BYTES = 64 * 2**20
 """Float32 logits per chunk (the backward holds about four such tensors at once)."""
@@ -135,6 +136,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         buf = _chunk_buffer(hidden, weight, chunk)
         with torch.autocast(hidden.device.type, enabled=False):
             for lo in range(0, n, chunk):
+                pace()  # the cores a co-located rollout process lends: observe.threads
                 hi = min(n, lo + chunk)
                 z = _chunk_logits(hidden[lo:hi], w, bias, tau, dtype, buf)
                 target = z.gather(-1, targets[lo:hi, None]).squeeze(-1)
@@ -169,6 +171,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         w = weight.to(dtype)
         buf = _chunk_buffer(hidden, weight, chunk)
         for lo in range(0, hidden.shape[0], chunk):
+            pace()
             hi = min(hidden.shape[0], lo + chunk)
             h = hidden[lo:hi]
             # Every [c, V] step below is in place where it can be: the chunk's logits become

@@ -18,6 +18,8 @@ from typing import TypeVar
 
 import torch
 
+from rlpost.observe.threads import pace
+
 M = TypeVar("M")
 
 
@@ -97,6 +99,7 @@ def optimizer_step(
     loss_total = 0.0
     stats: dict[str, float] = {}
     for micro in micro_batches:
+        pace()  # the cores a co-located rollout process lends: observe.threads
         loss, micro_stats = micro_loss(micro)
         loss.backward()
         loss_total += float(loss.detach())

@@ -47,7 +47,9 @@ def _cfg(tmp_path, name, *extra):
 
 def test_two_processes_give_the_same_losses_as_one(tmp_path):
     local = train(_cfg(tmp_path, "local"))
-    spread = train(_cfg(tmp_path, "spread", "cluster.backend=process"), start=start_process_workers)
+    # share_cores changes the trainer's threads within a step, and so its float rounding
+    spread_cfg = _cfg(tmp_path, "spread", "cluster.backend=process", "cluster.share_cores=false")
+    spread = train(spread_cfg, start=start_process_workers)
     assert len(local.history) == len(spread.history) == 3
     for a, b in zip(local.history, spread.history, strict=True):
         for key in KEYS:
@@ -92,5 +94,34 @@ def test_a_worker_errors_kind_crosses_the_process_boundary(tmp_path):
         with pytest.raises(WorkerError) as lost:
             worker.version()
         assert (lost.value.role, lost.value.kind) == ("rollout", "lost")
+    finally:
+        worker.close()
+
+
+def test_the_rollout_process_marks_its_running_calls_for_the_trainer(tmp_path):
+    """cluster.share_cores: the count the trainer reads is the rollout process's calls in
+    flight, 0 again once each has replied."""
+    import multiprocessing as mp
+    import threading
+
+    from rlpost.pipeline import build
+    from rlpost.types import Prompt
+
+    cfg = _cfg(tmp_path, "marks", "rollout.max_tokens=64")
+    flag = mp.get_context("spawn").RawValue("i", 0)
+    worker = ProcessWorker("rollout", "rollout_factory", cfg, tmp_path, cores=flag)
+    try:
+        assert flag.value == 0
+        params = build.sampling_params(cfg, eos_token_id=0)
+        seen, done = set(), threading.Event()
+        call = threading.Thread(
+            target=lambda: (worker.generate([Prompt("1+1=")] * 4, params, 8), done.set())
+        )
+        call.start()
+        while not done.is_set():
+            seen.add(flag.value)
+        call.join()
+        assert 1 in seen and flag.value == 0
+        assert worker.version() == 0 and flag.value == 0
     finally:
         worker.close()
