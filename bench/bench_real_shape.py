@@ -16,8 +16,10 @@ advantages are not all zero and the backward does real work).
 
 Sides: ``full`` is rlpost with ``train.logits_chunk_tokens=-1`` (the whole
 ``[B, T, V]`` logits at once, as before the chunked head), ``chunked`` is rlpost's
-default, ``trl`` is TRL 1.16's GRPOTrainer (``pip install trl==1.16.0``;
-``per_device_train_batch_size=8``, ``gradient_accumulation_steps=4``). Every run
+default, ``checkpointed`` the default with ``model.gradient_checkpointing=true``
+(TRL's default), ``trl`` is TRL 1.16's GRPOTrainer (``pip install trl==1.16.0``;
+``per_device_train_batch_size=8``, ``gradient_accumulation_steps=4``, its default
+gradient checkpointing). Every run
 is its own process, so its peak RSS (``ru_maxrss``) is its own; a run's step time
 is the median of its steps after the first (the first when there is one). The
 rows print each side against the ``full`` run (memory and time ratios) and
@@ -45,6 +47,12 @@ from real_shape_report import report
 VOCAB, PROMPTS, GROUP, MICRO, LR = 151_936, 4, 8, 8, 1e-5
 SHAPE = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4)
 REWARD = "bench.bench_real_shape:parity_reward"
+SIDES = {
+    "full": ["train.logits_chunk_tokens=-1"],
+    "chunked": [],
+    "checkpointed": ["model.gradient_checkpointing=true"],  # as TRL's default
+}
+"""rlpost's sides: the overrides each adds to the shared settings."""
 
 
 def parity_reward(sample, **_) -> float:
@@ -170,6 +178,13 @@ def run_rlpost(ckpt: str, dtype: str, length: int, steps: int, extra: list[str])
 MODE_KEYS = ("trainer_wait_seconds", "sample_lag", "rollout_utilization", "train_utilization")
 
 
+def steady_steps(steps: list, mode: str) -> list:
+    """The steps after the first, and in the overlapped modes before the last (fewer steps:
+    what there is)."""
+    inner = steps[1:-1] if mode != "sync" else steps[1:]
+    return inner or steps[1:] or steps
+
+
 def run_mode(ckpt: str, dtype: str, length: int, steps: int, mode: str) -> dict:
     """One ``pipeline.mode`` at the real shape: read back from its metrics.jsonl and
     summary.json. Its workers are separate processes in the overlapped modes, so the loop
@@ -184,13 +199,16 @@ def run_mode(ckpt: str, dtype: str, length: int, steps: int, mode: str) -> dict:
     out = run_rlpost(ckpt, dtype, length, steps, extra)
     run_dir = Path(out.pop("run_dir"))
     rows = [r for r in read_metrics(run_dir) if "trainer_wait_seconds" in r or "step_seconds" in r]
-    steady = rows[1:] or rows  # the first step fills the pipeline
+    # The first step fills the pipeline; in the overlapped modes the last has no next batch
+    # to generate beside it, so it is the trainer alone: neither is a steady step.
+    steady = steady_steps(rows, mode)
     summary = json.loads((run_dir / "summary.json").read_text())
     out |= {k: statistics.median(r.get(k) or 0.0 for r in steady) for k in MODE_KEYS}
     out["completions_per_second"] = summary["completions_per_second"]
     out["steady_completions_per_second"] = (
-        PROMPTS * GROUP / statistics.median(out["step_seconds"][1:] or out["step_seconds"])
+        PROMPTS * GROUP / statistics.median(steady_steps(out["step_seconds"], mode))
     )
+    out["steady_step_seconds"] = statistics.median(steady_steps(out["step_seconds"], mode))
     return out
 
 
@@ -261,8 +279,7 @@ def worker(args) -> None:
     elif args.worker.startswith("mode:"):
         out = run_mode(args.ckpt, args.dtype, args.length, args.steps, args.worker[5:])
     else:
-        extra = ["train.logits_chunk_tokens=-1"] if args.worker == "full" else []
-        out = run_rlpost(args.ckpt, args.dtype, args.length, args.steps, extra)
+        out = run_rlpost(args.ckpt, args.dtype, args.length, args.steps, SIDES[args.worker])
     out["threads"] = torch.get_num_threads()
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -316,7 +333,7 @@ def one_run(side: str, dtype: str, length: int, ckpt: str, args) -> dict:
         else:
             out = json.loads(line[len("RESULT ") :]) | tag
             timed = out["step_seconds"][1:] or out["step_seconds"]
-            out["step"] = statistics.median(timed)
+            out["step"] = out.get("steady_step_seconds") or statistics.median(timed)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         with open(Path(args.out) / "runs.jsonl", "a") as f:
@@ -343,7 +360,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--lengths", default="256", help="response lengths, e.g. 128,256,512,1024")
-    ap.add_argument("--sides", default="full,chunked,trl", help="full, chunked, trl")
+    ap.add_argument("--sides", default="full,chunked,trl", help="full, chunked, checkpointed, trl")
     ap.add_argument("--dtypes", default="bf16", help="fp32, bf16 or both")
     ap.add_argument("--steps", type=int, default=2, help="steps per run (the first is warm-up)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: rlpost's rule)")
@@ -365,6 +382,9 @@ def main() -> None:
         return
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else []
     sides, dtypes = args.sides.split(","), args.dtypes.split(",")
+    unknown = sorted(set(sides) - set(SIDES) - {"trl"})
+    if unknown:
+        ap.error(f"--sides: unknown {', '.join(unknown)} (full, chunked, checkpointed, trl)")
     modes = [m for m in args.modes.split(",") if m]
     longest = max(lengths + ([args.mode_length] if modes else []))
     ckpt = str(save_checkpoint(Path(tempfile.mkdtemp(prefix="real-ckpt-")), longest + 128))

@@ -40,7 +40,8 @@ def why(runs: dict, side: str, length: int) -> str:
 def table(runs: dict, lengths: list[int], sides: list[str]) -> str:
     """Per length: each side's peak RSS and step, and the ratios (memory a/b, speed b/a)."""
     head = "| tokens | " + " | ".join(f"{s} peak MiB / step s" for s in sides)
-    ratios = [(a, b) for a, b in (("chunked", "full"), ("chunked", "trl")) if {a, b} <= set(sides)]
+    pairs = (("chunked", "full"), ("chunked", "trl"), ("checkpointed", "trl"))
+    ratios = [(a, b) for a, b in pairs if {a, b} <= set(sides)]
     head += "".join(f" | {a} / {b} memory, speed" for a, b in ratios) + " |"
     lines = [head, "|" + " --- |" * (1 + len(sides) + len(ratios))]
     for n in lengths:
@@ -205,7 +206,7 @@ def modes_table(runs: dict) -> str:
 
 def report(runs: dict, plot_path: str = "") -> str:
     lengths = sorted({n for (s, _, n) in runs if not s.startswith("mode:")})
-    sides = [s for s in ("full", "chunked", "trl") if any(k[0] == s for k in runs)]
+    sides = [s for s in ("full", "chunked", "checkpointed", "trl") if any(k[0] == s for k in runs)]
     parts = []
     if lengths:
         parts += [table(runs, lengths, sides), slope_note(runs, lengths)]
