@@ -9,7 +9,9 @@ entropy) and are freed. The backward (:class:`ChunkedHeadLogprobs`) recomputes a
 chunk's logits from the saved hidden states instead of storing them, so the
 memory of the head is one chunk's ``[chunk, V]`` whatever the response length
 (TRL's chunked entropy, verl's fused kernels and Liger's fused linear
-cross-entropy take the same route).
+cross-entropy take the same route). The head's weight gradient, and the token
+lookup's (:func:`embed_tokens`), are added into the weight's ``.grad`` in place
+(:func:`grad_sink`), so a tied embedding has no ``[V, H]`` gradient but that one.
 
 Formulas, per token with tempered logits ``z = (h W^T + b) / tau``:
 ``logp_t = z_t - logsumexp(z)``, ``H = logsumexp(z) - sum_v p_v z_v`` and the
