@@ -360,6 +360,12 @@ def start_process_workers(cfg: Config, run_dir: Path, train_prompts, console, *,
     if not resuming:
         warm_start(cfg, run_dir, train_prompts, console, skip_sft=False)  # saves sft_model
     flag, lend = _core_share(cfg)
+    if flag is not None:
+        print(
+            f"rlpost: cluster.share_cores: the trainer also runs {lend} more thread"
+            f"{'s' if lend != 1 else ''} while the rollout process has no call running",
+            flush=True,
+        )
     trainer = start_trainers(cfg, run_dir, flag, lend)
     try:
         if cfg.cluster.rollout_workers > 1:
