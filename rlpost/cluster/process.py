@@ -370,10 +370,9 @@ def start_process_workers(cfg: Config, run_dir: Path, train_prompts, console, *,
     try:
         if cfg.cluster.rollout_workers > 1:
             rollout = run_fleet(ProcessSpawner(cfg, run_dir), cfg, run_dir)
-        elif flag is not None:
-            rollout = ProcessWorker("rollout", "rollout_factory", cfg, run_dir, cores=flag)
         else:
-            rollout = ProcessWorker("rollout", "rollout_factory", cfg, run_dir)
+            marks = {"cores": flag} if flag is not None else {}
+            rollout = ProcessWorker("rollout", "rollout_factory", cfg, run_dir, **marks)
     except WorkerError:
         trainer.close()
         raise
@@ -401,10 +400,9 @@ def start_trainers(cfg: Config, run_dir: Path, cores=None, lend: int = 0):
     :class:`TrainerGroup` (a gloo group, nccl on cuda, on a free port of 127.0.0.1).
     ``cores``, ``lend``: :func:`_core_share`'s, for the one trainer."""
     n = cfg.cluster.trainer_workers
-    if n == 1 and cores is not None:
-        return ProcessWorker("trainer", "trainer_factory", cfg, run_dir, cores=cores, lend_cores=lend)
     if n == 1:
-        return ProcessWorker("trainer", "trainer_factory", cfg, run_dir)
+        share = {"cores": cores, "lend_cores": lend} if cores is not None else {}
+        return ProcessWorker("trainer", "trainer_factory", cfg, run_dir, **share)
     from rlpost.cluster.trainer_group import TrainerGroup
     from rlpost.pipeline.build import run_device
     from rlpost.train.dp import DPSpec, free_port

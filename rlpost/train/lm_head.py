@@ -164,10 +164,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         # The weight's gradient goes straight into its ``.grad`` where it may (no [V, H]
         # tensor of its own, nor a sum with a tied embedding's gradient), else is returned.
         sink = grad_sink(weight) if want_w else None
-        if sink is not None:
-            grad_w = sink
-        else:
-            grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+        grad_w = sink if sink is not None or not want_w else torch.zeros_like(weight, dtype=torch.float32)
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if want_b else None
         use_entropy = with_entropy and grad_entropy is not None
         w = weight.to(dtype)
