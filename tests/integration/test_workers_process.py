@@ -123,5 +123,24 @@ def test_the_rollout_process_marks_its_running_calls_for_the_trainer(tmp_path):
         call.join()
         assert 1 in seen and flag.value == 0
         assert worker.version() == 0 and flag.value == 0
+        # killed mid-call: the call fails in one line, and the count stays up, so a trainer
+        # keeps to its own threads (the safe side) instead of taking a dead process's cores
+        errors = []
+
+        def doomed():
+            try:
+                worker.generate([Prompt("1+1=")] * 4, params, 8)
+            except WorkerError as exc:
+                errors.append(exc)
+
+        call = threading.Thread(target=doomed)
+        call.start()
+        while flag.value == 0 and call.is_alive():
+            pass
+        worker.kill()
+        call.join(timeout=60)
+        assert not call.is_alive()
+        assert len(errors) == 1 and errors[0].kind == "lost" and "\n" not in str(errors[0])
+        assert flag.value >= 1
     finally:
         worker.close()
