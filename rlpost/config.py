@@ -42,6 +42,21 @@ class Section(BaseModel):
         extra="forbid", validate_assignment=True, use_attribute_docstrings=True
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _on_off_words(cls, data: Any) -> Any:
+        """YAML reads ``on`` and ``off`` as booleans: a field whose choices are those words
+        (``train.packing``) takes them back as the words."""
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for name, value in data.items():
+            field = cls.model_fields.get(name)
+            if isinstance(value, bool) and field is not None:
+                if {"on", "off"} <= set(getattr(field.annotation, "__args__", ())):
+                    out[name] = "on" if value else "off"
+        return out
+
 
 # --------------------------------------------------------------------------- run
 

@@ -27,6 +27,17 @@ def test_recipe_then_overrides(tmp_path):
     assert cfg.train.lr == 0.25 and cfg.train.steps == 3 and cfg.rollout.n == 4
 
 
+def test_on_and_off_are_words_where_a_field_takes_them(tmp_path):
+    """YAML reads on/off as booleans; train.packing's choices are the words."""
+    for word in ("on", "off", "auto"):
+        assert load_config(None, [f"train.packing={word}"]).train.packing == word
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train: {packing: off}\n")
+    assert load_config(recipe, []).train.packing == "off"
+    # a bool field keeps YAML's reading
+    assert load_config(None, ["model.gradient_checkpointing=on"]).model.gradient_checkpointing is True
+
+
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
