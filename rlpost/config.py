@@ -523,13 +523,15 @@ class TrainConfig(Section):
     """Response tokens per chunk of the LM head in the trainer's passes (logprobs, entropy):
     the full [B, T, V] logits never exist. 0: what fits 64 MiB of float32 logits; -1: the
     whole logits at once (the unchunked path)."""
-    packing: Literal["auto", "on", "off"] = "auto"
+    packing: Literal["auto", "shared", "on", "off"] = "auto"
     """Padding-free passes: the rows of a micro-batch (and of a scoring pass) run end to end
-    in sequences of up to 2,048 tokens, position ids restarting at each row, attention kept
-    within rows; the token budget then counts real tokens. on: pack; auto: pack when the
-    vocabulary has at least 32,768 tokens (a real checkpoint; the character vocabulary
-    keeps its exact padded numbers); off: pad. A model whose attention would cross rows,
-    or data-parallel trainers, pad instead and say so in one line."""
+    in sequences as wide as the model's attention makes cheap (at most 2,048 tokens),
+    position ids restarting at each row, attention kept within rows; the token budget then counts real tokens. on: pack; shared (and auto):
+    pack, and the rows with the same prompt (a GRPO group) run it once, each response
+    seeing the prompt and itself (a group of G rows costs p + G r tokens, not G (p + r);
+    mini-batches then shuffle whole groups); off: pad. A model whose attention would cross
+    rows, or data-parallel trainers, pad instead, and an attention that takes no custom
+    mask (flash, flex) packs rows alone; each says so in one line."""
 
 
 class CriticConfig(Section):

@@ -64,7 +64,7 @@ class ActorSettings:
     bf16: bool = False
     logits_chunk: int = 0  # LM-head tokens per chunk (0: from the vocabulary; -1: full logits)
     max_tokens_per_micro_batch: int = 0  # padded tokens per micro-batch (0: rows only)
-    packing: str = "off"  # auto | on | off: rows packed end to end (rlpost.train.packing)
+    packing: str = "off"  # auto | shared | on | off: rows packed end to end (train.packing)
     loss_params: dict[str, Any] = field(default_factory=dict)
     correction_params: dict[str, Any] = field(default_factory=dict)
     full_logits: bool = False  # the loss reads the whole [B, T, V] logits (gkd)
@@ -277,6 +277,7 @@ class PolicyTrainer:
             self.s.epochs,
             self.shuffle,
             lambda rows: self._step(on_device, rows, beta, own_old),
+            groups=self.packed.groups(batch),
         )
         if own_old:
             self.ranks.sum_tensor(on_device.old_logprobs)  # each row was filled on one rank only
@@ -314,7 +315,10 @@ class PolicyTrainer:
         budget = self.s.max_tokens_per_micro_batch
         if budget > 0:  # one rank (a rule refuses it with data-parallel trainers)
             lens = batch.lengths()
-            micros = budget_slices(rows, *lens, self.s.micro_batch_size, budget, packed=self.packed)
+            micros = budget_slices(
+                rows, *lens, self.s.micro_batch_size, budget,
+                packed=self.packed, groups=self.packed.groups(batch),
+            )  # fmt: skip
         else:
             micros = self.ranks.micro_slices(rows, self.s.micro_batch_size)
         outcome = optimizer_step(

@@ -23,7 +23,7 @@ from rlpost.train.lm_head import (
     split_head,
 )
 from rlpost.train.optim import budget_slices
-from rlpost.train.packing import pack_rows, packed_forward
+from rlpost.train.packing import Pack, line_tokens, pack_rows, packed_forward
 from rlpost.types import Completion
 
 
@@ -205,14 +205,15 @@ FULL_LOGITS = -1
 
 
 def response_hidden(
-    model: torch.nn.Module, batch: TrainBatch, chunk: int = 0, packed: bool = False
+    model: torch.nn.Module, batch: TrainBatch, chunk: int = 0, packed: Pack = Pack.PADDED
 ):
     """(hidden [N, H] of the real response tokens, their targets [N], where [B, T] bool, head),
     or None when the model's head cannot be split off (:func:`split_head`) or the logits
     fit one chunk (:func:`needs_chunks`).
 
     Padding positions are left out: the head never runs on them. ``packed``: the decoder
-    runs on the rows packed end to end (:mod:`rlpost.train.packing`), not padded."""
+    runs on the rows packed end to end (:mod:`rlpost.train.packing`), not padded; with
+    :attr:`Pack.SHARED`, the rows of one prompt after a single copy of it."""
     split = split_head(model)
     T = batch.responses.shape[1]
     tokens = int(batch.attention_mask[:, -T:].sum()) if packed else len(batch) * T
@@ -222,7 +223,7 @@ def response_hidden(
     # The lookup adds its gradient into the (tied) weight's own: lm_head.grad_sink.
     embed = decoder.get_input_embeddings()
     if packed:
-        rows = pack_rows(batch)
+        rows = pack_rows(batch, line_tokens(model), shared=packed == Pack.SHARED)
         embeds = embed_tokens(embed, rows.input_ids)
         hidden = rows.gather(packed_forward(decoder, rows, inputs_embeds=embeds).last_hidden_state)
         return hidden, rows.targets, rows.where, head
@@ -237,13 +238,13 @@ def response_hidden(
     return hidden, batch.responses[where], where, head
 
 
-def _full_logits(model: torch.nn.Module, batch: TrainBatch, packed: bool):
+def _full_logits(model: torch.nn.Module, batch: TrainBatch, packed: Pack):
     """(logits [..., V], their targets [...], a function that lays [...] values out as
     [B, T]): the padded ``[B, T, V]`` logits, or packed the ``[1, N, V]`` of the real
     response tokens alone."""
     if not packed:
         return response_logits(model, batch), batch.responses, lambda v: v
-    rows = pack_rows(batch)
+    rows = pack_rows(batch, line_tokens(model), shared=packed == Pack.SHARED)
     if keeps_logits(model) and len(rows.input_ids) == 1:  # the head on the responses only
         logits = packed_forward(model, rows, logits_to_keep=rows.at).logits
     else:
@@ -258,7 +259,7 @@ def response_logprobs(
     *,
     with_entropy: bool = False,
     chunk: int = 0,
-    packed: bool = False,
+    packed: Pack = Pack.PADDED,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs [B, T], entropy [B, T] or None) of the responses, float32, differentiable.
 
@@ -288,7 +289,7 @@ def response_sum_pi_squared(
     temperature: float,
     *,
     chunk: int = 0,
-    packed: bool = False,
+    packed: Pack = Pack.PADDED,
 ) -> torch.Tensor:
     """``[B, T]`` ``sum_v pi(v)^2`` at each response position (no gradient; 0 on padding)."""
     split = None if chunk == FULL_LOGITS else response_hidden(model, batch, chunk, packed)
@@ -314,7 +315,7 @@ def compute_logprobs(
     micro_batch_size: int,
     chunk: int = 0,
     max_tokens: int = 0,
-    packed: bool = False,
+    packed: Pack = Pack.PADDED,
 ) -> torch.Tensor:
     """Per-token logprobs [B, T] of the batch's responses under ``model`` (no gradient);
     ``max_tokens`` > 0 cuts the passes by a token budget (:func:`score_rows`); ``packed``:
@@ -336,7 +337,7 @@ def score_rows(
     *,
     micro_batch_size: int,
     max_tokens: int = 0,
-    packed: bool = False,
+    packed: Pack = Pack.PADDED,
 ):
     """``fn(micro) -> [b, T]`` over micro-batches of ``batch`` in eval mode, as ``[B, T]``.
 
@@ -346,11 +347,15 @@ def score_rows(
     was_training = model.training
     model.eval()
     device = model_device(model)
-    rows = torch.arange(len(batch))
+    groups = Pack(packed).groups(batch)
+    # With shared prompts a group's rows go together (their prompt runs once).
+    rows = torch.arange(len(batch)) if groups is None else torch.sort(groups, stable=True).indices
     T = batch.responses.shape[1]
     out = None
     lens = batch.lengths()
-    for idx in budget_slices(rows, *lens, micro_batch_size, max_tokens, packed=packed):
+    for idx in budget_slices(
+        rows, *lens, micro_batch_size, max_tokens, packed=packed, groups=groups
+    ):
         pace()  # the cores a co-located rollout process lends: observe.threads
         mb = batch.select(idx)
         mb = (mb.trimmed() if max_tokens > 0 else mb).to(device)

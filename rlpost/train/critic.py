@@ -28,7 +28,7 @@ from rlpost.algos.value import value_loss
 from rlpost.train.actor import ActorSettings, bf16_autocast, build_optimizer
 from rlpost.train.batch import TrainBatch, model_device, pad_responses
 from rlpost.train.optim import budget_slices, minibatch_updates, optimizer_step
-from rlpost.train.packing import pack_rows, resolve_packing
+from rlpost.train.packing import Pack, line_tokens, pack_rows, resolve_packing
 
 HEAD_FILE = "value_head.safetensors"
 
@@ -67,7 +67,8 @@ class ValueModel(nn.Module):
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Values ``[B, L]`` float32: entry ``l`` is the value of the prefix ``input_ids[:, : l + 1]``
-        (no ``attention_mask``: rows packed, their boundaries set by ``position_ids``)."""
+        (``attention_mask`` None: rows packed, their boundaries set by ``position_ids``; or
+        the 4-D mask of packed rows that share prompts)."""
         out = self.backbone(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -100,7 +101,7 @@ class ValueModel(nn.Module):
         return cls(backbone, head)
 
 
-def response_values(value_model: ValueModel, batch: TrainBatch, packed: bool = False):
+def response_values(value_model: ValueModel, batch: TrainBatch, packed: Pack = Pack.PADDED):
     """Values ``[B, T]`` aligned with the responses, with gradient.
 
     Entry ``t`` is the value of the state before response token ``t`` (prompt
@@ -110,8 +111,9 @@ def response_values(value_model: ValueModel, batch: TrainBatch, packed: bool = F
     ``response_mask``.
     """
     if packed:
-        rows = pack_rows(batch)
-        return rows.scatter(rows.gather(value_model(rows.input_ids, None, rows.position_ids)))
+        rows = pack_rows(batch, line_tokens(value_model.backbone), shared=packed == Pack.SHARED)
+        mask = rows.attention(value_model.backbone)
+        return rows.scatter(rows.gather(value_model(rows.input_ids, mask, rows.position_ids)))
     values = value_model(batch.input_ids, batch.attention_mask, batch.position_ids)
     P = batch.prompt_width
     return values[:, P - 1 : -1]
@@ -183,7 +185,10 @@ class CriticTrainer:
         """Row ids of ``batch``'s micro-batches: by rows, or by the token budget."""
         rows, budget = torch.arange(len(batch)), self.s.max_tokens_per_micro_batch
         lens = batch.lengths()
-        return budget_slices(rows, *lens, self.s.micro_batch_size, budget, packed=self.packed)
+        return budget_slices(
+            rows, *lens, self.s.micro_batch_size, budget,
+            packed=self.packed, groups=self.packed.groups(batch),
+        )  # fmt: skip
 
     def _micro(self, micro: TrainBatch) -> TrainBatch:
         """A micro-batch under a token budget is trimmed to its own widths."""
@@ -205,6 +210,7 @@ class CriticTrainer:
             self.s.epochs,
             self.shuffle,
             lambda rows: self._step(batch.select(rows).to(model_device(self.model))),
+            groups=self.packed.groups(batch),
         )
         out["critic_updates"] = out.pop("updates")
         out["critic_lr"] = self.optimizer.param_groups[0]["lr"]

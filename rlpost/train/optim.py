@@ -126,16 +126,19 @@ def minibatch_updates(
     epochs: int,
     shuffle: torch.Generator,
     step: Callable[[torch.Tensor], dict[str, float]],
+    groups: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """``epochs`` passes of shuffled mini-batches of row indices, ``step(rows)`` on each.
 
+    ``groups`` ``[num_rows]``: the groups are shuffled, not the rows, so a group's rows stay
+    together (their prompt then runs once: :class:`rlpost.train.packing.Pack`).
     Returns the mean of each statistic over the optimizer steps and ``updates``,
     their count.
     """
     sums: dict[str, float] = {}
     updates = 0
     for _ in range(epochs):
-        order = torch.randperm(num_rows, generator=shuffle)
+        order = shuffled_rows(num_rows, shuffle, groups)
         for lo in range(0, num_rows, mini_batch_size):
             for k, v in step(order[lo : lo + mini_batch_size]).items():
                 sums[k] = sums.get(k, 0.0) + v
@@ -143,6 +146,18 @@ def minibatch_updates(
     out = {k: v / max(updates, 1) for k, v in sums.items()}
     out["updates"] = float(updates)
     return out
+
+
+def shuffled_rows(
+    num_rows: int, shuffle: torch.Generator, groups: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A random order of ``num_rows`` rows; with ``groups``, a random order of the groups,
+    each group's rows together and in their own order."""
+    if groups is None:
+        return torch.randperm(num_rows, generator=shuffle)
+    ids, inverse = torch.unique(groups, return_inverse=True)
+    place = torch.randperm(len(ids), generator=shuffle)[inverse]
+    return torch.sort(place * num_rows + torch.arange(num_rows)).indices
 
 
 def micro_slices(rows: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
@@ -157,30 +172,47 @@ def budget_slices(
     micro_batch_size: int,
     max_tokens: int,
     *,
-    packed: bool = False,
+    packed: int = 0,
+    groups: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """``rows`` cut into micro-batches of at most ``micro_batch_size`` rows whose padded size,
     rows x (longest prompt + longest response among them), stays within ``max_tokens``;
-    ``packed``: whose real tokens, the sum of their lengths, do (the rows run packed end to
-    end, :mod:`rlpost.train.packing`).
+    ``packed`` (a :class:`rlpost.train.packing.Pack`): whose real tokens, the sum of their
+    lengths, do (the rows run packed end to end, :mod:`rlpost.train.packing`).
 
     ``prompt_lens``/``response_lens`` [B] are indexed by row id. Rows go longest first, so
     rows of like length share a micro-batch and one long row does not set the shape of the
     others (verl's dynamic batch size, slime's max tokens per GPU); a row longer than the
-    budget is a micro-batch of its own. ``max_tokens <= 0``: :func:`micro_slices`."""
+    budget is a micro-batch of its own. ``groups`` [B] (with shared prompts): the groups go
+    longest first, a group's rows together, and a micro-batch counts a group's prompt once.
+    ``max_tokens <= 0``: :func:`micro_slices`."""
     if max_tokens <= 0:
         return micro_slices(rows, micro_batch_size)
-    order = sorted(rows.tolist(), key=lambda r: -(int(prompt_lens[r]) + int(response_lens[r])))
+    length = {r: int(prompt_lens[r]) + int(response_lens[r]) for r in rows.tolist()}
+    if groups is None:
+        order = sorted(length, key=lambda r: -length[r])
+    else:
+        longest: dict[int, int] = {}
+        for r, n in length.items():
+            g = int(groups[r])
+            longest[g] = max(longest.get(g, 0), n)
+        order = sorted(length, key=lambda r: (-longest[int(groups[r])], int(groups[r]), -length[r]))
     out: list[list[int]] = []
+    seen: set[int] = set()  # the groups whose prompt this micro-batch already counts
     widest_p = widest_r = total = 0
     for r in order:
         pr, tr = int(prompt_lens[r]), int(response_lens[r])
         p, t = max(widest_p, pr), max(widest_r, tr)
-        size = total + pr + tr if packed else (len(out[-1]) + 1 if out else 1) * (p + t)
+        shares = groups is not None and int(groups[r]) in seen
+        real = (0 if shares else pr) + tr
+        size = total + real if packed else (len(out[-1]) + 1 if out else 1) * (p + t)
         full = out and len(out[-1]) >= micro_batch_size
         if not out or full or size > max_tokens:
             out.append([])
-            p, t, total = pr, tr, 0
+            p, t, total, real = pr, tr, 0, pr + tr
+            seen.clear()
         out[-1].append(r)
-        widest_p, widest_r, total = p, t, total + pr + tr
+        if groups is not None:
+            seen.add(int(groups[r]))
+        widest_p, widest_r, total = p, t, total + real
     return [torch.tensor(m, dtype=rows.dtype) for m in out]

@@ -4,9 +4,9 @@ A padded micro-batch is ``[b, P + T]`` wide, set by its longest prompt and longe
 response; with responses of mixed lengths most of it can be padding, and every
 layer (and the LM head, on the padded response columns) computes on it. Packed,
 the real tokens of the ``b`` rows are laid end to end, ``N`` tokens in all, in as
-few sequences of :data:`LINE_TOKENS` as they fit, and the position ids restart at 0
-at each row, so each row sees
-the positions it has alone (verl's remove-padding, slime's and TRL's packing).
+few sequences of :func:`line_tokens` as they fit, and the position ids restart at 0
+at each row, so each row sees the positions it has alone (verl's remove-padding,
+slime's and TRL's packing).
 
 Attention must not cross rows. transformers (5.x) reads the restarts itself: with
 no 2-D attention mask and no cache, ``masking_utils`` turns ``position_ids`` into a
@@ -17,14 +17,27 @@ with its own mask code, a recurrent layer) would let rows see each other, so
 same rows alone. Where it fails the trainer pads, and says so in one line.
 
 The sdpa and eager masks are dense ``[W, W]`` per sequence: attention costs ``W^2``
-instead of ``sum_i L_i^2``, which :data:`LINE_TOKENS` bounds; small beside the MLP and
-the LM head, and the price of not computing on padding anywhere else.
+instead of ``sum_i L_i^2``. :func:`line_tokens` sets ``W`` from the model's widths so
+that this stays a small share of the layers' matmuls (a wider sequence saves nothing:
+the rows' tokens are the same, only fewer sequences hold them).
+
+Shared prompts (:attr:`Pack.SHARED`): the rows of a GRPO group have one prompt, and a
+causal model's outputs over it are the same in every row. So the group runs as one
+segment, its prompt once and then each row's response, the responses' positions going
+on from the prompt's end, under a mask that lets each response see the prompt and
+itself, never a sibling (the shared-prefix forward of Prefix Grouper, arXiv 2506.05433).
+The numbers are the rows' own within float rounding; the gradient reaching the prompt
+is the sum over its rows, as autograd gives it through the copies. A group of G rows
+with prompts of p tokens and responses of r costs p + G r tokens instead of G (p + r).
+The masks are custom, so transformers is handed them as they are (a bool ``[k, 1, W, W]``
+for sdpa, an additive one for eager); other attentions take the rows packed alone.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any
 
 import torch
@@ -32,15 +45,50 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-PACKING_MODES = ("auto", "on", "off")
+PACKING_MODES = ("auto", "shared", "on", "off")
 
 # Attention implementations whose masks transformers builds from packed position ids.
 _PACKED_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+# ... and those that read a custom 4-D mask as it is given (shared prompts).
+_MASKED_ATTENTION = ("sdpa", "eager")
+
+
+class Pack(IntEnum):
+    """How a trainer pass lays its rows out (false only for the padded layout)."""
+
+    PADDED = 0
+    ROWS = 1  # the rows end to end
+    SHARED = 2  # ... and the rows with one prompt after a single copy of it
+
+    def groups(self, batch: Any) -> Tensor | None:
+        """``batch.group`` when rows share prompts, for the shuffles and token budgets to
+        keep each group's rows together (:mod:`rlpost.train.optim`); else None."""
+        return batch.group if self is Pack.SHARED else None
 
 
 LINE_TOKENS = 2048
-"""Tokens per packed sequence: the rows go into as few sequences of this length as they fit
-(a longer row is a sequence of its own). It bounds the dense ``[N, N]`` attention mask."""
+"""The most tokens a packed sequence holds (a longer row is a sequence of its own). It
+bounds the dense ``[W, W]`` attention mask."""
+
+ATTENTION_SHARE = 0.05
+"""What the dense mask's wasted attention may cost beside a layer's matmuls: a sequence of
+``W`` tokens computes ``W`` keys for every query, about ``4 H W`` FLOPs a token against the
+layer's ``2 (4 H^2 + 3 H I)``, so :func:`line_tokens` keeps ``W`` near this share of that."""
+
+
+def line_tokens(model: torch.nn.Module) -> int:
+    """The width of ``model``'s packed sequences: the longest one whose dense attention
+    stays within :data:`ATTENTION_SHARE` of a layer's matmuls (a 512-wide model: ~170
+    tokens; 4096-wide with 11008 in the MLP: ~1,200), at most :data:`LINE_TOKENS`. A
+    longer row is a sequence of its own, so the rows cost what they would alone, padding
+    aside."""
+    cfg = getattr(_base(model), "config", None)
+    hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+    inner = int(getattr(cfg, "intermediate_size", 0) or 4 * hidden)
+    if hidden <= 0:
+        return LINE_TOKENS
+    per_token = 2 * (4 * hidden * hidden + 3 * hidden * inner)
+    return max(1, min(LINE_TOKENS, round(ATTENTION_SHARE * per_token / (4 * hidden))))
 
 
 @dataclass(frozen=True)
@@ -59,6 +107,18 @@ class PackedRows:
     at: Tensor
     where: Tensor
     targets: Tensor
+    mask: Tensor | None = None
+    """``[k, 1, W, W]`` bool, True where a query may attend a key, when rows share a
+    prompt; None: the position ids' restarts set the boundaries."""
+
+    def attention(self, module: torch.nn.Module) -> Tensor | None:
+        """:attr:`mask` in the form ``module``'s attention reads: eager adds it to the
+        scores, sdpa takes the bool (both pass a 4-D mask through as it is)."""
+        if self.mask is None or _attn_implementation(module) != "eager":
+            return self.mask
+        dtype = next(module.parameters()).dtype
+        zero = torch.zeros((), dtype=dtype, device=self.mask.device)
+        return zero.masked_fill(~self.mask, torch.finfo(dtype).min)
 
     def gather(self, out: Tensor) -> Tensor:
         """The ``[k, W, ...]`` outputs at :attr:`at`: ``[n, ...]``."""
@@ -84,56 +144,90 @@ def _lines(lengths: list[int], line_tokens: int) -> list[list[int]]:
     return lines
 
 
-def pack_rows(batch: Any, line_tokens: int = 0) -> PackedRows:
+def pack_rows(batch: Any, line_tokens: int = 0, shared: bool = False) -> PackedRows:
     """:class:`PackedRows` of ``batch``, a :class:`rlpost.train.batch.TrainBatch` (not
     imported: that module imports this one; prompts left-, responses right-padded),
-    in sequences of ``line_tokens`` (0: :data:`LINE_TOKENS`)."""
-    line_tokens = line_tokens if line_tokens > 0 else LINE_TOKENS
+    in sequences of ``line_tokens`` (0: :data:`LINE_TOKENS`; a model's: :func:`line_tokens`).
+    ``shared``: rows whose prompts are the same tokens run it once (the module's docstring)."""
+    line_tokens = min(line_tokens, LINE_TOKENS) if line_tokens > 0 else LINE_TOKENS
     keep = batch.attention_mask.bool()
     P = batch.prompt_width
-    lengths = keep.sum(-1).tolist()
     prompt_lens = keep[:, :P].sum(-1).tolist()
     where = keep[:, P:]
-    lines = _lines(lengths, line_tokens)
-    width = max(sum(lengths[i] for i in line) for line in lines)
+    response_lens = where.sum(-1).tolist()
+    units = _same_prompts(batch.input_ids[:, :P], prompt_lens) if shared else None
+    units = units or [[i] for i in range(len(prompt_lens))]
+    sizes = [prompt_lens[u[0]] + sum(response_lens[i] for i in u) for u in units]
+    lines = _lines(sizes, line_tokens)
+    width = max(sum(sizes[u] for u in line) for line in lines)
     ids = batch.input_ids.new_zeros((len(lines), width))
     pos = torch.zeros_like(ids)
-    start = [0] * len(lengths)
+    # Which unit (a row, or rows sharing a prompt) and which part of it (0: the prompt,
+    # 1 + j: its j-th row's response) each place holds; the tail of a line is a unit alone.
+    unit_of = torch.full_like(ids, -1)
+    part_of = torch.zeros_like(ids)
+    first = [0] * len(prompt_lens)  # where the output that predicts row i's first token sits
+    rest = [0] * len(prompt_lens)  # where row i's own response tokens start
     for j, line in enumerate(lines):
         offset = 0
-        for i in line:
-            n = lengths[i]
-            ids[j, offset : offset + n] = batch.input_ids[i][keep[i]]
-            start[i] = j * width + offset
-            offset += n
-        pos[j] = _restarts([lengths[i] for i in line] + [width - offset], ids.device)
-    # Row i's token c (of its real ones) sits at start + c, and the output there predicts
-    # token c + 1: the response's at start + prompt - 1 + t.
-    response_lens = where.sum(-1).tolist()
+        for u in line:
+            p, lead = prompt_lens[units[u][0]], units[u][0]
+            ids[j, offset : offset + p] = batch.input_ids[lead, P - p : P]
+            pos[j, offset : offset + p] = torch.arange(p)
+            unit_of[j, offset : offset + sizes[u]] = u
+            base = offset + p
+            for slot, i in enumerate(units[u]):
+                r = response_lens[i]
+                ids[j, base : base + r] = batch.input_ids[i, P : P + r]
+                pos[j, base : base + r] = torch.arange(p, p + r)
+                part_of[j, base : base + r] = slot + 1
+                first[i], rest[i] = j * width + offset + p - 1, j * width + base
+                base += r
+            offset += sizes[u]
+        tail = width - offset
+        pos[j, offset:] = torch.arange(tail)
+        unit_of[j, offset:] = -1 - j
+    # Row i's token 0 is predicted at the prompt's last place, its token t > 0 at the
+    # place of its own token t - 1.
     at = torch.cat(
         [
-            torch.arange(r, device=ids.device) + (start[i] + prompt_lens[i] - 1)
+            torch.cat([torch.tensor([first[i]]), torch.arange(rest[i], rest[i] + r - 1)])
             for i, r in enumerate(response_lens)
+            if r > 0
         ]
-    )
-    return PackedRows(ids, pos, at, where, batch.responses[where])
+        or [torch.zeros(0, dtype=torch.long)]
+    ).to(ids.device)
+    mask = None
+    if any(len(u) > 1 for u in units):
+        same = unit_of[:, :, None] == unit_of[:, None, :]
+        sees = (part_of[:, None, :] == 0) | (part_of[:, None, :] == part_of[:, :, None])
+        causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril()
+        mask = (same & sees & causal)[:, None]
+    return PackedRows(ids, pos, at, where, batch.responses[where], mask)
 
 
-def _restarts(lengths: list[int], device) -> Tensor:
-    """Positions ``0 .. n - 1`` of each length, end to end."""
-    return torch.cat([torch.arange(n, device=device) for n in lengths])
+def _same_prompts(prompts: Tensor, prompt_lens: list[int]) -> list[list[int]] | None:
+    """Row ids grouped by identical real prompt tokens (left-padded ``prompts [b, P]``), in
+    the order of each group's first row; None when no two rows share a prompt."""
+    P = prompts.shape[1]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, row in enumerate(prompts.tolist()):
+        groups.setdefault(tuple(row[P - prompt_lens[i] :]), []).append(i)
+    if len(groups) == len(prompt_lens):
+        return None
+    return list(groups.values())
 
 
 def packed_forward(module: torch.nn.Module, packed: PackedRows, inputs_embeds=None, **extra):
     """``module`` (a causal LM or its decoder) on the packed sequences (or their
-    ``inputs_embeds``): no attention mask, so the position ids' restarts set the rows'
-    boundaries."""
+    ``inputs_embeds``): the shared prompts' mask, or none, so that the position ids'
+    restarts set the rows' boundaries."""
     ids = {"input_ids": packed.input_ids} if inputs_embeds is None else {}
     return module(
         **ids,
         inputs_embeds=inputs_embeds,
         position_ids=packed.position_ids,
-        attention_mask=None,
+        attention_mask=packed.attention(module),
         use_cache=False,
         **extra,
     )
@@ -143,70 +237,90 @@ def _base(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def pack_reason(model: torch.nn.Module) -> str | None:
-    """None when ``model``'s passes may be packed, else why not (one phrase)."""
+def pack_reason(model: torch.nn.Module, shared: bool = False) -> str | None:
+    """None when ``model``'s passes may be packed (``shared``: with shared prompts), else
+    why not (one phrase)."""
     base = _base(model)
-    cfg = getattr(base, "config", None)
-    impl = getattr(cfg, "_attn_implementation", None)
-    if impl not in _PACKED_ATTENTION:
-        return f"attention implementation {impl!r} does not read packed position ids"
-    key = (type(base), impl)
+    impl = _attn_implementation(base)
+    if impl not in (_MASKED_ATTENTION if shared else _PACKED_ATTENTION):
+        what = "a custom 4-D mask" if shared else "packed position ids"
+        return f"attention implementation {impl!r} does not read {what}"
+    key = (type(base), impl, shared)
     if key not in _PROBED:
-        _PROBED[key] = _probe(base)
+        _PROBED[key] = _probe(base, shared)
     return _PROBED[key]
 
 
-_PROBED: dict[tuple[type, str], str | None] = {}
+_PROBED: dict[tuple[type, str, bool], str | None] = {}
+
+
+def _attn_implementation(module: torch.nn.Module) -> str | None:
+    return getattr(getattr(_base(module), "config", None), "_attn_implementation", None)
 
 
 @torch.no_grad()
-def _probe(model: torch.nn.Module) -> str | None:
-    """Two rows packed against the same rows alone: the outputs must agree."""
+def _probe(model: torch.nn.Module, shared: bool) -> str | None:
+    """Three rows, two of one prompt, packed against each row alone: the outputs that
+    predict the responses must agree."""
+    from types import SimpleNamespace
+
     decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else model
     vocab = int(getattr(model.config, "vocab_size", 2) or 2)
     device = next(model.parameters()).device
-    rows = [torch.arange(1, 6, device=device) % vocab, torch.arange(7, 11, device=device) % vocab]
+    rows = [([1, 2, 3, 4], [5, 6, 7]), ([1, 2, 3, 4], [8, 9, 10]), ([11, 12], [13, 14, 15])]
+    width = max(len(p) for p, _ in rows)  # a TrainBatch's layout: prompts left-padded
+
+    def tensor(values):
+        return torch.tensor(values, device=device) % vocab
+
+    ids = tensor([[0] * (width - len(p)) + p + r for p, r in rows])
+    probe = SimpleNamespace(
+        input_ids=ids,
+        attention_mask=tensor([[0] * (width - len(p)) + [1] * (len(p) + len(r)) for p, r in rows]),
+        prompt_width=width,
+        responses=ids[:, width:],
+    )
     was_training = model.training
     model.eval()
     try:
-        alone = [
-            decoder(input_ids=r[None], position_ids=torch.arange(len(r), device=device)[None],
-                    use_cache=False).last_hidden_state[0].float()
-            for r in rows
-        ]  # fmt: skip
-        ids = torch.cat(rows)[None]
-        pos = torch.cat([torch.arange(len(r), device=device) for r in rows])[None]
-        out = decoder(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False)
+        alone = []
+        for p, r in rows:
+            row = tensor(p + r)[None]
+            out = decoder(input_ids=row, position_ids=torch.arange(row.shape[1])[None],
+                          use_cache=False).last_hidden_state[0, len(p) - 1 : -1]  # fmt: skip
+            alone.append(out.float())
+        packed = pack_rows(probe, shared=shared)
+        got = packed.gather(packed_forward(decoder, packed).last_hidden_state).float()
     except (TypeError, ValueError, RuntimeError) as e:
         return f"its forward refused a packed sequence ({type(e).__name__}: {e})"
     finally:
         model.train(was_training)
-    packed, want = out.last_hidden_state[0].float(), torch.cat(alone)
+    want = torch.cat(alone)
     low_precision = next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
     tol = (5e-2 if low_precision else 1e-3) * (1.0 + float(want.abs().max()))
-    if float((packed - want).abs().max()) > tol:
+    if float((got - want).abs().max()) > tol:
         return f"{type(model).__name__} lets packed rows attend to each other"
     return None
 
 
-AUTO_MIN_VOCAB = 32_768
-"""``auto`` packs models with at least this vocabulary: real checkpoints (32k-152k), where
-padding costs the most; the built-in character vocabulary keeps its exact padded numbers."""
+def resolve_packing(mode: str, model: torch.nn.Module, *, sharded: bool = False) -> Pack:
+    """How the trainer lays out ``model``'s passes under ``train.packing=mode``.
 
-
-def resolve_packing(mode: str, model: torch.nn.Module, *, sharded: bool = False) -> bool:
-    """Whether the trainer packs ``model``'s passes under ``train.packing=mode``.
-
-    ``off``: never. ``on``: where the model can (:func:`pack_reason`). ``auto``: as ``on``
-    for a vocabulary of :data:`AUTO_MIN_VOCAB` or more, else never. Where the model cannot,
-    the trainer pads and one warning line says why."""
+    ``off``: padded. ``on``: rows packed where the model can (:func:`pack_reason`).
+    ``shared`` and ``auto``: packed with shared prompts where the model's attention reads
+    the mask, else as ``on``. Each step down says why in one warning line."""
     if mode not in PACKING_MODES:
         raise ValueError(f"train.packing={mode}: unknown; use one of {', '.join(PACKING_MODES)}")
-    vocab = int(getattr(getattr(_base(model), "config", None), "vocab_size", 0) or 0)
-    if mode == "off" or (mode == "auto" and vocab < AUTO_MIN_VOCAB):
-        return False
+    if mode == "off":
+        return Pack.PADDED
     reason = "data-parallel ranks cut micro-batches by rows" if sharded else pack_reason(model)
     if reason is not None:
         log.warning("train.packing=%s: padding instead, %s", mode, reason)
-        return False
-    return True
+        return Pack.PADDED
+    if mode == "on":
+        return Pack.ROWS
+    reason = pack_reason(model, shared=True)
+    if reason is not None:
+        log.warning("train.packing=%s: rows packed, each with its own prompt, %s", mode, reason)
+        return Pack.ROWS
+    return Pack.SHARED
