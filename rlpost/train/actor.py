@@ -42,7 +42,7 @@ from rlpost.train.batch import (
 )
 from rlpost.train.layout import PlainLayout, SingleRank, WeightLayout
 from rlpost.train.optim import SlicedAdamW, budget_slices, minibatch_updates, optimizer_step
-from rlpost.train.packing import resolve_packing
+from rlpost.train.packing import SHARING_MODES, resolve_packing
 
 
 @dataclass
@@ -181,6 +181,7 @@ class PolicyTrainer:
         # Decided once: the rows of every pass run packed, or padded where the model cannot.
         sharded = not isinstance(self.ranks, SingleRank)
         self.packed = resolve_packing(settings.packing, model, sharded=sharded)
+        self.whole_groups = settings.packing in SHARING_MODES  # mini-batches of whole groups
         self.lr_scale = LRScale()
         self.optimizer, self.scheduler = build_optimizer(model, settings, self.lr_scale)
         self.shuffle = torch.Generator().manual_seed(seed + 7)
@@ -277,7 +278,7 @@ class PolicyTrainer:
             self.s.epochs,
             self.shuffle,
             lambda rows: self._step(on_device, rows, beta, own_old),
-            groups=self.packed.groups(batch),
+            groups=batch.group if self.whole_groups else None,
         )
         if own_old:
             self.ranks.sum_tensor(on_device.old_logprobs)  # each row was filled on one rank only

@@ -28,7 +28,7 @@ from rlpost.algos.value import value_loss
 from rlpost.train.actor import ActorSettings, bf16_autocast, build_optimizer
 from rlpost.train.batch import TrainBatch, model_device, pad_responses
 from rlpost.train.optim import budget_slices, minibatch_updates, optimizer_step
-from rlpost.train.packing import Pack, line_tokens, pack_rows, resolve_packing
+from rlpost.train.packing import SHARING_MODES, Pack, line_tokens, pack_rows, resolve_packing
 
 HEAD_FILE = "value_head.safetensors"
 
@@ -160,6 +160,7 @@ class CriticTrainer:
             packing=packing,
         )
         self.packed = resolve_packing(packing, value_model.backbone)
+        self.whole_groups = packing in SHARING_MODES  # mini-batches of whole groups
         self.clip_range = clip_range
         self.optimizer, self.scheduler = build_optimizer(value_model, self.s)
         # Its own stream, offset from the actor's, so the two shuffles are independent.
@@ -210,7 +211,7 @@ class CriticTrainer:
             self.s.epochs,
             self.shuffle,
             lambda rows: self._step(batch.select(rows).to(model_device(self.model))),
-            groups=self.packed.groups(batch),
+            groups=batch.group if self.whole_groups else None,
         )
         out["critic_updates"] = out.pop("updates")
         out["critic_lr"] = self.optimizer.param_groups[0]["lr"]

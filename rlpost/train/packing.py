@@ -46,6 +46,10 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 PACKING_MODES = ("auto", "shared", "on", "off")
+SHARING_MODES = ("auto", "shared")
+"""The modes whose mini-batches shuffle whole groups (:func:`rlpost.train.optim.shuffled_rows`),
+so that a group's prompt can run once. The shuffle follows the mode, not what the model
+allows, so every layout of a run (data-parallel ranks pad) draws the same mini-batches."""
 
 # Attention implementations whose masks transformers builds from packed position ids.
 _PACKED_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
