@@ -21,6 +21,7 @@ from transformers import DynamicCache
 
 from rlpost.rollout.protocol import SamplingParams, TokenRate, sample_tokens
 from rlpost.train.batch import keeps_logits
+from rlpost.train.lm_head import serve_head
 from rlpost.types import Completion
 
 
@@ -37,7 +38,7 @@ class HFEngine(TokenRate):
         seed: int = 0,
         version: int = 0,
     ) -> None:
-        self.model = model
+        self.model = serve_head(model)  # the decode step's head on the faster kernel
         self.model.eval()
         self.tokenizer = tokenizer
         self.batch_size = batch_size

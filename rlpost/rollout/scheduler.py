@@ -45,6 +45,7 @@ from rlpost.rollout import prefix_cache as pc
 from rlpost.rollout.admission import FairQueue
 from rlpost.rollout.prefix_cache import LayerKV, PrefixCache
 from rlpost.rollout.protocol import LogitAdjust, SamplingParams, adjust_logits, sample_tokens
+from rlpost.train.lm_head import serve_head
 from rlpost.types import FinishReason
 
 TRIM_COLUMNS = 16  # drop all-padding KV columns once this many have piled up
@@ -175,7 +176,7 @@ class Scheduler:
         version: int = 0,
         max_model_len: int | None = None,
     ) -> None:
-        self.model = model.eval()
+        self.model = serve_head(model).eval()  # the decode step's head on the faster kernel
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()

@@ -97,6 +97,66 @@ def compute_dtype(weight: Tensor) -> torch.dtype:
     return weight.dtype
 
 
+ONEDNN_MIN_VOCAB = 32_768
+"""Heads of at least this many tokens take oneDNN's float32 kernel on CPU (:func:`head_linear`);
+a smaller head keeps torch's, so the toy vocabularies keep their exact numbers."""
+
+
+@functools.cache
+def _onednn_linear() -> bool:
+    """Whether oneDNN's linear runs in this torch build and agrees with torch's (once)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        x, w = torch.randn(3, 8), torch.randn(5, 8)
+        got = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    except (AttributeError, RuntimeError):
+        return False
+    return bool(torch.allclose(got, x @ w.t(), rtol=1e-4, atol=1e-5))
+
+
+def head_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ weight.T + bias`` for an LM head ``weight [V, H]`` and ``x [..., H]``.
+
+    On CPU in float32 with a vocabulary of :data:`ONEDNN_MIN_VOCAB` or more and no gradient
+    wanted, oneDNN's linear (the kernel torch's compiler fuses linears into) rather than
+    MKL's sgemm, which runs the head's skinny shapes poorly: ``[32-220, 256] x [256,
+    151,936]`` went 1.25-1.8x faster (2 threads, AVX2 CPU, docs/performance.md). Elsewhere
+    torch's own."""
+    if _onednn_head(x, weight):
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+    return nn.functional.linear(x, weight, bias)
+
+
+def _onednn_head(x: Tensor, weight: Tensor) -> bool:
+    wanted = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return (
+        x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and weight.shape[0] >= ONEDNN_MIN_VOCAB
+        and not wanted
+        and _onednn_linear()
+    )
+
+
+class ServingHead(nn.Linear):
+    """An engine's LM head: :func:`head_linear` (the same weights, the same state dict)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return head_linear(x, self.weight, self.bias)
+
+
+def serve_head(model: nn.Module) -> nn.Module:
+    """``model`` with its output head (a plain ``nn.Linear``) turned into a
+    :class:`ServingHead` in place: the module keeps its parameters (and their ties)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is nn.Linear:
+        head.__class__ = ServingHead  # forward alone differs; a copy or pickle keeps it
+    return model
+
+
 def _chunk_logits(
     h: Tensor, weight: Tensor, bias: Tensor | None, tau: float, dtype, buf: Tensor | None = None
 ) -> Tensor:
@@ -105,7 +165,9 @@ def _chunk_logits(
     given (float32 compute). A pass reuses one buffer for all its chunks: a fresh
     ``[c, V]`` tensor is past glibc's largest mmap threshold (32 MiB), so every chunk
     would map, fault in and unmap it again, a fifth of the forward matmul's time."""
-    if buf is not None and dtype == torch.float32:
+    if dtype == torch.float32 and _onednn_head(h, weight):  # a fresh [c, V] (no out= form)
+        z = head_linear(h.float(), weight, bias)
+    elif buf is not None and dtype == torch.float32:
         z = torch.mm(h.float(), weight.t(), out=buf[: h.shape[0]])
         if bias is not None:
             z += bias.float()

@@ -175,3 +175,95 @@ def test_auto_chunking_only_where_the_logits_exceed_a_chunk(monkeypatch):
     chunked, _ = response_logprobs(model, batch, 1.0)
     assert not torch.equal(chunked[~real], full[~real])  # padding left out: 0 there
     torch.testing.assert_close(chunked[real], full[real], atol=1e-5, rtol=1e-5)
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """The names of the ops that run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def _ran_onednn(fn) -> bool:
+    with _Ops() as ops:
+        fn()
+    return "mkldnn._linear_pointwise" in ops.names
+
+
+def test_head_linear_takes_onednn_for_a_large_vocabulary_without_a_gradient():
+    from rlpost.train import lm_head
+
+    torch.manual_seed(0)
+    x, big = torch.randn(5, 16), torch.randn(lm_head.ONEDNN_MIN_VOCAB, 16)
+    small, bias = big[:300].clone(), torch.randn(300)
+    want = torch.nn.functional.linear(x, big)
+    if not lm_head._onednn_linear():  # a torch build without oneDNN: torch's own, exactly
+        assert torch.equal(lm_head.head_linear(x, big), want)
+        return
+    assert _ran_onednn(lambda: lm_head.head_linear(x, big))
+    torch.testing.assert_close(lm_head.head_linear(x[None], big)[0], want, atol=1e-5, rtol=1e-5)
+    # a small head, a gradient wanted, or another dtype: torch's kernel, the exact numbers
+    assert not _ran_onednn(lambda: lm_head.head_linear(x, small, bias))
+    assert torch.equal(lm_head.head_linear(x, small, bias), torch.nn.functional.linear(x, small, bias))
+    wanted = x.clone().requires_grad_()
+    assert not _ran_onednn(lambda: lm_head.head_linear(wanted, big))
+    assert not _ran_onednn(lambda: lm_head.head_linear(x.double(), big.double()))
+
+
+def test_the_chunked_head_on_onednn_matches_the_formula(monkeypatch):
+    """The formula test above with every head on oneDNN's kernel (forward and recompute)."""
+    from rlpost.train import lm_head
+
+    monkeypatch.setattr(lm_head, "ONEDNN_MIN_VOCAB", 1)
+    torch.manual_seed(3)
+    hidden = torch.randn(11, 8, requires_grad=True)
+    head = torch.nn.Linear(8, 50, bias=True)
+    targets = torch.randint(0, 50, (11,))
+    g_lp, g_ent = torch.randn(11), torch.randn(11)
+    run = lambda: head_logprobs(  # noqa: E731
+        hidden, head, targets, temperature=0.6, with_entropy=True, chunk=3
+    )
+    assert _ran_onednn(run) == lm_head._onednn_linear()
+    lp, ent = run()
+    (lp @ g_lp + ent @ g_ent).backward()
+    mine = hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()
+    hidden.grad, head.weight.grad, head.bias.grad = None, None, None
+    z = head(hidden) / 0.6
+    ref_lp = torch.log_softmax(z, -1).gather(-1, targets[:, None]).squeeze(-1)
+    ref_ent = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
+    (ref_lp @ g_lp + ref_ent @ g_ent).backward()
+    for a, b in zip(mine, (hidden.grad, head.weight.grad, head.bias.grad), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_serving_head_keeps_its_weights_ties_and_numbers(monkeypatch):
+    import copy
+    import pickle
+
+    from rlpost.train import lm_head
+
+    model = _model(True)
+    ids = torch.arange(1, 9)[None]
+    before = model(input_ids=ids).logits.detach()
+    keys = list(model.state_dict())
+    assert lm_head.serve_head(model) is model
+    assert type(model.lm_head) is lm_head.ServingHead
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the tie holds
+    assert list(model.state_dict()) == keys
+    assert torch.equal(model(input_ids=ids).logits, before)  # a 300-token head: torch's kernel
+    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert type(other.lm_head) is lm_head.ServingHead
+    monkeypatch.setattr(lm_head, "ONEDNN_MIN_VOCAB", 1)
+    with torch.no_grad():
+        assert _ran_onednn(lambda: model(input_ids=ids)) == lm_head._onednn_linear()
+        torch.testing.assert_close(model(input_ids=ids).logits, before, atol=1e-5, rtol=1e-5)
+    # the trainer's pass with a gradient keeps autograd's linear
+    model(input_ids=ids).logits.sum().backward()
+    assert model.lm_head.weight.grad is not None
