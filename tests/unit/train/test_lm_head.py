@@ -68,6 +68,24 @@ def _grads(model, fn, batch):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """The names of the ops that run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def _ran_onednn(fn) -> bool:
+    with _Ops() as ops:
+        fn()
+    return "mkldnn._linear_pointwise" in ops.names
+
+
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("chunk", [1, 4, 64])
 def test_chunked_matches_full_logits(tied, chunk):
@@ -93,13 +111,24 @@ def test_chunked_matches_full_logits(tied, chunk):
     assert full["model.embed_tokens.weight"].abs().max() > 1e-3
 
 
-def test_hidden_and_weight_gradients_against_autograd_of_the_formula():
+@pytest.mark.parametrize("onednn", [False, True])
+def test_hidden_and_weight_gradients_against_autograd_of_the_formula(onednn, monkeypatch):
+    """Also with every head on oneDNN's kernel (its forward and its recompute)."""
+    from rlpost.train import lm_head
+
+    if onednn:
+        monkeypatch.setattr(lm_head, "ONEDNN_MIN_VOCAB", 1)
     torch.manual_seed(3)
     hidden = torch.randn(11, 8, requires_grad=True)
     head = torch.nn.Linear(8, 50, bias=True)
     targets = torch.randint(0, 50, (11,))
     g_lp, g_ent = torch.randn(11), torch.randn(11)
-    lp, ent = head_logprobs(hidden, head, targets, temperature=0.6, with_entropy=True, chunk=3)
+
+    def run():
+        return head_logprobs(hidden, head, targets, temperature=0.6, with_entropy=True, chunk=3)
+
+    assert _ran_onednn(run) == (onednn and lm_head._onednn_linear())
+    lp, ent = run()
     (lp @ g_lp + ent @ g_ent).backward()
     mine = hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()
     hidden.grad, head.weight.grad, head.bias.grad = None, None, None
@@ -177,24 +206,6 @@ def test_auto_chunking_only_where_the_logits_exceed_a_chunk(monkeypatch):
     torch.testing.assert_close(chunked[real], full[real], atol=1e-5, rtol=1e-5)
 
 
-class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
-    """The names of the ops that run under it."""
-
-    def __init__(self):
-        super().__init__()
-        self.names: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
-def _ran_onednn(fn) -> bool:
-    with _Ops() as ops:
-        fn()
-    return "mkldnn._linear_pointwise" in ops.names
-
-
 def test_head_linear_takes_onednn_for_a_large_vocabulary_without_a_gradient():
     from rlpost.train import lm_head
 
@@ -213,34 +224,6 @@ def test_head_linear_takes_onednn_for_a_large_vocabulary_without_a_gradient():
     wanted = x.clone().requires_grad_()
     assert not _ran_onednn(lambda: lm_head.head_linear(wanted, big))
     assert not _ran_onednn(lambda: lm_head.head_linear(x.double(), big.double()))
-
-
-def test_the_chunked_head_on_onednn_matches_the_formula(monkeypatch):
-    """The formula test above with every head on oneDNN's kernel (forward and recompute)."""
-    from rlpost.train import lm_head
-
-    monkeypatch.setattr(lm_head, "ONEDNN_MIN_VOCAB", 1)
-    torch.manual_seed(3)
-    hidden = torch.randn(11, 8, requires_grad=True)
-    head = torch.nn.Linear(8, 50, bias=True)
-    targets = torch.randint(0, 50, (11,))
-    g_lp, g_ent = torch.randn(11), torch.randn(11)
-    run = lambda: head_logprobs(  # noqa: E731
-        hidden, head, targets, temperature=0.6, with_entropy=True, chunk=3
-    )
-    assert _ran_onednn(run) == lm_head._onednn_linear()
-    lp, ent = run()
-    (lp @ g_lp + ent @ g_ent).backward()
-    mine = hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()
-    hidden.grad, head.weight.grad, head.bias.grad = None, None, None
-    z = head(hidden) / 0.6
-    ref_lp = torch.log_softmax(z, -1).gather(-1, targets[:, None]).squeeze(-1)
-    ref_ent = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
-    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
-    (ref_lp @ g_lp + ref_ent @ g_ent).backward()
-    for a, b in zip(mine, (hidden.grad, head.weight.grad, head.bias.grad), strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_a_serving_head_keeps_its_weights_ties_and_numbers(monkeypatch):

@@ -137,6 +137,23 @@ def _trainer(model, packing: str, micro: int, budget: int = 0):
     return PolicyTrainer(model, get_policy_loss("ppo_clip"), s)
 
 
+def _same_update(ta: PolicyTrainer, tc: PolicyTrainer, b, base) -> None:
+    """``ta`` and ``tc`` (trainers of copies of ``base``) give ``b`` the same old logprobs,
+    loss, entropy and weights, and the weights moved."""
+    b1, b2 = copy.deepcopy(b), copy.deepcopy(b)
+    b1.old_logprobs, b2.old_logprobs = ta.old_logprobs(b1), tc.old_logprobs(b2)
+    mask = b.response_mask.bool()
+    torch.testing.assert_close(b1.old_logprobs[mask], b2.old_logprobs[mask], atol=1e-5, rtol=0)
+    s1, s2 = ta.update(b1).stats, tc.update(b2).stats
+    assert s1["loss"] == pytest.approx(s2["loss"], abs=1e-5)
+    assert s1["entropy"] == pytest.approx(s2["entropy"], abs=1e-5)
+    a, c = ta.model, tc.model
+    moved = max((p - q).abs().max() for p, q in zip(a.parameters(), base.parameters(), strict=True))
+    assert moved > 1e-4
+    for p, q in zip(a.parameters(), c.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize(("micro", "budget"), [(8, 0), (3, 0), (8, 40)])
 def test_packed_update_equals_the_padded_update(micro, budget):
     """Two optimizer steps: the same old logprobs, losses and weights as one padded
@@ -145,17 +162,7 @@ def test_packed_update_equals_the_padded_update(micro, budget):
     a, c = copy.deepcopy(base), copy.deepcopy(base)
     ta, tc = _trainer(a, "on", micro, budget), _trainer(c, "off", 8)
     assert ta.packed and not tc.packed
-    b1, b2 = copy.deepcopy(b), copy.deepcopy(b)
-    b1.old_logprobs, b2.old_logprobs = ta.old_logprobs(b1), tc.old_logprobs(b2)
-    mask = b.response_mask.bool()
-    torch.testing.assert_close(b1.old_logprobs[mask], b2.old_logprobs[mask], atol=1e-5, rtol=0)
-    s1, s2 = ta.update(b1).stats, tc.update(b2).stats
-    assert s1["loss"] == pytest.approx(s2["loss"], abs=1e-5)
-    assert s1["entropy"] == pytest.approx(s2["entropy"], abs=1e-5)
-    moved = max((p - q).abs().max() for p, q in zip(a.parameters(), base.parameters(), strict=True))
-    assert moved > 1e-4
-    for p, q in zip(a.parameters(), c.parameters(), strict=True):
-        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4)
+    _same_update(ta, tc, b, base)
 
 
 def test_packed_critic_values_and_update_equal_padded():
@@ -322,17 +329,7 @@ def test_shared_update_equals_the_padded_update(micro, budget):
 
     ta, tc = trainer(a, "shared", micro, budget), trainer(c, "off", 7)
     assert ta.packed is Pack.SHARED and tc.packed is Pack.PADDED
-    b1, b2 = copy.deepcopy(b), copy.deepcopy(b)
-    b1.old_logprobs, b2.old_logprobs = ta.old_logprobs(b1), tc.old_logprobs(b2)
-    mask = b.response_mask.bool()
-    torch.testing.assert_close(b1.old_logprobs[mask], b2.old_logprobs[mask], atol=1e-5, rtol=0)
-    s1, s2 = ta.update(b1).stats, tc.update(b2).stats
-    assert s1["loss"] == pytest.approx(s2["loss"], abs=1e-5)
-    assert s1["entropy"] == pytest.approx(s2["entropy"], abs=1e-5)
-    moved = max((p - q).abs().max() for p, q in zip(a.parameters(), base.parameters(), strict=True))
-    assert moved > 1e-4
-    for p, q in zip(a.parameters(), c.parameters(), strict=True):
-        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4)
+    _same_update(ta, tc, b, base)
 
 
 def test_shared_critic_values_equal_padded():
