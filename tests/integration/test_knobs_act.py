@@ -101,8 +101,9 @@ ALTS = {
     "train.mini_batch_size": (lambda v: max(1, v // 2), "update", {}),
     "train.micro_batch_size": (lambda v: v // 2 if v > 1 else 2, "passes", {}),
     "train.epochs": (lambda v: v + 1, "update", {}),
-    # the token budget cuts the loss pass into more, smaller micro-batches
-    "train.max_tokens_per_micro_batch": (other(48, 0), "passes", {}),
+    # the token budget cuts the loss pass into more, smaller micro-batches (packed, it counts
+    # real tokens and a group's prompt once: 8 is below one row of the probe's batch)
+    "train.max_tokens_per_micro_batch": (other(8, 0), "passes", {}),
     # a chunk below the logits' size takes the chunked head (its own summation order)
     "train.logits_chunk_tokens": (other(4, 0), "update", {}),
     # packed rows carry no padding: the trainer's passes read fewer tokens
