@@ -8,6 +8,8 @@ each worker unchanged.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from rlpost.cluster.process import ProcessWorker, start_process_workers
@@ -135,8 +137,8 @@ def test_the_rollout_process_marks_its_running_calls_for_the_trainer(tmp_path):
 
         call = threading.Thread(target=doomed)
         call.start()
-        while flag.value == 0 and call.is_alive():
-            pass
+        while flag.value == 0 and call.is_alive():  # until the call is running
+            time.sleep(0.001)
         worker.kill()
         call.join(timeout=60)
         assert not call.is_alive()
