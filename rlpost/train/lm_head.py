@@ -179,7 +179,10 @@ def _chunk_logits(
     return z.div_(tau) if tau != 1.0 else z
 
 
-def _chunk_buffer(hidden: Tensor, weight: Tensor, chunk: int) -> Tensor:
+def _chunk_buffer(hidden: Tensor, weight: Tensor, chunk: int) -> Tensor | None:
+    """The pass's ``[c, V]`` logits buffer; None where oneDNN's kernel makes its own output."""
+    if _onednn_head(hidden, weight):
+        return None
     return torch.empty(min(chunk, hidden.shape[0]), weight.shape[0], device=hidden.device)
 
 

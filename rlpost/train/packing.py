@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from enum import IntEnum
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -266,8 +267,6 @@ def _attn_implementation(module: torch.nn.Module) -> str | None:
 def _probe(model: torch.nn.Module, shared: bool) -> str | None:
     """Three rows, two of one prompt, packed against each row alone: the outputs that
     predict the responses must agree."""
-    from types import SimpleNamespace
-
     decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else model
     vocab = int(getattr(model.config, "vocab_size", 2) or 2)
     device = next(model.parameters()).device
