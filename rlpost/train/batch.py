@@ -23,7 +23,7 @@ from rlpost.train.lm_head import (
     split_head,
 )
 from rlpost.train.optim import budget_slices
-from rlpost.train.packing import Pack, line_tokens, pack_rows, packed_forward
+from rlpost.train.packing import Pack, pack_for, packed_forward
 from rlpost.types import Completion
 
 
@@ -223,7 +223,7 @@ def response_hidden(
     # The lookup adds its gradient into the (tied) weight's own: lm_head.grad_sink.
     embed = decoder.get_input_embeddings()
     if packed:
-        rows = pack_rows(batch, line_tokens(model), shared=packed == Pack.SHARED)
+        rows = pack_for(batch, model, packed)
         embeds = embed_tokens(embed, rows.input_ids)
         hidden = rows.gather(packed_forward(decoder, rows, inputs_embeds=embeds).last_hidden_state)
         return hidden, rows.targets, rows.where, head
@@ -244,7 +244,7 @@ def _full_logits(model: torch.nn.Module, batch: TrainBatch, packed: Pack):
     response tokens alone."""
     if not packed:
         return response_logits(model, batch), batch.responses, lambda v: v
-    rows = pack_rows(batch, line_tokens(model), shared=packed == Pack.SHARED)
+    rows = pack_for(batch, model, packed)
     if keeps_logits(model) and len(rows.input_ids) == 1:  # the head on the responses only
         logits = packed_forward(model, rows, logits_to_keep=rows.at).logits
     else:

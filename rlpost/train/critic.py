@@ -28,7 +28,7 @@ from rlpost.algos.value import value_loss
 from rlpost.train.actor import ActorSettings, bf16_autocast, build_optimizer
 from rlpost.train.batch import TrainBatch, model_device, pad_responses
 from rlpost.train.optim import budget_slices, minibatch_updates, optimizer_step
-from rlpost.train.packing import SHARING_MODES, Pack, line_tokens, pack_rows, resolve_packing
+from rlpost.train.packing import SHARING_MODES, Pack, pack_for, resolve_packing
 
 HEAD_FILE = "value_head.safetensors"
 
@@ -111,7 +111,7 @@ def response_values(value_model: ValueModel, batch: TrainBatch, packed: Pack = P
     ``response_mask``.
     """
     if packed:
-        rows = pack_rows(batch, line_tokens(value_model.backbone), shared=packed == Pack.SHARED)
+        rows = pack_for(batch, value_model.backbone, packed)
         mask = rows.attention(value_model.backbone)
         return rows.scatter(rows.gather(value_model(rows.input_ids, mask, rows.position_ids)))
     values = value_model(batch.input_ids, batch.attention_mask, batch.position_ids)

@@ -211,6 +211,12 @@ def pack_rows(batch: Any, line_tokens: int = 0, shared: bool = False) -> PackedR
     return PackedRows(ids, pos, at, where, batch.responses[where], mask)
 
 
+def pack_for(batch: Any, module: torch.nn.Module, layout: Pack) -> PackedRows:
+    """:func:`pack_rows` of ``batch`` as ``layout`` packs it, in ``module``'s sequence width
+    (:func:`line_tokens`)."""
+    return pack_rows(batch, line_tokens(module), shared=layout == Pack.SHARED)
+
+
 def _same_prompts(prompts: Tensor, prompt_lens: list[int]) -> list[list[int]] | None:
     """Row ids grouped by identical real prompt tokens (left-padded ``prompts [b, P]``), in
     the order of each group's first row; None when no two rows share a prompt."""
