@@ -250,7 +250,7 @@ def plan(cfg: Config) -> list[tuple[str, list[dict[str, float]], str]]:
 _KEY = {"CPU": "cpus", "GPU": "gpus"}
 
 
-def check_fits(ray, role: str, bundles: list[dict[str, float]], cfg: Config) -> None:
+def check_fits(ray, role: str, bundles: list[dict[str, float]]) -> None:
     """Fail at once when the cluster cannot hold ``bundles`` (before asking Ray to place them)."""
     avail, total = ray.available_resources(), ray.cluster_resources()
     need = _add(*bundles)
@@ -280,13 +280,13 @@ def _knobs(role: str, res: str) -> str:
 
 def place(ray, cfg: Config) -> Placement:
     """The run's placement groups, each placed or failed in one line (none left behind)."""
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import placement_group
 
     c = cfg.cluster
     p = Placement()
     try:
         for role, bundles, strategy in plan(cfg):
-            check_fits(ray, role, bundles, cfg)
+            check_fits(ray, role, bundles)
             pg = placement_group(bundles, strategy=strategy, name=f"rlpost-{cfg.run.name}-{role}")
             p.groups.append(pg)
             ready, _ = ray.wait([pg.ready()], timeout=c.placement_timeout_s)
@@ -308,10 +308,20 @@ def place(ray, cfg: Config) -> Placement:
             else:
                 setattr(p, role, slots)
     except BaseException:
-        for pg in p.groups:
-            remove_placement_group(pg)
+        release(ray, p.groups, started_ray=False)
         raise
     return p
+
+
+def release(ray, groups: list, *, started_ray: bool) -> None:
+    """Remove the placement groups, and stop the Ray cluster when this run started it."""
+    from ray.util.placement_group import remove_placement_group
+
+    for pg in groups:
+        remove_placement_group(pg)
+    if started_ray:
+        ray.shutdown()
+        LOCAL.leave(ray)
 
 
 def _options(pg, index: int | None, cpus: float, gpus: float, **extra) -> dict:
@@ -343,13 +353,11 @@ class RaySpawner:
 
         c = self.cfg.cluster
         bundles = [_bundle(c.rollout.cpus, c.rollout.gpus)]
-        check_fits(self.ray, "rollout", bundles, self.cfg)
+        check_fits(self.ray, "rollout", bundles)
         pg = placement_group(bundles, name=f"rlpost-{self.cfg.run.name}-rollout-{index}")
         ready, _ = self.ray.wait([pg.ready()], timeout=c.placement_timeout_s)
         if not ready:
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(pg)
+            release(self.ray, [pg], started_ray=False)
             raise PlacementError(
                 f"cluster placement: rollout worker {index} was not placed within "
                 f"{c.placement_timeout_s:g} s"
@@ -519,13 +527,7 @@ class RayWorkers(Workers):
         try:
             super().close()
         finally:
-            from ray.util.placement_group import remove_placement_group
-
-            for pg in self.groups:
-                remove_placement_group(pg)
-            if self.started_ray:
-                self.ray.shutdown()
-                LOCAL.leave(self.ray)
+            release(self.ray, self.groups, started_ray=self.started_ray)
 
 
 def start_ray_workers(cfg: Config, run_dir: Path, train_prompts, console, *, resuming: bool):
@@ -556,14 +558,7 @@ def start_ray_workers(cfg: Config, run_dir: Path, train_prompts, console, *, res
                 w.close()
             except Exception:  # tearing down after a failed start: report the first error
                 continue
-        if placement is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            for pg in placement.groups:
-                remove_placement_group(pg)
-        if started:
-            ray.shutdown()
-            LOCAL.leave(ray)
+        release(ray, placement.groups if placement is not None else [], started_ray=started)
         raise
     trainers = [trainer] if isinstance(trainer, RayWorker) else list(trainer.handles)
     return RayWorkers(
@@ -593,18 +588,10 @@ def _start_trainers(ray, cfg: Config, run_dir: Path, placement: Placement, made:
         made.append(w)
         _ready(ray, [w], c.start_timeout_s)
         return w
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     from rlpost.cluster.trainer_group import TrainerGroup
     from rlpost.train.dp import DPSpec
 
-    pg, bundle = placement.trainer[0]
-    where = ray.remote(rendezvous).options(
-        num_cpus=0,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=bundle
-        ),
-    )
+    where = ray.remote(rendezvous).options(**_options(*placement.trainer[0], 0, 0))
     addr, port = ray.get(where.remote())
     backend = "nccl" if c.trainer.gpus > 0 and cfg.run.device != "cpu" else "gloo"
     workers = []
