@@ -144,28 +144,6 @@ def split_off(
     return train, [p for i, p in enumerate(pairs) if i in held]
 
 
-def load_preference_splits(
-    train_path: str | Path,
-    eval_path: str | Path | None,
-    *,
-    eval_fraction: float,
-    seed: int,
-    **fields: str,
-) -> tuple[list[PreferencePair], list[PreferencePair], dict[str, int]]:
-    """(train, held-out, counts) from user files; ``fields`` go to :func:`load_preference_file`.
-
-    Without ``eval_path`` a seeded ``eval_fraction`` of the train file is held out.
-    """
-    train, report = load_preference_file(train_path, **fields)
-    counts = {"train_rows": report.rows, "train_skipped": report.skipped}
-    if eval_path is None:
-        train, held_out = split_off(train, eval_fraction, seed)
-        return train, held_out, counts
-    held_out, eval_report = load_preference_file(eval_path, **fields)
-    counts.update(eval_rows=eval_report.rows, eval_skipped=eval_report.skipped)
-    return train, held_out, counts
-
-
 # ------------------------------------------------------------------------ config
 
 
@@ -173,6 +151,26 @@ def load_pairs(
     d: DataConfig, seed: int
 ) -> tuple[list[PreferencePair], list[PreferencePair], dict[str, int]]:
     """(train pairs, held-out pairs, load counts) as the data section says."""
+    train, held_out, reports = load_pairs_reported(d, seed)
+    if d.task == "prefs":
+        return train, held_out, {}
+    t, e = reports["train"], reports["eval"]
+    if not d.eval_path:  # a train file's rows, before the held-out split
+        return (
+            train,
+            held_out,
+            {"train_rows": len(train) + len(held_out), "train_skipped": t.skipped},
+        )
+    counts = {"train_rows": t.rows, "train_skipped": t.skipped}
+    return train, held_out, counts | {"eval_rows": e.rows, "eval_skipped": e.skipped}
+
+
+def load_pairs_reported(
+    d: DataConfig, seed: int, *, margin_field: str | None = None
+) -> tuple[list[PreferencePair], list[PreferencePair], dict[str, LoadReport]]:
+    """(train pairs, held-out pairs, {split: LoadReport}) as the data section says; the
+    reports hold every skipped row as ``file:line: problem`` (rlpost rm's data report).
+    ``margin_field``: the per-pair margin column of a pairs file."""
     if d.task == "prefs":
         t = d.prefs
         train, held_out = preference_splits(
@@ -183,28 +181,6 @@ def load_pairs(
             rejected_per_prompt=t.rejected_per_prompt,
             max_offset=t.max_offset,
         )
-        return train, held_out, {}
-    return load_preference_splits(
-        d.train_path,
-        d.eval_path or None,
-        eval_fraction=d.eval_fraction,
-        seed=seed,
-        prompt_field=d.prompt_field,
-        chosen_field=d.chosen_field,
-        rejected_field=d.rejected_field,
-        on_bad_row=d.on_bad_row,
-        template=d.prompt_template,
-    )
-
-
-def load_pairs_reported(
-    d: DataConfig, seed: int, *, margin_field: str | None = None
-) -> tuple[list[PreferencePair], list[PreferencePair], dict[str, LoadReport]]:
-    """(train pairs, held-out pairs, {split: LoadReport}) as the data section says; the
-    reports hold every skipped row as ``file:line: problem`` (rlpost rm's data report).
-    ``margin_field``: the per-pair margin column of a pairs file."""
-    if d.task == "prefs":
-        train, held_out, _ = load_pairs(d, seed)
         reports = {"train": LoadReport(rows=len(train)), "eval": LoadReport(rows=len(held_out))}
         return train, held_out, reports
     fields = dict(
