@@ -559,10 +559,7 @@ class RolloutFleet:
             self._lock.notify_all()
         for m in self.members:
             if m.health.state is not State.RETIRED:
-                try:
-                    self.spawner.stop(m.handle)
-                except Exception:  # closing a worker that is already gone: nothing to release
-                    continue
+                self._stop_quietly(m.handle)
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.control is not None:
             self._report(None, "")  # the job's last word: running false

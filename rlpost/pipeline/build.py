@@ -136,11 +136,10 @@ def fit_to_model(
     """Prompts rendered for the model (chat template, system prompt: ``system_prompt`` or
     data.system_prompt), those too long for its context refused or skipped and counted;
     rollout.max_tokens must leave room for a prompt. ``tokenizer``: the model's, if loaded."""
+    tokenizer = tokenizer or run_tokenizer(cfg)
     if cfg.model.path is None:
-        tokenizer = tokenizer or build_char_tokenizer()
         limit, source = cfg.model.tiny.max_position_embeddings, "model.tiny.max_position_embeddings"
     else:
-        tokenizer = tokenizer or load_tokenizer(cfg.model.path)
         limit = context_length(cfg.model.path)
         source = f"max_position_embeddings in {cfg.model.path}/config.json"
     budget = None if limit is None else limit - cfg.rollout.max_tokens
@@ -160,6 +159,11 @@ def fit_to_model(
         chat_template=cfg.data.chat_template,
         system_prompt=system_prompt or cfg.data.system_prompt,
     )
+
+
+def run_tokenizer(cfg: Config):
+    """The tokenizer of ``model.path``, or the built-in tiny model's."""
+    return build_char_tokenizer() if cfg.model.path is None else load_tokenizer(cfg.model.path)
 
 
 def build_policy(cfg: Config):
@@ -557,12 +561,7 @@ def load_sources(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, Loa
     reports = {"train": LoadReport(), "eval": LoadReport()}
     train, held_out = [], []
     for src in cfg.data.sources:
-        try:
-            got = load_source(src, on_bad_row=cfg.data.on_bad_row)
-        except ValueError as exc:
-            if isinstance(exc, DataError):
-                raise
-            raise ConfigError(str(exc)) from None
+        got = _load_source(cfg, src, "data.sources[")
         sp = src.system_prompt or got.system_prompt
         part = fit_to_model(cfg, got.train, got.train_report, system_prompt=sp)
         if src.stream:  # read as the run draws; its first rows checked (the warm-up's)
@@ -577,6 +576,17 @@ def load_sources(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, Loa
         reports["train"].add(src.name, got.train_report)
         reports["eval"].add(src.name, got.eval_report)
     return train, held_out, reports
+
+
+def _load_source(cfg: Config, src: SourceConfig, key: str):
+    """``load_source``; a bad setting (a ValueError other than DataError) is a ConfigError
+    naming ``key`` (``data.sources[`` or ``eval.sets[``)."""
+    try:
+        return load_source(src, on_bad_row=cfg.data.on_bad_row)
+    except DataError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc).replace("data.sources[", key, 1)) from None
 
 
 def stream_args(cfg: Config, src: SourceConfig) -> dict:
@@ -594,8 +604,7 @@ def stream_args(cfg: Config, src: SourceConfig) -> dict:
 def stream_fit(cfg: Config, src: SourceConfig):
     """A streamed source's row fitter: rendered and checked against the model's context,
     the tokenizer loaded once."""
-    tokenizer = build_char_tokenizer() if cfg.model.path is None else load_tokenizer(cfg.model.path)
-    return partial(fit_to_model, cfg, system_prompt=src.system_prompt, tokenizer=tokenizer)
+    return partial(fit_to_model, cfg, system_prompt=src.system_prompt, tokenizer=run_tokenizer(cfg))
 
 
 def load_eval_sets(cfg: Config, train: list[Prompt]) -> tuple[list[Prompt], LoadReport]:
@@ -608,12 +617,7 @@ def load_eval_sets(cfg: Config, train: list[Prompt]) -> tuple[list[Prompt], Load
         src = s.model_copy(update={"stream": False})  # a set is scored whole, never streamed
         if s.task == "file":  # the file's rows are the set: loaded as one split
             src = src.model_copy(update={"train_path": s.eval_path, "eval_path": None})
-        try:
-            got = load_source(src, on_bad_row=cfg.data.on_bad_row)
-        except ValueError as exc:
-            if isinstance(exc, DataError):
-                raise
-            raise ConfigError(str(exc).replace("data.sources[", "eval.sets[", 1)) from None
+        got = _load_source(cfg, src, "eval.sets[")
         rows, part_report = (
             (got.train, got.train_report) if s.task == "file" else (got.held_out, got.eval_report)
         )
@@ -674,7 +678,9 @@ def harness_demonstrations(cfg: Config, tokenizer):
     try:
         fn = load_entry(h.demonstrations)
     except ValueError as exc:
-        raise ConfigError(f"config agent.harness.demonstrations={h.demonstrations}: {exc}") from None
+        raise ConfigError(
+            f"config agent.harness.demonstrations={h.demonstrations}: {exc}"
+        ) from None
     served = copy.copy(tokenizer)
     if h.chat_template is not None:
         served.chat_template = h.chat_template
@@ -695,12 +701,8 @@ def build_teacher_worker(cfg: Config, tokenizer=None):
         return None
     from rlpost.train.teacher import build_teacher
 
-    if tokenizer is None:
-        tokenizer = (
-            build_char_tokenizer() if cfg.model.path is None else load_tokenizer(cfg.model.path)
-        )
     t = cfg.model.teacher
     return build_teacher(
-        t.path, t.url, tokenizer, api_key=t.api_key, timeout=t.timeout_s,
+        t.path, t.url, tokenizer or run_tokenizer(cfg), api_key=t.api_key, timeout=t.timeout_s,
         micro_batch_size=t.micro_batch_size,
     )  # fmt: skip
