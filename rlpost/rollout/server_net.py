@@ -16,23 +16,12 @@ a disconnect and frees its batch slots.
 
 from __future__ import annotations
 
-import ipaddress
-import socket
-
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from rlpost.sync.listen import is_loopback
+
 WRITE_TIMEOUTS = [0]  # connections cut because their responses did not drain (/health)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether every address ``host`` resolves to is a loopback address (127/8, ::1)."""
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except (socket.gaierror, UnicodeError):
-        return False
-    addresses = {info[4][0].split("%")[0] for info in infos}
-    return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
 
 
 def bind_refusal(
