@@ -30,6 +30,6 @@ def starter(cfg: Config) -> Callable:
         from rlpost.cluster.process import start_process_workers
 
         return start_process_workers
-    from rlpost.cluster.local import start_local_workers
+    from rlpost.pipeline.loop import start_workers  # local: plain objects in this process
 
-    return start_local_workers
+    return start_workers
