@@ -152,7 +152,8 @@ def template_fields(template: str) -> set[str]:
     return names
 
 
-def _check_row(row: Any, prompt_field: str, answer_field: str, template: str) -> Problem | None:
+def check_row(row: Any, prompt_field: str, answer_field: str, template: str) -> Problem | None:
+    """The problem of one row of a prompt file (or stream), or None."""
     problem = unreadable(row)
     if problem is not None:
         return problem
@@ -223,7 +224,7 @@ def load_prompt_file(
     report = LoadReport()
     prompts = []
     check = partial(
-        _check_row, prompt_field=prompt_field, answer_field=answer_field, template=template
+        check_row, prompt_field=prompt_field, answer_field=answer_field, template=template
     )
     for line, row in valid_rows(p, check, on_bad_row, report):
         prompts.append(row_prompt(row, f"{p.name}:{line}", prompt_field, answer_field, template))
@@ -237,6 +238,3 @@ def row_prompt(row: dict, uid: str, prompt_field: str, answer_field: str, templa
     meta = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
     text = template.format(**{**row, "prompt": row[prompt_field]})
     return Prompt(text=text, answer=row[answer_field], metadata=meta, uid=uid)
-
-
-check_row = _check_row  # (the checks one row of a file source passes; also used by streams)
