@@ -28,7 +28,6 @@ train`` renders its prompts the way the model was taught.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -274,11 +273,3 @@ def chat_arith(size: int, seed: int = 0) -> list[Conversation]:
         ]
         out.append(Conversation(msgs, a + b + c, f"chat_arith:{i + 1}"))
     return out
-
-
-def write_conversations(convs: list[Conversation], path: str | Path) -> Path:
-    """``convs`` as a JSONL file of ``{"messages", "answer"}`` rows (tests, examples)."""
-    p = Path(path)
-    rows = [json.dumps({"messages": c.messages, "answer": c.answer}) for c in convs]
-    p.write_text("\n".join(rows) + "\n", encoding="utf-8")
-    return p

@@ -102,19 +102,3 @@ def solve(numbers: list[int], target: int) -> tuple[list[str], str] | None:
         return None
     steps, expression = found
     return steps, expression[1:-1] if expression.startswith("(") else expression
-
-
-def countdown_problems(count: int, *, size: int = 3, high: int = 20, seed: int = 0) -> list[Prompt]:
-    """``count`` solvable problems: ``size`` numbers in 1..high and a target reachable from them."""
-    rng = random.Random(seed)
-    out = []
-    while len(out) < count:
-        numbers = [rng.randint(1, high) for _ in range(size)]
-        a, b, c = numbers[:3]
-        target = rng.choice([a + b + c, a * b - c, (a + b) * c, a * b + c])
-        if target <= 0 or solve(numbers, target) is None:
-            continue
-        text = f"Use {' '.join(map(str, numbers))} to make {target}:"
-        meta = {"task": "countdown", "numbers": numbers, "target": target}
-        out.append(Prompt(text, target, meta, uid=f"{numbers}->{target}"))
-    return out

@@ -16,18 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from rlpost.rewards.registry import batched_scorer
 from rlpost.types import RewardSample
-
-TINY_CORPUS = [
-    "the answer is 4 because 2 plus 2 is 4",
-    "i do not know the answer",
-    "question what is 3 times 5 answer 15",
-    "a good response is helpful honest and short",
-    "a bad response repeats repeats repeats itself",
-]
 
 
 @batched_scorer("reward_model")
@@ -125,49 +116,3 @@ def reward_input_ids(
     # An empty text has no last token to read the score from; give it one.
     filler = tokenizer.eos_token_id or tokenizer.pad_token_id
     return [ids if ids else [filler] for ids in encoded]
-
-
-def build_tiny_reward_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """Build and save a tiny random ``LlamaForSequenceClassification`` for tests.
-
-    A word-level tokenizer is trained in-code on ``TINY_CORPUS`` (nothing is
-    downloaded) and saved next to the model; both load back with the Auto classes.
-    Returns ``out_dir``.
-    """
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    raw = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    raw.train_from_iterator(
-        TINY_CORPUS, trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[EOS]"])
-    )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=raw, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]"
-    )
-    config = LlamaConfig(**_tiny_config(len(tokenizer), tokenizer.pad_token_id))
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = LlamaForSequenceClassification(config)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
-def _tiny_config(vocab_size: int, pad_token_id: int) -> dict[str, Any]:
-    return {
-        "vocab_size": vocab_size,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "max_position_embeddings": 256,
-        "num_labels": 1,
-        "pad_token_id": pad_token_id,
-        "bos_token_id": None,
-        "eos_token_id": None,
-    }

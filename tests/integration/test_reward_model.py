@@ -1,11 +1,12 @@
 """A tiny sequence-classification reward model, built in-code, scored end to end."""
 
 import math
+from pathlib import Path
 
 import pytest
 
 from rlpost.config import RewardConfig, RewardTerm
-from rlpost.rewards.model import RewardModelWorker, build_tiny_reward_model
+from rlpost.rewards.model import RewardModelWorker
 from rlpost.rewards.scorer import build_scorer
 from rlpost.types import RewardSample
 
@@ -15,6 +16,57 @@ SAMPLES = [
     RewardSample("", "", answer="4"),  # empty text still gets a score
     RewardSample("unseen words ", "a good response is helpful honest and short " * 8, answer="4"),
 ]
+
+
+TINY_CORPUS = [
+    "the answer is 4 because 2 plus 2 is 4",
+    "i do not know the answer",
+    "question what is 3 times 5 answer 15",
+    "a good response is helpful honest and short",
+    "a bad response repeats repeats repeats itself",
+]
+
+
+def build_tiny_reward_model(out_dir: Path, seed: int = 0) -> Path:
+    """Build and save a tiny random ``LlamaForSequenceClassification``.
+
+    A word-level tokenizer is trained in-code on ``TINY_CORPUS`` (nothing is
+    downloaded) and saved next to the model; both load back with the Auto classes.
+    Returns ``out_dir``.
+    """
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.train_from_iterator(
+        TINY_CORPUS, trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[EOS]"])
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=raw, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]"
+    )
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForSequenceClassification(config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
 
 
 @pytest.fixture(scope="module")

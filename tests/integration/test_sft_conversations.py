@@ -4,13 +4,14 @@ run resumes exactly, and the output is a model.path for rlpost train (CPU, tiny 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from rlpost.cli import main
 from rlpost.config import load_config
-from rlpost.data.conversations import chat_arith, write_conversations
+from rlpost.data.conversations import Conversation, chat_arith
 from rlpost.models.loading import load_policy
 from rlpost.pipeline.interrupts import Interrupts
 from rlpost.pipeline.loop import train
@@ -18,6 +19,14 @@ from rlpost.pipeline.sft_chat import run_conversation_sft
 from rlpost.train.sft import WarmupInterrupted
 
 TINY = ["model.tiny.max_position_embeddings=256", "model.tiny.hidden_size=32"]
+
+
+def write_conversations(convs: list[Conversation], path: str | Path) -> Path:
+    """``convs`` as a JSONL file of ``{"messages", "answer"}`` rows."""
+    p = Path(path)
+    rows = [json.dumps({"messages": c.messages, "answer": c.answer}) for c in convs]
+    p.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    return p
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import pytest
 from rlpost.envs import ENVS, Action, EnvError, StepResult, ToolCall
 from rlpost.envs.calculator import calculate
 from rlpost.envs.catalog import env_factory, load_env_class
-from rlpost.envs.countdown import countdown_problems, solve
+from rlpost.envs.countdown import solve
 from rlpost.envs.formats import (
     ChatTemplateFormat,
     TagFormat,
@@ -37,6 +37,22 @@ def test_every_builtin_keeps_the_contract(name):
         env.reset(prompt)
         bad = env.step(Action("x", ToolCall(env.tools[0], "import os")))
         assert bad.error and bad.observation.startswith("error:") and not bad.done
+
+
+def countdown_problems(count: int, *, size: int = 3, high: int = 20, seed: int = 0) -> list[Prompt]:
+    """``count`` solvable problems: ``size`` numbers in 1..high and a target reachable from them."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < count:
+        numbers = [rng.randint(1, high) for _ in range(size)]
+        a, b, c = numbers[:3]
+        target = rng.choice([a + b + c, a * b - c, (a + b) * c, a * b + c])
+        if target <= 0 or solve(numbers, target) is None:
+            continue
+        text = f"Use {' '.join(map(str, numbers))} to make {target}:"
+        meta = {"task": "countdown", "numbers": numbers, "target": target}
+        out.append(Prompt(text, target, meta, uid=f"{numbers}->{target}"))
+    return out
 
 
 def test_calculator_answers_values_and_refuses_code():
