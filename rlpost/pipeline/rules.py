@@ -28,7 +28,7 @@ from rlpost.algos import (
     get_policy_loss,
 )
 from rlpost.algos.correction import get_correction
-from rlpost.config import Config, ConfigError, load_config
+from rlpost.config import Config, ConfigError
 from rlpost.envs.base import EnvError
 from rlpost.envs.catalog import env_factory
 from rlpost.envs.formats import TagFormat
@@ -75,13 +75,6 @@ def check(cfg: Config, command: str = "train") -> Config:
         if command in r.commands and (line := r.check(cfg)) is not None:
             raise ConfigError(line)
     return cfg
-
-
-def load_checked(
-    path: str | Path | None, overrides: list[str] | None = None, command: str = "train"
-) -> Config:
-    """:func:`rlpost.config.load_config`, then the table for ``command``."""
-    return check(load_config(path, overrides), command)
 
 
 def command_for(cfg: Config) -> str:
@@ -865,7 +858,9 @@ def agent_harness_runs(cfg: Config) -> str | None:
     if cfg.rollout.partial:
         return "rollout.partial=true: harness sessions never carry across steps; set it false"
     if cfg.cluster.backend in ("process", "ray"):
-        return f"cluster.backend={cfg.cluster.backend}: agent.harness runs in this process; use local"
+        return (
+            f"cluster.backend={cfg.cluster.backend}: agent.harness runs in this process; use local"
+        )
     from rlpost.rollout.tool_parsers import TOOL_PARSERS
 
     if h.tool_parser not in TOOL_PARSERS:

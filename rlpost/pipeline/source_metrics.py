@@ -47,8 +47,3 @@ def source_metrics(groups: list[Group]) -> dict[str, float]:
         }
         out.update({f"{PREFIX}{name}/{k}": float(v) for k, v in values.items()})
     return out
-
-
-def sources_in(row: dict) -> list[str]:
-    """The source names of a metrics row's ``source/<name>/...`` keys, sorted."""
-    return sorted({k[len(PREFIX) :].rsplit("/", 1)[0] for k in row if k.startswith(PREFIX)})

@@ -5,7 +5,6 @@ import pytest
 
 from rlpost.config import Config, ConfigError, describe_fields, load_config, parse_overrides
 from rlpost.pipeline.rules import check as check_names
-from rlpost.pipeline.rules import load_checked
 
 
 def test_overrides_parse_yaml_scalars_and_nest():
@@ -35,7 +34,9 @@ def test_on_and_off_are_words_where_a_field_takes_them(tmp_path):
     recipe.write_text("train: {packing: off}\n")
     assert load_config(recipe, []).train.packing == "off"
     # a bool field keeps YAML's reading
-    assert load_config(None, ["model.gradient_checkpointing=on"]).model.gradient_checkpointing is True
+    assert (
+        load_config(None, ["model.gradient_checkpointing=on"]).model.gradient_checkpointing is True
+    )
 
 
 @pytest.mark.parametrize(
@@ -66,7 +67,7 @@ def test_on_and_off_are_words_where_a_field_takes_them(tmp_path):
 )
 def test_bad_config_is_one_line(overrides, needle):
     with pytest.raises(ConfigError) as err:
-        load_checked(None, overrides)
+        check_names(load_config(None, overrides))
     assert needle in str(err.value)
     assert "\n" not in str(err.value)
 

@@ -12,7 +12,7 @@ import torch
 from rlpost.config import ConfigError, load_config
 from rlpost.pipeline import build
 from rlpost.pipeline.plan import resolve_step_plan
-from rlpost.pipeline.rules import load_checked
+from rlpost.pipeline.rules import check
 from rlpost.pipeline.stages import TrainSettings, collate_groups, train_stage
 from rlpost.types import Group, Prompt
 from tests.conftest import small_overrides
@@ -77,5 +77,9 @@ def test_rollout_logprobs_anchor_the_ratio_without_a_trainer_pass(tmp_path):
 )
 def test_rollout_logprobs_refuse_what_would_make_them_wrong_in_one_line(tmp_path, extra, named):
     with pytest.raises(ConfigError) as err:
-        load_checked(None, small_overrides(tmp_path, **{"algo.old_logprobs": "rollout", **extra}))
+        check(
+            load_config(
+                None, small_overrides(tmp_path, **{"algo.old_logprobs": "rollout", **extra})
+            )
+        )
     assert named in str(err.value) and "\n" not in str(err.value)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlpost.observe.metrics import DuplicateMetric, merge_metrics
-from rlpost.pipeline.source_metrics import source_metrics, sources_in
+from rlpost.pipeline.source_metrics import PREFIX, source_metrics
 from rlpost.types import Completion, Group, Prompt
 
 
@@ -15,6 +15,11 @@ def _group(source: str, scores: list[float], lengths: list[int], cut: int = 0) -
         for i, n in enumerate(lengths)
     ]
     return Group(Prompt("p", source=source), completions, scores=scores)
+
+
+def sources_in(row: dict) -> list[str]:
+    """The source names of a metrics row's ``source/<name>/...`` keys, sorted."""
+    return sorted({k[len(PREFIX) :].rsplit("/", 1)[0] for k in row if k.startswith(PREFIX)})
 
 
 def test_each_source_gets_its_own_numbers():

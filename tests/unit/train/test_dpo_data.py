@@ -17,7 +17,7 @@ from rlpost.data.preferences import (
     split_off,
 )
 from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
-from rlpost.pipeline.rules import load_checked
+from rlpost.pipeline.rules import check
 from rlpost.train.batch import response_logits, token_logprobs
 from rlpost.train.dpo import (
     attach_reference,
@@ -240,7 +240,7 @@ def test_config_problems_are_one_line(override, fragment):
         assert load_config(None, [override]).dpo.label_smoothing == 0.1
         return
     with pytest.raises(ConfigError) as err:
-        load_checked(None, ["data.task=prefs", override], "dpo")
+        check(load_config(None, ["data.task=prefs", override]), "dpo")
     assert fragment in str(err.value) and "\n" not in str(err.value)
 
 
