@@ -728,6 +728,15 @@ class ObserveConfig(Section):
 # --------------------------------------------------------------------------- dpo
 
 
+def _micro_within_batch(micro_batch_size: int, batch_size: int) -> None:
+    """A pairs stage's micro-batch fits in its batch (rlpost dpo, rlpost rm)."""
+    if micro_batch_size > batch_size:
+        raise ValueError(
+            f"micro_batch_size={micro_batch_size} is larger than "
+            f"batch_size={batch_size}; set micro_batch_size <= batch_size"
+        )
+
+
 class DPOConfig(Section):
     """Offline preference optimisation (``rlpost dpo``): DPO or IPO against the frozen warm-up policy."""
 
@@ -754,11 +763,7 @@ class DPOConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> DPOConfig:
-        if self.micro_batch_size > self.batch_size:
-            raise ValueError(
-                f"micro_batch_size={self.micro_batch_size} is larger than "
-                f"batch_size={self.batch_size}; set micro_batch_size <= batch_size"
-            )
+        _micro_within_batch(self.micro_batch_size, self.batch_size)
         if self.loss_type == "ipo" and self.label_smoothing > 0:
             raise ValueError(
                 f"label_smoothing={self.label_smoothing} has no effect with loss_type=ipo; "
@@ -804,11 +809,7 @@ class RMConfig(Section):
 
     @model_validator(mode="after")
     def _micro_fits(self) -> RMConfig:
-        if self.micro_batch_size > self.batch_size:
-            raise ValueError(
-                f"micro_batch_size={self.micro_batch_size} is larger than "
-                f"batch_size={self.batch_size}; set micro_batch_size <= batch_size"
-            )
+        _micro_within_batch(self.micro_batch_size, self.batch_size)
         return self
 
 

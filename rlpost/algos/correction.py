@@ -31,9 +31,8 @@ import torch
 from torch import Tensor
 
 from rlpost.algos.aggregate import masked_mean, masked_sum
+from rlpost.algos.policy_losses import LOG_RATIO_CLAMP
 from rlpost.registry import Registry
-
-LOG_RATIO_CLAMP = 20.0
 
 
 @dataclass
