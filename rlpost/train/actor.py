@@ -352,14 +352,8 @@ class PolicyTrainer:
         return aux
 
     def _micro_loss(
-        self,
-        micro: TrainBatch,
-        agg: Aggregation,
-        beta: float,
-        fill_old: bool = False,
-        aux: MinibatchAux | None = None,
+        self, micro: TrainBatch, agg: Aggregation, beta: float, fill_old: bool, aux: MinibatchAux
     ):
-        aux = aux if aux is not None else MinibatchAux()
         if self.s.full_logits:
             return self._full_logits_loss(micro, agg, beta, fill_old, aux)
         with bf16_autocast(self.model, self.s.bf16):

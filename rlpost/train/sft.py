@@ -37,10 +37,9 @@ def reverse_digits(answer: object) -> str:
 
 
 def sft_example(
-    prompt: Prompt, tokenizer, rng: random.Random, distractor: float, encode=None
+    prompt: Prompt, tokenizer, rng: random.Random, distractor: float, encode: Callable
 ) -> Completion:
-    """``encode(text)``: the token ids of ``text`` (None: the tokenizer, no special tokens)."""
-    encode = encode or (lambda t: tokenizer(t, add_special_tokens=False)["input_ids"])
+    """``encode(text)``: the token ids of ``text`` (no special tokens)."""
     text = str(prompt.answer)
     if distractor > 0 and isinstance(prompt.answer, int) and rng.random() < distractor:
         text = reverse_digits(prompt.answer)
