@@ -19,6 +19,7 @@ from dataclasses import replace
 from rlpost.algos.eval_metrics import parse_metric, problem_metric
 from rlpost.config import Config, EvalSetConfig
 from rlpost.data.sources import by_source
+from rlpost.pipeline.evaluate import sample_groups
 from rlpost.rewards.answers import answer_extractor
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.types import Group, Prompt
@@ -32,20 +33,6 @@ def set_terms(cfg: Config, s: EvalSetConfig):
         return s.reward
     own = {d.name: d.reward for d in cfg.data.sources if d.reward is not None}
     return own.get(s.name, cfg.reward.terms)
-
-
-def sample_groups(
-    rollout, reward, prompts: list[Prompt], params: SamplingParams, k: int, chunk: int = 256
-) -> list[Group]:
-    """``k`` scored samples of every prompt, generated ``chunk`` sequences at a time."""
-    out: list[Group] = []
-    per_chunk = max(1, chunk // k)
-    for lo in range(0, len(prompts), per_chunk):
-        # Each chunk its own seed, or every chunk would replay the same random stream.
-        call = params if params.seed is None else replace(params, seed=params.seed + lo)
-        generated = rollout.generate(prompts[lo : lo + per_chunk], call, k).groups
-        out += reward.score(generated, params.max_tokens, training=False)
-    return out
 
 
 def set_metrics(s: EvalSetConfig, groups: list[Group], extract) -> dict[str, float]:

@@ -9,7 +9,7 @@ import torch
 
 from rlpost.algos import group_zero_spread_fraction
 from rlpost.rollout.protocol import SamplingParams
-from rlpost.types import Completion, Prompt
+from rlpost.types import Completion, Group, Prompt
 
 
 def evaluate(
@@ -30,22 +30,11 @@ def evaluate(
     if not prompts:
         return {}
     k = 1 if params.temperature == 0 else samples
-    per_problem: list[float] = []
-    scores: list[float] = []
-    lengths: list[int] = []
-    episodes: list = []
-    per_chunk = max(1, chunk // k)
-    for lo in range(0, len(prompts), per_chunk):
-        part = prompts[lo : lo + per_chunk]
-        # Each chunk its own seed, or every chunk would replay the same random stream.
-        call = params if params.seed is None else replace(params, seed=params.seed + lo)
-        generated = rollout.generate(part, call, k).groups
-        groups = reward.score(generated, params.max_tokens, training=False)
-        for g in groups:
-            scores.extend(g.scores)
-            per_problem.append(sum(s > 0.5 for s in g.scores) / k)
-            lengths.extend(len(c.token_ids) for c in g.completions)
-            episodes.extend(c.episode for c in g.completions if c.episode is not None)
+    groups = sample_groups(rollout, reward, prompts, params, k, chunk)
+    per_problem = [sum(s > 0.5 for s in g.scores) / k for g in groups]
+    scores = [s for g in groups for s in g.scores]
+    lengths = [len(c.token_ids) for g in groups for c in g.completions]
+    episodes = [c.episode for g in groups for c in g.completions if c.episode is not None]
     accuracy = sum(per_problem) / len(per_problem)
     var = sum((a - accuracy) ** 2 for a in per_problem) / max(1, len(per_problem) - 1)
     return {
@@ -56,6 +45,20 @@ def evaluate(
         "eval_problems": float(len(per_problem)),
         **episode_summary(episodes),
     }
+
+
+def sample_groups(
+    rollout, reward, prompts: list[Prompt], params: SamplingParams, k: int, chunk: int = 256
+) -> list[Group]:
+    """``k`` scored samples of every prompt, generated ``chunk`` sequences at a time."""
+    out: list[Group] = []
+    per_chunk = max(1, chunk // k)
+    for lo in range(0, len(prompts), per_chunk):
+        # Each chunk its own seed, or every chunk would replay the same random stream.
+        call = params if params.seed is None else replace(params, seed=params.seed + lo)
+        generated = rollout.generate(prompts[lo : lo + per_chunk], call, k).groups
+        out += reward.score(generated, params.max_tokens, training=False)
+    return out
 
 
 def episode_summary(episodes: list) -> dict[str, float]:
