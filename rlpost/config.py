@@ -1139,9 +1139,9 @@ class Config(Section):
 # ------------------------------------------------------------------- loading
 
 
-def parse_overrides(items: list[str], model: type[BaseModel] | None = None) -> dict[str, Any]:
+def parse_overrides(items: list[str]) -> dict[str, Any]:
     """``["a.b=1", "c=x"]`` -> nested dict; values are parsed as YAML scalars/lists, except that
-    a text field of ``model`` takes the text as written (``data.prompt_template=Q: {question}``)."""
+    a text field takes the text as written (``data.prompt_template=Q: {question}``)."""
     tree: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
@@ -1151,7 +1151,7 @@ def parse_overrides(items: list[str], model: type[BaseModel] | None = None) -> d
         if not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override {item!r} has an empty key part")
         parts = key.split(".")
-        if _is_text_field(model or Config, parts) and raw not in ("null", "~"):
+        if _is_text_field(Config, parts) and raw not in ("null", "~"):
             value: Any = raw
         else:
             try:
@@ -1194,13 +1194,13 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def format_validation_error(err: ValidationError, model: type[BaseModel] | None = None) -> str:
+def format_validation_error(err: ValidationError) -> str:
     """The first problem of a pydantic error as one line: key, value, reason."""
     e = err.errors()[0]
     key = ".".join(str(p) for p in e["loc"])
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
-        near = nearest_keys(key, model or Config)
+        near = nearest_keys(key)
         hint = f"did you mean {' or '.join(near)}?" if near else "check the spelling"
         return f"unknown config key {key!r}; {hint} (rlpost config --keys lists every key)"
     if not key or msg.startswith(key + "."):  # the validator already named the key
@@ -1210,11 +1210,11 @@ def format_validation_error(err: ValidationError, model: type[BaseModel] | None 
     return f"config {key}{shown}: {msg}"
 
 
-def nearest_keys(key: str, model: type[BaseModel] = Config, n: int = 3) -> list[str]:
+def nearest_keys(key: str, n: int = 3) -> list[str]:
     """Valid dotted keys closest to ``key`` (difflib), nearest first."""
     import difflib
 
-    keys = [k for k, _, _ in describe_fields(model)]
+    keys = [k for k, _, _ in describe_fields()]
     if "." not in key:  # a section name ("rolout")
         keys = list(dict.fromkeys(k.split(".")[0] for k in keys))
     leaf = key.rsplit(".", 1)[-1]
@@ -1276,7 +1276,7 @@ def read_recipe(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load a recipe (None: defaults only), apply dotted overrides, validate the whole tree."""
     data = read_recipe(path) if path is not None else {}
-    data = merge(data, parse_overrides(overrides or [], Config))
+    data = merge(data, parse_overrides(overrides or []))
     try:
         return Config.model_validate(data)
     except ValidationError as err:
