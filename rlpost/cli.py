@@ -89,7 +89,7 @@ def _overrides(args) -> tuple[str | None, list[str]]:
 
 def _resume_recipe(args, recipe: str | None) -> str | None:
     """Resuming without a recipe continues with the config the run was started with."""
-    if not args.resume:
+    if not getattr(args, "resume", None):
         return recipe
     if not (Path(args.resume) / "config.yaml").is_file():
         raise ConfigError(f"--resume {args.resume!r} is not a run directory (no config.yaml)")
@@ -98,10 +98,19 @@ def _resume_recipe(args, recipe: str | None) -> str | None:
     return str(Path(args.resume) / "config.yaml")
 
 
-def cmd_train(args) -> int:
+def _command_config(args, default: str | None = None):
+    """The command's checked config: its recipe (the shipped ``default`` in place of the
+    default recipe), overrides, or the run's own config when resuming without a recipe."""
     recipe, overrides = _overrides(args)
+    if default is not None and recipe == str(DEFAULT_RECIPE):
+        recipe = str(DEFAULT_RECIPE.parent / default)
     cfg = _load(args.command, _resume_recipe(args, recipe), overrides)
     _quiet_libraries()
+    return cfg
+
+
+def cmd_train(args) -> int:
+    cfg = _command_config(args)
     from rlpost.cluster import starter
     from rlpost.errors import WorkerError
     from rlpost.pipeline.interrupts import Interrupts
@@ -151,9 +160,7 @@ def _interrupted(
 
 
 def cmd_sft(args) -> int:
-    recipe, overrides = _overrides(args)
-    cfg = _load(args.command, _resume_recipe(args, recipe), overrides)
-    _quiet_libraries()
+    cfg = _command_config(args)
     from rlpost.pipeline.console import Console
     from rlpost.pipeline.interrupts import Interrupts
     from rlpost.pipeline.rundir import prepare_run_dir, warm_start
@@ -208,23 +215,15 @@ def cmd_eval(args) -> int:
 
 
 def cmd_dpo(args) -> int:
-    recipe, overrides = _overrides(args)
-    if recipe == str(DEFAULT_RECIPE):
-        recipe = str(DEFAULT_RECIPE.parent / "dpo_prefs.yaml")
+    cfg = _command_config(args, "dpo_prefs.yaml")
     from rlpost.pipeline.dpo import run_dpo
 
-    cfg = _load("dpo", recipe, overrides)
-    _quiet_libraries()
     run_dpo(cfg)
     return 0
 
 
 def cmd_rm(args) -> int:
-    recipe, overrides = _overrides(args)
-    if recipe == str(DEFAULT_RECIPE):
-        recipe = str(DEFAULT_RECIPE.parent / "rm_prefs.yaml")
-    cfg = _load("rm", _resume_recipe(args, recipe), overrides)
-    _quiet_libraries()
+    cfg = _command_config(args, "rm_prefs.yaml")
     from rlpost.pipeline.console import Console
     from rlpost.pipeline.interrupts import Interrupts
     from rlpost.pipeline.rm import run_rm
