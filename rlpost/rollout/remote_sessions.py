@@ -16,6 +16,7 @@ import threading
 
 import httpx
 
+from rlpost.errors import http_error_line
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.rollout.sessions import Session, SessionBounds, session_from_record
 
@@ -88,11 +89,7 @@ class RemoteSessions:
         except httpx.HTTPError as exc:
             raise RuntimeError(f"{method.upper()} {url}: {type(exc).__name__}: {exc}") from None
         if r.status_code != 200:
-            try:
-                line = r.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                line = r.text[:200]
-            raise RuntimeError(f"{method.upper()} {url}: {r.status_code} {line}")
+            raise RuntimeError(f"{method.upper()} {url}: {r.status_code} {http_error_line(r)}")
         return r.json()
 
     def __len__(self) -> int:

@@ -23,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from rlpost.errors import http_error_line
 from rlpost.models.loading import ModelLoadError
 from rlpost.models.vocab import vocab_digest, vocab_mismatch
 from rlpost.train.batch import TrainBatch, compute_logprobs, model_device, response_logits
@@ -114,12 +115,9 @@ class ServerTeacher:
                 f"model.teacher.url={self.url}: {type(exc).__name__}: {exc}"
             ) from None
         if r.status_code != 200:
-            try:
-                reason = r.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                reason = r.text[:200].replace("\n", " ")
             raise TeacherError(
-                f"model.teacher.url={self.url}: {path} answered {r.status_code}: {reason}"
+                f"model.teacher.url={self.url}: {path} answered {r.status_code}: "
+                f"{http_error_line(r)}"
             )
         return r.json()
 
