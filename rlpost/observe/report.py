@@ -69,10 +69,12 @@ def _series(metrics: list[dict[str, Any]], key: str) -> tuple[list[float], list[
     return steps, values
 
 
-def _png_base64(fig: Figure) -> str:
+def _figure_html(fig: Figure, title: str) -> str:
+    """``fig`` as a ``<figure>`` holding an inline PNG."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    png = base64.b64encode(buffer.getvalue()).decode("ascii")
+    return f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{png}"></figure>'
 
 
 def ema(values: list[float], weight: float) -> list[float]:
@@ -122,10 +124,7 @@ def _plot_block(runs: Runs, smooth: float = 0.0) -> tuple[list[str], list[str]]:
         ax = fig.add_subplot()
         _draw(ax, [(n, m) for n, m in runs if _series(m, keys[0])[0]], keys, smooth)
         ax.set_title(title, fontsize=11)
-        alt = html.escape(title)
-        figures.append(
-            f'<figure><img alt="{alt}" src="data:image/png;base64,{_png_base64(fig)}"></figure>'
-        )
+        figures.append(_figure_html(fig, title))
     return figures + source_figures(runs), skipped
 
 
@@ -434,8 +433,5 @@ def source_figures(runs: Runs) -> list[str]:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)
-        alt = html.escape(title)
-        figures.append(
-            f'<figure><img alt="{alt}" src="data:image/png;base64,{_png_base64(fig)}"></figure>'
-        )
+        figures.append(_figure_html(fig, title))
     return figures
