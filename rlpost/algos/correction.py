@@ -67,18 +67,23 @@ def _log_ratio(prox: Tensor, rollout: Tensor, mask: Tensor, cap, low, high) -> T
     return torch.where(mask > 0, d, torch.zeros_like(d))
 
 
-def _stats(weights: Tensor, mask: Tensor, masked: Tensor) -> dict[str, Tensor]:
-    """Weight mean, effective sample size fraction ``(sum w)^2 / (N sum w^2)``, masked fraction."""
+def _output(weights: Tensor, mask: Tensor, masked: Tensor | None = None) -> CorrectionOutput:
+    """``weights`` zeroed on padding and on the ``masked`` tokens, with their statistics: the
+    weight mean, the effective sample size fraction ``(sum w)^2 / (N sum w^2)`` and the masked
+    fraction."""
     m = mask > 0
-    total = masked_sum(weights, m)
-    square = masked_sum(weights**2, m)
-    n = m.to(weights.dtype).sum().clamp(min=1.0)
+    masked = torch.zeros_like(m) if masked is None else masked
+    w = torch.where(m & ~masked, weights, torch.zeros_like(weights))
+    total = masked_sum(w, m)
+    square = masked_sum(w**2, m)
+    n = m.to(w.dtype).sum().clamp(min=1.0)
     ess = torch.where(square > 0, total**2 / (n * square), torch.zeros_like(total))
-    return {
-        "is_weight_mean": masked_mean(weights, m),
+    stats = {
+        "is_weight_mean": masked_mean(w, m),
         "is_ess": ess,
-        "is_masked_frac": masked_mean(masked.to(weights.dtype), m),
+        "is_masked_frac": masked_mean(masked.to(w.dtype), m),
     }
+    return CorrectionOutput(w, stats)
 
 
 @CORRECTIONS.register("tis")
@@ -93,11 +98,8 @@ def token_tis(
 ) -> CorrectionOutput:
     """Token-level truncated IS ``w_t = min(exp(d_t), cap)`` (Yao et al. 2025, "Your efficient
     RL framework secretly brings you off-policy RL training")."""
-    w = torch.exp(
-        _log_ratio(proximal_logprobs, rollout_logprobs, response_mask, cap, low, high)
-    ).clamp(max=cap)
-    w = torch.where(response_mask > 0, w, torch.zeros_like(w))
-    return CorrectionOutput(w, _stats(w, response_mask, torch.zeros_like(w, dtype=torch.bool)))
+    d = _log_ratio(proximal_logprobs, rollout_logprobs, response_mask, cap, low, high)
+    return _output(torch.exp(d).clamp(max=cap), response_mask)
 
 
 @CORRECTIONS.register("seq_tis")
@@ -114,8 +116,7 @@ def sequence_tis(
     (the sequence's likelihood ratio; unbiased for sequence-level rewards, higher variance)."""
     d = _log_ratio(proximal_logprobs, rollout_logprobs, response_mask, cap, low, high)
     seq = torch.exp(d.sum(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=cap)
-    w = torch.where(response_mask > 0, seq[:, None].expand_as(d), torch.zeros_like(d))
-    return CorrectionOutput(w, _stats(w, response_mask, torch.zeros_like(w, dtype=torch.bool)))
+    return _output(seq[:, None].expand_as(d), response_mask)
 
 
 @CORRECTIONS.register("mask")
@@ -132,8 +133,7 @@ def token_mask(
     ``[low, high]``, 0 outside: tokens the two policies disagree on do not train."""
     r = torch.exp(_log_ratio(proximal_logprobs, rollout_logprobs, response_mask, cap, low, high))
     outside = ((r < low) | (r > high)) & (response_mask > 0)
-    w = torch.where(outside | (response_mask <= 0), torch.zeros_like(r), r)
-    return CorrectionOutput(w, _stats(w, response_mask, outside))
+    return _output(r, response_mask, outside)
 
 
 @CORRECTIONS.register("seq_mask")
@@ -151,6 +151,4 @@ def sequence_mask(
     r = torch.exp(_log_ratio(proximal_logprobs, rollout_logprobs, response_mask, cap, low, high))
     valid = response_mask > 0
     bad_row = (((r < low) | (r > high)) & valid).any(-1, keepdim=True)
-    masked = bad_row.expand_as(r) & valid
-    w = torch.where(masked | ~valid, torch.zeros_like(r), r.clamp(max=cap))
-    return CorrectionOutput(w, _stats(w, response_mask, masked))
+    return _output(r.clamp(max=cap), response_mask, bad_row.expand_as(r) & valid)
