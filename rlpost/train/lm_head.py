@@ -104,15 +104,19 @@ a smaller head keeps torch's, so the toy vocabularies keep their exact numbers."
 
 @functools.cache
 def _onednn_linear() -> bool:
-    """Whether oneDNN's linear runs in this torch build and agrees with torch's (once)."""
+    """Whether oneDNN's linear runs in this torch build and agrees with torch's (once).
+
+    Float32 whatever context asks first: a trainer's bf16 autocast would make torch's side
+    of the comparison bf16."""
     if not torch.backends.mkldnn.is_available():
         return False
-    try:
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
         x, w = torch.randn(3, 8), torch.randn(5, 8)
-        got = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-    except (AttributeError, RuntimeError):
-        return False
-    return bool(torch.allclose(got, x @ w.t(), rtol=1e-4, atol=1e-5))
+        try:
+            got = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        except (AttributeError, RuntimeError):
+            return False
+        return bool(torch.allclose(got, x @ w.t(), rtol=1e-4, atol=1e-5))
 
 
 def head_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -179,9 +183,10 @@ def _chunk_logits(
     return z.div_(tau) if tau != 1.0 else z
 
 
-def _chunk_buffer(hidden: Tensor, weight: Tensor, chunk: int) -> Tensor | None:
-    """The pass's ``[c, V]`` logits buffer; None where oneDNN's kernel makes its own output."""
-    if _onednn_head(hidden, weight):
+def _chunk_buffer(hidden: Tensor, weight: Tensor, chunk: int, dtype) -> Tensor | None:
+    """The pass's ``[c, V]`` float32 logits buffer; None where the chunks are computed in
+    another dtype or oneDNN's kernel makes its own output."""
+    if dtype != torch.float32 or _onednn_head(hidden, weight):
         return None
     return torch.empty(min(chunk, hidden.shape[0]), weight.shape[0], device=hidden.device)
 
@@ -200,7 +205,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         entropy = hidden.new_zeros(n, dtype=torch.float32)
         lse = hidden.new_empty(n, dtype=torch.float32)
         w = weight.to(dtype)
-        buf = _chunk_buffer(hidden, weight, chunk)
+        buf = _chunk_buffer(hidden, weight, chunk, dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for lo in range(0, n, chunk):
                 pace()  # the cores a co-located rollout process lends: observe.threads
@@ -233,7 +238,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if want_b else None
         use_entropy = with_entropy and grad_entropy is not None
         w = weight.to(dtype)
-        buf = _chunk_buffer(hidden, weight, chunk)
+        buf = _chunk_buffer(hidden, weight, chunk, dtype)
         for lo in range(0, hidden.shape[0], chunk):
             pace()
             hi = min(hidden.shape[0], lo + chunk)

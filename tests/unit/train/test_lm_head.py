@@ -178,6 +178,25 @@ def test_bf16_autocast_follows_the_full_path():
     torch.testing.assert_close(lp[real], lp_full[real], atol=0.1, rtol=0.02)
 
 
+def test_the_onednn_probe_runs_first_under_bf16_autocast(monkeypatch):
+    """A trainer in bf16 autocast may be the first to ask whether oneDNN's kernel works: the
+    probe's own matmul must not come out in bf16 (it did, and every bf16 run failed)."""
+    from rlpost.train import lm_head
+
+    monkeypatch.setattr(lm_head, "ONEDNN_MIN_VOCAB", 1)
+    lm_head._onednn_linear.cache_clear()
+    try:
+        model, batch = _model(False), _batch()
+        real = batch.attention_mask[:, batch.prompt_width :].bool()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lp, _ = response_logprobs(model, batch, 1.0, chunk=2)
+            lp_full = token_logprobs(response_logits(model, batch), batch.responses)
+        torch.testing.assert_close(lp[real], lp_full[real], atol=0.1, rtol=0.02)
+        assert lm_head._onednn_linear() == torch.backends.mkldnn.is_available()
+    finally:
+        lm_head._onednn_linear.cache_clear()
+
+
 def test_a_head_that_cannot_be_split_keeps_the_full_path():
     from bench.bench_response_logits import FullHead
 
