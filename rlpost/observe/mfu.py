@@ -85,18 +85,29 @@ CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 """/proc/cpuinfo flags of x86 instructions that compute in bfloat16 natively."""
 
 
-def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty where it cannot be read)."""
+def _cpuinfo_value(keys: tuple[str, ...], cpuinfo: str | None) -> str:
+    """The value of the first Linux ``/proc/cpuinfo`` line that starts with one of ``keys``
+    ("" where there is none or the file cannot be read)."""
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo") as f:
                 cpuinfo = f.read()
         except OSError:
-            return set()
+            return ""
     for line in cpuinfo.splitlines():
-        if line.startswith(("flags", "Features")):
-            return set(line.split(":", 1)[1].split())
-    return set()
+        if line.startswith(keys):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's feature flags (empty where they cannot be read)."""
+    return set(_cpuinfo_value(("flags", "Features"), cpuinfo).split())
+
+
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    """The CPU's vendor id (``GenuineIntel``, ``AuthenticAMD``; "" where it cannot be read)."""
+    return _cpuinfo_value(("vendor_id",), cpuinfo)
 
 
 def cpu_bf16_native(cpuinfo: str | None = None) -> bool:

@@ -26,7 +26,7 @@ import functools
 import torch
 from torch import Tensor, nn
 
-from rlpost.observe.mfu import cpu_bf16_native
+from rlpost.observe.mfu import cpu_bf16_native, cpu_vendor
 from rlpost.observe.threads import pace
 
 CHUNK_BYTES = 64 * 2**20
@@ -161,34 +161,63 @@ def serve_head(model: nn.Module) -> nn.Module:
     return model
 
 
+@functools.cache
+def _intel_cpu() -> bool:
+    return cpu_vendor() == "GenuineIntel"  # read once: /proc/cpuinfo does not change
+
+
+def _chunk_onednn(h: Tensor, weight: Tensor) -> bool:
+    """Whether a trainer pass's float32 chunk takes oneDNN's kernel: where
+    :func:`head_linear` would, but not on an Intel CPU. There MKL's sgemm into the pass's
+    reused buffer is faster (oneDNN's kernel returns a fresh ``[c, V]`` tensor whose pages
+    fault in anew each chunk): a 110-token chunk took 62 against 94 ms at one thread
+    (Xeon with AMX), while on an AMD EPYC oneDNN's took 146 against MKL's 220 ms at two
+    (docs/performance.md)."""
+    return _onednn_head(h, weight) and not _intel_cpu()
+
+
+class _Scratch:
+    """A pass's reused ``[c, V]`` tensors, each made on its first use: the float32 logits,
+    the float32 probabilities of the entropy's terms, and the low-precision logits (or
+    logit gradient) of a bf16 pass. A fresh ``[c, V]`` tensor is past glibc's largest mmap
+    threshold (32 MiB), so every chunk would map, fault in and unmap it again: about 20 ms
+    a 64 MiB tensor at one thread, a third of the chunk's matmul."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device):
+        self.rows, self.vocab, self.device = rows, vocab, device
+        self._made: dict[str, Tensor] = {}
+
+    def get(self, name: str, n: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        t = self._made.get(name)
+        if t is None:
+            t = torch.empty(self.rows, self.vocab, dtype=dtype, device=self.device)
+            self._made[name] = t
+        return t[:n]
+
+
+def _scratch(hidden: Tensor, weight: Tensor, chunk: int) -> _Scratch:
+    return _Scratch(min(chunk, hidden.shape[0]), weight.shape[0], hidden.device)
+
+
 def _chunk_logits(
-    h: Tensor, weight: Tensor, bias: Tensor | None, tau: float, dtype, buf: Tensor | None = None
+    h: Tensor, weight: Tensor, bias: Tensor | None, tau: float, dtype, scratch: _Scratch
 ) -> Tensor:
     """Float32 tempered logits ``[c, V]`` of hidden states ``h [c, H]`` (``weight`` already in
-    ``dtype``: cast once per pass, not per chunk), written into the rows of ``buf`` when
-    given (float32 compute). A pass reuses one buffer for all its chunks: a fresh
-    ``[c, V]`` tensor is past glibc's largest mmap threshold (32 MiB), so every chunk
-    would map, fault in and unmap it again, a fifth of the forward matmul's time."""
-    if dtype == torch.float32 and _onednn_head(h, weight):  # a fresh [c, V] (no out= form)
+    ``dtype``: cast once per pass, not per chunk), in ``scratch``'s logits where the kernel
+    takes an output. A bf16 pass rounds them as the full head under autocast would."""
+    n = h.shape[0]
+    if dtype != torch.float32:
+        low = torch.mm(h.to(dtype), weight.t(), out=scratch.get("low", n, dtype))
+        if bias is not None:
+            low += bias.to(dtype)
+        z = scratch.get("logits", n).copy_(low)
+    elif _chunk_onednn(h, weight):  # a fresh [c, V] (no out= form)
         z = head_linear(h.float(), weight, bias)
-    elif buf is not None and dtype == torch.float32:
-        z = torch.mm(h.float(), weight.t(), out=buf[: h.shape[0]])
+    else:
+        z = torch.mm(h.float(), weight.t(), out=scratch.get("logits", n))
         if bias is not None:
             z += bias.float()
-    else:
-        z = h.to(dtype) @ weight.t()
-        if bias is not None:
-            z = z + bias.to(dtype)
-        z = z.float()
     return z.div_(tau) if tau != 1.0 else z
-
-
-def _chunk_buffer(hidden: Tensor, weight: Tensor, chunk: int, dtype) -> Tensor | None:
-    """The pass's ``[c, V]`` float32 logits buffer; None where the chunks are computed in
-    another dtype or oneDNN's kernel makes its own output."""
-    if dtype != torch.float32 or _onednn_head(hidden, weight):
-        return None
-    return torch.empty(min(chunk, hidden.shape[0]), weight.shape[0], device=hidden.device)
 
 
 class ChunkedHeadLogprobs(torch.autograd.Function):
@@ -196,30 +225,35 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
     ``weight [V, H]`` (``bias [V]`` or None), ``chunk`` tokens of logits at a time.
 
     Differentiable in ``hidden``, ``weight`` and ``bias``; the backward recomputes each
-    chunk's logits. ``entropy`` is all zeros unless ``with_entropy``."""
+    chunk's logits. ``entropy`` is all zeros unless ``with_entropy``. An output the loss
+    does not use gets no gradient work (a logged entropy costs nothing in the backward)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, tau, chunk, with_entropy, dtype):
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None
         n = hidden.shape[0]
         logprobs = hidden.new_empty(n, dtype=torch.float32)
         entropy = hidden.new_zeros(n, dtype=torch.float32)
         lse = hidden.new_empty(n, dtype=torch.float32)
         w = weight.to(dtype)
-        buf = _chunk_buffer(hidden, weight, chunk, dtype)
+        scratch = _scratch(hidden, weight, chunk)
         with torch.autocast(hidden.device.type, enabled=False):
             for lo in range(0, n, chunk):
                 pace()  # the cores a co-located rollout process lends: observe.threads
                 hi = min(n, lo + chunk)
-                z = _chunk_logits(hidden[lo:hi], w, bias, tau, dtype, buf)
+                z = _chunk_logits(hidden[lo:hi], w, bias, tau, dtype, scratch)
                 target = z.gather(-1, targets[lo:hi, None]).squeeze(-1)
+                top = z.amax(dim=-1, keepdim=True)
+                z.sub_(top)  # z' = z - max <= 0, in place: logsumexp's own steps
                 if with_entropy:
-                    lse[lo:hi] = torch.logsumexp(z, dim=-1)
-                    # -sum p log p: a sum of non-negative terms, no cancellation near H = 0
-                    logp = z.sub_(lse[lo:hi, None])
-                    entropy[lo:hi] = -(logp.exp() * logp).sum(-1)
-                else:  # logsumexp's own steps, in place on the chunk
-                    top = z.amax(dim=-1, keepdim=True)
-                    lse[lo:hi] = top.squeeze(-1) + z.sub_(top).exp_().sum(-1).log_()
+                    e = torch.exp(z, out=scratch.get("probs", hi - lo))
+                    total = e.sum(-1)
+                    lse[lo:hi] = top.squeeze(-1) + total.log()
+                    # H = log s - sum e z' / s with s = sum e: two non-negative terms, so
+                    # no cancellation near H = 0
+                    entropy[lo:hi] = total.log() - e.mul_(z).sum(-1) / total
+                else:
+                    lse[lo:hi] = top.squeeze(-1) + z.exp_().sum(-1).log_()
                 logprobs[lo:hi] = target - lse[lo:hi]
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.settings = (tau, chunk, with_entropy, dtype)
@@ -234,23 +268,32 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         # The weight's gradient goes straight into its ``.grad`` where it may (no [V, H]
         # tensor of its own, nor a sum with a tied embedding's gradient), else is returned.
         sink = grad_sink(weight) if want_w else None
-        grad_w = sink if sink is not None or not want_w else torch.zeros_like(weight, dtype=torch.float32)
+        grad_w = (
+            sink
+            if sink is not None or not want_w
+            else torch.zeros_like(weight, dtype=torch.float32)
+        )
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if want_b else None
         use_entropy = with_entropy and grad_entropy is not None
+        # A float32 weight gradient of a bf16 pass on CPU is one float32 addmm: faster than
+        # a bf16 [V, H] product converted and added (73 against 137 ms a 110-token chunk at
+        # one thread, Xeon with AMX), and unrounded.
+        exact_w = (
+            grad_w is not None and grad_w.dtype == torch.float32 and weight.device.type == "cpu"
+        )
         w = weight.to(dtype)
-        buf = _chunk_buffer(hidden, weight, chunk, dtype)
+        scratch = _scratch(hidden, weight, chunk)
         for lo in range(0, hidden.shape[0], chunk):
             pace()
             hi = min(hidden.shape[0], lo + chunk)
             h = hidden[lo:hi]
-            # Every [c, V] step below is in place where it can be: the chunk's logits become
-            # its probabilities, then its gradient, so the backward holds one or two such
-            # tensors, not four (the entropy term needs log p and p at once).
-            logp = _chunk_logits(h, w, bias, tau, dtype, buf).sub_(lse[lo:hi, None])
+            # Every [c, V] step below is in place in the pass's scratch: the chunk's logits
+            # become its log-probabilities and then the entropy's term, its probabilities
+            # its gradient.
+            logp = _chunk_logits(h, w, bias, tau, dtype, scratch).sub_(lse[lo:hi, None])
             if use_entropy:
-                p = logp.exp()
-                ent = p * logp.add_(entropy[lo:hi, None]).mul_(-grad_entropy[lo:hi, None])
-                del logp
+                p = torch.exp(logp, out=scratch.get("probs", hi - lo))
+                ent = logp.add_(entropy[lo:hi, None]).mul_(p).mul_(-grad_entropy[lo:hi, None])
             else:
                 p, ent = logp.exp_(), None
             if grad_logprobs is not None:
@@ -265,14 +308,16 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
                 gz.div_(tau)
             if grad_b is not None:
                 grad_b += gz.sum(0)
-            gz = gz.to(dtype)
+            low = gz if dtype == torch.float32 else scratch.get("low", hi - lo, dtype).copy_(gz)
             if grad_h is not None:
-                grad_h[lo:hi] = (gz @ w).to(hidden.dtype)
-            if grad_w is not None:
+                grad_h[lo:hi] = (low @ w).to(hidden.dtype)
+            if exact_w:
+                grad_w.addmm_(gz.t(), h.float())
+            elif grad_w is not None:
                 if grad_w.dtype == dtype:  # accumulate inside the matmul: no [V, H] temporary
-                    grad_w.addmm_(gz.t(), h.to(dtype))
+                    grad_w.addmm_(low.t(), h.to(dtype))
                 else:
-                    grad_w += (gz.t() @ h.to(dtype)).float()
+                    grad_w += (low.t() @ h.to(dtype)).float()
         grad_w = None if grad_w is None or sink is not None else grad_w.to(weight.dtype)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
         return grad_h, grad_w, grad_b, None, None, None, None, None
@@ -368,7 +413,10 @@ def head_sum_pi_squared(
     dtype = compute_dtype(head.weight)
     out = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
     w = head.weight.to(dtype)
+    scratch = _scratch(hidden, head.weight, size)
     for lo in range(0, hidden.shape[0], size):
-        z = _chunk_logits(hidden[lo : lo + size], w, head.bias, tau, dtype)
-        out[lo : lo + size] = torch.softmax(z, dim=-1).pow_(2).sum(-1)
+        z = _chunk_logits(hidden[lo : lo + size], w, head.bias, tau, dtype, scratch)
+        e = z.sub_(z.amax(dim=-1, keepdim=True)).exp_()  # the softmax's steps, in place
+        total = e.sum(-1)
+        out[lo : lo + size] = e.pow_(2).sum(-1) / total.square()
     return out

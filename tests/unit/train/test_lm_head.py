@@ -113,11 +113,13 @@ def test_chunked_matches_full_logits(tied, chunk):
 
 @pytest.mark.parametrize("onednn", [False, True])
 def test_hidden_and_weight_gradients_against_autograd_of_the_formula(onednn, monkeypatch):
-    """Also with every head on oneDNN's kernel (its forward and its recompute)."""
+    """With every head past oneDNN's size: on oneDNN's kernel (its forward and its recompute,
+    as on an AMD CPU), or on MKL's into the pass's buffer (as on an Intel one)."""
     from rlpost.train import lm_head
 
-    if onednn:
-        monkeypatch.setattr(lm_head, "ONEDNN_MIN_VOCAB", 1)
+    monkeypatch.setattr(lm_head, "ONEDNN_MIN_VOCAB", 1)
+    monkeypatch.setattr(lm_head, "_intel_cpu", lambda: not onednn)
+    lm_head._onednn_linear()  # the probe's own call is not the pass's
     torch.manual_seed(3)
     hidden = torch.randn(11, 8, requires_grad=True)
     head = torch.nn.Linear(8, 50, bias=True)
@@ -140,6 +142,58 @@ def test_hidden_and_weight_gradients_against_autograd_of_the_formula(onednn, mon
     (ref_lp @ g_lp + ref_ent @ g_ent).backward()
     for a, b in zip(mine, (hidden.grad, head.weight.grad, head.bias.grad), strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+class _Fresh(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that return a new tensor of ``width`` columns (no out=, not in place),
+    and every op by name."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width, self.fresh, self.calls = width, 0, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket)
+        self.calls[name] = self.calls.get(name, 0) + 1
+        is_new = func._overloadname in ("default", "memory_format") and not name.endswith("_")
+        if is_new and isinstance(out, torch.Tensor) and out.dim() == 2 and not func.is_view:
+            self.fresh += out.shape[-1] == self.width
+        return out
+
+
+def _head_pass(tokens: int, with_entropy: bool, use_entropy: bool, chunk: int = 3) -> _Fresh:
+    torch.manual_seed(5)
+    hidden = torch.randn(tokens, 8, requires_grad=True)
+    head = torch.nn.Linear(8, 50, bias=True)
+    targets = torch.randint(0, 50, (tokens,))
+    with _Fresh(50) as seen:
+        lp, ent = head_logprobs(hidden, head, targets, with_entropy=with_entropy, chunk=chunk)
+        (lp.sum() + (ent.sum() if use_entropy else 0)).backward()
+    return seen
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_a_pass_reuses_its_logits_buffers_whatever_its_chunk_count(with_entropy, monkeypatch):
+    """No [c, V] tensor is made per chunk (MKL's kernel into the pass's buffers)."""
+    from rlpost.train import lm_head
+
+    monkeypatch.setattr(lm_head, "_intel_cpu", lambda: True)
+    few, many = (
+        _head_pass(12, with_entropy, with_entropy),
+        _head_pass(30, with_entropy, with_entropy),
+    )
+    assert many.calls["aten.mm"] > few.calls["aten.mm"]  # more chunks ran
+    assert few.fresh == many.fresh <= 4  # a pass's logits and probabilities, forward and back
+
+
+def test_an_unused_entropy_output_costs_no_backward_work():
+    logged = _head_pass(12, with_entropy=True, use_entropy=False)
+    trained = _head_pass(12, with_entropy=True, use_entropy=True)
+    plain = _head_pass(12, with_entropy=False, use_entropy=False)
+    # the forward's entropy is one exp a chunk; the trained entropy's gradient one more
+    assert plain.calls.get("aten.exp", 0) == 0
+    assert logged.calls["aten.exp"] == 4 and trained.calls["aten.exp"] == 8
 
 
 def test_logprobs_only_backward_and_scoring_pass():
@@ -176,6 +230,16 @@ def test_bf16_autocast_follows_the_full_path():
         lp, _ = response_logprobs(model, batch, 1.0, chunk=2)
     # bf16 logits of magnitude ~10 round at ~0.05; both paths round the same matmul.
     torch.testing.assert_close(lp[real], lp_full[real], atol=0.1, rtol=0.02)
+    # the head's float32 weight gradient: the chunks' against float32's own, at bf16's rounding
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, _ = response_logprobs(model, batch, 1.0, chunk=2)
+    lp[real].sum().backward()
+    mine = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+    lp, _ = response_logprobs(model, batch, 1.0, chunk=FULL_LOGITS)
+    lp[real].sum().backward()
+    torch.testing.assert_close(mine, model.lm_head.weight.grad, atol=0.05, rtol=0.05)
 
 
 def test_the_onednn_probe_runs_first_under_bf16_autocast(monkeypatch):
@@ -239,7 +303,9 @@ def test_head_linear_takes_onednn_for_a_large_vocabulary_without_a_gradient():
     torch.testing.assert_close(lm_head.head_linear(x[None], big)[0], want, atol=1e-5, rtol=1e-5)
     # a small head, a gradient wanted, or another dtype: torch's kernel, the exact numbers
     assert not _ran_onednn(lambda: lm_head.head_linear(x, small, bias))
-    assert torch.equal(lm_head.head_linear(x, small, bias), torch.nn.functional.linear(x, small, bias))
+    assert torch.equal(
+        lm_head.head_linear(x, small, bias), torch.nn.functional.linear(x, small, bias)
+    )
     wanted = x.clone().requires_grad_()
     assert not _ran_onednn(lambda: lm_head.head_linear(wanted, big))
     assert not _ran_onednn(lambda: lm_head.head_linear(x.double(), big.double()))
