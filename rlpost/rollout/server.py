@@ -213,17 +213,25 @@ class RolloutService:
 
     async def respond(self, request: Request, chat: bool):
         plan = await run_in_threadpool(self.plan, await request.body(), chat)
+        if not plan.stream:
+            return await self.answer(request, plan)
         self.budget.take(plan.sequences)  # 429 when the server is full
         release = partial(self.budget.release, plan.sequences)
-        if plan.stream:
-            return ReleasingStream(self.stream(plan), release, media_type="text/event-stream")
+        return ReleasingStream(self.stream(plan), release, media_type="text/event-stream")
+
+    async def answer(self, request: Request, plan: Plan, record=None) -> Response:
+        """The whole response to a planned request; ``record(results, content)`` runs before
+        it counts as answered (a session's record; it may still refuse)."""
+        self.budget.take(plan.sequences)  # 429 when the server is full
         try:
             results = await self.generate(request, plan.prompts, plan.fields)
             if results is None:
                 return Response(status_code=499)  # nobody is listening
             content = await run_in_threadpool(self.whole_response, plan, results)
         finally:
-            release()
+            self.budget.release(plan.sequences)
+        if record is not None:
+            record(results, content)
         self.counts["ok"] += 1
         return Response(content, media_type="application/json")
 

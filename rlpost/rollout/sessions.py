@@ -24,7 +24,6 @@ import uuid
 from dataclasses import dataclass, field, replace
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from rlpost.rollout.openai_params import APIError, parse_json_object
@@ -169,31 +168,25 @@ def add_session_routes(app, service, store: SessionStore) -> None:
         limit = service.settings.max_tokens_limit
         plan.fields["params"] = replace(plan.fields["params"], max_tokens=min(asked or limit, limit))
         admit(session, plan, service.settings.max_model_len or 1 << 62)
-        service.budget.take(plan.sequences)
-        try:
-            results = await service.generate(request, plan.prompts, plan.fields)
-            if results is None:
-                return Response(status_code=499)
-            content = await run_in_threadpool(service.whole_response, plan, results)
-        finally:
-            service.budget.release(plan.sequences)
-        if session.closed:  # the session ended (its harness ran out of time) while it sampled
-            raise APIError(404, f"session {sid[:64]!r} closed during the request")
-        out, choice = results[0][0], json.loads(content)["choices"][0]
-        message = choice.get("message") or {}
-        session.requests.append(
-            Request(
-                list(plan.prompts[0]),
-                list(out.token_ids),
-                list(out.logprobs),
-                list(out.token_versions),
-                out.finish_reason,
-                text=message.get("content") or choice.get("text") or "",
-                tool_calls=len(message.get("tool_calls") or []),
+
+        def record(results: list, content: bytes) -> None:
+            if session.closed:  # the session ended (its harness ran out of time) while it sampled
+                raise APIError(404, f"session {sid[:64]!r} closed during the request")
+            out, choice = results[0][0], json.loads(content)["choices"][0]
+            message = choice.get("message") or {}
+            session.requests.append(
+                Request(
+                    list(plan.prompts[0]),
+                    list(out.token_ids),
+                    list(out.logprobs),
+                    list(out.token_versions),
+                    out.finish_reason,
+                    text=message.get("content") or choice.get("text") or "",
+                    tool_calls=len(message.get("tool_calls") or []),
+                )
             )
-        )
-        service.counts["ok"] += 1
-        return Response(content, media_type="application/json")
+
+        return await service.answer(request, plan, record)
 
     async def chat(request: HTTPRequest, sid: str):
         return await respond(request, sid, chat=True)
