@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from rlpost.errors import one_line
-from rlpost.rollout.openai_params import APIError, parse_json_object
+from rlpost.rollout.openai_params import APIError, error_body, parse_json_object
 from rlpost.sync import DeltaRefused, Receiver, SyncError
 from rlpost.sync.session import Bucket, Manifest, SessionMeta
 
@@ -69,8 +69,7 @@ def receiver_of(app) -> Receiver:
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    error = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
-    return JSONResponse({"error": error}, status_code=status)
+    return JSONResponse(error_body(message), status_code=status)
 
 
 async def _run(fn, *args):
