@@ -58,24 +58,27 @@ def guarded_h11(header_timeout: float, write_timeout: float = 30.0) -> type[H11P
             # as fast as we write. A zero TCP window would hold the send, the request's
             # batch slots and the buffer for ever; abort unless it drains in time.
             super().pause_writing()
-            if self._write_timer is None:
-                self._write_timer = self.loop.call_later(write_timeout, self._write_timed_out)
+            self._arm_write()
 
         def resume_writing(self) -> None:
-            self._cancel_write_timer()
+            self._cancel("_write_timer")
             super().resume_writing()
 
         def timeout_keep_alive_handler(self) -> None:
             super().timeout_keep_alive_handler()
             # close() waits for the buffer to drain: bytes a client never reads would keep
             # the connection open for ever.
-            if self.transport.get_write_buffer_size() and self._write_timer is None:
+            if self.transport.get_write_buffer_size():
+                self._arm_write()
+
+        def _arm_write(self) -> None:
+            if self._write_timer is None:
                 self._write_timer = self.loop.call_later(write_timeout, self._write_timed_out)
 
-        def _cancel_write_timer(self) -> None:
-            if self._write_timer is not None:
-                self._write_timer.cancel()
-                self._write_timer = None
+        def _cancel(self, timer: str) -> None:
+            if getattr(self, timer) is not None:
+                getattr(self, timer).cancel()
+                setattr(self, timer, None)
 
         def _write_timed_out(self) -> None:
             self._write_timer = None
@@ -105,22 +108,17 @@ def guarded_h11(header_timeout: float, write_timeout: float = 30.0) -> type[H11P
 
         def _rearm(self, idle_counts: bool = True) -> None:
             if not self._waiting(idle_counts):
-                self._disarm()
+                self._cancel("_head_timer")
             elif self._head_timer is None:
                 self._arm()
 
         def connection_lost(self, exc) -> None:
-            self._disarm()
-            self._cancel_write_timer()
+            self._cancel("_head_timer")
+            self._cancel("_write_timer")
             super().connection_lost(exc)
 
         def _arm(self) -> None:
             self._head_timer = self.loop.call_later(header_timeout, self._head_timed_out)
-
-        def _disarm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
 
         def _head_timed_out(self) -> None:
             self._head_timer = None
