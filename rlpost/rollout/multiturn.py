@@ -221,15 +221,14 @@ class MultiTurnRollout:
     def _start(self, prompt_ids, n: int, prompts) -> list[_Group]:
         groups = []
         for i, ids in enumerate(prompt_ids):
-            task = prompts[i] if prompts is not None else None
-            if not isinstance(task, Prompt):
-                task = Prompt(self.tokenizer.decode(ids))
+            payload = prompts[i] if prompts is not None else None
+            task = payload if isinstance(payload, Prompt) else Prompt(self.tokenizer.decode(ids))
             episodes = []
             for _ in range(n):
                 env = self.make_env()
                 env.reset(task)
                 episodes.append(_Live(list(ids), i, env))
-            groups.append(_Group(prompts[i] if prompts is not None else None, episodes))
+            groups.append(_Group(payload, episodes))
         return groups
 
     def _turn_params(self, params: SamplingParams, live: list[_Live]) -> SamplingParams:
