@@ -58,6 +58,12 @@ def _check(token_level_rewards: Tensor, response_mask: Tensor, group: Tensor) ->
         raise ValueError(f"group must hold integer prompt ids, got dtype {group.dtype}")
 
 
+def _group_index(group: Tensor) -> tuple[Tensor, int]:
+    """``(inverse [B], G)``: each row's group as an index in ``[0, G)``, and the group count."""
+    _, inverse = torch.unique(group, return_inverse=True)
+    return inverse, int(inverse.max()) + 1 if inverse.numel() else 0
+
+
 def _group_centered(scores: Tensor, group: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row group statistics of ``scores [B]`` (float64) under ids ``group [B]``.
 
@@ -65,8 +71,7 @@ def _group_centered(scores: Tensor, group: Tensor) -> tuple[Tensor, Tensor, Tens
     group std and the group size, each broadcast back to rows. Singleton groups
     get mean 0 and std 1 (verl), so their row keeps its raw score.
     """
-    _, inverse = torch.unique(group, return_inverse=True)
-    num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    inverse, num_groups = _group_index(group)
     zeros = scores.new_zeros(num_groups)
     count = zeros.scatter_add(0, inverse, torch.ones_like(scores))
     # Centre around the group minimum: equal scores give exact zeros after shifting.
@@ -86,12 +91,23 @@ def _outcome_scores(token_level_rewards: Tensor) -> Tensor:
     return token_level_rewards.to(torch.float64).sum(-1)
 
 
-def _tile(row_values: Tensor, response_mask: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(advantages, returns): ``row_values [B]`` broadcast over ``[B, T]``, zero on padding;
-    an outcome estimator's returns equal its advantages (a copy)."""
+def _tile(
+    row_values: Tensor, response_mask: Tensor, dtype: torch.dtype, whiten: bool = False
+) -> tuple[Tensor, Tensor]:
+    """(advantages, returns): ``row_values [B]`` broadcast over ``[B, T]``, zero on padding,
+    then (``whiten``) whitened over the valid tokens of the batch; an outcome estimator's
+    returns equal its advantages (a copy)."""
     m = response_mask.to(torch.float64) > 0
-    advantages = torch.where(m, row_values[:, None], 0.0).to(dtype)
+    tiled = torch.where(m, row_values[:, None], 0.0)
+    advantages = (masked_whiten(tiled, m) if whiten else tiled).to(dtype)
     return advantages, advantages.clone()
+
+
+def _reward_to_go(token_level_rewards: Tensor, response_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``(G [B, T], valid [B, T])``: the undiscounted float64 reward-to-go over valid tokens."""
+    m = response_mask.to(torch.float64) > 0
+    rewards = torch.where(m, token_level_rewards.to(torch.float64), 0.0)
+    return rewards.flip(-1).cumsum(-1).flip(-1), m
 
 
 @ADVANTAGES.register("grpo", group_relative=True)
@@ -231,10 +247,7 @@ def reinforce_pp_baseline_advantages(
     """
     _check(token_level_rewards, response_mask, group)
     centered, _, _ = _group_centered(_outcome_scores(token_level_rewards), group)
-    m = response_mask.to(torch.float64) > 0
-    tiled = torch.where(m, centered[:, None], 0.0)
-    advantages = masked_whiten(tiled, m).to(token_level_rewards.dtype)
-    return advantages, advantages.clone()
+    return _tile(centered, response_mask, token_level_rewards.dtype, whiten=True)
 
 
 def _gae(rewards: Tensor, values: Tensor, valid: Tensor, gamma: float, lam: Tensor) -> Tensor:

@@ -23,15 +23,11 @@ from rlpost.algos.advantages import (
     ADVANTAGES,
     _check,
     _group_centered,
+    _group_index,
     _outcome_scores,
+    _reward_to_go,
     _tile,
 )
-from rlpost.algos.aggregate import masked_whiten
-
-
-def _group_index(group: Tensor) -> tuple[Tensor, int]:
-    _, inverse = torch.unique(group, return_inverse=True)
-    return inverse, int(inverse.max()) + 1 if inverse.numel() else 0
 
 
 @ADVANTAGES.register("opo", group_relative=True)
@@ -132,10 +128,7 @@ def gdpo_advantages(
     for k in range(comps.shape[1]):
         centered, std, _ = _group_centered(comps[:, k], group)
         total = total + centered / (std + eps)
-    m = response_mask.to(torch.float64) > 0
-    tiled = torch.where(m, total[:, None], 0.0)
-    advantages = masked_whiten(tiled, m).to(token_level_rewards.dtype)
-    return advantages, advantages.clone()
+    return _tile(total, response_mask, token_level_rewards.dtype, whiten=True)
 
 
 @ADVANTAGES.register("remax", needs_greedy_baseline=True)
@@ -161,9 +154,7 @@ def remax_advantages(
         raise ValueError("advantage estimator 'remax' needs baseline_scores [B] (greedy rewards)")
     if baseline_scores.shape != group.shape:
         raise ValueError(f"baseline_scores must be [B], got {tuple(baseline_scores.shape)}")
-    m = response_mask.to(torch.float64) > 0
-    rewards = torch.where(m, token_level_rewards.to(torch.float64), 0.0)
-    returns = rewards.flip(-1).cumsum(-1).flip(-1)
+    returns, m = _reward_to_go(token_level_rewards, response_mask)
     adv = torch.where(m, returns - baseline_scores.to(torch.float64)[:, None], 0.0)
     dtype = token_level_rewards.dtype
     return adv.to(dtype), torch.where(m, returns, 0.0).to(dtype)
@@ -198,15 +189,13 @@ def optimal_token_baseline_advantages(
     for name, t in (("old_logprobs", old_logprobs), ("sum_pi_squared", sum_pi_squared)):
         if t is None or t.shape != token_level_rewards.shape:
             raise ValueError(f"optimal_token_baseline needs {name} [B, T] from the trainer")
-    m = response_mask.to(torch.float64) > 0
-    rewards = torch.where(m, token_level_rewards.to(torch.float64), 0.0)
-    returns = rewards.flip(-1).cumsum(-1).flip(-1)
+    returns, m = _reward_to_go(token_level_rewards, response_mask)
     pi = torch.exp(torch.where(m, old_logprobs.to(torch.float64), 0.0))
     w = torch.where(m, 1.0 - 2.0 * pi + sum_pi_squared.to(torch.float64), 0.0)
     w_cum = torch.where(m, w.cumsum(-1), 0.0)
     inverse, num_groups = _group_index(group)
-    width = rewards.shape[1]
-    zeros = rewards.new_zeros(num_groups, width)
+    width = returns.shape[1]
+    zeros = returns.new_zeros(num_groups, width)
     index = inverse[:, None].expand(-1, width)
     numerator = zeros.scatter_add(0, index, returns * w_cum)[inverse]
     denominator = zeros.scatter_add(0, index, w_cum)[inverse]
