@@ -61,19 +61,21 @@ def get_policy_loss(name: str) -> PolicyLoss:
     return POLICY_LOSSES.get(name)
 
 
+def _same_shape(ref_name: str, ref: Tensor, **others: Tensor) -> None:
+    """Raise ``ValueError`` naming the first of ``others`` whose shape is not ``ref``'s."""
+    for name, t in others.items():
+        if t.shape != ref.shape:
+            raise ValueError(
+                f"{name} shape {tuple(t.shape)} != {ref_name} shape {tuple(ref.shape)}"
+            )
+
+
 def _prepare(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Check shapes; return ``(old, advantages, mask)`` detached, mask as bool ``[B, T]``."""
-    for name, t in (
-        ("old_logprobs", old_logprobs),
-        ("advantages", advantages),
-        ("response_mask", response_mask),
-    ):
-        if t.shape != logprobs.shape:
-            raise ValueError(
-                f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}"
-            )
+    others = {"old_logprobs": old_logprobs, "advantages": advantages}
+    _same_shape("logprobs", logprobs, **others, response_mask=response_mask)
     return old_logprobs.detach(), advantages.detach(), response_mask.detach() > 0
 
 
@@ -95,11 +97,7 @@ def _approx_kl(logprobs: Tensor, old: Tensor, mask: Tensor) -> Tensor:
 def _check_rollout(rollout_logprobs: Tensor | None, logprobs: Tensor) -> Tensor | None:
     if rollout_logprobs is None:
         return None
-    if rollout_logprobs.shape != logprobs.shape:
-        raise ValueError(
-            f"rollout_logprobs shape {tuple(rollout_logprobs.shape)} != logprobs shape "
-            f"{tuple(logprobs.shape)}"
-        )
+    _same_shape("logprobs", logprobs, rollout_logprobs=rollout_logprobs)
     return rollout_logprobs.detach()
 
 
@@ -124,8 +122,7 @@ def _tis_reduce(
     if cap is not None and rollout is not None:
         if cap <= 0:
             raise ValueError(f"tis_cap must be > 0, got {cap}")
-        log_w = torch.clamp(old - rollout, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        weights = torch.clamp(torch.exp(log_w), max=cap)
+        weights = torch.clamp(_ratio(old, rollout)[1], max=cap)
         stats["tis_weight_mean"] = masked_mean(weights, mask)
         loss_mat = loss_mat * weights
     return PolicyLossOutput(agg.reduce(loss_mat, mask), stats)
@@ -404,7 +401,7 @@ def flash_reinforce_loss(
     else:
         threshold = tr_kl if divergence == "binary_kl" else tr_tv
         keep = _token_divergence(logprobs.detach(), rollout, divergence) <= threshold
-        raw = torch.exp(torch.clamp(old - rollout, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        raw = _ratio(old, rollout)[1]
         capped = raw > is_cap
         weight = torch.clamp(raw, max=is_cap)
     loss_mat = torch.where(keep, -adv * weight * logprobs, torch.zeros_like(logprobs))

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from rlpost.algos.aggregate import Aggregation, masked_mean, masked_var
-from rlpost.algos.policy_losses import PolicyLossOutput
+from rlpost.algos.policy_losses import PolicyLossOutput, _same_shape
 
 # Guards the explained-variance ratio when the returns are constant.
 EXPLAINED_VAR_EPS = 1e-8
@@ -33,15 +33,8 @@ def value_loss(
     ``vf_clip_frac`` (clipped error larger), ``vf_explained_var``
     (``1 - Var[R - v] / Var[R]`` over valid tokens).
     """
-    for name, t in (
-        ("returns", returns),
-        ("old_values", old_values),
-        ("response_mask", response_mask),
-    ):
-        if t.shape != values_pred.shape:
-            raise ValueError(
-                f"{name} shape {tuple(t.shape)} != values_pred shape {tuple(values_pred.shape)}"
-            )
+    inputs = {"returns": returns, "old_values": old_values, "response_mask": response_mask}
+    _same_shape("values_pred", values_pred, **inputs)
     if clip_range is not None and clip_range <= 0:
         raise ValueError(f"value clip_range must be > 0 or None, got {clip_range}")
     target, old, mask = returns.detach(), old_values.detach(), response_mask.detach() > 0
