@@ -85,6 +85,11 @@ def _ratio(logprobs: Tensor, old: Tensor) -> tuple[Tensor, Tensor]:
     return log_ratio, torch.exp(log_ratio)
 
 
+def _raw_log_ratio(logprobs: Tensor, old: Tensor, mask: Tensor) -> Tensor:
+    """``lp - old`` unclamped (verl's rule where no clamp applies), 0 on padding (finite exp)."""
+    return torch.where(mask, logprobs - old, torch.zeros_like(logprobs))
+
+
 def _frac(flags: Tensor, mask: Tensor) -> Tensor:
     """Detached fraction of valid tokens where ``flags`` is true."""
     return masked_mean(flags.detach().to(torch.float32), mask)
@@ -241,8 +246,7 @@ def gspo_loss(
     """
     old, adv, mask = _prepare(logprobs, old_logprobs, advantages, response_mask)
     _check_clip(clip_low, clip_high)
-    log_ratio = torch.where(mask, logprobs - old, torch.zeros_like(logprobs))
-    seq_log_ratio = masked_mean(log_ratio, mask, dim=-1).detach()
+    seq_log_ratio = masked_mean(_raw_log_ratio(logprobs, old, mask), mask, dim=-1).detach()
     token_log_ratio = logprobs - logprobs.detach() + seq_log_ratio[:, None]
     ratio = torch.exp(torch.clamp(token_log_ratio, max=GSPO_LOG_RATIO_MAX))
     loss_mat, cut = _clipped_surrogate(adv, ratio, clip_low, clip_high)

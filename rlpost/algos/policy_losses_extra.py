@@ -30,6 +30,7 @@ from rlpost.algos.policy_losses import (
     _frac,
     _prepare,
     _ratio,
+    _raw_log_ratio,
     _token_divergence,
 )
 
@@ -38,11 +39,6 @@ KL_COV_RATIO = 2e-4
 CLIP_COV_RATIO = 2e-4
 CLIP_COV_LB = 1.0
 CLIP_COV_UB = 5.0
-
-
-def _raw_log_ratio(logprobs: Tensor, old: Tensor, mask: Tensor) -> Tensor:
-    """``lp - old`` unclamped (verl's rule for these losses), 0 on padding so exp stays finite."""
-    return torch.where(mask, logprobs - old, torch.zeros_like(logprobs))
 
 
 @POLICY_LOSSES.register("gmpo")
