@@ -35,102 +35,157 @@ from rlpost.config import Config
 from rlpost.errors import WorkerError, typed_line
 
 
+class Host:
+    """The serving side of a worker elsewhere (a child process, a Ray actor): builds the
+    worker from the run's config (``threads``: torch's, else ``run.threads``), then runs its
+    methods by name. ``cluster.share_cores`` (``cores``, ``lend_cores``: :func:`_core_share`'s):
+    the rollout process marks its running calls in ``cores``; the trainer's takes its cores
+    while none runs (observe.threads.CoreShare).
+
+    SIGTERM (a preemption notice) sets ``noticed``. A host that ``drains`` then refuses
+    every new call but ``close`` with a ``draining`` :class:`WorkerError` (a rollout fleet
+    re-sends it elsewhere), lets its running calls finish and exits, at the latest after
+    ``cluster.drain_timeout_s``: the caller sees it gone and re-sends what did not finish.
+    """
+
+    def __init__(
+        self,
+        factory: str,
+        cfg_data: dict,
+        run_dir: str,
+        threads: int | None = None,
+        *,
+        cores=None,
+        lend_cores: int = 0,
+        drains: bool = True,
+        **kwargs,
+    ) -> None:
+        import torch
+
+        from rlpost.observe.threads import CoreShare, share_cores
+
+        cfg = Config.model_validate(cfg_data)
+        torch.manual_seed(cfg.run.seed)
+        threads = cfg.run.threads if threads is None else threads
+        if threads:
+            torch.set_num_threads(threads)
+        if cores is not None and lend_cores:
+            share_cores(CoreShare(cores, cfg.run.threads, lend_cores, torch.set_num_threads))
+        self.worker = globals()[factory](cfg, Path(run_dir), **kwargs)
+        self.role = factory.removesuffix("_factory")
+        self.drains = drains
+        self.marks = cores if not lend_cores else None  # the lending side: its calls running
+        self.drain_timeout_s = cfg.cluster.drain_timeout_s
+        self.noticed = False
+        self.busy = 0
+        self.lock = threading.Lock()
+        self._closed = False
+        self._closing = threading.Lock()  # the worker closes once: when asked or on leaving
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_term)
+
+    def _on_term(self, signum, frame) -> None:
+        self.noticed = True
+        if self.drains:
+            threading.Thread(target=self._leave, daemon=True).start()
+
+    def _leave(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout_s
+        while time.monotonic() < deadline:
+            with self.lock:
+                idle = self.busy == 0
+            if idle:  # drained: release the worker (its engine threads) and leave now
+                with contextlib.suppress(Exception):  # exiting either way; nothing to report
+                    self._close()
+                break
+            time.sleep(0.05)
+        os._exit(0)
+
+    def admit(self, name: str) -> None:
+        """Count a call in (:meth:`done` counts it out); a draining host refuses it."""
+        with self.lock:
+            if self.noticed and self.drains and name != "close":
+                raise WorkerError(self.role, "draining", REFUSED)
+            self.busy += 1
+
+    def done(self) -> None:
+        with self.lock:
+            self.busy -= 1
+
+    def run(self, name: str, args: tuple, kwargs: dict) -> Any:
+        """An admitted call's result."""
+        self._mark(1)
+        try:
+            return self._close() if name == "close" else getattr(self.worker, name)(*args, **kwargs)
+        finally:
+            self._mark(-1)
+
+    def _mark(self, step: int) -> None:
+        if self.marks is not None:
+            with self.lock:
+                self.marks.value += step
+
+    def _close(self) -> None:
+        with self._closing:
+            if not self._closed:
+                self._closed = True
+                self.worker.close()
+
+    def call(self, name: str, args: tuple, kwargs: dict) -> Any:
+        self.admit(name)
+        try:
+            return self.run(name, args, kwargs)
+        finally:
+            self.done()
+
+
+REFUSED = "received SIGTERM; finishing its running calls, taking no new ones"
+
+
 def _serve(conn, factory: str, cfg_data: dict, run_dir: str, kwargs: dict | None = None) -> None:
-    """Child side: build the worker, then answer calls until told to close.
+    """Child side: build the worker in a :class:`Host`, then answer calls until told to close.
 
     Calls run on a small thread pool, so a call can arrive while another runs:
     new weights reach a rollout worker while it generates (its continuous
     engine applies them between decode steps). Each caller thread on the other
     side still makes one call at a time, so calls from one thread keep their order.
-
-    SIGTERM (a preemption notice) drains the worker: every new call is refused
-    with a ``draining`` :class:`WorkerError` (a rollout fleet re-sends it elsewhere), the
-    running ones finish, then the process exits; after ``cluster.drain_timeout_s``
-    it exits regardless and the parent re-sends what did not finish.
+    A call is admitted as it arrives, so a draining host waits for the queued ones too.
     """
-    role = factory.removesuffix("_factory")
-    kwargs = dict(kwargs or {})
-    # cluster.share_cores: the rollout process marks its running calls in ``cores``; the
-    # trainer's takes its cores while none runs (observe.threads.CoreShare).
-    cores, lend = kwargs.pop("cores", None), kwargs.pop("lend_cores", 0)
     try:
-        import torch
-
-        from rlpost.cluster import process as me
-        from rlpost.observe.threads import CoreShare, share_cores
-
-        cfg = Config.model_validate(cfg_data)
-        torch.manual_seed(cfg.run.seed)
-        if cfg.run.threads:
-            torch.set_num_threads(cfg.run.threads)
-        if cores is not None and lend:
-            share_cores(CoreShare(cores, cfg.run.threads, lend, torch.set_num_threads))
-        worker = getattr(me, factory)(cfg, Path(run_dir), **kwargs)
+        host = Host(factory, cfg_data, run_dir, **(kwargs or {}))
     except Exception as exc:  # the parent reports it in one line and stops the run
+        role = factory.removesuffix("_factory")
         conn.send_bytes(pickle.dumps(("error", 0, _worker_error(role, exc))))
         return
     send_lock = threading.Lock()
-    busy = [0]
-    drain_at: list[float] = []
-    signal.signal(signal.SIGTERM, lambda signum, frame: drain_at.append(time.monotonic()))
-
-    marks = cores is not None and not lend  # the side that lends: its calls in flight
 
     def run(call_id: int, name: str, args, kwargs) -> None:
-        if marks:
-            with send_lock:
-                cores.value += 1
         try:
-            reply = ("ok", call_id, getattr(worker, name)(*args, **kwargs))
+            reply = ("ok", call_id, host.run(name, args, kwargs))
         except Exception as exc:
-            reply = ("error", call_id, _worker_error(role, exc))
+            reply = ("error", call_id, _worker_error(host.role, exc))
         with send_lock:
-            if marks:
-                cores.value -= 1
             conn.send_bytes(pickle.dumps(reply))
-            busy[0] -= 1
+        host.done()
 
     conn.send_bytes(pickle.dumps(("ready", 0, None)))
     with ThreadPoolExecutor(max_workers=4, thread_name_prefix="rlpost-call") as pool:
         while True:
-            if drain_at:
-                with send_lock:
-                    idle = busy[0] == 0
-                if idle:  # drained: release the worker (its engine threads) and leave now
-                    with contextlib.suppress(Exception):  # exiting either way; nothing to report
-                        worker.close()
-                    os._exit(0)
-                if time.monotonic() - drain_at[0] > cfg.cluster.drain_timeout_s:
-                    os._exit(0)  # the parent sees the pipe close and re-sends the unfinished
             try:
-                if not conn.poll(0.2):
-                    continue
                 call_id, name, args, kwargs = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
                 return  # the parent is gone
+            try:
+                host.admit(name)
+            except WorkerError as refused:
+                with send_lock:
+                    conn.send_bytes(pickle.dumps(("error", call_id, refused)))
+                continue
             if name == "close":
-                if drain_at:  # draining: running calls keep their drain deadline, no longer
-                    deadline = drain_at[0] + cfg.cluster.drain_timeout_s
-                    while time.monotonic() < deadline:
-                        with send_lock:
-                            if busy[0] == 0:
-                                break
-                        time.sleep(0.05)
-                    else:
-                        os._exit(0)
                 pool.shutdown(wait=True)
                 run(call_id, name, args, kwargs)
                 return
-            with send_lock:
-                if drain_at:
-                    refused = WorkerError(role, "draining", REFUSED)
-                    conn.send_bytes(pickle.dumps(("error", call_id, refused)))
-                    continue
-                busy[0] += 1
             pool.submit(run, call_id, name, args, kwargs)
-
-
-REFUSED = "received SIGTERM; finishing its running calls, taking no new ones"
 
 
 def _worker_error(role: str, exc: BaseException) -> WorkerError:
@@ -143,7 +198,27 @@ def _worker_error(role: str, exc: BaseException) -> WorkerError:
     return WorkerError(role, "failed", typed_line(exc) + at)
 
 
-class ProcessWorker:
+class Proxy:
+    """The caller's side of a worker elsewhere: ``proxy.method(*args)`` is
+    ``proxy.call("method", *args)``; its errors name the worker (``label``) and the call."""
+
+    label: str
+    role: str
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self.call(name, *args, **kwargs)
+
+    def _lost(self, why: str) -> WorkerError:
+        return WorkerError(self.role, "lost", f"{self.label} worker {why}")
+
+    def _error(self, name: str, kind: str, message: str) -> WorkerError:
+        """Call ``name``'s error (``start``: building the worker failed)."""
+        return WorkerError(self.role, kind, f"{self.label} worker, {name}: {message}")
+
+
+class ProcessWorker(Proxy):
     """Calls a worker in a child process as if it were local: ``proxy.method(*args)``.
 
     Thread-safe: several threads may call at once (each call is tagged and its
@@ -182,7 +257,7 @@ class ProcessWorker:
         waited = 0.0
         while not self._conn.poll(1.0):
             if not self._proc.is_alive():
-                raise self._lost(f"process exited (code {self._proc.exitcode}) during start")
+                raise self._lost(self._exited(" during start"))
             waited += 1.0
             if waited >= timeout:
                 self._proc.kill()
@@ -195,13 +270,10 @@ class ProcessWorker:
             kind, _, value = pickle.loads(self._conn.recv_bytes())
         except (EOFError, OSError):
             self._proc.join(timeout=10)
-            raise self._lost(f"process exited (code {self._proc.exitcode}) during start") from None
+            raise self._lost(self._exited(" during start")) from None
         if kind == "error":
             self._proc.join(timeout=10)
-            raise value.again(f"{self.label} worker, start: {value.message}", role=self.role)
-
-    def _lost(self, why: str) -> WorkerError:
-        return WorkerError(self.role, "lost", f"{self.label} worker {why}")
+            raise self._error("start", value.kind, value.message)
 
     def _receive(self) -> None:
         while True:
@@ -209,15 +281,17 @@ class ProcessWorker:
                 kind, call_id, value = pickle.loads(self._conn.recv_bytes())
             except (EOFError, OSError):
                 self._proc.join(timeout=5)
-                self._fail_all(f"process exited (code {self._proc.exitcode})")
+                self._fail_all(self._exited())
                 return
             with self._lock:
                 name, fut = self._pending.pop(call_id)
             if kind == "error":
-                message = f"{self.label} worker, {name}: {value.message}"
-                fut.set_exception(value.again(message, role=self.role))
+                fut.set_exception(self._error(name, value.kind, value.message))
             else:
                 fut.set_result(value)
+
+    def _exited(self, during: str = "") -> str:
+        return f"process exited (code {self._proc.exitcode}){during}"
 
     def _fail_all(self, why: str) -> None:
         with self._lock:
@@ -242,15 +316,8 @@ class ProcessWorker:
             except OSError:  # the child is gone (broken pipe): the receiver reports why
                 del self._pending[call_id]
                 self._proc.join(timeout=5)
-                raise self._lost(
-                    f"process exited (code {self._proc.exitcode}) during {name}"
-                ) from None
+                raise self._lost(self._exited(f" during {name}")) from None
         return fut
-
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return lambda *args, **kwargs: self.call(name, *args, **kwargs)
 
     def kill(self) -> None:
         """Stop the child at once (tests use it to play a lost machine)."""

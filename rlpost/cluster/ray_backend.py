@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlpost.cluster.process import run_fleet, slot_config
+from rlpost.cluster.process import Host, Proxy, run_fleet, slot_config
 from rlpost.cluster.ray_connect import LOCAL, connect
 from rlpost.config import Config, ConfigError
 from rlpost.errors import WorkerError, kind_of, typed_line
@@ -56,65 +55,24 @@ def import_ray():
 # ------------------------------------------------------------------ actors
 
 
-class _Host:
-    """Actor body: builds one worker, then runs its methods by name.
+class _Host(Host):
+    """Actor body: a :class:`~rlpost.cluster.process.Host`, run by name through ``call``.
 
-    SIGTERM (a preemption notice): ``notice()`` turns True. A rollout or reward
-    host then refuses new calls with a ``draining`` :class:`WorkerError` (the fleet re-sends
-    them elsewhere), lets its running calls finish and exits (Ray restarts it,
-    within ``max_restarts``), at the latest after ``cluster.drain_timeout_s``. A
-    trainer host keeps serving: the driver sees the notice and the loop saves a
-    checkpoint after the current step and stops cleanly.
+    SIGTERM (a preemption notice): ``notice()`` turns True. A rollout or reward host then
+    drains and exits (Ray restarts it, within ``max_restarts``). A trainer host keeps
+    serving: the driver sees the notice and the loop saves a checkpoint after the current
+    step and stops cleanly.
     """
 
     def __init__(self, factory: str, cfg_data: dict, run_dir: str, threads: int, dp=None):
-        import torch
-
-        from rlpost.cluster import process
-
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        cfg = Config.model_validate(cfg_data)
-        torch.manual_seed(cfg.run.seed)
-        torch.set_num_threads(max(1, threads))
         kwargs = {} if dp is None else {"dp": dp}
-        self.worker = getattr(process, factory)(cfg, Path(run_dir), **kwargs)
-        self.role = factory.removesuffix("_factory")
-        self.drains = self.role != "trainer"
-        self.drain_timeout_s = cfg.cluster.drain_timeout_s
-        self.draining = False
-        self.busy = 0
-        self.lock = threading.Lock()
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_term)
-
-    def _on_term(self, signum, frame) -> None:
-        self.draining = True
-        if self.drains:
-            threading.Thread(target=self._leave, daemon=True).start()
-
-    def _leave(self) -> None:
-        deadline = time.monotonic() + self.drain_timeout_s
-        while time.monotonic() < deadline:
-            with self.lock:
-                if self.busy == 0:
-                    break
-            time.sleep(0.05)
-        os._exit(0)  # drained: Ray restarts the actor elsewhere; the fleet re-sends the rest
-
-    def call(self, name: str, args: tuple, kwargs: dict) -> Any:
-        with self.lock:
-            if self.draining and self.drains and name != "close":
-                raise WorkerError(self.role, "draining", "received SIGTERM; taking no new calls")
-            self.busy += 1
-        try:
-            return getattr(self.worker, name)(*args, **kwargs)
-        finally:
-            with self.lock:
-                self.busy -= 1
+        drains = factory != "trainer_factory"
+        super().__init__(factory, cfg_data, run_dir, max(1, threads), drains=drains, **kwargs)
 
     def notice(self) -> bool:
         """True once a preemption notice (SIGTERM) arrived."""
-        return self.draining
+        return self.noticed
 
     def pid(self) -> int:
         return os.getpid()
@@ -154,7 +112,7 @@ def rendezvous() -> tuple[str, int]:
 # ------------------------------------------------------------------ proxy
 
 
-class RayWorker:
+class RayWorker(Proxy):
     """Blocking calls to an actor: ``proxy.method(*args)``; a lost actor or a failed call is a
     one-line :class:`WorkerError` naming the worker, as with the other backends: ``lost``
     for an actor that died, else the kind the actor's own error carried."""
@@ -171,18 +129,10 @@ class RayWorker:
             return ray.get(self.actor.call.remote(name, args, kwargs))
         except RayActorError as exc:
             self.lost = typed_line(exc, limit=300)
-            raise WorkerError(
-                self.role, "lost", f"{self.label} worker lost during {name}: {self.lost}"
-            ) from None
+            raise self._lost(f"lost during {name}: {self.lost}") from None
         except RayTaskError as exc:
             cause = exc.cause if exc.cause is not None else exc
-            line = f"{self.label} worker, {name}: {typed_line(cause, limit=300)}"
-            raise WorkerError(self.role, kind_of(cause), line) from None
-
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return lambda *args, **kwargs: self.call(name, *args, **kwargs)
+            raise self._error(name, kind_of(cause), typed_line(cause, limit=300)) from None
 
     def alive(self) -> bool:
         return self.lost is None
@@ -393,28 +343,16 @@ class RaySpawner:
                 except (RayActorError, self.ray.exceptions.GetTimeoutError):
                     time.sleep(0.5)
             self.ray.kill(old.actor, no_restart=True)
-        pg, bundle = self._slot(index)
         cfg = slot_config(self.cfg, index, 0)
-        actor = (
-            self.ray.remote(RolloutWorker)
-            .options(
-                **_options(
-                    pg,
-                    bundle,
-                    c.rollout.cpus,
-                    c.rollout.gpus,
-                    max_restarts=c.max_restarts,
-                    max_concurrency=4,  # weights arrive while it generates
-                )
-            )
-            .remote(
-                "rollout_factory",
-                cfg.model_dump(mode="json"),
-                str(self.run_dir),
-                _threads(c.rollout.cpus),
-            )
+        worker = _actor(
+            self.ray,
+            f"rollout-{index}",
+            cfg,
+            self.run_dir,
+            self._slot(index),
+            max_restarts=c.max_restarts,
+            max_concurrency=4,  # weights arrive while it generates
         )
-        worker = RayWorker(f"rollout-{index}", actor, "rollout")
         _ready(self.ray, [worker], c.start_timeout_s)
         return worker
 
@@ -427,8 +365,20 @@ class RaySpawner:
         self.ray.kill(handle.actor, no_restart=True)
 
 
-def _threads(cpus: float) -> int:
-    return max(1, math.floor(cpus))
+_ACTORS = {"trainer": TrainerWorker, "rollout": RolloutWorker, "reward": RewardWorker}
+
+
+def _actor(ray, label: str, cfg: Config, run_dir: Path, slot, dp=None, **extra) -> RayWorker:
+    """A new actor for worker ``label`` (``role`` or ``role-i``) in bundle ``slot`` ((group,
+    index)), with the cpus (its torch threads) and gpus of ``cluster.<role>``; ``extra``:
+    actor options beyond those."""
+    role = label.split("-")[0]
+    res = getattr(cfg.cluster, role)
+    opts = _options(*slot, res.cpus, res.gpus, **{"max_concurrency": 2, **extra})
+    threads = max(1, math.floor(res.cpus))
+    actor = ray.remote(_ACTORS[role]).options(**opts)
+    data = cfg.model_dump(mode="json")
+    return RayWorker(label, actor.remote(f"{role}_factory", data, str(run_dir), threads, dp), role)
 
 
 def _ready(ray, workers: list[RayWorker], timeout: float) -> None:
@@ -441,9 +391,7 @@ def _ready(ray, workers: list[RayWorker], timeout: float) -> None:
         try:
             ray.get(ref)
         except (RayActorError, RayTaskError) as exc:
-            w = refs[ref]
-            line = f"{w.label} worker, start: {typed_line(exc, limit=300)}"
-            raise WorkerError(w.role, "failed", line) from None
+            raise refs[ref]._error("start", "failed", typed_line(exc, limit=300)) from None
     if pending:
         w = refs[pending[0]]
         names = ", ".join(refs[r].label for r in pending)
@@ -574,17 +522,8 @@ def start_ray_workers(cfg: Config, run_dir: Path, train_prompts, console, *, res
 
 def _start_trainers(ray, cfg: Config, run_dir: Path, placement: Placement, made: list):
     c = cfg.cluster
-    data = cfg.model_dump(mode="json")
-    cls = ray.remote(TrainerWorker)
-
-    def actor(i: int, dp=None):
-        pg, bundle = placement.trainer[i]
-        return cls.options(
-            **_options(pg, bundle, c.trainer.cpus, c.trainer.gpus, max_concurrency=2)
-        ).remote("trainer_factory", data, str(run_dir), _threads(c.trainer.cpus), dp)
-
     if c.trainer_workers == 1:
-        w = RayWorker("trainer", actor(0), "trainer")
+        w = _actor(ray, "trainer", cfg, run_dir, placement.trainer[0])
         made.append(w)
         _ready(ray, [w], c.start_timeout_s)
         return w
@@ -599,21 +538,15 @@ def _start_trainers(ray, cfg: Config, run_dir: Path, placement: Placement, made:
         spec = DPSpec(
             rank=i, world=c.trainer_workers, master_addr=addr, master_port=port, backend=backend
         )
-        workers.append(RayWorker(f"trainer-{i}", actor(i, spec), "trainer"))
+        workers.append(_actor(ray, f"trainer-{i}", cfg, run_dir, placement.trainer[i], spec))
         made.append(workers[-1])
     _ready(ray, workers, c.start_timeout_s)
     return TrainerGroup(workers)
 
 
 def _start_rewards(ray, cfg: Config, run_dir: Path, placement: Placement) -> list[RayWorker]:
-    c = cfg.cluster
-    cls = ray.remote(RewardWorker)
-    data = cfg.model_dump(mode="json")
-    workers = []
-    for i, (pg, bundle) in enumerate(placement.reward):
-        a = cls.options(
-            **_options(pg, bundle, c.reward.cpus, c.reward.gpus, max_concurrency=2)
-        ).remote("reward_factory", data, str(run_dir), _threads(c.reward.cpus))
-        workers.append(RayWorker(f"reward-{i}", a, "reward"))
-    _ready(ray, workers, c.start_timeout_s)
+    workers = [
+        _actor(ray, f"reward-{i}", cfg, run_dir, slot) for i, slot in enumerate(placement.reward)
+    ]
+    _ready(ray, workers, cfg.cluster.start_timeout_s)
     return workers
