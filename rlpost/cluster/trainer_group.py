@@ -89,42 +89,17 @@ class TrainerGroup:
         with self._serial:
             return self._call_all(name, *args, **kwargs)
 
-    # ------------------------------------------------ the trainer protocol
+    def __getattr__(self, name: str):
+        """The rest of the trainer protocol: ``group.update(batch, beta=...)`` and the like are
+        :meth:`call`'s. (``mfu`` is against the peak of rank 0's device: right where the ranks
+        share one machine's cores, the process backend; across machines the group's peak is
+        larger.)"""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self.call(name, *args, **kwargs)
 
     def describe(self) -> dict[str, Any]:
         return self.call("describe") | {"trainer_workers": self.world}
-
-    def version(self) -> int:
-        return self.call("version")
-
-    def logprobs(self, batch, which: str = "old"):
-        return self.call("logprobs", batch, which)
-
-    def values(self, batch):
-        return self.call("values", batch)
-
-    def update_critic(self, batch) -> dict[str, float]:
-        return self.call("update_critic", batch)
-
-    def update(self, batch, *, beta: float, train_policy: bool = True):
-        return self.call("update", batch, beta=beta, train_policy=train_policy)
-
-    def export_weights(self):
-        return self.call("export_weights")
-
-    def mfu(self, tokens: float, seq_len: int, seconds: float) -> float:
-        # Against the peak of rank 0's device: right where the ranks share one machine's
-        # cores (the process backend); across machines the group's peak is larger.
-        return self.call("mfu", tokens, seq_len, seconds)
-
-    def scale_lr(self, factor: float) -> float:
-        return self.call("scale_lr", factor)
-
-    def save(self, directory) -> None:
-        return self.call("save", directory)
-
-    def restore(self, directory, *, version: int, keep_lr: bool = False) -> int:
-        return self.call("restore", directory, version=version, keep_lr=keep_lr)
 
     def close(self) -> None:
         """Close every rank; after a failure, stop them at once where the handle can
