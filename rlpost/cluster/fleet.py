@@ -23,6 +23,7 @@ lost worker from one whose call raised. Every state change is one JSON line in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -209,7 +210,7 @@ class RolloutFleet:
                     if state is State.DEAD:  # silent too long: abandon it, re-send its share
                         running.pop(fut)
                         chunk.failures.append("no reply")
-                        self._restart_later(m, stop_old=True)  # stopping it may take a while
+                        self._later(m, "restart", True)  # stopping it may take a while
                         todo.append(chunk)
         groups = [g for start in sorted(done) for g in done[start]]
         return RolloutResult(groups, _merge_stats(stats))
@@ -265,7 +266,7 @@ class RolloutFleet:
             self._log(m)
             dead = m.health.state is State.DEAD
         if dead:
-            self._restart_later(m)
+            self._later(m, "restart")
 
     def _behind(self, m: Member, exc: BaseException) -> None:
         """A worker refused a call for holding older weights: stale until a full sync."""
@@ -273,25 +274,25 @@ class RolloutFleet:
             m.health.succeeded()  # it replied: responsive, only behind
             m.health.missed(self._version, typed_line(exc))
             self._log(m)
-        self._resync_later(m)
+        self._later(m, "resync")
 
     # ---------------------------------------------------------------- restarts
 
-    def _restart_later(self, m: Member, *, stop_old: bool = False) -> None:
-        """Restart ``m`` in a thread of its own (``stop_old``: stop its silent worker first)."""
+    def _later(self, m: Member, job: str, *args) -> None:
+        """``m``'s restart (``job`` "restart"; ``args``: :meth:`_restart`'s ``stop_old``) or
+        full weight sync ("resync") in a thread of its own, ``m`` marked ``restarting`` until it
+        ends; nothing when it already is marked or the fleet is closed."""
         with self._lock:
             if m.restarting or self._closed:
                 return
             m.restarting = True
-        threading.Thread(
-            target=self._restart, args=(m, stop_old), name=f"fleet-restart-{m.index}", daemon=True
-        ).start()
+        target = self._restart if job == "restart" else self._admit_marked
+        name = f"fleet-{job}-{m.index}"
+        threading.Thread(target=target, args=(m, *args), name=name, daemon=True).start()
 
     def _stop_quietly(self, handle: Any) -> None:
-        try:
+        with contextlib.suppress(Exception):  # a worker already gone: nothing left to release
             self.spawner.stop(handle)
-        except Exception:  # stopping a worker that is already gone: nothing left to release
-            return
 
     def _restart(self, m: Member, stop_old: bool = False) -> None:
         try:
@@ -394,7 +395,7 @@ class RolloutFleet:
                 m.health.missed(version, typed_line(exc))
             self._failed(m, exc, handle)
             if m.health.state is State.STALE:  # still there: a full sync readmits it
-                self._resync_later(m)
+                self._later(m, "resync")
             return
         with self._lock:
             if handle is not m.handle:
@@ -408,16 +409,6 @@ class RolloutFleet:
             self._log(m, current=version)
             self._lock.notify_all()
 
-    def _resync_later(self, m: Member) -> None:
-        with self._lock:
-            if m.restarting:
-                return
-            m.restarting = True
-
-        threading.Thread(
-            target=self._admit_marked, args=(m,), name=f"fleet-resync-{m.index}", daemon=True
-        ).start()
-
     def _admit_marked(self, m: Member) -> None:
         """:meth:`_admit` for a worker marked ``restarting``; the mark goes when it is done,
         and a worker that died during the sync is restarted."""
@@ -429,7 +420,7 @@ class RolloutFleet:
                 dead = m.health.state is State.DEAD
                 self._lock.notify_all()
             if dead:
-                self._restart_later(m)
+                self._later(m, "restart")
 
     def version(self) -> int:
         return self._version
