@@ -294,7 +294,6 @@ class RaySpawner:
 
     def __init__(self, ray, cfg: Config, run_dir: Path, placement: Placement) -> None:
         self.ray, self.cfg, self.run_dir, self.placement = ray, cfg, run_dir, placement
-        self.extra_groups: list = []
 
     def _slot(self, index: int):
         if index < len(self.placement.rollout):
@@ -312,7 +311,6 @@ class RaySpawner:
                 f"cluster placement: rollout worker {index} was not placed within "
                 f"{c.placement_timeout_s:g} s"
             )
-        self.extra_groups.append(pg)
         self.placement.groups.append(pg)  # removed with the others when the workers close
         self.placement.rollout.append((pg, 0))
         return pg, 0
@@ -343,11 +341,10 @@ class RaySpawner:
                 except (RayActorError, self.ray.exceptions.GetTimeoutError):
                     time.sleep(0.5)
             self.ray.kill(old.actor, no_restart=True)
-        cfg = slot_config(self.cfg, index, 0)
         worker = _actor(
             self.ray,
             f"rollout-{index}",
-            cfg,
+            slot_config(self.cfg, index, 0),
             self.run_dir,
             self._slot(index),
             max_restarts=c.max_restarts,
