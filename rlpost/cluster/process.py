@@ -438,8 +438,7 @@ def start_process_workers(cfg: Config, run_dir: Path, train_prompts, console, *,
         if cfg.cluster.rollout_workers > 1:
             rollout = run_fleet(ProcessSpawner(cfg, run_dir), cfg, run_dir)
         else:
-            marks = {"cores": flag} if flag is not None else {}
-            rollout = ProcessWorker("rollout", "rollout_factory", cfg, run_dir, **marks)
+            rollout = ProcessWorker("rollout", "rollout_factory", cfg, run_dir, cores=flag)
     except WorkerError:
         trainer.close()
         raise
@@ -468,8 +467,9 @@ def start_trainers(cfg: Config, run_dir: Path, cores=None, lend: int = 0):
     ``cores``, ``lend``: :func:`_core_share`'s, for the one trainer."""
     n = cfg.cluster.trainer_workers
     if n == 1:
-        share = {"cores": cores, "lend_cores": lend} if cores is not None else {}
-        return ProcessWorker("trainer", "trainer_factory", cfg, run_dir, **share)
+        return ProcessWorker(
+            "trainer", "trainer_factory", cfg, run_dir, cores=cores, lend_cores=lend
+        )
     from rlpost.cluster.trainer_group import TrainerGroup
     from rlpost.pipeline.build import run_device
     from rlpost.train.dp import DPSpec, free_port
@@ -489,14 +489,11 @@ def start_trainers(cfg: Config, run_dir: Path, cores=None, lend: int = 0):
             )
             for rank in range(n)
         ]
-        outcomes = [
-            (f.result(), None) if f.exception() is None else (None, f.exception()) for f in futures
-        ]
-    failed = [exc for _, exc in outcomes if exc is not None]
-    if failed:
-        for worker, _ in outcomes:
-            if worker is not None:
-                worker.kill()
-                worker.close()
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:  # the ones that did start are stopped: nothing outlives a failed start
+        for f in futures:
+            if f.exception() is None:
+                f.result().kill()
+                f.result().close()
         raise failed[0]
-    return TrainerGroup([w for w, _ in outcomes])
+    return TrainerGroup([f.result() for f in futures])

@@ -499,10 +499,8 @@ def start_ray_workers(cfg: Config, run_dir: Path, train_prompts, console, *, res
             reward = build.build_reward_worker(cfg)
     except BaseException:
         for w in reversed(made):
-            try:
+            with contextlib.suppress(Exception):  # tearing down: the start's own error is raised
                 w.close()
-            except Exception:  # tearing down after a failed start: report the first error
-                continue
         release(ray, placement.groups if placement is not None else [], started_ray=started)
         raise
     trainers = [trainer] if isinstance(trainer, RayWorker) else list(trainer.handles)
