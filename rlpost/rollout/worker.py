@@ -55,6 +55,10 @@ def weights_checksum(named_tensors) -> int:
     return crc
 
 
+_PARTS = ("partial", "agent", "lengths")
+"""The worker's optional parts with a state of their own, saved under these keys."""
+
+
 class RolloutWorker:
     """One engine and the state the training loop keeps beside it."""
 
@@ -187,23 +191,17 @@ class RolloutWorker:
         """The sampling stream, carried groups and length statistics (for checkpoints)."""
         state: dict[str, Any] = {"rng": rng_state()}
         state["engine_generator"] = self.engine.generator.get_state()
-        if self.partial is not None:
-            state["partial"] = self.partial.state_dict()
-        if self.agent is not None:
-            state["agent"] = self.agent.state_dict()
-        if self.lengths is not None:
-            state["lengths"] = self.lengths.state_dict()
+        for key in _PARTS:
+            if getattr(self, key) is not None:
+                state[key] = getattr(self, key).state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "engine_generator" in state:
             self.engine.generator.set_state(state["engine_generator"])
-        if self.partial is not None and "partial" in state:
-            self.partial.load_state_dict(state["partial"])
-        if self.agent is not None and "agent" in state:
-            self.agent.load_state_dict(state["agent"])
-        if self.lengths is not None and "lengths" in state:
-            self.lengths.load_state_dict(state["lengths"])
+        for key in _PARTS:
+            if getattr(self, key) is not None and key in state:
+                getattr(self, key).load_state_dict(state[key])
         set_rng_state(state["rng"])
 
     def close(self) -> None:
