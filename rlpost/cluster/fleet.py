@@ -48,7 +48,8 @@ class Spawner(Protocol):
         """A ready worker handle for slot ``index`` (``old``: the lost one it replaces)."""
 
     def alive(self, handle: Any) -> bool:
-        """False once the handle's worker is gone for good."""
+        """False once the handle's worker is gone for good (the handle's own ``alive()``)."""
+        return handle.alive()
 
     def stop(self, handle: Any) -> None:
         """Close (or kill) the worker."""

@@ -29,7 +29,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
-from rlpost.cluster.fleet import RolloutFleet
+from rlpost.cluster.fleet import RolloutFleet, Spawner
 from rlpost.cluster.health import HealthPolicy
 from rlpost.config import Config
 from rlpost.errors import WorkerError, typed_line
@@ -371,7 +371,7 @@ def reward_factory(cfg: Config, run_dir: Path):
     return build.build_reward_worker(cfg)
 
 
-class ProcessSpawner:
+class ProcessSpawner(Spawner):
     """Rollout workers in processes of their own, for a :class:`RolloutFleet`."""
 
     def __init__(self, cfg: Config, run_dir: Path) -> None:
@@ -383,9 +383,6 @@ class ProcessSpawner:
             old.close()
         cfg = slot_config(self.cfg, index, next(self.starts))
         return ProcessWorker(f"rollout-{index}", "rollout_factory", cfg, self.run_dir)
-
-    def alive(self, handle: ProcessWorker) -> bool:
-        return handle.alive()
 
     def stop(self, handle: ProcessWorker) -> None:
         handle.close()

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlpost.cluster.fleet import Spawner
 from rlpost.cluster.process import Host, Proxy, run_fleet, slot_config
 from rlpost.cluster.ray_connect import LOCAL, connect
 from rlpost.config import Config, ConfigError
@@ -288,7 +289,7 @@ def _options(pg, index: int | None, cpus: float, gpus: float, **extra) -> dict:
 # ------------------------------------------------------------------ fleet
 
 
-class RaySpawner:
+class RaySpawner(Spawner):
     """Rollout actors for a :class:`RolloutFleet`. A lost actor is restarted by Ray in its
     bundle; ``start`` waits until it answers again (a new actor if Ray gave up on it)."""
 
@@ -352,9 +353,6 @@ class RaySpawner:
         )
         _ready(self.ray, [worker], c.start_timeout_s)
         return worker
-
-    def alive(self, handle: RayWorker) -> bool:
-        return handle.alive()
 
     def stop(self, handle: RayWorker) -> None:
         with contextlib.suppress(WorkerError):  # already gone: nothing left to close
