@@ -91,8 +91,8 @@ class Fed:
     stats: dict[str, float] = field(default_factory=dict)
 
 
-class SyncFeed:
-    """Generate each step's rollout when the trainer asks (``pipeline.mode=sync``)."""
+class _Feed:
+    """What both feeds hold: the workers, the prompt source, the sampling, the weight path."""
 
     def __init__(
         self,
@@ -105,12 +105,19 @@ class SyncFeed:
     ) -> None:
         self.rollout, self.reward, self.source = rollout, reward, source
         self.params, self.settings = params, settings
-        self.weights = weights or DirectPath(rollout)
+        self.path = weights or DirectPath(rollout)
+
+    def _rollout(self, source, last: bool) -> RolloutOutput:
+        return rollout_stage(
+            self.rollout, self.reward, source, self.params, self.settings, last=last
+        )
+
+
+class SyncFeed(_Feed):
+    """Generate each step's rollout when the trainer asks (``pipeline.mode=sync``)."""
 
     def next(self, step: int, version: int, last: bool) -> Fed:
-        out = rollout_stage(
-            self.rollout, self.reward, self.source, self.params, self.settings, last=last
-        )
+        out = self._rollout(self.source, last)
         self.source.take()
         return Fed(out)
 
@@ -118,8 +125,8 @@ class SyncFeed:
         """Serve the trainer's new weights now (nothing is generating); returns sync metrics,
         ``sync_bytes`` counting every push since the last report (``report=False``: a
         re-send, counted in the next report)."""
-        m = self.weights.push(export)
-        return {**m, "sync_bytes": self.weights.take_sent()} if report else {}
+        m = self.path.push(export)
+        return {**m, "sync_bytes": self.path.take_sent()} if report else {}
 
     def pending(self) -> list[list[Prompt]]:
         """Batches drawn but not trained: a rollout that failed part way (a lost worker)
@@ -136,7 +143,7 @@ class SyncFeed:
         """Nothing runs in the background."""
 
 
-class OverlapFeed:
+class OverlapFeed(_Feed):
     """A producer thread runs the rollout stage ahead of the trainer, within ``eta`` versions."""
 
     def __init__(
@@ -156,16 +163,11 @@ class OverlapFeed:
         defer_weights: bool = False,
         weights: WeightPath | None = None,
     ) -> None:
-        self.rollout, self.reward, self.source = rollout, reward, source
-        self.params, self.settings = params, settings
+        super().__init__(rollout, reward, source, params, settings, weights)
         self.eta, self.queue_batches, self.stale = eta, queue_batches, stale
         self.total_steps = total_steps
         self.defer_weights = defer_weights
-        self.path = weights or DirectPath(rollout)
         self._cond = threading.Condition()
-        self._start_state(first_step, version)
-
-    def _start_state(self, first_step: int, version: int) -> None:
         self.admitted = first_step  # index of the next rollout batch (= the step that trains it)
         self.version = version  # what the engine serves
         self.ready: deque[tuple[int, RolloutOutput, list[list[Prompt]]]] = deque()
@@ -210,15 +212,7 @@ class OverlapFeed:
                     self.path.push(weights)
                     self.synced(weights.version)
                     continue
-                last = j + 1 >= self.total_steps
-                out = rollout_stage(
-                    self.rollout,
-                    self.reward,
-                    self._recording(),
-                    self.params,
-                    self.settings,
-                    last=last,
-                )
+                out = self._rollout(self._recording(), last=j + 1 >= self.total_steps)
                 with self._cond:
                     self.ready.append((j, out, self.source.take()))
                     self.in_flight = []
