@@ -344,6 +344,17 @@ def reward_terms_resolve(cfg: Config) -> str | None:
     return None
 
 
+def _own_terms_problem(cfg: Config, key: str, terms: list) -> str | None:
+    """Why a source's or an eval set's own reward ``terms`` (its ``key``) do not resolve."""
+    if not terms:
+        return f"{key}=[]: no term scores it; add one or drop reward"
+    try:
+        check_terms(cfg.reward.model_copy(update={"terms": terms}))
+    except (UnknownNameError, ValueError) as exc:
+        return f"{key}: {exc}"
+    return None
+
+
 @rule(*RL)
 def agent_env_resolves(cfg: Config) -> str | None:
     a = cfg.agent
@@ -615,13 +626,16 @@ def conversations_are_for_rlpost_sft(cfg: Config) -> str | None:
 # ------------------------------------------------------------------ data sources
 
 
+def _listed_twice(names: list[str]) -> str | None:
+    """The first (in sorted order) of the names listed more than once, or None."""
+    return min((n for n in names if names.count(n) > 1), default=None)
+
+
 @rule()
 def sources_named_once(cfg: Config) -> str | None:
-    names = [s.name for s in cfg.data.sources]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
+    if (twice := _listed_twice([s.name for s in cfg.data.sources])) is not None:
         return (
-            f"data.sources name={twice[0]}: two sources share the name (rows, rewards and "
+            f"data.sources name={twice}: two sources share the name (rows, rewards and "
             "metrics are told apart by it); give each source its own name"
         )
     return None
@@ -687,27 +701,24 @@ def _template_problem(template: str, task: str) -> str | None:
 @rule(*RL)
 def source_rewards_resolve(cfg: Config) -> str | None:
     for s in cfg.data.sources:
-        if s.reward is None:
-            continue
-        if not s.reward:
-            return f"data.sources[{s.name}].reward=[]: no term scores it; add one or drop reward"
-        try:
-            check_terms(cfg.reward.model_copy(update={"terms": s.reward}))
-        except (UnknownNameError, ValueError) as exc:
-            return f"data.sources[{s.name}].reward: {exc}"
+        key = f"data.sources[{s.name}].reward"
+        if s.reward is not None and (line := _own_terms_problem(cfg, key, s.reward)) is not None:
+            return line
     return None
 
 
 @rule()
 def reasoning_gym_task_generates(cfg: Config) -> str | None:
+    return _reasoning_gym_problem("data.sources", cfg.data.sources)
+
+
+def _reasoning_gym_problem(key: str, entries: list) -> str | None:
+    """Why a reasoning_gym source or eval set of ``entries`` (under ``key``) cannot generate."""
     from rlpost.data.reasoning_gym import task_problem
 
-    for s in cfg.data.sources:
-        if s.task != "reasoning_gym":
-            continue
-        problem = task_problem(s.reasoning_gym)
-        if problem is not None:
-            return f"data.sources[{s.name}].reasoning_gym.task={s.reasoning_gym.task}: {problem}"
+    for s in entries:
+        if s.task == "reasoning_gym" and (problem := task_problem(s.reasoning_gym)) is not None:
+            return f"{key}[{s.name}].reasoning_gym.task={s.reasoning_gym.task}: {problem}"
     return None
 
 
@@ -728,11 +739,9 @@ def streamed_sources_hold_out_by_file(cfg: Config) -> str | None:
 
 @rule("train", "eval")
 def eval_sets_named_once(cfg: Config) -> str | None:
-    names = [s.name for s in cfg.eval.sets]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
+    if (twice := _listed_twice([s.name for s in cfg.eval.sets])) is not None:
         return (
-            f"eval.sets name={twice[0]}: two sets share the name (their metrics are "
+            f"eval.sets name={twice}: two sets share the name (their metrics are "
             f"eval/<name>/...); give each set its own name"
         )
     return None
@@ -751,9 +760,8 @@ def eval_set_metrics_known(cfg: Config) -> str | None:
                 parse_metric(m)
             except ValueError as exc:
                 return f"{key}={m}: {exc}; write e.g. pass@8"
-        twice = sorted({m for m in s.metrics if s.metrics.count(m) > 1})
-        if twice:
-            return f"{key}={twice[0]}: listed twice (one key each); list it once"
+        if (twice := _listed_twice(s.metrics)) is not None:
+            return f"{key}={twice}: listed twice (one key each); list it once"
     return None
 
 
@@ -799,23 +807,14 @@ def eval_set_rewards_resolve(cfg: Config) -> str | None:
                 f"{key}: data.sources[{s.name}]'s terms score the set of its name; "
                 "drop reward or rename the set"
             )
-        if not s.reward:
-            return f"{key}=[]: no term scores it; add one or drop reward"
-        try:
-            check_terms(cfg.reward.model_copy(update={"terms": s.reward}))
-        except (UnknownNameError, ValueError) as exc:
-            return f"{key}: {exc}"
+        if (line := _own_terms_problem(cfg, key, s.reward)) is not None:
+            return line
     return None
 
 
 @rule("train", "eval")
 def eval_set_reasoning_gym_generates(cfg: Config) -> str | None:
-    from rlpost.data.reasoning_gym import task_problem
-
-    for s in cfg.eval.sets:
-        if s.task == "reasoning_gym" and (problem := task_problem(s.reasoning_gym)) is not None:
-            return f"eval.sets[{s.name}].reasoning_gym.task={s.reasoning_gym.task}: {problem}"
-    return None
+    return _reasoning_gym_problem("eval.sets", cfg.eval.sets)
 
 
 # ------------------------------------------------------------------ reward model
