@@ -73,20 +73,6 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _load(command: str, recipe: str | None, overrides: list[str]):
-    """The config, checked against the rule table as ``command`` (rlpost.pipeline.rules)."""
-    from rlpost.pipeline.rules import check
-
-    return check(load_config(recipe, overrides), command)
-
-
-def _overrides(args) -> tuple[str | None, list[str]]:
-    recipe, overrides = _split_args(args.items)
-    if getattr(args, "overwrite", False):
-        overrides.append("run.overwrite=true")
-    return recipe, overrides
-
-
 def _resume_recipe(args, recipe: str | None) -> str | None:
     """Resuming without a recipe continues with the config the run was started with."""
     if not getattr(args, "resume", None):
@@ -99,12 +85,17 @@ def _resume_recipe(args, recipe: str | None) -> str | None:
 
 
 def _command_config(args, default: str | None = None):
-    """The command's checked config: its recipe (the shipped ``default`` in place of the
-    default recipe), overrides, or the run's own config when resuming without a recipe."""
-    recipe, overrides = _overrides(args)
+    """The command's config, checked against the rule table as the command
+    (rlpost.pipeline.rules): its recipe (the shipped ``default`` in place of the default
+    recipe), overrides, or the run's own config when resuming without a recipe."""
+    from rlpost.pipeline.rules import check
+
+    recipe, overrides = _split_args(args.items)
+    if getattr(args, "overwrite", False):
+        overrides.append("run.overwrite=true")
     if default is not None and recipe == str(DEFAULT_RECIPE):
         recipe = str(DEFAULT_RECIPE.parent / default)
-    cfg = _load(args.command, _resume_recipe(args, recipe), overrides)
+    cfg = check(load_config(_resume_recipe(args, recipe), overrides), args.command)
     _quiet_libraries()
     return cfg
 
@@ -183,9 +174,7 @@ def cmd_sft(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    recipe, overrides = _split_args(args.items)
-    cfg = _load("eval", recipe, overrides)
-    _quiet_libraries()
+    cfg = _command_config(args)
     from rlpost.pipeline import build
     from rlpost.pipeline.evaluate import evaluate
 
