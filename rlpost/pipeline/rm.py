@@ -29,7 +29,7 @@ from rlpost.models.loading import load_policy
 from rlpost.observe import Recorder
 from rlpost.observe.mfu import pick_threads
 from rlpost.pipeline.interrupts import stop_requested
-from rlpost.pipeline.preflight import report_data
+from rlpost.pipeline.preflight import data_counts, report_data
 from rlpost.pipeline.rundir import open_stage_run_dir
 from rlpost.train.reward_model import encode_pairs, evaluate_rm, reward_model_from, rm_train
 from rlpost.train.sft import save_model
@@ -124,7 +124,7 @@ def _run(cfg: Config, resume: Path | None, console) -> Path:
         "margin_field": s.margin_field,
         "started_from": cfg.model.path or "the tiny model config",
         "wall_seconds": time.time() - started,
-        **{k: v for split, r in reports.items() for k, v in r.counts(split).items()},
+        **data_counts(reports),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     model.to("cpu")

@@ -35,7 +35,7 @@ from rlpost.data.files import DataError, LoadReport
 from rlpost.observe import Recorder
 from rlpost.pipeline import build
 from rlpost.pipeline.interrupts import stop_requested
-from rlpost.pipeline.preflight import report_data
+from rlpost.pipeline.preflight import data_counts, report_data
 from rlpost.pipeline.rundir import SFT_STATE, open_stage_run_dir
 from rlpost.rewards.verifiable import exact_match, numeric_match
 from rlpost.train.sft import save_model, sft_train
@@ -171,7 +171,7 @@ def run_conversation_sft(cfg: Config, resume: Path | None = None, console=None) 
         "eval_examples": len(held),
         "chat_template": "plain (added)" if templated else "the tokenizer's",
         "wall_seconds": time.time() - started,
-        **{k: v for split, r in reports.items() for k, v in r.counts(split).items()},
+        **data_counts(reports),
     }
     (run_dir / "sft_losses.json").write_text(json.dumps(losses))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
