@@ -245,11 +245,11 @@ class OverlapFeed(_Feed):
             j, out, _ = self.ready.popleft()
             queued = len(self.ready)
             in_flight = self.admitted - j - 1 - queued
+            rollout_wait, self.rollout_wait = self.rollout_wait, 0.0
             self._cond.notify_all()
-        waited = time.perf_counter() - t0
         stats = {
-            "trainer_wait_seconds": waited,
-            "rollout_wait_seconds": self._take_rollout_wait(),
+            "trainer_wait_seconds": time.perf_counter() - t0,
+            "rollout_wait_seconds": rollout_wait,
             "rollout_batches_queued": float(queued),
             "rollout_batches_in_flight": float(max(in_flight, 0)),
         }
@@ -258,11 +258,6 @@ class OverlapFeed(_Feed):
             self.source.give_back([[g.prompt for g in dropped]])
         stats["stale_dropped"] = float(sum(g.n for g in dropped))
         return Fed(out, stats)
-
-    def _take_rollout_wait(self) -> float:
-        with self._cond:
-            waited, self.rollout_wait = self.rollout_wait, 0.0
-        return waited
 
     def _bound(self, out: RolloutOutput, version: int) -> tuple[RolloutOutput, list[Group]]:
         """Split off the groups whose oldest token is more than ``eta`` versions old."""
@@ -332,13 +327,10 @@ class OverlapFeed(_Feed):
             self._paused = False
             self._cond.notify_all()
 
-    def _halt(self) -> None:
+    def close(self) -> None:
+        """Stop producing; the engine is left serving the newest weights."""
+        self.pause()
         with self._cond:
             self._stop = True
             self._cond.notify_all()
         self._thread.join()
-
-    def close(self) -> None:
-        """Stop producing; the engine is left serving the newest weights."""
-        self.pause()
-        self._halt()
