@@ -233,6 +233,17 @@ def load_prompt_file(
     return prompts, report
 
 
+def prompt_file_keywords(section, on_bad_row: str) -> dict:
+    """The keywords of :func:`load_prompt_file` (and a stream's reader) that a data section
+    or a source sets: its fields and template, and ``on_bad_row``."""
+    return dict(
+        prompt_field=section.prompt_field,
+        answer_field=section.answer_field,
+        on_bad_row=on_bad_row,
+        template=section.prompt_template,
+    )
+
+
 def row_prompt(row: dict, uid: str, prompt_field: str, answer_field: str, template: str) -> Prompt:
     """The prompt of a row that passed the checks; other columns go to ``metadata``."""
     meta = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}

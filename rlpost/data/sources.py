@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from rlpost.config import SourceConfig
 from rlpost.data.arith import arith_splits
 from rlpost.data.code import code_splits
-from rlpost.data.files import DataError, LoadReport, load_prompt_file
+from rlpost.data.files import DataError, LoadReport, load_prompt_file, prompt_file_keywords
 from rlpost.data.sampler import PromptSampler
 from rlpost.types import Prompt
 
@@ -65,12 +65,7 @@ def load_source(src: SourceConfig, *, on_bad_row: str) -> LoadedSource:
     elif src.task == "verifiers":
         train, held_out, system = _verifiers_rows(src, where)
     else:
-        kwargs = dict(
-            prompt_field=src.prompt_field,
-            answer_field=src.answer_field,
-            on_bad_row=on_bad_row,
-            template=src.prompt_template,
-        )
+        kwargs = prompt_file_keywords(src, on_bad_row)
         train = []  # a streamed source's rows are read as the run draws them (data/stream.py)
         if not src.stream:
             train, train_report = load_prompt_file(src.train_path, **kwargs)

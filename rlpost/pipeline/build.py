@@ -22,6 +22,7 @@ from rlpost.algos.correction import get_correction
 from rlpost.config import Config, ConfigError, SourceConfig
 from rlpost.data import DataError, LoadReport, arith_splits, load_prompt_file
 from rlpost.data.code import code_splits
+from rlpost.data.files import prompt_file_keywords
 from rlpost.data.render import prepare_prompts
 from rlpost.data.sources import load_source
 from rlpost.data.stream import preflight as stream_preflight
@@ -107,12 +108,7 @@ def _load_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, Lo
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     else:  # file (data.task=prefs is refused by the rule table)
-        kwargs = dict(
-            prompt_field=d.prompt_field,
-            answer_field=d.answer_field,
-            on_bad_row=d.on_bad_row,
-            template=d.prompt_template,
-        )
+        kwargs = prompt_file_keywords(d, d.on_bad_row)
         train, held_out = [], []
         if d.train_path:  # (evaluation alone needs only eval_path)
             train, reports["train"] = load_prompt_file(d.train_path, **kwargs)
@@ -592,12 +588,7 @@ def _load_source(cfg: Config, src: SourceConfig, key: str):
 def stream_args(cfg: Config, src: SourceConfig) -> dict:
     """A streamed source's reader settings (rlpost.data.stream.StreamSampler's keywords)."""
     return dict(
-        path=src.train_path,
-        name=src.name,
-        on_bad_row=cfg.data.on_bad_row,
-        prompt_field=src.prompt_field,
-        answer_field=src.answer_field,
-        template=src.prompt_template,
+        path=src.train_path, name=src.name, **prompt_file_keywords(src, cfg.data.on_bad_row)
     )
 
 
