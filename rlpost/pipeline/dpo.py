@@ -29,7 +29,7 @@ from rlpost.observe import Recorder
 from rlpost.observe.mfu import pick_threads
 from rlpost.pipeline import rules
 from rlpost.pipeline.console import Console
-from rlpost.pipeline.rundir import prepare_run_dir
+from rlpost.pipeline.rundir import prepare_run_dir, schedule
 from rlpost.train.dpo import attach_reference, dpo_update, encode_pairs, evaluate_pairs
 from rlpost.train.sft import sft_train, start_train_state
 from rlpost.types import Prompt
@@ -62,13 +62,8 @@ def _warm_up(cfg: Config, model, tokenizer, train: list[PreferencePair], bar) ->
         model,
         tokenizer,
         prompts,
-        steps=s.steps,
-        lr=s.lr,
-        batch_size=s.batch_size,
-        warmup_steps=s.warmup_steps,
-        seed=cfg.run.seed,
+        **schedule(s, cfg.run.seed),
         on_step=lambda i, loss: bar.update(task, advance=1, info=f"loss {loss:.3f}"),
-        grad_clip=s.grad_clip,
     )
 
 

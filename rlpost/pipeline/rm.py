@@ -30,7 +30,7 @@ from rlpost.observe import Recorder
 from rlpost.observe.mfu import pick_threads
 from rlpost.pipeline.interrupts import stop_requested
 from rlpost.pipeline.preflight import data_counts, report_data
-from rlpost.pipeline.rundir import open_stage_run_dir
+from rlpost.pipeline.rundir import open_stage_run_dir, schedule
 from rlpost.train.reward_model import encode_pairs, evaluate_rm, reward_model_from, rm_train
 from rlpost.train.sft import save_model
 
@@ -97,13 +97,8 @@ def _run(cfg: Config, resume: Path | None, console) -> Path:
             model,
             train,
             pad,
-            steps=s.steps,
-            lr=s.lr,
-            batch_size=s.batch_size,
+            **schedule(s, cfg.run.seed),
             micro_batch_size=s.micro_batch_size,
-            warmup_steps=s.warmup_steps,
-            grad_clip=s.grad_clip,
-            seed=cfg.run.seed,
             on_step=on_step,
             state_dir=run_dir / RM_STATE,
             stop=stop_requested,

@@ -108,6 +108,20 @@ def _row_step(line: str) -> int:
         return -1
 
 
+def schedule(section, seed: int) -> dict:
+    """The optimizer schedule a training section (``sft``, ``rm``) sets, as the keywords
+    :func:`~rlpost.train.sft.sft_train` and :func:`~rlpost.train.reward_model.rm_train`
+    share."""
+    return dict(
+        steps=section.steps,
+        lr=section.lr,
+        batch_size=section.batch_size,
+        warmup_steps=section.warmup_steps,
+        grad_clip=section.grad_clip,
+        seed=seed,
+    )
+
+
 def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: bool):
     """(model, tokenizer) of the starting policy: loaded, then SFT warm-up when configured.
 
@@ -135,18 +149,13 @@ def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: 
         model,
         tokenizer,
         train_prompts,
-        steps=s.steps,
-        lr=s.lr,
-        batch_size=s.batch_size,
-        warmup_steps=s.warmup_steps,
-        seed=cfg.run.seed,
+        **schedule(s, cfg.run.seed),
         distractor=s.distractor,
         on_step=lambda i, loss: console.advance(task, f"loss {loss:.3f}"),
         state_dir=run_dir / SFT_STATE,
         stop=stop_requested,
         example=build.agent_demonstrations(cfg, tokenizer),
         save_every=s.save_every,
-        grad_clip=s.grad_clip,
     )
     console.done(task)
     (run_dir / "sft_losses.json").write_text(json.dumps(losses))

@@ -36,7 +36,7 @@ from rlpost.observe import Recorder
 from rlpost.pipeline import build
 from rlpost.pipeline.interrupts import stop_requested
 from rlpost.pipeline.preflight import data_counts, report_data
-from rlpost.pipeline.rundir import SFT_STATE, open_stage_run_dir
+from rlpost.pipeline.rundir import SFT_STATE, open_stage_run_dir, schedule
 from rlpost.rewards.verifiable import exact_match, numeric_match
 from rlpost.train.sft import save_model, sft_train
 from rlpost.train.sft_chat import greedy_replies, mean_nll
@@ -141,17 +141,12 @@ def run_conversation_sft(cfg: Config, resume: Path | None = None, console=None) 
             model,
             tokenizer,
             prompts,
-            steps=s.steps,
-            lr=s.lr,
-            batch_size=s.batch_size,
-            warmup_steps=s.warmup_steps,
-            seed=cfg.run.seed,
+            **schedule(s, cfg.run.seed),
             on_step=on_step,
             state_dir=run_dir / SFT_STATE,
             stop=stop_requested,
             example=lambda p, rng: p.metadata["example"],
             save_every=s.save_every,
-            grad_clip=s.grad_clip,
             max_tokens_per_micro_batch=s.max_tokens_per_micro_batch,
         )
     finally:
