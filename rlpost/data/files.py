@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import string
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -189,15 +189,20 @@ def refuse_or_skip(where: str, problem: Problem, on_bad_row: str, report: LoadRe
 
 
 def valid_rows(
-    path: Path, check: Callable[[Any], Problem | None], on_bad_row: str, report: LoadReport
+    path: Path,
+    check: Callable[[Any], Problem | None],
+    on_bad_row: str,
+    report: LoadReport,
+    rows: Iterable[tuple[int, Any]] | None = None,
 ) -> Iterator[tuple[int, dict]]:
-    """(line, row) of every row ``check`` accepts (it returns None or the problem).
+    """(line, row) of every row ``check`` accepts (it returns None or the problem), of the
+    file or of ``rows`` read from it (a stream's chunk).
 
     A refused row raises :class:`DataError` with file and line (``on_bad_row="error"``)
     or is skipped and counted by reason in ``report`` (``"skip"``); accepted rows are
     counted too.
     """
-    for line, row in read_rows(path):
+    for line, row in read_rows(path) if rows is None else rows:
         problem = check(row)
         if problem is not None:
             refuse_or_skip(f"{path}:{line}", problem, on_bad_row, report)

@@ -32,8 +32,8 @@ from rlpost.data.files import (
     LoadReport,
     check_row,
     decode_line,
-    refuse_or_skip,
     row_prompt,
+    valid_rows,
 )
 from rlpost.types import Prompt
 
@@ -127,12 +127,7 @@ class StreamSampler:
     def chunk_prompts(self, chunk: list[tuple[int, Any]], report: LoadReport) -> list[Prompt]:
         """The usable rows of ``chunk`` rendered for the model; problems go to ``report``."""
         kept = []
-        for line, row in chunk:
-            problem = self.check(row)
-            if problem is not None:
-                refuse_or_skip(f"{self.path}:{line}", problem, self.on_bad_row, report)
-                continue
-            report.rows += 1
+        for line, row in valid_rows(self.path, self.check, self.on_bad_row, report, chunk):
             p = self.make(row, f"{self.name}/{self.path.name}:{line}")
             p.source = self.name
             kept.append(p)
