@@ -15,7 +15,6 @@ can be checked.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -209,5 +208,5 @@ def summary_fields(est: MemoryEstimate | None) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     out = {"peak_rss_mib": round(peak, 1)}
     if est is not None:
-        out["memory_estimate_mib"] = json.loads(json.dumps(est.as_dict()))
+        out["memory_estimate_mib"] = est.as_dict()
     return out
