@@ -46,17 +46,10 @@ def load_source(src: SourceConfig, *, on_bad_row: str) -> LoadedSource:
     where = f"data.sources[{src.name}]"
     system = None
     if src.task in ("arith", "code"):
-        a, c = src.arith, src.code
         try:
-            train, held_out = (
-                arith_splits(a.max_operand, a.ops, a.train_size, a.eval_size)
-                if src.task == "arith"
-                else code_splits(c.train_size, c.eval_size)
-            )
+            train, held_out = builtin_splits(src)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
-        for p in train + held_out:
-            p.text = src.prompt_template.format(prompt=p.text)
     elif src.task == "reasoning_gym":
         from rlpost.data.reasoning_gym import generate_splits  # lazy: an optional extra
 
@@ -77,6 +70,20 @@ def load_source(src: SourceConfig, *, on_bad_row: str) -> LoadedSource:
     train = [_tag(p, src.name) for p in train]
     held_out = [_tag(p, src.name) for p in held_out]
     return LoadedSource(src.name, train, held_out, train_report, eval_report, system)
+
+
+def builtin_splits(section) -> tuple[list[Prompt], list[Prompt]]:
+    """The train and held-out prompts of a built-in task (``task`` arith or code) of a data
+    section or a source, each through its ``prompt_template``; ValueError on bad sizes."""
+    a, c = section.arith, section.code
+    train, held_out = (
+        arith_splits(a.max_operand, a.ops, a.train_size, a.eval_size)
+        if section.task == "arith"
+        else code_splits(c.train_size, c.eval_size)
+    )
+    for p in train + held_out:
+        p.text = section.prompt_template.format(prompt=p.text)
+    return train, held_out
 
 
 def _verifiers_rows(src: SourceConfig, where: str) -> tuple[list[Prompt], list[Prompt], str | None]:

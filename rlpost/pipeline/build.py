@@ -20,11 +20,10 @@ from rlpost.algos import (
 )
 from rlpost.algos.correction import get_correction
 from rlpost.config import Config, ConfigError, SourceConfig
-from rlpost.data import DataError, LoadReport, arith_splits, load_prompt_file
-from rlpost.data.code import code_splits
+from rlpost.data import DataError, LoadReport, load_prompt_file
 from rlpost.data.files import prompt_file_keywords
 from rlpost.data.render import prepare_prompts
-from rlpost.data.sources import load_source
+from rlpost.data.sources import builtin_splits, load_source
 from rlpost.data.stream import preflight as stream_preflight
 from rlpost.envs.base import EnvError
 from rlpost.envs.catalog import env_factory
@@ -93,18 +92,9 @@ def _load_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, Lo
     if d.sources:
         return load_sources(cfg)
     reports = {"train": LoadReport(), "eval": LoadReport()}
-    if d.task == "arith":
+    if d.task in ("arith", "code"):
         try:
-            train, held_out = arith_splits(
-                d.arith.max_operand, d.arith.ops, d.arith.train_size, d.arith.eval_size
-            )
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        for p in train + held_out:
-            p.text = d.prompt_template.format(prompt=p.text)
-    elif d.task == "code":
-        try:
-            train, held_out = code_splits(d.code.train_size, d.code.eval_size)
+            train, held_out = builtin_splits(d)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     else:  # file (data.task=prefs is refused by the rule table)

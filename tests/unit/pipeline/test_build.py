@@ -156,3 +156,15 @@ def test_rollout_logprobs_refuse_bf16_that_auto_resolves_to(tmp_path, monkeypatc
     monkeypatch.setattr(build, "cpu_bf16_native", lambda: True)
     with pytest.raises(ConfigError, match=r"model\.dtype=auto"):
         check_names(cfg)
+
+
+@pytest.mark.parametrize("task", ["arith", "code"])
+def test_a_built_in_task_formats_each_prompt_with_the_template(task):
+    from rlpost.pipeline.build import load_data as load_prompts
+
+    plain = load_prompts(load_config(None, [f"data.task={task}"]))
+    cfg = load_config(None, [f"data.task={task}", "data.prompt_template=Task: {prompt}"])
+    train, held_out, _ = load_prompts(cfg)
+    assert [p.text for p in train + held_out] == [
+        f"Task: {p.text}" for p in plain[0] + plain[1]
+    ]
