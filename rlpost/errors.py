@@ -39,10 +39,6 @@ class WorkerError(RuntimeError):
     def __reduce__(self):
         return (type(self), (self.role, self.kind, self.message))
 
-    def again(self, message: str, *, role: str | None = None) -> WorkerError:
-        """The same kind with a message that says more (the caller's worker and call)."""
-        return WorkerError(role or self.role, self.kind, message)
-
 
 def kind_of(exc: BaseException) -> str:
     """The :data:`KINDS` entry of ``exc``: its own for a :class:`WorkerError`, else

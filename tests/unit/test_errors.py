@@ -34,12 +34,9 @@ def test_an_unknown_kind_is_refused_naming_the_kinds():
         WorkerError("trainer", "gone", "x")
 
 
-def test_again_keeps_the_kind_and_says_more():
+def test_kind_of_reads_a_worker_error_and_calls_anything_else_failed():
     err = WorkerError("rollout", "behind", "holds weights version 0, was sent 3")
-    more = err.again("rollout-0 worker, generate: " + err.message)
-    assert (more.role, more.kind) == ("rollout", "behind")
-    assert str(more) == "rollout-0 worker, generate: holds weights version 0, was sent 3"
-    assert kind_of(more) == "behind" and kind_of(RuntimeError("behind")) == "failed"
+    assert kind_of(err) == "behind" and kind_of(RuntimeError("behind")) == "failed"
 
 
 def test_one_line_is_the_first_non_blank_line_or_the_type():
