@@ -16,9 +16,9 @@ from rlpost.config import RewardTerm
 from rlpost.rewards.reasoning_gym import extract_answer
 from rlpost.rewards.verifiable import (
     extract_final_answer,
-    extract_first_number,
-    extract_last_number,
     extract_tag,
+    normalize_text,
+    stated_number,
 )
 
 Extractor = Callable[[str], Hashable | None]
@@ -28,9 +28,7 @@ def _numeric(tag: str | None = None, position: str = "first", **_) -> Extractor:
     def read(text: str) -> Hashable | None:
         if tag is not None and (text := extract_tag(text, tag)) is None:
             return None
-        final = extract_final_answer(text)
-        text = final if final is not None else text
-        return extract_first_number(text) if position == "first" else extract_last_number(text)
+        return stated_number(text, position)
 
     return read
 
@@ -45,11 +43,7 @@ def _exact(
     def read(text: str) -> Hashable | None:
         if tag is not None and (text := extract_tag(text, tag)) is None:
             return None
-        if collapse_space:
-            text = " ".join(text.split())
-        if strip:
-            text = text.strip()
-        return text.lower() if ignore_case else text
+        return normalize_text(text, strip, ignore_case, collapse_space)
 
     return read
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 from rlpost.rewards.registry import reward_function
@@ -77,6 +78,24 @@ def extract_final_answer(text: str) -> str | None:
     return extract_boxed(text)
 
 
+def stated_number(text: str, position: str = "first") -> float | None:
+    """The ``first`` or ``last`` number of ``text``'s final answer (else of ``text``)."""
+    final = extract_final_answer(text)
+    text = final if final is not None else text
+    return extract_first_number(text) if position == "first" else extract_last_number(text)
+
+
+def normalize_text(
+    text: str, strip: bool = True, ignore_case: bool = False, collapse_space: bool = False
+) -> str:
+    """``text`` as ``exact_match`` compares it."""
+    if collapse_space:
+        text = " ".join(text.split())
+    if strip:
+        text = text.strip()
+    return text.lower() if ignore_case else text
+
+
 def _reference_number(answer: Any) -> float | None:
     if isinstance(answer, bool):
         return None
@@ -123,9 +142,7 @@ def numeric_match(
     text = _answer_text(sample, tag)
     if text is None:
         return 0.0
-    final = extract_final_answer(text)
-    text = final if final is not None else text
-    got = extract_first_number(text) if position == "first" else extract_last_number(text)
+    got = stated_number(text, position)
     if got is None:
         return 0.0
     return 1.0 if math.isclose(got, target, rel_tol=rel_tol, abs_tol=abs_tol) else 0.0
@@ -155,12 +172,8 @@ def exact_match(
     if text is None:
         return 0.0
 
-    def norm(s: str) -> str:
-        if collapse_space:
-            s = " ".join(s.split())
-        if strip:
-            s = s.strip()
-        return s.lower() if ignore_case else s
-
+    norm = partial(
+        normalize_text, strip=strip, ignore_case=ignore_case, collapse_space=collapse_space
+    )
     got = norm(text)
     return 1.0 if any(got == norm(str(a)) for a in accepted) else 0.0
