@@ -211,7 +211,7 @@ class RolloutFleet:
                     if state is State.DEAD:  # silent too long: abandon it, re-send its share
                         running.pop(fut)
                         chunk.failures.append("no reply")
-                        self._later(m, "restart", True)  # stopping it may take a while
+                        self._later(m, self._restart, True)  # stopping it may take a while
                         todo.append(chunk)
         groups = [g for start in sorted(done) for g in done[start]]
         return RolloutResult(groups, _merge_stats(stats))
@@ -267,7 +267,7 @@ class RolloutFleet:
             self._log(m)
             dead = m.health.state is State.DEAD
         if dead:
-            self._later(m, "restart")
+            self._later(m, self._restart)
 
     def _behind(self, m: Member, exc: BaseException) -> None:
         """A worker refused a call for holding older weights: stale until a full sync."""
@@ -275,21 +275,20 @@ class RolloutFleet:
             m.health.succeeded()  # it replied: responsive, only behind
             m.health.missed(self._version, typed_line(exc))
             self._log(m)
-        self._later(m, "resync")
+        self._later(m, self._admit_marked)
 
     # ---------------------------------------------------------------- restarts
 
-    def _later(self, m: Member, job: str, *args) -> None:
-        """``m``'s restart (``job`` "restart"; ``args``: :meth:`_restart`'s ``stop_old``) or
-        full weight sync ("resync") in a thread of its own, ``m`` marked ``restarting`` until it
-        ends; nothing when it already is marked or the fleet is closed."""
+    def _later(self, m: Member, job, *args) -> None:
+        """``job(m, *args)`` (:meth:`_restart`, or :meth:`_admit_marked`'s full weight sync) in
+        a thread of its own, ``m`` marked ``restarting`` until it ends; nothing when it already
+        is marked or the fleet is closed."""
         with self._lock:
             if m.restarting or self._closed:
                 return
             m.restarting = True
-        target = self._restart if job == "restart" else self._admit_marked
-        name = f"fleet-{job}-{m.index}"
-        threading.Thread(target=target, args=(m, *args), name=name, daemon=True).start()
+        name = f"fleet{job.__name__}-{m.index}"
+        threading.Thread(target=job, args=(m, *args), name=name, daemon=True).start()
 
     def _stop_quietly(self, handle: Any) -> None:
         with contextlib.suppress(Exception):  # a worker already gone: nothing left to release
@@ -396,7 +395,7 @@ class RolloutFleet:
                 m.health.missed(version, typed_line(exc))
             self._failed(m, exc, handle)
             if m.health.state is State.STALE:  # still there: a full sync readmits it
-                self._later(m, "resync")
+                self._later(m, self._admit_marked)
             return
         with self._lock:
             if handle is not m.handle:
@@ -421,7 +420,7 @@ class RolloutFleet:
                 dead = m.health.state is State.DEAD
                 self._lock.notify_all()
             if dead:
-                self._later(m, "restart")
+                self._later(m, self._restart)
 
     def version(self) -> int:
         return self._version
