@@ -35,8 +35,9 @@ def set_terms(cfg: Config, s: EvalSetConfig):
     return own.get(s.name, cfg.reward.terms)
 
 
-def set_metrics(s: EvalSetConfig, groups: list[Group], extract) -> dict[str, float]:
-    """Metrics of ``s`` over its sampled groups (greedy aside), keyed by metric name."""
+def set_metrics(s: EvalSetConfig, groups: list[Group], extract, problems: int) -> dict[str, float]:
+    """Metrics of ``s`` over its sampled groups (greedy aside), keyed by metric name; a
+    problem whose samples were all dropped (no group) counts as wrong."""
     sampled = [parse_metric(m) for m in s.metrics if m != "greedy"]
     per: dict[str, float] = {f"{kind}@{k}": 0.0 for kind, k in sampled}
     for g in groups:
@@ -45,8 +46,8 @@ def set_metrics(s: EvalSetConfig, groups: list[Group], extract) -> dict[str, flo
         for kind, k in sampled:
             per[f"{kind}@{k}"] += problem_metric(kind, k, correct, answers)
     scores = [x for g in groups for x in g.scores]
-    out = {m: v / len(groups) for m, v in per.items()}
-    out["reward_mean"] = sum(scores) / len(scores)
+    out = {m: v / max(problems, 1) for m, v in per.items()}
+    out["reward_mean"] = sum(scores) / len(scores) if scores else 0.0
     return out
 
 
@@ -74,10 +75,10 @@ def evaluate_sets(
                 sampled, seed=None if sampled.seed is None else sampled.seed + i * 7919
             )
             groups = sample_groups(rollout, reward, part, params, s.n)
-            values |= set_metrics(s, groups, answer_extractor(set_terms(cfg, s)))
+            values |= set_metrics(s, groups, answer_extractor(set_terms(cfg, s)), len(part))
         if "greedy" in s.metrics and greedy is not None:
             groups = sample_groups(rollout, reward, part, greedy, 1)
-            values["greedy"] = sum(g.scores[0] > 0.5 for g in groups) / len(groups)
+            values["greedy"] = sum(bool(g.scores) and g.scores[0] > 0.5 for g in groups) / len(part)
         out.update({key + k: float(v) for k, v in values.items()})
     return out
 

@@ -31,7 +31,10 @@ def evaluate(
         return {}
     k = 1 if params.temperature == 0 else samples
     groups = sample_groups(rollout, reward, prompts, params, k, chunk)
+    # A prompt whose samples were dropped (a failed harness, engine or reward) counts as
+    # wrong: the accuracy is over every held-out problem, never over what came back.
     per_problem = [sum(s > 0.5 for s in g.scores) / k for g in groups]
+    per_problem += [0.0] * max(0, len(prompts) - len(groups))
     scores = [s for g in groups for s in g.scores]
     lengths = [len(c.token_ids) for g in groups for c in g.completions]
     episodes = [c.episode for g in groups for c in g.completions if c.episode is not None]
@@ -40,9 +43,10 @@ def evaluate(
     return {
         "eval_accuracy": accuracy,
         "eval_accuracy_stderr": math.sqrt(var / len(per_problem)),
-        "eval_reward_mean": sum(scores) / len(scores),
-        "eval_response_length": sum(lengths) / len(lengths),
+        "eval_reward_mean": sum(scores) / len(scores) if scores else 0.0,
+        "eval_response_length": sum(lengths) / len(lengths) if lengths else 0.0,
         "eval_problems": float(len(per_problem)),
+        "eval_dropped": float(len(prompts) * k - len(scores)),
         **episode_summary(episodes),
     }
 

@@ -20,6 +20,7 @@ that overlap rollout and training reuse the two stages in their own module.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -64,6 +65,8 @@ from rlpost.rng import set_rng_state
 from rlpost.train.checkpoint import latest_step, load_state, save_checkpoint, usable_checkpoint
 from rlpost.types import Group, ScoredBatch
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class RunResult:
@@ -74,6 +77,15 @@ class RunResult:
 
 class TrainingStopped(RuntimeError):
     """A guard stopped the run after its retries were spent."""
+
+
+class EmptyStep(RuntimeError):
+    """Every sample of a step's rollout failed (harness, engine or reward): nothing to train."""
+
+
+EMPTY_STEPS_IN_A_ROW = 3
+"""Empty steps in a row after which the run stops: a rollout side that fails every sample is
+broken, not unlucky."""
 
 
 @dataclass
@@ -152,7 +164,7 @@ def train(
                 r.weights.close()
         workers.close()
         raise
-    start_step, history, rl_seconds = step, [], 0.0
+    start_step, history, rl_seconds, empty = step, [], 0.0, 0
     try:
         first_eval = _full_eval(r, held_out)
         console.note_eval(step, first_eval)
@@ -170,6 +182,10 @@ def train(
                     m = merge_metrics(m, {"sync_seconds": 0.0, "sync_bytes": 0.0})
             except (RolloutFailed, WorkerError) as exc:
                 _stop_on_lost_worker(r, step, exc)
+            except EmptyStep as exc:  # counted, and the step drawn again from new prompts
+                empty = _count_empty_step(r, step, exc, empty)
+                continue
+            empty = 0
             step += 1
             rl_seconds += time.perf_counter() - t0
             if follower is not None:
@@ -241,6 +257,20 @@ def learnability_check(cfg: Config, workers: Workers) -> LearnabilityCheck:
 
 def _eval_due(cfg: Config, step: int) -> bool:
     return bool(cfg.eval.every) and step % cfg.eval.every == 0 and step < cfg.train.steps
+
+
+def _count_empty_step(r: Run, step: int, exc: EmptyStep, in_a_row: int) -> int:
+    """Count an empty step (a guard action, a log line); stop the run in one line once
+    :data:`EMPTY_STEPS_IN_A_ROW` came in a row."""
+    in_a_row += 1
+    r.recorder.count_guard("empty_step")
+    log.warning("step %d: %s; drawing new prompts (%d in a row)", step + 1, exc, in_a_row)
+    if in_a_row >= EMPTY_STEPS_IN_A_ROW:
+        raise TrainingStopped(
+            f"step {step + 1}: {exc}, {in_a_row} steps in a row; fix the rollout side "
+            f"(the harness, engine or reward) and continue with rlpost train --resume {r.run_dir}"
+        )
+    return in_a_row
 
 
 def _stop_on_lost_worker(r: Run, step: int, exc: Exception) -> None:
@@ -338,6 +368,11 @@ def rl_step(r: Run, step: int) -> tuple[dict, list]:
     t0 = time.perf_counter()
     fed = r.feed.next(step, r.w.trainer.version(), last=step + 1 >= cfg.train.steps)
     out = fed.out
+    if not any(g.completions for g in out.groups):
+        why = "; ".join(
+            f"{k}={v:g}" for k, v in out.stats.items() if v and ("fail" in k or "timed" in k)
+        )
+        raise EmptyStep(f"every sample of {len(out.groups)} prompts failed ({why or 'no rows'})")
     if r.on_groups is not None:
         r.on_groups(step + 1, out.groups)
     _write_samples(r, step + 1, out.groups)

@@ -46,7 +46,7 @@ def test_set_metrics_match_hand_values():
         # correct 2 of 4; "5" and "7" tie at 2, "5" reached 2 first -> maj 1
         _group(["7", "5", "5", "7"], [0.0, 1.0, 1.0, 0.0]),
     ]
-    got = set_metrics(s, groups, answer_extractor([RewardTerm(name="numeric_match")]))
+    got = set_metrics(s, groups, answer_extractor([RewardTerm(name="numeric_match")]), 2)
     assert got["mean@2"] == pytest.approx((0.5 + 0.5) / 2)
     # pass@2 with n=4: 1 - C(3,2)/C(4,2) = 0.5 and 1 - C(2,2)/C(4,2) = 5/6
     assert got["pass@2"] == pytest.approx((0.5 + 5 / 6) / 2)

@@ -1,6 +1,7 @@
 """Held-out evaluation: several samples per problem, their mean and its standard error."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -75,6 +76,30 @@ def test_accuracy_is_the_mean_over_samples_with_its_standard_error():
     assert engine.calls == [(2, 4), (2, 4), (1, 4)]  # chunk counts samples, not prompts
     greedy = evaluate(rollout, reward, prompts, SamplingParams(temperature=0), samples=4)
     assert greedy["eval_accuracy"] == pytest.approx(4 / 5) and engine.calls[-1] == (5, 1)
+
+
+@pytest.mark.parametrize("right", [[4, -1, 2, -1], [-1, -1, -1, -1]])
+def test_a_problem_whose_samples_were_dropped_counts_as_wrong(right):
+    """A failed harness or engine drops samples: the accuracy stays over every problem."""
+    prompts = [Prompt(f"{i}+0=", answer=i) for i in range(len(right))]
+    rollout, reward = workers(AnswerSheet(prompts, [max(r, 0) for r in right]))
+
+    class Dropping:  # right < 0: the prompt's group comes back empty, as a failed harness's
+        def generate(self, part, params, k):
+            out = rollout.generate(part, params, k)
+            keep = [right[prompts.index(g.prompt)] >= 0 for g in out.groups]
+            out.groups = [
+                g if ok else replace(g, completions=[])
+                for g, ok in zip(out.groups, keep, strict=True)
+            ]
+            return out
+
+    out = evaluate(Dropping(), reward, prompts, SamplingParams(), samples=4)
+    kept = [r for r in right if r >= 0]
+    assert out["eval_problems"] == len(right)
+    assert out["eval_accuracy"] == pytest.approx(sum(kept) / 4 / len(right))
+    assert out["eval_dropped"] == 4 * (len(right) - len(kept))
+    assert math.isfinite(out["eval_reward_mean"]) and math.isfinite(out["eval_accuracy_stderr"])
 
 
 def test_each_chunk_of_a_seeded_evaluation_gets_its_own_seed():
