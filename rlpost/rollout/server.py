@@ -505,7 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     lim = ap.add_argument_group("limits")
     for flag, kind, default, what in LIMIT_FLAGS:
-        lim.add_argument(flag, type=kind, default=default, help=f"{what} (default {default})")
+        shown = "" if default is None else f" (default {default})"
+        lim.add_argument(flag, type=kind, default=default, help=what + shown)
     return ap
 
 
@@ -514,7 +515,12 @@ LIMIT_FLAGS = [
     ("--max-weights-mb", float, 65536.0, "largest /v1/weights body [MiB]; 413 beyond"),
     ("--max-connections", int, 1024, "open connections; 503 beyond (uvicorn's limit)"),
     ("--max-pending", int, 4096, "sequences (prompts x n) running or queued; 429 beyond"),
-    ("--max-request-sequences", int, 1024, "prompts x n of one request; 400 beyond"),
+    (
+        "--max-request-sequences",
+        int,
+        None,
+        "prompts x n of one request; 400 beyond (default: 1024, at most --max-pending)",
+    ),
     (
         "--max-request-tokens",
         int,
@@ -533,6 +539,8 @@ def _checked(args: argparse.Namespace) -> str | None:
     """The one-line reason the flags cannot run, or None; fills keys from the environment."""
     args.api_key = args.api_key or os.environ.get("RLPOST_API_KEY") or None
     args.admin_key = args.admin_key or os.environ.get("RLPOST_ADMIN_KEY") or None
+    if args.max_request_sequences is None:  # one limit set alone never contradicts the other
+        args.max_request_sequences = min(1024, max(args.max_pending, 1))
     for flag in (
         "max_batch", "max_tokens_limit", "max_n", "max_prompts", "max_connections", "max_pending",
         "max_request_sequences", "max_request_tokens",
