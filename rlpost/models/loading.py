@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from rlpost.errors import one_line
@@ -73,7 +74,7 @@ def load_causal_lm(path: str | Path, *, dtype: str = "float32") -> PreTrainedMod
     p = check_model_dir(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=DTYPES[dtype])
-    except (OSError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:  # a torn weights file too
         raise ModelLoadError(f"cannot load a causal LM from {str(p)!r}: {one_line(exc)}") from None
     return model
 

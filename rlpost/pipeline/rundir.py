@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from rlpost.config import Config, ConfigError, dump_config
-from rlpost.models.loading import load_causal_lm
+from rlpost.models.loading import ModelLoadError, load_causal_lm
 from rlpost.observe.recorder import METRICS_FILE
 from rlpost.pipeline import build
 from rlpost.pipeline.interrupts import stop_requested
@@ -122,6 +122,13 @@ def schedule(section, seed: int) -> dict:
     )
 
 
+def _warm_up_policy(sft_dir: Path):
+    try:
+        return load_causal_lm(sft_dir)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{exc}; move {sft_dir} aside to run the warm-up again") from None
+
+
 def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: bool):
     """(model, tokenizer) of the starting policy: loaded, then SFT warm-up when configured.
 
@@ -133,11 +140,11 @@ def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: 
     have_sft = (sft_dir / "config.json").is_file()
     if skip_sft and have_sft and cfg.model.lora.rank > 0:
         # A resume restores only the adapters: they sit on the warm-up policy.
-        model.load_state_dict(load_causal_lm(sft_dir).state_dict())
+        model.load_state_dict(_warm_up_policy(sft_dir).state_dict())
     if skip_sft or cfg.sft.steps == 0:
         return model, tokenizer
     if have_sft:
-        model.load_state_dict(load_causal_lm(sft_dir).state_dict())
+        model.load_state_dict(_warm_up_policy(sft_dir).state_dict())
         return model, tokenizer
     s = cfg.sft
     task = console.task("sft warm-up", s.steps)
