@@ -12,7 +12,8 @@ Layers, outermost first::
             writable places (bwrap's own root is remounted read-only); fresh /proc,
             minimal /dev; cleared environment; dies with its parent; a seccomp
             filter where the run has no memory or cpuset cgroup (``plan.py``)
-    prlimit RLIMIT_AS, RLIMIT_CPU, RLIMIT_NPROC, RLIMIT_FSIZE, RLIMIT_NOFILE, no core dumps
+    prlimit RLIMIT_AS, RLIMIT_CPU, RLIMIT_NPROC, RLIMIT_FSIZE, RLIMIT_NOFILE, no core
+            dumps, no locked memory, no POSIX message queues
     python  -E -s -S main.py   (standard library only, no site-packages)
 
 Why drop to uid 65534 before bwrap: bwrap started by root maps the sandbox user
@@ -30,10 +31,11 @@ mounted at ``/opt/python`` so nothing of /root is visible.
 Per run, not per process: the rlimits bind each process; the run as a whole
 is bounded by its cgroup (``cgroup.py``: memory with shared memory included,
 pids, CPU quota, cpuset) where the host gives one, and otherwise by the
-seccomp filter (``seccomp.py``) refusing memfd, SysV IPC and
-``sched_setaffinity``, so memory no address space counts cannot be held and
-the CPU pin cannot be widened. Without a memory cgroup a run can still hold
-up to ``max_processes`` address spaces of ``memory_mb`` each.
+seccomp filter (``seccomp.py``) refusing memfd, SysV IPC, sockets, pipe
+resizing, io_uring and ``sched_setaffinity``, so memory no address space
+counts cannot be held and the CPU pin cannot be widened. Without a memory
+cgroup a run can still hold up to ``max_processes`` address spaces of
+``memory_mb`` each. The filter also refuses the keyring calls on every path.
 """
 
 from __future__ import annotations
@@ -227,6 +229,9 @@ def _limits(tools: Tools, config: SandboxConfig) -> list[str]:
         f"--fsize={config.max_file_mb << 20}",
         f"--nofile={config.max_open_files}",
         "--core=0",
+        # Locked pages and POSIX message queues: nothing a program run here needs.
+        "--memlock=0",
+        "--msgqueue=0",
         "--",
     ]
 
