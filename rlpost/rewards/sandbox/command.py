@@ -13,7 +13,7 @@ Layers, outermost first::
             minimal /dev; cleared environment; dies with its parent; a seccomp
             filter where the run has no memory or cpuset cgroup (``plan.py``)
     prlimit RLIMIT_AS, RLIMIT_CPU, RLIMIT_NPROC, RLIMIT_FSIZE, RLIMIT_NOFILE, no core
-            dumps, no locked memory, no POSIX message queues
+            dumps, no locked memory, no POSIX message queues, few queued signals
     python  -E -s -S main.py   (standard library only, no site-packages)
 
 Why drop to uid 65534 before bwrap: bwrap started by root maps the sandbox user
@@ -61,6 +61,7 @@ _ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/alternatives")
 _REQUIRED_OPTIONS = ("--disable-userns", "--size")
 _INSTALL_BWRAP = "install it with: apt-get install -y bubblewrap"
 _INSTALL_UTIL_LINUX = "install it with: apt-get install -y util-linux"
+_SIGPENDING = 256
 
 
 class SandboxUnavailable(RuntimeError):
@@ -229,9 +230,11 @@ def _limits(tools: Tools, config: SandboxConfig) -> list[str]:
         f"--fsize={config.max_file_mb << 20}",
         f"--nofile={config.max_open_files}",
         "--core=0",
-        # Locked pages and POSIX message queues: nothing a program run here needs.
+        # Locked pages, POSIX message queues, thousands of queued signals or POSIX
+        # timers (each holds kernel memory): nothing a program run here needs.
         "--memlock=0",
         "--msgqueue=0",
+        f"--sigpending={_SIGPENDING}",
         "--",
     ]
 
