@@ -229,12 +229,10 @@ def _kernel_line(limits: RunPlan, seen: dict, buffers: dict[str, SandboxResult])
     probe = f"socket buffers held {probe} of {PROBE_MEMORY_MB} MiB"
     where = _where(limits, "memory")
     if where is not None:
-        network = (
-            "; TCP/UDP sockets refused by seccomp"
-            if "socket(not AF_UNIX)" in (limits.blocked)
-            else ""
-        )
-        detail = f"{where}: socket and pipe buffers charged to the run{network} ({probe})"
+        detail = f"{where}: socket and pipe buffers charged to the run"
+        if "socket(not AF_UNIX)" in limits.blocked:  # cgroup v1 does not charge TCP or UDP
+            detail += "; TCP/UDP sockets refused by seccomp"
+        detail += f" ({probe})"
         return Line("kernel", "per run", detail, ok)
     refused = "socket" in limits.blocked
     ok = ok and refused and all(seen[key] == "EPERM" for key in _KERNEL_PROBES)
