@@ -249,6 +249,8 @@ def test_check_says_which_limits_hold(mode: str, capsys: pytest.CaptureFixture) 
     assert names == [
         "sandbox",
         "memory",
+        "kernel",
+        "keyring",
         "processes",
         "cpu",
         "cpuset",
@@ -261,9 +263,13 @@ def test_check_says_which_limits_hold(mode: str, capsys: pytest.CaptureFixture) 
     if mode == "cgroup":
         assert by_name["memory"].split()[1:3] == ["per", "run"]
         assert "shared memory" in by_name["memory"] and "status memory" in by_name["memory"]
+        assert "charged to the run" in by_name["kernel"] and "unix" in by_name["kernel"]
     else:
         assert "refused by seccomp" in by_name["memory"] and "memfd EPERM" in by_name["memory"]
-        assert by_name["seccomp"].split()[1] == "on"
+        assert "held unix 0 (EPERM), tcp 0 (EPERM) of 64 MiB" in by_name["kernel"]
+        assert "pipe_size EPERM, io_uring EPERM" in by_name["kernel"]
+    assert by_name["seccomp"].split()[1] == "on"
+    assert "keyctl EPERM" in by_name["keyring"]
     assert "interfaces lo," in by_name["network"] and "EROFS" in by_name["root"]
 
 
@@ -271,5 +277,5 @@ def test_check_without_run_limits_names_the_holes(capsys: pytest.CaptureFixture)
     assert cli.main(["check", "--run-limits", "none"]) == 1
     out = capsys.readouterr().out
     missing = [line.split()[0] for line in out.splitlines() if line.endswith("[MISSING]")]
-    assert missing == ["memory", "cpu", "cpuset"]
-    assert "memfd allowed" in out
+    assert missing == ["memory", "kernel", "keyring", "cpu", "cpuset"]
+    assert "memfd allowed" in out and "socketpair allowed" in out and "keyctl allowed" in out

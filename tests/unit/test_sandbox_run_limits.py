@@ -6,6 +6,7 @@ launcher, and the command line carrying both. Runs on CPU in about a second.
 from __future__ import annotations
 
 import os
+import platform
 import re
 import struct
 import subprocess
@@ -56,13 +57,23 @@ if sid >= 0:
     libc.shmctl(sid, 0, None)
 report("open", lambda: open(sys.executable, "rb").close())
 print("getpid", "allowed" if os.getpid() > 0 else "?")
+import fcntl, socket
+r, w = os.pipe()
+report("F_GETFL", lambda: fcntl.fcntl(w, fcntl.F_GETFL))
+report("F_SETPIPE_SZ", lambda: fcntl.fcntl(w, 1031, 1 << 20))
+report("socketpair", lambda: [s.close() for s in socket.socketpair()])
+report("AF_UNIX", lambda: socket.socket(socket.AF_UNIX).close())
+report("AF_INET", lambda: socket.socket(socket.AF_INET).close())
+report("keyctl", lambda: os.strerror(0) if libc.syscall(int(sys.argv[2]), 0, -3, 0) > 0
+       else (_ for _ in ()).throw(OSError(ctypes.get_errno(), "keyctl")))
 """
 
 
 def _load_and_try(blocked: list[str]) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    keyctl = seccomp.ARCHES[platform.machine()].numbers["keyctl"]
     proc = subprocess.run(
-        [sys.executable, "-c", _LOADER, ",".join(blocked)],
+        [sys.executable, "-c", _LOADER, ",".join(blocked), str(keyctl)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -73,15 +84,36 @@ def _load_and_try(blocked: list[str]) -> dict[str, str]:
 
 
 @pytest.mark.skipif(not seccomp.supported(), reason="no seccomp table for this machine")
-def test_filter_refuses_shared_memory_and_affinity_and_allows_the_rest() -> None:
-    seen = _load_and_try([*seccomp.SHARED_MEMORY_CALLS, *seccomp.AFFINITY_CALLS])
+def test_filter_refuses_kernel_memory_affinity_and_keyrings_and_allows_the_rest() -> None:
+    seen = _load_and_try(
+        [
+            *seccomp.SHARED_MEMORY_CALLS,
+            *seccomp.KERNEL_MEMORY_CALLS,
+            *seccomp.AFFINITY_CALLS,
+            *seccomp.KEYRING_CALLS,
+        ]
+    )
     assert seen == {
         "memfd_create": "EPERM",
         "sched_setaffinity": "EPERM",
         "shmget": "EPERM",
         "open": "allowed",
         "getpid": "allowed",
+        # Only one fcntl command is refused: the one that grows a pipe's kernel buffer.
+        "F_GETFL": "allowed",
+        "F_SETPIPE_SZ": "EPERM",
+        "socketpair": "EPERM",
+        "AF_UNIX": "EPERM",
+        "AF_INET": "EPERM",
+        "keyctl": "EPERM",
     }
+
+
+@pytest.mark.skipif(not seccomp.supported(), reason="no seccomp table for this machine")
+def test_filter_refuses_network_sockets_but_keeps_unix_ones() -> None:
+    seen = _load_and_try(list(seccomp.NETWORK_SOCKET_CALLS))
+    assert (seen["AF_INET"], seen["AF_UNIX"], seen["socketpair"]) == ("EPERM", "allowed", "allowed")
+    assert (seen["F_SETPIPE_SZ"], seen["keyctl"]) == ("allowed", "allowed")
 
 
 @pytest.mark.skipif(not seccomp.supported(), reason="no seccomp table for this machine")
@@ -128,10 +160,48 @@ def test_syscall_numbers_match_the_kernel_headers(machine: str) -> None:
     header = _HEADERS[machine]
     if not header.is_file():
         pytest.skip(f"{header} not installed (linux-libc-dev)")
-    defined = dict(re.findall(r"#define __NR_(\w+) (\d+)", header.read_text()))
+    # asm-generic names the calls with a 64-bit and a 32-bit variant __NR3264_* (fcntl).
+    defined = dict(re.findall(r"#define __NR(?:3264)?_(\w+) (\d+)", header.read_text()))
     table = seccomp.ARCHES[machine].numbers
     assert {name: int(defined[name]) for name in table} == table
-    assert set(seccomp.SHARED_MEMORY_CALLS + seccomp.AFFINITY_CALLS) == set(table)
+    groups = [
+        seccomp.SHARED_MEMORY_CALLS,
+        seccomp.KERNEL_MEMORY_CALLS,
+        seccomp.AFFINITY_CALLS,
+        seccomp.KEYRING_CALLS,
+    ]
+    rules = {seccomp.ARGUMENT_RULES[name][0] for name in seccomp.ARGUMENT_RULES}
+    named = {name for group in groups for name in group if name not in seccomp.ARGUMENT_RULES}
+    assert named | rules == set(table) | ({"inotify_init"} - set(table))
+
+
+@pytest.mark.parametrize("machine", sorted(seccomp.ARCHES))
+def test_every_group_builds_on_every_machine(machine: str) -> None:
+    everything = [
+        *seccomp.SHARED_MEMORY_CALLS,
+        *seccomp.KERNEL_MEMORY_CALLS,
+        *seccomp.NETWORK_SOCKET_CALLS,
+        *seccomp.AFFINITY_CALLS,
+        *seccomp.KEYRING_CALLS,
+    ]
+    compared = {k for code, _, _, k in _decode(seccomp.build_filter(everything, machine))[3:]}
+    numbers = seccomp.ARCHES[machine].numbers
+    # inotify_init exists on x86_64 only; a whole-call refusal of socket wins over its rule.
+    assert {numbers[name] for name in numbers} <= compared
+    assert 1 not in compared  # no AF_UNIX comparison: socket is refused whole
+
+
+def test_filter_refuses_an_argument_only_for_its_value() -> None:
+    insns = _decode(seccomp.build_filter(["fcntl(F_SETPIPE_SZ)"], "x86_64"))
+    # After the ABI checks: is it fcntl? load args[1]'s low word; 1031 refuses, else allow.
+    assert insns[-6:] == [
+        (0x15, 0, 4, 72),
+        (0x20, 0, 0, 24),
+        (0x15, 1, 0, 1031),
+        (0x06, 0, 0, seccomp.RET_ALLOW),
+        (0x06, 0, 0, seccomp.RET_ERRNO | seccomp.EPERM),
+        (0x06, 0, 0, seccomp.RET_ALLOW),
+    ]
 
 
 def test_filter_refuses_an_unknown_machine_or_call() -> None:
@@ -186,19 +256,26 @@ def _host_without(*names: str) -> CgroupHost:
 def test_plan_uses_the_cgroup_for_everything_it_covers() -> None:
     plan = make_plan("auto", FULL, seccomp_supported=True)
     assert {c.name for c in plan.controllers} == {"memory", "pids", "cpu", "cpuset"}
-    assert plan.blocked == () and plan.seccomp_program is None
+    # v1 charges unix socket buffers, not TCP or UDP ones; keyrings are refused everywhere.
+    assert plan.blocked == seccomp.NETWORK_SOCKET_CALLS + seccomp.KEYRING_CALLS
+    v2 = make_plan("auto", CgroupHost(tuple(V2.values()), ()), seccomp_supported=True)
+    assert v2.blocked == seccomp.KEYRING_CALLS and v2.seccomp_program is not None
 
 
 def test_plan_refuses_by_seccomp_what_the_host_does_not_bound() -> None:
+    memory = seccomp.SHARED_MEMORY_CALLS + seccomp.KERNEL_MEMORY_CALLS
     no_memory = make_plan("auto", _host_without("memory"), seccomp_supported=True)
-    assert no_memory.blocked == seccomp.SHARED_MEMORY_CALLS
+    assert no_memory.blocked == memory + seccomp.KEYRING_CALLS
     no_cpuset = make_plan("auto", _host_without("cpuset"), seccomp_supported=True)
-    assert no_cpuset.blocked == seccomp.AFFINITY_CALLS
+    assert no_cpuset.blocked == (
+        seccomp.NETWORK_SOCKET_CALLS + seccomp.AFFINITY_CALLS + seccomp.KEYRING_CALLS
+    )
     forced = make_plan("seccomp", CgroupHost((), ()), seccomp_supported=True)
     assert forced.controllers == ()
-    assert forced.blocked == seccomp.SHARED_MEMORY_CALLS + seccomp.AFFINITY_CALLS
+    assert forced.blocked == memory + seccomp.AFFINITY_CALLS + seccomp.KEYRING_CALLS
     assert forced.seccomp_program is not None
-    assert make_plan("none", FULL, seccomp_supported=True).controllers == ()
+    none = make_plan("none", FULL, seccomp_supported=True)
+    assert none.controllers == () and none.seccomp_program is None
 
 
 def test_plan_fails_closed_when_its_limits_cannot_hold() -> None:
@@ -207,9 +284,10 @@ def test_plan_fails_closed_when_its_limits_cannot_hold() -> None:
     message = str(info.value)
     assert "run_limits=cgroup: no usable pids cgroup (pids: not writable)" in message
     assert "\n" not in message
-    with pytest.raises(SandboxUnavailable, match="no seccomp filter for this machine"):
-        make_plan("auto", _host_without("memory"), seccomp_supported=False)
-    assert make_plan("auto", FULL, seccomp_supported=False).blocked == ()
+    for host in (_host_without("memory"), FULL):
+        with pytest.raises(SandboxUnavailable, match="no seccomp filter for this machine"):
+            make_plan("auto", host, seccomp_supported=False)
+    assert make_plan("none", FULL, seccomp_supported=False).blocked == ()
 
 
 def test_group_paths_follow_the_mount_root() -> None:

@@ -1,16 +1,18 @@
 """``rlpost sandbox check``: which limits hold on this host, one line each, each one probed.
 
-Two programs run in the real sandbox: one reports what it can reach (memfd,
-SysV shm, a wider CPU affinity, the network, a write to /), the other tries
-to hold more memory than a small limit allows and to fork past a small
-process cap. Each line is then what the plan promised and what the probes
-saw; a promise the probes contradict makes the check fail.
+Programs run in the real sandbox: one reports what it can reach (memfd, SysV
+shm, sockets, pipe resizing, io_uring, inotify, POSIX queues, the keyring, a
+wider CPU affinity, the network, a write to /), the others try to hold more
+memory than a small limit allows (memfd, unix and TCP socket buffers) and to
+fork past a small process cap. Each line is then what the plan promised and
+what the probes saw; a promise the probes contradict makes the check fail.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 from dataclasses import dataclass
 
 from rlpost.rewards.sandbox import seccomp
@@ -21,7 +23,7 @@ from rlpost.rewards.sandbox.plan import RunPlan, plan
 from rlpost.rewards.sandbox.runner import check_available, run_code
 
 PROBE = r"""
-import ctypes, errno, json, os, socket, sys
+import ctypes, errno, fcntl, json, os, socket, sys
 host = json.loads(sys.stdin.read())
 out = {}
 def attempt(key, fn):
@@ -30,19 +32,38 @@ def attempt(key, fn):
         out[key] = "allowed"
     except OSError as exc:
         out[key] = errno.errorcode.get(exc.errno, str(exc.errno))
-attempt("memfd", lambda: os.close(os.memfd_create("probe")))
 libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def call(key, name, *args, fd=True):
+    got = libc.syscall(ctypes.c_long(host["nr"][name]), *args)
+    out[key] = "allowed" if got >= 0 else errno.errorcode.get(ctypes.get_errno(), "?")
+    if got >= 0 and fd:
+        os.close(got)
+attempt("memfd", lambda: os.close(os.memfd_create("probe")))
 sid = libc.shmget(0, 4096, 0o1600)
 out["shm"] = "allowed" if sid >= 0 else errno.errorcode.get(ctypes.get_errno(), "?")
 if sid >= 0:
     libc.shmctl(sid, 0, None)
+attempt("socketpair", lambda: [end.close() for end in socket.socketpair()])
+attempt("tcp", lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM).close())
+pipe = os.pipe()
+attempt("pipe_size", lambda: fcntl.fcntl(pipe[1], 1031, 1 << 20))  # F_SETPIPE_SZ
+call("io_uring", "io_uring_setup", ctypes.c_long(1), ctypes.create_string_buffer(120))
+call("inotify", "inotify_init1", ctypes.c_long(0))
+call("mq_open", "mq_open", b"probe", ctypes.c_long(os.O_CREAT | os.O_RDWR),
+     ctypes.c_long(0o600), None)
+# KEYCTL_GET_KEYRING_ID of KEY_SPEC_SESSION_KEYRING: the keyring the sandbox inherited.
+call("keyctl", "keyctl", ctypes.c_long(0), ctypes.c_long(-3), ctypes.c_long(0), fd=False)
 attempt("affinity", lambda: os.sched_setaffinity(0, host["cpus"]))
 out["cpus"] = len(os.sched_getaffinity(0))
-out["interfaces"] = [name for _, name in socket.if_nameindex()]
+with open("/proc/net/dev") as dev:
+    out["interfaces"] = [line.split(":")[0].strip() for line in dev.readlines()[2:]]
 attempt("connect", lambda: socket.create_connection(("192.0.2.1", 80), timeout=1).close())
 attempt("write_root", lambda: open("/probe", "w").close())
 print(json.dumps(out))
 """
+# The calls PROBE makes by number, as the filter knows them.
+PROBE_CALLS = ("io_uring_setup", "inotify_init1", "mq_open", "keyctl")
 
 # Holds memfd memory past the limit, 8 MiB at a time.
 HOLD_MEMORY = r"""
@@ -66,6 +87,37 @@ try:
         children += 1
 except OSError:
     print("forks", children, flush=True)
+"""
+# Fills socket buffers (stdin: "unix" or "tcp"), each raised to the most the host allows.
+SOCKET_BUFFERS = r"""
+import errno, socket, sys
+kind = sys.stdin.read().strip()
+held, sent, chunk = [], 0, b"x" * 65536
+try:
+    if kind == "tcp":
+        server = socket.socket()
+        server.bind(("127.0.0.1", 0))
+        server.listen(512)
+    while True:
+        if kind == "tcp":
+            ends = [socket.create_connection(server.getsockname()), server.accept()[0]]
+        else:
+            ends = list(socket.socketpair())
+        held += ends
+        for end in ends:
+            try:
+                end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 30)
+            except OSError:
+                pass
+            end.setblocking(False)
+            try:
+                while True:
+                    sent += end.send(chunk)
+            except BlockingIOError:
+                pass
+        print("held", sent >> 20, flush=True)
+except OSError as exc:
+    print("stopped", errno.errorcode.get(exc.errno, exc.errno), flush=True)
 """
 PROBE_MEMORY_MB = 64
 PROBE_PROCESSES = 8
@@ -91,7 +143,9 @@ def run_check(mode: RunLimits) -> list[Line]:
     limits = plan(mode)
     config = SandboxConfig(run_limits=mode, timeout_s=10)
     cpus = list(range(os.cpu_count() or 1))
-    probe = run_code(PROBE, stdin=json.dumps({"cpus": cpus}), config=config)
+    numbers = seccomp.ARCHES[platform.machine()].numbers if seccomp.supported() else {}
+    host = {"cpus": cpus, "nr": {name: numbers.get(name, -1) for name in PROBE_CALLS}}
+    probe = run_code(PROBE, stdin=json.dumps(host), config=config)
     if probe.status != "ok":
         tail = (probe.stderr.strip().splitlines() or [probe.status])[-1]
         return [Line("probe", "failed", f"the probe program did not finish ({tail})", ok=False)]
@@ -105,11 +159,14 @@ def run_check(mode: RunLimits) -> list[Line]:
     # Without a memory cgroup nothing bounds held memfds but the refusal the first probe saw.
     memory = run_code(HOLD_MEMORY, config=small) if limits.controller("memory") else None
     forks = run_code(FORK, config=small)
+    buffers = {kind: run_code(SOCKET_BUFFERS, stdin=kind, config=small) for kind in ("unix", "tcp")}
     tools = find_tools()
     started = f"bubblewrap {tools.bwrap}, as uid {SANDBOX_UID}, run_limits={mode}"
     return [
         Line("sandbox", "runs", started),
         _memory_line(limits, seen, memory),
+        _kernel_line(limits, seen, buffers),
+        _keyring_line(limits, seen),
         _processes_line(limits, forks.stdout),
         _cpu_line(limits),
         _cpuset_line(limits, seen, len(cpus)),
@@ -151,6 +208,54 @@ def _memory_line(limits: RunPlan, seen: dict, memory: SandboxResult | None) -> L
         f"(probe: memfd {seen['memfd']}, shm {seen['shm']}); {_why_not(limits, 'memory')}"
     )
     return Line("memory", "per process", detail, ok)
+
+
+# What the probe reports for each kind of kernel memory the seccomp path refuses.
+_KERNEL_PROBES = ("socketpair", "tcp", "pipe_size", "io_uring", "inotify", "mq_open")
+
+
+def _held(result: SandboxResult) -> tuple[int, str]:
+    """The most MiB of socket buffers a SOCKET_BUFFERS run held, and how it ended."""
+    lines = result.stdout.splitlines()
+    most = max((int(line.split()[1]) for line in lines if line.startswith("held ")), default=0)
+    stopped = [line.split()[1] for line in lines if line.startswith("stopped ")]
+    return most, stopped[0] if stopped else result.status
+
+
+def _kernel_line(limits: RunPlan, seen: dict, buffers: dict[str, SandboxResult]) -> Line:
+    held = {kind: _held(result) for kind, result in buffers.items()}
+    ok = all(most <= PROBE_MEMORY_MB for most, _ in held.values())
+    probe = ", ".join(f"{kind} {most} ({end})" for kind, (most, end) in held.items())
+    probe = f"socket buffers held {probe} of {PROBE_MEMORY_MB} MiB"
+    where = _where(limits, "memory")
+    if where is not None:
+        detail = f"{where}: socket and pipe buffers charged to the run"
+        if "socket(not AF_UNIX)" in limits.blocked:  # cgroup v1 does not charge TCP or UDP
+            detail += "; TCP/UDP sockets refused by seccomp"
+        detail += f" ({probe})"
+        return Line("kernel", "per run", detail, ok)
+    refused = "socket" in limits.blocked
+    ok = ok and refused and all(seen[key] == "EPERM" for key in _KERNEL_PROBES)
+    calls = ", ".join(f"{key} {seen[key]}" for key in _KERNEL_PROBES)
+    how = "refused by seccomp" if refused else "NOT bounded"
+    detail = (
+        f"sockets, pipe resizing, io_uring, inotify, POSIX queues {how} "
+        f"(probe: {calls}; {probe}); {_why_not(limits, 'memory')}"
+    )
+    return Line("kernel", "refused" if refused else "none", detail, ok)
+
+
+def _keyring_line(limits: RunPlan, seen: dict) -> Line:
+    refused = "keyctl" in limits.blocked
+    if refused:
+        detail = (
+            "add_key, keyctl, request_key refused by seccomp: the session keyring is unreachable"
+        )
+    else:
+        detail = "the program can read and clear the session keyring it inherits"
+    ok = refused and seen["keyctl"] == "EPERM"
+    scope = "refused" if refused else "open"
+    return Line("keyring", scope, f"{detail} (probe: keyctl {seen['keyctl']})", ok)
 
 
 def _processes_line(limits: RunPlan, stdout: str) -> Line:

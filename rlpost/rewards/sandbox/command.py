@@ -12,7 +12,8 @@ Layers, outermost first::
             writable places (bwrap's own root is remounted read-only); fresh /proc,
             minimal /dev; cleared environment; dies with its parent; a seccomp
             filter where the run has no memory or cpuset cgroup (``plan.py``)
-    prlimit RLIMIT_AS, RLIMIT_CPU, RLIMIT_NPROC, RLIMIT_FSIZE, RLIMIT_NOFILE, no core dumps
+    prlimit RLIMIT_AS, RLIMIT_CPU, RLIMIT_NPROC, RLIMIT_FSIZE, RLIMIT_NOFILE, no core
+            dumps, no locked memory, no POSIX message queues, few queued signals
     python  -E -s -S main.py   (standard library only, no site-packages)
 
 Why drop to uid 65534 before bwrap: bwrap started by root maps the sandbox user
@@ -30,10 +31,11 @@ mounted at ``/opt/python`` so nothing of /root is visible.
 Per run, not per process: the rlimits bind each process; the run as a whole
 is bounded by its cgroup (``cgroup.py``: memory with shared memory included,
 pids, CPU quota, cpuset) where the host gives one, and otherwise by the
-seccomp filter (``seccomp.py``) refusing memfd, SysV IPC and
-``sched_setaffinity``, so memory no address space counts cannot be held and
-the CPU pin cannot be widened. Without a memory cgroup a run can still hold
-up to ``max_processes`` address spaces of ``memory_mb`` each.
+seccomp filter (``seccomp.py``) refusing memfd, SysV IPC, sockets, pipe
+resizing, io_uring and ``sched_setaffinity``, so memory no address space
+counts cannot be held and the CPU pin cannot be widened. Without a memory
+cgroup a run can still hold up to ``max_processes`` address spaces of
+``memory_mb`` each. The filter also refuses the keyring calls on every path.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ _ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/alternatives")
 _REQUIRED_OPTIONS = ("--disable-userns", "--size")
 _INSTALL_BWRAP = "install it with: apt-get install -y bubblewrap"
 _INSTALL_UTIL_LINUX = "install it with: apt-get install -y util-linux"
+_SIGPENDING = 256
 
 
 class SandboxUnavailable(RuntimeError):
@@ -227,6 +230,11 @@ def _limits(tools: Tools, config: SandboxConfig) -> list[str]:
         f"--fsize={config.max_file_mb << 20}",
         f"--nofile={config.max_open_files}",
         "--core=0",
+        # Locked pages, POSIX message queues, thousands of queued signals or POSIX
+        # timers (each holds kernel memory): nothing a program run here needs.
+        "--memlock=0",
+        "--msgqueue=0",
+        f"--sigpending={_SIGPENDING}",
         "--",
     ]
 

@@ -2,10 +2,12 @@
 
 The two mechanisms cover each other's gaps, limit by limit: without a memory
 cgroup, the calls that hold memory outside every address space (memfd, SysV
-IPC) are refused; without a cpuset, ``sched_setaffinity`` is refused so the
-CPU pin holds. Processes are bounded per run either way (``pids.max``, or
-RLIMIT_NPROC counted in the run's own user namespace), and so is CPU (a
-quota, or the pin that cannot be widened).
+IPC, sockets, pipe resizing, io_uring...) are refused; with a cgroup v1 memory
+group, which does not charge TCP and UDP buffers, sockets other than unix ones
+are; without a cpuset, ``sched_setaffinity`` is refused so the CPU pin holds.
+The keyring calls are refused whatever the host gives. Processes are bounded
+per run either way (``pids.max``, or RLIMIT_NPROC counted in the run's own
+user namespace), and so is CPU (a quota, or the pin that cannot be widened).
 """
 
 from __future__ import annotations
@@ -58,13 +60,18 @@ def make_plan(mode: RunLimits, host: cgroup.CgroupHost, seccomp_supported: bool)
                 "delegate the controllers to this process's cgroup or set run_limits=auto"
             )
     blocked: list[str] = []
-    if host.get("memory") is None:
-        blocked += seccomp.SHARED_MEMORY_CALLS
+    memory = host.get("memory")
+    if memory is None:
+        blocked += seccomp.SHARED_MEMORY_CALLS + seccomp.KERNEL_MEMORY_CALLS
+    elif memory.version == 1:
+        blocked += seccomp.NETWORK_SOCKET_CALLS
     if host.get("cpuset") is None:
         blocked += seccomp.AFFINITY_CALLS
-    if blocked and not seccomp_supported:
+    blocked += seccomp.KEYRING_CALLS
+    if not seccomp_supported:
         raise SandboxUnavailable(
-            f"sandbox run_limits={mode}: no seccomp filter for this machine or kernel and no "
-            "memory/cpuset cgroup to bound the run instead; run where a cgroup is delegated"
+            f"sandbox run_limits={mode}: no seccomp filter for this machine or kernel, which "
+            "every run needs (keyrings; memory and CPU without a cgroup); run on x86_64 or "
+            "aarch64 with a kernel built with seccomp"
         )
     return RunPlan(mode, host.usable, tuple(blocked), host)

@@ -1,19 +1,27 @@
 """A seccomp filter refusing the system calls whose memory or CPU no per-process limit bounds.
 
 Used where no per-run cgroup is available (see ``cgroup.py``): RLIMIT_AS
-does not count a memfd's pages (``memfd_create`` + ``fallocate``) nor a SysV
-segment once detached (``shmget``/``shmat``/``shmdt``), and SysV message
-queues hold kernel memory outside any process; ``sched_setaffinity`` would let
-the program leave the CPU it was pinned to. The filter makes those calls fail
-with EPERM, so a program gets an ordinary error instead of holding the host's
-memory.
+counts only address spaces, and the kernel holds memory for a program in many
+places besides: a memfd's pages (``memfd_create`` + ``fallocate``), a SysV
+segment once detached (``shmget``/``shmat``/``shmdt``), SysV and POSIX message
+queues, socket buffers (one process pins about 2 GiB in unix socketpairs with
+``SO_SNDBUF`` raised, and 800 MiB in loopback TCP buffers without), pipes
+grown by ``F_SETPIPE_SZ``, io_uring rings, inotify watches, BPF maps and perf
+buffers. ``sched_setaffinity`` would let the program leave the CPU it was
+pinned to. The filter makes those calls fail with EPERM, so a program gets an
+ordinary error instead of holding the host's memory. Two rules look at an
+argument: ``fcntl`` only for ``F_SETPIPE_SZ``, and ``socket`` for any family
+but ``AF_UNIX`` (a cgroup v1 memory group counts unix socket buffers but not
+TCP or UDP ones). The keyring calls are refused on every path: a program
+would otherwise read and clear the session keyring it inherits.
 
 Why a hand-written classic-BPF program instead of libseccomp: the Python
 bindings of libseccomp come only with the system interpreter's packages, not
-with a virtualenv or pyenv interpreter, and the program needed is a dozen
+with a virtualenv or pyenv interpreter, and the program needed is a few dozen
 instructions (check the architecture, compare the syscall number against a
-short list). bubblewrap loads it from a file descriptor (``--seccomp FD``,
-an array of ``struct sock_filter``) after setting no_new_privs.
+short list, an argument for two calls). bubblewrap loads it from a file
+descriptor (``--seccomp FD``, an array of ``struct sock_filter``) after
+setting no_new_privs.
 
 The layout follows the kernel's ``samples/seccomp`` and
 Documentation/userspace-api/seccomp_filter.rst: a call from another ABI
@@ -29,6 +37,7 @@ import struct
 # struct seccomp_data: int nr; __u32 arch; __u64 instruction_pointer; __u64 args[6].
 _NR_OFFSET = 0
 _ARCH_OFFSET = 4
+_ARGS_OFFSET = 16  # both ABIs are little-endian: an argument's low 32 bits come first
 # Classic BPF opcodes (linux/bpf_common.h).
 _LD_W_ABS = 0x00 | 0x00 | 0x20  # BPF_LD | BPF_W | BPF_ABS
 _JEQ_K = 0x05 | 0x10 | 0x00  # BPF_JMP | BPF_JEQ | BPF_K
@@ -59,7 +68,33 @@ SHARED_MEMORY_CALLS = (
     "semctl",
     "semtimedop",
 )
+# Kernel memory no address space counts, which a cgroup v1 or v2 memory group charges.
+KERNEL_MEMORY_CALLS = (
+    "socket",
+    "socketpair",
+    "fcntl(F_SETPIPE_SZ)",
+    "mq_open",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "inotify_init",
+    "inotify_init1",
+    "fanotify_init",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+)
+# What a cgroup v1 memory group does not charge: TCP and UDP buffers (unix ones it does).
+NETWORK_SOCKET_CALLS = ("socket(not AF_UNIX)",)
 AFFINITY_CALLS = ("sched_setaffinity",)
+KEYRING_CALLS = ("add_key", "keyctl", "request_key")
+# A call refused only for one argument value: (call, argument index, refuse when equal?, value).
+ARGUMENT_RULES = {
+    "fcntl(F_SETPIPE_SZ)": ("fcntl", 1, True, 1031),
+    "socket(not AF_UNIX)": ("socket", 0, False, 1),
+}
+# Calls some ABIs never had (aarch64 has only inotify_init1); skipped where absent.
+_LEGACY_CALLS = frozenset({"inotify_init"})
 
 
 class _Arch:
@@ -89,6 +124,22 @@ ARCHES = {
             "semtimedop": 220,
             "memfd_create": 319,
             "memfd_secret": 447,
+            "socket": 41,
+            "socketpair": 53,
+            "fcntl": 72,
+            "mq_open": 240,
+            "add_key": 248,
+            "request_key": 249,
+            "keyctl": 250,
+            "inotify_init": 253,
+            "inotify_init1": 294,
+            "perf_event_open": 298,
+            "fanotify_init": 300,
+            "bpf": 321,
+            "userfaultfd": 323,
+            "io_uring_setup": 425,
+            "io_uring_enter": 426,
+            "io_uring_register": 427,
         },
         x32_bit=True,
     ),
@@ -110,6 +161,21 @@ ARCHES = {
             "shmdt": 197,
             "memfd_create": 279,
             "memfd_secret": 447,
+            "fcntl": 25,
+            "inotify_init1": 26,
+            "mq_open": 180,
+            "socket": 198,
+            "socketpair": 199,
+            "add_key": 217,
+            "request_key": 218,
+            "keyctl": 219,
+            "perf_event_open": 241,
+            "fanotify_init": 262,
+            "bpf": 280,
+            "userfaultfd": 282,
+            "io_uring_setup": 425,
+            "io_uring_enter": 426,
+            "io_uring_register": 427,
         },
         x32_bit=False,
     ),
@@ -131,13 +197,21 @@ def supported(machine: str | None = None) -> bool:
 def build_filter(blocked: tuple[str, ...] | list[str], machine: str | None = None) -> bytes:
     """The ``struct sock_filter`` array refusing ``blocked`` with EPERM, allowing the rest.
 
-    Raises ``ValueError`` for a machine without a table or a call not in it.
+    ``blocked`` holds call names and ``ARGUMENT_RULES`` names. Raises ``ValueError``
+    for a machine without a table or a call not in it.
     """
     machine = machine or platform.machine()
     arch = ARCHES.get(machine)
     if arch is None:
         raise ValueError(f"no seccomp syscall table for {machine}; known: {', '.join(ARCHES)}")
-    unknown = [name for name in blocked if name not in arch.numbers]
+    whole = {name for name in blocked if name not in ARGUMENT_RULES}
+    whole -= {name for name in _LEGACY_CALLS if name not in arch.numbers}
+    rules: dict[str, list[tuple[int, bool, int]]] = {}
+    for name in sorted(set(blocked) & ARGUMENT_RULES.keys()):
+        call, arg, equal, value = ARGUMENT_RULES[name]
+        if call not in whole:
+            rules.setdefault(call, []).append((arg, equal, value))
+    unknown = [name for name in [*whole, *rules] if name not in arch.numbers]
     if unknown:
         raise ValueError(f"no syscall number for {', '.join(unknown)} on {machine}")
     program = [
@@ -148,7 +222,22 @@ def build_filter(blocked: tuple[str, ...] | list[str], machine: str | None = Non
     ]
     if arch.x32_bit:
         program += [(_JGE_K, 0, 1, _X32_SYSCALL_BIT), (_RET_K, 0, 0, RET_KILL_PROCESS)]
-    for name in sorted(set(blocked), key=arch.numbers.__getitem__):
+    for name in sorted(whole, key=arch.numbers.__getitem__):
         program += [(_JEQ_K, 0, 1, arch.numbers[name]), (_RET_K, 0, 0, RET_ERRNO | EPERM)]
+    for call in sorted(rules, key=arch.numbers.__getitem__):
+        program += _argument_block(arch.numbers[call], rules[call])
     program.append((_RET_K, 0, 0, RET_ALLOW))
     return b"".join(struct.pack("=HBBI", *insn) for insn in program)
+
+
+def _argument_block(number: int, rules: list[tuple[int, bool, int]]) -> list[tuple]:
+    """For call ``number``: refuse when any rule matches the low 32 bits of its argument,
+    else allow; any other call jumps over the block with the syscall number still loaded."""
+    body: list[tuple] = []
+    refuse_at = 2 * len(rules) + 1  # index of the refusal in ``body``
+    for k, (arg, equal, value) in enumerate(rules):
+        to_refuse = refuse_at - (2 * k + 1) - 1
+        jt, jf = (to_refuse, 0) if equal else (0, to_refuse)
+        body += [(_LD_W_ABS, 0, 0, _ARGS_OFFSET + 8 * arg), (_JEQ_K, jt, jf, value)]
+    body += [(_RET_K, 0, 0, RET_ALLOW), (_RET_K, 0, 0, RET_ERRNO | EPERM)]
+    return [(_JEQ_K, 0, len(body), number), *body]
