@@ -354,8 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, RuntimeError, ImportError, OSError) as exc:
         from rlpost.data.files import DataError
         from rlpost.models.loading import ModelLoadError
+        from rlpost.sync.session import SyncError
 
-        if isinstance(exc, ModelLoadError | DataError):
+        if isinstance(exc, ModelLoadError | DataError | SyncError):  # each says its fix
             return _fail(str(exc))
         if isinstance(exc, ImportError) and "pip install" in str(exc):
             return _fail(str(exc))  # a missing extra, named with its install command

@@ -90,3 +90,21 @@ def test_a_missing_extra_from_the_shell_is_one_line(tmp_path):
     if "Traceback" in proc.stderr or proc.returncode != 2:
         pytest.fail(proc.stderr)
     assert proc.stderr.count("\n") == 1 and f"rlpost[{extra}]" in proc.stderr
+
+
+def test_training_against_a_server_without_an_admin_key_is_one_line(tmp_path, tiny_dir, capsys):
+    from tests.conftest import small_overrides
+    from tests.integration.test_server import start_server, stop_server
+
+    proc, url = start_server(tiny_dir, env={"RLPOST_ADMIN_KEY": ""})  # the server has none
+    try:
+        over = small_overrides(
+            tmp_path, **{"model.path": str(tiny_dir), "rollout.engine": "remote"}
+        )
+        code = main(["train", *over, f'rollout.servers=["{url}"]'])
+    finally:
+        stop_server(proc)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert "the server has no admin key" in last and "--admin-key" in last
