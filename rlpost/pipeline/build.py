@@ -673,6 +673,18 @@ def harness_demonstrations(cfg: Config, tokenizer):
     return example
 
 
+def check_teacher(cfg: Config) -> None:
+    """Refuse a teacher the run could not use (missing, another tokenizer, a server that
+    refuses) before the run directory is touched: only tokenizers are read."""
+    plan = resolve_step_plan(cfg)
+    if not (plan.teacher or plan.teacher_logits):
+        return
+    from rlpost.train.teacher import check_teacher as check
+
+    t = cfg.model.teacher
+    check(t.path, t.url, run_tokenizer(cfg), api_key=t.api_key, timeout=t.timeout_s)
+
+
 def build_teacher_worker(cfg: Config, tokenizer=None):
     """The distillation teacher ``model.teacher`` names, checked against the student's
     tokenizer (``tokenizer``, else loaded from ``model.path``); None when the step plan

@@ -138,6 +138,7 @@ def train(
     ``on_groups(step, groups)`` sees every step's trained groups (tools and tests)."""
     rules.check(cfg, "train")
     memory = check_memory(cfg)  # before the run directory is touched
+    build.check_teacher(cfg)  # likewise
     run_dir, train_prompts, held_out = prepare_run_dir(cfg, resume)  # the one data load
     console = console or Console(enabled=cfg.observe.progress)
     torch.manual_seed(cfg.run.seed)

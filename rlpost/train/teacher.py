@@ -41,22 +41,31 @@ class TeacherAPI(Protocol):
     def close(self) -> None: ...
 
 
+def check_local_teacher(path: str, student: dict) -> None:
+    """Raise :class:`TeacherError` unless ``path`` is a model directory whose tokenizer is the
+    student's (``student``: its vocab digest); no weights are read."""
+    from rlpost.models.loading import load_tokenizer
+
+    if not Path(path).is_dir():
+        raise TeacherError(f"model.teacher.path={path}: not a local model directory")
+    try:
+        problem = vocab_mismatch(student, vocab_digest(load_tokenizer(path)))
+    except ModelLoadError as exc:
+        raise TeacherError(f"model.teacher.path={path}: {exc}") from None
+    if problem is not None:
+        raise TeacherError(f"model.teacher.path={path}: {problem}; distil from a "
+                           "teacher with the student's tokenizer")  # fmt: skip
+
+
 class LocalTeacher:
     """A causal LM loaded from ``path``, frozen, scoring batches in micro-batches."""
 
     def __init__(self, path: str, student: dict, micro_batch_size: int = 64) -> None:
-        from rlpost.models.loading import load_causal_lm, load_tokenizer
+        from rlpost.models.loading import load_causal_lm
 
-        if not Path(path).is_dir():
-            raise TeacherError(f"model.teacher.path={path}: not a local model directory")
-        try:  # the tokenizers are compared before the weights load
-            problem = vocab_mismatch(student, vocab_digest(load_tokenizer(path)))
-            if problem is not None:
-                raise TeacherError(f"model.teacher.path={path}: {problem}; distil from a "
-                                   "teacher with the student's tokenizer")  # fmt: skip
+        check_local_teacher(path, student)  # the tokenizers, before the weights load
+        try:
             self.model = load_causal_lm(path, dtype="float32")
-        except TeacherError:
-            raise
         except ModelLoadError as exc:
             raise TeacherError(f"model.teacher.path={path}: {exc}") from None
         self.model.eval().requires_grad_(False)
@@ -157,3 +166,18 @@ def build_teacher(
     if url:
         return ServerTeacher(url, student, api_key=api_key, timeout=timeout)
     raise TeacherError("model.teacher: neither path nor url is set; name the teacher")
+
+
+def check_teacher(
+    path: str | None, url: str | None, student_tokenizer, *, api_key: str | None = None,
+    timeout: float = 120.0,
+) -> None:  # fmt: skip
+    """Raise :class:`TeacherError` for a teacher ``build_teacher`` would refuse, reading only
+    tokenizers (a run checks this before its directory is touched)."""
+    student = vocab_digest(student_tokenizer)
+    if path:
+        check_local_teacher(path, student)
+    elif url:
+        ServerTeacher(url, student, api_key=api_key, timeout=timeout).close()
+    else:
+        raise TeacherError("model.teacher: neither path nor url is set; name the teacher")

@@ -125,3 +125,28 @@ def test_a_run_distils_from_the_served_teacher(tmp_path, teacher_dir, served):
     assert len(steps) == 2
     # two different random models: the student's tokens are unlikely under the teacher
     assert all(r["teacher_seconds"] > 0 and r["distill_kl"] != 0 for r in steps)
+
+
+@pytest.mark.parametrize("where", ["path", "url"])
+def test_a_refused_teacher_leaves_no_run_directory(tmp_path, teacher_dir, served, where):
+    """The teacher is checked before the run directory is touched, so the corrected command
+    is not refused as "already exists"."""
+    import shutil
+
+    from rlpost.config import load_config
+    from rlpost.pipeline.loop import train
+    from tests.conftest import small_overrides
+
+    other = tmp_path / "other"
+    shutil.copytree(teacher_dir, other)
+    _other_tokenizer(teacher_dir).save_pretrained(other)
+    # the student has the other tokenizer when the teacher is a server: the pair differs
+    student = {"model.path": str(other)} if where == "url" else {}
+    teacher = {"path": str(other)} if where == "path" else {"url": served}
+    runs = tmp_path / "runs"
+    over = small_overrides(
+        runs, **student, **{f"model.teacher.{k}": v for k, v in teacher.items()}, **{"sft.steps": 0}
+    )
+    with pytest.raises(TeacherError, match="student's tokenizer"):
+        train(load_config("rlpost/recipes/distill_arith.yaml", over))
+    assert not (runs / "t").exists()
