@@ -35,7 +35,7 @@ def test_rows_are_unique_held_out_disjoint_and_fixed():
     again, again_held, _ = _splits("basic_arithmetic", 40, 10)
     assert [p.text for p in again] == [p.text for p in train]
     assert [p.uid for p in again_held] == [p.uid for p in held_out]
-    entry = train[0].metadata["reasoning_gym"]["entry"]
+    entry = train[0].metadata["reasoning_gym"].entry
     assert train[0].answer == entry["answer"] and entry["question"] in train[0].text
 
 
@@ -99,7 +99,7 @@ def test_reward_scores_the_extracted_answer_with_the_tasks_scorer():
         ]
     )
     assert got == [1.0, 0.0, 0.0, None]
-    assert scorer.counters() == {"scorer_errors": 0, "no_answer": 2}
+    assert scorer.counters() == {"scorer_errors": 0, "no_answer": 2, "too_long": 0, "sandboxed": 0}
     last_line = ReasoningGymScorer(extract="last_line")
     assert last_line.score([_sample(p, f"so\n{gold}\n\n")]) == [1.0]
 
