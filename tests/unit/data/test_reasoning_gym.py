@@ -121,3 +121,15 @@ def test_extraction_and_its_parameters():
     src = "[{name: a, task: arith, reward: [{name: reasoning_gym, params: {extract: first}}]}]"
     found = rules.problems(load_config(None, [f"data.sources={src}"]), "train")
     assert found and "extract='first' must be one of" in found[0]
+
+
+def test_generated_prompts_survive_a_state_file_and_still_score(tmp_path):
+    from rlpost.statefile import load_state, save_state
+    from rlpost.train import checkpoint  # noqa: F401  (allows rlpost's records in state files)
+
+    train = _splits("basic_arithmetic", 2, 1)[0]
+    save_state({"pending": [train]}, tmp_path / "state.pt")
+    back = load_state(tmp_path / "state.pt")["pending"][0]
+    assert back == train
+    got = ReasoningGymScorer().score([_sample(p, f"<answer>{p.answer}</answer>") for p in back])
+    assert got == [1.0, 1.0]
