@@ -133,3 +133,35 @@ def test_a_file_row_cannot_choose_the_task_or_entry_a_scorer_evaluates(tmp_path)
     scorer = ReasoningGymScorer()
     got = scorer.score([RewardSample("sort", "<answer>[1, 2]</answer>", "x", row)])
     assert got == [None] and FLAG not in builtins.__dict__
+
+
+def test_an_evaluating_task_is_refused_at_load_where_the_sandbox_cannot_run(monkeypatch, tmp_path):
+    from rlpost.config import load_config
+    from rlpost.pipeline import rules
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bubblewrap on it
+    found = {}
+    for task in ("countdown", "basic_arithmetic"):
+        src = f"[{{name: g, task: reasoning_gym, reasoning_gym: {{task: {task}}}}}]"
+        found[task] = rules.problems(load_config(None, [f"data.sources={src}"]), "train")
+    assert found["basic_arithmetic"] == []
+    assert found["countdown"] == [
+        "data.sources[g].reasoning_gym.task=countdown: its scorer evaluates the answer as code "
+        "(sympy.parse_expr), which rlpost runs only in the sandbox, and the sandbox cannot run "
+        "here: bubblewrap (bwrap) is not on PATH; install it with: apt-get install -y bubblewrap"
+    ]
+
+
+def test_an_answer_over_the_length_cap_scores_zero_unread():
+    from rlpost.data.reasoning_gym import TaskEntry
+
+    entry = rg.create_dataset("basic_arithmetic", seed=0, size=1)[0]
+    meta = {"reasoning_gym": TaskEntry("basic_arithmetic", {}, entry)}
+    cap = len(entry["answer"])
+    scorer = ReasoningGymScorer(max_answer_chars=cap)
+    long, gold = "1" * (cap + 1), f"<answer>{entry['answer']}</answer>"
+    assert scorer.score([RewardSample("q", f"<answer>{long}</answer>", None, meta),
+                         RewardSample("q", gold, None, meta)]) == [0.0, 1.0]  # fmt: skip
+    assert scorer.counters()["too_long"] == 1
+    with pytest.raises(ValueError, match="max_answer_chars=0 must be an integer >= 1"):
+        ReasoningGymScorer(max_answer_chars=0)
