@@ -97,8 +97,13 @@ class ReasoningGymScorer:
         sandbox: dict[str, Any] | None = None,
         timeout_s: float = 10.0,
     ) -> None:
-        _check(extract=extract, tag=tag, max_answer_chars=max_answer_chars, sandbox=sandbox,
-               timeout_s=timeout_s)  # fmt: skip
+        _check(
+            extract=extract,
+            tag=tag,
+            max_answer_chars=max_answer_chars,
+            sandbox=sandbox,
+            timeout_s=timeout_s,
+        )
         self.extract, self.tag, self.max_answer_chars = extract, tag, max_answer_chars
         self.sandbox, self.timeout_s = _sandbox_config(sandbox), timeout_s
         self._datasets: dict[tuple[str, str], Any] = {}
