@@ -64,7 +64,6 @@ def _payloads(path) -> list[str]:
     return [shape.format(effect) for shape in shapes]
 
 
-@pytest.mark.slow  # generates and scores every task: about a minute
 def test_every_scorer_that_evaluates_a_hostile_answer_is_sent_to_the_sandbox(tmp_path):
     took_the_bait = {}
     for task in sorted(set(DATASETS) - {"composite"}):
