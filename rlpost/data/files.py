@@ -4,8 +4,9 @@ A malformed row is either skipped and counted by reason or refused with the file
 and line, as ``data.on_bad_row`` says; it is never used silently. Bad rows are:
 bytes that are not UTF-8, a line that is not JSON, JSON nested deeper than
 64 levels, a row that is not an object,
-a missing or empty prompt, a missing or empty answer, and a prompt template
-naming a field the row lacks. (Prompts too long for the model are a reason too,
+a missing or empty prompt, a missing or empty answer, a prompt template
+naming a field the row lacks, and a column named like a key only rlpost's own
+sources set (:data:`RESERVED`). (Prompts too long for the model are a reason too,
 counted by :mod:`rlpost.data.render` once the tokenizer is known.)
 
 ``data.prompt_template`` is a format string over the row's fields: ``{prompt}``
@@ -30,6 +31,10 @@ from rlpost.types import Prompt
 
 # A problem with a row: (reason, one-line description). The reason is what is counted.
 Problem = tuple[str, str]
+
+RESERVED = frozenset({"reasoning_gym"})
+"""Metadata keys only rlpost's own sources set: a row's other columns become its metadata,
+and a row must not pick the task and entry a reasoning-gym scorer reads."""
 
 
 class DataError(ValueError):
@@ -165,6 +170,12 @@ def check_row(row: Any, prompt_field: str, answer_field: str, template: str) -> 
         return "missing_answer", f"field {answer_field!r} is missing"
     if isinstance(answer, str) and not answer.strip():
         return "empty_answer", f"field {answer_field!r} is empty"
+    reserved = sorted(RESERVED.intersection(row) - {prompt_field, answer_field})
+    if reserved:
+        return "reserved_field", (
+            f"column {reserved[0]!r} is reserved for rows rlpost generates (a task: "
+            f"{reserved[0]} source); rename the column"
+        )
     missing = sorted(template_fields(template) - set(row) - {"prompt"})
     if missing:
         return "template_field", (

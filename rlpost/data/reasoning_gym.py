@@ -7,11 +7,14 @@ held out and the next ``train_size`` train, so no held-out question is a trainin
 one; a task whose space holds fewer unique questions than asked gives what it has,
 and the data report says how many it found in how many draws.
 
-Each prompt keeps the task's entry, in memory, in ``metadata["reasoning_gym"]``:
-the ``reasoning_gym`` reward calls the task's own scorer on it (some scorers,
-arc_agi's and rearc's, score wrongly once an entry went through JSON, which turns
-their tuples into lists). Entries are plain data, so they survive pickling to a
-worker and a checkpoint.
+Each prompt keeps the task's entry, in memory, in ``metadata["reasoning_gym"]`` as a
+:class:`TaskEntry`: the ``reasoning_gym`` reward calls the task's own scorer on it (some
+scorers, arc_agi's and rearc's, score wrongly once an entry went through JSON, which
+turns their tuples into lists). The reward scores only a :class:`TaskEntry`, which no
+file, stream or dataset row can hold (their rows are JSON or Arrow values), so a
+dataset row never picks the task or the entry a scorer reads, and some scorers
+evaluate their entry (``number_sorting``, ``bitwise_arithmetic``). Entries are plain
+data, so they survive pickling to a worker.
 
 Known traps, checked by ``tests/integration/test_reasoning_gym_tasks.py``:
 - a few tasks draw their rows in an order that depends on Python's string hash, so
@@ -27,6 +30,7 @@ import os
 import pickle
 import subprocess
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from rlpost.config import ReasoningGymConfig
@@ -49,6 +53,16 @@ HASH_SEEDED = frozenset(
     }
 )
 """Tasks whose rows depend on Python's string hash (seen with PYTHONHASHSEED=1 and 2)."""
+
+
+@dataclass(frozen=True)
+class TaskEntry:
+    """One row this source generated: its task, the task's settings and the entry."""
+
+    task: str
+    config: dict[str, Any]
+    entry: dict[str, Any]
+
 
 STALL_DRAWS = 200
 """Draws in a row without a new question after which the task's space is taken as spent."""
@@ -150,7 +164,7 @@ def generate_splits(
         Prompt(
             text=template.format(prompt=e["question"]),
             answer=e.get("answer"),
-            metadata={"reasoning_gym": {"task": c.task, "config": dict(c.config), "entry": e}},
+            metadata={"reasoning_gym": TaskEntry(c.task, dict(c.config), e)},
             uid=f"{c.task}:{i}",
         )
         for i, e in entries

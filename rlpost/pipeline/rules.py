@@ -717,9 +717,28 @@ def _reasoning_gym_problem(key: str, entries: list) -> str | None:
     from rlpost.data.reasoning_gym import task_problem
 
     for s in entries:
-        if s.task == "reasoning_gym" and (problem := task_problem(s.reasoning_gym)) is not None:
+        if s.task != "reasoning_gym":
+            continue
+        problem = task_problem(s.reasoning_gym) or _reasoning_gym_sandbox_problem(
+            s.reasoning_gym.task
+        )
+        if problem is not None:
             return f"{key}[{s.name}].reasoning_gym.task={s.reasoning_gym.task}: {problem}"
     return None
+
+
+def _reasoning_gym_sandbox_problem(task: str) -> str | None:
+    """Why a task whose scorer evaluates text as code cannot be scored here, or None."""
+    from rlpost.rewards.reasoning_gym_sandbox import sandbox_problem
+    from rlpost.rewards.reasoning_gym_scan import task_evaluates
+
+    calls = task_evaluates(task)
+    if not calls or (problem := sandbox_problem()) is None:
+        return None
+    return (
+        f"its scorer evaluates the answer as code ({', '.join(calls[:3])}), which rlpost runs "
+        f"only in the sandbox, and {problem}"
+    )
 
 
 @rule()

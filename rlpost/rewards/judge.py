@@ -71,7 +71,9 @@ def render_rubric(rubric: str, sample: RewardSample) -> str:
         "completion": sample.completion,
         "answer": "" if sample.answer is None else str(sample.answer),
     }
-    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], rubric)
+    text = _PLACEHOLDER.sub(lambda m: values[m.group(1)], rubric)
+    # Model output can hold lone surrogates, which no request body can carry.
+    return text.encode("utf-8", errors="replace").decode("utf-8")
 
 
 @batched_scorer("judge")

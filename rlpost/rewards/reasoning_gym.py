@@ -4,11 +4,21 @@ reasoning-gym's default ``score_answer`` gives partial credit ``len(gold)/len(re
 to any reply that contains the gold answer ("12345" scores 0.2 against "3"), so
 the answer is extracted first: the last ``<answer>...</answer>`` block
 (``extract=tag``), the last non-empty line (``last_line``) or the whole reply
-(``whole``). No answer found scores 0 without asking the scorer. The scorer gets
-the task's in-memory entry (``Prompt.metadata["reasoning_gym"]``, kept by
-:mod:`rlpost.data.reasoning_gym`); one that raises scores 0 and is counted
-(``scorer_errors``), as are replies without an answer (``no_answer``). A sample
-of another source is not applicable (``None``).
+(``whole``). No answer found scores 0 without asking the scorer, and so does one
+longer than ``max_answer_chars`` (some scorers take seconds on a megabyte).
+
+The scorer gets the task's in-memory entry, a
+:class:`~rlpost.data.reasoning_gym.TaskEntry` that only rlpost's reasoning-gym source
+makes; a sample without one (another source, a file row) is not applicable (``None``).
+Model output is data: a task whose scorer evaluates text as code (``eval``, sympy's
+``parse_expr``..., found by :mod:`rlpost.rewards.reasoning_gym_scan`) is scored in
+the sandbox, one run per batch and a fresh process per answer
+(:mod:`rlpost.rewards.reasoning_gym_sandbox`; ``sandbox``: its ``SandboxConfig``
+keywords, ``timeout_s``: seconds per answer); every other scorer is plain string and
+number work and runs here. A scorer that raises, times out or gives no finite score
+scores 0 and is counted (``scorer_errors``), as are replies without an answer
+(``no_answer``), answers over the length cap (``too_long``) and the answers scored in
+the sandbox (``sandboxed``).
 """
 
 from __future__ import annotations
@@ -18,6 +28,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from rlpost.data.reasoning_gym import TaskEntry
+from rlpost.rewards.reasoning_gym_scan import task_evaluates
 from rlpost.rewards.registry import batched_scorer
 from rlpost.rewards.verifiable import extract_tag
 from rlpost.types import RewardSample
@@ -25,11 +37,36 @@ from rlpost.types import RewardSample
 EXTRACTS = ("tag", "last_line", "whole")
 
 
-def _check(*, extract: str = "tag", tag: str = "answer") -> None:
+def _check(
+    *,
+    extract: str = "tag",
+    tag: str = "answer",
+    max_answer_chars: int = 20_000,
+    sandbox: dict[str, Any] | None = None,
+    timeout_s: float = 10.0,
+) -> None:
     if extract not in EXTRACTS:
         raise ValueError(f"extract={extract!r} must be one of {', '.join(EXTRACTS)}")
     if extract == "tag" and not tag:
         raise ValueError("extract=tag needs a tag name (tag=answer)")
+    if isinstance(max_answer_chars, bool) or not (
+        isinstance(max_answer_chars, int) and max_answer_chars >= 1
+    ):
+        raise ValueError(f"max_answer_chars={max_answer_chars!r} must be an integer >= 1")
+    if isinstance(timeout_s, bool) or not (
+        isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0
+    ):
+        raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
+    _sandbox_config(sandbox)
+
+
+def _sandbox_config(sandbox: dict[str, Any] | None):
+    from rlpost.rewards.sandbox import SandboxConfig
+
+    try:
+        return SandboxConfig(**(sandbox or {}))
+    except TypeError as exc:
+        raise ValueError(f"sandbox={sandbox!r}: {exc}") from None
 
 
 def extract_answer(text: str, extract: str, tag: str) -> str | None:
@@ -52,11 +89,25 @@ class ReasoningGymScorer:
     default_kind = "verifiable"
     check_values = staticmethod(_check)
 
-    def __init__(self, extract: str = "tag", tag: str = "answer") -> None:
-        _check(extract=extract, tag=tag)
-        self.extract, self.tag = extract, tag
+    def __init__(
+        self,
+        extract: str = "tag",
+        tag: str = "answer",
+        max_answer_chars: int = 20_000,
+        sandbox: dict[str, Any] | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        _check(
+            extract=extract,
+            tag=tag,
+            max_answer_chars=max_answer_chars,
+            sandbox=sandbox,
+            timeout_s=timeout_s,
+        )
+        self.extract, self.tag, self.max_answer_chars = extract, tag, max_answer_chars
+        self.sandbox, self.timeout_s = _sandbox_config(sandbox), timeout_s
         self._datasets: dict[tuple[str, str], Any] = {}
-        self._counts = {"scorer_errors": 0, "no_answer": 0}
+        self._counts = {"scorer_errors": 0, "no_answer": 0, "too_long": 0, "sandboxed": 0}
 
     def _dataset(self, task: str, config: dict):
         key = (task, json.dumps(config, sort_keys=True, default=str))
@@ -66,26 +117,52 @@ class ReasoningGymScorer:
             self._datasets[key] = reasoning_gym.create_dataset(task, seed=0, size=1, **config)
         return self._datasets[key]
 
-    def score_one(self, sample: RewardSample) -> float | None:
+    def _answer(self, sample: RewardSample) -> tuple[TaskEntry, str] | float | None:
+        """The sample's entry and answer, or its score when no scorer need be asked."""
         meta = sample.metadata.get("reasoning_gym") if sample.metadata else None
-        if not isinstance(meta, dict) or "entry" not in meta:
-            return None  # not a reasoning-gym prompt
+        if not isinstance(meta, TaskEntry):
+            return None  # not a row rlpost's reasoning-gym source generated
         answer = extract_answer(sample.completion, self.extract, self.tag)
         if answer is None:
             self._counts["no_answer"] += 1
             return 0.0
-        dataset = self._dataset(meta["task"], meta["config"])
+        if len(answer) > self.max_answer_chars:
+            self._counts["too_long"] += 1
+            return 0.0
+        return meta, answer
+
+    def _in_process(self, meta: TaskEntry, answer: str) -> float:
         try:
-            value = float(dataset.score_answer(answer, meta["entry"]))
+            return float(self._dataset(meta.task, meta.config).score_answer(answer, meta.entry))
         except Exception:  # a task's scorer raising on an odd answer (prime_factorization)
-            value = math.nan
-        if not math.isfinite(value):
+            return math.nan
+
+    def score(self, samples: Sequence[RewardSample]) -> list[float | None]:
+        out: list[float | None] = []
+        confined: list[tuple[int, tuple]] = []
+        for i, sample in enumerate(samples):
+            got = self._answer(sample)
+            if not isinstance(got, tuple):
+                out.append(got)
+            elif task_evaluates(got[0].task):
+                out.append(math.nan)
+                confined.append((i, (got[0].task, got[0].config, got[0].entry, got[1])))
+            else:
+                out.append(self._in_process(*got))
+        if confined:
+            self._counts["sandboxed"] += len(confined)
+            from rlpost.rewards.reasoning_gym_sandbox import score_in_sandbox
+
+            values = score_in_sandbox([item for _, item in confined], self.sandbox, self.timeout_s)
+            for (i, _), value in zip(confined, values, strict=True):
+                out[i] = value
+        return [self._finite(v) for v in out]
+
+    def _finite(self, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
             self._counts["scorer_errors"] += 1
             return 0.0
         return value
-
-    def score(self, samples: Sequence[RewardSample]) -> list[float | None]:
-        return [self.score_one(s) for s in samples]
 
     def counters(self) -> dict[str, int]:
         return dict(self._counts)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rlpost.config import ConfigError
+from rlpost.data.reasoning_gym import TaskEntry
 from rlpost.rng import rng_state
 from rlpost.statefile import (
     StateFileError,
@@ -31,7 +32,7 @@ from rlpost.statefile import (
 from rlpost.statefile import load_state as load_state_file
 from rlpost.types import Prompt
 
-allow(Prompt)  # prompts drawn ahead of the trainer are part of the loop's state
+allow(Prompt, TaskEntry)  # prompts drawn ahead of the trainer are part of the loop's state
 TRAINER_STATE = "trainer_state.pt"  # the trainer worker's part (optimizer, scheduler, RNG)
 
 

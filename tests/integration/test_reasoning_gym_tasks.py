@@ -13,7 +13,7 @@ rg = pytest.importorskip("reasoning_gym")
 from reasoning_gym.factory import DATASETS  # noqa: E402
 
 from rlpost.config import ReasoningGymConfig  # noqa: E402
-from rlpost.data.reasoning_gym import BROKEN, task_problem  # noqa: E402
+from rlpost.data.reasoning_gym import BROKEN, TaskEntry, task_problem  # noqa: E402
 from rlpost.rewards.reasoning_gym import ReasoningGymScorer  # noqa: E402
 from rlpost.types import RewardSample  # noqa: E402
 
@@ -28,7 +28,7 @@ SCORES_THE_SOLUTION = {
 
 
 def _score(scorer, task: str, entry: dict, reply: str) -> float | None:
-    meta = {"reasoning_gym": {"task": task, "config": {}, "entry": entry}}
+    meta = {"reasoning_gym": TaskEntry(task, {}, entry)}
     return scorer.score([RewardSample("q", reply, entry.get("answer"), meta)])[0]
 
 

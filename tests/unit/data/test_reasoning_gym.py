@@ -35,7 +35,7 @@ def test_rows_are_unique_held_out_disjoint_and_fixed():
     again, again_held, _ = _splits("basic_arithmetic", 40, 10)
     assert [p.text for p in again] == [p.text for p in train]
     assert [p.uid for p in again_held] == [p.uid for p in held_out]
-    entry = train[0].metadata["reasoning_gym"]["entry"]
+    entry = train[0].metadata["reasoning_gym"].entry
     assert train[0].answer == entry["answer"] and entry["question"] in train[0].text
 
 
@@ -99,7 +99,7 @@ def test_reward_scores_the_extracted_answer_with_the_tasks_scorer():
         ]
     )
     assert got == [1.0, 0.0, 0.0, None]
-    assert scorer.counters() == {"scorer_errors": 0, "no_answer": 2}
+    assert scorer.counters() == {"scorer_errors": 0, "no_answer": 2, "too_long": 0, "sandboxed": 0}
     last_line = ReasoningGymScorer(extract="last_line")
     assert last_line.score([_sample(p, f"so\n{gold}\n\n")]) == [1.0]
 
@@ -121,3 +121,15 @@ def test_extraction_and_its_parameters():
     src = "[{name: a, task: arith, reward: [{name: reasoning_gym, params: {extract: first}}]}]"
     found = rules.problems(load_config(None, [f"data.sources={src}"]), "train")
     assert found and "extract='first' must be one of" in found[0]
+
+
+def test_generated_prompts_survive_a_state_file_and_still_score(tmp_path):
+    from rlpost.statefile import load_state, save_state
+    from rlpost.train import checkpoint  # noqa: F401  (allows rlpost's records in state files)
+
+    train = _splits("basic_arithmetic", 2, 1)[0]
+    save_state({"pending": [train]}, tmp_path / "state.pt")
+    back = load_state(tmp_path / "state.pt")["pending"][0]
+    assert back == train
+    got = ReasoningGymScorer().score([_sample(p, f"<answer>{p.answer}</answer>") for p in back])
+    assert got == [1.0, 1.0]

@@ -28,6 +28,8 @@ def test_render_rubric_does_not_expand_model_output():
     sample = RewardSample("2+2?", "it is {answer} {x}", answer=4)
     text = render_rubric("Q {prompt} A {completion} R {answer} {literal}", sample)
     assert text == "Q 2+2? A it is {answer} {x} R 4 {literal}"
+    # a lone surrogate cannot travel in a request body: it is replaced, not raised on
+    assert render_rubric("{completion}", RewardSample("q", "a\ud800b")) == "a?b"
 
 
 def test_constructor_checks():
