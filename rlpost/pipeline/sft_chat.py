@@ -119,16 +119,23 @@ def run_conversation_sft(cfg: Config, resume: Path | None = None, console=None) 
     if cfg.run.device != "cpu" and torch.cuda.is_available():
         model.to("cuda")
     recorder = Recorder(run_dir)
-    first = {
-        "eval_loss": mean_nll(model, held, pad, **budget),
-        "eval_accuracy": accuracy(model, tokenizer, held_convs, s.eval_max_tokens),
-    }
+
+    def held_out() -> dict:
+        return {
+            "eval_loss": mean_nll(model, held, pad, **budget),
+            "eval_accuracy": accuracy(model, tokenizer, held_convs, s.eval_max_tokens),
+        }
+
+    first, last = held_out(), {}
     if resume is None:
         recorder.record(0, {k: v for k, v in first.items() if v is not None})
 
     def on_step(step: int, loss: float) -> None:
         row = {"sft_loss": loss}
-        if s.eval_every and (step + 1) % s.eval_every == 0:
+        if step + 1 == s.steps:  # the final evaluation, in the last step's row
+            last.update(held_out())
+            row |= {k: v for k, v in last.items() if v is not None}
+        elif s.eval_every and (step + 1) % s.eval_every == 0:
             row["eval_loss"] = mean_nll(model, held, pad, **budget)
         recorder.record(step + 1, row)
         if console is not None:
@@ -153,10 +160,7 @@ def run_conversation_sft(cfg: Config, resume: Path | None = None, console=None) 
         recorder.close()
     if console is not None:
         console.done(task)
-    last = {
-        "eval_loss": mean_nll(model, held, pad, **budget),
-        "eval_accuracy": accuracy(model, tokenizer, held_convs, s.eval_max_tokens),
-    }
+    last = last or held_out()  # a resume of a finished run takes no step
     summary = {
         **{f"{k}_start": v for k, v in first.items()},
         **{f"{k}_end": v for k, v in last.items()},

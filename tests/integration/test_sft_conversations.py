@@ -76,6 +76,10 @@ def test_sft_on_a_file_reports_bad_rows_and_the_output_trains_with_rlpost_train(
     assert s["train_examples"] == 48 and s["eval_examples"] == 12
     assert s["eval_loss_end"] < s["eval_loss_start"] - 0.5
     assert s["eval_accuracy_start"] is not None  # the rows carry answers
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["step"] > 0] == list(range(1, 13))  # once each
+    assert rows[-1]["eval_loss"] == s["eval_loss_end"]  # the final evaluation is in the log
+    assert rows[-1]["eval_accuracy"] == s["eval_accuracy_end"]
     # The output is a checkpoint with its chat template: the loader and rlpost train take it.
     model, tok = load_policy(run / "sft_model")
     assert tok.chat_template and model.config.hidden_size == 32
