@@ -1194,11 +1194,43 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def format_validation_error(err: ValidationError) -> str:
-    """The first problem of a pydantic error as one line: key, value, reason."""
+BOUNDS = {
+    "greater_than": ">",
+    "greater_than_equal": ">=",
+    "less_than": "<",
+    "less_than_equal": "<=",
+}
+
+
+def _located(loc: tuple, data: Any) -> str:
+    """``loc`` as a dotted key; a list entry with a ``name`` is shown by it
+    (``data.sources[math].weight``), others by index."""
+    parts: list[str] = []
+    for p in loc:
+        if isinstance(p, int) and parts:
+            entry = data[p] if isinstance(data, list) and p < len(data) else None
+            name = entry.get("name") if isinstance(entry, dict) else None
+            parts[-1] += f"[{name}]" if isinstance(name, str) and name else f"[{p}]"
+        else:
+            parts.append(str(p))
+        data = data[p] if isinstance(data, dict | list) and _has(data, p) else None
+    return ".".join(parts)
+
+
+def _has(data: dict | list, key: Any) -> bool:
+    return key in data if isinstance(data, dict) else isinstance(key, int) and key < len(data)
+
+
+def format_validation_error(err: ValidationError, data: Any = None) -> str:
+    """The first problem of a pydantic error as one line: key, value, reason. ``data`` (the
+    validated tree) lets a list entry be named by its ``name``."""
     e = err.errors()[0]
-    key = ".".join(str(p) for p in e["loc"])
+    key = _located(tuple(e["loc"]), data)
     msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] in BOUNDS:  # "must be > 0", not pydantic's "Input should be greater than 0"
+        msg = f"must be {BOUNDS[e['type']]} {next(iter(e.get('ctx', {}).values()), '')}".strip()
+    elif e["type"] == "missing":
+        msg = "is required; set it"
     if e["type"] == "extra_forbidden":
         near = nearest_keys(key)
         hint = f"did you mean {' or '.join(near)}?" if near else "check the spelling"
@@ -1280,7 +1312,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(format_validation_error(err)) from None
+        raise ConfigError(format_validation_error(err, data)) from None
 
 
 def dump_config(cfg: Config) -> str:

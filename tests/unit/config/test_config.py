@@ -63,6 +63,12 @@ def test_on_and_off_are_words_where_a_field_takes_them(tmp_path):
         (["rollout.max_tokens=200"], "max_position_embeddings"),
         (["nolhs"], "not key=value"),
         (["data.task=file"], "data.train_path"),
+        (["rollout.n=0"], "config rollout.n=0: must be >= 1"),
+        (  # a list entry is named by its name, in words, not pydantic's index and phrasing
+            ["data.sources=[{name: a, task: arith}, {name: b, task: arith, weight: 0}]"],
+            "config data.sources[b].weight=0: must be > 0",
+        ),
+        (["data.sources=[{task: arith}]"], "config data.sources[0].name: is required"),
     ],
 )
 def test_bad_config_is_one_line(overrides, needle):
