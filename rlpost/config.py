@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -947,9 +947,12 @@ class HarnessConfig(Section):
     thread (info: api_key, session_id, metadata, those it accepts); it returns its final
     answer (judged by the reward terms), a number (the session's reward) or None."""
     command: list[str] = []
-    """The agent as a command (instead of entry): OPENAI_BASE_URL, OPENAI_API_KEY and
-    RLPOST_PROMPT in its environment, the prompt on stdin; its last stdout line is the answer
-    or a number."""
+    """The agent as a command (instead of entry): OPENAI_BASE_URL and OPENAI_API_KEY (its
+    session's own key) in its environment, the prompt on stdin; its last stdout line is the
+    answer or a number. Nothing it starts outlives it."""
+    env: list[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]] = []
+    """Names of the trainer's environment variables a command also gets. It gets no others
+    but PATH, HOME, USER, LOGNAME, SHELL, TERM, TMPDIR, LANG, LANGUAGE, LC_* and TZ."""
     chat_template: str | None = None
     """Jinja chat template the server renders the agent's chats with (None: the tokenizer's;
     rollout.engine=remote: the servers' own, so it must be None)."""

@@ -635,7 +635,7 @@ def build_harness(cfg: Config, engine, tokenizer):
             raise ConfigError(f"config agent.harness.entry={h.entry}: {exc}") from None
     bounds = SessionBounds(h.max_requests, cfg.rollout.max_tokens, h.max_seconds)
     settings = HarnessSettings(
-        entry, tuple(h.command), bounds, h.workers, h.chat_template, h.tool_parser
+        entry, tuple(h.command), tuple(h.env), bounds, h.workers, h.chat_template, h.tool_parser
     )
     if cfg.rollout.engine == "remote":  # sessions on the rollout servers, over their admin routes
         from rlpost.rollout.client import keys_from_env
@@ -643,9 +643,7 @@ def build_harness(cfg: Config, engine, tokenizer):
 
         keys = keys_from_env(cfg.rollout.api_key_env, cfg.rollout.admin_key_env)
         remote = RemoteSessions(list(cfg.rollout.servers), keys["admin_key"])
-        return AgentRunner(
-            engine, tokenizer, settings, cfg.run.name, remote=remote, api_key=keys["api_key"]
-        )
+        return AgentRunner(engine, tokenizer, settings, cfg.run.name, remote=remote)
     return AgentRunner(engine, tokenizer, settings, name=cfg.run.name)
 
 

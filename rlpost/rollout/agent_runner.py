@@ -1,7 +1,7 @@
 """Bring your own harness: an outside agent, written against the OpenAI API, as the rollout.
 
-For every prompt x ``n`` the runner opens a recorded session on a loopback
-OpenAI server over the run's own continuous-batching scheduler (the engine
+For every prompt x ``n`` the runner opens a recorded session, when its agent
+starts (the session's wall clock is the agent's), on a loopback OpenAI server over the run's own continuous-batching scheduler (the engine
 the trainer syncs weights into, so a weight update mid-episode lands between
 two decode steps and every token keeps the version that sampled it), runs the
 user's agent against the session's base URL, and turns the finished session
@@ -12,26 +12,27 @@ the rows are built from the record each server returns when it closes one.
 
 The agent is a Python callable ``fn(prompt, base_url, **info)`` run in a
 thread (``info``: the keywords among ``api_key``, ``session_id``, ``metadata``
-it accepts), or a command run with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``,
-``RLPOST_PROMPT`` in its environment and the prompt on its stdin. It returns
+it accepts), or a command (:mod:`rlpost.rollout.harness_process`: an allow-listed
+environment with ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY``, the prompt on its
+stdin, nothing it starts outliving it). Its key is its session's own: it opens
+that session and no other, and the loopback server's own keys stay with the
+trainer. It returns
 (a command: prints as its last line) its final answer, which the run's reward
 terms judge, a number, which is the session's reward added to theirs, or
 nothing (the text of its last request is the answer). A harness that raises,
-exits non-zero or runs past ``timeout_s`` is counted and its session dropped;
+exits non-zero or runs past ``timeout_s`` is counted and its session dropped
+(and closed, as every session is when its harness ends);
 one that stops after a session bound refused it (requests, tokens, seconds)
 is kept as truncated.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib
 import inspect
-import os
-import signal
+import secrets
 import socket
-import subprocess
 import threading
 import time
 from collections import deque
@@ -39,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from rlpost.rollout.harness_process import HarnessProcess, harness_env
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.rollout.remote_sessions import RemoteSessions
 from rlpost.rollout.sessions import Session, SessionBounds, session_samples
@@ -53,6 +55,7 @@ class HarnessSettings:
 
     entry: Callable | None = None
     command: tuple[str, ...] = ()
+    env: tuple[str, ...] = ()  # the trainer's variables a command also gets (by name)
     bounds: SessionBounds = field(default_factory=SessionBounds)
     workers: int = 8
     chat_template: str | None = None  # served in place of the tokenizer's (None: its own)
@@ -113,6 +116,7 @@ class HarnessStats:
     rows: int = 0
     tool_calls: int = 0
     tokens: int = 0
+    output_dropped: int = 0  # bytes of commands' output past the kept tails
     last_error: str = ""
 
     def metrics(self) -> dict[str, float]:
@@ -127,6 +131,7 @@ class HarnessStats:
             "agent_turns_mean": self.requests / kept,
             "agent_tool_calls_mean": self.tool_calls / kept,
             "agent_episode_tokens_mean": self.tokens / kept,
+            "harness_output_dropped_bytes": float(self.output_dropped),
         }
 
 
@@ -134,29 +139,39 @@ class HarnessStats:
 class _Job:
     prompt: Prompt
     group: int
-    session: Session
+    bounds: SessionBounds
+    sampling: SamplingParams
+    seed: int | None
+    session: Session | None = None  # opened when the job starts
+    closed: Session | None = None  # the record its closing returned
+    lost: str | None = None  # why its server could not close it
     done: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # the timeout vs the start
     result: Any = None
     error: str | None = None
     timed_out: bool = False
     deadline: float = 0.0
-    process: subprocess.Popen | None = None
+    process: HarnessProcess | None = None
+    dropped: int = 0
 
 
 class LoopbackServer:
-    """The OpenAI server over a started scheduler, on 127.0.0.1 in a daemon thread."""
+    """The OpenAI server over a started scheduler, on 127.0.0.1 in a daemon thread, with
+    random keys of its own that no agent gets: an agent reaches only its session."""
 
     def __init__(self, scheduler, tokenizer, name: str, tool_parser: str) -> None:
         import uvicorn
 
         from rlpost.rollout.openai_params import ServerSettings
         from rlpost.rollout.server import create_app
+        from rlpost.rollout.server_guard import GuardSettings
 
         settings = ServerSettings(
             name, max_tokens_limit=1 << 20, max_model_len=scheduler.max_model_len,
             tool_parser=tool_parser,
         )  # fmt: skip
-        self.app = create_app(scheduler, tokenizer, settings)
+        keys = GuardSettings(secrets.token_urlsafe(32), secrets.token_urlsafe(32))
+        self.app = create_app(scheduler, tokenizer, settings, keys)
         self.sessions = self.app.state.sessions
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -191,10 +206,9 @@ class AgentRunner:
         settings: HarnessSettings,
         name: str = "policy",
         remote: RemoteSessions | None = None,
-        api_key: str | None = None,
     ) -> None:
-        """``remote``: sessions live on rollout servers (``rollout.engine=remote``; ``api_key``
-        is theirs, given to the agent); None: on a loopback server over ``engine``'s scheduler."""
+        """``remote``: sessions live on rollout servers (``rollout.engine=remote``); None: on a
+        loopback server over ``engine``'s scheduler."""
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
         self.server: LoopbackServer | None = None
         if remote is not None:
@@ -211,7 +225,6 @@ class AgentRunner:
             self.sessions = self.server.sessions
         self.last_stats = HarnessStats()
         self.last_sessions: list[Session] = []  # the latest call's sessions, as recorded
-        self.api_key = api_key or "rlpost"  # loopback without keys: any key is accepted
 
     @property
     def version(self) -> int:
@@ -238,14 +251,14 @@ class AgentRunner:
         for i, p in enumerate(prompts):
             for j in range(n):
                 seed = None if params.seed is None else params.seed + 1000 * (i * n + j)
-                session = self.sessions.open(bounds, sampling, seed=seed)
-                jobs.append(_Job(p, group_offset + i, session))
+                jobs.append(_Job(p, group_offset + i, bounds, sampling, seed))
         self._run_all(jobs)
         return self._collect(jobs)
 
     def _run_all(self, jobs: list[_Job]) -> None:
         """Every job, ``workers`` at a time; one past its deadline is abandoned (a command is
-        killed; a hung function's thread is left to finish on its own, its session closed)."""
+        killed with all it started; a hung function's thread is left to finish on its own,
+        its session closed)."""
         queue, running, changed = deque(jobs), [], threading.Event()
         while queue or running:
             while queue and len(running) < self.settings.workers:
@@ -260,26 +273,36 @@ class AgentRunner:
                 if job.done.is_set():
                     running.remove(job)
                 elif now > job.deadline:
-                    job.timed_out = True
-                    self._close(job.session.id)
-                    _kill(job.process)
+                    with job.lock:
+                        job.timed_out = True
+                        session, process = job.session, job.process
+                    if session is not None:
+                        self._close(session.id)
+                    if process is not None:
+                        process.kill()
                     running.remove(job)
 
     def _run(self, job: _Job, changed: threading.Event) -> None:
         try:
-            if self.settings.entry is not None:
-                job.result = self._call(job)
-            else:
-                job.result = self._command(job)
+            session = self.sessions.open(job.bounds, job.sampling, seed=job.seed)
+            with job.lock:
+                job.session = session
+            if not job.timed_out:
+                command = self.settings.entry is None
+                job.result = self._command(job) if command else self._call(job)
         except Exception as exc:  # the harness's failure: counted, the session dropped
             job.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         finally:
+            if job.session is not None:  # closed when its harness ends: nothing waits on it
+                closed, lost = self._close(job.session.id)
+                if closed is not None or lost is not None:  # not closed already (timed out)
+                    job.closed, job.lost = closed, lost
             job.done.set()
             changed.set()
 
     def _call(self, job: _Job):
         fn = self.settings.entry
-        info = {"api_key": self.api_key, "session_id": job.session.id}
+        info = {"api_key": job.session.key, "session_id": job.session.id}
         info["metadata"] = job.prompt.metadata
         try:
             accepted = inspect.signature(fn).parameters
@@ -290,22 +313,17 @@ class AgentRunner:
         return fn(job.prompt.text, self.base_url(job.session), **kwargs)
 
     def _command(self, job: _Job):
-        env = {
-            **os.environ,
-            "OPENAI_BASE_URL": self.base_url(job.session),
-            "OPENAI_API_KEY": self.api_key,
-            "RLPOST_PROMPT": job.prompt.text,
-            "RLPOST_SESSION": job.session.id,
-        }
-        job.process = subprocess.Popen(
-            list(self.settings.command), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, start_new_session=True,
-        )  # fmt: skip
-        out, err = job.process.communicate(job.prompt.text)
-        if job.process.returncode != 0:
-            tail = (err.strip().splitlines() or [""])[-1][:200]
-            raise RuntimeError(f"exit status {job.process.returncode}: {tail}")
-        lines = [line for line in out.splitlines() if line.strip()]
+        env = harness_env(self.base_url(job.session), job.session.key, self.settings.env)
+        with job.lock:
+            if job.timed_out:
+                return None
+            job.process = HarnessProcess(self.settings.command, env)
+        done = job.process.run(job.prompt.text)
+        job.dropped = done.dropped
+        if done.returncode != 0:
+            tail = (done.stderr.strip().splitlines() or [""])[-1][:200]
+            raise RuntimeError(f"exit status {done.returncode}: {tail}")
+        lines = [line for line in done.stdout.splitlines() if line.strip()]
         if not lines:
             return None
         last = lines[-1].strip()
@@ -319,11 +337,16 @@ class AgentRunner:
         rows: list[Completion] = []
         self.last_sessions = []
         for job in jobs:
-            session, lost = self._close(job.session.id)
-            session = session or job.session
-            self.last_sessions.append(session)
+            s.output_dropped += job.dropped
+            session, lost = job.closed or job.session, job.lost
+            if session is not None:
+                self.last_sessions.append(session)
             if job.timed_out:
                 s.timed_out += 1
+                continue
+            if session is None:  # it did not open
+                s.failed += 1
+                s.last_error = job.error or "the session did not open"
                 continue
             truncated = session.bound_hit is not None
             if (job.error is not None and not truncated) or not session.requests or lost:
@@ -367,9 +390,3 @@ class AgentRunner:
             self.server.close()
         else:
             self.sessions.close_all()
-
-
-def _kill(process: subprocess.Popen | None) -> None:
-    if process is not None and process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):  # it exited since the poll
-            os.killpg(process.pid, signal.SIGKILL)

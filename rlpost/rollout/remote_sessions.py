@@ -2,7 +2,7 @@
 
 The same store interface as :class:`rlpost.rollout.sessions.SessionStore`, over the
 servers' admin routes: ``POST /v1/sessions`` opens a session (its bounds and the run's
-sampling) on the next server in turn, ``DELETE /v1/sessions/{id}`` closes it and
+sampling) on the next server in turn and answers its key, which is all its agent gets, ``DELETE /v1/sessions/{id}`` closes it and
 returns its record, which becomes the :class:`~rlpost.rollout.sessions.Session` that
 :func:`~rlpost.rollout.sessions.session_samples` turns into rows. The per-token versions
 are the server's: weights reach it through the run's weight sync.
@@ -47,14 +47,14 @@ class RemoteSessions:
         }
         if seed is not None:
             body["seed"] = seed
-        url, sid = self._open_somewhere(body)
-        session = Session(sid, bounds, sampling, seed=seed)
+        url, sid, key = self._open_somewhere(body)
+        session = Session(sid, bounds, sampling, seed=seed, key=key)
         with self._lock:
             self._open[sid] = (url, session)
         return session
 
-    def _open_somewhere(self, body: dict) -> tuple[str, str]:
-        """(server, session id) on the next server in turn; one that fails passes the turn on
+    def _open_somewhere(self, body: dict) -> tuple[str, str, str]:
+        """(server, session id, session key) on the next server in turn; one that fails passes the turn on
         (RuntimeError with the last failure when none opens it)."""
         with self._lock:
             start = next(self._turn)
@@ -62,7 +62,8 @@ class RemoteSessions:
         for k in range(len(self.urls)):
             url = self.urls[(start + k) % len(self.urls)]
             try:
-                return url, str(self._call("post", f"{url}/v1/sessions", json=body)["id"])
+                opened = self._call("post", f"{url}/v1/sessions", json=body)
+                return url, str(opened["id"]), str(opened["key"])
             except (RuntimeError, KeyError, TypeError) as exc:
                 error = str(exc)
         raise RuntimeError(f"no rollout server opened a session: {error}")

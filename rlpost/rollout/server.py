@@ -430,7 +430,7 @@ def create_app(
     app.get("/v1/models")(models)
     app.get("/health")(service.health)
     app.get("/metrics")(service.metrics)
-    app.state.sessions = SessionStore()  # recorded requests of outside agents (sessions.py)
+    app.state.sessions = SessionStore(guard.max_sessions)  # outside agents' records (sessions.py)
     add_session_routes(app, service, app.state.sessions)
     return app
 
@@ -521,6 +521,7 @@ LIMIT_FLAGS = [
         None,
         "prompts x n of one request; 400 beyond (default: 1024, at most --max-pending)",
     ),
+    ("--max-sessions", int, 1024, "recorded agent sessions open at once; 429 beyond"),
     (
         "--max-request-tokens",
         int,
@@ -543,7 +544,7 @@ def _checked(args: argparse.Namespace) -> str | None:
         args.max_request_sequences = min(1024, max(args.max_pending, 1))
     for flag in (
         "max_batch", "max_tokens_limit", "max_n", "max_prompts", "max_connections", "max_pending",
-        "max_request_sequences", "max_request_tokens",
+        "max_request_sequences", "max_request_tokens", "max_sessions",
     ):  # fmt: skip
         if getattr(args, flag) < 1:
             return f"--{flag.replace('_', '-')} must be >= 1"
@@ -597,6 +598,7 @@ def main(argv: list[str] | None = None, routers: dict | None = None) -> int:
     guard = GuardSettings(
         args.api_key, args.admin_key, int(args.max_body_mb * MIB), int(args.max_weights_mb * MIB),
         args.max_pending, args.request_timeout, args.body_timeout,
+        max_sessions=args.max_sessions,
     )  # fmt: skip
     app = create_app(scheduler, tokenizer, settings, guard)
     for prefix, router in (routers or {}).items():

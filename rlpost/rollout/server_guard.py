@@ -10,8 +10,10 @@ body is read:
   (``/v1/weights``, ``/v1/sync``, ``/v1/admin``, ``/v1/sessions``) need the
   admin key (the API key alone is a 403) and are closed (403) on a server
   without one, loopback included: any local process could otherwise replace the
-  weights or read another agent's sessions. The
-  decision is by prefix, so a route that another
+  weights or read another agent's sessions. A session's own requests
+  (``/sessions/<id>/v1/completions`` and ``.../chat/completions``) pass to
+  their route, which checks that session's key instead (the API key opens no
+  session). The decision is by prefix, so a route that another
   module mounts under ``/v1/sync`` later is guarded without a line here.
   Keys are compared as SHA-256 digests with :func:`hmac.compare_digest`
   (constant time, length included) and never logged.
@@ -38,6 +40,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +50,7 @@ from rlpost.rollout.openai_params import APIError, error_body
 OPEN_PATHS = ("/health", "/metrics")
 ADMIN_PREFIXES = ("/v1/weights", "/v1/sync", "/v1/admin", "/v1/sessions")
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+SESSION_PATH = re.compile(r"/sessions/[0-9a-f]{1,64}/v1/(chat/)?completions")
 MIB = 1 << 20
 NO_ADMIN_KEY = (
     "this control endpoint (weights, sessions) is closed: the server has no admin key "
@@ -66,6 +70,7 @@ class GuardSettings:
     request_timeout_s: float = 600.0
     body_timeout_s: float = 30.0
     retry_after_s: int = 1
+    max_sessions: int = 1024  # recorded agent sessions open at once
 
     def __repr__(self) -> str:  # keys never reach a log line or a traceback
         return f"GuardSettings(api_key={'set' if self.api_key else None}, admin_key={'set' if self.admin_key else None}, ...)"
@@ -125,6 +130,8 @@ class Guard:
             if _matches(token, self._api):
                 return 403, "this endpoint needs the admin key; the API key is not enough"
             return 401, "missing or wrong admin key (send Authorization: Bearer <admin key>)"
+        if SESSION_PATH.fullmatch(path):  # the route checks the session's own key
+            return None
         if self._api is None or _matches(token, self._api) or _matches(token, self._admin):
             return None
         return 401, "missing or wrong API key (send Authorization: Bearer <key>)"

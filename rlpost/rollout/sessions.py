@@ -11,13 +11,25 @@ whatever the agent asks: the trainer recomputes the logprobs of that
 distribution, so a harness's own temperature or penalties would make the
 recorded logprobs wrong. A session is bounded (requests, sampled tokens, wall
 time); a request past a bound, with ``n`` > 1 or ``stream=true`` is a 400 in
-one line, and an unknown or closed session is a 404 naming it.
+one line, and an unknown or closed session is a 404 naming it. A request is
+admitted against what the session has left after the requests still
+generating (each reserves its requests and ``max_tokens`` until it ends), so
+concurrent requests cannot together pass a bound.
+
+A session's id names it; its key (``Authorization: Bearer <key>``, random per
+session) is the credential every request under ``/sessions/<id>/v1`` must
+carry: an agent that learns another session's id still cannot send into it.
+A store holds at most ``max_open`` sessions (429 past it) and closes, on the
+next open, every session more than ``reap_after_s`` past its wall bound.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
+import secrets
 import threading
 import time
 import uuid
@@ -28,6 +40,7 @@ from starlette.concurrency import run_in_threadpool
 
 from rlpost.rollout.openai_params import APIError, parse_json_object
 from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.server_guard import bearer_token
 from rlpost.types import Completion, Episode, Turn
 
 
@@ -63,25 +76,71 @@ class Session:
     seed: int | None = None
     closed: bool = False
     bound_hit: str | None = None  # the bound a refused request ran into
+    key: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
+    reserved_requests: int = 0  # admitted, still generating
+    reserved_tokens: int = 0  # the max_tokens those were granted
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def tokens(self) -> int:
         return sum(len(r.token_ids) for r in self.requests)
+
+    def accepts(self, token: str | None) -> bool:
+        """``token`` is this session's key (compared as digests, in constant time)."""
+        if token is None:
+            return False
+        digest = hashlib.sha256(token.encode()).digest()
+        return hmac.compare_digest(digest, hashlib.sha256(self.key.encode()).digest())
+
+    def settle(self, granted: int, request: Request | None = None) -> None:
+        """End an admitted request: its reservation (one request, ``granted`` tokens) is
+        returned and ``request``, when given, recorded (a 404 when the session closed while
+        it sampled: its harness ran out of time)."""
+        with self.lock:
+            self.reserved_requests -= 1
+            self.reserved_tokens -= granted
+            if request is None:
+                return
+            if self.closed:
+                raise APIError(404, f"session {self.id[:64]!r} closed during the request")
+            self.requests.append(request)
+
+    def expired(self, now: float, after_s: float) -> bool:
+        return now - self.started > self.bounds.max_seconds + after_s
+
+
+MAX_OPEN = 1024
+REAP_AFTER_S = 60.0  # past its wall bound, a session nobody closed is abandoned
 
 
 class SessionStore:
     """The open sessions of one server (thread-safe: the runner opens and closes them from
     its threads while the server's event loop records into them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_open: int = MAX_OPEN, reap_after_s: float = REAP_AFTER_S) -> None:
+        self.max_open, self.reap_after_s = max_open, reap_after_s
+        self.reaped = 0  # sessions closed because nobody closed them in time
         self._open: dict[str, Session] = {}
         self._lock = threading.Lock()
 
     def open(
         self, bounds: SessionBounds, sampling: SamplingParams, seed: int | None = None
     ) -> Session:
+        """A new session (429 when ``max_open`` are open after the expired ones are reaped)."""
         session = Session(uuid.uuid4().hex, bounds, sampling, seed=seed)
         with self._lock:
+            now = time.monotonic()
+            for old in [s for s in self._open.values() if s.expired(now, self.reap_after_s)]:
+                old.closed = True
+                del self._open[old.id]
+                self.reaped += 1
+            if len(self._open) >= self.max_open:
+                raise APIError(
+                    429,
+                    f"{len(self._open)} sessions are open, this server's limit "
+                    "(--max-sessions); close one or retry later",
+                    headers={"retry-after": "1"},
+                )
             self._open[session.id] = session
         return session
 
@@ -113,34 +172,41 @@ def _refuse(session: Session, bound: str, line: str) -> APIError:
     return APIError(400, f"session {session.id}: {line}")
 
 
-def admit(session: Session, plan, context: int) -> None:
-    """Check a planned request against its session's bounds and give it the session's
-    sampling (max_tokens: the agent's, within what the session and the context have left)."""
+def admit(session: Session, plan, context: int) -> int:
+    """Check a planned request against its session's bounds, reserve its share and give it
+    the session's sampling (max_tokens: the agent's, within what the session, less what the
+    requests still generating reserved, and the context have left). The tokens reserved:
+    :meth:`Session.settle` returns them when the request ends."""
     b = session.bounds
     if plan.stream:
         raise APIError(400, f"session {session.id}: stream=true is not recorded; send stream=false")
     if plan.fields["n"] != 1 or len(plan.prompts) != 1:
         raise APIError(400, f"session {session.id}: a session records one choice; n must be 1")
-    if len(session.requests) >= b.max_requests:
-        raise _refuse(session, "requests", f"all {b.max_requests} requests are spent")
-    if time.monotonic() - session.started > b.max_seconds:
-        raise _refuse(session, "seconds", f"ran past its {b.max_seconds} s")
-    room = min(b.max_tokens - session.tokens, context - len(plan.prompts[0]))
-    if room < 1:
-        raise _refuse(session, "tokens", f"its {b.max_tokens} sampled tokens are spent")
-    asked = plan.fields["params"].max_tokens
+    with session.lock:
+        if len(session.requests) + session.reserved_requests >= b.max_requests:
+            raise _refuse(session, "requests", f"all {b.max_requests} requests are spent")
+        if time.monotonic() - session.started > b.max_seconds:
+            raise _refuse(session, "seconds", f"ran past its {b.max_seconds} s")
+        left = b.max_tokens - session.tokens - session.reserved_tokens
+        room = min(left, context - len(plan.prompts[0]))
+        if room < 1:
+            raise _refuse(session, "tokens", f"its {b.max_tokens} sampled tokens are spent")
+        granted = min(plan.fields["params"].max_tokens, room)
+        session.reserved_requests += 1
+        session.reserved_tokens += granted
     s = session.sampling
     plan.fields["params"] = replace(
         plan.fields["params"],
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=s.top_k,
-        max_tokens=min(asked, room),
+        max_tokens=granted,
     )
     plan.fields["adjust"] = None  # penalties would make the logprobs another distribution's
     plan.fields["ignore_eos"] = False
     if session.seed is not None:
         plan.fields["seed"] = session.seed + len(session.requests)
+    return granted
 
 
 def unbounded_body(raw: bytes) -> tuple[bytes, int | None]:
@@ -148,16 +214,27 @@ def unbounded_body(raw: bytes) -> tuple[bytes, int | None]:
     context check then passes, and :func:`admit` fits the real one to what is left."""
     body = parse_json_object(raw)
     body.pop("model", None)  # a harness names its own model: a session serves the policy
+    name = "max_tokens" if "max_tokens" in body else "max_completion_tokens"
     asked = body.pop("max_completion_tokens", None)
     asked = body.pop("max_tokens", asked)
+    if asked is not None and not (_is(asked, int) and asked >= 1):
+        raise APIError(400, f"{name} must be an integer >= 1, got {json.dumps(asked)[:40]}", name)
     body["max_tokens"] = 1
-    return json.dumps(body).encode(), asked if isinstance(asked, int) else None
+    return json.dumps(body).encode(), asked
 
 
 def add_session_routes(app, service, store: SessionStore) -> None:
     """``/sessions/{id}/v1/chat/completions`` and ``/sessions/{id}/v1/completions``."""
+
     async def respond(request: HTTPRequest, sid: str, chat: bool):
         session = store.get(sid)
+        if not session.accepts(bearer_token(request.scope["headers"])):
+            raise APIError(
+                401,
+                f"session {sid[:64]!r}: missing or wrong session key (send Authorization: "
+                "Bearer <the key the session was opened with>)",
+                headers={"www-authenticate": "Bearer"},
+            )
         raw, asked = unbounded_body(await request.body())
         try:
             plan = await run_in_threadpool(service.plan, raw, chat)
@@ -166,15 +243,18 @@ def add_session_routes(app, service, store: SessionStore) -> None:
                 session.bound_hit = "tokens"
             raise
         limit = service.settings.max_tokens_limit
-        plan.fields["params"] = replace(plan.fields["params"], max_tokens=min(asked or limit, limit))
-        admit(session, plan, service.settings.max_model_len or 1 << 62)
+        plan.fields["params"] = replace(
+            plan.fields["params"], max_tokens=min(asked or limit, limit)
+        )
+        granted = admit(session, plan, service.settings.max_model_len or 1 << 62)
+        settled = []
 
         def record(results: list, content: bytes) -> None:
-            if session.closed:  # the session ended (its harness ran out of time) while it sampled
-                raise APIError(404, f"session {sid[:64]!r} closed during the request")
             out, choice = results[0][0], json.loads(content)["choices"][0]
             message = choice.get("message") or {}
-            session.requests.append(
+            settled.append(True)
+            session.settle(
+                granted,
                 Request(
                     list(plan.prompts[0]),
                     list(out.token_ids),
@@ -183,10 +263,14 @@ def add_session_routes(app, service, store: SessionStore) -> None:
                     out.finish_reason,
                     text=message.get("content") or choice.get("text") or "",
                     tool_calls=len(message.get("tool_calls") or []),
-                )
+                ),
             )
 
-        return await service.answer(request, plan, record)
+        try:
+            return await service.answer(request, plan, record)
+        finally:
+            if not settled:  # refused, failed or abandoned: its share goes back
+                session.settle(granted)
 
     async def chat(request: HTTPRequest, sid: str):
         return await respond(request, sid, chat=True)
@@ -240,10 +324,14 @@ def session_from_record(record: dict, bounds: SessionBounds, sampling: SamplingP
             for r in record["requests"]
         ]
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"session record: bad request entry ({type(exc).__name__}: {exc})") from None
+        raise ValueError(
+            f"session record: bad request entry ({type(exc).__name__}: {exc})"
+        ) from None
     for r in requests:
         if not len(r.token_ids) == len(r.logprobs) == len(r.versions):
-            raise ValueError("session record: token_ids, logprobs and token_versions differ in length")
+            raise ValueError(
+                "session record: token_ids, logprobs and token_versions differ in length"
+            )
     session = Session(str(record.get("id", "")), bounds, sampling, requests, closed=True)
     session.bound_hit = record.get("bound_hit")
     return session
@@ -302,7 +390,7 @@ def add_session_admin_routes(app, store: SessionStore) -> None:
     async def open_session(request: HTTPRequest):
         bounds, sampling, seed = parse_open(await request.body())
         session = store.open(bounds, sampling, seed=seed)
-        return {"id": session.id, "base_path": f"/sessions/{session.id}/v1"}
+        return {"id": session.id, "base_path": f"/sessions/{session.id}/v1", "key": session.key}
 
     async def list_sessions():
         return {"open": store.ids()}

@@ -8,11 +8,16 @@ the history the next request sees.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from openai import BadRequestError, NotFoundError, OpenAI
@@ -20,6 +25,7 @@ from openai import BadRequestError, NotFoundError, OpenAI
 from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
 from rlpost.rollout.agent_runner import AgentRunner, HarnessSettings
 from rlpost.rollout.continuous import ContinuousEngine
+from rlpost.rollout.harness_process import BASIC_ENV, STDOUT_TAIL
 from rlpost.rollout.prefix_cache import PrefixCache
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.rollout.scheduler import Scheduler
@@ -77,9 +83,11 @@ def engine():
     torch.set_num_threads(threads)
 
 
-def _runner(engine, entry=None, *, template=PLAIN, bounds=None, command=(), grace=5.0):
+def _runner(
+    engine, entry=None, *, template=PLAIN, bounds=None, command=(), grace=5.0, workers=4, env=()
+):
     settings = HarnessSettings(
-        entry, tuple(command), bounds or SessionBounds(4, 80, 60), workers=4,
+        entry, tuple(command), tuple(env), bounds or SessionBounds(4, 80, 60), workers=workers,
         chat_template=template, grace_s=grace,
     )  # fmt: skip
     return AgentRunner(engine, engine.tokenizer, settings)
@@ -249,18 +257,18 @@ def test_session_bounds_and_unknown_sessions_are_4xx(engine):
     chat = [{"role": "user", "content": "hi"}]
     try:
         one = store.open(SessionBounds(1, 80, 60), GREEDY)
-        client = OpenAI(base_url=runner.base_url(one), api_key="k", max_retries=0)
+        client = OpenAI(base_url=runner.base_url(one), api_key=one.key, max_retries=0)
         client.chat.completions.create(model="m", messages=chat)
         with pytest.raises(BadRequestError, match="all 1 requests are spent"):
             client.chat.completions.create(model="m", messages=chat)
         few = store.open(SessionBounds(4, 5, 60), GREEDY)
-        client = OpenAI(base_url=runner.base_url(few), api_key="k", max_retries=0)
+        client = OpenAI(base_url=runner.base_url(few), api_key=few.key, max_retries=0)
         reply = client.chat.completions.create(model="m", messages=chat, max_tokens=30)
         assert reply.usage.completion_tokens == 5  # cut to what the session had left
         with pytest.raises(BadRequestError, match="its 5 sampled tokens are spent"):
             client.chat.completions.create(model="m", messages=chat)
         fresh = store.open(SessionBounds(4, 80, 60), GREEDY)
-        client = OpenAI(base_url=runner.base_url(fresh), api_key="k", max_retries=0)
+        client = OpenAI(base_url=runner.base_url(fresh), api_key=fresh.key, max_retries=0)
         with pytest.raises(BadRequestError, match="n must be 1"):
             client.chat.completions.create(model="m", messages=chat, n=2)
         with pytest.raises(BadRequestError, match="stream=true is not recorded"):
@@ -269,11 +277,178 @@ def test_session_bounds_and_unknown_sessions_are_4xx(engine):
         with pytest.raises(NotFoundError, match=f"session '{fresh.id}' is unknown or closed"):
             client.chat.completions.create(model="m", messages=chat)
         full = store.open(SessionBounds(4, 80, 60), GREEDY)
-        client = OpenAI(base_url=runner.base_url(full), api_key="k", max_retries=0)
+        client = OpenAI(base_url=runner.base_url(full), api_key=full.key, max_retries=0)
         with pytest.raises(BadRequestError, match="context"):  # the model's 128 positions
-            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * 200}])
+            client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "x" * 200}]
+            )
         assert full.bound_hit == "tokens"  # a full context ends the session as truncated
         assert one.bound_hit == "requests" and few.bound_hit == "tokens"
         assert len(one.requests) == 1 and json.dumps(one.requests[0].versions)
     finally:
         runner.close()
+
+
+# A command harness: one request on its session, then the code appended to it.
+AGENT = """
+import json, os, sys, httpx
+prompt = sys.stdin.read()
+url, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
+own = {"Authorization": "Bearer " + key}
+body = {"prompt": "hi", "max_tokens": 2}
+httpx.post(url + "/completions", json=body, headers=own, timeout=60).raise_for_status()
+"""
+
+
+def test_a_command_gets_its_url_its_key_the_listed_names_and_its_prompt_on_stdin(
+    engine, monkeypatch
+):
+    for name in ("RLPOST_ADMIN_KEY", "HF_TOKEN", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(name, "secret")
+    monkeypatch.setenv("MY_TOOL_HOST", "listed")
+    code = AGENT + (
+        "root = url.split('/sessions/')[0]\n"
+        "tried = [httpx.get(root + '/v1/sessions', headers=own).status_code,\n"
+        "         httpx.post(root + '/v1/completions', json=body, headers=own).status_code]\n"
+        "print(json.dumps([sorted(os.environ), len(prompt), tried]))\n"
+    )
+    command = (sys.executable, "-c", code)
+    runner = _runner(engine, command=command, env=("MY_TOOL_HOST",))
+    prompt = "p" * (200 << 10)  # past the 128 KiB an environment variable may hold
+    try:
+        (row,) = runner.generate([[1]], GREEDY, n=1, prompts=[Prompt(prompt)])
+    finally:
+        runner.close()
+    names, length, tried = json.loads(row.episode.answer)
+    assert length == len(prompt)
+    assert "MY_TOOL_HOST" in names and {"OPENAI_BASE_URL", "OPENAI_API_KEY"} <= set(names)
+    assert not {"RLPOST_ADMIN_KEY", "HF_TOKEN", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY"} & set(
+        names
+    )
+    assert all(n in BASIC_ENV or n.startswith("LC_") for n in set(names) - {
+        "MY_TOOL_HOST", "OPENAI_BASE_URL", "OPENAI_API_KEY",
+    })  # fmt: skip
+    assert tried == [401, 401]  # its key opens its session, not the trainer's server
+
+
+def test_a_session_opens_with_its_own_key_alone(engine):
+    runner = _runner(engine, two_turns)
+    store, url = runner.server.sessions, runner.server.url
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    try:
+        mine, theirs = (store.open(SessionBounds(4, 80, 60), GREEDY) for _ in range(2))
+        path = f"{url}/sessions/{theirs.id}/v1/chat/completions"
+        for key in (None, mine.key, "rlpost"):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            r = httpx.post(path, json=body, headers=headers, timeout=60)
+            assert r.status_code == 401 and "session key" in r.json()["error"]["message"]
+        assert theirs.requests == [] and theirs.bound_hit is None  # nothing reached it
+        ok = httpx.post(path, json=body, headers={"Authorization": f"Bearer {theirs.key}"})
+        assert ok.status_code == 200 and len(theirs.requests) == 1
+        plain = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, timeout=60)
+        assert plain.status_code == 401  # the trainer's server is keyed
+        bad = httpx.post(path.replace(theirs.id, mine.id), json={**body, "max_tokens": -1},
+                         headers={"Authorization": f"Bearer {mine.key}"}, timeout=60)  # fmt: skip
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    finally:
+        runner.close()
+
+
+def test_concurrent_requests_cannot_pass_a_sessions_bounds_together(engine):
+    runner = _runner(engine, two_turns)
+    store, barrier = runner.server.sessions, threading.Barrier(8)
+    session = store.open(SessionBounds(1, 4, 60), GREEDY)
+    path = f"{runner.server.url}/sessions/{session.id}/v1/completions"
+    codes = []
+
+    def send():
+        barrier.wait()
+        r = httpx.post(path, json={"prompt": "hi", "max_tokens": 30},
+                       headers={"Authorization": f"Bearer {session.key}"}, timeout=120)  # fmt: skip
+        codes.append(r.status_code)
+
+    threads = [threading.Thread(target=send) for _ in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        runner.close()
+    assert sorted(codes) == [200] + [400] * 7
+    assert len(session.requests) == 1 and session.tokens <= 4
+    assert session.reserved_requests == session.reserved_tokens == 0
+
+
+def test_a_sessions_clock_starts_with_its_agent(engine):
+    """One worker: the second agent starts after the first has held the worker past the
+    wall bound; its session still has its whole time."""
+    bounds = SessionBounds(4, 80, 2.0)
+    started = time.monotonic()
+
+    def agent(prompt, base_url, api_key):
+        client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        chat = [{"role": "user", "content": "hi"}]
+        out = client.chat.completions.create(model="m", messages=chat, max_tokens=3)
+        if prompt == "first":  # hold the only worker until the bound has passed since the start
+            time.sleep(max(0.0, started + bounds.max_seconds + 0.2 - time.monotonic()))
+        return out.choices[0].message.content
+
+    runner = _runner(engine, agent, bounds=bounds, workers=1, grace=30.0)
+    try:
+        rows = runner.generate([[1]] * 2, GREEDY, n=1, prompts=[Prompt("first"), Prompt("then")])
+    finally:
+        runner.close()
+    assert runner.last_stats.failed == 0, runner.last_stats.last_error
+    assert len(rows) == 2 and all(s.bound_hit is None for s in runner.last_sessions)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+SPAWN = (
+    "import subprocess, sys\n"
+    "kids = [subprocess.Popen(['sleep', '300']),\n"
+    "        subprocess.Popen(['sleep', '300'], start_new_session=True)]\n"
+    "open(sys.argv[1], 'w').write(' '.join(str(k.pid) for k in kids))\n"
+)
+
+
+@pytest.mark.parametrize("ending", ["exit", "timeout"])
+def test_nothing_a_command_started_outlives_it(engine, tmp_path, ending):
+    pids_file = tmp_path / "pids"
+    code = SPAWN + ("import time; time.sleep(300)\n" if ending == "timeout" else "print('done')\n")
+    runner = _runner(
+        engine, command=(sys.executable, "-c", code, str(pids_file)),
+        bounds=SessionBounds(2, 40, 1.0), grace=1.0,
+    )  # fmt: skip
+    try:
+        runner.generate([[1]], GREEDY, n=1, prompts=[Prompt("hi")])
+        pids = [int(p) for p in pids_file.read_text().split()]
+        left = [p for p in pids if _alive(p)]
+    finally:
+        runner.close()
+        for p in [int(p) for p in pids_file.read_text().split()] if pids_file.exists() else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+    assert len(pids) == 2 and left == []  # the background child and the setsid one
+    counted = "harness_timed_out" if ending == "timeout" else "harness_failed"
+    assert runner.last_stats.metrics()[counted] == 1.0  # no request sent: not trained
+
+
+def test_a_commands_output_is_kept_as_a_tail_and_the_rest_counted(engine):
+    big = 8 << 20
+    code = AGENT + f"sys.stdout.write('x' * {big} + '\\n')\nprint('the answer')\n"
+    runner = _runner(engine, command=(sys.executable, "-c", code))
+    try:
+        (row,) = runner.generate([[1]], GREEDY, n=1, prompts=[Prompt("hi")])
+    finally:
+        runner.close()
+    assert row.episode.answer == "the answer"
+    total = big + 1 + len("the answer\n")
+    assert runner.last_stats.metrics()["harness_output_dropped_bytes"] == total - STDOUT_TAIL

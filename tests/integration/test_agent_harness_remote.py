@@ -90,15 +90,15 @@ def test_session_routes_need_the_admin_key_and_refuse_bad_bodies(servers):
 def test_a_served_session_samples_at_its_own_parameters_and_returns_its_record(servers):
     url = servers[0]
     body = {"max_requests": 2, "max_tokens": 8, "temperature": 0.0}
-    sid = httpx.post(f"{url}/v1/sessions", json=body, headers=ADMIN_HEADERS, timeout=30).json()[
-        "id"
-    ]
+    opened = httpx.post(f"{url}/v1/sessions", json=body, headers=ADMIN_HEADERS, timeout=30).json()
+    sid, own = opened["id"], {"Authorization": f"Bearer {opened['key']}"}
     assert sid in _open_ids(url)
     # The agent asks for temperature 2 and top_p 0.5: the session samples greedily all the same.
     asked = {"prompt": "12+3=", "max_tokens": 4, "temperature": 2.0, "top_p": 0.5}
-    r = httpx.post(
-        f"{url}/sessions/{sid}/v1/completions", json=asked, headers=API_HEADERS, timeout=60
-    )
+    for headers in (API_HEADERS, ADMIN_HEADERS):  # only the session's key opens it
+        r = httpx.post(f"{url}/sessions/{sid}/v1/completions", json=asked, headers=headers)
+        assert r.status_code == 401 and "session key" in r.text
+    r = httpx.post(f"{url}/sessions/{sid}/v1/completions", json=asked, headers=own, timeout=60)
     assert r.status_code == 200, r.text
     greedy = {"prompt": "12+3=", "max_tokens": 4, "temperature": 0.0}
     plain = httpx.post(f"{url}/v1/completions", json=greedy, headers=API_HEADERS, timeout=60).json()
@@ -114,27 +114,33 @@ def test_a_served_session_samples_at_its_own_parameters_and_returns_its_record(s
     assert (
         httpx.get(f"{url}/v1/sessions/{sid}", headers=ADMIN_HEADERS, timeout=30).status_code == 404
     )
-    r = httpx.post(
-        f"{url}/sessions/{sid}/v1/completions", json=asked, headers=API_HEADERS, timeout=60
-    )
+    r = httpx.post(f"{url}/sessions/{sid}/v1/completions", json=asked, headers=own, timeout=60)
     assert r.status_code == 404 and sid not in _open_ids(url)
 
 
 def test_the_runner_opens_sessions_on_the_servers_and_trains_on_their_records(servers, tiny):
     _, tokenizer = tiny
     records: dict[str, dict] = {}
+    refused: dict[str, list[int]] = {}
 
     def fetching(prompt, base_url, api_key, session_id):
         answer = agent(prompt, base_url, api_key)
-        r = httpx.get(base_url.split("/sessions/")[0] + f"/v1/sessions/{session_id}",
-                      headers=ADMIN_HEADERS, timeout=30)  # fmt: skip
+        server, own = base_url.split("/sessions/")[0], {"Authorization": f"Bearer {api_key}"}
+        # The session's key opens that session alone: not the session list, not plain generation
+        refused[session_id] = [
+            httpx.get(f"{server}/v1/sessions", headers=own, timeout=30).status_code,
+            httpx.post(f"{server}/v1/completions", json={"prompt": "1"}, headers=own).status_code,
+            httpx.post(f"{base_url}/completions", json={"prompt": "1"}, headers=API_HEADERS,
+                       timeout=30).status_code,
+        ]  # fmt: skip
+        r = httpx.get(f"{server}/v1/sessions/{session_id}", headers=ADMIN_HEADERS, timeout=30)
         records[session_id] = {**r.json(), "server": base_url.split("/sessions/")[0]}
         return answer
 
     engine = RemoteEngine(servers, tokenizer, api_key=API_KEY, admin_key=TEST_ADMIN_KEY)
     remote = RemoteSessions(servers, TEST_ADMIN_KEY)
     settings = HarnessSettings(fetching, bounds=SessionBounds(4, 8, 30.0), workers=4)
-    runner = AgentRunner(engine, tokenizer, settings, remote=remote, api_key=API_KEY)
+    runner = AgentRunner(engine, tokenizer, settings, remote=remote)
     try:
         params = SamplingParams(temperature=1.0, max_tokens=8, seed=3)
         prompts = [Prompt("1+2="), Prompt("30+4=")]
@@ -145,6 +151,7 @@ def test_the_runner_opens_sessions_on_the_servers_and_trains_on_their_records(se
         runner.close()
         engine.close()
     assert runner.last_stats.sessions == 4 and runner.last_stats.failed == 0
+    assert list(refused.values()) == [[401, 401, 401]] * 4
     assert {r["server"] for r in records.values()} == set(servers)  # spread over both
     for session in runner.last_sessions:  # rebuilt from the record the DELETE returned
         got = records[session.id]["requests"]
@@ -172,7 +179,7 @@ def test_training_steps_with_the_agent_on_remote_servers(
     servers, tiny_dir, tmp_path, monkeypatch, mode
 ):
     seen = tmp_path / "seen.txt"
-    monkeypatch.setenv("RLPOST_API_KEY", API_KEY)  # the servers' key: the agent gets it too
+    monkeypatch.setenv("RLPOST_API_KEY", API_KEY)  # the servers' key, the trainer's alone
     monkeypatch.setenv("RLPOST_TEST_SEEN", str(seen))
     extra = {"pipeline.mode": "async", "pipeline.max_staleness": 1} if mode == "async" else {}
     over = small_overrides(
@@ -225,7 +232,7 @@ def test_a_server_killed_mid_session_drops_the_session_without_a_hang(tiny_dir, 
 
     remote = RemoteSessions([url], TEST_ADMIN_KEY)
     settings = HarnessSettings(dying, bounds=SessionBounds(4, 8, 60.0), workers=1)
-    runner = AgentRunner(None, tokenizer, settings, remote=remote, api_key=API_KEY)
+    runner = AgentRunner(None, tokenizer, settings, remote=remote)
     try:
         params = SamplingParams(temperature=1.0, max_tokens=8, seed=3)
         prompt = Prompt("1+2=")

@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from types import SimpleNamespace
 
+import pytest
+
+from rlpost.rollout.openai_params import APIError
 from rlpost.rollout.protocol import SamplingParams
-from rlpost.rollout.sessions import Request, Session, SessionBounds, session_samples, unbounded_body
+from rlpost.rollout.sessions import (
+    Request,
+    Session,
+    SessionBounds,
+    SessionStore,
+    admit,
+    session_samples,
+    unbounded_body,
+)
 
 
 def _session(*requests: Request) -> Session:
@@ -42,3 +55,55 @@ def test_an_empty_session_gives_no_rows():
 def test_the_planned_body_drops_the_model_and_remembers_max_tokens():
     raw, asked = unbounded_body(json.dumps({"model": "gpt", "max_completion_tokens": 7}).encode())
     assert json.loads(raw) == {"max_tokens": 1} and asked == 7
+
+
+def test_a_bad_max_tokens_is_a_400_naming_the_field():
+    for body, name in (
+        ({"max_tokens": "x"}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_completion_tokens": 1.5}, "max_completion_tokens"),
+    ):
+        with pytest.raises(APIError) as caught:
+            unbounded_body(json.dumps(body).encode())
+        assert caught.value.status == 400 and caught.value.param == name
+        assert caught.value.message.startswith(f"{name} must be an integer >= 1, got ")
+
+
+def _plan(max_tokens: int = 100):
+    params = replace(SamplingParams(), max_tokens=max_tokens)
+    return SimpleNamespace(stream=False, prompts=[[1, 2]], fields={"n": 1, "params": params})
+
+
+def test_admitted_requests_reserve_their_share_of_the_bounds():
+    """Admission counts what requests still generating may use, so concurrent requests
+    cannot together pass a bound that each alone respects."""
+    session = _session()
+    session.bounds = SessionBounds(max_requests=3, max_tokens=10, max_seconds=60)
+    first = admit(session, _plan(6), context=1000)
+    second = admit(session, _plan(6), context=1000)
+    assert (first, second) == (6, 4)  # the second gets what the first left
+    with pytest.raises(APIError, match="sampled tokens are spent"):
+        admit(session, _plan(6), context=1000)
+    session.settle(first, Request([1, 2], [3, 4], [0.0, 0.0], [0, 0], "stop"))
+    third = admit(session, _plan(6), context=1000)  # the first used 2 of its 6
+    assert third == 4
+    with pytest.raises(APIError, match="all 3 requests are spent"):
+        admit(session, _plan(1), context=1000)
+    session.settle(second)  # refused or failed: nothing recorded, the share returned
+    session.settle(third)
+    assert len(session.requests) == 1 and admit(session, _plan(100), context=1000) == 8
+
+
+def test_expired_sessions_are_reaped_and_open_sessions_capped():
+    store = SessionStore(max_open=2, reap_after_s=0.0)
+    short = SessionBounds(max_seconds=1e-9)
+    old = store.open(short, SamplingParams())
+    kept = store.open(SessionBounds(), SamplingParams())
+    store.open(SessionBounds(), SamplingParams())  # the expired one makes room
+    assert old.closed and old.id not in store.ids() and kept.id in store.ids()
+    with pytest.raises(APIError) as caught:
+        store.open(SessionBounds(), SamplingParams())
+    assert caught.value.status == 429 and "2 sessions are open" in caught.value.message
+    assert "\n" not in caught.value.message and store.reaped == 1

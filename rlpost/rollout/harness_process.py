@@ -1,0 +1,124 @@
+"""A harness command as a process that gets what it needs and leaves nothing behind.
+
+**Environment.** An allow-list, never the trainer's environment (which holds its
+admin key, hub and cloud tokens): the basics a program expects (``PATH``, ``HOME``,
+``USER``, ``LOGNAME``, ``SHELL``, ``TERM``, ``TMPDIR``, ``LANG``, ``LANGUAGE``,
+``LC_*``, ``TZ``), the names the user lists (``agent.harness.env``), and
+``OPENAI_BASE_URL`` and ``OPENAI_API_KEY``: its session's URL and that session's own
+key. The prompt goes on stdin (an environment variable over 128 KiB cannot be passed
+to exec at all).
+
+**Descendants.** The command runs under :mod:`rlpost.rollout.harness_reaper`, a
+child subreaper in its own process group: whatever the command started (background
+jobs, ``setsid`` daemons) is killed when the command exits, when it is killed for
+running past its time, and when the trainer dies.
+
+**Output.** stdout and stderr are read as they come and only their tails kept
+(``STDOUT_TAIL`` and ``STDERR_TAIL`` bytes); the bytes dropped are counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+BASIC_ENV = (
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "TMPDIR", "LANG", "LANGUAGE", "TZ",
+)  # fmt: skip
+STDOUT_TAIL = 1 << 20  # the answer is the last line: a tail keeps it
+STDERR_TAIL = 64 << 10
+REAPER = Path(__file__).with_name("harness_reaper.py")
+KILL_WAIT_S = 10.0  # for the reaper to kill and reap the command's tree
+
+
+def harness_env(
+    base_url: str, key: str, names: tuple[str, ...] = (), environ: dict | None = None
+) -> dict[str, str]:
+    """The environment of one harness process (``names``: the user's extra variables)."""
+    environ = os.environ if environ is None else environ
+    env = {k: v for k, v in environ.items() if k in BASIC_ENV or k.startswith("LC_") or k in names}
+    env["OPENAI_BASE_URL"], env["OPENAI_API_KEY"] = base_url, key
+    return env
+
+
+class Tail:
+    """The last ``limit`` bytes of a stream, and how many came before them."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.dropped, self.buf = limit, 0, bytearray()
+
+    def read(self, stream) -> None:
+        while chunk := stream.read(1 << 16):
+            self.buf += chunk
+            if len(self.buf) > 2 * self.limit:  # trim in bulk: amortised O(1) per byte
+                cut = len(self.buf) - self.limit
+                self.dropped += cut
+                del self.buf[:cut]
+
+    def text(self) -> str:
+        cut = max(0, len(self.buf) - self.limit)
+        self.dropped += cut
+        del self.buf[:cut]
+        return self.buf.decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True)
+class Finished:
+    returncode: int
+    stdout: str  # its tail
+    stderr: str  # its tail
+    dropped: int  # output bytes not kept, both streams
+
+
+class HarnessProcess:
+    """One harness command, started under the reaper in its own process group."""
+
+    def __init__(self, command: tuple[str, ...], env: dict[str, str]) -> None:
+        argv = [sys.executable, "-I", "-S", str(REAPER), str(os.getpid()), *command]
+        self.proc = subprocess.Popen(
+            argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, bufsize=0, start_new_session=True,
+        )  # fmt: skip
+
+    def run(self, stdin: str) -> Finished:
+        """Feed ``stdin``, read both outputs' tails and wait for the command's tree to end."""
+        out, err = Tail(STDOUT_TAIL), Tail(STDERR_TAIL)
+        threads = [
+            threading.Thread(target=_feed, args=(self.proc.stdin, stdin.encode()), daemon=True),
+            threading.Thread(target=err.read, args=(self.proc.stderr,), daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        out.read(self.proc.stdout)
+        for t in threads:
+            t.join()
+        code = self.proc.wait()
+        stdout, stderr = out.text(), err.text()
+        return Finished(code, stdout, stderr, out.dropped + err.dropped)
+
+    def kill(self) -> None:
+        """Have the reaper kill the command's whole tree; the process group as a fallback."""
+        if self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _feed(stream, data: bytes) -> None:
+    view = memoryview(data)
+    with contextlib.suppress(OSError):  # a command that does not read its prompt
+        while view:
+            view = view[stream.write(view) :]
+    with contextlib.suppress(OSError):
+        stream.close()
