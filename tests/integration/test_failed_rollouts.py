@@ -20,12 +20,12 @@ def always_fails(prompt, base_url):
     raise RuntimeError("harness down")
 
 
-def fails_the_first_sessions(prompt, base_url):
+def fails_the_first_sessions(prompt, base_url, api_key):
     """The first 10 sessions fail (held-out evaluation and the first step's rollout), then
     the recipe's own agent runs."""
     if next(CALLS) < 10:
         raise RuntimeError("harness warming up")
-    return calc_agent.run(prompt, base_url)
+    return calc_agent.run(prompt, base_url, api_key)
 
 
 def _config(tmp_path, entry: str, steps: int = 2):
