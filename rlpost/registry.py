@@ -71,3 +71,41 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(sorted(self._items))
+
+
+def import_object(spec: str) -> Any:
+    """The object ``package.module:name`` or ``path/to/file.py:name`` names (a relative path:
+    from the working directory, else from the checkout rlpost lives in). ValueError saying
+    what is missing; callers put the key that named it in front."""
+    import importlib
+
+    module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr:
+        raise ValueError(f"{spec!r} must be package.module:name or file.py:name")
+    if module_name.endswith(".py"):
+        module = _load_file(module_name)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(f"cannot import {module_name!r} ({exc})") from None
+    if not hasattr(module, attr):
+        raise ValueError(f"{module_name} has no {attr!r}")
+    return getattr(module, attr)
+
+
+def _load_file(path: str):
+    import importlib.util
+    from pathlib import Path
+
+    checkout = Path(__file__).resolve().parents[1]
+    found = next((p for p in (Path(path), checkout / path) if p.is_file()), None)
+    if found is None:
+        raise ValueError(f"no file {path!r} (looked in . and {checkout})")
+    spec = importlib.util.spec_from_file_location(f"rlpost_user_{found.stem}", found)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # the user's file: any error it raises is its own, said in one line
+        raise ValueError(f"{path} does not load ({type(exc).__name__}: {exc})") from None
+    return module

@@ -24,12 +24,12 @@ messages, answer, info, example id, other columns) is kept in
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import threading
 from collections.abc import Coroutine
 from typing import Any
 
+from rlpost.registry import import_object
 from rlpost.types import Prompt
 
 SUPPORTED = "0.3.1"
@@ -173,11 +173,12 @@ def load_env(spec: str, env_args: dict | None = None):
 def _build(vf, spec: str, env_args: dict):
     if ":" not in spec:
         return vf.load_environment(spec, **env_args)
-    module_name, _, attr = spec.partition(":")
-    module = importlib.import_module(module_name)
-    fn = getattr(module, attr, None)
+    try:
+        fn = import_object(spec)
+    except ValueError as exc:
+        raise VerifiersError(f"verifiers env {spec!r}: {exc}") from None
     if not callable(fn):
-        raise VerifiersError(f"verifiers env {spec!r}: {module_name} has no callable {attr!r}")
+        raise VerifiersError(f"verifiers env {spec!r}: {spec} is not callable")
     try:
         return fn(**env_args)
     except TypeError as exc:

@@ -6,7 +6,6 @@ registered; ``envs/base.py`` never imports them back.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -14,20 +13,18 @@ from typing import Any
 from rlpost.envs import calculator, countdown, python  # noqa: F401
 from rlpost.envs import verifiers_env as _verifiers_env  # noqa: F401
 from rlpost.envs.base import ENVS, EnvError, Environment
-from rlpost.registry import UnknownNameError
+from rlpost.registry import UnknownNameError, import_object
 
 
 def load_env_class(name: str) -> type:
     """The class registered as ``name``, or ``package.module:Class``; EnvError otherwise."""
     if ":" in name:
-        module_name, _, attr = name.partition(":")
         try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise EnvError(f"environment {name!r}: cannot import {module_name!r} ({exc})") from None
-        obj = getattr(module, attr, None)
+            obj = import_object(name)
+        except ValueError as exc:
+            raise EnvError(f"environment {name!r}: {exc}") from None
         if not inspect.isclass(obj) or not callable(getattr(obj, "step", None)):
-            raise EnvError(f"environment {name!r}: {module_name} has no class {attr!r} with step()")
+            raise EnvError(f"environment {name!r}: {name} is no class with step()")
         return obj
     try:
         return ENVS.get(name)

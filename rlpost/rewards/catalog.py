@@ -8,12 +8,11 @@ or built.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any, Literal
 
-from rlpost.registry import UnknownNameError
+from rlpost.registry import UnknownNameError, import_object
 from rlpost.rewards import code, countdown, judge, model, rule, verifiable  # noqa: F401
 from rlpost.rewards import math as _math  # noqa: F401
 from rlpost.rewards import reasoning_gym as _reasoning_gym  # noqa: F401
@@ -22,14 +21,12 @@ from rlpost.rewards.registry import REWARDS, SCORERS, RewardFn
 
 
 def _import_object(name: str) -> Any:
-    module_name, _, attr = name.partition(":")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"reward {name!r}: cannot import module {module_name!r} ({exc})") from None
-    obj = getattr(module, attr, None)
+        obj = import_object(name)
+    except ValueError as exc:
+        raise ValueError(f"reward {name!r}: {exc}") from None
     if not callable(obj):
-        raise ValueError(f"reward {name!r}: {module_name} has no callable {attr!r}")
+        raise ValueError(f"reward {name!r}: {name} is not callable")
     return obj
 
 

@@ -24,7 +24,6 @@ A reward function that raises scores 0, as verifiers does it (its rubric catches
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import math
@@ -41,6 +40,7 @@ from rlpost.data.verifiers_source import (
     run_async,
     trajectory_step,
 )
+from rlpost.registry import import_object
 from rlpost.rewards.registry import batched_scorer
 from rlpost.types import RewardSample
 
@@ -64,16 +64,10 @@ def _check(
 
 
 def _import(spec: str, what: str) -> Any:
-    module_name, sep, attr = spec.partition(":")
-    if not sep:
-        raise VerifiersError(f"{what}={spec!r}: write it as package.module:name")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise VerifiersError(f"{what}={spec!r}: cannot import {module_name!r} ({exc})") from None
-    if not hasattr(module, attr):
-        raise VerifiersError(f"{what}={spec!r}: {module_name} has no {attr!r}")
-    return getattr(module, attr)
+        return import_object(spec)
+    except ValueError as exc:
+        raise VerifiersError(f"{what}={spec!r}: {exc}") from None
 
 
 def _load_rubric(spec: str):

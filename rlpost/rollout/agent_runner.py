@@ -29,7 +29,6 @@ is kept as truncated.
 from __future__ import annotations
 
 import copy
-import importlib
 import inspect
 import secrets
 import socket
@@ -40,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from rlpost.registry import import_object
 from rlpost.rollout.harness_process import HarnessProcess, harness_env
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.rollout.remote_sessions import RemoteSessions
@@ -68,40 +68,12 @@ class HarnessSettings:
 
 
 def load_entry(name: str) -> Callable:
-    """``package.module:function`` or ``path/to/file.py:function`` (a relative path: from the
-    working directory, else from the checkout rlpost lives in); ValueError naming what is
+    """``package.module:function`` or ``path/to/file.py:function``; ValueError naming what is
     missing."""
-    module_name, _, attr = name.rpartition(":")
-    if not module_name or not attr:
-        raise ValueError(f"{name!r} must be package.module:function or file.py:function")
-    if module_name.endswith(".py"):
-        module = _load_file(module_name)
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise ValueError(f"cannot import {module_name!r} ({exc})") from None
-    fn = getattr(module, attr, None)
+    fn = import_object(name)
     if not callable(fn):
-        raise ValueError(f"{module_name} has no function {attr!r}")
+        raise ValueError(f"{name!r} is not a function")
     return fn
-
-
-def _load_file(path: str):
-    import importlib.util
-    from pathlib import Path
-
-    checkout = Path(__file__).resolve().parents[2]
-    found = next((p for p in (Path(path), checkout / path) if p.is_file()), None)
-    if found is None:
-        raise ValueError(f"no file {path!r} (looked in . and {checkout})")
-    spec = importlib.util.spec_from_file_location(f"rlpost_harness_{found.stem}", found)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        raise ValueError(f"{path} does not load ({type(exc).__name__}: {exc})") from None
-    return module
 
 
 @dataclass

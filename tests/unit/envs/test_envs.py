@@ -113,7 +113,7 @@ def test_bad_names_and_parameters_fail_in_one_line():
         load_env_class("calcc")
     with pytest.raises(EnvError, match="cannot import 'no_such_module'"):
         load_env_class("no_such_module:Env")
-    with pytest.raises(EnvError, match="has no class 'Nope'"):
+    with pytest.raises(EnvError, match="has no 'Nope'"):
         load_env_class("rlpost.envs.calculator:Nope")
     with pytest.raises(EnvError, match=r"environment 'calc': bad parameters \['bogus'\]"):
         env_factory("calc", {"bogus": 1})

@@ -166,9 +166,9 @@ def test_package_module_function_loading(user_module):
     assert fn(RewardSample("q", "Alpha")) == 1.0
     kind, factory = lookup(f"{user_module}:HalfModel")
     assert kind == "batch" and factory().score(samples(2)) == [0.5, 0.5]
-    with pytest.raises(ValueError, match="no callable 'NOT_CALLABLE'"):
+    with pytest.raises(ValueError, match="NOT_CALLABLE is not callable"):
         get_reward(f"{user_module}:NOT_CALLABLE")
-    with pytest.raises(ValueError, match="cannot import module"):
+    with pytest.raises(ValueError, match="cannot import"):
         get_reward("no_such_module_xyz:fn")
 
 
