@@ -193,6 +193,12 @@ def serves_policy_storage(cfg: Config) -> bool:
     )
 
 
+def engine_in_process(cfg: Config) -> bool:
+    """Whether the run's engine serves from this process's memory (a weights copy, its KV
+    cache), as the hf engines do; vllm and remote engines load their own weights."""
+    return not ENGINES.trait(engine_name(cfg), "loads_own_weights")
+
+
 def engine_name(cfg: Config) -> str:
     """The registered engine ``rollout.engine`` names: ``hf`` becomes ``hf_continuous`` where
     only continuous batching works (a partial rollout stops the moment enough samples are

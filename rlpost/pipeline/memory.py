@@ -89,7 +89,7 @@ def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
     lora = cfg.model.lora.rank > 0
     trainable = 0.01 * n if lora else n  # adapters: a small fraction (rank-dependent)
     keep_ref = cfg.algo.kl.beta > 0 and not lora
-    in_process = r.engine == "hf"
+    in_process = build.engine_in_process(cfg)
     engine_copy = in_process and not build.serves_policy_storage(cfg)
     seq = PROMPT_TOKENS + r.max_tokens
     rows = min(r.batch_size, r.prompts_per_step * r.n)

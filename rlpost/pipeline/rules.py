@@ -33,7 +33,7 @@ from rlpost.envs.base import EnvError
 from rlpost.envs.catalog import env_factory
 from rlpost.envs.formats import TagFormat
 from rlpost.params import changed_sections, params_of
-from rlpost.pipeline.build import bf16_compute, run_device
+from rlpost.pipeline.build import bf16_compute, engine_in_process, run_device
 from rlpost.registry import UnknownNameError
 from rlpost.rewards.scorer import check_terms
 from rlpost.rollout.protocol import ENGINES
@@ -574,7 +574,7 @@ def inert_knobs(cfg: Config) -> list[str]:
         (a, "algo", ("max_sampling_rounds",), not a.dynamic_sampling,
          "set algo.dynamic_sampling=true"),
         (r, "rollout", ("partial_fraction",), not r.partial, "set rollout.partial=true"),
-        (r, "rollout", ("partial_chunk_tokens",), not r.partial or r.engine == "hf",
+        (r, "rollout", ("partial_chunk_tokens",), not r.partial or engine_in_process(cfg),
          "it applies to a partial rollout on a remote or vllm engine"),
         (s, "sync", ("delta_full_threshold",), not s.delta, "set sync.delta=true"),
         (s, "sync", ("bucket_mb", "verify", "timeout_s", "keep_bf16"), copied,

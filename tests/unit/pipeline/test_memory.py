@@ -99,3 +99,16 @@ def test_real_checkpoint_recipe_resolves_bf16_from_the_cpu():
     assert bf16_compute(cfg) == cpu_bf16_native()
     assert not bf16_compute(load_config(None, ["model.dtype=float32"]))
     assert bf16_compute(load_config(None, ["model.dtype=bfloat16"]))
+
+
+@pytest.mark.parametrize("engine", ["hf", "hf_continuous"])
+def test_an_in_process_engine_counts_its_copy_and_kv_cache(tmp_path, engine):
+    """Both in-process engines hold a serving copy and a KV cache; engines that load their
+    own weights (vllm, remote) hold neither in this process."""
+    path = _real_shape_dir(tmp_path)
+    base = [f"model.path={path}", "pipeline.mode=one_step_off"]  # no storage sharing
+    here = load_config(None, [*base, f"rollout.engine={engine}"])
+    remote = load_config(None, [*base, "rollout.engine=remote", 'rollout.servers=["http://x:1"]'])
+    shape = model_shape(here)
+    assert estimate(here, shape).engine > 0 and estimate(here, shape).kv_cache > 0
+    assert estimate(remote, shape).engine == 0 and estimate(remote, shape).kv_cache == 0

@@ -1,0 +1,119 @@
+"""The size of rlpost, reported and bounded: a feature pays for its schema in review.
+
+Four numbers, each with a bound in ``SIZE_BOUNDS``: lines of Python under ``rlpost/``, keys
+``rlpost config grpo_arith --keys`` lists, functions longer than 60 lines, and blocks of
+``BLOCK`` lines (stripped, blank lines and comments left out) written twice. A change that
+raises one past its bound fails here with the number; lower the bound when a change shrinks
+it, so the slack does not come back unseen. Run ``python tests/unit/test_size.py`` to print
+them.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "rlpost"
+BLOCK = 8
+LONG_FUNCTION = 60
+SIZE_BOUNDS = {
+    "lines": 36_000,
+    "grpo_arith_keys": 300,
+    "functions_over_60_lines": 60,
+    "repeated_blocks": 40,
+}
+"""The bounds; each number may only fall."""
+
+
+def sources() -> dict[Path, str]:
+    return {p: p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def long_functions(files: dict[Path, str]) -> list[str]:
+    out = []
+    for path, text in files.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > LONG_FUNCTION:
+                    out.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}")
+    return out
+
+
+def repeated_blocks(files: dict[Path, str]) -> list[str]:
+    """Places where ``BLOCK`` consecutive code lines also appear elsewhere (one per block)."""
+    seen: dict[str, list[str]] = defaultdict(list)
+    for path, text in files.items():
+        lines = [
+            (i + 1, ln.strip()) for i, ln in enumerate(text.splitlines())
+            if ln.strip() and not ln.strip().startswith(("#", "import ", "from "))
+        ]  # fmt: skip
+        for k in range(len(lines) - BLOCK + 1):
+            window = [ln for _, ln in lines[k : k + BLOCK]]
+            if sum(len(ln) > 3 for ln in window) < BLOCK - 1:  # brackets and `)` lines alone
+                continue
+            digest = hashlib.sha1("\n".join(window).encode()).hexdigest()
+            seen[digest].append(f"{path.relative_to(PACKAGE.parent)}:{lines[k][0]}")
+    repeated, last = [], {}
+    for places in seen.values():
+        if len(places) > 1:
+            # overlapping windows of one long repeat count once: skip a window that continues
+            # the previous one in every place
+            key = tuple(p.rsplit(":", 1)[0] for p in places)
+            starts = tuple(int(p.rsplit(":", 1)[1]) for p in places)
+            prev = last.get(key)
+            last[key] = starts
+            if prev is not None and all(
+                0 < s - q <= BLOCK for s, q in zip(starts, prev, strict=True)
+            ):
+                continue
+            repeated.append(" = ".join(places))
+    return repeated
+
+
+def grpo_arith_keys() -> int:
+    from rlpost.config import RECIPES_DIR, describe_fields, load_config
+
+    return len(describe_fields(values=load_config(RECIPES_DIR / "grpo_arith.yaml")))
+
+
+def measure() -> dict[str, int]:
+    files = sources()
+    return {
+        "lines": sum(len(t.splitlines()) for t in files.values()),
+        "grpo_arith_keys": grpo_arith_keys(),
+        "functions_over_60_lines": len(long_functions(files)),
+        "repeated_blocks": len(repeated_blocks(files)),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(SIZE_BOUNDS))
+def test_size_within_bound(name):
+    got = measure()[name]
+    assert got <= SIZE_BOUNDS[name], (
+        f"{name} is {got}, over its bound {SIZE_BOUNDS[name]}: make the new part pay for its "
+        "place (python tests/unit/test_size.py lists the places)"
+    )
+
+
+def test_the_counters_see_what_they_count(tmp_path):
+    body = "\n".join(f"    total = total + {i}  # step" for i in range(70))
+    twice = "\n".join(f"value_{i} = compute(value_{i - 1}, {i})" for i in range(1, 10))
+    files = {
+        PACKAGE / "a.py": f"def long(total):\n{body}\n    return total\n\n{twice}\n",
+        PACKAGE / "b.py": f"def short():\n    return 1\n\n{twice}\n",
+    }
+    assert long_functions(files) == ["rlpost/a.py:1 long"]
+    assert len(repeated_blocks(files)) == 1
+
+
+if __name__ == "__main__":
+    files = sources()
+    print("\n".join(long_functions(files)))
+    print("\n".join(repeated_blocks(files)))
+    for k, v in measure().items():
+        print(f"{k}: {v} (bound {SIZE_BOUNDS[k]})")
