@@ -895,8 +895,11 @@ def distillation_has_one_teacher(cfg: Config) -> str | None:
             f"model.teacher.path=None: {name} distils from a teacher; set model.teacher.path "
             "(a trained run's checkpoints/step_N/model) or model.teacher.url"
         )
-    if t.path and not Path(t.path).is_dir():
-        return f"model.teacher.path={t.path}: not a directory; point it at a model directory"
+    if t.path and not (Path(t.path).is_dir() or Path(t.path).suffix == ".gguf"):
+        return (
+            f"model.teacher.path={t.path}: not a directory or a .gguf file; point it at a "
+            "model directory or a .gguf file"
+        )
     if (t.path or t.url) and not (reads_lp or reads_logits):
         key = "path" if t.path else "url"
         return f"model.teacher.{key}={t.path or t.url}: no part of the run reads it; set {uses}"

@@ -18,7 +18,6 @@ refuses a mismatch in one line. Both score at temperature 1 on the batch's own i
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -45,11 +44,10 @@ class LocalTeacher:
     """A causal LM loaded from ``path``, frozen, scoring batches in micro-batches."""
 
     def __init__(self, path: str, student: dict, micro_batch_size: int = 64) -> None:
-        from rlpost.models.loading import load_causal_lm, load_tokenizer
+        from rlpost.models.loading import check_model_path, load_causal_lm, load_tokenizer
 
-        if not Path(path).is_dir():
-            raise TeacherError(f"model.teacher.path={path}: not a local model directory")
         try:  # the tokenizers are compared before the weights load
+            check_model_path(path)
             problem = vocab_mismatch(student, vocab_digest(load_tokenizer(path)))
             if problem is not None:
                 raise TeacherError(f"model.teacher.path={path}: {problem}; distil from a "
