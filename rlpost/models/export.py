@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -49,9 +50,8 @@ def export_model(model, tokenizer, out: Path, *, gguf_type: str | None, overwrit
         raise ModelLoadError(f"--out {str(out)!r} exists; choose another or pass --overwrite")
     if gguf_type is not None:
         check_llama(model.config)
-    tmp = out.parent / f".{out.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -63,12 +63,12 @@ def export_model(model, tokenizer, out: Path, *, gguf_type: str | None, overwrit
             (tmp / "gguf").mkdir()
             write_gguf(model, tokenizer, tmp / name, gguf_type)
             written["gguf"] = out / name
+        if out.exists() and overwrite:
+            shutil.rmtree(out)
+        tmp.rename(out)  # refused when another writer got there first
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
     return written
 
 

