@@ -203,7 +203,19 @@ def vllm_needs_model_path(cfg: Config) -> str | None:
             "rollout.engine=vllm needs model.path: vLLM loads a checkpoint directory; set "
             "model.path to a local HF checkpoint or use rollout.engine=hf"
         )
+    path = cfg.model.path
+    if cfg.rollout.engine == "vllm" and (str(path).endswith(".gguf") or _holds_gguf(path)):
+        return (
+            f"model.path={path}: vLLM would serve the GGUF's quantized weights while the trainer "
+            f"trains dequantized ones; convert it once (rlpost export {path} --out DIR) and set "
+            "model.path=DIR, or use rollout.engine=hf"
+        )
     return None
+
+
+def _holds_gguf(path) -> bool:
+    p = Path(path)
+    return p.is_dir() and not (p / "config.json").is_file() and any(p.glob("*.gguf"))
 
 
 @rule("train")
