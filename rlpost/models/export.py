@@ -182,11 +182,14 @@ def encode(data: np.ndarray, gguf_type: str):
 def write_tokenizer(writer, tokenizer, vocab_size: int) -> None:
     """The tokenizer as llama.cpp's ``gpt2`` (byte-level BPE) vocabulary."""
     tokens, merges, pre = byte_level_vocab(tokenizer)
-    if len(tokens) > vocab_size:
+    added = tokenizer.added_tokens_decoder
+    # an added token past the embedding (a tokenizer class's default <|endoftext|>) can
+    # never reach the model; a vocabulary token there means they do not belong together
+    beyond = [i for i in range(vocab_size, len(tokens)) if tokens[i] is not None]
+    if any(i not in added for i in beyond):
         raise ModelLoadError(
             f"--gguf: the tokenizer has {len(tokens)} tokens, the model's embedding {vocab_size}"
         )
-    added = tokenizer.added_tokens_decoder
     types, texts = [], []
     for i in range(vocab_size):
         if i >= len(tokens) or tokens[i] is None:
