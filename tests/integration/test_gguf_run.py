@@ -59,3 +59,14 @@ def test_vllm_on_a_gguf_is_refused_before_any_work(tiny_gguf, tmp_path):
     with pytest.raises(ConfigError, match=r"rlpost export .* --out DIR") as err:
         check(load_config(None, over), "train")
     assert "\n" not in str(err.value)
+
+
+def test_a_gguf_teacher_is_accepted_and_loads(tiny_gguf, tmp_path):
+    from rlpost.models.vocab import vocab_digest
+    from rlpost.train.teacher import LocalTeacher
+
+    extra = {"model.teacher.path": tiny_gguf, "algo.advantage": "on_policy_distill"}
+    check(load_config(None, small_overrides(tmp_path, **extra)), "train")
+    student = vocab_digest(load_policy(tiny_gguf)[1])
+    teacher = LocalTeacher(str(tiny_gguf), student)
+    assert teacher.model.config.model_type == "llama"
