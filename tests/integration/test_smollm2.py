@@ -44,11 +44,12 @@ def test_smollm2_is_a_chatml_llama_with_im_end_as_eos(smollm2):
     assert tok.eos_token == "<|im_end|>" and tok.pad_token_id is not None
     text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
-    ids = prompt_ids(tok)
+    asked = [{"role": "user", "content": "What is 2+3?"}]
+    ids = tok.apply_chat_template(asked, add_generation_prompt=True, return_tensors="pt")
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=12, do_sample=False)
-    answer = tok.decode(out[0, ids.shape[1] :])
-    assert "19" in answer and answer.endswith("<|im_end|>")
+        out = model.generate(ids["input_ids"], max_new_tokens=16, do_sample=False)
+    answer = tok.decode(out[0, ids["input_ids"].shape[1] :])
+    assert answer == "2 + 3 = 5<|im_end|>"  # greedy: a working model stops at its EOS
 
 
 def test_the_wheel_gguf_reads_as_the_cached_directory(smollm2):
