@@ -15,13 +15,17 @@ The GGUF follows what llama.cpp's own converter writes for a Llama model, built 
   blocks of 32, so a matrix whose rows are not a multiple of 32 falls back to F16.
 
 The built-in tiny model's character vocabulary is a byte-level BPE without merges: each
-printable ASCII character is its own byte token, so ids and text round-trip unchanged.
+printable ASCII character is its own byte token, so ids and text round-trip unchanged
+through transformers (rlpost's own reader). llama.cpp insists on a merges list, and the
+``gguf`` package cannot write an empty one, so llama.cpp refuses that file; the export
+says so on stderr.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -211,6 +215,11 @@ def write_tokenizer(writer, tokenizer, vocab_size: int) -> None:
         # transformers rebuilds merges from scores when a file lists none; a one-character
         # vocabulary yields none back, which is what it is
         writer.add_token_scores([0.0] * vocab_size)
+        print(
+            "rlpost: warning: a vocabulary without merges: transformers and rlpost read this "
+            "GGUF, llama.cpp refuses it (it needs a merges list)",
+            file=sys.stderr,
+        )
     write_special_tokens(writer, tokenizer)
 
 
