@@ -10,9 +10,11 @@
     rlpost recipes                             the recipes installed with rlpost
     rlpost rewards                             the registered rewards and their parameters
     rlpost report RUN_DIR [RUN_DIR ...]        HTML report and a text summary (several: overlaid)
+    rlpost export RUN_DIR|MODEL --out DIR [--gguf f32|f16|bf16|q8_0] [--overwrite]
+                                               the policy as an HF directory (and a GGUF file)
     rlpost sandbox run FILE.py [--timeout S] [--memory MB] [--json]
     rlpost sandbox check [--run-limits MODE]   which sandbox limits hold on this host
-    rlpost serve [--model DIR] [--port N]       OpenAI-compatible rollout server
+    rlpost serve [--model DIR|X.gguf] [--port N] OpenAI-compatible rollout server
     rlpost cluster scale --rollout N RUN_DIR   grow or shrink a running job's rollout fleet
 
 A bad config is one line on stderr and exit code 2, before any work starts.
@@ -227,6 +229,33 @@ def cmd_rm(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    import time
+
+    from rlpost.models.export import export_model
+    from rlpost.models.loading import load_policy
+    from rlpost.pipeline.rundir import policy_path
+
+    _quiet_libraries()
+    source = policy_path(Path(args.source))
+    started = time.perf_counter()
+    model, tokenizer = load_policy(source)
+    loaded = time.perf_counter()
+    out = export_model(
+        model, tokenizer, Path(args.out), gguf_type=args.gguf, overwrite=args.overwrite
+    )
+    done = time.perf_counter()
+    print(f"exported {source} (loaded in {loaded - started:.1f}s, written in {done - loaded:.1f}s)")
+    for kind, path in out.items():
+        size = (
+            path.stat().st_size
+            if path.is_file()
+            else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        )
+        print(f"  {kind}: {path} ({size / 2**20:.1f} MiB)")
+    return 0
+
+
 def cmd_config(args) -> int:
     from rlpost.pipeline.rules import check, command_for
 
@@ -323,6 +352,20 @@ def build_parser() -> argparse.ArgumentParser:
         "else train)",
     )
     sp.set_defaults(fn=cmd_config)
+    sp = sub.add_parser(
+        "export", help="write a run's policy (or any model) as an HF directory and a GGUF file"
+    )
+    sp.add_argument(
+        "source", help="run directory, checkpoint, HF checkpoint directory or .gguf file"
+    )
+    sp.add_argument("--out", required=True, help="directory to write (the HF checkpoint)")
+    sp.add_argument(
+        "--gguf",
+        choices=["f32", "f16", "bf16", "q8_0"],
+        help="also write OUT/gguf/model-TYPE.gguf for llama.cpp-family runtimes (Llama models)",
+    )
+    sp.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    sp.set_defaults(fn=cmd_export)
     sp = sub.add_parser("recipes", help="list the recipes installed with rlpost")
     sp.set_defaults(fn=cmd_recipes)
     sp = sub.add_parser("rewards", help="list the registered rewards and their parameters")
@@ -354,9 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, RuntimeError, ImportError, OSError) as exc:
         from rlpost.data.files import DataError
         from rlpost.models.loading import ModelLoadError
+        from rlpost.statefile import StateFileError
         from rlpost.sync.session import SyncError
 
-        if isinstance(exc, ModelLoadError | DataError | SyncError):  # each says its fix
+        if isinstance(exc, ModelLoadError | DataError | StateFileError | SyncError):
             return _fail(str(exc))
         if isinstance(exc, ImportError) and "pip install" in str(exc):
             return _fail(str(exc))  # a missing extra, named with its install command

@@ -162,8 +162,8 @@ class LoRAConfig(Section):
 
 class TeacherConfig(Section):
     path: str | None = None
-    """Local directory of the teacher, a causal LM with the student's tokenizer (e.g. a trained
-    run's checkpoints/step_N/model), run in this process. None: no local teacher."""
+    """Local directory (or .gguf file) of the teacher, a causal LM with the student's tokenizer
+    (e.g. a trained run's checkpoints/step_N/model), run in this process. None: no local teacher."""
     url: str | None = None
     """Base URL of a server that returns prompt logprobs of given token ids (rlpost serve's
     /v1/prompt_logprobs), instead of path. Gives no full logits: not for algo.policy_loss=gkd."""
@@ -177,7 +177,8 @@ class TeacherConfig(Section):
 
 class ModelConfig(Section):
     path: str | None = None
-    """Local directory of a Hugging Face causal LM and its tokenizer. None: the built-in tiny model."""
+    """Local directory of a Hugging Face causal LM and its tokenizer, or a .gguf file (read
+    dequantized; extra [gguf], docs/models.md). None: the built-in tiny model."""
     tiny: TinyModelConfig = TinyModelConfig()
     """Shape of the built-in tiny model (used when path is None)."""
     dtype: Literal["float32", "bfloat16", "auto"] = "float32"

@@ -40,6 +40,10 @@ class WorkerError(RuntimeError):
         return (type(self), (self.role, self.kind, self.message))
 
 
+class ModelLoadError(RuntimeError):
+    """A model path (HF directory or GGUF file) that cannot be used, explained in one line."""
+
+
 def kind_of(exc: BaseException) -> str:
     """The :data:`KINDS` entry of ``exc``: its own for a :class:`WorkerError`, else
     ``failed`` (an in-process worker's plain exception)."""

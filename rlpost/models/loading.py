@@ -1,7 +1,10 @@
-"""Load a Hugging Face causal LM and its tokenizer from a local directory.
+"""Load a causal LM and its tokenizer from a local HF directory or a GGUF file.
 
-Nothing is fetched from a hub: ``local_files_only`` is always set, and a
-missing or unreadable directory is a one-line :class:`ModelLoadError`.
+``model.path`` names an HF checkpoint directory (config.json, weights, tokenizer) or a
+``.gguf`` file (or a directory holding exactly one); :mod:`rlpost.models.gguf` reads the
+latter into the same kind of float model. Nothing is fetched from a hub:
+``local_files_only`` is always set, and a missing or unreadable model is a one-line
+:class:`ModelLoadError`.
 """
 
 from __future__ import annotations
@@ -12,26 +15,40 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
-from rlpost.errors import one_line
+from rlpost.errors import ModelLoadError, one_line
 from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-class ModelLoadError(RuntimeError):
-    """A model directory that cannot be used, explained in one line."""
+def _gguf(path: str | Path) -> Path | None:
+    """The GGUF file ``path`` names, or None for an HF directory (or nothing)."""
+    from rlpost.models import gguf
+
+    return gguf.gguf_file(path)
 
 
 def load_tokenizer(path: str | Path):
-    p = Path(path)
-    if not p.is_dir():
-        raise ModelLoadError(f"model directory {str(p)!r} does not exist")
-    try:
-        tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load a tokenizer from {str(p)!r}: {one_line(exc)}") from None
+    if (file := _gguf(path)) is not None:
+        from rlpost.models import gguf
+
+        tok = gguf.load_tokenizer(file)
+    else:
+        p = check_model_path(path)
+        try:
+            tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(
+                f"cannot load a tokenizer from {str(p)!r}: {one_line(exc)}"
+            ) from None
     if tok.pad_token_id is None:
         # Decoder-only checkpoints often ship without a pad token; padding is
         # always masked, so reusing EOS is safe.
@@ -40,14 +57,25 @@ def load_tokenizer(path: str | Path):
     return tok
 
 
-def check_model_dir(path: str | Path) -> Path:
-    """``path`` as a Path if it is a directory with a config.json (no weights are read)."""
+def check_model_path(path: str | Path) -> Path:
+    """``path`` as a Path if it is a directory with a config.json, or the GGUF file it
+    names, readable by transformers (no weights are read)."""
+    if (file := _gguf(path)) is not None:
+        from rlpost.models import gguf
+
+        return gguf.check(file)
     p = Path(path)
+    if p.is_file():
+        raise ModelLoadError(
+            f"model path {str(p)!r} is a file but not a .gguf; name an HF checkpoint directory "
+            "or a .gguf file"
+        )
     if not p.is_dir():
-        raise ModelLoadError(f"model directory {str(p)!r} does not exist")
+        raise ModelLoadError(f"model path {str(p)!r} does not exist")
     if not (p / "config.json").is_file():
         raise ModelLoadError(
-            f"model directory {str(p)!r} has no config.json; is it an HF checkpoint?"
+            f"model directory {str(p)!r} has no config.json and no .gguf file; is it an HF "
+            "checkpoint?"
         )
     return p
 
@@ -57,8 +85,12 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length"
 
 def context_length(path: str | Path) -> int | None:
     """The longest sequence the checkpoint at ``path`` handles, read from its config.json
-    (no weights are loaded); None when the config states none."""
-    p = check_model_dir(path)
+    or GGUF header (no weights are loaded); None when the config states none."""
+    if (file := _gguf(path)) is not None:
+        from rlpost.models import gguf
+
+        return gguf.context_length(file)
+    p = check_model_path(path)
     try:
         cfg = json.loads((p / "config.json").read_text())
     except (OSError, ValueError) as exc:
@@ -70,8 +102,26 @@ def context_length(path: str | Path) -> int | None:
     return None
 
 
+def load_config(path: str | Path) -> PretrainedConfig:
+    """The model's config (no weights are loaded)."""
+    if (file := _gguf(path)) is not None:
+        from rlpost.models import gguf
+
+        return gguf.load_config(file)
+    p = check_model_path(path)
+    try:
+        return AutoConfig.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read a config from {str(p)!r}: {one_line(exc)}") from None
+
+
 def load_causal_lm(path: str | Path, *, dtype: str = "float32") -> PreTrainedModel:
-    p = check_model_dir(path)
+    """The model at ``path`` (an HF directory or a GGUF file) in ``dtype``."""
+    if (file := _gguf(path)) is not None:
+        from rlpost.models import gguf
+
+        return gguf.load_causal_lm(file, dtype=DTYPES[dtype])
+    p = check_model_path(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=DTYPES[dtype])
     except (OSError, ValueError, RuntimeError, SafetensorError) as exc:  # a torn weights file too

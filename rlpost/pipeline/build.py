@@ -127,7 +127,7 @@ def fit_to_model(
         limit, source = cfg.model.tiny.max_position_embeddings, "model.tiny.max_position_embeddings"
     else:
         limit = context_length(cfg.model.path)
-        source = f"max_position_embeddings in {cfg.model.path}/config.json"
+        source = f"the context length {cfg.model.path} states"
     budget = None if limit is None else limit - cfg.rollout.max_tokens
     if budget is not None and budget < 1:
         raise ConfigError(

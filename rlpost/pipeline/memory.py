@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from rlpost.algos import POLICY_LOSSES
 from rlpost.config import Config, ConfigError
@@ -56,7 +55,9 @@ class MemoryEstimate:
 def model_shape(cfg: Config) -> dict:
     """Parameter count and the shape fields of the configured model (meta device)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from rlpost.models.loading import load_config
 
     if cfg.model.path is None:
         from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
@@ -64,7 +65,7 @@ def model_shape(cfg: Config) -> dict:
         with torch.device("meta"):
             model = build_tiny_model(build_char_tokenizer(), **cfg.model.tiny.model_dump())
     else:
-        conf = AutoConfig.from_pretrained(Path(cfg.model.path), local_files_only=True)
+        conf = load_config(cfg.model.path)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(conf)
     c = model.config

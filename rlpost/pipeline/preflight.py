@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rlpost.config import Config
 from rlpost.data import LoadReport
-from rlpost.models.loading import check_model_dir
+from rlpost.models.loading import check_model_path
 from rlpost.observe import Recorder
 from rlpost.pipeline import build
 from rlpost.types import Prompt
@@ -35,7 +35,7 @@ def check_inputs(
     ``prompts=False`` (rlpost dpo: its pairs are loaded and checked by the caller) checks
     the model directory only."""
     if cfg.model.path is not None:
-        check_model_dir(cfg.model.path)
+        check_model_path(cfg.model.path)
     if not prompts:
         return [], [], {}
     train, held_out, reports = build.load_data(cfg)

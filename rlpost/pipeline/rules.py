@@ -203,7 +203,19 @@ def vllm_needs_model_path(cfg: Config) -> str | None:
             "rollout.engine=vllm needs model.path: vLLM loads a checkpoint directory; set "
             "model.path to a local HF checkpoint or use rollout.engine=hf"
         )
+    path = cfg.model.path
+    if cfg.rollout.engine == "vllm" and (str(path).endswith(".gguf") or _holds_gguf(path)):
+        return (
+            f"model.path={path}: vLLM would serve the GGUF's quantized weights while the trainer "
+            f"trains dequantized ones; convert it once (rlpost export {path} --out DIR) and set "
+            "model.path=DIR, or use rollout.engine=hf"
+        )
     return None
+
+
+def _holds_gguf(path) -> bool:
+    p = Path(path)
+    return p.is_dir() and not (p / "config.json").is_file() and any(p.glob("*.gguf"))
 
 
 @rule("train")
@@ -914,8 +926,11 @@ def distillation_has_one_teacher(cfg: Config) -> str | None:
             f"model.teacher.path=None: {name} distils from a teacher; set model.teacher.path "
             "(a trained run's checkpoints/step_N/model) or model.teacher.url"
         )
-    if t.path and not Path(t.path).is_dir():
-        return f"model.teacher.path={t.path}: not a directory; point it at a model directory"
+    if t.path and not (Path(t.path).is_dir() or Path(t.path).suffix == ".gguf"):
+        return (
+            f"model.teacher.path={t.path}: not a directory or a .gguf file; point it at a "
+            "model directory or a .gguf file"
+        )
     if (t.path or t.url) and not (reads_lp or reads_logits):
         key = "path" if t.path else "url"
         return f"model.teacher.{key}={t.path or t.url}: no part of the run reads it; set {uses}"

@@ -85,6 +85,24 @@ def open_stage_run_dir(cfg: Config, resume: Path | None, state: str) -> Path:
     return run_dir
 
 
+def policy_path(path: Path) -> Path:
+    """The policy ``path`` names (for ``rlpost export``): a .gguf file or HF directory as it
+    is; a checkpoint's ``model/``; a run directory's newest loadable checkpoint's ``model/``,
+    else its ``model/`` (rlpost dpo) or ``sft_model/``. Anything else is returned unchanged,
+    for the loader to say what is wrong with it."""
+    if path.is_file() or (path / "config.json").is_file():
+        return path
+    if (path / "state.pt").is_file() and (path / "model" / "config.json").is_file():
+        return path / "model"
+    ckpt = usable_checkpoint(path) if (path / "checkpoints").is_dir() else None
+    if ckpt is not None and (ckpt / "model" / "config.json").is_file():
+        return ckpt / "model"
+    for name in ("model", "sft_model"):
+        if (path / name / "config.json").is_file():
+            return path / name
+    return path
+
+
 def drop_metrics_after(run_dir: Path, step: int) -> int:
     """Remove rows of steps after ``step`` from metrics.jsonl (they will be replayed); returns
     how many went. The file is rewritten through a temporary file, never truncated in place."""

@@ -480,7 +480,7 @@ def _version(value: Any) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rlpost serve", description="Serve a policy over HTTP.")
     add = ap.add_argument
-    add("--model", help="HF checkpoint directory (default: the built-in tiny model)")
+    add("--model", help="HF checkpoint directory or .gguf file (default: the built-in tiny model)")
     add("--served-model-name", help="the 'model' clients send (default: the directory name)")
     add("--host", default="127.0.0.1", help="a non-loopback address needs both keys")
     add("--port", type=int, default=8000, help="0 picks a free port (printed on start)")

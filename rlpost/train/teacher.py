@@ -18,7 +18,6 @@ refuses a mismatch in one line. Both score at temperature 1 on the batch's own i
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -42,13 +41,12 @@ class TeacherAPI(Protocol):
 
 
 def check_local_teacher(path: str, student: dict) -> None:
-    """Raise :class:`TeacherError` unless ``path`` is a model directory whose tokenizer is the
-    student's (``student``: its vocab digest); no weights are read."""
-    from rlpost.models.loading import load_tokenizer
+    """Raise :class:`TeacherError` unless ``path`` is a model (an HF directory or a GGUF file)
+    whose tokenizer is the student's (``student``: its vocab digest); no weights are read."""
+    from rlpost.models.loading import check_model_path, load_tokenizer
 
-    if not Path(path).is_dir():
-        raise TeacherError(f"model.teacher.path={path}: not a local model directory")
     try:
+        check_model_path(path)
         problem = vocab_mismatch(student, vocab_digest(load_tokenizer(path)))
     except ModelLoadError as exc:
         raise TeacherError(f"model.teacher.path={path}: {exc}") from None
