@@ -27,11 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from rlpost.data.files import (
-    BLANK,
     DataError,
     LoadReport,
     check_row,
-    decode_line,
+    jsonl_rows,
     row_prompt,
     valid_rows,
 )
@@ -62,10 +61,7 @@ def raw_rows(path: Path) -> Iterator[tuple[int, Any]]:
             raise DataError(f"{path}: cannot read Parquet ({exc})") from None
         return
     with path.open("rb") as f:
-        for i, raw in enumerate(f, start=1):
-            row = decode_line(raw)
-            if row is not BLANK:
-                yield i, row
+        yield from jsonl_rows(f)
 
 
 def check_stream_path(path: str) -> Path:

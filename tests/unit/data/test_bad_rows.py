@@ -7,6 +7,7 @@ import json
 import pytest
 
 from rlpost.data import DataError, LoadReport, load_prompt_file
+from rlpost.data.files import MAX_LINE_BYTES
 from rlpost.data.render import prepare_prompts, render_prompt
 from rlpost.models.tiny import build_char_tokenizer
 from rlpost.types import Prompt
@@ -17,6 +18,7 @@ BAD_ROWS = {  # reason -> raw JSONL line
     "invalid_json": b"{broken",
     "not_object": b"[1, 2]",
     "too_deep": b'{"question": "1+1=", "answer": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "line_too_long": b'{"question": "' + b"x" * MAX_LINE_BYTES + b'", "answer": "1"}',
     "empty_prompt": json.dumps({"question": "  ", "answer": "3"}).encode(),
     "missing_answer": json.dumps({"question": "2+2="}).encode(),
     "empty_answer": json.dumps({"question": "2+2=", "answer": ""}).encode(),

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 
 import pytest
 
 from rlpost.config import load_config
 from rlpost.data import DataError
+from rlpost.data.files import MAX_LINE_BYTES
 from rlpost.data.stream import PREFLIGHT_ROWS, StreamSampler, preflight
 from rlpost.pipeline import rules
 
@@ -81,6 +83,32 @@ def test_rows_are_read_lazily_a_chunk_at_a_time(tmp_path):
     s = _sampler(f, buffer=10)
     _draw(s, 3)
     assert s.report.rows == PREFLIGHT_ROWS  # one chunk read, not the file
+
+
+def test_an_over_long_line_is_a_bad_row_read_past_in_bounded_memory(tmp_path):
+    f = tmp_path / "d.jsonl"
+    huge = 16 * MAX_LINE_BYTES
+    with f.open("wb") as out:
+        out.write(b'{"prompt": "q1", "answer": "1"}\n{"prompt": "')
+        for _ in range(huge // MAX_LINE_BYTES):
+            out.write(b"x" * MAX_LINE_BYTES)
+        out.write(b'", "answer": "2"}\n{"prompt": "q3", "answer": "3"}\n')
+    s = _sampler(f)
+    tracemalloc.start()
+    try:
+        got = _draw(s, 2)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert sorted(got) == ["s/d.jsonl:1", "s/d.jsonl:3"]  # reading went on after line 2
+    assert peak < 3 * MAX_LINE_BYTES  # the 16 MiB line was never held
+    assert s.report.skipped_by_reason["line_too_long"] == 1
+    assert s.report.problems == [
+        f"{f}:2: line is {huge + 29:,} bytes; a row holds at most {MAX_LINE_BYTES:,} "
+        "[line_too_long]"
+    ]
+    with pytest.raises(DataError, match=r"d.jsonl:2: line is .* bytes; .*on_bad_row=skip"):
+        _draw(_sampler(f, on_bad_row="error"), 2)
 
 
 def test_parquet_streams_by_row_groups(tmp_path):
