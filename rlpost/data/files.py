@@ -1,5 +1,8 @@
 """User datasets in JSONL or Parquet with a prompt and an answer field.
 
+A ``.json`` file is JSON Lines too, unless it holds one array of rows (read whole; a row's
+``file:N`` is then its place in the array).
+
 A malformed row is either skipped and counted by reason or refused with the file
 and line, as ``data.on_bad_row`` says; it is never used silently. Bad rows are:
 bytes that are not UTF-8, a line longer than :data:`MAX_LINE_BYTES` (skipped
@@ -141,6 +144,8 @@ def _read_past_line(f: BinaryIO, size: int) -> int:
 
 def read_rows(path: Path) -> list[tuple[int, Any]]:
     """(line, row) of every non-blank row; a row that cannot be read is an exception in place."""
+    if is_json_array(path):
+        return array_rows(path)
     if path.suffix in (".jsonl", ".json"):
         with path.open("rb") as f:
             return list(jsonl_rows(f))
@@ -168,6 +173,29 @@ def read_rows(path: Path) -> list[tuple[int, Any]]:
             raise DataError(f"{path}: cannot read Parquet ({exc})") from None
         return [(i, row) for i, row in enumerate(table.to_pylist(), start=1)]
     raise DataError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl or .parquet")
+
+
+def is_json_array(path: Path) -> bool:
+    """Whether ``path`` is a ``.json`` file holding one JSON array (else it is JSON Lines,
+    as ``datasets``' ``to_json`` writes)."""
+    if path.suffix != ".json" or not path.is_file():
+        return False
+    with path.open("rb") as f:
+        while piece := f.read(4096):
+            if head := piece.lstrip():
+                return head.startswith(b"[")
+    return False
+
+
+def array_rows(path: Path) -> list[tuple[int, Any]]:
+    """(element number, row) of a ``.json`` file holding one array, read whole."""
+    try:  # the array is one level above its rows, which get the rows' bound
+        rows = safe_json.loads(path.read_bytes(), safe_json.MAX_DEPTH + 1)
+    except ValueError as exc:  # JSONDecodeError, TooDeep, UnicodeDecodeError
+        raise DataError(f"{path}: not a readable JSON array ({one_line(exc)})") from None
+    if not isinstance(rows, list):
+        raise DataError(f"{path}: holds one JSON value that is not an array; write one row a line")
+    return list(enumerate(rows, start=1))
 
 
 def unreadable(row: Any) -> Problem | None:

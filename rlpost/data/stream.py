@@ -1,6 +1,7 @@
 """A file source read lazily (``stream: true``): rows shuffled by a buffer, never loaded whole.
 
-A streamed JSONL file is read line by line, a Parquet file row group by row group; rows are
+A streamed JSONL file is read line by line (a ``.json`` file holding one array is refused:
+an array has no row boundary short of parsing it), a Parquet file row group by row group; rows are
 checked, rendered and fitted to the model as they are read (a bad row is skipped and
 counted with ``file:line`` the first time it is met, or refused as ``data.on_bad_row``
 says), and go through a shuffle buffer of ``shuffle_buffer`` rows: each row read replaces a
@@ -30,6 +31,7 @@ from rlpost.data.files import (
     DataError,
     LoadReport,
     check_row,
+    is_json_array,
     jsonl_rows,
     row_prompt,
     valid_rows,
@@ -71,6 +73,11 @@ def check_stream_path(path: str) -> Path:
         raise DataError(f"dataset {path!r} does not exist")
     if p.is_dir() or p.suffix not in STREAM_SUFFIXES:
         raise DataError(f"{path}: stream reads .jsonl or .parquet, not {p.suffix or 'a directory'}")
+    if is_json_array(p):
+        raise DataError(
+            f"{path}: holds one JSON array, which cannot be read a row at a time; write it as "
+            f"JSON Lines (jq -c '.[]' {p.name} > {p.stem}.jsonl) or set stream: false"
+        )
     return p
 
 

@@ -49,6 +49,17 @@ def test_skipped_rows_are_counted_by_reason(tmp_path):
     assert counts["train_skipped"] == len(BAD_ROWS) and counts["train_skipped_not_utf8"] == 1
 
 
+def test_a_json_array_file_loads_its_rows_by_place(tmp_path):
+    f = tmp_path / "d.json"
+    f.write_text(json.dumps([GOOD, {"question": "", "answer": "1"}, {**GOOD, "answer": "3"}]))
+    prompts, report = load_prompt_file(f, prompt_field="question", on_bad_row="skip")
+    assert [(p.uid, p.answer) for p in prompts] == [("d.json:1", "2"), ("d.json:3", "3")]
+    assert report.problems[0].startswith(f"{f}:2: field 'question' is missing")
+    f.write_text(json.dumps([GOOD])[:-1])
+    with pytest.raises(DataError, match=r"d.json: not a readable JSON array \(Expecting"):
+        load_prompt_file(f, prompt_field="question")
+
+
 @pytest.mark.parametrize(
     ("second", "template", "says", "kept", "reason"),
     [

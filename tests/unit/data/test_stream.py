@@ -111,6 +111,17 @@ def test_an_over_long_line_is_a_bad_row_read_past_in_bounded_memory(tmp_path):
         _draw(_sampler(f, on_bad_row="error"), 2)
 
 
+def test_a_json_array_is_refused_in_one_line_and_json_lines_stream(tmp_path):
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(1, 4)]
+    array = tmp_path / "a.json"
+    array.write_text("\n  " + json.dumps(rows, indent=2))
+    with pytest.raises(DataError, match=r"a.json: holds one JSON array") as err:
+        _sampler(array)
+    assert "\n" not in str(err.value) and "jq -c '.[]' a.json > a.jsonl" in str(err.value)
+    lines = _write(tmp_path / "l.json", 3)  # datasets' to_json writes JSON Lines as .json
+    assert sorted(_draw(_sampler(lines), 3)) == [f"s/l.json:{i}" for i in (1, 2, 3)]
+
+
 def test_parquet_streams_by_row_groups(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
