@@ -19,7 +19,9 @@ A template that rewrites history (Qwen3 drops the reasoning of earlier turns) br
 that prefix property; the conversation is then cut into one example per assistant
 turn, ``E_k`` with only turn ``k`` trained, which is exactly what the model sees at
 that turn. A template for which even ``P_k`` is not a prefix of ``E_k`` cannot be
-masked this way and the row is skipped as ``template_prefix``.
+masked this way and the row is skipped as ``template_prefix``. A conversation whose
+rendering up to its last trained turn is longer than the context is refused after that
+one rendering, before the per-turn ones (their cost grows with the square of the turns).
 
 A tokenizer without a chat template (the built-in character tokenizer) gets
 :data:`PLAIN_CHAT_TEMPLATE`, which is saved with the trained model, so ``rlpost
@@ -186,10 +188,18 @@ def encode_conversation(
     if last_turn_only:
         turns = turns[-1:]
     try:
-        full = _ids(tokenizer, msgs, False)
+        # Every example holds at least the rendering up to the last trained turn, so one
+        # render refuses a conversation too long for the context before the 2T prefix
+        # renders (quadratic in the turns) are made.
+        last = _ids(tokenizer, msgs[: turns[-1] + 1], False)
+        if len(last) > max_len:
+            return _too_long(len(last), max_len)
+        full = last if turns[-1] == len(msgs) - 1 else _ids(tokenizer, msgs, False)
         spans = [
-            (_ids(tokenizer, msgs[:k], True), _ids(tokenizer, msgs[: k + 1], False)) for k in turns
+            (_ids(tokenizer, msgs[:k], True), _ids(tokenizer, msgs[: k + 1], False))
+            for k in turns[:-1]
         ]
+        spans.append((_ids(tokenizer, msgs[: turns[-1]], True), last))
     except Exception as exc:  # jinja raises its own types (raise_exception in a template)
         return "template_error", f"the chat template cannot render this row ({exc})"
     for n, (head, whole) in enumerate(spans, start=1):
@@ -209,8 +219,12 @@ def encode_conversation(
         pieces = [(w, [0] * len(h) + [1] * (len(w) - len(h))) for h, w in spans]
     longest = max(len(ids) for ids, _ in pieces)
     if longest > max_len:
-        return "too_long", f"the conversation is {longest} tokens; the context holds {max_len}"
+        return _too_long(longest, max_len)
     return [_example(ids, mask, conv.uid) for ids, mask in pieces], not joint
+
+
+def _too_long(tokens: int, max_len: int) -> Problem:
+    return "too_long", f"the conversation is {tokens} tokens; the context holds {max_len}"
 
 
 def encode_conversations(

@@ -1,8 +1,12 @@
 """User datasets in JSONL or Parquet with a prompt and an answer field.
 
+A ``.json`` file is JSON Lines too, unless it holds one array of rows (read whole; a row's
+``file:N`` is then its place in the array).
+
 A malformed row is either skipped and counted by reason or refused with the file
 and line, as ``data.on_bad_row`` says; it is never used silently. Bad rows are:
-bytes that are not UTF-8, a line that is not JSON, JSON nested deeper than
+bytes that are not UTF-8, a line longer than :data:`MAX_LINE_BYTES` (skipped
+without being held in memory), a line that is not JSON, JSON nested deeper than
 64 levels, a row that is not an object,
 a missing or empty prompt, a missing or empty answer, a prompt template
 naming a field the row lacks, and a column named like a key only rlpost's own
@@ -23,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from rlpost.data import safe_json
 from rlpost.errors import one_line
@@ -31,6 +35,12 @@ from rlpost.types import Prompt
 
 # A problem with a row: (reason, one-line description). The reason is what is counted.
 Problem = tuple[str, str]
+
+MAX_LINE_BYTES = 1 << 20
+"""The longest JSONL line read as a row (1 MiB, newline excluded); a longer one is a bad row
+(``line_too_long``), read past in pieces so that no more than this is ever held."""
+
+_SKIP_PIECE = 1 << 16  # bytes read at a time while reading past an over-long line
 
 RESERVED = frozenset({"reasoning_gym"})
 """Metadata keys only rlpost's own sources set: a row's other columns become its metadata,
@@ -85,6 +95,11 @@ class _NotUTF8(Exception):
         super().__init__(f"byte 0x{exc.object[exc.start]:02x} at column {exc.start + 1}")
 
 
+class _TooLong(Exception):
+    def __init__(self, size: int) -> None:
+        super().__init__(f"line is {size:,} bytes; a row holds at most {MAX_LINE_BYTES:,}")
+
+
 BLANK = object()
 """What :func:`decode_line` gives for a blank line (not a row)."""
 
@@ -103,12 +118,37 @@ def decode_line(raw: bytes) -> Any:
         return exc
 
 
+def jsonl_rows(f: BinaryIO) -> Iterator[tuple[int, Any]]:
+    """(line, row) of every non-blank line of a JSONL file open in binary mode, read line by
+    line; a row that cannot be read is an exception in place (a line over
+    :data:`MAX_LINE_BYTES` too, read past without holding it)."""
+    line = 0
+    while raw := f.readline(MAX_LINE_BYTES + 1):
+        line += 1
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            yield line, _TooLong(_read_past_line(f, len(raw)))
+            continue
+        row = decode_line(raw)
+        if row is not BLANK:
+            yield line, row
+
+
+def _read_past_line(f: BinaryIO, size: int) -> int:
+    """Read the rest of a line a piece at a time; the line's length (``size`` bytes read)."""
+    while piece := f.readline(_SKIP_PIECE):
+        if piece.endswith(b"\n"):
+            return size + len(piece) - 1
+        size += len(piece)
+    return size
+
+
 def read_rows(path: Path) -> list[tuple[int, Any]]:
     """(line, row) of every non-blank row; a row that cannot be read is an exception in place."""
+    if is_json_array(path):
+        return array_rows(path)
     if path.suffix in (".jsonl", ".json"):
         with path.open("rb") as f:
-            rows = ((i, decode_line(raw)) for i, raw in enumerate(f, start=1))
-            return [(i, row) for i, row in rows if row is not BLANK]
+            return list(jsonl_rows(f))
     if path.is_dir():  # a ``datasets`` save_to_disk directory
         try:
             import datasets
@@ -135,10 +175,35 @@ def read_rows(path: Path) -> list[tuple[int, Any]]:
     raise DataError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl or .parquet")
 
 
+def is_json_array(path: Path) -> bool:
+    """Whether ``path`` is a ``.json`` file holding one JSON array (else it is JSON Lines,
+    as ``datasets``' ``to_json`` writes)."""
+    if path.suffix != ".json" or not path.is_file():
+        return False
+    with path.open("rb") as f:
+        while piece := f.read(4096):
+            if head := piece.lstrip():
+                return head.startswith(b"[")
+    return False
+
+
+def array_rows(path: Path) -> list[tuple[int, Any]]:
+    """(element number, row) of a ``.json`` file holding one array, read whole."""
+    try:  # the array is one level above its rows, which get the rows' bound
+        rows = safe_json.loads(path.read_bytes(), safe_json.MAX_DEPTH + 1)
+    except ValueError as exc:  # JSONDecodeError, TooDeep, UnicodeDecodeError
+        raise DataError(f"{path}: not a readable JSON array ({one_line(exc)})") from None
+    if not isinstance(rows, list):
+        raise DataError(f"{path}: holds one JSON value that is not an array; write one row a line")
+    return list(enumerate(rows, start=1))
+
+
 def unreadable(row: Any) -> Problem | None:
     """The problem of a row that is not a JSON object, or None."""
     if isinstance(row, _NotUTF8):
         return "not_utf8", f"not UTF-8 ({row})"
+    if isinstance(row, _TooLong):
+        return "line_too_long", str(row)
     if isinstance(row, json.JSONDecodeError):
         return "invalid_json", f"not valid JSON ({row.msg})"
     if isinstance(row, safe_json.TooDeep):

@@ -19,7 +19,8 @@ data, so they survive pickling to a worker.
 Known traps, checked by ``tests/integration/test_reasoning_gym_tasks.py``:
 - a few tasks draw their rows in an order that depends on Python's string hash, so
   another process (a resume) would see other rows: they are generated in a child
-  process with ``PYTHONHASHSEED=0`` unless this process already fixes it;
+  process with ``PYTHONHASHSEED=0`` unless this process already fixes it (the child does
+  not import from the working directory and is stopped after :data:`CHILD_TIMEOUT_S`);
 - tasks whose scorer is broken are refused at load with the reason (:data:`BROKEN`).
 """
 
@@ -66,6 +67,10 @@ class TaskEntry:
 
 STALL_DRAWS = 200
 """Draws in a row without a new question after which the task's space is taken as spent."""
+
+
+CHILD_TIMEOUT_S = 600.0
+"""How long the child that generates a :data:`HASH_SEEDED` task's rows may take."""
 
 
 def _import():
@@ -128,16 +133,31 @@ def draw(task: str, config: dict[str, Any], seed: int, wanted: int, max_draws: i
     return out, i + 1
 
 
-def _draw_fixed_hash(*args) -> tuple:
-    """:func:`draw` in a child process whose string hash is fixed (:data:`HASH_SEEDED`)."""
+def _draw_fixed_hash(*args, timeout: float = CHILD_TIMEOUT_S) -> tuple:
+    """:func:`draw` in a child process whose string hash is fixed (:data:`HASH_SEEDED`).
+
+    ``-P``: the child does not put the working directory on its path, where a
+    ``random.py`` or ``reasoning_gym.py`` would shadow the library (``-I`` would also drop
+    the ``PYTHONHASHSEED`` the child is started for). The arguments go through stdin, so
+    no size limit of the environment applies."""
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     code = (
         "import pickle, sys; from rlpost.data.reasoning_gym import draw; "
         "sys.stdout.buffer.write(pickle.dumps(draw(*pickle.loads(sys.stdin.buffer.read()))))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], input=pickle.dumps(args), capture_output=True, env=env
-    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-P", "-c", code],
+            input=pickle.dumps(args),
+            capture_output=True,
+            env=env,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        raise ValueError(
+            f"reasoning_gym.task={args[0]}: generating {args[3]} rows in a child process took "
+            f"over {timeout:g} s; lower train_size and eval_size or narrow its config"
+        ) from None
     if done.returncode != 0:
         tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:]
         raise ValueError(f"generating {args[0]} in a child process failed ({''.join(tail)})")

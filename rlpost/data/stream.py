@@ -1,6 +1,7 @@
 """A file source read lazily (``stream: true``): rows shuffled by a buffer, never loaded whole.
 
-A streamed JSONL file is read line by line, a Parquet file row group by row group; rows are
+A streamed JSONL file is read line by line (a ``.json`` file holding one array is refused:
+an array has no row boundary short of parsing it), a Parquet file row group by row group; rows are
 checked, rendered and fitted to the model as they are read (a bad row is skipped and
 counted with ``file:line`` the first time it is met, or refused as ``data.on_bad_row``
 says), and go through a shuffle buffer of ``shuffle_buffer`` rows: each row read replaces a
@@ -27,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from rlpost.data.files import (
-    BLANK,
     DataError,
     LoadReport,
     check_row,
-    decode_line,
+    is_json_array,
+    jsonl_rows,
     row_prompt,
     valid_rows,
 )
@@ -62,10 +63,7 @@ def raw_rows(path: Path) -> Iterator[tuple[int, Any]]:
             raise DataError(f"{path}: cannot read Parquet ({exc})") from None
         return
     with path.open("rb") as f:
-        for i, raw in enumerate(f, start=1):
-            row = decode_line(raw)
-            if row is not BLANK:
-                yield i, row
+        yield from jsonl_rows(f)
 
 
 def check_stream_path(path: str) -> Path:
@@ -75,6 +73,11 @@ def check_stream_path(path: str) -> Path:
         raise DataError(f"dataset {path!r} does not exist")
     if p.is_dir() or p.suffix not in STREAM_SUFFIXES:
         raise DataError(f"{path}: stream reads .jsonl or .parquet, not {p.suffix or 'a directory'}")
+    if is_json_array(p):
+        raise DataError(
+            f"{path}: holds one JSON array, which cannot be read a row at a time; write it as "
+            f"JSON Lines (jq -c '.[]' {p.name} > {p.stem}.jsonl) or set stream: false"
+        )
     return p
 
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from rlpost.data import DataError, LoadReport, load_prompt_file
+from rlpost.data.files import MAX_LINE_BYTES
 from rlpost.data.render import prepare_prompts, render_prompt
 from rlpost.models.tiny import build_char_tokenizer
 from rlpost.types import Prompt
@@ -17,6 +18,7 @@ BAD_ROWS = {  # reason -> raw JSONL line
     "invalid_json": b"{broken",
     "not_object": b"[1, 2]",
     "too_deep": b'{"question": "1+1=", "answer": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "line_too_long": b'{"question": "' + b"x" * MAX_LINE_BYTES + b'", "answer": "1"}',
     "empty_prompt": json.dumps({"question": "  ", "answer": "3"}).encode(),
     "missing_answer": json.dumps({"question": "2+2="}).encode(),
     "empty_answer": json.dumps({"question": "2+2=", "answer": ""}).encode(),
@@ -45,6 +47,17 @@ def test_skipped_rows_are_counted_by_reason(tmp_path):
     assert report.problems[0].startswith(f"{f}:2: not UTF-8 (byte 0xe9")
     counts = report.counts("train")
     assert counts["train_skipped"] == len(BAD_ROWS) and counts["train_skipped_not_utf8"] == 1
+
+
+def test_a_json_array_file_loads_its_rows_by_place(tmp_path):
+    f = tmp_path / "d.json"
+    f.write_text(json.dumps([GOOD, {"question": "", "answer": "1"}, {**GOOD, "answer": "3"}]))
+    prompts, report = load_prompt_file(f, prompt_field="question", on_bad_row="skip")
+    assert [(p.uid, p.answer) for p in prompts] == [("d.json:1", "2"), ("d.json:3", "3")]
+    assert report.problems[0].startswith(f"{f}:2: field 'question' is missing")
+    f.write_text(json.dumps([GOOD])[:-1])
+    with pytest.raises(DataError, match=r"d.json: not a readable JSON array \(Expecting"):
+        load_prompt_file(f, prompt_field="question")
 
 
 @pytest.mark.parametrize(

@@ -184,6 +184,26 @@ def test_an_over_long_row_is_refused_with_its_line(tok):
         )
 
 
+def test_a_long_conversation_is_too_long_after_one_rendering(tok):
+    msgs = []
+    for i in range(800):
+        msgs += [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
+    renders = []
+    real = tok.apply_chat_template
+
+    def counted(messages, **kw):
+        renders.append(len(messages))
+        return real(messages, **kw)
+
+    tok.apply_chat_template = counted
+    got = encode_conversation(Conversation(msgs, uid="c.jsonl:3"), tok, max_len=2048)
+    assert got[0] == "too_long" and got[1].endswith("tokens; the context holds 2048")
+    assert renders == [1600]  # not 2 * 800 + 1 renderings of its prefixes
+    renders.clear()
+    fits = encode_conversation(Conversation(msgs[:4], uid="c.jsonl:4"), tok, max_len=2048)
+    assert len(fits[0]) == 1 and sorted(renders) == [1, 2, 3, 4]
+
+
 def test_parquet_rows_load_like_jsonl(tmp_path, tok):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("reasoning_gym")
 
 from rlpost.config import ReasoningGymConfig, load_config
-from rlpost.data.reasoning_gym import HASH_SEEDED, generate_splits
+from rlpost.data.reasoning_gym import HASH_SEEDED, _draw_fixed_hash, generate_splits
 from rlpost.pipeline import rules
 from rlpost.rewards.reasoning_gym import ReasoningGymScorer, extract_answer
 from rlpost.types import RewardSample
@@ -60,6 +60,28 @@ def test_hash_dependent_task_rows_match_in_another_process():
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, env=env, check=True)
     assert pickle.loads(done.stdout) == here
+
+
+@pytest.mark.slow  # a Python process importing reasoning-gym
+def test_the_generator_child_ignores_modules_in_the_working_directory(tmp_path, monkeypatch):
+    for name in ("random", "reasoning_gym", "pickle"):
+        (tmp_path / f"{name}.py").write_text("raise SystemExit('shadowed')\n")
+    monkeypatch.chdir(tmp_path)
+    args = ("ransom_note", {}, 0, 3, 50)
+    entries, draws = _draw_fixed_hash(*args)
+    assert len(entries) == 3 and draws >= 3 and "question" in entries[0][1]
+
+
+def test_a_generator_child_that_hangs_is_stopped_with_its_task_named(tmp_path, monkeypatch):
+    (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(3600)\n")
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    monkeypatch.setenv("PYTHONPATH", path)
+    with pytest.raises(ValueError) as err:
+        _draw_fixed_hash("ransom_note", {}, 0, 3, 50, timeout=2)
+    assert str(err.value) == (
+        "reasoning_gym.task=ransom_note: generating 3 rows in a child process took over 2 s; "
+        "lower train_size and eval_size or narrow its config"
+    )
 
 
 def test_tasks_without_an_answer_are_allowed():

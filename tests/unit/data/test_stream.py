@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 
 import pytest
 
 from rlpost.config import load_config
 from rlpost.data import DataError
+from rlpost.data.files import MAX_LINE_BYTES
 from rlpost.data.stream import PREFLIGHT_ROWS, StreamSampler, preflight
 from rlpost.pipeline import rules
 
@@ -81,6 +83,43 @@ def test_rows_are_read_lazily_a_chunk_at_a_time(tmp_path):
     s = _sampler(f, buffer=10)
     _draw(s, 3)
     assert s.report.rows == PREFLIGHT_ROWS  # one chunk read, not the file
+
+
+def test_an_over_long_line_is_a_bad_row_read_past_in_bounded_memory(tmp_path):
+    f = tmp_path / "d.jsonl"
+    huge = 16 * MAX_LINE_BYTES
+    with f.open("wb") as out:
+        out.write(b'{"prompt": "q1", "answer": "1"}\n{"prompt": "')
+        for _ in range(huge // MAX_LINE_BYTES):
+            out.write(b"x" * MAX_LINE_BYTES)
+        out.write(b'", "answer": "2"}\n{"prompt": "q3", "answer": "3"}\n')
+    s = _sampler(f)
+    tracemalloc.start()
+    try:
+        got = _draw(s, 2)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert sorted(got) == ["s/d.jsonl:1", "s/d.jsonl:3"]  # reading went on after line 2
+    assert peak < 3 * MAX_LINE_BYTES  # the 16 MiB line was never held
+    assert s.report.skipped_by_reason["line_too_long"] == 1
+    assert s.report.problems == [
+        f"{f}:2: line is {huge + 29:,} bytes; a row holds at most {MAX_LINE_BYTES:,} "
+        "[line_too_long]"
+    ]
+    with pytest.raises(DataError, match=r"d.jsonl:2: line is .* bytes; .*on_bad_row=skip"):
+        _draw(_sampler(f, on_bad_row="error"), 2)
+
+
+def test_a_json_array_is_refused_in_one_line_and_json_lines_stream(tmp_path):
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(1, 4)]
+    array = tmp_path / "a.json"
+    array.write_text("\n  " + json.dumps(rows, indent=2))
+    with pytest.raises(DataError, match=r"a.json: holds one JSON array") as err:
+        _sampler(array)
+    assert "\n" not in str(err.value) and "jq -c '.[]' a.json > a.jsonl" in str(err.value)
+    lines = _write(tmp_path / "l.json", 3)  # datasets' to_json writes JSON Lines as .json
+    assert sorted(_draw(_sampler(lines), 3)) == [f"s/l.json:{i}" for i in (1, 2, 3)]
 
 
 def test_parquet_streams_by_row_groups(tmp_path):
