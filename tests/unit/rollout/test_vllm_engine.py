@@ -4,6 +4,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from rlpost.rollout import vllm_engine
 
@@ -20,3 +21,26 @@ def test_missing_extra_is_one_line(monkeypatch):
     )
     with pytest.raises(ImportError, match=r"\[vllm\] extra"):
         vllm_engine.VLLMEngine("x", tokenizer=None)
+
+
+def test_worker_extension_path_names_the_loader():
+    """vLLM imports the extension by this dotted path inside each worker."""
+    import importlib
+
+    from rlpost.rollout.vllm_worker import WeightLoader
+
+    module, _, name = vllm_engine.engine_args("m")["worker_extension_cls"].rpartition(".")
+    assert getattr(importlib.import_module(module), name) is WeightLoader
+
+
+def test_weight_file_holds_every_tensor_tied_ones_too(tmp_path):
+    """Tied weights share storage, which safetensors refuses; each name still arrives whole."""
+    from safetensors.torch import load_file
+
+    embed = torch.randn(5, 3)
+    named = [("embed.weight", embed), ("head.weight", embed), ("w", torch.randn(3, 4).t())]
+    path = vllm_engine.write_weights(named, tmp_path)
+    loaded = load_file(path)
+    assert sorted(loaded) == ["embed.weight", "head.weight", "w"]
+    for name, t in named:
+        assert torch.equal(loaded[name], t)

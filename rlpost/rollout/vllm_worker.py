@@ -1,0 +1,65 @@
+"""The part of ``rollout.engine=vllm`` that runs inside vLLM's workers.
+
+vLLM mixes :class:`WeightLoader` into each worker (``worker_extension_cls``), so
+``LLM.collective_rpc("rlpost_load_weights", ...)`` calls it by name: no pickled
+function crosses to the engine core, and vLLM's insecure serialisation stays off.
+
+The arguments of ``collective_rpc`` travel as msgpack, where a tensor without a
+type hint arrives as a plain list. So the tensors do not travel with the call:
+the engine writes them into one safetensors file on shared memory and sends its
+path; each worker maps the file and hands the tensors to vLLM's in-place reload,
+which runs the model's own ``load_weights`` (HF names onto fused and
+tensor-parallel parameters) and the backend's post-load processing. The file holds tensors only
+and loads without unpickling.
+
+Importing this module must stay cheap and import nothing of vLLM: the workers
+import it at start-up.
+"""
+
+from __future__ import annotations
+
+from safetensors import safe_open
+
+
+class WeightLoader:
+    """Worker extension: load a weight file into this worker's model, with a version."""
+
+    rlpost_version: int = 0
+
+    def rlpost_load_weights(self, path: str, version: int) -> tuple[int, int]:
+        """Copy the tensors of the safetensors file ``path`` into the model; returns
+        ``(version, tensors loaded)`` so the caller can check every worker took it."""
+        dtype = next(self.model_runner.get_model().parameters()).dtype
+        with safe_open(path, framework="pt") as f:
+            # The trainer's dtype (fp32 master weights) becomes the serving dtype here.
+            weights = [(name, f.get_tensor(name).to(dtype)) for name in f.keys()]
+        # vLLM's in-place reload, not the model's bare load_weights: backends that repack
+        # weights after loading (the CPU one does) leave the checkpoint-format parameters
+        # empty; the reload restores them, loads, and repacks into the same kernel tensors.
+        self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        _reprocess_tied(self.model_runner.get_model())
+        self.rlpost_version = version
+        return version, len(weights)
+
+    def rlpost_weights_version(self) -> int:
+        """The version of the weights this worker serves."""
+        return self.rlpost_version
+
+
+def _reprocess_tied(model) -> None:
+    """Run the post-load processing again on every layer whose weight another layer shares.
+
+    The reload processes a tied weight once, for one of its layers (the input embedding);
+    an output head tied to it keeps what its own processing built from the old weight (on
+    CPU a packed GEMM operand), and would score tokens with the old embedding. Where the
+    processing builds nothing (GPU), running it again changes nothing.
+    """
+    holders: dict[int, list] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None and getattr(module, "quant_method", None) is not None:
+            holders.setdefault(id(weight), []).append(module)
+    for modules in holders.values():
+        if len(modules) > 1:
+            for module in modules:
+                module.quant_method.process_weights_after_loading(module)
