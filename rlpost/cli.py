@@ -66,11 +66,9 @@ def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
 
 
 def _quiet_libraries() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers.utils import logging as hf_logging
+    from rlpost.models.loading import quiet_transformers
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    quiet_transformers()
 
 
 def _resume_recipe(args, recipe: str | None) -> str | None:

@@ -62,8 +62,10 @@ class Host:
     ) -> None:
         import torch
 
+        from rlpost.models.loading import quiet_transformers
         from rlpost.observe.threads import CoreShare, share_cores
 
+        quiet_transformers()  # a child process starts with transformers' defaults
         cfg = Config.model_validate(cfg_data)
         torch.manual_seed(cfg.run.seed)
         threads = cfg.run.threads if threads is None else threads

@@ -24,6 +24,19 @@ class ModelLoadError(RuntimeError):
     """A model directory that cannot be used, explained in one line."""
 
 
+def quiet_transformers() -> None:
+    """Silence transformers' own info logs and progress bars ("Loading weights", "Writing
+    model shards") in this process: rlpost's console says what a run is doing, and a worker
+    process writes to the same terminal. Its warnings and errors still show."""
+    import os
+
+    from transformers.utils import logging as hf_logging
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def load_tokenizer(path: str | Path):
     p = Path(path)
     if not p.is_dir():
