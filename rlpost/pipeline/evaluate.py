@@ -81,11 +81,16 @@ def episode_summary(episodes: list) -> dict[str, float]:
 def rollout_health(
     completions: list[Completion], scores: torch.Tensor, group: torch.Tensor
 ) -> dict[str, float]:
-    """Truncated fraction, zero-spread group fraction, reward stats, response length."""
+    """Truncated fraction, zero-spread group fraction, reward stats, response length.
+
+    ``reward_min`` and ``reward_max`` tell a plot whether the reward lies in [0, 1], where
+    its mean gets an interval that stays in [0, 1] (``observe.report.reward_band``)."""
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
     return {
         "reward_mean": float(scores.mean()),
         "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
+        "reward_min": float(scores.min()) if len(scores) else math.nan,
+        "reward_max": float(scores.max()) if len(scores) else math.nan,
         "response_length_mean": float(lengths.mean()),
         "response_length_max": float(lengths.max()),
         "truncated_frac": sum(c.truncated for c in completions) / len(completions),
