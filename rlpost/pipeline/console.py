@@ -104,15 +104,15 @@ class Console:
         table.add_column("start", justify="right")
         table.add_column("end", justify="right")
         table.add_row(
-            f"held-out accuracy (T={s['eval_temperature']:g})",
+            f"held-out accuracy (T={s['eval_temperature']:g}) ± 1 s.e.",
             _pct(s["eval_accuracy_start"], s.get("eval_accuracy_stderr_start")),
             _pct(s["eval_accuracy_end"], s.get("eval_accuracy_stderr_end")),
         )
         if s.get("eval_greedy_accuracy_start") is not None:
             table.add_row(
-                "held-out accuracy (greedy)",
-                _pct(s["eval_greedy_accuracy_start"]),
-                _pct(s["eval_greedy_accuracy_end"]),
+                "held-out accuracy (greedy) ± 1 s.e.",
+                _pct(s["eval_greedy_accuracy_start"], s.get("eval_greedy_accuracy_stderr_start")),
+                _pct(s["eval_greedy_accuracy_end"], s.get("eval_greedy_accuracy_stderr_end")),
             )
         for name, entry in (s.get("eval_sets") or {}).items():  # eval.sets: one row a metric
             for key in entry:
@@ -142,10 +142,11 @@ class Phase:
 
 
 def _pct(v, stderr=None) -> str:
-    """A percentage, with its standard error when it is an average over several samples."""
+    """A percentage, with its standard error (in percentage points) when one was measured:
+    0 too, which a held-out set that is all right or all wrong has."""
     if v is None:
         return "-"
-    return f"{v:.1%}" if not stderr else f"{v:.1%} ± {stderr * 100:.1f}"
+    return f"{v:.1%}" if stderr is None else f"{v:.1%} ± {stderr * 100:.1f}"
 
 
 def _num(v) -> str:

@@ -466,7 +466,9 @@ def _full_eval(r: Run, held_out) -> dict:
     if r.cfg.eval.sets:
         return out
     if r.cfg.eval.temperature > 0 and held_out:
-        out["eval_greedy_accuracy"] = _eval(r, held_out, greedy=True)["eval_accuracy"]
+        greedy = _eval(r, held_out, greedy=True)
+        out["eval_greedy_accuracy"] = greedy["eval_accuracy"]
+        out["eval_greedy_accuracy_stderr"] = greedy["eval_accuracy_stderr"]
     return out
 
 

@@ -189,6 +189,8 @@ def finish_run(
         "eval_accuracy_stderr_end": final_eval.get("eval_accuracy_stderr"),
         "eval_greedy_accuracy_start": first_eval.get("eval_greedy_accuracy"),
         "eval_greedy_accuracy_end": final_eval.get("eval_greedy_accuracy"),
+        "eval_greedy_accuracy_stderr_start": first_eval.get("eval_greedy_accuracy_stderr"),
+        "eval_greedy_accuracy_stderr_end": final_eval.get("eval_greedy_accuracy_stderr"),
         "eval_temperature": cfg.eval.temperature,
         "eval_problems": first_eval.get("eval_problems"),
         "steps": history[-1]["step"] if history else start_step,  # reached (a stop ends early)

@@ -52,3 +52,30 @@ def test_progress_false_prints_nothing():
         phase.grow(1)
         phase.advance(1)
     assert text.getvalue() == ""
+
+
+def test_the_end_of_run_table_shows_held_out_accuracy_with_its_standard_error(tmp_path):
+    c, text = console(enabled=False)  # the table shows with progress off too
+    summary = {
+        "eval_temperature": 1.0,
+        "eval_accuracy_start": 0.0,
+        "eval_accuracy_end": 0.4,
+        "eval_accuracy_stderr_start": 0.0,  # all wrong: measured, not missing
+        "eval_accuracy_stderr_end": 0.0346,
+        "eval_greedy_accuracy_start": 0.1,
+        "eval_greedy_accuracy_end": 0.5,
+        "eval_greedy_accuracy_stderr_start": 0.03,
+        "eval_greedy_accuracy_stderr_end": 0.05,
+        "reward_mean_first": 0.0,
+        "reward_mean_last": 0.4,
+        "steps": 10,
+        "wall_seconds": 12.0,
+    }
+    c.summary(summary, tmp_path)
+    rows = {
+        line.split("│")[1].strip(): line for line in text.getvalue().splitlines() if "│" in line
+    }
+    t_row = rows["held-out accuracy (T=1) ± 1 s.e."]
+    assert "0.0% ± 0.0" in t_row and "40.0% ± 3.5" in t_row
+    greedy = rows["held-out accuracy (greedy) ± 1 s.e."]
+    assert "10.0% ± 3.0" in greedy and "50.0% ± 5.0" in greedy
