@@ -111,6 +111,9 @@ def _draw(ax: Any, runs: Runs, keys: tuple[str, ...], smooth: float = 0.0) -> No
                 ax.fill_between(
                     band[0], band[1], band[2], alpha=0.25, label=band[3], color=f"C{colour}"
                 )
+    if keys[0] == "eval_accuracy":  # a fraction: the axis never shows what it cannot be
+        low, high = ax.get_ylim()
+        ax.set_ylim(max(low, -0.01), min(high, 1.01))
     legend = keys[0] == "reward_mean" or (keys[0] == "eval_accuracy" and stderr is not None)
     if len(runs) > 1 or legend or smooth > 0:
         ax.legend(loc="best", fontsize=8)
