@@ -68,11 +68,9 @@ def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
 
 
 def _quiet_libraries() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers.utils import logging as hf_logging
+    from rlpost.models.loading import quiet_transformers
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    quiet_transformers()
 
 
 def _resume_recipe(args, recipe: str | None) -> str | None:
@@ -178,25 +176,22 @@ def cmd_sft(args) -> int:
 def cmd_eval(args) -> int:
     cfg = _command_config(args)
     from rlpost.pipeline import build
-    from rlpost.pipeline.evaluate import evaluate
+    from rlpost.pipeline.console import Console
+    from rlpost.pipeline.eval_sets import held_out_eval
+    from rlpost.pipeline.rundir import load_policy_shown
 
     _, held_out, _ = build.build_data(cfg)
     if not held_out:
         raise ConfigError("nothing to evaluate: no held-out prompt was loaded")
     if cfg.eval.limit and not cfg.eval.sets:  # eval.sets: applied to each set at load
         held_out = held_out[: cfg.eval.limit]
-    model, tokenizer = build.build_policy(cfg)
+    console = Console(cfg.observe.progress)
+    model, tokenizer = load_policy_shown(cfg, console)
     rollout = build.build_rollout_worker(cfg, model, tokenizer)
     reward = build.build_reward_worker(cfg)
-    try:
-        params = build.eval_params(cfg, tokenizer.eos_token_id)
-        if cfg.eval.sets:  # eval/<set>/<metric>, as a training run reports them
-            from rlpost.pipeline.eval_sets import evaluate_sets
-
-            greedy = build.eval_params(cfg, tokenizer.eos_token_id, greedy=True)
-            result = evaluate_sets(cfg, rollout, reward, held_out, params, greedy)
-        else:
-            result = evaluate(rollout, reward, held_out, params, samples=cfg.eval.samples)
+    try:  # eval.sets: eval/<set>/<metric>, as a training run reports them
+        eos = tokenizer.eos_token_id
+        result = held_out_eval(cfg, rollout, reward, held_out, eos, console, greedy=False)
     finally:
         rollout.close()
         reward.close()

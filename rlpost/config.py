@@ -705,7 +705,8 @@ class ObserveConfig(Section):
     name: tensorboard (RUN_DIR/tb), wandb (offline into RUN_DIR unless WANDB_MODE says
     otherwise), mlflow (a file store in RUN_DIR/mlruns unless MLFLOW_TRACKING_URI is set)."""
     progress: bool = True
-    """Show a live progress bar."""
+    """Show progress on stderr: a line and a live bar for each long phase (model loading,
+    held-out evaluation, warm-up, RL steps). The end-of-run table shows either way."""
     plot: bool = True
     """Write RUN_DIR/curves.png at the end."""
     guards: GuardConfig = GuardConfig()

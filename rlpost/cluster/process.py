@@ -62,8 +62,10 @@ class Host:
     ) -> None:
         import torch
 
+        from rlpost.models.loading import quiet_transformers
         from rlpost.observe.threads import CoreShare, share_cores
 
+        quiet_transformers()  # a child process starts with transformers' defaults
         cfg = Config.model_validate(cfg_data)
         torch.manual_seed(cfg.run.seed)
         threads = cfg.run.threads if threads is None else threads
@@ -430,15 +432,16 @@ def start_process_workers(cfg: Config, run_dir: Path, train_prompts, console, *,
             f"{'s' if lend != 1 else ''} while the rollout process has no call running",
             flush=True,
         )
-    trainer = start_trainers(cfg, run_dir, flag, lend)
-    try:
-        if cfg.cluster.rollout_workers > 1:
-            rollout = run_fleet(ProcessSpawner(cfg, run_dir), cfg, run_dir)
-        else:
-            rollout = ProcessWorker("rollout", "rollout_factory", cfg, run_dir, cores=flag)
-    except WorkerError:
-        trainer.close()
-        raise
+    with console.phase("starting the trainer and rollout processes (each loads the model)"):
+        trainer = start_trainers(cfg, run_dir, flag, lend)
+        try:
+            if cfg.cluster.rollout_workers > 1:
+                rollout = run_fleet(ProcessSpawner(cfg, run_dir), cfg, run_dir)
+            else:
+                rollout = ProcessWorker("rollout", "rollout_factory", cfg, run_dir, cores=flag)
+        except WorkerError:
+            trainer.close()
+            raise
     return Workers(trainer, rollout, build.build_reward_worker(cfg))
 
 

@@ -36,6 +36,19 @@ def _gguf(path: str | Path) -> Path | None:
     return gguf.gguf_file(path)
 
 
+def quiet_transformers() -> None:
+    """Silence transformers' own info logs and progress bars ("Loading weights", "Writing
+    model shards") in this process: rlpost's console says what a run is doing, and a worker
+    process writes to the same terminal. Its warnings and errors still show."""
+    import os
+
+    from transformers.utils import logging as hf_logging
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def load_tokenizer(path: str | Path):
     if (file := _gguf(path)) is not None:
         from rlpost.models import gguf

@@ -41,7 +41,7 @@ DEFAULT_SMOOTHING = 0.6
 UNSMOOTHED = ("eval_accuracy", "lr")  # measured exactly, not noisy: smoothing would only lag
 
 PLOTS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("Reward (mean ± std)", ("reward_mean", "reward_std")),
+    ("Reward mean", ("reward_mean", "reward_std")),
     ("Held-out accuracy", ("eval_accuracy",)),
     ("Policy loss", ("loss",)),
     ("Gradient norm (before clipping)", ("grad_norm",)),
@@ -96,21 +96,91 @@ def _draw(ax: Any, runs: Runs, keys: tuple[str, ...], smooth: float = 0.0) -> No
         steps, values = _series(metrics, keys[0])
         label = name if len(runs) > 1 else ("mean" if keys[0] == "reward_mean" else keys[0])
         style = {"color": f"C{colour}", "marker": marker}
+        stderr = _stderr(metrics, steps) if keys[0] == "eval_accuracy" else None
         if smooth > 0 and len(values) > 2 and keys[0] not in UNSMOOTHED:
             ax.plot(steps, values, alpha=0.25, color=f"C{colour}")
             ax.plot(steps, ema(values, smooth), label=f"{label} (smoothed)", color=f"C{colour}")
+        elif stderr is not None:
+            label = label if len(runs) > 1 else "accuracy ± 1 s.e. over problems"
+            ax.errorbar(steps, values, yerr=stderr, label=label, capsize=3, **style)
         else:
             ax.plot(steps, values, label=label, **style)
         if keys == ("reward_mean", "reward_std") and len(runs) == 1:
-            std = dict(zip(*_series(metrics, "reward_std"), strict=True))
-            if std:
-                low = [v - std.get(s, 0.0) for s, v in zip(steps, values, strict=True)]
-                high = [v + std.get(s, 0.0) for s, v in zip(steps, values, strict=True)]
-                ax.fill_between(steps, low, high, alpha=0.25, label="± std", color=f"C{colour}")
-    if len(runs) > 1 or keys[0] == "reward_mean" or smooth > 0:
+            band = reward_band(metrics)
+            if band is not None:
+                ax.fill_between(
+                    band[0], band[1], band[2], alpha=0.25, label=band[3], color=f"C{colour}"
+                )
+    if keys[0] == "eval_accuracy":  # a fraction: the axis never shows what it cannot be
+        low, high = ax.get_ylim()
+        ax.set_ylim(max(low, -0.01), min(high, 1.01))
+    legend = keys[0] == "reward_mean" or (keys[0] == "eval_accuracy" and stderr is not None)
+    if len(runs) > 1 or legend or smooth > 0:
         ax.legend(loc="best", fontsize=8)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
+
+
+def _stderr(metrics: list[dict[str, Any]], steps: list[float]) -> list[float] | None:
+    """``eval_accuracy_stderr`` at each of ``steps`` (0 where missing); None if never recorded."""
+    by_step = dict(zip(*_series(metrics, "eval_accuracy_stderr"), strict=True))
+    return [by_step.get(s, 0.0) for s in steps] if by_step else None
+
+
+WILSON_Z = 1.96
+"""The normal quantile of a two-sided 95% interval."""
+
+
+def wilson_interval(mean: float, n: float, z: float = WILSON_Z) -> tuple[float, float]:
+    """The Wilson score interval of a proportion ``mean`` over ``n`` trials (Wilson 1927,
+    eq. 1; Brown, Cai and DasGupta 2001 recommend it over the normal interval). It lies in
+    [0, 1] and keeps its width at a mean of 0 or 1, where mean ± std collapses to a point."""
+    if n <= 0:
+        return mean, mean
+    denom = 1 + z * z / n
+    centre = (mean + z * z / (2 * n)) / denom
+    half = z * math.sqrt(max(mean * (1 - mean), 0.0) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def reward_band(
+    metrics: list[dict[str, Any]],
+) -> tuple[list[float], list[float], list[float], str] | None:
+    """(steps, low, high, legend label) of the band drawn around the reward mean.
+
+    A reward whose every recorded value lies in [0, 1] (``reward_min``, ``reward_max``), a
+    0/1 verifiable reward above all, gets the 95% Wilson interval of each step's mean over
+    its ``completions``: it stays in [0, 1] where mean ± std of a 0/1 reward runs below 0
+    whenever the mean is under 0.5. For a reward in [0, 1] that is not 0/1 the interval is
+    conservative (its variance is at most mean * (1 - mean)). Any other reward gets
+    mean ± std. None when neither can be drawn.
+    """
+    rows = [r for r in metrics if _finite(r.get("reward_mean"))]
+    bounded = bool(rows) and all(
+        _finite(r.get("reward_min"))
+        and _finite(r.get("reward_max"))
+        and r["reward_min"] >= 0.0
+        and r["reward_max"] <= 1.0
+        and _finite(r.get("completions"))
+        for r in rows
+    )
+    if bounded:
+        bounds = [wilson_interval(r["reward_mean"], r["completions"]) for r in rows]
+        label = "95% interval of the mean (Wilson)"
+    elif rows and any(_finite(r.get("reward_std")) for r in rows):
+        spread = [r.get("reward_std") if _finite(r.get("reward_std")) else 0.0 for r in rows]
+        bounds = [
+            (r["reward_mean"] - s, r["reward_mean"] + s) for r, s in zip(rows, spread, strict=True)
+        ]
+        label = "± std"
+    else:
+        return None
+    steps = [float(r["step"]) for r in rows]
+    return steps, [b[0] for b in bounds], [b[1] for b in bounds], label
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
 
 
 def _plot_block(runs: Runs, smooth: float = 0.0) -> tuple[list[str], list[str]]:
@@ -179,6 +249,16 @@ def _first_last(metrics: list[dict[str, Any]], key: str) -> str | None:
     return f"{values[0]:.4g} -> {values[-1]:.4g}" if values else None
 
 
+def _with_stderr(metrics: list[dict[str, Any]], line: str) -> str:
+    """The eval accuracy line with each end's standard error over problems, when recorded."""
+    steps, values = _series(metrics, "eval_accuracy")
+    stderr = _stderr(metrics, steps)
+    if stderr is None:
+        return line
+    ends = [f"{values[i]:.4g} ± {stderr[i]:.2g}" for i in (0, -1)]
+    return f"eval accuracy: {ends[0]} -> {ends[1]} (± 1 s.e. over problems)"
+
+
 def summarize(run_dir: Path) -> str:
     """A short text summary: steps, reward first/last, eval accuracy, last KL, wall time."""
     run_dir = Path(run_dir)
@@ -191,6 +271,7 @@ def summarize(run_dir: Path) -> str:
     for label, key in (("reward mean", "reward_mean"), ("eval accuracy", "eval_accuracy")):
         change = _first_last(metrics, key)
         lines.append(f"{label}: {change if change else 'not recorded'}")
+    lines[-1] = _with_stderr(metrics, lines[-1])
     kl = _series(metrics, "kl")[1]
     lines.append(f"kl (last): {kl[-1]:.4g} nats/token" if kl else "kl (last): not recorded")
     wall = _read_summary(run_dir).get("wall_seconds")

@@ -158,7 +158,7 @@ def build_policy(cfg: Config):
         cfg.model.path, tiny_shape=cfg.model.tiny.model_dump(), seed=cfg.run.seed, dtype="float32"
     )
     if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
         model.config.use_cache = False
     return model, tokenizer
 

@@ -1,7 +1,15 @@
-"""What the user sees: a live progress bar and the end-of-run table (rich)."""
+"""What the user sees: a live progress bar and the end-of-run table (rich).
+
+Every phase that can run for minutes (model loading, held-out evaluation, the
+warm-up, RL steps) shows a bar with what it is doing, and a phase starts with one
+line saying so, which also reaches a log that is not a terminal (where rich draws
+no live bar). ``observe.progress=false`` turns all of it off but the end-of-run table.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console as RichConsole
@@ -12,9 +20,9 @@ from rich.table import Table
 class Console:
     """Progress for warm-up and RL steps; quiet when ``enabled`` is False (tests, CI logs)."""
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, out: RichConsole | None = None) -> None:
         self.enabled = enabled
-        self.out = RichConsole(stderr=True)
+        self.out = out or RichConsole(stderr=True)
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -35,7 +43,35 @@ class Console:
         self.progress.update(task, advance=1, info=info)
 
     def done(self, task) -> None:
-        self.progress.stop()
+        """End ``task``'s bar where it is (a stopped warm-up ends early)."""
+        done = next(t for t in self.progress.tasks if t.id == task)
+        end = done.completed if done.total is not None else 1  # a length unknown until now
+        self.progress.update(task, total=end, completed=end)
+        self._settle()
+
+    @contextmanager
+    def phase(self, name: str, total: int | None = None) -> Iterator[Phase]:
+        """A bar for one long phase (``total`` None: its length is unknown). When it ends
+        beside a running bar (the RL steps) it is removed; alone, it stays printed as it
+        ended, with its time."""
+        if self.enabled:
+            self.out.print(f"{name} ...")
+        self.progress.start()
+        task = self.progress.add_task(name, total=total, info="")
+        try:
+            yield Phase(self.progress, task)
+        finally:
+            if any(t.id != task for t in self.progress.tasks):
+                self.progress.remove_task(task)
+            else:
+                self.done(task)
+
+    def _settle(self) -> None:
+        """Stop the live display once no bar is running; the finished bars stay printed."""
+        if all(t.finished for t in self.progress.tasks):
+            self.progress.stop()
+            for t in list(self.progress.tasks):
+                self.progress.remove_task(t.id)
 
     def start(self, total: int, completed: int) -> None:
         self.progress.start()
@@ -68,15 +104,15 @@ class Console:
         table.add_column("start", justify="right")
         table.add_column("end", justify="right")
         table.add_row(
-            f"held-out accuracy (T={s['eval_temperature']:g})",
+            f"held-out accuracy (T={s['eval_temperature']:g}) ± 1 s.e.",
             _pct(s["eval_accuracy_start"], s.get("eval_accuracy_stderr_start")),
             _pct(s["eval_accuracy_end"], s.get("eval_accuracy_stderr_end")),
         )
         if s.get("eval_greedy_accuracy_start") is not None:
             table.add_row(
-                "held-out accuracy (greedy)",
-                _pct(s["eval_greedy_accuracy_start"]),
-                _pct(s["eval_greedy_accuracy_end"]),
+                "held-out accuracy (greedy) ± 1 s.e.",
+                _pct(s["eval_greedy_accuracy_start"], s.get("eval_greedy_accuracy_stderr_start")),
+                _pct(s["eval_greedy_accuracy_end"], s.get("eval_greedy_accuracy_stderr_end")),
             )
         for name, entry in (s.get("eval_sets") or {}).items():  # eval.sets: one row a metric
             for key in entry:
@@ -90,11 +126,27 @@ class Console:
         self.out.print(f"metrics: {run_dir / 'metrics.jsonl'}   plot: {run_dir / 'curves.png'}")
 
 
+class Phase:
+    """The bar of one phase: ``grow`` adds to its total as the phase learns it (a held-out
+    evaluation of several sets), ``advance`` counts work done."""
+
+    def __init__(self, progress: Progress, task) -> None:
+        self.progress, self.task = progress, task
+
+    def grow(self, n: int) -> None:
+        task = next(t for t in self.progress.tasks if t.id == self.task)
+        self.progress.update(self.task, total=(task.total or 0) + n)
+
+    def advance(self, n: int, info: str = "") -> None:
+        self.progress.update(self.task, advance=n, info=info)
+
+
 def _pct(v, stderr=None) -> str:
-    """A percentage, with its standard error when it is an average over several samples."""
+    """A percentage, with its standard error (in percentage points) when one was measured:
+    0 too, which a held-out set that is all right or all wrong has."""
     if v is None:
         return "-"
-    return f"{v:.1%}" if not stderr else f"{v:.1%} ± {stderr * 100:.1f}"
+    return f"{v:.1%}" if stderr is None else f"{v:.1%} ± {stderr * 100:.1f}"
 
 
 def _num(v) -> str:

@@ -10,6 +10,9 @@ sample at temperature 0. A sample is correct when it scores above 0.5.
 Keys, this module their one owner: ``eval/<set>/<metric>`` (each a mean over the
 set's problems), ``eval/<set>/problems`` and ``eval/<set>/reward_mean`` (the
 sampled completions' mean score).
+
+:func:`held_out_eval` is the one held-out evaluation a training run and ``rlpost eval``
+both run: the sets, or the single held-out accuracy when there are none.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from dataclasses import replace
 from rlpost.algos.eval_metrics import parse_metric, problem_metric
 from rlpost.config import Config, EvalSetConfig
 from rlpost.data.sources import by_source
-from rlpost.pipeline.evaluate import sample_groups
+from rlpost.pipeline import build
+from rlpost.pipeline.evaluate import eval_label, evaluate, sample_groups
 from rlpost.rewards.answers import answer_extractor
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.types import Group, Prompt
@@ -58,9 +62,11 @@ def evaluate_sets(
     prompts: list[Prompt],
     sampled: SamplingParams,
     greedy: SamplingParams | None,
+    progress=None,
 ) -> dict[str, float]:
     """``eval/<set>/<metric>`` of every set; ``greedy=None`` leaves the greedy metric out
-    (the evaluations between the start and the end)."""
+    (the evaluations between the start and the end). ``progress`` counts the samples
+    (:func:`rlpost.pipeline.evaluate.sample_groups`)."""
     rows = by_source(prompts)
     out: dict[str, float] = {}
     for i, s in enumerate(cfg.eval.sets):
@@ -74,13 +80,30 @@ def evaluate_sets(
             params = replace(
                 sampled, seed=None if sampled.seed is None else sampled.seed + i * 7919
             )
-            groups = sample_groups(rollout, reward, part, params, s.n)
+            groups = sample_groups(rollout, reward, part, params, s.n, progress=progress)
             values |= set_metrics(s, groups, answer_extractor(set_terms(cfg, s)), len(part))
         if "greedy" in s.metrics and greedy is not None:
-            groups = sample_groups(rollout, reward, part, greedy, 1)
+            groups = sample_groups(rollout, reward, part, greedy, 1, progress=progress)
             values["greedy"] = sum(bool(g.scores) and g.scores[0] > 0.5 for g in groups) / len(part)
         out.update({key + k: float(v) for k, v in values.items()})
     return out
+
+
+def held_out_eval(
+    cfg: Config, rollout, reward, prompts: list[Prompt], eos_id: int, console, *, greedy: bool
+) -> dict[str, float]:
+    """The held-out metrics at ``eval.temperature`` (``greedy``: at 0): every set's of
+    ``eval.sets``, or :func:`evaluate`'s, with a phase on ``console`` showing the samples."""
+    params = build.eval_params(cfg, eos_id, greedy=greedy)
+    label = eval_label(len(prompts), cfg.eval.samples, params.temperature, len(cfg.eval.sets))
+    with console.phase(label) as progress:
+        if not cfg.eval.sets:
+            return evaluate(
+                rollout, reward, prompts, params, samples=cfg.eval.samples, progress=progress
+            )
+        # every metric of every set, greedy included, each time
+        greedy_params = build.eval_params(cfg, eos_id, greedy=True)
+        return evaluate_sets(cfg, rollout, reward, prompts, params, greedy_params, progress)
 
 
 def per_set_summary(cfg: Config, first: dict, final: dict) -> dict[str, dict]:

@@ -19,18 +19,19 @@ def evaluate(
     params: SamplingParams,
     chunk: int = 256,
     samples: int = 1,
+    progress=None,
 ) -> dict[str, float]:
     """Accuracy (fraction of completions whose score is > 0.5) and mean score on ``prompts``.
 
     ``rollout`` and ``reward`` are the run's workers (any implementation of their
     protocols). ``samples`` completions per problem (greedy: always one):
     accuracy is their mean, the pass@1 estimate, and ``eval_accuracy_stderr`` is
-    the standard error of that mean over problems.
+    the standard error of that mean over problems. ``progress``: see :func:`sample_groups`.
     """
     if not prompts:
         return {}
     k = 1 if params.temperature == 0 else samples
-    groups = sample_groups(rollout, reward, prompts, params, k, chunk)
+    groups = sample_groups(rollout, reward, prompts, params, k, chunk, progress)
     # A prompt whose samples were dropped (a failed harness, engine or reward) counts as
     # wrong: the accuracy is over every held-out problem, never over what came back.
     per_problem = [sum(s > 0.5 for s in g.scores) / k for g in groups]
@@ -51,17 +52,41 @@ def evaluate(
     }
 
 
+def eval_label(problems: int, samples: int, temperature: float, sets: int = 0) -> str:
+    """What a held-out evaluation is doing, in words (its progress bar's name)."""
+    if sets:
+        return f"held-out evaluation: {problems} problems in {sets} sets"
+    if temperature == 0:
+        return f"held-out evaluation: {problems} problems, greedy"
+    return f"held-out evaluation: {problems} problems x {samples} samples at T={temperature:g}"
+
+
 def sample_groups(
-    rollout, reward, prompts: list[Prompt], params: SamplingParams, k: int, chunk: int = 256
+    rollout,
+    reward,
+    prompts: list[Prompt],
+    params: SamplingParams,
+    k: int,
+    chunk: int = 256,
+    progress=None,
 ) -> list[Group]:
-    """``k`` scored samples of every prompt, generated ``chunk`` sequences at a time."""
+    """``k`` scored samples of every prompt, generated ``chunk`` sequences at a time.
+
+    ``progress`` (a :class:`rlpost.pipeline.console.Phase`, or None) counts the samples:
+    its total grows by ``len(prompts) * k`` first, then it advances once per chunk.
+    """
     out: list[Group] = []
     per_chunk = max(1, chunk // k)
+    if progress is not None:
+        progress.grow(len(prompts) * k)
     for lo in range(0, len(prompts), per_chunk):
         # Each chunk its own seed, or every chunk would replay the same random stream.
         call = params if params.seed is None else replace(params, seed=params.seed + lo)
-        generated = rollout.generate(prompts[lo : lo + per_chunk], call, k).groups
+        part = prompts[lo : lo + per_chunk]
+        generated = rollout.generate(part, call, k).groups
         out += reward.score(generated, params.max_tokens, training=False)
+        if progress is not None:
+            progress.advance(len(part) * k)
     return out
 
 
@@ -81,11 +106,16 @@ def episode_summary(episodes: list) -> dict[str, float]:
 def rollout_health(
     completions: list[Completion], scores: torch.Tensor, group: torch.Tensor
 ) -> dict[str, float]:
-    """Truncated fraction, zero-spread group fraction, reward stats, response length."""
+    """Truncated fraction, zero-spread group fraction, reward stats, response length.
+
+    ``reward_min`` and ``reward_max`` tell a plot whether the reward lies in [0, 1], where
+    its mean gets an interval that stays in [0, 1] (``observe.report.reward_band``)."""
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
     return {
         "reward_mean": float(scores.mean()),
         "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
+        "reward_min": float(scores.min()) if len(scores) else math.nan,
+        "reward_max": float(scores.max()) if len(scores) else math.nan,
         "response_length_mean": float(lengths.mean()),
         "response_length_max": float(lengths.max()),
         "truncated_frac": sum(c.truncated for c in completions) / len(completions),

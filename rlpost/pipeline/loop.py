@@ -41,8 +41,7 @@ from rlpost.observe.metrics import merge_metrics
 from rlpost.observe.threads import start_threads
 from rlpost.pipeline import build, rules
 from rlpost.pipeline.console import Console
-from rlpost.pipeline.eval_sets import evaluate_sets, per_set_summary
-from rlpost.pipeline.evaluate import evaluate
+from rlpost.pipeline.eval_sets import held_out_eval, per_set_summary
 from rlpost.pipeline.feeds import (
     OverlapFeed,
     PromptSource,
@@ -109,6 +108,7 @@ class Run:
     on_groups: Callable | None = None
     learn: LearnabilityCheck | None = None  # "cannot learn" warnings at the first steps
     eval_seconds: float = 0.0  # wall time spent in held-out evaluation
+    console: Console | None = None  # held-out evaluation shows its progress here
 
 
 def start_workers(cfg: Config, run_dir: Path, train_prompts, console, *, resuming: bool) -> Workers:
@@ -153,7 +153,7 @@ def train(
     r = None
     try:
         r = _new_run(cfg, run_dir, workers, train_prompts, ckpt)
-        r.on_groups = on_groups
+        r.on_groups, r.console = on_groups, console
         r.weights = build_weight_path(cfg, workers.rollout, run_dir)
         step, pending = _restore(r, ckpt) if ckpt is not None else (_push(r), [])
         r.weights.take_sent()  # the starting weights are no step's sync
@@ -454,12 +454,8 @@ def _push(r: Run) -> int:
 
 def _eval(r: Run, held_out, *, greedy: bool) -> dict:
     t0 = time.perf_counter()
-    params = build.eval_params(r.cfg, r.eos_id, greedy=greedy)
-    if r.cfg.eval.sets:  # every metric of every set, greedy included, each time
-        greedy_params = build.eval_params(r.cfg, r.eos_id, greedy=True)
-        out = evaluate_sets(r.cfg, r.w.rollout, r.w.reward, held_out, params, greedy_params)
-    else:
-        out = evaluate(r.w.rollout, r.w.reward, held_out, params, samples=r.cfg.eval.samples)
+    console = r.console or Console(enabled=False)
+    out = held_out_eval(r.cfg, r.w.rollout, r.w.reward, held_out, r.eos_id, console, greedy=greedy)
     r.eval_seconds += time.perf_counter() - t0
     return out
 
@@ -470,7 +466,9 @@ def _full_eval(r: Run, held_out) -> dict:
     if r.cfg.eval.sets:
         return out
     if r.cfg.eval.temperature > 0 and held_out:
-        out["eval_greedy_accuracy"] = _eval(r, held_out, greedy=True)["eval_accuracy"]
+        greedy = _eval(r, held_out, greedy=True)
+        out["eval_greedy_accuracy"] = greedy["eval_accuracy"]
+        out["eval_greedy_accuracy_stderr"] = greedy["eval_accuracy_stderr"]
     return out
 
 

@@ -147,13 +147,22 @@ def _warm_up_policy(sft_dir: Path):
         raise ModelLoadError(f"{exc}; move {sft_dir} aside to run the warm-up again") from None
 
 
+def load_policy_shown(cfg: Config, console):
+    """:func:`build.build_policy`, a phase on ``console`` (None in a worker process: the
+    driver shows that one) when it loads a model directory."""
+    if cfg.model.path is None or console is None:  # the built-in tiny model: built at once
+        return build.build_policy(cfg)
+    with console.phase(f"loading the model from {cfg.model.path}"):
+        return build.build_policy(cfg)
+
+
 def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: bool):
     """(model, tokenizer) of the starting policy: loaded, then SFT warm-up when configured.
 
     When resuming, the checkpoint supplies the weights, so SFT is skipped; an
     SFT model already in the run directory is reused rather than retrained.
     """
-    model, tokenizer = build.build_policy(cfg)
+    model, tokenizer = load_policy_shown(cfg, console)
     sft_dir = run_dir / "sft_model"
     have_sft = (sft_dir / "config.json").is_file()
     if skip_sft and have_sft and cfg.model.lora.rank > 0:
@@ -198,6 +207,8 @@ def finish_run(
         "eval_accuracy_stderr_end": final_eval.get("eval_accuracy_stderr"),
         "eval_greedy_accuracy_start": first_eval.get("eval_greedy_accuracy"),
         "eval_greedy_accuracy_end": final_eval.get("eval_greedy_accuracy"),
+        "eval_greedy_accuracy_stderr_start": first_eval.get("eval_greedy_accuracy_stderr"),
+        "eval_greedy_accuracy_stderr_end": final_eval.get("eval_greedy_accuracy_stderr"),
         "eval_temperature": cfg.eval.temperature,
         "eval_problems": first_eval.get("eval_problems"),
         "steps": history[-1]["step"] if history else start_step,  # reached (a stop ends early)

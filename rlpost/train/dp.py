@@ -110,14 +110,11 @@ def shard_model(model: nn.Module, *, bf16: bool = False, trainable: bool = True)
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
             dist.broadcast(t.data, src=0)
-    flag = (
-        "is_activation_checkpointing"  # the name from transformers 5.x on
-        if hasattr(type(model), "is_activation_checkpointing")
-        else "is_gradient_checkpointing"
-    )
-    if getattr(model, flag, False):
-        model.gradient_checkpointing_disable()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if getattr(model, "is_activation_checkpointing", False):
+        model.activation_checkpointing_disable()
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if bf16

@@ -51,7 +51,7 @@ CASES = [
 def _model(checkpointing: bool = False):
     model = build_tiny_model(build_char_tokenizer(), seed=0, **SHAPE)
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
         model.config.use_cache = False
     return model
 

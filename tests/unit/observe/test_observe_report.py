@@ -7,9 +7,20 @@ import math
 
 import matplotlib.image
 import pytest
+from matplotlib.container import ErrorbarContainer
+from matplotlib.figure import Figure
 
 from rlpost.observe.recorder import Recorder
-from rlpost.observe.report import ema, main, plot_curves, summarize, write_report
+from rlpost.observe.report import (
+    _draw,
+    ema,
+    main,
+    plot_curves,
+    reward_band,
+    summarize,
+    wilson_interval,
+    write_report,
+)
 
 
 def make_run(run_dir, *, steps=12, samples=True, summary=True):
@@ -136,3 +147,77 @@ def test_several_runs_are_overlaid_in_one_comparison(tmp_path, capsys):
     assert page.count('<img alt="') == 5  # one set of axes per metric, both runs on it
     assert "<h3>dapo</h3>" in page and not (b / "compare.html").exists()
     assert main([str(a), "--smooth", "1.5"]) == 2
+
+
+def zero_one_rows(means, n=16):
+    """Rows of a 0/1 reward: ``round(mean * n)`` ones among ``n`` samples each step."""
+    rows = []
+    for step, mean in enumerate(means, start=1):
+        ones = round(mean * n)
+        xs = [1.0] * ones + [0.0] * (n - ones)
+        m = sum(xs) / n
+        std = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+        rows.append(
+            {"step": step, "reward_mean": m, "reward_std": std, "completions": float(n)}
+            | {"reward_min": min(xs), "reward_max": max(xs)}
+        )
+    return rows
+
+
+def test_a_zero_one_reward_gets_a_band_inside_0_1_named_in_the_legend():
+    rows = zero_one_rows([0.0, 1 / 16, 0.25, 0.5, 0.9375, 1.0])
+    assert any(r["reward_mean"] - r["reward_std"] < 0 for r in rows)  # what ± std drew
+    steps, low, high, label = reward_band(rows)
+    assert steps == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert all(
+        0.0 <= lo <= r["reward_mean"] <= hi <= 1.0
+        for lo, hi, r in zip(low, high, rows, strict=True)
+    )
+    assert low[0] == 0.0 and high[0] > 0.1  # all wrong: still uncertain about the rate
+    assert "Wilson" in label
+    fig = Figure()
+    ax = fig.add_subplot()
+    _draw(ax, [("run", rows)], ("reward_mean", "reward_std"))
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["mean", label]
+
+
+def test_wilson_interval_matches_the_hand_computed_value():
+    z2 = 1.96**2
+    assert wilson_interval(0.0, 16) == (0.0, pytest.approx((z2 / 16) / (1 + z2 / 16)))
+    lo, hi = wilson_interval(0.5, 100)
+    half = 1.96 * math.sqrt(0.25 / 100 + z2 / 40000) / (1 + z2 / 100)
+    assert (lo, hi) == (pytest.approx(0.5 - half), pytest.approx(0.5 + half))
+    assert wilson_interval(0.3, 0) == (0.3, 0.3)
+
+
+def test_a_reward_outside_0_1_keeps_the_std_band():
+    rows = zero_one_rows([0.25, 0.5])
+    rows[1]["reward_min"] = -1.0  # a length penalty, say
+    _, low, _, label = reward_band(rows)
+    assert label == "± std"
+    assert low[0] == pytest.approx(rows[0]["reward_mean"] - rows[0]["reward_std"])
+    del rows[0]["reward_min"]  # a run recorded before reward_min existed: range unknown
+    assert reward_band(rows)[3] == "± std"
+    assert reward_band([{"step": 1, "reward_mean": 0.5}]) is None
+
+
+def test_held_out_accuracy_has_error_bars_in_the_plot_and_the_summary(tmp_path):
+    rows = [
+        {"step": 0, "eval_accuracy": 0.1, "eval_accuracy_stderr": 0.02},
+        {"step": 5, "eval_accuracy": 0.4, "eval_accuracy_stderr": 0.035},
+    ]
+    fig = Figure()
+    ax = fig.add_subplot()
+    _draw(ax, [("run", rows)], ("eval_accuracy",))
+    bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+    assert len(bars) == 1
+    segments = bars[0].lines[2][0].get_segments()
+    assert [(s[0][1], s[1][1]) for s in segments] == [
+        pytest.approx((0.08, 0.12)),
+        pytest.approx((0.365, 0.435)),
+    ]
+    assert "s.e." in ax.get_legend().get_texts()[0].get_text()
+    with Recorder(tmp_path) as rec:
+        for row in rows:
+            rec.record(row["step"], {k: v for k, v in row.items() if k != "step"})
+    assert "eval accuracy: 0.1 ± 0.02 -> 0.4 ± 0.035" in summarize(tmp_path)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlpost.config import Config
-from rlpost.pipeline.evaluate import evaluate
+from rlpost.pipeline.evaluate import evaluate, rollout_health
 from rlpost.rewards.scorer import build_scorer
 from rlpost.rewards.worker import RewardWorker
 from rlpost.rollout.protocol import SamplingParams
@@ -128,3 +128,32 @@ def test_a_truncated_answer_is_judged_by_its_text_in_evaluation():
     assert out["eval_accuracy"] == 1.0
     trained = reward.score(rollout.generate(prompts, SamplingParams(temperature=0), 1).groups)
     assert trained[0].scores == [0.0] and trained[0].components["truncated"] == [0.0]
+
+
+def test_rollout_health_records_the_reward_range_a_plot_reads():
+    completions = [Completion([1], [2], [0.0], "stop", 0, 0, "x") for _ in range(4)]
+    m = rollout_health(completions, torch.tensor([0.0, 1.0, 1.0, 0.5]), torch.zeros(4))
+    assert (m["reward_min"], m["reward_max"], m["reward_mean"]) == (0.0, 1.0, 0.625)
+
+
+class Counts:
+    """A progress reporter that keeps what it was told (the Phase protocol)."""
+
+    def __init__(self):
+        self.total, self.steps = 0, []
+
+    def grow(self, n):
+        self.total += n
+
+    def advance(self, n, info=""):
+        self.steps.append(n)
+
+
+def test_evaluation_reports_progress_per_chunk_in_samples():
+    prompts = [Prompt(f"{i}+0=", answer=i) for i in range(5)]
+    rollout, reward = workers(AnswerSheet(prompts, [1] * 5))
+    counts = Counts()
+    evaluate(rollout, reward, prompts, SamplingParams(), chunk=8, samples=4, progress=counts)
+    assert (counts.total, counts.steps) == (20, [8, 8, 4])
+    evaluate(rollout, reward, prompts, SamplingParams(temperature=0), samples=4, progress=counts)
+    assert (counts.total, counts.steps[3:]) == (25, [5])  # greedy: one sample a problem

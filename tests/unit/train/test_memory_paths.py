@@ -70,7 +70,7 @@ def _loss(model, batch, chunk):
 def test_tied_gradient_is_added_in_place_and_matches_the_full_path(checkpointed):
     model = _model()
     if checkpointed:  # the decoder recomputed in the backward: the same gradients
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     weight = model.lm_head.weight
     assert weight is model.model.embed_tokens.weight
     batches = [_batch(1), _batch(2)]
@@ -167,7 +167,9 @@ def test_sliced_adamw_makes_no_parameter_sized_temporary(monkeypatch):
     ref.step()
     b.grad, a.grad = torch.randn(300, 37, generator=g), None
     state = mine.state[b]
-    owned = {t.untyped_storage().data_ptr() for t in (b, b.grad, state["exp_avg"], state["exp_avg_sq"])}
+    owned = {
+        t.untyped_storage().data_ptr() for t in (b, b.grad, state["exp_avg"], state["exp_avg_sq"])
+    }
     for opt, param in ((mine, b), (ref, a)):
         param.grad = b.grad.clone() if param is a else param.grad
         seen = _Allocations()
