@@ -112,6 +112,7 @@ class ServerSettings:
     max_prompts: int = 1024  # prompts in one /v1/completions request
     max_request_sequences: int = 1024  # prompts x n of one request
     max_request_tokens: int = 1 << 21  # prompts x n x max_tokens x (1 + top logprobs)
+    max_score_entries: int = 1 << 32  # prompt_logprobs: prompts x longest x vocabulary
     weights_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
     weights_dir: Path | None = None  # resolved; None: no loads from a path
