@@ -80,3 +80,29 @@ def test_padded_logits_past_the_cap_are_a_400_naming_the_flag():
     assert "--max-score-entries" in exc.value.message and "3600 logit entries" in exc.value.message
     settings = ServerSettings("m", max_score_entries=4 * 9 * 100)
     assert parse_scoring({"prompts": PROMPTS, "starts": STARTS}, 100, settings)[1] == STARTS
+
+
+def test_the_vocabulary_is_hashed_once_per_server(model):
+    import asyncio
+
+    import httpx
+
+    from rlpost.models.vocab import vocab_digest
+    from rlpost.rollout.scheduler import Scheduler
+    from rlpost.rollout.server import create_app
+
+    tok = load_policy(None, seed=0)[1]
+    want = vocab_digest(tok)
+    calls, table = [], tok.get_vocab
+    tok.get_vocab = lambda: calls.append(1) or table()
+    app = create_app(Scheduler(model, tok), tok, ServerSettings("m"))
+
+    async def ask() -> list[dict]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            answers = await asyncio.gather(*(client.get("/v1/tokenizer") for _ in range(4)))
+            answers.append(await client.get("/v1/tokenizer"))
+        return [r.json() for r in answers]
+
+    assert asyncio.run(ask()) == [want] * 5
+    assert len(calls) == 1
