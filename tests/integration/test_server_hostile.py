@@ -30,10 +30,13 @@ def hostile(tiny_dir):
     stop_server(proc)
 
 
-def raw_post(url: str, path: str, body: bytes, timeout: float = 60.0) -> tuple[int, dict]:
+def raw_post(
+    url: str, path: str, body: bytes, timeout: float = 60.0, headers: dict | None = None
+) -> tuple[int, dict]:
     """POST ``body`` as JSON over a bare socket; (status, the answer's JSON)."""
     host, port = url.removeprefix("http://").split(":")
     head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
     head += f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     with socket.create_connection((host, int(port)), timeout=timeout) as sock:
         sock.sendall(head.encode() + body)
