@@ -20,7 +20,8 @@ Then the same load runs again with a hostile mix alongside (``--stalled``
 clients that send a large streaming request through a 4 KiB receive buffer
 and never read, ``--slow-bodies`` clients that trickle a body byte by byte,
 ``--huge`` clients sending requests at the server's work caps, 1024 sequences
-each): the normal requests' p50/p99 with and without the mix, their ratio,
+each, ``--scorers`` clients sending ``/v1/prompt_logprobs`` requests of 256 prompts x 120
+tokens, every other one given up after 0.5 s): the normal requests' p50/p99 with and without the mix, their ratio,
 and how many normal requests failed (the goal: none).
 
     python bench/bench_server_load.py [--concurrency 64] [--requests 2000] [--tricklers 32]
@@ -217,6 +218,20 @@ async def huge(client: httpx.AsyncClient, stop: asyncio.Event, hostile: Counter)
             hostile[f"huge_{type(exc).__name__}"] += 1
 
 
+async def scorer(client: httpx.AsyncClient, stop: asyncio.Event, hostile: Counter) -> None:
+    """Large scoring requests; every other one the client gives up on (the server must stop)."""
+    body = {"prompts": [[(i + j) % 90 for j in range(120)] for i in range(256)]}
+    body["starts"] = [1] * 256
+    n = 0
+    while not stop.is_set():
+        n += 1
+        try:
+            r = await client.post("/v1/prompt_logprobs", json=body, timeout=0.5 if n % 2 else 600)
+            hostile[f"score_{r.status_code}"] += 1
+        except httpx.HTTPError as exc:
+            hostile[f"score_{type(exc).__name__}"] += 1
+
+
 async def drive(url: str, args, report: Report, hostile: Counter | None = None) -> None:
     """Run the load: ``args.concurrency`` clients over ``args.requests`` requests, plus tricklers
     and, with ``hostile`` (its counts), the hostile mix."""
@@ -247,6 +262,7 @@ async def drive(url: str, args, report: Report, hostile: Counter | None = None) 
         if hostile is not None:
             big = httpx.AsyncClient(base_url=url, headers=headers, timeout=600)
             slow += [asyncio.create_task(huge(big, stop, hostile)) for _ in range(args.huge)]
+            slow += [asyncio.create_task(scorer(big, stop, hostile)) for _ in range(args.scorers)]
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         report.seconds = time.perf_counter() - start
@@ -295,7 +311,7 @@ def run(model_dir: Path | None, args) -> dict:
 
 def hostile_round(url: str, args) -> dict:
     """The same normal load without and with the hostile mix: latency of the normal requests."""
-    if not (args.stalled or args.slow_bodies or args.huge):
+    if not (args.stalled or args.slow_bodies or args.huge or args.scorers):
         return {}
     quiet, mixed, hostile = Report(), Report(), Counter()
     plain = argparse.Namespace(**{**vars(args), "tricklers": 0})
@@ -329,6 +345,7 @@ def parser() -> argparse.ArgumentParser:
     add("--stalled", type=int, default=4, help="hostile: clients that never read a stream")
     add("--slow-bodies", type=int, default=8, help="hostile: clients trickling a body")
     add("--huge", type=int, default=1, help="hostile: clients sending requests at the caps")
+    add("--scorers", type=int, default=2, help="hostile: clients sending big prompt_logprobs")
     add("--write-timeout", type=float, default=2.0, help="the server's --write-timeout")
     add("--body-timeout", type=float, default=2.0, help="the server's --body-timeout")
     return ap

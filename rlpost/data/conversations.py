@@ -41,12 +41,18 @@ from rlpost.types import Completion
 ROLES = ("system", "user", "assistant", "tool")
 
 PLAIN_CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{ '<|system|>\n# Tools\nYou may call these functions:\n<tools>\n' }}"
+    "{%- for t in tools -%}{{ t | tojson }}{{ '\n' }}{%- endfor -%}"
+    "{{ '</tools>' + ('\n' if messages else '') }}"
+    "{%- endif -%}"
     "{%- for m in messages -%}"
     "{{ ('' if loop.first else '\n') + '<|' + m['role'] + '|>\n' }}"
     "{%- if m['role'] == 'assistant' -%}{% generation %}"
     "{%- if m['content'] %}{{ m['content'] }}{% endif -%}"
     "{%- for c in m.get('tool_calls') or [] -%}"
-    "{{ '<call>' + c['function']['name'] + ':' + c['function']['arguments'] + '</call>' }}"
+    "{%- set a = c['function']['arguments'] -%}"
+    "{{ '<call>' + c['function']['name'] + ':' + (a if a is string else a | tojson) + '</call>' }}"
     "{%- endfor -%}"
     "{{ eos_token }}{% endgeneration %}"
     "{%- else -%}{{ m['content'] }}{%- endif -%}"
@@ -57,7 +63,9 @@ PLAIN_CHAT_TEMPLATE = (
 )
 """``<|role|>`` then the content, messages a line apart; an assistant turn ends with EOS, so
 generation stops where a trained reply stops (and the trained span ends there too). ``{% generation %}`` marks the assistant
-spans for ``return_assistant_tokens_mask``."""
+spans for ``return_assistant_tokens_mask``. A request's ``tools`` open the chat as a system
+block listing each as JSON inside ``<tools>`` (the Hermes layout), so ``rlpost serve`` can
+take tools for a model trained with this template."""
 
 
 @dataclass

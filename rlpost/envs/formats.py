@@ -25,6 +25,7 @@ import json
 import random
 import re
 
+from rlpost.data import safe_json
 from rlpost.envs.base import Action, Demonstration, EnvError, Environment, ToolCall
 from rlpost.types import Completion, Prompt
 
@@ -143,9 +144,9 @@ class ChatTemplateFormat:
         if m is None:
             return None
         try:
-            body = json.loads(m.group(1))
+            body = safe_json.loads(m.group(1))  # model output: nesting bounded (TooDeep)
             name, args = str(body["name"]), body.get("arguments", "")
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             return m.end(), ToolCall("", m.group(1))  # malformed: answered with an error
         if isinstance(args, dict) and len(args) == 1:
             args = next(iter(args.values()))  # one-argument tools take the value itself

@@ -38,6 +38,8 @@ CHAT_FIELDS = COMMON_FIELDS | {
 
 
 def _neutral_best_of(value, body) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return False
     return value == body.get("n", 1) or (value == 1 and body.get("n") is None)
 
 
@@ -112,6 +114,7 @@ class ServerSettings:
     max_prompts: int = 1024  # prompts in one /v1/completions request
     max_request_sequences: int = 1024  # prompts x n of one request
     max_request_tokens: int = 1 << 21  # prompts x n x max_tokens x (1 + top logprobs)
+    max_score_entries: int = 1 << 32  # prompt_logprobs: prompts x longest x vocabulary
     weights_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
     weights_dir: Path | None = None  # resolved; None: no loads from a path
@@ -164,7 +167,7 @@ def refuse_unsupported(body: dict, *, chat: bool) -> None:
 
 def parse_adjust(body: dict, vocab: int) -> LogitAdjust | None:
     """Presence/frequency penalties and logit_bias -> a LogitAdjust (None when all are neutral)."""
-    bias = body.get("logit_bias") or {}
+    bias = {} if body.get("logit_bias") is None else body["logit_bias"]  # {} or [] is not absent
     if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
         raise APIError(
             400,
@@ -226,6 +229,13 @@ def _field(body: dict, key: str, default, low, high=math.inf, *, integer=False, 
             bound = f"in {'(' if low_open else '['}{low}, {high}]"
         raise APIError(400, f"{key}={shown(value)} must be {bound}", key)
     return value
+
+
+def _or_empty(body: dict, key: str) -> Any:
+    """``body[key]``, or ``[]`` when absent or null (a falsy value of the wrong type is kept,
+    to be refused)."""
+    value = body.get(key)
+    return [] if value is None else value
 
 
 GREEDY_BELOW = 1e-5  # a temperature this small samples greedily (logits / T would overflow)
@@ -305,7 +315,8 @@ def parse_sampling(body: dict, settings: ServerSettings, tokenizer, *, chat: boo
         )
     limit = settings.max_tokens_limit
     key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-    stops = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
+    stops = body.get("stop")
+    stops = [stops] if isinstance(stops, str) else [] if stops is None else stops
     if (
         not isinstance(stops, list)
         or len(stops) > MAX_STOP_TEXTS
@@ -321,15 +332,12 @@ def parse_sampling(body: dict, settings: ServerSettings, tokenizer, *, chat: boo
         top_k=-1 if top_k == 0 else top_k,  # vLLM spells "no top-k" as 0 or -1
         max_tokens=_field(body, key, 16, 1, limit, integer=True),
         stop_token_ids=tuple(
-            _token_list(body.get("stop_token_ids") or [], len(tokenizer), "stop_token_ids")
+            _token_list(_or_empty(body, "stop_token_ids"), len(tokenizer), "stop_token_ids")
         ),
     )
     top_key = "top_logprobs" if chat else "logprobs"
-    top = (
-        _field(body, top_key, 0, 0, MAX_TOP_LOGPROBS, integer=True)
-        if not chat or body.get("logprobs")
-        else 0
-    )
+    top = _field(body, top_key, 0, 0, MAX_TOP_LOGPROBS, integer=True)
+    top = top if not chat or body.get("logprobs") else 0  # chat: top_logprobs needs logprobs
     return {
         "params": params,
         "n": _field(body, "n", 1, 1, settings.max_n, integer=True),

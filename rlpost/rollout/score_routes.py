@@ -8,35 +8,82 @@ The scoring route returns, for each token-id sequence, the served model's log-pr
 (temperature 1) of every token from position ``starts[i]`` on given the tokens before it:
 what vLLM's ``prompt_logprobs`` gives, for the given ids only, with no sampling. A
 teacher for on-policy distillation (``model.teacher.url``) sends the student's prompt
-and sampled response and reads the response's logprobs. Sequences run in one forward
-pass per request, so the request-size limits of the completions routes apply
-(``--max-prompts``, ``--max-request-tokens``, the model's context). The pass reads the
-weights the server holds; a teacher server is not sent new weights.
+and sampled response and reads the response's logprobs. The pass reads the weights the
+server holds; a teacher server is not sent new weights.
+
+The work a request causes is bounded like a generation request's: its prompts count
+as pending sequences (``--max-pending``, 429 beyond), its size is capped by
+``--max-prompts``, ``--max-request-tokens``, the model's context and
+``--max-score-entries`` (prompts x longest prompt x vocabulary: the logits a
+one-pass answer would hold). The answer never holds them: rows go through the
+decoder a few at a time and their hidden states through the LM head
+:func:`~rlpost.train.lm_head.chunk_tokens` positions at a time, and a given
+token's logprob needs only its logit and the position's logsumexp. Between two
+chunks the work stops when the client has gone or the request timed out.
+
+The vocabulary digest is computed once per server, on a worker thread.
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from rlpost.models.vocab import vocab_digest
 from rlpost.rollout.openai_params import APIError, parse_json_object
+from rlpost.train.lm_head import chunk_tokens
 
 router = APIRouter(prefix="/v1")
+POLL_SECONDS = 0.1  # how often a waiting request checks that its client is still there
+ROW_POSITIONS = 4096  # padded positions of the rows that go through the decoder together
+
+
+class Stopped(Exception):
+    """The scoring stopped between two chunks: its client went away or it timed out."""
 
 
 @router.get("/tokenizer")
 async def tokenizer_info(request: Request) -> dict:
-    return vocab_digest(request.app.state.service.tokenizer)
+    state = request.app.state
+    if getattr(state, "vocab_digest", None) is None:  # the first caller starts the one hash
+        tok = state.service.tokenizer
+        state.vocab_digest = asyncio.ensure_future(run_in_threadpool(vocab_digest, tok))
+    return await asyncio.shield(state.vocab_digest)  # a caller who leaves keeps it going
 
 
 @router.post("/prompt_logprobs")
-async def prompt_logprobs(request: Request) -> dict:
+async def prompt_logprobs(request: Request):
     service = request.app.state.service
     body = parse_json_object(await request.body())
     vocab = service.scheduler.model.config.vocab_size
     prompts, starts = parse_scoring(body, vocab, service.settings)
-    rows = await run_in_threadpool(score, service.scheduler.model, prompts, starts)
+    service.budget.take(len(prompts))  # 429 when the server is full
+    stop = threading.Event()
+    work = asyncio.ensure_future(
+        run_in_threadpool(score, service.scheduler.model, prompts, starts, stop)
+    )
+    # Released when the work has ended, not when the client has: until then it holds memory.
+    work.add_done_callback(lambda _: service.budget.release(len(prompts)))
+    deadline = time.monotonic() + service.settings.request_timeout_s
+    try:
+        while not work.done():
+            await asyncio.wait({work}, timeout=POLL_SECONDS)
+            if work.done():
+                break
+            if await request.is_disconnected():
+                service.counts["disconnected"] += 1
+                return Response(status_code=499)  # nobody is listening
+            if time.monotonic() > deadline:
+                service.counts["timed_out"] += 1
+                raise APIError(504, service.timeout_line())
+        rows = work.result()
+    finally:
+        stop.set()
     return {"logprobs": rows, "policy_version": service.scheduler.version}
 
 
@@ -67,18 +114,66 @@ def parse_scoring(body: dict, vocab: int, settings) -> tuple[list[list[int]], li
             raise APIError(
                 400, f"starts[{i}]={k!r} must be an integer in [1, {len(ids)}]", "starts"
             )
+    check_score_work(prompts, vocab, settings)
+    return prompts, starts
+
+
+def check_score_work(prompts: list[list[int]], vocab: int, settings) -> None:
+    """A 400 naming the limit a scoring request passes: tokens, or padded logit entries."""
     total = sum(len(p) for p in prompts)
     if total > settings.max_request_tokens:
         raise APIError(
             400, f"{total} tokens in one request; this server takes at most "
-            f"{settings.max_request_tokens}", "prompts",
+            f"{settings.max_request_tokens} (--max-request-tokens)", "prompts",
         )  # fmt: skip
-    return prompts, starts
+    longest = max(len(p) for p in prompts)
+    entries = len(prompts) * longest * vocab
+    if entries > settings.max_score_entries:
+        raise APIError(
+            400, f"{len(prompts)} prompts x {longest} positions (the longest) x {vocab} "
+            f"vocabulary = {entries} logit entries; this server takes at most "
+            f"{settings.max_score_entries} in one request (--max-score-entries)", "prompts",
+        )  # fmt: skip
 
 
-def score(model, prompts: list[list[int]], starts: list[int]) -> list[list[float]]:
-    """``log p(ids[t] | ids[:t])`` for ``t >= starts[i]`` of every sequence: one right-padded
-    forward pass (float32 log-softmax at temperature 1)."""
+def score(
+    model, prompts: list[list[int]], starts: list[int], stop: threading.Event | None = None,
+    chunk: int = 0,
+) -> list[list[float]]:  # fmt: skip
+    """``log p(ids[t] | ids[:t])`` for ``t >= starts[i]`` of every sequence (float32 at
+    temperature 1), rows a few at a time, the head ``chunk`` positions at a time (0: what
+    fits :data:`~rlpost.train.lm_head.CHUNK_BYTES`); :class:`Stopped` once ``stop`` is set."""
+    import torch
+
+    vocab = model.config.vocab_size
+    chunk = chunk_tokens(vocab, chunk)
+    out: list[list[float]] = [[] for _ in prompts]
+    with torch.no_grad():
+        for rows in _row_groups(prompts):
+            if stop is not None and stop.is_set():
+                raise Stopped
+            picked = _score_rows(model, [prompts[i] for i in rows], chunk, stop)
+            for i, lp in zip(rows, picked, strict=True):
+                out[i] = lp[starts[i] - 1 :]
+    return out
+
+
+def _row_groups(prompts: list[list[int]]) -> list[list[int]]:
+    """Row indices grouped by length (little padding), each group within ROW_POSITIONS padded
+    positions (a single row may pass it)."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * len(prompts[i]) <= ROW_POSITIONS:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _score_rows(model, prompts: list[list[int]], chunk: int, stop) -> list[list[float]]:
+    """Each row's ``log p(ids[t] | ids[:t])`` for ``t >= 1``: one right-padded decoder pass,
+    the head over ``chunk`` positions at a time."""
     import torch
 
     width = max(len(p) for p in prompts)
@@ -88,11 +183,38 @@ def score(model, prompts: list[list[int]], starts: list[int]) -> list[list[float
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = torch.tensor(p)
         mask[i, : len(p)] = 1
-    with torch.no_grad():
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
-    logp = torch.log_softmax(logits[:, :-1], dim=-1)
-    picked = logp.gather(-1, ids[:, 1:].to(device).unsqueeze(-1)).squeeze(-1).cpu()
-    return [
-        picked[i, k - 1 : len(p) - 1].tolist()
-        for i, (p, k) in enumerate(zip(prompts, starts, strict=True))
-    ]
+    ids, mask = ids.to(device), mask.to(device)
+    head = _head(model)
+    if head is None:  # a model whose logits are more than head(hidden): its own forward
+        hidden, head = model(input_ids=ids, attention_mask=mask).logits, None
+    else:
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+    flat_h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    targets = ids[:, 1:].reshape(-1)
+    picked = torch.empty(targets.shape[0], dtype=torch.float32)
+    for s in range(0, targets.shape[0], chunk):
+        if stop is not None and stop.is_set():
+            raise Stopped
+        part = flat_h[s : s + chunk]
+        logits = (part if head is None else head(part)).float()
+        lse = torch.logsumexp(logits, dim=-1)
+        chosen = logits.gather(-1, targets[s : s + chunk, None])[:, 0]
+        picked[s : s + chunk] = (chosen - lse).cpu()
+    rows = picked.view(len(prompts), width - 1)
+    return [rows[i, : len(p) - 1].tolist() for i, p in enumerate(prompts)]
+
+
+def _head(model):
+    """The LM head when the logits are exactly ``head(decoder(...))``, else None."""
+    from rlpost.train.lm_head import _LOGIT_TRANSFORMS
+
+    getters = ("get_decoder", "get_output_embeddings")
+    if not all(callable(getattr(model, g, None)) for g in getters):
+        return None
+    head, decoder = model.get_output_embeddings(), model.get_decoder()
+    if head is None or decoder is None or decoder is model:
+        return None
+    cfg = getattr(model, "config", None)
+    if any(getattr(cfg, key, None) not in (None, 1, 1.0) for key in _LOGIT_TRANSFORMS):
+        return None
+    return head

@@ -170,12 +170,12 @@ class RolloutService:
                     return None
                 if pending and time.monotonic() > deadline:
                     self.counts["timed_out"] += 1
-                    raise APIError(504, self._timeout_line())
+                    raise APIError(504, self.timeout_line())
             return [f.result() for f in futures]
         finally:
             self.cancel(tickets)
 
-    def _timeout_line(self) -> str:
+    def timeout_line(self) -> str:
         return f"the request ran past the server's --request-timeout of {self.settings.request_timeout_s} s"
 
     def plan(self, raw: bytes, chat: bool) -> Plan:
@@ -295,7 +295,7 @@ class RolloutService:
                     first = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
                 except TimeoutError:
                     self.counts["timed_out"] += 1
-                    yield _sse(error_body(self._timeout_line(), kind="timeout"))
+                    yield _sse(error_body(self.timeout_line(), kind="timeout"))
                     return
                 events = [first] + [queue.get_nowait() for _ in range(queue.qsize())]
                 tokens = [(p, e) for p, e in events if p is not None]
@@ -521,6 +521,12 @@ LIMIT_FLAGS = [
         None,
         "prompts x n of one request; 400 beyond (default: 1024, at most --max-pending)",
     ),
+    (
+        "--max-score-entries",
+        int,
+        1 << 32,
+        "prompts x longest prompt x vocabulary of one /v1/prompt_logprobs request; 400 beyond",
+    ),
     ("--max-sessions", int, 1024, "recorded agent sessions open at once; 429 beyond"),
     (
         "--max-request-tokens",
@@ -544,7 +550,7 @@ def _checked(args: argparse.Namespace) -> str | None:
         args.max_request_sequences = min(1024, max(args.max_pending, 1))
     for flag in (
         "max_batch", "max_tokens_limit", "max_n", "max_prompts", "max_connections", "max_pending",
-        "max_request_sequences", "max_request_tokens", "max_sessions",
+        "max_request_sequences", "max_request_tokens", "max_score_entries", "max_sessions",
     ):  # fmt: skip
         if getattr(args, flag) < 1:
             return f"--{flag.replace('_', '-')} must be >= 1"
@@ -594,6 +600,7 @@ def main(argv: list[str] | None = None, routers: dict | None = None) -> int:
         request_timeout_s=args.request_timeout, weights_dir=args.weights_dir,
         max_prompts=args.max_prompts, max_request_sequences=args.max_request_sequences,
         max_request_tokens=args.max_request_tokens, tool_parser=args.tool_parser,
+        max_score_entries=args.max_score_entries,
     )  # fmt: skip
     guard = GuardSettings(
         args.api_key, args.admin_key, int(args.max_body_mb * MIB), int(args.max_weights_mb * MIB),

@@ -49,7 +49,8 @@ from rlpost.rollout.openai_params import APIError, error_body
 
 OPEN_PATHS = ("/health", "/metrics")
 ADMIN_PREFIXES = ("/v1/weights", "/v1/sync", "/v1/admin", "/v1/sessions")
-GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Routes whose requests count as pending sequences (the scoring route counts its prompts).
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/prompt_logprobs")
 SESSION_PATH = re.compile(r"/sessions/[0-9a-f]{1,64}/v1/(chat/)?completions")
 MIB = 1 << 20
 NO_ADMIN_KEY = (

@@ -57,7 +57,8 @@ class ToolRequest:
 
 def parse_tools(body: dict, fmt: CallFormat) -> ToolRequest | None:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls`` checked; None without tools."""
-    tools, choice = body.get("tools") or [], body.get("tool_choice")
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    tools = [] if tools is None else tools
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         why = f"parallel_tool_calls must be true or false, got {shown(parallel)}"
@@ -182,6 +183,11 @@ def chat_turns(messages: Any) -> list[dict]:
             raise APIError(400, f"messages[{i}] needs a string role and content", "messages")
         role = checked_text(m["role"], f"messages[{i}].role")
         calls = m.get("tool_calls") or []
+        if not isinstance(calls, list):
+            raise APIError(
+                400, f"messages[{i}].tool_calls must be a list of calls, got {shown(calls)}",
+                "messages",
+            )  # fmt: skip
         if calls and role != "assistant":
             raise APIError(
                 400, f"messages[{i}]: only an assistant message has tool_calls", "messages"
@@ -199,7 +205,9 @@ def chat_turns(messages: Any) -> list[dict]:
                     400, f"messages[{i}]: a tool message needs a tool_call_id", "messages"
                 )
             turn["tool_call_id"] = checked_text(call_id, f"messages[{i}].tool_call_id")
-        if isinstance(m.get("name"), str):
+        if m.get("name") is not None:
+            if not isinstance(m["name"], str):
+                raise APIError(400, f"messages[{i}].name must be a string", "messages")
             turn["name"] = checked_text(m["name"], f"messages[{i}].name")
         turns.append(turn)
     return turns

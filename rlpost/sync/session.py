@@ -77,11 +77,33 @@ class SessionMeta:
             meta = SessionMeta(**d)
         except TypeError as exc:
             raise ValueError(f"bad session metadata: {exc}") from None
-        if not isinstance(meta.run_id, str) or len(meta.run_id) > 64:
-            raise ValueError("bad session metadata: run_id must be a string of <= 64 characters")
-        if meta.bucket_bytes < 1 or meta.version < 0:
-            raise ValueError("bad session metadata: bucket_bytes must be >= 1 and version >= 0")
+        problem = _meta_problem(meta)
+        if problem is not None:
+            raise ValueError(f"bad session metadata: {problem}")
         return meta
+
+
+def _is_int(value, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < 1 << 62
+
+
+def _meta_problem(meta: SessionMeta) -> str | None:
+    """Which field of a sender's metadata has the wrong type or range, or None."""
+    if not isinstance(meta.session, str) or not 0 < len(meta.session) <= 64:
+        return "session must be a string of 1-64 characters"
+    if not _is_int(meta.version):
+        return f"version must be an integer >= 0, got {type(meta.version).__name__}"
+    if not isinstance(meta.codec, str):
+        return f"codec must be a codec name, got {type(meta.codec).__name__}"
+    if not _is_int(meta.bucket_bytes, 1):
+        return f"bucket_bytes must be an integer >= 1, got {type(meta.bucket_bytes).__name__}"
+    if not isinstance(meta.delta, bool):
+        return f"delta must be true or false, got {type(meta.delta).__name__}"
+    if meta.base_version is not None and not _is_int(meta.base_version):
+        return "base_version must be an integer >= 0 or null"
+    if not isinstance(meta.run_id, str) or len(meta.run_id) > 64:
+        return "run_id must be a string of <= 64 characters"
+    return None
 
 
 @dataclass
@@ -145,11 +167,40 @@ class Manifest:
 
     @staticmethod
     def from_json(d: dict) -> Manifest:
+        session, buckets, tensors = d.get("session"), d.get("buckets"), d.get("tensors")
+        if not isinstance(session, str):
+            raise ValueError("bad manifest: session must be a string")
+        if not _is_int(buckets):
+            raise ValueError("bad manifest: buckets must be an integer >= 0")
+        if not isinstance(tensors, list) or not all(isinstance(t, dict) for t in tensors):
+            raise ValueError("bad manifest: tensors must be a list of objects")
         try:
-            tensors = [TensorSpec(**t) for t in d["tensors"]]
-            return Manifest(d["session"], int(d["buckets"]), tensors)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"bad manifest: {exc}") from None
+            specs = [TensorSpec(**t) for t in tensors]
+        except TypeError as exc:
+            raise ValueError(f"bad manifest: tensors: {exc}") from None
+        for i, spec in enumerate(specs):
+            problem = _spec_problem(spec)
+            if problem is not None:
+                raise ValueError(f"bad manifest: tensors[{i}].{problem}")
+        return Manifest(session, buckets, specs)
+
+
+def _spec_problem(spec: TensorSpec) -> str | None:
+    """Which field of a manifest's tensor has the wrong type, or None."""
+    if not isinstance(spec.name, str) or not isinstance(spec.codec, str):
+        return "name and codec must be strings"
+    parts = spec.parts
+    if not isinstance(parts, dict) or not all(
+        isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and isinstance(v[1], list)
+        and all(_is_int(n) for n in v[1])
+        for v in parts.values()
+    ):  # fmt: skip
+        return "parts must map part names to [dtype name, shape]"
+    if not isinstance(spec.meta, dict):
+        return "meta must be an object"
+    if not _is_int(spec.checksum):
+        return "checksum must be an integer >= 0"
+    return None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

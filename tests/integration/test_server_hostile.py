@@ -23,17 +23,20 @@ ADMIN = "hostile-admin-key"
 def hostile(tiny_dir):
     flags = ["--max-tokens-limit", "120", "--max-n", "32", "--max-pending", "40"]
     flags += ["--max-request-sequences", "32", "--max-request-tokens", "70000"]
-    flags += ["--body-timeout", "2", "--write-timeout", "2"]
+    flags += ["--body-timeout", "2", "--write-timeout", "2", "--max-score-entries", "7000000"]
     env = {"RLPOST_ADMIN_KEY": ADMIN}
     proc, url = start_server(tiny_dir, *flags, env=env)
     yield url
     stop_server(proc)
 
 
-def raw_post(url: str, path: str, body: bytes, timeout: float = 60.0) -> tuple[int, dict]:
+def raw_post(
+    url: str, path: str, body: bytes, timeout: float = 60.0, headers: dict | None = None
+) -> tuple[int, dict]:
     """POST ``body`` as JSON over a bare socket; (status, the answer's JSON)."""
     host, port = url.removeprefix("http://").split(":")
     head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
     head += f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     with socket.create_connection((host, int(port)), timeout=timeout) as sock:
         sock.sendall(head.encode() + body)
@@ -226,3 +229,28 @@ def test_health_answers_while_a_huge_request_is_tokenised(hostile):
     status, error = answer[0]
     assert status == 400 and error["error"]["param"] == "max_tokens"  # longer than the context
     assert during >= 2, during
+
+
+def test_scoring_counts_as_pending_and_stops_when_its_client_goes(hostile):
+    """700 sequences of 100 tokens take seconds to score: while they run they hold the
+    pending budget (generation gets a 429), and a client that leaves frees it mid-way."""
+    body = json.dumps({"prompts": [[i % 90 for i in range(100)]] * 700, "starts": [1] * 700})
+    gone = _http(hostile).get("disconnected", 0)
+    sock = _open(hostile, "/v1/prompt_logprobs", body.encode())
+    assert _wait_until(lambda: _http(hostile)["pending"] == 700)
+    held = httpx.post(f"{hostile}/v1/completions", json=COMPLETION, timeout=60)
+    assert held.status_code == 429 and "700 sequences pending" in held.text
+    sock.close()
+    assert _wait_until(lambda: _http(hostile)["pending"] == 0)
+    assert _http(hostile)["disconnected"] == gone + 1  # stopped, not finished
+    assert_healthy(hostile)
+
+
+def test_scoring_past_the_logit_cap_is_a_400_naming_the_flag(hostile):
+    """727 tokens, but one of them 128 long: padded, 600 x 128 x 100 logits."""
+    body = {"prompts": [[1] * 128] + [[1]] * 599, "starts": [1] * 600}
+    status, answer = raw_post(hostile, "/v1/prompt_logprobs", json.dumps(body).encode())
+    assert status == 400 and answer["error"]["param"] == "prompts", answer
+    assert "7680000 logit entries" in answer["error"]["message"]
+    assert "--max-score-entries" in answer["error"]["message"]
+    assert_healthy(hostile)

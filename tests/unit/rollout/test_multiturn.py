@@ -235,3 +235,21 @@ def test_a_long_tool_answer_is_cut_inside_its_wrapper(tok):
     assert env.end - env.start <= 20
     assert env.text.startswith("<result>y") and env.text.endswith("</result>")
     assert c.text.endswith("</result>It is 3.")
+
+
+@pytest.mark.parametrize("deep", ["[" * 1500, '{"a":' * 1500], ids=["list", "object"])
+def test_a_call_nested_too_deep_is_a_malformed_call(tok, deep):
+    """Model output parsed as JSON is bounded: 1,500 levels would raise RecursionError."""
+    from rlpost.envs.catalog import env_factory
+    from rlpost.envs.formats import ChatTemplateFormat
+
+    chat = copy.deepcopy(tok)
+    chat.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    policy = ScriptedPolicy(chat, [f"<tool_call>{deep}</tool_call>", "42"])
+    rollout = MultiTurnRollout(policy, chat, env=env_factory("calc"), fmt=ChatTemplateFormat(chat))
+    (c,) = rollout.generate([_encode(chat, "q")], SamplingParams(max_tokens=10_000))
+    assert "error: unknown tool ''" in c.text and c.episode.answer == "42"
+    assert rollout.tool_calls == 1 and rollout.tool_errors == 1

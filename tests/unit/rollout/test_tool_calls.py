@@ -252,3 +252,30 @@ def test_streamed_deltas_rebuild_the_calls_in_the_official_client(size):
     got = [(c.function.name, json.loads(c.function.arguments)) for c in final.message.tool_calls]
     assert got == [("add", {"a": 1}), ("add", {"a": 2})]
     assert stats["tool_calls"] == 2
+
+
+def test_the_template_rlpost_adds_renders_tools():
+    """A model ``rlpost sft`` gave its plain template can be served with tools."""
+    from rlpost.data.conversations import ensure_chat_template
+    from rlpost.models.tiny import build_char_tokenizer
+    from rlpost.rollout.tool_calls import chat_prompt, parse_tools
+    from rlpost.rollout.tool_parsers import tool_format
+
+    tok = build_char_tokenizer()
+    assert ensure_chat_template(tok)
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    tools = parse_tools({"tools": [tool]}, tool_format("hermes"))
+    messages = [
+        {"role": "user", "content": "2+3?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"function": {"name": "add", "arguments": '{"a": 2}'}}],
+        },
+        {"role": "tool", "content": "5", "tool_call_id": "c1"},
+    ]
+    text = tok.decode(chat_prompt(messages, tok, tools, "m"))
+    assert text.startswith("<|system|>\n# Tools\n") and '"name": "add"' in text
+    assert '<call>add:{"a": 2}</call>' in text and text.endswith("<|assistant|>\n")
+    plain = tok.decode(chat_prompt(messages[:1], tok, None, "m"))
+    assert plain == "<|user|>\n2+3?\n<|assistant|>\n"  # no tools: no block

@@ -1,0 +1,108 @@
+"""The scoring route's arithmetic and bounds: chunked logprobs equal the one-pass ones,
+the head never sees more than a chunk, a stop between chunks ends the work, and a request
+whose padded logits would pass ``--max-score-entries`` is refused naming the flag."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from rlpost.models.loading import load_policy
+from rlpost.rollout.openai_params import APIError, ServerSettings
+from rlpost.rollout.score_routes import Stopped, parse_scoring, score
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_policy(None, seed=0)[0].eval()
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+STARTS = [2, 1, 4, 3]
+
+
+def _reference(model, prompts, starts):
+    """One sequence at a time through the full forward and log-softmax."""
+    rows = []
+    for p, k in zip(prompts, starts, strict=True):
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits.float()[0, :-1], -1)
+        rows.append(logp.gather(-1, ids[0, 1:, None])[:, 0][k - 1 :].tolist())
+    return rows
+
+
+def test_chunked_scores_equal_the_full_log_softmax(model):
+    want = _reference(model, PROMPTS, STARTS)
+    for chunk in (1, 3, 0):
+        got = score(model, PROMPTS, STARTS, chunk=chunk)
+        assert [len(r) for r in got] == [len(p) - k for p, k in zip(PROMPTS, STARTS, strict=True)]
+        for g, w in zip(got, want, strict=True):
+            assert torch.allclose(torch.tensor(g), torch.tensor(w), atol=1e-5)
+
+
+def test_the_head_never_sees_more_than_a_chunk(model):
+    seen: list[int] = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda _m, args, _out: seen.append(args[0].shape[:-1].numel())
+    )
+    try:
+        score(model, PROMPTS, STARTS, chunk=3)
+    finally:
+        hook.remove()
+    assert seen and max(seen) <= 3
+    assert sum(seen) >= sum(len(p) - 1 for p in PROMPTS)
+
+
+def test_a_stop_ends_the_work_at_the_next_chunk(model):
+    stop, calls = threading.Event(), []
+
+    def on_head(_m, _args, _out):
+        calls.append(1)
+        stop.set()  # the client went away while the first chunk ran
+
+    hook = model.get_output_embeddings().register_forward_hook(on_head)
+    try:
+        with pytest.raises(Stopped):
+            score(model, PROMPTS, STARTS, stop, chunk=2)
+    finally:
+        hook.remove()
+    assert len(calls) == 1
+
+
+def test_padded_logits_past_the_cap_are_a_400_naming_the_flag():
+    settings = ServerSettings("m", max_score_entries=4 * 9 * 100 - 1)
+    with pytest.raises(APIError) as exc:
+        parse_scoring({"prompts": PROMPTS, "starts": STARTS}, 100, settings)
+    assert exc.value.status == 400 and exc.value.param == "prompts"
+    assert "--max-score-entries" in exc.value.message and "3600 logit entries" in exc.value.message
+    settings = ServerSettings("m", max_score_entries=4 * 9 * 100)
+    assert parse_scoring({"prompts": PROMPTS, "starts": STARTS}, 100, settings)[1] == STARTS
+
+
+def test_the_vocabulary_is_hashed_once_per_server(model):
+    import asyncio
+
+    import httpx
+
+    from rlpost.models.vocab import vocab_digest
+    from rlpost.rollout.scheduler import Scheduler
+    from rlpost.rollout.server import create_app
+
+    tok = load_policy(None, seed=0)[1]
+    want = vocab_digest(tok)
+    calls, table = [], tok.get_vocab
+    tok.get_vocab = lambda: calls.append(1) or table()
+    app = create_app(Scheduler(model, tok), tok, ServerSettings("m"))
+
+    async def ask() -> list[dict]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            answers = await asyncio.gather(*(client.get("/v1/tokenizer") for _ in range(4)))
+            answers.append(await client.get("/v1/tokenizer"))
+        return [r.json() for r in answers]
+
+    assert asyncio.run(ask()) == [want] * 5
+    assert len(calls) == 1
