@@ -118,6 +118,7 @@ try:
         print("held", sent >> 20, flush=True)
 except OSError as exc:
     print("stopped", errno.errorcode.get(exc.errno, exc.errno), flush=True)
+print("held", sent >> 20, flush=True)
 """
 PROBE_MEMORY_MB = 64
 PROBE_PROCESSES = 8
