@@ -18,26 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from rlpost.rewards.sandbox import SandboxConfig, SandboxUnavailable, check_available, cli, seccomp
+from rlpost.rewards.sandbox import SandboxConfig, cli, seccomp
 from rlpost.rewards.sandbox import cgroup as cgroups
 from rlpost.rewards.sandbox.check import SOCKET_BUFFERS
 from rlpost.rewards.sandbox.runner import run_code
+from tests.integration.test_sandbox_security import _sandbox_available  # noqa: F401 (autouse)
 
 pytestmark = pytest.mark.sandbox
 
 REPO = Path(__file__).resolve().parents[2]
 LIMIT_MB = 256
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _sandbox_available() -> None:
-    try:
-        check_available()
-    except SandboxUnavailable as exc:
-        # CI sets RLPOST_REQUIRE_SANDBOX=1 so a broken sandbox fails instead of skipping.
-        if os.environ.get("RLPOST_REQUIRE_SANDBOX") == "1":
-            pytest.fail(f"sandbox unavailable: {exc}")
-        pytest.skip(f"sandbox unavailable: {exc}")
 
 
 @pytest.fixture(params=["cgroup", "seccomp"])
