@@ -13,22 +13,31 @@ naming the key, the value, the reason and the fix.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     ValidationError,
     field_validator,
     model_validator,
 )
 
-from rlpost.params import AdvantagesConfig, LossesConfig
+from rlpost.params import (
+    AdvantageChoice,
+    CorrectionChoice,
+    GRPOParams,
+    LossChoice,
+    NoCorrection,
+    PPOClipParams,
+)
 
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
@@ -166,7 +175,7 @@ class TeacherConfig(Section):
     (e.g. a trained run's checkpoints/step_N/model), run in this process. None: no local teacher."""
     url: str | None = None
     """Base URL of a server that returns prompt logprobs of given token ids (rlpost serve's
-    /v1/prompt_logprobs), instead of path. Gives no full logits: not for algo.policy_loss=gkd."""
+    /v1/prompt_logprobs), instead of path. Gives no full logits: not for algo.loss=gkd."""
     api_key: str | None = None
     """Bearer key sent to the teacher server (rlpost serve --api-key)."""
     timeout_s: float = Field(120.0, gt=0.0)
@@ -190,7 +199,7 @@ class ModelConfig(Section):
     lora: LoRAConfig = LoRAConfig()
     """Train low-rank adapters instead of every weight (model.lora.rank > 0)."""
     teacher: TeacherConfig = TeacherConfig()
-    """The on-policy distillation teacher (algo.advantage=on_policy_distill or algo.policy_loss=gkd)."""
+    """The on-policy distillation teacher (algo.advantage=on_policy_distill or algo.loss=gkd)."""
 
 
 # -------------------------------------------------------------------------- data
@@ -415,37 +424,23 @@ class KLConfig(Section):
     """Adaptive controller horizon in samples."""
 
 
-class RolloutCorrectionConfig(Section):
-    """Importance correction between the policy that sampled (the engine's logprobs) and the
-    one the loss is computed against (docs/algorithms.md, "Rollout corrections")."""
-
-    name: str = "none"
-    """none, tis (token truncated IS), seq_tis (sequence truncated IS), mask (IcePop: tokens
-    whose ratio leaves [low, high] are masked), seq_mask (such rows are masked whole)."""
-    cap: float = Field(2.0, gt=0.0)
-    """Upper bound of a truncated importance weight (tis, seq_tis, seq_mask)."""
-    low: float = Field(0.5, ge=0.0, lt=1.0)
-    """Lower edge of the accepted ratio band (mask, seq_mask)."""
-    high: float = Field(5.0, gt=1.0)
-    """Upper edge of the accepted ratio band (mask, seq_mask)."""
-
-
 class AlgoConfig(Section):
-    advantage: str = "grpo"
-    """Advantage estimator, by registered name (see docs/algorithms.md)."""
-    advantages: AdvantagesConfig = AdvantagesConfig()
-    """Parameters of each advantage estimator; the one of algo.advantage is used."""
-    policy_loss: str = "ppo_clip"
-    """Policy loss, by registered name."""
-    losses: LossesConfig = LossesConfig()
-    """Parameters of each policy loss; the one of algo.policy_loss is used."""
+    advantage: AdvantageChoice = GRPOParams()
+    """Advantage estimator and its parameters, ``{name: grpo, eps: 1e-6}`` or just ``grpo``
+    (docs/algorithms.md)."""
+    loss: LossChoice = PPOClipParams()
+    """Policy loss and its parameters, ``{name: dapo, clip_high: 0.3}`` or just ``dapo``."""
     loss_agg_mode: str = "token-mean"
     """How a [B, T] loss is reduced: token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean,
     seq-mean-token-sum-norm."""
     kl: KLConfig = KLConfig()
     """KL penalty against the frozen reference policy."""
-    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
-    """Importance correction for samples from older weights or another engine's numerics."""
+    rollout_correction: CorrectionChoice = NoCorrection()
+    """Importance correction between the policy that sampled (the engine's logprobs) and the
+    one the loss is computed against: none, tis (token truncated IS, cap), seq_tis (sequence
+    truncated IS, cap), mask (IcePop: tokens whose ratio leaves [low, high] are masked),
+    seq_mask (such rows are masked whole; cap, low, high). docs/algorithms.md, "Rollout
+    corrections"."""
     old_logprobs: Literal["trainer", "rollout"] = "trainer"
     """The logprobs the policy loss's ratio is taken against. trainer: recomputed by the trainer
     before the update (the proximal policy; a forward pass over the batch when the batch makes
@@ -465,30 +460,26 @@ class AlgoConfig(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _renamed_params(cls, data: Any) -> Any:
-        # algo.loss_params / algo.advantage_params were one flat bag for every loss.
+    def _renamed_keys(cls, data: Any) -> Any:
+        # A part and its parameters were once separate keys; each now is one choice.
         if not isinstance(data, dict):
             return data
-        data = dict(data)
-        for old, new, name_key, default in (
-            ("loss_params", "losses", "policy_loss", "ppo_clip"),
-            ("advantage_params", "advantages", "advantage", "grpo"),
-        ):
-            if old in data:
-                given = data.pop(old)
-                if isinstance(given, dict):  # None was the old "the default" (a resumed run)
-                    given = {k: v for k, v in given.items() if v is not None}
-                    if not given:
-                        continue
-                else:
-                    given = {"NAME": given}
-                key, value = next(iter(given.items()))
-                name = data.get(name_key, default)
-                raise ValueError(
-                    f"algo.{old}.{key}={value}: the key was renamed, each "
-                    f"{name_key.replace('_', ' ')} has its own section; write "
-                    f"algo.{new}.{name}.{key}={value}"
-                )
+        renamed = {"policy_loss": "loss", "loss_params": "loss", "losses": "loss"}
+        renamed |= {"advantage_params": "advantage", "advantages": "advantage"}
+        for old, new in renamed.items():
+            if old not in data:
+                continue
+            path, given = [old], data[old]
+            while isinstance(given, dict) and given:
+                key, given = next(iter(given.items()))
+                path.append(key)
+            if old == "policy_loss":
+                fix = f"algo.loss={given}"
+            elif old in ("losses", "advantages") and len(path) == 3:
+                fix = f"algo.{new}.name={path[1]} algo.{new}.{path[2]}={given}"
+            else:
+                fix = f"algo.{new}.{path[-1]}={given} (with algo.{new}.name)"
+            raise ValueError(f"algo.{'.'.join(path)}={given}: the key was renamed; write {fix}")
         return data
 
 
@@ -536,7 +527,7 @@ class TrainConfig(Section):
 
 
 class CriticConfig(Section):
-    """The value model of PPO (used when algo.advantage is gae or vapo_gae)."""
+    """The value model of PPO (used when algo.advantage.name is gae or vapo_gae)."""
 
     lr: float = Field(1e-3, gt=0.0)
     """Peak learning rate of the critic (usually higher than the policy's)."""
@@ -1166,7 +1157,9 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if isinstance(value, str) and _FLOAT.fullmatch(value):
             value = float(value)  # YAML 1.1 reads "1e-5" as a string
         node = tree
-        for part in parts[:-1]:
+        for i, part in enumerate(parts[:-1]):
+            if ".".join(parts[: i + 1]) in choices():  # algo.loss=dapo algo.loss.clip_high=..
+                node[part] = _as_choice(node.get(part, {}))
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {key!r} conflicts with another override")
@@ -1188,15 +1181,49 @@ def _is_text_field(model: type[BaseModel], parts: list[str]) -> bool:
     return False
 
 
-def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    """Recursive dict merge; ``extra`` wins. Lists and scalars are replaced whole."""
+def merge(base: dict[str, Any], extra: dict[str, Any], _at: str = "") -> dict[str, Any]:
+    """Recursive dict merge; ``extra`` wins. Lists and scalars are replaced whole. A choice
+    (``algo.loss``) written as a bare name is ``{name: ...}``, and one that names another
+    variant starts from that variant's defaults, never the old variant's parameters."""
     out = dict(base)
     for k, v in extra.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = merge(out[k], v)
+        old, at = out.get(k), f"{_at}{k}"
+        if at in choices():
+            old, v = _as_choice(old), _as_choice(v)
+            if (
+                isinstance(old, dict)
+                and isinstance(v, dict)
+                and v.get("name") not in (None, old.get("name"))
+            ):
+                old = None  # another variant: its own defaults
+        if isinstance(v, dict) and isinstance(old, dict):
+            out[k] = merge(old, v, at + ".")
         else:
             out[k] = v
     return out
+
+
+def _is_choice(field: Any) -> bool:
+    return any(isinstance(m, Discriminator) for m in field.metadata)
+
+
+def _as_choice(value: Any) -> Any:
+    return {"name": value} if isinstance(value, str) else value
+
+
+@functools.cache
+def choices(model: type[BaseModel] | None = None, prefix: str = "") -> dict[str, tuple]:
+    """Every choice field (a union keyed on ``name``) in the config tree: dotted key ->
+    (variant class by name, the default name)."""
+    found: dict[str, tuple] = {}
+    for name, field in (model or Config).model_fields.items():
+        ann = field.annotation
+        if _is_choice(field):
+            variants = {a.__metadata__[0].tag: a.__origin__ for a in get_args(ann)}
+            found[prefix + name] = (variants, field.get_default(call_default_factory=True).name)
+        elif isinstance(ann, type) and issubclass(ann, BaseModel):
+            found |= choices(ann, f"{prefix}{name}.")
+    return found
 
 
 BOUNDS = {
@@ -1222,6 +1249,33 @@ def _located(loc: tuple, data: Any) -> str:
     return ".".join(parts)
 
 
+def _choice_owners(key: str, data: Any) -> str | None:
+    """For a knob of another variant of a choice: the line naming the variants that read it."""
+    parent, _, leaf = key.rpartition(".")
+    variants, default = choices().get(parent, ({}, None))
+    owners = [name for name, cls in variants.items() if leaf in cls.model_fields]
+    if not owners:
+        return None
+    for part in parent.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    chosen = data.get("name", default) if isinstance(data, dict) else default
+    return (
+        f"config {key}: {parent}.name={chosen} has no {leaf}; it is a parameter of "
+        f"{', '.join(owners)} (set {parent}.name)"
+    )
+
+
+def _untagged(loc: tuple) -> tuple:
+    """``loc`` without the variant tag pydantic puts after a choice field
+    (``algo.loss.dapo.clip_high`` is ``algo.loss.clip_high``)."""
+    out, tag_next = [], False
+    for part in loc:
+        if not tag_next:
+            out.append(part)
+        tag_next = not tag_next and ".".join(map(str, out)) in choices()
+    return (*out,)
+
+
 def _has(data: dict | list, key: Any) -> bool:
     return key in data if isinstance(data, dict) else isinstance(key, int) and key < len(data)
 
@@ -1230,12 +1284,17 @@ def format_validation_error(err: ValidationError, data: Any = None) -> str:
     """The first problem of a pydantic error as one line: key, value, reason. ``data`` (the
     validated tree) lets a list entry be named by its ``name``."""
     e = err.errors()[0]
-    key = _located(tuple(e["loc"]), data)
+    key = _located(_untagged(tuple(e["loc"])), data)
     msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "union_tag_invalid":  # a choice's unknown name
+        names = e["ctx"]["expected_tags"].replace("'", "")
+        return f"config {key}.name={e['ctx']['tag']!r}: not one of {names}"
     if e["type"] in BOUNDS:  # "must be > 0", not pydantic's "Input should be greater than 0"
         msg = f"must be {BOUNDS[e['type']]} {next(iter(e.get('ctx', {}).values()), '')}".strip()
     elif e["type"] == "missing":
         msg = "is required; set it"
+    if e["type"] == "extra_forbidden" and (owners := _choice_owners(key, data)):
+        return owners
     if e["type"] == "extra_forbidden":
         near = nearest_keys(key)
         hint = f"did you mean {' or '.join(near)}?" if near else "check the spelling"
@@ -1335,7 +1394,13 @@ def describe_fields(
         key = f"{prefix}{name}"
         ann = field.annotation
         sub = getattr(values, name) if values is not None else None
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
+        if key.split(".", 1)[-1] and _is_choice(field):  # the chosen variant's keys only
+            chosen = sub if values is not None else field.get_default(call_default_factory=True)
+            own = describe_fields(type(chosen), key + ".", chosen)
+            rows.extend(
+                (k, v, h or field.description or "") for k, v, h in own
+            )  # name: the choice's help
+        elif isinstance(ann, type) and issubclass(ann, BaseModel):
             rows.extend(describe_fields(ann, key + ".", sub))
         else:
             value = sub if values is not None else field.get_default(call_default_factory=True)

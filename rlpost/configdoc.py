@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import get_args, get_origin
+from typing import Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel
@@ -25,11 +25,18 @@ _BLOCK = re.compile(
 
 
 def section_model(section: str) -> type[BaseModel]:
-    model: type[BaseModel] = Config
+    """The class of a config section; ``algo.loss.dapo`` is the variant dapo of the choice
+    algo.loss."""
+    model: Any = Config
     for part in section.split("."):
+        if isinstance(model, dict):  # a choice: the part names its variant
+            model = model[part]
+            continue
         model = model.model_fields[part].annotation
         if get_origin(model) is list:  # a list of sections (data.sources): its item's table
             model = get_args(model)[0]
+        elif get_origin(model) is Union:  # a choice: its variants by name
+            model = {a.__metadata__[0].tag: a.__origin__ for a in get_args(model)}
     return model
 
 
@@ -37,6 +44,8 @@ def markdown_table(section: str) -> str:
     """``| key | default | meaning |`` rows for every field of the config ``section``."""
     rows = ["| key | default | meaning |", "| --- | --- | --- |"]
     for name, field in section_model(section).model_fields.items():
+        if name == "name" and "." in section and isinstance(field.default, str):
+            continue  # a variant's name is its table's title
         if field.is_required():
             rows.append(f"| `{name}` | required | {_meaning(field)} |")
             continue

@@ -1,21 +1,25 @@
-"""Typed parameters of the registered policy losses and advantage estimators.
+"""The `Choice` convention: a swappable part is ``{name: X, ...X's own parameters}``.
 
-One class per loss or estimator holds its real defaults; the config tree has one
-section per registered name (``algo.losses.dapo.clip_high``,
-``algo.advantages.gae.lam``) and the run passes the chosen name's section, every
-field, as keywords. A contract test (tests/unit/algos/test_params_contract.py)
-asserts that each registered function's keyword parameters, apart from the inputs
-its kind's caller supplies, are exactly its class's fields with the same defaults,
-so a default lives in the function's signature and here, and the two cannot drift.
+Every part a config chooses by name (a policy loss, an advantage estimator, a rollout
+correction) is a pydantic union keyed on ``name``, built from one ``Variant`` class per
+registered name. A variant holds its name and only its own knobs, so a config lists the
+chosen variant's parameters and nothing else, and a knob of another variant is an unknown
+key, never an ignored one. ``algo.loss.name=dapo algo.loss.clip_high=0.3`` chooses and
+sets; a missing ``name`` is the part's default.
+
+A registered function takes its variant's fields as keywords (``variant.params()``). A
+contract test (tests/unit/algos/test_params_contract.py) asserts that each function's
+keyword parameters, apart from the inputs its kind's caller supplies, are exactly its
+variant's fields with the same defaults.
 
 This module imports nothing of rlpost: the config tree is built from it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, create_model
 
 
 class ParamSet(BaseModel):
@@ -24,10 +28,50 @@ class ParamSet(BaseModel):
     )
 
 
+class Variant(ParamSet):
+    """One registered part and its own parameters."""
+
+    name: str
+
+    def params(self) -> dict[str, Any]:
+        """The keyword parameters of the chosen function: every field but ``name``."""
+        return self.model_dump(exclude={"name"})
+
+
+def bare(name: str) -> type[Variant]:
+    """The variant of a registered part that takes no parameters."""
+    return create_model(
+        f"{name}_variant",
+        __base__=Variant,
+        name=(Literal[name], name),  # type: ignore[valid-type]
+    )
+
+
+def choice(default: str, *variants: type[Variant]) -> Any:
+    """A config field type: the union of ``variants`` keyed on ``name`` (``default`` when a
+    mapping has none)."""
+
+    def tag(value: Any) -> str:
+        return value.get("name", default) if isinstance(value, dict) else value.name
+
+    members = tuple(Annotated[v, Tag(v.model_fields["name"].default)] for v in variants)
+    return Annotated[
+        Union[members],  # noqa: UP007
+        Discriminator(tag),
+        BeforeValidator(lambda v: {"name": v} if isinstance(v, str) else v),  # loss=dapo
+    ]
+
+
+def variant_names(union: Any) -> list[str]:
+    """The names a choice field accepts, in declaration order."""
+    return [m.__metadata__[0].tag for m in union.__origin__.__args__]
+
+
 # ------------------------------------------------------------------ policy losses
 
 
-class PPOClipParams(ParamSet):
+class PPOClipParams(Variant):
+    name: Literal["ppo_clip"] = "ppo_clip"
     clip_low: float = Field(0.2, ge=0.0, le=1.0)
     """Lower ratio clip: the ratio is clipped below at 1 - clip_low."""
     clip_high: float = Field(0.2, ge=0.0)
@@ -41,18 +85,21 @@ class PPOClipParams(ParamSet):
 
 
 class DAPOParams(PPOClipParams):
+    name: Literal["dapo"] = "dapo"
     clip_high: float = Field(0.28, ge=0.0)
     """Upper ratio clip 1 + clip_high (DAPO's clip-higher)."""
 
 
-class GSPOParams(ParamSet):
+class GSPOParams(Variant):
+    name: Literal["gspo"] = "gspo"
     clip_low: float = Field(3e-4, ge=0.0, le=1.0)
     """Lower clip of the sequence-level ratio: 1 - clip_low."""
     clip_high: float = Field(4e-4, ge=0.0)
     """Upper clip of the sequence-level ratio: 1 + clip_high."""
 
 
-class CISPOParams(ParamSet):
+class CISPOParams(Variant):
+    name: Literal["cispo"] = "cispo"
     clip_low: float = Field(1.0, ge=0.0, le=1.0)
     """Lower clip of the stop-gradient importance weight: 1 - clip_low (1.0: none)."""
     clip_high: float = Field(0.28, ge=0.0)
@@ -61,19 +108,22 @@ class CISPOParams(ParamSet):
     """Cap of the truncated engine/trainer importance weight (None: off)."""
 
 
-class SAPOParams(ParamSet):
+class SAPOParams(Variant):
+    name: Literal["sapo"] = "sapo"
     tau_pos: float = Field(1.0, gt=0.0)
     """Gate temperature for positive advantages."""
     tau_neg: float = Field(1.05, gt=0.0)
     """Gate temperature for negative advantages."""
 
 
-class ReinforceParams(ParamSet):
+class ReinforceParams(Variant):
+    name: Literal["reinforce"] = "reinforce"
     tis_cap: float | None = Field(None, gt=0.0)
     """Cap of the truncated engine/trainer importance weight (None: off)."""
 
 
-class TrustRegionParams(ParamSet):
+class TrustRegionParams(Variant):
+    name: Literal["flash_reinforce"] = "flash_reinforce"
     divergence: Literal["binary_kl", "tv"] = "binary_kl"
     """Divergence of the trust region: binary KL or total variation."""
     tr_kl: float = Field(0.05, gt=0.0)
@@ -85,16 +135,19 @@ class TrustRegionParams(ParamSet):
 
 
 class DPPOParams(TrustRegionParams):
+    name: Literal["dppo"] = "dppo"
     is_cap: float = Field(20.0, gt=0.0)
     """Cap of the truncated importance weight."""
 
 
-class DROParams(ParamSet):
+class DROParams(Variant):
+    name: Literal["dro"] = "dro"
     reg_coef: float = Field(1.0, ge=0.0)
     """Coefficient of the squared log-ratio penalty reg_coef/2 (lp - old)^2."""
 
 
-class KLCovParams(ParamSet):
+class KLCovParams(Variant):
+    name: Literal["kl_cov"] = "kl_cov"
     kl_cov_ratio: float = Field(2e-4, gt=0.0, le=1.0)
     """Fraction of valid tokens, highest advantage-logprob covariance first, that get the
     KL penalty."""
@@ -102,7 +155,8 @@ class KLCovParams(ParamSet):
     """Coefficient of |lp - old| on the selected tokens."""
 
 
-class ClipCovParams(ParamSet):
+class ClipCovParams(Variant):
+    name: Literal["clip_cov"] = "clip_cov"
     clip_low: float = Field(0.2, ge=0.0, le=1.0)
     """Lower ratio clip 1 - clip_low."""
     clip_high: float = Field(0.2, ge=0.0)
@@ -115,14 +169,16 @@ class ClipCovParams(ParamSet):
     """Upper bound of the covariance band tokens are chosen from."""
 
 
-class GMPOParams(ParamSet):
+class GMPOParams(Variant):
+    name: Literal["gmpo"] = "gmpo"
     clip_low: float = Field(0.4, ge=0.0, le=1.0)
     """Lower log-ratio clip -clip_low."""
     clip_high: float = Field(0.4, ge=0.0)
     """Upper log-ratio clip clip_high."""
 
 
-class GKDParams(ParamSet):
+class GKDParams(Variant):
+    name: Literal["gkd"] = "gkd"
     divergence: Literal["forward_kl", "reverse_kl", "jsd"] = "jsd"
     """forward_kl: KL(teacher || student); reverse_kl: KL(student || teacher); jsd: the
     generalised Jensen-Shannon divergence with beta (GKD)."""
@@ -134,43 +190,23 @@ class GKDParams(ParamSet):
     """Weight of the PPO clipped surrogate on the task advantages (0: distillation alone)."""
 
 
-class LossesConfig(ParamSet):
-    """Parameters of each policy loss; the run reads the section of ``algo.policy_loss``."""
+class GPGParams(ReinforceParams):
+    name: Literal["gpg"] = "gpg"
 
-    ppo_clip: PPOClipParams = PPOClipParams()
-    """ppo_clip (PPO's clipped surrogate with dual clip)."""
-    dapo: DAPOParams = DAPOParams()
-    """dapo (ppo_clip with clip-higher)."""
-    gspo: GSPOParams = GSPOParams()
-    """gspo (sequence-level ratio)."""
-    cispo: CISPOParams = CISPOParams()
-    """cispo (clipped stop-gradient importance weight)."""
-    sapo: SAPOParams = SAPOParams()
-    """sapo (soft gate instead of a hard clip)."""
-    reinforce: ReinforceParams = ReinforceParams()
-    """reinforce (plain policy gradient)."""
-    gpg: ReinforceParams = ReinforceParams()
-    """gpg (plain policy gradient, GPG's name)."""
-    flash_reinforce: TrustRegionParams = TrustRegionParams()
-    """flash_reinforce (trust region between trainer and engine)."""
-    dppo: DPPOParams = DPPOParams()
-    """dppo (trust region between the current and the sampling policy)."""
-    dro: DROParams = DROParams()
-    """dro (squared log-ratio penalty)."""
-    kl_cov: KLCovParams = KLCovParams()
-    """kl_cov (KL penalty on high-covariance tokens)."""
-    clip_cov: ClipCovParams = ClipCovParams()
-    """clip_cov (no gradient on high-covariance tokens)."""
-    gmpo: GMPOParams = GMPOParams()
-    """gmpo (geometric-mean ratio)."""
-    gkd: GKDParams = GKDParams()
-    """gkd (teacher-student divergence over the whole vocabulary: on-policy distillation)."""
+
+LossChoice = choice(
+    "ppo_clip", PPOClipParams, DAPOParams, GSPOParams, CISPOParams, SAPOParams,
+    ReinforceParams, GPGParams, TrustRegionParams, DPPOParams, DROParams, KLCovParams,
+    ClipCovParams, GMPOParams, GKDParams,
+)  # fmt: skip
+"""A policy loss (docs/algorithms.md)."""
 
 
 # ------------------------------------------------------------ advantage estimators
 
 
-class GRPOParams(ParamSet):
+class GRPOParams(Variant):
+    name: Literal["grpo"] = "grpo"
     norm_by_std: bool = True
     """Divide by the std (False: Dr.GRPO's centred score)."""
     std_scope: Literal["group", "batch"] = "group"
@@ -179,36 +215,42 @@ class GRPOParams(ParamSet):
     """Added to the std before dividing."""
 
 
-class GRPOPassKParams(ParamSet):
+class GRPOPassKParams(Variant):
+    name: Literal["grpo_passk"] = "grpo_passk"
     norm_by_std: bool = True
     """Divide by the group std."""
     eps: float = Field(1e-6, ge=0.0)
     """Added to the std before dividing."""
 
 
-class GDPOParams(ParamSet):
+class GDPOParams(Variant):
+    name: Literal["gdpo"] = "gdpo"
     eps: float = Field(1e-6, ge=0.0)
     """Added to each component's std before dividing."""
 
 
-class OptimalBaselineParams(ParamSet):
+class OptimalBaselineParams(Variant):
+    name: Literal["optimal_token_baseline"] = "optimal_token_baseline"
     eps: float = Field(1e-8, ge=0.0)
     """Added to the baseline's denominator."""
 
 
-class ReinforcePPParams(ParamSet):
+class ReinforcePPParams(Variant):
+    name: Literal["reinforce_pp"] = "reinforce_pp"
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     """Discount."""
 
 
-class GAEParams(ParamSet):
+class GAEParams(Variant):
+    name: Literal["gae"] = "gae"
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     """Discount."""
     lam: float = Field(1.0, ge=0.0, le=1.0)
     """The GAE lambda."""
 
 
-class VAPOGAEParams(ParamSet):
+class VAPOGAEParams(Variant):
+    name: Literal["vapo_gae"] = "vapo_gae"
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     """Discount."""
     alpha: float = Field(0.05, gt=0.0)
@@ -217,7 +259,8 @@ class VAPOGAEParams(ParamSet):
     """The critic's lambda for its returns."""
 
 
-class OnPolicyDistillParams(ParamSet):
+class OnPolicyDistillParams(Variant):
+    name: Literal["on_policy_distill"] = "on_policy_distill"
     distill_weight: float = Field(1.0, ge=0.0)
     """Weight of the per-token distillation advantage -(log pi_student - log pi_teacher)."""
     task_weight: float = Field(0.0, ge=0.0)
@@ -229,39 +272,57 @@ class OnPolicyDistillParams(ParamSet):
     unbiased, lower variance)."""
 
 
-class AdvantagesConfig(ParamSet):
-    """Parameters of each advantage estimator that takes any; the run reads the section of
-    ``algo.advantage`` (an estimator without one takes none)."""
-
-    grpo: GRPOParams = GRPOParams()
-    """grpo (group-normalised outcome)."""
-    grpo_passk: GRPOPassKParams = GRPOPassKParams()
-    """grpo_passk (pass@k-shaped group advantage)."""
-    gdpo: GDPOParams = GDPOParams()
-    """gdpo (each reward component normalised on its own)."""
-    optimal_token_baseline: OptimalBaselineParams = OptimalBaselineParams()
-    """optimal_token_baseline (variance-minimising per-token baseline)."""
-    reinforce_pp: ReinforcePPParams = ReinforcePPParams()
-    """reinforce_pp (REINFORCE++ returns, whitened over the batch)."""
-    gae: GAEParams = GAEParams()
-    """gae (PPO's generalised advantage estimate from the critic)."""
-    vapo_gae: VAPOGAEParams = VAPOGAEParams()
-    """vapo_gae (VAPO's decoupled, length-adaptive GAE)."""
-    on_policy_distill: OnPolicyDistillParams = OnPolicyDistillParams()
-    """on_policy_distill (the teacher's per-token reverse KL as a dense advantage)."""
+AdvantageChoice = choice(
+    "grpo", GRPOParams, GRPOPassKParams, GDPOParams, OptimalBaselineParams, ReinforcePPParams,
+    GAEParams, VAPOGAEParams, OnPolicyDistillParams,
+    *map(bare, ("dr_grpo", "gpg", "opo", "reinforce_pp_baseline", "remax", "rloo")),
+)  # fmt: skip
+"""An advantage estimator (docs/algorithms.md)."""
 
 
-def params_of(section: ParamSet, name: str) -> dict[str, Any]:
-    """The keyword parameters of ``name`` in ``section`` (a LossesConfig or AdvantagesConfig):
-    every field of its class, {} for a name without a class."""
-    chosen = getattr(section, name, None) if name in type(section).model_fields else None
-    return chosen.model_dump() if chosen is not None else {}
+# ------------------------------------------------------------- rollout corrections
 
 
-def changed_sections(section: ParamSet) -> list[str]:
-    """Names whose parameters differ from their class's defaults."""
-    return [
-        name
-        for name, field in type(section).model_fields.items()
-        if getattr(section, name) != field.default
-    ]
+class NoCorrection(Variant):
+    """No correction."""
+
+    name: Literal["none"] = "none"
+
+
+class TISCorrection(Variant):
+    """Token-level truncated importance sampling."""
+
+    name: Literal["tis"] = "tis"
+    cap: float = Field(2.0, gt=0.0)
+    """Upper bound of the truncated importance weight."""
+
+
+class SeqTISCorrection(TISCorrection):
+    """Sequence-level truncated importance sampling."""
+
+    name: Literal["seq_tis"] = "seq_tis"  # type: ignore[assignment]
+
+
+class MaskCorrection(Variant):
+    """IcePop: tokens whose ratio leaves [low, high] are masked."""
+
+    name: Literal["mask"] = "mask"
+    low: float = Field(0.5, ge=0.0, lt=1.0)
+    """Lower edge of the accepted ratio band."""
+    high: float = Field(5.0, gt=1.0)
+    """Upper edge of the accepted ratio band."""
+
+
+class SeqMaskCorrection(MaskCorrection):
+    """Rows with a token whose ratio leaves [low, high] are masked whole; kept rows get a
+    truncated sequence weight."""
+
+    name: Literal["seq_mask"] = "seq_mask"  # type: ignore[assignment]
+    cap: float = Field(2.0, gt=0.0)
+    """Upper bound of the truncated importance weight."""
+
+
+CorrectionChoice = choice(
+    "none", NoCorrection, TISCorrection, SeqTISCorrection, MaskCorrection, SeqMaskCorrection
+)
+"""An importance correction between the sampling engine and the trainer."""

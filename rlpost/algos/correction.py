@@ -10,8 +10,9 @@ for every registered policy loss the per-token loss is linear in the advantage
 with a positive factor, so this equals weighting the per-token loss. A weight
 of 0 masks a token without changing the aggregation's denominators.
 
-``fn(proximal_logprobs [B, T], rollout_logprobs [B, T], response_mask [B, T], *,
-cap, low, high) -> CorrectionOutput``; log-ratios ``d = prox - mu`` are clamped to
+``fn(proximal_logprobs [B, T], rollout_logprobs [B, T], response_mask [B, T], p) ->
+CorrectionOutput``, ``p`` the chosen variant of ``algo.rollout_correction`` (its
+``cap``, ``low``, ``high``, validated there); log-ratios ``d = prox - mu`` are clamped to
 +-20 before ``exp``.
 
 With one optimizer step per batch the proximal policy is the loss pass's own
@@ -32,6 +33,7 @@ from torch import Tensor
 
 from rlpost.algos.aggregate import masked_mean, masked_sum
 from rlpost.algos.policy_losses import LOG_RATIO_CLAMP
+from rlpost.params import MaskCorrection, SeqMaskCorrection, TISCorrection
 from rlpost.registry import Registry
 
 
@@ -52,12 +54,8 @@ def get_correction(name: str) -> Correction:
     return CORRECTIONS.get(name)
 
 
-def _log_ratio(prox: Tensor, rollout: Tensor, mask: Tensor, cap, low, high) -> Tensor:
-    """``d = prox - mu`` ``[B, T]`` clamped to +-20, 0 on padding (shapes and band checked)."""
-    if cap <= 0 or not 0 <= low < 1 < high:
-        raise ValueError(
-            f"need cap > 0 and 0 <= low < 1 < high, got cap={cap}, low={low}, high={high}"
-        )
+def _log_ratio(prox: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
+    """``d = prox - mu`` ``[B, T]`` clamped to +-20, 0 on padding (shapes checked)."""
     if prox.shape != rollout.shape or mask.shape != prox.shape:
         raise ValueError(
             f"correction shapes differ: proximal {tuple(prox.shape)}, rollout "
@@ -88,67 +86,43 @@ def _output(weights: Tensor, mask: Tensor, masked: Tensor | None = None) -> Corr
 
 @CORRECTIONS.register("tis")
 def token_tis(
-    proximal_logprobs: Tensor,
-    rollout_logprobs: Tensor,
-    response_mask: Tensor,
-    *,
-    cap: float = 2.0,
-    low: float = 0.5,
-    high: float = 5.0,
+    proximal_logprobs: Tensor, rollout_logprobs: Tensor, response_mask: Tensor, p: TISCorrection
 ) -> CorrectionOutput:
     """Token-level truncated IS ``w_t = min(exp(d_t), cap)`` (Yao et al. 2025, "Your efficient
     RL framework secretly brings you off-policy RL training")."""
-    d = _log_ratio(proximal_logprobs, rollout_logprobs, response_mask, cap, low, high)
-    return _output(torch.exp(d).clamp(max=cap), response_mask)
+    d = _log_ratio(proximal_logprobs, rollout_logprobs, response_mask)
+    return _output(torch.exp(d).clamp(max=p.cap), response_mask)
 
 
 @CORRECTIONS.register("seq_tis")
 def sequence_tis(
-    proximal_logprobs: Tensor,
-    rollout_logprobs: Tensor,
-    response_mask: Tensor,
-    *,
-    cap: float = 2.0,
-    low: float = 0.5,
-    high: float = 5.0,
+    proximal_logprobs: Tensor, rollout_logprobs: Tensor, response_mask: Tensor, p: TISCorrection
 ) -> CorrectionOutput:
     """Sequence-level truncated IS ``w_i = min(exp(sum_t d_it), cap)`` on every token of row i
     (the sequence's likelihood ratio; unbiased for sequence-level rewards, higher variance)."""
-    d = _log_ratio(proximal_logprobs, rollout_logprobs, response_mask, cap, low, high)
-    seq = torch.exp(d.sum(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=cap)
+    d = _log_ratio(proximal_logprobs, rollout_logprobs, response_mask)
+    seq = torch.exp(d.sum(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=p.cap)
     return _output(seq[:, None].expand_as(d), response_mask)
 
 
 @CORRECTIONS.register("mask")
 def token_mask(
-    proximal_logprobs: Tensor,
-    rollout_logprobs: Tensor,
-    response_mask: Tensor,
-    *,
-    cap: float = 2.0,
-    low: float = 0.5,
-    high: float = 5.0,
+    proximal_logprobs: Tensor, rollout_logprobs: Tensor, response_mask: Tensor, p: MaskCorrection
 ) -> CorrectionOutput:
     """Masked IS (IcePop, "Every step evolves", arXiv 2510.18855): ``w_t = exp(d_t)`` inside
     ``[low, high]``, 0 outside: tokens the two policies disagree on do not train."""
-    r = torch.exp(_log_ratio(proximal_logprobs, rollout_logprobs, response_mask, cap, low, high))
-    outside = ((r < low) | (r > high)) & (response_mask > 0)
+    r = torch.exp(_log_ratio(proximal_logprobs, rollout_logprobs, response_mask))
+    outside = ((r < p.low) | (r > p.high)) & (response_mask > 0)
     return _output(r, response_mask, outside)
 
 
 @CORRECTIONS.register("seq_mask")
 def sequence_mask(
-    proximal_logprobs: Tensor,
-    rollout_logprobs: Tensor,
-    response_mask: Tensor,
-    *,
-    cap: float = 2.0,
-    low: float = 0.5,
-    high: float = 5.0,
+    proximal_logprobs: Tensor, rollout_logprobs: Tensor, response_mask: Tensor, p: SeqMaskCorrection
 ) -> CorrectionOutput:
     """Masked IS by sequence: a row any of whose tokens' ratio leaves ``[low, high]`` is
     dropped whole (weight 0); the others keep ``w_t = min(exp(d_t), cap)``."""
-    r = torch.exp(_log_ratio(proximal_logprobs, rollout_logprobs, response_mask, cap, low, high))
+    r = torch.exp(_log_ratio(proximal_logprobs, rollout_logprobs, response_mask))
     valid = response_mask > 0
-    bad_row = (((r < low) | (r > high)) & valid).any(-1, keepdim=True)
-    return _output(r.clamp(max=cap), response_mask, bad_row.expand_as(r) & valid)
+    bad_row = (((r < p.low) | (r > p.high)) & valid).any(-1, keepdim=True)
+    return _output(r.clamp(max=p.cap), response_mask, bad_row.expand_as(r) & valid)

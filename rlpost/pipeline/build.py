@@ -31,7 +31,6 @@ from rlpost.envs.formats import build_format, demonstration_completion
 from rlpost.models.loading import context_length, frozen_copy, load_policy, load_tokenizer
 from rlpost.models.tiny import build_char_tokenizer
 from rlpost.observe.mfu import cpu_bf16_native
-from rlpost.params import params_of
 from rlpost.pipeline.plan import resolve_step_plan
 from rlpost.pipeline.weights import build_weight_path
 from rlpost.rewards.routing import build_routed_scorer
@@ -333,20 +332,20 @@ def build_trainer(cfg: Config, model, dp=None) -> PolicyTrainer:
         logits_chunk=t.logits_chunk_tokens,
         max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
         packing=t.packing,
-        loss_params=params_of(a.losses, a.policy_loss),
-        correction_params={"cap": c.cap, "low": c.low, "high": c.high},
-        full_logits=bool(POLICY_LOSSES.trait(a.policy_loss, "needs_teacher_logits")),
+        loss_params=a.loss.params(),
+        correction=c,
+        full_logits=bool(POLICY_LOSSES.trait(a.loss.name, "needs_teacher_logits")),
     )
     if settings.bf16 and eager_attention_pays(model):
         model.set_attn_implementation("eager")
     return PolicyTrainer(
         model,
-        get_policy_loss(a.policy_loss),
+        get_policy_loss(a.loss.name),
         settings,
         layout=build_layout(cfg, model, dp),
         kl_estimator=get_kl_estimator(a.kl.estimator),
         correction=None if c.name == "none" else get_correction(c.name),
-        token_selector=POLICY_LOSSES.trait(a.policy_loss, "token_selector", None),
+        token_selector=POLICY_LOSSES.trait(a.loss.name, "token_selector", None),
         seed=cfg.run.seed,
     )
 

@@ -250,7 +250,7 @@ def learnability_check(cfg: Config, workers: Workers) -> LearnabilityCheck:
     check = LearnabilityCheck(
         max_tokens=cfg.rollout.max_tokens,
         truncated_reward=cfg.rollout.truncated_reward,
-        group_relative=ADVANTAGES.trait(cfg.algo.advantage, "group_relative"),
+        group_relative=ADVANTAGES.trait(cfg.algo.advantage.name, "group_relative"),
     )
     check.start(workers)
     return check
@@ -301,7 +301,7 @@ def _feed(r: Run, source: PromptSource, step: int):
         dynamic_sampling=cfg.algo.dynamic_sampling,
         max_sampling_rounds=cfg.algo.max_sampling_rounds,
         partial=cfg.rollout.partial,
-        greedy_baseline=ADVANTAGES.trait(cfg.algo.advantage, "needs_greedy_baseline"),
+        greedy_baseline=ADVANTAGES.trait(cfg.algo.advantage.name, "needs_greedy_baseline"),
     )
     params = build.sampling_params(cfg, r.eos_id)
     if p.mode == "sync":

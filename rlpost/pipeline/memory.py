@@ -103,7 +103,7 @@ def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
     if cfg.model.gradient_checkpointing:
         per_layer = seq * micro * h * width
     tokens = micro * r.max_tokens
-    if POLICY_LOSSES.trait(cfg.algo.policy_loss, "needs_teacher_logits"):
+    if POLICY_LOSSES.trait(cfg.algo.loss.name, "needs_teacher_logits"):
         # gkd reads whole distributions, past the chunked head: the student's logits, their
         # float32 copy and gradient, the teacher's logits and the divergence's two log-softmaxes
         logits = 6 * tokens * shape["vocab"] * 4

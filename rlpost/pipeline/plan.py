@@ -78,16 +78,16 @@ def resolve_step_plan(cfg: Config) -> StepPlan:
     return StepPlan(
         old_logprobs=a.old_logprobs,
         single_update_rows=t.mini_batch_size if t.epochs == 1 else 0,
-        reference=a.kl.beta > 0 or bool(POLICY_LOSSES.trait(a.policy_loss, "needs_reference")),
-        values=bool(ADVANTAGES.trait(a.advantage, "needs_critic")),
-        components=bool(ADVANTAGES.trait(a.advantage, "needs_components")),
-        greedy_baseline=bool(ADVANTAGES.trait(a.advantage, "needs_greedy_baseline")),
-        sum_pi_squared=bool(ADVANTAGES.trait(a.advantage, "needs_sum_pi_squared")),
+        reference=a.kl.beta > 0 or bool(POLICY_LOSSES.trait(a.loss.name, "needs_reference")),
+        values=bool(ADVANTAGES.trait(a.advantage.name, "needs_critic")),
+        components=bool(ADVANTAGES.trait(a.advantage.name, "needs_components")),
+        greedy_baseline=bool(ADVANTAGES.trait(a.advantage.name, "needs_greedy_baseline")),
+        sum_pi_squared=bool(ADVANTAGES.trait(a.advantage.name, "needs_sum_pi_squared")),
         kl_in_reward=a.kl.placement == "reward",
-        token_selector=POLICY_LOSSES.trait(a.policy_loss, "token_selector", None) is not None,
+        token_selector=POLICY_LOSSES.trait(a.loss.name, "token_selector", None) is not None,
         critic_warmup_steps=cfg.critic.warmup_steps,
-        teacher=bool(ADVANTAGES.trait(a.advantage, "needs_teacher")),
-        teacher_logits=bool(POLICY_LOSSES.trait(a.policy_loss, "needs_teacher_logits")),
+        teacher=bool(ADVANTAGES.trait(a.advantage.name, "needs_teacher")),
+        teacher_logits=bool(POLICY_LOSSES.trait(a.loss.name, "needs_teacher_logits")),
     )
 
 

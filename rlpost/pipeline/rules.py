@@ -22,17 +22,13 @@ from pathlib import Path
 from rlpost.algos import (
     ADVANTAGES,
     POLICY_LOSSES,
-    get_advantage_estimator,
     get_aggregation,
     get_kl_estimator,
-    get_policy_loss,
 )
-from rlpost.algos.correction import get_correction
 from rlpost.config import Config, ConfigError
 from rlpost.envs.base import EnvError
 from rlpost.envs.catalog import env_factory
 from rlpost.envs.formats import TagFormat
-from rlpost.params import changed_sections, params_of
 from rlpost.pipeline.build import bf16_compute, engine_in_process, run_device
 from rlpost.registry import UnknownNameError
 from rlpost.rewards.scorer import check_terms
@@ -110,11 +106,11 @@ def mini_batch_fits_rollout_batch(cfg: Config) -> str | None:
 
 @rule("train")
 def group_relative_needs_groups(cfg: Config) -> str | None:
-    a = cfg.algo.advantage
+    a = cfg.algo.advantage.name
     if cfg.rollout.n == 1 and _trait(ADVANTAGES, a, "group_relative"):
         return (
             f"rollout.n=1 gives every {a} group zero advantage; set rollout.n >= 2 "
-            "or use algo.advantage=reinforce_pp with algo.policy_loss=flash_reinforce"
+            "or use algo.advantage=reinforce_pp with algo.loss=flash_reinforce"
         )
     return None
 
@@ -249,13 +245,13 @@ def rollout_logprobs_need_no_correction(cfg: Config) -> str | None:
     a = cfg.algo
     if a.old_logprobs != "rollout":
         return None
-    tis_cap = params_of(a.losses, a.policy_loss).get("tis_cap")
+    tis_cap = a.loss.params().get("tis_cap")
     one = {
         f"algo.rollout_correction.name={a.rollout_correction.name}": (
             a.rollout_correction.name != "none"
         ),
-        f"algo.losses.{a.policy_loss}.tis_cap={tis_cap}": tis_cap is not None,
-        "algo.policy_loss=flash_reinforce": a.policy_loss == "flash_reinforce",
+        f"algo.loss.tis_cap={tis_cap}": tis_cap is not None,
+        "algo.loss.name=flash_reinforce": a.loss.name == "flash_reinforce",
     }
     for key in (k for k, bad in one.items() if bad):
         return (
@@ -303,14 +299,10 @@ def _name_problem(key: str, name: str, lookup) -> str | None:
 @rule("train")
 def algorithm_names_are_registered(cfg: Config) -> str | None:
     a = cfg.algo
-    names = [
-        ("algo.advantage", a.advantage, get_advantage_estimator),
-        ("algo.policy_loss", a.policy_loss, get_policy_loss),
+    names = [  # a choice's name is checked by its union (algo.loss, algo.advantage)
         ("algo.kl.estimator", a.kl.estimator, get_kl_estimator),
         ("algo.loss_agg_mode", a.loss_agg_mode, get_aggregation),
     ]
-    if a.rollout_correction.name != "none":
-        names.append(("algo.rollout_correction.name", a.rollout_correction.name, get_correction))
     for key, name, lookup in names:
         if (line := _name_problem(key, name, lookup)) is not None:
             return line
@@ -318,30 +310,15 @@ def algorithm_names_are_registered(cfg: Config) -> str | None:
 
 
 @rule("train")
-def params_set_for_the_chosen_algorithm(cfg: Config) -> str | None:
-    a = cfg.algo
-    for section, changed, chosen, key in (
-        ("losses", changed_sections(a.losses), a.policy_loss, "policy_loss"),
-        ("advantages", changed_sections(a.advantages), a.advantage, "advantage"),
-    ):
-        for name in (n for n in changed if n != chosen):
-            return (
-                f"algo.{section}.{name} is set but algo.{key}={chosen} does not read it; set "
-                f"algo.{key}={name} or move the values to algo.{section}.{chosen}"
-            )
-    return None
-
-
-@rule("train")
 def component_estimator_needs_outcome_rewards(cfg: Config) -> str | None:
     a = cfg.algo
-    if not _trait(ADVANTAGES, a.advantage, "needs_components"):
+    if not _trait(ADVANTAGES, a.advantage.name, "needs_components"):
         return None
     if a.kl.placement != "reward" and cfg.agent.env is None:
         return None
     why = "algo.kl.placement=reward" if a.kl.placement == "reward" else "agent.env"
     return (
-        f"algo.advantage={a.advantage} with {why}: it normalises the reward terms' outcome "
+        f"algo.advantage={a.advantage.name} with {why}: it normalises the reward terms' outcome "
         "scores and would drop the per-token rewards (the KL penalty, an environment's turn "
         "rewards); use another estimator or algo.kl.placement=loss"
     )
@@ -493,7 +470,7 @@ def suspect_before_dead(cfg: Config) -> str | None:
 
 @rule("train")
 def data_parallel_without_critic(cfg: Config) -> str | None:
-    n, a = cfg.cluster.trainer_workers, cfg.algo.advantage
+    n, a = cfg.cluster.trainer_workers, cfg.algo.advantage.name
     if n > 1 and _trait(ADVANTAGES, a, "needs_critic"):
         return (
             f"cluster.trainer_workers={n}: the PPO critic (algo.advantage={a}) trains on one "
@@ -570,19 +547,13 @@ def no_inert_knobs(cfg: Config) -> str | None:
 def inert_knobs(cfg: Config) -> list[str]:
     """Every knob of ``cfg`` set away from its default that this config never reads."""
     a, r, s, w = cfg.algo, cfg.rollout, cfg.sync, cfg.reward
-    corr = a.rollout_correction.name
     copied = r.engine != "remote" and s.codec == "none" and not s.delta
     mixed = any(t.kind in ("model", "judge") for t in w.terms)
-    loss, losses = a.policy_loss, a.losses
+    loss = a.loss
     rules = [  # (section, its key, fields, nothing reads them, the fix)
         (a.kl, "algo.kl", ("estimator", "placement", "target"), a.kl.beta == 0,
          "set algo.kl.beta > 0"),
         (a.kl, "algo.kl", ("horizon",), a.kl.target is None, "set algo.kl.target (adaptive KL)"),
-        (a.rollout_correction, "algo.rollout_correction", ("cap",),
-         corr not in ("tis", "seq_tis", "seq_mask"),
-         "set algo.rollout_correction.name to tis, seq_tis or seq_mask"),
-        (a.rollout_correction, "algo.rollout_correction", ("low", "high"),
-         corr not in ("mask", "seq_mask"), "set algo.rollout_correction.name to mask or seq_mask"),
         (a, "algo", ("max_sampling_rounds",), not a.dynamic_sampling,
          "set algo.dynamic_sampling=true"),
         (r, "rollout", ("partial_fraction",), not r.partial, "set rollout.partial=true"),
@@ -595,17 +566,14 @@ def inert_knobs(cfg: Config) -> list[str]:
          "alpha mixes verifiable with model or judge terms; add one"),
         (w, "reward", ("sample_count",), w.sample_every == 0, "set reward.sample_every > 0"),
     ]  # fmt: skip
-    for name in ("flash_reinforce", "dppo"):  # the trust region reads one threshold
-        p = getattr(losses, name)
-        key = f"algo.losses.{name}"
-        rules.append((p, key, ("tr_tv",), loss == name and p.divergence != "tv",
-                      f"set {key}.divergence=tv"))  # fmt: skip
-        rules.append((p, key, ("tr_kl",), loss == name and p.divergence == "tv",
-                      f"set {key}.divergence=binary_kl"))  # fmt: skip
-    for name in ("ppo_clip", "dapo"):
-        p, key = getattr(losses, name), f"algo.losses.{name}"
-        rules.append((p, key, ("clip_ratio_c",), loss == name and p.dual_clip is False,
-                      f"set {key}.dual_clip=true"))  # fmt: skip
+    if loss.name in ("flash_reinforce", "dppo"):  # the trust region reads one threshold
+        rules.append((loss, "algo.loss", ("tr_tv",), loss.divergence != "tv",
+                      "set algo.loss.divergence=tv"))  # fmt: skip
+        rules.append((loss, "algo.loss", ("tr_kl",), loss.divergence == "tv",
+                      "set algo.loss.divergence=binary_kl"))  # fmt: skip
+    if loss.name in ("ppo_clip", "dapo"):
+        rules.append((loss, "algo.loss", ("clip_ratio_c",), loss.dual_clip is False,
+                      "set algo.loss.dual_clip=true"))  # fmt: skip
     out = []
     for section, prefix, fields, inert, fix in rules:
         for field in fields:
@@ -905,8 +873,8 @@ def _distils(cfg: Config) -> tuple[bool, bool]:
     """(the estimator reads teacher logprobs, the loss reads teacher logits)."""
     a = cfg.algo
     return (
-        bool(_trait(ADVANTAGES, a.advantage, "needs_teacher")),
-        bool(_trait(POLICY_LOSSES, a.policy_loss, "needs_teacher_logits")),
+        bool(_trait(ADVANTAGES, a.advantage.name, "needs_teacher")),
+        bool(_trait(POLICY_LOSSES, a.loss.name, "needs_teacher_logits")),
     )
 
 
@@ -919,9 +887,9 @@ def distillation_has_one_teacher(cfg: Config) -> str | None:
             "set one of them"
         )
     reads_lp, reads_logits = _distils(cfg)
-    uses = "algo.advantage=on_policy_distill or algo.policy_loss=gkd"
+    uses = "algo.advantage=on_policy_distill or algo.loss=gkd"
     if (reads_lp or reads_logits) and not (t.path or t.url):
-        name = cfg.algo.policy_loss if reads_logits else cfg.algo.advantage
+        name = cfg.algo.loss.name if reads_logits else cfg.algo.advantage.name
         return (
             f"model.teacher.path=None: {name} distils from a teacher; set model.teacher.path "
             "(a trained run's checkpoints/step_N/model) or model.teacher.url"
@@ -942,7 +910,7 @@ def gkd_needs_local_teacher(cfg: Config) -> str | None:
     _, reads_logits = _distils(cfg)
     if reads_logits and cfg.model.teacher.url:
         return (
-            f"model.teacher.url={cfg.model.teacher.url}: algo.policy_loss={cfg.algo.policy_loss} "
+            f"model.teacher.url={cfg.model.teacher.url}: algo.loss.name={cfg.algo.loss.name} "
             "needs the teacher's full logits, which a server does not return; use "
             "model.teacher.path (in-process) or algo.advantage=on_policy_distill"
         )
@@ -952,14 +920,11 @@ def gkd_needs_local_teacher(cfg: Config) -> str | None:
 @rule("train")
 def distillation_weights_not_both_zero(cfg: Config) -> str | None:
     reads_lp, reads_logits = _distils(cfg)
-    for on, section, name in (
-        (reads_lp, "advantages", cfg.algo.advantage),
-        (reads_logits, "losses", cfg.algo.policy_loss),
-    ):
-        p = params_of(getattr(cfg.algo, section), name)
+    for on, key in ((reads_lp, "advantage"), (reads_logits, "loss")):
+        p = getattr(cfg.algo, key).params()
         if on and p.get("distill_weight") == 0 and p.get("task_weight") == 0:
             return (
-                f"algo.{section}.{name}.distill_weight=0: task_weight is 0 too, so nothing "
-                "trains; raise either"
+                f"algo.{key}.distill_weight=0: task_weight is 0 too, so nothing trains; "
+                "raise either"
             )
     return None

@@ -218,8 +218,8 @@ def finish_run(
         "reward_mean_last": _tail_mean(history, "reward_mean"),
         "kl_last": history[-1]["kl"] if history else None,
         "wall_seconds": wall,
-        "advantage": cfg.algo.advantage,
-        "policy_loss": cfg.algo.policy_loss,
+        "advantage": cfg.algo.advantage.name,
+        "policy_loss": cfg.algo.loss.name,
         "data": read_data_counts(run_dir),
         **(extra or {}),
     }

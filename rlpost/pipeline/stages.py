@@ -32,7 +32,6 @@ from rlpost.algos.sampling import spread_per_group
 from rlpost.config import AlgoConfig
 from rlpost.data import PromptSampler
 from rlpost.observe import Guards
-from rlpost.params import params_of
 from rlpost.pipeline.evaluate import logprob_gap, rollout_health
 from rlpost.pipeline.plan import StepPlan
 from rlpost.pipeline.workers import RewardAPI, RolloutAPI, TrainerAPI
@@ -201,7 +200,7 @@ def train_stage(
         values=trainer.values(batch) if plan.values else None,
     )
     scored, teacher_seconds = with_teacher(scored, s.teacher, plan)
-    inputs = estimator_inputs(groups, scored, trainer, algo.advantage)
+    inputs = estimator_inputs(groups, scored, trainer, algo.advantage.name)
     turn = turn_rewards(groups, batch.response_mask)
     adv = compute_advantages(scored, algo, beta=kl_ctl.beta, inputs=inputs, turn_rewards=turn)
     ready = replace(scored, **vars(adv))
@@ -338,14 +337,14 @@ def compute_advantages(
             beta=beta,
             estimator=algo.kl.estimator,
         )
-    estimator = get_advantage_estimator(algo.advantage)
+    estimator = get_advantage_estimator(algo.advantage.name)
     advantages, returns = estimator(
         rewards,
         mask,
         batch.group,
         values=batch.values,
         **(inputs or {}),
-        **params_of(algo.advantages, algo.advantage),
+        **algo.advantage.params(),
     )
     return Advantages(rewards, advantages, returns)
 

@@ -66,7 +66,7 @@ class ActorSettings:
     max_tokens_per_micro_batch: int = 0  # padded tokens per micro-batch (0: rows only)
     packing: str = "off"  # auto | shared | on | off: rows packed end to end (train.packing)
     loss_params: dict[str, Any] = field(default_factory=dict)
-    correction_params: dict[str, Any] = field(default_factory=dict)
+    correction: Any = None  # the chosen algo.rollout_correction variant (its cap, low, high)
     full_logits: bool = False  # the loss reads the whole [B, T, V] logits (gkd)
 
 
@@ -387,7 +387,7 @@ class PolicyTrainer:
             # The proximal policy is old_logprobs: the loss pass's own with one optimizer
             # step per batch (no extra forward pass), else the recompute before the first.
             fix = self.correction(
-                micro.old_logprobs, micro.rollout_logprobs, mask, **self.s.correction_params
+                micro.old_logprobs, micro.rollout_logprobs, mask, self.s.correction
             )
             advantages = advantages * fix.weights
             correction_stats = {k: float(v) for k, v in fix.stats.items()}

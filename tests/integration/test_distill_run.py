@@ -52,7 +52,7 @@ def _overrides(tmp_path, teacher_dir, **extra):
     "algo",
     [
         {},  # the recipe: on_policy_distill advantage with ppo_clip
-        {"algo.advantage": "grpo", "algo.policy_loss": "gkd"},
+        {"algo.advantage": "grpo", "algo.loss": "gkd"},
     ],
     ids=["advantage", "gkd_loss"],
 )
@@ -81,14 +81,14 @@ def test_distillation_config_errors_are_one_line(tmp_path, teacher_dir):
         "needs the teacher's full logits": {
             "model.teacher.path": "null",
             "model.teacher.url": "http://127.0.0.1:8000",
-            "algo.policy_loss": "gkd",
+            "algo.loss": "gkd",
         },
         "names a teacher too": {"model.teacher.url": "http://127.0.0.1:8000"},
         "model.teacher.path=/nonexistent/teacher: not a directory": {
             "model.teacher.path": "/nonexistent/teacher"
         },
         "no part of the run reads it": {"algo.advantage": "grpo"},
-        "task_weight is 0 too": {"algo.advantages.on_policy_distill.distill_weight": 0.0},
+        "task_weight is 0 too": {"algo.advantage.distill_weight": 0.0},
     }
     for needle, extra in cases.items():
         line = _problem(tmp_path, teacher_dir, **extra)

@@ -25,7 +25,6 @@ import torch
 
 from rlpost.algos import POLICY_LOSSES, Aggregation, get_policy_loss
 from rlpost.config import ConfigError, load_config, shipped_recipes
-from rlpost.params import params_of
 from rlpost.pipeline import build, rules
 from rlpost.pipeline.loop import train
 from rlpost.types import Completion, Group
@@ -49,8 +48,8 @@ def other(*choices):
 
 # key (or parameter name) -> (another value, what it moves, context applied to both runs)
 ALTS = {
-    "algo.advantage": (other("rloo", "grpo"), "update", {}),
-    "algo.policy_loss": (other("gspo", "ppo_clip"), "update", OFF_POLICY),
+    "algo.advantage.name": (other("rloo", "grpo"), "update", {}),
+    "algo.loss.name": (other("gspo", "ppo_clip"), "update", OFF_POLICY),
     "algo.loss_agg_mode": (other("seq-mean-token-sum", "token-mean"), "update", {}),
     "algo.kl.estimator": (other("k1", "k2"), "update", {**OFF_POLICY, "steps": 2}),
     "algo.kl.beta": (other(0.5, 0.1), "update", {**OFF_POLICY, "steps": 2}),
@@ -66,7 +65,7 @@ ALTS = {
     "algo.nll_coef": (other(0.5, 0.0), "update", {}),
     "algo.dynamic_sampling": (lambda v: not v, "rounds", {"rollout.temperature": 0.0}),
     "algo.max_sampling_rounds": (other(1, 2), "rounds", {"rollout.temperature": 0.0}),
-    # algo.advantages.<estimator>.<name> and algo.losses.<loss>.<name>
+    # the chosen estimator's and loss's parameters (algo.advantage.<name>, algo.loss.<name>)
     "norm_by_std": (other(False, True), "update", {}),
     "std_scope": (other("batch", "group"), "update", {}),
     "eps": (other(0.5, 1.0), "update", {}),
@@ -142,15 +141,13 @@ ALTS = {
 # on-policy distillation: eps acts on the task term only, so the context turns it on
 ALTS.update(
     {
-        "algo.advantages.on_policy_distill.eps": (
-            other(0.5, 1.0), "update", {"algo.advantages.on_policy_distill.task_weight": 1.0}
-        ),
+        "on_policy_distill.eps": (other(0.5, 1.0), "update", {"algo.advantage.task_weight": 1.0}),
         "distill_weight": (other(2.0, 1.0), "update", {}),
         "task_weight": (other(1.0, 0.5), "update", {}),
         "center": (other(True, False), "update", {}),
-        "algo.losses.gkd.divergence": (other("reverse_kl", "forward_kl"), "loss_fn", {}),
+        "gkd.divergence": (other("reverse_kl", "forward_kl"), "loss_fn", {}),
         # beta mixes the two distributions of the generalised JSD only
-        "algo.losses.gkd.beta": (other(0.25, 0.5), "loss_fn", {"algo.losses.gkd.divergence": "jsd"}),
+        "gkd.beta": (other(0.25, 0.5), "loss_fn", {"algo.loss.divergence": "jsd"}),
     }
 )
 
@@ -216,14 +213,7 @@ def knobs(recipe: Recipe) -> list[tuple[str, object]]:
     out = [(f"rollout.{k}", d["rollout"][k]) for k in SAMPLING]
     for section in ("train", "sync"):
         out += [(f"{section}.{k}", v) for k, v in d[section].items() if k != "keep_bf16"]
-    for key, v in leaves(d["algo"], "algo."):
-        if key.startswith(("algo.advantages.", "algo.losses.")):
-            continue
-        out.append((key, v))
-    a = d["algo"]
-    for section, chosen in (("advantages", a["advantage"]), ("losses", a["policy_loss"])):
-        for name, value in (a[section].get(chosen) or {}).items():
-            out.append((f"algo.{section}.{chosen}.{name}", value))
+    out += list(leaves(d["algo"], "algo."))  # a choice's leaves are its chosen variant's
     w = d["reward"]
     out += [(f"reward.{k}", w[k]) for k in ("alpha", "invalid_score", "score_range")]
     out += [(f"reward.{k}", w[k]) for k in ("sample_every", "sample_count")]
@@ -240,10 +230,14 @@ def knobs(recipe: Recipe) -> list[tuple[str, object]]:
     return out
 
 
-def alt_for(key: str):
+def alt_for(key: str, algo: dict):
+    """The alternative of ``key``: by key, by the chosen variant's parameter
+    (``gkd.beta``), or by parameter name."""
     if key in ALTS:
         return ALTS[key]
-    return ALTS[key.rsplit(".", 1)[-1]]
+    section, _, leaf = key.rpartition(".")
+    chosen = {"algo.loss": algo["loss"]["name"], "algo.advantage": algo["advantage"]["name"]}
+    return ALTS.get(f"{chosen.get(section)}.{leaf}") or ALTS[leaf]
 
 
 def load(recipe: Recipe, extra: dict):
@@ -294,9 +288,9 @@ def configured_loss(cfg) -> str:
     rollout = old + (torch.rand(4, 6, generator=gen) - 0.5)
     adv = torch.randn(4, 6, generator=gen)
     mask = torch.ones(4, 6)
-    fn = get_policy_loss(cfg.algo.policy_loss)
+    fn = get_policy_loss(cfg.algo.loss.name)
     full = {}  # a distillation loss reads the student's and the teacher's whole distributions
-    if POLICY_LOSSES.trait(cfg.algo.policy_loss, "needs_teacher_logits"):
+    if POLICY_LOSSES.trait(cfg.algo.loss.name, "needs_teacher_logits"):
         full = {k: torch.randn(4, 6, 11, generator=gen) * 2 for k in ("logits", "teacher_logits")}
     out = fn(
         lp.clamp(max=0.0),
@@ -306,7 +300,7 @@ def configured_loss(cfg) -> str:
         agg=Aggregation(cfg.algo.loss_agg_mode),
         rollout_logprobs=rollout.clamp(max=0.0),
         **full,
-        **params_of(cfg.algo.losses, cfg.algo.policy_loss),
+        **cfg.algo.loss.params(),
     )
     return repr(
         [round(float(out.loss), 7)]
@@ -370,7 +364,7 @@ class Walk:
 
     def knob(self, key: str, value) -> str:
         """'moved', 'refused: why', or a failure message."""
-        make, what, context = alt_for(key)
+        make, what, context = alt_for(key, self.recipe.resolved["algo"])
         learn = {} if what == "fixed_scores" else self._learning_terms()
         context = {**self.base, **learn, **context}
         steps = context.pop("steps", 1)
@@ -424,35 +418,29 @@ def groups_of_recipes(tmp_path, tiny_dir, only: str | None) -> dict[tuple[str, s
         extra = recipe_extra(name, tmp_path, tiny_dir)
         cfg = load_config(name, as_overrides(extra))
         resolved = cfg.model_dump()
-        key = (cfg.algo.advantage, cfg.algo.policy_loss)
+        key = (cfg.algo.advantage.name, cfg.algo.loss.name)
         out.setdefault(key, []).append(Recipe(name, resolved, extra))
     for members in out.values():  # the arith recipe first: the cheapest to probe
         members.sort(key=lambda r: (not r.name.endswith("_arith"), r.name))
     return out
 
 
-ALGORITHM_KEYS = (
-    "algo.advantage",
-    "algo.policy_loss",
-    "algo.advantages.",
-    "algo.losses.",
-)
+ALGORITHM_KEYS = ("algo.advantage.name", "algo.loss.name")
 
 
 def skip(key, value, recipe, index, default, default_knobs, first: set) -> bool:
-    """Walked elsewhere with the same wiring: algo.advantage and algo.policy_loss in each
+    """Walked elsewhere with the same wiring: algo.advantage.name and algo.loss.name in each
     group's first recipe, an estimator's or a loss's parameters in the first recipe that
     uses it, the other algo, train, rollout and sync keys in the default recipe (and
     wherever a recipe's value differs from it); reward keys in every recipe."""
     if key.startswith("reward.") or recipe is default:
         return False
     a = recipe.resolved["algo"]
-    if key.startswith("algo.advantages."):
-        return ("advantage", a["advantage"]) not in first
-    if key.startswith("algo.losses."):
-        return ("loss", a["policy_loss"]) not in first
     if key.startswith(ALGORITHM_KEYS):
         return index > 0
+    for part in ("advantage", "loss"):  # a variant's parameters: where it is first used
+        if key.startswith(f"algo.{part}."):
+            return (part, a[part]["name"]) not in first
     return default_knobs.get(key, object()) == value
 
 
@@ -479,7 +467,7 @@ def walk_recipes(tmp_path, tiny_dir, capsys, only: str | None) -> None:
     for members in groups.values():
         for i, recipe in enumerate(members):
             a = recipe.resolved["algo"]
-            mine = {("advantage", a["advantage"]), ("loss", a["policy_loss"])} - claimed
+            mine = {("advantage", a["advantage"]["name"]), ("loss", a["loss"]["name"])} - claimed
             claimed |= mine
             walk = Walk(recipe, tmp_path / recipe.name)
             walked = refused = 0

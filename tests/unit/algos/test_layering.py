@@ -12,7 +12,7 @@ import rlpost.algos as algos
 
 ALGOS_DIR = Path(algos.__file__).parent
 ALLOWED_ROOTS = {"__future__", "torch", "math", "typing", "dataclasses", "collections"}
-ALLOWED_RLPOST = ("rlpost.registry", "rlpost.algos")
+ALLOWED_RLPOST = ("rlpost.registry", "rlpost.algos", "rlpost.params")  # params: pydantic only
 
 
 def imported_modules(path: Path) -> list[str]:

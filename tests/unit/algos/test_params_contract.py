@@ -1,26 +1,35 @@
-"""Each registered loss and estimator takes exactly its typed parameter class (CPU).
+"""Each registered loss, estimator and correction takes exactly its variant's parameters (CPU).
 
-The class in ``rlpost.params`` holds the defaults the config passes; the function's
-signature holds the defaults a direct caller gets. They must be the same names with the
-same defaults, and every other keyword must be one the kind's caller supplies.
+A choice in the config (``algo.loss``, ``algo.advantage``, ``algo.rollout_correction``) is
+a union of one variant class per registered name. The variant holds the defaults the
+config passes; the function's signature holds the defaults a direct caller gets. They
+must be the same names with the same defaults, and every other keyword must be one the
+kind's caller supplies.
 """
 
 from __future__ import annotations
 
 import inspect
+from typing import get_args
 
 import pytest
 
 from rlpost.algos import ADVANTAGES, POLICY_LOSSES
 from rlpost.algos import advantages as advantages_module
 from rlpost.algos import policy_losses as losses_module
-from rlpost.params import AdvantagesConfig, LossesConfig, params_of
+from rlpost.algos.correction import CORRECTIONS
+from rlpost.params import AdvantageChoice, CorrectionChoice, LossChoice, variant_names
+
+
+def variants(union) -> dict:
+    return {a.__metadata__[0].tag: a.__origin__ for a in get_args(get_args(union)[0])}
+
 
 KINDS = [
-    (POLICY_LOSSES, LossesConfig, losses_module.CALLER_INPUTS),
-    (ADVANTAGES, AdvantagesConfig, advantages_module.CALLER_INPUTS),
+    (POLICY_LOSSES, LossChoice, losses_module.CALLER_INPUTS),
+    (ADVANTAGES, AdvantageChoice, advantages_module.CALLER_INPUTS),
 ]
-ENTRIES = [(reg, section, inputs, name) for reg, section, inputs in KINDS for name in reg.names()]
+ENTRIES = [(reg, union, inputs, name) for reg, union, inputs in KINDS for name in reg.names()]
 
 
 def _keywords(fn) -> dict:
@@ -32,21 +41,23 @@ def _keywords(fn) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("registry", "section", "inputs", "name"), ENTRIES, ids=[e[3] for e in ENTRIES]
+    ("registry", "union", "inputs", "name"), ENTRIES, ids=[e[3] for e in ENTRIES]
 )
-def test_keyword_parameters_equal_the_class_fields(registry, section, inputs, name):
+def test_keyword_parameters_equal_the_variant_fields(registry, union, inputs, name):
     keywords = _keywords(registry.get(name))
     params = {k: v for k, v in keywords.items() if k not in inputs}
-    assert params_of(section(), name) == params, name  # same names, same defaults
-    field = section.model_fields.get(name)
-    if field is not None:
-        assert not set(field.annotation.model_fields) & inputs  # no parameter shadows an input
+    assert variants(union)[name]().params() == params, name  # same names, same defaults
+    assert not set(variants(union)[name].model_fields) & inputs  # no parameter shadows an input
 
 
-@pytest.mark.parametrize(("registry", "section", "inputs"), KINDS)
-def test_every_section_names_a_registered_function_and_has_help(registry, section, inputs):
-    assert set(section.model_fields) <= set(registry.names())
-    for name, field in section.model_fields.items():
-        assert field.description, name
-        for param, sub in field.annotation.model_fields.items():
-            assert sub.description, f"{name}.{param}"
+@pytest.mark.parametrize(("registry", "union", "inputs"), KINDS)
+def test_every_registered_name_is_a_variant_with_help(registry, union, inputs):
+    assert sorted(variant_names(union)) == sorted(registry.names())
+    for name, cls in variants(union).items():
+        assert cls().name == name
+        for param, sub in cls.model_fields.items():
+            assert param == "name" or sub.description, f"{name}.{param}"
+
+
+def test_every_correction_is_a_variant():
+    assert sorted(variant_names(CorrectionChoice)) == sorted(["none", *CORRECTIONS.names()])

@@ -44,20 +44,34 @@ def test_on_and_off_are_words_where_a_field_takes_them(tmp_path):
     [
         (["train.lrx=1"], "unknown config key 'train.lrx'"),
         (["train.lr=-1"], "train.lr=-1"),
-        (["algo.losses.ppo_clip.clip_high=-0.1"], "algo.losses.ppo_clip.clip_high=-0.1"),
-        (["algo.losses.dppo.divergence=l2"], "algo.losses.dppo.divergence"),
-        (["algo.losses.dapo.clip_hgh=0.3"], "unknown config key 'algo.losses.dapo.clip_hgh'"),
-        (["algo.advantages.grpo.std_scope=global"], "algo.advantages.grpo.std_scope"),
-        (
-            ["algo.policy_loss=dapo", "algo.loss_params.clip_high=0.3"],
-            "algo.loss_params.clip_high=0.3: the key was renamed, each policy loss has its own "
-            "section; write algo.losses.dapo.clip_high=0.3",
+        (["algo.loss.clip_high=-0.1"], "config algo.loss.clip_high=-0.1: must be >= 0"),
+        (["algo.loss.name=dppo", "algo.loss.divergence=l2"], "algo.loss.divergence='l2'"),
+        (["algo.loss=dapo", "algo.loss.clip_hgh=0.3"], "unknown config key 'algo.loss.clip_hgh'"),
+        (["algo.advantage.std_scope=global"], "config algo.advantage.std_scope='global'"),
+        (["algo.loss.name=ppo_clipp"], "algo.loss.name='ppo_clipp': not one of ppo_clip, dapo"),
+        (["algo.rollout_correction=tiss"], "algo.rollout_correction.name='tiss': not one of"),
+        (  # a knob of another variant names the variants that have it
+            ["algo.loss.tau_pos=2"],
+            "config algo.loss.tau_pos: algo.loss.name=ppo_clip has no tau_pos; it is a parameter "
+            "of sapo (set algo.loss.name)",
         ),
         (
-            ["algo.advantage=gae", "algo.advantage_params.lam=0.9"],
-            "write algo.advantages.gae.lam=0.9",
+            ["algo.rollout_correction.cap=3"],
+            "algo.rollout_correction.name=none has no cap; it is a parameter of tis, seq_tis, "
+            "seq_mask",
         ),
-        (["algo.losses.ppo_clip.tau_pos=2"], "did you mean algo.losses.sapo.tau_pos"),
+        (
+            ["algo.policy_loss=dapo"],
+            "algo.policy_loss=dapo: the key was renamed; write algo.loss=dapo",
+        ),
+        (
+            ["algo.losses.dapo.clip_high=0.3"],
+            "the key was renamed; write algo.loss.name=dapo algo.loss.clip_high=0.3",
+        ),
+        (
+            ["algo.advantage_params.lam=0.9"],
+            "write algo.advantage.lam=0.9 (with algo.advantage.name)",
+        ),
         (["train.micro_batch_size=128", "train.mini_batch_size=64"], "micro_batch_size"),
         (["train.mini_batch_size=1000"], "larger than the rollout batch"),
         (["rollout.max_tokens=200"], "max_position_embeddings"),
@@ -85,14 +99,6 @@ def test_bad_config_is_one_line(overrides, needle):
             ["rollout.n=1", "train.mini_batch_size=16", "train.micro_batch_size=16"],
             "rollout.n=1 gives every grpo group zero advantage",
         ),
-        (
-            ["algo.losses.sapo.tau_pos=2"],
-            "algo.losses.sapo is set but algo.policy_loss=ppo_clip does not read it",
-        ),
-        (
-            ["algo.advantage=gae", "algo.advantages.grpo.std_scope=batch"],
-            "algo.advantages.grpo is set but algo.advantage=gae does not read it",
-        ),
     ],
 )
 def test_registry_checks_name_the_key(overrides, needle):
@@ -104,15 +110,42 @@ def test_registry_checks_name_the_key(overrides, needle):
     assert "\n" not in str(err.value)
 
 
-def test_loss_params_are_typed_fields_with_their_real_defaults_and_help():
-    rows = {k: (v, h) for k, v, h in describe_fields(Config)}
-    assert rows["algo.losses.dapo.clip_high"][0] == "0.28"
-    assert rows["algo.losses.ppo_clip.clip_high"][0] == "0.2"
-    assert rows["algo.losses.dppo.is_cap"][0] == "20.0"
-    assert rows["algo.advantages.optimal_token_baseline.eps"][0] == "1e-08"
-    for key, (_, help_text) in rows.items():
-        if key.startswith(("algo.losses.", "algo.advantages.")):
+def rows_of(*overrides):
+    return {k: (v, h) for k, v, h in describe_fields(Config, "", load_config(None, overrides))}
+
+
+def test_a_choice_lists_the_chosen_variants_parameters_only_with_their_defaults():
+    assert rows_of("algo.loss=dapo")["algo.loss.clip_high"][0] == "0.28"
+    assert rows_of()["algo.loss.clip_high"][0] == "0.2"
+    assert rows_of("algo.loss=dppo")["algo.loss.is_cap"][0] == "20.0"
+    otb = rows_of("algo.advantage=optimal_token_baseline")
+    assert otb["algo.advantage.eps"][0] == "1e-08"
+    assert "algo.advantage.norm_by_std" not in otb and "algo.loss.tau_pos" not in otb
+    assert [k for k in rows_of() if k.startswith("algo.rollout_correction.")] == [
+        "algo.rollout_correction.name"
+    ]
+    for key, (_, help_text) in {**rows_of("algo.loss=gkd"), **otb}.items():
+        if key.startswith(("algo.loss.", "algo.advantage.")):
             assert help_text and "(0." not in help_text, key  # help, no default in prose
+
+
+def test_choosing_another_variant_starts_from_its_defaults(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("algo:\n  loss: {name: dapo, clip_high: 0.3}\n")
+    assert load_config(recipe).algo.loss.clip_high == 0.3
+    assert load_config(recipe, ["algo.loss.clip_low=0.1"]).algo.loss.clip_high == 0.3
+    gspo = load_config(recipe, ["algo.loss.name=gspo"]).algo.loss
+    assert (gspo.name, gspo.clip_high) == ("gspo", 4e-4)  # not dapo's 0.3
+    child = tmp_path / "c.yaml"
+    child.write_text("base: r.yaml\nalgo:\n  loss: sapo\n")
+    assert load_config(child).algo.loss.model_dump() == {
+        "name": "sapo",
+        "tau_pos": 1.0,
+        "tau_neg": 1.05,
+    }
+    bare = tmp_path / "b.yaml"  # a bare name in the base, a parameter over it
+    bare.write_text("algo:\n  loss: dapo\n")
+    assert load_config(bare, ["algo.loss.clip_low=0.1"]).algo.loss.name == "dapo"
 
 
 def test_missing_and_malformed_recipe(tmp_path):
@@ -151,21 +184,18 @@ def test_cli_unknown_algorithm_names_valid_ones(tmp_path):
             "-m",
             "rlpost.cli",
             "train",
-            "algo.policy_loss=ppo_clipp",
+            "algo.loss=ppo_clipp",
             f"run.output_dir={tmp_path}",
         ],
         capture_output=True,
         text=True,
     )
     assert proc.returncode == 2
-    assert "ppo_clip" in proc.stderr and "valid" in proc.stderr
+    assert "ppo_clip" in proc.stderr and "not one of" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
-def test_an_old_run_config_without_loss_params_set_still_loads():
-    # Run directories written before the per-loss sections hold the flat bag of Nones.
-    old = {"algo": {"loss_params": {"clip_low": None, "tau_pos": None}, "advantage_params": {}}}
-    cfg = Config.model_validate(old)
-    assert cfg.algo.losses.ppo_clip.clip_low == 0.2
-    with pytest.raises(ValueError, match=r"write algo\.losses\.ppo_clip\.tis_cap=2\.0"):
-        Config.model_validate({"algo": {"loss_params": {"clip_low": None, "tis_cap": 2.0}}})
+def test_an_old_layout_is_refused_with_the_new_key():
+    old = {"algo": {"policy_loss": "ppo_clip", "losses": {"ppo_clip": {"clip_low": 0.2}}}}
+    with pytest.raises(ValueError, match=r"write algo\.loss=ppo_clip"):
+        Config.model_validate(old)

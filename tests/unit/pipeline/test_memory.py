@@ -46,7 +46,7 @@ def test_terms_follow_the_config(tmp_path):
     assert default is not None and default.total < chunked.total
     # the full-vocabulary distillation loss holds [8, 256, V] of the student's and the
     # teacher's, past the chunked head: twice the unchunked path's term
-    gkd = estimate(load_config(None, [f"model.path={path}", *base, "algo.policy_loss=gkd"]), shape)
+    gkd = estimate(load_config(None, [f"model.path={path}", *base, "algo.loss=gkd"]), shape)
     assert gkd.logits == pytest.approx(2 * full.logits)
 
 

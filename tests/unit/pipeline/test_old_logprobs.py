@@ -69,8 +69,8 @@ def test_rollout_logprobs_anchor_the_ratio_without_a_trainer_pass(tmp_path):
     [
         ({"rollout.top_p": 0.9}, "rollout.top_p=0.9"),
         ({"algo.rollout_correction.name": "tis"}, "algo.rollout_correction.name=tis"),
-        ({"algo.losses.ppo_clip.tis_cap": 2.0}, "algo.losses.ppo_clip.tis_cap=2.0"),
-        ({"algo.policy_loss": "flash_reinforce"}, "algo.policy_loss=flash_reinforce"),
+        ({"algo.loss.tis_cap": 2.0}, "algo.loss.tis_cap=2.0"),
+        ({"algo.loss": "flash_reinforce"}, "algo.loss.name=flash_reinforce"),
         ({"model.dtype": "bfloat16"}, "model.dtype=bfloat16"),
         ({"sync.codec": "fp8"}, "sync.codec=fp8"),
     ],

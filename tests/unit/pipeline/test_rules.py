@@ -83,14 +83,8 @@ CASES = {
     "algorithm_names_are_registered": (
         "train",
         [],
-        ["algo.policy_loss=nope"],
-        "algo.policy_loss='nope'",
-    ),
-    "params_set_for_the_chosen_algorithm": (
-        "train",
-        [],
-        ["algo.losses.gspo.clip_low=0.1"],
-        "algo.losses.gspo is set but algo.policy_loss=ppo_clip",
+        ["algo.kl.estimator=nope"],
+        "algo.kl.estimator='nope'",
     ),
     "component_estimator_needs_outcome_rewards": (
         "train",
@@ -205,7 +199,9 @@ CASES.update(
     }
 )  # fmt: skip
 CASES["streamed_sources_hold_out_by_file"] = (
-    "train", [], ["data.sources=[{name: b, train_path: t.jsonl, stream: true}]"],
+    "train",
+    [],
+    ["data.sources=[{name: b, train_path: t.jsonl, stream: true}]"],
     "data.sources[b].stream=true: eval_path=None",
 )
 SET = "eval.sets=[{name: s, task: arith, metrics: [pass@4]}]"
@@ -239,11 +235,18 @@ CASES.update(
     }
 )  # fmt: skip
 CASES["rm_margin_needs_a_file"] = (
-    "rm", PAIRS, ["rm.margin_field=margin"], "rm.margin_field=margin: data.task=prefs",
+    "rm",
+    PAIRS,
+    ["rm.margin_field=margin"],
+    "rm.margin_field=margin: data.task=prefs",
 )
 CASES["agent_harness_runs"] = (  # remote servers pass: sessions open over their admin routes
     "train",
-    ["agent.harness.entry=agent.py:run", "rollout.engine=remote", "rollout.servers=[http://127.0.0.1:9]"],
+    [
+        "agent.harness.entry=agent.py:run",
+        "rollout.engine=remote",
+        "rollout.servers=[http://127.0.0.1:9]",
+    ],
     ["rollout.engine=vllm"],
     "rollout.engine=vllm: agent.harness records sessions on the run's in-process engine or on rlpost servers",
 )
@@ -253,13 +256,13 @@ CASES.update(
             "train", [], ["algo.advantage=on_policy_distill"], "model.teacher.path=None",
         ),
         "gkd_needs_local_teacher": (
-            "train", [], ["algo.policy_loss=gkd", "model.teacher.url=http://127.0.0.1:8000"],
+            "train", [], ["algo.loss=gkd", "model.teacher.url=http://127.0.0.1:8000"],
             "model.teacher.url=http://127.0.0.1:8000",
         ),
         "distillation_weights_not_both_zero": (
             "train", [],
-            ["algo.advantage=on_policy_distill", "algo.advantages.on_policy_distill.distill_weight=0"],
-            "algo.advantages.on_policy_distill.distill_weight=0",
+            ["algo.advantage=on_policy_distill", "algo.advantage.distill_weight=0"],
+            "algo.advantage.distill_weight=0",
         ),
     }
 )  # fmt: skip
@@ -319,8 +322,8 @@ PARITY = [
     ["cluster.backend=local", "cluster.trainer_workers=2"],
     ["cluster.backend=local", "cluster.rollout_workers=2"],
     ["rollout.n=1", "train.mini_batch_size=16", "train.micro_batch_size=16"],
-    ["algo.losses.sapo.tau_pos=2"],
-    ["algo.advantage=gae", "algo.advantages.vapo_gae.alpha=1"],
+    ["algo.loss.tau_pos=2"],
+    ["algo.advantage=gae", "algo.advantage.alpha=1"],
     ["algo.loss_params.clip_high=0.3"],
     ["cluster.suspect_after_s=100", "cluster.dead_after_s=50"],
 ]

@@ -120,15 +120,15 @@ def test_warmup_and_lr_scaling(tiny):
 
 def test_rollout_correction_weights_the_loss_and_masks_tokens(tiny):
     from rlpost.algos.correction import get_correction
+    from rlpost.params import MaskCorrection, TISCorrection
 
     model, tok = tiny
     b = _batch(copy.deepcopy(model), tok)
 
     def update(correction, rollout_shift, **params):
         m = copy.deepcopy(model)
-        s = ActorSettings(
-            lr=1e-3, mini_batch_size=16, micro_batch_size=16, correction_params=params
-        )
+        variant = MaskCorrection(**params) if params else TISCorrection()
+        s = ActorSettings(lr=1e-3, mini_batch_size=16, micro_batch_size=16, correction=variant)
         tr = PolicyTrainer(m, get_policy_loss("ppo_clip"), s, correction=correction)
         batch = copy.deepcopy(b)
         batch.old_logprobs = tr.old_logprobs(batch)
