@@ -44,7 +44,7 @@ def run(model_dir: Path, out: Path, name: str, steps: int, sft: int) -> list[dic
             "run.threads=1",
             f"model.path={model_dir}",
             "rollout.engine=remote",
-            f"rollout.servers={json.dumps([url])}",
+            f"rollout.engine.servers={json.dumps([url])}",
             f"sft.steps={sft}",
             f"train.steps={steps}",
             "train.lr=1e-6",

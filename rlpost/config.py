@@ -17,7 +17,8 @@ import functools
 import math
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -37,6 +38,8 @@ from rlpost.params import (
     LossChoice,
     NoCorrection,
     PPOClipParams,
+    Variant,
+    choice,
 )
 
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
@@ -346,16 +349,35 @@ SAMPLING_PRESETS: dict[str, dict[str, float]] = {
 }
 
 
-class RolloutConfig(Section):
-    engine: str = "hf"
-    """Rollout engine, by registered name: hf (transformers in this process, batch decoding;
-    with rollout.partial or pipeline.mode=async it is hf_continuous, which those need),
-    hf_continuous (transformers in this process, continuous batching), vllm (GPU, extra
-    [vllm]) or remote (rollout servers, rollout.servers)."""
-    preset: Literal["rlvr", "rlhf"] | None = None
-    """Sampling preset filling temperature / top_p / top_k that are not set explicitly."""
-    servers: list[str] = []
-    """Base URLs of rollout servers for engine=remote (rlpost serve, vllm serve, SGLang)."""
+ENGINE_KEYS = {
+    k: "vllm" for k in ("tensor_parallel_size", "gpu_memory_utilization", "max_model_len")
+}
+ENGINE_KEYS |= {k: "remote" for k in ("servers", "server_model", "server_timeout_s")}
+ENGINE_KEYS |= {k: "remote" for k in ("api_key_env", "admin_key_env")}
+
+
+class HFEngine(Variant):
+    name: Literal["hf"] = "hf"
+
+
+class HFContinuousEngine(Variant):
+    name: Literal["hf_continuous"] = "hf_continuous"
+
+
+class VLLMEngine(Variant):
+    name: Literal["vllm"] = "vllm"
+    tensor_parallel_size: int = Field(1, ge=1)
+    """vLLM tensor parallel degree."""
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    """Fraction of GPU memory vLLM may take."""
+    max_model_len: int | None = None
+    """vLLM context length (None: the model's)."""
+
+
+class RemoteEngine(Variant):
+    name: Literal["remote"] = "remote"
+    servers: list[str] = Field(default_factory=list)
+    """Base URLs of the rollout servers (rlpost serve, vllm serve, SGLang)."""
     server_model: str | None = None
     """Model name sent to the servers (None: the server's own)."""
     server_timeout_s: float = Field(120.0, gt=0)
@@ -365,17 +387,29 @@ class RolloutConfig(Section):
     (unset or empty: none). A name, never the key: keys stay out of recipes and config.yaml."""
     admin_key_env: str | None = Field("RLPOST_ADMIN_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     """Name of the environment variable holding the servers' admin key, sent with weight pushes."""
-    tensor_parallel_size: int = Field(1, ge=1)
-    """vLLM tensor parallel degree."""
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
-    """Fraction of GPU memory vLLM may take."""
-    max_model_len: int | None = None
-    """vLLM context length (None: the model's)."""
+
+
+class RolloutConfig(Section):
+    engine: choice("hf", HFEngine, HFContinuousEngine, VLLMEngine, RemoteEngine) = HFEngine()  # type: ignore[valid-type]
+    """Rollout engine and its parameters: hf (transformers in this process, batch decoding;
+    with rollout.partial or pipeline.mode=async it is hf_continuous, which those need),
+    hf_continuous (transformers in this process, continuous batching), vllm (extra [vllm];
+    tensor_parallel_size, gpu_memory_utilization, max_model_len) or remote (rollout servers:
+    servers, server_model, server_timeout_s, api_key_env, admin_key_env)."""
+    preset: Literal["rlvr", "rlhf"] | None = None
+    """Sampling preset filling temperature / top_p / top_k that are not set explicitly."""
 
     @model_validator(mode="before")
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("preset") in SAMPLING_PRESETS:
+        if not isinstance(data, dict):
+            return data
+        for key in ENGINE_KEYS & data.keys():  # once flat in rollout, now the engine's own
+            raise ValueError(
+                f"rollout.{key}={data[key]}: the key moved into the engine's choice; write "
+                f"rollout.engine.{key}={data[key]} (with rollout.engine.name={ENGINE_KEYS[key]})"
+            )
+        if data.get("preset") in SAMPLING_PRESETS:
             data = {**SAMPLING_PRESETS[data["preset"]], **data}
         return data
 
@@ -964,9 +998,13 @@ class HarnessConfig(Section):
     workers: int = Field(8, ge=1)
     """Sessions run at once."""
 
-    @property
-    def enabled(self) -> bool:
-        return self.entry is not None or bool(self.command)
+    @model_validator(mode="after")
+    def _runs_something(self) -> HarnessConfig:
+        if self.entry is None and not self.command:
+            raise ValueError("agent.harness.entry: set it or agent.harness.command (what runs)")
+        if self.entry is not None and self.command:
+            raise ValueError("agent.harness.command: entry is set too; give one of them")
+        return self
 
 
 class AgentConfig(Section):
@@ -998,8 +1036,9 @@ class AgentConfig(Section):
     sft_direct: float = Field(0.0, ge=0.0, le=1.0)
     """Fraction of warm-up demonstrations that answer without calling a tool (the starting
     policy then sometimes answers in its head, which RL has to unlearn)."""
-    harness: HarnessConfig = HarnessConfig()
-    """An outside agent written against the OpenAI API as the rollout (instead of env)."""
+    harness: HarnessConfig | None = None
+    """An outside agent written against the OpenAI API as the rollout (instead of env; None:
+    none). Setting any of its keys (agent.harness.entry=...) turns it on."""
 
 
 # ------------------------------------------------------------------ data sources
@@ -1163,6 +1202,9 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {key!r} conflicts with another override")
+        if key in choices() and isinstance(node.get(parts[-1]), dict):
+            prefix = "".join(f"{p}." for p in parts[:-1])  # the name after its parameters
+            value = merge({parts[-1]: node[parts[-1]]}, {parts[-1]: value}, prefix)[parts[-1]]
         node[parts[-1]] = value
     return tree
 
@@ -1175,10 +1217,18 @@ def _is_text_field(model: type[BaseModel], parts: list[str]) -> bool:
         ann = field.annotation
         if i == len(parts) - 1:
             return ann in (str, str | None)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+        if (section := section_class(ann)) is None:
             return False
-        model = ann
+        model = section
     return False
+
+
+def section_class(ann: Any) -> type[BaseModel] | None:
+    """The section class of a field typed ``Section`` or ``Section | None`` (else None)."""
+    optional = get_origin(ann) in (Union, UnionType)
+    args = [a for a in get_args(ann) if a is not type(None)] if optional else [ann]
+    ok = len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel)
+    return args[0] if ok else None
 
 
 def merge(base: dict[str, Any], extra: dict[str, Any], _at: str = "") -> dict[str, Any]:
@@ -1193,7 +1243,8 @@ def merge(base: dict[str, Any], extra: dict[str, Any], _at: str = "") -> dict[st
             if (
                 isinstance(old, dict)
                 and isinstance(v, dict)
-                and v.get("name") not in (None, old.get("name"))
+                and None not in (old.get("name"), v.get("name"))
+                and old["name"] != v["name"]
             ):
                 old = None  # another variant: its own defaults
         if isinstance(v, dict) and isinstance(old, dict):
@@ -1394,16 +1445,15 @@ def describe_fields(
         key = f"{prefix}{name}"
         ann = field.annotation
         sub = getattr(values, name) if values is not None else None
-        if key.split(".", 1)[-1] and _is_choice(field):  # the chosen variant's keys only
-            chosen = sub if values is not None else field.get_default(call_default_factory=True)
+        default = field.get_default(call_default_factory=True)
+        if _is_choice(field):  # the chosen variant's keys only; its name gets the choice's help
+            chosen = sub if values is not None else default
             own = describe_fields(type(chosen), key + ".", chosen)
-            rows.extend(
-                (k, v, h or field.description or "") for k, v, h in own
-            )  # name: the choice's help
-        elif isinstance(ann, type) and issubclass(ann, BaseModel):
-            rows.extend(describe_fields(ann, key + ".", sub))
+            rows.extend((k, v, h or field.description or "") for k, v, h in own)
+        elif section_class(ann) and (values is None or sub is not None):  # optional: when set
+            rows.extend(describe_fields(section_class(ann), key + ".", sub))
         else:
-            value = sub if values is not None else field.get_default(call_default_factory=True)
+            value = sub if values is not None else default
             if isinstance(value, BaseModel | list | tuple):
                 value = _plain(value)
             rows.append((key, repr(value), field.description or ""))

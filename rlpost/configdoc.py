@@ -16,7 +16,7 @@ from typing import Any, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel
 
-from rlpost.config import Config
+from rlpost.config import Config, section_class
 
 _BLOCK = re.compile(
     r"(<!-- config-table: (?P<section>[\w.]+) -->\n)(?P<body>.*?)(<!-- end config-table -->)",
@@ -32,7 +32,10 @@ def section_model(section: str) -> type[BaseModel]:
         if isinstance(model, dict):  # a choice: the part names its variant
             model = model[part]
             continue
-        model = model.model_fields[part].annotation
+        model = (
+            section_class(model.model_fields[part].annotation)
+            or model.model_fields[part].annotation
+        )
         if get_origin(model) is list:  # a list of sections (data.sources): its item's table
             model = get_args(model)[0]
         elif get_origin(model) is Union:  # a choice: its variants by name

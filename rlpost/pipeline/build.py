@@ -202,10 +202,10 @@ def engine_name(cfg: Config) -> str:
     """The registered engine ``rollout.engine`` names: ``hf`` becomes ``hf_continuous`` where
     only continuous batching works (a partial rollout stops the moment enough samples are
     done; the async loop hands new weights to the engine while it generates)."""
-    name = cfg.rollout.engine
+    name = cfg.rollout.engine.name
     if name == "hf" and (cfg.rollout.partial or cfg.pipeline.mode == "async"):
         return "hf_continuous"
-    if name == "hf" and cfg.agent.harness.enabled:  # the harness's server runs on its scheduler
+    if name == "hf" and cfg.agent.harness is not None:  # the harness's server runs on its scheduler
         return "hf_continuous"
     return name
 
@@ -489,7 +489,7 @@ def build_rollout_worker(
 def build_agent(cfg: Config, engine, tokenizer) -> MultiTurnRollout | None:
     """The episode runner over ``engine`` when ``agent.env`` is set (None: single turn)."""
     a = cfg.agent
-    if a.harness.enabled:
+    if a.harness is not None:
         return build_harness(cfg, engine, tokenizer)
     if a.env is None:
         return None
@@ -525,7 +525,7 @@ def agent_demonstrations(cfg: Config, tokenizer):
     the environment's demonstration in the run's call format, its tool output masked;
     ``agent.sft_direct`` of them answer without calling a tool."""
     a = cfg.agent
-    if a.harness.demonstrations is not None:
+    if a.harness is not None and a.harness.demonstrations is not None:
         return harness_demonstrations(cfg, tokenizer)
     if a.env is None:
         return None
@@ -642,12 +642,12 @@ def build_harness(cfg: Config, engine, tokenizer):
     settings = HarnessSettings(
         entry, tuple(h.command), tuple(h.env), bounds, h.workers, h.chat_template, h.tool_parser
     )
-    if cfg.rollout.engine == "remote":  # sessions on the rollout servers, over their admin routes
+    if cfg.rollout.engine.name == "remote":  # sessions on the rollout servers, over their admin routes
         from rlpost.rollout.client import keys_from_env
         from rlpost.rollout.remote_sessions import RemoteSessions
 
-        keys = keys_from_env(cfg.rollout.api_key_env, cfg.rollout.admin_key_env)
-        remote = RemoteSessions(list(cfg.rollout.servers), keys["admin_key"])
+        keys = keys_from_env(cfg.rollout.engine.api_key_env, cfg.rollout.engine.admin_key_env)
+        remote = RemoteSessions(list(cfg.rollout.engine.servers), keys["admin_key"])
         return AgentRunner(engine, tokenizer, settings, cfg.run.name, remote=remote)
     return AgentRunner(engine, tokenizer, settings, name=cfg.run.name)
 

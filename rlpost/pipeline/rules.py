@@ -32,7 +32,6 @@ from rlpost.envs.formats import TagFormat
 from rlpost.pipeline.build import bf16_compute, engine_in_process, run_device
 from rlpost.registry import UnknownNameError
 from rlpost.rewards.scorer import check_terms
-from rlpost.rollout.protocol import ENGINES
 
 COMMANDS = ("train", "sft", "eval", "dpo", "rm")
 RL = ("train", "sft", "eval")  # the commands that sample prompts (not preference pairs)
@@ -178,15 +177,10 @@ def tiny_context_fits_max_tokens(cfg: Config) -> str | None:
 
 
 @rule(*RL)
-def engine_is_registered(cfg: Config) -> str | None:
-    return _name_problem("rollout.engine", cfg.rollout.engine, ENGINES.get)
-
-
-@rule(*RL)
 def remote_needs_servers(cfg: Config) -> str | None:
-    if cfg.rollout.engine == "remote" and not cfg.rollout.servers:
+    if cfg.rollout.engine.name == "remote" and not cfg.rollout.engine.servers:
         return (
-            "rollout.engine=remote needs rollout.servers; start servers with `rlpost serve` and "
+            "rollout.engine=remote needs rollout.engine.servers; start servers with `rlpost serve` and "
             "list their URLs"
         )
     return None
@@ -194,13 +188,13 @@ def remote_needs_servers(cfg: Config) -> str | None:
 
 @rule(*RL)
 def vllm_needs_model_path(cfg: Config) -> str | None:
-    if cfg.rollout.engine == "vllm" and cfg.model.path is None:
+    if cfg.rollout.engine.name == "vllm" and cfg.model.path is None:
         return (
             "rollout.engine=vllm needs model.path: vLLM loads a checkpoint directory; set "
             "model.path to a local HF checkpoint or use rollout.engine=hf"
         )
     path = cfg.model.path
-    if cfg.rollout.engine == "vllm" and (str(path).endswith(".gguf") or _holds_gguf(path)):
+    if cfg.rollout.engine.name == "vllm" and (str(path).endswith(".gguf") or _holds_gguf(path)):
         return (
             f"model.path={path}: vLLM would serve the GGUF's quantized weights while the trainer "
             f"trains dequantized ones; convert it once (rlpost export {path} --out DIR) and set "
@@ -363,7 +357,7 @@ def agent_env_resolves(cfg: Config) -> str | None:
 
 @rule("train")
 def sync_channel_is_wired(cfg: Config) -> str | None:
-    channel, remote = cfg.sync.channel, cfg.rollout.engine == "remote"
+    channel, remote = cfg.sync.channel, cfg.rollout.engine.name == "remote"
     if channel in (("http", "inprocess") if remote else ("inprocess", "disk")):
         return None
     return (
@@ -391,7 +385,7 @@ def engine_logprobs_of_the_full_distribution(cfg: Config) -> str | None:
     """vLLM reports logprobs after top-p / top-k truncation, the in-process engines before
     it: an engine/trainer importance weight would then depend on the engine."""
     r, corr = cfg.rollout, cfg.algo.rollout_correction.name
-    if r.engine == "vllm" and (r.top_p < 1.0 or r.top_k > 0) and corr != "none":
+    if r.engine.name == "vllm" and (r.top_p < 1.0 or r.top_k > 0) and corr != "none":
         return (
             f"algo.rollout_correction.name={corr} with rollout.engine=vllm and "
             f"rollout.top_p={r.top_p:g}, rollout.top_k={r.top_k}: vLLM's logprobs are of the "
@@ -515,10 +509,10 @@ def fleet_without_partial(cfg: Config) -> str | None:
 @rule("train")
 def fleet_not_over_remote(cfg: Config) -> str | None:
     n = cfg.cluster.rollout_workers
-    if n > 1 and cfg.rollout.engine == "remote":
+    if n > 1 and cfg.rollout.engine.name == "remote":
         return (
             f"cluster.rollout_workers={n} with rollout.engine=remote: the remote engine already "
-            "balances over rollout.servers; set cluster.rollout_workers=1"
+            "balances over rollout.engine.servers; set cluster.rollout_workers=1"
         )
     return None
 
@@ -547,7 +541,7 @@ def no_inert_knobs(cfg: Config) -> str | None:
 def inert_knobs(cfg: Config) -> list[str]:
     """Every knob of ``cfg`` set away from its default that this config never reads."""
     a, r, s, w = cfg.algo, cfg.rollout, cfg.sync, cfg.reward
-    copied = r.engine != "remote" and s.codec == "none" and not s.delta
+    copied = r.engine.name != "remote" and s.codec == "none" and not s.delta
     mixed = any(t.kind in ("model", "judge") for t in w.terms)
     loss = a.loss
     rules = [  # (section, its key, fields, nothing reads them, the fix)
@@ -837,18 +831,16 @@ def agent_harness_runs(cfg: Config) -> str | None:
     """An outside agent (agent.harness) runs on the in-process continuous engine or on remote
     rlpost servers (sessions over their admin routes), alone."""
     h = cfg.agent.harness
-    if not h.enabled:
+    if h is None:
         return None
-    if h.entry is not None and h.command:
-        return "agent.harness.command: entry is set too; give one of them"
     if cfg.agent.env is not None:
         return f"agent.env={cfg.agent.env}: agent.harness runs the episodes; drop one of them"
-    if cfg.rollout.engine not in ("hf", "hf_continuous", "remote"):
+    if cfg.rollout.engine.name not in ("hf", "hf_continuous", "remote"):
         return (
-            f"rollout.engine={cfg.rollout.engine}: agent.harness records sessions on the "
+            f"rollout.engine={cfg.rollout.engine.name}: agent.harness records sessions on the "
             "run's in-process engine or on rlpost servers; use rollout.engine=hf or remote"
         )
-    if cfg.rollout.engine == "remote" and h.chat_template is not None:
+    if cfg.rollout.engine.name == "remote" and h.chat_template is not None:
         return (
             "agent.harness.chat_template: remote servers render chats with their own "
             "tokenizer's template; drop it or use rollout.engine=hf"

@@ -114,13 +114,13 @@ def build_weight_path(cfg, rollout, run_dir=None) -> WeightPath:
     into ``rollout`` (the rollout worker, a fleet, or a proxy of either). The disk channel
     publishes under ``run_dir/weights``."""
     s = cfg.sync
-    if cfg.rollout.engine == "remote":
+    if cfg.rollout.engine.name == "remote":
         from rlpost.rollout.client import keys_from_env
 
-        admin = keys_from_env(cfg.rollout.api_key_env, cfg.rollout.admin_key_env)["admin_key"]
+        admin = keys_from_env(cfg.rollout.engine.api_key_env, cfg.rollout.engine.admin_key_env)["admin_key"]
         headers = {"Authorization": f"Bearer {admin}"} if admin else None
         http = s.model_copy(update={"channel": "http"})  # servers are reached over HTTP
-        sync = build_weight_sync(http, list(cfg.rollout.servers), headers=headers)
+        sync = build_weight_sync(http, list(cfg.rollout.engine.servers), headers=headers)
         return ChannelPath(sync, served=lambda *told: rollout.weights_served(*told))
     if s.channel == "disk":
         if run_dir is None:

@@ -62,7 +62,7 @@ class RemoteEngine(TokenRate):
     ) -> None:
         if not urls:
             raise ValueError(
-                "rollout.engine=remote needs at least one server URL in rollout.servers"
+                "rollout.engine=remote needs at least one server URL in rollout.engine.servers"
             )
         self.tokenizer = tokenizer
         self.extra_body = dict(extra_body or {})  # merged into every request body
@@ -188,15 +188,15 @@ class RemoteEngine(TokenRate):
 
 
 def build(cfg, tokenizer) -> RemoteEngine:
-    """The remote engine for ``rollout.engine=remote`` (servers from ``rollout.servers``;
-    keys from the environment variables ``rollout.api_key_env`` and ``rollout.admin_key_env`` name)."""
+    """The remote engine for ``rollout.engine=remote`` (servers from ``rollout.engine.servers``;
+    keys from the environment variables ``rollout.engine.api_key_env`` and ``rollout.engine.admin_key_env`` name)."""
     r = cfg.rollout
-    keys = keys_from_env(r.api_key_env, r.admin_key_env)
+    keys = keys_from_env(r.engine.api_key_env, r.engine.admin_key_env)
     return RemoteEngine(
-        list(r.servers),
+        list(r.engine.servers),
         tokenizer,
-        model=r.server_model,
-        timeout=r.server_timeout_s,
+        model=r.engine.server_model,
+        timeout=r.engine.server_timeout_s,
         seed=cfg.run.seed,
         **keys,
     )

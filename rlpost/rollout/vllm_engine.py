@@ -232,9 +232,9 @@ def build(cfg, tokenizer) -> VLLMEngine:
     return VLLMEngine(
         str(cfg.model.path),
         tokenizer,
-        tensor_parallel_size=r.tensor_parallel_size,
-        gpu_memory_utilization=r.gpu_memory_utilization,
-        max_model_len=r.max_model_len,
+        tensor_parallel_size=r.engine.tensor_parallel_size,
+        gpu_memory_utilization=r.engine.gpu_memory_utilization,
+        max_model_len=r.engine.max_model_len,
         dtype={"bfloat16": "bfloat16", "float32": "float32"}.get(cfg.model.dtype, "auto"),
         seed=cfg.run.seed,
     )

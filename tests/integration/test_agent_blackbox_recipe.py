@@ -43,18 +43,19 @@ def test_agent_blackbox_trains_the_openai_client_agent(tmp_path):
 
 def test_a_harness_with_an_env_or_a_vllm_engine_is_refused():
     base = ["agent.harness.entry=rlpost.envs.examples.calc_agent:run"]
-    remote = "rollout.engine=remote rollout.servers=[http://127.0.0.1:9]"
+    remote = "rollout.engine=remote rollout.engine.servers=[http://127.0.0.1:9]"
     for extra, needle in (
         ("agent.env=calc", "agent.env=calc: agent.harness runs the episodes"),
         ("rollout.engine=vllm", "rollout.engine=vllm: agent"),
         (f"{remote} agent.harness.chat_template=x", "agent.harness.chat_template: remote servers"),
         ("cluster.backend=process", "cluster.backend=process: agent.harness runs in this process"),
         ("rollout.partial=true", "rollout.partial=true: harness sessions never carry"),
-        ("agent.harness.command=[python]", "agent.harness.command: entry is set too"),
     ):
         cfg = load_config(RECIPES_DIR / "grpo_arith.yaml", [*base, *extra.split()])
         with pytest.raises(ConfigError):
             check(cfg)
         assert any(needle in line for line in problems(cfg)), (extra, problems(cfg))
+    with pytest.raises(ConfigError, match="agent.harness.command: entry is set too"):
+        load_config(RECIPES_DIR / "grpo_arith.yaml", [*base, "agent.harness.command=[python]"])
     cfg = load_config(RECIPES_DIR / "grpo_arith.yaml", [*base, *remote.split()])
     assert problems(cfg) == []  # remote servers: sessions open over their admin routes

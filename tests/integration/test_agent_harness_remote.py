@@ -187,7 +187,7 @@ def test_training_steps_with_the_agent_on_remote_servers(
         **{
             "model.path": str(tiny_dir),
             "rollout.engine": "remote",
-            "rollout.servers": json.dumps(servers),
+            "rollout.engine.servers": json.dumps(servers),
             "rollout.max_tokens": 8,
             "agent.harness.entry": "tests.integration.test_agent_harness_remote:agent",
             "agent.harness.workers": 4,

@@ -71,7 +71,7 @@ def test_training_loop_runs_episodes_on_remote_engines(tmp_path):
                 "model.tiny.hidden_size": 64,
                 "model.tiny.intermediate_size": 256,
                 "rollout.engine": "remote",
-                "rollout.servers": json.dumps([url]),
+                "rollout.engine.servers": json.dumps([url]),
                 "rollout.max_tokens": 48,
                 "data.arith.max_operand": 9,
                 "data.arith.eval_size": 20,

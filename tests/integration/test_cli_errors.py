@@ -101,7 +101,7 @@ def test_training_against_a_server_without_an_admin_key_is_one_line(tmp_path, ti
         over = small_overrides(
             tmp_path, **{"model.path": str(tiny_dir), "rollout.engine": "remote"}
         )
-        code = main(["train", *over, f'rollout.servers=["{url}"]'])
+        code = main(["train", *over, f'rollout.engine.servers=["{url}"]'])
     finally:
         stop_server(proc)
     err = capsys.readouterr().err

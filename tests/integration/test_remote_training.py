@@ -20,7 +20,7 @@ def test_grpo_steps_through_two_servers(tmp_path, tiny_dir):
             **{
                 "model.path": str(tiny_dir),
                 "rollout.engine": "remote",
-                "rollout.servers": json.dumps(urls),
+                "rollout.engine.servers": json.dumps(urls),
                 "train.steps": 3,
                 "sft.steps": 3,
             },
@@ -50,7 +50,7 @@ def test_partial_rollout_over_http_continues_carried_samples(tmp_path, tiny_dir)
             **{
                 "model.path": str(tiny_dir),
                 "rollout.engine": "remote",
-                "rollout.servers": json.dumps([url]),
+                "rollout.engine.servers": json.dumps([url]),
                 "rollout.partial": True,
                 "rollout.partial_fraction": 0.5,
                 "rollout.partial_chunk_tokens": 2,
@@ -80,7 +80,7 @@ def test_async_mode_against_a_server_keeps_the_bound(tmp_path, tiny_dir):
             **{
                 "model.path": str(tiny_dir),
                 "rollout.engine": "remote",
-                "rollout.servers": json.dumps([url]),
+                "rollout.engine.servers": json.dumps([url]),
                 "pipeline.mode": "async",
                 "pipeline.max_staleness": 2,
                 "cluster.backend": "local",

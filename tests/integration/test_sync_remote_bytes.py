@@ -32,7 +32,7 @@ def _sync_bytes(tmp_path, model_dir, name: str, **sync) -> list[float]:
             **{
                 "model.path": str(model_dir),
                 "rollout.engine": "remote",
-                "rollout.servers": json.dumps([url]),
+                "rollout.engine.servers": json.dumps([url]),
                 "train.steps": 3,
                 "train.lr": 1e-6,
                 # an untrained model scores 0 (zero advantages): the entropy bonus keeps each

@@ -21,7 +21,7 @@ def _run(tmp_path, tiny_dir, name: str, **sync) -> list[dict]:
             **{
                 "model.path": str(tiny_dir),
                 "rollout.engine": "remote",
-                "rollout.servers": json.dumps([url]),
+                "rollout.engine.servers": json.dumps([url]),
                 "train.steps": 3,
                 "sft.steps": 3,
                 "eval.every": 0,

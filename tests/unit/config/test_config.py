@@ -199,3 +199,14 @@ def test_an_old_layout_is_refused_with_the_new_key():
     old = {"algo": {"policy_loss": "ppo_clip", "losses": {"ppo_clip": {"clip_low": 0.2}}}}
     with pytest.raises(ValueError, match=r"write algo\.loss=ppo_clip"):
         Config.model_validate(old)
+
+
+def test_the_engine_choice_names_every_registered_engine_and_refuses_others():
+    from rlpost.config import choices
+    from rlpost.rollout.protocol import ENGINES
+
+    assert sorted(choices()["rollout.engine"][0]) == sorted(ENGINES.names())
+    with pytest.raises(ConfigError, match=r"rollout\.engine\.name='hff': not one of hf, hf_"):
+        load_config(None, ["rollout.engine=hff"])
+    with pytest.raises(ConfigError, match=r"write rollout\.engine\.servers=\['http://a'\]"):
+        load_config(None, ["rollout.servers=[http://a]"])

@@ -53,7 +53,6 @@ CASES = {
         "data.task=file needs data.train_path",
     ),
     "tiny_context_fits_max_tokens": ("train", [], ["rollout.max_tokens=200"], "max_tokens=200"),
-    "engine_is_registered": ("train", [], ["rollout.engine=hff"], "valid: hf, hf_continuous"),
     "remote_needs_servers": ("train", [], ["rollout.engine=remote"], "rollout.engine=remote"),
     "vllm_needs_model_path": ("train", [], ["rollout.engine=vllm"], "rollout.engine=vllm"),
     "partial_needs_sync_mode": (
@@ -160,7 +159,7 @@ CASES = {
     "fleet_not_over_remote": (
         "train",
         [],
-        ["cluster.rollout_workers=2", "rollout.engine=remote", "rollout.servers=[http://x:1]"],
+        ["cluster.rollout_workers=2", "rollout.engine=remote", "rollout.engine.servers=[http://x:1]"],
         "cluster.rollout_workers=2 with rollout.engine=remote",
     ),
     "device_is_visible": ("train", [], ["run.device=cuda"], "run.device=cuda"),
@@ -245,7 +244,7 @@ CASES["agent_harness_runs"] = (  # remote servers pass: sessions open over their
     [
         "agent.harness.entry=agent.py:run",
         "rollout.engine=remote",
-        "rollout.servers=[http://127.0.0.1:9]",
+        "rollout.engine.servers=[http://127.0.0.1:9]",
     ],
     ["rollout.engine=vllm"],
     "rollout.engine=vllm: agent.harness records sessions on the run's in-process engine or on rlpost servers",
