@@ -55,7 +55,7 @@ def test_a_harness_with_an_env_or_a_vllm_engine_is_refused():
         with pytest.raises(ConfigError):
             check(cfg)
         assert any(needle in line for line in problems(cfg)), (extra, problems(cfg))
-    with pytest.raises(ConfigError, match="agent.harness.command: entry is set too"):
+    with pytest.raises(ConfigError, match=r"agent\.harness\.command: entry is set too"):
         load_config(RECIPES_DIR / "grpo_arith.yaml", [*base, "agent.harness.command=[python]"])
     cfg = load_config(RECIPES_DIR / "grpo_arith.yaml", [*base, *remote.split()])
     assert problems(cfg) == []  # remote servers: sessions open over their admin routes
