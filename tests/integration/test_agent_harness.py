@@ -86,9 +86,11 @@ def engine():
 def _runner(
     engine, entry=None, *, template=PLAIN, bounds=None, command=(), grace=5.0, workers=4, env=()
 ):
+    # The commands here run this test's Python, which may live where no other user can
+    # run it (/root/.pyenv); a uid of their own is tested in test_harness_process.py.
     settings = HarnessSettings(
         entry, tuple(command), tuple(env), bounds or SessionBounds(4, 80, 60), workers=workers,
-        chat_template=template, grace_s=grace,
+        chat_template=template, grace_s=grace, own_user=False,
     )  # fmt: skip
     return AgentRunner(engine, engine.tokenizer, settings)
 
