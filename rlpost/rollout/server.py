@@ -158,6 +158,11 @@ class RolloutService:
             if not t.future.done():
                 self.scheduler.cancel(t)
 
+    def fell_behind(self, tickets: list[Ticket]) -> None:
+        """A stream's client stopped reading: its samples leave the batch (counted)."""
+        self.counts["fell_behind"] += 1
+        self.cancel(tickets)
+
     async def generate(self, request: Request, prompts: list[list[int]], fields: dict):
         """The outputs of every prompt; None when the client went away."""
         tickets = self.submit(prompts, fields)
@@ -270,7 +275,7 @@ class RolloutService:
         holdback = max((len(s) for s in plan.fields["stop_texts"]), default=1) - 1
         streams = [ChoiceStream(i, tok, holdback, chat=chat) for i in range(len(plan.prompts) * n)]
         calls = [ToolStream(plan.tools, self.tool_stats) for _ in streams] if plan.tools else None
-        backlog = Backlog(backlog_limit(len(streams)), partial(self.cancel, tickets))
+        backlog = Backlog(backlog_limit(len(streams)), partial(self.fell_behind, tickets))
         tickets += self.submit(plan.prompts, plan.fields, partial(_post, loop, backlog))
         for t in tickets:
             t.future.add_done_callback(partial(_post, loop, backlog, None))
@@ -312,7 +317,6 @@ class RolloutService:
                     yield text
                     backlog.blocked = False
                 if behind or backlog.overflowed:
-                    self.counts["fell_behind"] += 1
                     line = (
                         f"the client fell {backlog.limit} events behind the stream, which "
                         "was stopped; read a stream as it comes"
