@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 
 # How far a blocked stream may fall behind: this many decode steps of all its samples.
-BACKLOG_STEPS = 16
-BACKLOG_MIN_EVENTS = 256
+# Blocked means the kernel's send buffer and the transport's are full already (over half
+# a MiB unread), so a client this far behind is not keeping up.
+BACKLOG_STEPS = 4
+BACKLOG_MIN_EVENTS = 64
 
 
 def backlog_limit(samples: int) -> int:
