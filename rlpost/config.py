@@ -997,6 +997,11 @@ class HarnessConfig(Section):
     later is counted as hung (harness_timed_out) and its session dropped."""
     workers: int = Field(8, ge=1)
     """Sessions run at once."""
+    user: Literal["session", "trainer"] = "session"
+    """Whose user a command runs as. session: when the trainer runs as root, a uid of its own
+    per command (50000-59999, HOME a private directory), so no harness can read another's
+    key from /proc; the command and what it reads must be readable by other users. trainer:
+    the trainer's user (any process of that user can read the harnesses' keys)."""
 
     @model_validator(mode="after")
     def _runs_something(self) -> HarnessConfig:

@@ -640,8 +640,9 @@ def build_harness(cfg: Config, engine, tokenizer):
             raise ConfigError(f"config agent.harness.entry={h.entry}: {exc}") from None
     bounds = SessionBounds(h.max_requests, cfg.rollout.max_tokens, h.max_seconds)
     settings = HarnessSettings(
-        entry, tuple(h.command), tuple(h.env), bounds, h.workers, h.chat_template, h.tool_parser
-    )
+        entry, tuple(h.command), tuple(h.env), bounds, h.workers, h.chat_template, h.tool_parser,
+        own_user=h.user == "session",
+    )  # fmt: skip
     if cfg.rollout.engine.name == "remote":  # sessions on the rollout servers, over their admin routes
         from rlpost.rollout.client import keys_from_env
         from rlpost.rollout.remote_sessions import RemoteSessions

@@ -1,4 +1,4 @@
-"""Which waiting requests join the batch next: fair shares across submissions, not FIFO.
+"""Which waiting samples join the batch next: fair shares across submissions, not FIFO.
 
 First come, first served lets one submission of 1024 prompts x n 64 hold every
 slot until it is done while a request of one prompt, sent a moment later,
@@ -6,9 +6,16 @@ waits behind all of it. Here each submission (one ``Scheduler.submit_all``
 call: one HTTP request) is a queue of its own, and a free slot goes to the
 submission with the fewest sequences in the batch (ties: the one that came
 first), so a small request joins at the next step boundary however large the
-requests ahead of it. Within a submission the order is kept. A ticket that does
-not fit in the room left is not skipped over by others (that would starve
-large ``n``); it waits for room, and takes the whole batch when alone.
+requests ahead of it. Within a submission the order is kept.
+
+A submission holds at most ``cap`` rows of the batch while another one runs or
+waits, so a long request (a stream nobody reads, a thousand samples) cannot fill
+the batch and leave later requests waiting for its rows; a submission alone
+fills the batch (a training step's single submission loses nothing). A
+ticket's ``n`` samples need not join together: a ticket larger than the room
+left joins in parts (``take`` says how many of its samples), so a large ``n``
+neither waits for an empty batch nor holds back the small requests behind it
+while the batch drains.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ from typing import Any
 
 
 class FairQueue:
-    """Waiting tickets (anything with ``request.n``, ``cancelled`` and ``group``) by submission."""
+    """Waiting tickets (``request.n``, ``admitted``, ``cancelled``, ``group``, ``future``) by
+    submission; ``ticket.admitted`` counts the samples already taken."""
 
     def __init__(self) -> None:
         self._groups: dict[int, deque] = {}  # insertion order is arrival order
@@ -42,32 +50,48 @@ class FairQueue:
         return (t for queue in self._groups.values() for t in queue)
 
     def sequences(self) -> int:
-        return sum(t.request.n for t in self)
+        return sum(t.request.n - t.admitted for t in self)
 
     def clear(self) -> list:
         tickets = list(self)
         self._groups.clear()
         return tickets
 
-    def take(self, room: int, running: Counter, batch_busy: bool, drop: Callable) -> list:
-        """Tickets to admit into ``room`` free slots; ``running[group]`` counts each group's
-        sequences in the batch, ``batch_busy`` whether any run. Cancelled tickets met on the
-        way are removed and passed to ``drop``."""
-        taken: list = []
+    def take(
+        self, room: int, running: Counter, cap: int, drop: Callable
+    ) -> list[tuple[Any, range]]:
+        """``(ticket, samples)``: the sample indices of each ticket to admit into ``room`` slots.
+
+        ``running[group]`` counts each group's sequences in the batch; a group takes at
+        most ``cap`` of them unless no other group runs or waits. Cancelled
+        tickets met on the way are removed and passed to ``drop``; tickets whose future
+        is already settled (failed) are removed."""
+        taken: list[tuple[Any, range]] = []
         share = Counter(running)
-        while self._groups:
-            group = min(self._groups, key=lambda g: share[g])  # first of the smallest share
+        while room > 0 and self._groups:
+            alone = len(self._groups) == 1 and not (share.keys() - self._groups.keys())
+            under = [g for g in self._groups if alone or share[g] < cap]
+            if not under:  # every waiting submission has its share while others run
+                break
+            group = min(under, key=lambda g: share[g])  # the first of the smallest shares
             queue = self._groups[group]
             ticket = queue[0]
-            if ticket.cancelled:
+            if ticket.cancelled or ticket.future.done():
                 queue.popleft()
-                drop(ticket)
-            elif ticket.request.n > room and (batch_busy or taken):
-                break
+                if ticket.cancelled:
+                    drop(ticket)
             else:
-                taken.append(queue.popleft())
-                room -= ticket.request.n
-                share[group] += ticket.request.n
+                left = ticket.request.n - ticket.admitted
+                k = min(left, room, room if alone else cap - share[group])
+                if taken and taken[-1][0] is ticket:  # its next part, in the same step
+                    taken[-1] = (ticket, range(taken[-1][1].start, ticket.admitted + k))
+                else:
+                    taken.append((ticket, range(ticket.admitted, ticket.admitted + k)))
+                ticket.admitted += k
+                room -= k
+                share[group] += k
+                if k == left:
+                    queue.popleft()
             if not queue:
                 del self._groups[group]
         return taken

@@ -14,7 +14,8 @@ The agent is a Python callable ``fn(prompt, base_url, **info)`` run in a
 thread (``info``: the keywords among ``api_key``, ``session_id``, ``metadata``
 it accepts), or a command (:mod:`rlpost.rollout.harness_process`: an allow-listed
 environment with ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY``, the prompt on its
-stdin, nothing it starts outliving it). Its key is its session's own: it opens
+stdin, nothing it starts outliving it, and, when the trainer is root, a uid of
+its own, so no other harness reads its environment). Its key is its session's own: it opens
 that session and no other, and the loopback server's own keys stay with the
 trainer. It returns
 (a command: prints as its last line) its final answer, which the run's reward
@@ -61,6 +62,7 @@ class HarnessSettings:
     chat_template: str | None = None  # served in place of the tokenizer's (None: its own)
     tool_parser: str = "hermes"
     grace_s: float = GRACE_S
+    own_user: bool = True  # a command under a uid of its own when the trainer is root
 
     @property
     def timeout_s(self) -> float:
@@ -289,7 +291,7 @@ class AgentRunner:
         with job.lock:
             if job.timed_out:
                 return None
-            job.process = HarnessProcess(self.settings.command, env)
+            job.process = HarnessProcess(self.settings.command, env, self.settings.own_user)
         done = job.process.run(job.prompt.text)
         job.dropped = done.dropped
         if done.returncode != 0:

@@ -8,6 +8,10 @@ admin key, hub and cloud tokens): the basics a program expects (``PATH``, ``HOME
 key. The prompt goes on stdin (an environment variable over 128 KiB cannot be passed
 to exec at all).
 
+**User.** When the trainer runs as root, the command runs under a uid of its own
+(:mod:`rlpost.rollout.harness_user`), with ``HOME`` and ``TMPDIR`` a private directory:
+no other harness can read its key from ``/proc/PID/environ``.
+
 **Descendants.** The command runs under :mod:`rlpost.rollout.harness_reaper`, a
 child subreaper in its own process group: whatever the command started (background
 jobs, ``setsid`` daemons) is killed when the command exits, when it is killed for
@@ -27,6 +31,8 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+from rlpost.rollout import harness_user
 
 BASIC_ENV = (
     "PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "TMPDIR", "LANG", "LANGUAGE", "TZ",
@@ -77,14 +83,24 @@ class Finished:
 
 
 class HarnessProcess:
-    """One harness command, started under the reaper in its own process group."""
+    """One harness command, started under the reaper in its own process group; with
+    ``own_user`` (and a root trainer), under a uid of its own."""
 
-    def __init__(self, command: tuple[str, ...], env: dict[str, str]) -> None:
-        argv = [sys.executable, "-I", "-S", str(REAPER), str(os.getpid()), *command]
-        self.proc = subprocess.Popen(
-            argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, bufsize=0, start_new_session=True,
-        )  # fmt: skip
+    def __init__(self, command: tuple[str, ...], env: dict[str, str], own_user: bool = True):
+        self.user = harness_user.reserve() if own_user and harness_user.isolates() else None
+        uid = "-"
+        if self.user is not None:
+            uid, env = str(self.user.uid), {**env, "HOME": str(self.user.home)}
+            env["TMPDIR"] = str(self.user.home)
+        argv = [sys.executable, "-I", "-S", str(REAPER), str(os.getpid()), uid, *command]
+        try:
+            self.proc = subprocess.Popen(
+                argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, bufsize=0, start_new_session=True,
+            )  # fmt: skip
+        except BaseException:
+            self._release()
+            raise
 
     def run(self, stdin: str) -> Finished:
         """Feed ``stdin``, read both outputs' tails and wait for the command's tree to end."""
@@ -93,14 +109,25 @@ class HarnessProcess:
             threading.Thread(target=_feed, args=(self.proc.stdin, stdin.encode()), daemon=True),
             threading.Thread(target=err.read, args=(self.proc.stderr,), daemon=True),
         ]
-        for t in threads:
-            t.start()
-        out.read(self.proc.stdout)
-        for t in threads:
-            t.join()
-        code = self.proc.wait()
+        try:
+            for t in threads:
+                t.start()
+            out.read(self.proc.stdout)
+            for t in threads:
+                t.join()
+            code = self.proc.wait()
+        finally:
+            self._release()
         stdout, stderr = out.text(), err.text()
         return Finished(code, stdout, stderr, out.dropped + err.dropped)
+
+    def _release(self) -> None:
+        """Free the uid once nothing of the command's runs (the reaper has exited)."""
+        if self.user is not None and (
+            getattr(self, "proc", None) is None or self.proc.poll() is not None
+        ):
+            self.user.release()
+            self.user = None
 
     def kill(self) -> None:
         """Have the reaper kill the command's whole tree; the process group as a fallback."""

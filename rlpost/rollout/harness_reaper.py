@@ -1,6 +1,6 @@
 """Run a harness command and leave nothing it started behind (stdlib only: run by path).
 
-    python -I -S harness_reaper.py PARENT_PID COMMAND [ARG...]
+    python -I -S harness_reaper.py PARENT_PID UID COMMAND [ARG...]
 
 This process marks itself a child subreaper (``PR_SET_CHILD_SUBREAPER``), so every
 descendant of the command whose parent exits is reparented here rather than to init:
@@ -10,6 +10,9 @@ gets SIGTERM (the runner's timeout) or its parent dies (``PR_SET_PDEATHSIG``), e
 child of this process is killed and reaped, round after round, until none is left: an
 orphan of a killed one is reparented here and killed on the next round. Only its own,
 unreaped children are signalled, so no pid can have been reused by a stranger.
+With a number for ``UID`` (``-``: none) the command runs under that uid, its group
+the same number and no other group; this process keeps its own user, so it can
+still kill whatever the command started.
 
 Exits with the command's status (128 + the signal that ended it; 127: it did not start).
 """
@@ -65,7 +68,7 @@ def _on_signal(signum, frame) -> None:
     os._exit(128 + signum)
 
 
-def main(parent: int, argv: list[str]) -> int:
+def main(parent: int, uid: int | None, argv: list[str]) -> int:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
@@ -76,10 +79,19 @@ def main(parent: int, argv: list[str]) -> int:
         signal.signal(signum, _on_signal)
     if os.getppid() != parent:  # the runner died before the death signal was armed
         return 128 + signal.SIGTERM
+    user = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
     try:
-        child = subprocess.Popen(argv)
+        child = subprocess.Popen(argv, **user)
     except OSError as exc:
-        print(f"cannot run {argv[0]!r}: {exc.strerror}", file=sys.stderr)
+        if uid is None:
+            print(f"cannot run {argv[0]!r}: {exc.strerror}", file=sys.stderr)
+        else:
+            print(
+                f"cannot run {argv[0]!r} as uid {uid}, the harness's own user: {exc.strerror}; "
+                "make the command and what it reads readable by other users, or set "
+                "agent.harness.user=trainer",
+                file=sys.stderr,
+            )
         return 127
     code = child.wait()
     kill_all()
@@ -87,4 +99,4 @@ def main(parent: int, argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]), sys.argv[2:]))
+    sys.exit(main(int(sys.argv[1]), None if sys.argv[2] == "-" else int(sys.argv[2]), sys.argv[3:]))

@@ -34,12 +34,27 @@ def format_choice(index: int, out: SampleOutput, tokenizer, *, chat: bool, logpr
     return choice
 
 
+_PIECES: dict[int, dict[int, str]] = {}  # id(tokenizer) -> token id -> its text alone
+
+
+def piece(tokenizer, token_id: int) -> str:
+    """``tokenizer.decode([token_id])``, remembered: top logprobs name twenty tokens a
+    step per sample, and a decode call costs far more than a lookup."""
+    table = _PIECES.get(id(tokenizer))
+    if table is None:  # it holds its tokenizer (at -1), so the id is not reused meanwhile
+        table = _PIECES[id(tokenizer)] = {-1: tokenizer}
+    text = table.get(token_id)
+    if text is None:
+        text = table[token_id] = tokenizer.decode([token_id])
+    return text
+
+
 def completion_logprobs(out: SampleOutput, tokenizer) -> dict:
     """The OpenAI completions ``logprobs`` object for one choice."""
-    pieces = [tokenizer.decode([t]) for t in out.token_ids]
+    pieces = [piece(tokenizer, t) for t in out.token_ids]
     tops = None
     if out.top_logprobs is not None:
-        tops = [{tokenizer.decode([t]): lp for t, lp in alts} for alts in out.top_logprobs]
+        tops = [{piece(tokenizer, t): lp for t, lp in alts} for alts in out.top_logprobs]
     offsets = [0, *accumulate(len(p) for p in pieces)][: len(pieces)]
     return {
         "tokens": pieces,
@@ -53,8 +68,8 @@ def chat_logprobs(out: SampleOutput, tokenizer) -> dict:
     """The OpenAI chat ``logprobs`` object (``content`` list) for one choice."""
 
     def entry(token_id: int, logprob: float) -> dict:
-        piece = tokenizer.decode([token_id])
-        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
+        text = piece(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     tops = out.top_logprobs or [[] for _ in out.token_ids]
     content = [

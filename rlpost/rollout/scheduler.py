@@ -31,11 +31,12 @@ batch KV once) and CUDA graphs; on a GPU the vLLM engine is the fast path.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
-from concurrent.futures import Future
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +50,9 @@ from rlpost.train.lm_head import serve_head
 from rlpost.types import FinishReason
 
 TRIM_COLUMNS = 16  # drop all-padding KV columns once this many have piled up
+# The share of the model's time that side work (a teacher's scoring passes) may take while
+# samples decode: a pass of a few thousand positions costs as much as ten decode steps.
+SIDE_SHARE = 0.5
 
 
 @dataclass
@@ -124,6 +128,8 @@ class Ticket:
         self.cancelled = False
         self.keep_partial = False
         self.group = -1  # the submission it came with (fair admission)
+        self.admitted = 0  # samples that have joined the batch (a large n joins in parts)
+        self.dropped = False  # its cancellation has been settled
         self.outputs: list[SampleOutput | None] = [None] * request.n
         self.remaining = request.n
         seed = request.seed if request.seed is not None else request.params.seed
@@ -150,6 +156,14 @@ class _Seq:
 
 
 @dataclass
+class _SideJob:
+    """Model work besides decoding (a scoring pass): ``next(chunks)`` does one bounded piece."""
+
+    chunks: Iterator[None]
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
 class _WeightUpdate:
     tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
     version: int
@@ -160,9 +174,11 @@ class _WeightUpdate:
 class Scheduler:
     """Serves generation requests from one model with continuous batching.
 
-    ``max_batch`` caps the sequences decoded together (a request larger than
-    the cap still runs, alone). ``max_model_len`` ends a sample with
-    ``length`` before it would pass the model's context.
+    ``max_batch`` caps the sequences decoded together; ``max_request_batch``
+    (default an eighth of it, at least 2) caps one submission's share of them while another
+    submission runs or waits (:mod:`~rlpost.rollout.admission`); a request larger
+    than the room joins in parts. ``max_model_len`` ends a sample with ``length``
+    before it would pass the model's context.
     """
 
     def __init__(
@@ -171,6 +187,7 @@ class Scheduler:
         tokenizer,
         *,
         max_batch: int = 64,
+        max_request_batch: int | None = None,
         prefix_cache: PrefixCache | None = None,
         seed: int = 0,
         version: int = 0,
@@ -179,6 +196,7 @@ class Scheduler:
         self.model = serve_head(model).eval()  # the decode step's head on the faster kernel
         self.tokenizer = tokenizer
         self.max_batch = max_batch
+        self.max_request_batch = max_request_batch or max(2, max_batch // 8)
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
         self.generator = torch.Generator().manual_seed(seed)
         self.version = version
@@ -189,6 +207,8 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting = FairQueue()
         self._weights: deque[_WeightUpdate] = deque()
+        self._side: deque[_SideJob] = deque()
+        self._side_credit = 0.0  # seconds side work may still take before the next step
         # names an update wrote before it failed: until a later update rewrites them all the
         # model holds a mix of two versions, and no request is admitted
         self._mixed: set[str] = set()
@@ -263,6 +283,22 @@ class Scheduler:
         with self._cond:
             ticket.cancelled, ticket.keep_partial = True, keep_partial
             self._cond.notify_all()
+
+    def run_between_steps(self, chunks: Iterator[None]) -> Future:
+        """Run ``chunks`` (a generator doing one bounded piece of model work per step) on the
+        scheduler thread between decode steps, within :data:`SIDE_SHARE` of the time while
+        samples decode, at full speed otherwise; the future resolves with its return value.
+        Cancelling the future stops the work before its next piece.
+
+        Work on the model from another thread would take cores from the decode steps as it
+        pleased, and could read weights that an update is half way through writing."""
+        job = _SideJob(chunks)
+        with self._cond:
+            if self._stop:
+                raise RuntimeError("the scheduler stopped; it takes no new work")
+            self._side.append(job)
+            self._cond.notify_all()
+        return job.future
 
     def load_weights(
         self,
@@ -342,7 +378,11 @@ class Scheduler:
         while True:
             with self._cond:
                 while not (
-                    self._stop or (self._waiting and not self._mixed) or self._weights or self._rows
+                    self._stop
+                    or (self._waiting and not self._mixed)
+                    or self._weights
+                    or self._rows
+                    or self._side
                 ):
                     self._cond.wait()
                 if self._stop:
@@ -364,8 +404,11 @@ class Scheduler:
             except Exception as exc:  # a bad request must fail its tickets, not the server
                 self.counters["errors"] += 1
                 self._fail_all(admitted, exc)
+            self._side_turn(time.perf_counter() - start)
             self.busy_seconds += time.perf_counter() - start
         self._fail_all([], RuntimeError("the scheduler stopped"))
+        for job in self._side:
+            job.future.cancel()
         with self._cond:  # updates queued behind the stop are answered, not left waiting
             left, self._weights = list(self._weights), deque()
         for update in left:
@@ -374,15 +417,54 @@ class Scheduler:
             )
             update.done.set()
 
-    def _take_admissible(self) -> list[Ticket]:
-        """Waiting tickets that fit in the batch, a fair share per submission
-        (:mod:`~rlpost.rollout.admission`; caller holds the lock); none while the model
-        holds a partly applied update."""
+    def _side_turn(self, step_seconds: float) -> None:
+        """One piece of the first side job, when its share of the time allows; jobs take
+        turns. While samples decode, each step earns side work ``SIDE_SHARE`` of its time
+        (at most one step's worth is saved up) and a piece spends what it took."""
+        if not self._side:
+            self._side_credit = 0.0
+            return
+        if self._rows:
+            earned = SIDE_SHARE * step_seconds
+            self._side_credit = min(self._side_credit + earned, earned)
+            if self._side_credit <= 0:
+                return
+        with self._cond:
+            job = self._side.popleft()
+        start = time.perf_counter()
+        done = self._side_piece(job)
+        if self._rows:
+            self._side_credit -= time.perf_counter() - start
+        if not done:
+            with self._cond:
+                self._side.append(job)
+
+    def _side_piece(self, job: _SideJob) -> bool:
+        """Run the job's next piece; True when it has ended (finished, failed or cancelled)."""
+        if job.future.cancelled():
+            job.chunks.close()
+            return True
+        try:
+            next(job.chunks)
+        except StopIteration as end:
+            with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
+                job.future.set_result(end.value)
+            return True
+        except Exception as exc:  # the caller's work failed: its future says so
+            with contextlib.suppress(InvalidStateError):
+                job.future.set_exception(exc)
+            return True
+        return False
+
+    def _take_admissible(self) -> list[tuple[Ticket, range]]:
+        """``(ticket, samples)``: the samples of waiting tickets that fit in the batch, a
+        fair share per submission (:mod:`~rlpost.rollout.admission`; caller holds the lock);
+        none while the model holds a partly applied update."""
         if self._mixed:
             return []
         running = Counter(s.ticket.group for s in self._rows)
         room = self.max_batch - len(self._rows)
-        return self._waiting.take(room, running, bool(self._rows), self._finish_cancelled)
+        return self._waiting.take(room, running, self.max_request_batch, self._finish_cancelled)
 
     @torch.no_grad()
     def _apply_weights(self, update: _WeightUpdate) -> None:
@@ -420,6 +502,9 @@ class Scheduler:
             self._keep_rows([i for i, s in enumerate(self._rows) if id(s) not in gone])
 
     def _finish_cancelled(self, ticket: Ticket) -> None:
+        if ticket.dropped:  # a ticket that joined in part: its rows and its queued rest
+            return
+        ticket.dropped = True
         self.counters["cancelled"] += 1
         if not ticket.keep_partial:
             ticket.future.cancel()
@@ -427,9 +512,9 @@ class Scheduler:
             empty = SampleOutput([], [], "abort", [])
             ticket.future.set_result([o or empty for o in ticket.outputs])
 
-    def _fail_all(self, admitted: list[Ticket], exc: BaseException) -> None:
+    def _fail_all(self, admitted: list[tuple[Ticket, range]], exc: BaseException) -> None:
         tickets = {id(s.ticket): s.ticket for s in self._rows}
-        tickets.update({id(t): t for t in admitted})
+        tickets.update({id(t): t for t, _ in admitted})
         if self._stop:
             with self._cond:
                 tickets.update({id(t): t for t in self._waiting.clear()})
@@ -459,18 +544,19 @@ class Scheduler:
         self.counters["prefills"] += 1
         return kv, logits
 
-    def _admit(self, tickets: list[Ticket]) -> None:
-        """Prefill each request once, sample its first tokens, and join the unfinished samples
-        to the batch in one copy of the batch KV (joining one by one would copy it per request)."""
+    def _admit(self, admitted: list[tuple[Ticket, range]]) -> None:
+        """Prefill each request once (a later part of it: from the prefix cache), sample the
+        first tokens of the samples admitted, and join the unfinished ones to the batch in one
+        copy of the batch KV (joining one by one would copy it per request)."""
         kvs, masks = [], []
         if self._rows:
             kvs.append(pc.cache_tensors(self._cache))
             masks.append(self._mask)
-        for ticket in tickets:
+        for ticket, samples in admitted:
             request = ticket.request
             kv, logits = self._prefill(request.prompt_ids)
-            seqs = [_Seq(ticket, i) for i in range(request.n)]
-            self._advance(seqs, logits.expand(request.n, -1))
+            seqs = [_Seq(ticket, i) for i in samples]
+            self._advance(seqs, logits.expand(len(seqs), -1))
             alive = [s for s in seqs if s.finish is None]
             if alive:
                 kvs.append(pc.repeat_rows(kv, len(alive)))

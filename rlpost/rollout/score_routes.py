@@ -11,6 +11,10 @@ teacher for on-policy distillation (``model.teacher.url``) sends the student's p
 and sampled response and reads the response's logprobs. The pass reads the weights the
 server holds; a teacher server is not sent new weights.
 
+The pass runs on the scheduler's thread, a piece at a time between decode steps
+(:meth:`~rlpost.rollout.scheduler.Scheduler.run_between_steps`), so scoring takes a
+bounded share of the model's time from the requests decoding, never reads weights an
+update is half way through, and stops before its next piece once its client has gone.
 The work a request causes is bounded like a generation request's: its prompts count
 as pending sequences (``--max-pending``, 429 beyond), its size is capped by
 ``--max-prompts``, ``--max-request-tokens``, the model's context and
@@ -18,8 +22,7 @@ as pending sequences (``--max-pending``, 429 beyond), its size is capped by
 one-pass answer would hold). The answer never holds them: rows go through the
 decoder a few at a time and their hidden states through the LM head
 :func:`~rlpost.train.lm_head.chunk_tokens` positions at a time, and a given
-token's logprob needs only its logit and the position's logsumexp. Between two
-chunks the work stops when the client has gone or the request timed out.
+token's logprob needs only its logit and the position's logsumexp.
 
 The vocabulary digest is computed once per server, on a worker thread.
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Generator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -40,7 +44,9 @@ from rlpost.train.lm_head import chunk_tokens
 
 router = APIRouter(prefix="/v1")
 POLL_SECONDS = 0.1  # how often a waiting request checks that its client is still there
-ROW_POSITIONS = 4096  # padded positions of the rows that go through the decoder together
+# Padded positions of the rows that go through the decoder together: one piece of work
+# between two decode steps, so a few steps' time, not hundreds.
+ROW_POSITIONS = 512
 
 
 class Stopped(Exception):
@@ -63,12 +69,12 @@ async def prompt_logprobs(request: Request):
     vocab = service.scheduler.model.config.vocab_size
     prompts, starts = parse_scoring(body, vocab, service.settings)
     service.budget.take(len(prompts))  # 429 when the server is full
-    stop = threading.Event()
-    work = asyncio.ensure_future(
-        run_in_threadpool(score, service.scheduler.model, prompts, starts, stop)
-    )
+    scheduler = service.scheduler
+    # On the scheduler's thread, a piece at a time between decode steps (run_between_steps).
+    future = scheduler.run_between_steps(score_pieces(scheduler.model, prompts, starts))
     # Released when the work has ended, not when the client has: until then it holds memory.
-    work.add_done_callback(lambda _: service.budget.release(len(prompts)))
+    future.add_done_callback(lambda _: service.budget.release(len(prompts)))
+    work = asyncio.wrap_future(future)
     deadline = time.monotonic() + service.settings.request_timeout_s
     try:
         while not work.done():
@@ -83,8 +89,8 @@ async def prompt_logprobs(request: Request):
                 raise APIError(504, service.timeout_line())
         rows = work.result()
     finally:
-        stop.set()
-    return {"logprobs": rows, "policy_version": service.scheduler.version}
+        future.cancel()  # stops it before its next piece; nothing when it has ended
+    return {"logprobs": rows, "policy_version": scheduler.version}
 
 
 def parse_scoring(body: dict, vocab: int, settings) -> tuple[list[list[int]], list[int]]:
@@ -143,18 +149,36 @@ def score(
     """``log p(ids[t] | ids[:t])`` for ``t >= starts[i]`` of every sequence (float32 at
     temperature 1), rows a few at a time, the head ``chunk`` positions at a time (0: what
     fits :data:`~rlpost.train.lm_head.CHUNK_BYTES`); :class:`Stopped` once ``stop`` is set."""
+    pieces = score_pieces(model, prompts, starts, chunk)
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as end:
+            return end.value
+        if stop is not None and stop.is_set():
+            pieces.close()
+            raise Stopped
+
+
+def score_pieces(
+    model, prompts: list[list[int]], starts: list[int], chunk: int = 0
+) -> Generator[None, None, list[list[float]]]:
+    """:func:`score` as a generator that pauses after each bounded piece of work (a group
+    of rows through the decoder, a chunk of positions through the head) and returns the
+    logprobs."""
     import torch
 
     vocab = model.config.vocab_size
     chunk = chunk_tokens(vocab, chunk)
     out: list[list[float]] = [[] for _ in prompts]
-    with torch.no_grad():
-        for rows in _row_groups(prompts):
-            if stop is not None and stop.is_set():
-                raise Stopped
-            picked = _score_rows(model, [prompts[i] for i in rows], chunk, stop)
-            for i, lp in zip(rows, picked, strict=True):
-                out[i] = lp[starts[i] - 1 :]
+    for rows in _row_groups(prompts):
+        with torch.no_grad():  # not across a pause: the grad mode is the thread's
+            hidden, ids, head = _hidden(model, [prompts[i] for i in rows])
+        yield
+        lengths = [len(prompts[i]) for i in rows]
+        picked = yield from _head_logprobs(hidden, ids, head, chunk, lengths)
+        for i, lp in zip(rows, picked, strict=True):
+            out[i] = lp[starts[i] - 1 :]
     return out
 
 
@@ -171,9 +195,9 @@ def _row_groups(prompts: list[list[int]]) -> list[list[int]]:
     return groups
 
 
-def _score_rows(model, prompts: list[list[int]], chunk: int, stop) -> list[list[float]]:
-    """Each row's ``log p(ids[t] | ids[:t])`` for ``t >= 1``: one right-padded decoder pass,
-    the head over ``chunk`` positions at a time."""
+def _hidden(model, prompts: list[list[int]]):
+    """(the decoder's last hidden states ``[B, T, H]``, or the logits when the model's are
+    more than head(hidden); the right-padded ids ``[B, T]``; the head or None)."""
     import torch
 
     width = max(len(p) for p in prompts)
@@ -186,22 +210,28 @@ def _score_rows(model, prompts: list[list[int]], chunk: int, stop) -> list[list[
     ids, mask = ids.to(device), mask.to(device)
     head = _head(model)
     if head is None:  # a model whose logits are more than head(hidden): its own forward
-        hidden, head = model(input_ids=ids, attention_mask=mask).logits, None
-    else:
-        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        return model(input_ids=ids, attention_mask=mask).logits, ids, None
+    return model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state, ids, head
+
+
+def _head_logprobs(hidden, ids, head, chunk: int, lengths: list[int]):
+    """Each row's ``log p(ids[t] | ids[:t])`` for ``1 <= t < lengths[i]``, the head over
+    ``chunk`` positions at a time, pausing after each."""
+    import torch
+
     flat_h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     targets = ids[:, 1:].reshape(-1)
     picked = torch.empty(targets.shape[0], dtype=torch.float32)
     for s in range(0, targets.shape[0], chunk):
-        if stop is not None and stop.is_set():
-            raise Stopped
-        part = flat_h[s : s + chunk]
-        logits = (part if head is None else head(part)).float()
-        lse = torch.logsumexp(logits, dim=-1)
-        chosen = logits.gather(-1, targets[s : s + chunk, None])[:, 0]
-        picked[s : s + chunk] = (chosen - lse).cpu()
-    rows = picked.view(len(prompts), width - 1)
-    return [rows[i, : len(p) - 1].tolist() for i, p in enumerate(prompts)]
+        with torch.no_grad():
+            part = flat_h[s : s + chunk]
+            logits = (part if head is None else head(part)).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            chosen = logits.gather(-1, targets[s : s + chunk, None])[:, 0]
+            picked[s : s + chunk] = (chosen - lse).cpu()
+        yield
+    rows = picked.view(ids.shape[0], ids.shape[1] - 1)
+    return [rows[i, : n - 1].tolist() for i, n in enumerate(lengths)]
 
 
 def _head(model):

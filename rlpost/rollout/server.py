@@ -48,6 +48,7 @@ from starlette.concurrency import run_in_threadpool
 
 from rlpost.errors import typed_line
 from rlpost.observe import Recorder
+from rlpost.rollout.backlog import Backlog, backlog_limit
 from rlpost.rollout.client import decode_weights
 from rlpost.rollout.openai_format import ChoiceStream, format_choice
 from rlpost.rollout.openai_params import (
@@ -122,6 +123,7 @@ class RolloutService:
         self.scheduler, self.tokenizer, self.settings = scheduler, tokenizer, settings
         self.recorder = Recorder(None)
         self.counts = {"ok": 0, "rejected": 0, "failed": 0, "disconnected": 0, "timed_out": 0}
+        self.counts["fell_behind"] = 0  # streams stopped: their client did not read
         self.guard: dict[str, int] = {"pending": 0}  # pending sequences, refused_<status>
         self.budget = PendingBudget(GuardSettings().max_pending, self.guard)
         # Throughput and utilisation are measured between two /metrics scrapes.
@@ -155,6 +157,11 @@ class RolloutService:
         for t in tickets:
             if not t.future.done():
                 self.scheduler.cancel(t)
+
+    def fell_behind(self, tickets: list[Ticket]) -> None:
+        """A stream's client stopped reading: its samples leave the batch (counted)."""
+        self.counts["fell_behind"] += 1
+        self.cancel(tickets)
 
     async def generate(self, request: Request, prompts: list[list[int]], fields: dict):
         """The outputs of every prompt; None when the client went away."""
@@ -263,14 +270,15 @@ class RolloutService:
         Events that arrived together are turned into chunks together, on a
         worker thread (decoding text is the costly part).
         """
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        loop, tickets = asyncio.get_running_loop(), []
         n, tok, chat = plan.fields["n"], self.tokenizer, plan.chat
         holdback = max((len(s) for s in plan.fields["stop_texts"]), default=1) - 1
         streams = [ChoiceStream(i, tok, holdback, chat=chat) for i in range(len(plan.prompts) * n)]
         calls = [ToolStream(plan.tools, self.tool_stats) for _ in streams] if plan.tools else None
-        tickets = self.submit(plan.prompts, plan.fields, partial(_post, loop, queue))
+        backlog = Backlog(backlog_limit(len(streams)), partial(self.fell_behind, tickets))
+        tickets += self.submit(plan.prompts, plan.fields, partial(_post, loop, backlog))
         for t in tickets:
-            t.future.add_done_callback(partial(_post, loop, queue, None))
+            t.future.add_done_callback(partial(_post, loop, backlog, None))
         head = {
             **plan.head,
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -287,7 +295,7 @@ class RolloutService:
                 out.append(_sse({**head, "policy_version": event.version, "choices": [choice]}))
             return "".join(out), finished
 
-        left, sampled = len(streams), 0
+        left, sampled, queue = len(streams), 0, backlog.queue
         deadline = time.monotonic() + self.settings.request_timeout_s
         try:
             while left:
@@ -298,12 +306,23 @@ class RolloutService:
                     yield _sse(error_body(self.timeout_line(), kind="timeout"))
                     return
                 events = [first] + [queue.get_nowait() for _ in range(queue.qsize())]
+                behind = Backlog.OVERFLOW in events
+                events = [e for e in events if e is not Backlog.OVERFLOW]
                 tokens = [(p, e) for p, e in events if p is not None]
                 failed = [e for p, e in events if p is None and _failure(e) is not None]
                 if tokens:
                     text, finished = await run_in_threadpool(chunks, tokens)
                     sampled, left = sampled + len(tokens), left - finished
+                    backlog.blocked = True  # until the server has taken the bytes
                     yield text
+                    backlog.blocked = False
+                if behind or backlog.overflowed:
+                    line = (
+                        f"the client fell {backlog.limit} events behind the stream, which "
+                        "was stopped; read a stream as it comes"
+                    )
+                    yield _sse(error_body(line, kind="timeout"))
+                    return
                 if failed:  # a ticket's future: only a failure matters here
                     self.counts["failed"] += 1
                     line = f"generation failed: {_failure(failed[0])}"
@@ -461,11 +480,11 @@ def _failure(future) -> BaseException | None:
     return None if future.cancelled() else future.exception()
 
 
-def _post(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, prompt, event) -> None:
-    """Hand an event from the scheduler thread to the stream's queue; never raises there."""
+def _post(loop: asyncio.AbstractEventLoop, backlog: Backlog, prompt, event) -> None:
+    """Hand an event from the scheduler thread to the stream's backlog; never raises there."""
     # RuntimeError: the loop has closed, so nobody is listening any more.
     with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(queue.put_nowait, (prompt, event))
+        loop.call_soon_threadsafe(backlog.put, (prompt, event))
 
 
 def _version(value: Any) -> int:
@@ -485,6 +504,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--host", default="127.0.0.1", help="a non-loopback address needs both keys")
     add("--port", type=int, default=8000, help="0 picks a free port (printed on start)")
     add("--max-batch", type=int, default=64, help="sequences decoded together")
+    add(
+        "--max-request-batch", type=int, default=None,
+        help="sequences of one request decoded together while another runs or waits "
+        "(default: an eighth of --max-batch, at least 2)",
+    )  # fmt: skip
     add("--max-tokens-limit", type=int, default=512, help="largest max_tokens accepted")
     add("--max-n", type=int, default=64, help="largest n accepted")
     add("--max-prompts", type=int, default=1024, help="most prompts in one completions request")
@@ -554,6 +578,8 @@ def _checked(args: argparse.Namespace) -> str | None:
     ):  # fmt: skip
         if getattr(args, flag) < 1:
             return f"--{flag.replace('_', '-')} must be >= 1"
+    if args.max_request_batch is not None and args.max_request_batch < 1:
+        return "--max-request-batch must be >= 1"
     for flag in (
         "max_body_mb", "max_weights_mb", "request_timeout", "header_timeout", "body_timeout",
         "write_timeout",
@@ -594,6 +620,7 @@ def main(argv: list[str] | None = None, routers: dict | None = None) -> int:
     name = args.served_model_name or (Path(args.model).name if args.model else "rlpost-tiny")
     cache = PrefixCache(max_tokens=args.prefix_cache_tokens)
     options = {"max_batch": args.max_batch, "prefix_cache": cache, "seed": args.seed}
+    options["max_request_batch"] = args.max_request_batch
     scheduler = Scheduler(model, tokenizer, **options)
     settings = ServerSettings(
         name, args.max_tokens_limit, args.max_n, scheduler.max_model_len,

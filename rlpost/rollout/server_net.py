@@ -11,10 +11,17 @@ server answered without reading (a refusal). Heads are also bounded in size
 (h11's 16 KiB). A response that cannot drain for ``write_timeout`` seconds (the
 transport's buffer stays above its high-water mark: the client stopped
 reading, or reads a trickle) has its connection aborted; the request then sees
-a disconnect and frees its batch slots.
+a disconnect and frees its batch slots. The kernel's send buffer of a
+connection is :data:`SEND_BUFFER` bytes rather than autotuned up to
+``tcp_wmem`` (4 MiB): a client that stops reading then blocks the response
+after that much, not after megabytes the server generated and formatted for
+nobody, and a thousand stalled connections hold no gigabytes of kernel memory.
 """
 
 from __future__ import annotations
+
+import contextlib
+import socket
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -22,6 +29,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from rlpost.sync.listen import is_loopback
 
 WRITE_TIMEOUTS = [0]  # connections cut because their responses did not drain (/health)
+SEND_BUFFER = 256 << 10
 
 
 def bind_refusal(
@@ -87,6 +95,10 @@ def guarded_h11(header_timeout: float, write_timeout: float = 30.0) -> type[H11P
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
             self._arm()
 
         def data_received(self, data: bytes) -> None:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -84,11 +86,14 @@ def engine():
 
 
 def _runner(
-    engine, entry=None, *, template=PLAIN, bounds=None, command=(), grace=5.0, workers=4, env=()
-):
+    engine, entry=None, *, template=PLAIN, bounds=None, command=(), grace=5.0, workers=4, env=(),
+    own_user=False,
+):  # fmt: skip
+    # Most commands here run this test's Python, which may live where no other user can
+    # run it (/root/.pyenv): they run as the trainer's user unless a test says otherwise.
     settings = HarnessSettings(
         entry, tuple(command), tuple(env), bounds or SessionBounds(4, 80, 60), workers=workers,
-        chat_template=template, grace_s=grace,
+        chat_template=template, grace_s=grace, own_user=own_user,
     )  # fmt: skip
     return AgentRunner(engine, engine.tokenizer, settings)
 
@@ -452,3 +457,45 @@ def test_a_commands_output_is_kept_as_a_tail_and_the_rest_counted(engine):
     assert row.episode.answer == "the answer"
     total = big + 1 + len("the answer\n")
     assert runner.last_stats.metrics()["harness_output_dropped_bytes"] == total - STDOUT_TAIL
+
+
+# Two sessions at once: each sends its request, then tries to read the other's environment
+# (where its session key is) and waits until the other has tried too.
+PEEK = r"""
+curl -sf -o /dev/null -H "Authorization: Bearer $OPENAI_API_KEY" \
+  -H "Content-Type: application/json" -d '{"prompt": "hi", "max_tokens": 2}' \
+  "$OPENAI_BASE_URL/completions" || exit 3
+echo $$ > "$PEEK_DIR/pid.$$"
+until [ "$(ls "$PEEK_DIR" | grep -c '^pid')" -ge 2 ]; do sleep 0.05; done
+other=$(ls "$PEEK_DIR" | grep '^pid' | grep -v "^pid.$$\$" | cut -d. -f2)
+seen=$(cat "/proc/$other/environ" 2>/dev/null | tr '\0' '\n' | grep -c '^OPENAI_API_KEY=')
+denied=$(cat "/proc/$other/environ" 2>&1 >/dev/null | grep -c 'Permission denied')
+touch "$PEEK_DIR/done.$$"
+until [ "$(ls "$PEEK_DIR" | grep -c '^done')" -ge 2 ]; do sleep 0.05; done
+echo "seen=$seen denied=$denied"
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("curl") is None,
+    reason="needs root (to change uid) and curl",
+)
+@pytest.mark.parametrize(
+    ("own_user", "answer"), [(True, "seen=0 denied=1"), (False, "seen=1 denied=0")]
+)
+def test_a_harness_cannot_read_another_sessions_key(engine, monkeypatch, own_user, answer):
+    """Under a uid of its own, a harness cannot read its sibling's /proc/PID/environ (so
+    not its session key); as the trainer's user it can."""
+    shared = Path(tempfile.mkdtemp(prefix="rlpost-peek-"))
+    shared.chmod(0o1777)  # both commands write here, whatever their uid
+    monkeypatch.setenv("PEEK_DIR", str(shared))
+    runner = _runner(
+        engine, command=("/bin/sh", "-c", PEEK), env=("PEEK_DIR",), workers=2, own_user=own_user
+    )
+    try:
+        rows = runner.generate([[1]], GREEDY, n=2, prompts=[Prompt("peek")])
+    finally:
+        runner.close()
+        shutil.rmtree(shared)
+    assert runner.last_stats.failed == 0, runner.last_stats.last_error
+    assert sorted(r.episode.answer for r in rows) == [answer, answer]

@@ -183,6 +183,28 @@ def test_a_stalled_reader_is_cut_and_its_slots_freed(hostile):
     assert_healthy(hostile)
 
 
+def test_a_stalled_readers_samples_leave_the_batch_before_they_are_done(hostile):
+    """The same stalled stream: once its response blocks with the client far behind, its
+    samples stop decoding (they held batch rows until the write timeout cut it, and
+    decoded all 32 x 100 tokens for nobody); the connection is still cut at the timeout."""
+    body = {
+        "messages": [{"role": "user", "content": "1+"}],
+        "n": 32, "max_tokens": 100, "logprobs": True, "top_logprobs": 20,
+        "stream": True, "ignore_eos": True,
+    }  # fmt: skip
+    before = httpx.get(f"{hostile}/health", timeout=30).json()
+    sock = _open(hostile, "/v1/chat/completions", json.dumps(body).encode(), rcvbuf=4096)
+    fell = before["http"]["fell_behind"]
+    assert _wait_until(lambda: _http(hostile)["fell_behind"] == fell + 1)
+    assert _wait_until(lambda: _http(hostile)["pending"] == 0)  # cut at --write-timeout
+    after = httpx.get(f"{hostile}/health", timeout=30).json()
+    assert after["active"] == 0 and after["http"]["write_timeouts"] > 0
+    assert after["tokens"] - before["tokens"] < 32 * 100
+    data = _read_all(sock)
+    assert data.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in data
+    assert_healthy(hostile)
+
+
 def test_slow_bodies_hold_no_pending_slot(hostile):
     body = json.dumps({"prompt": "1+", "max_tokens": 2}).encode()
     slow = [_open(hostile, "/v1/completions", body, send_all=False) for _ in range(8)]

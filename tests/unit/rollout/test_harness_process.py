@@ -1,10 +1,18 @@
-"""A harness command's environment is an allow-list; its output is kept as a bounded tail."""
+"""A harness command's environment is an allow-list, under a uid of its own when the trainer is
+root; its output is kept as a bounded tail."""
 
 from __future__ import annotations
 
 import io
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
 
-from rlpost.rollout.harness_process import Tail, harness_env
+import pytest
+
+from rlpost.rollout.harness_process import HarnessProcess, Tail, harness_env
 
 
 def test_the_environment_is_the_basics_the_listed_names_and_the_session():
@@ -27,3 +35,83 @@ def test_a_tail_keeps_the_last_bytes_and_counts_the_rest():
     tail.read(io.BytesIO(data))
     assert tail.text() == "99\nanswer\n" and tail.dropped == len(data) - 10
     assert len(tail.buf) == 10
+
+
+# Each command writes its pid, waits for its sibling's, tries to read the sibling's
+# environment, then waits until the sibling has tried too before it exits.
+PATH = {"PATH": "/usr/bin:/bin"}
+PEEK = r"""
+echo $$ > "$D/pid.$ME"
+until [ -s "$D/pid.$OTHER" ]; do sleep 0.05; done
+cat "/proc/$(cat "$D/pid.$OTHER")/environ" 2>&1 | tr '\0' '\n'
+echo "read-exit $?"
+touch "$D/done.$ME"
+until [ -e "$D/done.$OTHER" ]; do sleep 0.05; done
+"""
+
+
+def _peek_at_each_other(own_user: bool) -> list[str]:
+    # Not under pytest's tmp_path: its parents are root's alone, closed to a harness uid.
+    shared = Path(tempfile.mkdtemp(prefix="rlpost-peek-"))
+    shared.chmod(0o1777)  # both commands write here, whatever their uid
+    procs, runs = [], [None, None]
+    try:
+        for me, other in (("a", "b"), ("b", "a")):
+            env = harness_env("http://127.0.0.1:1/v1", f"key-of-{me}", environ=PATH)
+            env.update(D=str(shared), ME=me, OTHER=other)
+            procs.append(HarnessProcess(("/bin/sh", "-c", PEEK), env, own_user=own_user))
+        threads = [
+            threading.Thread(target=lambda i=i: runs.__setitem__(i, procs[i].run("")))
+            for i in (0, 1)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        for p in procs:
+            p.kill()
+        shutil.rmtree(shared)
+    assert all(r is not None and r.returncode == 0 for r in runs), runs
+    return [r.stdout for r in runs]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can run a command under another uid")
+def test_a_harness_cannot_read_a_siblings_key_from_proc():
+    a_saw, b_saw = _peek_at_each_other(own_user=True)
+    assert "key-of-b" not in a_saw and "key-of-a" not in b_saw
+    assert "Permission denied" in a_saw and "Permission denied" in b_saw
+    # Run as the trainer's user, the same commands do read each other's keys.
+    a_saw, b_saw = _peek_at_each_other(own_user=False)
+    assert "OPENAI_API_KEY=key-of-b" in a_saw and "OPENAI_API_KEY=key-of-a" in b_saw
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can run a command under another uid")
+def test_a_harness_runs_under_a_uid_of_its_own_with_a_private_home():
+    code = 'id -u; id -G; echo "$HOME"; echo "$TMPDIR"; stat -c %u:%a "$HOME"; touch "$HOME/x"'
+    env = harness_env("http://127.0.0.1:1/v1", "k", environ=PATH)
+    first = HarnessProcess(("/bin/sh", "-c", code), env)
+    second = HarnessProcess(("/bin/sh", "-c", code), env)  # both held at once
+    outs = [first.run(""), second.run("")]
+    assert [o.returncode for o in outs] == [0, 0], outs
+    lines = [o.stdout.split() for o in outs]
+    uids = [int(line[0]) for line in lines]
+    assert uids[0] != uids[1] and all(50000 <= u < 60000 for u in uids)
+    assert [line[1] for line in lines] == [str(u) for u in uids]  # its own group, no other
+    for line, uid in zip(lines, uids, strict=True):
+        assert line[2] == line[3] and line[4] == f"{uid}:700"
+        assert not os.path.exists(line[2])  # removed when the command ended
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can run a command under another uid")
+def test_a_command_its_uid_cannot_run_is_one_line_naming_the_fix(tmp_path):
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    script = private / "agent.sh"
+    script.write_text("#!/bin/sh\necho hi\n")
+    script.chmod(0o755)
+    env = harness_env("http://127.0.0.1:1/v1", "k", environ=PATH)
+    done = HarnessProcess((str(script),), env).run("")
+    assert done.returncode == 127
+    assert "Permission denied" in done.stderr and "agent.harness.user=trainer" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1

@@ -20,3 +20,9 @@ def test_two_limits_set_against_each_other_are_refused_in_one_line():
     assert problem == "--max-request-sequences must be <= --max-pending"
     problem, _ = checked("--max-request-sequences", "0")
     assert problem == "--max-request-sequences must be >= 1"
+
+
+def test_a_request_batch_below_one_is_refused_in_one_line():
+    assert checked("--max-request-batch", "0")[0] == "--max-request-batch must be >= 1"
+    problem, args = checked("--max-request-batch", "4")
+    assert problem is None and args.max_request_batch == 4

@@ -1,0 +1,46 @@
+"""A stream's events between the batch and its client, bounded.
+
+Decoding does not wait for a stream's client. A client that stops reading (or
+reads a trickle) fills the connection's buffers; the response then blocks on it,
+and the events its samples go on producing pile up in the stream's backlog. Past
+a bound the stream gives up its place in the batch: its samples leave at the
+next decode step, so a stalled reader holds no batch slot, only the events
+already made, until the server's write timeout cuts its connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+# How far a blocked stream may fall behind: this many decode steps of all its samples.
+# Blocked means the kernel's send buffer and the transport's are full already (over half
+# a MiB unread), so a client this far behind is not keeping up.
+BACKLOG_STEPS = 4
+BACKLOG_MIN_EVENTS = 64
+
+
+def backlog_limit(samples: int) -> int:
+    """Events a stream of ``samples`` samples may have waiting while its response is blocked."""
+    return max(BACKLOG_MIN_EVENTS, BACKLOG_STEPS * samples)
+
+
+class Backlog:
+    """The events of one stream not yet turned into bytes. ``blocked`` is set by the stream
+    while the server waits to take its bytes; an event that finds it set with more than
+    ``limit`` events waiting runs ``on_overflow`` (once) and queues :attr:`OVERFLOW`."""
+
+    OVERFLOW = object()  # the queue's marker: the stream fell behind
+
+    def __init__(self, limit: int, on_overflow) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.limit, self.on_overflow = limit, on_overflow
+        self.blocked = False  # the response is waiting on the client
+        self.overflowed = False
+
+    def put(self, item) -> None:
+        """On the event loop: queue ``item``; overflow when the client is too far behind."""
+        self.queue.put_nowait(item)
+        if self.blocked and not self.overflowed and self.queue.qsize() > self.limit:
+            self.overflowed = True
+            self.on_overflow()
+            self.queue.put_nowait(self.OVERFLOW)
