@@ -270,15 +270,8 @@ class RolloutService:
         Events that arrived together are turned into chunks together, on a
         worker thread (decoding text is the costly part).
         """
-        loop, tickets = asyncio.get_running_loop(), []
-        n, tok, chat = plan.fields["n"], self.tokenizer, plan.chat
-        holdback = max((len(s) for s in plan.fields["stop_texts"]), default=1) - 1
-        streams = [ChoiceStream(i, tok, holdback, chat=chat) for i in range(len(plan.prompts) * n)]
-        calls = [ToolStream(plan.tools, self.tool_stats) for _ in streams] if plan.tools else None
-        backlog = Backlog(backlog_limit(len(streams)), partial(self.fell_behind, tickets))
-        tickets += self.submit(plan.prompts, plan.fields, partial(_post, loop, backlog))
-        for t in tickets:
-            t.future.add_done_callback(partial(_post, loop, backlog, None))
+        n, chat, tickets = plan.fields["n"], plan.chat, []
+        streams, calls, backlog = self._open_stream(plan, tickets)
         head = {
             **plan.head,
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -316,17 +309,10 @@ class RolloutService:
                     backlog.blocked = True  # until the server has taken the bytes
                     yield text
                     backlog.blocked = False
-                if behind or backlog.overflowed:
-                    line = (
-                        f"the client fell {backlog.limit} events behind the stream, which "
-                        "was stopped; read a stream as it comes"
-                    )
-                    yield _sse(error_body(line, kind="timeout"))
-                    return
-                if failed:  # a ticket's future: only a failure matters here
-                    self.counts["failed"] += 1
-                    line = f"generation failed: {_failure(failed[0])}"
-                    yield _sse(error_body(line, kind="internal_error"))
+                if (
+                    stop := self._stream_stop(behind or backlog.overflowed, backlog, failed)
+                ) is not None:
+                    yield stop
                     return
             if plan.usage:
                 yield _sse({**head, "choices": [], "usage": _usage(plan.prompts, sampled)})
@@ -334,6 +320,35 @@ class RolloutService:
             yield "data: [DONE]\n\n"
         finally:  # also when the client goes away or is cut: its samples leave the batch
             self.cancel(tickets)
+
+    def _open_stream(self, plan: Plan, tickets: list) -> tuple[list, list | None, Backlog]:
+        """Submit ``plan``'s samples into ``tickets``: per-sample text streams, tool-call
+        rewriters, and the backlog the scheduler posts events to."""
+        loop = asyncio.get_running_loop()
+        holdback = max((len(s) for s in plan.fields["stop_texts"]), default=1) - 1
+        count = len(plan.prompts) * plan.fields["n"]
+        streams = [ChoiceStream(i, self.tokenizer, holdback, chat=plan.chat) for i in range(count)]
+        calls = [ToolStream(plan.tools, self.tool_stats) for _ in streams] if plan.tools else None
+        backlog = Backlog(backlog_limit(len(streams)), partial(self.fell_behind, tickets))
+        tickets += self.submit(plan.prompts, plan.fields, partial(_post, loop, backlog))
+        for t in tickets:
+            t.future.add_done_callback(partial(_post, loop, backlog, None))
+        return streams, calls, backlog
+
+    def _stream_stop(self, behind: bool, backlog: Backlog, failed: list) -> str | None:
+        """The error event that ends a stream: its client fell behind, or a ticket failed."""
+        if behind:
+            line = (
+                f"the client fell {backlog.limit} events behind the stream, which "
+                "was stopped; read a stream as it comes"
+            )
+            return _sse(error_body(line, kind="timeout"))
+        if failed:  # a ticket's future: only a failure matters here
+            self.counts["failed"] += 1
+            return _sse(
+                error_body(f"generation failed: {_failure(failed[0])}", kind="internal_error")
+            )
+        return None
 
     async def weights(self, request: Request) -> dict:
         if request.headers.get("content-type", "").startswith("application/octet-stream"):
