@@ -1,4 +1,8 @@
-"""The process-wide random states (python, numpy, torch), saved and restored as one.
+"""Seeds derived from the run's seed, and the process-wide random states saved as one.
+
+:func:`derive` is the one place a stream's seed comes from: each purpose is a fixed
+linear form of the run's seed and the stream's indices, listed in :data:`STREAMS`, so
+no two purposes share a stream and none is a magic number at its use.
 
 Every worker saves its own process's states in its checkpoint part, so a run
 resumes exactly whether its workers share a process or not.
@@ -11,6 +15,26 @@ from typing import Any
 
 import numpy as np
 import torch
+
+STREAMS: dict[str, tuple[int, tuple[int, ...], int]] = {
+    # purpose: (factor of the seed, factor of each index, offset)
+    "actor_shuffle": (1, (), 7),  # the trainer's mini-batch order
+    "critic_shuffle": (1, (), 11),  # the critic's, independent of the actor's
+    "eval": (1, (), 10_007),  # held-out sampling: never shifts the training samples
+    "epoch_order": (100_003, (1,), 0),  # (epoch): a sampler's or stream's order
+    "source": (7_919, (1,), 0),  # (source index): each data source's own sampler
+    "source_pick": (1_000_003, (1,), 0),  # (batch): which source each prompt comes from
+    "worker": (1, (7_919, 104_729), 0),  # (worker index, restart count)
+    "session": (1, (1_000,), 0),  # (sample index): an agent session's sampling seed
+}
+
+
+def derive(seed: int, purpose: str, *index: int) -> int:
+    """The seed of ``purpose``'s stream (:data:`STREAMS`) for the run's ``seed``."""
+    factor, weights, offset = STREAMS[purpose]
+    if len(index) != len(weights):
+        raise ValueError(f"seed stream {purpose!r} takes {len(weights)} indices, got {index}")
+    return factor * seed + sum(w * i for w, i in zip(weights, index, strict=True)) + offset
 
 
 def rng_state() -> dict[str, Any]:

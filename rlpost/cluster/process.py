@@ -33,6 +33,7 @@ from rlpost.cluster.fleet import RolloutFleet, Spawner
 from rlpost.cluster.health import HealthPolicy
 from rlpost.config import Config
 from rlpost.errors import WorkerError, typed_line
+from rlpost.rng import derive
 
 
 class Host:
@@ -394,7 +395,7 @@ def slot_config(cfg: Config, index: int, start: int) -> Config:
     """The config of rollout slot ``index``'s ``start``-th worker: its own sampling seed, so
     no two workers (nor a restarted one) draw the same stream."""
     data = cfg.model_dump(mode="json")
-    data["run"]["seed"] = cfg.run.seed + 7919 * index + 104729 * start
+    data["run"]["seed"] = derive(cfg.run.seed, "worker", index, start)
     return Config.model_validate(data)
 
 

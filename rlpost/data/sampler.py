@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 from typing import Generic, TypeVar
 
+from rlpost.rng import derive
+
 T = TypeVar("T")
 
 
@@ -26,7 +28,7 @@ class PromptSampler(Generic[T]):
 
     def _permutation(self, epoch: int) -> list[int]:
         order = list(range(len(self.items)))
-        random.Random(self.seed * 100003 + epoch).shuffle(order)
+        random.Random(derive(self.seed, "epoch_order", epoch)).shuffle(order)
         return order
 
     def next_batch(self) -> list[T]:

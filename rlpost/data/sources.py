@@ -24,6 +24,7 @@ from rlpost.data.arith import arith_splits
 from rlpost.data.code import code_splits
 from rlpost.data.files import DataError, LoadReport, load_prompt_file, prompt_file_keywords
 from rlpost.data.sampler import PromptSampler
+from rlpost.rng import derive
 from rlpost.types import Prompt
 
 
@@ -139,15 +140,15 @@ class MixtureSampler:
         # A streamed source (data/stream.py) is made here from its seed the same way; its rows
         # in ``prompts`` (the start's check of its first rows) only feed the warm-up.
         self.samplers = {
-            n: streams[n](seed=seed * 7919 + i)
+            n: streams[n](seed=derive(seed, "source", i))
             if n in streams
-            else PromptSampler(prompts[n], 1, seed=seed * 7919 + i)
+            else PromptSampler(prompts[n], 1, seed=derive(seed, "source", i))
             for i, n in enumerate(self.names)
         }
 
     def sources_of(self, batch: int) -> list[str]:
         """The source of each slot of batch number ``batch`` (a pure function of it)."""
-        rng = random.Random(self.seed * 1_000_003 + batch)
+        rng = random.Random(derive(self.seed, "source_pick", batch))
         return rng.choices(self.names, weights=self.weights, k=self.batch_size)
 
     def next_batch(self) -> list[Prompt]:

@@ -36,6 +36,7 @@ from rlpost.data.files import (
     row_prompt,
     valid_rows,
 )
+from rlpost.rng import derive
 from rlpost.types import Prompt
 
 STREAM_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -138,7 +139,7 @@ class StreamSampler:
 
     def _order(self, epoch: int) -> Iterator[Prompt]:
         """Epoch ``epoch``'s rows through the shuffle buffer."""
-        rng = random.Random(self.seed * 100003 + epoch)
+        rng = random.Random(derive(self.seed, "epoch_order", epoch))
         held: list[Prompt] = []
         for p in self._prompts(self.report):
             if len(held) < self.buffer:

@@ -35,6 +35,7 @@ from rlpost.pipeline.plan import resolve_step_plan
 from rlpost.pipeline.weights import build_weight_path
 from rlpost.rewards.routing import build_routed_scorer
 from rlpost.rewards.worker import RewardWorker
+from rlpost.rng import derive
 from rlpost.rollout.continuous import ContinuousEngine
 from rlpost.rollout.hf_engine import HFEngine
 from rlpost.rollout.longtail import LengthPredictor, PartialRollout
@@ -305,7 +306,7 @@ def eval_params(cfg: Config, eos_token_id: int, *, greedy: bool = False) -> Samp
         temperature=0.0 if greedy else cfg.eval.temperature,
         max_tokens=cfg.rollout.max_tokens,
         stop_token_ids=(eos_token_id,),
-        seed=cfg.run.seed + 10_007,
+        seed=derive(cfg.run.seed, "eval"),
     )
 
 
@@ -643,7 +644,7 @@ def build_harness(cfg: Config, engine, tokenizer):
         entry, tuple(h.command), tuple(h.env), bounds, h.workers, h.chat_template, h.tool_parser,
         own_user=h.user == "session",
     )  # fmt: skip
-    if cfg.rollout.engine.name == "remote":  # sessions on the rollout servers, over their admin routes
+    if cfg.rollout.engine.name == "remote":  # sessions on the servers, over their admin routes
         from rlpost.rollout.client import keys_from_env
         from rlpost.rollout.remote_sessions import RemoteSessions
 

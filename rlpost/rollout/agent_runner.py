@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rlpost.registry import import_object
+from rlpost.rng import derive
 from rlpost.rollout.harness_process import HarnessProcess, harness_env
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.rollout.remote_sessions import RemoteSessions
@@ -224,7 +225,7 @@ class AgentRunner:
         jobs = []
         for i, p in enumerate(prompts):
             for j in range(n):
-                seed = None if params.seed is None else params.seed + 1000 * (i * n + j)
+                seed = None if params.seed is None else derive(params.seed, "session", i * n + j)
                 jobs.append(_Job(p, group_offset + i, bounds, sampling, seed))
         self._run_all(jobs)
         return self._collect(jobs)

@@ -29,6 +29,7 @@ import torch
 from rlpost.algos.aggregate import Aggregation
 from rlpost.algos.entropy import entropy_from_logits
 from rlpost.observe.mfu import default_cpu_peak_flops, flops_per_token
+from rlpost.rng import derive
 from rlpost.train.batch import (
     TrainBatch,
     compute_logprobs,
@@ -184,7 +185,7 @@ class PolicyTrainer:
         self.whole_groups = settings.packing in SHARING_MODES  # mini-batches of whole groups
         self.lr_scale = LRScale()
         self.optimizer, self.scheduler = build_optimizer(model, settings, self.lr_scale)
-        self.shuffle = torch.Generator().manual_seed(seed + 7)
+        self.shuffle = torch.Generator().manual_seed(derive(seed, "actor_shuffle"))
         self.skipped_updates = 0
 
     # ------------------------------------------------------------ logprobs

@@ -25,6 +25,7 @@ from transformers import AutoModel, PreTrainedModel
 
 from rlpost.algos.aggregate import Aggregation
 from rlpost.algos.value import value_loss
+from rlpost.rng import derive
 from rlpost.train.actor import ActorSettings, bf16_autocast, build_optimizer
 from rlpost.train.batch import TrainBatch, model_device, pad_responses
 from rlpost.train.optim import budget_slices, minibatch_updates, optimizer_step
@@ -163,8 +164,7 @@ class CriticTrainer:
         self.whole_groups = packing in SHARING_MODES  # mini-batches of whole groups
         self.clip_range = clip_range
         self.optimizer, self.scheduler = build_optimizer(value_model, self.s)
-        # Its own stream, offset from the actor's, so the two shuffles are independent.
-        self.shuffle = torch.Generator().manual_seed(seed + 11)
+        self.shuffle = torch.Generator().manual_seed(derive(seed, "critic_shuffle"))
         self.skipped_updates = 0
 
     @torch.no_grad()
