@@ -166,8 +166,9 @@ class Placement:
     reward: list[tuple[Any, int]] = field(default_factory=list)
 
 
-def _bundle(cpus: float, gpus: float) -> dict[str, float]:
-    b = {"CPU": cpus, "GPU": gpus}
+def _bundle(res) -> dict[str, float]:
+    """One worker's bundle from its ``cluster.<role>`` resources."""
+    b = {"CPU": res.cpus, "GPU": res.gpus, **res.resources}
     b = {k: v for k, v in b.items() if v > 0}
     return b or {"CPU": 0.001}  # Ray refuses an empty bundle
 
@@ -180,8 +181,8 @@ def _add(*bundles: dict[str, float]) -> dict[str, float]:
 def plan(cfg: Config) -> list[tuple[str, list[dict[str, float]], str]]:
     """[(role, bundles, strategy)] for the placement groups of ``cfg.cluster``."""
     c = cfg.cluster
-    t = _bundle(c.trainer.cpus, c.trainer.gpus)
-    r = _bundle(c.rollout.cpus, c.rollout.gpus)
+    t = _bundle(c.trainer)
+    r = _bundle(c.rollout)
     out = []
     if c.placement == "colocated":
         bundles = [dict(t) for _ in range(c.trainer_workers)]
@@ -193,7 +194,7 @@ def plan(cfg: Config) -> list[tuple[str, list[dict[str, float]], str]]:
         out.append(("trainer", [dict(t) for _ in range(c.trainer_workers)], "PACK"))
         out.append(("rollout", [dict(r) for _ in range(c.rollout_workers)], "SPREAD"))
     if c.reward_workers:
-        w = _bundle(c.reward.cpus, c.reward.gpus)
+        w = _bundle(c.reward)
         out.append(("reward", [dict(w) for _ in range(c.reward_workers)], "SPREAD"))
     return out
 
@@ -224,7 +225,7 @@ def check_fits(ray, role: str, bundles: list[dict[str, float]]) -> None:
 
 
 def _knobs(role: str, res: str) -> str:
-    key = _KEY.get(res, res)
+    key = _KEY.get(res, f"resources.{res}")
     roles = role.split("+")
     return " / ".join(f"cluster.{r}.{key} or cluster.{r}_workers" for r in roles)
 
@@ -275,10 +276,12 @@ def release(ray, groups: list, *, started_ray: bool) -> None:
         LOCAL.leave(ray)
 
 
-def _options(pg, index: int | None, cpus: float, gpus: float, **extra) -> dict:
+def _options(pg, index: int | None, cpus: float, gpus: float, resources=None, **extra) -> dict:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     opts = {"num_cpus": cpus, "num_gpus": gpus, **extra}
+    if resources:
+        opts["resources"] = dict(resources)
     if pg is not None:
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=index
@@ -302,7 +305,7 @@ class RaySpawner(Spawner):
         from ray.util.placement_group import placement_group
 
         c = self.cfg.cluster
-        bundles = [_bundle(c.rollout.cpus, c.rollout.gpus)]
+        bundles = [_bundle(c.rollout)]
         check_fits(self.ray, "rollout", bundles)
         pg = placement_group(bundles, name=f"rlpost-{self.cfg.run.name}-rollout-{index}")
         ready, _ = self.ray.wait([pg.ready()], timeout=c.placement_timeout_s)
@@ -369,7 +372,7 @@ def _actor(ray, label: str, cfg: Config, run_dir: Path, slot, dp=None, **extra) 
     actor options beyond those."""
     role = label.split("-")[0]
     res = getattr(cfg.cluster, role)
-    opts = _options(*slot, res.cpus, res.gpus, **{"max_concurrency": 2, **extra})
+    opts = _options(*slot, res.cpus, res.gpus, res.resources, **{"max_concurrency": 2, **extra})
     threads = max(1, math.floor(res.cpus))
     actor = ray.remote(_ACTORS[role]).options(**opts)
     data = cfg.model_dump(mode="json")
