@@ -298,6 +298,10 @@ class RaySpawner(Spawner):
 
     def __init__(self, ray, cfg: Config, run_dir: Path, placement: Placement) -> None:
         self.ray, self.cfg, self.run_dir, self.placement = ray, cfg, run_dir, placement
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
 
     def _slot(self, index: int):
         if index < len(self.placement.rollout):
@@ -335,16 +339,17 @@ class RaySpawner(Spawner):
             deadline = time.monotonic() + c.start_timeout_s
             from ray.exceptions import ActorDiedError, RayActorError
 
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not self.cancelled.is_set():
                 try:
-                    if not self.ray.get(old.actor.notice.remote(), timeout=10):
+                    if not self.ray.get(old.actor.notice.remote(), timeout=5):
                         return RayWorker(old.label, old.actor, "rollout")  # restarted by Ray
-                    time.sleep(0.5)  # still draining: it exits, then Ray restarts it
+                    self.cancelled.wait(0.5)  # still draining: it exits, then Ray restarts it
                 except ActorDiedError:
                     break  # Ray gave up on it (restarts spent): a new actor below
                 except (RayActorError, self.ray.exceptions.GetTimeoutError):
-                    time.sleep(0.5)
+                    self.cancelled.wait(0.5)
             self.ray.kill(old.actor, no_restart=True)
+            self._check_cancelled(index)
         worker = _actor(
             self.ray,
             f"rollout-{index}",
@@ -354,8 +359,16 @@ class RaySpawner(Spawner):
             max_restarts=c.max_restarts,
             max_concurrency=4,  # weights arrive while it generates
         )
-        _ready(self.ray, [worker], c.start_timeout_s)
+        try:
+            _ready(self.ray, [worker], c.start_timeout_s, self.cancelled)
+        except WorkerError:
+            self.ray.kill(worker.actor, no_restart=True)
+            raise
         return worker
+
+    def _check_cancelled(self, index: int) -> None:
+        if self.cancelled.is_set():
+            raise WorkerError("rollout", "failed", f"rollout-{index} not restarted: run closing")
 
     def stop(self, handle: RayWorker) -> None:
         with contextlib.suppress(WorkerError):  # already gone: nothing left to close
@@ -379,12 +392,21 @@ def _actor(ray, label: str, cfg: Config, run_dir: Path, slot, dp=None, **extra) 
     return RayWorker(label, actor.remote(f"{role}_factory", data, str(run_dir), threads, dp), role)
 
 
-def _ready(ray, workers: list[RayWorker], timeout: float) -> None:
-    """Wait until every actor is built; one line naming the one that failed or hung."""
+def _ready(ray, workers: list[RayWorker], timeout: float, cancelled=None) -> None:
+    """Wait until every actor is built; one line naming the one that failed or hung (or
+    the first still starting once ``cancelled`` is set)."""
     from ray.exceptions import RayActorError, RayTaskError
 
     refs = {w.actor.pid.remote(): w for w in workers}
-    done, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+    deadline = time.monotonic() + timeout
+    done, pending = [], list(refs)
+    while pending and time.monotonic() < deadline:
+        if cancelled is not None and cancelled.is_set():
+            w = refs[pending[0]]
+            raise WorkerError(w.role, "failed", f"{w.label} start abandoned: run closing")
+        step = min(1.0, max(0.0, deadline - time.monotonic()))
+        more, pending = ray.wait(pending, num_returns=len(pending), timeout=step)
+        done += more
     for ref in done:
         try:
             ray.get(ref)
