@@ -871,6 +871,17 @@ class RoleResources(Section):
     """CPUs per worker (Ray logical CPUs; also the worker's torch threads, at least 1)."""
     gpus: float = Field(0.0, ge=0)
     """GPUs per worker; a fraction (0.5) lets workers share one GPU (colocated placement)."""
+    resources: dict[str, Annotated[float, Field(gt=0)]] = {}
+    """Custom Ray resources per worker, e.g. ``{rollout_node: 1}``: the worker goes only to
+    nodes started with them (``ray start --resources '{"rollout_node": 8}'``)."""
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, v: dict[str, float]) -> dict[str, float]:
+        taken = sorted({"CPU", "GPU", "memory", "object_store_memory"} & set(v))
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: Ray's own, not custom; set cpus / gpus instead")
+        return v
 
 
 class HalfCpuResources(RoleResources):

@@ -8,7 +8,8 @@ Whatever binds "the machine's address" or every address is then visible off
 loopback. No packet is sent to the 10.x address; nothing answers there.
 
 :func:`listeners` reads the namespace's sockets from ``/proc/net`` (TCP in LISTEN,
-UDP bound and unconnected), with the process holding each.
+UDP bound and unconnected), with the process holding each; given a pid, those of that
+process's namespace (``tests/multinode.py`` lists each simulated host's this way).
 """
 
 from __future__ import annotations
@@ -96,12 +97,14 @@ def _owners() -> dict[int, tuple[int, str]]:
     return out
 
 
-def listeners() -> list[Listener]:
-    """Every TCP socket in LISTEN and every bound, unconnected UDP socket here."""
+def listeners(pid: int | None = None) -> list[Listener]:
+    """Every TCP socket in LISTEN and every bound, unconnected UDP socket here (in the
+    network namespace of process ``pid``, when given)."""
     owners = _owners()
     found = []
+    net = Path("/proc/net") if pid is None else Path(f"/proc/{pid}/net")
     for proto in ("tcp", "tcp6", "udp", "udp6"):
-        path = Path("/proc/net") / proto
+        path = net / proto
         if not path.exists():
             continue
         for line in path.read_text().splitlines()[1:]:

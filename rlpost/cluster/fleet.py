@@ -41,6 +41,7 @@ from rlpost.types import Prompt
 
 SCALE_REQUEST = "scale.json"  # in <run_dir>/cluster: {"rollout": N, "id": ...}
 FLEET_STATE = "fleet.json"  # in <run_dir>/cluster: the fleet after the last request
+JOB_JOIN_S = 30.0  # at close: the longest a background restart is waited for
 
 
 class Spawner(Protocol):
@@ -53,6 +54,9 @@ class Spawner(Protocol):
 
     def stop(self, handle: Any) -> None:
         """Close (or kill) the worker."""
+
+    def cancel(self) -> None:
+        """The fleet is closing: a start still waiting gives up soon (raises)."""
 
 
 @dataclass
@@ -95,6 +99,7 @@ class RolloutFleet:
         self._latest: tuple[list, int] | None = None  # the newest weights, kept for restarts
         self._version = 0
         self._closed = False
+        self._jobs: list[threading.Thread] = []  # restarts and full syncs in the background
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * size), thread_name_prefix="fleet")
         self.members: list[Member] = []
         starts = [self._pool.submit(spawner.start, i) for i in range(size)]
@@ -288,7 +293,9 @@ class RolloutFleet:
                 return
             m.restarting = True
         name = f"fleet{job.__name__}-{m.index}"
-        threading.Thread(target=job, args=(m, *args), name=name, daemon=True).start()
+        thread = threading.Thread(target=job, args=(m, *args), name=name, daemon=True)
+        self._jobs.append(thread)
+        thread.start()
 
     def _stop_quietly(self, handle: Any) -> None:
         with contextlib.suppress(Exception):  # a worker already gone: nothing left to release
@@ -548,6 +555,13 @@ class RolloutFleet:
         with self._lock:
             self._closed = True
             self._lock.notify_all()
+        # a restart still waiting on its worker (a lost node) must end before this process
+        # does: a thread left inside the cluster client when the interpreter exits crashes it
+        cancel = getattr(self.spawner, "cancel", None)
+        if cancel is not None:
+            cancel()
+        for job in self._jobs:
+            job.join(timeout=JOB_JOIN_S)
         for m in self.members:
             if m.health.state is not State.RETIRED:
                 self._stop_quietly(m.handle)

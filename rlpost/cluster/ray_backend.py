@@ -166,8 +166,9 @@ class Placement:
     reward: list[tuple[Any, int]] = field(default_factory=list)
 
 
-def _bundle(cpus: float, gpus: float) -> dict[str, float]:
-    b = {"CPU": cpus, "GPU": gpus}
+def _bundle(res) -> dict[str, float]:
+    """One worker's bundle from its ``cluster.<role>`` resources."""
+    b = {"CPU": res.cpus, "GPU": res.gpus, **res.resources}
     b = {k: v for k, v in b.items() if v > 0}
     return b or {"CPU": 0.001}  # Ray refuses an empty bundle
 
@@ -180,8 +181,8 @@ def _add(*bundles: dict[str, float]) -> dict[str, float]:
 def plan(cfg: Config) -> list[tuple[str, list[dict[str, float]], str]]:
     """[(role, bundles, strategy)] for the placement groups of ``cfg.cluster``."""
     c = cfg.cluster
-    t = _bundle(c.trainer.cpus, c.trainer.gpus)
-    r = _bundle(c.rollout.cpus, c.rollout.gpus)
+    t = _bundle(c.trainer)
+    r = _bundle(c.rollout)
     out = []
     if c.placement == "colocated":
         bundles = [dict(t) for _ in range(c.trainer_workers)]
@@ -193,7 +194,7 @@ def plan(cfg: Config) -> list[tuple[str, list[dict[str, float]], str]]:
         out.append(("trainer", [dict(t) for _ in range(c.trainer_workers)], "PACK"))
         out.append(("rollout", [dict(r) for _ in range(c.rollout_workers)], "SPREAD"))
     if c.reward_workers:
-        w = _bundle(c.reward.cpus, c.reward.gpus)
+        w = _bundle(c.reward)
         out.append(("reward", [dict(w) for _ in range(c.reward_workers)], "SPREAD"))
     return out
 
@@ -224,7 +225,7 @@ def check_fits(ray, role: str, bundles: list[dict[str, float]]) -> None:
 
 
 def _knobs(role: str, res: str) -> str:
-    key = _KEY.get(res, res)
+    key = _KEY.get(res, f"resources.{res}")
     roles = role.split("+")
     return " / ".join(f"cluster.{r}.{key} or cluster.{r}_workers" for r in roles)
 
@@ -275,10 +276,12 @@ def release(ray, groups: list, *, started_ray: bool) -> None:
         LOCAL.leave(ray)
 
 
-def _options(pg, index: int | None, cpus: float, gpus: float, **extra) -> dict:
+def _options(pg, index: int | None, cpus: float, gpus: float, resources=None, **extra) -> dict:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     opts = {"num_cpus": cpus, "num_gpus": gpus, **extra}
+    if resources:
+        opts["resources"] = dict(resources)
     if pg is not None:
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=index
@@ -295,6 +298,10 @@ class RaySpawner(Spawner):
 
     def __init__(self, ray, cfg: Config, run_dir: Path, placement: Placement) -> None:
         self.ray, self.cfg, self.run_dir, self.placement = ray, cfg, run_dir, placement
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
 
     def _slot(self, index: int):
         if index < len(self.placement.rollout):
@@ -302,7 +309,7 @@ class RaySpawner(Spawner):
         from ray.util.placement_group import placement_group
 
         c = self.cfg.cluster
-        bundles = [_bundle(c.rollout.cpus, c.rollout.gpus)]
+        bundles = [_bundle(c.rollout)]
         check_fits(self.ray, "rollout", bundles)
         pg = placement_group(bundles, name=f"rlpost-{self.cfg.run.name}-rollout-{index}")
         ready, _ = self.ray.wait([pg.ready()], timeout=c.placement_timeout_s)
@@ -332,16 +339,17 @@ class RaySpawner(Spawner):
             deadline = time.monotonic() + c.start_timeout_s
             from ray.exceptions import ActorDiedError, RayActorError
 
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not self.cancelled.is_set():
                 try:
-                    if not self.ray.get(old.actor.notice.remote(), timeout=10):
+                    if not self.ray.get(old.actor.notice.remote(), timeout=5):
                         return RayWorker(old.label, old.actor, "rollout")  # restarted by Ray
-                    time.sleep(0.5)  # still draining: it exits, then Ray restarts it
+                    self.cancelled.wait(0.5)  # still draining: it exits, then Ray restarts it
                 except ActorDiedError:
                     break  # Ray gave up on it (restarts spent): a new actor below
                 except (RayActorError, self.ray.exceptions.GetTimeoutError):
-                    time.sleep(0.5)
+                    self.cancelled.wait(0.5)
             self.ray.kill(old.actor, no_restart=True)
+            self._check_cancelled(index)
         worker = _actor(
             self.ray,
             f"rollout-{index}",
@@ -351,8 +359,16 @@ class RaySpawner(Spawner):
             max_restarts=c.max_restarts,
             max_concurrency=4,  # weights arrive while it generates
         )
-        _ready(self.ray, [worker], c.start_timeout_s)
+        try:
+            _ready(self.ray, [worker], c.start_timeout_s, self.cancelled)
+        except WorkerError:
+            self.ray.kill(worker.actor, no_restart=True)
+            raise
         return worker
+
+    def _check_cancelled(self, index: int) -> None:
+        if self.cancelled.is_set():
+            raise WorkerError("rollout", "failed", f"rollout-{index} not restarted: run closing")
 
     def stop(self, handle: RayWorker) -> None:
         with contextlib.suppress(WorkerError):  # already gone: nothing left to close
@@ -369,19 +385,28 @@ def _actor(ray, label: str, cfg: Config, run_dir: Path, slot, dp=None, **extra) 
     actor options beyond those."""
     role = label.split("-")[0]
     res = getattr(cfg.cluster, role)
-    opts = _options(*slot, res.cpus, res.gpus, **{"max_concurrency": 2, **extra})
+    opts = _options(*slot, res.cpus, res.gpus, res.resources, **{"max_concurrency": 2, **extra})
     threads = max(1, math.floor(res.cpus))
     actor = ray.remote(_ACTORS[role]).options(**opts)
     data = cfg.model_dump(mode="json")
     return RayWorker(label, actor.remote(f"{role}_factory", data, str(run_dir), threads, dp), role)
 
 
-def _ready(ray, workers: list[RayWorker], timeout: float) -> None:
-    """Wait until every actor is built; one line naming the one that failed or hung."""
+def _ready(ray, workers: list[RayWorker], timeout: float, cancelled=None) -> None:
+    """Wait until every actor is built; one line naming the one that failed or hung (or
+    the first still starting once ``cancelled`` is set)."""
     from ray.exceptions import RayActorError, RayTaskError
 
     refs = {w.actor.pid.remote(): w for w in workers}
-    done, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+    deadline = time.monotonic() + timeout
+    done, pending = [], list(refs)
+    while pending and time.monotonic() < deadline:
+        if cancelled is not None and cancelled.is_set():
+            w = refs[pending[0]]
+            raise WorkerError(w.role, "failed", f"{w.label} start abandoned: run closing")
+        step = min(1.0, max(0.0, deadline - time.monotonic()))
+        more, pending = ray.wait(pending, num_returns=len(pending), timeout=step)
+        done += more
     for ref in done:
         try:
             ray.get(ref)

@@ -8,9 +8,12 @@ cluster that answers without a token is named in one warning line
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import signal
+import threading
 
 from rlpost.config import Config
 
@@ -29,7 +32,8 @@ def connect(ray, cfg: Config) -> bool:
     address = cfg.cluster.address
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if address:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
+        with _own_stop_signals():
+            ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
         if not _token_auth_on(ray):
             log.warning(
                 "cluster.address=%s: this Ray cluster has no token authentication, so whoever "
@@ -45,17 +49,35 @@ def connect(ray, cfg: Config) -> bool:
     LOCAL.enter(ray)
     try:
         # Ray's CPUs are scheduling units: a local cluster gets at least what the roles ask for
-        ray.init(
-            address="local",  # a new cluster, even where an earlier one left RAY_ADDRESS set
-            num_cpus=max(os.cpu_count() or 1, math.ceil(demand)),
-            include_dashboard=False,
-            log_to_driver=False,
-            logging_level=logging.ERROR,
-        )
+        with _own_stop_signals():
+            ray.init(
+                address="local",  # a new cluster, even where an earlier one left RAY_ADDRESS set
+                num_cpus=max(os.cpu_count() or 1, math.ceil(demand)),
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.ERROR,
+            )
     except BaseException:
         LOCAL.leave(ray)
         raise
     return True
+
+
+@contextlib.contextmanager
+def _own_stop_signals():
+    """Keep this process's SIGINT / SIGTERM handlers across ``ray.init``: a driver installs
+    Ray's crash handler for them, which aborts the process on SIGTERM where the run would
+    finish its step and save a checkpoint."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in kept.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 def _token_auth_on(ray) -> bool:

@@ -1,0 +1,288 @@
+"""Multi-node cases on simulated hosts; run by test_multinode.py inside namespaces of its own.
+
+One :class:`~tests.multinode.Bed` for the module: hosts 1-3 form a Ray cluster (head on
+host 1, token authentication), host 4 is on the same bridge but not in the cluster (the
+outsider). Custom resources say where workers go, as a user with GPU and CPU nodes says
+it: ``trainer_node`` on host 1, ``dp_node`` on hosts 1-2, ``rollout_node`` on hosts 2-3,
+``solo`` (every role) on host 1 only. Every run is ``rlpost train`` started on host 1 with
+``cluster.address`` set to the head, its run directory on the shared filesystem.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import multinode
+from tests.integration.test_data_parallel import _rel
+from tests.multinode import TrainRun
+
+pytestmark = pytest.mark.skipif(
+    not multinode.is_isolated(), reason="runs inside the namespaces test_multinode.py makes"
+)
+
+OUTSIDER = 4
+OTHER_NET = "10.202.0"  # a second network every host is also on
+RESOURCES = {
+    1: {"trainer_node": 1, "dp_node": 1, "solo": 8},
+    2: {"dp_node": 1, "rollout_node": 4},
+    3: {"rollout_node": 4},
+}
+# where the workers run changes nothing they compute (same seeds, same threads per
+# worker): the three-host run samples and updates as the one-host run does, exactly
+ACCURACY_TOLERANCE = 0.0
+BASE = {
+    "cluster.backend": "ray",
+    "cluster.rollout_workers": 2,
+    "cluster.trainer.resources": "{trainer_node: 1}",
+    "cluster.rollout.resources": "{rollout_node: 1}",
+    "run.threads": 1,
+    "data.arith.max_operand": 9,
+    "data.arith.eval_size": 64,
+    "sft.steps": 300,
+    "rollout.prompts_per_step": 8,
+    "rollout.n": 4,
+    "train.mini_batch_size": 32,
+    "train.micro_batch_size": 32,
+    "train.steps": 4,
+    "eval.every": 0,
+    "checkpoint.every": 2,
+    "observe.progress": "false",
+    "observe.plot": "false",
+}
+
+
+@pytest.fixture(scope="module")
+def bed():
+    with multinode.Bed(4) as b:
+        for i in range(1, 5):
+            b.add_address(i, f"{OTHER_NET}.{i}/24")
+        b.start_ray(RESOURCES)
+        yield b
+    assert not Path("/run/netns/h1").exists()
+
+
+def _actors(bed) -> dict[int, list[str]]:
+    """host -> the rlpost actor classes running there."""
+    out = {}
+    for i in range(1, bed.n + 1):
+        found = (re.match(r"ray::(\w+Worker)\b", p) for p in bed.processes(i))
+        out[i] = sorted(m.group(1) for m in found if m)
+    return out
+
+
+def test_hosts_form_a_token_guarded_cluster_the_outsider_is_not_in(bed):
+    nodes = json.loads(
+        bed.python(
+            1,
+            "import json, ray; ray.init(address='auto', logging_level='ERROR'); "
+            "print(json.dumps([[n['NodeManagerAddress'], n['Alive']] for n in ray.nodes()]))",
+        )
+    )
+    assert sorted(nodes) == [[bed.address(i), True] for i in (1, 2, 3)]
+    # the GCS answers the outsider (it reaches the port) but refuses it without the token
+    probe = (
+        "import grpc\nfrom ray.core.generated import gcs_service_pb2 as p, gcs_service_pb2_grpc"
+        " as g\nwith grpc.insecure_channel('%s') as c:\n  try:\n"
+        "    g.NodeInfoGcsServiceStub(c).GetAllNodeInfo(p.GetAllNodeInfoRequest(), timeout=20)\n"
+        "    print('ANSWERED')\n  except grpc.RpcError as e:\n    print(e.code().name)\n"
+    ).replace("%s", bed.head)
+    assert bed.python(OUTSIDER, probe).strip() == "UNAUTHENTICATED"
+
+
+@pytest.fixture(scope="module")
+def placed(bed, tmp_path_factory):
+    """The three-host run (trainer on host 1, rollout on hosts 2 and 3) and what was seen
+    while it ran: the actors on each host, the bytes each host received."""
+    out = tmp_path_factory.mktemp("placed")
+    seen: dict = {}
+    before = {i: bed.received(i) for i in (2, 3, OUTSIDER)}
+
+    def on_step(step: int) -> None:
+        if step == 2:
+            seen["actors"] = _actors(bed)
+
+    run = TrainRun(bed, out, "three_hosts", BASE)
+    assert run.wait(on_step) == 0, run.tail()
+    seen["received"] = {i: bed.received(i) - v for i, v in before.items()}
+    return run, seen
+
+
+def test_trainer_on_host_1_and_rollout_workers_on_hosts_2_and_3(placed):
+    run, seen = placed
+    assert seen["actors"][1] == ["TrainerWorker"], seen
+    assert seen["actors"][2] == ["RolloutWorker"] == seen["actors"][3], seen
+    assert seen["actors"][OUTSIDER] == []
+    assert [r["step"] for r in run.rows()] == [1, 2, 3, 4]
+
+
+def test_weights_cross_the_bridge_to_each_rollout_host(placed):
+    """Every push goes to both rollout workers over the network: each rollout host receives
+    at least the bytes of every version it was sent (the first weights and one per step)."""
+    run, seen = placed
+    per_push = run.rows()[0]["sync_bytes"]
+    assert per_push > 100_000
+    pushes = 1 + len(run.rows())
+    for host in (2, 3):
+        assert seen["received"][host] >= pushes * per_push, (host, seen["received"], per_push)
+    assert seen["received"][OUTSIDER] < per_push  # broadcasts only: nothing was sent to it
+
+
+def test_three_hosts_learn_as_one_host_does_at_the_same_seed(placed, bed, tmp_path):
+    """The same run with every worker on host 1: the same samples and the same updates, so
+    the same held-out accuracy (placement changes where workers run, not what they compute)."""
+    run, _ = placed
+    one = TrainRun(
+        bed,
+        tmp_path,
+        "one_host",
+        BASE,
+        **{"cluster.trainer.resources": "{solo: 1}", "cluster.rollout.resources": "{solo: 1}"},
+    )
+    assert one.wait() == 0, one.tail()
+    a, b = run.summary(), one.summary()
+    assert a["eval_accuracy_start"] == b["eval_accuracy_start"]
+    assert abs(a["eval_accuracy_end"] - b["eval_accuracy_end"]) <= ACCURACY_TOLERANCE, (a, b)
+    for x, y in zip(run.rows(), one.rows(), strict=True):
+        assert x["reward_mean"] == y["reward_mean"] and _rel(x["loss"], y["loss"]) < 1e-6
+
+    assert a["eval_accuracy_end"] > 0.2 and any(r["loss"] != 0 for r in one.rows())
+
+
+def _rlpost_listeners(bed, host: int, driver: int) -> list:
+    """Host ``host``'s listeners that rlpost opened: those of the driver and of the actor
+    processes, less Ray's own ports in them (pinned by the bed)."""
+    mine = []
+    for x in bed.listeners(host):
+        try:
+            cmd = Path(f"/proc/{x.pid}/cmdline").read_bytes().decode(errors="replace")
+        except (OSError, TypeError):
+            continue
+        ours = x.pid == driver or re.match(r"ray::\w+Worker\b", cmd)
+        if ours and x.port not in multinode.ray_ports():
+            mine.append(x)
+    return mine
+
+
+def test_dp2_on_two_hosts_equals_dp1_and_binds_only_cluster_addresses(placed, bed, tmp_path):
+    """Two trainers on hosts 1 and 2 (gloo across the bridge) make the one-trainer run's
+    updates; while they train, every listener rlpost opened on any host is on that host's
+    cluster address or loopback, and the outsider reaches none of them through the hosts'
+    other network."""
+    one, _ = placed
+    seen: dict = {}
+    extra = {
+        "cluster.trainer_workers": 2,
+        "cluster.trainer.resources": "{dp_node: 1}",
+        "observe.prometheus.port": 0,
+        "train.steps": 2,
+    }
+    dp2 = TrainRun(bed, tmp_path, "dp2", BASE, **extra)
+
+    def on_step(step: int) -> None:
+        if step == 1:
+            seen["actors"] = _actors(bed)
+            seen["listeners"] = {i: _rlpost_listeners(bed, i, dp2.proc.pid) for i in (1, 2, 3)}
+
+    assert dp2.wait(on_step) == 0, dp2.tail()
+    assert seen["actors"][1] == ["TrainerWorker"], seen
+    assert seen["actors"][2] == ["RolloutWorker", "TrainerWorker"], seen
+    for a, b in zip(one.rows()[:2], dp2.rows(), strict=True):
+        assert a["completions"] == b["completions"]
+        assert _rel(a["loss"], b["loss"]) < 1e-6 and _rel(a["grad_norm"], b["grad_norm"]) < 1e-6
+    _same_weights(one.dir, dp2.dir, step=2)
+    found = seen["listeners"]
+    assert found[1], "no rlpost listener seen on the trainers' head host (the gloo store)"
+    for host, listeners in found.items():
+        for x in listeners:
+            assert x.ip in (bed.address(host), "127.0.0.1", "::ffff:127.0.0.1"), (host, str(x))
+            assert not bed.connects(OUTSIDER, f"{OTHER_NET}.{host}", x.port), (host, str(x))
+
+
+def _same_weights(a: Path, b: Path, *, step: int) -> None:
+    from safetensors.torch import load_file
+
+    x = load_file(str(a / "checkpoints" / f"step_{step}" / "model" / "model.safetensors"))
+    y = load_file(str(b / "checkpoints" / f"step_{step}" / "model" / "model.safetensors"))
+    assert x.keys() == y.keys()
+    worst = max(float((x[k] - y[k]).abs().max()) for k in x)
+    assert worst <= 1e-6, worst
+
+
+def test_a_rollout_host_lost_mid_run_the_run_goes_on_and_its_worker_returns(bed, tmp_path):
+    """Host 3 loses every process (raylet, its rollout actor) at step 2: the steps go on
+    with host 2's worker, Ray moves host 3's bundle to host 2 and restarts the actor there,
+    and the fleet syncs it to the newest weights before it serves. Two steps after it
+    serves again the driver gets SIGTERM and stops cleanly (exit 143, 128 + SIGTERM, after a
+    checkpoint): one metrics row per step, every step's batch trained exactly once."""
+    run = TrainRun(bed, tmp_path, "lost", BASE, **{"train.steps": 1000})
+    seen: dict = {}
+
+    def on_step(step: int) -> None:
+        if step == 2:
+            assert _actors(bed)[3] == ["RolloutWorker"]
+            seen["killed"] = bed.kill_host(3)
+        elif "killed" in seen and "back" not in seen and _returned(run.events()):
+            seen["back"] = step
+            seen["host2"] = _actors(bed)[2]
+        elif "back" in seen and step >= seen["back"] + 2 and "stopped" not in seen:
+            seen["stopped"] = step
+            run.proc.send_signal(signal.SIGTERM)
+
+    assert run.wait(on_step, timeout=600) == 128 + signal.SIGTERM, run.tail()
+    assert seen["killed"] and "stopped" in seen, seen
+    rows = run.rows()
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # one row per step
+    assert all(r["prompts"] == 8 and r["completions"] == 32 for r in rows)
+    assert (run.dir / "checkpoints" / f"step_{len(rows)}").is_dir()  # saved as it stopped
+    assert seen["host2"] == ["RolloutWorker", "RolloutWorker"]  # the bundle moved there
+
+
+def _returned(events: list[dict]) -> dict | None:
+    """The event of a rollout worker that was lost and serves again, at the newest
+    version; None while there is none."""
+    for worker in sorted({e["worker"] for e in events}):
+        mine = [e for e in events if e["worker"] == worker]
+        states = [e["state"] for e in mine]
+        if "dead" in states and "healthy" in states[states.index("dead") :]:
+            back = mine[states.index("healthy", states.index("dead"))]
+            assert back["version"] == back["current"], back  # synced before it served
+            return back
+    return None
+
+
+def test_a_trainer_host_cut_off_stops_the_run_in_one_line(bed, tmp_path):
+    """Data-parallel trainers on hosts 1 and 2 (rollout on host 1); host 2 is cut off the
+    bridge at step 2, its processes living on, unreachable. Ray declares the node dead, the
+    call to its rank fails, and the run stops with one line naming the rank instead of
+    hanging in a collective. Last in the module: host 2 stays out of the cluster."""
+    extra = {
+        "cluster.trainer_workers": 2,
+        "cluster.trainer.resources": "{dp_node: 1}",
+        "cluster.rollout.resources": "{solo: 1}",
+        "train.steps": 6,
+        "checkpoint.every": 1,
+    }
+    run = TrainRun(bed, tmp_path, "cut", BASE, **extra)
+    seen: dict = {}
+
+    def on_step(step: int) -> None:
+        if step == 2 and "cut" not in seen:
+            bed.partition(2)
+            seen["cut"] = time.monotonic()
+
+    code = run.wait(on_step, timeout=600)
+    seen["stopped_after_s"] = time.monotonic() - seen["cut"]
+    lines = [x for x in run.log.read_text().splitlines() if x.startswith("rlpost: ")]
+    assert code != 0 and len(lines) == 1, run.tail()
+    # the rank on host 2 (PACK does not fix which bundle lands where) is named as lost
+    assert re.search(
+        r"trainer rank [01] of 2 failed in \w+ \(rank [01]: trainer-[01] worker lost", lines[0]
+    ), lines
+    bed.heal(2)
+    print(f"trainer host cut off: the run stopped {seen['stopped_after_s']:.1f} s later")
