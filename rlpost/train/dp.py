@@ -151,6 +151,12 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def held_numel(model: nn.Module) -> int:
+    """Parameter elements this rank holds: its shards of sharded (DTensor) parameters.
+    (Between a forward and the next reshard FSDP2's root lists its gathered copies.)"""
+    return sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
+
+
 def full_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``named_parameters`` with every shard gathered (every rank gets the whole)."""
     resharded(model)

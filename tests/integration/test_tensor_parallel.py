@@ -19,10 +19,11 @@ from rlpost.pipeline import build, rules
 from rlpost.rollout.hf_engine import HFEngine
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.train.batch import collate
-from rlpost.train.dp import DPSpec
-from rlpost.train.tp import split_error
+from rlpost.train.dp import DPSpec, held_numel
+from rlpost.train.tp import COLUMN, ROW, split_error
 
 STEPS = 5
+SPLIT = tuple(f"{m}.weight" for m in COLUMN + ROW)
 REL = 1e-5
 
 
@@ -91,6 +92,10 @@ def test_five_grpo_steps_at_tp2_equal_one_process(pair, tmp_path):
     makes two optimizer steps, on both sides; then a checkpoint written at TP=2 resumes at
     TP=1 (and one trainer's at TP=2) with the same next step."""
     cfg, tok, one, group = pair
+    # rank 0 holds half of every split matrix and the whole of the rest
+    model = one.trainer.model
+    split = sum(p.numel() for n, p in model.named_parameters() if n.endswith(SPLIT))
+    assert split > 0 and group.describe()["parameters_held"] == held_numel(model) - split // 2
     for step in range(STEPS):
         batch = _batch(one.trainer.model, tok, seed=step)
         mask = batch.response_mask > 0
