@@ -103,10 +103,10 @@ def shard_model(
 
     Rank 0's weights are broadcast first, so every rank shards the same model
     whatever each built. ``mesh``: the data-parallel axis of a device mesh whose other
-    axis already split the model (:mod:`rlpost.train.tp`); None, every rank. ``bf16``: parameters are gathered in bfloat16 for compute
-    and gradients reduced in float32; the sharded master weights and the optimizer
-    state stay float32. Gradient checkpointing set on an HF model is switched to the
-    non-reentrant form, the one that composes with FSDP2's hooks.
+    axis already split the model (:mod:`rlpost.train.tp`); None, every rank. ``bf16``:
+    parameters are gathered in bfloat16 for compute and gradients reduced in float32;
+    the sharded master weights and the optimizer state stay float32. Gradient
+    checkpointing is made non-reentrant (:func:`non_reentrant_checkpointing`).
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
@@ -115,11 +115,7 @@ def shard_model(
         for t in list(model.parameters()) + list(model.buffers()):
             if not isinstance(t, DTensor):  # a split one was broadcast before it was split
                 dist.broadcast(t.data, src=0)
-    if getattr(model, "is_activation_checkpointing", False):
-        model.activation_checkpointing_disable()
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False}
-        )
+    non_reentrant_checkpointing(model)
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if bf16
@@ -136,6 +132,16 @@ def shard_model(
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def non_reentrant_checkpointing(model: nn.Module) -> None:
+    """Gradient checkpointing set on an HF model switched to the non-reentrant form, the
+    one that composes with FSDP2's hooks and DTensor parameters."""
+    if getattr(model, "is_activation_checkpointing", False):
+        model.activation_checkpointing_disable()
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

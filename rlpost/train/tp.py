@@ -72,15 +72,17 @@ def parallelize(model: nn.Module, tp_mesh) -> nn.Module:
     """Split ``model``'s decoder layers over ``tp_mesh`` (1-D) in place; returned.
 
     The weights are first made rank 0's on every rank of the whole group, so the slices
-    are of one model whatever each rank built."""
+    are of one model whatever each rank built; gradient checkpointing is made
+    non-reentrant."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         parallelize_module,
     )
 
-    from rlpost.train.dp import decoder_layers
+    from rlpost.train.dp import decoder_layers, non_reentrant_checkpointing
 
+    non_reentrant_checkpointing(model)
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
             dist.broadcast(t.data, src=0)
