@@ -901,7 +901,12 @@ class ClusterConfig(Section):
     a Ray actor (extra [ray]; docs/cluster.md); auto: local for pipeline.mode=sync, process for
     the overlapped modes (so rollout and training use different cores)."""
     trainer_workers: int = Field(1, ge=1)
-    """Data-parallel trainer workers; each update's batch is sharded over them (FSDP2)."""
+    """Trainer workers, data-parallel times tensor-parallel; each update's batch is sharded
+    over the data-parallel ones (FSDP2)."""
+    tensor_parallel: int = Field(1, ge=1)
+    """Trainer workers that split each decoder layer's heads and MLP width between them
+    (tensor parallelism, neighbours in rank order); divides trainer_workers, heads, KV heads
+    and intermediate size. docs/cluster.md: choosing a layout."""
     start_timeout_s: float = Field(600.0, gt=0)
     """Seconds a worker process may take to start (build its model) before the run stops."""
     address: str = ""

@@ -352,9 +352,10 @@ def build_trainer(cfg: Config, model, dp=None) -> PolicyTrainer:
 
 
 def build_layout(cfg: Config, model, dp=None):
-    """The weights' layout, chosen once: sharded over ``dp``'s ranks, LoRA adapters
-    (``model.lora.rank > 0``, ``model`` already wears them) or plain; with the reference
-    the step plan asks for (a frozen copy, or the base with the adapters off)."""
+    """The weights' layout, chosen once: sharded over ``dp``'s ranks (split over its mesh's
+    tensor-parallel axis first where it has one), LoRA adapters (``model.lora.rank > 0``,
+    ``model`` already wears them) or plain; with the reference the step plan asks for (a
+    frozen copy, or the base with the adapters off)."""
     from rlpost.train.layout import LoRALayout, PlainLayout, ShardedLayout
 
     keep_ref = resolve_step_plan(cfg).reference
@@ -366,9 +367,15 @@ def build_layout(cfg: Config, model, dp=None):
     from rlpost.train.dp import shard_model
 
     bf16 = bf16_compute(cfg)
-    shard_model(model, bf16=bf16)
-    if ref is not None:
-        shard_model(ref, bf16=bf16, trainable=False)
+    for module, trainable in [(model, True), (ref, False)][: 1 + (ref is not None)]:
+        if dp.mesh is None:
+            shard_model(module, bf16=bf16, trainable=trainable)
+            continue
+        from rlpost.train.tp import parallelize
+
+        parallelize(module, dp.mesh["tp"])
+        if dp.world > 1:
+            shard_model(module, bf16=bf16, trainable=trainable, mesh=dp.mesh["dp"])
     return ShardedLayout(model, ref, dp)
 
 
@@ -419,8 +426,9 @@ def build_trainer_worker(cfg: Config, model, tokenizer, dp: DPSpec | None = None
     """The trainer worker around ``model`` (the starting policy, after any warm-up); with
     ``model.lora.rank > 0`` the model gets adapters and only they train.
 
-    ``dp``: this worker is rank ``dp.rank`` of ``dp.world`` data-parallel trainers; it joins
-    their process group here (blocking until all have joined) and shards its modules."""
+    ``dp``: this worker is rank ``dp.rank`` of ``dp.world`` trainers; it joins their process
+    group here (blocking until all have joined) and shards its modules, over a
+    ``(dp, tp)`` mesh under ``cluster.tensor_parallel > 1``."""
     if dp is not None:
         device = run_device(cfg, dp.rank)
         if dp.backend != ("nccl" if device.type == "cuda" else "gloo"):
@@ -430,9 +438,15 @@ def build_trainer_worker(cfg: Config, model, tokenizer, dp: DPSpec | None = None
             )
         model.to(device)
         from rlpost.train.dp import DataParallel, init_group
+        from rlpost.train.tp import device_mesh, split_error
 
+        tp = cfg.cluster.tensor_parallel
+        why = split_error(model.config, tp)
+        if why is not None:
+            raise ConfigError(why)
         init_group(dp, timeout_s=cfg.cluster.start_timeout_s)
-        group = DataParallel(dp, device=device)
+        mesh = None if tp == 1 else device_mesh(dp.world, tp, device.type)
+        group = DataParallel(dp, device=device, mesh=mesh)
         trainer = build_trainer(cfg, model, group)
         return TrainerWorker(trainer, tokenizer, layout=trainer.layout)
     model.to(run_device(cfg))

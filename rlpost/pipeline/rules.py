@@ -463,6 +463,17 @@ def suspect_before_dead(cfg: Config) -> str | None:
 
 
 @rule("train")
+def tensor_parallel_divides_workers(cfg: Config) -> str | None:
+    tp, n = cfg.cluster.tensor_parallel, cfg.cluster.trainer_workers
+    if n % tp:
+        return (
+            f"cluster.tensor_parallel={tp} does not divide cluster.trainer_workers={n}; "
+            f"set trainer_workers to a multiple of {tp} (data-parallel x tensor-parallel)"
+        )
+    return None
+
+
+@rule("train")
 def data_parallel_without_critic(cfg: Config) -> str | None:
     n, a = cfg.cluster.trainer_workers, cfg.algo.advantage.name
     if n > 1 and _trait(ADVANTAGES, a, "needs_critic"):

@@ -96,33 +96,34 @@ def destroy_group() -> None:
 # ------------------------------------------------------------------ sharding
 
 
-def shard_model(model: nn.Module, *, bf16: bool = False, trainable: bool = True) -> nn.Module:
+def shard_model(
+    model: nn.Module, *, bf16: bool = False, trainable: bool = True, mesh=None
+) -> nn.Module:
     """Wrap ``model`` in FSDP2 in place: each decoder layer is a unit, the root the rest.
 
     Rank 0's weights are broadcast first, so every rank shards the same model
-    whatever each built. ``bf16``: parameters are gathered in bfloat16 for compute
-    and gradients reduced in float32; the sharded master weights and the optimizer
-    state stay float32. Gradient checkpointing set on an HF model is switched to the
-    non-reentrant form, the one that composes with FSDP2's hooks.
+    whatever each built. ``mesh``: the data-parallel axis of a device mesh whose other
+    axis already split the model (:mod:`rlpost.train.tp`); None, every rank. ``bf16``:
+    parameters are gathered in bfloat16 for compute and gradients reduced in float32;
+    the sharded master weights and the optimizer state stay float32. Gradient
+    checkpointing is made non-reentrant (:func:`non_reentrant_checkpointing`).
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
 
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
-            dist.broadcast(t.data, src=0)
-    if getattr(model, "is_activation_checkpointing", False):
-        model.activation_checkpointing_disable()
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False}
-        )
+            if not isinstance(t, DTensor):  # a split one was broadcast before it was split
+                dist.broadcast(t.data, src=0)
+    non_reentrant_checkpointing(model)
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if bf16
         else MixedPrecisionPolicy()
     )
     for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     if trainable:
         # The ranks' losses are shares of one global loss (global denominators): sum the
         # gradients, do not average them. Plain SUM collectives: gloo has no PREMUL_SUM.
@@ -131,6 +132,16 @@ def shard_model(model: nn.Module, *, bf16: bool = False, trainable: bool = True)
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def non_reentrant_checkpointing(model: nn.Module) -> None:
+    """Gradient checkpointing set on an HF model switched to the non-reentrant form, the
+    one that composes with FSDP2's hooks and DTensor parameters."""
+    if getattr(model, "is_activation_checkpointing", False):
+        model.activation_checkpointing_disable()
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -144,6 +155,12 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a sharded DTensor (a collective: every rank calls it), else ``t``."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def held_numel(model: nn.Module) -> int:
+    """Parameter elements this rank holds: its shards of sharded (DTensor) parameters.
+    (Between a forward and the next reshard FSDP2's root lists its gathered copies.)"""
+    return sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
 
 
 def full_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -161,11 +178,20 @@ def resharded(model: nn.Module) -> nn.Module:
 
 
 class DataParallel:
-    """This rank's view of its group: which rows it takes, and the sums and gathers."""
+    """This rank's view of its group: which rows it takes, and the sums and gathers.
 
-    def __init__(self, spec: DPSpec, device: torch.device | None = None) -> None:
+    ``mesh``: a ``("dp", "tp")`` device mesh (:mod:`rlpost.train.tp`); the rows are shared
+    over its data-parallel axis, and the ranks of one tensor-parallel group, which run the
+    same rows, sum and gather within their own data-parallel group. None: every rank."""
+
+    def __init__(self, spec: DPSpec, device: torch.device | None = None, mesh=None) -> None:
         self.spec = spec
+        self.mesh = mesh
         self.rank, self.world = spec.rank, spec.world
+        self.group = None  # the default group: every rank
+        if mesh is not None:
+            dp = mesh["dp"]
+            self.rank, self.world, self.group = dp.get_local_rank(), dp.size(), dp.get_group()
         # this rank's device, named explicitly: calls arrive on threads whose current CUDA
         # device is not the one set at start (it is per thread)
         self.device = device if device is not None else torch.device("cpu")
@@ -208,10 +234,10 @@ class DataParallel:
         """Put every rank's ``local [len(rows), ...]`` at its ``rows`` of an ``[n, ...]``
         tensor, on every rank (padding rows dropped)."""
         parts = [torch.empty_like(local) for _ in range(self.world)]
-        dist.all_gather(parts, local)
+        dist.all_gather(parts, local, group=self.group)
         rows = rows.to(local.device)  # nccl gathers device tensors only
         all_rows = [torch.empty_like(rows) for _ in range(self.world)]
-        dist.all_gather(all_rows, rows.contiguous())
+        dist.all_gather(all_rows, rows.contiguous(), group=self.group)
         out = local.new_zeros((n, *local.shape[1:]))
         for part, idx in zip(parts, all_rows, strict=True):
             keep = idx != PAD
@@ -224,12 +250,12 @@ class DataParallel:
         """Each value summed over the ranks; a key a rank lacks counts 0 there."""
         names: list[list[str]] = [[] for _ in range(self.world)]
         with self._on_device():  # nccl moves the objects through the current device
-            dist.all_gather_object(names, sorted(values))
+            dist.all_gather_object(names, sorted(values), group=self.group)
         keys = sorted(set().union(*names))
         t = torch.tensor(
             [values.get(k, 0.0) for k in keys], dtype=torch.float64, device=self.device
         )
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.group)
         return dict(zip(keys, t.tolist(), strict=True))
 
     def _on_device(self):
@@ -239,7 +265,7 @@ class DataParallel:
 
     def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the ranks, in place; returned."""
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.group)
         return t
 
     def barrier(self) -> None:

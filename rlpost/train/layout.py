@@ -5,8 +5,10 @@
   the adapters off (no second copy), engines get the merged weights under the base's
   names, and a checkpoint holds the adapters and the merged model.
 - ``sharded``: FSDP2 shards of the policy and the reference over the data-parallel
-  ranks; each rank scores and trains its share of the rows, weights are gathered to be
-  exported or saved, and rank 0 writes the files.
+  ranks, each decoder layer's matrices split over the tensor-parallel ones where the
+  mesh has them (:mod:`rlpost.train.tp`); each data-parallel rank scores and trains its
+  share of the rows, weights are gathered to be exported or saved, and rank 0 writes
+  the files.
 
 The builder picks one (:func:`rlpost.pipeline.build.build_layout`); the trainer and its
 worker call it and never ask which. Every layout writes the same checkpoint files
@@ -183,11 +185,12 @@ class LoRALayout(PlainLayout):
 
 
 class ShardedLayout:
-    """FSDP2 shards of ``model`` (and ``ref``) over the ranks of ``dp``."""
+    """FSDP2 shards (and tensor-parallel slices) of ``model`` and ``ref`` over the ranks
+    of ``dp``."""
 
     def __init__(self, model: torch.nn.Module, ref: torch.nn.Module | None, dp: DataParallel):
         self.model, self.ref, self.ranks = model, ref, dp
-        self.writes_files = dp.rank == 0
+        self.writes_files = dp.spec.rank == 0  # the group's first rank, of any mesh axis
 
     # ``ref`` is sharded as the policy is: held and lent as the plain layout holds its own.
     has_reference = PlainLayout.has_reference
@@ -197,7 +200,7 @@ class ShardedLayout:
         from rlpost.train.dp import full_parameters
 
         whole = full_parameters(self.model)  # a collective: every rank takes part
-        if self.ranks.rank != 0:  # the group returns rank 0's; the others send nothing back
+        if not self.writes_files:  # the group returns rank 0's; the others send nothing back
             return []
         return [(n, t.cpu()) for n, t in whole]
 

@@ -40,7 +40,9 @@ class SlicedAdamW(torch.optim.AdamW):
     temporaries of a whole parameter or more), hence the subclass."""
 
     def _init_group(self, group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps):
-        has_complex = super()._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps)
+        has_complex = super()._init_group(
+            group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps
+        )
         if has_complex:
             return has_complex
         lists = [params, grads, exp_avgs, exp_avg_sqs] + ([max_sqs] if group["amsgrad"] else [])
@@ -108,9 +110,7 @@ def optimizer_step(
     if sum_ranks is not None:
         stats = sum_ranks({**stats, "\0loss": loss_total})
         loss_total = stats.pop("\0loss")
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    # Sharded parameters (FSDP2) give the global norm as a replicated DTensor.
-    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    grad_norm = float(clip_grad_norm(params, grad_clip))
     if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):
         # A NaN / Inf loss or gradient never reaches the weights.
         optimizer.zero_grad(set_to_none=True)
@@ -118,6 +118,34 @@ def optimizer_step(
     optimizer.step()
     scheduler.step()
     return StepOutcome(loss_total, grad_norm, False, stats)
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale the gradients of ``params`` to a total 2-norm of at most ``max_norm``; the
+    total norm before scaling (a plain 0-d tensor, the same on every rank).
+
+    Sharded parameters hold DTensor gradients whose norms torch reduces over their mesh;
+    under tensor parallelism the parameters sit on different meshes (the split matrices
+    on the tensor-parallel axis or both axes, the whole ones on the data-parallel axis
+    or none), which one ``clip_grad_norm_`` cannot stack. Each mesh's norm is taken
+    apart, made whole, and the total is the norm of those: every slice counted once."""
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    if len(by_mesh) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    norms = []
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grads_with_norm_'s
+    for grads in by_mesh.values():
+        for g in grads:
+            g.mul_(coef)
+    return total
 
 
 def minibatch_updates(

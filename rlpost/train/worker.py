@@ -30,6 +30,7 @@ from rlpost.rng import rng_state, set_rng_state
 from rlpost.statefile import load_state, save_state
 from rlpost.train.actor import PolicyTrainer, PolicyUpdate
 from rlpost.train.batch import TrainBatch
+from rlpost.train.dp import held_numel
 from rlpost.train.layout import WeightLayout
 
 STATE_FILE = "trainer_state.pt"
@@ -81,12 +82,15 @@ class TrainerWorker:
         self.tokenizer = tokenizer
         self.critic = critic
         self._version = version
+        self._held = held_numel(trainer.model)  # as built: sharded, before any forward
 
     # ------------------------------------------------------------- queries
 
     def describe(self) -> dict[str, Any]:
-        """Facts the loop needs once: pad id, whether a critic / reference exist."""
+        """Facts the loop needs once: pad id, whether a critic / reference exist; and
+        ``parameters_held``, the policy's parameter elements this rank holds (its shards)."""
         return {
+            "parameters_held": self._held,
             "pad_token_id": self.tokenizer.pad_token_id,
             "eos_token_id": self.tokenizer.eos_token_id,
             "has_critic": self.critic is not None,

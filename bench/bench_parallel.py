@@ -1,0 +1,142 @@
+"""Per-rank memory and step time of tensor-parallel trainers against one trainer process.
+
+Starts the trainer of a GRPO run on SmolLM2-135M-Instruct (or ``--model``) as one
+process, then as ``--tp`` tensor-parallel processes (``cluster.tensor_parallel``), and
+runs the same ``--steps`` updates on each (old logprobs, then two optimizer steps on
+12 sampled rows). Prints per layout, as JSON:
+
+- ``held_mib``: the model's share on a rank, the float32 weights, gradients and AdamW's
+  two moments of the parameter elements it holds (``describe()["parameters_held"]``);
+- ``peak_rss_mib``: each rank's peak resident set during the steps (``VmHWM``, reset
+  after the start so the load of the whole checkpoint is not counted), and
+  ``rss_after_start_mib``;
+- ``median_step_s``: the median wall time of a step (logprobs + update), and the TP
+  layout's ratio of each to one process.
+
+SmolLM2 has 9 heads and 3 KV heads: tensor parallelism of 3 divides it, 2 does not.
+On a machine of fewer cores than ranks the step time is the cores', not the layout's.
+
+    python bench/bench_parallel.py --tp 3 --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+MIB = 2**20
+STATE_BYTES = 16
+"""float32 weight, gradient and AdamW's two moments, per parameter element."""
+
+
+def config(out: str, model: str, workers: int, tp: int):
+    from rlpost.config import load_config
+
+    return load_config(
+        None,
+        [
+            f"run.output_dir={out}",
+            "run.threads=1",
+            f"model.path={model}",
+            "train.mini_batch_size=6",
+            "train.micro_batch_size=3",
+            "algo.kl.beta=0",
+            "cluster.backend=process",
+            f"cluster.trainer_workers={workers}",
+            f"cluster.tensor_parallel={tp}",
+        ],
+    )
+
+
+def batches(cfg, steps: int) -> list:
+    from rlpost.algos import get_advantage_estimator, scores_to_token_rewards
+    from rlpost.pipeline import build
+    from rlpost.rollout.hf_engine import HFEngine
+    from rlpost.rollout.protocol import SamplingParams
+    from rlpost.train.batch import collate
+
+    model, tok = build.build_policy(cfg)
+    prompts = ["What is 12 + 7?", "What is 3 - 9?", "What is 20 + 11?"]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in prompts]
+    out = []
+    for seed in range(steps):
+        cs = HFEngine(model, tok, seed=seed).generate(ids, SamplingParams(max_tokens=16), n=4)
+        b = collate(cs, [float((i + seed) % 4 < 2) for i in range(len(cs))], tok.pad_token_id)
+        b.advantages, _ = get_advantage_estimator("grpo")(
+            scores_to_token_rewards(b.scores, b.response_mask), b.response_mask, b.group
+        )
+        out.append(b)
+    return out
+
+
+def status_mib(pid: int, field: str) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024  # kB
+    raise KeyError(field)
+
+
+def measure(cfg, run_dir: Path, data: list) -> dict:
+    from rlpost.cluster.process import start_trainers
+    from rlpost.cluster.trainer_group import TrainerGroup
+
+    trainer = start_trainers(cfg, run_dir)
+    handles = trainer.handles if isinstance(trainer, TrainerGroup) else [trainer]
+    try:
+        pids = [h.pid for h in handles]
+        held = trainer.describe()["parameters_held"]
+        after_start = [status_mib(p, "VmRSS") for p in pids]
+        for p in pids:  # 5: reset the peak resident set to the current one
+            Path(f"/proc/{p}/clear_refs").write_text("5")
+        times = []
+        for b in data:
+            b = copy.deepcopy(b)
+            t = time.perf_counter()
+            b.old_logprobs = trainer.logprobs(b, "old")
+            stats = trainer.update(b, beta=0.0).stats
+            times.append(time.perf_counter() - t)
+        return {
+            "ranks": len(pids),
+            "held_mib": round(held * STATE_BYTES / MIB, 1),
+            "rss_after_start_mib": [round(x) for x in after_start],
+            "peak_rss_mib": [round(status_mib(p, "VmHWM")) for p in pids],
+            "median_step_s": round(statistics.median(times), 3),
+            "last_loss": stats["loss"],
+            "last_grad_norm": stats["grad_norm"],
+        }
+    finally:
+        trainer.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None, help="HF directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--tp", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args()
+    if args.model is None:
+        from tests.real_model import smollm2_dir
+
+        args.model = str(smollm2_dir())
+    out = Path(tempfile.mkdtemp())
+    t = time.perf_counter()
+    data = batches(config(str(out), args.model, 1, 1), args.steps)
+    print(f"sampled {args.steps} batches in {time.perf_counter() - t:.0f} s", flush=True)
+    rows = {
+        "one_process": measure(config(str(out), args.model, 1, 1), out, data),
+        f"tp{args.tp}": measure(config(str(out), args.model, args.tp, args.tp), out, data),
+    }
+    one, tp = rows["one_process"], rows[f"tp{args.tp}"]
+    tp["held_ratio"] = round(tp["held_mib"] / one["held_mib"], 3)
+    tp["peak_rss_ratio"] = round(max(tp["peak_rss_mib"]) / max(one["peak_rss_mib"]), 3)
+    tp["step_time_ratio"] = round(tp["median_step_s"] / one["median_step_s"], 3)
+    print(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
