@@ -84,7 +84,7 @@ def probe(cfg: Config, prompts, model_state: dict, run_dir: Path, steps: int = 1
     seen, metrics, sent = [], {}, {}
     counts = {"trainer": 0, "trainer_tokens": 0, "engine": 0, "engine_tokens": 0}
     hooks = [_counter(trainer.trainer.model, counts, "trainer")]
-    engine = getattr(rollout.engine.name, "engine", rollout.engine.name)  # an agent harness wraps one
+    engine = getattr(rollout.engine, "engine", rollout.engine)  # an agent harness wraps one
     engine = getattr(engine, "scheduler", engine)  # the continuous engine's model is its scheduler's
     if hasattr(engine, "model"):
         hooks.append(_counter(engine.model, counts, "engine"))
