@@ -335,8 +335,9 @@ def test_remote_engine_sends_keys_read_from_the_environment(keyed, monkeypatch):
     params, prompts = SamplingParams(max_tokens=3), [[5, 6, 7]]
     monkeypatch.setenv("MY_ROLLOUT_KEY", API)
     monkeypatch.setenv("MY_ADMIN_KEY", ADMIN)
+    engine = {"name": "remote", "servers": [url]}
     rollout = RolloutConfig(
-        servers=[url], api_key_env="MY_ROLLOUT_KEY", admin_key_env="MY_ADMIN_KEY"
+        engine={**engine, "api_key_env": "MY_ROLLOUT_KEY", "admin_key_env": "MY_ADMIN_KEY"}
     )
     engine = remote_engine.build(
         SimpleNamespace(rollout=rollout, run=SimpleNamespace(seed=0), sync=SyncConfig()), tok
