@@ -117,7 +117,9 @@ def build_weight_path(cfg, rollout, run_dir=None) -> WeightPath:
     if cfg.rollout.engine.name == "remote":
         from rlpost.rollout.client import keys_from_env
 
-        admin = keys_from_env(cfg.rollout.engine.api_key_env, cfg.rollout.engine.admin_key_env)["admin_key"]
+        admin = keys_from_env(cfg.rollout.engine.api_key_env, cfg.rollout.engine.admin_key_env)[
+            "admin_key"
+        ]
         headers = {"Authorization": f"Bearer {admin}"} if admin else None
         http = s.model_copy(update={"channel": "http"})  # servers are reached over HTTP
         sync = build_weight_sync(http, list(cfg.rollout.engine.servers), headers=headers)

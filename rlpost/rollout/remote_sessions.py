@@ -26,7 +26,9 @@ class RemoteSessions:
 
     def __init__(self, urls: list[str], admin_key: str | None, timeout: float = 30.0) -> None:
         if not urls:
-            raise ValueError("agent.harness with rollout.engine=remote needs rollout.engine.servers")
+            raise ValueError(
+                "agent.harness with rollout.engine=remote needs rollout.engine.servers"
+            )
         self.urls = [u.rstrip("/") for u in urls]
         headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         self.http = httpx.Client(timeout=timeout, headers=headers)

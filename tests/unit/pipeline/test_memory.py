@@ -108,7 +108,9 @@ def test_an_in_process_engine_counts_its_copy_and_kv_cache(tmp_path, engine):
     path = _real_shape_dir(tmp_path)
     base = [f"model.path={path}", "pipeline.mode=one_step_off"]  # no storage sharing
     here = load_config(None, [*base, f"rollout.engine={engine}"])
-    remote = load_config(None, [*base, "rollout.engine=remote", 'rollout.engine.servers=["http://x:1"]'])
+    remote = load_config(
+        None, [*base, "rollout.engine=remote", 'rollout.engine.servers=["http://x:1"]']
+    )
     shape = model_shape(here)
     assert estimate(here, shape).engine > 0 and estimate(here, shape).kv_cache > 0
     assert estimate(remote, shape).engine == 0 and estimate(remote, shape).kv_cache == 0

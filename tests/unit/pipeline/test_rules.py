@@ -165,7 +165,11 @@ CASES = {
     "fleet_not_over_remote": (
         "train",
         [],
-        ["cluster.rollout_workers=2", "rollout.engine=remote", "rollout.engine.servers=[http://x:1]"],
+        [
+            "cluster.rollout_workers=2",
+            "rollout.engine=remote",
+            "rollout.engine.servers=[http://x:1]",
+        ],
         "cluster.rollout_workers=2 with rollout.engine=remote",
     ),
     "device_is_visible": ("train", [], ["run.device=cuda"], "run.device=cuda"),
