@@ -14,13 +14,14 @@ from transformers import LlamaConfig
 
 from rlpost.algos import get_advantage_estimator, scores_to_token_rewards
 from rlpost.cluster.process import start_trainers
-from rlpost.config import ConfigError, load_config
+from rlpost.config import ConfigError
 from rlpost.pipeline import build, rules
 from rlpost.rollout.hf_engine import HFEngine
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.train.batch import collate
 from rlpost.train.dp import DPSpec, held_numel
 from rlpost.train.tp import COLUMN, ROW, split_error
+from tests.integration.test_trainer_group import _cfg as _dp_cfg
 
 STEPS = 5
 SMOLLM2_GRAD_REL = 5e-5
@@ -32,23 +33,13 @@ REL = 1e-5
 
 
 def _cfg(tmp_path, *extra):
-    return load_config(
-        None,
-        [
-            f"run.output_dir={tmp_path}",
-            "run.threads=1",
-            "model.tiny.hidden_size=32",
-            "model.tiny.intermediate_size=64",
-            "model.tiny.num_key_value_heads=2",  # grouped-query: one KV head per rank
-            "train.mini_batch_size=8",  # two optimizer steps for 12 rows
-            "train.micro_batch_size=3",
-            "train.lr=3e-3",
-            "train.grad_clip=0.5",  # below every step's norm: the clip acts on each
-            "train.packing=off",  # both sides padded: the layouts differ, not the path
-            "algo.kl.beta=0.05",  # a reference policy, split too
-            "cluster.backend=process",
-            *extra,
-        ],
+    """The data-parallel tests' tiny process-backend run, with the TP test's own knobs."""
+    return _dp_cfg(
+        tmp_path,
+        "model.tiny.num_key_value_heads=2",  # grouped-query: one KV head per rank
+        "train.grad_clip=0.5",  # below every step's norm: the clip acts on each
+        "train.packing=off",  # both sides padded: the layouts differ, not the path
+        *extra,
     )
 
 
