@@ -97,6 +97,30 @@ def test_other_kernel_memory_is_refused_without_a_cgroup() -> None:
     assert json.loads(result.stdout) == dict.fromkeys(["F_SETPIPE_SZ", *names], "EPERM")
 
 
+MANY_FILES = r"""
+import errno, os, sys
+made, cap, stop = 0, int(sys.stdin.read()), "none"
+try:
+    while made < cap + 500:
+        path = ("/tmp", "/dev/shm")[made % 2]
+        os.mkdir(f"{path}/d{made}") if made % 3 == 0 else open(f"{path}/f{made}", "w").close()
+        made += 1
+except OSError as exc:
+    stop = errno.errorcode[exc.errno]
+print(made, stop)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the file cap needs the root's mount stage")
+def test_files_on_the_private_tmpfs_are_capped(mode: str) -> None:
+    config = SandboxConfig(run_limits=mode, timeout_s=20.0, max_tmp_files=300)
+    result = run_code(MANY_FILES, stdin="300", config=config)
+    assert result.status == "ok", result.stderr
+    made, stop = result.stdout.split()
+    # Files and directories alternate between /tmp and /dev/shm, 300 inodes each.
+    assert stop == "ENOSPC" and 500 <= int(made) <= 600, result.stdout
+
+
 def _seccomp() -> SandboxConfig:
     return SandboxConfig(run_limits="seccomp", timeout_s=20.0, memory_mb=LIMIT_MB)
 

@@ -257,6 +257,7 @@ def test_check_says_which_limits_hold(mode: str, capsys: pytest.CaptureFixture) 
         "seccomp",
         "network",
         "root",
+        "files",
     ]
     by_name = dict(zip(names, lines, strict=True))
     assert "[MISSING]" not in "\n".join(lines)
@@ -271,6 +272,8 @@ def test_check_says_which_limits_hold(mode: str, capsys: pytest.CaptureFixture) 
     assert by_name["seccomp"].split()[1] == "on"
     assert "keyctl EPERM" in by_name["keyring"]
     assert "interfaces lo," in by_name["network"] and "EROFS" in by_name["root"]
+    if os.geteuid() == 0:
+        assert "stopped at 4094, ENOSPC" in by_name["files"]
 
 
 def test_check_without_run_limits_names_the_holes(capsys: pytest.CaptureFixture) -> None:

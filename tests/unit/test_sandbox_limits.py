@@ -55,6 +55,7 @@ def test_config_is_frozen() -> None:
         ("max_output_bytes", 0),
         ("max_file_mb", 0),
         ("tmpfs_mb", 0),
+        ("max_tmp_files", 15),
         ("max_open_files", 8),
         ("cpu", -1),
         ("max_processes", True),
@@ -176,7 +177,7 @@ def test_missing_bwrap_fails_closed_with_the_fix(monkeypatch, tmp_path) -> None:
 
 
 def test_old_bwrap_without_required_options_is_refused(monkeypatch, tmp_path) -> None:
-    for name in ("bwrap", "prlimit", "taskset", "setpriv"):
+    for name in ("bwrap", "prlimit", "taskset", "setpriv", "unshare", "mount", "sh"):
         _fake_tool(tmp_path, name, "--unshare-all --ro-bind")
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(SandboxUnavailable, match=r"lacks --disable-userns, --size; .*>= 0\.8\.0"):
@@ -184,7 +185,7 @@ def test_old_bwrap_without_required_options_is_refused(monkeypatch, tmp_path) ->
 
 
 def test_bwrap_that_cannot_build_namespaces_is_refused(monkeypatch, tmp_path) -> None:
-    for name in ("bwrap", "prlimit", "taskset", "setpriv"):
+    for name in ("bwrap", "prlimit", "taskset", "setpriv", "unshare", "mount", "sh"):
         _fake_tool(tmp_path, name, "--disable-userns --size")
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(SandboxUnavailable) as info:
@@ -203,6 +204,9 @@ TOOLS = Tools(
     prlimit="/usr/bin/prlimit",
     taskset="/usr/bin/taskset",
     setpriv="/usr/bin/setpriv",
+    sh="/bin/sh",
+    unshare="/usr/bin/unshare",
+    mount="/usr/bin/mount",
 )
 
 
@@ -248,7 +252,8 @@ def test_command_as_root_drops_to_nobody_and_stages_a_private_prefix(monkeypatch
     argv = _command(monkeypatch, 0, Interpreter(str(prefix), "/opt/python/bin/python3.11"))
     setpriv = argv.index("/usr/bin/setpriv")
     assert argv[setpriv + 1 : setpriv + 5] == ["--reuid", "65534", "--regid", "65534"]
-    assert (str(prefix), "/tmp/rlpost-python") in _pairs(argv[:setpriv], "--ro-bind")
+    script = argv[argv.index("-c") + 1]
+    assert f"--bind -o ro,X-mount.mkdir {prefix} /tmp/rlpost-python" in script
     assert ("/tmp/rlpost-python", "/opt/python") in _pairs(argv[setpriv:], "--ro-bind")
     destinations = [dest for _, dest in _pairs(argv[setpriv:], "--ro-bind")]
     assert not any(dest.startswith(("/root", "/home", str(tmp_path))) for dest in destinations)
@@ -257,9 +262,23 @@ def test_command_as_root_drops_to_nobody_and_stages_a_private_prefix(monkeypatch
 
 def test_command_as_root_binds_a_public_prefix_directly(monkeypatch) -> None:
     argv = _command(monkeypatch, 0, Interpreter("/usr/lib", "/opt/python/bin/python3"))
-    assert argv[3] == "/usr/bin/setpriv"
+    assert "rlpost-python" not in argv[argv.index("-c") + 1]
     assert argv.count("/usr/bin/bwrap") == 1
     assert ("/usr/lib", "/opt/python") in _pairs(argv, "--ro-bind")
+
+
+def test_command_as_root_mounts_tmpfs_capped_in_bytes_and_files(monkeypatch) -> None:
+    argv = _command(monkeypatch, 0, Interpreter(None, "/usr/bin/python3.11"))
+    # A private mount namespace, entered before the privileges are dropped.
+    assert argv[3:8] == ["/usr/bin/unshare", "--mount", "--propagation", "private", "--"]
+    assert argv.index("/usr/bin/unshare") < argv.index("/usr/bin/setpriv")
+    script = argv[argv.index("-c") + 1].splitlines()
+    capped = f"size={64 << 20},nr_inodes=4096"
+    scratch = [line.split()[-1] for line in script if capped in line]
+    assert scratch == ["/tmp/tmp", "/tmp/shm"] and script[-1] == 'exec "$@"'
+    # bwrap binds those mounts, and makes no uncapped tmpfs of its own.
+    assert [("/tmp/shm", "/dev/shm"), ("/tmp/tmp", "/tmp")] == _pairs(argv, "--bind")
+    assert "--tmpfs" not in argv
 
 
 def test_interpreter_is_this_python_seen_from_inside() -> None:

@@ -60,6 +60,13 @@ with open("/proc/net/dev") as dev:
     out["interfaces"] = [line.split(":")[0].strip() for line in dev.readlines()[2:]]
 attempt("connect", lambda: socket.create_connection(("192.0.2.1", 80), timeout=1).close())
 attempt("write_root", lambda: open("/probe", "w").close())
+out["files"], out["files_stop"] = 0, "none"
+try:
+    while out["files"] < host["files"] + 64:
+        open(f"/tmp/file-{out['files']}", "w").close()
+        out["files"] += 1
+except OSError as exc:
+    out["files_stop"] = errno.errorcode.get(exc.errno, str(exc.errno))
 print(json.dumps(out))
 """
 # The calls PROBE makes by number, as the filter knows them.
@@ -146,6 +153,7 @@ def run_check(mode: RunLimits) -> list[Line]:
     cpus = list(range(os.cpu_count() or 1))
     numbers = seccomp.ARCHES[platform.machine()].numbers if seccomp.supported() else {}
     host = {"cpus": cpus, "nr": {name: numbers.get(name, -1) for name in PROBE_CALLS}}
+    host["files"] = config.max_tmp_files
     probe = run_code(PROBE, stdin=json.dumps(host), config=config)
     if probe.status != "ok":
         tail = (probe.stderr.strip().splitlines() or [probe.status])[-1]
@@ -174,6 +182,7 @@ def run_check(mode: RunLimits) -> list[Line]:
         _seccomp_line(limits),
         _network_line(seen),
         _root_line(seen, config),
+        _files_line(seen, config),
     ]
 
 
@@ -320,3 +329,18 @@ def _root_line(seen: dict, config: SandboxConfig) -> Line:
         f"(probe: write to / {seen['write_root']})"
     )
     return Line("root", "read-only", detail, ok)
+
+
+def _files_line(seen: dict, config: SandboxConfig) -> Line:
+    made, stop = seen["files"], seen["files_stop"]
+    if os.geteuid() != 0:
+        detail = (
+            "not capped: without root bwrap's tmpfs takes no file count "
+            f"(a memory cgroup still charges their kernel memory; probe: made {made})"
+        )
+        return Line("files", "none", detail)
+    detail = (
+        f"at most {config.max_tmp_files} files, links and directories on each of /tmp and "
+        f"/dev/shm (probe: stopped at {made}, {stop})"
+    )
+    return Line("files", "per mount", detail, made <= config.max_tmp_files)

@@ -4,11 +4,12 @@ Layers, outermost first::
 
     sh      (only with a per-run cgroup: writes its pid into the run's groups, then execs)
     taskset one CPU (outside bwrap: inside, seccomp may refuse sched_setaffinity)
-    bwrap   (only when started as root and the interpreter prefix is private:
-             a mount namespace where the prefix is staged on a world-readable path)
+    unshare (only when started as root: a private mount namespace where sh mounts the
+             run's /tmp and /dev/shm as tmpfs capped in bytes and in files, and
+             stages a private interpreter prefix on a world-readable path)
     setpriv (only when started as root: become uid/gid 65534, no groups, no new privileges)
     bwrap   user, pid, network, ipc, uts and cgroup namespaces; read-only /usr and
-            interpreter; size-capped private tmpfs on /tmp and /dev/shm, the only
+            interpreter; capped private tmpfs on /tmp and /dev/shm, the only
             writable places (bwrap's own root is remounted read-only); fresh /proc,
             minimal /dev; cleared environment; dies with its parent; a seccomp
             filter where the run has no memory or cpuset cgroup (``plan.py``)
@@ -23,10 +24,15 @@ Why prlimit runs inside the sandbox: the kernel counts processes per user
 namespace, and the namespace created by bwrap inherits the limit its creator
 had; setting the cap after it exists makes every run's cap its own, so one
 fork bomb cannot starve concurrent runs.
-Why the outer bwrap: a pyenv interpreter lives under /root (mode 0700), which
-uid 65534 cannot traverse; the outer mount namespace bind-mounts the prefix
-onto a fresh tmpfs where the inner bwrap can reach it. Inside, the prefix is
-mounted at ``/opt/python`` so nothing of /root is visible.
+Why the outer mount namespace: bwrap's ``--tmpfs`` takes a size but no file
+count, and each file on a tmpfs holds about 1 KiB of kernel memory its size
+does not count (440,000 empty files held 500 MiB), so where it can (as root) the
+supervisor mounts the two tmpfs itself with ``nr_inodes``. The same namespace
+stages a private interpreter prefix: a pyenv interpreter lives under /root
+(mode 0700), which uid 65534 cannot traverse, so the prefix is bind-mounted
+onto a path the inner bwrap can reach. Inside, the prefix is mounted at
+``/opt/python`` so nothing of /root is visible. Without root, bwrap's
+size-capped tmpfs bound the bytes, and a cgroup (where there is one) the rest.
 
 Per run, not per process: the rlimits bind each process; the run as a whole
 is bounded by its cgroup (``cgroup.py``: memory with shared memory included,
@@ -43,6 +49,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import shlex
 import shutil
 import stat
 import subprocess
@@ -53,8 +60,10 @@ from rlpost.rewards.sandbox.limits import SandboxConfig
 
 SANDBOX_UID = 65534
 SANDBOX_PYTHON = "/opt/python"
-# Host path of the staged interpreter inside the outer mount namespace only.
-_STAGING = "/tmp/rlpost-python"
+# Paths inside the outer mount namespace only (a fresh tmpfs over /tmp there).
+_STAGE = "/tmp"
+_STAGING = f"{_STAGE}/rlpost-python"
+_SCRATCH = {"/tmp": f"{_STAGE}/tmp", "/dev/shm": f"{_STAGE}/shm"}
 _SYSTEM_DIRS = ("bin", "sbin", "lib", "lib64", "lib32", "libx32")
 _ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/alternatives")
 # Both arrived in bubblewrap 0.8.0; without them the sandbox would be weaker, so refuse.
@@ -76,9 +85,12 @@ class Tools:
     prlimit: str
     taskset: str
     setpriv: str | None
-    # Only the cgroup join needs a shell; cgroup detection needs one too, so a host
-    # without sh plans no cgroup.
+    # Only the cgroup join and the root's mount stage need a shell; cgroup detection
+    # needs one too, so a host without sh plans no cgroup.
     sh: str | None = None
+    # The root's mount stage (util-linux).
+    unshare: str | None = None
+    mount: str | None = None
 
 
 @dataclass(frozen=True)
@@ -100,7 +112,8 @@ def find_tools() -> Tools:
     if bwrap is None:
         raise SandboxUnavailable(f"bubblewrap (bwrap) is not on PATH; {_INSTALL_BWRAP}")
     found: dict[str, str] = {}
-    needed = ["prlimit", "taskset"] + (["setpriv"] if os.geteuid() == 0 else [])
+    as_root = ["setpriv", "unshare", "mount", "sh"] if os.geteuid() == 0 else []
+    needed = ["prlimit", "taskset", *as_root]
     for name in needed:
         path = shutil.which(name)
         if path is None:
@@ -117,7 +130,9 @@ def find_tools() -> Tools:
         prlimit=found["prlimit"],
         taskset=found["taskset"],
         setpriv=found.get("setpriv"),
-        sh=shutil.which("sh"),
+        sh=found.get("sh") or shutil.which("sh"),
+        unshare=found.get("unshare"),
+        mount=found.get("mount"),
     )
 
 
@@ -167,15 +182,15 @@ def build_command(
     """
     prefix_source = interpreter.host_prefix
     outer: list[str] = [*(join or []), tools.taskset, "--cpu-list", str(cpu)]
-    if os.geteuid() == 0:
-        if prefix_source is not None and not _readable_by_others(prefix_source):
-            outer += [tools.bwrap, "--dev-bind", "/", "/", "--tmpfs", "/tmp"]
-            outer += ["--ro-bind", prefix_source, _STAGING, "--die-with-parent", "--"]
-            prefix_source = _STAGING
+    staged = os.geteuid() == 0
+    if staged:
+        private = prefix_source is not None and not _readable_by_others(prefix_source)
+        outer += _mount_stage(tools, config, prefix_source if private else None)
+        prefix_source = _STAGING if private else prefix_source
         uid = str(SANDBOX_UID)
         outer += [str(tools.setpriv), "--reuid", uid, "--regid", uid, "--clear-groups"]
         outer += ["--no-new-privs", "--"]
-    inner = _namespaces(tools) + _filesystem(config, prefix_source, files)
+    inner = _namespaces(tools) + _filesystem(config, prefix_source, files, staged)
     inner += ["--info-fd", str(info_fd), "--clearenv"]
     if seccomp_fd is not None:
         inner += ["--seccomp", str(seccomp_fd)]
@@ -187,6 +202,21 @@ def build_command(
     return outer + inner + ["--", *_limits(tools, config), interpreter.executable, *argv]
 
 
+def _mount_stage(tools: Tools, config: SandboxConfig, private_prefix: str | None) -> list[str]:
+    """unshare + sh: the run's tmpfs capped in bytes and files, and a staged prefix."""
+    mount = shlex.quote(str(tools.mount))
+    capped = f"nosuid,nodev,mode=1777,size={config.tmpfs_mb << 20},nr_inodes={config.max_tmp_files}"
+    script = ["set -e", f"{mount} -t tmpfs -o nosuid,nodev,mode=0755,size=1m rlpost {_STAGE}"]
+    for path in _SCRATCH.values():
+        script.append(f"{mount} -t tmpfs -o {capped},X-mount.mkdir rlpost-scratch {path}")
+    if private_prefix is not None:
+        where = f"{shlex.quote(private_prefix)} {_STAGING}"
+        script.append(f"{mount} --bind -o ro,X-mount.mkdir {where}")
+    script.append('exec "$@"')
+    stage = [str(tools.unshare), "--mount", "--propagation", "private", "--"]
+    return [*stage, str(tools.sh), "-c", "\n".join(script), "rlpost-mounts"]
+
+
 def _namespaces(tools: Tools) -> list[str]:
     args = [tools.bwrap, "--unshare-all", "--unshare-user", "--hostname", "sandbox"]
     args += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--cap-drop", "ALL"]
@@ -196,7 +226,7 @@ def _namespaces(tools: Tools) -> list[str]:
 
 
 def _filesystem(
-    config: SandboxConfig, prefix_source: str | None, files: list[tuple[int, str]]
+    config: SandboxConfig, prefix_source: str | None, files: list[tuple[int, str]], staged: bool
 ) -> list[str]:
     args = ["--ro-bind", "/usr", "/usr"]
     for name in _SYSTEM_DIRS:
@@ -211,8 +241,12 @@ def _filesystem(
         args += ["--ro-bind", prefix_source, SANDBOX_PYTHON]
     size = str(config.tmpfs_mb << 20)
     args += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"]
-    # Size-capped tmpfs: RLIMIT_FSIZE bounds one file, the size bounds them all.
-    args += ["--size", size, "--tmpfs", "/dev/shm", "--size", size, "--tmpfs", "/tmp"]
+    # Capped tmpfs: RLIMIT_FSIZE bounds one file, the size bounds them all, and
+    # where the mount stage made them, nr_inodes bounds their number.
+    for inside in ("/dev/shm", "/tmp"):
+        args += (
+            ["--bind", _SCRATCH[inside], inside] if staged else ["--size", size, "--tmpfs", inside]
+        )
     for fd, name in files:
         args += ["--file", str(fd), f"/tmp/{name}"]
     # bwrap's root is a tmpfs without a size cap; nothing may be written there.

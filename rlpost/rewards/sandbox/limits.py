@@ -35,8 +35,11 @@ class SandboxConfig:
     (``ceil(timeout_s) + 1`` seconds) so a busy loop is stopped by whichever
     comes first. ``max_output_bytes`` caps stdout and stderr separately.
     ``max_file_mb`` caps one written file (RLIMIT_FSIZE), ``tmpfs_mb`` the
-    private /tmp and /dev/shm each, ``max_processes`` the processes and threads
-    of one run (RLIMIT_NPROC, counted per run).
+    private /tmp and /dev/shm each, ``max_tmp_files`` the files, links and
+    directories on each (the tmpfs ``nr_inodes``: each one holds about 1 KiB of
+    kernel memory that ``tmpfs_mb`` does not count; bounded when the supervisor
+    runs as root, where it mounts the tmpfs itself), ``max_processes`` the
+    processes and threads of one run (RLIMIT_NPROC, counted per run).
     ``cpu`` pins the run to one CPU; ``None`` spreads runs round-robin over the
     CPUs this process may use.
 
@@ -58,6 +61,7 @@ class SandboxConfig:
     max_output_bytes: int = 1 << 20
     max_file_mb: int = 16
     tmpfs_mb: int = 64
+    max_tmp_files: int = 4096
     max_open_files: int = 256
     cpu: int | None = None
     run_limits: RunLimits = "auto"
@@ -76,6 +80,7 @@ class SandboxConfig:
         )
         _require(self.max_file_mb >= 1, "max_file_mb", self.max_file_mb, "must be >= 1")
         _require(self.tmpfs_mb >= 1, "tmpfs_mb", self.tmpfs_mb, "must be >= 1")
+        _require(self.max_tmp_files >= 16, "max_tmp_files", self.max_tmp_files, "must be >= 16")
         _require(self.max_open_files >= 16, "max_open_files", self.max_open_files, "must be >= 16")
         _require(
             self.cpu is None or self.cpu >= 0, "cpu", self.cpu, "must be a CPU index >= 0 or None"
