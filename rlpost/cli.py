@@ -154,8 +154,8 @@ def cmd_sft(args) -> int:
     cfg = _command_config(args)
     from rlpost.pipeline.console import Console
     from rlpost.pipeline.interrupts import Interrupts
+    from rlpost.pipeline.offline import run_conversation_sft
     from rlpost.pipeline.rundir import prepare_run_dir, warm_start
-    from rlpost.pipeline.sft_chat import run_conversation_sft
 
     resume = Path(args.resume) if args.resume else None
     run_dir, console = resume or cfg.run_dir, Console(cfg.observe.progress)
@@ -202,9 +202,16 @@ def cmd_eval(args) -> int:
 
 def cmd_dpo(args) -> int:
     cfg = _command_config(args, "dpo_prefs.yaml")
-    from rlpost.pipeline.dpo import run_dpo
+    from rlpost.pipeline import offline
+    from rlpost.pipeline.console import Console
+    from rlpost.pipeline.interrupts import Interrupts
 
-    run_dpo(cfg)
+    run_dir = Path(args.resume) if args.resume else cfg.run_dir
+    with Interrupts() as interrupts:
+        try:
+            offline.run_dpo(cfg, run_dir if args.resume else None, Console(cfg.observe.progress))
+        except KeyboardInterrupt:
+            return _interrupted(args, run_dir, interrupts.exit_code, where="(its state is saved)")
     return 0
 
 
@@ -212,7 +219,7 @@ def cmd_rm(args) -> int:
     cfg = _command_config(args, "rm_prefs.yaml")
     from rlpost.pipeline.console import Console
     from rlpost.pipeline.interrupts import Interrupts
-    from rlpost.pipeline.rm import run_rm
+    from rlpost.pipeline.offline import run_rm
 
     run_dir = Path(args.resume) if args.resume else cfg.run_dir
     with Interrupts() as interrupts:

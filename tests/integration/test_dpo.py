@@ -10,7 +10,7 @@ import pytest
 
 from rlpost.cli import main
 from rlpost.config import RECIPES_DIR, load_config
-from rlpost.pipeline.dpo import run_dpo
+from rlpost.pipeline.offline import run_dpo
 
 RECIPE = RECIPES_DIR / "dpo_prefs.yaml"
 
@@ -80,7 +80,7 @@ def test_default_recipe_is_the_cli_default(tmp_path, monkeypatch):
     cfg = load_config(RECIPE, [])
     assert cfg.run.name == "dpo_prefs" and cfg.dpo.beta == 0.1 and cfg.data.prefs.eval_size >= 200
     seen = {}
-    monkeypatch.setattr("rlpost.pipeline.dpo.run_dpo", lambda c: seen.setdefault("cfg", c))
+    monkeypatch.setattr("rlpost.pipeline.offline.run_dpo", lambda c, *_: seen.setdefault("cfg", c))
     assert main(["dpo", "dpo.steps=7"]) == 0
     assert seen["cfg"].run.name == "dpo_prefs" and seen["cfg"].dpo.steps == 7
 
