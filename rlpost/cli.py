@@ -333,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="replace an existing run directory of the same name (deletes its files)",
             )
-        if name in ("train", "sft", "rm"):
+        if name in ("train", "sft", "dpo", "rm"):
             sp.add_argument(
                 "--resume", metavar="RUN_DIR", help="continue from the run's latest checkpoint"
             )

@@ -130,14 +130,17 @@ def _row_step(line: str) -> int:
 
 def schedule(section, seed: int) -> Schedule:
     """The offline loop's schedule a training section (``sft``, ``dpo``, ``rm``) sets."""
+    o = section.optim
     return Schedule(
         steps=section.steps,
-        lr=section.lr,
+        lr=o.lr,
         batch_size=section.batch_size,
-        warmup_steps=section.warmup_steps,
-        grad_clip=section.grad_clip,
+        warmup_steps=o.warmup_steps,
+        grad_clip=o.grad_clip,
+        weight_decay=o.weight_decay,
+        betas=tuple(o.betas),
         seed=seed,
-        save_every=getattr(section, "save_every", 0),
+        save_every=section.save_every,
     )
 
 

@@ -51,6 +51,7 @@ class Schedule:
     warmup_steps: int = 0
     grad_clip: float = 1.0
     weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
     seed: int = 0
     save_every: int = 0
 
@@ -83,7 +84,7 @@ def train_offline(
     objective's statistics.
     """
     params = list(model.parameters())
-    opt = SlicedAdamW(params, lr=s.lr, weight_decay=s.weight_decay)
+    opt = SlicedAdamW(params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_cosine(s.warmup_steps, s.steps))
     rng, losses = random.Random(s.seed), []
     ckpt = usable_checkpoint(state_dir) if state_dir is not None else None

@@ -65,7 +65,7 @@ def test_cli_run_writes_everything_a_user_reads(tmp_path):
 
 def test_ipo_runs_and_fits_the_pairs_it_trains_on(tmp_path):
     # Four prompts, eight pairs: every step sees the same batch, so the loss must fall.
-    ipo = {"dpo.loss_type": "ipo", "dpo.steps": 12, "dpo.lr": 3e-3, "dpo.warmup_steps": 0}
+    ipo = {"dpo.loss_type": "ipo", "dpo.steps": 12, "dpo.optim.lr": 3e-3, "dpo.optim.warmup_steps": 0}
     over = tiny_overrides(tmp_path, **ipo, **{"data.prefs.train_size": 4})
     result = run_dpo(load_config(RECIPE, over))
     assert result.summary["loss_type"] == "ipo" and result.summary["train_pairs"] == 8
