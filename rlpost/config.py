@@ -538,11 +538,11 @@ class OptimConfig(Section):
 
 
 class Trains(Section):
-    """A section with an ``optim`` field: a partial ``optim`` keeps the section's own
-    defaults for the keys it leaves out, and an optimizer key written flat is refused with
-    the key it moved to."""
+    """A section with an optimizer: a partial ``optim`` keeps the section's defaults for the
+    keys it leaves out; an optimizer key written flat is refused, naming where it moved."""
 
     section: ClassVar[str] = ""
+    moved_hint: ClassVar[dict[str, str]] = {}
     optim: OptimConfig = OptimConfig()
 
     @model_validator(mode="before")
@@ -550,20 +550,13 @@ class Trains(Section):
     def _optim_keys(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        for key in OptimConfig.model_fields:
-            if key in data:
-                raise ValueError(
-                    f"{cls.section}.{key}={data[key]}: the key moved; write "
-                    f"{cls.section}.optim.{key}={data[key]}{cls._moved_hint(key)}"
-                )
+        for key in OptimConfig.model_fields.keys() & data.keys():
+            fix = f"{cls.section}.optim.{key}={data[key]}{cls.moved_hint.get(key, '')}"
+            raise ValueError(f"{cls.section}.{key}={data[key]}: the key moved; write {fix}")
         if isinstance(data.get("optim"), dict):
             defaults = cls.model_fields["optim"].default.model_dump()
             data = {**data, "optim": {**defaults, **data["optim"]}}
         return data
-
-    @classmethod
-    def _moved_hint(cls, key: str) -> str:
-        return ""
 
 
 class TrainConfig(Trains):
@@ -603,6 +596,9 @@ class CriticConfig(Trains):
     """The value model of PPO (used when algo.advantage.name is gae or vapo_gae)."""
 
     section: ClassVar[str] = "critic"
+    moved_hint: ClassVar[dict[str, str]] = {
+        "warmup_steps": " (LR warm-up) or critic.head_start_steps (RL steps the critic trains alone)"
+    }
     optim: OptimConfig = OptimConfig(lr=1e-3, warmup_steps=5)
     """The critic's optimizer (its LR usually higher than the policy's)."""
     head_start_steps: int = Field(0, ge=0)
@@ -611,12 +607,6 @@ class CriticConfig(Trains):
     """Value clipping around the old values (None: no clipping)."""
     epochs: int = Field(1, ge=1)
     """Passes over each rollout batch."""
-
-    @classmethod
-    def _moved_hint(cls, key: str) -> str:
-        if key != "warmup_steps":
-            return ""
-        return " (LR warm-up) or critic.head_start_steps (RL steps the critic trains alone)"
 
 
 class SFTConfig(Trains):
@@ -1211,8 +1201,10 @@ class Config(Section):
     train: TrainConfig = TrainConfig()
     sft: SFTConfig = SFTConfig()
     critic: CriticConfig = CriticConfig()
-    dpo: DPOConfig = DPOConfig()
-    rm: RMConfig = RMConfig()
+    dpo: DPOConfig | None = None
+    """rlpost dpo's section (None: its defaults; config --keys lists it once set)."""
+    rm: RMConfig | None = None
+    """rlpost rm's section (None: its defaults; config --keys lists it once set)."""
     reward: RewardConfig = RewardConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

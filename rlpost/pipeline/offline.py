@@ -25,7 +25,7 @@ import torch
 from rich.console import Console as RichConsole
 from rich.table import Table
 
-from rlpost.config import Config, ConfigError
+from rlpost.config import Config, ConfigError, DPOConfig, RMConfig
 from rlpost.data.conversations import (
     Conversation,
     chat_arith,
@@ -40,6 +40,7 @@ from rlpost.models.loading import load_policy
 from rlpost.observe import Recorder
 from rlpost.observe.mfu import pick_threads
 from rlpost.pipeline import build, rules
+from rlpost.pipeline.console import Console
 from rlpost.pipeline.interrupts import stop_requested
 from rlpost.pipeline.preflight import data_counts, report_data
 from rlpost.pipeline.rundir import (
@@ -77,13 +78,16 @@ def train_stage(
     row: Callable[[dict], dict] = dict,
     info: Callable[[dict], str] = lambda m: f"loss {m['loss']:.3f}",
     keep: dict | None = None,
-) -> tuple[dict, dict, list[float]]:
+) -> tuple[dict, dict, dict]:
     """Run ``objective`` under the offline loop with a checkpoint in ``RUN_DIR/<state>``;
-    returns (held-out metrics at the start, at the end, every step's loss). ``row(metrics)``
-    is what a step records; ``evaluate()``'s metrics join it every ``eval_every`` steps and
-    at the last."""
+    returns (held-out metrics at the start, at the end, {``ends``: their summary keys,
+    ``losses``: every step's loss}). ``row(metrics)`` is what a step records;
+    ``evaluate()``'s metrics join it every ``eval_every`` steps and at the last."""
+    console = console or Console(False)
     recorder = Recorder(run_dir)
-    first, last = evaluate(), {}
+    saved = None if fresh else saved_state(run_dir / state)
+    first, last = saved["first"] if saved else evaluate(), {}  # a resume keeps the start's
+    keep = {**(keep or {}), "first": first}
     if fresh:
         recorder.record(0, {k: v for k, v in first.items() if v is not None})
     task = console.task(title, s.steps)
@@ -248,16 +252,19 @@ def run_conversation_sft(cfg: Config, resume: Path | None = None, console=None) 
         console=console, title="sft on conversations", row=lambda m: {"sft_loss": m["loss"]},
     )  # fmt: skip
     losses = done["losses"]
-    _write_summary(run_dir, {
-        **done["ends"],
-        "sft_loss_last": losses[-1] if losses else None,
-        "steps": s.steps,
-        "train_examples": len(train),
-        "eval_examples": len(held),
-        "chat_template": "plain (added)" if templated else "the tokenizer's",
-        "wall_seconds": time.time() - started,
-        **data_counts(reports),
-    })  # fmt: skip
+    _write_summary(
+        run_dir,
+        {
+            **done["ends"],
+            "sft_loss_last": losses[-1] if losses else None,
+            "steps": s.steps,
+            "train_examples": len(train),
+            "eval_examples": len(held),
+            "chat_template": "plain (added)" if templated else "the tokenizer's",
+            "wall_seconds": time.time() - started,
+            **data_counts(reports),
+        },
+    )
     (run_dir / "sft_losses.json").write_text(json.dumps(losses))
     model.to("cpu")
     save_model(model, tokenizer, out, state_dir=run_dir / SFT_STATE)
@@ -271,7 +278,7 @@ def run_conversation_sft(cfg: Config, resume: Path | None = None, console=None) 
 def run_rm(cfg: Config, resume: Path | None = None, console=None) -> Path:
     """Train the reward model; returns ``RUN_DIR/rm_model`` (the ``reward_model`` reward's
     ``path``)."""
-    started, s = time.time(), cfg.rm
+    started, s = time.time(), cfg.rm or RMConfig()
     # Inputs first: a start that fails on them leaves an existing run untouched.
     train_pairs, held_pairs, reports = load_pairs_reported(
         cfg.data, cfg.run.seed, margin_field=s.margin_field
@@ -301,17 +308,20 @@ def run_rm(cfg: Config, resume: Path | None = None, console=None) -> Path:
         title="reward model (bradley-terry)",
         info=lambda m: f"loss {m['loss']:.3f} | acc {m['accuracy']:.1%}",
     )  # fmt: skip
-    _write_summary(run_dir, {
-        **done["ends"],
-        "train_loss_last": done["losses"][-1],
-        "steps": s.steps,
-        "train_pairs": len(train),
-        "eval_pairs": len(held),
-        "margin_field": s.margin_field,
-        "started_from": cfg.model.path or "the tiny model config",
-        "wall_seconds": time.time() - started,
-        **data_counts(reports),
-    })  # fmt: skip
+    _write_summary(
+        run_dir,
+        {
+            **done["ends"],
+            "train_loss_last": done["losses"][-1],
+            "steps": s.steps,
+            "train_pairs": len(train),
+            "eval_pairs": len(held),
+            "margin_field": s.margin_field,
+            "started_from": cfg.model.path or "the tiny model config",
+            "wall_seconds": time.time() - started,
+            **data_counts(reports),
+        },
+    )
     model.to("cpu")
     # The reward worker reads the score at the last non-pad token through this id, and
     # pads as the tokenizer says: right, as trained (left padding would shift positions).
@@ -328,7 +338,7 @@ def run_rm(cfg: Config, resume: Path | None = None, console=None) -> Path:
 def run_dpo(cfg: Config, resume: Path | None = None, console=None) -> DPOResult:
     """Warm up on the chosen responses, store the reference log-probs, train with DPO / IPO;
     the policy is ``RUN_DIR/model``, the held-out metrics before and after in the summary."""
-    started, s = time.time(), cfg.dpo
+    started, s = time.time(), cfg.dpo or DPOConfig()
     rules.check(cfg, "dpo")
     torch.manual_seed(cfg.run.seed)
     # Inputs first: a start that fails on them leaves an existing run untouched.
@@ -343,18 +353,15 @@ def run_dpo(cfg: Config, resume: Path | None = None, console=None) -> DPOResult:
     pad = tokenizer.pad_token_id
     train_set, eval_set = (encode_pairs(p, tokenizer) for p in (train_pairs, eval_pairs))
     keep = saved_state(run_dir / DPO_STATE) if resume is not None else None
+    console = console or Console(cfg.observe.progress)
     if keep is None:  # the reference is the policy after the warm-up, before any DPO step
-        sft = SFT(tokenizer, [Prompt(text=p.prompt, answer=p.chosen) for p in train_pairs])
-        losses = train_offline(model, sft, schedule(cfg.sft, cfg.run.seed)) if cfg.sft.steps else []
+        keep = {"sft_loss_last": _warm_up_on_chosen(cfg, model, tokenizer, train_pairs, console)}
         for pairs in (train_set, eval_set):
             attach_reference(model, pairs, pad, chunk=256)
-        keep = {"sft_loss_last": losses[-1] if losses else None, "ref": [
-            train_set.ref_chosen, train_set.ref_rejected, eval_set.ref_chosen, eval_set.ref_rejected
-        ]}  # fmt: skip
-    train_set.ref_chosen, train_set.ref_rejected, eval_set.ref_chosen, eval_set.ref_rejected = keep[
-        "ref"
-    ]
-    kw = {"beta": s.beta, "loss_type": s.loss_type, "label_smoothing": s.label_smoothing}
+        keep["ref"] = [t for p in (train_set, eval_set) for t in (p.ref_chosen, p.ref_rejected)]
+    train_set.ref_chosen, train_set.ref_rejected = keep["ref"][:2]
+    eval_set.ref_chosen, eval_set.ref_rejected = keep["ref"][2:]
+    kw = s.loss_kwargs()
     _, _, done = train_stage(
         run_dir, model, tokenizer, DPO(train_set, pad, s.micro_batch_size, kw),
         schedule(s, cfg.run.seed), state=DPO_STATE,
@@ -378,6 +385,22 @@ def run_dpo(cfg: Config, resume: Path | None = None, console=None) -> DPOResult:
     if cfg.observe.progress:
         _print_summary(summary, run_dir)
     return DPOResult(run_dir, summary)
+
+
+def _warm_up_on_chosen(cfg: Config, model, tokenizer, pairs, console) -> float | None:
+    """SFT on each pair's chosen response (``sft`` section); the last step's loss."""
+    if cfg.sft.steps == 0:
+        return None
+    task = console.task("sft on chosen", cfg.sft.steps)
+    sft = SFT(tokenizer, [Prompt(text=p.prompt, answer=p.chosen) for p in pairs])
+    losses = train_offline(
+        model,
+        sft,
+        schedule(cfg.sft, cfg.run.seed),
+        on_step=lambda i, m: console.advance(task, f"loss {m['loss']:.3f}"),
+    )
+    console.done(task)
+    return losses[-1]
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Offline preference optimisation (DPO / IPO): the pair tensors, the reference, the update.
+"""Offline preference optimisation (DPO / IPO): the pair tensors, the reference, the objective.
 
     pairs --sft on chosen--> starting policy --frozen copy--> reference log-probs (once)
           --dpo steps--> policy --held-out pairs--> preference accuracy before / after

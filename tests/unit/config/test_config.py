@@ -7,6 +7,7 @@ from rlpost.config import (
     Config,
     ConfigError,
     OptimConfig,
+    RMConfig,
     describe_fields,
     load_config,
     parse_overrides,
@@ -236,7 +237,8 @@ def test_an_optimizer_key_written_flat_names_its_new_key(override, fix):
 
 
 def test_every_section_that_trains_has_one_optimizer_type_with_its_own_defaults():
-    cfg = load_config(None, ["sft.optim.lr=1e-4", "critic.optim.grad_clip=0.5"])
+    cfg = load_config(None, ["sft.optim.lr=1e-4", "critic.optim.grad_clip=0.5", "dpo.steps=1"])
+    cfg.rm = RMConfig()
     optims = [cfg.train.optim, cfg.critic.optim, cfg.sft.optim, cfg.dpo.optim, cfg.rm.optim]
     assert {type(o) for o in optims} == {OptimConfig}
     assert cfg.sft.optim.lr == 1e-4 and cfg.sft.optim.warmup_steps == 20  # the rest: sft's
