@@ -78,10 +78,10 @@ def train_stage(
     row: Callable[[dict], dict] = dict,
     info: Callable[[dict], str] = lambda m: f"loss {m['loss']:.3f}",
     keep: dict | None = None,
-) -> tuple[dict, dict, dict]:
+) -> dict:
     """Run ``objective`` under the offline loop with a checkpoint in ``RUN_DIR/<state>``;
-    returns (held-out metrics at the start, at the end, {``ends``: their summary keys,
-    ``losses``: every step's loss}). ``row(metrics)`` is what a step records;
+    returns ``ends`` (the held-out metrics at the start and the end, as summary keys) and
+    ``losses`` (every step's). ``row(metrics)`` is what a step records;
     ``evaluate()``'s metrics join it every ``eval_every`` steps and at the last."""
     console = console or Console(False)
     recorder = Recorder(run_dir)
@@ -120,7 +120,7 @@ def train_stage(
     console.done(task)
     last = last or evaluate()  # a resume of a finished run takes no step
     ends = {f"{k}_start": v for k, v in first.items()} | {f"{k}_end": v for k, v in last.items()}
-    return first, last, {"ends": ends, "losses": losses}
+    return {"ends": ends, "losses": losses}
 
 
 def _finished(out: Path) -> bool:
@@ -149,8 +149,11 @@ def _threads(run: Callable) -> Callable:
     return wrapped
 
 
-def _write_summary(run_dir: Path, summary: dict) -> None:
+def _finish(run_dir: Path, model, tokenizer, out: Path, state: str, summary: dict) -> None:
+    """Write the summary, then the model to ``out`` (its checkpoints in ``state`` go)."""
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    model.to("cpu")
+    save_model(model, tokenizer, out, state_dir=run_dir / state)
 
 
 # ------------------------------------------------------------------ rlpost sft (chat)
@@ -205,11 +208,11 @@ def accuracy(model, tokenizer, convs: list[Conversation], max_new_tokens: int) -
     return hits / len(rows)
 
 
-def run_conversation_sft(cfg: Config, resume: Path | None = None, console=None) -> Path:
-    """Train on conversations; returns ``RUN_DIR/sft_model``."""
-    started, s = time.time(), cfg.sft
+def conversation_rows(cfg: Config, model, tokenizer):
+    """(train examples, held-out examples, held-out conversations, reports, whether a chat
+    template was added) of ``sft.data``, encoded for ``tokenizer``."""
+    s = cfg.sft
     train_convs, held_convs, reports = load_conversations(cfg)
-    model, tokenizer = build.build_policy(cfg)
     templated = ensure_chat_template(tokenizer)
     context = getattr(model.config, "max_position_embeddings", None) or tokenizer.model_max_length
     enc = dict(
@@ -218,11 +221,18 @@ def run_conversation_sft(cfg: Config, resume: Path | None = None, console=None) 
         on_bad_row=cfg.data.on_bad_row,
     )
     train = encode_conversations(train_convs, tokenizer, report=reports["train"], **enc)
-    held = encode_conversations(
-        held_convs, tokenizer, report=reports.get("eval", LoadReport()), **enc
-    )
+    eval_report = reports.get("eval", LoadReport())
+    held = encode_conversations(held_convs, tokenizer, report=eval_report, **enc)
     if not train:
         raise DataError("no conversation to train on")
+    return train, held, held_convs, reports, templated
+
+
+def run_conversation_sft(cfg: Config, resume: Path | None = None, console=None) -> Path:
+    """Train on conversations; returns ``RUN_DIR/sft_model``."""
+    started, s = time.time(), cfg.sft
+    model, tokenizer = build.build_policy(cfg)
+    train, held, held_convs, reports, templated = conversation_rows(cfg, model, tokenizer)
     run_dir = open_stage_run_dir(cfg, resume, SFT_STATE)
     report_data(run_dir, reports, fresh=resume is None)
     out = run_dir / "sft_model"
@@ -246,28 +256,23 @@ def run_conversation_sft(cfg: Config, resume: Path | None = None, console=None) 
         max_tokens=s.max_tokens_per_micro_batch,
         device=model_device(model),
     )
-    _, _, done = train_stage(
+    done = train_stage(
         run_dir, model, tokenizer, objective, schedule(s, cfg.run.seed),
         state=SFT_STATE, evaluate=held_out, eval_every=s.eval_every, fresh=resume is None,
         console=console, title="sft on conversations", row=lambda m: {"sft_loss": m["loss"]},
     )  # fmt: skip
     losses = done["losses"]
-    _write_summary(
-        run_dir,
-        {
-            **done["ends"],
-            "sft_loss_last": losses[-1] if losses else None,
-            "steps": s.steps,
-            "train_examples": len(train),
-            "eval_examples": len(held),
-            "chat_template": "plain (added)" if templated else "the tokenizer's",
-            "wall_seconds": time.time() - started,
-            **data_counts(reports),
-        },
-    )
     (run_dir / "sft_losses.json").write_text(json.dumps(losses))
-    model.to("cpu")
-    save_model(model, tokenizer, out, state_dir=run_dir / SFT_STATE)
+    _finish(run_dir, model, tokenizer, out, SFT_STATE, {
+        **done["ends"],
+        "sft_loss_last": losses[-1] if losses else None,
+        "steps": s.steps,
+        "train_examples": len(train),
+        "eval_examples": len(held),
+        "chat_template": "plain (added)" if templated else "the tokenizer's",
+        "wall_seconds": time.time() - started,
+        **data_counts(reports),
+    })  # fmt: skip
     return out
 
 
@@ -301,33 +306,28 @@ def run_rm(cfg: Config, resume: Path | None = None, console=None) -> Path:
         return out
     _on_device(cfg, model)
     pad = tokenizer.pad_token_id
-    _, _, done = train_stage(
+    done = train_stage(
         run_dir, model, tokenizer, BradleyTerry(train, pad, s.micro_batch_size),
         schedule(s, cfg.run.seed), state=RM_STATE, evaluate=lambda: evaluate_rm(model, held, pad),
         eval_every=s.eval_every, fresh=resume is None, console=console,
         title="reward model (bradley-terry)",
         info=lambda m: f"loss {m['loss']:.3f} | acc {m['accuracy']:.1%}",
     )  # fmt: skip
-    _write_summary(
-        run_dir,
-        {
-            **done["ends"],
-            "train_loss_last": done["losses"][-1],
-            "steps": s.steps,
-            "train_pairs": len(train),
-            "eval_pairs": len(held),
-            "margin_field": s.margin_field,
-            "started_from": cfg.model.path or "the tiny model config",
-            "wall_seconds": time.time() - started,
-            **data_counts(reports),
-        },
-    )
-    model.to("cpu")
     # The reward worker reads the score at the last non-pad token through this id, and
     # pads as the tokenizer says: right, as trained (left padding would shift positions).
     model.config.pad_token_id = pad
     tokenizer.padding_side = "right"
-    save_model(model, tokenizer, out, state_dir=run_dir / RM_STATE)
+    _finish(run_dir, model, tokenizer, out, RM_STATE, {
+        **done["ends"],
+        "train_loss_last": done["losses"][-1],
+        "steps": s.steps,
+        "train_pairs": len(train),
+        "eval_pairs": len(held),
+        "margin_field": s.margin_field,
+        "started_from": cfg.model.path or "the tiny model config",
+        "wall_seconds": time.time() - started,
+        **data_counts(reports),
+    })  # fmt: skip
     return out
 
 
@@ -362,7 +362,7 @@ def run_dpo(cfg: Config, resume: Path | None = None, console=None) -> DPOResult:
     train_set.ref_chosen, train_set.ref_rejected = keep["ref"][:2]
     eval_set.ref_chosen, eval_set.ref_rejected = keep["ref"][2:]
     kw = s.loss_kwargs()
-    _, _, done = train_stage(
+    done = train_stage(
         run_dir, model, tokenizer, DPO(train_set, pad, s.micro_batch_size, kw),
         schedule(s, cfg.run.seed), state=DPO_STATE,
         evaluate=lambda: evaluate_pairs(model, eval_set, pad, kw), eval_every=s.eval_every,
@@ -380,8 +380,7 @@ def run_dpo(cfg: Config, resume: Path | None = None, console=None) -> DPOResult:
         "wall_seconds": time.time() - started,
         **counts,
     }
-    _write_summary(run_dir, summary)
-    save_model(model, tokenizer, run_dir / "model", state_dir=run_dir / DPO_STATE)
+    _finish(run_dir, model, tokenizer, run_dir / "model", DPO_STATE, summary)
     if cfg.observe.progress:
         _print_summary(summary, run_dir)
     return DPOResult(run_dir, summary)
