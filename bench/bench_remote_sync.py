@@ -47,7 +47,7 @@ def run(model_dir: Path, out: Path, name: str, steps: int, sft: int) -> list[dic
             f"rollout.engine.servers={json.dumps([url])}",
             f"sft.steps={sft}",
             f"train.steps={steps}",
-            "train.lr=1e-6",
+            "train.optim.lr=1e-6",
             "rollout.prompts_per_step=2",
             "rollout.n=2",
             "rollout.max_tokens=6",

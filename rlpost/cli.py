@@ -154,8 +154,8 @@ def cmd_sft(args) -> int:
     cfg = _command_config(args)
     from rlpost.pipeline.console import Console
     from rlpost.pipeline.interrupts import Interrupts
+    from rlpost.pipeline.offline import run_conversation_sft
     from rlpost.pipeline.rundir import prepare_run_dir, warm_start
-    from rlpost.pipeline.sft_chat import run_conversation_sft
 
     resume = Path(args.resume) if args.resume else None
     run_dir, console = resume or cfg.run_dir, Console(cfg.observe.progress)
@@ -201,26 +201,32 @@ def cmd_eval(args) -> int:
 
 
 def cmd_dpo(args) -> int:
-    cfg = _command_config(args, "dpo_prefs.yaml")
-    from rlpost.pipeline.dpo import run_dpo
-
-    run_dpo(cfg)
-    return 0
+    return _offline(args, "dpo_prefs.yaml", "run_dpo", None)
 
 
 def cmd_rm(args) -> int:
-    cfg = _command_config(args, "rm_prefs.yaml")
+    return _offline(
+        args, "rm_prefs.yaml", "run_rm", "reward model saved to {} (the reward_model reward's path)"
+    )
+
+
+def _offline(args, recipe: str, run: str, saved: str | None) -> int:
+    """``rlpost dpo`` and ``rlpost rm``: ``pipeline.offline.<run>``, stopped by Ctrl-C with
+    the command that continues it."""
+    cfg = _command_config(args, recipe)
+    from rlpost.pipeline import offline
     from rlpost.pipeline.console import Console
     from rlpost.pipeline.interrupts import Interrupts
-    from rlpost.pipeline.rm import run_rm
 
     run_dir = Path(args.resume) if args.resume else cfg.run_dir
     with Interrupts() as interrupts:
         try:
-            out = run_rm(cfg, run_dir if args.resume else None, Console(cfg.observe.progress))
+            resume = run_dir if args.resume else None
+            out = getattr(offline, run)(cfg, resume, Console(cfg.observe.progress))
         except KeyboardInterrupt:
             return _interrupted(args, run_dir, interrupts.exit_code, where="(its state is saved)")
-    print(f"reward model saved to {out} (the reward_model reward's path)")
+    if saved is not None:
+        print(saved.format(out))
     return 0
 
 
@@ -326,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="replace an existing run directory of the same name (deletes its files)",
             )
-        if name in ("train", "sft", "rm"):
+        if name in ("train", "sft", "dpo", "rm"):
             sp.add_argument(
                 "--resume", metavar="RUN_DIR", help="continue from the run's latest checkpoint"
             )

@@ -3,7 +3,7 @@
 Sections mirror the packages. Each field's docstring is its help text
 (``rlpost config --keys`` prints them). A recipe is a YAML file of this tree;
 dotted ``key=value`` overrides on the command line are applied on top
-(``rlpost train grpo_arith train.lr=1e-5 rollout.n=8``). The recipes ship with the
+(``rlpost train grpo_arith train.optim.lr=1e-5 rollout.n=8``). The recipes ship with the
 package (``rlpost/recipes``); a recipe argument is a path or a shipped recipe's name.
 
 Validation happens at load, before any work: unknown keys, bad values and
@@ -18,7 +18,7 @@ import math
 import re
 from pathlib import Path
 from types import UnionType
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -520,19 +520,51 @@ class AlgoConfig(Section):
 # ------------------------------------------------------------------------- train
 
 
-class TrainConfig(Section):
-    steps: int = Field(60, ge=0)
-    """RL steps (one rollout batch each)."""
+class OptimConfig(Section):
+    """AdamW and its schedule, the same keys in every section that trains (train, critic,
+    sft, dpo, rm). The LR rises linearly over warmup_steps; after it, RL keeps it constant
+    and an offline run (sft, dpo, rm) decays it on a cosine to a tenth at its last step."""
+
     lr: float = Field(1e-5, gt=0.0)
-    """Peak learning rate of the policy."""
-    warmup_steps: int = Field(5, ge=0)
+    """Peak learning rate."""
+    warmup_steps: int = Field(0, ge=0)
     """Linear LR warm-up, in optimizer updates."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
     grad_clip: float = Field(1.0, gt=0.0)
-    """Gradient-norm clip."""
+    """Gradient-norm clip of each update."""
+
+
+class Trains(Section):
+    """A section with an optimizer: a partial ``optim`` keeps the section's defaults for the
+    keys it leaves out; an optimizer key written flat is refused, naming where it moved."""
+
+    section: ClassVar[str] = ""
+    moved_hint: ClassVar[dict[str, str]] = {}
+    optim: OptimConfig = OptimConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _optim_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for key in OptimConfig.model_fields.keys() & data.keys():
+            fix = f"{cls.section}.optim.{key}={data[key]}{cls.moved_hint.get(key, '')}"
+            raise ValueError(f"{cls.section}.{key}={data[key]}: the key moved; write {fix}")
+        if isinstance(data.get("optim"), dict):
+            defaults = cls.model_fields["optim"].default.model_dump()
+            data = {**data, "optim": {**defaults, **data["optim"]}}
+        return data
+
+
+class TrainConfig(Trains):
+    section: ClassVar[str] = "train"
+    steps: int = Field(60, ge=0)
+    """RL steps (one rollout batch each)."""
+    optim: OptimConfig = OptimConfig(lr=1e-5, warmup_steps=5)
+    """The policy's optimizer."""
     mini_batch_size: int = Field(64, ge=1)
     """Sequences per optimizer update."""
     micro_batch_size: int = Field(64, ge=1)
@@ -560,12 +592,16 @@ class TrainConfig(Section):
     mask (flash, flex) packs rows alone; each says so in one line."""
 
 
-class CriticConfig(Section):
+class CriticConfig(Trains):
     """The value model of PPO (used when algo.advantage.name is gae or vapo_gae)."""
 
-    lr: float = Field(1e-3, gt=0.0)
-    """Peak learning rate of the critic (usually higher than the policy's)."""
-    warmup_steps: int = Field(0, ge=0)
+    section: ClassVar[str] = "critic"
+    moved_hint: ClassVar[dict[str, str]] = {
+        "warmup_steps": " (LR warm-up) or critic.head_start_steps (RL steps the critic trains alone)"
+    }
+    optim: OptimConfig = OptimConfig(lr=1e-3, warmup_steps=5)
+    """The critic's optimizer (its LR usually higher than the policy's)."""
+    head_start_steps: int = Field(0, ge=0)
     """RL steps in which only the critic trains, so its values are useful before the policy moves."""
     clip_range: float | None = Field(0.2, gt=0.0)
     """Value clipping around the old values (None: no clipping)."""
@@ -573,25 +609,22 @@ class CriticConfig(Section):
     """Passes over each rollout batch."""
 
 
-class SFTConfig(Section):
+class SFTConfig(Trains):
     """Supervised warm-up that produces the starting policy."""
 
+    section: ClassVar[str] = "sft"
     steps: int = Field(300, ge=0)
     """Optimizer steps of warm-up (0: none)."""
-    lr: float = Field(3e-3, gt=0.0)
-    """Peak learning rate."""
+    optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=20)
+    """The warm-up's optimizer."""
     batch_size: int = Field(64, ge=1)
     """Sequences per step."""
-    warmup_steps: int = Field(20, ge=0)
-    """Linear LR warm-up steps."""
     distractor: float = Field(0.0, ge=0.0, lt=1.0)
     """Fraction of warm-up targets written with their digits reversed (27 -> 72): the starting
     policy can answer but does not reliably choose the right form, which RL then selects."""
-    grad_clip: float = Field(1.0, gt=0.0)
-    """Gradient-norm clip of each warm-up step."""
     save_every: int = Field(100, ge=0)
-    """Save the warm-up's resume state every this many steps (0: only when stopped), so a
-    killed warm-up continues from there."""
+    """Save a checkpoint of the warm-up (RUN_DIR/sft_state) every this many steps (0: only
+    when stopped), so a killed warm-up continues from there."""
     data: Literal["task", "file", "chat_arith"] = "task"
     """What the warm-up trains on: task (the data section's prompt -> reference-answer rows),
     file (conversations: rows of OpenAI-style messages in sft.train_path, rlpost sft) or
@@ -764,8 +797,10 @@ def _micro_within_batch(micro_batch_size: int, batch_size: int) -> None:
         )
 
 
-class DPOConfig(Section):
+class DPOConfig(Trains):
     """Offline preference optimisation (``rlpost dpo``): DPO or IPO against the frozen warm-up policy."""
+
+    section: ClassVar[str] = "dpo"
 
     beta: float = Field(0.1, gt=0.0)
     """Strength of the implicit KL to the reference (DPO beta; IPO's margin is 1/(2 beta))."""
@@ -773,18 +808,16 @@ class DPOConfig(Section):
     """sigmoid: DPO (arXiv 2305.18290); ipo: IPO's squared loss (arXiv 2310.12036)."""
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
     """Assumed rate of flipped labels (conservative DPO); sigmoid loss only."""
-    lr: float = Field(5e-4, gt=0.0)
-    """Peak learning rate (linear warm-up, then cosine decay to a tenth of it)."""
+    optim: OptimConfig = OptimConfig(lr=5e-4, warmup_steps=10)
+    """The optimizer of the DPO steps."""
     steps: int = Field(400, ge=0)
     """Optimizer steps."""
     batch_size: int = Field(64, ge=1)
     """Pairs per optimizer step."""
     micro_batch_size: int = Field(64, ge=1)
     """Pairs per forward/backward pass (gradient accumulation inside a step)."""
-    warmup_steps: int = Field(10, ge=0)
-    """Linear LR warm-up, in optimizer steps."""
-    grad_clip: float = Field(1.0, gt=0.0)
-    """Gradient-norm clip."""
+    save_every: int = Field(100, ge=0)
+    """Save a checkpoint (RUN_DIR/dpo_state) every N steps (0: only when stopped)."""
     eval_every: int = Field(50, ge=0)
     """Evaluate on the held-out pairs every N steps (0: only at start and end)."""
 
@@ -810,26 +843,23 @@ class DPOConfig(Section):
 # ------------------------------------------------------------------- reward model
 
 
-class RMConfig(Section):
+class RMConfig(Trains):
     """Reward-model training (``rlpost rm``): a one-output sequence classifier on preference
     pairs with the Bradley-Terry loss, started from model.path (or the tiny model)."""
 
-    lr: float = Field(1e-3, gt=0.0)
-    """Peak learning rate (linear warm-up, then cosine decay to a tenth of it)."""
+    section: ClassVar[str] = "rm"
+    optim: OptimConfig = OptimConfig(lr=1e-3, warmup_steps=10)
+    """The reward model's optimizer."""
     steps: int = Field(300, ge=1)
     """Optimizer steps."""
     batch_size: int = Field(64, ge=1)
     """Pairs per optimizer step."""
     micro_batch_size: int = Field(64, ge=1)
     """Pairs per forward/backward pass (gradient accumulation inside a step)."""
-    warmup_steps: int = Field(10, ge=0)
-    """Linear LR warm-up, in optimizer steps."""
-    grad_clip: float = Field(1.0, gt=0.0)
-    """Gradient-norm clip."""
     eval_every: int = Field(50, ge=0)
     """Held-out pairwise accuracy and loss every N steps (0: at the start and the end only)."""
     save_every: int = Field(100, ge=0)
-    """Save the resume state (RUN_DIR/rm_state) every N steps (0: only when stopped)."""
+    """Save a checkpoint (RUN_DIR/rm_state) every N steps (0: only when stopped)."""
     margin_field: str | None = None
     """Column of a pairs file (data.task=file) holding each pair's margin m in
     -log sigmoid(r_chosen - r_rejected - m); None: no margin."""
@@ -1171,8 +1201,10 @@ class Config(Section):
     train: TrainConfig = TrainConfig()
     sft: SFTConfig = SFTConfig()
     critic: CriticConfig = CriticConfig()
-    dpo: DPOConfig = DPOConfig()
-    rm: RMConfig = RMConfig()
+    dpo: DPOConfig | None = None
+    """rlpost dpo's section (None: its defaults; config --keys lists it once set)."""
+    rm: RMConfig | None = None
+    """rlpost rm's section (None: its defaults; config --keys lists it once set)."""
     reward: RewardConfig = RewardConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -1201,7 +1233,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     tree: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
-            raise ConfigError(f"override {item!r} is not key=value; write e.g. train.lr=1e-5")
+            raise ConfigError(f"override {item!r} is not key=value; write e.g. train.optim.lr=1e-5")
         key, raw = item.split("=", 1)
         key = key.strip()
         if not key or any(not part for part in key.split(".")):

@@ -85,7 +85,7 @@ def resolve_step_plan(cfg: Config) -> StepPlan:
         sum_pi_squared=bool(ADVANTAGES.trait(a.advantage.name, "needs_sum_pi_squared")),
         kl_in_reward=a.kl.placement == "reward",
         token_selector=POLICY_LOSSES.trait(a.loss.name, "token_selector", None) is not None,
-        critic_warmup_steps=cfg.critic.warmup_steps,
+        critic_warmup_steps=cfg.critic.head_start_steps,
         teacher=bool(ADVANTAGES.trait(a.advantage.name, "needs_teacher")),
         teacher_logits=bool(POLICY_LOSSES.trait(a.loss.name, "needs_teacher_logits")),
     )

@@ -826,7 +826,7 @@ def eval_set_reasoning_gym_generates(cfg: Config) -> str | None:
 
 @rule("rm")
 def rm_margin_needs_a_file(cfg: Config) -> str | None:
-    if cfg.rm.margin_field is not None and cfg.data.task != "file":
+    if cfg.rm is not None and cfg.rm.margin_field is not None and cfg.data.task != "file":
         return (
             f"rm.margin_field={cfg.rm.margin_field}: data.task={cfg.data.task} has no columns; "
             "drop it or use data.task=file with a pairs file that has the column"

@@ -2,7 +2,7 @@
 
 RUN_DIR/config.yaml        the resolved config (what actually ran)
 RUN_DIR/sft_model/         the warm-up policy (an HF checkpoint) when SFT ran
-RUN_DIR/sft_state/         an interrupted warm-up's state (gone once the warm-up finishes)
+RUN_DIR/sft_state/         an interrupted warm-up's checkpoints (gone once the warm-up finishes)
 RUN_DIR/data_report.json   rows used and skipped by reason, every skipped row with file and line
 RUN_DIR/metrics.jsonl      one line per step
 RUN_DIR/checkpoints/       resumable checkpoints
@@ -24,8 +24,10 @@ from rlpost.observe.recorder import METRICS_FILE
 from rlpost.pipeline import build
 from rlpost.pipeline.interrupts import stop_requested
 from rlpost.pipeline.preflight import check_inputs, read_data_counts, report_data
+from rlpost.train.batch import model_device
 from rlpost.train.checkpoint import claim_run_dir, latest_step, usable_checkpoint
-from rlpost.train.sft import save_model, sft_train, steps_done
+from rlpost.train.offline import Schedule, save_model, steps_done, train_offline
+from rlpost.train.sft import SFT
 
 SFT_STATE = "sft_state"
 
@@ -72,8 +74,8 @@ def reopen_run_dir(run_dir: Path) -> Path:
 
 
 def open_stage_run_dir(cfg: Config, resume: Path | None, state: str) -> Path:
-    """A fresh run directory, or ``resume`` reopened at the steps its resume state
-    ``RUN_DIR/<state>`` holds (``rlpost sft`` on conversations, ``rlpost rm``)."""
+    """A fresh run directory, or ``resume`` reopened at the steps the checkpoint in
+    ``RUN_DIR/<state>`` holds (``rlpost sft`` on conversations, ``rlpost dpo``, ``rlpost rm``)."""
     if resume is None:
         return claim_run_dir(cfg.run_dir, overwrite=cfg.run.overwrite, config_text=dump_config(cfg))
     run_dir = Path(resume)
@@ -126,17 +128,19 @@ def _row_step(line: str) -> int:
         return -1
 
 
-def schedule(section, seed: int) -> dict:
-    """The optimizer schedule a training section (``sft``, ``rm``) sets, as the keywords
-    :func:`~rlpost.train.sft.sft_train` and :func:`~rlpost.train.reward_model.rm_train`
-    share."""
-    return dict(
+def schedule(section, seed: int) -> Schedule:
+    """The offline loop's schedule a training section (``sft``, ``dpo``, ``rm``) sets."""
+    o = section.optim
+    return Schedule(
         steps=section.steps,
-        lr=section.lr,
+        lr=o.lr,
         batch_size=section.batch_size,
-        warmup_steps=section.warmup_steps,
-        grad_clip=section.grad_clip,
+        warmup_steps=o.warmup_steps,
+        grad_clip=o.grad_clip,
+        weight_decay=o.weight_decay,
+        betas=tuple(o.betas),
         seed=seed,
+        save_every=section.save_every,
     )
 
 
@@ -179,17 +183,21 @@ def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: 
         print(f"rlpost: continuing the warm-up from {run_dir / SFT_STATE}", file=sys.stderr)
     if cfg.run.device != "cpu" and torch.cuda.is_available():
         model.to("cuda")  # the warm-up computes where the run does (on a GPU-less Ray driver: cpu)
-    losses = sft_train(
-        model,
+    objective = SFT(
         tokenizer,
         train_prompts,
-        **schedule(s, cfg.run.seed),
-        distractor=s.distractor,
-        on_step=lambda i, loss: console.advance(task, f"loss {loss:.3f}"),
-        state_dir=run_dir / SFT_STATE,
-        stop=stop_requested,
         example=build.agent_demonstrations(cfg, tokenizer),
-        save_every=s.save_every,
+        distractor=s.distractor,
+        device=model_device(model),
+    )
+    losses = train_offline(
+        model,
+        objective,
+        schedule(s, cfg.run.seed),
+        state_dir=run_dir / SFT_STATE,
+        tokenizer=tokenizer,
+        stop=stop_requested,
+        on_step=lambda i, m: console.advance(task, f"loss {m['loss']:.3f}"),
     )
     console.done(task)
     (run_dir / "sft_losses.json").write_text(json.dumps(losses))

@@ -1,4 +1,4 @@
-"""Offline preference optimisation (DPO / IPO): the pair tensors, the reference, the update.
+"""Offline preference optimisation (DPO / IPO): the pair tensors, the reference, the objective.
 
     pairs --sft on chosen--> starting policy --frozen copy--> reference log-probs (once)
           --dpo steps--> policy --held-out pairs--> preference accuracy before / after
@@ -23,7 +23,6 @@ import torch
 
 from rlpost.algos.aggregate import masked_sum
 from rlpost.algos.dpo import dpo_loss
-from rlpost.config import DPOConfig
 from rlpost.data.preferences import PreferencePair
 from rlpost.train.batch import (
     TrainBatch,
@@ -31,7 +30,7 @@ from rlpost.train.batch import (
     compute_logprobs,
     response_logprobs,
 )
-from rlpost.train.optim import optimizer_step
+from rlpost.train.offline import pair_parts
 from rlpost.types import Completion
 
 # ----------------------------------------------------------------- pair tensors
@@ -112,7 +111,7 @@ def _tie_half(x: torch.Tensor) -> float:
 
 
 def evaluate_pairs(
-    model: torch.nn.Module, pairs: PairSet, pad_id: int, s: DPOConfig, chunk: int = 256
+    model: torch.nn.Module, pairs: PairSet, pad_id: int, loss_kwargs: dict, chunk: int = 256
 ) -> dict[str, float]:
     """Held-out preference metrics of ``model`` against the stored reference log-probs.
 
@@ -121,7 +120,7 @@ def evaluate_pairs(
     the policy itself gives the chosen response the higher log-prob (ties half).
     """
     pc, pr = pair_logprobs(model, pairs, pad_id, chunk)
-    out = dpo_loss(pc, pr, pairs.ref_chosen, pairs.ref_rejected, **s.loss_kwargs())
+    out = dpo_loss(pc, pr, pairs.ref_chosen, pairs.ref_rejected, **loss_kwargs)
     h = (pc - pairs.ref_chosen) - (pr - pairs.ref_rejected)
     return {
         "eval_pref_accuracy": _tie_half(h),
@@ -133,36 +132,27 @@ def evaluate_pairs(
     }
 
 
-# ------------------------------------------------------------------------ update
+# --------------------------------------------------------------------- objective
 
 
-def dpo_update(
-    model: torch.nn.Module,
-    optimizer,
-    scheduler,
-    pairs: PairSet,
-    idx: list[int],
-    pad_id: int,
-    s: DPOConfig,
-) -> dict[str, float]:
-    """One optimizer step on pairs ``idx``, accumulated over micro-batches of pairs.
+@dataclass
+class DPO:
+    """The DPO / IPO objective on ``pairs`` (reference attached). A micro-batch's loss divides
+    by the step's pair count, so the summed gradient is the step's whatever the cut."""
 
-    Each micro-batch loss is divided by ``len(idx)`` (``num_pairs``), so the
-    summed gradient equals the whole batch's whatever the micro-batch size. A
-    non-finite loss or gradient skips the step (``skipped`` = 1).
-    """
-    model.train()
+    pairs: PairSet
+    pad_id: int
+    micro_batch_size: int
+    loss_kwargs: dict
 
-    def micro_loss(part: list[int]):
-        seq = sequence_logprobs(model, pair_batch(pairs, part, pad_id))
+    def draw(self, rng, batch_size: int) -> list:
+        return pair_parts(rng, len(self.pairs), batch_size, self.micro_batch_size)
+
+    def loss(self, model, micro) -> tuple[torch.Tensor, dict[str, float]]:
+        part, total = micro
+        seq = sequence_logprobs(model, pair_batch(self.pairs, part, self.pad_id))
         rows = torch.tensor(part)
         chosen, rejected = seq[: len(part)], seq[len(part) :]
-        ref_c, ref_r = pairs.ref_chosen[rows], pairs.ref_rejected[rows]
-        out = dpo_loss(chosen, rejected, ref_c, ref_r, **s.loss_kwargs(), num_pairs=len(idx))
-        return out.loss, {k: float(v) * len(part) / len(idx) for k, v in out.stats.items()}
-
-    micro = [idx[lo : lo + s.micro_batch_size] for lo in range(0, len(idx), s.micro_batch_size)]
-    lr = optimizer.param_groups[0]["lr"]
-    params = list(model.parameters())
-    outcome = optimizer_step(optimizer, scheduler, params, s.grad_clip, micro, micro_loss)
-    return {"loss": outcome.loss, **outcome.as_dict(), "lr": lr}
+        ref_c, ref_r = self.pairs.ref_chosen[rows], self.pairs.ref_rejected[rows]
+        out = dpo_loss(chosen, rejected, ref_c, ref_r, **self.loss_kwargs, num_pairs=total)
+        return out.loss, {k: float(v) * len(part) / total for k, v in out.stats.items()}

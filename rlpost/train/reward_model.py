@@ -10,16 +10,13 @@ function the ``reward_model`` reward scores with, so the saved model reads at sc
 time exactly what it was trained on. A micro-batch's chosen and rejected responses go
 through the model in one forward pass, right-padded; the classifier reads the logit at
 the last non-pad token (``config.pad_token_id``). The loss is
-:func:`rlpost.algos.reward_model.bradley_terry_loss`; each step is the shared
-:func:`~rlpost.train.optim.optimizer_step`, and the resume state is the warm-up's
-(:func:`~rlpost.train.sft.save_train_state`): weights, optimizer, scheduler, data RNG.
+:func:`rlpost.algos.reward_model.bradley_terry_loss`; the steps are the offline loop's
+(:mod:`rlpost.train.offline`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForSequenceClassification
@@ -29,8 +26,7 @@ from rlpost.data.files import LoadReport, refuse_or_skip
 from rlpost.data.preferences import PreferencePair
 from rlpost.rewards.model import reward_input_ids
 from rlpost.train.batch import model_device
-from rlpost.train.optim import optimizer_step
-from rlpost.train.sft import resumable_steps, start_train_state
+from rlpost.train.offline import pair_parts
 
 
 @dataclass(frozen=True)
@@ -129,64 +125,20 @@ def evaluate_rm(model, pairs: EncodedPairs, pad_id: int, chunk: int = 128) -> di
     }
 
 
-def rm_step(
-    model,
-    opt,
-    sched,
-    pairs: EncodedPairs,
-    idx: list[int],
-    pad_id: int,
-    *,
-    micro: int,
-    grad_clip: float,
-) -> dict[str, float]:
-    """One optimizer step on pairs ``idx``, accumulated over micro-batches of ``micro``
-    pairs; each micro-batch divides by ``len(idx)``, so the step does not depend on the cut."""
+@dataclass
+class BradleyTerry:
+    """The reward model's objective on ``pairs``: a micro-batch's loss divides by the step's
+    pair count, so the step does not depend on the cut."""
 
-    def micro_loss(part: list[int]):
-        rc, rr = pair_rewards(model, pairs, part, pad_id)
-        out = bradley_terry_loss(rc, rr, margin=_margin(pairs, part), num_pairs=len(idx))
-        return out.loss, {k: float(v) * len(part) / len(idx) for k, v in out.stats.items()}
+    pairs: EncodedPairs
+    pad_id: int
+    micro_batch_size: int
 
-    parts = [idx[lo : lo + micro] for lo in range(0, len(idx), micro)]
-    lr = opt.param_groups[0]["lr"]
-    outcome = optimizer_step(opt, sched, list(model.parameters()), grad_clip, parts, micro_loss)
-    return {"loss": outcome.loss, **outcome.as_dict(), "lr": lr}
+    def draw(self, rng, batch_size: int) -> list:
+        return pair_parts(rng, len(self.pairs), batch_size, self.micro_batch_size)
 
-
-def rm_train(
-    model,
-    pairs: EncodedPairs,
-    pad_id: int,
-    *,
-    steps: int,
-    lr: float,
-    batch_size: int,
-    micro_batch_size: int,
-    warmup_steps: int,
-    grad_clip: float,
-    seed: int,
-    on_step: Callable[[int, dict[str, float]], None] | None = None,
-    state_dir: Path | None = None,
-    stop: Callable[[], bool] | None = None,
-    save_every: int = 0,
-) -> list[float]:
-    """Train ``model`` in place for ``steps`` steps; returns every step's loss.
-
-    Resumes from ``state_dir`` when it holds a state, saves it every ``save_every`` steps
-    and, when ``stop()`` turns true, saves it and raises
-    :class:`~rlpost.train.sft.WarmupInterrupted`; a resumed run takes the same steps as
-    one that never stopped. ``on_step(step, metrics)`` gets the 1-based step.
-    """
-    opt, sched, rng, losses = start_train_state(model, lr, warmup_steps, steps, seed, state_dir)
-    model.train()
-    for step in resumable_steps(steps, state_dir, save_every, stop, model, opt, sched, rng, losses):
-        idx = rng.sample(range(len(pairs)), min(batch_size, len(pairs)))
-        m = rm_step(
-            model, opt, sched, pairs, idx, pad_id, micro=micro_batch_size, grad_clip=grad_clip
-        )
-        losses.append(m["loss"])
-        if on_step is not None:
-            on_step(step + 1, m)
-    model.eval()
-    return losses
+    def loss(self, model, micro) -> tuple[torch.Tensor, dict[str, float]]:
+        part, total = micro
+        rc, rr = pair_rewards(model, self.pairs, part, self.pad_id)
+        out = bradley_terry_loss(rc, rr, margin=_margin(self.pairs, part), num_pairs=total)
+        return out.loss, {k: float(v) * len(part) / total for k, v in out.stats.items()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlpost.config import RECIPES_DIR, load_config
-from rlpost.pipeline.dpo import run_dpo
+from rlpost.pipeline.offline import run_dpo
 
 RECIPE = RECIPES_DIR / "dpo_prefs.yaml"
 

@@ -59,7 +59,7 @@ def test_partial_rollout_carries_episodes_and_trains_every_prompt_once(tmp_path)
         # is often done after the first turn while others still call: those are carried
         "agent.sft_direct": 0.65,
         "sft.steps": 80,
-        "sft.lr": 5e-3,
+        "sft.optim.lr": 5e-3,
         "sft.batch_size": 16,
         "rollout.partial": True,
         "rollout.partial_fraction": 0.5,

@@ -78,7 +78,7 @@ def test_training_loop_runs_episodes_on_remote_engines(tmp_path):
                 "agent.env": "calc",
                 "run.threads": 1,  # tiny models are overhead-bound: one thread is the fastest
                 "sft.steps": 80,
-                "sft.lr": 5e-3,
+                "sft.optim.lr": 5e-3,
                 "sft.batch_size": 16,
                 "train.steps": 2,
                 "eval.every": 0,

@@ -7,10 +7,14 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from rlpost.cli import main
 from rlpost.config import RECIPES_DIR, load_config
-from rlpost.pipeline.dpo import run_dpo
+from rlpost.pipeline.interrupts import Interrupts
+from rlpost.pipeline.offline import run_dpo
+from rlpost.train.offline import TrainingStopped
 
 RECIPE = RECIPES_DIR / "dpo_prefs.yaml"
 
@@ -65,7 +69,12 @@ def test_cli_run_writes_everything_a_user_reads(tmp_path):
 
 def test_ipo_runs_and_fits_the_pairs_it_trains_on(tmp_path):
     # Four prompts, eight pairs: every step sees the same batch, so the loss must fall.
-    ipo = {"dpo.loss_type": "ipo", "dpo.steps": 12, "dpo.lr": 3e-3, "dpo.warmup_steps": 0}
+    ipo = {
+        "dpo.loss_type": "ipo",
+        "dpo.steps": 12,
+        "dpo.optim.lr": 3e-3,
+        "dpo.optim.warmup_steps": 0,
+    }
     over = tiny_overrides(tmp_path, **ipo, **{"data.prefs.train_size": 4})
     result = run_dpo(load_config(RECIPE, over))
     assert result.summary["loss_type"] == "ipo" and result.summary["train_pairs"] == 8
@@ -80,7 +89,7 @@ def test_default_recipe_is_the_cli_default(tmp_path, monkeypatch):
     cfg = load_config(RECIPE, [])
     assert cfg.run.name == "dpo_prefs" and cfg.dpo.beta == 0.1 and cfg.data.prefs.eval_size >= 200
     seen = {}
-    monkeypatch.setattr("rlpost.pipeline.dpo.run_dpo", lambda c: seen.setdefault("cfg", c))
+    monkeypatch.setattr("rlpost.pipeline.offline.run_dpo", lambda c, *_: seen.setdefault("cfg", c))
     assert main(["dpo", "dpo.steps=7"]) == 0
     assert seen["cfg"].run.name == "dpo_prefs" and seen["cfg"].dpo.steps == 7
 
@@ -134,3 +143,45 @@ def test_missing_user_file_is_one_line(tmp_path, capsys):
     assert main(["dpo", *over]) == 2
     err = capsys.readouterr().err.strip()
     assert "x.jsonl' does not exist" in err and "\n" not in err
+
+
+class _StopAfter:
+    """A progress display that asks the run to stop after ``n`` advances (as Ctrl-C would)."""
+
+    def __init__(self, interrupts, n):
+        self.interrupts, self.n, self.seen = interrupts, n, 0
+
+    def task(self, name, total):
+        return name
+
+    def advance(self, task, info=""):
+        self.seen += 1
+        if self.seen == self.n:
+            self.interrupts.stop.set()
+
+    def done(self, task):
+        """The bar's end."""
+
+
+def test_a_stopped_dpo_run_resumes_to_the_weights_of_one_that_never_stopped(tmp_path):
+    def cfg(name):
+        return load_config(RECIPE, tiny_overrides(tmp_path, **{"run.name": name}))
+
+    full = run_dpo(cfg("full"))
+    with Interrupts() as interrupts, pytest.raises(TrainingStopped) as err:
+        run_dpo(cfg("cut"), console=_StopAfter(interrupts, 3 + 2))  # 3 warm-up, 2 dpo steps
+    run = tmp_path / "cut"
+    assert err.value.step == 2 and (run / "dpo_state" / "checkpoints" / "step_2").is_dir()
+    assert not (run / "model").exists()
+    assert (
+        main(["dpo", *tiny_overrides(tmp_path, **{"run.name": "cut"}), "--resume", str(run)]) == 0
+    )
+    got = AutoModelForCausalLM.from_pretrained(run / "model")
+    want = AutoModelForCausalLM.from_pretrained(full.run_dir / "model")
+    for p, q in zip(got.parameters(), want.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    cut = json.loads((run / "summary.json").read_text())
+    assert cut["eval_pref_accuracy_start"] == 0.5  # the reference came back with the checkpoint
+    assert cut["eval_margin_end"] == pytest.approx(full.summary["eval_margin_end"])
+    steps = [r["step"] for r in _rows(run) if "loss" in r]
+    assert steps == [1, 2, 3, 4] and not (run / "dpo_state").exists()

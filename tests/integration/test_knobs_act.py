@@ -33,7 +33,7 @@ from tests.integration.knob_probe import probe
 
 SPREAD = "tests.integration.knob_probe:spread_reward"
 # the second epoch of a batch is off-policy: ratio clips, KL-to-reference and trust regions bind
-OFF_POLICY = {"train.epochs": 2, "train.lr": 0.02}
+OFF_POLICY = {"train.epochs": 2, "train.optim.lr": 0.02}
 LOOP_ONLY = {"train.steps", "sync.every"}
 SAMPLING = (
     "engine preset prompts_per_step n temperature top_p top_k max_tokens truncated_reward "
@@ -92,11 +92,11 @@ ALTS = {
     "clip_cov_ratio": (other(1.0, 0.5), "update", OFF_POLICY),
     "clip_cov_lb": (other(-10.0, 0.0), "update", OFF_POLICY),
     "clip_cov_ub": (other(10.0, 1.0), "update", OFF_POLICY),
-    "train.lr": (lambda v: v * 10, "update", {}),
-    "train.warmup_steps": (other(0, 5), "update", {}),
-    "train.weight_decay": (other(0.5, 0.0), "update", {}),
-    "train.betas": (other((0.5, 0.9), (0.9, 0.999)), "update", OFF_POLICY),
-    "train.grad_clip": (other(1e-6, 1.0), "update", {}),
+    "train.optim.lr": (lambda v: v * 10, "update", {}),
+    "train.optim.warmup_steps": (other(0, 5), "update", {}),
+    "train.optim.weight_decay": (other(0.5, 0.0), "update", {}),
+    "train.optim.betas": (other((0.5, 0.9), (0.9, 0.999)), "update", OFF_POLICY),
+    "train.optim.grad_clip": (other(1e-6, 1.0), "update", {}),
     "train.mini_batch_size": (lambda v: max(1, v // 2), "update", {}),
     "train.micro_batch_size": (lambda v: v // 2 if v > 1 else 2, "passes", {}),
     "train.epochs": (lambda v: v + 1, "update", {}),
@@ -165,7 +165,7 @@ def small(cfg_dict: dict) -> dict:
         "model.tiny.hidden_size": 16,
         "model.tiny.intermediate_size": 32,
         "model.tiny.num_hidden_layers": 1,
-        "critic.warmup_steps": 0,  # a policy that waits for its critic trains nothing at first
+        "critic.head_start_steps": 0,  # a policy that waits for its critic trains nothing at first
         "sft.steps": 0,
         "rollout.n": n,
         "rollout.prompts_per_step": prompts,
@@ -212,7 +212,7 @@ def knobs(recipe: Recipe) -> list[tuple[str, object]]:
     d = recipe.resolved
     out = [(f"rollout.{k}", d["rollout"][k]) for k in SAMPLING]
     for section in ("train", "sync"):
-        out += [(f"{section}.{k}", v) for k, v in d[section].items() if k != "keep_bf16"]
+        out += [(k, v) for k, v in leaves(d[section], f"{section}.") if k != "sync.keep_bf16"]
     out += list(leaves(d["algo"], "algo."))  # a choice's leaves are its chosen variant's
     w = d["reward"]
     out += [(f"reward.{k}", w[k]) for k in ("alpha", "invalid_score", "score_range")]

@@ -15,9 +15,9 @@ from rlpost.cli import main
 from rlpost.config import RECIPES_DIR, load_config
 from rlpost.pipeline.interrupts import Interrupts
 from rlpost.pipeline.loop import train
-from rlpost.pipeline.rm import run_rm
+from rlpost.pipeline.offline import run_rm
 from rlpost.rewards.model import RewardModelWorker
-from rlpost.train.sft import WarmupInterrupted
+from rlpost.train.offline import TrainingStopped
 from rlpost.types import RewardSample
 
 TINY = ["model.tiny.hidden_size=32", "model.tiny.intermediate_size=64"]
@@ -53,8 +53,8 @@ def _args(tmp_path, pairs_file, *extra):
         "data.on_bad_row=skip",
         "rm.batch_size=16",
         "rm.micro_batch_size=8",
-        "rm.lr=3e-3",
-        "rm.warmup_steps=2",
+        "rm.optim.lr=3e-3",
+        "rm.optim.warmup_steps=2",
         "rm.eval_every=10",
         f"run.output_dir={tmp_path}",
         "observe.progress=false",
@@ -136,10 +136,12 @@ def test_a_stopped_rm_run_resumes_where_it_stopped(tmp_path, pairs_file):
         return load_config(None, over)
 
     run_rm(cfg("full"))
-    with Interrupts() as interrupts, pytest.raises(WarmupInterrupted) as err:
+    with Interrupts() as interrupts, pytest.raises(TrainingStopped) as err:
         run_rm(cfg("cut"), console=_StopAfter(interrupts, 3))
     run = tmp_path / "cut"
-    assert err.value.step == 3 and (run / "rm_state" / "state.pt").is_file()
+    assert (
+        err.value.step == 3 and (run / "rm_state" / "checkpoints" / "step_3" / "state.pt").is_file()
+    )
     assert not (run / "rm_model").exists()
     out = run_rm(cfg("cut"), resume=run)
     got = AutoModelForSequenceClassification.from_pretrained(out)

@@ -15,8 +15,8 @@ from rlpost.data.conversations import Conversation, chat_arith
 from rlpost.models.loading import load_policy
 from rlpost.pipeline.interrupts import Interrupts
 from rlpost.pipeline.loop import train
-from rlpost.pipeline.sft_chat import run_conversation_sft
-from rlpost.train.sft import WarmupInterrupted
+from rlpost.pipeline.offline import run_conversation_sft
+from rlpost.train.offline import TrainingStopped
 
 TINY = ["model.tiny.max_position_embeddings=256", "model.tiny.hidden_size=32"]
 
@@ -44,8 +44,8 @@ def _cfg(tmp_path, chats, *extra):
         f"sft.train_path={chats}",
         "sft.eval_fraction=0.2",
         "sft.batch_size=8",
-        "sft.lr=3e-3",
-        "sft.warmup_steps=2",
+        "sft.optim.lr=3e-3",
+        "sft.optim.warmup_steps=2",
         "sft.max_tokens_per_micro_batch=600",
         "sft.eval_max_tokens=4",
         "data.on_bad_row=skip",
@@ -111,7 +111,7 @@ def _overrides():
         "sft.data=file",
         "sft.eval_fraction=0.2",
         "sft.batch_size=8",
-        "sft.warmup_steps=2",
+        "sft.optim.warmup_steps=2",
         "sft.max_tokens_per_micro_batch=600",
         "sft.eval_max_tokens=4",
         "data.on_bad_row=skip",
@@ -143,10 +143,13 @@ def test_a_stopped_conversation_sft_resumes_where_it_stopped(tmp_path, chats):
     run_conversation_sft(full_cfg)
     full = json.loads((tmp_path / "full" / "sft_losses.json").read_text())
     cfg = _cfg(tmp_path, chats, "sft.steps=6", "run.name=cut", "sft.save_every=0")
-    with Interrupts() as interrupts, pytest.raises(WarmupInterrupted) as err:
+    with Interrupts() as interrupts, pytest.raises(TrainingStopped) as err:
         run_conversation_sft(cfg, console=_StopAfter(interrupts, 3))
     run = tmp_path / "cut"
-    assert err.value.step == 3 and (run / "sft_state" / "state.pt").is_file()
+    assert (
+        err.value.step == 3
+        and (run / "sft_state" / "checkpoints" / "step_3" / "state.pt").is_file()
+    )
     assert not (run / "sft_model").exists()
     out = run_conversation_sft(cfg, resume=run)
     assert json.loads((run / "sft_losses.json").read_text()) == pytest.approx(full, rel=1e-5)

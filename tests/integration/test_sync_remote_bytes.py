@@ -34,7 +34,7 @@ def _sync_bytes(tmp_path, model_dir, name: str, **sync) -> list[float]:
                 "rollout.engine": "remote",
                 "rollout.engine.servers": json.dumps([url]),
                 "train.steps": 3,
-                "train.lr": 1e-6,
+                "train.optim.lr": 1e-6,
                 # an untrained model scores 0 (zero advantages): the entropy bonus keeps each
                 # update non-zero, so the delta carries a real step
                 "algo.entropy_coef": 0.01,

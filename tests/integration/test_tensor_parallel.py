@@ -37,7 +37,7 @@ def _cfg(tmp_path, *extra):
     return _dp_cfg(
         tmp_path,
         "model.tiny.num_key_value_heads=2",  # grouped-query: one KV head per rank
-        "train.grad_clip=0.5",  # below every step's norm: the clip acts on each
+        "train.optim.grad_clip=0.5",  # below every step's norm: the clip acts on each
         "train.packing=off",  # both sides padded: the layouts differ, not the path
         *extra,
     )
@@ -103,7 +103,7 @@ def _same_steps(
         for key in ("loss", "clip_frac"):
             assert _close(r1.stats[key], r2.stats[key]), (step, key, r1.stats[key], r2.stats[key])
         a, b = r1.stats["grad_norm"], r2.stats["grad_norm"]
-        assert _close(a, b, grad_rel) and a > cfg.train.grad_clip, (step, a, b)
+        assert _close(a, b, grad_rel) and a > cfg.train.optim.grad_clip, (step, a, b)
     e1, e2 = one.export_weights(), group.export_weights()
     assert [n for n, _ in e1.tensors] == [n for n, _ in e2.tensors]
     start = dict(build.build_policy(cfg)[0].named_parameters())
@@ -187,7 +187,7 @@ def test_smollm2_at_tp3_equals_one_process(tmp_path):
         tmp_path,
         f"model.path={smollm2_dir()}",
         "train.mini_batch_size=6",
-        "train.lr=1e-5",
+        "train.optim.lr=1e-5",
         "cluster.trainer_workers=3",
         "cluster.tensor_parallel=3",
     )

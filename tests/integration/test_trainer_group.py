@@ -30,7 +30,7 @@ def _cfg(tmp_path, *extra):
             "model.tiny.intermediate_size=64",
             "train.mini_batch_size=8",  # two optimizer steps for 13 rows
             "train.micro_batch_size=3",
-            "train.lr=3e-3",
+            "train.optim.lr=3e-3",
             "algo.kl.beta=0.05",  # a reference policy, sharded too
             "cluster.backend=process",
             *extra,
@@ -204,7 +204,7 @@ def test_a_run_on_two_trainer_processes_matches_one_trainer(tmp_path):
                 "rollout.max_tokens=6",
                 "train.mini_batch_size=16",  # two optimizer steps per batch
                 "train.micro_batch_size=8",
-                "train.lr=3e-3",
+                "train.optim.lr=3e-3",
                 "eval.limit=8",
                 "eval.every=3",
                 "checkpoint.every=3",

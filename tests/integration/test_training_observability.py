@@ -144,7 +144,7 @@ def test_learning_rate_1000x_too_high_survives_with_guards(tmp_path, caplog):
     over = small_overrides(
         tmp_path,
         **{
-            "train.lr": 1.0,
+            "train.optim.lr": 1.0,
             "train.steps": 10,
             "observe.guards.cooldown": 0,
             "checkpoint.every": 2,

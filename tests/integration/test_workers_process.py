@@ -35,7 +35,7 @@ def _cfg(tmp_path, name, *extra):
             "rollout.max_tokens=6",
             "train.mini_batch_size=16",
             "train.micro_batch_size=16",
-            "train.lr=3e-3",
+            "train.optim.lr=3e-3",
             "algo.kl.beta=0.01",
             "eval.limit=8",
             "eval.every=2",

@@ -3,16 +3,24 @@ import sys
 
 import pytest
 
-from rlpost.config import Config, ConfigError, describe_fields, load_config, parse_overrides
+from rlpost.config import (
+    Config,
+    ConfigError,
+    OptimConfig,
+    RMConfig,
+    describe_fields,
+    load_config,
+    parse_overrides,
+)
 from rlpost.pipeline.rules import check as check_names
 
 
 def test_overrides_parse_yaml_scalars_and_nest():
     tree = parse_overrides(
-        ["train.lr=1e-5", "rollout.n=8", "data.arith.ops=['+']", "model.path=null"]
+        ["train.optim.lr=1e-5", "rollout.n=8", "data.arith.ops=['+']", "model.path=null"]
     )
     assert tree == {
-        "train": {"lr": 1e-5},
+        "train": {"optim": {"lr": 1e-5}},
         "rollout": {"n": 8},
         "data": {"arith": {"ops": ["+"]}},
         "model": {"path": None},
@@ -21,9 +29,9 @@ def test_overrides_parse_yaml_scalars_and_nest():
 
 def test_recipe_then_overrides(tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("train: {lr: 0.5, steps: 3}\nrollout: {n: 4}\n")
-    cfg = load_config(recipe, ["train.lr=0.25"])
-    assert cfg.train.lr == 0.25 and cfg.train.steps == 3 and cfg.rollout.n == 4
+    recipe.write_text("train: {optim: {lr: 0.5}, steps: 3}\nrollout: {n: 4}\n")
+    cfg = load_config(recipe, ["train.optim.lr=0.25"])
+    assert cfg.train.optim.lr == 0.25 and cfg.train.steps == 3 and cfg.rollout.n == 4
 
 
 def test_on_and_off_are_words_where_a_field_takes_them(tmp_path):
@@ -43,7 +51,7 @@ def test_on_and_off_are_words_where_a_field_takes_them(tmp_path):
     ("overrides", "needle"),
     [
         (["train.lrx=1"], "unknown config key 'train.lrx'"),
-        (["train.lr=-1"], "train.lr=-1"),
+        (["train.optim.lr=-1"], "train.optim.lr=-1"),
         (["algo.loss.clip_high=-0.1"], "config algo.loss.clip_high=-0.1: must be >= 0"),
         (["algo.loss.name=dppo", "algo.loss.divergence=l2"], "algo.loss.divergence='l2'"),
         (["algo.loss=dapo", "algo.loss.clip_hgh=0.3"], "unknown config key 'algo.loss.clip_hgh'"),
@@ -210,3 +218,29 @@ def test_the_engine_choice_names_every_registered_engine_and_refuses_others():
         load_config(None, ["rollout.engine=hff"])
     with pytest.raises(ConfigError, match=r"write rollout\.engine\.servers=\['http://a'\]"):
         load_config(None, ["rollout.servers=[http://a]"])
+
+
+@pytest.mark.parametrize(
+    ("override", "fix"),
+    [
+        ("train.lr=1e-4", "write train.optim.lr=0.0001"),
+        ("sft.grad_clip=2", "write sft.optim.grad_clip=2"),
+        ("dpo.warmup_steps=3", "write dpo.optim.warmup_steps=3"),
+        ("rm.weight_decay=0.1", "write rm.optim.weight_decay=0.1"),
+        ("critic.warmup_steps=3", "or critic.head_start_steps"),
+    ],
+)
+def test_an_optimizer_key_written_flat_names_its_new_key(override, fix):
+    with pytest.raises(ConfigError, match="the key moved") as err:
+        load_config(None, [override])
+    assert fix in str(err.value) and "\n" not in str(err.value)
+
+
+def test_every_section_that_trains_has_one_optimizer_type_with_its_own_defaults():
+    cfg = load_config(None, ["sft.optim.lr=1e-4", "critic.optim.grad_clip=0.5", "dpo.steps=1"])
+    cfg.rm = RMConfig()
+    optims = [cfg.train.optim, cfg.critic.optim, cfg.sft.optim, cfg.dpo.optim, cfg.rm.optim]
+    assert {type(o) for o in optims} == {OptimConfig}
+    assert cfg.sft.optim.lr == 1e-4 and cfg.sft.optim.warmup_steps == 20  # the rest: sft's
+    assert cfg.critic.optim.lr == 1e-3 and cfg.critic.optim.grad_clip == 0.5
+    assert cfg.train.optim.lr == 1e-5 and cfg.dpo.optim.lr == 5e-4

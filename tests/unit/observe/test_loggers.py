@@ -14,7 +14,7 @@ ROWS = [(1, {"loss": 0.5, "reward_mean": 0.25}), (2, {"loss": 0.125, "reward_mea
 
 def _record(run_dir, logger):
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text("run: {name: r}\ntrain: {lr: 0.001}\n")
+    (run_dir / "config.yaml").write_text("run: {name: r}\ntrain: {optim: {lr: 0.001}}\n")
     with Recorder(run_dir, loggers=[logger]) as rec:
         for step, values in ROWS:
             rec.record(step, values)
@@ -41,7 +41,7 @@ def test_mlflow_local_file_store(tmp_path, monkeypatch):
     (run,) = client.search_runs([client.get_experiment_by_name("rlpost").experiment_id])
     history = client.get_metric_history(run.info.run_id, "loss")
     assert sorted((m.step, m.value) for m in history) == [(1, 0.5), (2, 0.125)]
-    assert run.data.params["train.lr"] == "0.001" and run.info.run_name == "r"
+    assert run.data.params["train.optim.lr"] == "0.001" and run.info.run_name == "r"
     assert run.info.status == "FINISHED"
 
 
@@ -82,4 +82,4 @@ def test_wandb_offline_with_no_network(tmp_path, monkeypatch):
     assert "reward_mean" not in history[1]
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     config = {i.key: json.loads(i.value_json) for i in run.config.update}
-    assert config["train"] == {"lr": 0.001}
+    assert config["train"] == {"optim": {"lr": 0.001}}

@@ -28,7 +28,8 @@ from rlpost.rollout.multiturn import MultiTurnRollout
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.rollout.worker import to_groups
 from rlpost.train.batch import response_logits, token_logprobs
-from rlpost.train.sft import sft_train
+from rlpost.train.offline import Schedule, train_offline
+from rlpost.train.sft import SFT
 
 
 class Recording:
@@ -71,7 +72,7 @@ def calc_policy():
     def example(prompt, rng):
         return demonstration_completion(make_env(), prompt, fmt, tok, rng)
 
-    sft_train(model, tok, problems[8:], steps=60, lr=5e-3, batch_size=16, example=example)
+    train_offline(model, SFT(tok, problems[8:], example), Schedule(60, lr=5e-3, batch_size=16))
     return model, tok, problems
 
 

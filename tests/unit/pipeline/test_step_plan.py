@@ -47,7 +47,7 @@ def test_more_epochs_never_take_the_shortcut(tmp_path):
 
 
 def test_ppo_with_a_critic_passes_and_warms_up(tmp_path):
-    over = {"train.mini_batch_size": ROWS, "critic.warmup_steps": 2}
+    over = {"train.mini_batch_size": ROWS, "critic.head_start_steps": 2}
     plan = _plan(tmp_path, "ppo_arith.yaml", **over)
     assert plan.values and plan.reference and plan.kl_in_reward
     assert [plan.trains_policy(s) for s in range(3)] == [False, False, True]
@@ -123,7 +123,7 @@ def _groups(cfg, model):
     [
         (None, {}, "pass"),
         (None, {"train.mini_batch_size": ROWS}, "update"),
-        ("ppo_arith.yaml", {"train.mini_batch_size": ROWS, "critic.warmup_steps": 0}, "pass"),
+        ("ppo_arith.yaml", {"train.mini_batch_size": ROWS, "critic.head_start_steps": 0}, "pass"),
     ],
 )
 def test_the_trainer_never_writes_into_its_batch(tmp_path, recipe, over, source):

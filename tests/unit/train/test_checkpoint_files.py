@@ -56,7 +56,7 @@ def test_a_rollback_that_keeps_lr_cuts_applies_them_to_the_next_update(tmp_path)
     from rlpost.pipeline import build
     from tests.conftest import small_overrides
 
-    cfg = load_config(None, small_overrides(tmp_path, **{"train.warmup_steps": 0}))
+    cfg = load_config(None, small_overrides(tmp_path, **{"train.optim.warmup_steps": 0}))
     model, tokenizer = build.build_policy(cfg)
     worker = build.build_trainer_worker(cfg, model, tokenizer)
     worker.save(tmp_path / "ckpt")
@@ -78,7 +78,7 @@ def test_the_lr_cut_is_saved_with_the_checkpoint_and_old_states_load(tmp_path):
     from rlpost.train.worker import STATE_FILE
     from tests.conftest import small_overrides
 
-    cfg = load_config(None, small_overrides(tmp_path, **{"train.warmup_steps": 0}))
+    cfg = load_config(None, small_overrides(tmp_path, **{"train.optim.warmup_steps": 0}))
     model, tokenizer = build.build_policy(cfg)
     worker = build.build_trainer_worker(cfg, model, tokenizer)
     full = worker.trainer.optimizer.param_groups[0]["lr"]

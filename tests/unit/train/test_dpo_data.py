@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 
 import pytest
 import torch
@@ -20,14 +21,15 @@ from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
 from rlpost.pipeline.rules import check
 from rlpost.train.batch import response_logits, token_logprobs
 from rlpost.train.dpo import (
+    DPO,
     attach_reference,
-    dpo_update,
     encode_pairs,
     evaluate_pairs,
     pair_batch,
     pair_logprobs,
     sequence_logprobs,
 )
+from rlpost.train.optim import optimizer_step
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -193,7 +195,7 @@ def test_policy_equal_to_reference_is_a_coin_flip(tiny):
     model, tokenizer = tiny
     pairs = encode_pairs(_pairs(6), tokenizer)
     attach_reference(model, pairs, tokenizer.pad_token_id, chunk=4)
-    m = evaluate_pairs(model, pairs, tokenizer.pad_token_id, DPOConfig(), chunk=4)
+    m = evaluate_pairs(model, pairs, tokenizer.pad_token_id, DPOConfig().loss_kwargs(), chunk=4)
     assert m["eval_pref_accuracy"] == 0.5 and m["eval_margin"] == 0.0
     assert m["eval_loss"] == pytest.approx(0.6931, abs=1e-4)
 
@@ -209,8 +211,12 @@ def test_update_does_not_depend_on_the_micro_batch_size(tiny):
         m = copy.deepcopy(model)
         opt = torch.optim.SGD(m.parameters(), lr=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-        s = DPOConfig(batch_size=6, micro_batch_size=micro, grad_clip=1e9)
-        stats = dpo_update(m, opt, sched, pairs, list(range(6)), tokenizer.pad_token_id, s)
+        dpo = DPO(pairs, tokenizer.pad_token_id, micro, DPOConfig().loss_kwargs())
+        parts = dpo.draw(random.Random(0), 6)
+        out = optimizer_step(
+            opt, sched, list(m.parameters()), 1e9, parts, lambda b, m=m, d=dpo: d.loss(m, b)
+        )
+        stats = {"loss": out.loss, **out.stats}
         grads.append((stats, torch.cat([p.grad.flatten() for p in m.parameters()])))
     (s6, g6), *rest = grads
     for stats, g in rest:

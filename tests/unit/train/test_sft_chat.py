@@ -10,8 +10,8 @@ from rlpost.data.conversations import chat_arith, encode_conversations, ensure_c
 from rlpost.data.files import LoadReport
 from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
 from rlpost.train.batch import collate, response_logprobs
-from rlpost.train.sft import sft_train
-from rlpost.train.sft_chat import mean_nll, micro_batches
+from rlpost.train.offline import Schedule, train_offline
+from rlpost.train.sft import SFT, mean_nll, micro_batches
 from rlpost.types import Prompt
 
 
@@ -36,18 +36,8 @@ def _train(budget: int) -> tuple[list[float], torch.nn.Module]:
     tok, model, rows = _setup()
     prompts = [Prompt(text="", metadata={"example": r}) for r in rows]
     torch.manual_seed(0)
-    losses = sft_train(
-        model,
-        tok,
-        prompts,
-        steps=3,
-        lr=1e-3,
-        batch_size=8,
-        warmup_steps=0,
-        seed=0,
-        example=lambda p, rng: p.metadata["example"],
-        max_tokens_per_micro_batch=budget,
-    )
+    sft = SFT(tok, prompts, example=lambda p, rng: p.metadata["example"], max_tokens=budget)
+    losses = train_offline(model, sft, Schedule(steps=3, lr=1e-3, batch_size=8))
     return losses, model
 
 
