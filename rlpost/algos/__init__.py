@@ -20,7 +20,7 @@ from rlpost.algos.aggregate import (
 )
 from rlpost.algos.dpo import dpo_loss
 from rlpost.algos.entropy import entropy_from_logits
-from rlpost.algos.kl import KL_ESTIMATORS, get_kl_estimator, kl_loss, kl_penalized_rewards
+from rlpost.algos.kl import KL_ESTIMATORS, get_kl_estimator, kl_penalized_rewards
 from rlpost.algos.kl_control import AdaptiveKLController, FixedKLController
 from rlpost.algos.policy_losses import POLICY_LOSSES, PolicyLossOutput, get_policy_loss
 from rlpost.algos.sampling import (
@@ -49,7 +49,6 @@ __all__ = [
     "group_has_spread",
     "group_zero_spread_fraction",
     "groups_with_spread",
-    "kl_loss",
     "kl_penalized_rewards",
     "masked_mean",
     "masked_sum",
