@@ -160,7 +160,8 @@ def bf16_autocast(model: torch.nn.Module, bf16: bool):
 
 
 class PolicyTrainer:
-    """Updates ``model`` from :class:`TrainBatch` es with a registered policy loss."""
+    """Updates ``model`` from :class:`TrainBatch` es with ``loss``, the chosen variant of
+    ``algo.loss`` (a registered name and its parameters)."""
 
     def __init__(
         self,
