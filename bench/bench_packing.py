@@ -69,7 +69,7 @@ def worker(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlpost.algos import get_policy_loss
+    from rlpost.params import PPOClipParams
     from rlpost.train.actor import ActorSettings, PolicyTrainer
 
     torch.set_num_threads(args.threads)
@@ -83,7 +83,7 @@ def worker(args) -> None:
         packing=packing,
         bf16=args.dtype == "bf16",
     )
-    trainer = PolicyTrainer(model, get_policy_loss("ppo_clip"), settings)
+    trainer = PolicyTrainer(model, PPOClipParams(), settings)
     assert trainer.packed == (packing == "on"), "this model should pack"
     batch = make_batch(model.config.vocab_size, args.min_len, args.max_len)
     seconds, cpu, losses = [], [], []

@@ -7,12 +7,13 @@ chosen variant's parameters and nothing else, and a knob of another variant is a
 key, never an ignored one. ``algo.loss.name=dapo algo.loss.clip_high=0.3`` chooses and
 sets; a missing ``name`` is the part's default.
 
-A registered function takes its variant's fields as keywords (``variant.params()``). A
-contract test (tests/unit/algos/test_params_contract.py) asserts that each function's
-keyword parameters, apart from the inputs its kind's caller supplies, are exactly its
-variant's fields with the same defaults.
+A policy loss takes its variant itself (``fn(inputs, params)``), so its defaults are
+written here once. An advantage estimator takes its variant's fields as keywords
+(``variant.params()``). A contract test (tests/unit/algos/test_params_contract.py) holds
+each registered function to its variant.
 
-This module imports nothing of rlpost: the config tree is built from it.
+This module imports nothing of rlpost and not torch: the config tree is built from it,
+which is why the variant classes live here and not beside their functions in ``algos``.
 """
 
 from __future__ import annotations
@@ -62,9 +63,9 @@ def choice(default: str, *variants: type[Variant]) -> Any:
     ]
 
 
-def variant_names(union: Any) -> list[str]:
-    """The names a choice field accepts, in declaration order."""
-    return [m.__metadata__[0].tag for m in union.__origin__.__args__]
+def variants(union: Any) -> dict[str, type[Variant]]:
+    """The variant class of each name a choice field accepts, in declaration order."""
+    return {m.__metadata__[0].tag: m.__origin__ for m in union.__origin__.__args__}
 
 
 # ------------------------------------------------------------------ policy losses

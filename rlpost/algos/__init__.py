@@ -20,8 +20,8 @@ from rlpost.algos.aggregate import (
 )
 from rlpost.algos.dpo import dpo_loss
 from rlpost.algos.entropy import entropy_from_logits
-from rlpost.algos.kl import KL_ESTIMATORS, get_kl_estimator, kl_loss, kl_penalized_rewards
-from rlpost.algos.kl_control import AdaptiveKLController, FixedKLController
+from rlpost.algos.kl import KL_ESTIMATORS, get_kl_estimator, kl_penalized_rewards
+from rlpost.algos.kl_control import KLCoefficient
 from rlpost.algos.policy_losses import POLICY_LOSSES, PolicyLossOutput, get_policy_loss
 from rlpost.algos.sampling import (
     group_has_spread,
@@ -36,9 +36,8 @@ __all__ = [
     "AGGREGATIONS",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
-    "AdaptiveKLController",
     "Aggregation",
-    "FixedKLController",
+    "KLCoefficient",
     "PolicyLossOutput",
     "dpo_loss",
     "entropy_from_logits",
@@ -49,7 +48,6 @@ __all__ = [
     "group_has_spread",
     "group_zero_spread_fraction",
     "groups_with_spread",
-    "kl_loss",
     "kl_penalized_rewards",
     "masked_mean",
     "masked_sum",

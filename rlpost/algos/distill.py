@@ -26,8 +26,9 @@ import torch
 from torch import Tensor
 
 from rlpost.algos.advantages import ADVANTAGES, grpo_advantages
-from rlpost.algos.aggregate import Aggregation, masked_mean
-from rlpost.algos.policy_losses import POLICY_LOSSES, PolicyLossOutput, ppo_clip_loss
+from rlpost.algos.aggregate import masked_mean
+from rlpost.algos.policy_losses import POLICY_LOSSES, LossInputs, PolicyLossOutput, ppo_clip_loss
+from rlpost.params import GKDParams, PPOClipParams
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -117,41 +118,23 @@ def divergence_tokens(
 
 
 @POLICY_LOSSES.register("gkd", needs_teacher_logits=True)
-def gkd_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    *,
-    agg: Aggregation,
-    rollout_logprobs: Tensor | None = None,
-    ref_logprobs: Tensor | None = None,
-    logits: Tensor | None = None,
-    teacher_logits: Tensor | None = None,
-    divergence: str = "jsd",
-    beta: float = 0.5,
-    distill_weight: float = 1.0,
-    task_weight: float = 0.0,
-) -> PolicyLossOutput:
+def gkd_loss(x: LossInputs, p: GKDParams) -> PolicyLossOutput:
     """``distill_weight * agg(D(p_t, p_s)) + task_weight * ppo_clip(advantages)`` (GKD,
     Agarwal et al., arXiv 2306.13649, eq. 1 with the student's own samples).
 
-    ``logits`` ``[B, T, V]``: the student's (with gradient) at each response position;
-    ``teacher_logits`` ``[B, T, V]``: the teacher's on the same positions. ``D``: see
+    ``x.logits`` ``[B, T, V]``: the student's (with gradient) at each response position;
+    ``x.teacher_logits`` ``[B, T, V]``: the teacher's on the same positions. ``D``: see
     :func:`divergence_tokens`. The PPO term uses its default clips. Stats: ``distill_div``
     (the divergence's masked mean), and the PPO term's when it is on.
     """
-    if logits is None or teacher_logits is None:
+    if x.logits is None or x.teacher_logits is None:
         raise ValueError("policy loss 'gkd' needs the student's and the teacher's full logits")
-    mask = response_mask.detach()
-    div = divergence_tokens(logits, teacher_logits, divergence, beta)
-    loss = distill_weight * agg.reduce(div, mask)
+    mask = x.response_mask.detach()
+    div = divergence_tokens(x.logits, x.teacher_logits, p.divergence, p.beta)
+    loss = p.distill_weight * x.agg.reduce(div, mask)
     stats = {"distill_div": masked_mean(div.detach(), mask)}
-    if task_weight != 0.0:
-        pg = ppo_clip_loss(
-            logprobs, old_logprobs, advantages, response_mask, agg=agg,
-            rollout_logprobs=rollout_logprobs,
-        )  # fmt: skip
-        loss = loss + task_weight * pg.loss
+    if p.task_weight != 0.0:
+        pg = ppo_clip_loss(x, PPOClipParams())
+        loss = loss + p.task_weight * pg.loss
         stats |= pg.stats
     return PolicyLossOutput(loss, stats)

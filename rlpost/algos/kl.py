@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from rlpost.algos.aggregate import Aggregation, masked_mean
+from rlpost.algos.aggregate import masked_mean
 from rlpost.registry import Registry
 
 KL_ESTIMATORS: Registry[Callable[[Tensor, Tensor], Tensor]] = Registry("KL estimator")
@@ -91,23 +91,6 @@ def kl_abs_straight_through(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 def get_kl_estimator(name: str) -> Callable[[Tensor, Tensor], Tensor]:
     """The estimator registered as ``name``; raises ``UnknownNameError`` listing valid names."""
     return KL_ESTIMATORS.get(name)
-
-
-def kl_loss(
-    logprobs: Tensor,
-    ref_logprobs: Tensor,
-    response_mask: Tensor,
-    *,
-    agg: Aggregation,
-    estimator: str = "k3",
-) -> Tensor:
-    """KL-to-reference loss term ``agg(kl(logprobs, ref_logprobs), mask)`` (scalar).
-
-    Shapes: ``[B, T]`` each. The caller adds ``kl_coef * kl_loss(...)`` to the
-    policy loss (GRPO, arXiv 2402.03300; verl ``use_kl_loss``), using the
-    same aggregation as the policy loss so micro-batch invariance carries over.
-    """
-    return agg.reduce(get_kl_estimator(estimator)(logprobs, ref_logprobs), response_mask)
 
 
 @torch.no_grad()

@@ -1,16 +1,21 @@
-"""Policy-gradient losses, registered by name, all with one signature.
+"""Policy-gradient losses, registered by name, all with one signature: ``fn(x, params)``.
 
-``fn(logprobs [B, T], old_logprobs [B, T], advantages [B, T], response_mask [B, T], *,
-agg, rollout_logprobs=None, ref_logprobs=None, **params) -> PolicyLossOutput``.
+``x`` is the micro-batch's :class:`LossInputs` (frozen, built by the trainer) and
+``params`` the loss's variant of ``algo.loss`` (its class in ``rlpost.params``, which the
+config builds its choice from without importing torch). A loss returns a
+:class:`PolicyLossOutput`.
 
-``logprobs`` are the current policy's (with gradient); ``old_logprobs`` the
-trainer's recomputation of the behaviour policy; ``rollout_logprobs`` what the
-engine reported while sampling. Gradients flow only through ``logprobs``: every
-other input is detached here, so a caller cannot leak gradient by accident.
-The per-token loss matrix is reduced by ``agg`` (see ``aggregate.py``), so each
-loss works with every aggregation mode and stays micro-batch invariant.
-``ref_logprobs`` is accepted for a uniform signature; the KL-to-reference term
-is added by the caller with ``kl.kl_loss``.
+``x.logprobs`` are the current policy's (with gradient); ``x.old_logprobs`` the
+trainer's recomputation of the behaviour policy; ``x.rollout_logprobs`` what the
+engine reported while sampling. Gradients flow only through ``logprobs`` (and a
+full-distribution loss's ``logits``): every other input is detached here, so a caller
+cannot leak gradient by accident. The per-token loss matrix is reduced by ``x.agg``
+(see ``aggregate.py``), so each loss works with every aggregation mode and stays
+micro-batch invariant.
+
+A loss declares what it reads beyond the logprobs with registry traits, and the trainer
+supplies it: ``needs_teacher_logits`` (the student's and the teacher's ``[B, T, V]``
+logits), ``token_selector`` (tokens chosen once per mini-batch, as ``x.selected``).
 
 Every loss reports ``clip_frac`` (fraction of valid tokens whose gradient the
 trust region cut) and ``approx_kl`` (masked mean of ``old_logprobs - logprobs``),
@@ -26,6 +31,15 @@ import torch
 from torch import Tensor
 
 from rlpost.algos.aggregate import Aggregation, masked_mean
+from rlpost.params import (
+    CISPOParams,
+    GSPOParams,
+    PPOClipParams,
+    ReinforceParams,
+    SAPOParams,
+    TrustRegionParams,
+    Variant,
+)
 from rlpost.registry import Registry
 
 # verl clamps the per-token log-ratio to +-20 before exp: beyond it the ratio is
@@ -39,6 +53,48 @@ GSPO_LOG_RATIO_MAX = 10.0
 BINARY_KL_EPS = 1e-8
 
 
+@dataclass(frozen=True)
+class LossInputs:
+    """One micro-batch's inputs to the loss terms; tensors ``[B, T]`` unless said otherwise.
+
+    ``logprobs`` (with gradient), ``old_logprobs``, ``advantages`` (after any rollout
+    correction), ``response_mask`` and ``agg`` (the mini-batch's denominators) are always
+    there; ``rollout_logprobs`` when the engine reported them. What a loss declares:
+    ``selected`` (bool, a ``token_selector``'s choice over the mini-batch), ``logits`` and
+    ``teacher_logits`` ``[B, T, V]`` (``needs_teacher_logits``). The trainer's own terms
+    read ``ref_logprobs`` (KL), ``entropy`` (entropy bonus), ``rewarded`` ``[B, 1]`` and
+    ``nll_agg`` (NLL on the rewarded samples).
+    """
+
+    logprobs: Tensor
+    old_logprobs: Tensor
+    advantages: Tensor
+    response_mask: Tensor
+    agg: Aggregation
+    rollout_logprobs: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    selected: Tensor | None = None
+    logits: Tensor | None = None
+    teacher_logits: Tensor | None = None
+    entropy: Tensor | None = None
+    rewarded: Tensor | None = None
+    nll_agg: Aggregation | None = None
+
+    def __post_init__(self) -> None:
+        names = ("old_logprobs", "advantages", "response_mask", "rollout_logprobs",
+                 "ref_logprobs", "selected")  # fmt: skip
+        given = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        _same_shape("logprobs", self.logprobs, **given)
+
+    def detached(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(old, advantages, mask)`` detached, the mask as bool."""
+        return self.old_logprobs.detach(), self.advantages.detach(), self.response_mask.detach() > 0
+
+    @property
+    def rollout(self) -> Tensor | None:
+        return None if self.rollout_logprobs is None else self.rollout_logprobs.detach()
+
+
 @dataclass
 class PolicyLossOutput:
     """A scalar loss to minimise and detached scalar statistics for logging."""
@@ -47,13 +103,8 @@ class PolicyLossOutput:
     stats: dict[str, Tensor] = field(default_factory=dict)
 
 
-PolicyLoss = Callable[..., PolicyLossOutput]
+PolicyLoss = Callable[[LossInputs, Variant], PolicyLossOutput]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
-# The keywords the trainer supplies (``selected``: a ``token_selector`` loss's tokens); every
-# other keyword is a parameter, typed in ``rlpost.params`` with the same default.
-CALLER_INPUTS = frozenset(
-    {"agg", "rollout_logprobs", "ref_logprobs", "selected", "logits", "teacher_logits"}
-)
 
 
 def get_policy_loss(name: str) -> PolicyLoss:
@@ -68,15 +119,6 @@ def _same_shape(ref_name: str, ref: Tensor, **others: Tensor) -> None:
             raise ValueError(
                 f"{name} shape {tuple(t.shape)} != {ref_name} shape {tuple(ref.shape)}"
             )
-
-
-def _prepare(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Check shapes; return ``(old, advantages, mask)`` detached, mask as bool ``[B, T]``."""
-    others = {"old_logprobs": old_logprobs, "advantages": advantages}
-    _same_shape("logprobs", logprobs, **others, response_mask=response_mask)
-    return old_logprobs.detach(), advantages.detach(), response_mask.detach() > 0
 
 
 def _ratio(logprobs: Tensor, old: Tensor) -> tuple[Tensor, Tensor]:
@@ -99,22 +141,12 @@ def _approx_kl(logprobs: Tensor, old: Tensor, mask: Tensor) -> Tensor:
     return masked_mean((old - logprobs).detach(), mask)
 
 
-def _check_rollout(rollout_logprobs: Tensor | None, logprobs: Tensor) -> Tensor | None:
-    if rollout_logprobs is None:
-        return None
-    _same_shape("logprobs", logprobs, rollout_logprobs=rollout_logprobs)
-    return rollout_logprobs.detach()
+def _zero(x: LossInputs) -> Tensor:
+    return x.logprobs.new_zeros((), dtype=torch.float32)
 
 
 def _tis_reduce(
-    loss_mat: Tensor,
-    mask: Tensor,
-    stats: dict,
-    agg: Aggregation,
-    old: Tensor,
-    logprobs: Tensor,
-    rollout_logprobs: Tensor | None,
-    cap: float | None,
+    x: LossInputs, loss_mat: Tensor, stats: dict, old: Tensor, cap: float | None
 ) -> PolicyLossOutput:
     """``agg.reduce(loss_mat * w)`` with the truncated IS weight ``w = min(exp(old - rollout),
     cap)`` between trainer and engine (adds ``tis_weight_mean`` to ``stats``).
@@ -123,14 +155,12 @@ def _tis_reduce(
     recomputation ("Your efficient RL framework secretly brings you off-policy RL
     training", Yao et al. 2025). Off (``w = 1``) unless both a cap and rollout logprobs exist.
     """
-    rollout = _check_rollout(rollout_logprobs, logprobs)
-    if cap is not None and rollout is not None:
-        if cap <= 0:
-            raise ValueError(f"tis_cap must be > 0, got {cap}")
-        weights = torch.clamp(_ratio(old, rollout)[1], max=cap)
+    mask = x.response_mask.detach() > 0
+    if cap is not None and x.rollout is not None:
+        weights = torch.clamp(_ratio(old, x.rollout)[1], max=cap)
         stats["tis_weight_mean"] = masked_mean(weights, mask)
         loss_mat = loss_mat * weights
-    return PolicyLossOutput(agg.reduce(loss_mat, mask), stats)
+    return PolicyLossOutput(x.agg.reduce(loss_mat, mask), stats)
 
 
 def _clipped_surrogate(
@@ -143,52 +173,26 @@ def _clipped_surrogate(
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-def _check_trust(loss: str, divergence: str, is_cap: float) -> None:
-    if divergence not in ("binary_kl", "tv"):
-        raise ValueError(f"{loss} divergence must be 'binary_kl' or 'tv', got {divergence!r}")
-    if is_cap <= 0:
-        raise ValueError(f"{loss} is_cap must be > 0, got {is_cap}")
-
-
-def _check_clip(clip_low: float, clip_high: float) -> None:
-    if not 0 <= clip_low <= 1 or clip_high < 0:
-        raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got {clip_low}, {clip_high}")
-
-
 @POLICY_LOSSES.register("ppo_clip")
-def ppo_clip_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    *,
-    agg: Aggregation,
-    rollout_logprobs: Tensor | None = None,
-    ref_logprobs: Tensor | None = None,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    dual_clip: bool = True,
-    tis_cap: float | None = None,
-) -> PolicyLossOutput:
+@POLICY_LOSSES.register("dapo")
+def ppo_clip_loss(x: LossInputs, p: PPOClipParams) -> PolicyLossOutput:
     """PPO clipped surrogate (Schulman et al., arXiv 1707.06347 eq. 7) with dual clip.
 
     ``r = exp(clamp(lp - old, +-20))``; ``L = max(-A r, -A clip(r, 1-clip_low,
     1+clip_high))``; with ``dual_clip`` and ``A < 0``, ``L = min(L, -A c)``
-    (Ye et al., arXiv 1912.09729). ``clip_high > clip_low`` is DAPO's clip-higher.
+    (Ye et al., arXiv 1912.09729). ``clip_high > clip_low`` is DAPO's clip-higher
+    (``dapo``: the same loss with ``clip_high=0.28``, arXiv 2503.14476; its token-level
+    loss is the ``token-mean`` aggregation over the whole mini-batch).
     ``tis_cap`` multiplies by the truncated engine IS weight (off by default).
-    Shapes: all ``[B, T]`` -> scalar loss. Stats: ``clip_frac`` (``L2 > L1``),
-    ``clip_frac_lower`` (dual clip active), ``approx_kl`` of the clamped log-ratio.
+    Stats: ``clip_frac`` (``L2 > L1``), ``clip_frac_lower`` (dual clip active),
+    ``approx_kl`` of the clamped log-ratio.
     """
-    old, adv, mask = _prepare(logprobs, old_logprobs, advantages, response_mask)
-    _check_clip(clip_low, clip_high)
-    if dual_clip and clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 for dual clip, got {clip_ratio_c}")
-    log_ratio, ratio = _ratio(logprobs, old)
-    loss_mat, cut = _clipped_surrogate(adv, ratio, clip_low, clip_high)
+    old, adv, mask = x.detached()
+    log_ratio, ratio = _ratio(x.logprobs, old)
+    loss_mat, cut = _clipped_surrogate(adv, ratio, p.clip_low, p.clip_high)
     lower = torch.zeros_like(mask)
-    if dual_clip:
-        floor = -adv * clip_ratio_c
+    if p.dual_clip:
+        floor = -adv * p.clip_ratio_c
         lower = (loss_mat > floor) & (adv < 0)
         loss_mat = torch.where(adv < 0, torch.minimum(loss_mat, floor), loss_mat)
     stats = {
@@ -196,160 +200,85 @@ def ppo_clip_loss(
         "clip_frac_lower": _frac(lower, mask),
         "approx_kl": masked_mean(-log_ratio.detach(), mask),
     }
-    return _tis_reduce(loss_mat, mask, stats, agg, old, logprobs, rollout_logprobs, tis_cap)
-
-
-@POLICY_LOSSES.register("dapo")
-def dapo_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    *,
-    agg: Aggregation,
-    rollout_logprobs: Tensor | None = None,
-    ref_logprobs: Tensor | None = None,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    clip_ratio_c: float = 3.0,
-    dual_clip: bool = True,
-    tis_cap: float | None = None,
-) -> PolicyLossOutput:
-    """DAPO clip-higher (arXiv 2503.14476): :func:`ppo_clip_loss` with ``clip_high=0.28``.
-
-    Shapes and stats as :func:`ppo_clip_loss`. DAPO's token-level loss is the
-    ``token-mean`` aggregation over the whole mini-batch.
-    """
-    return ppo_clip_loss(**locals())  # every argument as given: only the defaults differ
+    return _tis_reduce(x, loss_mat, stats, old, p.tis_cap)
 
 
 @POLICY_LOSSES.register("gspo")
-def gspo_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    *,
-    agg: Aggregation,
-    rollout_logprobs: Tensor | None = None,
-    ref_logprobs: Tensor | None = None,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
-) -> PolicyLossOutput:
+def gspo_loss(x: LossInputs, p: GSPOParams) -> PolicyLossOutput:
     """GSPO sequence-level clipping (Group Sequence Policy Optimization, arXiv 2507.18071).
 
     ``log s_i = sum_t (lp - old) m / n_i``; per token ``log s_it = lp - sg(lp) +
     sg(log s_i)`` clamped at max 10 (verl's GSPO-token form: value ``s_i``,
     gradient ``s_i`` through its own token); ``L = max(-A s_it, -A clip(s_it,
     1-clip_low, 1+clip_high))``. With ``seq-mean-token-mean`` aggregation the
-    gradient equals the paper's sequence objective. Shapes ``[B, T]`` -> scalar.
+    gradient equals the paper's sequence objective.
     """
-    old, adv, mask = _prepare(logprobs, old_logprobs, advantages, response_mask)
-    _check_clip(clip_low, clip_high)
-    seq_log_ratio = masked_mean(_raw_log_ratio(logprobs, old, mask), mask, dim=-1).detach()
-    token_log_ratio = logprobs - logprobs.detach() + seq_log_ratio[:, None]
+    old, adv, mask = x.detached()
+    lp = x.logprobs
+    seq_log_ratio = masked_mean(_raw_log_ratio(lp, old, mask), mask, dim=-1).detach()
+    token_log_ratio = lp - lp.detach() + seq_log_ratio[:, None]
     ratio = torch.exp(torch.clamp(token_log_ratio, max=GSPO_LOG_RATIO_MAX))
-    loss_mat, cut = _clipped_surrogate(adv, ratio, clip_low, clip_high)
+    loss_mat, cut = _clipped_surrogate(adv, ratio, p.clip_low, p.clip_high)
     stats = {
         "clip_frac": _frac(cut, mask),
-        "approx_kl": _approx_kl(logprobs, old, mask),
+        "approx_kl": _approx_kl(lp, old, mask),
         "seq_ratio_mean": masked_mean(ratio.detach(), mask),
     }
-    return PolicyLossOutput(agg.reduce(loss_mat, mask), stats)
+    return PolicyLossOutput(x.agg.reduce(loss_mat, mask), stats)
 
 
 @POLICY_LOSSES.register("cispo")
-def cispo_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    *,
-    agg: Aggregation,
-    rollout_logprobs: Tensor | None = None,
-    ref_logprobs: Tensor | None = None,
-    clip_low: float = 1.0,
-    clip_high: float = 0.28,
-    tis_cap: float | None = None,
-) -> PolicyLossOutput:
+def cispo_loss(x: LossInputs, p: CISPOParams) -> PolicyLossOutput:
     """CISPO: clipped IS weight, REINFORCE gradient (MiniMax-M1, arXiv 2506.13585).
 
     ``L = -sg(clip(r, 1-clip_low, 1+clip_high)) A lp`` with ``r = exp(clamp(lp -
     old, +-20))``: every token keeps a gradient; clipping only bounds its weight.
-    ``clip_low=1.0`` sets no lower bound, as the paper. Shapes ``[B, T]`` -> scalar.
+    ``clip_low=1.0`` sets no lower bound, as the paper.
     ``clip_frac`` is the fraction of tokens whose weight was clipped.
     """
-    old, adv, mask = _prepare(logprobs, old_logprobs, advantages, response_mask)
-    _check_clip(clip_low, clip_high)
-    log_ratio, ratio = _ratio(logprobs, old)
-    weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach()
-    loss_mat = -weight * adv * logprobs
+    old, adv, mask = x.detached()
+    log_ratio, ratio = _ratio(x.logprobs, old)
+    weight = torch.clamp(ratio, 1.0 - p.clip_low, 1.0 + p.clip_high).detach()
+    loss_mat = -weight * adv * x.logprobs
     stats = {
         "clip_frac": _frac(weight != ratio, mask),
         "approx_kl": masked_mean(-log_ratio.detach(), mask),
     }
-    return _tis_reduce(loss_mat, mask, stats, agg, old, logprobs, rollout_logprobs, tis_cap)
+    return _tis_reduce(x, loss_mat, stats, old, p.tis_cap)
 
 
 @POLICY_LOSSES.register("sapo")
-def sapo_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    *,
-    agg: Aggregation,
-    rollout_logprobs: Tensor | None = None,
-    ref_logprobs: Tensor | None = None,
-    tau_pos: float = 1.0,
-    tau_neg: float = 1.05,
-) -> PolicyLossOutput:
+def sapo_loss(x: LossInputs, p: SAPOParams) -> PolicyLossOutput:
     """SAPO soft gate (Soft Adaptive Policy Optimization, arXiv 2511.20347).
 
     ``f(r) = sigmoid(tau (r - 1)) 4 / tau`` with ``tau = tau_pos`` if ``A > 0``
     else ``tau_neg``; ``L = -f(r) A``, gradient through the gate (``f'(1) = 1``,
     so near ``r = 1`` it is the plain policy gradient, fading smoothly off-policy).
-    Shapes ``[B, T]`` -> scalar. No hard clip: ``clip_frac`` is 0.
+    No hard clip: ``clip_frac`` is 0.
     """
-    old, adv, mask = _prepare(logprobs, old_logprobs, advantages, response_mask)
-    if tau_pos <= 0 or tau_neg <= 0:
-        raise ValueError(f"SAPO temperatures must be > 0, got tau_pos={tau_pos}, tau_neg={tau_neg}")
-    log_ratio, ratio = _ratio(logprobs, old)
-    tau = torch.where(adv > 0, tau_pos, tau_neg).to(ratio.dtype)
+    old, adv, mask = x.detached()
+    log_ratio, ratio = _ratio(x.logprobs, old)
+    tau = torch.where(adv > 0, p.tau_pos, p.tau_neg).to(ratio.dtype)
     gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
     loss_mat = -gate * adv
     stats = {
-        "clip_frac": logprobs.new_zeros((), dtype=torch.float32),
+        "clip_frac": _zero(x),
         "approx_kl": masked_mean(-log_ratio.detach(), mask),
         "gate_mean": masked_mean(gate.detach(), mask),
     }
-    return PolicyLossOutput(agg.reduce(loss_mat, mask), stats)
+    return PolicyLossOutput(x.agg.reduce(loss_mat, mask), stats)
 
 
 @POLICY_LOSSES.register("reinforce")
 @POLICY_LOSSES.register("gpg")
-def reinforce_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    *,
-    agg: Aggregation,
-    rollout_logprobs: Tensor | None = None,
-    ref_logprobs: Tensor | None = None,
-    tis_cap: float | None = None,
-) -> PolicyLossOutput:
+def reinforce_loss(x: LossInputs, p: ReinforceParams) -> PolicyLossOutput:
     """REINFORCE ``L = -A lp`` (Williams 1992); also GPG's loss (arXiv 2504.02546).
 
-    Shapes ``[B, T]`` -> scalar. ``tis_cap`` applies the truncated engine IS
-    weight. ``clip_frac`` is 0.
+    ``tis_cap`` applies the truncated engine IS weight. ``clip_frac`` is 0.
     """
-    old, adv, mask = _prepare(logprobs, old_logprobs, advantages, response_mask)
-    stats = {
-        "clip_frac": logprobs.new_zeros((), dtype=torch.float32),
-        "approx_kl": _approx_kl(logprobs, old, mask),
-    }
-    return _tis_reduce(-adv * logprobs, mask, stats, agg, old, logprobs, rollout_logprobs, tis_cap)
+    old, adv, mask = x.detached()
+    stats = {"clip_frac": _zero(x), "approx_kl": _approx_kl(x.logprobs, old, mask)}
+    return _tis_reduce(x, -adv * x.logprobs, stats, old, p.tis_cap)
 
 
 def _token_divergence(logprobs: Tensor, rollout: Tensor, divergence: str) -> Tensor:
@@ -368,20 +297,7 @@ def _token_divergence(logprobs: Tensor, rollout: Tensor, divergence: str) -> Ten
 
 
 @POLICY_LOSSES.register("flash_reinforce")
-def flash_reinforce_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    *,
-    agg: Aggregation,
-    rollout_logprobs: Tensor | None = None,
-    ref_logprobs: Tensor | None = None,
-    divergence: str = "binary_kl",
-    tr_kl: float = 0.05,
-    tr_tv: float = 0.2,
-    is_cap: float = 2.0,
-) -> PolicyLossOutput:
+def flash_reinforce_loss(x: LossInputs, p: TrustRegionParams) -> PolicyLossOutput:
     """Critic-free REINFORCE with truncated IS and an engine trust region.
 
     ``L = -A w lp keep`` with ``w = sg(min(exp(old - rollout), is_cap))`` (truncated
@@ -391,25 +307,23 @@ def flash_reinforce_loss(
     token (the divergences of verl's ``dppo_kl`` / ``dppo_tv``). Tokens outside
     are masked, not clipped, and the mask is two-sided: mismatch is noise, not a
     direction. Without ``rollout_logprobs`` it is plain REINFORCE.
-    Shapes ``[B, T]`` -> scalar.
     Stats: ``trust_masked_frac`` (= ``clip_frac``), ``is_capped_frac``.
     """
-    old, adv, mask = _prepare(logprobs, old_logprobs, advantages, response_mask)
-    _check_trust("flash_reinforce", divergence, is_cap)
-    rollout = _check_rollout(rollout_logprobs, logprobs)
-    stats = {"approx_kl": _approx_kl(logprobs, old, mask)}
+    old, adv, mask = x.detached()
+    lp, rollout = x.logprobs, x.rollout
+    stats = {"approx_kl": _approx_kl(lp, old, mask)}
     if rollout is None:
         keep = torch.ones_like(mask)
         capped = torch.zeros_like(mask)
-        weight = torch.ones_like(logprobs).detach()
+        weight = torch.ones_like(lp).detach()
     else:
-        threshold = tr_kl if divergence == "binary_kl" else tr_tv
-        keep = _token_divergence(logprobs.detach(), rollout, divergence) <= threshold
+        threshold = p.tr_kl if p.divergence == "binary_kl" else p.tr_tv
+        keep = _token_divergence(lp.detach(), rollout, p.divergence) <= threshold
         raw = _ratio(old, rollout)[1]
-        capped = raw > is_cap
-        weight = torch.clamp(raw, max=is_cap)
-    loss_mat = torch.where(keep, -adv * weight * logprobs, torch.zeros_like(logprobs))
+        capped = raw > p.is_cap
+        weight = torch.clamp(raw, max=p.is_cap)
+    loss_mat = torch.where(keep, -adv * weight * lp, torch.zeros_like(lp))
     stats["trust_masked_frac"] = _frac(~keep, mask)
     stats["clip_frac"] = stats["trust_masked_frac"]
     stats["is_capped_frac"] = _frac(capped, mask)
-    return PolicyLossOutput(agg.reduce(loss_mat, mask), stats)
+    return PolicyLossOutput(x.agg.reduce(loss_mat, mask), stats)

@@ -14,11 +14,8 @@ from functools import partial
 import torch
 
 from rlpost.algos import (
-    POLICY_LOSSES,
     get_kl_estimator,
-    get_policy_loss,
 )
-from rlpost.algos.correction import get_correction
 from rlpost.config import Config, ConfigError, SourceConfig
 from rlpost.data import DataError, LoadReport, load_prompt_file
 from rlpost.data.files import prompt_file_keywords
@@ -328,25 +325,20 @@ def build_trainer(cfg: Config, model, dp=None) -> PolicyTrainer:
         norm_constant=float(cfg.rollout.max_tokens),
         entropy_coef=a.entropy_coef,
         nll_coef=a.nll_coef,
-        kl_in_loss=a.kl.placement == "loss",
         bf16=bf16_compute(cfg),
         logits_chunk=t.logits_chunk_tokens,
         max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
         packing=t.packing,
-        loss_params=a.loss.params(),
         correction=c,
-        full_logits=bool(POLICY_LOSSES.trait(a.loss.name, "needs_teacher_logits")),
     )
     if settings.bf16 and eager_attention_pays(model):
         model.set_attn_implementation("eager")
     return PolicyTrainer(
         model,
-        get_policy_loss(a.loss.name),
+        a.loss,
         settings,
         layout=build_layout(cfg, model, dp),
         kl_estimator=get_kl_estimator(a.kl.estimator),
-        correction=None if c.name == "none" else get_correction(c.name),
-        token_selector=POLICY_LOSSES.trait(a.loss.name, "token_selector", None),
         seed=cfg.run.seed,
     )
 

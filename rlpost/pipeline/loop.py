@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from rlpost.algos import ADVANTAGES, AdaptiveKLController, FixedKLController
+from rlpost.algos import ADVANTAGES, KLCoefficient
 from rlpost.config import Config
 from rlpost.data import PromptSampler
 from rlpost.data.sources import make_sampler
@@ -95,7 +95,7 @@ class Run:
     run_dir: Path
     w: Workers
     sampler: PromptSampler
-    kl_ctl: object
+    kl_coef: KLCoefficient
     guards: Guards
     recorder: Recorder
     samples: SampleWriter
@@ -342,9 +342,7 @@ def _new_run(cfg: Config, run_dir: Path, workers: Workers, train_prompts, ckpt) 
             cfg.run.seed,
             streams=stream_samplers(cfg),
         ),
-        kl_ctl=AdaptiveKLController(kl.beta, kl.target, kl.horizon)
-        if kl.target
-        else FixedKLController(kl.beta),
+        kl_coef=KLCoefficient(kl.beta, kl.placement, kl.target or None, kl.horizon),
         guards=Guards(cfg.observe.guards),
         recorder=Recorder(
             run_dir,
@@ -382,7 +380,7 @@ def rl_step(r: Run, step: int) -> tuple[dict, list]:
         r.w.trainer,
         TrainSettings(cfg.algo, r.plan, r.w.teacher),
         pad_id=r.pad_id,
-        kl_ctl=r.kl_ctl,
+        kl_coef=r.kl_coef,
         guards=r.guards,
         step=step,
     )
@@ -475,7 +473,7 @@ def _full_eval(r: Run, held_out) -> dict:
 def _save(r: Run, step: int, *, rollout_state: bool = True) -> None:
     state = {
         "sampler": r.sampler.state_dict(),
-        "kl_ctl": r.kl_ctl.state_dict(),
+        "kl_ctl": r.kl_coef.state_dict(),
         "rollout": r.w.rollout.state_dict() if rollout_state else None,
         # prompts drawn but not trained yet (running ahead): a resume generates them first
         "pending": r.feed.pending() if r.feed is not None else [],
@@ -491,7 +489,7 @@ def _restore(r: Run, ckpt: Path, *, keep_lr: bool = False) -> tuple[int, list]:
     step = int(state["step"])
     r.w.trainer.restore(ckpt, version=step, keep_lr=keep_lr)
     r.sampler.load_state_dict(state["sampler"])
-    r.kl_ctl.load_state_dict(state["kl_ctl"])
+    r.kl_coef.load_state_dict(state["kl_ctl"])
     if state["rollout"] is not None:  # None: saved after the rollout worker was lost
         r.w.rollout.load_state_dict(state["rollout"])
     set_rng_state(state["rng"])
@@ -505,7 +503,7 @@ def _carry_out(r: Run, action, step: int) -> int:
     if action.kind == "stop":
         raise TrainingStopped(f"stopped by guard {action.guard}: {action.reason}")
     if action.kind == "raise_beta":
-        r.kl_ctl.beta = r.kl_ctl.beta * (action.factor or 2.0) if r.kl_ctl.beta > 0 else 0.01
+        r.kl_coef.raise_by(action.factor or 2.0)
     elif action.kind == "lower_lr":
         r.w.trainer.scale_lr(action.factor or 0.5)
     elif action.kind == "rebuild_engine":

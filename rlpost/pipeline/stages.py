@@ -27,7 +27,7 @@ from rlpost.algos import (
     scores_to_token_rewards,
 )
 from rlpost.algos.distill import distill_kl
-from rlpost.algos.kl_control import FixedKLController
+from rlpost.algos.kl_control import KLCoefficient
 from rlpost.algos.sampling import spread_per_group
 from rlpost.config import AlgoConfig
 from rlpost.data import PromptSampler
@@ -175,7 +175,7 @@ def train_stage(
     s: TrainSettings,
     *,
     pad_id: int,
-    kl_ctl=None,
+    kl_coef: KLCoefficient | None = None,
     guards: Guards | None = None,
     step: int = 0,
 ) -> StepStats:
@@ -184,7 +184,7 @@ def train_stage(
     Each input is a record built once and never written after: the collated batch, the
     logprobs and values the plan asks for, the advantages, the update's result. The
     trainer gets a batch holding all of them and returns what it computed."""
-    kl_ctl = kl_ctl if kl_ctl is not None else FixedKLController(0.0)
+    kl_coef = kl_coef if kl_coef is not None else KLCoefficient(0.0)
     algo, plan = s.algo, s.plan
     batch, dropped = trainable_batch(groups, pad_id, guards)
     source = plan.old_source(len(batch), step)
@@ -202,11 +202,10 @@ def train_stage(
     scored, teacher_seconds = with_teacher(scored, s.teacher, plan)
     inputs = estimator_inputs(groups, scored, trainer, algo.advantage.name)
     turn = turn_rewards(groups, batch.response_mask)
-    adv = compute_advantages(scored, algo, beta=kl_ctl.beta, inputs=inputs, turn_rewards=turn)
+    adv = compute_advantages(scored, algo, beta=kl_coef.in_reward, inputs=inputs, turn_rewards=turn)
     ready = replace(scored, **vars(adv))
     critic_stats = trainer.update_critic(ready) if plan.values else {}
-    beta = 0.0 if plan.kl_in_reward else kl_ctl.beta
-    result = trainer.update(ready, beta=beta, train_policy=plan.trains_policy(step))
+    result = trainer.update(ready, beta=kl_coef.in_loss, train_policy=plan.trains_policy(step))
     if source == "update":  # the single update's own loss pass
         old = result.old_logprobs
     actions = []
@@ -216,13 +215,13 @@ def train_stage(
         )
         actions += [bad] if bad is not None else []
     kl_value = kl_to_reference(old, scored.ref_logprobs, batch.response_mask, algo.kl.estimator)
-    kl_ctl.update(kl_value, len(batch))
+    kl_coef.observe(kl_value, len(batch))
     metrics = {
         **rollout_health([c for g in groups for c in g.completions], batch.scores, batch.group),
         **{k: v for k, v in result.stats.items() if k != "updates"},
         **critic_stats,
         "kl": kl_value,
-        "beta": kl_ctl.beta,
+        "beta": kl_coef.beta,
         "logprob_gap": logprob_gap(batch.rollout_logprobs, old, batch.response_mask),
         "invalid_rewards": float(len(dropped)),
         "completions": float(len(batch)),
@@ -318,9 +317,10 @@ def compute_advantages(
     inputs: dict | None = None,
     turn_rewards: torch.Tensor | None = None,
 ) -> Advantages:
-    """Token-level rewards (KL in the reward when so placed), advantages and returns.
+    """Token-level rewards (less the KL penalty), advantages and returns.
 
-    ``inputs``: extra keyword inputs of the estimator (:func:`estimator_inputs`);
+    ``beta``: the KL coefficient in the reward (:attr:`KLCoefficient.in_reward`, 0 when
+    the KL is in the loss); ``inputs``: extra keyword inputs of the estimator (:func:`estimator_inputs`);
     ``turn_rewards`` [B, T]: per-turn rewards of episodes, added to the outcome scores'
     token rewards (outcome estimators sum them into the episode's return; GAE and
     return-to-go estimators see them where they were earned)."""
@@ -328,7 +328,7 @@ def compute_advantages(
     rewards = scores_to_token_rewards(batch.scores, mask)
     if turn_rewards is not None:
         rewards = rewards + turn_rewards.to(rewards.dtype)
-    if batch.ref_logprobs is not None and algo.kl.placement == "reward":
+    if batch.ref_logprobs is not None and beta > 0:
         rewards, _ = kl_penalized_rewards(
             rewards,
             batch.old_logprobs,

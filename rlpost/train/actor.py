@@ -1,11 +1,16 @@
 """The policy trainer: PPO-style updates of the actor, algorithm-blind.
 
-The trainer knows nothing of GRPO or PPO by name: it is handed a policy-loss
-function and a KL estimator from the ``algos`` registries and applies them over
-epochs, shuffled mini-batches (one optimizer step each) and micro-batches
-(gradient accumulation). Loss denominators are computed once per mini-batch
-(:meth:`Aggregation.for_minibatch`) so the accumulated gradient is the same
-however a mini-batch is split into micro-batches.
+The trainer knows nothing of GRPO or PPO by name: it is handed the chosen policy loss
+(``algo.loss``: a registered name and its parameters) and a KL estimator, and applies
+them over epochs, shuffled mini-batches (one optimizer step each) and micro-batches
+(gradient accumulation). What is decided once per mini-batch (the loss denominators,
+:meth:`Aggregation.for_minibatch`; a token selector's choice) is a frozen
+:class:`Minibatch`, so the accumulated gradient is the same however a mini-batch is
+split. Each micro-batch's forward pass becomes one frozen
+:class:`rlpost.algos.policy_losses.LossInputs`, holding what the loss declared it reads
+(full logits and the teacher's for a distillation loss); the loss and the KL, NLL and
+entropy terms (:mod:`rlpost.algos.terms`) are functions of it. Statistics stay tensors
+until the step ends and are read once per optimizer step.
 
 Precision: weights and optimizer state are float32; ``bf16=True`` runs the
 forward and backward under bfloat16 autocast (bf16 compute, fp32 master).
@@ -21,14 +26,18 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from rlpost.algos.aggregate import Aggregation
+from rlpost.algos.correction import get_correction
 from rlpost.algos.entropy import entropy_from_logits
+from rlpost.algos.policy_losses import POLICY_LOSSES, LossInputs
+from rlpost.algos.terms import entropy_term, kl_term, nll_term
 from rlpost.observe.mfu import default_cpu_peak_flops, flops_per_token
+from rlpost.params import Variant
 from rlpost.rng import derive
 from rlpost.train.batch import (
     TrainBatch,
@@ -61,38 +70,34 @@ class ActorSettings:
     norm_constant: float | None = None
     entropy_coef: float = 0.0
     nll_coef: float = 0.0
-    kl_in_loss: bool = True
     bf16: bool = False
     logits_chunk: int = 0  # LM-head tokens per chunk (0: from the vocabulary; -1: full logits)
     max_tokens_per_micro_batch: int = 0  # padded tokens per micro-batch (0: rows only)
     packing: str = "off"  # auto | shared | on | off: rows packed end to end (train.packing)
-    loss_params: dict[str, Any] = field(default_factory=dict)
-    correction: Any = None  # the chosen algo.rollout_correction variant (its cap, low, high)
-    full_logits: bool = False  # the loss reads the whole [B, T, V] logits (gkd)
+    correction: Variant | None = None  # the chosen algo.rollout_correction (None: none)
 
 
-@dataclass
-class MinibatchAux:
-    """Per-mini-batch inputs beyond the loss denominators, sliced per micro-batch.
+@dataclass(frozen=True)
+class Minibatch:
+    """What is decided once per optimizer mini-batch, then sliced per micro-batch.
 
-    ``selected``: ``[B, T]`` tokens chosen by the loss's token selector (None: no
-    selector). ``rewarded``: ``[B, 1]`` 1.0 for samples with score > 0 and
-    ``nll_agg`` the token-mean over their tokens in the mini-batch (NLL term).
+    ``agg``: the loss denominators; ``beta``: the KL term's coefficient; ``selected``
+    ``[B, T]``: the tokens the loss's token selector chose (None: no selector);
+    ``rewarded`` ``[B, 1]``: 1.0 for samples with score > 0, and ``nll_agg`` the
+    token-mean over their tokens in the mini-batch (NLL term).
     """
 
+    agg: Aggregation
+    beta: float = 0.0
     selected: torch.Tensor | None = None
     rewarded: torch.Tensor | None = None
     nll_agg: Aggregation | None = None
 
-    def rows(self, micro_rows: torch.Tensor) -> MinibatchAux:
-        selected = None if self.selected is None else self.selected[micro_rows]
-        rewarded = None if self.rewarded is None else self.rewarded[micro_rows]
-        return MinibatchAux(selected, rewarded, self.nll_agg)
-
-    def trimmed(self, width: int) -> MinibatchAux:
-        """The first ``width`` response columns (a trimmed micro-batch's)."""
-        selected = None if self.selected is None else self.selected[:, :width]
-        return MinibatchAux(selected, self.rewarded, self.nll_agg)
+    def part(self, rows: torch.Tensor, width: int) -> Minibatch:
+        """The rows ``rows`` (of the whole batch) and first ``width`` response columns."""
+        selected = None if self.selected is None else self.selected[rows][:, :width]
+        rewarded = None if self.rewarded is None else self.rewarded[rows]
+        return replace(self, selected=selected, rewarded=rewarded)
 
 
 @dataclass(frozen=True)
@@ -155,29 +160,31 @@ def bf16_autocast(model: torch.nn.Module, bf16: bool):
 
 
 class PolicyTrainer:
-    """Updates ``model`` from :class:`TrainBatch` es with a registered policy loss."""
+    """Updates ``model`` from :class:`TrainBatch` es with ``loss``, the chosen variant of
+    ``algo.loss`` (a registered name and its parameters)."""
 
     def __init__(
         self,
         model: torch.nn.Module,
-        policy_loss,
+        loss: Variant,
         settings: ActorSettings,
         *,
         layout: WeightLayout | None = None,
         kl_estimator=None,
-        correction=None,
-        token_selector=None,
         seed: int = 0,
     ) -> None:
         self.model = model
         self.layout = layout if layout is not None else PlainLayout(model)
         self.ranks = self.layout.ranks  # how a batch's rows are shared (one rank, or DP)
-        # A loss that treats tokens chosen over the whole batch (KL-Cov, Clip-Cov) gets its
-        # choice made once per mini-batch here, so micro-batch splits cannot change it.
-        self.token_selector = token_selector
-        self.policy_loss = policy_loss
+        self.loss, self.policy_loss = loss, POLICY_LOSSES.get(loss.name)
+        # What the loss declared it reads beyond the logprobs. A loss that treats tokens chosen
+        # over the whole batch (KL-Cov, Clip-Cov) gets its choice made once per mini-batch
+        # here, so micro-batch splits cannot change it.
+        self.token_selector = POLICY_LOSSES.trait(loss.name, "token_selector", None)
+        self.full_logits = bool(POLICY_LOSSES.trait(loss.name, "needs_teacher_logits"))
         self.kl_estimator = kl_estimator
-        self.correction = correction
+        c = settings.correction
+        self.correction = None if c is None or c.name == "none" else get_correction(c.name)
         self.s = settings
         # Decided once: the rows of every pass run packed, or padded where the model cannot.
         sharded = not isinstance(self.ranks, SingleRank)
@@ -290,25 +297,26 @@ class PolicyTrainer:
         self, batch: TrainBatch, rows: torch.Tensor, beta: float, fill_old: bool
     ) -> dict[str, float]:
         """One optimizer step on rows ``rows`` of ``batch`` (micro-batches accumulated)."""
-        mask = batch.response_mask[rows]
-        agg = Aggregation.for_minibatch(mask, self.s.loss_agg_mode, self.s.norm_constant)
-        total_tokens = float(mask.sum().clamp(min=1))
-        aux = self._minibatch_aux(batch, rows)
+        mb = self._minibatch(batch, rows, beta)
+        total_tokens = float(batch.response_mask[rows].sum().clamp(min=1))
 
         def micro_loss(micro_rows: torch.Tensor):
             micro = self.ranks.select(batch, micro_rows)  # padding rows (PAD) carry a zero mask
-            real = micro_rows >= 0
-            aux_rows = aux.rows(micro_rows.clamp(min=0))
             if self.s.max_tokens_per_micro_batch > 0:  # this micro-batch's own widths
                 micro = micro.trimmed()
-                aux_rows = aux_rows.trimmed(micro.responses.shape[1])
-            loss, stats = self._micro_loss(micro, agg, beta, fill_old, aux_rows)
+            x, fixed = self._inputs(
+                micro, fill_old, mb.part(micro_rows.clamp(min=0), micro.responses.shape[1])
+            )
+            loss, stats = self._loss(x, mb.beta)
+            stats |= fixed
             if fill_old:
-                old = pad_responses(micro.old_logprobs, batch.responses.shape[1])
+                real = micro_rows >= 0
+                old = pad_responses(x.old_logprobs, batch.responses.shape[1])
                 batch.old_logprobs[micro_rows[real]] = old[real]
             # Loss terms reduced with the mini-batch denominators add up over micro-batches
             # (and ranks); per-micro-batch means are weighted by their share of the tokens.
             weight = float(micro.response_mask.sum()) / total_tokens
+            stats = {k: torch.as_tensor(v, dtype=torch.float64) for k, v in stats.items()}
             return loss, {k: v if k in ADDITIVE_STATS else v * weight for k, v in stats.items()}
 
         # The optimizer's own tensors: a sharded model lists its gathered (unsharded)
@@ -316,109 +324,86 @@ class PolicyTrainer:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         budget = self.s.max_tokens_per_micro_batch
         if budget > 0:  # one rank (a rule refuses it with data-parallel trainers)
-            lens = batch.lengths()
             micros = budget_slices(
-                rows, *lens, self.s.micro_batch_size, budget,
+                rows, *batch.lengths(), self.s.micro_batch_size, budget,
                 packed=self.packed, groups=self.packed.groups(batch),
             )  # fmt: skip
         else:
             micros = self.ranks.micro_slices(rows, self.s.micro_batch_size)
         outcome = optimizer_step(
-            self.optimizer,
-            self.scheduler,
-            params,
-            self.s.grad_clip,
-            micros,
-            micro_loss,
-            self.ranks.sum_floats,
-        )
+            self.optimizer, self.scheduler, params, self.s.grad_clip, micros, micro_loss,
+            lambda stats: self.ranks.sum_floats({k: float(v) for k, v in stats.items()}),
+        )  # fmt: skip
         if outcome.skipped:
             self.skipped_updates += 1
         return {**outcome.as_dict(), "loss": outcome.loss}
 
-    def _minibatch_aux(self, batch: TrainBatch, rows: torch.Tensor) -> MinibatchAux:
-        """What is decided once per mini-batch besides the loss denominators."""
-        aux = MinibatchAux()
+    def _minibatch(self, batch: TrainBatch, rows: torch.Tensor, beta: float) -> Minibatch:
+        """The loss denominators and what else is decided once per mini-batch."""
         mask = batch.response_mask[rows]
+        agg = Aggregation.for_minibatch(mask, self.s.loss_agg_mode, self.s.norm_constant)
+        selected = rewarded = nll_agg = None
         if self.token_selector is not None:
             chosen = self.token_selector(
-                batch.old_logprobs[rows], batch.advantages[rows], mask, **self.s.loss_params
+                batch.old_logprobs[rows], batch.advantages[rows], mask, self.loss
             )
-            aux.selected = torch.zeros_like(batch.response_mask, dtype=torch.bool)
-            aux.selected[rows] = chosen
+            selected = torch.zeros_like(batch.response_mask, dtype=torch.bool)
+            selected[rows] = chosen
         if self.s.nll_coef > 0:
-            aux.rewarded = (batch.scores > 0).to(batch.response_mask.dtype)[:, None]
-            rewarded_mask = mask * aux.rewarded[rows]
-            aux.nll_agg = Aggregation.for_minibatch(rewarded_mask, "token-mean")
-        return aux
+            rewarded = (batch.scores > 0).to(batch.response_mask.dtype)[:, None]
+            nll_agg = Aggregation.for_minibatch(mask * rewarded[rows], "token-mean")
+        return Minibatch(agg, beta, selected, rewarded, nll_agg)
 
-    def _micro_loss(
-        self, micro: TrainBatch, agg: Aggregation, beta: float, fill_old: bool, aux: MinibatchAux
-    ):
-        if self.s.full_logits:
-            return self._full_logits_loss(micro, agg, beta, fill_old, aux)
+    def _inputs(
+        self, micro: TrainBatch, fill_old: bool, mb: Minibatch
+    ) -> tuple[LossInputs, dict[str, torch.Tensor]]:
+        """The micro-batch's forward pass and the inputs its loss terms read (the full
+        ``[B, T, V]`` logits and the teacher's when the loss declared it needs them), with
+        the rollout correction's statistics."""
+        logits = None
         with bf16_autocast(self.model, self.s.bf16):
-            logprobs, entropy = response_logprobs(
-                self.model,
-                micro,
-                self.s.temperature,
-                with_entropy=self.s.entropy_coef > 0,
-                chunk=self.s.logits_chunk,
-                packed=self.packed,
-            )
-        return self._loss_terms(micro, agg, beta, fill_old, aux, logprobs, entropy)
-
-    def _full_logits_loss(self, micro, agg, beta, fill_old, aux):
-        """The loss of a policy loss that reads the whole distribution (gkd): the padded
-        ``[B, T, V]`` logits of the responses with the teacher's on the same positions."""
-        with bf16_autocast(self.model, self.s.bf16):
-            logits = response_logits(self.model, micro)
-        logprobs = token_logprobs(logits, micro.responses, self.s.temperature)
-        entropy = entropy_from_logits(logits.float()) if self.s.entropy_coef > 0 else None
-        extra = {"logits": logits, "teacher_logits": micro.teacher_logits}
-        return self._loss_terms(micro, agg, beta, fill_old, aux, logprobs, entropy, extra)
-
-    def _loss_terms(self, micro, agg, beta, fill_old, aux, logprobs, entropy, extra=None):
-        """The policy loss of ``logprobs`` plus the KL, NLL and entropy terms, and stats."""
-        mask = micro.response_mask
-        if fill_old:
-            micro.old_logprobs = logprobs.detach()
-        advantages, correction_stats = micro.advantages, {}
+            if self.full_logits:
+                logits = response_logits(self.model, micro)
+            else:
+                logprobs, entropy = response_logprobs(
+                    self.model, micro, self.s.temperature, with_entropy=self.s.entropy_coef > 0,
+                    chunk=self.s.logits_chunk, packed=self.packed,
+                )  # fmt: skip
+        if logits is not None:
+            logprobs = token_logprobs(logits, micro.responses, self.s.temperature)
+            entropy = entropy_from_logits(logits.float()) if self.s.entropy_coef > 0 else None
+        old = logprobs.detach() if fill_old else micro.old_logprobs
+        advantages, fixed = micro.advantages, {}
         if self.correction is not None and micro.rollout_logprobs is not None:
             # The proximal policy is old_logprobs: the loss pass's own with one optimizer
             # step per batch (no extra forward pass), else the recompute before the first.
             fix = self.correction(
-                micro.old_logprobs, micro.rollout_logprobs, mask, self.s.correction
+                old, micro.rollout_logprobs, micro.response_mask, self.s.correction
             )
-            advantages = advantages * fix.weights
-            correction_stats = {k: float(v) for k, v in fix.stats.items()}
-        out = self.policy_loss(
-            logprobs,
-            micro.old_logprobs,
-            advantages,
-            mask,
-            agg=agg,
-            rollout_logprobs=micro.rollout_logprobs,
-            ref_logprobs=micro.ref_logprobs,
-            **({"selected": aux.selected} if aux.selected is not None else {}),
-            **(extra or {}),
-            **self.s.loss_params,
+            advantages, fixed = advantages * fix.weights, fix.stats
+        x = LossInputs(
+            logprobs, old, advantages, micro.response_mask, mb.agg,
+            rollout_logprobs=micro.rollout_logprobs, ref_logprobs=micro.ref_logprobs,
+            selected=mb.selected, logits=logits, teacher_logits=micro.teacher_logits,
+            entropy=entropy, rewarded=mb.rewarded, nll_agg=mb.nll_agg,
+        )  # fmt: skip
+        return x, fixed
+
+    def _loss(self, x: LossInputs, beta: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The policy loss plus each term whose coefficient is not 0; detached statistics."""
+        out = self.policy_loss(x, self.loss)
+        loss, stats = out.loss, {**out.stats, "pg_loss": out.loss.detach()}
+        kl = beta if x.ref_logprobs is not None else 0.0
+        terms = (  # (statistic, coefficient, term); the pipeline logs the KL itself
+            (None, kl, lambda: kl_term(x, self.kl_estimator)),
+            ("nll_loss", self.s.nll_coef, lambda: nll_term(x)),
+            ("entropy", -self.s.entropy_coef, lambda: entropy_term(x)),  # a bonus
         )
-        loss = out.loss
-        stats = {k: float(v) for k, v in out.stats.items()} | correction_stats
-        stats["pg_loss"] = float(out.loss.detach())
-        if beta > 0 and self.s.kl_in_loss and micro.ref_logprobs is not None:
-            kl = agg.reduce(self.kl_estimator(logprobs, micro.ref_logprobs), mask)
-            loss = loss + beta * kl
-        if self.s.nll_coef > 0 and aux.nll_agg is not None:
-            rewarded = mask * aux.rewarded
-            nll = aux.nll_agg.reduce(-logprobs, rewarded)
-            loss = loss + self.s.nll_coef * nll
-            stats["nll_loss"] = float(nll.detach())
-        if self.s.entropy_coef > 0:
-            entropy = agg.reduce(entropy, mask)
-            loss = loss - self.s.entropy_coef * entropy
-            stats["entropy"] = float(entropy.detach())
+        for name, coef, term in terms:
+            if coef != 0:
+                value = term()
+                loss = loss + coef * value
+                stats |= {name: value.detach()} if name else {}
         return loss, stats
 
     # ----------------------------------------------------------------- mfu

@@ -85,7 +85,9 @@ def probe(cfg: Config, prompts, model_state: dict, run_dir: Path, steps: int = 1
     counts = {"trainer": 0, "trainer_tokens": 0, "engine": 0, "engine_tokens": 0}
     hooks = [_counter(trainer.trainer.model, counts, "trainer")]
     engine = getattr(rollout.engine, "engine", rollout.engine)  # an agent harness wraps one
-    engine = getattr(engine, "scheduler", engine)  # the continuous engine's model is its scheduler's
+    engine = getattr(
+        engine, "scheduler", engine
+    )  # the continuous engine's model is its scheduler's
     if hasattr(engine, "model"):
         hooks.append(_counter(engine.model, counts, "engine"))
     r = loop._new_run(cfg, run_dir, workers, prompts, None)
@@ -119,7 +121,7 @@ def probe(cfg: Config, prompts, model_state: dict, run_dir: Path, steps: int = 1
         ),
         "update": _digest((weights, _rounded(metrics, sorted(k for k in metrics if not timed(k))))),
         "sync": _digest(sorted((k, round(v, 6)) for k, v in sent.items() if not timed(k))),
-        "beta": _digest(round(r.kl_ctl.beta, 12)),
+        "beta": _digest(round(r.kl_coef.beta, 12)),
         "samples": _digest([p.read_text() for p in samples]),
         "passes": _digest(counts),
         "metrics": _digest(_rounded(metrics, sorted(k for k in metrics if not timed(k)))),

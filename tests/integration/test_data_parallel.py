@@ -18,11 +18,11 @@ import torch
 from rlpost.algos import (
     get_advantage_estimator,
     get_kl_estimator,
-    get_policy_loss,
     scores_to_token_rewards,
 )
 from rlpost.models.loading import frozen_copy
 from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
+from rlpost.params import PPOClipParams
 from rlpost.rollout.hf_engine import HFEngine
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.train.actor import ActorSettings, PolicyTrainer
@@ -85,7 +85,7 @@ def _run_case(settings: dict, options: dict, batch, dp: DataParallel | None) -> 
     s = ActorSettings(lr=1e-3, **{"mini_batch_size": 16, "micro_batch_size": 4, **settings})
     layout = PlainLayout(model, ref) if dp is None else ShardedLayout(model, ref, dp)
     trainer = PolicyTrainer(
-        model, get_policy_loss("ppo_clip"), s, layout=layout, kl_estimator=get_kl_estimator("k3")
+        model, PPOClipParams(), s, layout=layout, kl_estimator=get_kl_estimator("k3")
     )
     b = copy.deepcopy(batch)
     before = trainer.old_logprobs(b)

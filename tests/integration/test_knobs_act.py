@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from rlpost.algos import POLICY_LOSSES, Aggregation, get_policy_loss
+from rlpost.algos.policy_losses import LossInputs
 from rlpost.config import ConfigError, load_config, shipped_recipes
 from rlpost.pipeline import build, rules
 from rlpost.pipeline.loop import train
@@ -288,20 +289,14 @@ def configured_loss(cfg) -> str:
     rollout = old + (torch.rand(4, 6, generator=gen) - 0.5)
     adv = torch.randn(4, 6, generator=gen)
     mask = torch.ones(4, 6)
-    fn = get_policy_loss(cfg.algo.loss.name)
     full = {}  # a distillation loss reads the student's and the teacher's whole distributions
     if POLICY_LOSSES.trait(cfg.algo.loss.name, "needs_teacher_logits"):
         full = {k: torch.randn(4, 6, 11, generator=gen) * 2 for k in ("logits", "teacher_logits")}
-    out = fn(
-        lp.clamp(max=0.0),
-        old.clamp(max=0.0),
-        adv,
-        mask,
-        agg=Aggregation(cfg.algo.loss_agg_mode),
-        rollout_logprobs=rollout.clamp(max=0.0),
-        **full,
-        **cfg.algo.loss.params(),
-    )
+    x = LossInputs(
+        lp.clamp(max=0.0), old.clamp(max=0.0), adv, mask, Aggregation(cfg.algo.loss_agg_mode),
+        rollout_logprobs=rollout.clamp(max=0.0), **full,
+    )  # fmt: skip
+    out = get_policy_loss(cfg.algo.loss.name)(x, cfg.algo.loss)
     return repr(
         [round(float(out.loss), 7)]
         + [(k, round(float(v), 7)) for k, v in sorted(out.stats.items())]

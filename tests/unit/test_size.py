@@ -21,10 +21,10 @@ PACKAGE = Path(__file__).resolve().parents[2] / "rlpost"
 BLOCK = 8
 LONG_FUNCTION = 60
 SIZE_BOUNDS = {
-    "lines": 36_881,
+    "lines": 36_752,
     "grpo_arith_keys": 207,
     "functions_over_60_lines": 7,
-    "repeated_blocks": 8,
+    "repeated_blocks": 5,
 }
 """The bounds; each number may only fall."""
 

@@ -12,10 +12,10 @@ from rlpost.algos.aggregate import Aggregation
 from rlpost.algos.distill import (
     distill_kl,
     divergence_tokens,
-    gkd_loss,
     on_policy_distill_advantages,
     reverse_kl_tokens,
 )
+from tests.unit.algos.losscall import policy_loss
 
 STUDENT = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0], [-3.0, -3.0, -3.0]])
 TEACHER = torch.tensor([[-1.5, -1.0, -3.0], [-2.0, -9.0, 0.0], [-1.0, -1.0, -1.0]])
@@ -137,7 +137,7 @@ def _gkd_inputs(seed: int = 0):
 
 def test_gkd_loss_is_the_masked_mean_divergence_with_gradient_to_the_student_only():
     logits, teacher, mask, lp = _gkd_inputs()
-    out = gkd_loss(
+    out = policy_loss("gkd")(
         lp, lp.detach(), torch.zeros_like(mask), mask, agg=Aggregation("token-mean"),
         logits=logits, teacher_logits=teacher, divergence="forward_kl",
     )  # fmt: skip
@@ -156,7 +156,7 @@ def test_gkd_loss_is_micro_batch_invariant():
     agg = Aggregation.for_minibatch(mask, "token-mean")
 
     def loss(rows):
-        return gkd_loss(
+        return policy_loss("gkd")(
             lp[rows], lp[rows].detach(), torch.zeros_like(mask[rows]), mask[rows], agg=agg,
             logits=logits[rows], teacher_logits=teacher[rows],
         ).loss  # fmt: skip
@@ -170,8 +170,8 @@ def test_gkd_task_weight_adds_the_ppo_term():
     logits, teacher, mask, lp = _gkd_inputs(2)
     adv = torch.ones_like(mask)
     kw = {"agg": Aggregation("token-mean"), "logits": logits, "teacher_logits": teacher}
-    alone = gkd_loss(lp, lp.detach(), adv, mask, **kw).loss
-    both = gkd_loss(lp, lp.detach(), adv, mask, task_weight=0.5, **kw).loss
+    alone = policy_loss("gkd")(lp, lp.detach(), adv, mask, **kw).loss
+    both = policy_loss("gkd")(lp, lp.detach(), adv, mask, task_weight=0.5, **kw).loss
     # ratio 1 on every token: the PPO term is -mean(A) = -1
     assert float(both - alone) == pytest.approx(-0.5, rel=1e-6)
 
@@ -179,4 +179,4 @@ def test_gkd_task_weight_adds_the_ppo_term():
 def test_gkd_without_teacher_logits_names_the_problem():
     _, _, mask, lp = _gkd_inputs()
     with pytest.raises(ValueError, match="full logits"):
-        gkd_loss(lp, lp, mask, mask, agg=Aggregation("token-mean"))
+        policy_loss("gkd")(lp, lp, mask, mask, agg=Aggregation("token-mean"))

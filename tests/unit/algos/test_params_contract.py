@@ -1,35 +1,30 @@
 """Each registered loss, estimator and correction takes exactly its variant's parameters (CPU).
 
 A choice in the config (``algo.loss``, ``algo.advantage``, ``algo.rollout_correction``) is
-a union of one variant class per registered name. The variant holds the defaults the
-config passes; the function's signature holds the defaults a direct caller gets. They
-must be the same names with the same defaults, and every other keyword must be one the
-kind's caller supplies.
+a union of one variant class per registered name. A policy loss takes its variant itself
+(``fn(inputs, params)``), so the variant's defaults are the only ones. An estimator takes
+the variant's fields as keywords: the function's defaults must be the variant's, and every
+other keyword one the estimator's caller supplies.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import get_args
+import typing
 
 import pytest
 
 from rlpost.algos import ADVANTAGES, POLICY_LOSSES
 from rlpost.algos import advantages as advantages_module
-from rlpost.algos import policy_losses as losses_module
 from rlpost.algos.correction import CORRECTIONS
-from rlpost.params import AdvantageChoice, CorrectionChoice, LossChoice, variant_names
-
-
-def variants(union) -> dict:
-    return {a.__metadata__[0].tag: a.__origin__ for a in get_args(get_args(union)[0])}
-
+from rlpost.algos.policy_losses import LossInputs
+from rlpost.params import AdvantageChoice, CorrectionChoice, LossChoice, variants
 
 KINDS = [
-    (POLICY_LOSSES, LossChoice, losses_module.CALLER_INPUTS),
+    (POLICY_LOSSES, LossChoice, frozenset()),
     (ADVANTAGES, AdvantageChoice, advantages_module.CALLER_INPUTS),
 ]
-ENTRIES = [(reg, union, inputs, name) for reg, union, inputs in KINDS for name in reg.names()]
+ENTRIES = [(ADVANTAGES, AdvantageChoice, advantages_module.CALLER_INPUTS, n) for n in ADVANTAGES]
 
 
 def _keywords(fn) -> dict:
@@ -52,7 +47,7 @@ def test_keyword_parameters_equal_the_variant_fields(registry, union, inputs, na
 
 @pytest.mark.parametrize(("registry", "union", "inputs"), KINDS)
 def test_every_registered_name_is_a_variant_with_help(registry, union, inputs):
-    assert sorted(variant_names(union)) == sorted(registry.names())
+    assert sorted(variants(union)) == sorted(registry.names())
     for name, cls in variants(union).items():
         assert cls().name == name
         for param, sub in cls.model_fields.items():
@@ -60,4 +55,15 @@ def test_every_registered_name_is_a_variant_with_help(registry, union, inputs):
 
 
 def test_every_correction_is_a_variant():
-    assert sorted(variant_names(CorrectionChoice)) == sorted(["none", *CORRECTIONS.names()])
+    assert sorted(variants(CorrectionChoice)) == sorted(["none", *CORRECTIONS.names()])
+
+
+@pytest.mark.parametrize("name", POLICY_LOSSES.names())
+def test_a_loss_takes_its_inputs_and_its_variant(name):
+    fn = POLICY_LOSSES.get(name)
+    hints = typing.get_type_hints(fn)
+    first, second = list(inspect.signature(fn).parameters)
+    assert hints[first] is LossInputs
+    assert issubclass(
+        variants(LossChoice)[name], hints[second]
+    )  # dapo is ppo_clip's, gpg reinforce's

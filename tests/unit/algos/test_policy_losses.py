@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from rlpost.algos import AGGREGATIONS, POLICY_LOSSES, Aggregation, get_policy_loss
+from rlpost.params import LossChoice, variants
 from rlpost.registry import UnknownNameError
+from tests.unit.algos.losscall import policy_loss
 
 TOKEN_MEAN = Aggregation("token-mean")
 
@@ -37,14 +39,14 @@ def random_batch(seed=0, batch=6, width=7):
 
 def run(name, lp, old, adv, mask, agg=TOKEN_MEAN, **kw):
     lp = lp.detach().clone().requires_grad_(True)
-    out = get_policy_loss(name)(lp, old, adv, mask, agg=agg, **kw)
+    out = policy_loss(name)(lp, old, adv, mask, agg=agg, **kw)
     out.loss.backward()
     return out, lp.grad
 
 
 def test_ppo_clip_hand_computed():
     lp, old, adv, mask = tokens([1.5, 1.5, 4.0, 0.5, 0.5], [1.0, -1.0, -1.0, 1.0, -1.0])
-    out = get_policy_loss("ppo_clip")(lp, old, adv, mask, agg=TOKEN_MEAN)
+    out = policy_loss("ppo_clip")(lp, old, adv, mask, agg=TOKEN_MEAN)
     # per token: -1.2 (clip high), 1.5, 3 (dual clip caps 4), -0.5, 0.8 (clip low)
     assert out.loss.item() == pytest.approx((-1.2 + 1.5 + 3.0 - 0.5 + 0.8) / 5, rel=1e-6)
     assert out.stats["clip_frac"].item() == pytest.approx(0.4)
@@ -58,12 +60,12 @@ def test_ppo_clip_hand_computed():
 
 def test_ppo_clip_without_dual_clip_and_dapo_clip_higher():
     lp, old, adv, mask = tokens([4.0, 1.5], [-1.0, 1.0])
-    plain = get_policy_loss("ppo_clip")(lp, old, adv, mask, agg=TOKEN_MEAN, dual_clip=False)
+    plain = policy_loss("ppo_clip")(lp, old, adv, mask, agg=TOKEN_MEAN, dual_clip=False)
     assert plain.loss.item() == pytest.approx((4.0 - 1.2) / 2, rel=1e-6)
-    dapo = get_policy_loss("dapo")(lp, old, adv, mask, agg=TOKEN_MEAN)
+    dapo = policy_loss("dapo")(lp, old, adv, mask, agg=TOKEN_MEAN)
     assert dapo.loss.item() == pytest.approx((3.0 - 1.28) / 2, rel=1e-6)
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        get_policy_loss("ppo_clip")(lp, old, adv, mask, agg=TOKEN_MEAN, clip_ratio_c=0.9)
+        policy_loss("ppo_clip")(lp, old, adv, mask, agg=TOKEN_MEAN, clip_ratio_c=0.9)
 
 
 @pytest.mark.parametrize("mode", AGGREGATIONS.names())
@@ -71,7 +73,7 @@ def test_ppo_clip_without_dual_clip_and_dapo_clip_higher():
 def test_ratio_one_gives_minus_aggregated_advantage(name, mode):
     _, old, adv, mask, _ = random_batch(1)
     agg = Aggregation(mode)
-    out = get_policy_loss(name)(old.clone().requires_grad_(True), old, adv, mask, agg=agg)
+    out = policy_loss(name)(old.clone().requires_grad_(True), old, adv, mask, agg=agg)
     torch.testing.assert_close(out.loss, agg.reduce(-adv, mask))
     assert out.stats["clip_frac"].item() == 0.0
 
@@ -108,7 +110,7 @@ def test_gspo_gradient_is_sequence_objective_gradient():
 
 def test_cispo_hand_computed():
     lp, old, adv, mask = tokens([1.5, 0.5, 1.1], [1.0, 1.0, -1.0])
-    out = get_policy_loss("cispo")(lp, old, adv, mask, agg=TOKEN_MEAN)
+    out = policy_loss("cispo")(lp, old, adv, mask, agg=TOKEN_MEAN)
     weights = [1.28, 0.5, 1.1]  # clip_low=1.0: no lower bound; clip_high=0.28
     lp_vals = lp.detach()[0].tolist()
     expected = (
@@ -130,7 +132,7 @@ def sapo_gate(r, tau):
 
 def test_sapo_hand_computed_and_unit_slope():
     lp, old, adv, mask = tokens([1.5, 0.5], [1.0, -1.0])
-    out = get_policy_loss("sapo")(lp, old, adv, mask, agg=TOKEN_MEAN)
+    out = policy_loss("sapo")(lp, old, adv, mask, agg=TOKEN_MEAN)
     expected = (-sapo_gate(1.5, 1.0) + sapo_gate(0.5, 1.05)) / 2
     assert out.loss.item() == pytest.approx(expected, rel=1e-6)
     # at r = 1 the gate has slope 1: gradient -A r f'(1) / N = -A / N
@@ -160,7 +162,7 @@ def test_flash_reinforce_trust_region_and_is_cap():
     old = rollout + torch.log(row([1.1, 1.0, 3.0, 0.9]))  # IS weights exp(old - rollout)
     adv, mask = row([1.0, 1.0, -1.0, 2.0]), torch.ones(1, 4)
     assert binary_kl(0.3, 0.9) > 0.05 > max(binary_kl(a, b) for a, b in [(0.45, 0.5), (0.38, 0.4)])
-    out = get_policy_loss("flash_reinforce")(
+    out = policy_loss("flash_reinforce")(
         lp, old, adv, mask, agg=TOKEN_MEAN, rollout_logprobs=rollout
     )
     out.loss.backward()
@@ -169,7 +171,7 @@ def test_flash_reinforce_trust_region_and_is_cap():
     assert out.stats["trust_masked_frac"].item() == pytest.approx(0.25)
     assert out.stats["clip_frac"].item() == pytest.approx(0.25)
     assert out.stats["is_capped_frac"].item() == pytest.approx(0.25)
-    tv = get_policy_loss("flash_reinforce")(
+    tv = policy_loss("flash_reinforce")(
         lp, old, adv, mask, agg=TOKEN_MEAN, rollout_logprobs=rollout, divergence="tv", tr_tv=0.1
     )
     # |p - q| = 0.05, 0.6, 0.02, 0.01: only token 1 exceeds 0.1 (no token sits on the
@@ -212,7 +214,11 @@ def selected_kwargs(name, lp, adv, mask):
     select = POLICY_LOSSES.trait(name, "token_selector", None)
     if select is None:
         return lambda part: {}
-    chosen = select(lp.detach(), adv, mask, kl_cov_ratio=0.2, clip_cov_ratio=0.2, clip_cov_lb=0.0)
+    wide = {
+        "kl_cov": {"kl_cov_ratio": 0.2},
+        "clip_cov": {"clip_cov_ratio": 0.2, "clip_cov_lb": 0.0},
+    }
+    chosen = select(lp.detach(), adv, mask, variants(LossChoice)[name](**wide[name]))
     return lambda part: {"selected": chosen[part]}
 
 
@@ -221,7 +227,7 @@ def test_gradients_flow_only_through_logprobs(name):
     lp, old, adv, mask, rollout = random_batch(4)
     others = [t.clone().requires_grad_(True) for t in (old, adv, rollout, old)]
     lp = lp.clone().requires_grad_(True)
-    out = get_policy_loss(name)(
+    out = policy_loss(name)(
         lp,
         others[0],
         others[1],
@@ -286,9 +292,9 @@ def test_lookup_and_parameter_errors():
     lp, old, adv, mask, _ = random_batch(7)
     with pytest.raises(UnknownNameError, match=r"valid: .*ppo_clip"):
         get_policy_loss("ppo")
-    with pytest.raises(TypeError):
-        get_policy_loss("ppo_clip")(lp, old, adv, mask, agg=TOKEN_MEAN, tau_pos=1.0)
+    with pytest.raises(ValueError, match="tau_pos"):
+        policy_loss("ppo_clip")(lp, old, adv, mask, agg=TOKEN_MEAN, tau_pos=1.0)
     with pytest.raises(ValueError, match="advantages shape"):
-        get_policy_loss("reinforce")(lp, old, adv[:, :3], mask, agg=TOKEN_MEAN)
+        policy_loss("reinforce")(lp, old, adv[:, :3], mask, agg=TOKEN_MEAN)
     with pytest.raises(ValueError, match="divergence"):
-        get_policy_loss("flash_reinforce")(lp, old, adv, mask, agg=TOKEN_MEAN, divergence="js")
+        policy_loss("flash_reinforce")(lp, old, adv, mask, agg=TOKEN_MEAN, divergence="js")

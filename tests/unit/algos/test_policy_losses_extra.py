@@ -9,7 +9,9 @@ import math
 import pytest
 import torch
 
-from rlpost.algos import POLICY_LOSSES, Aggregation, get_policy_loss
+from rlpost.algos import POLICY_LOSSES, Aggregation
+from rlpost.params import LossChoice, variants
+from tests.unit.algos.losscall import policy_loss
 
 TOKEN_MEAN = Aggregation("token-mean")
 SEQ_MEAN = Aggregation("seq-mean-token-mean")
@@ -28,7 +30,7 @@ def test_gmpo_hand_computed_sign_aware_log_clip():
     lp = (old + d).requires_grad_(True)
     adv = torch.tensor([[1.0] * 3 + [50.0], [-1.0] * 3 + [50.0], [7.0] * 4])
     mask = torch.tensor([[1.0, 1, 1, 0], [1.0, 1, 1, 0], [0.0] * 4])
-    out = get_policy_loss("gmpo")(lp, old, adv, mask, agg=SEQ_MEAN)
+    out = policy_loss("gmpo")(lp, old, adv, mask, agg=SEQ_MEAN)
     rho0, rho1 = math.exp(0.0), math.exp((0.1 + 0.6 - 0.4) / 3)
     assert out.loss.item() == pytest.approx((-rho0 + rho1) / 2, rel=1e-5)
     assert out.stats["clip_frac"].item() == pytest.approx(2 / 6)
@@ -54,9 +56,7 @@ def test_dppo_drops_tokens_that_moved_past_the_region_in_the_advantage_direction
     # TV |p - q| = 0.3 > 0.2 and binary KL = 0.223 > 0.05 for every token: only the side
     # the advantage favours is dropped (token 0 went up with A > 0, token 3 down with A < 0)
     lp, old, adv, mask = dppo_tokens()
-    out = get_policy_loss("dppo")(
-        lp, old, adv, mask, agg=TOKEN_MEAN, divergence=divergence, **param
-    )
+    out = policy_loss("dppo")(lp, old, adv, mask, agg=TOKEN_MEAN, divergence=divergence, **param)
     kept = -1.0 * 0.4 * math.log(0.2) + 1.0 * 1.6 * math.log(0.8)
     assert out.loss.item() == pytest.approx(kept / 4, rel=1e-5)
     assert out.stats["clip_frac"].item() == pytest.approx(0.5)
@@ -66,18 +66,18 @@ def test_dppo_drops_tokens_that_moved_past_the_region_in_the_advantage_direction
 
 def test_dppo_inside_the_region_is_ppo_and_caps_the_weight():
     lp, old, adv, mask = dppo_tokens()
-    wide = get_policy_loss("dppo")(lp, old, adv, mask, agg=TOKEN_MEAN, divergence="tv", tr_tv=0.5)
+    wide = policy_loss("dppo")(lp, old, adv, mask, agg=TOKEN_MEAN, divergence="tv", tr_tv=0.5)
     wide.loss.backward()
     torch.testing.assert_close(lp.grad, torch.tensor([[-1.6, -0.4, 1.6, 0.4, 0.0]]) / 4)
     lp2, old2, adv2, mask2 = dppo_tokens()
-    capped = get_policy_loss("dppo")(
+    capped = policy_loss("dppo")(
         lp2, old2, adv2, mask2, agg=TOKEN_MEAN, divergence="tv", tr_tv=0.5, is_cap=1.0
     )
     capped.loss.backward()
     torch.testing.assert_close(lp2.grad, torch.tensor([[-1.0, -0.4, 1.0, 0.4, 0.0]]) / 4)
     assert capped.stats["is_capped_frac"].item() == pytest.approx(0.5)
     with pytest.raises(ValueError, match="divergence"):
-        get_policy_loss("dppo")(lp, old, adv, mask, agg=TOKEN_MEAN, divergence="js")
+        policy_loss("dppo")(lp, old, adv, mask, agg=TOKEN_MEAN, divergence="js")
 
 
 def test_dro_hand_computed():
@@ -85,7 +85,7 @@ def test_dro_hand_computed():
     lp = leaf([[-1.0 + math.log(1.5), -2.0, 4.0]])
     adv = torch.tensor([[1.0, -0.5, 3.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    out = get_policy_loss("dro")(lp, old, adv, mask, agg=TOKEN_MEAN, reg_coef=2.0)
+    out = policy_loss("dro")(lp, old, adv, mask, agg=TOKEN_MEAN, reg_coef=2.0)
     d = math.log(1.5)
     assert out.loss.item() == pytest.approx((-(-1.0 + d) + d**2 + 0.5 * -2.0) / 2, rel=1e-6)
     out.loss.backward()
@@ -104,7 +104,7 @@ def cov_tokens():
 
 def test_kl_cov_penalises_the_top_covariance_tokens():
     lp, old, adv, mask = cov_tokens()
-    out = get_policy_loss("kl_cov")(
+    out = policy_loss("kl_cov")(
         lp, old, adv, mask, agg=TOKEN_MEAN, kl_cov_ratio=0.25, ppo_kl_coef=2.0
     )
     r = math.exp(0.1)
@@ -113,13 +113,13 @@ def test_kl_cov_penalises_the_top_covariance_tokens():
     out.loss.backward()
     # the selected token 3 (covariance 1.45) gets the |log-ratio| gradient 2.0 on top
     torch.testing.assert_close(lp.grad, torch.tensor([[-r, -r, r, r + 2.0, 0.0]]) / 4)
-    half = get_policy_loss("kl_cov")(lp, old, adv, mask, agg=TOKEN_MEAN, kl_cov_ratio=0.5)
+    half = policy_loss("kl_cov")(lp, old, adv, mask, agg=TOKEN_MEAN, kl_cov_ratio=0.5)
     assert half.stats["clip_frac"].item() == pytest.approx(0.5)  # tokens 3 and 0
 
 
 def test_clip_cov_removes_the_gradient_of_band_tokens():
     lp, old, adv, mask = cov_tokens()
-    out = get_policy_loss("clip_cov")(
+    out = policy_loss("clip_cov")(
         lp, old, adv, mask, agg=TOKEN_MEAN, clip_cov_ratio=0.25, clip_cov_lb=1.0, clip_cov_ub=1.4
     )
     # band (1.0, 1.4) holds token 0 only (1.45 is above it); ratio e^0.1 < 1.2: no PPO clip
@@ -133,13 +133,15 @@ def test_clip_cov_removes_the_gradient_of_band_tokens():
 def test_selected_from_the_caller_overrides_and_fully_masked_row_is_empty():
     lp, old, adv, mask = cov_tokens()
     chosen = torch.tensor([[False, True, False, False, False]])
-    out = get_policy_loss("kl_cov")(lp, old, adv, mask, agg=TOKEN_MEAN, selected=chosen)
+    out = policy_loss("kl_cov")(lp, old, adv, mask, agg=TOKEN_MEAN, selected=chosen)
     assert out.stats["clip_frac"].item() == pytest.approx(0.25)
     select = POLICY_LOSSES.trait("kl_cov", "token_selector")
-    empty = select(lp.detach(), adv, torch.zeros_like(mask), kl_cov_ratio=0.5)
+    empty = select(
+        lp.detach(), adv, torch.zeros_like(mask), variants(LossChoice)["kl_cov"](kl_cov_ratio=0.5)
+    )
     assert not empty.any()
     with pytest.raises(ValueError, match="selected shape"):
-        get_policy_loss("kl_cov")(lp, old, adv, mask, agg=TOKEN_MEAN, selected=chosen[:, :2])
+        policy_loss("kl_cov")(lp, old, adv, mask, agg=TOKEN_MEAN, selected=chosen[:, :2])
 
 
 def test_selectors_are_registered_as_traits():

@@ -16,7 +16,8 @@ import math
 import pytest
 import torch
 
-from rlpost.algos import Aggregation, get_advantage_estimator, get_policy_loss
+from rlpost.algos import Aggregation, get_advantage_estimator
+from tests.unit.algos.losscall import policy_loss
 
 TOKEN_MEAN = Aggregation("token-mean")
 SEQ_MEAN = Aggregation("seq-mean-token-mean")
@@ -52,7 +53,7 @@ def grad_of(loss, lp):
 
 def ours(name, lp, old, adv, mask, agg=TOKEN_MEAN, **params):
     lp = lp.clone().requires_grad_(True)
-    out = get_policy_loss(name)(lp, old, adv, mask, agg=agg, **params)
+    out = policy_loss(name)(lp, old, adv, mask, agg=agg, **params)
     return out, grad_of(out.loss, lp)
 
 

@@ -16,11 +16,13 @@ import torch
 
 from rlpost.algos import get_policy_loss
 from rlpost.algos.aggregate import Aggregation
+from rlpost.algos.policy_losses import LossInputs
 from rlpost.config import Config
 from rlpost.data.arith import arith_problems
 from rlpost.envs.catalog import env_factory
 from rlpost.envs.formats import TagFormat, demonstration_completion
 from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
+from rlpost.params import PPOClipParams
 from rlpost.pipeline.build import build_trainer
 from rlpost.pipeline.stages import collate_groups, turn_rewards
 from rlpost.rollout.hf_engine import HFEngine
@@ -150,9 +152,8 @@ def test_tool_output_tokens_carry_no_gradient(episodes):
     logits.retain_grad()
     logprobs = token_logprobs(logits, batch.responses)
     agg = Aggregation.for_minibatch(mask, "token-mean")
-    loss = get_policy_loss("ppo_clip")(
-        logprobs, batch.old_logprobs, batch.advantages, mask, agg=agg
-    ).loss
+    x = LossInputs(logprobs, batch.old_logprobs, batch.advantages, mask, agg)
+    loss = get_policy_loss("ppo_clip")(x, PPOClipParams()).loss
     loss.backward()
     per_position = logits.grad.abs().sum(-1)
     assert per_position[tool].max().item() == 0.0

@@ -4,12 +4,11 @@ import pytest
 import torch
 
 from rlpost.algos import (
-    POLICY_LOSSES,
     get_advantage_estimator,
     get_kl_estimator,
-    get_policy_loss,
     scores_to_token_rewards,
 )
+from rlpost.params import LossChoice, PPOClipParams, variants
 from rlpost.rollout.hf_engine import HFEngine
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.train.actor import ActorSettings, PolicyTrainer
@@ -31,7 +30,7 @@ def _batch(model, tok):
 
 def _trainer(model, **kw):
     s = ActorSettings(lr=1e-3, mini_batch_size=16, micro_batch_size=kw.pop("micro", 16), **kw)
-    return PolicyTrainer(model, get_policy_loss("ppo_clip"), s, kl_estimator=get_kl_estimator("k3"))
+    return PolicyTrainer(model, PPOClipParams(), s, kl_estimator=get_kl_estimator("k3"))
 
 
 def test_positive_advantage_raises_logprob(tiny):
@@ -101,35 +100,29 @@ def test_multi_step_update_refuses_missing_old_logprobs(tiny):
     model, tok = tiny
     m = copy.deepcopy(model)
     b = _batch(m, tok)
-    tr = PolicyTrainer(
-        m, get_policy_loss("ppo_clip"), ActorSettings(mini_batch_size=8, micro_batch_size=8)
-    )
+    tr = PolicyTrainer(m, PPOClipParams(), ActorSettings(mini_batch_size=8, micro_batch_size=8))
     with pytest.raises(ValueError, match="old_logprobs"):
         tr.update(b)
 
 
 def test_warmup_and_lr_scaling(tiny):
     model, _tok = tiny
-    tr = PolicyTrainer(
-        copy.deepcopy(model), get_policy_loss("ppo_clip"), ActorSettings(lr=1.0, warmup_steps=3)
-    )
+    tr = PolicyTrainer(copy.deepcopy(model), PPOClipParams(), ActorSettings(lr=1.0, warmup_steps=3))
     assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(0.25)
     assert tr.scale_lr(0.5) == pytest.approx(0.5)
     assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(0.125)
 
 
 def test_rollout_correction_weights_the_loss_and_masks_tokens(tiny):
-    from rlpost.algos.correction import get_correction
     from rlpost.params import MaskCorrection, TISCorrection
 
     model, tok = tiny
     b = _batch(copy.deepcopy(model), tok)
 
-    def update(correction, rollout_shift, **params):
+    def update(variant, rollout_shift):
         m = copy.deepcopy(model)
-        variant = MaskCorrection(**params) if params else TISCorrection()
         s = ActorSettings(lr=1e-3, mini_batch_size=16, micro_batch_size=16, correction=variant)
-        tr = PolicyTrainer(m, get_policy_loss("ppo_clip"), s, correction=correction)
+        tr = PolicyTrainer(m, PPOClipParams(), s)
         batch = copy.deepcopy(b)
         batch.old_logprobs = tr.old_logprobs(batch)
         batch.rollout_logprobs = batch.old_logprobs + rollout_shift
@@ -137,29 +130,22 @@ def test_rollout_correction_weights_the_loss_and_masks_tokens(tiny):
 
     plain, m_plain = update(None, 0.0)
     # engine and trainer agree: every weight is 1 and the update is the plain one
-    same, m_same = update(get_correction("tis"), 0.0)
+    same, m_same = update(TISCorrection(), 0.0)
     assert same["is_weight_mean"] == pytest.approx(1.0) and same["loss"] == pytest.approx(
         plain["loss"]
     )
     for p, q in zip(m_plain.parameters(), m_same.parameters(), strict=True):
         torch.testing.assert_close(p, q)
     # the engine gave every token a ratio of e^3 > high: the IcePop mask drops them all
-    masked, m_masked = update(get_correction("mask"), -3.0, low=0.5, high=5.0)
+    masked, m_masked = update(MaskCorrection(low=0.5, high=5.0), -3.0)
     assert masked["is_masked_frac"] == pytest.approx(1.0) and masked["pg_loss"] == 0.0
     for p, q in zip(model.parameters(), m_masked.parameters(), strict=True):
         torch.testing.assert_close(p, q)  # no gradient, no move (AdamW without weight decay)
 
 
 def _selector_trainer(model, name, micro, **kw):
-    s = ActorSettings(
-        lr=1e-3, mini_batch_size=16, micro_batch_size=micro, loss_params=kw.pop("params", {}), **kw
-    )
-    return PolicyTrainer(
-        model,
-        get_policy_loss(name),
-        s,
-        token_selector=POLICY_LOSSES.trait(name, "token_selector", None),
-    )
+    s = ActorSettings(lr=1e-3, mini_batch_size=16, micro_batch_size=micro)
+    return PolicyTrainer(model, variants(LossChoice)[name](**kw.pop("params", {})), s, **kw)
 
 
 @pytest.mark.parametrize("name", ["kl_cov", "clip_cov"])

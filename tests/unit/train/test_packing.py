@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlpost.algos import get_advantage_estimator, get_policy_loss, scores_to_token_rewards
+from rlpost.algos import get_advantage_estimator, scores_to_token_rewards
+from rlpost.params import PPOClipParams
 from rlpost.train import packing
 from rlpost.train.actor import ActorSettings, PolicyTrainer
 from rlpost.train.batch import FULL_LOGITS, collate, response_logprobs, response_sum_pi_squared
@@ -134,7 +135,7 @@ def _trainer(model, packing: str, micro: int, budget: int = 0):
         entropy_coef=0.01,
         packing=packing,
     )
-    return PolicyTrainer(model, get_policy_loss("ppo_clip"), s)
+    return PolicyTrainer(model, PPOClipParams(), s)
 
 
 def _same_update(ta: PolicyTrainer, tc: PolicyTrainer, b, base) -> None:
@@ -298,13 +299,19 @@ def test_shuffles_and_budgets_keep_a_group_together():
     order = shuffled_rows(8, torch.Generator().manual_seed(0), groups)
     assert sorted(order.tolist()) == list(range(8))
     runs = [int(groups[r]) for r in order]
-    assert [g for k, g in enumerate(runs) if k == 0 or g != runs[k - 1]] == sorted(set(runs), key=runs.index)
+    assert [g for k, g in enumerate(runs) if k == 0 or g != runs[k - 1]] == sorted(
+        set(runs), key=runs.index
+    )
     for g in range(3):  # each group's rows in their own order
-        assert [r for r in order.tolist() if groups[r] == g] == (groups == g).nonzero().flatten().tolist()
+        assert [r for r in order.tolist() if groups[r] == g] == (
+            groups == g
+        ).nonzero().flatten().tolist()
     # a budget counts a group's prompt once: group 0 (prompt 10, responses 2 + 2 + 2) fits 16
     prompt = torch.tensor([10, 3, 10, 4, 3, 10, 4, 4])
     response = torch.tensor([2, 1, 2, 3, 1, 2, 2, 1])
-    slices = budget_slices(torch.arange(8), prompt, response, 8, 16, packed=Pack.SHARED, groups=groups)
+    slices = budget_slices(
+        torch.arange(8), prompt, response, 8, 16, packed=Pack.SHARED, groups=groups
+    )
     assert sorted(torch.cat(slices).tolist()) == list(range(8))
     assert [0, 2, 5] in [sorted(s.tolist()) for s in slices]
     for s in slices:
@@ -325,7 +332,7 @@ def test_shared_update_equals_the_padded_update(micro, budget):
     def trainer(model, packing, micro, budget=0):
         s = ActorSettings(lr=1e-3, mini_batch_size=7, micro_batch_size=micro, epochs=2,
                           max_tokens_per_micro_batch=budget, entropy_coef=0.01, packing=packing)  # fmt: skip
-        return PolicyTrainer(model, get_policy_loss("ppo_clip"), s)
+        return PolicyTrainer(model, PPOClipParams(), s)
 
     ta, tc = trainer(a, "shared", micro, budget), trainer(c, "off", 7)
     assert ta.packed is Pack.SHARED and tc.packed is Pack.PADDED

@@ -11,9 +11,9 @@ import torch
 from rlpost.algos import (
     get_advantage_estimator,
     get_kl_estimator,
-    get_policy_loss,
     scores_to_token_rewards,
 )
+from rlpost.params import PPOClipParams
 from rlpost.train.actor import ActorSettings, PolicyTrainer
 from rlpost.train.batch import collate, compute_logprobs, pad_responses
 from rlpost.train.optim import budget_slices
@@ -76,7 +76,7 @@ def _trainer(model, budget: int, entropy: float = 0.0):
         max_tokens_per_micro_batch=budget,
         entropy_coef=entropy,
     )
-    return PolicyTrainer(model, get_policy_loss("ppo_clip"), s, kl_estimator=get_kl_estimator("k3"))
+    return PolicyTrainer(model, PPOClipParams(), s, kl_estimator=get_kl_estimator("k3"))
 
 
 @pytest.mark.parametrize("budget", [30, 64])
@@ -108,7 +108,7 @@ def test_on_policy_fill_of_old_logprobs_under_a_budget(tiny):
     s = ActorSettings(
         lr=1e-3, mini_batch_size=16, micro_batch_size=4, max_tokens_per_micro_batch=30
     )
-    tr = PolicyTrainer(copy.deepcopy(model), get_policy_loss("ppo_clip"), s)
+    tr = PolicyTrainer(copy.deepcopy(model), PPOClipParams(), s)
     explicit = tr.old_logprobs(b)
     b.old_logprobs = None
     filled = tr.update(b).old_logprobs  # returned, never written into the batch
