@@ -157,11 +157,9 @@ def build_policy(cfg: Config):
 def build_engine(
     cfg: Config, model, tokenizer, *, push: bool = True, facts: RunFacts | None = None
 ):
-    """The rollout engine ``facts.engine`` names (``ENGINES``), serving ``model``'s current
-    weights (later ones arrive through sync).
-
-    ``push=False``: an engine that loads its own weights (vLLM, remote servers) is left as
-    it loaded them (the caller sends the weights itself)."""
+    """The engine ``facts.engine`` names (``ENGINES``), serving ``model``'s current weights
+    (later ones arrive through sync). ``push=False``: an engine that loads its own weights
+    (vLLM, remote servers) is left as it loaded them (the caller sends them itself)."""
     facts = facts or resolve(cfg)
     engine = ENGINES.get(facts.engine)(cfg, facts, model, tokenizer)
     if push and not facts.engine_in_process and not facts.engine_over_http:

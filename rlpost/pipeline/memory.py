@@ -86,8 +86,7 @@ def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
     width = 2 if facts.bf16 else 4
     n = shape["params"]
     trainable = 0.01 * n if facts.adapters else n  # adapters: a small fraction
-    in_process = facts.engine_in_process
-    engine_copy = in_process and not facts.shares_storage
+    in_process = facts.engine_in_process  # a serving copy (unless shared) and a KV cache
     seq = PROMPT_TOKENS + r.max_tokens
     rows = min(r.batch_size, r.prompts_per_step * r.n)
     kv = rows * seq * shape["layers"] * 2 * shape["kv_dim"] * width if in_process else 0
@@ -112,7 +111,7 @@ def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
         gradients=trainable * 4 / MIB,
         optimizer=trainable * 8 / MIB,
         reference=n * 4 / MIB if facts.reference_copy else 0.0,
-        engine=n * width / MIB if engine_copy else 0.0,
+        engine=n * width / MIB if in_process and not facts.shares_storage else 0.0,
         kv_cache=kv / MIB,
         activations=per_layer * layers / MIB,
         logits=logits / MIB,
