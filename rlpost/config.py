@@ -39,6 +39,7 @@ from rlpost.params import (
     NoCorrection,
     PPOClipParams,
     Variant,
+    bare,
     choice,
 )
 
@@ -356,12 +357,7 @@ ENGINE_KEYS |= {k: "remote" for k in ("servers", "server_model", "server_timeout
 ENGINE_KEYS |= {k: "remote" for k in ("api_key_env", "admin_key_env")}
 
 
-class HFEngine(Variant):
-    name: Literal["hf"] = "hf"
-
-
-class HFContinuousEngine(Variant):
-    name: Literal["hf_continuous"] = "hf_continuous"
+AutoEngine, HFEngine, HFContinuousEngine = (bare(n) for n in ("auto", "hf", "hf_continuous"))
 
 
 class VLLMEngine(Variant):
@@ -389,11 +385,15 @@ class RemoteEngine(Variant):
     """Name of the environment variable holding the servers' admin key, sent with weight pushes."""
 
 
+EngineChoice = choice("auto", AutoEngine, HFEngine, HFContinuousEngine, VLLMEngine, RemoteEngine)
+
+
 class RolloutConfig(Section):
-    engine: choice("hf", HFEngine, HFContinuousEngine, VLLMEngine, RemoteEngine) = HFEngine()  # type: ignore[valid-type]
-    """Rollout engine and its parameters: hf (transformers in this process, batch decoding;
-    with rollout.partial or pipeline.mode=async it is hf_continuous, which those need),
-    hf_continuous (transformers in this process, continuous batching), vllm (extra [vllm];
+    engine: EngineChoice = AutoEngine()  # type: ignore[valid-type]
+    """Rollout engine and its parameters: auto (the in-process engine the run needs:
+    hf_continuous with rollout.partial, pipeline.mode=async or agent.harness, else hf), hf
+    (transformers in this process, batch decoding), hf_continuous (transformers in this
+    process, continuous batching), vllm (extra [vllm];
     tensor_parallel_size, gpu_memory_utilization, max_model_len) or remote (rollout servers:
     servers, server_model, server_timeout_s, api_key_env, admin_key_env)."""
     preset: Literal["rlvr", "rlhf"] | None = None

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import rlpost.pipeline  # noqa: F401  (registers the engines the run facts read)
 from rlpost.config import Config
-from rlpost.pipeline.rules import resolve_backend
+from rlpost.resolved import resolve
 
 
 def starter(cfg: Config) -> Callable:
     """The start function of ``cfg.cluster.backend`` (``auto``: local for the synchronous loop,
     separate processes for the overlapped ones)."""
-    backend = resolve_backend(cfg)
+    backend = resolve(cfg).backend
     if backend == "ray":
         from rlpost.cluster.ray_backend import import_ray, start_ray_workers
 

@@ -451,13 +451,13 @@ def _core_share(cfg: Config):
     trainer while it is 0), or (None, 0) where ``cluster.share_cores`` does not apply: one
     trainer and one rollout worker, CPU threads set, and cores beyond the trainer's."""
     from rlpost.observe.mfu import _usable_cores
-    from rlpost.pipeline.build import run_device
+    from rlpost.resolved import resolve
 
     c = cfg.cluster
     if not (c.share_cores and c.trainer_workers == 1 and c.rollout_workers == 1):
         return None, 0
     lend = min(cfg.run.threads, _usable_cores() - cfg.run.threads)
-    if cfg.run.threads < 1 or lend < 1 or run_device(cfg).type != "cpu":
+    if cfg.run.threads < 1 or lend < 1 or resolve(cfg).device != "cpu":
         return None, 0
     return mp.get_context("spawn").RawValue("i", 0), lend
 
@@ -472,10 +472,10 @@ def start_trainers(cfg: Config, run_dir: Path, cores=None, lend: int = 0):
             "trainer", "trainer_factory", cfg, run_dir, cores=cores, lend_cores=lend
         )
     from rlpost.cluster.trainer_group import TrainerGroup
-    from rlpost.pipeline.build import run_device
+    from rlpost.resolved import resolve
     from rlpost.train.dp import DPSpec, free_port
 
-    backend = "nccl" if run_device(cfg).type == "cuda" else "gloo"
+    backend = "nccl" if resolve(cfg).device == "cuda" else "gloo"
     port = free_port()
     # Started together: each one's start blocks until all have joined the process group.
     with ThreadPoolExecutor(max_workers=n) as pool:

@@ -27,34 +27,25 @@ from rlpost.envs.catalog import env_factory
 from rlpost.envs.formats import build_format, demonstration_completion
 from rlpost.models.loading import context_length, frozen_copy, load_policy, load_tokenizer
 from rlpost.models.tiny import build_char_tokenizer
-from rlpost.observe.mfu import cpu_bf16_native
-from rlpost.pipeline.plan import resolve_step_plan
 from rlpost.pipeline.weights import build_weight_path
+from rlpost.resolved import ENGINES, RunFacts, resolve
 from rlpost.rewards.routing import build_routed_scorer
 from rlpost.rewards.worker import RewardWorker
 from rlpost.rng import derive
-from rlpost.rollout.continuous import ContinuousEngine
-from rlpost.rollout.hf_engine import HFEngine
 from rlpost.rollout.longtail import LengthPredictor, PartialRollout
 from rlpost.rollout.multiturn import MultiTurnRollout
-from rlpost.rollout.prefix_cache import PrefixCache
-from rlpost.rollout.protocol import ENGINES, SamplingParams
-from rlpost.rollout.scheduler import Scheduler
+from rlpost.rollout.protocol import SamplingParams
 from rlpost.rollout.worker import RolloutWorker
-from rlpost.sync.codecs import CODECS
 from rlpost.train.actor import ActorSettings, PolicyTrainer
 from rlpost.train.dp import DPSpec
 from rlpost.train.worker import TrainerWorker, WeightsExport
 from rlpost.types import Prompt
 
 
-def run_device(cfg: Config, rank: int | None = None) -> torch.device:
-    """The device of ``run.device`` in this process (``auto``: cuda when torch sees a GPU);
-    ``rank``: a data-parallel rank, which takes the GPU of its local rank."""
-    name = cfg.run.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cpu":
+def run_device(facts: RunFacts, rank: int | None = None) -> torch.device:
+    """The device of the run in this process; ``rank``: a data-parallel rank, which takes
+    the GPU of its local rank."""
+    if facts.device == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ConfigError(
@@ -160,130 +151,19 @@ def build_policy(cfg: Config):
     return model, tokenizer
 
 
-def bf16_compute(cfg: Config) -> bool:
-    """``model.dtype`` resolved: bfloat16, or auto on a CPU with native bf16 instructions (or
-    a GPU run on a GPU that computes in bf16)."""
-    if cfg.model.dtype != "auto":
-        return cfg.model.dtype == "bfloat16"
-    if cfg.run.device != "cpu" and torch.cuda.is_available():
-        return torch.cuda.is_bf16_supported()
-    return cpu_bf16_native()
-
-
-def serves_policy_storage(cfg: Config) -> bool:
-    """Whether the in-process engine can serve the policy's own parameter memory instead of
-    a copy. It can when it always serves exactly the trainer's newest weights, so every sync
-    writes into that memory the values already there (``copy_`` onto itself is a no-op):
-    synchronous steps (the engine idle while the trainer updates), a sync every step, no
-    codec or delta (decoded weights would overwrite the trainer's), no adapters (the merged
-    weights are not the base weights), fp32 serving (bf16 serving is its own cast copy),
-    the batch engine (a partial rollout keeps generating across a sync)."""
-    s = cfg.sync
-    return (
-        cfg.pipeline.mode == "sync"
-        and s.every == 1
-        and CODECS.trait(s.codec, "identity")
-        and not s.delta
-        and cfg.model.lora.rank == 0
-        and engine_name(cfg) == "hf"
-        and not bf16_compute(cfg)
-    )
-
-
-def engine_in_process(cfg: Config) -> bool:
-    """Whether the run's engine serves from this process's memory (a weights copy, its KV
-    cache), as the hf engines do; vllm and remote engines load their own weights."""
-    return not ENGINES.trait(engine_name(cfg), "loads_own_weights")
-
-
-def engine_name(cfg: Config) -> str:
-    """The registered engine ``rollout.engine`` names: ``hf`` becomes ``hf_continuous`` where
-    only continuous batching works (a partial rollout stops the moment enough samples are
-    done; the async loop hands new weights to the engine while it generates)."""
-    name = cfg.rollout.engine.name
-    if name == "hf" and (cfg.rollout.partial or cfg.pipeline.mode == "async"):
-        return "hf_continuous"
-    if name == "hf" and cfg.agent.harness is not None:  # the harness's server runs on its scheduler
-        return "hf_continuous"
-    return name
-
-
-def build_engine(cfg: Config, model, tokenizer, *, push: bool = True):
-    """The rollout engine of ``rollout.engine`` (``ENGINES``), serving ``model``'s current
-    weights (later ones arrive through sync).
-
-    ``push=False``: an engine that loads its own weights (vLLM, remote servers) is left as
-    it loaded them (the caller sends the weights itself)."""
-    name = engine_name(cfg)
-    engine = ENGINES.get(name)(cfg, model, tokenizer)
-    if push and ENGINES.trait(name, "loads_own_weights") and not _over_http(name):
+def build_engine(
+    cfg: Config, model, tokenizer, *, push: bool = True, facts: RunFacts | None = None
+):
+    """The engine ``facts.engine`` names (``ENGINES``), serving ``model``'s current weights
+    (later ones arrive through sync). ``push=False``: an engine that loads its own weights
+    (vLLM, remote servers) is left as it loaded them (the caller sends them itself)."""
+    facts = facts or resolve(cfg)
+    engine = ENGINES.get(facts.engine)(cfg, facts, model, tokenizer)
+    if push and not facts.engine_in_process and not facts.engine_over_http:
         # vLLM loads from disk: push the starting policy (after warm-up) first (servers over
         # http get it through the run's weight path: build_rollout_worker).
         engine.load_weights(((n, p.detach()) for n, p in model.named_parameters()), version=0)
     return engine
-
-
-def _over_http(name: str) -> bool:
-    """Whether engine ``name`` serves from HTTP servers that the weight path pushes to."""
-    return bool(ENGINES.trait(name, "over_http", False))
-
-
-def serving_copy(cfg: Config, model) -> torch.nn.Module:
-    """The in-process engines' module: the policy's storage or a copy, no grad, on the device."""
-    if serves_policy_storage(cfg):
-        # The serving module shares the policy's parameter storage: no second copy of the
-        # weights in the process (docs/performance.md, Memory). Its own Parameter objects
-        # (no grad, eval mode) over the same memory; buffers are copied.
-        shared = {
-            id(p): torch.nn.Parameter(p.detach(), requires_grad=False) for p in model.parameters()
-        }
-        serving = copy.deepcopy(model, shared)
-    else:
-        serving = copy.deepcopy(model)
-    serving.requires_grad_(False)
-    if bf16_compute(cfg):
-        serving = serving.to(dtype=torch.bfloat16)
-    return serving.to(run_device(cfg))
-
-
-@ENGINES.register("hf")
-def build_hf_engine(cfg: Config, model, tokenizer) -> HFEngine:
-    r = cfg.rollout
-    return HFEngine(
-        serving_copy(cfg, model),
-        tokenizer,
-        batch_size=r.batch_size,
-        share_prefix=r.share_prefix,
-        seed=cfg.run.seed,
-    )
-
-
-@ENGINES.register("hf_continuous")
-def build_continuous_engine(cfg: Config, model, tokenizer) -> ContinuousEngine:
-    # Continuous batching lets a partial step stop the moment enough samples are done,
-    # and takes new weights between decode steps while it generates (overlapped modes).
-    scheduler = Scheduler(
-        serving_copy(cfg, model),
-        tokenizer,
-        max_batch=cfg.rollout.batch_size,
-        prefix_cache=PrefixCache(),
-        seed=cfg.run.seed,
-    )
-    return ContinuousEngine(scheduler.start(), tokenizer)
-
-
-@ENGINES.register("vllm", loads_own_weights=True)
-def build_vllm_engine(cfg: Config, model, tokenizer):
-    from rlpost.rollout import vllm_engine  # lazy: vLLM is a GPU extra
-
-    return vllm_engine.build(cfg, tokenizer)
-
-
-@ENGINES.register("remote", loads_own_weights=True, over_http=True)
-def build_remote_engine(cfg: Config, model, tokenizer):
-    from rlpost.rollout import remote_engine
-
-    return remote_engine.build(cfg, tokenizer)
 
 
 def sampling_params(cfg: Config, eos_token_id: int) -> SamplingParams:
@@ -307,9 +187,10 @@ def eval_params(cfg: Config, eos_token_id: int, *, greedy: bool = False) -> Samp
     )
 
 
-def build_trainer(cfg: Config, model, dp=None) -> PolicyTrainer:
+def build_trainer(cfg: Config, model, dp=None, *, facts: RunFacts | None = None) -> PolicyTrainer:
     """The policy trainer; with ``dp`` (a :class:`rlpost.train.dp.DataParallel`) the policy
     and the reference are sharded with FSDP2 before the optimizer sees them."""
+    facts = facts or resolve(cfg)
     a, t, c = cfg.algo, cfg.train, cfg.algo.rollout_correction
     settings = ActorSettings(
         lr=t.optim.lr,
@@ -325,7 +206,7 @@ def build_trainer(cfg: Config, model, dp=None) -> PolicyTrainer:
         norm_constant=float(cfg.rollout.max_tokens),
         entropy_coef=a.entropy_coef,
         nll_coef=a.nll_coef,
-        bf16=bf16_compute(cfg),
+        bf16=facts.bf16,
         logits_chunk=t.logits_chunk_tokens,
         max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
         packing=t.packing,
@@ -337,37 +218,35 @@ def build_trainer(cfg: Config, model, dp=None) -> PolicyTrainer:
         model,
         a.loss,
         settings,
-        layout=build_layout(cfg, model, dp),
+        layout=build_layout(cfg, facts, model, dp),
         kl_estimator=get_kl_estimator(a.kl.estimator),
         seed=cfg.run.seed,
     )
 
 
-def build_layout(cfg: Config, model, dp=None):
+def build_layout(cfg: Config, facts: RunFacts, model, dp=None):
     """The weights' layout, chosen once: sharded over ``dp``'s ranks (split over its mesh's
     tensor-parallel axis first where it has one), LoRA adapters (``model.lora.rank > 0``,
     ``model`` already wears them) or plain; with the reference the step plan asks for (a
     frozen copy, or the base with the adapters off)."""
     from rlpost.train.layout import LoRALayout, PlainLayout, ShardedLayout
 
-    keep_ref = resolve_step_plan(cfg).reference
-    if cfg.model.lora.rank > 0:
-        return LoRALayout(model, keep_reference=keep_ref)
-    ref = frozen_copy(model) if keep_ref else None
+    if facts.adapters:
+        return LoRALayout(model, keep_reference=facts.plan.reference)
+    ref = frozen_copy(model) if facts.reference_copy else None
     if dp is None:
         return PlainLayout(model, ref)
     from rlpost.train.dp import shard_model
 
-    bf16 = bf16_compute(cfg)
     for module, trainable in [(model, True), (ref, False)][: 1 + (ref is not None)]:
         if dp.mesh is None:
-            shard_model(module, bf16=bf16, trainable=trainable)
+            shard_model(module, bf16=facts.bf16, trainable=trainable)
             continue
         from rlpost.train.tp import parallelize
 
         parallelize(module, dp.mesh["tp"])
         if dp.world > 1:
-            shard_model(module, bf16=bf16, trainable=trainable, mesh=dp.mesh["dp"])
+            shard_model(module, bf16=facts.bf16, trainable=trainable, mesh=dp.mesh["dp"])
     return ShardedLayout(model, ref, dp)
 
 
@@ -387,17 +266,17 @@ def eager_attention_pays(model) -> bool:
     return positions <= EAGER_ATTENTION_MAX_POSITIONS and hasattr(model, "set_attn_implementation")
 
 
-def build_critic(cfg: Config, model):
+def build_critic(cfg: Config, facts: RunFacts, model):
     """A critic trainer when the advantage estimator needs values (PPO), else None."""
-    if not resolve_step_plan(cfg).values:
+    if not facts.plan.values:
         return None
     from rlpost.train.critic import CriticTrainer, ValueModel
 
     c, t = cfg.critic, cfg.train
     return CriticTrainer(
-        ValueModel.from_policy(model).to(run_device(cfg)),
+        ValueModel.from_policy(model).to(run_device(facts)),
         seed=cfg.run.seed,
-        bf16=bf16_compute(cfg),
+        bf16=facts.bf16,
         lr=c.optim.lr,
         warmup_steps=c.optim.warmup_steps,
         grad_clip=c.optim.grad_clip,
@@ -415,15 +294,18 @@ def build_critic(cfg: Config, model):
 # ------------------------------------------------------------------ workers
 
 
-def build_trainer_worker(cfg: Config, model, tokenizer, dp: DPSpec | None = None) -> TrainerWorker:
+def build_trainer_worker(
+    cfg: Config, model, tokenizer, dp: DPSpec | None = None, *, facts: RunFacts | None = None
+) -> TrainerWorker:
     """The trainer worker around ``model`` (the starting policy, after any warm-up); with
     ``model.lora.rank > 0`` the model gets adapters and only they train.
 
     ``dp``: this worker is rank ``dp.rank`` of ``dp.world`` trainers; it joins their process
     group here (blocking until all have joined) and shards its modules, over a
     ``(dp, tp)`` mesh under ``cluster.tensor_parallel > 1``."""
+    facts = facts or resolve(cfg)
     if dp is not None:
-        device = run_device(cfg, dp.rank)
+        device = run_device(facts, dp.rank)
         if dp.backend != ("nccl" if device.type == "cuda" else "gloo"):
             raise ConfigError(
                 f"data-parallel trainers over {dp.backend} with run.device={cfg.run.device} "
@@ -440,34 +322,34 @@ def build_trainer_worker(cfg: Config, model, tokenizer, dp: DPSpec | None = None
         init_group(dp, timeout_s=cfg.cluster.start_timeout_s)
         mesh = None if tp == 1 else device_mesh(dp.world, tp, device.type)
         group = DataParallel(dp, device=device, mesh=mesh)
-        trainer = build_trainer(cfg, model, group)
+        trainer = build_trainer(cfg, model, group, facts=facts)
         return TrainerWorker(trainer, tokenizer, layout=trainer.layout)
-    model.to(run_device(cfg))
-    critic = build_critic(cfg, model)
-    lora = cfg.model.lora
-    if lora.rank > 0:
+    model.to(run_device(facts))
+    critic = build_critic(cfg, facts, model)
+    if facts.adapters:
         from rlpost.models.lora import LoRASettings, apply_lora
 
+        lora = cfg.model.lora
         settings = LoRASettings(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules))
         model = apply_lora(model, settings)
-    trainer = build_trainer(cfg, model)
+    trainer = build_trainer(cfg, model, facts=facts)
     return TrainerWorker(trainer, tokenizer, layout=trainer.layout, critic=critic)
 
 
 def build_rollout_worker(
-    cfg: Config, model=None, tokenizer=None, *, serve: bool = True
+    cfg: Config, model=None, tokenizer=None, *, serve: bool = True, facts: RunFacts | None = None
 ) -> RolloutWorker:
     """The rollout worker. Without ``model`` it builds its own copy of the policy's shape
     (the weights arrive from the trainer through ``load_weights`` before the first rollout);
     the global random state is left as it was, so building here changes no other stream.
     ``serve=False``: remote servers are left as they loaded (the loop's weight path sends
     the starting weights itself)."""
-    own = model is None
+    facts, own = facts or resolve(cfg), model is None
     if own:
         with torch.random.fork_rng(devices=[]):
             model, tokenizer = build_policy(cfg)
     r = cfg.rollout
-    engine = build_engine(cfg, model, tokenizer, push=not own)
+    engine = build_engine(cfg, model, tokenizer, push=not own, facts=facts)
     partial = None
     if r.partial:
         partial = PartialRollout(
@@ -485,7 +367,7 @@ def build_rollout_worker(
         batch_size=r.batch_size,
         agent=build_agent(cfg, engine, tokenizer),
     )
-    if _over_http(engine_name(cfg)) and serve and not own:  # servers load from disk: send it
+    if facts.engine_over_http and serve and not own:  # servers load from disk: send it
         path = build_weight_path(cfg, worker)
         try:
             path.push(WeightsExport(0, [(n, p.detach()) for n, p in model.named_parameters()]))
@@ -685,11 +567,10 @@ def harness_demonstrations(cfg: Config, tokenizer):
     return example
 
 
-def check_teacher(cfg: Config) -> None:
+def check_teacher(cfg: Config, facts: RunFacts) -> None:
     """Refuse a teacher the run could not use (missing, another tokenizer, a server that
     refuses) before the run directory is touched: only tokenizers are read."""
-    plan = resolve_step_plan(cfg)
-    if not (plan.teacher or plan.teacher_logits):
+    if not facts.plan.reads_teacher:
         return
     from rlpost.train.teacher import check_teacher as check
 
@@ -697,12 +578,11 @@ def check_teacher(cfg: Config) -> None:
     check(t.path, t.url, run_tokenizer(cfg), api_key=t.api_key, timeout=t.timeout_s)
 
 
-def build_teacher_worker(cfg: Config, tokenizer=None):
+def build_teacher_worker(cfg: Config, facts: RunFacts, tokenizer=None):
     """The distillation teacher ``model.teacher`` names, checked against the student's
     tokenizer (``tokenizer``, else loaded from ``model.path``); None when the step plan
     reads no teacher."""
-    plan = resolve_step_plan(cfg)
-    if not (plan.teacher or plan.teacher_logits):
+    if not facts.plan.reads_teacher:
         return None
     from rlpost.train.teacher import build_teacher
 

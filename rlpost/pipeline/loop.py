@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from rlpost.algos import ADVANTAGES, KLCoefficient
+from rlpost.algos import KLCoefficient
 from rlpost.config import Config
 from rlpost.data import PromptSampler
 from rlpost.data.sources import make_sampler
@@ -50,13 +50,13 @@ from rlpost.pipeline.feeds import (
 )
 from rlpost.pipeline.learnability import LearnabilityCheck
 from rlpost.pipeline.memory import check_memory, summary_fields
-from rlpost.pipeline.plan import StepPlan, checked_plan, resolve_step_plan
 from rlpost.pipeline.rundir import finish_run, prepare_run_dir, warm_start
 from rlpost.pipeline.source_metrics import source_metrics
 from rlpost.pipeline.stages import RolloutSettings, TrainSettings, train_stage
 from rlpost.pipeline.streaming import stream_samplers, update_data_report
 from rlpost.pipeline.weights import WeightPath, build_weight_path
 from rlpost.pipeline.workers import Workers
+from rlpost.resolved import RunFacts, resolve
 from rlpost.rewards.monitor import HackingMonitor
 from rlpost.rewards.samples import SampleWriter
 from rlpost.rewards.worker import reward_samples
@@ -102,7 +102,7 @@ class Run:
     monitor: HackingMonitor
     pad_id: int
     eos_id: int
-    plan: StepPlan  # what each train step computes, resolved once
+    facts: RunFacts  # derived run facts (the step plan among them), resolved once
     feed: object = None
     weights: WeightPath | None = None  # the one thing that moves weights (pipeline/weights.py)
     on_groups: Callable | None = None
@@ -113,13 +113,14 @@ class Run:
 
 def start_workers(cfg: Config, run_dir: Path, train_prompts, console, *, resuming: bool) -> Workers:
     """Workers in this process: warm-up, then the trainer around the starting policy, the
-    rollout worker serving a copy of it (or its memory: build.serves_policy_storage), and
+    rollout worker serving a copy of it (or its memory: RunFacts.shares_storage), and
     the reward worker."""
+    facts = resolve(cfg)
     model, tokenizer = warm_start(cfg, run_dir, train_prompts, console, skip_sft=resuming)
     # a copy, before any adapters; the weight path sends it its first weights
-    rollout = build.build_rollout_worker(cfg, model, tokenizer, serve=False)
-    trainer = build.build_trainer_worker(cfg, model, tokenizer)
-    teacher = build.build_teacher_worker(cfg, tokenizer)  # checked against the live tokenizer
+    rollout = build.build_rollout_worker(cfg, model, tokenizer, serve=False, facts=facts)
+    trainer = build.build_trainer_worker(cfg, model, tokenizer, facts=facts)
+    teacher = build.build_teacher_worker(cfg, facts, tokenizer)  # checked against its tokenizer
     return Workers(trainer, rollout, build.build_reward_worker(cfg), teacher=teacher)
 
 
@@ -137,8 +138,9 @@ def train(
     (a ``rlpost.cluster`` backend); by default they are built in this process.
     ``on_groups(step, groups)`` sees every step's trained groups (tools and tests)."""
     rules.check(cfg, "train")
+    facts = resolve(cfg)
     memory = check_memory(cfg)  # before the run directory is touched
-    build.check_teacher(cfg)  # likewise
+    build.check_teacher(cfg, facts)  # likewise
     run_dir, train_prompts, held_out = prepare_run_dir(cfg, resume)  # the one data load
     console = console or Console(enabled=cfg.observe.progress)
     torch.manual_seed(cfg.run.seed)
@@ -152,12 +154,12 @@ def train(
     workers = start(cfg, run_dir, train_prompts, console, resuming=ckpt is not None)
     r = None
     try:
-        r = _new_run(cfg, run_dir, workers, train_prompts, ckpt)
+        r = _new_run(cfg, facts, run_dir, workers, train_prompts, ckpt)
         r.on_groups, r.console = on_groups, console
         r.weights = build_weight_path(cfg, workers.rollout, run_dir)
         step, pending = _restore(r, ckpt) if ckpt is not None else (_push(r), [])
         r.weights.take_sent()  # the starting weights are no step's sync
-        r.learn = learnability_check(cfg, workers) if ckpt is None else None
+        r.learn = learnability_check(cfg, facts, workers) if ckpt is None else None
     except BaseException:  # a failed start releases what it started (processes, the exporter)
         if r is not None:
             r.recorder.close()
@@ -246,11 +248,11 @@ def train(
     return RunResult(run_dir=run_dir, summary=summary, history=history)
 
 
-def learnability_check(cfg: Config, workers: Workers) -> LearnabilityCheck:
+def learnability_check(cfg: Config, facts: RunFacts, workers: Workers) -> LearnabilityCheck:
     check = LearnabilityCheck(
         max_tokens=cfg.rollout.max_tokens,
         truncated_reward=cfg.rollout.truncated_reward,
-        group_relative=ADVANTAGES.trait(cfg.algo.advantage.name, "group_relative"),
+        group_relative=facts.group_relative,
     )
     check.start(workers)
     return check
@@ -301,7 +303,7 @@ def _feed(r: Run, source: PromptSource, step: int):
         dynamic_sampling=cfg.algo.dynamic_sampling,
         max_sampling_rounds=cfg.algo.max_sampling_rounds,
         partial=cfg.rollout.partial,
-        greedy_baseline=ADVANTAGES.trait(cfg.algo.advantage.name, "needs_greedy_baseline"),
+        greedy_baseline=r.facts.plan.greedy_baseline,
     )
     params = build.sampling_params(cfg, r.eos_id)
     if p.mode == "sync":
@@ -326,11 +328,13 @@ def _feed(r: Run, source: PromptSource, step: int):
     )
 
 
-def _new_run(cfg: Config, run_dir: Path, workers: Workers, train_prompts, ckpt) -> Run:
+def _new_run(
+    cfg: Config, facts: RunFacts, run_dir: Path, workers: Workers, train_prompts, ckpt
+) -> Run:
     kl = cfg.algo.kl
     info = workers.trainer.describe()
     if workers.teacher is None:  # a backend that placed none: the teacher runs here
-        workers.teacher = build.build_teacher_worker(cfg)
+        workers.teacher = build.build_teacher_worker(cfg, facts)
     return Run(
         cfg=cfg,
         run_dir=run_dir,
@@ -356,7 +360,7 @@ def _new_run(cfg: Config, run_dir: Path, workers: Workers, train_prompts, ckpt) 
         monitor=HackingMonitor(),
         pad_id=int(info["pad_token_id"]),
         eos_id=int(info["eos_token_id"]),
-        plan=checked_plan(resolve_step_plan(cfg), info),
+        facts=facts,
     )
 
 
@@ -378,7 +382,7 @@ def rl_step(r: Run, step: int) -> tuple[dict, list]:
     stats = train_stage(
         out.groups,
         r.w.trainer,
-        TrainSettings(cfg.algo, r.plan, r.w.teacher),
+        TrainSettings(cfg.algo, r.facts.plan, r.w.teacher),
         pad_id=r.pad_id,
         kl_coef=r.kl_coef,
         guards=r.guards,

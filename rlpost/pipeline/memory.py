@@ -18,9 +18,8 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from rlpost.algos import POLICY_LOSSES
 from rlpost.config import Config, ConfigError
-from rlpost.pipeline import build
+from rlpost.resolved import resolve
 from rlpost.train.lm_head import chunk_tokens, needs_chunks
 
 MIB = 2**20
@@ -83,15 +82,11 @@ def model_shape(cfg: Config) -> dict:
 
 def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
     """The step's peak by term (see the module docstring)."""
-    t, r = cfg.train, cfg.rollout
-    bf16 = build.bf16_compute(cfg)
-    width = 2 if bf16 else 4
+    t, r, facts = cfg.train, cfg.rollout, resolve(cfg)
+    width = 2 if facts.bf16 else 4
     n = shape["params"]
-    lora = cfg.model.lora.rank > 0
-    trainable = 0.01 * n if lora else n  # adapters: a small fraction (rank-dependent)
-    keep_ref = cfg.algo.kl.beta > 0 and not lora
-    in_process = build.engine_in_process(cfg)
-    engine_copy = in_process and not build.serves_policy_storage(cfg)
+    trainable = 0.01 * n if facts.adapters else n  # adapters: a small fraction
+    in_process = facts.engine_in_process  # a serving copy (unless shared) and a KV cache
     seq = PROMPT_TOKENS + r.max_tokens
     rows = min(r.batch_size, r.prompts_per_step * r.n)
     kv = rows * seq * shape["layers"] * 2 * shape["kv_dim"] * width if in_process else 0
@@ -103,7 +98,7 @@ def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
     if cfg.model.gradient_checkpointing:
         per_layer = seq * micro * h * width
     tokens = micro * r.max_tokens
-    if POLICY_LOSSES.trait(cfg.algo.loss.name, "needs_teacher_logits"):
+    if facts.plan.teacher_logits:
         # gkd reads whole distributions, past the chunked head: the student's logits, their
         # float32 copy and gradient, the teacher's logits and the divergence's two log-softmaxes
         logits = 6 * tokens * shape["vocab"] * 4
@@ -115,8 +110,8 @@ def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
         weights=n * 4 / MIB,
         gradients=trainable * 4 / MIB,
         optimizer=trainable * 8 / MIB,
-        reference=n * 4 / MIB if keep_ref else 0.0,
-        engine=n * width / MIB if engine_copy else 0.0,
+        reference=n * 4 / MIB if facts.reference_copy else 0.0,
+        engine=n * width / MIB if in_process and not facts.shares_storage else 0.0,
         kv_cache=kv / MIB,
         activations=per_layer * layers / MIB,
         logits=logits / MIB,
@@ -151,9 +146,7 @@ def check_memory(cfg: Config, *, total_mib: float | None = None) -> MemoryEstima
     """The estimate, after refusing (:class:`ConfigError`) a step that exceeds this machine's
     memory; prints one line when it exceeds what is free now. None on a GPU run (the device's
     memory is not modelled here) or where the model's config cannot be read."""
-    import torch
-
-    if cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available()):
+    if resolve(cfg).device == "cuda":
         return None
     try:
         shape = model_shape(cfg)

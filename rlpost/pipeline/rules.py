@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlpost.algos import (
-    ADVANTAGES,
-    POLICY_LOSSES,
     get_aggregation,
     get_kl_estimator,
 )
@@ -29,8 +27,9 @@ from rlpost.config import Config, ConfigError
 from rlpost.envs.base import EnvError
 from rlpost.envs.catalog import env_factory
 from rlpost.envs.formats import TagFormat
-from rlpost.pipeline.build import bf16_compute, engine_in_process, run_device
+from rlpost.pipeline.build import run_device
 from rlpost.registry import UnknownNameError
+from rlpost.resolved import ENGINES, resolve
 from rlpost.rewards.scorer import check_terms
 
 COMMANDS = ("train", "sft", "eval", "dpo", "rm")
@@ -106,7 +105,7 @@ def mini_batch_fits_rollout_batch(cfg: Config) -> str | None:
 @rule("train")
 def group_relative_needs_groups(cfg: Config) -> str | None:
     a = cfg.algo.advantage.name
-    if cfg.rollout.n == 1 and _trait(ADVANTAGES, a, "group_relative"):
+    if cfg.rollout.n == 1 and resolve(cfg).group_relative:
         return (
             f"rollout.n=1 gives every {a} group zero advantage; set rollout.n >= 2 "
             "or use algo.advantage=reinforce_pp with algo.loss=flash_reinforce"
@@ -219,6 +218,21 @@ def partial_needs_sync_mode(cfg: Config) -> str | None:
     return None
 
 
+@rule("train", "eval")
+def batch_engine_runs_whole_batches(cfg: Config) -> str | None:
+    """An engine that decodes whole batches cannot stop a partial step early, take weights
+    while it generates (async) or serve a harness's sessions: refused, never swapped."""
+    name, async_ = cfg.rollout.engine.name, cfg.pipeline.mode == "async"
+    needs = [k for k, on in (("rollout.partial=true", cfg.rollout.partial),
+             ("pipeline.mode=async", async_), ("agent.harness", cfg.agent.harness)) if on]  # fmt: skip
+    if not needs or name == "auto" or not ENGINES.trait(name, "whole_batches"):
+        return None
+    return (
+        f"rollout.engine={name} with {needs[0]}: the batch engine decodes whole batches; use "
+        "rollout.engine=hf_continuous (or auto, which picks it)"
+    )
+
+
 # ------------------------------------------------------------- old logprobs source
 
 
@@ -259,7 +273,7 @@ def rollout_logprobs_need_no_correction(cfg: Config) -> str | None:
 def rollout_logprobs_need_trainer_numbers(cfg: Config) -> str | None:
     if cfg.algo.old_logprobs != "rollout":
         return None
-    if bf16_compute(cfg):  # bfloat16, or auto on a CPU with native bf16
+    if resolve(cfg).bf16:  # bfloat16, or auto on a CPU with native bf16
         on = " (bf16 on this CPU)" if cfg.model.dtype == "auto" else ""
         key = f"model.dtype={cfg.model.dtype}{on}"
     elif cfg.sync.codec != "none":
@@ -273,13 +287,6 @@ def rollout_logprobs_need_trainer_numbers(cfg: Config) -> str | None:
 
 
 # ------------------------------------------------------------ registered names
-
-
-def _trait(registry, name: str, trait: str):
-    try:
-        return registry.trait(name, trait, None)
-    except UnknownNameError:
-        return None  # the name rules report it
 
 
 def _name_problem(key: str, name: str, lookup) -> str | None:
@@ -306,7 +313,7 @@ def algorithm_names_are_registered(cfg: Config) -> str | None:
 @rule("train")
 def component_estimator_needs_outcome_rewards(cfg: Config) -> str | None:
     a = cfg.algo
-    if not _trait(ADVANTAGES, a.advantage.name, "needs_components"):
+    if not resolve(cfg).plan.components:
         return None
     if a.kl.placement != "reward" and cfg.agent.env is None:
         return None
@@ -419,19 +426,10 @@ def delta_needs_acknowledging_readers(cfg: Config) -> str | None:
 # ----------------------------------------------------------------------- cluster
 
 
-def resolve_backend(cfg: Config) -> str:
-    """``cluster.backend`` resolved (auto: local for one worker of each role in sync mode)."""
-    c = cfg.cluster
-    if c.backend != "auto":
-        return c.backend
-    one = cfg.pipeline.mode == "sync" and c.trainer_workers == 1 and c.rollout_workers == 1
-    return "local" if one else "process"
-
-
 @rule("train")
 def local_backend_one_worker_per_role(cfg: Config) -> str | None:
     c = cfg.cluster
-    if resolve_backend(cfg) == "local" and (c.rollout_workers > 1 or c.trainer_workers > 1):
+    if resolve(cfg).backend == "local" and (c.rollout_workers > 1 or c.trainer_workers > 1):
         return (
             f"cluster.rollout_workers={c.rollout_workers}, trainer_workers={c.trainer_workers} "
             "with cluster.backend=local: several workers of a role need processes of their own; "
@@ -443,7 +441,7 @@ def local_backend_one_worker_per_role(cfg: Config) -> str | None:
 @rule("train")
 def reward_workers_need_ray(cfg: Config) -> str | None:
     c = cfg.cluster
-    if c.reward_workers and resolve_backend(cfg) != "ray":
+    if c.reward_workers and resolve(cfg).backend != "ray":
         return (
             f"cluster.reward_workers={c.reward_workers} needs cluster.backend=ray "
             f"(backend={c.backend}); 0 scores in the driver"
@@ -476,7 +474,7 @@ def tensor_parallel_divides_workers(cfg: Config) -> str | None:
 @rule("train")
 def data_parallel_without_critic(cfg: Config) -> str | None:
     n, a = cfg.cluster.trainer_workers, cfg.algo.advantage.name
-    if n > 1 and _trait(ADVANTAGES, a, "needs_critic"):
+    if n > 1 and resolve(cfg).plan.values:
         return (
             f"cluster.trainer_workers={n}: the PPO critic (algo.advantage={a}) trains on one "
             "worker only; set cluster.trainer_workers=1"
@@ -533,7 +531,7 @@ def device_is_visible(cfg: Config) -> str | None:
     if cfg.cluster.backend == "ray":  # Ray workers resolve the device where they run
         return None
     try:
-        run_device(cfg)
+        run_device(resolve(cfg))
     except ConfigError as exc:
         return str(exc)
     return None
@@ -562,7 +560,7 @@ def inert_knobs(cfg: Config) -> list[str]:
         (a, "algo", ("max_sampling_rounds",), not a.dynamic_sampling,
          "set algo.dynamic_sampling=true"),
         (r, "rollout", ("partial_fraction",), not r.partial, "set rollout.partial=true"),
-        (r, "rollout", ("partial_chunk_tokens",), not r.partial or engine_in_process(cfg),
+        (r, "rollout", ("partial_chunk_tokens",), not r.partial or resolve(cfg).engine_in_process,
          "it applies to a partial rollout on a remote or vllm engine"),
         (s, "sync", ("delta_full_threshold",), not s.delta, "set sync.delta=true"),
         (s, "sync", ("bucket_mb", "verify", "timeout_s", "keep_bf16"), copied,
@@ -846,15 +844,15 @@ def agent_harness_runs(cfg: Config) -> str | None:
         return None
     if cfg.agent.env is not None:
         return f"agent.env={cfg.agent.env}: agent.harness runs the episodes; drop one of them"
-    if cfg.rollout.engine.name not in ("hf", "hf_continuous", "remote"):
+    if cfg.rollout.engine.name == "vllm":
         return (
-            f"rollout.engine={cfg.rollout.engine.name}: agent.harness records sessions on the "
-            "run's in-process engine or on rlpost servers; use rollout.engine=hf or remote"
+            "rollout.engine=vllm: agent.harness records sessions on the run's in-process "
+            "engine or on rlpost servers; use rollout.engine=auto or remote"
         )
     if cfg.rollout.engine.name == "remote" and h.chat_template is not None:
         return (
             "agent.harness.chat_template: remote servers render chats with their own "
-            "tokenizer's template; drop it or use rollout.engine=hf"
+            "tokenizer's template; drop it or use rollout.engine=auto"
         )
     if cfg.rollout.partial:
         return "rollout.partial=true: harness sessions never carry across steps; set it false"
@@ -872,15 +870,6 @@ def agent_harness_runs(cfg: Config) -> str | None:
 # ------------------------------------------------------------------ distillation
 
 
-def _distils(cfg: Config) -> tuple[bool, bool]:
-    """(the estimator reads teacher logprobs, the loss reads teacher logits)."""
-    a = cfg.algo
-    return (
-        bool(_trait(ADVANTAGES, a.advantage.name, "needs_teacher")),
-        bool(_trait(POLICY_LOSSES, a.loss.name, "needs_teacher_logits")),
-    )
-
-
 @rule("train")
 def distillation_has_one_teacher(cfg: Config) -> str | None:
     t = cfg.model.teacher
@@ -889,10 +878,10 @@ def distillation_has_one_teacher(cfg: Config) -> str | None:
             f"model.teacher.url={t.url}: model.teacher.path={t.path} names a teacher too; "
             "set one of them"
         )
-    reads_lp, reads_logits = _distils(cfg)
+    plan = resolve(cfg).plan
     uses = "algo.advantage=on_policy_distill or algo.loss=gkd"
-    if (reads_lp or reads_logits) and not (t.path or t.url):
-        name = cfg.algo.loss.name if reads_logits else cfg.algo.advantage.name
+    if plan.reads_teacher and not (t.path or t.url):
+        name = cfg.algo.loss.name if plan.teacher_logits else cfg.algo.advantage.name
         return (
             f"model.teacher.path=None: {name} distils from a teacher; set model.teacher.path "
             "(a trained run's checkpoints/step_N/model) or model.teacher.url"
@@ -902,7 +891,7 @@ def distillation_has_one_teacher(cfg: Config) -> str | None:
             f"model.teacher.path={t.path}: not a directory or a .gguf file; point it at a "
             "model directory or a .gguf file"
         )
-    if (t.path or t.url) and not (reads_lp or reads_logits):
+    if (t.path or t.url) and not plan.reads_teacher:
         key = "path" if t.path else "url"
         return f"model.teacher.{key}={t.path or t.url}: no part of the run reads it; set {uses}"
     return None
@@ -910,8 +899,7 @@ def distillation_has_one_teacher(cfg: Config) -> str | None:
 
 @rule("train")
 def gkd_needs_local_teacher(cfg: Config) -> str | None:
-    _, reads_logits = _distils(cfg)
-    if reads_logits and cfg.model.teacher.url:
+    if resolve(cfg).plan.teacher_logits and cfg.model.teacher.url:
         return (
             f"model.teacher.url={cfg.model.teacher.url}: algo.loss.name={cfg.algo.loss.name} "
             "needs the teacher's full logits, which a server does not return; use "
@@ -922,8 +910,8 @@ def gkd_needs_local_teacher(cfg: Config) -> str | None:
 
 @rule("train")
 def distillation_weights_not_both_zero(cfg: Config) -> str | None:
-    reads_lp, reads_logits = _distils(cfg)
-    for on, key in ((reads_lp, "advantage"), (reads_logits, "loss")):
+    plan = resolve(cfg).plan
+    for on, key in ((plan.teacher, "advantage"), (plan.teacher_logits, "loss")):
         p = getattr(cfg.algo, key).params()
         if on and p.get("distill_weight") == 0 and p.get("task_weight") == 0:
             return (

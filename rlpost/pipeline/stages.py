@@ -33,8 +33,8 @@ from rlpost.config import AlgoConfig
 from rlpost.data import PromptSampler
 from rlpost.observe import Guards
 from rlpost.pipeline.evaluate import logprob_gap, rollout_health
-from rlpost.pipeline.plan import StepPlan
 from rlpost.pipeline.workers import RewardAPI, RolloutAPI, TrainerAPI
+from rlpost.resolved import StepPlan
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.train.batch import TrainBatch, collate, token_logprobs
 from rlpost.types import Group
@@ -155,7 +155,7 @@ class TrainSettings:
     """The fields of the config the train stage reads: the algorithm's and the step plan."""
 
     algo: AlgoConfig
-    plan: StepPlan  # resolve_step_plan(cfg), once per run
+    plan: StepPlan  # the run facts' step plan, resolved once per run
     teacher: object = None  # the distillation teacher the plan reads (TeacherAPI), or None
 
 

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlpost.resolved import ENGINES, RunFacts
+from rlpost.rollout.hf_engine import serving_copy
+from rlpost.rollout.prefix_cache import PrefixCache
 from rlpost.rollout.protocol import SamplingParams
 from rlpost.rollout.scheduler import GenerationRequest, SampleOutput, Scheduler
 from rlpost.types import Completion
@@ -137,3 +140,13 @@ class ContinuousEngine:
 
     def close(self) -> None:
         self.scheduler.stop()
+
+
+@ENGINES.register("hf_continuous")
+def build(cfg, facts: RunFacts, model, tokenizer) -> ContinuousEngine:
+    """The continuous-batching engine for ``rollout.engine=hf_continuous``."""
+    serving, batch = serving_copy(facts, model), cfg.rollout.batch_size
+    scheduler = Scheduler(
+        serving, tokenizer, max_batch=batch, prefix_cache=PrefixCache(), seed=cfg.run.seed
+    )
+    return ContinuousEngine(scheduler.start(), tokenizer)

@@ -13,12 +13,14 @@ so a long tail does not pay for the short ones.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterable
 
 import torch
 from transformers import DynamicCache
 
+from rlpost.resolved import ENGINES, RunFacts
 from rlpost.rollout.protocol import SamplingParams, TokenRate, sample_tokens
 from rlpost.train.batch import keeps_logits
 from rlpost.train.lm_head import serve_head
@@ -176,3 +178,28 @@ class HFEngine(TokenRate):
 
     def close(self) -> None:
         """Nothing to release: the model is a module of this process."""
+
+
+def serving_copy(facts: RunFacts, model) -> torch.nn.Module:
+    """The in-process engines' module, no grad, on the device: a copy, or (``shares_storage``)
+    its own Parameter objects over the policy's memory (docs/performance.md, Memory)."""
+    if facts.shares_storage:
+        shared = {
+            id(p): torch.nn.Parameter(p.detach(), requires_grad=False) for p in model.parameters()
+        }
+        serving = copy.deepcopy(model, shared)
+    else:
+        serving = copy.deepcopy(model)
+    serving.requires_grad_(False)
+    if facts.bf16:
+        serving = serving.to(dtype=torch.bfloat16)
+    return serving.to(torch.device(facts.device))
+
+
+@ENGINES.register("hf", whole_batches=True, shares_storage=True)
+def build(cfg, facts: RunFacts, model, tokenizer) -> HFEngine:
+    """The batch engine for ``rollout.engine=hf``, serving ``model`` (or its memory)."""
+    r, serving = cfg.rollout, serving_copy(facts, model)
+    return HFEngine(
+        serving, tokenizer, batch_size=r.batch_size, share_prefix=r.share_prefix, seed=cfg.run.seed
+    )

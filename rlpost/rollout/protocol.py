@@ -1,17 +1,10 @@
-"""The rollout protocol every engine implements, and the registry of engines by name.
+"""The rollout protocol every engine implements.
 
 An engine is token in, token out: it takes prompt token ids and returns
 :class:`~rlpost.types.Completion` records with the sampled token ids, the
 engine's log-probabilities of those tokens, the finish reason and the policy
 version of the weights that produced them. Weights arrive through
 ``load_weights`` tagged with a version.
-
-``ENGINES`` maps each ``rollout.engine`` value to the builder of that engine
-(``pipeline/build.py`` registers them): ``hf`` (transformers in process, batch
-decoding), ``hf_continuous`` (transformers in process, continuous batching: new
-weights between decode steps, exact early stop), ``vllm`` and ``remote``. A builder
-registered with ``loads_own_weights=True`` starts from weights it loads itself (a
-checkpoint directory, a server), so the starting policy is pushed to it once.
 """
 
 from __future__ import annotations
@@ -22,7 +15,6 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from rlpost.registry import Registry
 from rlpost.types import Completion
 
 
@@ -143,10 +135,6 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Release threads, servers' connections and devices (idempotent)."""
         ...
-
-
-ENGINES: Registry = Registry("rollout engine")
-"""``rollout.engine`` name -> ``builder(cfg, model, tokenizer) -> RolloutEngine``."""
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 
 import torch
 
+from rlpost.resolved import ENGINES
 from rlpost.rollout.client import (
     CompletionClient,
     Job,
@@ -187,9 +188,11 @@ class RemoteEngine(TokenRate):
             self.weight_sync.close()
 
 
-def build(cfg, tokenizer) -> RemoteEngine:
-    """The remote engine for ``rollout.engine=remote`` (servers from ``rollout.engine.servers``;
-    keys from the environment variables ``rollout.engine.api_key_env`` and ``rollout.engine.admin_key_env`` name)."""
+@ENGINES.register("remote", loads_own_weights=True, over_http=True)
+def build(cfg, facts, model, tokenizer) -> RemoteEngine:
+    """The remote engine for ``rollout.engine=remote``: servers from ``rollout.engine.servers``,
+    keys from the environment variables ``rollout.engine.api_key_env`` and
+    ``rollout.engine.admin_key_env`` name (``facts`` and ``model`` unused)."""
     r = cfg.rollout
     keys = keys_from_env(r.engine.api_key_env, r.engine.admin_key_env)
     return RemoteEngine(

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from rlpost.resolved import ENGINES
 from rlpost.rollout.protocol import SamplingParams, TokenRate
 from rlpost.types import Completion
 
@@ -225,8 +226,10 @@ def _unlink_orphans(names: set[str]) -> None:
         resource_tracker.unregister(f"/{name}", "shared_memory")
 
 
-def build(cfg, tokenizer) -> VLLMEngine:
-    """The vLLM engine for ``rollout.engine=vllm`` (serves ``model.path``)."""
+@ENGINES.register("vllm", loads_own_weights=True)
+def build(cfg, facts, model, tokenizer) -> VLLMEngine:
+    """The vLLM engine for ``rollout.engine=vllm``: it serves ``model.path`` as it loads it
+    (``facts`` and ``model`` unused: the run pushes its weights)."""
     _import_vllm()
     r = cfg.rollout
     return VLLMEngine(

@@ -30,6 +30,7 @@ from rlpost.pipeline import build, loop, rules
 from rlpost.pipeline.feeds import PromptSource
 from rlpost.pipeline.weights import build_weight_path
 from rlpost.pipeline.workers import Workers
+from rlpost.resolved import resolve
 
 
 def spread_reward(sample, **_):
@@ -77,20 +78,19 @@ def probe(cfg: Config, prompts, model_state: dict, run_dir: Path, steps: int = 1
     torch.manual_seed(cfg.run.seed)
     model, tokenizer = build.build_policy(cfg)
     model.load_state_dict(model_state)
-    rollout = build.build_rollout_worker(cfg, model, tokenizer)
-    trainer = build.build_trainer_worker(cfg, model, tokenizer)
+    facts = resolve(cfg)
+    rollout = build.build_rollout_worker(cfg, model, tokenizer, facts=facts)
+    trainer = build.build_trainer_worker(cfg, model, tokenizer, facts=facts)
     workers = Workers(trainer, rollout, build.build_reward_worker(cfg))
     run_dir.mkdir(parents=True, exist_ok=True)
     seen, metrics, sent = [], {}, {}
     counts = {"trainer": 0, "trainer_tokens": 0, "engine": 0, "engine_tokens": 0}
     hooks = [_counter(trainer.trainer.model, counts, "trainer")]
     engine = getattr(rollout.engine, "engine", rollout.engine)  # an agent harness wraps one
-    engine = getattr(
-        engine, "scheduler", engine
-    )  # the continuous engine's model is its scheduler's
+    engine = getattr(engine, "scheduler", engine)  # the continuous engine's: its scheduler's
     if hasattr(engine, "model"):
         hooks.append(_counter(engine.model, counts, "engine"))
-    r = loop._new_run(cfg, run_dir, workers, prompts, None)
+    r = loop._new_run(cfg, facts, run_dir, workers, prompts, None)
     try:
         r.on_groups = lambda step, groups: seen.extend(groups)
         r.weights = build_weight_path(cfg, rollout, run_dir)

@@ -339,17 +339,14 @@ def test_remote_engine_sends_keys_read_from_the_environment(keyed, monkeypatch):
     rollout = RolloutConfig(
         engine={**engine, "api_key_env": "MY_ROLLOUT_KEY", "admin_key_env": "MY_ADMIN_KEY"}
     )
-    engine = remote_engine.build(
-        SimpleNamespace(rollout=rollout, run=SimpleNamespace(seed=0), sync=SyncConfig()), tok
-    )
+    run = SimpleNamespace(rollout=rollout, run=SimpleNamespace(seed=0), sync=SyncConfig())
+    engine = remote_engine.build(run, None, None, tok)
     assert API not in repr(engine.clients) and len(engine.generate(prompts, params, n=2)) == 2
     engine.load_weights(load_causal_lm(keyed["model"]).named_parameters(), version=7)
     assert engine.generate(prompts, params)[0].policy_version == 7
     engine.close()
     monkeypatch.delenv("MY_ROLLOUT_KEY")
-    keyless = remote_engine.build(
-        SimpleNamespace(rollout=rollout, run=SimpleNamespace(seed=0), sync=SyncConfig()), tok
-    )
+    keyless = remote_engine.build(run, None, None, tok)
     with pytest.raises(RequestRejected, match="401"):
         keyless.generate(prompts, params)
     keyless.close()

@@ -20,6 +20,7 @@ LAYERS = [
     ("cluster",),
     ("pipeline",),
     ("rollout",),
+    ("resolved",),
     ("envs",),
     ("train",),
     ("rewards",),

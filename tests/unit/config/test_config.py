@@ -210,11 +210,12 @@ def test_an_old_layout_is_refused_with_the_new_key():
 
 
 def test_the_engine_choice_names_every_registered_engine_and_refuses_others():
+    import rlpost.rollout  # noqa: F401  (registers the engines)
     from rlpost.config import choices
-    from rlpost.rollout.protocol import ENGINES
+    from rlpost.resolved import ENGINES
 
-    assert sorted(choices()["rollout.engine"][0]) == sorted(ENGINES.names())
-    with pytest.raises(ConfigError, match=r"rollout\.engine\.name='hff': not one of hf, hf_"):
+    assert sorted(choices()["rollout.engine"][0]) == sorted(["auto", *ENGINES.names()])
+    with pytest.raises(ConfigError, match=r"rollout\.engine\.name='hff': not one of auto, hf, "):
         load_config(None, ["rollout.engine=hff"])
     with pytest.raises(ConfigError, match=r"write rollout\.engine\.servers=\['http://a'\]"):
         load_config(None, ["rollout.servers=[http://a]"])

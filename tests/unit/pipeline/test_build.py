@@ -56,20 +56,21 @@ def test_truncated_reward_is_applied_in_the_scorer_and_logged_as_trained():
 def test_auto_dtype_is_bf16_only_where_the_cpu_computes_in_bf16(monkeypatch, native):
     import torch
 
+    from rlpost import resolved
     from rlpost.config import load_config
     from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
     from rlpost.pipeline import build
 
-    monkeypatch.setattr(build, "cpu_bf16_native", lambda: native)
+    monkeypatch.setattr(resolved, "cpu_bf16_native", lambda: native)
     cfg = load_config(None, ["model.dtype=auto"])
-    assert build.bf16_compute(cfg) is native
+    assert resolved.resolve(cfg).bf16 is native
     tok = build_char_tokenizer()
     engine = build.build_engine(cfg, build_tiny_model(tok), tok)
     want = torch.bfloat16 if native else torch.float32
     assert next(engine.model.parameters()).dtype == want
     assert build.build_trainer(cfg, build_tiny_model(tok)).s.bf16 is native
     for fixed, bf16 in (("float32", False), ("bfloat16", True)):
-        assert build.bf16_compute(load_config(None, [f"model.dtype={fixed}"])) is bf16
+        assert resolved.resolve(load_config(None, [f"model.dtype={fixed}"])).bf16 is bf16
 
 
 def test_bf16_trainer_runs_eager_attention_on_short_contexts_only():
@@ -145,15 +146,15 @@ def test_gdpo_refuses_what_would_drop_per_token_rewards(tmp_path, extra, named):
 
 
 def test_rollout_logprobs_refuse_bf16_that_auto_resolves_to(tmp_path, monkeypatch):
+    from rlpost import resolved
     from rlpost.config import ConfigError
-    from rlpost.pipeline import build
 
     cfg = load_config(
         None, [f"run.output_dir={tmp_path}", "algo.old_logprobs=rollout", "model.dtype=auto"]
     )
-    monkeypatch.setattr(build, "cpu_bf16_native", lambda: False)
+    monkeypatch.setattr(resolved, "cpu_bf16_native", lambda: False)
     check_names(cfg)  # fp32 here: accepted
-    monkeypatch.setattr(build, "cpu_bf16_native", lambda: True)
+    monkeypatch.setattr(resolved, "cpu_bf16_native", lambda: True)
     with pytest.raises(ConfigError, match=r"model\.dtype=auto"):
         check_names(cfg)
 
@@ -165,6 +166,4 @@ def test_a_built_in_task_formats_each_prompt_with_the_template(task):
     plain = load_prompts(load_config(None, [f"data.task={task}"]))
     cfg = load_config(None, [f"data.task={task}", "data.prompt_template=Task: {prompt}"])
     train, held_out, _ = load_prompts(cfg)
-    assert [p.text for p in train + held_out] == [
-        f"Task: {p.text}" for p in plain[0] + plain[1]
-    ]
+    assert [p.text for p in train + held_out] == [f"Task: {p.text}" for p in plain[0] + plain[1]]

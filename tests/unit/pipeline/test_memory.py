@@ -90,15 +90,15 @@ def test_one_thread_at_a_real_shape_is_noted(tmp_path, capsys, monkeypatch):
 def test_real_checkpoint_recipe_resolves_bf16_from_the_cpu():
     from rlpost.config import RECIPES_DIR
     from rlpost.observe.mfu import cpu_bf16_native
-    from rlpost.pipeline.build import bf16_compute
+    from rlpost.resolved import resolve
 
     cfg = load_config(
         RECIPES_DIR / "grpo_file.yaml", ["data.train_path=t.jsonl", "rollout.max_tokens=16"]
     )
     assert cfg.model.dtype == "auto"
-    assert bf16_compute(cfg) == cpu_bf16_native()
-    assert not bf16_compute(load_config(None, ["model.dtype=float32"]))
-    assert bf16_compute(load_config(None, ["model.dtype=bfloat16"]))
+    assert resolve(cfg).bf16 == cpu_bf16_native()
+    assert not resolve(load_config(None, ["model.dtype=float32"])).bf16
+    assert resolve(load_config(None, ["model.dtype=bfloat16"])).bf16
 
 
 @pytest.mark.parametrize("engine", ["hf", "hf_continuous"])

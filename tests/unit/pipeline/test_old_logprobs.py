@@ -11,9 +11,9 @@ import torch
 
 from rlpost.config import ConfigError, load_config
 from rlpost.pipeline import build
-from rlpost.pipeline.plan import resolve_step_plan
 from rlpost.pipeline.rules import check
 from rlpost.pipeline.stages import TrainSettings, collate_groups, train_stage
+from rlpost.resolved import resolve_step_plan
 from rlpost.types import Group, Prompt
 from tests.conftest import small_overrides
 

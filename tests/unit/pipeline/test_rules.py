@@ -55,6 +55,12 @@ CASES = {
     "tiny_context_fits_max_tokens": ("train", [], ["rollout.max_tokens=200"], "max_tokens=200"),
     "remote_needs_servers": ("train", [], ["rollout.engine=remote"], "rollout.engine=remote"),
     "vllm_needs_model_path": ("train", [], ["rollout.engine=vllm"], "rollout.engine=vllm"),
+    "batch_engine_runs_whole_batches": (
+        "train",
+        ["rollout.engine=hf"],
+        ["rollout.partial=true"],
+        "rollout.engine=hf with rollout.partial=true",
+    ),
     "partial_needs_sync_mode": (
         "train",
         [],

@@ -1,5 +1,6 @@
-"""Engines are registered by name, each with the whole protocol, and the config value is the
-name (CPU: the two in-process engines are built on the tiny model)."""
+"""Engines register themselves by name, each with the whole protocol, and the config value is
+the name; ``auto`` picks the in-process engine the run needs and an explicit engine is kept or
+refused, never swapped (CPU: the two in-process engines are built on the tiny model)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import pytest
 from rlpost.config import ConfigError, load_config
 from rlpost.pipeline import build
 from rlpost.pipeline.rules import check
+from rlpost.resolved import ENGINES, resolve
 from rlpost.rollout.continuous import ContinuousEngine
 from rlpost.rollout.hf_engine import HFEngine
-from rlpost.rollout.protocol import ENGINES, RolloutEngine, SamplingParams
+from rlpost.rollout.protocol import RolloutEngine, SamplingParams
 from rlpost.rollout.remote_engine import RemoteEngine
 from rlpost.rollout.vllm_engine import VLLMEngine
 
@@ -26,7 +28,7 @@ METHODS = [
 def test_the_registry_holds_every_engine_the_config_can_name():
     assert ENGINES.names() == ["hf", "hf_continuous", "remote", "vllm"]
     assert ENGINES.with_trait("loads_own_weights") == ["remote", "vllm"]
-    with pytest.raises(ConfigError, match="not one of hf, hf_continuous, vllm, remote"):
+    with pytest.raises(ConfigError, match="not one of auto, hf, hf_continuous, vllm, remote"):
         check(load_config(None, ["rollout.engine=sglang"]))
 
 
@@ -45,10 +47,28 @@ def test_every_engine_class_has_every_method_of_the_protocol(cls):
         (["rollout.partial=true"], "hf_continuous"),
         (["pipeline.mode=async"], "hf_continuous"),
         (["pipeline.mode=one_step_off"], "hf"),
+        (["pipeline.mode=one_step_off", "rollout.engine=hf"], "hf"),
+        (["rollout.engine=hf"], "hf"),
     ],
 )
-def test_hf_resolves_to_the_engine_its_mode_needs(overrides, name):
-    assert build.engine_name(load_config(None, overrides)) == name
+def test_auto_resolves_to_the_engine_its_mode_needs_and_a_named_one_is_kept(overrides, name):
+    cfg = check(load_config(None, overrides))
+    assert resolve(cfg).engine == name
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["rollout.partial=true"], "rollout.partial=true"),
+        (["pipeline.mode=async"], "pipeline.mode=async"),
+        (["agent.harness.entry=tests.x:run"], "agent.harness"),
+    ],
+)
+def test_the_batch_engine_named_where_it_cannot_run_is_refused_in_one_line(overrides, key):
+    cfg = load_config(None, ["rollout.engine=hf", *overrides])
+    with pytest.raises(ConfigError, match=f"rollout.engine=hf with {key}: .*hf_continuous") as e:
+        check(cfg)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize(("engine", "cls"), [("hf", HFEngine), ("hf_continuous", ContinuousEngine)])

@@ -15,7 +15,7 @@ def test_missing_extra_is_one_line(monkeypatch):
         model=SimpleNamespace(path="x", dtype="float32"), rollout=SimpleNamespace()
     )
     with pytest.raises(ImportError) as err:
-        vllm_engine.build(cfg, tokenizer=None)
+        vllm_engine.build(cfg, None, None, tokenizer=None)
     assert (
         str(err.value) == "rollout.engine=vllm needs the [vllm] extra: pip install 'rlpost[vllm]'"
     )

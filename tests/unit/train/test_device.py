@@ -6,6 +6,7 @@ import torch
 from rlpost.config import ConfigError, load_config
 from rlpost.pipeline.build import build_trainer_worker, run_device
 from rlpost.pipeline.rules import check as check_names
+from rlpost.resolved import resolve
 from rlpost.train.batch import TrainBatch, collate
 from rlpost.train.dp import DPSpec
 from rlpost.types import Completion
@@ -31,7 +32,7 @@ def _batch() -> TrainBatch:
 def test_default_device_is_cpu():
     cfg = load_config(None, [])
     assert cfg.run.device == "cpu"
-    assert run_device(cfg) == torch.device("cpu")
+    assert run_device(resolve(cfg)) == torch.device("cpu")
 
 
 @no_gpu
@@ -47,7 +48,7 @@ def test_cuda_without_gpu_is_one_line_config_error():
 def test_auto_resolves_to_cpu_without_gpu():
     cfg = load_config(None, ["run.device=auto"])
     check_names(cfg)
-    assert run_device(cfg) == torch.device("cpu")
+    assert run_device(resolve(cfg)) == torch.device("cpu")
 
 
 def test_unknown_device_is_refused_at_load():
