@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "rlpost"
 BLOCK = 8
 LONG_FUNCTION = 60
 SIZE_BOUNDS = {
-    "lines": 36_899,
+    "lines": 37_150,
     "grpo_arith_keys": 218,
     "functions_over_60_lines": 10,
     "repeated_blocks": 9,
