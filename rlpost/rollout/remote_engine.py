@@ -160,8 +160,9 @@ class RemoteEngine(TokenRate):
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Stream the weights to every server in buckets (plain, over http); servers that
-        fail leave the rotation. A training run does not call this: its weight path pushes."""
+        """Push the weights to every server (``weight_sync``, default: plain buckets over
+        http to rlpost servers); servers that fail leave the rotation. A training run does
+        not call this: its weight path pushes."""
         if self.weight_sync is None:
             # weight-sync routes sit behind the server's admin key
             admin = {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else None
