@@ -383,6 +383,14 @@ class RemoteEngine(Variant):
     (unset or empty: none). A name, never the key: keys stay out of recipes and config.yaml."""
     admin_key_env: str | None = Field("RLPOST_ADMIN_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     """Name of the environment variable holding the servers' admin key, sent with weight pushes."""
+    server: Literal["rlpost", "vllm", "openai"] = "rlpost"
+    """What the servers are: rlpost (``rlpost serve``: weights over its sync routes), vllm (a
+    stock ``vllm serve`` started as docs/rollout.md says: weights through its development
+    routes) or openai (any OpenAI-compatible endpoint; it cannot take weights, so
+    evaluation only)."""
+    weights_dir: str | None = None
+    """server=vllm: directory the weight file of each push is written to, read by the servers
+    under the same path (None: /dev/shm, servers on this host)."""
 
 
 EngineChoice = choice("auto", AutoEngine, HFEngine, HFContinuousEngine, VLLMEngine, RemoteEngine)

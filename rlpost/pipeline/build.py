@@ -367,7 +367,8 @@ def build_rollout_worker(
         batch_size=r.batch_size,
         agent=build_agent(cfg, engine, tokenizer),
     )
-    if facts.engine_over_http and serve and not own:  # servers load from disk: send it
+    takes = getattr(r.engine, "server", None) != "openai"  # an endpoint serving its own model
+    if facts.engine_over_http and serve and not own and takes:  # servers load from disk
         path = build_weight_path(cfg, worker)
         try:
             path.push(WeightsExport(0, [(n, p.detach()) for n, p in model.named_parameters()]))

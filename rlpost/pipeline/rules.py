@@ -185,6 +185,30 @@ def remote_needs_servers(cfg: Config) -> str | None:
     return None
 
 
+@rule("train")
+def on_policy_servers_take_weights(cfg: Config) -> str | None:
+    e = cfg.rollout.engine
+    if e.name == "remote" and e.server == "openai":
+        return (
+            "rollout.engine.server=openai: an endpoint that cannot take weights would sample "
+            "from a policy that never changes; serve with rlpost serve (server=rlpost) or "
+            "vllm serve (server=vllm), or use it with rlpost eval"
+        )
+    return None
+
+
+@rule("train")
+def vllm_server_takes_plain_weights(cfg: Config) -> str | None:
+    s, e = cfg.sync, cfg.rollout.engine
+    if e.name == "remote" and e.server == "vllm" and (s.codec != "none" or s.delta):
+        return (
+            f"sync.codec={s.codec}, sync.delta={str(s.delta).lower()} with "
+            "rollout.engine.server=vllm: vllm serve loads a plain weight file; set "
+            "sync.codec=none and sync.delta=false"
+        )
+    return None
+
+
 @rule(*RL)
 def vllm_needs_model_path(cfg: Config) -> str | None:
     if cfg.rollout.engine.name == "vllm" and cfg.model.path is None:
@@ -392,9 +416,10 @@ def engine_logprobs_of_the_full_distribution(cfg: Config) -> str | None:
     """vLLM reports logprobs after top-p / top-k truncation, the in-process engines before
     it: an engine/trainer importance weight would then depend on the engine."""
     r, corr = cfg.rollout, cfg.algo.rollout_correction.name
-    if r.engine.name == "vllm" and (r.top_p < 1.0 or r.top_k > 0) and corr != "none":
+    vllm = r.engine.name == "vllm" or getattr(r.engine, "server", None) == "vllm"
+    if vllm and (r.top_p < 1.0 or r.top_k > 0) and corr != "none":
         return (
-            f"algo.rollout_correction.name={corr} with rollout.engine=vllm and "
+            f"algo.rollout_correction.name={corr} with vLLM serving and "
             f"rollout.top_p={r.top_p:g}, rollout.top_k={r.top_k}: vLLM's logprobs are of the "
             "truncated distribution, so the correction's weights would depend on the engine; "
             "sample with top_p=1 and top_k=-1, or set algo.rollout_correction.name=none"
@@ -569,6 +594,12 @@ def inert_knobs(cfg: Config) -> list[str]:
          "alpha mixes verifiable with model or judge terms; add one"),
         (w, "reward", ("sample_count",), w.sample_every == 0, "set reward.sample_every > 0"),
     ]  # fmt: skip
+    if r.engine.name == "remote":
+        vllm = r.engine.server == "vllm"
+        rules.append((r.engine, "rollout.engine", ("weights_dir",), not vllm,
+                      "set rollout.engine.server=vllm"))  # fmt: skip
+        rules.append((s, "sync", ("bucket_mb", "verify", "keep_bf16"), vllm,
+                      "vllm serve loads one plain weight file per push"))  # fmt: skip
     if loss.name in ("flash_reinforce", "dppo"):  # the trust region reads one threshold
         rules.append((loss, "algo.loss", ("tr_tv",), loss.divergence != "tv",
                       "set algo.loss.divergence=tv"))  # fmt: skip
@@ -848,6 +879,11 @@ def agent_harness_runs(cfg: Config) -> str | None:
         return (
             "rollout.engine=vllm: agent.harness records sessions on the run's in-process "
             "engine or on rlpost servers; use rollout.engine=auto or remote"
+        )
+    if cfg.rollout.engine.name == "remote" and cfg.rollout.engine.server != "rlpost":
+        return (
+            f"rollout.engine.server={cfg.rollout.engine.server}: agent.harness records "
+            "sessions on rlpost servers only; set rollout.engine.server=rlpost"
         )
     if cfg.rollout.engine.name == "remote" and h.chat_template is not None:
         return (

@@ -12,8 +12,10 @@ SGLang (token ids are recovered when a server does not return them; see
 :mod:`rlpost.rollout.client`). Weights reach the servers' ``/v1/sync`` routes
 from the run's weight path (:mod:`rlpost.pipeline.weights`: the ``http``
 channel of :mod:`rlpost.sync`, with ``sync.codec``, ``sync.delta`` and
-verification), an rlpost endpoint: vLLM and SGLang servers need their own
-weight-update route. The path then calls :meth:`RemoteEngine.weights_served`:
+verification), an rlpost endpoint; a stock ``vllm serve`` takes them through
+its development routes (``rollout.engine.server=vllm``,
+:mod:`rlpost.rollout.vllm_server`), and an endpoint that takes none
+(``server=openai``) serves evaluation only. The path then calls :meth:`RemoteEngine.weights_served`:
 a server that missed the update would serve stale weights, so it is taken out
 of rotation; the update fails only if no server took it. ``load_weights``
 does the same push for a script driving an engine of its own.
@@ -93,7 +95,7 @@ class RemoteEngine(TokenRate):
             Job(f"{tag}-{i}", list(p), params, n, seed, self.extra_body)
             for i, (p, seed) in enumerate(zip(prompt_ids, seeds, strict=True))
         ]
-        start = time.perf_counter()
+        start, served = time.perf_counter(), self.version
         results = self._run(jobs)
         self.seconds += time.perf_counter() - start
         out = []
@@ -102,7 +104,9 @@ class RemoteEngine(TokenRate):
             if len(choices) != n:
                 raise RuntimeError(f"server returned {len(choices)} choices for n={n}")
             for c in choices:
-                version = c.policy_version if c.policy_version is not None else self.version
+                # A server that does not say (vllm serve) served the version current when
+                # the jobs went out, or a newer one: never an older one.
+                version = c.policy_version if c.policy_version is not None else served
                 out.append(
                     VersionedCompletion(
                         prompt_ids=list(job.prompt_ids),
@@ -157,8 +161,9 @@ class RemoteEngine(TokenRate):
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Stream the weights to every server in buckets (plain, over http); servers that
-        fail leave the rotation. A training run does not call this: its weight path pushes."""
+        """Push the weights to every server (``weight_sync``, default: plain buckets over
+        http to rlpost servers); servers that fail leave the rotation. A training run does
+        not call this: its weight path pushes."""
         if self.weight_sync is None:
             # weight-sync routes sit behind the server's admin key
             admin = {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else None
@@ -195,12 +200,18 @@ def build(cfg, facts, model, tokenizer) -> RemoteEngine:
     ``rollout.engine.admin_key_env`` name (``facts`` and ``model`` unused)."""
     r = cfg.rollout
     keys = keys_from_env(r.engine.api_key_env, r.engine.admin_key_env)
+    sync = None
+    if r.engine.server == "vllm":
+        from rlpost.rollout.vllm_server import build_sync
+
+        sync = build_sync(cfg)
     return RemoteEngine(
         list(r.engine.servers),
         tokenizer,
         model=r.engine.server_model,
         timeout=r.engine.server_timeout_s,
         seed=cfg.run.seed,
+        weight_sync=sync,
         **keys,
     )
 

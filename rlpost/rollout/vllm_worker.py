@@ -26,9 +26,13 @@ class WeightLoader:
 
     rlpost_version: int = 0
 
-    def rlpost_load_weights(self, path: str, version: int) -> tuple[int, int]:
+    def rlpost_load_weights(self, path: str, version: int | str) -> list[int]:
         """Copy the tensors of the safetensors file ``path`` into the model; returns
-        ``(version, tensors loaded)`` so the caller can check every worker took it."""
+        ``[version, tensors loaded]`` so the caller can check every worker took it.
+
+        ``version`` may arrive as a string: ``vllm serve``'s ``/collective_rpc`` route
+        passes only strings, and a list is what it returns as JSON unchanged."""
+        version = int(version)
         dtype = next(self.model_runner.get_model().parameters()).dtype
         with safe_open(path, framework="pt") as f:
             # The trainer's dtype (fp32 master weights) becomes the serving dtype here.
@@ -39,7 +43,7 @@ class WeightLoader:
         self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
         _reprocess_tied(self.model_runner.get_model())
         self.rlpost_version = version
-        return version, len(weights)
+        return [version, len(weights)]
 
     def rlpost_weights_version(self) -> int:
         """The version of the weights this worker serves."""

@@ -107,6 +107,18 @@ CASES = {
         ["cluster.rollout_workers=2", "cluster.backend=process"],
         "sync.channel=disk with cluster.rollout_workers=2",
     ),
+    "on_policy_servers_take_weights": (
+        "train",
+        ["rollout.engine=remote", "rollout.engine.servers=[http://x:1]"],
+        ["rollout.engine.server=openai"],
+        "rollout.engine.server=openai: an endpoint that cannot take weights",
+    ),
+    "vllm_server_takes_plain_weights": (
+        "train",
+        ["rollout.engine=remote", "rollout.engine.servers=[http://x:1]"],
+        ["rollout.engine.server=vllm", "sync.codec=bf16"],
+        "vllm serve loads a plain weight file",
+    ),
     "engine_logprobs_of_the_full_distribution": (
         "train",
         ["rollout.engine=vllm", "model.path=/nonexistent", "algo.rollout_correction.name=tis"],

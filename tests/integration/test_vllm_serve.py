@@ -1,0 +1,161 @@
+"""A stock ``vllm serve`` (vLLM's CPU build here) as rlpost's rollout server, on SmolLM2-135M.
+
+The server is vLLM's own OpenAI server, started as :func:`rlpost.rollout.vllm_server.serve_args`
+says; rlpost adds only its worker extension. After a push of new weights through the
+server's routes, its logprobs of what it samples equal the trainer's recomputation, and a
+GRPO run trains against it. Skipped when vLLM is not importable unless
+``RLPOST_REQUIRE_VLLM=1`` (deploy/vllm_env.sh makes an environment that has it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.remote_engine import RemoteEngine
+from rlpost.rollout.vllm_server import VLLMServerSync, serve_args
+from tests.integration.prom_util import free_port
+from tests.integration.test_vllm_engine import PROMPT, TOLERANCE, _gap
+from tests.real_model import smollm2_dir
+
+if importlib.util.find_spec("vllm") is None and os.environ.get("RLPOST_REQUIRE_VLLM") != "1":
+    pytest.skip(
+        "vLLM is not installed here (bash deploy/vllm_env.sh makes an environment with it)",
+        allow_module_level=True,
+    )
+
+pytestmark = pytest.mark.slow
+
+START_TIMEOUT_S = 900  # engine start on two shared CPU cores
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return smollm2_dir()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """The base URL of a ``vllm serve`` on loopback: fp32, eager, a 1 GiB KV cache."""
+    port = free_port()
+    args = serve_args(
+        str(model_dir), port=port, dtype="float32", max_model_len=1024,
+        extra=["--enforce-eager", "--max-num-seqs", "16"],
+    )  # fmt: skip
+    env = {
+        **os.environ,
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PYTHONPATH": os.pathsep.join(sys.path),  # the worker extension imports rlpost
+    }
+    log = tmp_path_factory.mktemp("vllm") / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, url, log)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_healthy(proc, url: str, log) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"vllm serve exited {proc.returncode}: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(2)
+    pytest.fail(f"vllm serve did not answer /health in {START_TIMEOUT_S} s")
+
+
+def test_pushed_weights_match_trainer_after_prefix_cache_reset(server, tokenizer, model_dir):
+    """The prompt's KV is cached under the old weights first; after a push of perturbed
+    weights, the server's logprobs of what it samples equal the trainer's under the new
+    weights (and are far from the old weights' logprobs: the push took effect)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    old = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    engine = RemoteEngine([server], tokenizer, weight_sync=VLLMServerSync([server]))
+    prompt = tokenizer(PROMPT)["input_ids"]
+    try:
+        engine.generate([prompt], SamplingParams(max_tokens=4, seed=3), n=2)  # caches the prompt
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.02 * p.std())
+        engine.load_weights(model.named_parameters(), version=1)
+        assert engine.version == 1
+        assert engine.last_sync.committed == [server]
+        out = engine.generate([prompt], SamplingParams(max_tokens=16, seed=4), n=4)
+    finally:
+        engine.close()
+    assert all(c.policy_version == 1 for c in out)
+    gap = _gap(model, out, tokenizer, temperature=1.0)
+    print(f"vllm serve: max abs logprob gap after a push: {gap:.2e}")
+    assert gap < TOLERANCE
+    assert _gap(old, out, tokenizer, temperature=1.0) > 10 * TOLERANCE
+
+
+def test_grpo_trains_against_vllm_serve(server, model_dir, tmp_path):
+    """Three GRPO steps on SmolLM2 with vllm serve as the rollout server: each batch is
+    sampled by the newest weights, and the served logprobs are the trainer's."""
+    from rlpost.config import RECIPES_DIR, load_config
+    from rlpost.pipeline.loop import train
+
+    over = [
+        f"model.path={model_dir}",
+        "model.gradient_checkpointing=false",  # vLLM's transformers predates rlpost's hook
+        "rollout.engine=remote",
+        "rollout.engine.server=vllm",
+        f"rollout.engine.servers={json.dumps([server])}",
+        "rollout.prompts_per_step=2",
+        "rollout.n=4",
+        "rollout.max_tokens=16",
+        "train.steps=3",
+        "train.mini_batch_size=8",
+        "train.micro_batch_size=8",
+        "sft.steps=0",
+        "eval.every=0",
+        "eval.limit=8",
+        "checkpoint.every=0",
+        "observe.progress=false",
+        f"run.output_dir={tmp_path}",
+    ]
+    result = train(load_config(RECIPES_DIR / "grpo_smollm2.yaml", over))
+    rows = [h for h in result.history if "loss" in h]
+    assert [r["policy_version"] for r in rows] == [0, 1, 2]
+    gaps = [r["logprob_gap"] for r in rows]
+    print(f"GRPO against vllm serve: logprob_gap per step {gaps}")
+    assert all(g < TOLERANCE for g in gaps)
