@@ -6,7 +6,7 @@ import json
 from collections import Counter
 
 from rlpost.cli import main
-from rlpost.pipeline import build
+from rlpost.data import sources
 from tests.conftest import small_overrides
 
 
@@ -22,13 +22,13 @@ def _files(tmp_path):
 
 def _counting(monkeypatch) -> Counter:
     reads: Counter = Counter()
-    real = build.load_prompt_file
+    real = sources.load_prompt_file
 
     def counted(path, **kwargs):
         reads[str(path)] += 1
         return real(path, **kwargs)
 
-    monkeypatch.setattr(build, "load_prompt_file", counted)
+    monkeypatch.setattr(sources, "load_prompt_file", counted)
     return reads
 
 
