@@ -161,7 +161,7 @@ def test_a_stopped_rm_run_resumes_where_it_stopped(tmp_path, pairs_file):
             ["data.task=arith"],
             "rlpost dpo and rlpost rm train on preference pairs: data.task=arith",
         ),
-        (["data.task=file"], "data.task=file needs data.task.train_path"),
+        (["data.task=file"], "data.task.train_path=None: data.task=file reads its rows"),
         (["rm.margin_field=m"], "rm.margin_field=m: data.task=prefs has no columns"),
         (["rm.micro_batch_size=100"], "micro_batch_size=100 is larger than batch_size=64"),
         (["rm.stpes=3"], "rm.stpes"),
