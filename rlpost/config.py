@@ -207,14 +207,20 @@ class ModelConfig(Section):
 
 
 # -------------------------------------------------------------------------- data
+#
+# A source of prompts is a task (a choice: a built-in task, a file, a reasoning-gym task, a
+# verifiers environment's dataset) and how its rows become prompts. ``data.sources`` lists
+# named sources; ``data.task`` alone is one unnamed source (the rows carry no source name).
+# Each task's loader is registered under its name in rlpost.data.tasks.
 
 
-class ArithConfig(Section):
+class ArithConfig(Variant):
     """The built-in verifiable arithmetic task."""
 
+    name: Literal["arith"] = "arith"
     max_operand: int = Field(20, ge=1)
     """Operands are drawn from 0..max_operand."""
-    ops: list[Literal["+", "-", "*"]] = ["+", "-"]
+    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"])
     """Operators to draw from."""
     train_size: int = Field(20000, ge=1)
     """Number of training problems."""
@@ -222,13 +228,40 @@ class ArithConfig(Section):
     """Number of held-out problems (never seen in training or warm-up)."""
 
 
-class CodeTaskConfig(Section):
+class CodeTaskConfig(Variant):
     """The built-in code task (write f(x) that passes asserts, checked in the sandbox)."""
 
+    name: Literal["code"] = "code"
     train_size: int = Field(1000, ge=1)
     """Number of training problems (at most the space minus eval_size)."""
     eval_size: int = Field(50, ge=1)
     """Number of held-out problems."""
+
+
+class FileTaskConfig(Variant):
+    """Rows of user files: prompts with reference answers (rlpost train), or preference pairs
+    (rlpost dpo, rlpost rm)."""
+
+    name: Literal["file"] = "file"
+    train_path: str | None = None
+    """JSONL or Parquet file, or a ``datasets`` save_to_disk directory, of training rows."""
+    eval_path: str | None = None
+    """The same for held-out rows (None: none; rlpost dpo splits eval_fraction off instead)."""
+    prompt_field: str = "prompt"
+    """Column holding the prompt text."""
+    answer_field: str = "answer"
+    """Column holding the reference answer."""
+    chosen_field: str = "chosen"
+    """Column holding the preferred response (preference pairs)."""
+    rejected_field: str = "rejected"
+    """Column holding the dispreferred response (preference pairs)."""
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    """Share of a pairs train file held out when eval_path is None (preference pairs)."""
+    stream: bool = False
+    """Read train_path lazily (JSONL or Parquet), shuffled by a buffer, instead of loading it
+    whole (a source of data.sources)."""
+    shuffle_buffer: int = Field(10000, ge=1)
+    """Rows held by a streamed source's shuffle buffer: more mixes better, costs memory."""
 
 
 def prefs_task_problem(
@@ -252,9 +285,10 @@ def prefs_task_problem(
     return None
 
 
-class PrefsTaskConfig(Section):
+class PrefsTaskConfig(Variant):
     """The built-in preference task (rlpost dpo): correct arithmetic result over a nearby wrong one."""
 
+    name: Literal["prefs"] = "prefs"
     max_operand: int = Field(30, ge=1)
     """Operands are drawn from 0..max_operand."""
     ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"])
@@ -278,30 +312,69 @@ class PrefsTaskConfig(Section):
         return self
 
 
+class ReasoningGymConfig(Variant):
+    """A reasoning-gym task (extra [reasoning_gym]): rows generated at load."""
+
+    name: Literal["reasoning_gym"] = "reasoning_gym"
+    task: str = ""
+    """The task's registered name in reasoning-gym (e.g. basic_arithmetic, leg_counting)."""
+    config: dict[str, Any] = Field(default_factory=dict)
+    """The task's generator settings (its config dataclass's fields, seed and size aside)."""
+    train_size: int = Field(1000, ge=1)
+    """Unique training rows asked for (fewer when the task's space holds fewer; reported)."""
+    eval_size: int = Field(100, ge=0)
+    """Unique held-out rows asked for, none of them a training row's question."""
+    seed: int = 0
+    """Generator seed: the rows do not depend on the run's seed."""
+
+
+class VerifiersSourceConfig(Variant):
+    """A verifiers environment's dataset (extra [verifiers]): its rows, answers and info,
+    loaded offline at start (docs/agents.md "verifiers environments")."""
+
+    name: Literal["verifiers"] = "verifiers"
+    env: str = ""
+    """The environment: an installed environment's id (what vf.load_environment loads) or
+    ``package.module:function`` returning one."""
+    env_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the environment's load_environment (or of the function)."""
+    train_size: int | None = Field(None, ge=1)
+    """Rows of its dataset to train on, from the first (None: all)."""
+    eval_size: int | None = Field(None, ge=0)
+    """Rows of its eval dataset held out, from the first (None: all; 0: none)."""
+
+
+PROMPT_TASKS = (
+    ArithConfig,
+    CodeTaskConfig,
+    FileTaskConfig,
+    ReasoningGymConfig,
+    VerifiersSourceConfig,
+)
+
+
+def _refuse_moved(data: Any, where: str) -> Any:
+    """A task's keys once sat beside ``task``; they now sit in it (``task: {name: X, ...}``)."""
+    if not isinstance(data, dict):
+        return data
+    moved = {t.model_fields["name"].default for t in (*PROMPT_TASKS, PrefsTaskConfig)}
+    for old in sorted(set(data) & (moved | set(FileTaskConfig.model_fields) - {"name"})):
+        given = data[old]
+        if old in moved and isinstance(given, dict) and given:
+            key, value = next(iter(given.items()))
+            fix = f"{where}.task.name={old} {where}.task.{key}={value}"
+            old = f"{old}.{key}"
+        else:
+            fix, value = f"{where}.task.{old}={given} (with {where}.task.name=file)", given
+        raise ValueError(f"{where}.{old}={value}: the key moved into the task; write {fix}")
+    return data
+
+
 class DataConfig(Section):
-    task: Literal["arith", "code", "file", "prefs"] = "arith"
-    """Where rows come from: the built-in arithmetic or code task (rlpost train), the built-in
-    preference task (rlpost dpo), or user files (prompt rows for train, pairs for dpo)."""
-    arith: ArithConfig = ArithConfig()
-    """Settings of the arithmetic task."""
-    code: CodeTaskConfig = CodeTaskConfig()
-    """Settings of the code task."""
-    prefs: PrefsTaskConfig = PrefsTaskConfig()
-    """Settings of the built-in preference task (rlpost dpo)."""
-    train_path: str | None = None
-    """JSONL or Parquet file of training rows (task=file)."""
-    eval_path: str | None = None
-    """JSONL or Parquet file of held-out rows (task=file)."""
-    prompt_field: str = "prompt"
-    """Column holding the prompt text."""
-    answer_field: str = "answer"
-    """Column holding the reference answer."""
-    chosen_field: str = "chosen"
-    """Column holding the preferred response (preference pairs, rlpost dpo)."""
-    rejected_field: str = "rejected"
-    """Column holding the dispreferred response (preference pairs, rlpost dpo)."""
-    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)
-    """Share of a pairs train file held out when eval_path is None (rlpost dpo)."""
+    task: choice("arith", *PROMPT_TASKS, PrefsTaskConfig) = ArithConfig()  # type: ignore[valid-type]
+    """The one source's task when data.sources is empty: a built-in arithmetic or code task
+    (rlpost train), the built-in preference task (rlpost dpo), user files (prompt rows, or pairs
+    for dpo and rm), a reasoning-gym task or a verifiers environment's dataset."""
     on_bad_row: Literal["skip", "error"] = "error"
     """Malformed rows: skip them (counted and reported) or stop with file and line."""
     prompt_template: str = "{prompt}"
@@ -313,30 +386,21 @@ class DataConfig(Section):
     system_prompt: str | None = None
     """System message before each prompt (a first paragraph when no chat template applies)."""
     sources: list[SourceConfig] = []
-    """A mixture of prompt sources, each with its weight, reward terms, template and system
-    prompt (docs/data.md); set, it replaces task, train_path and eval_path. []: one source as
-    task says."""
+    """Named sources of prompts, each with its task, weight, reward terms, template and system
+    prompt (docs/data.md); set, they replace task and prompt_template. []: task is the one source."""
 
-    @model_validator(mode="after")
-    def _template_fields(self) -> DataConfig:
-        import string
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        return _refuse_moved(data, "data")
 
-        try:
-            names = {f for _, f, _, _ in string.Formatter().parse(self.prompt_template) if f}
-        except ValueError as exc:
-            raise ValueError(f"data.prompt_template is not a format string ({exc})") from None
-        reach = sorted(f for f in names if "." in f or "[" in f)
-        if reach:  # {prompt.upper} formats a bound method; {x[5]} indexes into a value
-            raise ValueError(
-                f"data.prompt_template field {{{reach[0]}}} reaches into a value; name whole "
-                "fields only, e.g. {prompt}"
-            )
-        if self.task != "file" and names - {"prompt"}:
-            raise ValueError(
-                f"data.prompt_template names {sorted(names - {'prompt'})[0]!r}; the built-in "
-                f"{self.task} task has only {{prompt}}"
-            )
-        return self
+    @property
+    def prompt_sources(self) -> list[SourceConfig]:
+        """``sources``, or the one unnamed source ``task`` and ``prompt_template`` make."""
+        if self.sources:
+            return self.sources
+        one = {"task": self.task, "prompt_template": self.prompt_template}
+        return [SourceConfig.model_construct(name="", **one)]
 
 
 # ----------------------------------------------------------------------- rollout
@@ -1103,36 +1167,6 @@ class AgentConfig(Section):
 # ------------------------------------------------------------------ data sources
 
 
-class ReasoningGymConfig(Section):
-    """A reasoning-gym task as a source (extra [reasoning_gym]): rows generated at load."""
-
-    task: str = ""
-    """The task's registered name in reasoning-gym (e.g. basic_arithmetic, leg_counting)."""
-    config: dict[str, Any] = {}
-    """The task's generator settings (its config dataclass's fields, seed and size aside)."""
-    train_size: int = Field(1000, ge=1)
-    """Unique training rows asked for (fewer when the task's space holds fewer; reported)."""
-    eval_size: int = Field(100, ge=0)
-    """Unique held-out rows asked for, none of them a training row's question."""
-    seed: int = 0
-    """Generator seed: the rows do not depend on the run's seed."""
-
-
-class VerifiersSourceConfig(Section):
-    """A verifiers environment's dataset as a source (extra [verifiers]): its rows, answers and
-    info, loaded offline at start (docs/agents.md "verifiers environments")."""
-
-    env: str = ""
-    """The environment: an installed environment's id (what vf.load_environment loads) or
-    ``package.module:function`` returning one."""
-    env_args: dict[str, Any] = {}
-    """Keyword arguments of the environment's load_environment (or of the function)."""
-    train_size: int | None = Field(None, ge=1)
-    """Rows of its dataset to train on, from the first (None: all)."""
-    eval_size: int | None = Field(None, ge=0)
-    """Rows of its eval dataset held out, from the first (None: all; 0: none)."""
-
-
 class SourceConfig(Section):
     """One source of prompts in ``data.sources``."""
 
@@ -1140,25 +1174,8 @@ class SourceConfig(Section):
     """Unique name: rows carry it, rewards are routed by it, metrics are labelled with it."""
     weight: float = Field(1.0, gt=0.0, allow_inf_nan=False)
     """Share of each batch's prompts drawn from this source (weights need not sum to 1)."""
-    task: Literal["arith", "code", "file", "reasoning_gym", "verifiers"] = "file"
-    """Where its rows come from: a built-in task, a file, a reasoning-gym task, or a verifiers
-    environment's dataset."""
-    arith: ArithConfig = ArithConfig()
-    """Settings of the arithmetic task (task=arith)."""
-    code: CodeTaskConfig = CodeTaskConfig()
-    """Settings of the code task (task=code)."""
-    reasoning_gym: ReasoningGymConfig = ReasoningGymConfig()
-    """The reasoning-gym task and its generator settings (task=reasoning_gym)."""
-    verifiers: VerifiersSourceConfig = VerifiersSourceConfig()
-    """The verifiers environment whose dataset the rows are (task=verifiers)."""
-    train_path: str | None = None
-    """JSONL or Parquet file, or a ``datasets`` save_to_disk directory, of training rows (task=file)."""
-    eval_path: str | None = None
-    """The same for held-out rows (task=file; None: none from this source)."""
-    prompt_field: str = "prompt"
-    """Column holding the prompt text (task=file)."""
-    answer_field: str = "answer"
-    """Column holding the reference answer (task=file)."""
+    task: choice("file", *PROMPT_TASKS) = FileTaskConfig()  # type: ignore[valid-type]
+    """Where its rows come from and that task's own settings."""
     prompt_template: str = "{prompt}"
     """Format string over the row's fields, as data.prompt_template."""
     system_prompt: str | None = None
@@ -1166,24 +1183,26 @@ class SourceConfig(Section):
     reward: list[RewardTerm] | None = None
     """This source's reward terms (None: reward.terms); alpha, invalid_score and score_range are
     the reward section's."""
-    stream: bool = False
-    """Read train_path lazily (JSONL or Parquet), shuffled by a buffer, instead of loading it whole
-    (task=file)."""
-    shuffle_buffer: int = Field(10000, ge=1)
-    """Rows held by a streamed source's shuffle buffer (stream=true): more mixes better, costs memory."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        name = data.get("name", "") if isinstance(data, dict) else ""
+        return _refuse_moved(data, f"{cls._list}[{name}]")
 
-DataConfig.model_rebuild()
+    _list: ClassVar[str] = "data.sources"
 
 
 class EvalSetConfig(SourceConfig):
-    """One evaluation set of ``eval.sets``: a source's held-out rows (a file source reads
+    """One evaluation set of ``eval.sets``: a source's held-out rows (a file set reads
     eval_path) and the metrics computed on them."""
 
     metrics: list[str] = ["mean@1"]
     """Metrics of this set: mean@k, pass@k, maj@k (k samples per problem) and greedy."""
     samples: int | None = Field(None, ge=1)
     """Samples drawn per problem at eval.temperature (None: the largest k of its metrics)."""
+
+    _list: ClassVar[str] = "eval.sets"
 
     @property
     def n(self) -> int:
@@ -1194,6 +1213,7 @@ class EvalSetConfig(SourceConfig):
         return max((int(k) for k in ks if k.isdigit()), default=1)
 
 
+DataConfig.model_rebuild()
 EvalConfig.model_rebuild()
 
 

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel
 
 from rlpost.config import Config, section_class
+from rlpost.params import Variant
 
 _BLOCK = re.compile(
     r"(<!-- config-table: (?P<section>[\w.]+) -->\n)(?P<body>.*?)(<!-- end config-table -->)",
@@ -53,6 +54,8 @@ def markdown_table(section: str) -> str:
             rows.append(f"| `{name}` | required | {_meaning(field)} |")
             continue
         value = field.get_default(call_default_factory=True)
+        if isinstance(value, Variant):  # a choice: its default's name (its keys: their table)
+            value = value.name
         nested = isinstance(value, BaseModel)  # a nested section: its keys on one line
         value = value.model_dump() if nested else value
         default = yaml.safe_dump(value, default_flow_style=nested, width=1 << 16).strip()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import random
 
+from rlpost.data.tasks import TASKS, Splits, generated
 from rlpost.types import Prompt
 
 TASK_SEED = 1234  # fixed: the split must not depend on the run seed
@@ -52,9 +53,14 @@ def arith_splits(
     problems = arith_problems(max_operand, ops)
     if eval_size >= len(problems):
         raise ValueError(
-            f"data.arith.eval_size={eval_size} leaves no training problems "
-            f"(the space has {len(problems)}); raise data.arith.max_operand or lower eval_size"
+            f"eval_size={eval_size} leaves no training problems "
+            f"(the space has {len(problems)}); raise max_operand or lower eval_size"
         )
     held_out = problems[:eval_size]
     train = problems[eval_size:]
     return train[:train_size], held_out
+
+
+@TASKS.register("arith")
+def load_arith(t, *, template: str, **_) -> Splits:
+    return generated(*arith_splits(t.max_operand, t.ops, t.train_size, t.eval_size), template)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 
+from rlpost.data.tasks import TASKS, Splits, generated
 from rlpost.types import Prompt
 
 TASK_SEED = 4321
@@ -41,6 +42,11 @@ def code_splits(train_size: int, eval_size: int) -> tuple[list[Prompt], list[Pro
     problems = code_problems()
     if eval_size >= len(problems):
         raise ValueError(
-            f"data.code.eval_size={eval_size} leaves no training problems (the space has {len(problems)})"
+            f"eval_size={eval_size} leaves no training problems (the space has {len(problems)})"
         )
     return problems[eval_size:][:train_size], problems[:eval_size]
+
+
+@TASKS.register("code")
+def load_code(t, *, template: str, **_) -> Splits:
+    return generated(*code_splits(t.train_size, t.eval_size), template)

@@ -314,14 +314,14 @@ def load_prompt_file(
     return prompts, report
 
 
-def prompt_file_keywords(section, on_bad_row: str) -> dict:
-    """The keywords of :func:`load_prompt_file` (and a stream's reader) that a data section
-    or a source sets: its fields and template, and ``on_bad_row``."""
+def prompt_file_keywords(task, on_bad_row: str, template: str) -> dict:
+    """The keywords of :func:`load_prompt_file` (and a stream's reader): a file task's
+    fields, ``on_bad_row`` and the source's template."""
     return dict(
-        prompt_field=section.prompt_field,
-        answer_field=section.answer_field,
+        prompt_field=task.prompt_field,
+        answer_field=task.answer_field,
         on_bad_row=on_bad_row,
-        template=section.prompt_template,
+        template=template,
     )
 
 

@@ -138,7 +138,9 @@ def split_off(
     random.Random(seed).shuffle(order)
     n_eval = min(max(1, round(fraction * len(pairs))), len(pairs) - 1)
     if n_eval < 1:
-        raise DataError("a held-out split needs at least two pairs; set data.eval_path instead")
+        raise DataError(
+            "a held-out split needs at least two pairs; set data.task.eval_path instead"
+        )
     held = set(order[:n_eval])
     train = [p for i, p in enumerate(pairs) if i not in held]
     return train, [p for i, p in enumerate(pairs) if i in held]
@@ -152,10 +154,10 @@ def load_pairs(
 ) -> tuple[list[PreferencePair], list[PreferencePair], dict[str, int]]:
     """(train pairs, held-out pairs, load counts) as the data section says."""
     train, held_out, reports = load_pairs_reported(d, seed)
-    if d.task == "prefs":
+    if d.task.name == "prefs":
         return train, held_out, {}
     t, e = reports["train"], reports["eval"]
-    if not d.eval_path:  # a train file's rows, before the held-out split
+    if not d.task.eval_path:  # a train file's rows, before the held-out split
         return (
             train,
             held_out,
@@ -171,8 +173,8 @@ def load_pairs_reported(
     """(train pairs, held-out pairs, {split: LoadReport}) as the data section says; the
     reports hold every skipped row as ``file:line: problem`` (rlpost rm's data report).
     ``margin_field``: the per-pair margin column of a pairs file."""
-    if d.task == "prefs":
-        t = d.prefs
+    t = d.task
+    if t.name == "prefs":
         train, held_out = preference_splits(
             t.max_operand,
             t.ops,
@@ -184,19 +186,19 @@ def load_pairs_reported(
         reports = {"train": LoadReport(rows=len(train)), "eval": LoadReport(rows=len(held_out))}
         return train, held_out, reports
     fields = dict(
-        prompt_field=d.prompt_field,
-        chosen_field=d.chosen_field,
-        rejected_field=d.rejected_field,
+        prompt_field=t.prompt_field,
+        chosen_field=t.chosen_field,
+        rejected_field=t.rejected_field,
         on_bad_row=d.on_bad_row,
         template=d.prompt_template,
         margin_field=margin_field,
     )
-    train, report = load_preference_file(d.train_path, **fields)
+    train, report = load_preference_file(t.train_path, **fields)
     reports = {"train": report}
-    if d.eval_path:
-        held_out, reports["eval"] = load_preference_file(d.eval_path, **fields)
+    if t.eval_path:
+        held_out, reports["eval"] = load_preference_file(t.eval_path, **fields)
     else:
-        train, held_out = split_off(train, d.eval_fraction, seed)
+        train, held_out = split_off(train, t.eval_fraction, seed)
         report.rows = len(train)
         reports["eval"] = LoadReport(rows=len(held_out))
     return train, held_out, reports

@@ -1,6 +1,6 @@
 """reasoning-gym tasks as a data source (extra ``[reasoning_gym]``).
 
-A source ``task: reasoning_gym`` names a task and its generator settings; its rows
+A source ``task: {name: reasoning_gym, task: ...}`` names a task and its generator settings; its rows
 are generated once at load, in this process, from a fixed seed (never the run
 seed), and de-duplicated by question. The first ``eval_size`` unique questions are
 held out and the next ``train_size`` train, so no held-out question is a training
@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlpost.config import ReasoningGymConfig
+from rlpost.data.files import LoadReport
+from rlpost.data.tasks import TASKS, Splits
 from rlpost.types import Prompt
 
 BROKEN: dict[str, str] = {
@@ -92,7 +94,7 @@ def task_problem(c: ReasoningGymConfig) -> str | None:
     from reasoning_gym.factory import DATASETS
 
     if not c.task:
-        return "no task named; set reasoning_gym.task (e.g. basic_arithmetic)"
+        return "no task named; name one in task (e.g. basic_arithmetic)"
     if c.task not in DATASETS:
         near = difflib.get_close_matches(c.task, list(DATASETS), n=3)
         fix = f"did you mean {', '.join(near)}" if near else "see reasoning_gym.factory.DATASETS"
@@ -101,7 +103,7 @@ def task_problem(c: ReasoningGymConfig) -> str | None:
         return f"refused: {BROKEN[c.task]}"
     reserved = sorted({"seed", "size"} & set(c.config))
     if reserved:
-        return f"config.{reserved[0]} is set by the source; use reasoning_gym.{reserved[0]}"
+        return f"config.{reserved[0]} is set by the source; set {reserved[0]} beside config"
     try:
         rg.create_dataset(c.task, seed=c.seed, size=1, **c.config)
     except (TypeError, ValueError, AssertionError) as exc:  # the task's own config checks
@@ -155,7 +157,7 @@ def _draw_fixed_hash(*args, timeout: float = CHILD_TIMEOUT_S) -> tuple:
         )
     except subprocess.TimeoutExpired:
         raise ValueError(
-            f"reasoning_gym.task={args[0]}: generating {args[3]} rows in a child process took "
+            f"task={args[0]}: generating {args[3]} rows in a child process took "
             f"over {timeout:g} s; lower train_size and eval_size or narrow its config"
         ) from None
     if done.returncode != 0:
@@ -170,14 +172,14 @@ def generate_splits(
     """(train prompts, held-out prompts, what the generation gave) of one source."""
     problem = task_problem(c)
     if problem is not None:
-        raise ValueError(f"reasoning_gym.task={c.task}: {problem}")
+        raise ValueError(f"task={c.task}: {problem}")
     asked = c.train_size + c.eval_size
     args = (c.task, dict(c.config), c.seed, asked, 4 * asked + STALL_DRAWS)
     fixed = os.environ.get("PYTHONHASHSEED") == "0"  # the child's, so every start agrees
     entries, draws = draw(*args) if fixed or c.task not in HASH_SEEDED else _draw_fixed_hash(*args)
     if len(entries) <= c.eval_size:
         raise ValueError(
-            f"reasoning_gym.eval_size={c.eval_size}: task {c.task} gave {len(entries)} unique "
+            f"eval_size={c.eval_size}: task {c.task} gave {len(entries)} unique "
             f"questions in {draws} draws, none left to train on; lower eval_size or widen its config"
         )
     prompts = [
@@ -197,3 +199,11 @@ def generate_splits(
         "short": max(0, asked - len(entries)),
     }
     return prompts[c.eval_size :], prompts[: c.eval_size], info
+
+
+@TASKS.register("reasoning_gym")
+def load_task(c: ReasoningGymConfig, *, template: str, **_) -> Splits:
+    train, held_out, info = generate_splits(c, template)
+    return Splits(
+        train, held_out, LoadReport(rows=len(train), info=info), LoadReport(rows=len(held_out))
+    )

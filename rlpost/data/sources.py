@@ -1,7 +1,8 @@
 """A mixture of prompt sources and the sampler that draws batches from it by weight.
 
-``data.sources`` lists sources, each a file (JSONL, Parquet or a ``datasets``
-save_to_disk directory), a built-in task or a reasoning-gym task, with its own
+``data.sources`` lists sources, each a task (a file: JSONL, Parquet or a ``datasets``
+save_to_disk directory; a built-in task; a reasoning-gym task; a verifiers dataset)
+loaded by the loader registered under its name (rlpost.data.tasks), with its own
 weight, prompt template, system prompt and reward terms. Every prompt carries its
 source's name (``Prompt.source``), which is how rewards are routed and metrics
 labelled; its uid is prefixed with the name, so two sources' rows never share one.
@@ -17,86 +18,39 @@ stores a few ints and a resumed run draws exactly the rows an uninterrupted one 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from rlpost.config import SourceConfig
-from rlpost.data.arith import arith_splits
-from rlpost.data.code import code_splits
-from rlpost.data.files import DataError, LoadReport, load_prompt_file, prompt_file_keywords
+from rlpost.config import FileTaskConfig, SourceConfig
+from rlpost.data import arith, code, reasoning_gym, verifiers_source  # noqa: F401 (their tasks)
+from rlpost.data.files import DataError, load_prompt_file, prompt_file_keywords
 from rlpost.data.sampler import PromptSampler
+from rlpost.data.tasks import TASKS, Splits
 from rlpost.rng import derive
 from rlpost.types import Prompt
 
 
-@dataclass
-class LoadedSource:
-    """One source's rows (not yet rendered for the model) and their load reports."""
-
-    name: str
-    train: list[Prompt]
-    held_out: list[Prompt]
-    train_report: LoadReport
-    eval_report: LoadReport
-    system_prompt: str | None = None  # the rows' own system message (a verifiers environment's)
-
-
-def load_source(src: SourceConfig, *, on_bad_row: str) -> LoadedSource:
-    """Rows of one source, each tagged with its name; raises DataError or ValueError in one
-    line naming the source."""
-    train_report, eval_report = LoadReport(), LoadReport()
-    where = f"data.sources[{src.name}]"
-    system = None
-    if src.task in ("arith", "code"):
-        try:
-            train, held_out = builtin_splits(src)
-        except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from None
-    elif src.task == "reasoning_gym":
-        from rlpost.data.reasoning_gym import generate_splits  # lazy: an optional extra
-
-        train, held_out, info = generate_splits(src.reasoning_gym, src.prompt_template)
-        train_report.info = info
-    elif src.task == "verifiers":
-        train, held_out, system = _verifiers_rows(src, where)
-    else:
-        kwargs = prompt_file_keywords(src, on_bad_row)
-        train = []  # a streamed source's rows are read as the run draws them (data/stream.py)
-        if not src.stream:
-            train, train_report = load_prompt_file(src.train_path, **kwargs)
-        held_out = []
-        if src.eval_path:
-            held_out, eval_report = load_prompt_file(src.eval_path, **kwargs)
-    if src.task != "file":  # generated rows: every one is used
-        train_report.rows, eval_report.rows = len(train), len(held_out)
-    train = [_tag(p, src.name) for p in train]
-    held_out = [_tag(p, src.name) for p in held_out]
-    return LoadedSource(src.name, train, held_out, train_report, eval_report, system)
+def load_source(src: SourceConfig, *, on_bad_row: str) -> Splits:
+    """Rows of one source from its task's loader, each tagged with the source's name (an
+    unnamed source, ``data.task`` alone, leaves them as they are); ValueError for a bad
+    setting, DataError for bad rows."""
+    got = TASKS.get(src.task.name)(src.task, template=src.prompt_template, on_bad_row=on_bad_row)
+    if src.name:
+        got.train = [_tag(p, src.name) for p in got.train]
+        got.held_out = [_tag(p, src.name) for p in got.held_out]
+    return got
 
 
-def builtin_splits(section) -> tuple[list[Prompt], list[Prompt]]:
-    """The train and held-out prompts of a built-in task (``task`` arith or code) of a data
-    section or a source, each through its ``prompt_template``; ValueError on bad sizes."""
-    a, c = section.arith, section.code
-    train, held_out = (
-        arith_splits(a.max_operand, a.ops, a.train_size, a.eval_size)
-        if section.task == "arith"
-        else code_splits(c.train_size, c.eval_size)
-    )
-    for p in train + held_out:
-        p.text = section.prompt_template.format(prompt=p.text)
-    return train, held_out
-
-
-def _verifiers_rows(src: SourceConfig, where: str) -> tuple[list[Prompt], list[Prompt], str | None]:
-    from rlpost.data.verifiers_source import env_splits  # lazy: an optional extra
-
-    try:
-        train, held_out, system, _ = env_splits(src.verifiers)
-    except ValueError as exc:
-        raise ValueError(f"{where}: {exc}") from None
-    for p in train + held_out:
-        p.text = src.prompt_template.format(prompt=p.text)
-    return train, held_out, system
+@TASKS.register("file")
+def load_files(t: FileTaskConfig, *, template: str, on_bad_row: str) -> Splits:
+    """A file task's rows: train_path (unless streamed: data/stream.py reads it as the run
+    draws) and eval_path, each when set."""
+    kwargs = prompt_file_keywords(t, on_bad_row, template)
+    out = Splits([], [])
+    if t.train_path and not t.stream:
+        out.train, out.train_report = load_prompt_file(t.train_path, **kwargs)
+    if t.eval_path:
+        out.held_out, out.eval_report = load_prompt_file(t.eval_path, **kwargs)
+    return out
 
 
 def _tag(p: Prompt, name: str) -> Prompt:

@@ -1,4 +1,4 @@
-"""A file source read lazily (``stream: true``): rows shuffled by a buffer, never loaded whole.
+"""A file source read lazily (``task: {name: file, stream: true}``): rows shuffled by a buffer, never loaded whole.
 
 A streamed JSONL file is read line by line (a ``.json`` file holding one array is refused:
 an array has no row boundary short of parsing it), a Parquet file row group by row group; rows are
@@ -77,7 +77,7 @@ def check_stream_path(path: str) -> Path:
     if is_json_array(p):
         raise DataError(
             f"{path}: holds one JSON array, which cannot be read a row at a time; write it as "
-            f"JSON Lines (jq -c '.[]' {p.name} > {p.stem}.jsonl) or set stream: false"
+            f"JSON Lines (jq -c '.[]' {p.name} > {p.stem}.jsonl) or set task.stream: false"
         )
     return p
 

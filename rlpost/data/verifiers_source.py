@@ -29,6 +29,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any
 
+from rlpost.data.tasks import TASKS, Splits, generated
 from rlpost.registry import import_object
 from rlpost.types import Prompt
 
@@ -302,6 +303,12 @@ def env_splits(c) -> tuple[list[Prompt], list[Prompt], str | None, dict[str, Any
         ) from None
     info = {"env": c.env, "class": type(env).__name__, "train": len(train), "eval": len(held_out)}
     return train, held_out, system, info
+
+
+@TASKS.register("verifiers")
+def load_dataset(c, *, template: str, **_) -> Splits:
+    train, held_out, system, _ = env_splits(c)
+    return generated(train, held_out, template, system_prompt=system)
 
 
 def row_input(prompt_text: str, answer: Any, metadata: dict | None) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from functools import partial
 
 import torch
@@ -17,14 +18,16 @@ from rlpost.algos import (
     get_kl_estimator,
 )
 from rlpost.config import Config, ConfigError, SourceConfig
-from rlpost.data import DataError, LoadReport, load_prompt_file
+from rlpost.data import DataError, LoadReport
 from rlpost.data.files import prompt_file_keywords
 from rlpost.data.render import prepare_prompts
-from rlpost.data.sources import builtin_splits, load_source
+from rlpost.data.sources import load_source
 from rlpost.data.stream import preflight as stream_preflight
+from rlpost.data.tasks import Splits
 from rlpost.envs.base import EnvError
 from rlpost.envs.catalog import env_factory
 from rlpost.envs.formats import build_format, demonstration_completion
+from rlpost.errors import one_line
 from rlpost.models.loading import context_length, frozen_copy, load_policy, load_tokenizer
 from rlpost.models.tiny import build_char_tokenizer
 from rlpost.pipeline.weights import build_weight_path
@@ -69,33 +72,9 @@ def build_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, int]]
 def load_data(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, LoadReport]]:
     """(train prompts, held-out prompts, {"train": report, "eval": report}); with
     eval.sets, the held-out prompts are the sets' rows (each tagged with its set's name)."""
-    train, held_out, reports = _load_prompts(cfg)
+    train, held_out, reports = load_sources(cfg)
     if cfg.eval.sets:
         held_out, reports["eval"] = load_eval_sets(cfg, train)
-    return train, held_out, reports
-
-
-def _load_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, LoadReport]]:
-    d = cfg.data
-    if d.sources:
-        return load_sources(cfg)
-    reports = {"train": LoadReport(), "eval": LoadReport()}
-    if d.task in ("arith", "code"):
-        try:
-            train, held_out = builtin_splits(d)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-    else:  # file (data.task=prefs is refused by the rule table)
-        kwargs = prompt_file_keywords(d, d.on_bad_row)
-        train, held_out = [], []
-        if d.train_path:  # (evaluation alone needs only eval_path)
-            train, reports["train"] = load_prompt_file(d.train_path, **kwargs)
-        if d.eval_path:
-            held_out, reports["eval"] = load_prompt_file(d.eval_path, **kwargs)
-    train = fit_to_model(cfg, train, reports["train"])
-    held_out = fit_to_model(cfg, held_out, reports["eval"])
-    if not train and reports["train"].problems:
-        raise DataError(f"no training prompt fits the model ({reports['train'].first_problem})")
     return train, held_out, reports
 
 
@@ -438,43 +417,51 @@ def build_reward_worker(cfg: Config) -> RewardWorker:
 
 
 def load_sources(cfg: Config) -> tuple[list[Prompt], list[Prompt], dict[str, LoadReport]]:
-    """``data.sources``: each source loaded, rendered with its own system prompt and fitted
-    to the model; the reports sum them and keep each source's own (``LoadReport.sources``)."""
+    """Every source of ``data.prompt_sources`` loaded, rendered with its own system prompt and
+    fitted to the model; with named sources the reports sum them and keep each one's own
+    (``LoadReport.sources``)."""
     reports = {"train": LoadReport(), "eval": LoadReport()}
     train, held_out = [], []
-    for src in cfg.data.sources:
-        got = _load_source(cfg, src, "data.sources[")
+    for src in cfg.data.prompt_sources:
+        where = f"data.sources[{src.name}]" if src.name else "data"
+        got = _load_source(cfg, src, where)
         sp = src.system_prompt or got.system_prompt
         part = fit_to_model(cfg, got.train, got.train_report, system_prompt=sp)
-        if src.stream:  # read as the run draws; its first rows checked (the warm-up's)
+        if getattr(src.task, "stream", False):  # read as the run draws; its first rows checked
             part = stream_preflight(stream_args(cfg, src), stream_fit(cfg, src))
-        elif not part:
+        elif not part and (src.name or got.train_report.problems):  # eval alone needs no train
             raise DataError(
-                f"data.sources[{src.name}]: no training prompt fits the model "
+                f"{where}: no training prompt fits the model "
                 f"({got.train_report.first_problem or 'no rows'})"
             )
         train += part
         held_out += fit_to_model(cfg, got.held_out, got.eval_report, system_prompt=sp)
+        if not src.name:  # the one unnamed source: its reports are the run's
+            return train, held_out, {"train": got.train_report, "eval": got.eval_report}
         reports["train"].add(src.name, got.train_report)
         reports["eval"].add(src.name, got.eval_report)
     return train, held_out, reports
 
 
-def _load_source(cfg: Config, src: SourceConfig, key: str):
+def _load_source(cfg: Config, src: SourceConfig, where: str) -> Splits:
     """``load_source``; a bad setting (a ValueError other than DataError) is a ConfigError
-    naming ``key`` (``data.sources[`` or ``eval.sets[``)."""
+    naming ``where`` (``data``, ``data.sources[x]`` or ``eval.sets[x]``) and the task's key."""
     try:
         return load_source(src, on_bad_row=cfg.data.on_bad_row)
     except DataError:
         raise
     except ValueError as exc:
-        raise ConfigError(str(exc).replace("data.sources[", key, 1)) from None
+        line = one_line(exc)
+        sep = "." if re.match(r"\w+=", line) else ": "  # "eval_size=5 ..." names a task key
+        raise ConfigError(f"{where}.task{sep}{line}") from None
 
 
 def stream_args(cfg: Config, src: SourceConfig) -> dict:
     """A streamed source's reader settings (rlpost.data.stream.StreamSampler's keywords)."""
     return dict(
-        path=src.train_path, name=src.name, **prompt_file_keywords(src, cfg.data.on_bad_row)
+        path=src.task.train_path,
+        name=src.name,
+        **prompt_file_keywords(src.task, cfg.data.on_bad_row, src.prompt_template),
     )
 
 
@@ -490,14 +477,9 @@ def load_eval_sets(cfg: Config, train: list[Prompt]) -> tuple[list[Prompt], Load
     report sums the sets and says per set how many prompts are also training prompts."""
     report, out = LoadReport(), []
     trained = {p.text for p in train}
-    for s in cfg.eval.sets:
-        src = s.model_copy(update={"stream": False})  # a set is scored whole, never streamed
-        if s.task == "file":  # the file's rows are the set: loaded as one split
-            src = src.model_copy(update={"train_path": s.eval_path, "eval_path": None})
-        got = _load_source(cfg, src, "eval.sets[")
-        rows, part_report = (
-            (got.train, got.train_report) if s.task == "file" else (got.held_out, got.eval_report)
-        )
+    for s in cfg.eval.sets:  # a set is its source's held-out rows (a file set's eval_path)
+        got = _load_source(cfg, s, f"eval.sets[{s.name}]")
+        rows, part_report = got.held_out, got.eval_report
         sp = s.system_prompt or got.system_prompt
         part = fit_to_model(cfg, rows, part_report, system_prompt=sp)
         part = part[: cfg.eval.limit] if cfg.eval.limit else part

@@ -23,7 +23,15 @@ from rlpost.algos import (
     get_aggregation,
     get_kl_estimator,
 )
-from rlpost.config import Config, ConfigError
+from rlpost.config import (
+    Config,
+    ConfigError,
+    EvalSetConfig,
+    FileTaskConfig,
+    PrefsTaskConfig,
+    ReasoningGymConfig,
+    SourceConfig,
+)
 from rlpost.envs.base import EnvError
 from rlpost.envs.catalog import env_factory
 from rlpost.envs.formats import TagFormat
@@ -75,7 +83,7 @@ def command_for(cfg: Config) -> str:
     """The command a config is checked as when none is named (``rlpost config``)."""
     if cfg.sft.data != "task":
         return "sft"
-    return "dpo" if cfg.data.task == "prefs" else "train"
+    return "dpo" if isinstance(cfg.data.task, PrefsTaskConfig) else "train"
 
 
 # ------------------------------------------------------------------- batch shape
@@ -118,44 +126,37 @@ def group_relative_needs_groups(cfg: Config) -> str | None:
 
 @rule(*RL)
 def prompts_not_pairs(cfg: Config) -> str | None:
-    if cfg.data.task == "prefs":
+    if isinstance(cfg.data.task, PrefsTaskConfig):
         return (
             "data.task=prefs holds preference pairs, for rlpost dpo; rlpost train needs prompts "
-            "(data.task=arith, code or file)"
+            "(data.task=arith, code, file, reasoning_gym or verifiers)"
         )
     return None
 
 
-@rule("train", "sft")
-def file_task_needs_train_path(cfg: Config) -> str | None:
-    if cfg.data.task == "file" and not cfg.data.train_path:
-        return "data.task=file needs data.train_path; set it to a JSONL or Parquet file"
+def _file_path_problem(cfg: Config, path: str, what: str) -> str | None:
+    t = cfg.data.task
+    if isinstance(t, FileTaskConfig) and not cfg.data.sources and not getattr(t, path):
+        return f"data.task.{path}=None: data.task=file reads {what} from it; set it"
     return None
+
+
+@rule("train", "sft", "dpo", "rm")
+def file_task_needs_train_path(cfg: Config) -> str | None:
+    return _file_path_problem(cfg, "train_path", "its rows (prompts, or pairs for dpo and rm)")
 
 
 @rule("eval")
 def file_task_needs_eval_path(cfg: Config) -> str | None:
-    if cfg.data.task == "file" and not cfg.data.eval_path:
-        return "data.task=file needs data.eval_path to evaluate; set it to a JSONL or Parquet file"
-    return None
+    return _file_path_problem(cfg, "eval_path", "the rows it evaluates")
 
 
 @rule("dpo", "rm")
 def pairs_not_prompts(cfg: Config) -> str | None:
-    if cfg.data.task not in ("prefs", "file"):
+    if not isinstance(cfg.data.task, PrefsTaskConfig | FileTaskConfig):
         return (
-            f"rlpost dpo and rlpost rm train on preference pairs: data.task={cfg.data.task} "
-            "has none; "
-            "use data.task=prefs (the built-in pairs) or data.task=file with a pairs file"
-        )
-    return None
-
-
-@rule("dpo", "rm")
-def pairs_file_needs_train_path(cfg: Config) -> str | None:
-    if cfg.data.task == "file" and not cfg.data.train_path:
-        return (
-            "data.task=file needs data.train_path (a pairs file); set it to a JSONL or Parquet file"
+            f"rlpost dpo and rlpost rm train on preference pairs: data.task={cfg.data.task.name} "
+            "has none; use data.task=prefs (the built-in pairs) or data.task=file with a pairs file"
         )
     return None
 
@@ -645,35 +646,30 @@ def _listed_twice(names: list[str]) -> str | None:
     return min((n for n in names if names.count(n) > 1), default=None)
 
 
+def _sources(cfg: Config) -> list[tuple[str, SourceConfig]]:
+    """Every source of prompts with its key: data's sources (``data`` for the one unnamed
+    source), then the evaluation sets."""
+    out = [(f"data.sources[{s.name}]" if s.name else "data", s) for s in cfg.data.prompt_sources]
+    return out + [(f"eval.sets[{s.name}]", s) for s in cfg.eval.sets]
+
+
 @rule()
 def sources_named_once(cfg: Config) -> str | None:
-    if (twice := _listed_twice([s.name for s in cfg.data.sources])) is not None:
-        return (
-            f"data.sources name={twice}: two sources share the name (rows, rewards and "
-            "metrics are told apart by it); give each source its own name"
-        )
+    for key, entries in (("data.sources", cfg.data.sources), ("eval.sets", cfg.eval.sets)):
+        if (twice := _listed_twice([s.name for s in entries])) is not None:
+            return (
+                f"{key} name={twice}: two share the name (rows, rewards and metrics are told "
+                "apart by it); give each its own name"
+            )
     return None
 
 
 @rule()
 def sources_replace_one_source_keys(cfg: Config) -> str | None:
     d = cfg.data
-    if not d.sources:
-        return None
-    if d.task == "prefs":
-        return (
-            "data.task=prefs: data.sources holds prompt sources, for rlpost train; "
-            "drop data.sources for rlpost dpo"
-        )
-    for key in ("train_path", "eval_path"):
-        if getattr(d, key):
-            return (
-                f"data.{key}={getattr(d, key)}: data.sources replaces it; "
-                f"set it on a source (data.sources[i].{key}) and drop data.{key}"
-            )
-    if d.task != "arith":  # the default: a recipe's base may name it
-        return f"data.task={d.task}: data.sources replaces it; set task on each source"
-    if d.prompt_template != "{prompt}":
+    if d.sources and d.task.name != "arith":  # the default: a recipe's base may name it
+        return f"data.task={d.task.name}: data.sources replaces it; set task on each source"
+    if d.sources and d.prompt_template != "{prompt}":
         return (
             f"data.prompt_template={d.prompt_template}: data.sources replaces it; "
             "set prompt_template on each source"
@@ -683,16 +679,35 @@ def sources_replace_one_source_keys(cfg: Config) -> str | None:
 
 @rule()
 def source_keys_fit_its_task(cfg: Config) -> str | None:
-    for s in cfg.data.sources:
-        key = f"data.sources[{s.name}]"
-        if s.task == "file" and not s.train_path:
-            return f"{key}.train_path=None: a file source needs it; set it to its rows' file"
-        if s.task != "file" and (s.train_path or s.eval_path):
-            path = s.train_path or s.eval_path
-            return f"{key}.train_path={path}: task={s.task} reads no file; set task=file or drop it"
-        problem = _template_problem(s.prompt_template, s.task)
-        if problem is not None:
-            return f"{key}.prompt_template={s.prompt_template}: {problem}"
+    for key, s in _sources(cfg):
+        line = _file_keys_problem(key, s) if isinstance(s.task, FileTaskConfig) else None
+        if line is None and isinstance(s, EvalSetConfig) and s.weight != 1.0:
+            line = f"{key}.weight={s.weight}: a set is not sampled for training; drop it"
+        problem = _template_problem(s.prompt_template, s.task.name)
+        if line is None and problem is not None:
+            line = f"{key}.prompt_template={s.prompt_template}: {problem}"
+        if line is not None:
+            return line
+    return None
+
+
+def _file_keys_problem(key: str, s: SourceConfig) -> str | None:
+    """Why a file task's paths do not fit its place: a source trains on train_path (a
+    streamed one holds out by eval_path), a set reads only eval_path."""
+    t, key = s.task, f"{key}.task"
+    if isinstance(s, EvalSetConfig):
+        if not t.eval_path:
+            return f"{key}.eval_path=None: a file set reads its rows from it; set it"
+        if t.train_path or t.stream:
+            return f"{key}.train_path={t.train_path}: a set trains on nothing; drop it"
+    elif s.name and not t.train_path:
+        return f"{key}.train_path=None: a file source needs it; set it to its rows' file"
+    elif t.stream and not (s.name and t.eval_path):
+        what = "eval_path=None" if s.name else "the one unnamed source cannot stream"
+        return (
+            f"{key}.stream=true: {what}; a streamed file is a source of data.sources that "
+            "holds out no rows itself, so name its held-out rows in eval_path (or drop stream)"
+        )
     return None
 
 
@@ -714,30 +729,30 @@ def _template_problem(template: str, task: str) -> str | None:
 
 @rule(*RL)
 def source_rewards_resolve(cfg: Config) -> str | None:
-    for s in cfg.data.sources:
-        key = f"data.sources[{s.name}].reward"
-        if s.reward is not None and (line := _own_terms_problem(cfg, key, s.reward)) is not None:
+    sources = {s.name for s in cfg.data.sources}
+    for key, s in _sources(cfg):
+        if s.reward is None:
+            continue
+        if isinstance(s, EvalSetConfig) and s.name in sources:
+            return (
+                f"{key}.reward: data.sources[{s.name}]'s terms score the set of its name; "
+                "drop reward or rename the set"
+            )
+        if (line := _own_terms_problem(cfg, f"{key}.reward", s.reward)) is not None:
             return line
     return None
 
 
 @rule()
 def reasoning_gym_task_generates(cfg: Config) -> str | None:
-    return _reasoning_gym_problem("data.sources", cfg.data.sources)
-
-
-def _reasoning_gym_problem(key: str, entries: list) -> str | None:
-    """Why a reasoning_gym source or eval set of ``entries`` (under ``key``) cannot generate."""
     from rlpost.data.reasoning_gym import task_problem
 
-    for s in entries:
-        if s.task != "reasoning_gym":
+    for key, s in _sources(cfg):
+        if not isinstance(s.task, ReasoningGymConfig):
             continue
-        problem = task_problem(s.reasoning_gym) or _reasoning_gym_sandbox_problem(
-            s.reasoning_gym.task
-        )
+        problem = task_problem(s.task) or _reasoning_gym_sandbox_problem(s.task.task)
         if problem is not None:
-            return f"{key}[{s.name}].reasoning_gym.task={s.reasoning_gym.task}: {problem}"
+            return f"{key}.task.task={s.task.task}: {problem}"
     return None
 
 
@@ -755,29 +770,7 @@ def _reasoning_gym_sandbox_problem(task: str) -> str | None:
     )
 
 
-@rule()
-def streamed_sources_hold_out_by_file(cfg: Config) -> str | None:
-    for s in cfg.data.sources:
-        if s.stream and (s.task != "file" or not s.eval_path):
-            what = f"task={s.task} is generated, not read" if s.task != "file" else "eval_path=None"
-            return (
-                f"data.sources[{s.name}].stream=true: {what}; a streamed file holds out no rows "
-                "itself, so name its held-out rows in eval_path (or drop stream)"
-            )
-    return None
-
-
 # ------------------------------------------------------------------ evaluation sets
-
-
-@rule("train", "eval")
-def eval_sets_named_once(cfg: Config) -> str | None:
-    if (twice := _listed_twice([s.name for s in cfg.eval.sets])) is not None:
-        return (
-            f"eval.sets name={twice}: two sets share the name (their metrics are "
-            f"eval/<name>/...); give each set its own name"
-        )
-    return None
 
 
 @rule("train", "eval")
@@ -810,54 +803,15 @@ def eval_set_k_within_samples(cfg: Config) -> str | None:
     return None
 
 
-@rule("train", "eval")
-def eval_set_keys_fit_its_task(cfg: Config) -> str | None:
-    for s in cfg.eval.sets:
-        key = f"eval.sets[{s.name}]"
-        if s.task == "file" and not s.eval_path:
-            return f"{key}.eval_path=None: a file set reads its rows from it; set it"
-        if s.train_path:
-            return f"{key}.train_path={s.train_path}: a set trains on nothing; drop it"
-        if s.task != "file" and s.eval_path:
-            return f"{key}.eval_path={s.eval_path}: task={s.task} reads no file; drop it"
-        if s.weight != 1.0:
-            return f"{key}.weight={s.weight}: a set is not sampled for training; drop it"
-        problem = _template_problem(s.prompt_template, s.task)
-        if problem is not None:
-            return f"{key}.prompt_template={s.prompt_template}: {problem}"
-    return None
-
-
-@rule("train", "eval")
-def eval_set_rewards_resolve(cfg: Config) -> str | None:
-    sources = {s.name for s in cfg.data.sources}
-    for s in cfg.eval.sets:
-        if s.reward is None:
-            continue
-        key = f"eval.sets[{s.name}].reward"
-        if s.name in sources:
-            return (
-                f"{key}: data.sources[{s.name}]'s terms score the set of its name; "
-                "drop reward or rename the set"
-            )
-        if (line := _own_terms_problem(cfg, key, s.reward)) is not None:
-            return line
-    return None
-
-
-@rule("train", "eval")
-def eval_set_reasoning_gym_generates(cfg: Config) -> str | None:
-    return _reasoning_gym_problem("eval.sets", cfg.eval.sets)
-
-
 # ------------------------------------------------------------------ reward model
 
 
 @rule("rm")
 def rm_margin_needs_a_file(cfg: Config) -> str | None:
-    if cfg.rm is not None and cfg.rm.margin_field is not None and cfg.data.task != "file":
+    rm = cfg.rm
+    if rm is not None and rm.margin_field is not None and not isinstance(cfg.data.task, FileTaskConfig):
         return (
-            f"rm.margin_field={cfg.rm.margin_field}: data.task={cfg.data.task} has no columns; "
+            f"rm.margin_field={cfg.rm.margin_field}: data.task={cfg.data.task.name} has no columns; "
             "drop it or use data.task=file with a pairs file that has the column"
         )
     return None

@@ -1,4 +1,4 @@
-"""Streamed sources (``data.sources[i].stream``) in a run: their samplers, their start
+"""Streamed sources (``data.sources[i].task.stream``) in a run: their samplers, their start
 check and their rows in ``RUN_DIR/data_report.json``.
 
 The start checks only the first rows of a streamed file (``build.load_sources``);
@@ -24,8 +24,8 @@ def stream_samplers(cfg: Config) -> dict:
     """``{name: StreamSampler(seed=...)}`` of the streamed sources (for make_sampler)."""
     out = {}
     for src in cfg.data.sources:
-        if src.stream:
-            fit, buffer = stream_fit(cfg, src), src.shuffle_buffer
+        if getattr(src.task, "stream", False):
+            fit, buffer = stream_fit(cfg, src), src.task.shuffle_buffer
             out[src.name] = partial(StreamSampler, **stream_args(cfg, src), fit=fit, buffer=buffer)
     return out
 

@@ -14,7 +14,7 @@ from rlpost.pipeline.loop import train
 def test_agent_calc_learns_to_use_the_calculator(tmp_path):
     over = {
         "run.output_dir": str(tmp_path),
-        "data.arith.max_operand": 99,  # 2-digit products: shorter episodes, same lesson
+        "data.task.max_operand": 99,  # 2-digit products: shorter episodes, same lesson
         "sft.steps": 400,
         "rollout.prompts_per_step": 16,
         "rollout.max_tokens": 48,
@@ -53,8 +53,8 @@ def test_partial_rollout_carries_episodes_and_trains_every_prompt_once(tmp_path)
     and continue with its weights; none is lost or trained twice."""
     over = {
         "run.output_dir": str(tmp_path),
-        "data.arith.max_operand": 9,
-        "data.arith.eval_size": 20,
+        "data.task.max_operand": 9,
+        "data.task.eval_size": 20,
         # direct answers take one turn, calls two; in pairs, a group of two direct answers
         # is often done after the first turn while others still call: those are carried
         "agent.sft_direct": 0.65,

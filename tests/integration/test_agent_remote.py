@@ -73,8 +73,8 @@ def test_training_loop_runs_episodes_on_remote_engines(tmp_path):
                 "rollout.engine": "remote",
                 "rollout.engine.servers": json.dumps([url]),
                 "rollout.max_tokens": 48,
-                "data.arith.max_operand": 9,
-                "data.arith.eval_size": 20,
+                "data.task.max_operand": 9,
+                "data.task.eval_size": 20,
                 "agent.env": "calc",
                 "run.threads": 1,  # tiny models are overhead-bound: one thread is the fastest
                 "sft.steps": 80,

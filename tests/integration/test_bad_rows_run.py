@@ -17,7 +17,12 @@ def test_skipped_rows_on_console_in_summary_and_metrics(tmp_path, capsys):
     f.write_bytes(b"\n".join([*(g.encode() for g in good), *bad, ("9" * 200).encode()]) + b"\n")
     over = small_overrides(
         tmp_path,
-        **{"data.task": "file", "data.train_path": f, "data.eval_path": f, "train.steps": 1},
+        **{
+            "data.task": "file",
+            "data.task.train_path": f,
+            "data.task.eval_path": f,
+            "train.steps": 1,
+        },
     )
     assert main(["train", *over, "data.on_bad_row=skip"]) == 0
     err = capsys.readouterr().err

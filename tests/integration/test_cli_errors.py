@@ -22,7 +22,7 @@ def _cases(tmp_path, tiny_dir):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": "1+1=", "answer": 2}) + "\n")
     out = f"run.output_dir={tmp_path}"
-    file_task = ["data.task=file", f"data.train_path={data}", "sft.steps=0", out]
+    file_task = ["data.task=file", f"data.task.train_path={data}", "sft.steps=0", out]
     cases = {
         "train unknown key": ["train", "rollout.nn=2"],
         "train bad value": ["train", "rollout.temperature=-1"],
@@ -32,7 +32,12 @@ def _cases(tmp_path, tiny_dir):
         "train not key=value": ["train", "grpo_arith", "oops"],
         "train resume nothing": ["train", "--resume", str(tmp_path / "none")],
         "train missing model": ["train", f"model.path={tmp_path}/none", out],
-        "train missing dataset": ["train", "data.task=file", f"data.train_path={tmp_path}/x", out],
+        "train missing dataset": [
+            "train",
+            "data.task=file",
+            f"data.task.train_path={tmp_path}/x",
+            out,
+        ],
         "train template field": [
             "train",
             *file_task,
@@ -46,7 +51,7 @@ def _cases(tmp_path, tiny_dir):
         "eval missing model": ["eval", f"model.path={tmp_path}/none"],
         "eval no eval set": ["eval", *file_task],
         "dpo unknown key": ["dpo", "dpo.bta=0.1"],
-        "dpo missing data": ["dpo", "data.task=file", f"data.train_path={tmp_path}/x.jsonl"],
+        "dpo missing data": ["dpo", "data.task=file", f"data.task.train_path={tmp_path}/x.jsonl"],
         "config unknown key": ["config", "rollout.nn=2"],
         "config keys bad recipe": ["config", "nope", "--keys"],
         "report missing run": ["report", str(tmp_path / "none")],

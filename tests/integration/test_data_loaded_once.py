@@ -6,7 +6,7 @@ import json
 from collections import Counter
 
 from rlpost.cli import main
-from rlpost.pipeline import build
+from rlpost.data import sources
 from tests.conftest import small_overrides
 
 
@@ -22,13 +22,13 @@ def _files(tmp_path):
 
 def _counting(monkeypatch) -> Counter:
     reads: Counter = Counter()
-    real = build.load_prompt_file
+    real = sources.load_prompt_file
 
     def counted(path, **kwargs):
         reads[str(path)] += 1
         return real(path, **kwargs)
 
-    monkeypatch.setattr(build, "load_prompt_file", counted)
+    monkeypatch.setattr(sources, "load_prompt_file", counted)
     return reads
 
 
@@ -37,7 +37,7 @@ def test_train_reads_each_data_file_once(tmp_path, monkeypatch):
     reads = _counting(monkeypatch)
     over = small_overrides(
         tmp_path,
-        **{"data.task": "file", "data.train_path": train, "data.eval_path": held_out},
+        **{"data.task": "file", "data.task.train_path": train, "data.task.eval_path": held_out},
         **{"train.steps": 1, "sft.steps": 1},
     )
     assert main(["train", *over]) == 0
@@ -51,7 +51,7 @@ def test_resume_reads_each_data_file_once(tmp_path, monkeypatch):
     train, held_out = _files(tmp_path)
     over = small_overrides(
         tmp_path,
-        **{"data.task": "file", "data.train_path": train, "data.eval_path": held_out},
+        **{"data.task": "file", "data.task.train_path": train, "data.task.eval_path": held_out},
         **{"train.steps": 1, "sft.steps": 0},
     )
     assert main(["train", *over]) == 0

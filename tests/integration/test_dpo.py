@@ -27,9 +27,9 @@ def tiny_overrides(tmp_path, **extra) -> list[str]:
         "run.threads": 1,
         "model.tiny.hidden_size": 32,
         "model.tiny.intermediate_size": 64,
-        "data.prefs.max_operand": 9,
-        "data.prefs.eval_size": 20,
-        "data.prefs.train_size": 40,
+        "data.task.max_operand": 9,
+        "data.task.eval_size": 20,
+        "data.task.train_size": 40,
         "sft.steps": 3,
         "sft.batch_size": 8,
         "dpo.steps": 4,
@@ -38,6 +38,8 @@ def tiny_overrides(tmp_path, **extra) -> list[str]:
         "dpo.eval_every": 2,
         "observe.progress": False,
     }
+    if "data.task" in extra:  # another task: the built-in task's sizes are not its keys
+        base = {k: v for k, v in base.items() if not k.startswith("data.task.")}
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 
@@ -75,7 +77,7 @@ def test_ipo_runs_and_fits_the_pairs_it_trains_on(tmp_path):
         "dpo.optim.lr": 3e-3,
         "dpo.optim.warmup_steps": 0,
     }
-    over = tiny_overrides(tmp_path, **ipo, **{"data.prefs.train_size": 4})
+    over = tiny_overrides(tmp_path, **ipo, **{"data.task.train_size": 4})
     result = run_dpo(load_config(RECIPE, over))
     assert result.summary["loss_type"] == "ipo" and result.summary["train_pairs"] == 8
     losses = [r["loss"] for r in _rows(result.run_dir) if "loss" in r]
@@ -87,7 +89,7 @@ def test_ipo_runs_and_fits_the_pairs_it_trains_on(tmp_path):
 
 def test_default_recipe_is_the_cli_default(tmp_path, monkeypatch):
     cfg = load_config(RECIPE, [])
-    assert cfg.run.name == "dpo_prefs" and cfg.dpo.beta == 0.1 and cfg.data.prefs.eval_size >= 200
+    assert cfg.run.name == "dpo_prefs" and cfg.dpo.beta == 0.1 and cfg.data.task.eval_size >= 200
     seen = {}
     monkeypatch.setattr("rlpost.pipeline.offline.run_dpo", lambda c, *_: seen.setdefault("cfg", c))
     assert main(["dpo", "dpo.steps=7"]) == 0
@@ -121,10 +123,10 @@ def test_user_file_bad_row_is_refused_with_file_and_line_or_skipped(tmp_path, ca
     train = _pair_file(tmp_path / "train.jsonl", bad_line='{"q": "1+1=", "good": "2"}')
     fields = {
         "data.task": "file",
-        "data.train_path": train,
-        "data.prompt_field": "q",
-        "data.chosen_field": "good",
-        "data.rejected_field": "bad",
+        "data.task.train_path": train,
+        "data.task.prompt_field": "q",
+        "data.task.chosen_field": "good",
+        "data.task.rejected_field": "bad",
     }
     assert main(["dpo", *tiny_overrides(tmp_path, **fields)]) == 2
     err = capsys.readouterr().err.strip()
@@ -138,7 +140,7 @@ def test_user_file_bad_row_is_refused_with_file_and_line_or_skipped(tmp_path, ca
 
 def test_missing_user_file_is_one_line(tmp_path, capsys):
     over = tiny_overrides(
-        tmp_path, **{"data.task": "file", "data.train_path": tmp_path / "x.jsonl"}
+        tmp_path, **{"data.task": "file", "data.task.train_path": tmp_path / "x.jsonl"}
     )
     assert main(["dpo", *over]) == 2
     err = capsys.readouterr().err.strip()

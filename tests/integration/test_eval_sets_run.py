@@ -19,9 +19,9 @@ def _sets(tmp_path) -> str:
     f.write_text("".join(json.dumps({"prompt": f"say {w}:", "answer": w}) + "\n" for w in "abcde"))
     return json.dumps(
         [
-            {"name": "sums", "task": "arith", "arith": {"max_operand": 9, "eval_size": 6},
+            {"name": "sums", "task": {"name": "arith", "max_operand": 9, "eval_size": 6},
              "metrics": METRICS},
-            {"name": "words", "eval_path": str(f), "reward": [{"name": "exact_match"}],
+            {"name": "words", "task": {"name": "file", "eval_path": str(f)}, "reward": [{"name": "exact_match"}],
              "metrics": ["pass@1", "greedy"], "samples": 3},
         ]
     )  # fmt: skip

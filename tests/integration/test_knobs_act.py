@@ -173,12 +173,14 @@ def small(cfg_dict: dict) -> dict:
         "rollout.max_tokens": min(r["max_tokens"], 8),
         "train.mini_batch_size": mini,
         "train.micro_batch_size": micro,
-        "data.arith.train_size": 64,
-        "data.arith.eval_size": 8,
-        "data.code.train_size": 16,
-        "data.code.eval_size": 4,
         "observe.progress": False,
-    }
+    } | SMALL_TASKS.get(cfg_dict["data"]["task"]["name"], {})
+
+
+SMALL_TASKS = {
+    "arith": {"data.task.train_size": 64, "data.task.eval_size": 8},
+    "code": {"data.task.train_size": 16, "data.task.eval_size": 4},
+}
 
 
 def as_overrides(d: dict) -> list[str]:
@@ -391,8 +393,8 @@ def recipe_extra(name: str, tmp_path, tiny_dir) -> dict:
         )
         return {
             "model.path": str(tiny_dir),
-            "data.train_path": str(rows),
-            "data.eval_path": str(rows),
+            "data.task.train_path": str(rows),
+            "data.task.eval_path": str(rows),
         }
     if name.startswith("distill_"):  # a teacher with the tiny student's tokenizer
         return {"model.teacher.path": str(tiny_dir)}

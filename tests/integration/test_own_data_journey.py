@@ -53,9 +53,9 @@ def test_own_model_and_data_run_to_the_end_with_every_bad_row_reported(journey):
         "train",
         "grpo_file",
         f"model.path={model}",
-        "data.train_path=train.jsonl",
-        "data.eval_path=test.jsonl",
-        "data.prompt_field=question",
+        "data.task.train_path=train.jsonl",
+        "data.task.eval_path=test.jsonl",
+        "data.task.prompt_field=question",
         *TINY_RUN,
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

@@ -48,8 +48,8 @@ def pairs_file(tmp_path):
 def _args(tmp_path, pairs_file, *extra):
     return [
         "data.task=file",
-        f"data.train_path={pairs_file}",
-        "data.eval_fraction=0.25",
+        f"data.task.train_path={pairs_file}",
+        "data.task.eval_fraction=0.25",
         "data.on_bad_row=skip",
         "rm.batch_size=16",
         "rm.micro_batch_size=8",
@@ -163,7 +163,7 @@ def test_a_stopped_rm_run_resumes_where_it_stopped(tmp_path, pairs_file):
             ["data.task=arith"],
             "rlpost dpo and rlpost rm train on preference pairs: data.task=arith",
         ),
-        (["data.task=file"], "data.task=file needs data.train_path"),
+        (["data.task=file"], "data.task.train_path=None: data.task=file reads its rows"),
         (["rm.margin_field=m"], "rm.margin_field=m: data.task=prefs has no columns"),
         (["rm.micro_batch_size=100"], "micro_batch_size=100 is larger than batch_size=64"),
         (["rm.stpes=3"], "rm.stpes"),
@@ -196,15 +196,13 @@ def test_the_rlhf_recipe_trains_against_the_trained_reward_model(tmp_path, pairs
                     "sets": [
                         {
                             "name": "verifiable",
-                            "task": "arith",
-                            "arith": arith,
+                            "task": {"name": "arith", **arith},
                             "metrics": ["mean@2"],
                             "reward": [{"name": "numeric_match"}],
                         },
                         {
                             "name": "rm",
-                            "task": "arith",
-                            "arith": arith,
+                            "task": {"name": "arith", **arith},
                             "metrics": ["mean@2"],
                             "reward": [term],
                         },

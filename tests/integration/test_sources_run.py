@@ -19,14 +19,12 @@ def _sources(tmp_path) -> str:
         [
             {
                 "name": "arith",
-                "task": "arith",
+                "task": {"name": "arith", "max_operand": 9, "eval_size": 8},
                 "weight": 3,
-                "arith": {"max_operand": 9, "eval_size": 8},
             },
             {
                 "name": "words",
-                "train_path": str(f),
-                "eval_path": str(f),
+                "task": {"name": "file", "train_path": str(f), "eval_path": str(f)},
                 "reward": [{"name": "exact_match"}],
             },
         ]
@@ -76,14 +74,17 @@ def test_reasoning_gym_sources_train_with_their_own_reward(tmp_path):
     sources = [
         {
             "name": "arith",
-            "task": "arith",
+            "task": {"name": "arith", "max_operand": 9, "eval_size": 8},
             "weight": 2,
-            "arith": {"max_operand": 9, "eval_size": 8},
         },
         {
             "name": "legs",
-            "task": "reasoning_gym",
-            "reasoning_gym": {"task": "leg_counting", "train_size": 30, "eval_size": 4},
+            "task": {
+                "name": "reasoning_gym",
+                "task": "leg_counting",
+                "train_size": 30,
+                "eval_size": 4,
+            },
             "prompt_template": "{prompt} <answer>",
             "reward": [{"name": "reasoning_gym", "params": {"extract": "last_line"}}],
         },

@@ -19,13 +19,16 @@ def _sources(tmp_path) -> str:
     big.write_text("\n".join(rows) + "\n")
     held = tmp_path / "held.jsonl"
     held.write_text(json.dumps({"prompt": "say 7:", "answer": "7"}) + "\n")
-    arith = {"name": "arith", "task": "arith", "arith": {"max_operand": 9, "eval_size": 8}}
+    arith = {"name": "arith", "task": {"name": "arith", "max_operand": 9, "eval_size": 8}}
     stream = {
         "name": "big",
-        "train_path": str(big),
-        "eval_path": str(held),
-        "stream": True,
-        "shuffle_buffer": 8,
+        "task": {
+            "name": "file",
+            "train_path": str(big),
+            "eval_path": str(held),
+            "stream": True,
+            "shuffle_buffer": 8,
+        },
         "weight": 3,
     }
     return json.dumps([arith, stream])

@@ -147,9 +147,7 @@ def test_episode_environment_survives_pickling():
 
 
 def _train(tmp_path, env_args: dict, **extra):
-    sources = [
-        {"name": "vf", "task": "verifiers", "verifiers": {"env": ARITH, "env_args": env_args}}
-    ]
+    sources = [{"name": "vf", "task": {"name": "verifiers", "env": ARITH, "env_args": env_args}}]
     terms = [{"name": "verifiers_rubric", "params": {"env": ARITH, "env_args": env_args}}]
     over = {
         "data.sources": json.dumps(sources),
@@ -266,9 +264,11 @@ def test_what_cannot_be_had_offline_is_one_line(monkeypatch):
 def test_a_bad_source_stops_the_run_in_one_line(tmp_path):
     from rlpost.config import ConfigError
 
-    sources = [{"name": "vf", "task": "verifiers", "verifiers": {"env": "vf-no-such-env"}}]
+    sources = [{"name": "vf", "task": {"name": "verifiers", "env": "vf-no-such-env"}}]
     cfg = load_config(None, small_overrides(tmp_path, **{"data.sources": json.dumps(sources)}))
-    with pytest.raises(ConfigError, match=r"data.sources\[vf\]: verifiers env 'vf-no-such-env'"):
+    with pytest.raises(
+        ConfigError, match=r"data.sources\[vf\].task: verifiers env 'vf-no-such-env'"
+    ):
         train(cfg)
 
 

@@ -17,12 +17,12 @@ from rlpost.pipeline.rules import check as check_names
 
 def test_overrides_parse_yaml_scalars_and_nest():
     tree = parse_overrides(
-        ["train.optim.lr=1e-5", "rollout.n=8", "data.arith.ops=['+']", "model.path=null"]
+        ["train.optim.lr=1e-5", "rollout.n=8", "data.task.ops=['+']", "model.path=null"]
     )
     assert tree == {
         "train": {"optim": {"lr": 1e-5}},
         "rollout": {"n": 8},
-        "data": {"arith": {"ops": ["+"]}},
+        "data": {"task": {"ops": ["+"]}},
         "model": {"path": None},
     }
 
@@ -84,13 +84,24 @@ def test_on_and_off_are_words_where_a_field_takes_them(tmp_path):
         (["train.mini_batch_size=1000"], "larger than the rollout batch"),
         (["rollout.max_tokens=200"], "max_position_embeddings"),
         (["nolhs"], "not key=value"),
-        (["data.task=file"], "data.train_path"),
+        (["data.task=file"], "data.task.train_path"),
         (["rollout.n=0"], "config rollout.n=0: must be >= 1"),
         (  # a list entry is named by its name, in words, not pydantic's index and phrasing
             ["data.sources=[{name: a, task: arith}, {name: b, task: arith, weight: 0}]"],
             "config data.sources[b].weight=0: must be > 0",
         ),
         (["data.sources=[{task: arith}]"], "config data.sources[0].name: is required"),
+        (  # a task's keys sit in the task: an old key names its new place
+            ["data.arith.max_operand=5"],
+            "data.arith.max_operand=5: the key moved into the task; write data.task.name=arith "
+            "data.task.max_operand=5",
+        ),
+        (["data.train_path=t.jsonl"], "write data.task.train_path=t.jsonl (with data.task.name"),
+        (
+            ["data.sources=[{name: a, task: reasoning_gym, reasoning_gym: {task: x}}]"],
+            "write data.sources[a].task.name=reasoning_gym data.sources[a].task.task=x",
+        ),
+        (["eval.sets=[{name: s, stream: true}]"], "eval.sets[s].stream=True: the key moved"),
     ],
 )
 def test_bad_config_is_one_line(overrides, needle):

@@ -14,7 +14,7 @@ DOCS = Path(__file__).resolve().parents[3] / "docs"
 
 
 def test_unknown_key_suggests_the_nearest(capsys):
-    with pytest.raises(ConfigError, match=r"'data.prompt_feld'; did you mean data.prompt_field"):
+    with pytest.raises(ConfigError, match=r"'data.prompt_feld'; did you mean data.prompt_template"):
         load_config(None, ["data.prompt_feld=q"])
     with pytest.raises(ConfigError, match=r"did you mean rollout.temperature"):
         load_config(None, ["train.temperature=0.5"])

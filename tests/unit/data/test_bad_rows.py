@@ -128,10 +128,9 @@ def test_chat_template_and_system_prompt():
 
 def test_a_template_that_reaches_into_a_value_is_refused_at_load(tmp_path):
     from rlpost.config import ConfigError, load_config
+    from rlpost.pipeline.rules import check
 
     for bad in ("{prompt.upper}", "{level[0]}"):
         with pytest.raises(ConfigError, match="reaches into a value"):
-            load_config(
-                None,
-                [f"run.output_dir={tmp_path}", "data.task=file", f"data.prompt_template={bad}"],
-            )
+            over = [f"run.output_dir={tmp_path}", "data.task=file", f"data.prompt_template={bad}"]
+            check(load_config(None, [*over, "data.task.train_path=t.jsonl"]))

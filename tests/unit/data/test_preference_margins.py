@@ -35,12 +35,12 @@ def test_margins_are_read_and_bad_ones_reported_with_file_and_line(tmp_path):
 def test_reports_per_split(tmp_path):
     rows = [{"prompt": f"p{i}", "chosen": "a", "rejected": "b"} for i in range(10)]
     path = _write(tmp_path / "p.jsonl", [*rows, "{bad"])
-    over = ["data.task=file", f"data.train_path={path}", "data.eval_fraction=0.2"]
+    over = ["data.task=file", f"data.task.train_path={path}", "data.task.eval_fraction=0.2"]
     d = load_config(None, [*over, "data.on_bad_row=skip"]).data
     train, held, reports = load_pairs_reported(d, seed=0)
     assert (len(train), len(held)) == (8, 2)
     assert reports["train"].rows == 8 and reports["train"].skipped == 1
     assert reports["eval"].rows == 2
-    builtin = load_config(None, ["data.task=prefs", "data.prefs.eval_size=5"]).data
+    builtin = load_config(None, ["data.task=prefs", "data.task.eval_size=5"]).data
     train, held, reports = load_pairs_reported(builtin, seed=0)
     assert len(held) == 5 and reports["eval"].rows == 5 and reports["train"].rows == len(train)

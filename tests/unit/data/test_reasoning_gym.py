@@ -79,7 +79,7 @@ def test_a_generator_child_that_hangs_is_stopped_with_its_task_named(tmp_path, m
     with pytest.raises(ValueError) as err:
         _draw_fixed_hash("ransom_note", {}, 0, 3, 50, timeout=2)
     assert str(err.value) == (
-        "reasoning_gym.task=ransom_note: generating 3 rows in a child process took over 2 s; "
+        "task=ransom_note: generating 3 rows in a child process took over 2 s; "
         "lower train_size and eval_size or narrow its config"
     )
 
@@ -99,9 +99,9 @@ def test_tasks_without_an_answer_are_allowed():
     ],
 )  # fmt: skip
 def test_bad_reasoning_gym_sources_are_refused_at_load(task, extra, expected):
-    src = f"[{{name: rg, task: reasoning_gym, reasoning_gym: {{task: {task}{extra}}}}}]"
+    src = f"[{{name: rg, task: {{name: reasoning_gym, task: {task}{extra}}}}}]"
     found = rules.problems(load_config(None, [f"data.sources={src}"]), "train")
-    assert found and found[0].startswith(f"data.sources[rg].reasoning_gym.task={task}: {expected}")
+    assert found and found[0].startswith(f"data.sources[rg].task.task={task}: {expected}")
 
 
 def _sample(prompt, completion: str) -> RewardSample:

@@ -7,7 +7,14 @@ from collections import Counter
 
 import pytest
 
-from rlpost.config import RewardConfig, RewardTerm, SourceConfig, load_config
+from rlpost.config import (
+    ArithConfig,
+    FileTaskConfig,
+    RewardConfig,
+    RewardTerm,
+    SourceConfig,
+    load_config,
+)
 from rlpost.data.files import DataError
 from rlpost.data.sampler import PromptSampler
 from rlpost.data.sources import MixtureSampler, load_source, make_sampler
@@ -77,15 +84,13 @@ def test_one_source_keeps_the_plain_sampler():
 def test_sources_load_tagged_with_prefixed_uids(tmp_path):
     f = tmp_path / "train.jsonl"
     f.write_text("".join(json.dumps({"q": f"w{i}", "a": i}) + "\n" for i in range(4)))
-    src = SourceConfig(
-        name="words", train_path=str(f), prompt_field="q", answer_field="a",
-        prompt_template="Say {prompt}",
-    )  # fmt: skip
+    task = FileTaskConfig(train_path=str(f), prompt_field="q", answer_field="a")
+    src = SourceConfig(name="words", task=task, prompt_template="Say {prompt}")
     got = load_source(src, on_bad_row="error")
     assert [p.text for p in got.train] == ["Say w0", "Say w1", "Say w2", "Say w3"]
     assert {p.source for p in got.train} == {"words"} and got.train[0].uid == "words/train.jsonl:1"
     assert got.train_report.rows == 4 and got.held_out == []
-    arith = load_source(SourceConfig(name="ar", task="arith"), on_bad_row="error")
+    arith = load_source(SourceConfig(name="ar", task=ArithConfig()), on_bad_row="error")
     assert len(arith.train) == arith.train_report.rows and arith.held_out[0].uid.startswith("ar/")
 
 
@@ -93,7 +98,7 @@ def test_a_save_to_disk_directory_is_a_source(tmp_path):
     datasets = pytest.importorskip("datasets")
     rows = {"prompt": ["1+1=", "2+2=", ""], "answer": [2, 4, 0]}
     datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "ds"))
-    src = SourceConfig(name="d", train_path=str(tmp_path / "ds"))
+    src = SourceConfig(name="d", task=FileTaskConfig(train_path=str(tmp_path / "ds")))
     with pytest.raises(DataError, match=r"ds:3: field 'prompt' is missing or not a non-empty"):
         load_source(src, on_bad_row="error")
     got = load_source(src, on_bad_row="skip")
@@ -102,13 +107,14 @@ def test_a_save_to_disk_directory_is_a_source(tmp_path):
         str(tmp_path / "dd")
     )
     with pytest.raises(DataError, match=r"holds splits \['train'\]; name one split"):
-        load_source(SourceConfig(name="d", train_path=str(tmp_path / "dd")), on_bad_row="skip")
+        task = FileTaskConfig(train_path=str(tmp_path / "dd"))
+        load_source(SourceConfig(name="d", task=task), on_bad_row="skip")
 
 
 def test_rewards_are_routed_by_source():
     sources = [
-        SourceConfig(name="words", train_path="x", reward=[RewardTerm(name="exact_match")]),
-        SourceConfig(name="math", train_path="y"),
+        SourceConfig(name="words", reward=[RewardTerm(name="exact_match")]),
+        SourceConfig(name="math"),
     ]
     scorer = build_routed_scorer(RewardConfig(), sources)
     assert isinstance(scorer, RoutedScorer)
@@ -132,13 +138,9 @@ def test_rewards_are_routed_by_source():
     "sources, extra, expected",
     [
         ('[{name: a, task: arith}, {name: a, task: code}]', [],
-         "data.sources name=a: two sources share the name"),
-        ('[{name: a, task: arith}]', ["data.train_path=t.jsonl"],
-         "data.train_path=t.jsonl: data.sources replaces it"),
+         "data.sources name=a: two share the name"),
         ('[{name: a, task: arith}]', ["data.task=code"], "data.task=code: data.sources replaces"),
-        ('[{name: a}]', [], "data.sources[a].train_path=None: a file source needs it"),
-        ('[{name: a, task: arith, train_path: t.jsonl}]', [],
-         "data.sources[a].train_path=t.jsonl: task=arith reads no file"),
+        ('[{name: a}]', [], "data.sources[a].task.train_path=None: a file source needs it"),
         ('[{name: a, task: arith, prompt_template: "{level} {prompt}"}]', [],
          "data.sources[a].prompt_template={level} {prompt}: names 'level'; task=arith"),
         ('[{name: a, task: arith, reward: [{name: nope}]}]', [],
@@ -156,8 +158,8 @@ def test_a_mixture_loads_per_source_with_its_system_prompt(tmp_path):
     f = tmp_path / "w.jsonl"
     f.write_text("".join(json.dumps({"prompt": f"w{i}", "answer": "x"}) + "\n" for i in range(3)))
     sources = (
-        f"[{{name: ar, task: arith, arith: {{max_operand: 3, eval_size: 4}}}},"
-        f' {{name: w, train_path: "{f}", eval_path: "{f}", system_prompt: SYS}}]'
+        "[{name: ar, task: {name: arith, max_operand: 3, eval_size: 4}},"
+        f' {{name: w, task: {{name: file, train_path: "{f}", eval_path: "{f}"}}, system_prompt: SYS}}]'
     )
     cfg = load_config(None, [f"data.sources={sources}", "data.chat_template=none"])
     train, held_out, reports = build.load_data(cfg)

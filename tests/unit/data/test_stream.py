@@ -152,20 +152,21 @@ def test_preflight_checks_the_first_rows_only(tmp_path):
         preflight({**args, "path": str(tmp_path)}, _keep)
 
 
+STREAM = {"name": "file", "train_path": "t.jsonl", "stream": True}
+
+
 @pytest.mark.parametrize(
     "src, expected",
     [
-        ({"train_path": "t.jsonl"}, "eval_path=None; a streamed file holds out no rows"),
-        ({"task": "arith"}, "task=arith is generated, not read"),
+        (f"data.sources={json.dumps([{'name': 'big', 'task': STREAM}])}", "data.sources[big]"),
+        (f"data.task={json.dumps({**STREAM, 'eval_path': 'e.jsonl'})}", "data"),
     ],
 )
 def test_a_streamed_source_names_its_held_out_file(src, expected):
-    entry = json.dumps([{"name": "big", "stream": True, **src}])
-    found = rules.problems(load_config(None, [f"data.sources={entry}"]), "train")
-    assert found and found[0].startswith(f"data.sources[big].stream=true: {expected}")
-    ok = json.dumps(
-        [{"name": "big", "stream": True, "train_path": "t.jsonl", "eval_path": "e.jsonl"}]
-    )
+    found = rules.problems(load_config(None, [src]), "train")
+    assert found and found[0].startswith(f"{expected}.task.stream=true: ")
+    task = {**STREAM, "eval_path": "e.jsonl"}
+    ok = json.dumps([{"name": "big", "task": task}])
     assert not [
         p
         for p in rules.problems(load_config(None, [f"data.sources={ok}"]), "train")

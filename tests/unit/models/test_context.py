@@ -36,7 +36,7 @@ def test_prompts_that_do_not_fit_are_filtered(tiny_dir, tmp_path):
     f = tmp_path / "d.jsonl"
     rows = [{"prompt": "1+1=", "answer": 2}, {"prompt": "9" * 130, "answer": 1}]
     f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    extra = {"model.path": tiny_dir, "data.task": "file", "data.train_path": f}
+    extra = {"model.path": tiny_dir, "data.task": "file", "data.task.train_path": f}
     cfg = load_config(None, small_overrides(tmp_path, **extra, **{"data.on_bad_row": "skip"}))
     train, _, counts = build.build_data(cfg)
     assert len(train) == 1 and counts["train_skipped_prompt_too_long"] == 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlpost.config import EvalSetConfig, RewardTerm
+from rlpost.config import ArithConfig, EvalSetConfig, RewardTerm
 from rlpost.pipeline.eval_sets import set_metrics
 from rlpost.rewards.answers import answer_extractor
 from rlpost.types import Completion, Group, Prompt
@@ -38,7 +38,7 @@ def _group(texts: list[str], scores: list[float]) -> Group:
 
 
 def test_set_metrics_match_hand_values():
-    s = EvalSetConfig(name="s", task="arith", metrics=["mean@2", "pass@2", "maj@4", "greedy"])
+    s = EvalSetConfig(name="s", task=ArithConfig(), metrics=["mean@2", "pass@2", "maj@4", "greedy"])
     assert s.n == 4
     groups = [
         # correct 1 of 4; vote: "6" twice beats "5" once -> maj 0

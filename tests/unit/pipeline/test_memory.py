@@ -93,7 +93,7 @@ def test_real_checkpoint_recipe_resolves_bf16_from_the_cpu():
     from rlpost.resolved import resolve
 
     cfg = load_config(
-        RECIPES_DIR / "grpo_file.yaml", ["data.train_path=t.jsonl", "rollout.max_tokens=16"]
+        RECIPES_DIR / "grpo_file.yaml", ["data.task.train_path=t.jsonl", "rollout.max_tokens=16"]
     )
     assert cfg.model.dtype == "auto"
     assert resolve(cfg).bf16 == cpu_bf16_native()

@@ -36,22 +36,16 @@ CASES = {
     "file_task_needs_train_path": (
         "train",
         [],
-        ["data.task=file", "data.eval_path=e.jsonl"],
-        "data.task=file needs data.train_path",
+        ["data.task=file", "data.task.eval_path=e.jsonl"],
+        "data.task.train_path=None: data.task=file reads its rows",
     ),
     "file_task_needs_eval_path": (
         "eval",
         [],
-        ["data.task=file", "data.train_path=t.jsonl"],
-        "data.task=file needs data.eval_path",
+        ["data.task=file", "data.task.train_path=t.jsonl"],
+        "data.task.eval_path=None: data.task=file reads the rows it evaluates",
     ),
     "pairs_not_prompts": ("dpo", PAIRS, ["data.task=arith"], "data.task=arith"),
-    "pairs_file_needs_train_path": (
-        "dpo",
-        PAIRS,
-        ["data.task=file", "data.eval_path=e.jsonl"],
-        "data.task=file needs data.train_path",
-    ),
     "tiny_context_fits_max_tokens": ("train", [], ["rollout.max_tokens=200"], "max_tokens=200"),
     "remote_needs_servers": ("train", [], ["rollout.engine=remote"], "rollout.engine=remote"),
     "vllm_needs_model_path": ("train", [], ["rollout.engine=vllm"], "rollout.engine=vllm"),
@@ -204,15 +198,14 @@ CASES.update(
     {
         "sources_named_once": (
             "train", [], ["data.sources=[{name: a, task: arith}, {name: a, task: code}]"],
-            "data.sources name=a: two sources share the name",
+            "data.sources name=a: two share the name",
         ),
         "sources_replace_one_source_keys": (
-            "train", [SRC], ["data.train_path=t.jsonl"],
-            "data.train_path=t.jsonl: data.sources replaces it",
+            "train", [SRC], ["data.task=code"], "data.task=code: data.sources replaces it",
         ),
         "source_keys_fit_its_task": (
             "train", [], ["data.sources=[{name: a}]"],
-            "data.sources[a].train_path=None: a file source needs it",
+            "data.sources[a].task.train_path=None: a file source needs it",
         ),
         "source_rewards_resolve": (
             "train", [], ["data.sources=[{name: a, task: arith, reward: [{name: nope}]}]"],
@@ -220,24 +213,14 @@ CASES.update(
         ),
         "reasoning_gym_task_generates": (
             "train", [],
-            ["data.sources=[{name: g, task: reasoning_gym, reasoning_gym: {task: nope}}]"],
-            "data.sources[g].reasoning_gym.task=nope:",
+            ["data.sources=[{name: g, task: {name: reasoning_gym, task: nope}}]"],
+            "data.sources[g].task.task=nope:",
         ),
     }
 )  # fmt: skip
-CASES["streamed_sources_hold_out_by_file"] = (
-    "train",
-    [],
-    ["data.sources=[{name: b, train_path: t.jsonl, stream: true}]"],
-    "data.sources[b].stream=true: eval_path=None",
-)
 SET = "eval.sets=[{name: s, task: arith, metrics: [pass@4]}]"
 CASES.update(
     {
-        "eval_sets_named_once": (
-            "train", [], ["eval.sets=[{name: s, task: arith}, {name: s, task: code}]"],
-            "eval.sets name=s: two sets share the name",
-        ),
         "eval_set_metrics_known": (
             "eval", [SET], ["eval.sets=[{name: s, task: arith, metrics: [best@4]}]"],
             "eval.sets[s].metrics=best@4: 'best@4' is not mean@k",
@@ -245,19 +228,6 @@ CASES.update(
         "eval_set_k_within_samples": (
             "train", [SET], ["eval.sets=[{name: s, task: arith, metrics: [maj@8], samples: 4}]"],
             "eval.sets[s].samples=4: maj@8 needs at least 8 samples",
-        ),
-        "eval_set_keys_fit_its_task": (
-            "train", [SET], ["eval.sets=[{name: s, train_path: t.jsonl}]"],
-            "eval.sets[s].eval_path=None: a file set reads its rows from it",
-        ),
-        "eval_set_rewards_resolve": (
-            "train", [SRC], ["eval.sets=[{name: a, task: arith, reward: [{name: exact_match}]}]"],
-            "eval.sets[a].reward: data.sources[a]'s terms score the set of its name",
-        ),
-        "eval_set_reasoning_gym_generates": (
-            "eval", [],
-            ["eval.sets=[{name: g, task: reasoning_gym, reasoning_gym: {task: nope}}]"],
-            "eval.sets[g].reasoning_gym.task=nope:",
         ),
     }
 )  # fmt: skip
@@ -335,15 +305,16 @@ def test_check_reports_the_first_problem_of_the_table():
 
 
 def test_an_eval_config_with_only_a_held_out_file_passes_as_eval_not_as_train():
-    cfg = load_config(None, ["data.task=file", "data.eval_path=e.jsonl"])
+    cfg = load_config(None, ["data.task=file", "data.task.eval_path=e.jsonl"])
     assert rules.problems(cfg, "eval") == []
     assert [line.split(";")[0] for line in rules.problems(cfg, "train")] == [
-        "data.task=file needs data.train_path"
+        "data.task.train_path=None: data.task=file reads its rows (prompts, or pairs for dpo and "
+        "rm) from it"
     ]
 
 
 PARITY = [
-    ["data.task=file", "data.eval_path=e.jsonl"],
+    ["data.task=file", "data.task.eval_path=e.jsonl"],
     ["sync.delta=true"],
     ["rollout.engine=vllm"],
     ["cluster.backend=local", "cluster.trainer_workers=2"],
@@ -373,12 +344,12 @@ def test_config_and_train_refuse_the_same_way(overrides, tmp_path, capsys):
 def test_config_checks_dpo_recipes_as_dpo(tmp_path, capsys):
     assert main(["config", "dpo_prefs"]) == 0
     capsys.readouterr()
-    bad = ["data.task=file", "data.eval_path=e.jsonl", f"run.output_dir={tmp_path}"]
+    bad = ["data.task=file", "data.task.eval_path=e.jsonl", f"run.output_dir={tmp_path}"]
     assert main(["config", "--for", "dpo", "dpo_prefs", *bad]) == 2
     as_config = capsys.readouterr().err.strip()
     assert main(["dpo", "dpo_prefs", *bad]) == 2
     assert capsys.readouterr().err.strip() == as_config
-    assert "data.train_path" in as_config
+    assert "data.task.train_path" in as_config
 
 
 @pytest.mark.parametrize(
@@ -387,7 +358,14 @@ def test_config_checks_dpo_recipes_as_dpo(tmp_path, capsys):
         (["eval.sets=[{name: s, task: arith, metrics: []}]"], "eval.sets[s].metrics=[]"),
         (["eval.sets=[{name: s, task: arith, metrics: [greedy, greedy]}]"], "listed twice"),
         (["eval.sets=[{name: s, task: arith, metrics: [pass@4, mean@16], samples: 8}]"], "mean@16"),
-        (["eval.sets=[{name: s, task: arith, eval_path: e.jsonl}]"], "task=arith reads no file"),
+        (["eval.sets=[{name: s, task: file}]"], "eval.sets[s].task.eval_path=None: a file set"),
+        (["eval.sets=[{name: s, task: {name: file, train_path: t, eval_path: e}}]"], "trains on"),
+        (["eval.sets=[{name: g, task: {name: reasoning_gym, task: nope}}]"], "g].task.task=nope:"),
+        (["eval.sets=[{name: s, task: arith}, {name: s, task: code}]"], "eval.sets name=s: two"),
+        (
+            [SRC, "eval.sets=[{name: a, task: arith, reward: [{name: exact_match}]}]"],
+            "eval.sets[a].reward: data.sources[a]'s terms score the set of its name",
+        ),
         (["eval.sets=[{name: s, task: arith, weight: 2}]"], "eval.sets[s].weight=2.0"),
         (["eval.sets=[{name: s, task: arith, reward: []}]"], "eval.sets[s].reward=[]"),
     ],

@@ -141,11 +141,11 @@ def test_an_evaluating_task_is_refused_at_load_where_the_sandbox_cannot_run(monk
     monkeypatch.setenv("PATH", str(tmp_path))  # no bubblewrap on it
     found = {}
     for task in ("countdown", "basic_arithmetic"):
-        src = f"[{{name: g, task: reasoning_gym, reasoning_gym: {{task: {task}}}}}]"
+        src = f"[{{name: g, task: {{name: reasoning_gym, task: {task}}}}}]"
         found[task] = rules.problems(load_config(None, [f"data.sources={src}"]), "train")
     assert found["basic_arithmetic"] == []
     assert found["countdown"] == [
-        "data.sources[g].reasoning_gym.task=countdown: its scorer evaluates the answer as code "
+        "data.sources[g].task.task=countdown: its scorer evaluates the answer as code "
         "(sympy.parse_expr), which rlpost runs only in the sandbox, and the sandbox cannot run "
         "here: bubblewrap (bwrap) is not on PATH; install it with: apt-get install -y bubblewrap"
     ]

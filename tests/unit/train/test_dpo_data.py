@@ -236,9 +236,9 @@ def test_update_does_not_depend_on_the_micro_batch_size(tiny):
         ("dpo.beta=0", "config dpo.beta=0"),
         ("dpo.micro_batch_size=128", "micro_batch_size=128 is larger than batch_size=64"),
         ("dpo.label_smoothing=0.1", None),
-        ("data.task=file", "data.task=file needs data.train_path"),
-        ("data.prefs.eval_size=5000", "eval_size=5000 leaves no training prompts"),
-        ("data.prefs.ops=[+,+]", "repeats an operator"),
+        ("data.task=file", "data.task.train_path=None: data.task=file reads its rows"),
+        ("data.task.eval_size=5000", "eval_size=5000 leaves no training prompts"),
+        ("data.task.ops=[+,+]", "repeats an operator"),
     ],
 )
 def test_config_problems_are_one_line(override, fragment):
