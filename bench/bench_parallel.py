@@ -56,8 +56,8 @@ def config(out: str, model: str, workers: int, tp: int):
 def batches(cfg, steps: int) -> list:
     from rlpost.algos import get_advantage_estimator, scores_to_token_rewards
     from rlpost.pipeline import build
-    from rlpost.rollout.hf_engine import HFEngine
-    from rlpost.rollout.protocol import SamplingParams
+    from rlpost.rollout.engines.hf import HFEngine
+    from rlpost.rollout.engines.protocol import SamplingParams
     from rlpost.train.batch import collate
 
     model, tok = build.build_policy(cfg)

@@ -41,8 +41,8 @@ from rlpost.config import load_config
 from rlpost.data import arith_splits
 from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
 from rlpost.observe.mfu import cpu_bf16_native, pick_threads
-from rlpost.rollout.hf_engine import HFEngine
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.engines.hf import HFEngine
+from rlpost.rollout.engines.protocol import SamplingParams
 
 
 def generated_tokens(sequences: torch.Tensor, prompt_width: int, eos: int, pad: int) -> int:

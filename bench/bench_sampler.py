@@ -5,7 +5,7 @@
 
 Times, on the same float32 logits and in one run, (a) ``torch.multinomial`` on the
 softmax (the draw rlpost used at every vocabulary, and what transformers'
-``generate()`` uses) and (b) :func:`rlpost.rollout.protocol.inverse_cdf_sample` on
+``generate()`` uses) and (b) :func:`rlpost.rollout.engines.protocol.inverse_cdf_sample` on
 the same probabilities, then the whole ``sample_tokens`` step (weights, normaliser,
 draw, logprob) against the old step (log-softmax, softmax, multinomial). Prints
 milliseconds per decode step (median of ``--repeats``) and the ratios; the 1-minute
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from rlpost.rollout.protocol import SamplingParams, inverse_cdf_sample, sample_tokens
+from rlpost.rollout.engines.protocol import SamplingParams, inverse_cdf_sample, sample_tokens
 
 
 def ms(fn, repeats: int) -> float:

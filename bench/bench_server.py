@@ -45,12 +45,12 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from rlpost.models.loading import load_causal_lm, load_tokenizer
 from rlpost.models.tiny import save_tiny_checkpoint
-from rlpost.rollout.continuous import ContinuousEngine
-from rlpost.rollout.hf_engine import HFEngine
+from rlpost.rollout.engines.continuous import ContinuousEngine
+from rlpost.rollout.engines.hf import HFEngine
+from rlpost.rollout.engines.protocol import SamplingParams
+from rlpost.rollout.engines.remote import RemoteEngine
+from rlpost.rollout.engines.scheduler import GenerationRequest, Scheduler
 from rlpost.rollout.longtail import PartialRollout
-from rlpost.rollout.protocol import SamplingParams
-from rlpost.rollout.remote_engine import RemoteEngine
-from rlpost.rollout.scheduler import GenerationRequest, Scheduler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benches' shared helpers
 import serve_util

@@ -106,7 +106,8 @@ def model_dims(model) -> tuple[int, int, int]:
 
 def instrument(prof: Profile, workers) -> None:
     """Hooks on the real workers' objects; each adds its phase's time (and FLOPs)."""
-    from rlpost.rollout import hf_engine, scheduler
+    from rlpost.rollout.engines import hf as hf_engine
+    from rlpost.rollout.engines import scheduler
     from rlpost.train import actor
 
     engine = workers.rollout.engine

@@ -56,8 +56,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlpost.models.tiny import build_char_tokenizer
-from rlpost.rollout.client import CompletionClient, encode_weights
-from rlpost.rollout.hf_engine import HFEngine
+from rlpost.rollout.engines.client import CompletionClient, encode_weights
+from rlpost.rollout.engines.hf import HFEngine
 from rlpost.sync import Receiver
 from rlpost.sync.codecs import DEFAULT_KEEP_BF16
 from rlpost.sync.disk import DiskTransport, load_latest

@@ -30,11 +30,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import torch
 
 from rlpost.data import arith_splits
-from rlpost.rollout.continuous import ContinuousEngine
-from rlpost.rollout.hf_engine import HFEngine
-from rlpost.rollout.prefix_cache import PrefixCache
-from rlpost.rollout.protocol import SamplingParams
-from rlpost.rollout.scheduler import Scheduler
+from rlpost.rollout.engines.continuous import ContinuousEngine
+from rlpost.rollout.engines.hf import HFEngine
+from rlpost.rollout.engines.prefix_cache import PrefixCache
+from rlpost.rollout.engines.protocol import SamplingParams
+from rlpost.rollout.engines.scheduler import Scheduler
 
 
 def build_engine(name: str, args, tok):
@@ -42,7 +42,7 @@ def build_engine(name: str, args, tok):
 
     rows = args.prompts * args.group
     if name == "vllm":
-        from rlpost.rollout.vllm_engine import VLLMEngine
+        from rlpost.rollout.engines.vllm import VLLMEngine
 
         return VLLMEngine(
             args.model, tok, dtype=args.dtype, max_model_len=1024, max_num_seqs=rows,

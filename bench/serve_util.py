@@ -19,7 +19,7 @@ def start_server(
     Waits for ``/health`` (up to a minute) and exits the benchmark in one line otherwise.
     ``env`` adds variables (e.g. the server's keys) to this process's environment.
     """
-    cmd = [sys.executable, "-m", "rlpost.rollout.server", "--port", "0"]
+    cmd = [sys.executable, "-m", "rlpost.rollout.serve.server", "--port", "0"]
     cmd += ["--model", str(model_dir)] if model_dir else []
     proc = subprocess.Popen(
         [*cmd, *flags],

@@ -43,7 +43,7 @@ print("\n".join(d for d in deps if re.match(r"[A-Za-z0-9_.-]+", d)[0] not in hel
 "$py" -c '
 import sys
 import torch, transformers, vllm
-from rlpost.rollout import vllm_engine, vllm_worker
+from rlpost.rollout.engines import vllm as vllm_engine, vllm_worker
 pins = dict(line.strip().split("==") for line in open(sys.argv[1]))
 assert torch.__version__ == pins["torch"], (torch.__version__, pins)
 print(f"vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")

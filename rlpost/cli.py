@@ -295,7 +295,7 @@ def cmd_rewards(args) -> int:
 # main() unparsed.
 OWN_ARGS = {
     "report": ("rlpost.observe.report", "HTML report of a run, or several overlaid"),
-    "serve": ("rlpost.rollout.server", "OpenAI-compatible rollout server"),
+    "serve": ("rlpost.rollout.serve.server", "OpenAI-compatible rollout server"),
     "cluster": ("rlpost.cluster.control", "a running job's workers"),
     "sandbox": ("rlpost.rewards.sandbox.cli", "run untrusted code in the sandbox"),
 }

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 from rlpost.cluster.health import HealthPolicy, State, WorkerHealth
 from rlpost.errors import WorkerError, kind_of, typed_line
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.rollout.worker import RolloutResult
 from rlpost.types import Prompt
 

@@ -35,9 +35,9 @@ from rlpost.resolved import ENGINES, RunFacts, resolve
 from rlpost.rewards.routing import build_routed_scorer
 from rlpost.rewards.worker import RewardWorker
 from rlpost.rng import derive
+from rlpost.rollout.engines.protocol import SamplingParams
+from rlpost.rollout.episodes.multiturn import MultiTurnRollout
 from rlpost.rollout.longtail import LengthPredictor, PartialRollout
-from rlpost.rollout.multiturn import MultiTurnRollout
-from rlpost.rollout.protocol import SamplingParams
 from rlpost.rollout.worker import RolloutWorker
 from rlpost.train.actor import ActorSettings, PolicyTrainer
 from rlpost.train.dp import DPSpec
@@ -501,8 +501,8 @@ def load_eval_sets(cfg: Config, train: list[Prompt]) -> tuple[list[Prompt], Load
 def build_harness(cfg: Config, engine, tokenizer):
     """The runner of ``agent.harness``: the outside agent against recorded sessions of a
     loopback OpenAI server over ``engine``'s scheduler."""
-    from rlpost.rollout.agent_runner import AgentRunner, HarnessSettings, load_entry
-    from rlpost.rollout.sessions import SessionBounds
+    from rlpost.rollout.episodes.agent_runner import AgentRunner, HarnessSettings, load_entry
+    from rlpost.rollout.serve.sessions import SessionBounds
 
     h = cfg.agent.harness
     entry = None
@@ -517,8 +517,8 @@ def build_harness(cfg: Config, engine, tokenizer):
         own_user=h.user == "session",
     )  # fmt: skip
     if cfg.rollout.engine.name == "remote":  # sessions on the servers, over their admin routes
-        from rlpost.rollout.client import keys_from_env
-        from rlpost.rollout.remote_sessions import RemoteSessions
+        from rlpost.rollout.engines.client import keys_from_env
+        from rlpost.rollout.engines.remote_sessions import RemoteSessions
 
         keys = keys_from_env(cfg.rollout.engine.api_key_env, cfg.rollout.engine.admin_key_env)
         remote = RemoteSessions(list(cfg.rollout.engine.servers), keys["admin_key"])
@@ -529,8 +529,8 @@ def build_harness(cfg: Config, engine, tokenizer):
 def harness_demonstrations(cfg: Config, tokenizer):
     """The warm-up's example builder of ``agent.harness.demonstrations``: its conversations
     rendered by the served chat template, the assistant turns trained."""
-    from rlpost.rollout.agent_runner import load_entry
-    from rlpost.rollout.demonstrations import conversation_example
+    from rlpost.rollout.episodes.agent_runner import load_entry
+    from rlpost.rollout.episodes.demonstrations import conversation_example
 
     h = cfg.agent.harness
     try:

@@ -25,7 +25,7 @@ from rlpost.data.sources import by_source
 from rlpost.pipeline import build
 from rlpost.pipeline.evaluate import eval_label, evaluate, sample_groups
 from rlpost.rewards.answers import answer_extractor
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.types import Group, Prompt
 
 PREFIX = "eval/"

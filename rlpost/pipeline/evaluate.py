@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from rlpost.algos import group_zero_spread_fraction
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.types import Completion, Group, Prompt
 
 

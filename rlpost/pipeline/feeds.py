@@ -36,7 +36,7 @@ from rlpost.errors import one_line
 from rlpost.pipeline.stages import RolloutOutput, RolloutSettings, rollout_stage
 from rlpost.pipeline.weights import DirectPath, WeightPath
 from rlpost.pipeline.workers import RewardAPI, RolloutAPI
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.types import Group, Prompt
 
 

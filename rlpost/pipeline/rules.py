@@ -809,7 +809,11 @@ def eval_set_k_within_samples(cfg: Config) -> str | None:
 @rule("rm")
 def rm_margin_needs_a_file(cfg: Config) -> str | None:
     rm = cfg.rm
-    if rm is not None and rm.margin_field is not None and not isinstance(cfg.data.task, FileTaskConfig):
+    if (
+        rm is not None
+        and rm.margin_field is not None
+        and not isinstance(cfg.data.task, FileTaskConfig)
+    ):
         return (
             f"rm.margin_field={cfg.rm.margin_field}: data.task={cfg.data.task.name} has no columns; "
             "drop it or use data.task=file with a pairs file that has the column"
@@ -850,7 +854,7 @@ def agent_harness_runs(cfg: Config) -> str | None:
         return (
             f"cluster.backend={cfg.cluster.backend}: agent.harness runs in this process; use local"
         )
-    from rlpost.rollout.tool_parsers import TOOL_PARSERS
+    from rlpost.rollout.serve.tool_parsers import TOOL_PARSERS
 
     if h.tool_parser not in TOOL_PARSERS:
         return f"agent.harness.tool_parser={h.tool_parser}: unknown; valid: {', '.join(sorted(TOOL_PARSERS))}"

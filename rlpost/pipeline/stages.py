@@ -35,7 +35,7 @@ from rlpost.observe import Guards
 from rlpost.pipeline.evaluate import logprob_gap, rollout_health
 from rlpost.pipeline.workers import RewardAPI, RolloutAPI, TrainerAPI
 from rlpost.resolved import StepPlan
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.train.batch import TrainBatch, collate, token_logprobs
 from rlpost.types import Group
 

@@ -11,7 +11,7 @@ must see. Which kind it is follows from the config alone:
   (codecs, buckets, delta, verification): into the rollout worker in process,
   to ``rlpost serve`` over http (``rollout.engine=remote``, the rollout worker is
   then told which servers took the version; a ``vllm serve`` through its own
-  routes, :mod:`rlpost.rollout.vllm_server`), or published to a directory that
+  routes, :mod:`rlpost.rollout.engines.vllm_server`), or published to a directory that
   servers and workers load (``sync.channel=disk``).
 
 Its counts are the wire truth: ``sync_bytes`` is what the push sent (the
@@ -116,11 +116,11 @@ def build_weight_path(cfg, rollout, run_dir=None) -> WeightPath:
     publishes under ``run_dir/weights``."""
     s = cfg.sync
     if cfg.rollout.engine.name == "remote" and cfg.rollout.engine.server == "vllm":
-        from rlpost.rollout.vllm_server import build_sync
+        from rlpost.rollout.engines.vllm_server import build_sync
 
         return ChannelPath(build_sync(cfg), served=lambda *told: rollout.weights_served(*told))
     if cfg.rollout.engine.name == "remote":
-        from rlpost.rollout.client import keys_from_env
+        from rlpost.rollout.engines.client import keys_from_env
 
         admin = keys_from_env(cfg.rollout.engine.api_key_env, cfg.rollout.engine.admin_key_env)[
             "admin_key"

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.rollout.worker import RolloutResult
 from rlpost.train.batch import TrainBatch
 from rlpost.train.worker import UpdateResult, WeightsExport

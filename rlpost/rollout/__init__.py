@@ -4,4 +4,4 @@ Importing the package registers its engines in ``rlpost.resolved.ENGINES``, each
 its own module (the vLLM and remote modules import their heavy parts only when built).
 """
 
-from rlpost.rollout import continuous, hf_engine, remote_engine, vllm_engine  # noqa: F401
+from rlpost.rollout.engines import continuous, hf, remote, vllm  # noqa: F401

@@ -13,7 +13,7 @@ Two remedies, usable together:
   whose samples are all done go to training (a GRPO advantage needs the whole
   group); the others are carried into the next step with their tokens,
   logprobs and versions and never dropped (:meth:`PartialRollout.flush`
-  finishes them). On :class:`~rlpost.rollout.continuous.ContinuousEngine` (the in-process scheduler) the
+  finishes them). On :class:`~rlpost.rollout.engines.continuous.ContinuousEngine` (the in-process scheduler) the
   step stops the moment it is done: unfinished samples are aborted at a
   decode-step boundary and handed back with their tokens. Any other engine
   is driven in chunks of tokens. Either way a carried sample continues by
@@ -30,8 +30,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rlpost.rollout.continuous import VersionedCompletion
-from rlpost.rollout.protocol import RolloutEngine, SamplingParams
+from rlpost.rollout.engines.continuous import VersionedCompletion
+from rlpost.rollout.engines.protocol import RolloutEngine, SamplingParams
 from rlpost.types import Completion, FinishReason, Prompt
 
 # ------------------------------------------------------ length-aware batching

@@ -19,8 +19,8 @@ import torch
 
 from rlpost.errors import WorkerError
 from rlpost.rng import rng_state, set_rng_state
+from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.rollout.longtail import LengthPredictor, PartialRollout, bucket_by_length
-from rlpost.rollout.protocol import SamplingParams
 from rlpost.sync import Receiver
 from rlpost.sync.disk import load_version
 from rlpost.types import Completion, Group, Prompt

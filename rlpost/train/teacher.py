@@ -7,7 +7,7 @@ can host either in this process, another process or a Ray actor, as the reward m
   logprob of each sampled token (``logprobs``) and, for a loss over the whole
   vocabulary (``gkd``), the logits at each response position (``logits``).
 - :class:`ServerTeacher`: an ``rlpost serve`` (or any server with the same
-  ``/v1/prompt_logprobs`` and ``/v1/tokenizer`` routes, :mod:`rlpost.rollout.score_routes`)
+  ``/v1/prompt_logprobs`` and ``/v1/tokenizer`` routes, :mod:`rlpost.rollout.serve.score_routes`)
   that returns the logprobs of given token ids. It has no ``logits``: the whole
   distribution of every position would not cross HTTP at a useful cost.
 

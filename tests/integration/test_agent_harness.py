@@ -25,13 +25,13 @@ import torch
 from openai import BadRequestError, NotFoundError, OpenAI
 
 from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
-from rlpost.rollout.agent_runner import AgentRunner, HarnessSettings
-from rlpost.rollout.continuous import ContinuousEngine
-from rlpost.rollout.harness_process import BASIC_ENV, STDOUT_TAIL
-from rlpost.rollout.prefix_cache import PrefixCache
-from rlpost.rollout.protocol import SamplingParams
-from rlpost.rollout.scheduler import Scheduler
-from rlpost.rollout.sessions import SessionBounds
+from rlpost.rollout.engines.continuous import ContinuousEngine
+from rlpost.rollout.engines.prefix_cache import PrefixCache
+from rlpost.rollout.engines.protocol import SamplingParams
+from rlpost.rollout.engines.scheduler import Scheduler
+from rlpost.rollout.episodes.agent_runner import AgentRunner, HarnessSettings
+from rlpost.rollout.episodes.harness_process import BASIC_ENV, STDOUT_TAIL
+from rlpost.rollout.serve.sessions import SessionBounds
 from rlpost.rollout.worker import to_groups
 from rlpost.types import Prompt
 

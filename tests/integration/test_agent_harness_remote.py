@@ -14,11 +14,11 @@ from openai import OpenAI
 
 from rlpost.config import load_config
 from rlpost.pipeline.loop import train
-from rlpost.rollout.agent_runner import AgentRunner, HarnessSettings
-from rlpost.rollout.protocol import SamplingParams
-from rlpost.rollout.remote_engine import RemoteEngine
-from rlpost.rollout.remote_sessions import RemoteSessions
-from rlpost.rollout.sessions import SessionBounds
+from rlpost.rollout.engines.protocol import SamplingParams
+from rlpost.rollout.engines.remote import RemoteEngine
+from rlpost.rollout.engines.remote_sessions import RemoteSessions
+from rlpost.rollout.episodes.agent_runner import AgentRunner, HarnessSettings
+from rlpost.rollout.serve.sessions import SessionBounds
 from rlpost.types import Prompt
 from tests.conftest import ADMIN_HEADERS, TEST_ADMIN_KEY, small_overrides
 from tests.integration.test_server import start_server, stop_server

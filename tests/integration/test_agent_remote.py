@@ -14,9 +14,9 @@ from rlpost.models.tiny import save_tiny_checkpoint
 from rlpost.pipeline.build import build_trainer
 from rlpost.pipeline.loop import train
 from rlpost.pipeline.stages import collate_groups
-from rlpost.rollout.multiturn import MultiTurnRollout
-from rlpost.rollout.protocol import SamplingParams
-from rlpost.rollout.remote_engine import RemoteEngine
+from rlpost.rollout.engines.protocol import SamplingParams
+from rlpost.rollout.engines.remote import RemoteEngine
+from rlpost.rollout.episodes.multiturn import MultiTurnRollout
 from rlpost.rollout.worker import to_groups
 from tests.conftest import small_overrides
 from tests.integration.test_server import start_server, stop_server

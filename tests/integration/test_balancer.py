@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from rlpost.models.loading import load_causal_lm, load_tokenizer
-from rlpost.rollout.client import CompletionClient, encode_weights
-from rlpost.rollout.protocol import SamplingParams
-from rlpost.rollout.remote_engine import RemoteEngine
+from rlpost.rollout.engines.client import CompletionClient, encode_weights
+from rlpost.rollout.engines.protocol import SamplingParams
+from rlpost.rollout.engines.remote import RemoteEngine
 from tests.conftest import TEST_ADMIN_KEY
 from tests.integration.test_server import start_server, stop_server
 

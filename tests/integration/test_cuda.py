@@ -15,9 +15,9 @@ import torch
 from rlpost.algos import get_advantage_estimator, scores_to_token_rewards
 from rlpost.config import load_config
 from rlpost.pipeline import build
-from rlpost.rollout.continuous import ContinuousEngine
-from rlpost.rollout.prefix_cache import PrefixCache
-from rlpost.rollout.scheduler import Scheduler
+from rlpost.rollout.engines.continuous import ContinuousEngine
+from rlpost.rollout.engines.prefix_cache import PrefixCache
+from rlpost.rollout.engines.scheduler import Scheduler
 from rlpost.train.batch import collate
 from rlpost.train.dp import DPSpec, free_port
 from tests.conftest import small_overrides

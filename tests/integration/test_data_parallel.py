@@ -23,8 +23,8 @@ from rlpost.algos import (
 from rlpost.models.loading import frozen_copy
 from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
 from rlpost.params import PPOClipParams
-from rlpost.rollout.hf_engine import HFEngine
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.engines.hf import HFEngine
+from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.train.actor import ActorSettings, PolicyTrainer
 from rlpost.train.batch import collate
 from rlpost.train.dp import PAD, DataParallel, DPSpec, free_port

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 from rlpost.models.loading import load_causal_lm
-from rlpost.rollout.client import CompletionClient, Job, encode_weights
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.engines.client import CompletionClient, Job, encode_weights
+from rlpost.rollout.engines.protocol import SamplingParams
 from tests.conftest import ADMIN_HEADERS, TEST_ADMIN_KEY
 
 START_TIMEOUT_S = 90
@@ -26,11 +26,11 @@ START_TIMEOUT_S = 90
 def start_server(
     model_dir, *extra: str, env: dict | None = None, entry: list[str] | None = None
 ) -> tuple[subprocess.Popen, str]:
-    """Start ``python -m rlpost.rollout.server --port 0`` and return (process, base URL).
+    """Start ``python -m rlpost.rollout.serve.server --port 0`` and return (process, base URL).
 
-    ``env`` is added to the environment; ``entry`` replaces ``-m rlpost.rollout.server``.
+    ``env`` is added to the environment; ``entry`` replaces ``-m rlpost.rollout.serve.server``.
     """
-    entry = entry or ["-m", "rlpost.rollout.server"]
+    entry = entry or ["-m", "rlpost.rollout.serve.server"]
     cmd = [sys.executable, *entry, "--model", str(model_dir), "--port", "0"]
     proc = subprocess.Popen(
         [*cmd, "--threads", "1", *extra],

@@ -31,7 +31,7 @@ KEYS = {"RLPOST_API_KEY": API, "RLPOST_ADMIN_KEY": ADMIN}
 EXTRA_ROUTES = """
 import sys
 from fastapi import APIRouter
-from rlpost.rollout.server import main
+from rlpost.rollout.serve.server import main
 
 router = APIRouter()
 router.post("/open")(lambda: {"session": 1})
@@ -125,7 +125,7 @@ def test_weights_are_checked_before_anything_is_applied(keyed):
     state = load_causal_lm(keyed["model"]).state_dict()
     name = next(k for k, v in state.items() if v.is_floating_point())
     version = httpx.get(f"{url}/health").json()["policy_version"]
-    from rlpost.rollout.client import encode_weights
+    from rlpost.rollout.engines.client import encode_weights
 
     bad = [
         {name: torch.zeros(3, 3)},  # wrong shape
@@ -265,7 +265,7 @@ def test_a_refused_body_cannot_be_trickled_for_ever(keyed):
 # A namespace with only ``lo``, which also carries 10.77.0.1: an address that is not
 # loopback by its number, yet reaches nothing outside the namespace.
 NETNS_SETUP = "ip link set lo up && ip addr add 10.77.0.1/32 dev lo || exit 3; "
-SERVER = [sys.executable, "-m", "rlpost.rollout.server", "--port", "0", "--threads", "1"]
+SERVER = [sys.executable, "-m", "rlpost.rollout.serve.server", "--port", "0", "--threads", "1"]
 # Start the server in the background, wait for its first line, then stop it.
 UNTIL_LISTENING = (
     ' > "$D/out" 2> "$D/err" & p=$!; i=0; '
@@ -327,9 +327,9 @@ def test_remote_engine_sends_keys_read_from_the_environment(keyed, monkeypatch):
 
     from rlpost.config import RolloutConfig, SyncConfig
     from rlpost.models.loading import load_tokenizer
-    from rlpost.rollout import remote_engine
-    from rlpost.rollout.client import RequestRejected
-    from rlpost.rollout.protocol import SamplingParams
+    from rlpost.rollout.engines import remote as remote_engine
+    from rlpost.rollout.engines.client import RequestRejected
+    from rlpost.rollout.engines.protocol import SamplingParams
 
     tok, url = load_tokenizer(keyed["model"]), keyed["url"]
     params, prompts = SamplingParams(max_tokens=3), [[5, 6, 7]]

@@ -17,7 +17,7 @@ import torch
 from openai import BadRequestError, OpenAI
 
 from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
-from rlpost.rollout.tool_calls import chat_turns
+from rlpost.rollout.serve.tool_calls import chat_turns
 from tests.integration.test_server import start_server, stop_server
 
 # A chat template in the Hermes/Qwen style, short because every character is a token.

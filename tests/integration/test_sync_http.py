@@ -10,8 +10,8 @@ import torch
 
 from rlpost.config import SyncConfig
 from rlpost.models.loading import load_causal_lm, load_tokenizer
-from rlpost.rollout.protocol import SamplingParams
-from rlpost.rollout.remote_engine import RemoteEngine
+from rlpost.rollout.engines.protocol import SamplingParams
+from rlpost.rollout.engines.remote import RemoteEngine
 from rlpost.sync import DeltaRefused, SyncError, build_weight_sync
 from rlpost.sync.codecs import encode
 from rlpost.sync.session import BucketPacker, SessionMeta, checksum

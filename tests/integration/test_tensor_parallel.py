@@ -16,8 +16,8 @@ from rlpost.algos import get_advantage_estimator, scores_to_token_rewards
 from rlpost.cluster.process import start_trainers
 from rlpost.config import ConfigError
 from rlpost.pipeline import build, rules
-from rlpost.rollout.hf_engine import HFEngine
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.engines.hf import HFEngine
+from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.train.batch import collate
 from rlpost.train.dp import DPSpec, held_numel
 from rlpost.train.tp import COLUMN, ROW, split_error

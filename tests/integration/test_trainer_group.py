@@ -15,8 +15,8 @@ from rlpost.config import load_config
 from rlpost.errors import WorkerError
 from rlpost.models.loading import load_causal_lm
 from rlpost.pipeline import build, rules
-from rlpost.rollout.hf_engine import HFEngine
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.engines.hf import HFEngine
+from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.train.batch import collate
 
 

@@ -19,8 +19,8 @@ import textwrap
 import pytest
 import torch
 
-from rlpost.rollout.protocol import SamplingParams
-from rlpost.rollout.vllm_engine import VLLMEngine, engine_args, sampling_kwargs
+from rlpost.rollout.engines.protocol import SamplingParams
+from rlpost.rollout.engines.vllm import VLLMEngine, engine_args, sampling_kwargs
 from rlpost.train.batch import collate, compute_logprobs
 from tests.real_model import smollm2_dir
 
@@ -85,7 +85,10 @@ def test_engine_args_are_vllms(model_dir):
     assert config.cache_config.enable_prefix_caching
     assert config.scheduler_config.enable_chunked_prefill
     assert config.model_config.logprobs_mode == "processed_logprobs"
-    assert config.parallel_config.worker_extension_cls == "rlpost.rollout.vllm_worker.WeightLoader"
+    assert (
+        config.parallel_config.worker_extension_cls
+        == "rlpost.rollout.engines.vllm_worker.WeightLoader"
+    )
     assert config.model_config.dtype == torch.float32
 
 
@@ -162,8 +165,8 @@ def test_reset_prefix_cache_answers_done(engine):
 SCRIPT = """
 import os, sys
 from transformers import AutoTokenizer
-from rlpost.rollout.protocol import SamplingParams
-from rlpost.rollout.vllm_engine import VLLMEngine
+from rlpost.rollout.engines.protocol import SamplingParams
+from rlpost.rollout.engines.vllm import VLLMEngine
 
 if __name__ == "__main__":
     path = sys.argv[1]

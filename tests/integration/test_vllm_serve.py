@@ -1,6 +1,6 @@
 """A stock ``vllm serve`` (vLLM's CPU build here) as rlpost's rollout server, on SmolLM2-135M.
 
-The server is vLLM's own OpenAI server, started as :func:`rlpost.rollout.vllm_server.serve_args`
+The server is vLLM's own OpenAI server, started as :func:`rlpost.rollout.engines.vllm_server.serve_args`
 says; rlpost adds only its worker extension. After a push of new weights through the
 server's routes, its logprobs of what it samples equal the trainer's recomputation, and a
 GRPO run trains against it. Skipped when vLLM is not importable unless
@@ -20,9 +20,9 @@ import httpx
 import pytest
 import torch
 
-from rlpost.rollout.protocol import SamplingParams
-from rlpost.rollout.remote_engine import RemoteEngine
-from rlpost.rollout.vllm_server import VLLMServerSync, serve_args
+from rlpost.rollout.engines.protocol import SamplingParams
+from rlpost.rollout.engines.remote import RemoteEngine
+from rlpost.rollout.engines.vllm_server import VLLMServerSync, serve_args
 from tests.integration.prom_util import free_port
 from tests.integration.test_vllm_engine import PROMPT, TOLERANCE, _gap
 from tests.real_model import smollm2_dir

@@ -10,7 +10,7 @@ import torch
 from rlpost.algos import group_has_spread, groups_with_spread, overlong_penalty
 from rlpost.pipeline.stages import RolloutSettings, rollout_stage
 from rlpost.rewards.rule import overlong_penalty as overlong_reward
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.rollout.worker import RolloutResult
 from rlpost.types import Completion, Group, Prompt, RewardSample
 

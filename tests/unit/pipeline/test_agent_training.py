@@ -25,9 +25,9 @@ from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
 from rlpost.params import PPOClipParams
 from rlpost.pipeline.build import build_trainer
 from rlpost.pipeline.stages import collate_groups, turn_rewards
-from rlpost.rollout.hf_engine import HFEngine
-from rlpost.rollout.multiturn import MultiTurnRollout
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.engines.hf import HFEngine
+from rlpost.rollout.engines.protocol import SamplingParams
+from rlpost.rollout.episodes.multiturn import MultiTurnRollout
 from rlpost.rollout.worker import to_groups
 from rlpost.train.batch import response_logits, token_logprobs
 from rlpost.train.offline import Schedule, train_offline

@@ -9,7 +9,7 @@ from rlpost.data.sampler import PromptSampler
 from rlpost.errors import WorkerError
 from rlpost.pipeline.feeds import PromptSource, SyncFeed
 from rlpost.pipeline.stages import RolloutSettings
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.types import Prompt
 
 

@@ -17,7 +17,7 @@ from rlpost.pipeline.stages import (
     estimator_inputs,
     rollout_stage,
 )
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.rollout.worker import RolloutResult
 from rlpost.types import Completion, Group, Prompt
 

@@ -6,9 +6,9 @@ from collections import Counter
 from concurrent.futures import Future
 from types import SimpleNamespace
 
-from rlpost.rollout.admission import FairQueue
-from rlpost.rollout.protocol import SamplingParams
-from rlpost.rollout.scheduler import GenerationRequest, Scheduler
+from rlpost.rollout.engines.admission import FairQueue
+from rlpost.rollout.engines.protocol import SamplingParams
+from rlpost.rollout.engines.scheduler import GenerationRequest, Scheduler
 
 
 def _tickets(count: int, n: int, name: str) -> list:

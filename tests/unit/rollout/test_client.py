@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from rlpost.rollout.client import (
+from rlpost.rollout.engines.client import (
     Choice,
     Job,
     RequestLoadBalancer,
@@ -17,7 +17,7 @@ from rlpost.rollout.client import (
     encode_weights,
     parse_choices,
 )
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.engines.protocol import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.5, top_p=0.9, top_k=5, max_tokens=7, stop_token_ids=(2,))
 
@@ -158,7 +158,7 @@ def test_a_busy_server_is_retried_after_what_it_asks_not_refused():
     import http.server
     import json
 
-    from rlpost.rollout.client import CompletionClient
+    from rlpost.rollout.engines.client import CompletionClient
 
     class Busy(http.server.BaseHTTPRequestHandler):
         def do_POST(self):

@@ -12,11 +12,11 @@ from rlpost.config import ConfigError, load_config
 from rlpost.pipeline import build
 from rlpost.pipeline.rules import check
 from rlpost.resolved import ENGINES, resolve
-from rlpost.rollout.continuous import ContinuousEngine
-from rlpost.rollout.hf_engine import HFEngine
-from rlpost.rollout.protocol import RolloutEngine, SamplingParams
-from rlpost.rollout.remote_engine import RemoteEngine
-from rlpost.rollout.vllm_engine import VLLMEngine
+from rlpost.rollout.engines.continuous import ContinuousEngine
+from rlpost.rollout.engines.hf import HFEngine
+from rlpost.rollout.engines.protocol import RolloutEngine, SamplingParams
+from rlpost.rollout.engines.remote import RemoteEngine
+from rlpost.rollout.engines.vllm import VLLMEngine
 
 METHODS = [
     name

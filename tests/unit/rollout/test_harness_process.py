@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rlpost.rollout.harness_process import HarnessProcess, Tail, harness_env
+from rlpost.rollout.episodes.harness_process import HarnessProcess, Tail, harness_env
 
 
 def test_the_environment_is_the_basics_the_listed_names_and_the_session():

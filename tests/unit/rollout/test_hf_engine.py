@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from rlpost.rollout.hf_engine import HFEngine
-from rlpost.rollout.protocol import SamplingParams, filter_logits
+from rlpost.rollout.engines.hf import HFEngine
+from rlpost.rollout.engines.protocol import SamplingParams, filter_logits
 from rlpost.train.batch import collate, compute_logprobs
 
 
@@ -121,8 +121,8 @@ def test_a_stopped_row_gets_no_tokens_after_its_stop(tiny):
 
 @pytest.mark.parametrize("engine_kind", ["hf", "continuous"])
 def test_a_stop_text_ends_a_sample_on_the_token_that_completes_it(tiny, engine_kind):
-    from rlpost.rollout.continuous import ContinuousEngine
-    from rlpost.rollout.scheduler import Scheduler
+    from rlpost.rollout.engines.continuous import ContinuousEngine
+    from rlpost.rollout.engines.scheduler import Scheduler
 
     model, tok = tiny
     prompt = [_prompts(tok)[0]]

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from rlpost.rollout.hf_engine import HFEngine
+from rlpost.rollout.engines.hf import HFEngine
+from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.rollout.longtail import LengthPredictor, PartialRollout, bucket_by_length
-from rlpost.rollout.protocol import SamplingParams
 from rlpost.train.batch import collate, compute_logprobs
 from rlpost.types import Completion, Prompt
 
@@ -178,8 +178,8 @@ class EosBoost(torch.nn.Module):
 def test_partial_rollout_on_the_continuous_engine_aborts_and_resumes(tiny):
     import copy
 
-    from rlpost.rollout.continuous import ContinuousEngine
-    from rlpost.rollout.scheduler import Scheduler
+    from rlpost.rollout.engines.continuous import ContinuousEngine
+    from rlpost.rollout.engines.scheduler import Scheduler
 
     model, tok = tiny
     model = EosBoost(copy.deepcopy(model), tok.eos_token_id)

@@ -6,8 +6,8 @@ import pytest
 
 from rlpost.envs.formats import TagFormat
 from rlpost.models.tiny import build_char_tokenizer
-from rlpost.rollout.multiturn import CodeTool, MultiTurnRollout
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.engines.protocol import SamplingParams
+from rlpost.rollout.episodes.multiturn import CodeTool, MultiTurnRollout
 from rlpost.types import Completion
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rlpost.rollout.prefix_cache import (
+from rlpost.rollout.engines.prefix_cache import (
     PrefixCache,
     concat_batches,
     left_pad,

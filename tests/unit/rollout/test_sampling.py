@@ -4,8 +4,8 @@ import math
 
 import torch
 
-from rlpost.rollout import protocol
-from rlpost.rollout.protocol import SamplingParams, inverse_cdf_sample, sample_tokens
+from rlpost.rollout.engines import protocol
+from rlpost.rollout.engines.protocol import SamplingParams, inverse_cdf_sample, sample_tokens
 
 
 def test_inverse_cdf_frequencies_follow_the_probabilities():

@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rlpost.rollout.hf_engine import HFEngine
-from rlpost.rollout.protocol import SamplingParams
-from rlpost.rollout.scheduler import GenerationRequest, Scheduler
+from rlpost.rollout.engines.hf import HFEngine
+from rlpost.rollout.engines.protocol import SamplingParams
+from rlpost.rollout.engines.scheduler import GenerationRequest, Scheduler
 from rlpost.train.batch import collate, compute_logprobs
 from rlpost.types import Completion
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rlpost.models.loading import load_policy
-from rlpost.rollout.openai_params import APIError, ServerSettings
-from rlpost.rollout.score_routes import Stopped, parse_scoring, score
+from rlpost.rollout.serve.openai_params import APIError, ServerSettings
+from rlpost.rollout.serve.score_routes import Stopped, parse_scoring, score
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +88,8 @@ def test_the_vocabulary_is_hashed_once_per_server(model):
     import httpx
 
     from rlpost.models.vocab import vocab_digest
-    from rlpost.rollout.scheduler import Scheduler
-    from rlpost.rollout.server import create_app
+    from rlpost.rollout.engines.scheduler import Scheduler
+    from rlpost.rollout.serve.server import create_app
 
     tok = load_policy(None, seed=0)[1]
     want = vocab_digest(tok)

@@ -1,6 +1,6 @@
 """``rlpost serve``'s flags: a limit set alone is never refused for another's default."""
 
-from rlpost.rollout.server import _checked, build_parser
+from rlpost.rollout.serve.server import _checked, build_parser
 
 
 def checked(*argv: str):

@@ -7,10 +7,9 @@ import copy
 import pytest
 import torch
 
-from rlpost.rollout.openai_params import APIError, parse_adjust, refuse_unsupported
-from rlpost.rollout.protocol import LogitAdjust, SamplingParams, adjust_logits
-from rlpost.rollout.scheduler import GenerationRequest, Scheduler
-from rlpost.rollout.server_guard import (
+from rlpost.rollout.engines.protocol import LogitAdjust, SamplingParams, adjust_logits
+from rlpost.rollout.engines.scheduler import GenerationRequest, Scheduler
+from rlpost.rollout.serve.guard import (
     NO_ADMIN_KEY,
     Guard,
     GuardSettings,
@@ -18,7 +17,8 @@ from rlpost.rollout.server_guard import (
     confined_weights_files,
     is_admin_path,
 )
-from rlpost.rollout.server_net import bind_refusal, is_loopback
+from rlpost.rollout.serve.net import bind_refusal, is_loopback
+from rlpost.rollout.serve.openai_params import APIError, parse_adjust, refuse_unsupported
 
 
 @pytest.mark.parametrize(
@@ -151,7 +151,7 @@ def test_defaults_leave_sampling_bit_identical(tiny):
 
 
 def test_a_vanishing_temperature_samples_greedily():
-    from rlpost.rollout.openai_params import _temperature
+    from rlpost.rollout.serve.openai_params import _temperature
 
     assert _temperature(1e-45) == 0.0 and _temperature(0.0) == 0.0  # logits / T would overflow
     assert _temperature(0.7) == 0.7

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlpost.rollout.openai_params import APIError
-from rlpost.rollout.protocol import SamplingParams
-from rlpost.rollout.sessions import (
+from rlpost.rollout.engines.protocol import SamplingParams
+from rlpost.rollout.serve.openai_params import APIError
+from rlpost.rollout.serve.sessions import (
     Request,
     Session,
     SessionBounds,

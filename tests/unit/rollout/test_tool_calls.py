@@ -9,8 +9,8 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
 from rlpost.models.tiny import build_char_tokenizer
-from rlpost.rollout.openai_params import APIError
-from rlpost.rollout.tool_calls import (
+from rlpost.rollout.serve.openai_params import APIError
+from rlpost.rollout.serve.tool_calls import (
     ToolStream,
     chat_prompt,
     chat_turns,
@@ -18,7 +18,7 @@ from rlpost.rollout.tool_calls import (
     read_calls,
     schema_problem,
 )
-from rlpost.rollout.tool_parsers import tool_format
+from rlpost.rollout.serve.tool_parsers import tool_format
 
 HERMES = tool_format("hermes")
 ADD = {
@@ -258,8 +258,8 @@ def test_the_template_rlpost_adds_renders_tools():
     """A model ``rlpost sft`` gave its plain template can be served with tools."""
     from rlpost.data.conversations import ensure_chat_template
     from rlpost.models.tiny import build_char_tokenizer
-    from rlpost.rollout.tool_calls import chat_prompt, parse_tools
-    from rlpost.rollout.tool_parsers import tool_format
+    from rlpost.rollout.serve.tool_calls import chat_prompt, parse_tools
+    from rlpost.rollout.serve.tool_parsers import tool_format
 
     tok = build_char_tokenizer()
     assert ensure_chat_template(tok)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlpost.rollout.tool_parsers import (
+from rlpost.rollout.serve.tool_parsers import (
     TOOL_PARSERS,
     CallParser,
     ParsedCall,

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlpost.rollout import vllm_engine
+from rlpost.rollout.engines import vllm as vllm_engine
 
 
 def test_missing_extra_is_one_line(monkeypatch):
@@ -27,7 +27,7 @@ def test_worker_extension_path_names_the_loader():
     """vLLM imports the extension by this dotted path inside each worker."""
     import importlib
 
-    from rlpost.rollout.vllm_worker import WeightLoader
+    from rlpost.rollout.engines.vllm_worker import WeightLoader
 
     module, _, name = vllm_engine.engine_args("m")["worker_extension_cls"].rpartition(".")
     assert getattr(importlib.import_module(module), name) is WeightLoader

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from rlpost.rollout.vllm_server import VLLMServerSync, serve_args
+from rlpost.rollout.engines.vllm_server import VLLMServerSync, serve_args
 from rlpost.sync import SyncError
 
 
@@ -50,7 +50,7 @@ def test_server_without_dev_routes_is_refused_in_one_line(plain_server, tmp_path
 def test_serve_args_load_rlpost_worker_extension():
     args = serve_args("/m", port=8000, max_model_len=512)
     assert args[args.index("--worker-extension-cls") + 1] == (
-        "rlpost.rollout.vllm_worker.WeightLoader"
+        "rlpost.rollout.engines.vllm_worker.WeightLoader"
     )
     assert args[args.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert args[args.index("--host") + 1] == "127.0.0.1"

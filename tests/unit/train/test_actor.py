@@ -9,8 +9,8 @@ from rlpost.algos import (
     scores_to_token_rewards,
 )
 from rlpost.params import LossChoice, PPOClipParams, variants
-from rlpost.rollout.hf_engine import HFEngine
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.engines.hf import HFEngine
+from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.train.actor import ActorSettings, PolicyTrainer
 from rlpost.train.batch import collate
 

@@ -1,6 +1,6 @@
 """A stock ``vllm serve`` as a rollout server (``rollout.engine.server=vllm``).
 
-Generation needs nothing of rlpost on the server: :mod:`rlpost.rollout.client`
+Generation needs nothing of rlpost on the server: :mod:`rlpost.rollout.engines.client`
 sends token-id prompts to ``/v1/completions`` and asks for the sampled ids
 (``return_token_ids``) and each sampled token's logprob (``logprobs=0``); the
 server started with ``--logprobs-mode processed_logprobs`` reports them after
@@ -13,7 +13,7 @@ server's workers (``--worker-extension-cls``). One push, per server:
 
 1. ``POST /pause?mode=wait``: requests in flight finish on the old weights;
 2. ``POST /collective_rpc`` calls ``rlpost_load_weights(path, version)`` on
-   every worker (:mod:`rlpost.rollout.vllm_worker`): each loads the safetensors
+   every worker (:mod:`rlpost.rollout.engines.vllm_worker`): each loads the safetensors
    file through vLLM's in-place reload and answers ``[version, tensors]``;
 3. ``POST /reset_prefix_cache``: cached prompt KV came from the old weights;
 4. ``POST /resume``.
@@ -37,7 +37,7 @@ import httpx
 import torch
 
 from rlpost.errors import http_error_line
-from rlpost.rollout.vllm_engine import SHM, WORKER_EXTENSION, write_weights
+from rlpost.rollout.engines.vllm import SHM, WORKER_EXTENSION, write_weights
 from rlpost.sync import SyncError, SyncStats
 
 LOAD_METHOD = "rlpost_load_weights"
@@ -154,7 +154,7 @@ class VLLMServerSync:
 
 def build_sync(cfg) -> VLLMServerSync:
     """The weight push of ``rollout.engine.server=vllm`` (servers, weights_dir, sync timeout)."""
-    from rlpost.rollout.client import keys_from_env
+    from rlpost.rollout.engines.client import keys_from_env
 
     e = cfg.rollout.engine
     admin = keys_from_env(e.api_key_env, e.admin_key_env)["admin_key"]

@@ -12,7 +12,7 @@ and sampled response and reads the response's logprobs. The pass reads the weigh
 server holds; a teacher server is not sent new weights.
 
 The pass runs on the scheduler's thread, a piece at a time between decode steps
-(:meth:`~rlpost.rollout.scheduler.Scheduler.run_between_steps`), so scoring takes a
+(:meth:`~rlpost.rollout.engines.scheduler.Scheduler.run_between_steps`), so scoring takes a
 bounded share of the model's time from the requests decoding, never reads weights an
 update is half way through, and stops before its next piece once its client has gone.
 The work a request causes is bounded like a generation request's: its prompts count
@@ -39,7 +39,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from rlpost.models.vocab import vocab_digest
-from rlpost.rollout.openai_params import APIError, parse_json_object
+from rlpost.rollout.serve.openai_params import APIError, parse_json_object
 from rlpost.train.lm_head import chunk_tokens
 
 router = APIRouter(prefix="/v1")

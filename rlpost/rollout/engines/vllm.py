@@ -13,7 +13,7 @@ rollout protocol:
 * weights are written into one safetensors file on shared memory, and every
   worker loads it through the model's own ``load_weights`` (vLLM maps HF names,
   fused QKV and tensor-parallel shards), called by name through
-  ``collective_rpc`` (:mod:`rlpost.rollout.vllm_worker`); each worker answers
+  ``collective_rpc`` (:mod:`rlpost.rollout.engines.vllm_worker`); each worker answers
   with the version it now serves. The prefix cache is then reset, since its KV
   came from the old weights. vLLM's NCCL/IPC weight-transfer engines are the
   faster path for models larger than one node's memory;
@@ -38,11 +38,11 @@ import torch
 from safetensors.torch import save_file
 
 from rlpost.resolved import ENGINES
-from rlpost.rollout.protocol import SamplingParams, TokenRate
+from rlpost.rollout.engines.protocol import SamplingParams, TokenRate
 from rlpost.types import Completion
 
 MISSING = "rollout.engine=vllm needs the [vllm] extra: pip install 'rlpost[vllm]'"
-WORKER_EXTENSION = "rlpost.rollout.vllm_worker.WeightLoader"
+WORKER_EXTENSION = "rlpost.rollout.engines.vllm_worker.WeightLoader"
 SHM = Path("/dev/shm")
 
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 
 from rlpost.resolved import ENGINES, RunFacts
-from rlpost.rollout.hf_engine import serving_copy
-from rlpost.rollout.prefix_cache import PrefixCache
-from rlpost.rollout.protocol import SamplingParams
-from rlpost.rollout.scheduler import GenerationRequest, SampleOutput, Scheduler
+from rlpost.rollout.engines.hf import serving_copy
+from rlpost.rollout.engines.prefix_cache import PrefixCache
+from rlpost.rollout.engines.protocol import SamplingParams
+from rlpost.rollout.engines.scheduler import GenerationRequest, SampleOutput, Scheduler
 from rlpost.types import Completion
 
 
@@ -30,7 +30,7 @@ class VersionedCompletion(Completion):
 
 
 class ContinuousEngine:
-    """The rollout protocol over an in-process :class:`~rlpost.rollout.scheduler.Scheduler`.
+    """The rollout protocol over an in-process :class:`~rlpost.rollout.engines.scheduler.Scheduler`.
 
     ``generate`` sends one scheduler request per prompt (``n`` samples, one
     prefill). ``generate_partial`` is the engine-level partial rollout: the

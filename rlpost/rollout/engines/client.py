@@ -31,7 +31,7 @@ import httpx
 import torch
 
 from rlpost.errors import http_error_line
-from rlpost.rollout.protocol import SamplingParams
+from rlpost.rollout.engines.protocol import SamplingParams
 
 TOKEN_ID_PREFIX = "token_id:"
 

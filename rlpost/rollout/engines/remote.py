@@ -2,19 +2,19 @@
 
 Each prompt becomes one ``/v1/completions`` request with ``n = G``, so a GRPO
 group is sampled (and its prompt prefilled) on one server; the
-:class:`~rlpost.rollout.client.RequestLoadBalancer` spreads prompts by
+:class:`~rlpost.rollout.engines.client.RequestLoadBalancer` spreads prompts by
 fewest outstanding requests and re-sends the requests of a server that fails.
 Request seeds are drawn from ``engine.generator``, so a run is reproducible
 against the same servers and checkpointing the generator state is enough.
 
 Works against ``rlpost serve`` and, for generation, against ``vllm serve`` and
 SGLang (token ids are recovered when a server does not return them; see
-:mod:`rlpost.rollout.client`). Weights reach the servers' ``/v1/sync`` routes
+:mod:`rlpost.rollout.engines.client`). Weights reach the servers' ``/v1/sync`` routes
 from the run's weight path (:mod:`rlpost.pipeline.weights`: the ``http``
 channel of :mod:`rlpost.sync`, with ``sync.codec``, ``sync.delta`` and
 verification), an rlpost endpoint; a stock ``vllm serve`` takes them through
 its development routes (``rollout.engine.server=vllm``,
-:mod:`rlpost.rollout.vllm_server`), and an endpoint that takes none
+:mod:`rlpost.rollout.engines.vllm_server`), and an endpoint that takes none
 (``server=openai``) serves evaluation only. The path then calls :meth:`RemoteEngine.weights_served`:
 a server that missed the update would serve stale weights, so it is taken out
 of rotation; the update fails only if no server took it. ``load_weights``
@@ -30,15 +30,15 @@ from collections.abc import Iterable
 import torch
 
 from rlpost.resolved import ENGINES
-from rlpost.rollout.client import (
+from rlpost.rollout.engines.client import (
     CompletionClient,
     Job,
     RequestLoadBalancer,
     keys_from_env,
     seeds_from,
 )
-from rlpost.rollout.continuous import VersionedCompletion
-from rlpost.rollout.protocol import SamplingParams, TokenRate
+from rlpost.rollout.engines.continuous import VersionedCompletion
+from rlpost.rollout.engines.protocol import SamplingParams, TokenRate
 from rlpost.sync import SyncError, SyncStats, TransportOptions, WeightSync, make_transport
 
 FINISH_REASONS = ("stop", "length")
@@ -202,7 +202,7 @@ def build(cfg, facts, model, tokenizer) -> RemoteEngine:
     keys = keys_from_env(r.engine.api_key_env, r.engine.admin_key_env)
     sync = None
     if r.engine.server == "vllm":
-        from rlpost.rollout.vllm_server import build_sync
+        from rlpost.rollout.engines.vllm_server import build_sync
 
         sync = build_sync(cfg)
     return RemoteEngine(

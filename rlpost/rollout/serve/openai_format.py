@@ -11,7 +11,7 @@ from __future__ import annotations
 from itertools import accumulate
 from typing import Any
 
-from rlpost.rollout.scheduler import SampleOutput, TokenEvent
+from rlpost.rollout.engines.scheduler import SampleOutput, TokenEvent
 
 
 def format_choice(index: int, out: SampleOutput, tokenizer, *, chat: bool, logprobs: bool) -> dict:

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field, replace
 from fastapi import Request as HTTPRequest
 from starlette.concurrency import run_in_threadpool
 
-from rlpost.rollout.openai_params import APIError, parse_json_object
-from rlpost.rollout.protocol import SamplingParams
-from rlpost.rollout.server_guard import bearer_token
+from rlpost.rollout.engines.protocol import SamplingParams
+from rlpost.rollout.serve.guard import bearer_token
+from rlpost.rollout.serve.openai_params import APIError, parse_json_object
 from rlpost.types import Completion, Episode, Turn
 
 

@@ -11,7 +11,7 @@ masked.
 
 from __future__ import annotations
 
-from rlpost.rollout.tool_calls import chat_turns
+from rlpost.rollout.serve.tool_calls import chat_turns
 from rlpost.types import Completion
 
 

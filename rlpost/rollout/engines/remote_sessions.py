@@ -1,10 +1,10 @@
 """Recorded sessions on remote ``rlpost serve`` servers (``rollout.engine=remote``).
 
-The same store interface as :class:`rlpost.rollout.sessions.SessionStore`, over the
+The same store interface as :class:`rlpost.rollout.serve.sessions.SessionStore`, over the
 servers' admin routes: ``POST /v1/sessions`` opens a session (its bounds and the run's
 sampling) on the next server in turn and answers its key, which is all its agent gets, ``DELETE /v1/sessions/{id}`` closes it and
-returns its record, which becomes the :class:`~rlpost.rollout.sessions.Session` that
-:func:`~rlpost.rollout.sessions.session_samples` turns into rows. The per-token versions
+returns its record, which becomes the :class:`~rlpost.rollout.serve.sessions.Session` that
+:func:`~rlpost.rollout.serve.sessions.session_samples` turns into rows. The per-token versions
 are the server's: weights reach it through the run's weight sync.
 """
 
@@ -17,8 +17,8 @@ import threading
 import httpx
 
 from rlpost.errors import http_error_line
-from rlpost.rollout.protocol import SamplingParams
-from rlpost.rollout.sessions import Session, SessionBounds, session_from_record
+from rlpost.rollout.engines.protocol import SamplingParams
+from rlpost.rollout.serve.sessions import Session, SessionBounds, session_from_record
 
 
 class RemoteSessions:

@@ -42,10 +42,15 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from rlpost.rollout import prefix_cache as pc
-from rlpost.rollout.admission import FairQueue
-from rlpost.rollout.prefix_cache import LayerKV, PrefixCache
-from rlpost.rollout.protocol import LogitAdjust, SamplingParams, adjust_logits, sample_tokens
+from rlpost.rollout.engines import prefix_cache as pc
+from rlpost.rollout.engines.admission import FairQueue
+from rlpost.rollout.engines.prefix_cache import LayerKV, PrefixCache
+from rlpost.rollout.engines.protocol import (
+    LogitAdjust,
+    SamplingParams,
+    adjust_logits,
+    sample_tokens,
+)
 from rlpost.train.lm_head import serve_head
 from rlpost.types import FinishReason
 
@@ -176,7 +181,7 @@ class Scheduler:
 
     ``max_batch`` caps the sequences decoded together; ``max_request_batch``
     (default an eighth of it, at least 2) caps one submission's share of them while another
-    submission runs or waits (:mod:`~rlpost.rollout.admission`); a request larger
+    submission runs or waits (:mod:`~rlpost.rollout.engines.admission`); a request larger
     than the room joins in parts. ``max_model_len`` ends a sample with ``length``
     before it would pass the model's context.
     """
@@ -458,7 +463,7 @@ class Scheduler:
 
     def _take_admissible(self) -> list[tuple[Ticket, range]]:
         """``(ticket, samples)``: the samples of waiting tickets that fit in the batch, a
-        fair share per submission (:mod:`~rlpost.rollout.admission`; caller holds the lock);
+        fair share per submission (:mod:`~rlpost.rollout.engines.admission`; caller holds the lock);
         none while the model holds a partly applied update."""
         if self._mixed:
             return []

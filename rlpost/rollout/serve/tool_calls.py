@@ -5,7 +5,7 @@ A request's ``tools`` (function tools with JSON-schema parameters) and
 tokenizer's own chat template (``apply_chat_template(messages, tools=...)``,
 so the model sees tools as it was trained to), and the model's output is read
 back into OpenAI ``tool_calls`` by the server's call format
-(:mod:`rlpost.rollout.tool_parsers`). Assistant messages carrying
+(:mod:`rlpost.rollout.serve.tool_parsers`). Assistant messages carrying
 ``tool_calls`` and ``role: tool`` answers are handed to the template as
 Hugging Face expects them (arguments as an object).
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlpost.data import safe_json
-from rlpost.rollout.openai_params import APIError, checked_text, content_text, shown
-from rlpost.rollout.tool_parsers import CallFormat, CallParser, ParsedCall, parse_output
+from rlpost.rollout.serve.openai_params import APIError, checked_text, content_text, shown
+from rlpost.rollout.serve.tool_parsers import CallFormat, CallParser, ParsedCall, parse_output
 
 MAX_TOOLS = 128  # OpenAI's limit
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names

@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from rlpost.resolved import ENGINES, RunFacts
-from rlpost.rollout.protocol import SamplingParams, TokenRate, sample_tokens
+from rlpost.rollout.engines.protocol import SamplingParams, TokenRate, sample_tokens
 from rlpost.train.batch import keeps_logits
 from rlpost.train.lm_head import serve_head
 from rlpost.types import Completion

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rlpost.data import safe_json
-from rlpost.rollout.protocol import LogitAdjust, SamplingParams
+from rlpost.rollout.engines.protocol import LogitAdjust, SamplingParams
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_TEXTS = 16
@@ -30,7 +30,7 @@ COMMON_FIELDS = {
     "frequency_penalty", "logit_bias", "user", "return_token_ids", "return_tokens_as_token_ids",
 }  # fmt: skip
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "add_special_tokens"}
-# tools, tool_choice and parallel_tool_calls are checked by rlpost.rollout.tool_calls.
+# tools, tool_choice and parallel_tool_calls are checked by rlpost.rollout.serve.tool_calls.
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
     "parallel_tool_calls",

@@ -5,14 +5,14 @@ starts (the session's wall clock is the agent's), on a loopback OpenAI server ov
 the trainer syncs weights into, so a weight update mid-episode lands between
 two decode steps and every token keeps the version that sampled it), runs the
 user's agent against the session's base URL, and turns the finished session
-into training rows (:func:`rlpost.rollout.sessions.session_samples`). With
+into training rows (:func:`rlpost.rollout.serve.sessions.session_samples`). With
 ``rollout.engine=remote`` the sessions are opened on the rollout servers instead
-(:class:`rlpost.rollout.remote_sessions.RemoteSessions`, their admin routes) and
+(:class:`rlpost.rollout.engines.remote_sessions.RemoteSessions`, their admin routes) and
 the rows are built from the record each server returns when it closes one.
 
 The agent is a Python callable ``fn(prompt, base_url, **info)`` run in a
 thread (``info``: the keywords among ``api_key``, ``session_id``, ``metadata``
-it accepts), or a command (:mod:`rlpost.rollout.harness_process`: an allow-listed
+it accepts), or a command (:mod:`rlpost.rollout.episodes.harness_process`: an allow-listed
 environment with ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY``, the prompt on its
 stdin, nothing it starts outliving it, and, when the trainer is root, a uid of
 its own, so no other harness reads its environment). Its key is its session's own: it opens
@@ -42,10 +42,10 @@ from typing import Any
 
 from rlpost.registry import import_object
 from rlpost.rng import derive
-from rlpost.rollout.harness_process import HarnessProcess, harness_env
-from rlpost.rollout.protocol import SamplingParams
-from rlpost.rollout.remote_sessions import RemoteSessions
-from rlpost.rollout.sessions import Session, SessionBounds, session_samples
+from rlpost.rollout.engines.protocol import SamplingParams
+from rlpost.rollout.engines.remote_sessions import RemoteSessions
+from rlpost.rollout.episodes.harness_process import HarnessProcess, harness_env
+from rlpost.rollout.serve.sessions import Session, SessionBounds, session_samples
 from rlpost.types import Completion, Prompt
 
 GRACE_S = 5.0  # past the session's wall bound, a harness still running is hung
@@ -137,9 +137,9 @@ class LoopbackServer:
     def __init__(self, scheduler, tokenizer, name: str, tool_parser: str) -> None:
         import uvicorn
 
-        from rlpost.rollout.openai_params import ServerSettings
-        from rlpost.rollout.server import create_app
-        from rlpost.rollout.server_guard import GuardSettings
+        from rlpost.rollout.serve.guard import GuardSettings
+        from rlpost.rollout.serve.openai_params import ServerSettings
+        from rlpost.rollout.serve.server import create_app
 
         settings = ServerSettings(
             name, max_tokens_limit=1 << 20, max_model_len=scheduler.max_model_len,

@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlpost.rollout.openai_params import APIError, error_body
+from rlpost.rollout.serve.openai_params import APIError, error_body
 
 OPEN_PATHS = ("/health", "/metrics")
 ADMIN_PREFIXES = ("/v1/weights", "/v1/sync", "/v1/admin", "/v1/sessions")

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from rlpost.errors import one_line
-from rlpost.rollout.openai_params import APIError, error_body, parse_json_object
+from rlpost.rollout.serve.openai_params import APIError, error_body, parse_json_object
 from rlpost.sync import DeltaRefused, Receiver, SyncError
 from rlpost.sync.session import Bucket, Manifest, SessionMeta
 

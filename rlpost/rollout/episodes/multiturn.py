@@ -34,7 +34,7 @@ from rlpost.envs.base import Action, Environment, StepResult, ToolCall
 from rlpost.envs.formats import TagFormat
 from rlpost.envs.tools import CodeTool, HttpTool, Tool, ToolEnv
 from rlpost.errors import typed_line
-from rlpost.rollout.protocol import RolloutEngine, SamplingParams
+from rlpost.rollout.engines.protocol import RolloutEngine, SamplingParams
 from rlpost.types import Completion, Episode, FinishReason, Prompt, Turn
 
 __all__ = ["CodeTool", "EpisodeStats", "HttpTool", "MultiTurnRollout", "Tool"]

@@ -9,10 +9,10 @@ key. The prompt goes on stdin (an environment variable over 128 KiB cannot be pa
 to exec at all).
 
 **User.** When the trainer runs as root, the command runs under a uid of its own
-(:mod:`rlpost.rollout.harness_user`), with ``HOME`` and ``TMPDIR`` a private directory:
+(:mod:`rlpost.rollout.episodes.harness_user`), with ``HOME`` and ``TMPDIR`` a private directory:
 no other harness can read its key from ``/proc/PID/environ``.
 
-**Descendants.** The command runs under :mod:`rlpost.rollout.harness_reaper`, a
+**Descendants.** The command runs under :mod:`rlpost.rollout.episodes.harness_reaper`, a
 child subreaper in its own process group: whatever the command started (background
 jobs, ``setsid`` daemons) is killed when the command exits, when it is killed for
 running past its time, and when the trainer dies.
@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlpost.rollout import harness_user
+from rlpost.rollout.episodes import harness_user
 
 BASIC_ENV = (
     "PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "TMPDIR", "LANG", "LANGUAGE", "TZ",

@@ -3,23 +3,23 @@
     rlpost serve [--model DIR] [--port 8000] [--api-key K --admin-key A] [--weights-dir DIR] ...
 
 ``/v1/completions`` and ``/v1/chat/completions`` follow the OpenAI API
-(request fields: :mod:`rlpost.rollout.openai_params`, which refuses every
+(request fields: :mod:`rlpost.rollout.serve.openai_params`, which refuses every
 field it does not implement by name) and add what RL needs: each choice
 carries ``token_ids`` (the sampled ids), the logprob of every sampled token,
 the ``policy_version`` of its first token and every version it spans; each
 response carries the server's ``policy_version``. ``stream=true`` sends one
 server-sent event per sampled token, with its id, logprob and version. Chat
 ``tools`` are rendered by the chat template and the output read back into
-``tool_calls`` (:mod:`rlpost.rollout.tool_calls`, ``--tool-parser``).
+``tool_calls`` (:mod:`rlpost.rollout.serve.tool_calls`, ``--tool-parser``).
 ``POST /v1/weights`` swaps weights between two decode steps (a safetensors
 path inside ``--weights-dir``, or safetensors bytes streamed in the body with
 ``?version=N``). ``/health`` reports the scheduler's counters, ``/metrics``
 the ``rl_*`` rollout metrics in Prometheus text. Requests share decode steps
-through :class:`~rlpost.rollout.scheduler.Scheduler`.
+through :class:`~rlpost.rollout.engines.scheduler.Scheduler`.
 
 Keys, body and pending limits are enforced in front of every route by
-:class:`~rlpost.rollout.server_guard.Guard`; slow request heads are cut off by
-:func:`~rlpost.rollout.server_net.guarded_h11`; a non-loopback address is
+:class:`~rlpost.rollout.serve.guard.Guard`; slow request heads are cut off by
+:func:`~rlpost.rollout.serve.net.guarded_h11`; a non-loopback address is
 refused without both keys. Bad input is a 4xx with a one-line reason in the
 OpenAI error envelope; a client that disconnects frees its slots; no request
 can stop the server (docs/rollout.md, docs/operations.md).
@@ -48,10 +48,21 @@ from starlette.concurrency import run_in_threadpool
 
 from rlpost.errors import typed_line
 from rlpost.observe import Recorder
-from rlpost.rollout.backlog import Backlog, backlog_limit
-from rlpost.rollout.client import decode_weights
-from rlpost.rollout.openai_format import ChoiceStream, format_choice
-from rlpost.rollout.openai_params import (
+from rlpost.rollout.engines.backlog import Backlog, backlog_limit
+from rlpost.rollout.engines.client import decode_weights
+from rlpost.rollout.engines.prefix_cache import PrefixCache
+from rlpost.rollout.engines.scheduler import GenerationRequest, Scheduler, Ticket
+from rlpost.rollout.serve.guard import (
+    MIB,
+    Guard,
+    GuardSettings,
+    PendingBudget,
+    confined_weights_files,
+    load_safetensors_files,
+)
+from rlpost.rollout.serve.net import WRITE_TIMEOUTS, bind_refusal, guarded_h11, is_loopback
+from rlpost.rollout.serve.openai_format import ChoiceStream, format_choice
+from rlpost.rollout.serve.openai_params import (
     APIError,
     ServerSettings,
     ascii_int,
@@ -63,22 +74,17 @@ from rlpost.rollout.openai_params import (
     parse_sampling,
     shown,
 )
-from rlpost.rollout.prefix_cache import PrefixCache
-from rlpost.rollout.scheduler import GenerationRequest, Scheduler, Ticket
-from rlpost.rollout.score_routes import router as score_router
-from rlpost.rollout.server_guard import (
-    MIB,
-    Guard,
-    GuardSettings,
-    PendingBudget,
-    confined_weights_files,
-    load_safetensors_files,
+from rlpost.rollout.serve.score_routes import router as score_router
+from rlpost.rollout.serve.sessions import SessionStore, add_session_routes
+from rlpost.rollout.serve.sync_routes import router as sync_router
+from rlpost.rollout.serve.tool_calls import (
+    ToolRequest,
+    ToolStream,
+    chat_prompt,
+    parse_tools,
+    read_calls,
 )
-from rlpost.rollout.server_net import WRITE_TIMEOUTS, bind_refusal, guarded_h11, is_loopback
-from rlpost.rollout.sessions import SessionStore, add_session_routes
-from rlpost.rollout.sync_routes import router as sync_router
-from rlpost.rollout.tool_calls import ToolRequest, ToolStream, chat_prompt, parse_tools, read_calls
-from rlpost.rollout.tool_parsers import TOOL_PARSERS, tool_format
+from rlpost.rollout.serve.tool_parsers import TOOL_PARSERS, tool_format
 
 POLL_SECONDS = 0.1  # how often a waiting request checks that its client is still there
 

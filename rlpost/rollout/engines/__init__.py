@@ -1,0 +1,1 @@
+"""Rollout engines: the protocol every engine implements, and each engine."""

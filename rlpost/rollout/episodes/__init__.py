@@ -1,0 +1,1 @@
+"""Episodes: multi-turn environment loops and outside agent harnesses."""

@@ -1,0 +1,1 @@
+"""``rlpost serve``: the OpenAI-compatible app, its guards, sessions and routes."""
