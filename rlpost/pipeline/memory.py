@@ -5,8 +5,8 @@ The estimate adds what one process holds at the peak of a step (the trainer's ba
 the weights (float32 master), gradients and AdamW's two moments of the trainable
 parameters, a frozen reference copy when one is kept, the in-process engine's serving copy
 when it does not share the policy's memory, its KV cache for a rollout chunk, the
-activations of one micro-batch (Korthikanti et al. 2022, eq. 2 without flash attention, at
-the compute dtype's width) and the LM head's logits (one chunk, or the whole micro-batch on
+activations of one micro-batch (:func:`layer_activations`, at the compute dtype's width; with
+gradient checkpointing each layer's input and one layer recomputed) and the LM head's logits (one chunk, or the whole micro-batch on
 the unchunked path), over the interpreter with torch and transformers loaded. The
 parameter count comes from the checkpoint's config on the meta device (no weights read).
 It is an estimate: ``summary.json`` records it beside the measured ``peak_rss_mib`` so it
@@ -78,7 +78,26 @@ def model_shape(cfg: Config) -> dict:
         "layers": int(getattr(c, "num_hidden_layers", 1)),
         "heads": heads,
         "kv_dim": getattr(c, "num_key_value_heads", heads) * (hidden // max(1, heads)),
+        "intermediate": int(getattr(c, "intermediate_size", None) or 4 * hidden),
+        "positions": int(getattr(c, "max_position_embeddings", None) or 1 << 30),
     }
+
+
+def layer_activations(shape: dict, rows: int, seq: int, width: int, *, eager: bool) -> float:
+    """Bytes one decoder layer keeps for its backward over ``rows`` rows of ``seq`` tokens.
+
+    A token keeps 11 h + 4 I values (h hidden, I the MLP's width): each RMSNorm's input,
+    scaled input and output (6 h), attention's q, k and v (k and v repeated to the query
+    heads), its output and the output projection's input (5 h), and SwiGLU's gate, its
+    activation, up and their product (4 I), as autograd's saved-tensor hooks count them on
+    a transformers Llama layer under sdpa, which keeps no scores. Eager attention also
+    keeps the ``[rows, heads, seq, seq]`` scores and probabilities: Korthikanti et al.
+    2022's 5 a s bytes at 16 bits, 2.5 a s values."""
+    h = shape["hidden"]
+    per_token = 11 * h + 4 * shape.get("intermediate", 4 * h)
+    if eager:
+        per_token += 2.5 * shape["heads"] * seq
+    return rows * seq * per_token * width
 
 
 def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
@@ -98,10 +117,11 @@ def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
     micro = t.micro_batch_size
     if t.max_tokens_per_micro_batch > 0:
         micro = max(1, min(micro, t.max_tokens_per_micro_batch // seq))
-    h, a, layers = shape["hidden"], shape["heads"], shape["layers"]
-    per_layer = seq * micro * (34 * h + 5 * a * seq) * width / 2
-    if cfg.model.gradient_checkpointing:
-        per_layer = seq * micro * h * width
+    eager = bf16 and shape.get("positions", 1 << 30) <= build.EAGER_ATTENTION_MAX_POSITIONS
+    layer = layer_activations(shape, micro, seq, width, eager=eager)
+    activations = shape["layers"] * layer
+    if cfg.model.gradient_checkpointing:  # each layer's input, and one layer recomputed
+        activations = shape["layers"] * micro * seq * shape["hidden"] * width + layer
     tokens = micro * r.max_tokens
     if POLICY_LOSSES.trait(cfg.algo.loss.name, "needs_teacher_logits"):
         # gkd reads whole distributions, past the chunked head: the student's logits, their
@@ -118,7 +138,7 @@ def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
         reference=n * 4 / MIB if keep_ref else 0.0,
         engine=n * width / MIB if engine_copy else 0.0,
         kv_cache=kv / MIB,
-        activations=per_layer * layers / MIB,
+        activations=activations / MIB,
         logits=logits / MIB,
     )
 
