@@ -5,12 +5,10 @@ The estimate adds what one process holds at the peak of a step (the trainer's ba
 the weights (float32 master), gradients and AdamW's two moments of the trainable
 parameters, a frozen reference copy when one is kept, the in-process engine's serving copy
 when it does not share the policy's memory, its KV cache for a rollout chunk, the
-activations of one micro-batch (Korthikanti et al. 2022, eq. 2 without flash attention, at
-the compute dtype's width) and the LM head's logits (one chunk, or the whole micro-batch on
-the unchunked path), over the interpreter with torch and transformers loaded. The
-parameter count comes from the checkpoint's config on the meta device (no weights read).
-It is an estimate: ``summary.json`` records it beside the measured ``peak_rss_mib`` so it
-can be checked.
+activations of one micro-batch (:func:`layer_activations`) and the LM head's logits (one
+chunk, or the whole micro-batch unchunked), over the interpreter with torch and
+transformers loaded; the model's shape comes from its config on the meta device.
+``summary.json`` records the estimate beside the measured ``peak_rss_mib``.
 """
 
 from __future__ import annotations
@@ -64,12 +62,10 @@ def model_shape(cfg: Config) -> dict:
         with torch.device("meta"):
             model = build_tiny_model(build_char_tokenizer(), **cfg.model.tiny.model_dump())
     else:
-        conf = load_config(cfg.model.path)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(conf)
+            model = AutoModelForCausalLM.from_config(load_config(cfg.model.path))
     c = model.config
-    heads = getattr(c, "num_attention_heads", 1)
-    hidden = getattr(c, "hidden_size", 0)
+    heads, hidden = getattr(c, "num_attention_heads", 1), getattr(c, "hidden_size", 0)
     return {
         "params": sum(p.numel() for p in model.parameters()),
         "vocab": int(getattr(c, "vocab_size", 0)),
@@ -77,7 +73,17 @@ def model_shape(cfg: Config) -> dict:
         "layers": int(getattr(c, "num_hidden_layers", 1)),
         "heads": heads,
         "kv_dim": getattr(c, "num_key_value_heads", heads) * (hidden // max(1, heads)),
+        "intermediate": int(getattr(c, "intermediate_size", None) or 4 * hidden),
+        "positions": int(getattr(c, "max_position_embeddings", None) or 1 << 30),
     }
+
+
+def layer_activations(shape: dict, rows: int, seq: int, width: int, *, eager: bool) -> float:
+    """Bytes a Llama layer saves for its backward: 11 h + 4 I values a token under sdpa (3 h
+    per RMSNorm, q/k/v, the attention output twice, SwiGLU's 4 I), plus eager's scores."""
+    per_token = 11 * shape["hidden"] + 4 * shape["intermediate"]
+    per_token += 2.5 * shape["heads"] * seq if eager else 0  # 5 a s bytes at 16 bits
+    return rows * seq * per_token * width
 
 
 def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
@@ -90,13 +96,13 @@ def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
     seq = PROMPT_TOKENS + r.max_tokens
     rows = min(r.batch_size, r.prompts_per_step * r.n)
     kv = rows * seq * shape["layers"] * 2 * shape["kv_dim"] * width if in_process else 0
-    micro = t.micro_batch_size
-    if t.max_tokens_per_micro_batch > 0:
-        micro = max(1, min(micro, t.max_tokens_per_micro_batch // seq))
-    h, a, layers = shape["hidden"], shape["heads"], shape["layers"]
-    per_layer = seq * micro * (34 * h + 5 * a * seq) * width / 2
-    if cfg.model.gradient_checkpointing:
-        per_layer = seq * micro * h * width
+    micro, budget = t.micro_batch_size, t.max_tokens_per_micro_batch
+    micro = max(1, min(micro, budget // seq)) if budget > 0 else micro
+    eager = bf16 and shape["positions"] <= build.EAGER_ATTENTION_MAX_POSITIONS
+    layer = layer_activations(shape, micro, seq, width, eager=eager)
+    activations = shape["layers"] * layer
+    if cfg.model.gradient_checkpointing:  # each layer's input, and one layer recomputed
+        activations = shape["layers"] * micro * seq * shape["hidden"] * width + layer
     tokens = micro * r.max_tokens
     if facts.plan.teacher_logits:
         # gkd reads whole distributions, past the chunked head: the student's logits, their
@@ -113,7 +119,7 @@ def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
         reference=n * 4 / MIB if facts.reference_copy else 0.0,
         engine=n * width / MIB if in_process and not facts.shares_storage else 0.0,
         kv_cache=kv / MIB,
-        activations=per_layer * layers / MIB,
+        activations=activations / MIB,
         logits=logits / MIB,
     )
 
@@ -131,12 +137,9 @@ FIXES = {
 
 def machine_mib() -> tuple[float, float]:
     """(total, available) memory of this machine in MiB (/proc/meminfo; 0 where unknown)."""
-    values = {}
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                values[key] = float(rest.split()[0]) / 1024  # kB
+        with open("/proc/meminfo") as f:  # kB
+            values = {k: float(v.split()[0]) / 1024 for k, _, v in (x.partition(":") for x in f)}
     except (OSError, ValueError, IndexError):
         return 0.0, 0.0
     return values.get("MemTotal", 0.0), values.get("MemAvailable", 0.0)
@@ -178,9 +181,8 @@ REAL_SHAPE_PARAMS, REAL_SHAPE_VOCAB = 10_000_000, 32_000
 
 
 def note_idle_cores(cfg: Config, shape: dict) -> bool:
-    """One line when a fixed ``run.threads`` leaves cores idle at a real shape (the toy
-    recipe's 1 is 1.6x slower than ``run.threads=0`` at a 151,936-token vocabulary); True
-    if said."""
+    """One line (True) when a fixed ``run.threads`` leaves cores idle at a real shape (the
+    toy recipe's 1 is 1.6x slower than ``run.threads=0`` at a 151,936-token vocabulary)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     real = shape["params"] >= REAL_SHAPE_PARAMS or shape["vocab"] >= REAL_SHAPE_VOCAB
     threads, cores = cfg.run.threads, cores or 1
@@ -200,7 +202,5 @@ def summary_fields(est: MemoryEstimate | None) -> dict:
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    out = {"peak_rss_mib": round(peak, 1)}
-    if est is not None:
-        out["memory_estimate_mib"] = est.as_dict()
-    return out
+    estimated = {"memory_estimate_mib": est.as_dict()} if est is not None else {}
+    return {"peak_rss_mib": round(peak, 1)} | estimated

@@ -114,3 +114,75 @@ def test_an_in_process_engine_counts_its_copy_and_kv_cache(tmp_path, engine):
     shape = model_shape(here)
     assert estimate(here, shape).engine > 0 and estimate(here, shape).kv_cache > 0
     assert estimate(remote, shape).engine == 0 and estimate(remote, shape).kv_cache == 0
+
+
+def _saved_bytes_per_layer(config: LlamaConfig, rows: int, seq: int) -> float:
+    """Bytes autograd keeps for the backward of one decoder layer: the saved tensors of a
+    two-layer model less those of a one-layer model (embeddings and final norm cancel),
+    parameters left out (the weights term counts them)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    def saved(layers: int) -> int:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        model.model.layers = model.model.layers[:layers]
+        ids = torch.randint(0, config.vocab_size, (rows, seq))
+        mask = torch.ones(rows, seq, dtype=torch.long)
+        mask[: rows // 2, : seq // 8] = 0  # left padding, as the trainer's batches have
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        storages: dict[int, int] = {}
+
+        def keep(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                storages[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            out = model.model(input_ids=ids, attention_mask=mask)
+        del out
+        return sum(storages.values())
+
+    return saved(2) - saved(1)
+
+
+@pytest.mark.parametrize(
+    "dims",
+    [
+        dict(hidden_size=256, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=4),
+        # SmolLM2-135M's layer: grouped KV heads, a 2.67x MLP
+        dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3),
+    ],
+)
+def test_activation_term_matches_what_a_llama_layer_saves(dims):
+    """The per-layer activation term against the bytes a transformers Llama layer (fp32,
+    sdpa) actually keeps for its backward, at a real shape and at SmolLM2's."""
+    from rlpost.pipeline.memory import layer_activations
+
+    config = LlamaConfig(vocab_size=512, num_hidden_layers=2, **dims)
+    rows, seq = 4, 256
+    measured = _saved_bytes_per_layer(config, rows, seq)
+    h, heads = dims["hidden_size"], dims["num_attention_heads"]
+    shape = {"hidden": h, "heads": heads, "intermediate": dims["intermediate_size"]}
+    assert layer_activations(shape, rows, seq, 4, eager=False) == pytest.approx(measured, rel=0.1)
+    # eager attention adds the [rows, heads, seq, seq] scores on top
+    eager = layer_activations(shape, rows, seq, 4, eager=True)
+    assert eager - layer_activations(shape, rows, seq, 4, eager=False) >= rows * heads * seq**2 * 4
+
+
+def test_checkpointing_keeps_layer_inputs_and_one_recomputed_layer(tmp_path):
+    from rlpost.pipeline.memory import layer_activations
+
+    path = _real_shape_dir(tmp_path)
+    base = [f"model.path={path}", "model.dtype=float32", "rollout.max_tokens=256"]
+    base += ["train.micro_batch_size=8"]
+    cfg = load_config(None, base)
+    shape = model_shape(cfg)
+    plain = estimate(cfg, shape).activations
+    ckpt = estimate(load_config(None, [*base, "model.gradient_checkpointing=true"]), shape)
+    seq = 256 + 256  # the assumed prompt and the responses
+    layer = layer_activations(shape, 8, seq, 4, eager=False) / 2**20
+    assert plain == pytest.approx(shape["layers"] * layer)
+    inputs = shape["layers"] * 8 * seq * shape["hidden"] * 4 / 2**20
+    assert ckpt.activations == pytest.approx(inputs + layer)
