@@ -17,6 +17,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from rlpost.config import Config, ConfigError
+from rlpost.pipeline.build import EAGER_ATTENTION_MAX_POSITIONS
 from rlpost.resolved import resolve
 from rlpost.train.lm_head import chunk_tokens, needs_chunks
 
@@ -98,7 +99,7 @@ def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
     kv = rows * seq * shape["layers"] * 2 * shape["kv_dim"] * width if in_process else 0
     micro, budget = t.micro_batch_size, t.max_tokens_per_micro_batch
     micro = max(1, min(micro, budget // seq)) if budget > 0 else micro
-    eager = bf16 and shape["positions"] <= build.EAGER_ATTENTION_MAX_POSITIONS
+    eager = facts.bf16 and shape["positions"] <= EAGER_ATTENTION_MAX_POSITIONS
     layer = layer_activations(shape, micro, seq, width, eager=eager)
     activations = shape["layers"] * layer
     if cfg.model.gradient_checkpointing:  # each layer's input, and one layer recomputed
