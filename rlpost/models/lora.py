@@ -21,6 +21,7 @@ peft is an optional extra (``pip install 'rlpost[lora]'``), imported only here.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,7 +69,12 @@ def apply_lora(model: torch.nn.Module, settings: LoRASettings):
         bias="none",
         task_type="CAUSAL_LM",
     )
-    return peft.get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft asks transformers the deprecated is_gradient_checkpointing; not the user's to fix.
+        warnings.filterwarnings(
+            "ignore", message=".*is_gradient_checkpointing", category=FutureWarning
+        )
+        return peft.get_peft_model(model, config)
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
