@@ -72,7 +72,8 @@ def test_ctrl_c_in_the_warm_up_saves_it_and_resume_finishes_it(tmp_path, monkeyp
     assert main(["train", *over]) == 128 + signal.SIGINT
     run_dir = tmp_path / "t"
     err = capsys.readouterr().err
-    assert "stopped during the warm-up" in err and (run_dir / "sft_state" / "state.pt").is_file()
+    saved = run_dir / "sft_state" / "checkpoints" / "step_1"  # the RL checkpoint format
+    assert "stopped during the warm-up" in err and (saved / "trainer_state.pt").is_file()
     assert main(["train", "--resume", str(run_dir)]) == 0
     assert "resuming" in capsys.readouterr().err
     assert (run_dir / "sft_model" / "config.json").is_file() and not (
