@@ -15,6 +15,7 @@ from rlpost.config import RECIPES_DIR, load_config
 from rlpost.pipeline.interrupts import Interrupts
 from rlpost.pipeline.offline import run_dpo
 from rlpost.train.offline import TrainingStopped
+from tests.integration.test_sft_conversations import _StopAfter
 
 RECIPE = RECIPES_DIR / "dpo_prefs.yaml"
 
@@ -145,24 +146,6 @@ def test_missing_user_file_is_one_line(tmp_path, capsys):
     assert main(["dpo", *over]) == 2
     err = capsys.readouterr().err.strip()
     assert "x.jsonl' does not exist" in err and "\n" not in err
-
-
-class _StopAfter:
-    """A progress display that asks the run to stop after ``n`` advances (as Ctrl-C would)."""
-
-    def __init__(self, interrupts, n):
-        self.interrupts, self.n, self.seen = interrupts, n, 0
-
-    def task(self, name, total):
-        return name
-
-    def advance(self, task, info=""):
-        self.seen += 1
-        if self.seen == self.n:
-            self.interrupts.stop.set()
-
-    def done(self, task):
-        """The bar's end."""
 
 
 def test_a_stopped_dpo_run_resumes_to_the_weights_of_one_that_never_stopped(tmp_path):
