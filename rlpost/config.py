@@ -597,8 +597,10 @@ class OptimConfig(Section):
     sft, dpo, rm). The LR rises linearly over warmup_steps; after it, RL keeps it constant
     and an offline run (sft, dpo, rm) decays it on a cosine to a tenth at its last step."""
 
-    lr: float = Field(1e-5, gt=0.0)
-    """Peak learning rate."""
+    lr: Annotated[float, Field(gt=0.0)] | Literal["auto"] = 1e-5
+    """Peak learning rate. ``auto`` (train.optim only): scaled to the policy's size,
+    1e-6 x (7e9 / parameters) ** 0.4, two significant digits (SmolLM2-135M 4.9e-6, 0.5B
+    2.9e-6, 7B 1e-6), ten times that with LoRA adapters."""
     warmup_steps: int = Field(0, ge=0)
     """Linear LR warm-up, in optimizer updates."""
     weight_decay: float = Field(0.0, ge=0.0)
@@ -616,6 +618,15 @@ class Trains(Section):
     section: ClassVar[str] = ""
     moved_hint: ClassVar[dict[str, str]] = {}
     optim: OptimConfig = OptimConfig()
+
+    @model_validator(mode="after")
+    def _auto_lr_is_the_policys(self) -> Trains:
+        if self.optim.lr == "auto" and self.section != "train":
+            raise ValueError(
+                f"{self.section}.optim.lr=auto: only the RL policy's rate is scaled to the model"
+                f" (train.optim.lr); give {self.section}.optim.lr a number"
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -1397,11 +1408,16 @@ def _choice_owners(key: str, data: Any) -> str | None:
     )
 
 
+UNION_MEMBER = re.compile(r"(constrained-)?(float|int|str|bool)$|(literal|function-\w+)\[")
+
+
 def _untagged(loc: tuple) -> tuple:
     """``loc`` without the variant tag pydantic puts after a choice field
     (``algo.loss.dapo.clip_high`` is ``algo.loss.clip_high``)."""
     out, tag_next = [], False
     for part in loc:
+        if isinstance(part, str) and UNION_MEMBER.match(part):  # lr's float | "auto"
+            continue
         if not tag_next:
             out.append(part)
         tag_next = not tag_next and ".".join(map(str, out)) in choices()

@@ -39,7 +39,7 @@ from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.rollout.episodes.multiturn import MultiTurnRollout
 from rlpost.rollout.longtail import LengthPredictor, PartialRollout
 from rlpost.rollout.worker import RolloutWorker
-from rlpost.train.actor import ActorSettings, PolicyTrainer
+from rlpost.train.actor import ActorSettings, PolicyTrainer, size_scaled_lr
 from rlpost.train.dp import DPSpec
 from rlpost.train.worker import TrainerWorker, WeightsExport
 from rlpost.types import Prompt
@@ -171,8 +171,11 @@ def build_trainer(cfg: Config, model, dp=None, *, facts: RunFacts | None = None)
     and the reference are sharded with FSDP2 before the optimizer sees them."""
     facts = facts or resolve(cfg)
     a, t, c = cfg.algo, cfg.train, cfg.algo.rollout_correction
+    lr = t.optim.lr
+    if lr == "auto":
+        lr = size_scaled_lr(sum(p.numel() for p in model.parameters()), facts.adapters)
     settings = ActorSettings(
-        lr=t.optim.lr,
+        lr=lr,
         warmup_steps=t.optim.warmup_steps,
         weight_decay=t.optim.weight_decay,
         betas=tuple(t.optim.betas),

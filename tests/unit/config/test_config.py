@@ -256,3 +256,26 @@ def test_every_section_that_trains_has_one_optimizer_type_with_its_own_defaults(
     assert cfg.sft.optim.lr == 1e-4 and cfg.sft.optim.warmup_steps == 20  # the rest: sft's
     assert cfg.critic.optim.lr == 1e-3 and cfg.critic.optim.grad_clip == 0.5
     assert cfg.train.optim.lr == 1e-5 and cfg.dpo.optim.lr == 5e-4
+
+
+@pytest.mark.parametrize("section", ["sft", "critic", "dpo", "rm"])
+def test_auto_lr_is_the_rl_policys_alone(section):
+    assert load_config(None, ["train.optim.lr=auto"]).train.optim.lr == "auto"
+    with pytest.raises(ConfigError, match=f"{section}.optim.lr=auto: only the RL policy") as err:
+        load_config(
+            None,
+            [f"{section}.optim.lr=auto", "dpo.steps=1"]
+            if section == "dpo"
+            else [f"{section}.optim.lr=auto"],
+        )
+    assert "\n" not in str(err.value)
+
+
+def test_a_bad_lr_names_the_key_without_pydantics_union_labels():
+    for value, reason in (("0", "must be > 0"), ("x", "valid number")):
+        with pytest.raises(ConfigError, match=reason) as err:
+            load_config(None, [f"train.optim.lr={value}"])
+        assert f"config train.optim.lr={value!r}" in str(
+            err.value
+        ) or f"train.optim.lr={value}" in str(err.value)
+        assert "constrained" not in str(err.value)

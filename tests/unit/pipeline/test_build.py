@@ -167,3 +167,23 @@ def test_a_built_in_task_formats_each_prompt_with_the_template(task):
     cfg = load_config(None, [f"data.task={task}", "data.prompt_template=Task: {prompt}"])
     train, held_out, _ = load_prompts(cfg)
     assert [p.text for p in train + held_out] == [f"Task: {p.text}" for p in plain[0] + plain[1]]
+
+
+def test_auto_lr_scales_the_policys_rate_to_its_size_and_adapters():
+    from rlpost.config import load_config
+    from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
+    from rlpost.pipeline import build
+    from rlpost.train.actor import size_scaled_lr
+
+    # the rates GRPO runs settle on: 7B at 1e-6, SmolLM2-135M near 5e-6, LoRA a decade up
+    assert size_scaled_lr(7_000_000_000) == 1e-6
+    assert size_scaled_lr(134_515_008) == 4.9e-6
+    assert size_scaled_lr(134_515_008, adapters=True) == 4.9e-5
+    assert size_scaled_lr(494_000_000) > size_scaled_lr(1_540_000_000) > 1e-6
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok)
+    size = sum(p.numel() for p in model.parameters())
+    trainer = build.build_trainer(load_config(None, ["train.optim.lr=auto"]), model)
+    assert trainer.s.lr == size_scaled_lr(size)
+    fixed = build.build_trainer(load_config(None, ["train.optim.lr=3e-5"]), build_tiny_model(tok))
+    assert fixed.s.lr == 3e-5
