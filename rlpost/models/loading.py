@@ -49,6 +49,25 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _checkpointing_prefix(model: PreTrainedModel) -> str:
+    return "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+
+
+def checkpointing_on(model: PreTrainedModel) -> bool:
+    return bool(getattr(model, f"is_{_checkpointing_prefix(model)}_checkpointing", False))
+
+
+def checkpointing(model: PreTrainedModel, enable: bool = True, *, reentrant: bool = True) -> None:
+    """Gradient checkpointing on (or off) under transformers' current name for it,
+    ``activation_checkpointing_*`` from 5.24, ``gradient_checkpointing_*`` before (vLLM's
+    CPU build pins an older transformers in its environment)."""
+    prefix = _checkpointing_prefix(model)
+    if not enable:
+        return getattr(model, f"{prefix}_checkpointing_disable")()
+    kwargs = {} if reentrant else {f"{prefix}_checkpointing_kwargs": {"use_reentrant": False}}
+    getattr(model, f"{prefix}_checkpointing_enable")(**kwargs)
+
+
 def load_tokenizer(path: str | Path):
     if (file := _gguf(path)) is not None:
         from rlpost.models import gguf

@@ -28,7 +28,13 @@ from rlpost.envs.base import EnvError
 from rlpost.envs.catalog import env_factory
 from rlpost.envs.formats import build_format, demonstration_completion
 from rlpost.errors import one_line
-from rlpost.models.loading import context_length, frozen_copy, load_policy, load_tokenizer
+from rlpost.models.loading import (
+    checkpointing,
+    context_length,
+    frozen_copy,
+    load_policy,
+    load_tokenizer,
+)
 from rlpost.models.tiny import build_char_tokenizer
 from rlpost.pipeline.weights import build_weight_path
 from rlpost.resolved import ENGINES, RunFacts, resolve
@@ -125,7 +131,7 @@ def build_policy(cfg: Config):
         cfg.model.path, tiny_shape=cfg.model.tiny.model_dump(), seed=cfg.run.seed, dtype="float32"
     )
     if cfg.model.gradient_checkpointing:
-        model.activation_checkpointing_enable()
+        checkpointing(model)
         model.config.use_cache = False
     return model, tokenizer
 

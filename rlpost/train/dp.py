@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rlpost.models.loading import checkpointing, checkpointing_on
+
 PAD = -1
 """Row index of a padding row in a rank's share (the row is a copy with its mask zeroed)."""
 
@@ -137,11 +139,9 @@ def shard_model(
 def non_reentrant_checkpointing(model: nn.Module) -> None:
     """Gradient checkpointing set on an HF model switched to the non-reentrant form, the
     one that composes with FSDP2's hooks and DTensor parameters."""
-    if getattr(model, "is_activation_checkpointing", False):
-        model.activation_checkpointing_disable()
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False}
-        )
+    if checkpointing_on(model):
+        checkpointing(model, enable=False)
+        checkpointing(model, reentrant=False)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
