@@ -47,6 +47,9 @@ SHM = Path("/dev/shm")
 
 
 def _import_vllm():
+    # vLLM logs every engine step at INFO; a run shows rlpost's progress and vLLM's warnings
+    # (read at import, and inherited by its engine core). VLLM_LOGGING_LEVEL overrides.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
     except ImportError:

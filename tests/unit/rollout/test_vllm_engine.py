@@ -23,6 +23,18 @@ def test_missing_extra_is_one_line(monkeypatch):
         vllm_engine.VLLMEngine("x", tokenizer=None)
 
 
+def test_vllm_logs_warnings_only_unless_the_user_says_otherwise(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    with pytest.raises(ImportError):
+        vllm_engine._import_vllm()
+    assert vllm_engine.os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    with pytest.raises(ImportError):
+        vllm_engine._import_vllm()
+    assert vllm_engine.os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"
+
+
 def test_worker_extension_path_names_the_loader():
     """vLLM imports the extension by this dotted path inside each worker."""
     import importlib
