@@ -121,6 +121,19 @@ def test_generates_groups_with_own_logprobs(engine, tokenizer):
     assert config.scheduler_config.enable_chunked_prefill
 
 
+def test_seeded_requests_survive_a_chunked_prefill(engine, tokenizer):
+    """A held-out evaluation sends seeded requests whose prompts together outgrow one
+    scheduler step, so vLLM prefills some in chunks; on vLLM's CPU build a seeded request
+    then died in the engine core ("CPU Generator does not use offset") and took the run
+    with it. The engine must answer every prompt."""
+    budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    long = (_prompt(tokenizer) * 40)[:400]
+    prompts = [long[i:] for i in range(budget // len(long) + 3)]
+    out = engine.generate(prompts, SamplingParams(max_tokens=3, seed=9))
+    assert sorted({c.group for c in out}) == list(range(len(prompts)))
+    assert all(1 <= len(c.token_ids) <= 3 for c in out)
+
+
 def test_logprobs_are_of_the_tempered_distribution(engine, tokenizer, model_dir):
     """processed_logprobs: at T=2 the engine reports log softmax(logits / 2), which the
     trainer recomputes; raw logprobs (T=1) would be far off."""

@@ -132,6 +132,10 @@ class VLLMEngine(TokenRate):
         self.generator = torch.Generator().manual_seed(seed)
         self.weights_dir = SHM if SHM.is_dir() else Path(tempfile.gettempdir())
         self.llm = vllm.LLM(**engine_args(model_path, seed=seed, **kwargs))
+        # vLLM's CPU build cannot rewind a seeded request's generator after a chunked
+        # prefill ("CPU Generator does not use offset", vLLM 0.32): there a run's samples
+        # follow the engine's seed alone, and a held-out evaluation is not seeded apart.
+        self.per_request_seeds = not vllm.platforms.current_platform.is_cpu()
 
     def _params(self, params: SamplingParams, n: int, seed: int | None):
         return self._vllm.SamplingParams(**sampling_kwargs(params, n, seed))
@@ -142,7 +146,7 @@ class VLLMEngine(TokenRate):
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("empty prompt: every prompt needs at least one token")
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
-        if params.seed is None:
+        if params.seed is None or not self.per_request_seeds:
             sampling = self._params(params, n, None)
         else:  # one seed per prompt, or every prompt would draw the same random stream
             sampling = [self._params(params, n, params.seed + i) for i in range(len(prompts))]
