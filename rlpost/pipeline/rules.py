@@ -293,14 +293,6 @@ def rollout_logprobs_need_trainer_numbers(cfg: Config) -> str | bool | None:
 # ------------------------------------------------------------ registered names
 
 
-def _name_problem(key: str, name: str, lookup) -> str | None:
-    try:
-        lookup(name)
-    except UnknownNameError as exc:
-        return f"config {key}={name!r}: {exc}"
-    return None
-
-
 @rule("train")
 def algorithm_names_are_registered(cfg: Config) -> str | bool | None:
     a = cfg.algo
@@ -309,20 +301,19 @@ def algorithm_names_are_registered(cfg: Config) -> str | bool | None:
         ("algo.loss_agg_mode", a.loss_agg_mode, get_aggregation),
     ]
     for key, name, lookup in names:
-        if (line := _name_problem(key, name, lookup)) is not None:
-            return line
+        try:
+            lookup(name)
+        except UnknownNameError as exc:
+            return f"config {key}={name!r}: {exc}"
     return None
 
 
 @rule("train")
 def component_estimator_needs_outcome_rewards(cfg: Config) -> str | bool | None:
     a = cfg.algo
-    if not resolve(cfg).plan.components:
-        return None
-    if a.kl.placement != "reward" and cfg.agent.env is None:
-        return None
     why = "algo.kl.placement=reward" if a.kl.placement == "reward" else "agent.env"
-    return (
+    per_token = why != "agent.env" or cfg.agent.env is not None  # rewards beside the outcome
+    return (per_token and resolve(cfg).plan.components) and (
         f"algo.advantage={a.advantage.name} with {why}: it normalises the reward terms' outcome "
         "scores and would drop the per-token rewards (the KL penalty, an environment's turn "
         "rewards); use another estimator or algo.kl.placement=loss"
@@ -331,17 +322,12 @@ def component_estimator_needs_outcome_rewards(cfg: Config) -> str | bool | None:
 
 @rule(*RL)
 def reward_terms_resolve(cfg: Config) -> str | bool | None:
-    try:
-        check_terms(cfg.reward)
-    except (UnknownNameError, ValueError) as exc:
-        return f"config reward.terms: {exc}"
-    return None
+    return _terms_problem(cfg, "config reward.terms", cfg.reward.terms)
 
 
-def _own_terms_problem(cfg: Config, key: str, terms: list) -> str | None:
-    """Why a source's or an eval set's own reward ``terms`` (its ``key``) do not resolve."""
-    if not terms:
-        return f"{key}=[]: no term scores it; add one or drop reward"
+def _terms_problem(cfg: Config, key: str, terms: list) -> str | None:
+    """Why reward ``terms`` (at ``key``: reward.terms, a source's or an eval set's own) do not
+    resolve."""
     try:
         check_terms(cfg.reward.model_copy(update={"terms": terms}))
     except (UnknownNameError, ValueError) as exc:
@@ -689,7 +675,9 @@ def source_rewards_resolve(cfg: Config) -> str | bool | None:
                 f"{key}.reward: data.sources[{s.name}]'s terms score the set of its name; "
                 "drop reward or rename the set"
             )
-        if (line := _own_terms_problem(cfg, f"{key}.reward", s.reward)) is not None:
+        if not s.reward:
+            return f"{key}.reward=[]: no term scores it; add one or drop reward"
+        if (line := _terms_problem(cfg, f"{key}.reward", s.reward)) is not None:
             return line
     return None
 
@@ -759,17 +747,11 @@ def eval_set_k_within_samples(cfg: Config) -> str | bool | None:
 
 @rule("rm")
 def rm_margin_needs_a_file(cfg: Config) -> str | bool | None:
-    rm = cfg.rm
-    if (
-        rm is not None
-        and rm.margin_field is not None
-        and not isinstance(cfg.data.task, FileTaskConfig)
-    ):
-        return (
-            f"rm.margin_field={cfg.rm.margin_field}: data.task={cfg.data.task.name} has no columns; "
-            "drop it or use data.task=file with a pairs file that has the column"
-        )
-    return None
+    margin = cfg.rm.margin_field if cfg.rm is not None else None
+    return (margin is not None and not isinstance(cfg.data.task, FileTaskConfig)) and (
+        f"rm.margin_field={margin}: data.task={cfg.data.task.name} has no columns; "
+        "drop it or use data.task=file with a pairs file that has the column"
+    )
 
 
 # ------------------------------------------------------------------ outside agents
