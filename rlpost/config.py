@@ -23,7 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origi
 import yaml
 from pydantic import (
     BaseModel,
-    ConfigDict,
+    BeforeValidator,
     Discriminator,
     Field,
     ValidationError,
@@ -37,6 +37,7 @@ from rlpost.params import (
     GRPOParams,
     LossChoice,
     NoCorrection,
+    ParamSet,
     PPOClipParams,
     Variant,
     bare,
@@ -51,24 +52,12 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
-    )
+    model_config = ParamSet.model_config  # unknown keys refused, docstrings as help
 
-    @model_validator(mode="before")
-    @classmethod
-    def _on_off_words(cls, data: Any) -> Any:
-        """YAML reads ``on`` and ``off`` as booleans: a field whose choices are those words
-        (``train.packing``) takes them back as the words."""
-        if not isinstance(data, dict):
-            return data
-        out = dict(data)
-        for name, value in data.items():
-            field = cls.model_fields.get(name)
-            if isinstance(value, bool) and field is not None:
-                if {"on", "off"} <= set(getattr(field.annotation, "__args__", ())):
-                    out[name] = "on" if value else "off"
-        return out
+
+# YAML reads ``on`` and ``off`` as booleans: a field whose choices are those words
+# (``train.packing``) takes them back as the words.
+OnOff = BeforeValidator(lambda v: ("on" if v else "off") if isinstance(v, bool) else v)
 
 
 # --------------------------------------------------------------------------- run
@@ -151,14 +140,8 @@ class LoRAConfig(Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout on the adapter input."""
     target_modules: list[str] = [
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    ]
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+    ]  # fmt: skip
     """Names of the linear layers that get adapters (those the model has are used)."""
 
     @model_validator(mode="after")
@@ -653,7 +636,7 @@ class TrainConfig(Trains):
     """Response tokens per chunk of the LM head in the trainer's passes (logprobs, entropy):
     the full [B, T, V] logits never exist. 0: what fits 64 MiB of float32 logits; -1: the
     whole logits at once (the unchunked path)."""
-    packing: Literal["auto", "shared", "on", "off"] = "auto"
+    packing: Annotated[Literal["auto", "shared", "on", "off"], OnOff] = "auto"
     """Padding-free passes: the rows of a micro-batch (and of a scoring pass) run end to end
     in sequences as wide as the model's attention makes cheap (at most 2,048 tokens),
     position ids restarting at each row, attention kept within rows; the token budget then counts real tokens. on: pack; shared (and auto):
@@ -905,11 +888,7 @@ class DPOConfig(Trains):
 
     def loss_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :func:`rlpost.algos.dpo.dpo_loss` this section sets."""
-        return {
-            "beta": self.beta,
-            "loss_type": self.loss_type,
-            "label_smoothing": self.label_smoothing,
-        }
+        return self.model_dump(include={"beta", "loss_type", "label_smoothing"})
 
 
 # ------------------------------------------------------------------- reward model
