@@ -1269,18 +1269,13 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return tree
 
 
-def _is_text_field(model: type[BaseModel], parts: list[str]) -> bool:
-    for i, part in enumerate(parts):
-        field = model.model_fields.get(part)
-        if field is None:
-            return False
-        ann = field.annotation
-        if i == len(parts) - 1:
-            return ann in (str, str | None)
-        if (section := section_class(ann)) is None:
-            return False
-        model = section
-    return False
+def _is_text_field(model: type[BaseModel] | None, parts: list[str]) -> bool:
+    *sections, leaf = parts
+    for part in sections:
+        field = model.model_fields.get(part) if model is not None else None
+        model = section_class(field.annotation) if field is not None else None
+    field = model.model_fields.get(leaf) if model is not None else None
+    return field is not None and field.annotation in (str, str | None)
 
 
 def section_class(ann: Any) -> type[BaseModel] | None:
@@ -1300,17 +1295,11 @@ def merge(base: dict[str, Any], extra: dict[str, Any], _at: str = "") -> dict[st
         old, at = out.get(k), f"{_at}{k}"
         if at in choices():
             old, v = _as_choice(old), _as_choice(v)
-            if (
-                isinstance(old, dict)
-                and isinstance(v, dict)
-                and None not in (old.get("name"), v.get("name"))
-                and old["name"] != v["name"]
-            ):
-                old = None  # another variant: its own defaults
-        if isinstance(v, dict) and isinstance(old, dict):
-            out[k] = merge(old, v, at + ".")
-        else:
-            out[k] = v
+            names = {d.get("name") for d in (old, v) if isinstance(d, dict)} - {None}
+            if len(names) == 2:  # another variant: its own defaults
+                old = None
+        both = isinstance(v, dict) and isinstance(old, dict)
+        out[k] = merge(old, v, at + ".") if both else v
     return out
 
 
