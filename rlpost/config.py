@@ -843,16 +843,25 @@ class ObserveConfig(Section):
 # --------------------------------------------------------------------------- dpo
 
 
-def _micro_within_batch(micro_batch_size: int, batch_size: int) -> None:
-    """A pairs stage's micro-batch fits in its batch (rlpost dpo, rlpost rm)."""
-    if micro_batch_size > batch_size:
-        raise ValueError(
-            f"micro_batch_size={micro_batch_size} is larger than "
-            f"batch_size={batch_size}; set micro_batch_size <= batch_size"
-        )
+class PairsTrains(Trains):
+    """A section that trains on preference pairs (rlpost dpo, rlpost rm)."""
+
+    batch_size: int = Field(64, ge=1)
+    """Pairs per optimizer step."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Pairs per forward/backward pass (gradient accumulation inside a step)."""
+
+    @model_validator(mode="after")
+    def _micro_fits(self) -> PairsTrains:
+        if self.micro_batch_size > self.batch_size:
+            raise ValueError(
+                f"micro_batch_size={self.micro_batch_size} is larger than "
+                f"batch_size={self.batch_size}; set micro_batch_size <= batch_size"
+            )
+        return self
 
 
-class DPOConfig(Trains):
+class DPOConfig(PairsTrains):
     """Offline preference optimisation (``rlpost dpo``): DPO or IPO against the frozen warm-up policy."""
 
     section: ClassVar[str] = "dpo"
@@ -867,10 +876,6 @@ class DPOConfig(Trains):
     """The optimizer of the DPO steps."""
     steps: int = Field(400, ge=0)
     """Optimizer steps."""
-    batch_size: int = Field(64, ge=1)
-    """Pairs per optimizer step."""
-    micro_batch_size: int = Field(64, ge=1)
-    """Pairs per forward/backward pass (gradient accumulation inside a step)."""
     save_every: int = Field(100, ge=0)
     """Save a checkpoint (RUN_DIR/dpo_state) every N steps (0: only when stopped)."""
     eval_every: int = Field(50, ge=0)
@@ -878,7 +883,6 @@ class DPOConfig(Trains):
 
     @model_validator(mode="after")
     def _consistent(self) -> DPOConfig:
-        _micro_within_batch(self.micro_batch_size, self.batch_size)
         if self.loss_type == "ipo" and self.label_smoothing > 0:
             raise ValueError(
                 f"label_smoothing={self.label_smoothing} has no effect with loss_type=ipo; "
@@ -894,7 +898,7 @@ class DPOConfig(Trains):
 # ------------------------------------------------------------------- reward model
 
 
-class RMConfig(Trains):
+class RMConfig(PairsTrains):
     """Reward-model training (``rlpost rm``): a one-output sequence classifier on preference
     pairs with the Bradley-Terry loss, started from model.path (or the tiny model)."""
 
@@ -903,10 +907,6 @@ class RMConfig(Trains):
     """The reward model's optimizer."""
     steps: int = Field(300, ge=1)
     """Optimizer steps."""
-    batch_size: int = Field(64, ge=1)
-    """Pairs per optimizer step."""
-    micro_batch_size: int = Field(64, ge=1)
-    """Pairs per forward/backward pass (gradient accumulation inside a step)."""
     eval_every: int = Field(50, ge=0)
     """Held-out pairwise accuracy and loss every N steps (0: at the start and the end only)."""
     save_every: int = Field(100, ge=0)
@@ -914,11 +914,6 @@ class RMConfig(Trains):
     margin_field: str | None = None
     """Column of a pairs file (data.task=file) holding each pair's margin m in
     -log sigmoid(r_chosen - r_rejected - m); None: no margin."""
-
-    @model_validator(mode="after")
-    def _micro_fits(self) -> RMConfig:
-        _micro_within_batch(self.micro_batch_size, self.batch_size)
-        return self
 
 
 # ---------------------------------------------------------------------- pipeline
