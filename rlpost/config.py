@@ -397,13 +397,6 @@ SAMPLING_PRESETS: dict[str, dict[str, float]] = {
 }
 
 
-ENGINE_KEYS = {
-    k: "vllm" for k in ("tensor_parallel_size", "gpu_memory_utilization", "max_model_len")
-}
-ENGINE_KEYS |= {k: "remote" for k in ("servers", "server_model", "server_timeout_s")}
-ENGINE_KEYS |= {k: "remote" for k in ("api_key_env", "admin_key_env")}
-
-
 AutoEngine, HFEngine, HFContinuousEngine = (bare(n) for n in ("auto", "hf", "hf_continuous"))
 
 
@@ -441,6 +434,10 @@ class RemoteEngine(Variant):
 
 
 EngineChoice = choice("auto", AutoEngine, HFEngine, HFContinuousEngine, VLLMEngine, RemoteEngine)
+ENGINE_KEYS = {
+    k: e.model_fields["name"].default for e in (RemoteEngine, VLLMEngine) for k in e.model_fields
+}
+ENGINE_KEYS.pop("name")  # the engine's keys, once flat in rollout: key -> its engine
 
 
 class RolloutConfig(Section):
