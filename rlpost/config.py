@@ -88,8 +88,6 @@ class RunConfig(Section):
     peak RSS ~16% at ~25M parameters and cost 20-45% of the step time (docs/performance.md,
     Memory). Linux/glibc only; elsewhere it changes nothing."""
 
-    # ------------------------------------------------------------------------- model
-
     @field_validator("name")
     @classmethod
     def _one_path_part(cls, name: str) -> str:
@@ -99,6 +97,9 @@ class RunConfig(Section):
                 "(not empty, '.' or '..', no slash)"
             )
         return name
+
+
+# ------------------------------------------------------------------------- model
 
 
 class TinyModelConfig(Section):
