@@ -369,18 +369,16 @@ def main(argv: list[str] | None = None) -> int:
         args.items = [*args.items, *extra]
     try:
         return args.fn(args)
-    except ConfigError as exc:
-        return _fail(str(exc))
     except (FileNotFoundError, ValueError, RuntimeError, ImportError, OSError) as exc:
         from rlpost.data.files import DataError
         from rlpost.models.loading import ModelLoadError
         from rlpost.statefile import StateFileError
         from rlpost.sync.session import SyncError
 
-        if isinstance(exc, ModelLoadError | DataError | StateFileError | SyncError):
+        one_line = ConfigError | ModelLoadError | DataError | StateFileError | SyncError
+        missing_extra = isinstance(exc, ImportError) and "pip install" in str(exc)
+        if missing_extra or isinstance(exc, one_line):  # a missing extra names its install
             return _fail(str(exc))
-        if isinstance(exc, ImportError) and "pip install" in str(exc):
-            return _fail(str(exc))  # a missing extra, named with its install command
         raise
     except KeyboardInterrupt:
         print("rlpost: interrupted", file=sys.stderr)
