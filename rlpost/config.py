@@ -1248,17 +1248,14 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
                 value = raw
         if isinstance(value, str) and _FLOAT.fullmatch(value):
             value = float(value)  # YAML 1.1 reads "1e-5" as a string
-        node = tree
-        for i, part in enumerate(parts[:-1]):
-            if ".".join(parts[: i + 1]) in choices():  # algo.loss=dapo algo.loss.clip_high=..
-                node[part] = _as_choice(node.get(part, {}))
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
+        node: Any = tree
+        for i, part in enumerate(parts[:-1]):  # algo.loss=dapo algo.loss.clip_high=..: a choice
+            node = node.get(part, {}) if isinstance(node, dict) else node
+            if not isinstance(node, dict) and ".".join(parts[: i + 1]) not in choices():
                 raise ConfigError(f"override {key!r} conflicts with another override")
-        if key in choices() and isinstance(node.get(parts[-1]), dict):
-            prefix = "".join(f"{p}." for p in parts[:-1])  # the name after its parameters
-            value = merge({parts[-1]: node[parts[-1]]}, {parts[-1]: value}, prefix)[parts[-1]]
-        node[parts[-1]] = value
+        for part in reversed(parts):
+            value = {part: value}
+        tree = merge(tree, value)  # as a recipe's keys: a choice's name and parameters combine
     return tree
 
 
