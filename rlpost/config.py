@@ -1284,7 +1284,7 @@ def merge(base: dict[str, Any], extra: dict[str, Any], _at: str = "") -> dict[st
     for k, v in extra.items():
         old, at = out.get(k), f"{_at}{k}"
         if at in choices():
-            old, v = _as_choice(old), _as_choice(v)
+            old, v = ({"name": x} if isinstance(x, str) else x for x in (old, v))  # loss=dapo
             names = {d.get("name") for d in (old, v) if isinstance(d, dict)} - {None}
             if len(names) == 2:  # another variant: its own defaults
                 old = None
@@ -1295,10 +1295,6 @@ def merge(base: dict[str, Any], extra: dict[str, Any], _at: str = "") -> dict[st
 
 def _is_choice(field: Any) -> bool:
     return any(isinstance(m, Discriminator) for m in field.metadata)
-
-
-def _as_choice(value: Any) -> Any:
-    return {"name": value} if isinstance(value, str) else value
 
 
 @functools.cache
