@@ -107,15 +107,11 @@ def cmd_train(args) -> int:
     from rlpost.pipeline.interrupts import Interrupts
     from rlpost.pipeline.loop import TrainingStopped, train
 
-    run_dir = Path(args.resume) if args.resume else cfg.run_dir
+    resume = Path(args.resume) if args.resume else None
+    run_dir = resume or cfg.run_dir
     with Interrupts() as interrupts:
         try:
-            train(
-                cfg,
-                resume=Path(args.resume) if args.resume else None,
-                stop=interrupts.stop,
-                start=starter(cfg),
-            )
+            train(cfg, resume=resume, stop=interrupts.stop, start=starter(cfg))
         except (TrainingStopped, WorkerError) as exc:
             print(f"rlpost: {exc}", file=sys.stderr)
             return 1
@@ -215,10 +211,10 @@ def cmd_offline(args) -> int:
     from rlpost.pipeline.console import Console
     from rlpost.pipeline.interrupts import Interrupts
 
-    run_dir = Path(args.resume) if args.resume else cfg.run_dir
+    resume = Path(args.resume) if args.resume else None
+    run_dir = resume or cfg.run_dir
     with Interrupts() as interrupts:
         try:
-            resume = run_dir if args.resume else None
             out = getattr(offline, run)(cfg, resume, Console(cfg.observe.progress))
         except KeyboardInterrupt:
             return _interrupted(args, run_dir, interrupts.exit_code, where="(its state is saved)")

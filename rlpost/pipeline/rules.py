@@ -19,10 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlpost.algos import (
-    get_aggregation,
-    get_kl_estimator,
-)
+from rlpost.algos import get_aggregation, get_kl_estimator
 from rlpost.config import (
     Config,
     ConfigError,
