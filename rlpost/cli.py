@@ -107,15 +107,11 @@ def cmd_train(args) -> int:
     from rlpost.pipeline.interrupts import Interrupts
     from rlpost.pipeline.loop import TrainingStopped, train
 
-    run_dir = Path(args.resume) if args.resume else cfg.run_dir
+    resume = Path(args.resume) if args.resume else None
+    run_dir = resume or cfg.run_dir
     with Interrupts() as interrupts:
         try:
-            train(
-                cfg,
-                resume=Path(args.resume) if args.resume else None,
-                stop=interrupts.stop,
-                start=starter(cfg),
-            )
+            train(cfg, resume=resume, stop=interrupts.stop, start=starter(cfg))
         except (TrainingStopped, WorkerError) as exc:
             print(f"rlpost: {exc}", file=sys.stderr)
             return 1
@@ -200,28 +196,25 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def cmd_dpo(args) -> int:
-    return _offline(args, "dpo_prefs.yaml", "run_dpo", None)
+OFFLINE = {  # command: (default recipe, driver in pipeline.offline, what it says at the end)
+    "dpo": ("dpo_prefs.yaml", "run_dpo", None),
+    "rm": ("rm_prefs.yaml", "run_rm", "reward model saved to {} (the reward_model reward's path)"),
+}
 
 
-def cmd_rm(args) -> int:
-    return _offline(
-        args, "rm_prefs.yaml", "run_rm", "reward model saved to {} (the reward_model reward's path)"
-    )
-
-
-def _offline(args, recipe: str, run: str, saved: str | None) -> int:
+def cmd_offline(args) -> int:
     """``rlpost dpo`` and ``rlpost rm``: ``pipeline.offline.<run>``, stopped by Ctrl-C with
     the command that continues it."""
+    recipe, run, saved = OFFLINE[args.command]
     cfg = _command_config(args, recipe)
     from rlpost.pipeline import offline
     from rlpost.pipeline.console import Console
     from rlpost.pipeline.interrupts import Interrupts
 
-    run_dir = Path(args.resume) if args.resume else cfg.run_dir
+    resume = Path(args.resume) if args.resume else None
+    run_dir = resume or cfg.run_dir
     with Interrupts() as interrupts:
         try:
-            resume = run_dir if args.resume else None
             out = getattr(offline, run)(cfg, resume, Console(cfg.observe.progress))
         except KeyboardInterrupt:
             return _interrupted(args, run_dir, interrupts.exit_code, where="(its state is saved)")
@@ -248,11 +241,8 @@ def cmd_export(args) -> int:
     done = time.perf_counter()
     print(f"exported {source} (loaded in {loaded - started:.1f}s, written in {done - loaded:.1f}s)")
     for kind, path in out.items():
-        size = (
-            path.stat().st_size
-            if path.is_file()
-            else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-        )
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        size = sum(p.stat().st_size for p in files)
         print(f"  {kind}: {path} ({size / 2**20:.1f} MiB)")
     return 0
 
@@ -313,58 +303,40 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlpost", description="RL post-training of language models.")
     sub = p.add_subparsers(dest="command", required=True)
     for name, fn, text in [
-        (
-            "train",
-            cmd_train,
-            "RL training (GRPO by default): warm-up, rollout, reward, update, eval",
-        ),
+        ("train", cmd_train, "RL training (GRPO by default): warm-up, rollout, reward, update, eval"),
         ("sft", cmd_sft, "supervised warm-up only"),
         ("eval", cmd_eval, "held-out accuracy of a policy"),
-        ("dpo", cmd_dpo, "offline preference optimisation (DPO / IPO)"),
-        ("rm", cmd_rm, "reward model on preference pairs (Bradley-Terry)"),
-    ]:
+        ("dpo", cmd_offline, "offline preference optimisation (DPO / IPO)"),
+        ("rm", cmd_offline, "reward model on preference pairs (Bradley-Terry)"),
+    ]:  # fmt: skip
         sp = sub.add_parser(name, help=text)
         sp.add_argument("items", nargs="*", help="recipe YAML, then key=value overrides")
         sp.set_defaults(fn=fn)
-        if name != "eval":
-            sp.add_argument(
-                "--overwrite",
-                action="store_true",
-                help="replace an existing run directory of the same name (deletes its files)",
-            )
-        if name in ("train", "sft", "dpo", "rm"):
-            sp.add_argument(
-                "--resume", metavar="RUN_DIR", help="continue from the run's latest checkpoint"
-            )
+        if name != "eval":  # the commands that write a run directory
+            overwrite = "replace an existing run directory of the same name (deletes its files)"
+            sp.add_argument("--overwrite", action="store_true", help=overwrite)
+            resume = "continue from the run's latest checkpoint"
+            sp.add_argument("--resume", metavar="RUN_DIR", help=resume)
     sp = sub.add_parser(
         "config", help="print the resolved config; --keys lists every key, its value and help"
     )
     sp.add_argument("items", nargs="*")
-    sp.add_argument(
-        "--keys",
-        action="store_true",
-        help="list every config key with the value the recipe gives it, and its help",
+    keys = "list every config key with the value the recipe gives it, and its help"
+    sp.add_argument("--keys", action="store_true", help=keys)
+    check_as = (
+        "check the config as this command would (default: dpo for data.task=prefs, else train)"
     )
     sp.add_argument(
-        "--for",
-        dest="check_as",
-        choices=["train", "sft", "eval", "dpo", "rm"],
-        help="check the config as this command would (default: dpo for data.task=prefs, "
-        "else train)",
+        "--for", dest="check_as", choices=["train", "sft", "eval", "dpo", "rm"], help=check_as
     )
     sp.set_defaults(fn=cmd_config)
-    sp = sub.add_parser(
-        "export", help="write a run's policy (or any model) as an HF directory and a GGUF file"
-    )
-    sp.add_argument(
-        "source", help="run directory, checkpoint, HF checkpoint directory or .gguf file"
-    )
+    export = "write a run's policy (or any model) as an HF directory and a GGUF file"
+    sp = sub.add_parser("export", help=export)
+    source = "run directory, checkpoint, HF checkpoint directory or .gguf file"
+    sp.add_argument("source", help=source)
     sp.add_argument("--out", required=True, help="directory to write (the HF checkpoint)")
-    sp.add_argument(
-        "--gguf",
-        choices=["f32", "f16", "bf16", "q8_0"],
-        help="also write OUT/gguf/model-TYPE.gguf for llama.cpp-family runtimes (Llama models)",
-    )
+    gguf = "also write OUT/gguf/model-TYPE.gguf for llama.cpp-family runtimes (Llama models)"
+    sp.add_argument("--gguf", choices=["f32", "f16", "bf16", "q8_0"], help=gguf)
     sp.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     sp.set_defaults(fn=cmd_export)
     sp = sub.add_parser("recipes", help="list the recipes installed with rlpost")
@@ -393,18 +365,16 @@ def main(argv: list[str] | None = None) -> int:
         args.items = [*args.items, *extra]
     try:
         return args.fn(args)
-    except ConfigError as exc:
-        return _fail(str(exc))
     except (FileNotFoundError, ValueError, RuntimeError, ImportError, OSError) as exc:
         from rlpost.data.files import DataError
         from rlpost.models.loading import ModelLoadError
         from rlpost.statefile import StateFileError
         from rlpost.sync.session import SyncError
 
-        if isinstance(exc, ModelLoadError | DataError | StateFileError | SyncError):
+        one_line = ConfigError | ModelLoadError | DataError | StateFileError | SyncError
+        missing_extra = isinstance(exc, ImportError) and "pip install" in str(exc)
+        if missing_extra or isinstance(exc, one_line):  # a missing extra names its install
             return _fail(str(exc))
-        if isinstance(exc, ImportError) and "pip install" in str(exc):
-            return _fail(str(exc))  # a missing extra, named with its install command
         raise
     except KeyboardInterrupt:
         print("rlpost: interrupted", file=sys.stderr)

@@ -23,7 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origi
 import yaml
 from pydantic import (
     BaseModel,
-    ConfigDict,
+    BeforeValidator,
     Discriminator,
     Field,
     ValidationError,
@@ -37,6 +37,7 @@ from rlpost.params import (
     GRPOParams,
     LossChoice,
     NoCorrection,
+    ParamSet,
     PPOClipParams,
     Variant,
     bare,
@@ -51,24 +52,12 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
-    )
+    model_config = ParamSet.model_config  # unknown keys refused, docstrings as help
 
-    @model_validator(mode="before")
-    @classmethod
-    def _on_off_words(cls, data: Any) -> Any:
-        """YAML reads ``on`` and ``off`` as booleans: a field whose choices are those words
-        (``train.packing``) takes them back as the words."""
-        if not isinstance(data, dict):
-            return data
-        out = dict(data)
-        for name, value in data.items():
-            field = cls.model_fields.get(name)
-            if isinstance(value, bool) and field is not None:
-                if {"on", "off"} <= set(getattr(field.annotation, "__args__", ())):
-                    out[name] = "on" if value else "off"
-        return out
+
+# YAML reads ``on`` and ``off`` as booleans: a field whose choices are those words
+# (``train.packing``) takes them back as the words.
+OnOff = BeforeValidator(lambda v: ("on" if v else "off") if isinstance(v, bool) else v)
 
 
 # --------------------------------------------------------------------------- run
@@ -99,8 +88,6 @@ class RunConfig(Section):
     peak RSS ~16% at ~25M parameters and cost 20-45% of the step time (docs/performance.md,
     Memory). Linux/glibc only; elsewhere it changes nothing."""
 
-    # ------------------------------------------------------------------------- model
-
     @field_validator("name")
     @classmethod
     def _one_path_part(cls, name: str) -> str:
@@ -110,6 +97,9 @@ class RunConfig(Section):
                 "(not empty, '.' or '..', no slash)"
             )
         return name
+
+
+# ------------------------------------------------------------------------- model
 
 
 class TinyModelConfig(Section):
@@ -151,14 +141,8 @@ class LoRAConfig(Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout on the adapter input."""
     target_modules: list[str] = [
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    ]
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+    ]  # fmt: skip
     """Names of the linear layers that get adapters (those the model has are used)."""
 
     @model_validator(mode="after")
@@ -414,13 +398,6 @@ SAMPLING_PRESETS: dict[str, dict[str, float]] = {
 }
 
 
-ENGINE_KEYS = {
-    k: "vllm" for k in ("tensor_parallel_size", "gpu_memory_utilization", "max_model_len")
-}
-ENGINE_KEYS |= {k: "remote" for k in ("servers", "server_model", "server_timeout_s")}
-ENGINE_KEYS |= {k: "remote" for k in ("api_key_env", "admin_key_env")}
-
-
 AutoEngine, HFEngine, HFContinuousEngine = (bare(n) for n in ("auto", "hf", "hf_continuous"))
 
 
@@ -458,6 +435,10 @@ class RemoteEngine(Variant):
 
 
 EngineChoice = choice("auto", AutoEngine, HFEngine, HFContinuousEngine, VLLMEngine, RemoteEngine)
+ENGINE_KEYS = {
+    k: e.model_fields["name"].default for e in (RemoteEngine, VLLMEngine) for k in e.model_fields
+}
+ENGINE_KEYS.pop("name")  # the engine's keys, once flat in rollout: key -> its engine
 
 
 class RolloutConfig(Section):
@@ -664,7 +645,7 @@ class TrainConfig(Trains):
     """Response tokens per chunk of the LM head in the trainer's passes (logprobs, entropy):
     the full [B, T, V] logits never exist. 0: what fits 64 MiB of float32 logits; -1: the
     whole logits at once (the unchunked path)."""
-    packing: Literal["auto", "shared", "on", "off"] = "auto"
+    packing: Annotated[Literal["auto", "shared", "on", "off"], OnOff] = "auto"
     """Padding-free passes: the rows of a micro-batch (and of a scoring pass) run end to end
     in sequences as wide as the model's attention makes cheap (at most 2,048 tokens),
     position ids restarting at each row, attention kept within rows; the token budget then counts real tokens. on: pack; shared (and auto):
@@ -871,16 +852,25 @@ class ObserveConfig(Section):
 # --------------------------------------------------------------------------- dpo
 
 
-def _micro_within_batch(micro_batch_size: int, batch_size: int) -> None:
-    """A pairs stage's micro-batch fits in its batch (rlpost dpo, rlpost rm)."""
-    if micro_batch_size > batch_size:
-        raise ValueError(
-            f"micro_batch_size={micro_batch_size} is larger than "
-            f"batch_size={batch_size}; set micro_batch_size <= batch_size"
-        )
+class PairsTrains(Trains):
+    """A section that trains on preference pairs (rlpost dpo, rlpost rm)."""
+
+    batch_size: int = Field(64, ge=1)
+    """Pairs per optimizer step."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Pairs per forward/backward pass (gradient accumulation inside a step)."""
+
+    @model_validator(mode="after")
+    def _micro_fits(self) -> PairsTrains:
+        if self.micro_batch_size > self.batch_size:
+            raise ValueError(
+                f"micro_batch_size={self.micro_batch_size} is larger than "
+                f"batch_size={self.batch_size}; set micro_batch_size <= batch_size"
+            )
+        return self
 
 
-class DPOConfig(Trains):
+class DPOConfig(PairsTrains):
     """Offline preference optimisation (``rlpost dpo``): DPO or IPO against the frozen warm-up policy."""
 
     section: ClassVar[str] = "dpo"
@@ -895,10 +885,6 @@ class DPOConfig(Trains):
     """The optimizer of the DPO steps."""
     steps: int = Field(400, ge=0)
     """Optimizer steps."""
-    batch_size: int = Field(64, ge=1)
-    """Pairs per optimizer step."""
-    micro_batch_size: int = Field(64, ge=1)
-    """Pairs per forward/backward pass (gradient accumulation inside a step)."""
     save_every: int = Field(100, ge=0)
     """Save a checkpoint (RUN_DIR/dpo_state) every N steps (0: only when stopped)."""
     eval_every: int = Field(50, ge=0)
@@ -906,7 +892,6 @@ class DPOConfig(Trains):
 
     @model_validator(mode="after")
     def _consistent(self) -> DPOConfig:
-        _micro_within_batch(self.micro_batch_size, self.batch_size)
         if self.loss_type == "ipo" and self.label_smoothing > 0:
             raise ValueError(
                 f"label_smoothing={self.label_smoothing} has no effect with loss_type=ipo; "
@@ -916,17 +901,13 @@ class DPOConfig(Trains):
 
     def loss_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :func:`rlpost.algos.dpo.dpo_loss` this section sets."""
-        return {
-            "beta": self.beta,
-            "loss_type": self.loss_type,
-            "label_smoothing": self.label_smoothing,
-        }
+        return self.model_dump(include={"beta", "loss_type", "label_smoothing"})
 
 
 # ------------------------------------------------------------------- reward model
 
 
-class RMConfig(Trains):
+class RMConfig(PairsTrains):
     """Reward-model training (``rlpost rm``): a one-output sequence classifier on preference
     pairs with the Bradley-Terry loss, started from model.path (or the tiny model)."""
 
@@ -935,10 +916,6 @@ class RMConfig(Trains):
     """The reward model's optimizer."""
     steps: int = Field(300, ge=1)
     """Optimizer steps."""
-    batch_size: int = Field(64, ge=1)
-    """Pairs per optimizer step."""
-    micro_batch_size: int = Field(64, ge=1)
-    """Pairs per forward/backward pass (gradient accumulation inside a step)."""
     eval_every: int = Field(50, ge=0)
     """Held-out pairwise accuracy and loss every N steps (0: at the start and the end only)."""
     save_every: int = Field(100, ge=0)
@@ -946,11 +923,6 @@ class RMConfig(Trains):
     margin_field: str | None = None
     """Column of a pairs file (data.task=file) holding each pair's margin m in
     -log sigmoid(r_chosen - r_rejected - m); None: no margin."""
-
-    @model_validator(mode="after")
-    def _micro_fits(self) -> RMConfig:
-        _micro_within_batch(self.micro_batch_size, self.batch_size)
-        return self
 
 
 # ---------------------------------------------------------------------- pipeline
@@ -1287,32 +1259,24 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
                 value = raw
         if isinstance(value, str) and _FLOAT.fullmatch(value):
             value = float(value)  # YAML 1.1 reads "1e-5" as a string
-        node = tree
-        for i, part in enumerate(parts[:-1]):
-            if ".".join(parts[: i + 1]) in choices():  # algo.loss=dapo algo.loss.clip_high=..
-                node[part] = _as_choice(node.get(part, {}))
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
+        node: Any = tree
+        for i, part in enumerate(parts[:-1]):  # algo.loss=dapo algo.loss.clip_high=..: a choice
+            node = node.get(part, {}) if isinstance(node, dict) else node
+            if not isinstance(node, dict) and ".".join(parts[: i + 1]) not in choices():
                 raise ConfigError(f"override {key!r} conflicts with another override")
-        if key in choices() and isinstance(node.get(parts[-1]), dict):
-            prefix = "".join(f"{p}." for p in parts[:-1])  # the name after its parameters
-            value = merge({parts[-1]: node[parts[-1]]}, {parts[-1]: value}, prefix)[parts[-1]]
-        node[parts[-1]] = value
+        for part in reversed(parts):
+            value = {part: value}
+        tree = merge(tree, value)  # as a recipe's keys: a choice's name and parameters combine
     return tree
 
 
-def _is_text_field(model: type[BaseModel], parts: list[str]) -> bool:
-    for i, part in enumerate(parts):
-        field = model.model_fields.get(part)
-        if field is None:
-            return False
-        ann = field.annotation
-        if i == len(parts) - 1:
-            return ann in (str, str | None)
-        if (section := section_class(ann)) is None:
-            return False
-        model = section
-    return False
+def _is_text_field(model: type[BaseModel] | None, parts: list[str]) -> bool:
+    *sections, leaf = parts
+    for part in sections:
+        field = model.model_fields.get(part) if model is not None else None
+        model = section_class(field.annotation) if field is not None else None
+    field = model.model_fields.get(leaf) if model is not None else None
+    return field is not None and field.annotation in (str, str | None)
 
 
 def section_class(ann: Any) -> type[BaseModel] | None:
@@ -1331,27 +1295,17 @@ def merge(base: dict[str, Any], extra: dict[str, Any], _at: str = "") -> dict[st
     for k, v in extra.items():
         old, at = out.get(k), f"{_at}{k}"
         if at in choices():
-            old, v = _as_choice(old), _as_choice(v)
-            if (
-                isinstance(old, dict)
-                and isinstance(v, dict)
-                and None not in (old.get("name"), v.get("name"))
-                and old["name"] != v["name"]
-            ):
-                old = None  # another variant: its own defaults
-        if isinstance(v, dict) and isinstance(old, dict):
-            out[k] = merge(old, v, at + ".")
-        else:
-            out[k] = v
+            old, v = ({"name": x} if isinstance(x, str) else x for x in (old, v))  # loss=dapo
+            names = {d.get("name") for d in (old, v) if isinstance(d, dict)} - {None}
+            if len(names) == 2:  # another variant: its own defaults
+                old = None
+        both = isinstance(v, dict) and isinstance(old, dict)
+        out[k] = merge(old, v, at + ".") if both else v
     return out
 
 
 def _is_choice(field: Any) -> bool:
     return any(isinstance(m, Discriminator) for m in field.metadata)
-
-
-def _as_choice(value: Any) -> Any:
-    return {"name": value} if isinstance(value, str) else value
 
 
 @functools.cache

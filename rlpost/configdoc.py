@@ -11,12 +11,12 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin
+from typing import Any, get_args
 
 import yaml
 from pydantic import BaseModel
 
-from rlpost.config import Config, section_class
+from rlpost.config import Config, choices, section_class
 from rlpost.params import Variant
 
 _BLOCK = re.compile(
@@ -28,19 +28,13 @@ _BLOCK = re.compile(
 def section_model(section: str) -> type[BaseModel]:
     """The class of a config section; ``algo.loss.dapo`` is the variant dapo of the choice
     algo.loss."""
+    choice, _, name = section.rpartition(".")
+    if choice in choices():
+        return choices()[choice][0][name]
     model: Any = Config
     for part in section.split("."):
-        if isinstance(model, dict):  # a choice: the part names its variant
-            model = model[part]
-            continue
-        model = (
-            section_class(model.model_fields[part].annotation)
-            or model.model_fields[part].annotation
-        )
-        if get_origin(model) is list:  # a list of sections (data.sources): its item's table
-            model = get_args(model)[0]
-        elif get_origin(model) is Union:  # a choice: its variants by name
-            model = {a.__metadata__[0].tag: a.__origin__ for a in get_args(model)}
+        ann = model.model_fields[part].annotation
+        model = section_class(ann) or get_args(ann)[0]  # a list of sections: its item's table
     return model
 
 

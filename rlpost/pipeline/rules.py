@@ -19,10 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlpost.algos import (
-    get_aggregation,
-    get_kl_estimator,
-)
+from rlpost.algos import get_aggregation, get_kl_estimator
 from rlpost.config import (
     Config,
     ConfigError,
@@ -56,10 +53,12 @@ RULES: list[Rule] = []
 
 
 def rule(*commands: str):
-    """Add the decorated function to the table, for ``commands`` (default: every command)."""
+    """Add the decorated function to the table, for ``commands`` (default: every command).
+    It returns its line, or anything false when the config passes (``return bad and (line)``);
+    the table's ``check`` returns the line or None."""
 
-    def add(fn: Callable[[Config], str | None]):
-        RULES.append(Rule(fn.__name__, fn, commands or COMMANDS))
+    def add(fn: Callable[[Config], str | bool | None]):
+        RULES.append(Rule(fn.__name__, lambda cfg: fn(cfg) or None, commands or COMMANDS))
         return fn
 
     return add
@@ -90,141 +89,122 @@ def command_for(cfg: Config) -> str:
 
 
 @rule("train")
-def micro_batch_fits_mini_batch(cfg: Config) -> str | None:
+def micro_batch_fits_mini_batch(cfg: Config) -> str | bool | None:
     t = cfg.train
-    if t.micro_batch_size > t.mini_batch_size:
-        return (
-            f"train.micro_batch_size={t.micro_batch_size} is larger than "
-            f"train.mini_batch_size={t.mini_batch_size}; set micro_batch_size <= mini_batch_size"
-        )
-    return None
+    return t.micro_batch_size > t.mini_batch_size and (
+        f"train.micro_batch_size={t.micro_batch_size} is larger than "
+        f"train.mini_batch_size={t.mini_batch_size}; set micro_batch_size <= mini_batch_size"
+    )
 
 
 @rule("train")
-def mini_batch_fits_rollout_batch(cfg: Config) -> str | None:
-    if cfg.train.mini_batch_size > cfg.batch_size:
-        return (
-            f"train.mini_batch_size={cfg.train.mini_batch_size} is larger than the rollout batch "
-            f"(rollout.prompts_per_step * rollout.n = {cfg.batch_size}); lower it or raise the batch"
-        )
-    return None
+def mini_batch_fits_rollout_batch(cfg: Config) -> str | bool | None:
+    return cfg.train.mini_batch_size > cfg.batch_size and (
+        f"train.mini_batch_size={cfg.train.mini_batch_size} is larger than the rollout batch "
+        f"(rollout.prompts_per_step * rollout.n = {cfg.batch_size}); lower it or raise the batch"
+    )
 
 
 @rule("train")
-def group_relative_needs_groups(cfg: Config) -> str | None:
+def group_relative_needs_groups(cfg: Config) -> str | bool | None:
     a = cfg.algo.advantage.name
-    if cfg.rollout.n == 1 and resolve(cfg).group_relative:
-        return (
-            f"rollout.n=1 gives every {a} group zero advantage; set rollout.n >= 2 "
-            "or use algo.advantage=reinforce_pp with algo.loss=flash_reinforce"
-        )
-    return None
+    return (cfg.rollout.n == 1 and resolve(cfg).group_relative) and (
+        f"rollout.n=1 gives every {a} group zero advantage; set rollout.n >= 2 "
+        "or use algo.advantage=reinforce_pp with algo.loss=flash_reinforce"
+    )
 
 
 # -------------------------------------------------------------------------- data
 
 
 @rule(*RL)
-def prompts_not_pairs(cfg: Config) -> str | None:
-    if isinstance(cfg.data.task, PrefsTaskConfig):
-        return (
-            "data.task=prefs holds preference pairs, for rlpost dpo; rlpost train needs prompts "
-            "(data.task=arith, code, file, reasoning_gym or verifiers)"
-        )
-    return None
+def prompts_not_pairs(cfg: Config) -> str | bool | None:
+    return isinstance(cfg.data.task, PrefsTaskConfig) and (
+        "data.task=prefs holds preference pairs, for rlpost dpo; rlpost train needs prompts "
+        "(data.task=arith, code, file, reasoning_gym or verifiers)"
+    )
 
 
 def _file_path_problem(cfg: Config, path: str, what: str) -> str | None:
     t = cfg.data.task
-    if isinstance(t, FileTaskConfig) and not cfg.data.sources and not getattr(t, path):
-        return f"data.task.{path}=None: data.task=file reads {what} from it; set it"
-    return None
+    return (
+        isinstance(t, FileTaskConfig) and not cfg.data.sources and not getattr(t, path)
+    ) and f"data.task.{path}=None: data.task=file reads {what} from it; set it"
 
 
 @rule("train", "sft", "dpo", "rm")
-def file_task_needs_train_path(cfg: Config) -> str | None:
+def file_task_needs_train_path(cfg: Config) -> str | bool | None:
     return _file_path_problem(cfg, "train_path", "its rows (prompts, or pairs for dpo and rm)")
 
 
 @rule("eval")
-def file_task_needs_eval_path(cfg: Config) -> str | None:
+def file_task_needs_eval_path(cfg: Config) -> str | bool | None:
     return _file_path_problem(cfg, "eval_path", "the rows it evaluates")
 
 
 @rule("dpo", "rm")
-def pairs_not_prompts(cfg: Config) -> str | None:
-    if not isinstance(cfg.data.task, PrefsTaskConfig | FileTaskConfig):
-        return (
-            f"rlpost dpo and rlpost rm train on preference pairs: data.task={cfg.data.task.name} "
-            "has none; use data.task=prefs (the built-in pairs) or data.task=file with a pairs file"
-        )
-    return None
+def pairs_not_prompts(cfg: Config) -> str | bool | None:
+    return not isinstance(cfg.data.task, PrefsTaskConfig | FileTaskConfig) and (
+        f"rlpost dpo and rlpost rm train on preference pairs: data.task={cfg.data.task.name} "
+        "has none; use data.task=prefs (the built-in pairs) or data.task=file with a pairs file"
+    )
 
 
 @rule()
-def tiny_context_fits_max_tokens(cfg: Config) -> str | None:
+def tiny_context_fits_max_tokens(cfg: Config) -> str | bool | None:
     tiny, r = cfg.model.tiny, cfg.rollout
-    if cfg.model.path is None and r.max_tokens + 32 > tiny.max_position_embeddings:
-        return (
-            f"rollout.max_tokens={r.max_tokens} leaves no room for the prompt within "
-            f"model.tiny.max_position_embeddings={tiny.max_position_embeddings}; "
-            "raise max_position_embeddings or lower max_tokens"
-        )
-    return None
+    return (cfg.model.path is None and r.max_tokens + 32 > tiny.max_position_embeddings) and (
+        f"rollout.max_tokens={r.max_tokens} leaves no room for the prompt within "
+        f"model.tiny.max_position_embeddings={tiny.max_position_embeddings}; "
+        "raise max_position_embeddings or lower max_tokens"
+    )
 
 
 # ----------------------------------------------------------------------- rollout
 
 
 @rule(*RL)
-def remote_needs_servers(cfg: Config) -> str | None:
-    if cfg.rollout.engine.name == "remote" and not cfg.rollout.engine.servers:
-        return (
-            "rollout.engine=remote needs rollout.engine.servers; start servers with `rlpost serve` and "
-            "list their URLs"
-        )
-    return None
+def remote_needs_servers(cfg: Config) -> str | bool | None:
+    return (cfg.rollout.engine.name == "remote" and not cfg.rollout.engine.servers) and (
+        "rollout.engine=remote needs rollout.engine.servers; start servers with `rlpost serve` and "
+        "list their URLs"
+    )
 
 
 @rule("train")
-def on_policy_servers_take_weights(cfg: Config) -> str | None:
+def on_policy_servers_take_weights(cfg: Config) -> str | bool | None:
     e = cfg.rollout.engine
-    if e.name == "remote" and e.server == "openai":
-        return (
-            "rollout.engine.server=openai: an endpoint that cannot take weights would sample "
-            "from a policy that never changes; serve with rlpost serve (server=rlpost) or "
-            "vllm serve (server=vllm), or use it with rlpost eval"
-        )
-    return None
+    return (e.name == "remote" and e.server == "openai") and (
+        "rollout.engine.server=openai: an endpoint that cannot take weights would sample "
+        "from a policy that never changes; serve with rlpost serve (server=rlpost) or "
+        "vllm serve (server=vllm), or use it with rlpost eval"
+    )
 
 
 @rule("train")
-def vllm_server_takes_plain_weights(cfg: Config) -> str | None:
+def vllm_server_takes_plain_weights(cfg: Config) -> str | bool | None:
     s, e = cfg.sync, cfg.rollout.engine
-    if e.name == "remote" and e.server == "vllm" and (s.codec != "none" or s.delta):
-        return (
-            f"sync.codec={s.codec}, sync.delta={str(s.delta).lower()} with "
-            "rollout.engine.server=vllm: vllm serve loads a plain weight file; set "
-            "sync.codec=none and sync.delta=false"
-        )
-    return None
+    return (e.name == "remote" and e.server == "vllm" and (s.codec != "none" or s.delta)) and (
+        f"sync.codec={s.codec}, sync.delta={str(s.delta).lower()} with "
+        "rollout.engine.server=vllm: vllm serve loads a plain weight file; set "
+        "sync.codec=none and sync.delta=false"
+    )
 
 
 @rule(*RL)
-def vllm_needs_model_path(cfg: Config) -> str | None:
+def vllm_needs_model_path(cfg: Config) -> str | bool | None:
     if cfg.rollout.engine.name == "vllm" and cfg.model.path is None:
         return (
             "rollout.engine=vllm needs model.path: vLLM loads a checkpoint directory; set "
             "model.path to a local HF checkpoint or use rollout.engine=hf"
         )
     path = cfg.model.path
-    if cfg.rollout.engine.name == "vllm" and (str(path).endswith(".gguf") or _holds_gguf(path)):
-        return (
-            f"model.path={path}: vLLM would serve the GGUF's quantized weights while the trainer "
-            f"trains dequantized ones; convert it once (rlpost export {path} --out DIR) and set "
-            "model.path=DIR, or use rollout.engine=hf"
-        )
-    return None
+    gguf = path is not None and (str(path).endswith(".gguf") or _holds_gguf(path))
+    return (cfg.rollout.engine.name == "vllm" and gguf) and (
+        f"model.path={path}: vLLM would serve the GGUF's quantized weights while the trainer "
+        f"trains dequantized ones; convert it once (rlpost export {path} --out DIR) and set "
+        "model.path=DIR, or use rollout.engine=hf"
+    )
 
 
 def _holds_gguf(path) -> bool:
@@ -233,18 +213,16 @@ def _holds_gguf(path) -> bool:
 
 
 @rule("train")
-def partial_needs_sync_mode(cfg: Config) -> str | None:
+def partial_needs_sync_mode(cfg: Config) -> str | bool | None:
     mode = cfg.pipeline.mode
-    if cfg.rollout.partial and mode != "sync":
-        return (
-            f"rollout.partial=true with pipeline.mode={mode}: the overlapped loop already keeps "
-            "rollout running across steps; set rollout.partial=false or pipeline.mode=sync"
-        )
-    return None
+    return (cfg.rollout.partial and mode != "sync") and (
+        f"rollout.partial=true with pipeline.mode={mode}: the overlapped loop already keeps "
+        "rollout running across steps; set rollout.partial=false or pipeline.mode=sync"
+    )
 
 
 @rule("train", "eval")
-def batch_engine_runs_whole_batches(cfg: Config) -> str | None:
+def batch_engine_runs_whole_batches(cfg: Config) -> str | bool | None:
     """An engine that decodes whole batches cannot stop a partial step early, take weights
     while it generates (async) or serve a harness's sessions: refused, never swapped."""
     name, async_ = cfg.rollout.engine.name, cfg.pipeline.mode == "async"
@@ -262,19 +240,17 @@ def batch_engine_runs_whole_batches(cfg: Config) -> str | None:
 
 
 @rule("train")
-def rollout_logprobs_need_full_distribution(cfg: Config) -> str | None:
+def rollout_logprobs_need_full_distribution(cfg: Config) -> str | bool | None:
     r = cfg.rollout
-    if cfg.algo.old_logprobs == "rollout" and (r.top_p < 1.0 or r.top_k > 0):
-        return (
-            f"algo.old_logprobs=rollout with rollout.top_p={r.top_p:g}, rollout.top_k={r.top_k}: "
-            "the engine's logprobs are of the truncated distribution, not the policy's; sample "
-            "with top_p=1 and top_k=-1 or set algo.old_logprobs=trainer"
-        )
-    return None
+    return (cfg.algo.old_logprobs == "rollout" and (r.top_p < 1.0 or r.top_k > 0)) and (
+        f"algo.old_logprobs=rollout with rollout.top_p={r.top_p:g}, rollout.top_k={r.top_k}: "
+        "the engine's logprobs are of the truncated distribution, not the policy's; sample "
+        "with top_p=1 and top_k=-1 or set algo.old_logprobs=trainer"
+    )
 
 
 @rule("train")
-def rollout_logprobs_need_no_correction(cfg: Config) -> str | None:
+def rollout_logprobs_need_no_correction(cfg: Config) -> str | bool | None:
     a = cfg.algo
     if a.old_logprobs != "rollout":
         return None
@@ -295,7 +271,7 @@ def rollout_logprobs_need_no_correction(cfg: Config) -> str | None:
 
 
 @rule("train")
-def rollout_logprobs_need_trainer_numbers(cfg: Config) -> str | None:
+def rollout_logprobs_need_trainer_numbers(cfg: Config) -> str | bool | None:
     if cfg.algo.old_logprobs != "rollout":
         return None
     if resolve(cfg).bf16:  # bfloat16, or auto on a CPU with native bf16
@@ -314,36 +290,27 @@ def rollout_logprobs_need_trainer_numbers(cfg: Config) -> str | None:
 # ------------------------------------------------------------ registered names
 
 
-def _name_problem(key: str, name: str, lookup) -> str | None:
-    try:
-        lookup(name)
-    except UnknownNameError as exc:
-        return f"config {key}={name!r}: {exc}"
-    return None
-
-
 @rule("train")
-def algorithm_names_are_registered(cfg: Config) -> str | None:
+def algorithm_names_are_registered(cfg: Config) -> str | bool | None:
     a = cfg.algo
     names = [  # a choice's name is checked by its union (algo.loss, algo.advantage)
         ("algo.kl.estimator", a.kl.estimator, get_kl_estimator),
         ("algo.loss_agg_mode", a.loss_agg_mode, get_aggregation),
     ]
     for key, name, lookup in names:
-        if (line := _name_problem(key, name, lookup)) is not None:
-            return line
+        try:
+            lookup(name)
+        except UnknownNameError as exc:
+            return f"config {key}={name!r}: {exc}"
     return None
 
 
 @rule("train")
-def component_estimator_needs_outcome_rewards(cfg: Config) -> str | None:
+def component_estimator_needs_outcome_rewards(cfg: Config) -> str | bool | None:
     a = cfg.algo
-    if not resolve(cfg).plan.components:
-        return None
-    if a.kl.placement != "reward" and cfg.agent.env is None:
-        return None
     why = "algo.kl.placement=reward" if a.kl.placement == "reward" else "agent.env"
-    return (
+    per_token = why != "agent.env" or cfg.agent.env is not None  # rewards beside the outcome
+    return (per_token and resolve(cfg).plan.components) and (
         f"algo.advantage={a.advantage.name} with {why}: it normalises the reward terms' outcome "
         "scores and would drop the per-token rewards (the KL penalty, an environment's turn "
         "rewards); use another estimator or algo.kl.placement=loss"
@@ -351,18 +318,13 @@ def component_estimator_needs_outcome_rewards(cfg: Config) -> str | None:
 
 
 @rule(*RL)
-def reward_terms_resolve(cfg: Config) -> str | None:
-    try:
-        check_terms(cfg.reward)
-    except (UnknownNameError, ValueError) as exc:
-        return f"config reward.terms: {exc}"
-    return None
+def reward_terms_resolve(cfg: Config) -> str | bool | None:
+    return _terms_problem(cfg, "config reward.terms", cfg.reward.terms)
 
 
-def _own_terms_problem(cfg: Config, key: str, terms: list) -> str | None:
-    """Why a source's or an eval set's own reward ``terms`` (its ``key``) do not resolve."""
-    if not terms:
-        return f"{key}=[]: no term scores it; add one or drop reward"
+def _terms_problem(cfg: Config, key: str, terms: list) -> str | None:
+    """Why reward ``terms`` (at ``key``: reward.terms, a source's or an eval set's own) do not
+    resolve."""
     try:
         check_terms(cfg.reward.model_copy(update={"terms": terms}))
     except (UnknownNameError, ValueError) as exc:
@@ -371,7 +333,7 @@ def _own_terms_problem(cfg: Config, key: str, terms: list) -> str | None:
 
 
 @rule(*RL)
-def agent_env_resolves(cfg: Config) -> str | None:
+def agent_env_resolves(cfg: Config) -> str | bool | None:
     a = cfg.agent
     if a.env is None:
         return None
@@ -388,7 +350,7 @@ def agent_env_resolves(cfg: Config) -> str | None:
 
 
 @rule("train")
-def sync_channel_is_wired(cfg: Config) -> str | None:
+def sync_channel_is_wired(cfg: Config) -> str | bool | None:
     channel, remote = cfg.sync.channel, cfg.rollout.engine.name == "remote"
     if channel in (("http", "inprocess") if remote else ("inprocess", "disk")):
         return None
@@ -401,159 +363,135 @@ def sync_channel_is_wired(cfg: Config) -> str | None:
 
 
 @rule("train")
-def disk_channel_one_rollout_worker(cfg: Config) -> str | None:
+def disk_channel_one_rollout_worker(cfg: Config) -> str | bool | None:
     n = cfg.cluster.rollout_workers
-    if cfg.sync.channel == "disk" and n > 1:
-        return (
-            f"sync.channel=disk with cluster.rollout_workers={n}: a fleet readmits restarted "
-            "workers from its own copy of the weights; set sync.channel=inprocess or "
-            "cluster.rollout_workers=1"
-        )
-    return None
+    return (cfg.sync.channel == "disk" and n > 1) and (
+        f"sync.channel=disk with cluster.rollout_workers={n}: a fleet readmits restarted "
+        "workers from its own copy of the weights; set sync.channel=inprocess or "
+        "cluster.rollout_workers=1"
+    )
 
 
 @rule("train")
-def engine_logprobs_of_the_full_distribution(cfg: Config) -> str | None:
+def engine_logprobs_of_the_full_distribution(cfg: Config) -> str | bool | None:
     """vLLM reports logprobs after top-p / top-k truncation, the in-process engines before
     it: an engine/trainer importance weight would then depend on the engine."""
     r, corr = cfg.rollout, cfg.algo.rollout_correction.name
     vllm = r.engine.name == "vllm" or getattr(r.engine, "server", None) == "vllm"
-    if vllm and (r.top_p < 1.0 or r.top_k > 0) and corr != "none":
-        return (
-            f"algo.rollout_correction.name={corr} with vLLM serving and "
-            f"rollout.top_p={r.top_p:g}, rollout.top_k={r.top_k}: vLLM's logprobs are of the "
-            "truncated distribution, so the correction's weights would depend on the engine; "
-            "sample with top_p=1 and top_k=-1, or set algo.rollout_correction.name=none"
-        )
-    return None
+    return (vllm and (r.top_p < 1.0 or r.top_k > 0) and corr != "none") and (
+        f"algo.rollout_correction.name={corr} with vLLM serving and "
+        f"rollout.top_p={r.top_p:g}, rollout.top_k={r.top_k}: vLLM's logprobs are of the "
+        "truncated distribution, so the correction's weights would depend on the engine; "
+        "sample with top_p=1 and top_k=-1, or set algo.rollout_correction.name=none"
+    )
 
 
 @rule("train")
-def delta_needs_bf16(cfg: Config) -> str | None:
+def delta_needs_bf16(cfg: Config) -> str | bool | None:
     s = cfg.sync
-    if s.delta and s.codec != "bf16":
-        return (
-            f"sync.delta=true with sync.codec={s.codec}: delta compares bf16 bit patterns; "
-            "set sync.codec=bf16"
-        )
-    return None
+    return (s.delta and s.codec != "bf16") and (
+        f"sync.delta=true with sync.codec={s.codec}: delta compares bf16 bit patterns; "
+        "set sync.codec=bf16"
+    )
 
 
 @rule("train")
-def delta_needs_acknowledging_readers(cfg: Config) -> str | None:
-    if cfg.sync.delta and cfg.sync.channel == "disk":
-        return (
-            "sync.delta=true with sync.channel=disk: disk readers cannot acknowledge a base "
-            "version; use http, gloo or inprocess, or set sync.delta=false"
-        )
-    return None
+def delta_needs_acknowledging_readers(cfg: Config) -> str | bool | None:
+    return (cfg.sync.delta and cfg.sync.channel == "disk") and (
+        "sync.delta=true with sync.channel=disk: disk readers cannot acknowledge a base "
+        "version; use http, gloo or inprocess, or set sync.delta=false"
+    )
 
 
 # ----------------------------------------------------------------------- cluster
 
 
 @rule("train")
-def local_backend_one_worker_per_role(cfg: Config) -> str | None:
+def local_backend_one_worker_per_role(cfg: Config) -> str | bool | None:
     c = cfg.cluster
-    if resolve(cfg).backend == "local" and (c.rollout_workers > 1 or c.trainer_workers > 1):
-        return (
-            f"cluster.rollout_workers={c.rollout_workers}, trainer_workers={c.trainer_workers} "
-            "with cluster.backend=local: several workers of a role need processes of their own; "
-            "set cluster.backend=process or cluster.backend=ray"
-        )
-    return None
+    return (
+        resolve(cfg).backend == "local" and (c.rollout_workers > 1 or c.trainer_workers > 1)
+    ) and (
+        f"cluster.rollout_workers={c.rollout_workers}, trainer_workers={c.trainer_workers} "
+        "with cluster.backend=local: several workers of a role need processes of their own; "
+        "set cluster.backend=process or cluster.backend=ray"
+    )
 
 
 @rule("train")
-def reward_workers_need_ray(cfg: Config) -> str | None:
+def reward_workers_need_ray(cfg: Config) -> str | bool | None:
     c = cfg.cluster
-    if c.reward_workers and resolve(cfg).backend != "ray":
-        return (
-            f"cluster.reward_workers={c.reward_workers} needs cluster.backend=ray "
-            f"(backend={c.backend}); 0 scores in the driver"
-        )
-    return None
+    return (c.reward_workers and resolve(cfg).backend != "ray") and (
+        f"cluster.reward_workers={c.reward_workers} needs cluster.backend=ray "
+        f"(backend={c.backend}); 0 scores in the driver"
+    )
 
 
 @rule("train")
-def suspect_before_dead(cfg: Config) -> str | None:
+def suspect_before_dead(cfg: Config) -> str | bool | None:
     c = cfg.cluster
-    if c.suspect_after_s > c.dead_after_s:
-        return (
-            f"cluster.suspect_after_s={c.suspect_after_s} is above "
-            f"cluster.dead_after_s={c.dead_after_s}; a worker is suspect before it is dead"
-        )
-    return None
+    return c.suspect_after_s > c.dead_after_s and (
+        f"cluster.suspect_after_s={c.suspect_after_s} is above "
+        f"cluster.dead_after_s={c.dead_after_s}; a worker is suspect before it is dead"
+    )
 
 
 @rule("train")
-def tensor_parallel_divides_workers(cfg: Config) -> str | None:
+def tensor_parallel_divides_workers(cfg: Config) -> str | bool | None:
     tp, n = cfg.cluster.tensor_parallel, cfg.cluster.trainer_workers
-    if n % tp:
-        return (
-            f"cluster.tensor_parallel={tp} does not divide cluster.trainer_workers={n}; "
-            f"set trainer_workers to a multiple of {tp} (data-parallel x tensor-parallel)"
-        )
-    return None
+    return n % tp and (
+        f"cluster.tensor_parallel={tp} does not divide cluster.trainer_workers={n}; "
+        f"set trainer_workers to a multiple of {tp} (data-parallel x tensor-parallel)"
+    )
 
 
 @rule("train")
-def data_parallel_without_critic(cfg: Config) -> str | None:
+def data_parallel_without_critic(cfg: Config) -> str | bool | None:
     n, a = cfg.cluster.trainer_workers, cfg.algo.advantage.name
-    if n > 1 and resolve(cfg).plan.values:
-        return (
-            f"cluster.trainer_workers={n}: the PPO critic (algo.advantage={a}) trains on one "
-            "worker only; set cluster.trainer_workers=1"
-        )
-    return None
+    return (n > 1 and resolve(cfg).plan.values) and (
+        f"cluster.trainer_workers={n}: the PPO critic (algo.advantage={a}) trains on one "
+        "worker only; set cluster.trainer_workers=1"
+    )
 
 
 @rule("train")
-def data_parallel_without_adapters(cfg: Config) -> str | None:
+def data_parallel_without_adapters(cfg: Config) -> str | bool | None:
     n, rank = cfg.cluster.trainer_workers, cfg.model.lora.rank
-    if n > 1 and rank > 0:
-        return (
-            f"cluster.trainer_workers={n} with model.lora.rank={rank}: adapters train on one "
-            "worker only; set cluster.trainer_workers=1 or model.lora.rank=0"
-        )
-    return None
+    return (n > 1 and rank > 0) and (
+        f"cluster.trainer_workers={n} with model.lora.rank={rank}: adapters train on one "
+        "worker only; set cluster.trainer_workers=1 or model.lora.rank=0"
+    )
 
 
 @rule("train")
-def data_parallel_cuts_by_rows(cfg: Config) -> str | None:
+def data_parallel_cuts_by_rows(cfg: Config) -> str | bool | None:
     n, budget = cfg.cluster.trainer_workers, cfg.train.max_tokens_per_micro_batch
-    if n > 1 and budget > 0:
-        return (
-            f"train.max_tokens_per_micro_batch={budget} with cluster.trainer_workers={n}: "
-            "data-parallel ranks cut micro-batches by rows; set train.max_tokens_per_micro_batch=0"
-        )
-    return None
+    return (n > 1 and budget > 0) and (
+        f"train.max_tokens_per_micro_batch={budget} with cluster.trainer_workers={n}: "
+        "data-parallel ranks cut micro-batches by rows; set train.max_tokens_per_micro_batch=0"
+    )
 
 
 @rule("train")
-def fleet_without_partial(cfg: Config) -> str | None:
+def fleet_without_partial(cfg: Config) -> str | bool | None:
     n = cfg.cluster.rollout_workers
-    if n > 1 and cfg.rollout.partial:
-        return (
-            f"cluster.rollout_workers={n} with rollout.partial=true: carried groups live in one "
-            "worker and would be lost with it; set rollout.partial=false or rollout_workers=1"
-        )
-    return None
+    return (n > 1 and cfg.rollout.partial) and (
+        f"cluster.rollout_workers={n} with rollout.partial=true: carried groups live in one "
+        "worker and would be lost with it; set rollout.partial=false or rollout_workers=1"
+    )
 
 
 @rule("train")
-def fleet_not_over_remote(cfg: Config) -> str | None:
+def fleet_not_over_remote(cfg: Config) -> str | bool | None:
     n = cfg.cluster.rollout_workers
-    if n > 1 and cfg.rollout.engine.name == "remote":
-        return (
-            f"cluster.rollout_workers={n} with rollout.engine=remote: the remote engine already "
-            "balances over rollout.engine.servers; set cluster.rollout_workers=1"
-        )
-    return None
+    return (n > 1 and cfg.rollout.engine.name == "remote") and (
+        f"cluster.rollout_workers={n} with rollout.engine=remote: the remote engine already "
+        "balances over rollout.engine.servers; set cluster.rollout_workers=1"
+    )
 
 
 @rule()
-def device_is_visible(cfg: Config) -> str | None:
+def device_is_visible(cfg: Config) -> str | bool | None:
     if cfg.cluster.backend == "ray":  # Ray workers resolve the device where they run
         return None
     try:
@@ -567,7 +505,7 @@ def device_is_visible(cfg: Config) -> str | None:
 
 
 @rule("train")
-def no_inert_knobs(cfg: Config) -> str | None:
+def no_inert_knobs(cfg: Config) -> str | bool | None:
     """A knob set away from its default where nothing reads it is refused, never ignored."""
     found = inert_knobs(cfg)
     return found[0] if found else None
@@ -622,20 +560,18 @@ def inert_knobs(cfg: Config) -> list[str]:
 
 
 @rule("sft")
-def sft_file_needs_train_path(cfg: Config) -> str | None:
-    if cfg.sft.data == "file" and not cfg.sft.train_path:
-        return "sft.data=file needs sft.train_path; set it to a JSONL or Parquet file of messages"
-    return None
+def sft_file_needs_train_path(cfg: Config) -> str | bool | None:
+    return (
+        cfg.sft.data == "file" and not cfg.sft.train_path
+    ) and "sft.data=file needs sft.train_path; set it to a JSONL or Parquet file of messages"
 
 
 @rule("train", "dpo")
-def conversations_are_for_rlpost_sft(cfg: Config) -> str | None:
-    if cfg.sft.data != "task" and cfg.sft.steps > 0:
-        return (
-            f"sft.data={cfg.sft.data} trains on conversations with rlpost sft only; run rlpost sft "
-            "first, then this command with model.path=RUN_DIR/sft_model sft.steps=0"
-        )
-    return None
+def conversations_are_for_rlpost_sft(cfg: Config) -> str | bool | None:
+    return (cfg.sft.data != "task" and cfg.sft.steps > 0) and (
+        f"sft.data={cfg.sft.data} trains on conversations with rlpost sft only; run rlpost sft "
+        "first, then this command with model.path=RUN_DIR/sft_model sft.steps=0"
+    )
 
 
 # ------------------------------------------------------------------ data sources
@@ -654,7 +590,7 @@ def _sources(cfg: Config) -> list[tuple[str, SourceConfig]]:
 
 
 @rule()
-def sources_named_once(cfg: Config) -> str | None:
+def sources_named_once(cfg: Config) -> str | bool | None:
     for key, entries in (("data.sources", cfg.data.sources), ("eval.sets", cfg.eval.sets)):
         if (twice := _listed_twice([s.name for s in entries])) is not None:
             return (
@@ -665,20 +601,18 @@ def sources_named_once(cfg: Config) -> str | None:
 
 
 @rule()
-def sources_replace_one_source_keys(cfg: Config) -> str | None:
+def sources_replace_one_source_keys(cfg: Config) -> str | bool | None:
     d = cfg.data
     if d.sources and d.task.name != "arith":  # the default: a recipe's base may name it
         return f"data.task={d.task.name}: data.sources replaces it; set task on each source"
-    if d.sources and d.prompt_template != "{prompt}":
-        return (
-            f"data.prompt_template={d.prompt_template}: data.sources replaces it; "
-            "set prompt_template on each source"
-        )
-    return None
+    return (d.sources and d.prompt_template != "{prompt}") and (
+        f"data.prompt_template={d.prompt_template}: data.sources replaces it; "
+        "set prompt_template on each source"
+    )
 
 
 @rule()
-def source_keys_fit_its_task(cfg: Config) -> str | None:
+def source_keys_fit_its_task(cfg: Config) -> str | bool | None:
     for key, s in _sources(cfg):
         line = _file_keys_problem(key, s) if isinstance(s.task, FileTaskConfig) else None
         if line is None and isinstance(s, EvalSetConfig) and s.weight != 1.0:
@@ -728,7 +662,7 @@ def _template_problem(template: str, task: str) -> str | None:
 
 
 @rule(*RL)
-def source_rewards_resolve(cfg: Config) -> str | None:
+def source_rewards_resolve(cfg: Config) -> str | bool | None:
     sources = {s.name for s in cfg.data.sources}
     for key, s in _sources(cfg):
         if s.reward is None:
@@ -738,13 +672,15 @@ def source_rewards_resolve(cfg: Config) -> str | None:
                 f"{key}.reward: data.sources[{s.name}]'s terms score the set of its name; "
                 "drop reward or rename the set"
             )
-        if (line := _own_terms_problem(cfg, f"{key}.reward", s.reward)) is not None:
+        if not s.reward:
+            return f"{key}.reward=[]: no term scores it; add one or drop reward"
+        if (line := _terms_problem(cfg, f"{key}.reward", s.reward)) is not None:
             return line
     return None
 
 
 @rule()
-def reasoning_gym_task_generates(cfg: Config) -> str | None:
+def reasoning_gym_task_generates(cfg: Config) -> str | bool | None:
     from rlpost.data.reasoning_gym import task_problem
 
     for key, s in _sources(cfg):
@@ -774,7 +710,7 @@ def _reasoning_gym_sandbox_problem(task: str) -> str | None:
 
 
 @rule("train", "eval")
-def eval_set_metrics_known(cfg: Config) -> str | None:
+def eval_set_metrics_known(cfg: Config) -> str | bool | None:
     from rlpost.algos.eval_metrics import parse_metric
 
     for s in cfg.eval.sets:
@@ -792,7 +728,7 @@ def eval_set_metrics_known(cfg: Config) -> str | None:
 
 
 @rule("train", "eval")
-def eval_set_k_within_samples(cfg: Config) -> str | None:
+def eval_set_k_within_samples(cfg: Config) -> str | bool | None:
     for s in cfg.eval.sets:
         for m in s.metrics:
             if "@" in m and m.split("@", 1)[1].isdigit() and int(m.split("@", 1)[1]) > s.n:
@@ -807,25 +743,19 @@ def eval_set_k_within_samples(cfg: Config) -> str | None:
 
 
 @rule("rm")
-def rm_margin_needs_a_file(cfg: Config) -> str | None:
-    rm = cfg.rm
-    if (
-        rm is not None
-        and rm.margin_field is not None
-        and not isinstance(cfg.data.task, FileTaskConfig)
-    ):
-        return (
-            f"rm.margin_field={cfg.rm.margin_field}: data.task={cfg.data.task.name} has no columns; "
-            "drop it or use data.task=file with a pairs file that has the column"
-        )
-    return None
+def rm_margin_needs_a_file(cfg: Config) -> str | bool | None:
+    margin = cfg.rm.margin_field if cfg.rm is not None else None
+    return (margin is not None and not isinstance(cfg.data.task, FileTaskConfig)) and (
+        f"rm.margin_field={margin}: data.task={cfg.data.task.name} has no columns; "
+        "drop it or use data.task=file with a pairs file that has the column"
+    )
 
 
 # ------------------------------------------------------------------ outside agents
 
 
 @rule("train", "eval")
-def agent_harness_runs(cfg: Config) -> str | None:
+def agent_harness_runs(cfg: Config) -> str | bool | None:
     """An outside agent (agent.harness) runs on the in-process continuous engine or on remote
     rlpost servers (sessions over their admin routes), alone."""
     h = cfg.agent.harness
@@ -865,7 +795,7 @@ def agent_harness_runs(cfg: Config) -> str | None:
 
 
 @rule("train")
-def distillation_has_one_teacher(cfg: Config) -> str | None:
+def distillation_has_one_teacher(cfg: Config) -> str | bool | None:
     t = cfg.model.teacher
     if t.path and t.url:
         return (
@@ -892,18 +822,16 @@ def distillation_has_one_teacher(cfg: Config) -> str | None:
 
 
 @rule("train")
-def gkd_needs_local_teacher(cfg: Config) -> str | None:
-    if resolve(cfg).plan.teacher_logits and cfg.model.teacher.url:
-        return (
-            f"model.teacher.url={cfg.model.teacher.url}: algo.loss.name={cfg.algo.loss.name} "
-            "needs the teacher's full logits, which a server does not return; use "
-            "model.teacher.path (in-process) or algo.advantage=on_policy_distill"
-        )
-    return None
+def gkd_needs_local_teacher(cfg: Config) -> str | bool | None:
+    return (resolve(cfg).plan.teacher_logits and cfg.model.teacher.url) and (
+        f"model.teacher.url={cfg.model.teacher.url}: algo.loss.name={cfg.algo.loss.name} "
+        "needs the teacher's full logits, which a server does not return; use "
+        "model.teacher.path (in-process) or algo.advantage=on_policy_distill"
+    )
 
 
 @rule("train")
-def distillation_weights_not_both_zero(cfg: Config) -> str | None:
+def distillation_weights_not_both_zero(cfg: Config) -> str | bool | None:
     plan = resolve(cfg).plan
     for on, key in ((plan.teacher, "advantage"), (plan.teacher_logits, "loss")):
         p = getattr(cfg.algo, key).params()

@@ -21,9 +21,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "rlpost"
 BLOCK = 8
 LONG_FUNCTION = 60
 SIZE_BOUNDS = {
-    "lines": 36_989,
+    "lines": 36_835,
     "grpo_arith_keys": 192,
-    "functions_over_60_lines": 7,
+    "functions_over_60_lines": 6,
     "repeated_blocks": 4,
 }
 """The bounds; each number may only fall."""
