@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from rlpost.rollout.engines.continuous import VersionedCompletion
@@ -236,35 +236,12 @@ class PartialRollout:
 
     def state_dict(self) -> dict:
         """The carried groups (tokens, logprobs, versions, payloads): a checkpoint resumes them."""
-        return {
-            "pending": [
-                {
-                    "prompt_ids": list(g.prompt_ids),
-                    "payload": g.payload,
-                    "steps_carried": g.steps_carried,
-                    "samples": [
-                        {
-                            "tokens": list(x.tokens),
-                            "logprobs": list(x.logprobs),
-                            "versions": list(x.versions),
-                            "token_versions": list(x.token_versions),
-                            "finish": x.finish,
-                        }
-                        for x in g.samples
-                    ],
-                }
-                for g in self.pending
-            ]
-        }
+        groups = [{**vars(g), "samples": [asdict(x) for x in g.samples]} for g in self.pending]
+        return {"pending": groups}
 
     def load_state_dict(self, state: dict) -> None:
         self.pending = [
-            _Group(
-                list(g["prompt_ids"]),
-                g["payload"],
-                [_Sample(**x) for x in g["samples"]],
-                g["steps_carried"],
-            )
+            _Group(**{**g, "samples": [_Sample(**x) for x in g["samples"]]})
             for g in state["pending"]
         ]
 
