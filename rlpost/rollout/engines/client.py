@@ -82,19 +82,23 @@ class Job:
 # ------------------------------------------------------------ wire format
 
 
-def encode_weights(named_tensors) -> bytes:
-    """Safetensors bytes of ``(name, tensor)`` pairs (tied tensors are written once per name)."""
-    from safetensors.torch import save
-
+def savable(named_tensors) -> dict[str, torch.Tensor]:
+    """``(name, tensor)`` pairs as CPU tensors safetensors can save: a tied tensor is copied
+    once per further name (safetensors refuses two names sharing memory)."""
     seen: set[int] = set()
     tensors = {}
     for name, tensor in named_tensors:
         t = tensor.detach().cpu().contiguous()
-        if t.data_ptr() in seen:
-            t = t.clone()  # safetensors refuses two names sharing memory
+        tensors[name] = t.clone() if t.data_ptr() in seen else t
         seen.add(t.data_ptr())
-        tensors[name] = t
-    return save(tensors)
+    return tensors
+
+
+def encode_weights(named_tensors) -> bytes:
+    """Safetensors bytes of ``(name, tensor)`` pairs (tied tensors are written once per name)."""
+    from safetensors.torch import save
+
+    return save(savable(named_tensors))
 
 
 def decode_weights(payload: bytes) -> dict[str, torch.Tensor]:

@@ -38,6 +38,7 @@ import torch
 from safetensors.torch import save_file
 
 from rlpost.resolved import ENGINES
+from rlpost.rollout.engines.client import savable
 from rlpost.rollout.engines.protocol import SamplingParams, TokenRate
 from rlpost.types import Completion
 
@@ -101,17 +102,9 @@ def sampling_kwargs(params: SamplingParams, n: int, seed: int | None) -> dict:
 
 def write_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], directory: Path) -> Path:
     """The tensors as one safetensors file in ``directory`` (shared memory when there is one)."""
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, t in named_tensors:
-        t = t.detach().cpu().contiguous()
-        if t.data_ptr() in seen:  # a tied weight: safetensors stores each storage once
-            t = t.clone()
-        seen.add(t.data_ptr())
-        tensors[name] = t
     fd, path = tempfile.mkstemp(prefix="rlpost-weights-", suffix=".safetensors", dir=directory)
     os.close(fd)
-    save_file(tensors, path)
+    save_file(savable(named_tensors), path)
     return Path(path)
 
 
