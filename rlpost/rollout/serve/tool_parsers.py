@@ -93,28 +93,17 @@ def register(fmt: CallFormat) -> CallFormat:
     return fmt
 
 
+def _opening(start: str):
+    """A named call's opening in a format whose calls are ``{"name": ..., "arguments": ...}``."""
+    return lambda name: start + '{"name": ' + json.dumps(name) + ', "arguments": '
+
+
 # Hermes 2 Pro, Qwen 2.5 / Qwen 3 and most open chat models with a tool template.
-register(
-    CallFormat(
-        "hermes",
-        "<tool_call>",
-        "</tool_call>",
-        _one_object,
-        "<tool_call>\n",
-        lambda name: '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": ',
-    )
-)
+register(CallFormat("hermes", "<tool_call>", "</tool_call>", _one_object, "<tool_call>\n",
+                    _opening("<tool_call>\n")))  # fmt: skip
 # Phi-4-mini: ``functools[{...}, {...}]`` to the end of the output.
-register(
-    CallFormat(
-        "functools",
-        "functools",
-        None,
-        _object_list,
-        "functools[",
-        lambda name: 'functools[{"name": ' + json.dumps(name) + ', "arguments": ',
-    )
-)
+register(CallFormat("functools", "functools", None, _object_list, "functools[",
+                    _opening("functools[")))  # fmt: skip
 
 
 def tool_format(name: str) -> CallFormat:
