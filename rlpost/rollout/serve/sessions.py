@@ -33,7 +33,7 @@ import secrets
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from fastapi import Request as HTTPRequest
 from starlette.concurrency import run_in_threadpool
@@ -60,7 +60,7 @@ class Request:
     prompt_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
-    versions: list[int]
+    token_versions: list[int]
     finish_reason: str
     text: str = ""
     tool_calls: int = 0
@@ -195,13 +195,8 @@ def admit(session: Session, plan, context: int) -> int:
         session.reserved_requests += 1
         session.reserved_tokens += granted
     s = session.sampling
-    plan.fields["params"] = replace(
-        plan.fields["params"],
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        max_tokens=granted,
-    )
+    sampling = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
+    plan.fields["params"] = replace(plan.fields["params"], **sampling, max_tokens=granted)
     plan.fields["adjust"] = None  # penalties would make the logprobs another distribution's
     plan.fields["ignore_eos"] = False
     if session.seed is not None:
@@ -293,18 +288,7 @@ def session_record(session: Session) -> dict:
         "closed": session.closed,
         "bound_hit": session.bound_hit,
         "tokens": session.tokens,
-        "requests": [
-            {
-                "prompt_ids": r.prompt_ids,
-                "token_ids": r.token_ids,
-                "logprobs": r.logprobs,
-                "token_versions": r.versions,
-                "finish_reason": r.finish_reason,
-                "text": r.text,
-                "tool_calls": r.tool_calls,
-            }
-            for r in session.requests
-        ],
+        "requests": [asdict(r) for r in session.requests],
     }
 
 
@@ -328,7 +312,7 @@ def session_from_record(record: dict, bounds: SessionBounds, sampling: SamplingP
             f"session record: bad request entry ({type(exc).__name__}: {exc})"
         ) from None
     for r in requests:
-        if not len(r.token_ids) == len(r.logprobs) == len(r.versions):
+        if not len(r.token_ids) == len(r.logprobs) == len(r.token_versions):
             raise ValueError(
                 "session record: token_ids, logprobs and token_versions differ in length"
             )
@@ -354,12 +338,8 @@ def parse_open(raw: bytes) -> tuple[SessionBounds, SamplingParams, int | None]:
             shown = json.dumps(value)[:40]
             what = "an integer" if kind is int else "a finite number"
             raise APIError(400, f"session: {name} must be {what}, got {shown}", name)
-    defaults = SessionBounds()
-    bounds = SessionBounds(
-        body.get("max_requests", defaults.max_requests),
-        body.get("max_tokens", defaults.max_tokens),
-        float(body.get("max_seconds", defaults.max_seconds)),
-    )
+    given = {k: kind(body[k]) for k, kind in _BOUNDS.items() if body.get(k) is not None}
+    bounds = SessionBounds(**given)
     for name in _BOUNDS:
         if getattr(bounds, name) <= 0:
             raise APIError(400, f"session: {name} must be > 0", name)
@@ -451,7 +431,7 @@ def segment_completion(seg: list[Request], group: int, answer: str) -> Completio
         tokens += r.token_ids
         logprobs += r.logprobs
         mask += [1] * len(r.token_ids)
-        versions += r.versions
+        versions += r.token_versions
         tool = "tool_calls" if r.tool_calls else None
         turns.append(Turn("policy", start, len(tokens), tool, text=r.text))
     finish = "length" if seg[-1].finish_reason == "length" else "stop"
