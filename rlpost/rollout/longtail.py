@@ -141,8 +141,8 @@ class PartialStep:
     payloads: list[Any]
     carried_groups: int
     carried_samples: int
-    chunks: int
     done_fraction: float
+    chunks: int = 0  # engine calls in chunks of tokens (episodes: 0)
 
 
 class PartialRollout:

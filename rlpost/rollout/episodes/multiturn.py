@@ -35,6 +35,7 @@ from rlpost.envs.formats import TagFormat
 from rlpost.envs.tools import CodeTool, HttpTool, Tool, ToolEnv
 from rlpost.errors import typed_line
 from rlpost.rollout.engines.protocol import RolloutEngine, SamplingParams
+from rlpost.rollout.longtail import PartialStep
 from rlpost.types import Completion, Episode, FinishReason, Prompt, Turn
 
 __all__ = ["CodeTool", "EpisodeStats", "HttpTool", "MultiTurnRollout", "Tool"]
@@ -94,17 +95,6 @@ class _Group:
     @property
     def done(self) -> bool:
         return all(e.finish is not None for e in self.episodes)
-
-
-@dataclass
-class PartialEpisodes:
-    """What a partial step of episodes returns (the fields of ``longtail.PartialStep``)."""
-
-    completions: list[Completion]
-    payloads: list[Any]
-    carried_groups: int
-    carried_samples: int
-    done_fraction: float
 
 
 class MultiTurnRollout:
@@ -176,7 +166,7 @@ class MultiTurnRollout:
         prompts: list[Any],
         *,
         fraction: float,
-    ) -> PartialEpisodes:
+    ) -> PartialStep:
         """Partial rollout for episodes: start these prompts' episodes beside the ones carried
         from earlier steps, take turns until ``fraction`` of all of them are done, and return
         the groups whose episodes are all done. The others are carried, environment state
@@ -203,7 +193,7 @@ class MultiTurnRollout:
         ready = [g for g in groups if g.done]
         self.carried = [g for g in groups if not g.done]
         done = sum(e.finish is not None for e in live)
-        return PartialEpisodes(
+        return PartialStep(
             completions=self._finish(ready, 0),
             payloads=[g.payload for g in ready],
             carried_groups=len(self.carried),
