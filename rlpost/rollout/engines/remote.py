@@ -107,23 +107,21 @@ class RemoteEngine(TokenRate):
                 # A server that does not say (vllm serve) served the version current when
                 # the jobs went out, or a newer one: never an older one.
                 version = c.policy_version if c.policy_version is not None else served
-                out.append(
-                    VersionedCompletion(
-                        prompt_ids=list(job.prompt_ids),
-                        token_ids=c.token_ids,
-                        logprobs=c.logprobs,
-                        finish_reason=c.finish_reason
-                        if c.finish_reason in FINISH_REASONS
-                        else "abort",
-                        policy_version=version,
-                        group=group_offset + i,
-                        text=c.text,
-                        versions=c.versions or [version],
-                        token_versions=[version] * len(c.token_ids)
-                        if not c.versions or len(c.versions) == 1
-                        else None,
-                    )
+                spans = c.versions or [version]
+                per_token = [version] * len(c.token_ids) if len(spans) == 1 else None
+                reason = c.finish_reason if c.finish_reason in FINISH_REASONS else "abort"
+                completion = VersionedCompletion(
+                    prompt_ids=list(job.prompt_ids),
+                    token_ids=c.token_ids,
+                    logprobs=c.logprobs,
+                    finish_reason=reason,
+                    policy_version=version,
+                    group=group_offset + i,
+                    text=c.text,
+                    versions=spans,
+                    token_versions=per_token,
                 )
+                out.append(completion)
                 self.tokens_generated += len(c.token_ids)
         return out
 
@@ -137,12 +135,8 @@ class RemoteEngine(TokenRate):
         todo, current = jobs, self.version
         for _ in range(len(self.clients) + 1):
             served_by: dict[str, str] = {}
-            got = self.balancer.run(
-                todo,
-                self._tokenize,
-                self.tokenizer.eos_token_id,
-                served_by.__setitem__,
-            )
+            eos = self.tokenizer.eos_token_id
+            got = self.balancer.run(todo, self._tokenize, eos, served_by.__setitem__)
             stale = {
                 j for j, cs in got.items() if any(_older(c.policy_version, current) for c in cs)
             }
