@@ -1,26 +1,20 @@
 """Long-tail control: length-aware batching and partial rollout.
 
-A synchronous RL step waits for its longest response; with long-tailed
-lengths most of the batch sits finished while a few samples decode alone.
-Two remedies, usable together:
+A synchronous step waits for its longest response; with long-tailed lengths most of the batch
+sits finished while a few samples decode alone. Two remedies, usable together:
 
-* **Length-aware batching.** :class:`LengthPredictor` keeps an exponential
-  moving average of past response lengths per prompt uid, per task and
-  overall; :func:`bucket_by_length` groups prompts of similar predicted length
-  so a batch of short ones does not wait for a long one.
-* **Partial rollout** (Kimi k1.5, section 2.6.2; AReaL). :class:`PartialRollout`
-  ends a step once ``fraction`` (default 0.8) of its samples are done. Groups
-  whose samples are all done go to training (a GRPO advantage needs the whole
-  group); the others are carried into the next step with their tokens,
-  logprobs and versions and never dropped (:meth:`PartialRollout.flush`
-  finishes them). On :class:`~rlpost.rollout.engines.continuous.ContinuousEngine` (the in-process scheduler) the
-  step stops the moment it is done: unfinished samples are aborted at a
-  decode-step boundary and handed back with their tokens. Any other engine
-  is driven in chunks of tokens. Either way a carried sample continues by
-  re-prefilling prompt + its tokens, which the prefix cache makes cheap.
+* **Length-aware batching.** :class:`LengthPredictor` keeps an EMA of response lengths per
+  prompt uid, per task and overall; :func:`bucket_by_length` groups prompts of similar
+  predicted length.
+* **Partial rollout** (Kimi k1.5, section 2.6.2; AReaL). :class:`PartialRollout` ends a step
+  once ``fraction`` of its samples are done. Whole groups go to training (a GRPO advantage
+  needs the whole group); the others are carried, tokens, logprobs and versions, and never
+  dropped (:meth:`PartialRollout.flush`). On the in-process
+  :class:`~rlpost.rollout.engines.continuous.ContinuousEngine` unfinished samples are aborted
+  at a decode-step boundary and handed back; any other engine is driven in chunks of tokens.
+  A carried sample continues by re-prefilling prompt + its tokens (cheap: prefix cache).
 
-A completion keeps the version of the weights that produced its *first*
-token as ``policy_version`` and lists every version it spans in ``versions``.
+A completion's ``policy_version`` is that of its *first* token; ``versions`` lists all it spans.
 """
 
 from __future__ import annotations

@@ -1,37 +1,27 @@
 """Who may call ``rlpost serve``, and how much one request may ask of it.
 
-One pure ASGI middleware sits in front of the whole app and decides from the
-path and the headers alone, before any route runs and before a byte of the
-body is read:
+One pure ASGI middleware in front of the whole app decides from the path and headers alone,
+before any route runs and before a byte of the body is read:
 
-* **keys**: paths under ``/v1/`` (and anything else but ``/health`` and
-  ``/metrics``) need ``Authorization: Bearer <api key>`` when an API key is
-  set (401 otherwise, as vLLM does); paths under an admin prefix
-  (``/v1/weights``, ``/v1/sync``, ``/v1/admin``, ``/v1/sessions``) need the
-  admin key (the API key alone is a 403) and are closed (403) on a server
-  without one, loopback included: any local process could otherwise replace the
-  weights or read another agent's sessions. A session's own requests
-  (``/sessions/<id>/v1/completions`` and ``.../chat/completions``) pass to
-  their route, which checks that session's key instead (the API key opens no
-  session). The decision is by prefix, so a route that another
-  module mounts under ``/v1/sync`` later is guarded without a line here.
-  Keys are compared as SHA-256 digests with :func:`hmac.compare_digest`
-  (constant time, length included) and never logged.
-* **body size**: a ``Content-Length`` above the limit is a 413 at once; a
-  chunked body is counted as it arrives and refused when it passes the limit.
-* **bodies first**: a generation request's body is read whole, within the
-  short body timeout (408 beyond), before it counts as pending, so a client
-  trickling its body holds no slot; a control route's body (weights, up to
-  gigabytes) streams to its route within the request timeout.
-* **pending sequences**: the sequences of accepted generation requests
-  (prompts x n, running or queued) are bounded by :class:`PendingBudget`; a
-  request that would pass the bound is a 429 with ``Retry-After``, and once
-  the bound is reached one is refused from its headers alone.
+* **keys**: everything but ``/health`` and ``/metrics`` needs ``Authorization: Bearer <api
+  key>`` when an API key is set (401, as vLLM). Admin prefixes (``/v1/weights``, ``/v1/sync``,
+  ``/v1/admin``, ``/v1/sessions``) need the admin key (the API key alone: 403) and are closed
+  (403) on a server without one, loopback included: any local process could otherwise replace
+  the weights or read another agent's sessions. A session's own requests
+  (``/sessions/<id>/v1/...completions``) pass to their route, which checks that session's key.
+  The decision is by prefix, so a route mounted under ``/v1/sync`` later is guarded too. Keys
+  are compared as SHA-256 digests with :func:`hmac.compare_digest` and never logged.
+* **body size**: a ``Content-Length`` above the limit is a 413 at once; a chunked body is
+  counted as it arrives.
+* **bodies first**: a generation request's body is read whole within the short body timeout
+  (408) before it counts as pending, so a client trickling its body holds no slot; a control
+  route's body (weights, up to gigabytes) streams to its route within the request timeout.
+* **pending sequences** (prompts x n, running or queued) are bounded by
+  :class:`PendingBudget`: a 429 with ``Retry-After``, from the headers alone once full.
 
-A refusal for size closes the connection (the body is not read); other
-refusals keep it, and uvicorn reads past the (bounded) body.
-Weight loads from a path are confined to the ``--weights-dir`` directory by
-:func:`confined_weights_files`.
+A refusal for size closes the connection; others keep it (uvicorn reads past the bounded
+body). Weight loads from a path are confined to ``--weights-dir``
+(:func:`confined_weights_files`).
 """
 
 from __future__ import annotations

@@ -4,27 +4,18 @@
     POST /v1/prompt_logprobs    {"prompts": [[id, ...], ...], "starts": [k, ...]}
                                 -> {"logprobs": [[lp_k, ..., lp_{n-1}], ...], "policy_version"}
 
-The scoring route returns, for each token-id sequence, the served model's log-probability
-(temperature 1) of every token from position ``starts[i]`` on given the tokens before it:
-what vLLM's ``prompt_logprobs`` gives, for the given ids only, with no sampling. A
-teacher for on-policy distillation (``model.teacher.url``) sends the student's prompt
-and sampled response and reads the response's logprobs. The pass reads the weights the
-server holds; a teacher server is not sent new weights.
+For each sequence, the served model's log-probability (temperature 1) of every token from
+``starts[i]`` on given the tokens before it: vLLM's ``prompt_logprobs`` for the given ids,
+no sampling. A teacher (``model.teacher.url``) is never sent new weights.
 
-The pass runs on the scheduler's thread, a piece at a time between decode steps
-(:meth:`~rlpost.rollout.engines.scheduler.Scheduler.run_between_steps`), so scoring takes a
-bounded share of the model's time from the requests decoding, never reads weights an
-update is half way through, and stops before its next piece once its client has gone.
-The work a request causes is bounded like a generation request's: its prompts count
-as pending sequences (``--max-pending``, 429 beyond), its size is capped by
-``--max-prompts``, ``--max-request-tokens``, the model's context and
-``--max-score-entries`` (prompts x longest prompt x vocabulary: the logits a
-one-pass answer would hold). The answer never holds them: rows go through the
-decoder a few at a time and their hidden states through the LM head
-:func:`~rlpost.train.lm_head.chunk_tokens` positions at a time, and a given
-token's logprob needs only its logit and the position's logsumexp.
-
-The vocabulary digest is computed once per server, on a worker thread.
+The pass runs on the scheduler's thread a piece at a time between decode steps
+(:meth:`~rlpost.rollout.engines.scheduler.Scheduler.run_between_steps`): it takes a bounded
+share of the model's time, never reads a half-applied update, and stops once its client has
+gone. Its work is bounded like a generation request's: prompts count as pending sequences,
+and ``--max-prompts``, ``--max-request-tokens``, the context and ``--max-score-entries``
+(prompts x longest x vocabulary) cap its size. Rows go through the decoder a few at a time
+and the LM head :func:`~rlpost.train.lm_head.chunk_tokens` positions at a time: a token's
+logprob needs only its logit and the position's logsumexp.
 """
 
 from __future__ import annotations

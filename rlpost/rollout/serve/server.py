@@ -2,27 +2,20 @@
 
     rlpost serve [--model DIR] [--port 8000] [--api-key K --admin-key A] [--weights-dir DIR] ...
 
-``/v1/completions`` and ``/v1/chat/completions`` follow the OpenAI API
-(request fields: :mod:`rlpost.rollout.serve.openai_params`, which refuses every
-field it does not implement by name) and add what RL needs: each choice
-carries ``token_ids`` (the sampled ids), the logprob of every sampled token,
-the ``policy_version`` of its first token and every version it spans; each
-response carries the server's ``policy_version``. ``stream=true`` sends one
-server-sent event per sampled token, with its id, logprob and version. Chat
-``tools`` are rendered by the chat template and the output read back into
-``tool_calls`` (:mod:`rlpost.rollout.serve.tool_calls`, ``--tool-parser``).
-``POST /v1/weights`` swaps weights between two decode steps (a safetensors
-path inside ``--weights-dir``, or safetensors bytes streamed in the body with
-``?version=N``). ``/health`` reports the scheduler's counters, ``/metrics``
-the ``rl_*`` rollout metrics in Prometheus text. Requests share decode steps
-through :class:`~rlpost.rollout.engines.scheduler.Scheduler`.
+``/v1/completions`` and ``/v1/chat/completions`` follow the OpenAI API (fields:
+:mod:`~rlpost.rollout.serve.openai_params`, which refuses by name what it does not implement)
+and add what RL needs: each choice carries its sampled ``token_ids``, their logprobs, the
+``policy_version`` of its first token and every version it spans. ``stream=true`` sends one
+event per sampled token with its id, logprob and version. Chat ``tools`` are rendered by the
+chat template and read back into ``tool_calls`` (:mod:`~rlpost.rollout.serve.tool_calls`).
+``POST /v1/weights`` swaps weights between two decode steps (a safetensors path inside
+``--weights-dir``, or safetensors bytes in the body with ``?version=N``). ``/health`` reports
+the scheduler's counters, ``/metrics`` the ``rl_*`` rollout metrics.
 
-Keys, body and pending limits are enforced in front of every route by
-:class:`~rlpost.rollout.serve.guard.Guard`; slow request heads are cut off by
-:func:`~rlpost.rollout.serve.net.guarded_h11`; a non-loopback address is
-refused without both keys. Bad input is a 4xx with a one-line reason in the
-OpenAI error envelope; a client that disconnects frees its slots; no request
-can stop the server (docs/rollout.md, docs/operations.md).
+Keys, body and pending limits: :class:`~rlpost.rollout.serve.guard.Guard`; slow heads:
+:func:`~rlpost.rollout.serve.net.guarded_h11`. Bad input is a 4xx with a one-line reason in
+the OpenAI error envelope; a client that disconnects frees its slots; no request can stop the
+server (docs/rollout.md, docs/operations.md).
 """
 
 from __future__ import annotations
