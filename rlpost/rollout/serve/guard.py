@@ -149,11 +149,8 @@ class Guard:
             # connection kept; closing with unread bytes would reset it, and the client
             # could lose this answer. A body too large, or chunked, is not worth reading.
             chunked = any(n == b"transfer-encoding" for n, _ in headers)
-            close = (
-                refusal[0] == 413
-                or chunked
-                or _content_length(headers) > self.settings.max_body_bytes
-            )
+            too_large = _content_length(headers) > self.settings.max_body_bytes
+            close = refusal[0] == 413 or chunked or too_large
             return await self._refuse(send, *refusal, close=close)
         await self.app(scope, self._limited(receive, limit), send)
 
@@ -205,14 +202,11 @@ class Guard:
     async def _refuse(self, send, status: int, message: str, *, close: bool) -> None:
         key = f"refused_{status}"
         self.stats[key] = self.stats.get(key, 0) + 1
-        kind = {401: "authentication_error", 403: "permission_error"}.get(
-            status, "invalid_request_error"
-        )
-        body = json.dumps(error_body(message, kind=kind)).encode()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-        ]
+        kinds = {401: "authentication_error", 403: "permission_error"}
+        body = json.dumps(error_body(message, kind=kinds.get(status, "invalid_request_error")))
+        body = body.encode()
+        headers = [(b"content-type", b"application/json")]
+        headers.append((b"content-length", str(len(body)).encode()))
         if close:
             headers.append((b"connection", b"close"))
         if status == 401:
@@ -295,13 +289,8 @@ def confined_weights_files(path: str, root: Path | None) -> list[Path]:
         files = [f.resolve(strict=True) for f in files]
     except (OSError, RuntimeError, ValueError):
         raise APIError(403, OUTSIDE, "path") from None
-    if (
-        not inside
-        or not files
-        or not all(
-            f.is_relative_to(root) and f.is_file() and f.suffix == ".safetensors" for f in files
-        )
-    ):
+    ok = all(f.is_relative_to(root) and f.is_file() and f.suffix == ".safetensors" for f in files)
+    if not inside or not files or not ok:
         raise APIError(403, OUTSIDE, "path")
     return files
 

@@ -90,10 +90,8 @@ def parse_scoring(body: dict, vocab: int, settings) -> tuple[list[list[int]], li
     if not isinstance(prompts, list) or not prompts:
         raise APIError(400, "prompts must be a non-empty list of token-id lists", "prompts")
     if len(prompts) > settings.max_prompts:
-        raise APIError(
-            400, f"{len(prompts)} prompts; this server takes at most {settings.max_prompts}",
-            "prompts",
-        )  # fmt: skip
+        why = f"{len(prompts)} prompts; this server takes at most {settings.max_prompts}"
+        raise APIError(400, why, "prompts")
     if not isinstance(starts, list) or len(starts) != len(prompts):
         raise APIError(400, "starts must be a list with one position per prompt", "starts")
     limit = settings.max_model_len
@@ -103,10 +101,8 @@ def parse_scoring(body: dict, vocab: int, settings) -> tuple[list[list[int]], li
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompts[{i}] holds a token id outside [0, {vocab})", "prompts")
         if limit is not None and len(ids) > limit:
-            raise APIError(
-                400, f"prompts[{i}] has {len(ids)} tokens; the model's context is {limit}",
-                "prompts",
-            )  # fmt: skip
+            why = f"prompts[{i}] has {len(ids)} tokens; the model's context is {limit}"
+            raise APIError(400, why, "prompts")
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(ids):
             raise APIError(
                 400, f"starts[{i}]={k!r} must be an integer in [1, {len(ids)}]", "starts"
@@ -119,18 +115,15 @@ def check_score_work(prompts: list[list[int]], vocab: int, settings) -> None:
     """A 400 naming the limit a scoring request passes: tokens, or padded logit entries."""
     total = sum(len(p) for p in prompts)
     if total > settings.max_request_tokens:
-        raise APIError(
-            400, f"{total} tokens in one request; this server takes at most "
-            f"{settings.max_request_tokens} (--max-request-tokens)", "prompts",
-        )  # fmt: skip
+        why = f"{total} tokens in one request; this server takes at most "
+        raise APIError(400, f"{why}{settings.max_request_tokens} (--max-request-tokens)", "prompts")
     longest = max(len(p) for p in prompts)
     entries = len(prompts) * longest * vocab
     if entries > settings.max_score_entries:
-        raise APIError(
-            400, f"{len(prompts)} prompts x {longest} positions (the longest) x {vocab} "
-            f"vocabulary = {entries} logit entries; this server takes at most "
-            f"{settings.max_score_entries} in one request (--max-score-entries)", "prompts",
-        )  # fmt: skip
+        why = f"{len(prompts)} prompts x {longest} positions (the longest) x {vocab} vocabulary"
+        why += f" = {entries} logit entries; this server takes at most "
+        why += f"{settings.max_score_entries} in one request (--max-score-entries)"
+        raise APIError(400, why, "prompts")
 
 
 def score(
