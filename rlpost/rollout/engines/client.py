@@ -1,23 +1,16 @@
 """HTTP client for rollout servers, and a load balancer over several of them.
 
-The wire format is the OpenAI completions API with token-id prompts, so the
-same client talks to ``rlpost serve``, ``vllm serve`` and SGLang. What RL
-needs beyond the OpenAI response is read when present and recovered when not:
+The wire format is the OpenAI completions API with token-id prompts, so one client talks to
+``rlpost serve``, ``vllm serve`` and SGLang. What RL needs beyond it is read when present and
+recovered when not: the sampled ids (``choices[i].token_ids``; else vLLM's ``logprobs.tokens``
+spelt ``token_id:N``; else the text re-tokenized, its count checked against the logprobs: a
+mismatch is an error, never a silent misalignment) and the policy version (``policy_version``,
+else the caller's).
 
-* sampled token ids: ``choices[i].token_ids`` (rlpost; vLLM with
-  ``return_token_ids``), else vLLM's ``logprobs.tokens`` spelt
-  ``token_id:N`` (``return_tokens_as_token_ids``), else the text re-tokenized
-  (exact only when the server's tokenizer round-trips the text; the count is
-  checked against the logprobs and a mismatch is an error, never a silent
-  misalignment);
-* the policy version: ``policy_version`` (rlpost), else the caller's.
-
-:class:`RequestLoadBalancer` sends each job (one prompt with its whole group,
-``n = G``, so a group never spans servers) to the healthy server with the
-fewest outstanding requests. A connection error, timeout or 5xx takes that
-server out of rotation for a cool-down and re-queues only the jobs that did
-not complete; results are keyed by job id, so no prompt is lost or counted
-twice. A 4xx is the caller's mistake and is raised at once.
+:class:`RequestLoadBalancer` sends each job (one prompt with its whole group, so a group never
+spans servers) to the healthy server with the fewest outstanding requests. A connection error,
+timeout or 5xx benches that server for a cool-down and re-queues only the jobs not completed;
+results are keyed by job id, so no prompt is lost or counted twice. A 4xx is raised at once.
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
 """``rollout.engine=remote``: the rollout protocol over HTTP rollout servers.
 
-Each prompt becomes one ``/v1/completions`` request with ``n = G``, so a GRPO
-group is sampled (and its prompt prefilled) on one server; the
-:class:`~rlpost.rollout.engines.client.RequestLoadBalancer` spreads prompts by
-fewest outstanding requests and re-sends the requests of a server that fails.
-Request seeds are drawn from ``engine.generator``, so a run is reproducible
-against the same servers and checkpointing the generator state is enough.
+Each prompt is one ``/v1/completions`` request with ``n = G``, so a group is sampled (and its
+prompt prefilled) on one server; :class:`~rlpost.rollout.engines.client.RequestLoadBalancer`
+spreads and re-sends. Request seeds come from ``engine.generator``, so a run is reproducible
+against the same servers and checkpointing the generator suffices.
 
-Works against ``rlpost serve`` and, for generation, against ``vllm serve`` and
-SGLang (token ids are recovered when a server does not return them; see
-:mod:`rlpost.rollout.engines.client`). Weights reach the servers' ``/v1/sync`` routes
-from the run's weight path (:mod:`rlpost.pipeline.weights`: the ``http``
-channel of :mod:`rlpost.sync`, with ``sync.codec``, ``sync.delta`` and
-verification), an rlpost endpoint; a stock ``vllm serve`` takes them through
-its development routes (``rollout.engine.server=vllm``,
-:mod:`rlpost.rollout.engines.vllm_server`), and an endpoint that takes none
-(``server=openai``) serves evaluation only. The path then calls :meth:`RemoteEngine.weights_served`:
-a server that missed the update would serve stale weights, so it is taken out
-of rotation; the update fails only if no server took it. ``load_weights``
-does the same push for a script driving an engine of its own.
+Generation works against ``rlpost serve``, ``vllm serve`` and SGLang. Weights reach rlpost
+servers' ``/v1/sync`` routes from the run's weight path (:mod:`rlpost.pipeline.weights`), a
+stock ``vllm serve`` through its development routes (``rollout.engine.server=vllm``,
+:mod:`rlpost.rollout.engines.vllm_server`); ``server=openai`` takes none (evaluation only). The
+path then calls :meth:`RemoteEngine.weights_served`: a server that missed the update leaves
+the rotation; the update fails only if no server took it. ``load_weights`` does the same push
+for a script driving an engine of its own.
 """
 
 from __future__ import annotations

@@ -1,24 +1,18 @@
 """Multi-turn episodes with tools and environments, token in and token out.
 
-An episode is one growing token list: the prompt, the policy's turn, the
-environment's answer, the policy again. Each policy turn is an engine call
-that continues the whole list (the engines' prefix caches reuse everything
-before the new tokens; the first turn samples the ``n`` episodes of a prompt
-from one prefill). The environment's answer is tokenized once and appended as
-tokens with ``loss_mask`` 0 and logprob 0.0; the policy's tokens are appended
-exactly as sampled, with the engine's logprobs and the version of the weights
-that sampled each one. Nothing is ever decoded and re-encoded into the
-sequence, so the trainer sees exactly the ids the policy was conditioned on
-and produced, and never learns to write tool output.
+An episode is one growing token list: prompt, policy turn, environment answer, policy again.
+Each policy turn is an engine call continuing the whole list (prefix caches reuse what came
+before; the first turn samples a prompt's ``n`` episodes from one prefill). An answer is
+tokenized once and appended with ``loss_mask`` 0 and logprob 0.0; the policy's tokens are
+appended as sampled, with their logprobs and versions. Nothing is decoded and re-encoded into
+the sequence, so the trainer sees exactly the ids the policy saw and produced, and never
+learns to write tool output.
 
-How a call is written and answered is the format's business
-(:mod:`rlpost.envs.formats`: plain tags, or the chat template's tool format);
-what a call does is the environment's (:mod:`rlpost.envs`). Two budgets end
-runaway episodes and are counted: ``max_turns`` policy turns (a call in the
-last allowed turn is not run) and ``params.max_tokens`` response tokens, policy
-and environment tokens together (``max_tool_tokens`` bounds one answer). An
-environment call that raises answers ``error: ...`` to the policy and is
-counted; it never ends the rollout.
+How a call is written is the format's business (:mod:`rlpost.envs.formats`), what it does the
+environment's (:mod:`rlpost.envs`). Budgets end runaway episodes and are counted:
+``max_turns`` policy turns (a call in the last one is not run) and ``params.max_tokens``
+response tokens, policy and environment together (``max_tool_tokens`` bounds one answer). An
+environment call that raises answers ``error: ...`` and is counted; it never ends the rollout.
 """
 
 from __future__ import annotations

@@ -1,26 +1,21 @@
 """Recorded sessions on the OpenAI server: what an outside agent's requests sampled.
 
-A request sent under ``/sessions/<id>/v1/...`` is served like any other and
-recorded in session ``<id>``: the prompt token ids the chat template produced,
-the sampled token ids, their logprobs and the policy version of every token.
-A finished session becomes training samples (:func:`session_samples`): token in,
+A request under ``/sessions/<id>/v1/...`` is served like any other and recorded in session
+``<id>``: the prompt ids the chat template produced, the sampled ids, their logprobs and
+versions. A finished session becomes training samples (:func:`session_samples`), token in,
 token out, exactly as recorded.
 
-A session samples at the sampling parameters it was opened with (the run's),
-whatever the agent asks: the trainer recomputes the logprobs of that
-distribution, so a harness's own temperature or penalties would make the
-recorded logprobs wrong. A session is bounded (requests, sampled tokens, wall
-time); a request past a bound, with ``n`` > 1 or ``stream=true`` is a 400 in
-one line, and an unknown or closed session is a 404 naming it. A request is
-admitted against what the session has left after the requests still
-generating (each reserves its requests and ``max_tokens`` until it ends), so
-concurrent requests cannot together pass a bound.
+A session samples at the parameters it was opened with (the run's), whatever the agent asks:
+the trainer recomputes that distribution's logprobs, so a harness's own temperature or
+penalties would make them wrong. Requests, sampled tokens and wall time are bounded; a request
+past a bound, with ``n`` > 1 or ``stream=true`` is a 400, an unknown or closed session a 404.
+A request is admitted against what is left after those still generating (each reserves its
+request and ``max_tokens`` until it ends), so concurrent requests cannot pass a bound together.
 
-A session's id names it; its key (``Authorization: Bearer <key>``, random per
-session) is the credential every request under ``/sessions/<id>/v1`` must
-carry: an agent that learns another session's id still cannot send into it.
-A store holds at most ``max_open`` sessions (429 past it) and closes, on the
-next open, every session more than ``reap_after_s`` past its wall bound.
+Each session has a random key (``Authorization: Bearer <key>``) that every request under it
+must carry: an agent that learns another session's id still cannot send into it. A store
+holds at most ``max_open`` sessions (429) and, on the next open, closes every session more
+than ``reap_after_s`` past its wall bound.
 """
 
 from __future__ import annotations
