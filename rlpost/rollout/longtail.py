@@ -306,22 +306,20 @@ class PartialRollout:
             s.finish = "length"
 
     def _completions(self, g: _Group, group: int) -> list[VersionedCompletion]:
-        out = []
-        for s in g.samples:
-            text = (
-                self.tokenizer.decode(s.tokens, skip_special_tokens=True) if self.tokenizer else ""
+        def text(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+
+        return [
+            VersionedCompletion(
+                prompt_ids=list(g.prompt_ids),
+                token_ids=s.tokens,
+                logprobs=s.logprobs,
+                finish_reason=s.finish,
+                policy_version=s.versions[0],
+                group=group,
+                text=text(s.tokens),
+                versions=sorted(set(s.versions)),
+                token_versions=list(s.token_versions),
             )
-            out.append(
-                VersionedCompletion(
-                    prompt_ids=list(g.prompt_ids),
-                    token_ids=s.tokens,
-                    logprobs=s.logprobs,
-                    finish_reason=s.finish,
-                    policy_version=s.versions[0],
-                    group=group,
-                    text=text,
-                    versions=sorted(set(s.versions)),
-                    token_versions=list(s.token_versions),
-                )
-            )
-        return out
+            for s in g.samples
+        ]

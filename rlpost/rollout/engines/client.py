@@ -257,10 +257,8 @@ def keys_from_env(api_key_env: str | None, admin_key_env: str | None) -> dict[st
     """``api_key`` and ``admin_key`` read from the environment variables these name."""
     import os
 
-    def read(name: str | None) -> str | None:
-        return (os.environ.get(name) or None) if name else None
-
-    return {"api_key": read(api_key_env), "admin_key": read(admin_key_env)}
+    names = {"api_key": api_key_env, "admin_key": admin_key_env}
+    return {key: (os.environ.get(name) or None) if name else None for key, name in names.items()}
 
 
 def _retry_after(r: httpx.Response) -> float | None:
@@ -392,18 +390,13 @@ class RequestLoadBalancer:
         self.disable(url, 0.0)
 
     def stats(self) -> dict:
-        return {
-            "retries": self.retries,
-            "servers": {
-                s.client.url: {
-                    "completed": s.completed,
-                    "failures": s.failures,
-                    "outstanding": s.outstanding,
-                    "up": s.down_until <= time.monotonic(),
-                }
-                for s in self.servers
-            },
-        }
+        now = time.monotonic()
+        servers = {
+            s.client.url: {"completed": s.completed, "failures": s.failures,
+                           "outstanding": s.outstanding, "up": s.down_until <= now}
+            for s in self.servers
+        }  # fmt: skip
+        return {"retries": self.retries, "servers": servers}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
