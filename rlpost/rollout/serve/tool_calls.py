@@ -1,19 +1,12 @@
 """Tool calls on ``/v1/chat/completions``: the request's tools, the chat, the model's calls.
 
-A request's ``tools`` (function tools with JSON-schema parameters) and
-``tool_choice`` are checked here (a 400 naming the problem), rendered by the
-tokenizer's own chat template (``apply_chat_template(messages, tools=...)``,
-so the model sees tools as it was trained to), and the model's output is read
-back into OpenAI ``tool_calls`` by the server's call format
-(:mod:`rlpost.rollout.serve.tool_parsers`). Assistant messages carrying
-``tool_calls`` and ``role: tool`` answers are handed to the template as
-Hugging Face expects them (arguments as an object).
-
-There is no constrained decoding: ``tool_choice: "required"`` and a named
-function are honoured by writing the opening of a call after the generation
-prompt (its tokens are prompt, not sampled), and the model completes it; a
-completion that still does not decode stays content and counts as a parse
-failure.
+``tools`` (function tools with JSON-schema parameters) and ``tool_choice`` are checked here,
+rendered by the tokenizer's own chat template (the model sees tools as it was trained to), and
+the output is read back into ``tool_calls`` by the server's call format
+(:mod:`rlpost.rollout.serve.tool_parsers`). There is no constrained decoding: ``required`` and
+a named function are honoured by writing the opening of a call after the generation prompt
+(prompt tokens, not sampled); a completion that still does not decode stays content and
+counts as a parse failure.
 """
 
 from __future__ import annotations
