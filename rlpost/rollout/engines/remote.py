@@ -31,7 +31,7 @@ from rlpost.rollout.engines.client import (
     seeds_from,
 )
 from rlpost.rollout.engines.continuous import VersionedCompletion
-from rlpost.rollout.engines.protocol import SamplingParams, TokenRate
+from rlpost.rollout.engines.protocol import SamplingParams, TokenRate, prompt_seeds
 from rlpost.sync import SyncError, SyncStats, TransportOptions, WeightSync, make_transport
 
 FINISH_REASONS = ("stop", "length")
@@ -80,9 +80,8 @@ class RemoteEngine(TokenRate):
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("empty prompt: every prompt needs at least one token")
         tag = uuid.uuid4().hex[:12]
-        if params.seed is not None:  # a fixed seed leaves the engine's stream untouched
-            seeds = [params.seed + i for i in range(len(prompt_ids))]
-        else:
+        seeds = prompt_seeds(params.seed, len(prompt_ids))
+        if params.seed is None:  # a fixed seed leaves the engine's stream untouched
             seeds = seeds_from(self.generator, len(prompt_ids))
         jobs = [
             Job(f"{tag}-{i}", list(p), params, n, seed, self.extra_body)

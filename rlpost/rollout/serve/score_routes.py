@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Generator
 
 from fastapi import APIRouter, Request
@@ -34,7 +33,6 @@ from rlpost.rollout.serve.openai_params import APIError, parse_json_object
 from rlpost.train.lm_head import chunk_tokens
 
 router = APIRouter(prefix="/v1")
-POLL_SECONDS = 0.1  # how often a waiting request checks that its client is still there
 # Padded positions of the rows that go through the decoder together: one piece of work
 # between two decode steps, so a few steps' time, not hundreds.
 ROW_POSITIONS = 512
@@ -66,18 +64,9 @@ async def prompt_logprobs(request: Request):
     # Released when the work has ended, not when the client has: until then it holds memory.
     future.add_done_callback(lambda _: service.budget.release(len(prompts)))
     work = asyncio.wrap_future(future)
-    deadline = time.monotonic() + service.settings.request_timeout_s
     try:
-        while not work.done():
-            await asyncio.wait({work}, timeout=POLL_SECONDS)
-            if work.done():
-                break
-            if await request.is_disconnected():
-                service.counts["disconnected"] += 1
-                return Response(status_code=499)  # nobody is listening
-            if time.monotonic() > deadline:
-                service.counts["timed_out"] += 1
-                raise APIError(504, service.timeout_line())
+        if not await service.wait(request, [work]):
+            return Response(status_code=499)  # nobody is listening
         rows = work.result()
     finally:
         future.cancel()  # stops it before its next piece; nothing when it has ended

@@ -44,6 +44,7 @@ from rlpost.observe import Recorder
 from rlpost.rollout.engines.backlog import Backlog, backlog_limit
 from rlpost.rollout.engines.client import decode_weights
 from rlpost.rollout.engines.prefix_cache import PrefixCache
+from rlpost.rollout.engines.protocol import prompt_seeds
 from rlpost.rollout.engines.scheduler import GenerationRequest, Scheduler, Ticket
 from rlpost.rollout.serve.guard import (
     MIB,
@@ -140,14 +141,10 @@ class RolloutService:
         ``on_token(prompt_index, event)`` observes every sampled token (streaming).
         """
         fields = dict(fields)
-        seed = fields.pop("seed")
+        seeds = prompt_seeds(fields.pop("seed"), len(prompts))
         requests = [
-            # A distinct seed per prompt, or every prompt would draw the same random stream.
             GenerationRequest(
-                p,
-                seed=None if seed is None else seed + i,
-                on_token=None if on_token is None else partial(on_token, i),
-                **fields,
+                p, seed=seeds[i], on_token=on_token and partial(on_token, i), **fields
             )
             for i, p in enumerate(prompts)
         ]
@@ -167,20 +164,24 @@ class RolloutService:
         """The outputs of every prompt; None when the client went away."""
         tickets = self.submit(prompts, fields)
         futures = [asyncio.wrap_future(t.future) for t in tickets]
-        deadline = time.monotonic() + self.settings.request_timeout_s
         try:
-            pending = set(futures)
-            while pending:
-                _, pending = await asyncio.wait(pending, timeout=POLL_SECONDS)
-                if pending and await request.is_disconnected():
-                    self.counts["disconnected"] += 1
-                    return None
-                if pending and time.monotonic() > deadline:
-                    self.counts["timed_out"] += 1
-                    raise APIError(504, self.timeout_line())
-            return [f.result() for f in futures]
+            return [f.result() for f in futures] if await self.wait(request, futures) else None
         finally:
             self.cancel(tickets)
+
+    async def wait(self, request: Request, futures: list) -> bool:
+        """Until ``futures`` are done (True), or the client went away (False); a 504 past the
+        request timeout."""
+        deadline, pending = time.monotonic() + self.settings.request_timeout_s, set(futures)
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=POLL_SECONDS)
+            if pending and await request.is_disconnected():
+                self.counts["disconnected"] += 1
+                return False
+            if pending and time.monotonic() > deadline:
+                self.counts["timed_out"] += 1
+                raise APIError(504, self.timeout_line())
+        return True
 
     def timeout_line(self) -> str:
         return f"the request ran past the server's --request-timeout of {self.settings.request_timeout_s} s"
