@@ -67,11 +67,12 @@ class GuardSettings:
         return f"GuardSettings(api_key={'set' if self.api_key else None}, admin_key={'set' if self.admin_key else None}, ...)"
 
 
-def _digest(key: str | None) -> bytes | None:
+def key_digest(key: str | None) -> bytes | None:
     return hashlib.sha256(key.encode()).digest() if key else None
 
 
-def _matches(token: str | None, digest: bytes | None) -> bool:
+def key_matches(token: str | None, digest: bytes | None) -> bool:
+    """``token`` hashes to ``digest`` (compared in constant time, length included)."""
     if token is None or digest is None:
         return False
     return hmac.compare_digest(hashlib.sha256(token.encode()).digest(), digest)
@@ -105,7 +106,7 @@ class Guard:
 
     def __init__(self, app, settings: GuardSettings, stats: dict | None = None) -> None:
         self.app, self.settings = app, settings
-        self._api, self._admin = _digest(settings.api_key), _digest(settings.admin_key)
+        self._api, self._admin = key_digest(settings.api_key), key_digest(settings.admin_key)
         self.stats = stats if stats is not None else {}
         self.stats["pending"] = 0
 
@@ -114,16 +115,16 @@ class Guard:
         if path in OPEN_PATHS:
             return None
         if is_admin_path(path):
-            if _matches(token, self._admin):
+            if key_matches(token, self._admin):
                 return None
             if self._admin is None:  # closed: any local process could replace the weights
                 return 403, NO_ADMIN_KEY
-            if _matches(token, self._api):
+            if key_matches(token, self._api):
                 return 403, "this endpoint needs the admin key; the API key is not enough"
             return 401, "missing or wrong admin key (send Authorization: Bearer <admin key>)"
         if SESSION_PATH.fullmatch(path):  # the route checks the session's own key
             return None
-        if self._api is None or _matches(token, self._api) or _matches(token, self._admin):
+        if self._api is None or key_matches(token, self._api) or key_matches(token, self._admin):
             return None
         return 401, "missing or wrong API key (send Authorization: Bearer <key>)"
 

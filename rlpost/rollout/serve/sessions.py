@@ -20,8 +20,6 @@ than ``reap_after_s`` past its wall bound.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import math
 import secrets
@@ -34,7 +32,7 @@ from fastapi import Request as HTTPRequest
 from starlette.concurrency import run_in_threadpool
 
 from rlpost.rollout.engines.protocol import SamplingParams
-from rlpost.rollout.serve.guard import bearer_token
+from rlpost.rollout.serve.guard import bearer_token, key_digest, key_matches
 from rlpost.rollout.serve.openai_params import APIError, parse_json_object
 from rlpost.types import Completion, Episode, Turn
 
@@ -82,10 +80,7 @@ class Session:
 
     def accepts(self, token: str | None) -> bool:
         """``token`` is this session's key (compared as digests, in constant time)."""
-        if token is None:
-            return False
-        digest = hashlib.sha256(token.encode()).digest()
-        return hmac.compare_digest(digest, hashlib.sha256(self.key.encode()).digest())
+        return key_matches(token, key_digest(self.key))
 
     def settle(self, granted: int, request: Request | None = None) -> None:
         """End an admitted request: its reservation (one request, ``granted`` tokens) is
@@ -242,18 +237,12 @@ def add_session_routes(app, service, store: SessionStore) -> None:
         def record(results: list, content: bytes) -> None:
             out, choice = results[0][0], json.loads(content)["choices"][0]
             message = choice.get("message") or {}
+            text = message.get("content") or choice.get("text") or ""
+            calls = len(message.get("tool_calls") or [])
+            sampled = (list(out.token_ids), list(out.logprobs), list(out.token_versions))
             settled.append(True)
             session.settle(
-                granted,
-                Request(
-                    list(plan.prompts[0]),
-                    list(out.token_ids),
-                    list(out.logprobs),
-                    list(out.token_versions),
-                    out.finish_reason,
-                    text=message.get("content") or choice.get("text") or "",
-                    tool_calls=len(message.get("tool_calls") or []),
-                ),
+                granted, Request(list(plan.prompts[0]), *sampled, out.finish_reason, text, calls)
             )
 
         try:
