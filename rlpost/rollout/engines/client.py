@@ -150,9 +150,9 @@ def parse_choices(response: dict, tokenize=None, eos_id: int | None = None) -> l
                 c, tokenize, logprobs, eos_id
             )
         if logprobs is None or len(logprobs) != len(ids):
+            count = "no" if logprobs is None else len(logprobs)
             raise ValueError(
-                f"server returned {len(ids)} token ids but "
-                f"{'no' if logprobs is None else len(logprobs)} logprobs for one choice"
+                f"server returned {len(ids)} token ids but {count} logprobs for one choice"
             )
         version = c.get("policy_version", top_version)
         out.append(
@@ -237,10 +237,8 @@ class CompletionClient:
         except httpx.TransportError as exc:  # connection refused/reset, timeouts
             raise ServerUnavailable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from None
         if r.status_code >= 500 or r.status_code in BUSY:
-            raise ServerUnavailable(
-                f"{self.url}{path}: HTTP {r.status_code}: {http_error_line(r)}",
-                retry_after=_retry_after(r),
-            )
+            why = f"{self.url}{path}: HTTP {r.status_code}: {http_error_line(r)}"
+            raise ServerUnavailable(why, retry_after=_retry_after(r))
         if r.status_code >= 400:
             raise RequestRejected(f"{self.url}{path}: HTTP {r.status_code}: {http_error_line(r)}")
         return r.json()

@@ -127,9 +127,9 @@ class VLLMServerSync:
     def _post(self, url: str, **kwargs) -> dict:
         r = self.http.post(url, **kwargs)
         if r.status_code == 404:
+            why = f"start it with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {WORKER_EXTENSION}"
             raise ValueError(
-                f"{url}: HTTP 404: not a vllm serve with its development routes; start it with "
-                f"VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {WORKER_EXTENSION}"
+                f"{url}: HTTP 404: not a vllm serve with its development routes; {why}"
             )
         if r.status_code >= 400:
             raise ValueError(f"{url}: HTTP {r.status_code}: {http_error_line(r)}")

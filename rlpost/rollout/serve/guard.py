@@ -246,12 +246,9 @@ class PendingBudget:
         """Count ``sequences`` as pending, or raise a 429 when they would pass the bound."""
         pending = self.stats["pending"]
         if pending and pending + sequences > self.max_pending:  # an idle server takes any
-            raise APIError(
-                429,
-                f"the server has {pending} of {self.max_pending} sequences pending and this "
-                f"request adds {sequences}; retry later",
-                headers={"retry-after": str(self.retry_after_s)},
-            )
+            why = f"the server has {pending} of {self.max_pending} sequences pending and this "
+            why += f"request adds {sequences}; retry later"
+            raise APIError(429, why, headers={"retry-after": str(self.retry_after_s)})
         self.stats["pending"] = pending + sequences
 
     def release(self, sequences: int) -> None:
@@ -278,11 +275,8 @@ def confined_weights_files(path: str, root: Path | None) -> list[Path]:
     reveals nothing about the file system.
     """
     if root is None:
-        raise APIError(
-            403,
-            "weights from a path are off: start the server with --weights-dir, or stream safetensors bytes",
-            "path",
-        )
+        why = "start the server with --weights-dir, or stream safetensors bytes"
+        raise APIError(403, f"weights from a path are off: {why}", "path")
     try:
         real = (root / path).resolve(strict=True)
         inside = real.is_relative_to(root)

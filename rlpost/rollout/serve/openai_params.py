@@ -274,12 +274,8 @@ def content_text(content: Any, i: int) -> str:
     for j, part in enumerate(content):
         ok = isinstance(part, dict) and part.get("type", "text") == "text"
         if not ok or not isinstance(part.get("text"), str):
-            raise APIError(
-                400,
-                f'{where}[{j}] must be a text part {{"type": "text", "text": string}}, '
-                f"got {shown(part)}",
-                "messages",
-            )
+            why = f'{where}[{j}] must be a text part {{"type": "text", "text": string}}'
+            raise APIError(400, f"{why}, got {shown(part)}", "messages")
         texts.append(checked_text(part["text"], f"{where}[{j}].text"))
     return "".join(texts)
 
@@ -346,19 +342,12 @@ def check_work(prompts: list[list[int]], fields: dict, settings: ServerSettings)
     n, max_tokens, top = fields["n"], fields["params"].max_tokens, fields["top_logprobs"]
     sequences = len(prompts) * n
     if sequences > settings.max_request_sequences:
-        raise APIError(
-            400,
-            f"{len(prompts)} prompts x n={n} = {sequences} sequences; this server takes at most "
-            f"{settings.max_request_sequences} in one request (--max-request-sequences)",
-            "n",
-        )
+        why = f"{len(prompts)} prompts x n={n} = {sequences} sequences; this server takes at most"
+        why += f" {settings.max_request_sequences} in one request (--max-request-sequences)"
+        raise APIError(400, why, "n")
     entries = sequences * max_tokens * (1 + top)
     if entries > settings.max_request_tokens:
-        raise APIError(
-            400,
-            f"{sequences} sequences x max_tokens={max_tokens} x (1 + {top} top logprobs) = "
-            f"{entries} token entries; this server takes at most {settings.max_request_tokens} "
-            "in one request (--max-request-tokens)",
-            "max_tokens",
-        )
+        why = f"{sequences} sequences x max_tokens={max_tokens} x (1 + {top} top logprobs) = "
+        why += f"{entries} token entries; this server takes at most {settings.max_request_tokens}"
+        raise APIError(400, f"{why} in one request (--max-request-tokens)", "max_tokens")
     return sequences

@@ -125,11 +125,9 @@ class SessionStore:
                 del self._open[old.id]
                 self.reaped += 1
             if len(self._open) >= self.max_open:
+                why = f"{len(self._open)} sessions are open, this server's limit (--max-sessions)"
                 raise APIError(
-                    429,
-                    f"{len(self._open)} sessions are open, this server's limit "
-                    "(--max-sessions); close one or retry later",
-                    headers={"retry-after": "1"},
+                    429, f"{why}; close one or retry later", headers={"retry-after": "1"}
                 )
             self._open[session.id] = session
         return session
@@ -214,11 +212,12 @@ def add_session_routes(app, service, store: SessionStore) -> None:
     async def respond(request: HTTPRequest, sid: str, chat: bool):
         session = store.get(sid)
         if not session.accepts(bearer_token(request.scope["headers"])):
+            why = "send Authorization: Bearer <the key the session was opened with>"
+            challenge = {"www-authenticate": "Bearer"}
             raise APIError(
                 401,
-                f"session {sid[:64]!r}: missing or wrong session key (send Authorization: "
-                "Bearer <the key the session was opened with>)",
-                headers={"www-authenticate": "Bearer"},
+                f"session {sid[:64]!r}: missing or wrong session key ({why})",
+                headers=challenge,
             )
         raw, asked = unbounded_body(await request.body())
         try:
