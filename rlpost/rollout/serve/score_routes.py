@@ -21,7 +21,6 @@ logprob needs only its logit and the position's logsumexp.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Generator
 
 from fastapi import APIRouter, Request
@@ -36,10 +35,6 @@ router = APIRouter(prefix="/v1")
 # Padded positions of the rows that go through the decoder together: one piece of work
 # between two decode steps, so a few steps' time, not hundreds.
 ROW_POSITIONS = 512
-
-
-class Stopped(Exception):
-    """The scoring stopped between two chunks: its client went away or it timed out."""
 
 
 @router.get("/tokenizer")
@@ -115,30 +110,13 @@ def check_score_work(prompts: list[list[int]], vocab: int, settings) -> None:
         raise APIError(400, why, "prompts")
 
 
-def score(
-    model, prompts: list[list[int]], starts: list[int], stop: threading.Event | None = None,
-    chunk: int = 0,
-) -> list[list[float]]:  # fmt: skip
-    """``log p(ids[t] | ids[:t])`` for ``t >= starts[i]`` of every sequence (float32 at
-    temperature 1), rows a few at a time, the head ``chunk`` positions at a time (0: what
-    fits :data:`~rlpost.train.lm_head.CHUNK_BYTES`); :class:`Stopped` once ``stop`` is set."""
-    pieces = score_pieces(model, prompts, starts, chunk)
-    while True:
-        try:
-            next(pieces)
-        except StopIteration as end:
-            return end.value
-        if stop is not None and stop.is_set():
-            pieces.close()
-            raise Stopped
-
-
 def score_pieces(
     model, prompts: list[list[int]], starts: list[int], chunk: int = 0
 ) -> Generator[None, None, list[list[float]]]:
-    """:func:`score` as a generator that pauses after each bounded piece of work (a group
-    of rows through the decoder, a chunk of positions through the head) and returns the
-    logprobs."""
+    """``log p(ids[t] | ids[:t])`` for ``t >= starts[i]`` of every sequence (float32 at
+    temperature 1), returned by a generator that pauses after each bounded piece of work: a
+    group of rows through the decoder, ``chunk`` positions through the head (0: what fits
+    :data:`~rlpost.train.lm_head.CHUNK_BYTES`)."""
     import torch
 
     vocab = model.config.vocab_size
