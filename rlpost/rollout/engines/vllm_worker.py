@@ -17,8 +17,6 @@ from safetensors import safe_open
 class WeightLoader:
     """Worker extension: load a weight file into this worker's model, with a version."""
 
-    rlpost_version: int = 0
-
     def rlpost_load_weights(self, path: str, version: int | str) -> list[int]:
         """Copy the tensors of the safetensors file ``path`` into the model; returns
         ``[version, tensors loaded]`` so the caller can check every worker took it.
@@ -35,12 +33,7 @@ class WeightLoader:
         # empty; the reload restores them, loads, and repacks into the same kernel tensors.
         self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
         _reprocess_tied(self.model_runner.get_model())
-        self.rlpost_version = version
         return [version, len(weights)]
-
-    def rlpost_weights_version(self) -> int:
-        """The version of the weights this worker serves."""
-        return self.rlpost_version
 
 
 def _reprocess_tied(model) -> None:
