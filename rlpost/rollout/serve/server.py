@@ -340,7 +340,7 @@ class RolloutService:
             version = _version(request.query_params.get("version"))
             load = partial(decode_weights, await request.body())
         else:
-            body = await json_body(request)
+            body = parse_json_object(await request.body())
             version = _version(body.get("version"))
             path = body.get("path")
             if not isinstance(path, str) or not path or "\0" in path:
@@ -386,10 +386,6 @@ class RolloutService:
             self.window = (now, stats["tokens"], stats["busy_seconds"])
         self.recorder.record(self.scheduler.version, self.rates)
         return Response(generate_latest(self.recorder.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-async def json_body(request: Request) -> dict:
-    return parse_json_object(await request.body())
 
 
 def error_response(status: int, body: dict, headers: dict | None = None) -> Response:
