@@ -74,8 +74,7 @@ class LengthPredictor:
         return {"by_uid": dict(self.by_uid), "by_task": dict(self.by_task), "overall": self.overall}
 
     def load_state_dict(self, state: dict) -> None:
-        self.by_uid = dict(state["by_uid"])
-        self.by_task = dict(state["by_task"])
+        self.by_uid, self.by_task = dict(state["by_uid"]), dict(state["by_task"])
         self.overall = state["overall"]
 
 

@@ -155,16 +155,10 @@ def parse_choices(response: dict, tokenize=None, eos_id: int | None = None) -> l
                 f"server returned {len(ids)} token ids but {count} logprobs for one choice"
             )
         version = c.get("policy_version", top_version)
-        out.append(
-            Choice(
-                token_ids=[int(t) for t in ids],
-                logprobs=[float(x) if x is not None else -math.inf for x in logprobs],
-                finish_reason=c.get("finish_reason") or "abort",
-                text=c.get("text", ""),
-                policy_version=version,
-                versions=c.get("policy_versions") or ([version] if version is not None else []),
-            )
-        )
+        versions = c.get("policy_versions") or ([version] if version is not None else [])
+        lps = [float(x) if x is not None else -math.inf for x in logprobs]
+        reason, text = c.get("finish_reason") or "abort", c.get("text", "")
+        out.append(Choice([int(t) for t in ids], lps, reason, text, version, versions))
     return out
 
 
