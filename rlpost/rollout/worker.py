@@ -117,7 +117,6 @@ class RolloutWorker:
             buckets = bucket_by_length(prompts, self.lengths, math.ceil(len(prompts) / per_batch))
             prompts = [prompts[i] for b in buckets for i in b]
         ids = self._ids(prompts)
-        stats: dict[str, float] = {}
         if self.partial is None:
             completions, stats = self._sample(prompts, ids, params, n)
         else:
