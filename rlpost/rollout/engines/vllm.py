@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 
 from rlpost.resolved import ENGINES
 from rlpost.rollout.engines.client import savable
-from rlpost.rollout.engines.protocol import SamplingParams, TokenRate, prompt_seeds
+from rlpost.rollout.engines.protocol import SamplingParams, TokenRate
 from rlpost.types import Completion
 
 MISSING = "rollout.engine=vllm needs the [vllm] extra: pip install 'rlpost[vllm]'"
@@ -126,8 +126,8 @@ class VLLMEngine(TokenRate):
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
         if params.seed is None:
             sampling = self._params(params, n, None)
-        else:
-            sampling = [self._params(params, n, s) for s in prompt_seeds(params.seed, len(prompts))]
+        else:  # one seed per prompt, or every prompt would draw the same random stream
+            sampling = [self._params(params, n, params.seed + i) for i in range(len(prompts))]
         start = time.perf_counter()
         outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
         self.seconds += time.perf_counter() - start
