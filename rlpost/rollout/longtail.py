@@ -1,33 +1,27 @@
 """Long-tail control: length-aware batching and partial rollout.
 
-A synchronous RL step waits for its longest response; with long-tailed
-lengths most of the batch sits finished while a few samples decode alone.
-Two remedies, usable together:
+A synchronous step waits for its longest response; with long-tailed lengths most of the batch
+sits finished while a few samples decode alone. Two remedies, usable together:
 
-* **Length-aware batching.** :class:`LengthPredictor` keeps an exponential
-  moving average of past response lengths per prompt uid, per task and
-  overall; :func:`bucket_by_length` groups prompts of similar predicted length
-  so a batch of short ones does not wait for a long one.
-* **Partial rollout** (Kimi k1.5, section 2.6.2; AReaL). :class:`PartialRollout`
-  ends a step once ``fraction`` (default 0.8) of its samples are done. Groups
-  whose samples are all done go to training (a GRPO advantage needs the whole
-  group); the others are carried into the next step with their tokens,
-  logprobs and versions and never dropped (:meth:`PartialRollout.flush`
-  finishes them). On :class:`~rlpost.rollout.engines.continuous.ContinuousEngine` (the in-process scheduler) the
-  step stops the moment it is done: unfinished samples are aborted at a
-  decode-step boundary and handed back with their tokens. Any other engine
-  is driven in chunks of tokens. Either way a carried sample continues by
-  re-prefilling prompt + its tokens, which the prefix cache makes cheap.
+* **Length-aware batching.** :class:`LengthPredictor` keeps an EMA of response lengths per
+  prompt uid, per task and overall; :func:`bucket_by_length` groups prompts of similar
+  predicted length.
+* **Partial rollout** (Kimi k1.5, section 2.6.2; AReaL). :class:`PartialRollout` ends a step
+  once ``fraction`` of its samples are done. Whole groups go to training (a GRPO advantage
+  needs the whole group); the others are carried, tokens, logprobs and versions, and never
+  dropped (:meth:`PartialRollout.flush`). On the in-process
+  :class:`~rlpost.rollout.engines.continuous.ContinuousEngine` unfinished samples are aborted
+  at a decode-step boundary and handed back; any other engine is driven in chunks of tokens.
+  A carried sample continues by re-prefilling prompt + its tokens (cheap: prefix cache).
 
-A completion keeps the version of the weights that produced its *first*
-token as ``policy_version`` and lists every version it spans in ``versions``.
+A completion's ``policy_version`` is that of its *first* token; ``versions`` lists all it spans.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from rlpost.rollout.engines.continuous import VersionedCompletion
@@ -80,8 +74,7 @@ class LengthPredictor:
         return {"by_uid": dict(self.by_uid), "by_task": dict(self.by_task), "overall": self.overall}
 
     def load_state_dict(self, state: dict) -> None:
-        self.by_uid = dict(state["by_uid"])
-        self.by_task = dict(state["by_task"])
+        self.by_uid, self.by_task = dict(state["by_uid"]), dict(state["by_task"])
         self.overall = state["overall"]
 
 
@@ -141,8 +134,8 @@ class PartialStep:
     payloads: list[Any]
     carried_groups: int
     carried_samples: int
-    chunks: int
     done_fraction: float
+    chunks: int = 0  # engine calls in chunks of tokens (episodes: 0)
 
 
 class PartialRollout:
@@ -236,35 +229,12 @@ class PartialRollout:
 
     def state_dict(self) -> dict:
         """The carried groups (tokens, logprobs, versions, payloads): a checkpoint resumes them."""
-        return {
-            "pending": [
-                {
-                    "prompt_ids": list(g.prompt_ids),
-                    "payload": g.payload,
-                    "steps_carried": g.steps_carried,
-                    "samples": [
-                        {
-                            "tokens": list(x.tokens),
-                            "logprobs": list(x.logprobs),
-                            "versions": list(x.versions),
-                            "token_versions": list(x.token_versions),
-                            "finish": x.finish,
-                        }
-                        for x in g.samples
-                    ],
-                }
-                for g in self.pending
-            ]
-        }
+        groups = [{**vars(g), "samples": [asdict(x) for x in g.samples]} for g in self.pending]
+        return {"pending": groups}
 
     def load_state_dict(self, state: dict) -> None:
         self.pending = [
-            _Group(
-                list(g["prompt_ids"]),
-                g["payload"],
-                [_Sample(**x) for x in g["samples"]],
-                g["steps_carried"],
-            )
+            _Group(**{**g, "samples": [_Sample(**x) for x in g["samples"]]})
             for g in state["pending"]
         ]
 
@@ -335,22 +305,20 @@ class PartialRollout:
             s.finish = "length"
 
     def _completions(self, g: _Group, group: int) -> list[VersionedCompletion]:
-        out = []
-        for s in g.samples:
-            text = (
-                self.tokenizer.decode(s.tokens, skip_special_tokens=True) if self.tokenizer else ""
+        def text(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+
+        return [
+            VersionedCompletion(
+                prompt_ids=list(g.prompt_ids),
+                token_ids=s.tokens,
+                logprobs=s.logprobs,
+                finish_reason=s.finish,
+                policy_version=s.versions[0],
+                group=group,
+                text=text(s.tokens),
+                versions=sorted(set(s.versions)),
+                token_versions=list(s.token_versions),
             )
-            out.append(
-                VersionedCompletion(
-                    prompt_ids=list(g.prompt_ids),
-                    token_ids=s.tokens,
-                    logprobs=s.logprobs,
-                    finish_reason=s.finish,
-                    policy_version=s.versions[0],
-                    group=group,
-                    text=text,
-                    versions=sorted(set(s.versions)),
-                    token_versions=list(s.token_versions),
-                )
-            )
-        return out
+            for s in g.samples
+        ]

@@ -107,11 +107,8 @@ class RolloutWorker:
         never samples from weights the caller has moved past.
         """
         if min_version is not None and self.version() < min_version:
-            raise WorkerError(
-                "rollout",
-                "behind",
-                f"holds weights version {self.version()}, was sent {min_version}",
-            )
+            why = f"holds weights version {self.version()}, was sent {min_version}"
+            raise WorkerError("rollout", "behind", why)
         if not train:
             completions, stats = self._sample(prompts, self._ids(prompts), params, n)
             return RolloutResult(to_groups(prompts, completions, n, by_index=self._by_index), stats)
@@ -120,7 +117,6 @@ class RolloutWorker:
             buckets = bucket_by_length(prompts, self.lengths, math.ceil(len(prompts) / per_batch))
             prompts = [prompts[i] for b in buckets for i in b]
         ids = self._ids(prompts)
-        stats: dict[str, float] = {}
         if self.partial is None:
             completions, stats = self._sample(prompts, ids, params, n)
         else:
@@ -133,12 +129,9 @@ class RolloutWorker:
                 out = self.partial.step(ids, params, n, payloads=prompts, fraction=fraction)
                 extra = {}
             prompts, completions = out.payloads, out.completions
-            stats = {
-                "carried_samples": float(out.carried_samples),
-                "carried_groups": float(out.carried_groups),
-                "partial_done_fraction": out.done_fraction,
-                **extra,
-            }
+            carried = {"carried_samples": float(out.carried_samples)}
+            carried["carried_groups"] = float(out.carried_groups)
+            stats = {**carried, "partial_done_fraction": out.done_fraction, **extra}
         groups = to_groups(prompts, completions, n, by_index=self._by_index)
         if self.lengths is not None:
             for g in groups:

@@ -289,7 +289,7 @@ def test_session_bounds_and_unknown_sessions_are_4xx(engine):
             )
         assert full.bound_hit == "tokens"  # a full context ends the session as truncated
         assert one.bound_hit == "requests" and few.bound_hit == "tokens"
-        assert len(one.requests) == 1 and json.dumps(one.requests[0].versions)
+        assert len(one.requests) == 1 and json.dumps(one.requests[0].token_versions)
     finally:
         runner.close()
 

@@ -158,7 +158,7 @@ def test_the_runner_opens_sessions_on_the_servers_and_trains_on_their_records(se
         assert len(got) == 2 and [r.token_ids for r in session.requests] == [
             r["token_ids"] for r in got
         ]
-        assert [r.versions for r in session.requests] == [r["token_versions"] for r in got]
+        assert [r.token_versions for r in session.requests] == [r["token_versions"] for r in got]
     # every trained token and logprob is one the servers recorded, in order, session by session
     recorded = [
         (t, lp) for s in runner.last_sessions for r in records[s.id]["requests"]

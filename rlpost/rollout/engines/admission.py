@@ -1,21 +1,13 @@
 """Which waiting samples join the batch next: fair shares across submissions, not FIFO.
 
-First come, first served lets one submission of 1024 prompts x n 64 hold every
-slot until it is done while a request of one prompt, sent a moment later,
-waits behind all of it. Here each submission (one ``Scheduler.submit_all``
-call: one HTTP request) is a queue of its own, and a free slot goes to the
-submission with the fewest sequences in the batch (ties: the one that came
-first), so a small request joins at the next step boundary however large the
-requests ahead of it. Within a submission the order is kept.
-
-A submission holds at most ``cap`` rows of the batch while another one runs or
-waits, so a long request (a stream nobody reads, a thousand samples) cannot fill
-the batch and leave later requests waiting for its rows; a submission alone
-fills the batch (a training step's single submission loses nothing). A
-ticket's ``n`` samples need not join together: a ticket larger than the room
-left joins in parts (``take`` says how many of its samples), so a large ``n``
-neither waits for an empty batch nor holds back the small requests behind it
-while the batch drains.
+Under first come, first served one submission of 1024 prompts x n 64 holds every slot while a
+one-prompt request sent a moment later waits behind it. Here each submission (one
+``Scheduler.submit_all`` call: one HTTP request) is a queue of its own, and a free slot goes to
+the submission with the fewest sequences in the batch (ties: the earliest); order within a
+submission is kept. While another submission runs or waits, one holds at most ``cap`` rows, so
+a long request cannot fill the batch; alone it fills it (a training step loses nothing). A
+ticket larger than the room left joins in parts, so a large ``n`` neither waits for an empty
+batch nor holds back the small requests behind it.
 """
 
 from __future__ import annotations

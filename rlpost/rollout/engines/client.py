@@ -1,23 +1,16 @@
 """HTTP client for rollout servers, and a load balancer over several of them.
 
-The wire format is the OpenAI completions API with token-id prompts, so the
-same client talks to ``rlpost serve``, ``vllm serve`` and SGLang. What RL
-needs beyond the OpenAI response is read when present and recovered when not:
+The wire format is the OpenAI completions API with token-id prompts, so one client talks to
+``rlpost serve``, ``vllm serve`` and SGLang. What RL needs beyond it is read when present and
+recovered when not: the sampled ids (``choices[i].token_ids``; else vLLM's ``logprobs.tokens``
+spelt ``token_id:N``; else the text re-tokenized, its count checked against the logprobs: a
+mismatch is an error, never a silent misalignment) and the policy version (``policy_version``,
+else the caller's).
 
-* sampled token ids: ``choices[i].token_ids`` (rlpost; vLLM with
-  ``return_token_ids``), else vLLM's ``logprobs.tokens`` spelt
-  ``token_id:N`` (``return_tokens_as_token_ids``), else the text re-tokenized
-  (exact only when the server's tokenizer round-trips the text; the count is
-  checked against the logprobs and a mismatch is an error, never a silent
-  misalignment);
-* the policy version: ``policy_version`` (rlpost), else the caller's.
-
-:class:`RequestLoadBalancer` sends each job (one prompt with its whole group,
-``n = G``, so a group never spans servers) to the healthy server with the
-fewest outstanding requests. A connection error, timeout or 5xx takes that
-server out of rotation for a cool-down and re-queues only the jobs that did
-not complete; results are keyed by job id, so no prompt is lost or counted
-twice. A 4xx is the caller's mistake and is raised at once.
+:class:`RequestLoadBalancer` sends each job (one prompt with its whole group, so a group never
+spans servers) to the healthy server with the fewest outstanding requests. A connection error,
+timeout or 5xx benches that server for a cool-down and re-queues only the jobs not completed;
+results are keyed by job id, so no prompt is lost or counted twice. A 4xx is raised at once.
 """
 
 from __future__ import annotations
@@ -82,19 +75,23 @@ class Job:
 # ------------------------------------------------------------ wire format
 
 
-def encode_weights(named_tensors) -> bytes:
-    """Safetensors bytes of ``(name, tensor)`` pairs (tied tensors are written once per name)."""
-    from safetensors.torch import save
-
+def savable(named_tensors) -> dict[str, torch.Tensor]:
+    """``(name, tensor)`` pairs as CPU tensors safetensors can save: a tied tensor is copied
+    once per further name (safetensors refuses two names sharing memory)."""
     seen: set[int] = set()
     tensors = {}
     for name, tensor in named_tensors:
         t = tensor.detach().cpu().contiguous()
-        if t.data_ptr() in seen:
-            t = t.clone()  # safetensors refuses two names sharing memory
+        tensors[name] = t.clone() if t.data_ptr() in seen else t
         seen.add(t.data_ptr())
-        tensors[name] = t
-    return save(tensors)
+    return tensors
+
+
+def encode_weights(named_tensors) -> bytes:
+    """Safetensors bytes of ``(name, tensor)`` pairs (tied tensors are written once per name)."""
+    from safetensors.torch import save
+
+    return save(savable(named_tensors))
 
 
 def decode_weights(payload: bytes) -> dict[str, torch.Tensor]:
@@ -153,21 +150,15 @@ def parse_choices(response: dict, tokenize=None, eos_id: int | None = None) -> l
                 c, tokenize, logprobs, eos_id
             )
         if logprobs is None or len(logprobs) != len(ids):
+            count = "no" if logprobs is None else len(logprobs)
             raise ValueError(
-                f"server returned {len(ids)} token ids but "
-                f"{'no' if logprobs is None else len(logprobs)} logprobs for one choice"
+                f"server returned {len(ids)} token ids but {count} logprobs for one choice"
             )
         version = c.get("policy_version", top_version)
-        out.append(
-            Choice(
-                token_ids=[int(t) for t in ids],
-                logprobs=[float(x) if x is not None else -math.inf for x in logprobs],
-                finish_reason=c.get("finish_reason") or "abort",
-                text=c.get("text", ""),
-                policy_version=version,
-                versions=c.get("policy_versions") or ([version] if version is not None else []),
-            )
-        )
+        versions = c.get("policy_versions") or ([version] if version is not None else [])
+        lps = [float(x) if x is not None else -math.inf for x in logprobs]
+        reason, text = c.get("finish_reason") or "abort", c.get("text", "")
+        out.append(Choice([int(t) for t in ids], lps, reason, text, version, versions))
     return out
 
 
@@ -240,10 +231,8 @@ class CompletionClient:
         except httpx.TransportError as exc:  # connection refused/reset, timeouts
             raise ServerUnavailable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from None
         if r.status_code >= 500 or r.status_code in BUSY:
-            raise ServerUnavailable(
-                f"{self.url}{path}: HTTP {r.status_code}: {http_error_line(r)}",
-                retry_after=_retry_after(r),
-            )
+            why = f"{self.url}{path}: HTTP {r.status_code}: {http_error_line(r)}"
+            raise ServerUnavailable(why, retry_after=_retry_after(r))
         if r.status_code >= 400:
             raise RequestRejected(f"{self.url}{path}: HTTP {r.status_code}: {http_error_line(r)}")
         return r.json()
@@ -260,10 +249,8 @@ def keys_from_env(api_key_env: str | None, admin_key_env: str | None) -> dict[st
     """``api_key`` and ``admin_key`` read from the environment variables these name."""
     import os
 
-    def read(name: str | None) -> str | None:
-        return (os.environ.get(name) or None) if name else None
-
-    return {"api_key": read(api_key_env), "admin_key": read(admin_key_env)}
+    names = {"api_key": api_key_env, "admin_key": admin_key_env}
+    return {key: (os.environ.get(name) or None) if name else None for key, name in names.items()}
 
 
 def _retry_after(r: httpx.Response) -> float | None:
@@ -395,18 +382,13 @@ class RequestLoadBalancer:
         self.disable(url, 0.0)
 
     def stats(self) -> dict:
-        return {
-            "retries": self.retries,
-            "servers": {
-                s.client.url: {
-                    "completed": s.completed,
-                    "failures": s.failures,
-                    "outstanding": s.outstanding,
-                    "up": s.down_until <= time.monotonic(),
-                }
-                for s in self.servers
-            },
-        }
+        now = time.monotonic()
+        servers = {
+            s.client.url: {"completed": s.completed, "failures": s.failures,
+                           "outstanding": s.outstanding, "up": s.down_until <= now}
+            for s in self.servers
+        }  # fmt: skip
+        return {"retries": self.retries, "servers": servers}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -17,7 +17,7 @@ import torch
 from rlpost.resolved import ENGINES, RunFacts
 from rlpost.rollout.engines.hf import serving_copy
 from rlpost.rollout.engines.prefix_cache import PrefixCache
-from rlpost.rollout.engines.protocol import SamplingParams
+from rlpost.rollout.engines.protocol import SamplingParams, prompt_seeds
 from rlpost.rollout.engines.scheduler import GenerationRequest, SampleOutput, Scheduler
 from rlpost.types import Completion
 
@@ -55,14 +55,12 @@ class ContinuousEngine:
     def generate(
         self, prompt_ids: list[list[int]], params: SamplingParams, n: int = 1, group_offset: int = 0
     ) -> list[VersionedCompletion]:
-        # A per-request seed is offset per prompt, or every prompt would draw the same stream.
-        seeds = [None if params.seed is None else params.seed + i for i in range(len(prompt_ids))]
-        tickets = self.scheduler.submit_all(
-            [
-                GenerationRequest(list(p), params, n=n, seed=seed, stop_texts=params.stop_texts)
-                for p, seed in zip(prompt_ids, seeds, strict=True)
-            ]
-        )
+        seeds = prompt_seeds(params.seed, len(prompt_ids))
+        requests = [
+            GenerationRequest(list(p), params, n=n, seed=seed, stop_texts=params.stop_texts)
+            for p, seed in zip(prompt_ids, seeds, strict=True)
+        ]
+        tickets = self.scheduler.submit_all(requests)
         return [
             self._completion(p, out, group_offset + i)
             for i, (p, t) in enumerate(zip(prompt_ids, tickets, strict=True))

@@ -95,14 +95,9 @@ class HFEngine(TokenRate):
             ids, attn = ids.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        out = self.model(
-            input_ids=ids,
-            attention_mask=attn,
-            position_ids=pos,
-            cache=cache,
-            use_cache=True,
-            **({"logits_to_keep": 1} if keeps_logits(self.model) else {}),
-        )
+        last_only = {"logits_to_keep": 1} if keeps_logits(self.model) else {}
+        inputs = {"input_ids": ids, "attention_mask": attn, "position_ids": pos}
+        out = self.model(**inputs, cache=cache, use_cache=True, **last_only)
         logits = out.logits[:, -1, :]
         if self.share_prefix and n > 1:
             cache.batch_repeat_interleave(n)
@@ -139,13 +134,8 @@ class HFEngine(TokenRate):
                 active, tok, attn, last_pos = active[keep], tok[keep], attn[keep], last_pos[keep]
             attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=-1)
             last_pos = last_pos + 1
-            out = self.model(
-                input_ids=tok[:, None],
-                attention_mask=attn,
-                position_ids=last_pos[:, None],
-                cache=cache,
-                use_cache=True,
-            )
+            inputs = {"input_ids": tok[:, None], "position_ids": last_pos[:, None]}
+            out = self.model(**inputs, attention_mask=attn, cache=cache, use_cache=True)
             logits = out.logits[:, -1, :]
         self.tokens_generated += sum(len(t) for t in tokens)
         return [

@@ -1,20 +1,12 @@
 """Prefix cache: a prompt's KV computed once, reused by its group and by repeats.
 
-A GRPO group sends one prompt with ``n = G``; the scheduler prefills it once
-and the G sequences share that KV. Prompts also repeat across requests (the
-same problem in a later epoch, the next turn of a multi-turn conversation, a
-partial rollout continued from its prompt and first tokens), so entries live
-in an LRU bounded by total cached tokens and by entry count. Lookup returns
-the *longest* cached prefix of a prompt: an exact hit skips the prefill
-entirely (the entry keeps the next-token logits), a partial hit prefills only
-the uncached suffix.
-
-Entries are tagged with the policy version that computed them; KV from old
-weights is never served (the scheduler clears the cache on a weight update).
-
-The helpers at the bottom convert between a transformers ``DynamicCache`` and
-plain per-layer ``(keys, values)`` tensors ``[B, H, L, D]``, and left-pad
-them; the scheduler batches sequences of different lengths with them.
+A GRPO group's prompt is prefilled once and its G sequences share the KV. Prompts also repeat
+across requests (a later epoch, the next turn of a conversation, a continued partial rollout),
+so entries live in an LRU bounded by cached tokens and entries. Lookup returns the *longest*
+cached prefix: an exact hit skips the prefill (the entry keeps the next-token logits), a
+partial hit prefills only the suffix. Entries carry the policy version that computed them;
+stale KV is never served (a weight update clears the cache). The helpers at the bottom convert
+a transformers ``DynamicCache`` to per-layer ``(keys, values)`` ``[B, H, L, D]`` and back.
 """
 
 from __future__ import annotations

@@ -74,6 +74,11 @@ class LogitAdjust:
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
+def prompt_seeds(seed: int | None, count: int) -> list[int | None]:
+    """A request seed per prompt, ``seed + i`` (one seed for all would draw one stream for all)."""
+    return [None if seed is None else seed + i for i in range(count)]
+
+
 def adjust_logits(logits: torch.Tensor, sampled: list[int], adjust: LogitAdjust) -> torch.Tensor:
     """``logits`` [V] with the penalties for the ``sampled`` ids so far and the bias applied."""
     logits = logits.float().clone()

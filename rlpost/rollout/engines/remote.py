@@ -1,24 +1,17 @@
 """``rollout.engine=remote``: the rollout protocol over HTTP rollout servers.
 
-Each prompt becomes one ``/v1/completions`` request with ``n = G``, so a GRPO
-group is sampled (and its prompt prefilled) on one server; the
-:class:`~rlpost.rollout.engines.client.RequestLoadBalancer` spreads prompts by
-fewest outstanding requests and re-sends the requests of a server that fails.
-Request seeds are drawn from ``engine.generator``, so a run is reproducible
-against the same servers and checkpointing the generator state is enough.
+Each prompt is one ``/v1/completions`` request with ``n = G``, so a group is sampled (and its
+prompt prefilled) on one server; :class:`~rlpost.rollout.engines.client.RequestLoadBalancer`
+spreads and re-sends. Request seeds come from ``engine.generator``, so a run is reproducible
+against the same servers and checkpointing the generator suffices.
 
-Works against ``rlpost serve`` and, for generation, against ``vllm serve`` and
-SGLang (token ids are recovered when a server does not return them; see
-:mod:`rlpost.rollout.engines.client`). Weights reach the servers' ``/v1/sync`` routes
-from the run's weight path (:mod:`rlpost.pipeline.weights`: the ``http``
-channel of :mod:`rlpost.sync`, with ``sync.codec``, ``sync.delta`` and
-verification), an rlpost endpoint; a stock ``vllm serve`` takes them through
-its development routes (``rollout.engine.server=vllm``,
-:mod:`rlpost.rollout.engines.vllm_server`), and an endpoint that takes none
-(``server=openai``) serves evaluation only. The path then calls :meth:`RemoteEngine.weights_served`:
-a server that missed the update would serve stale weights, so it is taken out
-of rotation; the update fails only if no server took it. ``load_weights``
-does the same push for a script driving an engine of its own.
+Generation works against ``rlpost serve``, ``vllm serve`` and SGLang. Weights reach rlpost
+servers' ``/v1/sync`` routes from the run's weight path (:mod:`rlpost.pipeline.weights`), a
+stock ``vllm serve`` through its development routes (``rollout.engine.server=vllm``,
+:mod:`rlpost.rollout.engines.vllm_server`); ``server=openai`` takes none (evaluation only). The
+path then calls :meth:`RemoteEngine.weights_served`: a server that missed the update leaves
+the rotation; the update fails only if no server took it. ``load_weights`` does the same push
+for a script driving an engine of its own.
 """
 
 from __future__ import annotations
@@ -38,7 +31,7 @@ from rlpost.rollout.engines.client import (
     seeds_from,
 )
 from rlpost.rollout.engines.continuous import VersionedCompletion
-from rlpost.rollout.engines.protocol import SamplingParams, TokenRate
+from rlpost.rollout.engines.protocol import SamplingParams, TokenRate, prompt_seeds
 from rlpost.sync import SyncError, SyncStats, TransportOptions, WeightSync, make_transport
 
 FINISH_REASONS = ("stop", "length")
@@ -87,9 +80,8 @@ class RemoteEngine(TokenRate):
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("empty prompt: every prompt needs at least one token")
         tag = uuid.uuid4().hex[:12]
-        if params.seed is not None:  # a fixed seed leaves the engine's stream untouched
-            seeds = [params.seed + i for i in range(len(prompt_ids))]
-        else:
+        seeds = prompt_seeds(params.seed, len(prompt_ids))
+        if params.seed is None:  # a fixed seed leaves the engine's stream untouched
             seeds = seeds_from(self.generator, len(prompt_ids))
         jobs = [
             Job(f"{tag}-{i}", list(p), params, n, seed, self.extra_body)
@@ -107,23 +99,21 @@ class RemoteEngine(TokenRate):
                 # A server that does not say (vllm serve) served the version current when
                 # the jobs went out, or a newer one: never an older one.
                 version = c.policy_version if c.policy_version is not None else served
-                out.append(
-                    VersionedCompletion(
-                        prompt_ids=list(job.prompt_ids),
-                        token_ids=c.token_ids,
-                        logprobs=c.logprobs,
-                        finish_reason=c.finish_reason
-                        if c.finish_reason in FINISH_REASONS
-                        else "abort",
-                        policy_version=version,
-                        group=group_offset + i,
-                        text=c.text,
-                        versions=c.versions or [version],
-                        token_versions=[version] * len(c.token_ids)
-                        if not c.versions or len(c.versions) == 1
-                        else None,
-                    )
+                spans = c.versions or [version]
+                per_token = [version] * len(c.token_ids) if len(spans) == 1 else None
+                reason = c.finish_reason if c.finish_reason in FINISH_REASONS else "abort"
+                completion = VersionedCompletion(
+                    prompt_ids=list(job.prompt_ids),
+                    token_ids=c.token_ids,
+                    logprobs=c.logprobs,
+                    finish_reason=reason,
+                    policy_version=version,
+                    group=group_offset + i,
+                    text=c.text,
+                    versions=spans,
+                    token_versions=per_token,
                 )
+                out.append(completion)
                 self.tokens_generated += len(c.token_ids)
         return out
 
@@ -137,12 +127,8 @@ class RemoteEngine(TokenRate):
         todo, current = jobs, self.version
         for _ in range(len(self.clients) + 1):
             served_by: dict[str, str] = {}
-            got = self.balancer.run(
-                todo,
-                self._tokenize,
-                self.tokenizer.eos_token_id,
-                served_by.__setitem__,
-            )
+            eos = self.tokenizer.eos_token_id
+            got = self.balancer.run(todo, self._tokenize, eos, served_by.__setitem__)
             stale = {
                 j for j, cs in got.items() if any(_older(c.policy_version, current) for c in cs)
             }

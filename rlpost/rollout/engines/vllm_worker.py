@@ -1,19 +1,12 @@
 """The part of ``rollout.engine=vllm`` that runs inside vLLM's workers.
 
 vLLM mixes :class:`WeightLoader` into each worker (``worker_extension_cls``), so
-``LLM.collective_rpc("rlpost_load_weights", ...)`` calls it by name: no pickled
-function crosses to the engine core, and vLLM's insecure serialisation stays off.
-
-The arguments of ``collective_rpc`` travel as msgpack, where a tensor without a
-type hint arrives as a plain list. So the tensors do not travel with the call:
-the engine writes them into one safetensors file on shared memory and sends its
-path; each worker maps the file and hands the tensors to vLLM's in-place reload,
-which runs the model's own ``load_weights`` (HF names onto fused and
-tensor-parallel parameters) and the backend's post-load processing. The file holds tensors only
-and loads without unpickling.
-
-Importing this module must stay cheap and import nothing of vLLM: the workers
-import it at start-up.
+``collective_rpc("rlpost_load_weights", ...)`` calls it by name: no pickled function crosses
+to the engine core and vLLM's insecure serialisation stays off. ``collective_rpc`` arguments
+travel as msgpack (a tensor arrives as a list), so the tensors travel as a safetensors file on
+shared memory, loaded without unpickling through vLLM's in-place reload (the model's own
+``load_weights`` and the backend's post-load processing). Importing this module must stay
+cheap and import nothing of vLLM: the workers import it at start-up.
 """
 
 from __future__ import annotations
@@ -23,8 +16,6 @@ from safetensors import safe_open
 
 class WeightLoader:
     """Worker extension: load a weight file into this worker's model, with a version."""
-
-    rlpost_version: int = 0
 
     def rlpost_load_weights(self, path: str, version: int | str) -> list[int]:
         """Copy the tensors of the safetensors file ``path`` into the model; returns
@@ -42,12 +33,7 @@ class WeightLoader:
         # empty; the reload restores them, loads, and repacks into the same kernel tensors.
         self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
         _reprocess_tied(self.model_runner.get_model())
-        self.rlpost_version = version
         return [version, len(weights)]
-
-    def rlpost_weights_version(self) -> int:
-        """The version of the weights this worker serves."""
-        return self.rlpost_version
 
 
 def _reprocess_tied(model) -> None:

@@ -1,30 +1,21 @@
 """Bring your own harness: an outside agent, written against the OpenAI API, as the rollout.
 
-For every prompt x ``n`` the runner opens a recorded session, when its agent
-starts (the session's wall clock is the agent's), on a loopback OpenAI server over the run's own continuous-batching scheduler (the engine
-the trainer syncs weights into, so a weight update mid-episode lands between
-two decode steps and every token keeps the version that sampled it), runs the
-user's agent against the session's base URL, and turns the finished session
-into training rows (:func:`rlpost.rollout.serve.sessions.session_samples`). With
-``rollout.engine=remote`` the sessions are opened on the rollout servers instead
-(:class:`rlpost.rollout.engines.remote_sessions.RemoteSessions`, their admin routes) and
-the rows are built from the record each server returns when it closes one.
+For every prompt x ``n`` the runner opens a recorded session when its agent starts (the
+session's wall clock is the agent's), runs the agent against the session's base URL, and
+turns the finished session into training rows (:func:`rlpost.rollout.serve.sessions.
+session_samples`). Sessions live on a loopback OpenAI server over the run's own scheduler
+(the engine the trainer syncs into: an update mid-episode lands between two decode steps and
+every token keeps the version that sampled it), or, with ``rollout.engine=remote``, on the
+rollout servers (:class:`~rlpost.rollout.engines.remote_sessions.RemoteSessions`).
 
-The agent is a Python callable ``fn(prompt, base_url, **info)`` run in a
-thread (``info``: the keywords among ``api_key``, ``session_id``, ``metadata``
-it accepts), or a command (:mod:`rlpost.rollout.episodes.harness_process`: an allow-listed
-environment with ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY``, the prompt on its
-stdin, nothing it starts outliving it, and, when the trainer is root, a uid of
-its own, so no other harness reads its environment). Its key is its session's own: it opens
-that session and no other, and the loopback server's own keys stay with the
-trainer. It returns
-(a command: prints as its last line) its final answer, which the run's reward
-terms judge, a number, which is the session's reward added to theirs, or
-nothing (the text of its last request is the answer). A harness that raises,
-exits non-zero or runs past ``timeout_s`` is counted and its session dropped
-(and closed, as every session is when its harness ends);
-one that stops after a session bound refused it (requests, tokens, seconds)
-is kept as truncated.
+The agent is a callable ``fn(prompt, base_url, **info)`` run in a thread (``info``: those of
+``api_key``, ``session_id``, ``metadata`` it accepts), or a command
+(:mod:`rlpost.rollout.episodes.harness_process`). Its key opens its own session and no other;
+the loopback server's keys stay with the trainer. It returns (a command: prints last) its
+final answer, which the reward terms judge, a number added to their reward, or nothing (the
+last request's text is the answer). A harness that raises, exits non-zero or runs past
+``timeout_s`` is counted and its session dropped; one stopped by a session bound is kept as
+truncated. Every session is closed when its harness ends.
 """
 
 from __future__ import annotations

@@ -83,15 +83,12 @@ def main(parent: int, uid: int | None, argv: list[str]) -> int:
     try:
         child = subprocess.Popen(argv, **user)
     except OSError as exc:
-        if uid is None:
-            print(f"cannot run {argv[0]!r}: {exc.strerror}", file=sys.stderr)
-        else:
-            print(
-                f"cannot run {argv[0]!r} as uid {uid}, the harness's own user: {exc.strerror}; "
-                "make the command and what it reads readable by other users, or set "
-                "agent.harness.user=trainer",
-                file=sys.stderr,
-            )
+        line = f"cannot run {argv[0]!r}: {exc.strerror}"
+        if uid is not None:
+            line = f"cannot run {argv[0]!r} as uid {uid}, the harness's own user: {exc.strerror}; "
+            line += "make the command and what it reads readable by other users, or set "
+            line += "agent.harness.user=trainer"
+        print(line, file=sys.stderr)
         return 127
     code = child.wait()
     kill_all()

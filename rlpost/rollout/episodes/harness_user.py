@@ -1,20 +1,13 @@
 """A uid of its own for each harness command, so no harness can read another's key.
 
-A session's key is in its command's environment (``OPENAI_API_KEY``), and Linux lets a
-process read ``/proc/PID/environ`` of any process of the same user. Commands that ran
-as the trainer's user could read each other's keys there (and the trainer's own
-environment), then open each other's sessions. When the trainer runs as root, each
-command therefore runs under a uid (and a group of the same number) that no other
-process has: one from :data:`HARNESS_UIDS` with no passwd entry, held for the
-command's life by an ``flock`` on a file in a root-only directory, so neither another
-harness of this trainer nor one of another trainer on the machine gets it meanwhile.
-``/proc/PID/environ`` of a process of another uid needs ``CAP_SYS_PTRACE``, which the
-command does not have. Its ``HOME`` and ``TMPDIR`` are a fresh directory only it can
-enter, removed when it ends.
-
-The command and whatever it reads must be readable by other users (a Python under
-``/root`` is not). A trainer that is not root cannot change uid: its harnesses run as
-its user, and a process of that user can read their keys (docs/operations.md).
+A session's key is in its command's environment, and Linux lets a process read
+``/proc/PID/environ`` of any process of the same user, so commands run as one user could open
+each other's sessions. When the trainer runs as root, each command runs under a uid (and group
+of the same number) from :data:`HARNESS_UIDS` with no passwd entry, held for its life by an
+``flock`` in a root-only directory, so no other harness, of this trainer or another, gets it.
+Its ``HOME`` and ``TMPDIR`` are a fresh private directory, removed when it ends. The command and
+what it reads must be readable by other users. A trainer that is not root cannot change uid:
+its harnesses run as its user (docs/operations.md).
 """
 
 from __future__ import annotations

@@ -1,24 +1,18 @@
 """Multi-turn episodes with tools and environments, token in and token out.
 
-An episode is one growing token list: the prompt, the policy's turn, the
-environment's answer, the policy again. Each policy turn is an engine call
-that continues the whole list (the engines' prefix caches reuse everything
-before the new tokens; the first turn samples the ``n`` episodes of a prompt
-from one prefill). The environment's answer is tokenized once and appended as
-tokens with ``loss_mask`` 0 and logprob 0.0; the policy's tokens are appended
-exactly as sampled, with the engine's logprobs and the version of the weights
-that sampled each one. Nothing is ever decoded and re-encoded into the
-sequence, so the trainer sees exactly the ids the policy was conditioned on
-and produced, and never learns to write tool output.
+An episode is one growing token list: prompt, policy turn, environment answer, policy again.
+Each policy turn is an engine call continuing the whole list (prefix caches reuse what came
+before; the first turn samples a prompt's ``n`` episodes from one prefill). An answer is
+tokenized once and appended with ``loss_mask`` 0 and logprob 0.0; the policy's tokens are
+appended as sampled, with their logprobs and versions. Nothing is decoded and re-encoded into
+the sequence, so the trainer sees exactly the ids the policy saw and produced, and never
+learns to write tool output.
 
-How a call is written and answered is the format's business
-(:mod:`rlpost.envs.formats`: plain tags, or the chat template's tool format);
-what a call does is the environment's (:mod:`rlpost.envs`). Two budgets end
-runaway episodes and are counted: ``max_turns`` policy turns (a call in the
-last allowed turn is not run) and ``params.max_tokens`` response tokens, policy
-and environment tokens together (``max_tool_tokens`` bounds one answer). An
-environment call that raises answers ``error: ...`` to the policy and is
-counted; it never ends the rollout.
+How a call is written is the format's business (:mod:`rlpost.envs.formats`), what it does the
+environment's (:mod:`rlpost.envs`). Budgets end runaway episodes and are counted:
+``max_turns`` policy turns (a call in the last one is not run) and ``params.max_tokens``
+response tokens, policy and environment together (``max_tool_tokens`` bounds one answer). An
+environment call that raises answers ``error: ...`` and is counted; it never ends the rollout.
 """
 
 from __future__ import annotations
@@ -35,6 +29,7 @@ from rlpost.envs.formats import TagFormat
 from rlpost.envs.tools import CodeTool, HttpTool, Tool, ToolEnv
 from rlpost.errors import typed_line
 from rlpost.rollout.engines.protocol import RolloutEngine, SamplingParams
+from rlpost.rollout.longtail import PartialStep
 from rlpost.types import Completion, Episode, FinishReason, Prompt, Turn
 
 __all__ = ["CodeTool", "EpisodeStats", "HttpTool", "MultiTurnRollout", "Tool"]
@@ -94,17 +89,6 @@ class _Group:
     @property
     def done(self) -> bool:
         return all(e.finish is not None for e in self.episodes)
-
-
-@dataclass
-class PartialEpisodes:
-    """What a partial step of episodes returns (the fields of ``longtail.PartialStep``)."""
-
-    completions: list[Completion]
-    payloads: list[Any]
-    carried_groups: int
-    carried_samples: int
-    done_fraction: float
 
 
 class MultiTurnRollout:
@@ -176,7 +160,7 @@ class MultiTurnRollout:
         prompts: list[Any],
         *,
         fraction: float,
-    ) -> PartialEpisodes:
+    ) -> PartialStep:
         """Partial rollout for episodes: start these prompts' episodes beside the ones carried
         from earlier steps, take turns until ``fraction`` of all of them are done, and return
         the groups whose episodes are all done. The others are carried, environment state
@@ -203,7 +187,7 @@ class MultiTurnRollout:
         ready = [g for g in groups if g.done]
         self.carried = [g for g in groups if not g.done]
         done = sum(e.finish is not None for e in live)
-        return PartialEpisodes(
+        return PartialStep(
             completions=self._finish(ready, 0),
             payloads=[g.payload for g in ready],
             carried_groups=len(self.carried),

@@ -1,37 +1,27 @@
 """Who may call ``rlpost serve``, and how much one request may ask of it.
 
-One pure ASGI middleware sits in front of the whole app and decides from the
-path and the headers alone, before any route runs and before a byte of the
-body is read:
+One pure ASGI middleware in front of the whole app decides from the path and headers alone,
+before any route runs and before a byte of the body is read:
 
-* **keys**: paths under ``/v1/`` (and anything else but ``/health`` and
-  ``/metrics``) need ``Authorization: Bearer <api key>`` when an API key is
-  set (401 otherwise, as vLLM does); paths under an admin prefix
-  (``/v1/weights``, ``/v1/sync``, ``/v1/admin``, ``/v1/sessions``) need the
-  admin key (the API key alone is a 403) and are closed (403) on a server
-  without one, loopback included: any local process could otherwise replace the
-  weights or read another agent's sessions. A session's own requests
-  (``/sessions/<id>/v1/completions`` and ``.../chat/completions``) pass to
-  their route, which checks that session's key instead (the API key opens no
-  session). The decision is by prefix, so a route that another
-  module mounts under ``/v1/sync`` later is guarded without a line here.
-  Keys are compared as SHA-256 digests with :func:`hmac.compare_digest`
-  (constant time, length included) and never logged.
-* **body size**: a ``Content-Length`` above the limit is a 413 at once; a
-  chunked body is counted as it arrives and refused when it passes the limit.
-* **bodies first**: a generation request's body is read whole, within the
-  short body timeout (408 beyond), before it counts as pending, so a client
-  trickling its body holds no slot; a control route's body (weights, up to
-  gigabytes) streams to its route within the request timeout.
-* **pending sequences**: the sequences of accepted generation requests
-  (prompts x n, running or queued) are bounded by :class:`PendingBudget`; a
-  request that would pass the bound is a 429 with ``Retry-After``, and once
-  the bound is reached one is refused from its headers alone.
+* **keys**: everything but ``/health`` and ``/metrics`` needs ``Authorization: Bearer <api
+  key>`` when an API key is set (401, as vLLM). Admin prefixes (``/v1/weights``, ``/v1/sync``,
+  ``/v1/admin``, ``/v1/sessions``) need the admin key (the API key alone: 403) and are closed
+  (403) on a server without one, loopback included: any local process could otherwise replace
+  the weights or read another agent's sessions. A session's own requests
+  (``/sessions/<id>/v1/...completions``) pass to their route, which checks that session's key.
+  The decision is by prefix, so a route mounted under ``/v1/sync`` later is guarded too. Keys
+  are compared as SHA-256 digests with :func:`hmac.compare_digest` and never logged.
+* **body size**: a ``Content-Length`` above the limit is a 413 at once; a chunked body is
+  counted as it arrives.
+* **bodies first**: a generation request's body is read whole within the short body timeout
+  (408) before it counts as pending, so a client trickling its body holds no slot; a control
+  route's body (weights, up to gigabytes) streams to its route within the request timeout.
+* **pending sequences** (prompts x n, running or queued) are bounded by
+  :class:`PendingBudget`: a 429 with ``Retry-After``, from the headers alone once full.
 
-A refusal for size closes the connection (the body is not read); other
-refusals keep it, and uvicorn reads past the (bounded) body.
-Weight loads from a path are confined to the ``--weights-dir`` directory by
-:func:`confined_weights_files`.
+A refusal for size closes the connection; others keep it (uvicorn reads past the bounded
+body). Weight loads from a path are confined to ``--weights-dir``
+(:func:`confined_weights_files`).
 """
 
 from __future__ import annotations
@@ -77,11 +67,12 @@ class GuardSettings:
         return f"GuardSettings(api_key={'set' if self.api_key else None}, admin_key={'set' if self.admin_key else None}, ...)"
 
 
-def _digest(key: str | None) -> bytes | None:
+def key_digest(key: str | None) -> bytes | None:
     return hashlib.sha256(key.encode()).digest() if key else None
 
 
-def _matches(token: str | None, digest: bytes | None) -> bool:
+def key_matches(token: str | None, digest: bytes | None) -> bool:
+    """``token`` hashes to ``digest`` (compared in constant time, length included)."""
     if token is None or digest is None:
         return False
     return hmac.compare_digest(hashlib.sha256(token.encode()).digest(), digest)
@@ -115,7 +106,7 @@ class Guard:
 
     def __init__(self, app, settings: GuardSettings, stats: dict | None = None) -> None:
         self.app, self.settings = app, settings
-        self._api, self._admin = _digest(settings.api_key), _digest(settings.admin_key)
+        self._api, self._admin = key_digest(settings.api_key), key_digest(settings.admin_key)
         self.stats = stats if stats is not None else {}
         self.stats["pending"] = 0
 
@@ -124,16 +115,16 @@ class Guard:
         if path in OPEN_PATHS:
             return None
         if is_admin_path(path):
-            if _matches(token, self._admin):
+            if key_matches(token, self._admin):
                 return None
             if self._admin is None:  # closed: any local process could replace the weights
                 return 403, NO_ADMIN_KEY
-            if _matches(token, self._api):
+            if key_matches(token, self._api):
                 return 403, "this endpoint needs the admin key; the API key is not enough"
             return 401, "missing or wrong admin key (send Authorization: Bearer <admin key>)"
         if SESSION_PATH.fullmatch(path):  # the route checks the session's own key
             return None
-        if self._api is None or _matches(token, self._api) or _matches(token, self._admin):
+        if self._api is None or key_matches(token, self._api) or key_matches(token, self._admin):
             return None
         return 401, "missing or wrong API key (send Authorization: Bearer <key>)"
 
@@ -159,11 +150,8 @@ class Guard:
             # connection kept; closing with unread bytes would reset it, and the client
             # could lose this answer. A body too large, or chunked, is not worth reading.
             chunked = any(n == b"transfer-encoding" for n, _ in headers)
-            close = (
-                refusal[0] == 413
-                or chunked
-                or _content_length(headers) > self.settings.max_body_bytes
-            )
+            too_large = _content_length(headers) > self.settings.max_body_bytes
+            close = refusal[0] == 413 or chunked or too_large
             return await self._refuse(send, *refusal, close=close)
         await self.app(scope, self._limited(receive, limit), send)
 
@@ -215,14 +203,11 @@ class Guard:
     async def _refuse(self, send, status: int, message: str, *, close: bool) -> None:
         key = f"refused_{status}"
         self.stats[key] = self.stats.get(key, 0) + 1
-        kind = {401: "authentication_error", 403: "permission_error"}.get(
-            status, "invalid_request_error"
-        )
-        body = json.dumps(error_body(message, kind=kind)).encode()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-        ]
+        kinds = {401: "authentication_error", 403: "permission_error"}
+        body = json.dumps(error_body(message, kind=kinds.get(status, "invalid_request_error")))
+        body = body.encode()
+        headers = [(b"content-type", b"application/json")]
+        headers.append((b"content-length", str(len(body)).encode()))
         if close:
             headers.append((b"connection", b"close"))
         if status == 401:
@@ -261,12 +246,9 @@ class PendingBudget:
         """Count ``sequences`` as pending, or raise a 429 when they would pass the bound."""
         pending = self.stats["pending"]
         if pending and pending + sequences > self.max_pending:  # an idle server takes any
-            raise APIError(
-                429,
-                f"the server has {pending} of {self.max_pending} sequences pending and this "
-                f"request adds {sequences}; retry later",
-                headers={"retry-after": str(self.retry_after_s)},
-            )
+            why = f"the server has {pending} of {self.max_pending} sequences pending and this "
+            why += f"request adds {sequences}; retry later"
+            raise APIError(429, why, headers={"retry-after": str(self.retry_after_s)})
         self.stats["pending"] = pending + sequences
 
     def release(self, sequences: int) -> None:
@@ -293,11 +275,8 @@ def confined_weights_files(path: str, root: Path | None) -> list[Path]:
     reveals nothing about the file system.
     """
     if root is None:
-        raise APIError(
-            403,
-            "weights from a path are off: start the server with --weights-dir, or stream safetensors bytes",
-            "path",
-        )
+        why = "start the server with --weights-dir, or stream safetensors bytes"
+        raise APIError(403, f"weights from a path are off: {why}", "path")
     try:
         real = (root / path).resolve(strict=True)
         inside = real.is_relative_to(root)
@@ -305,13 +284,8 @@ def confined_weights_files(path: str, root: Path | None) -> list[Path]:
         files = [f.resolve(strict=True) for f in files]
     except (OSError, RuntimeError, ValueError):
         raise APIError(403, OUTSIDE, "path") from None
-    if (
-        not inside
-        or not files
-        or not all(
-            f.is_relative_to(root) and f.is_file() and f.suffix == ".safetensors" for f in files
-        )
-    ):
+    ok = all(f.is_relative_to(root) and f.is_file() and f.suffix == ".safetensors" for f in files)
+    if not inside or not files or not ok:
         raise APIError(403, OUTSIDE, "path")
     return files
 

@@ -1,21 +1,14 @@
 """The listening side of ``rlpost serve``: which addresses are safe, and slow clients.
 
-uvicorn's h11 protocol has a keep-alive timeout but no header timeout: a
-fresh connection that never sends a byte, or one that trickles its request
-head one byte at a time (slowloris; every byte re-arms nothing and cancels
-the keep-alive timer), holds its slot for ever. :func:`guarded_h11` closes a
-connection whose request head is not complete ``header_timeout`` seconds
-after the connection opened, or after the first byte of a later request on a
-kept-alive connection; the same bound holds for the rest of a body the
-server answered without reading (a refusal). Heads are also bounded in size
-(h11's 16 KiB). A response that cannot drain for ``write_timeout`` seconds (the
-transport's buffer stays above its high-water mark: the client stopped
-reading, or reads a trickle) has its connection aborted; the request then sees
-a disconnect and frees its batch slots. The kernel's send buffer of a
-connection is :data:`SEND_BUFFER` bytes rather than autotuned up to
-``tcp_wmem`` (4 MiB): a client that stops reading then blocks the response
-after that much, not after megabytes the server generated and formatted for
-nobody, and a thousand stalled connections hold no gigabytes of kernel memory.
+uvicorn's h11 protocol has no header timeout: a connection that never sends a byte, or
+trickles its head (slowloris), holds its slot for ever. :func:`guarded_h11` closes one whose
+request head is not complete ``header_timeout`` seconds after it opened or after the first
+byte of a later request (also bounding the rest of a body the server answered unread); heads
+are bounded in size by h11 (16 KiB). A response that cannot drain for ``write_timeout``
+seconds (the client stopped reading) has its connection aborted, and its request frees its
+slots. The kernel send buffer is :data:`SEND_BUFFER` bytes rather than autotuned to
+``tcp_wmem`` (4 MiB), so a stalled client blocks the response early and a thousand of them
+hold no gigabytes of kernel memory.
 """
 
 from __future__ import annotations

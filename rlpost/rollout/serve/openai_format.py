@@ -56,12 +56,8 @@ def completion_logprobs(out: SampleOutput, tokenizer) -> dict:
     if out.top_logprobs is not None:
         tops = [{piece(tokenizer, t): lp for t, lp in alts} for alts in out.top_logprobs]
     offsets = [0, *accumulate(len(p) for p in pieces)][: len(pieces)]
-    return {
-        "tokens": pieces,
-        "token_logprobs": out.logprobs,
-        "top_logprobs": tops,
-        "text_offset": offsets,
-    }
+    body = {"tokens": pieces, "token_logprobs": out.logprobs}
+    return {**body, "top_logprobs": tops, "text_offset": offsets}
 
 
 def chat_logprobs(out: SampleOutput, tokenizer) -> dict:
@@ -104,12 +100,9 @@ class ChoiceStream:
                 end -= 1
         start, self.sent = self.sent, max(self.sent, end)
         piece = text[start : self.sent]
+        top = None if event.top is None else [event.top]
         one = SampleOutput(
-            [event.token_id],
-            [event.logprob],
-            event.finish,
-            [event.version],
-            top_logprobs=None if event.top is None else [event.top],
+            [event.token_id], [event.logprob], event.finish, [event.version], None, top
         )
         choice: dict[str, Any] = {"index": self.index}
         if self.chat:

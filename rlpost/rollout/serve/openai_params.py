@@ -169,28 +169,18 @@ def parse_adjust(body: dict, vocab: int) -> LogitAdjust | None:
     """Presence/frequency penalties and logit_bias -> a LogitAdjust (None when all are neutral)."""
     bias = {} if body.get("logit_bias") is None else body["logit_bias"]  # {} or [] is not absent
     if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
-        raise APIError(
-            400,
-            f"logit_bias must map token ids to numbers (at most {MAX_LOGIT_BIAS})",
-            "logit_bias",
-        )
+        why = f"logit_bias must map token ids to numbers (at most {MAX_LOGIT_BIAS})"
+        raise APIError(400, why, "logit_bias")
     pairs = []
     for key, value in bias.items():
         token = ascii_int(key) if isinstance(key, str) else None
         if token is None or not 0 <= token < vocab:
-            raise APIError(
-                400, f"logit_bias key {shown(key)} is not a token id in [0, {vocab})", "logit_bias"
-            )
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not -100 <= value <= 100
-        ):
-            raise APIError(
-                400,
-                f"logit_bias[{key}]={shown(value)} must be a number in [-100, 100]",
-                "logit_bias",
-            )
+            why = f"logit_bias key {shown(key)} is not a token id in [0, {vocab})"
+            raise APIError(400, why, "logit_bias")
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or not -100 <= value <= 100:
+            why = f"logit_bias[{key}]={shown(value)} must be a number in [-100, 100]"
+            raise APIError(400, why, "logit_bias")
         pairs.append((token, float(value)))
     adjust = LogitAdjust(
         presence_penalty=float(_field(body, "presence_penalty", 0.0, -2, 2)),
@@ -231,18 +221,7 @@ def _field(body: dict, key: str, default, low, high=math.inf, *, integer=False, 
     return value
 
 
-def _or_empty(body: dict, key: str) -> Any:
-    """``body[key]``, or ``[]`` when absent or null (a falsy value of the wrong type is kept,
-    to be refused)."""
-    value = body.get(key)
-    return [] if value is None else value
-
-
 GREEDY_BELOW = 1e-5  # a temperature this small samples greedily (logits / T would overflow)
-
-
-def _temperature(value: float) -> float:
-    return 0.0 if value < GREEDY_BELOW else float(value)
 
 
 def _token_list(value: Any, vocab: int, key: str) -> list[int]:
@@ -295,12 +274,8 @@ def content_text(content: Any, i: int) -> str:
     for j, part in enumerate(content):
         ok = isinstance(part, dict) and part.get("type", "text") == "text"
         if not ok or not isinstance(part.get("text"), str):
-            raise APIError(
-                400,
-                f'{where}[{j}] must be a text part {{"type": "text", "text": string}}, '
-                f"got {shown(part)}",
-                "messages",
-            )
+            why = f'{where}[{j}] must be a text part {{"type": "text", "text": string}}'
+            raise APIError(400, f"{why}, got {shown(part)}", "messages")
         texts.append(checked_text(part["text"], f"{where}[{j}].text"))
     return "".join(texts)
 
@@ -310,9 +285,8 @@ def parse_sampling(body: dict, settings: ServerSettings, tokenizer, *, chat: boo
     refuse_unsupported(body, chat=chat)
     name = settings.model_name
     if body.get("model") not in (None, name):
-        raise APIError(
-            404, f"model {body['model']!r} does not exist; this server serves {name!r}", "model"
-        )
+        why = f"model {body['model']!r} does not exist; this server serves {name!r}"
+        raise APIError(404, why, "model")
     limit = settings.max_tokens_limit
     key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     stops = body.get("stop")
@@ -326,14 +300,15 @@ def parse_sampling(body: dict, settings: ServerSettings, tokenizer, *, chat: boo
             400, f"stop must be a string or a list of at most {MAX_STOP_TEXTS} strings", "stop"
         )
     top_k = _field(body, "top_k", -1, -1, 1 << 31, integer=True)
+    temperature = _field(body, "temperature", 1.0, 0)
+    stop_ids = body.get("stop_token_ids")  # null is absent; a falsy wrong type is refused
+    stop_ids = [] if stop_ids is None else stop_ids
     params = SamplingParams(
-        temperature=_temperature(_field(body, "temperature", 1.0, 0)),
+        temperature=0.0 if temperature < GREEDY_BELOW else float(temperature),
         top_p=float(_field(body, "top_p", 1.0, 0, 1, low_open=True)),
         top_k=-1 if top_k == 0 else top_k,  # vLLM spells "no top-k" as 0 or -1
         max_tokens=_field(body, key, 16, 1, limit, integer=True),
-        stop_token_ids=tuple(
-            _token_list(_or_empty(body, "stop_token_ids"), len(tokenizer), "stop_token_ids")
-        ),
+        stop_token_ids=tuple(_token_list(stop_ids, len(tokenizer), "stop_token_ids")),
     )
     top_key = "top_logprobs" if chat else "logprobs"
     top = _field(body, top_key, 0, 0, MAX_TOP_LOGPROBS, integer=True)
@@ -353,11 +328,8 @@ def check_context(prompts: list[list[int]], max_tokens: int, settings: ServerSet
     limit = settings.max_model_len
     longest = max(len(p) for p in prompts)
     if limit is not None and longest + max_tokens > limit:
-        raise APIError(
-            400,
-            f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {limit} tokens",
-            "max_tokens",
-        )
+        why = f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the model's context"
+        raise APIError(400, f"{why} of {limit} tokens", "max_tokens")
 
 
 def check_work(prompts: list[list[int]], fields: dict, settings: ServerSettings) -> int:
@@ -370,19 +342,12 @@ def check_work(prompts: list[list[int]], fields: dict, settings: ServerSettings)
     n, max_tokens, top = fields["n"], fields["params"].max_tokens, fields["top_logprobs"]
     sequences = len(prompts) * n
     if sequences > settings.max_request_sequences:
-        raise APIError(
-            400,
-            f"{len(prompts)} prompts x n={n} = {sequences} sequences; this server takes at most "
-            f"{settings.max_request_sequences} in one request (--max-request-sequences)",
-            "n",
-        )
+        why = f"{len(prompts)} prompts x n={n} = {sequences} sequences; this server takes at most"
+        why += f" {settings.max_request_sequences} in one request (--max-request-sequences)"
+        raise APIError(400, why, "n")
     entries = sequences * max_tokens * (1 + top)
     if entries > settings.max_request_tokens:
-        raise APIError(
-            400,
-            f"{sequences} sequences x max_tokens={max_tokens} x (1 + {top} top logprobs) = "
-            f"{entries} token entries; this server takes at most {settings.max_request_tokens} "
-            "in one request (--max-request-tokens)",
-            "max_tokens",
-        )
+        why = f"{sequences} sequences x max_tokens={max_tokens} x (1 + {top} top logprobs) = "
+        why += f"{entries} token entries; this server takes at most {settings.max_request_tokens}"
+        raise APIError(400, f"{why} in one request (--max-request-tokens)", "max_tokens")
     return sequences

@@ -4,34 +4,23 @@
     POST /v1/prompt_logprobs    {"prompts": [[id, ...], ...], "starts": [k, ...]}
                                 -> {"logprobs": [[lp_k, ..., lp_{n-1}], ...], "policy_version"}
 
-The scoring route returns, for each token-id sequence, the served model's log-probability
-(temperature 1) of every token from position ``starts[i]`` on given the tokens before it:
-what vLLM's ``prompt_logprobs`` gives, for the given ids only, with no sampling. A
-teacher for on-policy distillation (``model.teacher.url``) sends the student's prompt
-and sampled response and reads the response's logprobs. The pass reads the weights the
-server holds; a teacher server is not sent new weights.
+For each sequence, the served model's log-probability (temperature 1) of every token from
+``starts[i]`` on given the tokens before it: vLLM's ``prompt_logprobs`` for the given ids,
+no sampling. A teacher (``model.teacher.url``) is never sent new weights.
 
-The pass runs on the scheduler's thread, a piece at a time between decode steps
-(:meth:`~rlpost.rollout.engines.scheduler.Scheduler.run_between_steps`), so scoring takes a
-bounded share of the model's time from the requests decoding, never reads weights an
-update is half way through, and stops before its next piece once its client has gone.
-The work a request causes is bounded like a generation request's: its prompts count
-as pending sequences (``--max-pending``, 429 beyond), its size is capped by
-``--max-prompts``, ``--max-request-tokens``, the model's context and
-``--max-score-entries`` (prompts x longest prompt x vocabulary: the logits a
-one-pass answer would hold). The answer never holds them: rows go through the
-decoder a few at a time and their hidden states through the LM head
-:func:`~rlpost.train.lm_head.chunk_tokens` positions at a time, and a given
-token's logprob needs only its logit and the position's logsumexp.
-
-The vocabulary digest is computed once per server, on a worker thread.
+The pass runs on the scheduler's thread a piece at a time between decode steps
+(:meth:`~rlpost.rollout.engines.scheduler.Scheduler.run_between_steps`): it takes a bounded
+share of the model's time, never reads a half-applied update, and stops once its client has
+gone. Its work is bounded like a generation request's: prompts count as pending sequences,
+and ``--max-prompts``, ``--max-request-tokens``, the context and ``--max-score-entries``
+(prompts x longest x vocabulary) cap its size. Rows go through the decoder a few at a time
+and the LM head :func:`~rlpost.train.lm_head.chunk_tokens` positions at a time: a token's
+logprob needs only its logit and the position's logsumexp.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from collections.abc import Generator
 
 from fastapi import APIRouter, Request
@@ -43,14 +32,9 @@ from rlpost.rollout.serve.openai_params import APIError, parse_json_object
 from rlpost.train.lm_head import chunk_tokens
 
 router = APIRouter(prefix="/v1")
-POLL_SECONDS = 0.1  # how often a waiting request checks that its client is still there
 # Padded positions of the rows that go through the decoder together: one piece of work
 # between two decode steps, so a few steps' time, not hundreds.
 ROW_POSITIONS = 512
-
-
-class Stopped(Exception):
-    """The scoring stopped between two chunks: its client went away or it timed out."""
 
 
 @router.get("/tokenizer")
@@ -75,18 +59,9 @@ async def prompt_logprobs(request: Request):
     # Released when the work has ended, not when the client has: until then it holds memory.
     future.add_done_callback(lambda _: service.budget.release(len(prompts)))
     work = asyncio.wrap_future(future)
-    deadline = time.monotonic() + service.settings.request_timeout_s
     try:
-        while not work.done():
-            await asyncio.wait({work}, timeout=POLL_SECONDS)
-            if work.done():
-                break
-            if await request.is_disconnected():
-                service.counts["disconnected"] += 1
-                return Response(status_code=499)  # nobody is listening
-            if time.monotonic() > deadline:
-                service.counts["timed_out"] += 1
-                raise APIError(504, service.timeout_line())
+        if not await service.wait(request, [work]):
+            return Response(status_code=499)  # nobody is listening
         rows = work.result()
     finally:
         future.cancel()  # stops it before its next piece; nothing when it has ended
@@ -99,10 +74,8 @@ def parse_scoring(body: dict, vocab: int, settings) -> tuple[list[list[int]], li
     if not isinstance(prompts, list) or not prompts:
         raise APIError(400, "prompts must be a non-empty list of token-id lists", "prompts")
     if len(prompts) > settings.max_prompts:
-        raise APIError(
-            400, f"{len(prompts)} prompts; this server takes at most {settings.max_prompts}",
-            "prompts",
-        )  # fmt: skip
+        why = f"{len(prompts)} prompts; this server takes at most {settings.max_prompts}"
+        raise APIError(400, why, "prompts")
     if not isinstance(starts, list) or len(starts) != len(prompts):
         raise APIError(400, "starts must be a list with one position per prompt", "starts")
     limit = settings.max_model_len
@@ -112,10 +85,8 @@ def parse_scoring(body: dict, vocab: int, settings) -> tuple[list[list[int]], li
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompts[{i}] holds a token id outside [0, {vocab})", "prompts")
         if limit is not None and len(ids) > limit:
-            raise APIError(
-                400, f"prompts[{i}] has {len(ids)} tokens; the model's context is {limit}",
-                "prompts",
-            )  # fmt: skip
+            why = f"prompts[{i}] has {len(ids)} tokens; the model's context is {limit}"
+            raise APIError(400, why, "prompts")
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(ids):
             raise APIError(
                 400, f"starts[{i}]={k!r} must be an integer in [1, {len(ids)}]", "starts"
@@ -128,44 +99,24 @@ def check_score_work(prompts: list[list[int]], vocab: int, settings) -> None:
     """A 400 naming the limit a scoring request passes: tokens, or padded logit entries."""
     total = sum(len(p) for p in prompts)
     if total > settings.max_request_tokens:
-        raise APIError(
-            400, f"{total} tokens in one request; this server takes at most "
-            f"{settings.max_request_tokens} (--max-request-tokens)", "prompts",
-        )  # fmt: skip
+        why = f"{total} tokens in one request; this server takes at most "
+        raise APIError(400, f"{why}{settings.max_request_tokens} (--max-request-tokens)", "prompts")
     longest = max(len(p) for p in prompts)
     entries = len(prompts) * longest * vocab
     if entries > settings.max_score_entries:
-        raise APIError(
-            400, f"{len(prompts)} prompts x {longest} positions (the longest) x {vocab} "
-            f"vocabulary = {entries} logit entries; this server takes at most "
-            f"{settings.max_score_entries} in one request (--max-score-entries)", "prompts",
-        )  # fmt: skip
-
-
-def score(
-    model, prompts: list[list[int]], starts: list[int], stop: threading.Event | None = None,
-    chunk: int = 0,
-) -> list[list[float]]:  # fmt: skip
-    """``log p(ids[t] | ids[:t])`` for ``t >= starts[i]`` of every sequence (float32 at
-    temperature 1), rows a few at a time, the head ``chunk`` positions at a time (0: what
-    fits :data:`~rlpost.train.lm_head.CHUNK_BYTES`); :class:`Stopped` once ``stop`` is set."""
-    pieces = score_pieces(model, prompts, starts, chunk)
-    while True:
-        try:
-            next(pieces)
-        except StopIteration as end:
-            return end.value
-        if stop is not None and stop.is_set():
-            pieces.close()
-            raise Stopped
+        why = f"{len(prompts)} prompts x {longest} positions (the longest) x {vocab} vocabulary"
+        why += f" = {entries} logit entries; this server takes at most "
+        why += f"{settings.max_score_entries} in one request (--max-score-entries)"
+        raise APIError(400, why, "prompts")
 
 
 def score_pieces(
     model, prompts: list[list[int]], starts: list[int], chunk: int = 0
 ) -> Generator[None, None, list[list[float]]]:
-    """:func:`score` as a generator that pauses after each bounded piece of work (a group
-    of rows through the decoder, a chunk of positions through the head) and returns the
-    logprobs."""
+    """``log p(ids[t] | ids[:t])`` for ``t >= starts[i]`` of every sequence (float32 at
+    temperature 1), returned by a generator that pauses after each bounded piece of work: a
+    group of rows through the decoder, ``chunk`` positions through the head (0: what fits
+    :data:`~rlpost.train.lm_head.CHUNK_BYTES`)."""
     import torch
 
     vocab = model.config.vocab_size

@@ -2,27 +2,20 @@
 
     rlpost serve [--model DIR] [--port 8000] [--api-key K --admin-key A] [--weights-dir DIR] ...
 
-``/v1/completions`` and ``/v1/chat/completions`` follow the OpenAI API
-(request fields: :mod:`rlpost.rollout.serve.openai_params`, which refuses every
-field it does not implement by name) and add what RL needs: each choice
-carries ``token_ids`` (the sampled ids), the logprob of every sampled token,
-the ``policy_version`` of its first token and every version it spans; each
-response carries the server's ``policy_version``. ``stream=true`` sends one
-server-sent event per sampled token, with its id, logprob and version. Chat
-``tools`` are rendered by the chat template and the output read back into
-``tool_calls`` (:mod:`rlpost.rollout.serve.tool_calls`, ``--tool-parser``).
-``POST /v1/weights`` swaps weights between two decode steps (a safetensors
-path inside ``--weights-dir``, or safetensors bytes streamed in the body with
-``?version=N``). ``/health`` reports the scheduler's counters, ``/metrics``
-the ``rl_*`` rollout metrics in Prometheus text. Requests share decode steps
-through :class:`~rlpost.rollout.engines.scheduler.Scheduler`.
+``/v1/completions`` and ``/v1/chat/completions`` follow the OpenAI API (fields:
+:mod:`~rlpost.rollout.serve.openai_params`, which refuses by name what it does not implement)
+and add what RL needs: each choice carries its sampled ``token_ids``, their logprobs, the
+``policy_version`` of its first token and every version it spans. ``stream=true`` sends one
+event per sampled token with its id, logprob and version. Chat ``tools`` are rendered by the
+chat template and read back into ``tool_calls`` (:mod:`~rlpost.rollout.serve.tool_calls`).
+``POST /v1/weights`` swaps weights between two decode steps (a safetensors path inside
+``--weights-dir``, or safetensors bytes in the body with ``?version=N``). ``/health`` reports
+the scheduler's counters, ``/metrics`` the ``rl_*`` rollout metrics.
 
-Keys, body and pending limits are enforced in front of every route by
-:class:`~rlpost.rollout.serve.guard.Guard`; slow request heads are cut off by
-:func:`~rlpost.rollout.serve.net.guarded_h11`; a non-loopback address is
-refused without both keys. Bad input is a 4xx with a one-line reason in the
-OpenAI error envelope; a client that disconnects frees its slots; no request
-can stop the server (docs/rollout.md, docs/operations.md).
+Keys, body and pending limits: :class:`~rlpost.rollout.serve.guard.Guard`; slow heads:
+:func:`~rlpost.rollout.serve.net.guarded_h11`. Bad input is a 4xx with a one-line reason in
+the OpenAI error envelope; a client that disconnects frees its slots; no request can stop the
+server (docs/rollout.md, docs/operations.md).
 """
 
 from __future__ import annotations
@@ -51,6 +44,7 @@ from rlpost.observe import Recorder
 from rlpost.rollout.engines.backlog import Backlog, backlog_limit
 from rlpost.rollout.engines.client import decode_weights
 from rlpost.rollout.engines.prefix_cache import PrefixCache
+from rlpost.rollout.engines.protocol import prompt_seeds
 from rlpost.rollout.engines.scheduler import GenerationRequest, Scheduler, Ticket
 from rlpost.rollout.serve.guard import (
     MIB,
@@ -128,8 +122,9 @@ class RolloutService:
     def __init__(self, scheduler: Scheduler, tokenizer, settings: ServerSettings) -> None:
         self.scheduler, self.tokenizer, self.settings = scheduler, tokenizer, settings
         self.recorder = Recorder(None)
-        self.counts = {"ok": 0, "rejected": 0, "failed": 0, "disconnected": 0, "timed_out": 0}
-        self.counts["fell_behind"] = 0  # streams stopped: their client did not read
+        # fell_behind: streams stopped because their client did not read
+        kinds = ("ok", "rejected", "failed", "disconnected", "timed_out", "fell_behind")
+        self.counts = dict.fromkeys(kinds, 0)
         self.guard: dict[str, int] = {"pending": 0}  # pending sequences, refused_<status>
         self.budget = PendingBudget(GuardSettings().max_pending, self.guard)
         # Throughput and utilisation are measured between two /metrics scrapes.
@@ -146,14 +141,10 @@ class RolloutService:
         ``on_token(prompt_index, event)`` observes every sampled token (streaming).
         """
         fields = dict(fields)
-        seed = fields.pop("seed")
+        seeds = prompt_seeds(fields.pop("seed"), len(prompts))
         requests = [
-            # A distinct seed per prompt, or every prompt would draw the same random stream.
             GenerationRequest(
-                p,
-                seed=None if seed is None else seed + i,
-                on_token=None if on_token is None else partial(on_token, i),
-                **fields,
+                p, seed=seeds[i], on_token=on_token and partial(on_token, i), **fields
             )
             for i, p in enumerate(prompts)
         ]
@@ -173,20 +164,24 @@ class RolloutService:
         """The outputs of every prompt; None when the client went away."""
         tickets = self.submit(prompts, fields)
         futures = [asyncio.wrap_future(t.future) for t in tickets]
-        deadline = time.monotonic() + self.settings.request_timeout_s
         try:
-            pending = set(futures)
-            while pending:
-                _, pending = await asyncio.wait(pending, timeout=POLL_SECONDS)
-                if pending and await request.is_disconnected():
-                    self.counts["disconnected"] += 1
-                    return None
-                if pending and time.monotonic() > deadline:
-                    self.counts["timed_out"] += 1
-                    raise APIError(504, self.timeout_line())
-            return [f.result() for f in futures]
+            return [f.result() for f in futures] if await self.wait(request, futures) else None
         finally:
             self.cancel(tickets)
+
+    async def wait(self, request: Request, futures: list) -> bool:
+        """Until ``futures`` are done (True), or the client went away (False); a 504 past the
+        request timeout."""
+        deadline, pending = time.monotonic() + self.settings.request_timeout_s, set(futures)
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=POLL_SECONDS)
+            if pending and await request.is_disconnected():
+                self.counts["disconnected"] += 1
+                return False
+            if pending and time.monotonic() > deadline:
+                self.counts["timed_out"] += 1
+                raise APIError(504, self.timeout_line())
+        return True
 
     def timeout_line(self) -> str:
         return f"the request ran past the server's --request-timeout of {self.settings.request_timeout_s} s"
@@ -199,30 +194,19 @@ class RolloutService:
         if chat:
             prompts = [chat_prompt(body.get("messages"), tok, tools, settings.model_name)]
         else:
-            prompts = parse_prompts(
-                body.get("prompt"),
-                tok,
-                body.get("add_special_tokens", True) is True,
-                settings.max_prompts,
-            )
+            special = body.get("add_special_tokens", True) is True
+            prompts = parse_prompts(body.get("prompt"), tok, special, settings.max_prompts)
         check_context(prompts, fields["params"].max_tokens, settings)
         sequences = check_work(prompts, fields, settings)
-        head = {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-            "created": int(time.time()),
-            "model": settings.model_name,
-        }
+        kind = "chatcmpl" if chat else "cmpl"
+        head = {"id": f"{kind}-{uuid.uuid4().hex}", "created": int(time.time())}
         return Plan(
-            prompts,
-            fields,
-            head,
-            chat=chat,
+            prompts, fields, {**head, "model": settings.model_name}, chat=chat,
             logprobs=bool(body.get("logprobs")) if chat else body.get("logprobs") is not None,
             stream=body.get("stream") is True,
             usage=bool((body.get("stream_options") or {}).get("include_usage")),
-            sequences=sequences,
-            tools=tools if tools is not None and tools.parses else None,
-        )
+            sequences=sequences, tools=tools if tools is not None and tools.parses else None,
+        )  # fmt: skip
 
     async def respond(self, request: Request, chat: bool):
         plan = await run_in_threadpool(self.plan, await request.body(), chat)
@@ -315,9 +299,8 @@ class RolloutService:
                     backlog.blocked = True  # until the server has taken the bytes
                     yield text
                     backlog.blocked = False
-                if (
-                    stop := self._stream_stop(behind or backlog.overflowed, backlog, failed)
-                ) is not None:
+                stop = self._stream_stop(behind or backlog.overflowed, backlog, failed)
+                if stop is not None:
                     yield stop
                     return
             if plan.usage:
@@ -344,40 +327,30 @@ class RolloutService:
     def _stream_stop(self, behind: bool, backlog: Backlog, failed: list) -> str | None:
         """The error event that ends a stream: its client fell behind, or a ticket failed."""
         if behind:
-            line = (
-                f"the client fell {backlog.limit} events behind the stream, which "
-                "was stopped; read a stream as it comes"
-            )
-            return _sse(error_body(line, kind="timeout"))
+            line = f"the client fell {backlog.limit} events behind the stream, which was stopped"
+            return _sse(error_body(f"{line}; read a stream as it comes", kind="timeout"))
         if failed:  # a ticket's future: only a failure matters here
             self.counts["failed"] += 1
-            return _sse(
-                error_body(f"generation failed: {_failure(failed[0])}", kind="internal_error")
-            )
+            line = f"generation failed: {_failure(failed[0])}"
+            return _sse(error_body(line, kind="internal_error"))
         return None
 
     async def weights(self, request: Request) -> dict:
         if request.headers.get("content-type", "").startswith("application/octet-stream"):
             version = _version(request.query_params.get("version"))
-            payload = await request.body()
-            load = partial(decode_weights, payload)
+            load = partial(decode_weights, await request.body())
         else:
-            body = await json_body(request)
+            body = parse_json_object(await request.body())
             version = _version(body.get("version"))
             path = body.get("path")
             if not isinstance(path, str) or not path or "\0" in path:
                 raise APIError(400, "path must name a safetensors file or directory", "path")
-            load = partial(
-                load_safetensors_files, confined_weights_files(path, self.settings.weights_dir)
-            )
+            files = confined_weights_files(path, self.settings.weights_dir)
+            load = partial(load_safetensors_files, files)
         try:
             tensors = await run_in_threadpool(load)
-            seconds = await run_in_threadpool(
-                self.scheduler.load_weights,
-                tensors.items(),
-                version,
-                self.settings.weights_timeout_s,
-            )
+            apply = partial(self.scheduler.load_weights, tensors.items(), version)
+            seconds = await run_in_threadpool(apply, self.settings.weights_timeout_s)
         except (KeyError, ValueError) as exc:
             raise APIError(400, str(exc).strip("'\"")) from None
         self.recorder.record(version, {"sync_seconds": seconds})
@@ -413,10 +386,6 @@ class RolloutService:
             self.window = (now, stats["tokens"], stats["busy_seconds"])
         self.recorder.record(self.scheduler.version, self.rates)
         return Response(generate_latest(self.recorder.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-async def json_body(request: Request) -> dict:
-    return parse_json_object(await request.body())
 
 
 def error_response(status: int, body: dict, headers: dict | None = None) -> Response:
@@ -485,12 +454,9 @@ def _rss_bytes() -> int:
 
 
 def _usage(prompts: list[list[int]], completion_tokens: int) -> dict:
-    prompt_tokens = sum(len(p) for p in prompts)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+    prompt = sum(len(p) for p in prompts)
+    total = prompt + completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": total}
 
 
 def _sse(payload: dict) -> str:
@@ -538,16 +504,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     add("--tool-parser", default="hermes", choices=sorted(TOOL_PARSERS), help="call format")
     sec = ap.add_argument_group("keys (prefer the environment: flags show in ps)")
-    sec.add_argument("--api-key", help="Bearer key for the OpenAI endpoints (env RLPOST_API_KEY)")
-    sec.add_argument(
-        "--admin-key", help="Bearer key for /v1/weights and control routes (env RLPOST_ADMIN_KEY)"
-    )
-    sec.add_argument(
-        "--insecure", action="store_true", help="bind a non-loopback address without both keys"
-    )
-    sec.add_argument(
-        "--weights-dir", help="directory /v1/weights may read paths from (default: none)"
-    )
+    add = sec.add_argument
+    add("--api-key", help="Bearer key for the OpenAI endpoints (env RLPOST_API_KEY)")
+    add("--admin-key", help="Bearer key for /v1/weights and control routes (env RLPOST_ADMIN_KEY)")
+    add("--insecure", action="store_true", help="bind a non-loopback address without both keys")
+    add("--weights-dir", help="directory /v1/weights may read paths from (default: none)")
     lim = ap.add_argument_group("limits")
     for flag, kind, default, what in LIMIT_FLAGS:
         shown = "" if default is None else f" (default {default})"
@@ -560,31 +521,19 @@ LIMIT_FLAGS = [
     ("--max-weights-mb", float, 65536.0, "largest /v1/weights body [MiB]; 413 beyond"),
     ("--max-connections", int, 1024, "open connections; 503 beyond (uvicorn's limit)"),
     ("--max-pending", int, 4096, "sequences (prompts x n) running or queued; 429 beyond"),
-    (
-        "--max-request-sequences",
-        int,
-        None,
-        "prompts x n of one request; 400 beyond (default: 1024, at most --max-pending)",
-    ),
-    (
-        "--max-score-entries",
-        int,
-        1 << 32,
-        "prompts x longest prompt x vocabulary of one /v1/prompt_logprobs request; 400 beyond",
-    ),
+    ("--max-request-sequences", int, None,
+     "prompts x n of one request; 400 beyond (default: 1024, at most --max-pending)"),
+    ("--max-score-entries", int, 1 << 32,
+     "prompts x longest prompt x vocabulary of one /v1/prompt_logprobs request; 400 beyond"),
     ("--max-sessions", int, 1024, "recorded agent sessions open at once; 429 beyond"),
-    (
-        "--max-request-tokens",
-        int,
-        1 << 21,
-        "prompts x n x max_tokens x (1 + top logprobs) of one request; 400 beyond",
-    ),
+    ("--max-request-tokens", int, 1 << 21,
+     "prompts x n x max_tokens x (1 + top logprobs) of one request; 400 beyond"),
     ("--request-timeout", float, 600.0, "seconds a request may generate; 504 beyond"),
     ("--body-timeout", float, 30.0, "seconds to receive a generation request's body; 408 beyond"),
     ("--write-timeout", float, 30.0, "seconds a response may not drain; the connection is cut"),
     ("--header-timeout", float, 10.0, "seconds to receive a request's headers; closed beyond"),
     ("--keep-alive-timeout", float, 5.0, "seconds an idle connection is kept"),
-]
+]  # fmt: skip
 
 
 def _checked(args: argparse.Namespace) -> str | None:
@@ -675,13 +624,10 @@ def _serve(app: FastAPI, scheduler: Scheduler, args: argparse.Namespace, name: s
     port = sock.getsockname()[1]
     print(f"rlpost serve: listening on http://{args.host}:{port} model={name}", flush=True)
     config = uvicorn.Config(
-        app,
-        log_level="warning",
-        access_log=False,
+        app, log_level="warning", access_log=False,
         http=guarded_h11(args.header_timeout, args.write_timeout),
-        limit_concurrency=args.max_connections,
-        timeout_keep_alive=args.keep_alive_timeout,
-    )
+        limit_concurrency=args.max_connections, timeout_keep_alive=args.keep_alive_timeout,
+    )  # fmt: skip
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:

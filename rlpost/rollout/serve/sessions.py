@@ -1,45 +1,38 @@
 """Recorded sessions on the OpenAI server: what an outside agent's requests sampled.
 
-A request sent under ``/sessions/<id>/v1/...`` is served like any other and
-recorded in session ``<id>``: the prompt token ids the chat template produced,
-the sampled token ids, their logprobs and the policy version of every token.
-A finished session becomes training samples (:func:`session_samples`): token in,
+A request under ``/sessions/<id>/v1/...`` is served like any other and recorded in session
+``<id>``: the prompt ids the chat template produced, the sampled ids, their logprobs and
+versions. A finished session becomes training samples (:func:`session_samples`), token in,
 token out, exactly as recorded.
 
-A session samples at the sampling parameters it was opened with (the run's),
-whatever the agent asks: the trainer recomputes the logprobs of that
-distribution, so a harness's own temperature or penalties would make the
-recorded logprobs wrong. A session is bounded (requests, sampled tokens, wall
-time); a request past a bound, with ``n`` > 1 or ``stream=true`` is a 400 in
-one line, and an unknown or closed session is a 404 naming it. A request is
-admitted against what the session has left after the requests still
-generating (each reserves its requests and ``max_tokens`` until it ends), so
-concurrent requests cannot together pass a bound.
+A session samples at the parameters it was opened with (the run's), whatever the agent asks:
+the trainer recomputes that distribution's logprobs, so a harness's own temperature or
+penalties would make them wrong. Requests, sampled tokens and wall time are bounded; a request
+past a bound, with ``n`` > 1 or ``stream=true`` is a 400, an unknown or closed session a 404.
+A request is admitted against what is left after those still generating (each reserves its
+request and ``max_tokens`` until it ends), so concurrent requests cannot pass a bound together.
 
-A session's id names it; its key (``Authorization: Bearer <key>``, random per
-session) is the credential every request under ``/sessions/<id>/v1`` must
-carry: an agent that learns another session's id still cannot send into it.
-A store holds at most ``max_open`` sessions (429 past it) and closes, on the
-next open, every session more than ``reap_after_s`` past its wall bound.
+Each session has a random key (``Authorization: Bearer <key>``) that every request under it
+must carry: an agent that learns another session's id still cannot send into it. A store
+holds at most ``max_open`` sessions (429) and, on the next open, closes every session more
+than ``reap_after_s`` past its wall bound.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import math
 import secrets
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from fastapi import Request as HTTPRequest
 from starlette.concurrency import run_in_threadpool
 
 from rlpost.rollout.engines.protocol import SamplingParams
-from rlpost.rollout.serve.guard import bearer_token
+from rlpost.rollout.serve.guard import bearer_token, key_digest, key_matches
 from rlpost.rollout.serve.openai_params import APIError, parse_json_object
 from rlpost.types import Completion, Episode, Turn
 
@@ -60,7 +53,7 @@ class Request:
     prompt_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
-    versions: list[int]
+    token_versions: list[int]
     finish_reason: str
     text: str = ""
     tool_calls: int = 0
@@ -87,10 +80,7 @@ class Session:
 
     def accepts(self, token: str | None) -> bool:
         """``token`` is this session's key (compared as digests, in constant time)."""
-        if token is None:
-            return False
-        digest = hashlib.sha256(token.encode()).digest()
-        return hmac.compare_digest(digest, hashlib.sha256(self.key.encode()).digest())
+        return key_matches(token, key_digest(self.key))
 
     def settle(self, granted: int, request: Request | None = None) -> None:
         """End an admitted request: its reservation (one request, ``granted`` tokens) is
@@ -135,11 +125,9 @@ class SessionStore:
                 del self._open[old.id]
                 self.reaped += 1
             if len(self._open) >= self.max_open:
+                why = f"{len(self._open)} sessions are open, this server's limit (--max-sessions)"
                 raise APIError(
-                    429,
-                    f"{len(self._open)} sessions are open, this server's limit "
-                    "(--max-sessions); close one or retry later",
-                    headers={"retry-after": "1"},
+                    429, f"{why}; close one or retry later", headers={"retry-after": "1"}
                 )
             self._open[session.id] = session
         return session
@@ -195,13 +183,8 @@ def admit(session: Session, plan, context: int) -> int:
         session.reserved_requests += 1
         session.reserved_tokens += granted
     s = session.sampling
-    plan.fields["params"] = replace(
-        plan.fields["params"],
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        max_tokens=granted,
-    )
+    sampling = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
+    plan.fields["params"] = replace(plan.fields["params"], **sampling, max_tokens=granted)
     plan.fields["adjust"] = None  # penalties would make the logprobs another distribution's
     plan.fields["ignore_eos"] = False
     if session.seed is not None:
@@ -229,11 +212,12 @@ def add_session_routes(app, service, store: SessionStore) -> None:
     async def respond(request: HTTPRequest, sid: str, chat: bool):
         session = store.get(sid)
         if not session.accepts(bearer_token(request.scope["headers"])):
+            why = "send Authorization: Bearer <the key the session was opened with>"
+            challenge = {"www-authenticate": "Bearer"}
             raise APIError(
                 401,
-                f"session {sid[:64]!r}: missing or wrong session key (send Authorization: "
-                "Bearer <the key the session was opened with>)",
-                headers={"www-authenticate": "Bearer"},
+                f"session {sid[:64]!r}: missing or wrong session key ({why})",
+                headers=challenge,
             )
         raw, asked = unbounded_body(await request.body())
         try:
@@ -252,18 +236,12 @@ def add_session_routes(app, service, store: SessionStore) -> None:
         def record(results: list, content: bytes) -> None:
             out, choice = results[0][0], json.loads(content)["choices"][0]
             message = choice.get("message") or {}
+            text = message.get("content") or choice.get("text") or ""
+            calls = len(message.get("tool_calls") or [])
+            sampled = (list(out.token_ids), list(out.logprobs), list(out.token_versions))
             settled.append(True)
             session.settle(
-                granted,
-                Request(
-                    list(plan.prompts[0]),
-                    list(out.token_ids),
-                    list(out.logprobs),
-                    list(out.token_versions),
-                    out.finish_reason,
-                    text=message.get("content") or choice.get("text") or "",
-                    tool_calls=len(message.get("tool_calls") or []),
-                ),
+                granted, Request(list(plan.prompts[0]), *sampled, out.finish_reason, text, calls)
             )
 
         try:
@@ -293,18 +271,7 @@ def session_record(session: Session) -> dict:
         "closed": session.closed,
         "bound_hit": session.bound_hit,
         "tokens": session.tokens,
-        "requests": [
-            {
-                "prompt_ids": r.prompt_ids,
-                "token_ids": r.token_ids,
-                "logprobs": r.logprobs,
-                "token_versions": r.versions,
-                "finish_reason": r.finish_reason,
-                "text": r.text,
-                "tool_calls": r.tool_calls,
-            }
-            for r in session.requests
-        ],
+        "requests": [asdict(r) for r in session.requests],
     }
 
 
@@ -328,7 +295,7 @@ def session_from_record(record: dict, bounds: SessionBounds, sampling: SamplingP
             f"session record: bad request entry ({type(exc).__name__}: {exc})"
         ) from None
     for r in requests:
-        if not len(r.token_ids) == len(r.logprobs) == len(r.versions):
+        if not len(r.token_ids) == len(r.logprobs) == len(r.token_versions):
             raise ValueError(
                 "session record: token_ids, logprobs and token_versions differ in length"
             )
@@ -354,12 +321,8 @@ def parse_open(raw: bytes) -> tuple[SessionBounds, SamplingParams, int | None]:
             shown = json.dumps(value)[:40]
             what = "an integer" if kind is int else "a finite number"
             raise APIError(400, f"session: {name} must be {what}, got {shown}", name)
-    defaults = SessionBounds()
-    bounds = SessionBounds(
-        body.get("max_requests", defaults.max_requests),
-        body.get("max_tokens", defaults.max_tokens),
-        float(body.get("max_seconds", defaults.max_seconds)),
-    )
+    given = {k: kind(body[k]) for k, kind in _BOUNDS.items() if body.get(k) is not None}
+    bounds = SessionBounds(**given)
     for name in _BOUNDS:
         if getattr(bounds, name) <= 0:
             raise APIError(400, f"session: {name} must be > 0", name)
@@ -451,7 +414,7 @@ def segment_completion(seg: list[Request], group: int, answer: str) -> Completio
         tokens += r.token_ids
         logprobs += r.logprobs
         mask += [1] * len(r.token_ids)
-        versions += r.versions
+        versions += r.token_versions
         tool = "tool_calls" if r.tool_calls else None
         turns.append(Turn("policy", start, len(tokens), tool, text=r.text))
     finish = "length" if seg[-1].finish_reason == "length" else "stop"

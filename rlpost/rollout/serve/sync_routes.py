@@ -54,8 +54,7 @@ def receiver_of(app) -> Receiver:
     with _lock:
         receiver = getattr(app.state, "sync_receiver", None)
         if receiver is None:
-            service = app.state.service
-            settings = service.settings
+            service, settings = app.state.service, app.state.service.settings
             # Removed with the app (TemporaryDirectory's finalizer); sessions delete their files.
             app.state.sync_spool = tempfile.TemporaryDirectory(prefix="rlpost-sync-")
             receiver = Receiver(
@@ -132,15 +131,10 @@ async def finish(session: str, request: Request):
         return report
     service = request.app.state.service
     service.weights_run_id = receiver_of(request.app).run_id
-    service.recorder.record(
-        report.version, {"sync_seconds": report.pause_seconds, "sync_bytes": report.bytes}
-    )
-    return {
-        "version": report.version,
-        "checksums": report.checksums,
-        "pause_seconds": report.pause_seconds,
-        "bytes": report.bytes,
-    }
+    seconds, size = report.pause_seconds, report.bytes
+    service.recorder.record(report.version, {"sync_seconds": seconds, "sync_bytes": size})
+    answer = {"version": report.version, "checksums": report.checksums}
+    return {**answer, "pause_seconds": seconds, "bytes": size}
 
 
 @router.post("/{session}/abort")

@@ -1,19 +1,12 @@
 """Tool calls on ``/v1/chat/completions``: the request's tools, the chat, the model's calls.
 
-A request's ``tools`` (function tools with JSON-schema parameters) and
-``tool_choice`` are checked here (a 400 naming the problem), rendered by the
-tokenizer's own chat template (``apply_chat_template(messages, tools=...)``,
-so the model sees tools as it was trained to), and the model's output is read
-back into OpenAI ``tool_calls`` by the server's call format
-(:mod:`rlpost.rollout.serve.tool_parsers`). Assistant messages carrying
-``tool_calls`` and ``role: tool`` answers are handed to the template as
-Hugging Face expects them (arguments as an object).
-
-There is no constrained decoding: ``tool_choice: "required"`` and a named
-function are honoured by writing the opening of a call after the generation
-prompt (its tokens are prompt, not sampled), and the model completes it; a
-completion that still does not decode stays content and counts as a parse
-failure.
+``tools`` (function tools with JSON-schema parameters) and ``tool_choice`` are checked here,
+rendered by the tokenizer's own chat template (the model sees tools as it was trained to), and
+the output is read back into ``tool_calls`` by the server's call format
+(:mod:`rlpost.rollout.serve.tool_parsers`). There is no constrained decoding: ``required`` and
+a named function are honoured by writing the opening of a call after the generation prompt
+(prompt tokens, not sampled); a completion that still does not decode stays content and
+counts as a parse failure.
 """
 
 from __future__ import annotations
@@ -88,24 +81,19 @@ def _tool_name(tool: Any, i: int) -> str:
         raise APIError(400, f"{where}.function must be an object with a name", "tools")
     name = fn.get("name")
     if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise APIError(
-            400, f"{where}.function.name={shown(name)} must match [A-Za-z0-9_-]{{1,64}}", "tools"
-        )
+        why = f"{where}.function.name={shown(name)} must match [A-Za-z0-9_-]{{1,64}}"
+        raise APIError(400, why, "tools")
     if fn.get("description") is not None and not isinstance(fn["description"], str):
         raise APIError(400, f"{where}.function.description must be a string", "tools")
     if fn.get("strict"):
-        raise APIError(
-            400, f"{where}.function.strict=true needs constrained decoding, which this "
-            "server does not have; leave strict unset", "tools",
-        )  # fmt: skip
-    if fn.get("parameters") is not None:
-        if not isinstance(fn["parameters"], dict):
-            raise APIError(
-                400, f"{where}.function.parameters must be a JSON schema object", "tools"
-            )
-        problem = schema_problem(fn["parameters"])
-        if problem is not None:
-            raise APIError(400, f"{where}.function.parameters: {problem}", "tools")
+        why = "needs constrained decoding, which this server does not have; leave strict unset"
+        raise APIError(400, f"{where}.function.strict=true {why}", "tools")
+    params = fn.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise APIError(400, f"{where}.function.parameters must be a JSON schema object", "tools")
+    problem = None if params is None else schema_problem(params)
+    if problem is not None:
+        raise APIError(400, f"{where}.function.parameters: {problem}", "tools")
     return name
 
 
@@ -146,27 +134,20 @@ def schema_problem(schema: Any, path: str = "") -> str | None:
 def _choice(choice: Any, names: list[str]) -> tuple[str, str | None]:
     if choice is None:
         return "auto", None
+    named_form = '{"type": "function", "function": {"name": ...}}'
     if isinstance(choice, str):
         if choice not in CHOICES:
-            raise APIError(
-                400, f"tool_choice={shown(choice)} must be auto, none, required or "
-                '{"type": "function", "function": {"name": ...}}', "tool_choice",
-            )  # fmt: skip
+            why = f"tool_choice={shown(choice)} must be auto, none, required or {named_form}"
+            raise APIError(400, why, "tool_choice")
         return choice, None
     named = isinstance(choice, dict) and choice.get("type") == "function"
     fn = choice.get("function") if named else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
-        raise APIError(
-            400,
-            f'tool_choice={shown(choice)} must be {{"type": "function", "function": {{"name": ...}}}}',
-            "tool_choice",
-        )
+        raise APIError(400, f"tool_choice={shown(choice)} must be {named_form}", "tool_choice")
     if name not in names:
-        raise APIError(
-            400, f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})",
-            "tool_choice",
-        )  # fmt: skip
+        why = f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})"
+        raise APIError(400, why, "tool_choice")
     return "function", name
 
 
@@ -184,14 +165,11 @@ def chat_turns(messages: Any) -> list[dict]:
         role = checked_text(m["role"], f"messages[{i}].role")
         calls = m.get("tool_calls") or []
         if not isinstance(calls, list):
-            raise APIError(
-                400, f"messages[{i}].tool_calls must be a list of calls, got {shown(calls)}",
-                "messages",
-            )  # fmt: skip
+            why = f"messages[{i}].tool_calls must be a list of calls, got {shown(calls)}"
+            raise APIError(400, why, "messages")
         if calls and role != "assistant":
-            raise APIError(
-                400, f"messages[{i}]: only an assistant message has tool_calls", "messages"
-            )
+            why = f"messages[{i}]: only an assistant message has tool_calls"
+            raise APIError(400, why, "messages")
         content = m.get("content")
         turn: dict = {"role": role, "content": "" if content is None and calls else None}
         if turn["content"] is None:
@@ -201,9 +179,8 @@ def chat_turns(messages: Any) -> list[dict]:
         if role == "tool":
             call_id = m.get("tool_call_id")
             if not isinstance(call_id, str):
-                raise APIError(
-                    400, f"messages[{i}]: a tool message needs a tool_call_id", "messages"
-                )
+                why = f"messages[{i}]: a tool message needs a tool_call_id"
+                raise APIError(400, why, "messages")
             turn["tool_call_id"] = checked_text(call_id, f"messages[{i}].tool_call_id")
         if m.get("name") is not None:
             if not isinstance(m["name"], str):
@@ -243,16 +220,12 @@ def chat_prompt(messages: Any, tokenizer, tools: ToolRequest | None, model: str)
         template = template.get("tool_use") or template.get("default") or ""
     param = "tools" if tools is not None else "messages"
     if uses_tools and not template:
-        raise APIError(
-            400,
-            f"{param}: model {model!r} has no chat template, so it cannot be given tools",
-            param,
-        )
+        why = f"model {model!r} has no chat template, so it cannot be given tools"
+        raise APIError(400, f"{param}: {why}", param)
     if uses_tools and "tools" not in template:
-        raise APIError(
-            400, f"{param}: the chat template of model {model!r} does not reference tools, so it "
-            "cannot render them; serve a checkpoint whose template supports tools", param,
-        )  # fmt: skip
+        why = f"the chat template of model {model!r} does not reference tools, so it cannot "
+        why += "render them; serve a checkpoint whose template supports tools"
+        raise APIError(400, f"{param}: {why}", param)
     if not template:
         text = "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant: "
         return _nonempty(tokenizer(text, add_special_tokens=False)["input_ids"])

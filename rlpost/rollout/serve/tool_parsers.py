@@ -1,18 +1,11 @@
 """Tool-call formats: how a model writes a call, and how its text becomes ``tool_calls``.
 
-Each format is a :class:`CallFormat` registered by name in ``TOOL_PARSERS``
-(``rlpost serve --tool-parser NAME``): the marker that opens a call, the one
-that closes it (or none: the call runs to the end of the output), how a call's
-body decodes to calls, and the text a forced call begins with. One
-:class:`CallParser` reads any format, a piece of text at a time, so a streamed
-response and a whole one are parsed by the same code and always agree.
-
-As with vLLM's ``--tool-call-parser hermes``, the text of a call that does
-not decode (bad JSON, no name) stays in the content, word for word; here it is
-also counted as a parse failure. Unlike vLLM (which keeps only the text before
-the first call), text between and after calls is content too, less the
-whitespace next to a call; and a call's arguments arrive whole in the chunk of
-the token that closes it, never as partial JSON.
+Each :class:`CallFormat` is registered by name in ``TOOL_PARSERS`` (``rlpost serve
+--tool-parser NAME``). One :class:`CallParser` reads any format a piece of text at a time, so
+a streamed and a whole response are parsed by the same code and always agree. As with vLLM's
+``hermes`` parser, a call that does not decode stays in the content word for word (and counts
+as a parse failure); unlike vLLM, text between and after calls is content too, less the
+whitespace next to a call, and a call's arguments arrive whole, never as partial JSON.
 """
 
 from __future__ import annotations
@@ -93,28 +86,17 @@ def register(fmt: CallFormat) -> CallFormat:
     return fmt
 
 
+def _opening(start: str):
+    """A named call's opening in a format whose calls are ``{"name": ..., "arguments": ...}``."""
+    return lambda name: start + '{"name": ' + json.dumps(name) + ', "arguments": '
+
+
 # Hermes 2 Pro, Qwen 2.5 / Qwen 3 and most open chat models with a tool template.
-register(
-    CallFormat(
-        "hermes",
-        "<tool_call>",
-        "</tool_call>",
-        _one_object,
-        "<tool_call>\n",
-        lambda name: '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": ',
-    )
-)
+register(CallFormat("hermes", "<tool_call>", "</tool_call>", _one_object, "<tool_call>\n",
+                    _opening("<tool_call>\n")))  # fmt: skip
 # Phi-4-mini: ``functools[{...}, {...}]`` to the end of the output.
-register(
-    CallFormat(
-        "functools",
-        "functools",
-        None,
-        _object_list,
-        "functools[",
-        lambda name: 'functools[{"name": ' + json.dumps(name) + ', "arguments": ',
-    )
-)
+register(CallFormat("functools", "functools", None, _object_list, "functools[",
+                    _opening("functools[")))  # fmt: skip
 
 
 def tool_format(name: str) -> CallFormat:

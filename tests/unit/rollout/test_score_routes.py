@@ -4,14 +4,12 @@ whose padded logits would pass ``--max-score-entries`` is refused naming the fla
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from rlpost.models.loading import load_policy
 from rlpost.rollout.serve.openai_params import APIError, ServerSettings
-from rlpost.rollout.serve.score_routes import Stopped, parse_scoring, score
+from rlpost.rollout.serve.score_routes import parse_scoring, score_pieces
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +19,16 @@ def model():
 
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
 STARTS = [2, 1, 4, 3]
+
+
+def score(model, prompts, starts, chunk=0):
+    """The scoring run to its end, as the scheduler runs it between decode steps."""
+    pieces = score_pieces(model, prompts, starts, chunk)
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as end:
+            return end.value
 
 
 def _reference(model, prompts, starts):
@@ -56,17 +64,14 @@ def test_the_head_never_sees_more_than_a_chunk(model):
     assert sum(seen) >= sum(len(p) - 1 for p in PROMPTS)
 
 
-def test_a_stop_ends_the_work_at_the_next_chunk(model):
-    stop, calls = threading.Event(), []
-
-    def on_head(_m, _args, _out):
-        calls.append(1)
-        stop.set()  # the client went away while the first chunk ran
-
-    hook = model.get_output_embeddings().register_forward_hook(on_head)
+def test_a_closed_scoring_ends_at_the_next_chunk(model):
+    calls: list[int] = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
+    pieces = score_pieces(model, PROMPTS, STARTS, chunk=2)
     try:
-        with pytest.raises(Stopped):
-            score(model, PROMPTS, STARTS, stop, chunk=2)
+        while not calls:  # the pieces up to the first head chunk
+            next(pieces)
+        pieces.close()  # its client went away: the scheduler closes it between two steps
     finally:
         hook.remove()
     assert len(calls) == 1

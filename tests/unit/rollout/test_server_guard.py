@@ -150,11 +150,15 @@ def test_defaults_leave_sampling_bit_identical(tiny):
         assert [e.finish for e in mine] == [None] * (len(mine) - 1) + [out.finish_reason]
 
 
-def test_a_vanishing_temperature_samples_greedily():
-    from rlpost.rollout.serve.openai_params import _temperature
+def test_a_vanishing_temperature_samples_greedily(tiny):
+    from rlpost.rollout.serve.openai_params import ServerSettings, parse_sampling
 
-    assert _temperature(1e-45) == 0.0 and _temperature(0.0) == 0.0  # logits / T would overflow
-    assert _temperature(0.7) == 0.7
+    def temperature(value: float) -> float:
+        fields = parse_sampling({"temperature": value}, ServerSettings("m"), tiny[1], chat=False)
+        return fields["params"].temperature
+
+    assert temperature(1e-45) == 0.0 and temperature(0.0) == 0.0  # logits / T would overflow
+    assert temperature(0.7) == 0.7
 
 
 def test_pending_is_counted_in_sequences_and_refused_past_the_bound():
