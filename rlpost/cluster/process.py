@@ -406,11 +406,7 @@ def run_fleet(spawner, cfg: Config, run_dir: Path) -> RolloutFleet:
     return RolloutFleet(
         spawner,
         c.rollout_workers,
-        policy=HealthPolicy(
-            suspect_after_s=c.suspect_after_s,
-            dead_after_s=c.dead_after_s,
-            max_restarts=c.max_restarts,
-        ),
+        policy=HealthPolicy(c.suspect_after_s, c.dead_after_s, max_restarts=c.max_restarts),
         events=run_dir / "cluster_events.jsonl",
         control=run_dir / "cluster",
         admit_timeout_s=c.start_timeout_s,

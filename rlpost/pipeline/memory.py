@@ -13,10 +13,10 @@ transformers loaded; the model's shape comes from its config on the meta device.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 
 from rlpost.config import Config, ConfigError
+from rlpost.observe.mfu import _usable_cores
 from rlpost.pipeline.build import EAGER_ATTENTION_MAX_POSITIONS
 from rlpost.resolved import resolve
 from rlpost.train.lm_head import chunk_tokens, needs_chunks
@@ -184,9 +184,8 @@ REAL_SHAPE_PARAMS, REAL_SHAPE_VOCAB = 10_000_000, 32_000
 def note_idle_cores(cfg: Config, shape: dict) -> bool:
     """One line (True) when a fixed ``run.threads`` leaves cores idle at a real shape (the
     toy recipe's 1 is 1.6x slower than ``run.threads=0`` at a 151,936-token vocabulary)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     real = shape["params"] >= REAL_SHAPE_PARAMS or shape["vocab"] >= REAL_SHAPE_VOCAB
-    threads, cores = cfg.run.threads, cores or 1
+    threads, cores = cfg.run.threads, _usable_cores()
     if not 0 < threads < cores or not real:
         return False
     print(
