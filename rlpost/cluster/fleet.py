@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -157,6 +158,7 @@ class RolloutFleet:
         todo = [Chunk(0, list(prompts))] if prompts else []
         done: dict[int, list] = {}
         stats: list[dict[str, float]] = []
+        kw = dict(train=train, last=last)
         while todo:
             workers = self._await_serving()
             chunks = _split(todo, len(workers))
@@ -167,15 +169,8 @@ class RolloutFleet:
             for k, chunk in enumerate(chunks):
                 m = workers[k % len(workers)]  # more shares than workers: a re-send left gaps
                 m.health.call_started()
-                fut = self._pool.submit(
-                    m.handle.generate,
-                    chunk.prompts,
-                    params,
-                    n,
-                    train=train,
-                    last=last,
-                    min_version=floor,
-                )
+                call = partial(m.handle.generate, **kw, min_version=floor)
+                fut = self._pool.submit(call, chunk.prompts, params, n)
                 running[fut] = (m, chunk, m.handle)
             while running:
                 finished, _ = wait(list(running), timeout=1.0, return_when=FIRST_COMPLETED)
@@ -508,13 +503,8 @@ class RolloutFleet:
             if only_changed and now == getattr(self, "_reported", None):
                 return
             self._reported = now
-            body = {
-                "id": ident,
-                "error": error,
-                "version": self._version,
-                "workers": rows,
-                "running": not self._closed,
-            }
+            body = dict(id=ident, error=error, version=self._version, workers=rows)
+            body["running"] = not self._closed
         tmp = self.control / (FLEET_STATE + ".tmp")
         tmp.write_text(json.dumps(body))
         tmp.replace(self.control / FLEET_STATE)

@@ -234,16 +234,9 @@ def train(
     if "eval_tool_call_rate" in first_eval:  # multi-turn episodes: tool use before and after RL
         pace["eval_tool_call_rate_start"] = first_eval["eval_tool_call_rate"]
         pace["eval_tool_call_rate_end"] = final_eval.get("eval_tool_call_rate")
+    extra = pace | summary_fields(memory)
     summary = finish_run(
-        cfg,
-        run_dir,
-        first_eval,
-        final_eval,
-        history,
-        start_step,
-        wall,
-        console,
-        extra=pace | summary_fields(memory),
+        cfg, run_dir, first_eval, final_eval, history, start_step, wall, console, extra=extra
     )
     return RunResult(run_dir=run_dir, summary=summary, history=history)
 
