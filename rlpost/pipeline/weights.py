@@ -76,11 +76,11 @@ class DirectPath(_Counter):
         self.count(float(export.bytes))
         return {"sync_seconds": time.perf_counter() - start, "sync_bytes": float(export.bytes)}
 
-    def restart_versions(self) -> None:
-        """Nothing to tell: the copy lands whatever its number."""
-
     def close(self) -> None:
-        """Nothing of its own to release."""
+        """Nothing of its own to release (nor to tell on a restore: the copy lands whatever
+        its number)."""
+
+    restart_versions = close
 
 
 class ChannelPath(_Counter):
@@ -122,9 +122,8 @@ def build_weight_path(cfg, rollout, run_dir=None) -> WeightPath:
     if cfg.rollout.engine.name == "remote":
         from rlpost.rollout.engines.client import keys_from_env
 
-        admin = keys_from_env(cfg.rollout.engine.api_key_env, cfg.rollout.engine.admin_key_env)[
-            "admin_key"
-        ]
+        e = cfg.rollout.engine
+        admin = keys_from_env(e.api_key_env, e.admin_key_env)["admin_key"]
         headers = {"Authorization": f"Bearer {admin}"} if admin else None
         http = s.model_copy(update={"channel": "http"})  # servers are reached over HTTP
         sync = build_weight_sync(http, list(cfg.rollout.engine.servers), headers=headers)
