@@ -20,6 +20,7 @@ that overlap rollout and training reuse the two stages in their own module.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -152,23 +153,19 @@ def train(
     ckpt = usable_checkpoint(run_dir) if resume else None
     start = start or start_workers
     workers = start(cfg, run_dir, train_prompts, console, resuming=ckpt is not None)
-    r = None
-    try:
+    with contextlib.ExitStack() as closing:  # a failed start, too, releases what it started
+        closing.callback(workers.close)
         r = _new_run(cfg, facts, run_dir, workers, train_prompts, ckpt)
+        closing.callback(r.recorder.close)
+        closing.callback(console.stop)
         r.on_groups, r.console = on_groups, console
         r.weights = build_weight_path(cfg, workers.rollout, run_dir)
+        closing.callback(r.weights.close)
+        closing.callback(lambda: r.feed is not None and r.feed.close())
         step, pending = _restore(r, ckpt) if ckpt is not None else (_push(r), [])
         r.weights.take_sent()  # the starting weights are no step's sync
         r.learn = learnability_check(cfg, facts, workers) if ckpt is None else None
-    except BaseException:  # a failed start releases what it started (processes, the exporter)
-        if r is not None:
-            r.recorder.close()
-            if r.weights is not None:
-                r.weights.close()
-        workers.close()
-        raise
-    start_step, history, rl_seconds, empty = step, [], 0.0, 0
-    try:
+        start_step, history, rl_seconds, empty = step, [], 0.0, 0
         first_eval = _full_eval(r, held_out)
         console.note_eval(step, first_eval)
         r.recorder.record(step, first_eval)
@@ -213,13 +210,6 @@ def train(
         final_eval = _full_eval(r, held_out)
         r.recorder.record(step, final_eval)
         _save(r, step)
-    finally:
-        if r.feed is not None:
-            r.feed.close()
-        r.weights.close()
-        console.stop()
-        r.recorder.close()
-        workers.close()
     wall = time.time() - started
     trained = sum(h.get("completions", 0.0) for h in history)
     pace = {
