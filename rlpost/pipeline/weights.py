@@ -1,18 +1,13 @@
 """The run's weight path: the one object that moves the trainer's weights to rollout.
 
-Built once per run (:func:`build_weight_path`) and owned by the loop and its
-feed; every push goes through it: the starting weights, each step's update, a
-restore (resume, rollback), a guard's re-send and the weights an evaluation
-must see. Which kind it is follows from the config alone:
-
-* :class:`DirectPath`: ``rollout.load_weights`` with the trainer's tensors, no
-  codec. A rollout fleet fans that out to each member itself.
-* :class:`ChannelPath`: a :class:`~rlpost.sync.WeightSync` over a transport
-  (codecs, buckets, delta, verification): into the rollout worker in process,
-  to ``rlpost serve`` over http (``rollout.engine=remote``, the rollout worker is
-  then told which servers took the version; a ``vllm serve`` through its own
-  routes, :mod:`rlpost.rollout.engines.vllm_server`), or published to a directory that
-  servers and workers load (``sync.channel=disk``).
+Built once per run (:func:`build_weight_path`, its kind follows from the config alone)
+and owned by the loop and its feed; every push goes through it: the starting weights,
+each step's update, a restore (resume, rollback), a guard's re-send and the weights an
+evaluation must see. :class:`DirectPath` hands the trainer's tensors over as they are (a
+rollout fleet fans them out itself); :class:`ChannelPath` runs a
+:class:`~rlpost.sync.WeightSync` (codecs, buckets, delta, verification) into the rollout
+worker, to ``rlpost serve`` or ``vllm serve`` over http (``rollout.engine=remote``), or
+into a directory that servers and workers load (``sync.channel=disk``).
 
 Its counts are the wire truth: ``sync_bytes`` is what the push sent (the
 encoded payload, summed over targets), and the loop's step metrics, hence
