@@ -35,6 +35,7 @@ SUMMARY_FILE = "summary.json"
 SAMPLE_FILES_SHOWN = 6
 SAMPLE_ROWS_SHOWN = 8
 TEXT_CHARS_SHOWN = 2000
+SAMPLE_TEXTS = ("prompt", "completion", "answer")  # a sample's columns of text; then the numbers
 
 COMPARE_FILE = "compare.html"
 DEFAULT_SMOOTHING = 0.6
@@ -60,13 +61,8 @@ PLOTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 def _series(metrics: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
     """(steps, values) of the rows where ``key`` has a finite value."""
-    steps, values = [], []
-    for row in metrics:
-        value = row.get(key)
-        if isinstance(value, int | float) and math.isfinite(value):
-            steps.append(float(row["step"]))
-            values.append(float(value))
-    return steps, values
+    rows = [row for row in metrics if _finite(row.get(key))]
+    return [float(row["step"]) for row in rows], [float(row[key]) for row in rows]
 
 
 def _figure_html(fig: Figure, title: str) -> str:
@@ -321,14 +317,10 @@ def _samples_html(run_dir: Path) -> str:
             "<th>score</th><th>components</th></tr>"
         )
         for row in rows:
-            components = row.get("components") or {}
-            parts.append(
-                f"<tr><td><pre>{_clip(row.get('prompt'))}</pre></td>"
-                f"<td><pre>{_clip(row.get('completion'))}</pre></td>"
-                f"<td><pre>{_clip(row.get('answer'))}</pre></td>"
-                f"<td>{html.escape(_fmt(row.get('score')))}</td>"
-                f"<td>{html.escape(_fmt(components))}</td></tr>"
-            )
+            texts = [f"<td><pre>{_clip(row.get(k))}</pre></td>" for k in SAMPLE_TEXTS]
+            numbers = [row.get("score"), row.get("components") or {}]
+            cells = texts + [f"<td>{html.escape(_fmt(v))}</td>" for v in numbers]
+            parts.append(f"<tr>{''.join(cells)}</tr>")
         parts.append("</table>")
     return "\n".join(parts)
 
