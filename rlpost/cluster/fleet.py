@@ -243,11 +243,8 @@ class RolloutFleet:
                 self._lock.wait(timeout=1.0)
 
     def _why_gone(self) -> str:
-        last = [m.health.history[-1] for m in self.members]
-        return "; ".join(
-            f"worker {m.index} {e.state.value}: {e.why}"
-            for m, e in zip(self.members, last, strict=True)
-        )
+        last = [(m.index, m.health.history[-1]) for m in self.members]
+        return "; ".join(f"worker {i} {e.state.value}: {e.why}" for i, e in last)
 
     def _failed(self, m: Member, exc: BaseException, handle: Any = None) -> None:
         """Record a failed call of ``m`` (made on ``handle``: a report about a worker that has
@@ -369,12 +366,8 @@ class RolloutFleet:
         with self._lock:
             self._latest = (tensors, version)
             self._version = version
-            targets = [
-                m
-                for m in self.members
-                if not m.restarting
-                and m.health.state in (State.HEALTHY, State.SUSPECT, State.STALE)
-            ]
+            takes = (State.HEALTHY, State.SUSPECT, State.STALE)
+            targets = [m for m in self.members if not m.restarting and m.health.state in takes]
         futures = {self._pool.submit(self._push, m, tensors, version): m for m in targets}
         for fut in futures:
             fut.result()
@@ -448,17 +441,16 @@ class RolloutFleet:
         removed ones (the newest first) finish nothing new and are stopped."""
         with self._lock:
             live = [m for m in self.members if m.health.state is not State.RETIRED]
-        if size > len(live):
-            for _ in range(size - len(live)):
-                with self._lock:
-                    index = len(self.members)
-                handle = self.spawner.start(index)
-                m = Member(index, handle, WorkerHealth(self.policy, self.clock))
-                with self._lock:
-                    self.members.append(m)
-                    self._log(m)
-                    m.restarting = True
-                self._admit_marked(m)
+        for _ in range(size - len(live)):
+            with self._lock:
+                index = len(self.members)
+            handle = self.spawner.start(index)
+            m = Member(index, handle, WorkerHealth(self.policy, self.clock))
+            with self._lock:
+                self.members.append(m)
+                self._log(m)
+                m.restarting = True
+            self._admit_marked(m)
         for m in reversed(live[size:]):
             with self._lock:
                 m.health.retire(f"scaled down to {size}")
@@ -547,9 +539,7 @@ class RolloutFleet:
             self._lock.notify_all()
         # a restart still waiting on its worker (a lost node) must end before this process
         # does: a thread left inside the cluster client when the interpreter exits crashes it
-        cancel = getattr(self.spawner, "cancel", None)
-        if cancel is not None:
-            cancel()
+        getattr(self.spawner, "cancel", lambda: None)()
         for job in self._jobs:
             job.join(timeout=JOB_JOIN_S)
         for m in self.members:
