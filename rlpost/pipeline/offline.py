@@ -165,13 +165,9 @@ def load_conversations(cfg: Config) -> tuple[list[Conversation], list[Conversati
     """(train, held-out, {split: LoadReport}) as ``sft.data`` says."""
     s, seed = cfg.sft, cfg.run.seed
     if s.data == "chat_arith":
-        convs = chat_arith(sum(CHAT_ARITH_SIZES), seed=0)  # a fixed set, whatever the run seed
-        n = CHAT_ARITH_SIZES[0]
-        return (
-            convs[:n],
-            convs[n:],
-            {"train": LoadReport(rows=n), "eval": LoadReport(rows=len(convs) - n)},
-        )
+        n, held = CHAT_ARITH_SIZES
+        convs = chat_arith(n + held, seed=0)  # a fixed set, whatever the run seed
+        return convs[:n], convs[n:], {"train": LoadReport(rows=n), "eval": LoadReport(rows=held)}
     if s.data != "file" or not s.train_path:
         raise ConfigError("sft.data=file needs sft.train_path; set it to a JSONL or Parquet file")
     kw = dict(
