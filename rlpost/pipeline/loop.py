@@ -53,7 +53,7 @@ from rlpost.pipeline.learnability import LearnabilityCheck
 from rlpost.pipeline.memory import check_memory, summary_fields
 from rlpost.pipeline.rundir import finish_run, prepare_run_dir, warm_start
 from rlpost.pipeline.source_metrics import source_metrics
-from rlpost.pipeline.stages import RolloutSettings, TrainSettings, train_stage
+from rlpost.pipeline.stages import RolloutSettings, TrainSettings, invalid_rows, train_stage
 from rlpost.pipeline.streaming import stream_samplers, update_data_report
 from rlpost.pipeline.weights import WeightPath, build_weight_path
 from rlpost.pipeline.workers import Workers
@@ -420,9 +420,7 @@ def _write_samples(r: Run, step: int, groups) -> None:
     if not r.samples.due(step):
         return
     flat = [s for g in groups for s in g.scores]
-    invalid = [
-        i for i, bad in enumerate(b for g in groups for b in (g.invalid or [False] * g.n)) if bad
-    ]
+    invalid = invalid_rows(groups)
     scored = ScoredBatch(flat, _components(groups), len(invalid), invalid)
     completions = [c for g in groups for c in g.completions]
     samples = reward_samples(groups, r.cfg.rollout.max_tokens)
