@@ -332,22 +332,12 @@ def compute_advantages(
     if turn_rewards is not None:
         rewards = rewards + turn_rewards.to(rewards.dtype)
     if batch.ref_logprobs is not None and beta > 0:
-        rewards, _ = kl_penalized_rewards(
-            rewards,
-            batch.old_logprobs,
-            batch.ref_logprobs,
-            mask,
-            beta=beta,
-            estimator=algo.kl.estimator,
-        )
+        old, ref, kl = batch.old_logprobs, batch.ref_logprobs, algo.kl.estimator
+        rewards, _ = kl_penalized_rewards(rewards, old, ref, mask, beta=beta, estimator=kl)
     estimator = get_advantage_estimator(algo.advantage.name)
+    inputs, params = inputs or {}, algo.advantage.params()
     advantages, returns = estimator(
-        rewards,
-        mask,
-        batch.group,
-        values=batch.values,
-        **(inputs or {}),
-        **algo.advantage.params(),
+        rewards, mask, batch.group, values=batch.values, **inputs, **params
     )
     return Advantages(rewards, advantages, returns)
 
