@@ -56,14 +56,12 @@ def model_shape(cfg: Config) -> dict:
     from transformers import AutoModelForCausalLM
 
     from rlpost.models.loading import load_config
+    from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
 
-    if cfg.model.path is None:
-        from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
-
-        with torch.device("meta"):
+    with torch.device("meta"):
+        if cfg.model.path is None:
             model = build_tiny_model(build_char_tokenizer(), **cfg.model.tiny.model_dump())
-    else:
-        with torch.device("meta"):
+        else:
             model = AutoModelForCausalLM.from_config(load_config(cfg.model.path))
     c = model.config
     heads, hidden = getattr(c, "num_attention_heads", 1), getattr(c, "hidden_size", 0)
