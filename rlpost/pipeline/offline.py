@@ -45,6 +45,7 @@ from rlpost.pipeline.interrupts import stop_requested
 from rlpost.pipeline.preflight import data_counts, report_data
 from rlpost.pipeline.rundir import (
     SFT_STATE,
+    on_run_device,
     open_stage_run_dir,
     prepare_run_dir,
     schedule,
@@ -128,11 +129,6 @@ def _finished(out: Path) -> bool:
         print(f"rlpost: {out} is already trained", file=sys.stderr)
         return True
     return False
-
-
-def _on_device(cfg: Config, model) -> None:
-    if cfg.run.device != "cpu" and torch.cuda.is_available():
-        model.to("cuda")
 
 
 def _threads(run: Callable) -> Callable:
@@ -234,7 +230,7 @@ def run_conversation_sft(cfg: Config, resume: Path | None = None, console=None) 
     out = run_dir / "sft_model"
     if _finished(out):
         return out
-    _on_device(cfg, model)
+    on_run_device(cfg, model)
     budget = dict(max_tokens=s.max_tokens_per_micro_batch, max_rows=s.batch_size)
     pad = tokenizer.pad_token_id
 
@@ -300,7 +296,7 @@ def run_rm(cfg: Config, resume: Path | None = None, console=None) -> Path:
     out = run_dir / RM_MODEL
     if _finished(out):
         return out
-    _on_device(cfg, model)
+    on_run_device(cfg, model)
     pad = tokenizer.pad_token_id
     done = train_stage(
         run_dir, model, tokenizer, BradleyTerry(train, pad, s.micro_batch_size),

@@ -157,6 +157,12 @@ def load_policy_shown(cfg: Config, console):
         return build.build_policy(cfg)
 
 
+def on_run_device(cfg: Config, model) -> None:
+    """``model`` on the GPU when the run asks for one and this process has one."""
+    if cfg.run.device != "cpu" and torch.cuda.is_available():
+        model.to("cuda")
+
+
 def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: bool):
     """(model, tokenizer) of the starting policy: loaded, then SFT warm-up when configured.
 
@@ -178,8 +184,7 @@ def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: 
     task = console.task("sft warm-up", s.steps)
     if (run_dir / SFT_STATE).is_dir():
         print(f"rlpost: continuing the warm-up from {run_dir / SFT_STATE}", file=sys.stderr)
-    if cfg.run.device != "cpu" and torch.cuda.is_available():
-        model.to("cuda")  # the warm-up computes where the run does (on a GPU-less Ray driver: cpu)
+    on_run_device(cfg, model)  # the warm-up computes where the run does (GPU-less Ray driver: cpu)
     objective = SFT(
         tokenizer,
         train_prompts,
