@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -157,6 +158,7 @@ class RolloutFleet:
         todo = [Chunk(0, list(prompts))] if prompts else []
         done: dict[int, list] = {}
         stats: list[dict[str, float]] = []
+        kw = dict(train=train, last=last)
         while todo:
             workers = self._await_serving()
             chunks = _split(todo, len(workers))
@@ -167,15 +169,8 @@ class RolloutFleet:
             for k, chunk in enumerate(chunks):
                 m = workers[k % len(workers)]  # more shares than workers: a re-send left gaps
                 m.health.call_started()
-                fut = self._pool.submit(
-                    m.handle.generate,
-                    chunk.prompts,
-                    params,
-                    n,
-                    train=train,
-                    last=last,
-                    min_version=floor,
-                )
+                call = partial(m.handle.generate, **kw, min_version=floor)
+                fut = self._pool.submit(call, chunk.prompts, params, n)
                 running[fut] = (m, chunk, m.handle)
             while running:
                 finished, _ = wait(list(running), timeout=1.0, return_when=FIRST_COMPLETED)
@@ -248,11 +243,8 @@ class RolloutFleet:
                 self._lock.wait(timeout=1.0)
 
     def _why_gone(self) -> str:
-        last = [m.health.history[-1] for m in self.members]
-        return "; ".join(
-            f"worker {m.index} {e.state.value}: {e.why}"
-            for m, e in zip(self.members, last, strict=True)
-        )
+        last = [(m.index, m.health.history[-1]) for m in self.members]
+        return "; ".join(f"worker {i} {e.state.value}: {e.why}" for i, e in last)
 
     def _failed(self, m: Member, exc: BaseException, handle: Any = None) -> None:
         """Record a failed call of ``m`` (made on ``handle``: a report about a worker that has
@@ -374,12 +366,8 @@ class RolloutFleet:
         with self._lock:
             self._latest = (tensors, version)
             self._version = version
-            targets = [
-                m
-                for m in self.members
-                if not m.restarting
-                and m.health.state in (State.HEALTHY, State.SUSPECT, State.STALE)
-            ]
+            takes = (State.HEALTHY, State.SUSPECT, State.STALE)
+            targets = [m for m in self.members if not m.restarting and m.health.state in takes]
         futures = {self._pool.submit(self._push, m, tensors, version): m for m in targets}
         for fut in futures:
             fut.result()
@@ -453,17 +441,16 @@ class RolloutFleet:
         removed ones (the newest first) finish nothing new and are stopped."""
         with self._lock:
             live = [m for m in self.members if m.health.state is not State.RETIRED]
-        if size > len(live):
-            for _ in range(size - len(live)):
-                with self._lock:
-                    index = len(self.members)
-                handle = self.spawner.start(index)
-                m = Member(index, handle, WorkerHealth(self.policy, self.clock))
-                with self._lock:
-                    self.members.append(m)
-                    self._log(m)
-                    m.restarting = True
-                self._admit_marked(m)
+        for _ in range(size - len(live)):
+            with self._lock:
+                index = len(self.members)
+            handle = self.spawner.start(index)
+            m = Member(index, handle, WorkerHealth(self.policy, self.clock))
+            with self._lock:
+                self.members.append(m)
+                self._log(m)
+                m.restarting = True
+            self._admit_marked(m)
         for m in reversed(live[size:]):
             with self._lock:
                 m.health.retire(f"scaled down to {size}")
@@ -508,13 +495,8 @@ class RolloutFleet:
             if only_changed and now == getattr(self, "_reported", None):
                 return
             self._reported = now
-            body = {
-                "id": ident,
-                "error": error,
-                "version": self._version,
-                "workers": rows,
-                "running": not self._closed,
-            }
+            body = dict(id=ident, error=error, version=self._version, workers=rows)
+            body["running"] = not self._closed
         tmp = self.control / (FLEET_STATE + ".tmp")
         tmp.write_text(json.dumps(body))
         tmp.replace(self.control / FLEET_STATE)
@@ -557,9 +539,7 @@ class RolloutFleet:
             self._lock.notify_all()
         # a restart still waiting on its worker (a lost node) must end before this process
         # does: a thread left inside the cluster client when the interpreter exits crashes it
-        cancel = getattr(self.spawner, "cancel", None)
-        if cancel is not None:
-            cancel()
+        getattr(self.spawner, "cancel", lambda: None)()
         for job in self._jobs:
             job.join(timeout=JOB_JOIN_S)
         for m in self.members:

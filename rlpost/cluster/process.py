@@ -264,11 +264,8 @@ class ProcessWorker(Proxy):
             waited += 1.0
             if waited >= timeout:
                 self._proc.kill()
-                raise WorkerError(
-                    self.role,
-                    "timeout",
-                    f"{self.label} worker did not start within {timeout:.0f} s",
-                )
+                line = f"{self.label} worker did not start within {timeout:.0f} s"
+                raise WorkerError(self.role, "timeout", line)
         try:
             kind, _, value = pickle.loads(self._conn.recv_bytes())
         except (EOFError, OSError):
@@ -406,11 +403,7 @@ def run_fleet(spawner, cfg: Config, run_dir: Path) -> RolloutFleet:
     return RolloutFleet(
         spawner,
         c.rollout_workers,
-        policy=HealthPolicy(
-            suspect_after_s=c.suspect_after_s,
-            dead_after_s=c.dead_after_s,
-            max_restarts=c.max_restarts,
-        ),
+        policy=HealthPolicy(c.suspect_after_s, c.dead_after_s, max_restarts=c.max_restarts),
         events=run_dir / "cluster_events.jsonl",
         control=run_dir / "cluster",
         admit_timeout_s=c.start_timeout_s,
@@ -477,19 +470,14 @@ def start_trainers(cfg: Config, run_dir: Path, cores=None, lend: int = 0):
 
     backend = "nccl" if resolve(cfg).device == "cuda" else "gloo"
     port = free_port()
+
+    def rank_worker(rank: int) -> ProcessWorker:
+        dp = DPSpec(rank=rank, world=n, master_port=port, backend=backend)
+        return ProcessWorker(f"trainer-{rank}", "trainer_factory", cfg, run_dir, dp=dp)
+
     # Started together: each one's start blocks until all have joined the process group.
     with ThreadPoolExecutor(max_workers=n) as pool:
-        futures = [
-            pool.submit(
-                ProcessWorker,
-                f"trainer-{rank}",
-                "trainer_factory",
-                cfg,
-                run_dir,
-                dp=DPSpec(rank=rank, world=n, master_port=port, backend=backend),
-            )
-            for rank in range(n)
-        ]
+        futures = [pool.submit(rank_worker, rank) for rank in range(n)]
     failed = [f.exception() for f in futures if f.exception() is not None]
     if failed:  # the ones that did start are stopped: nothing outlives a failed start
         for f in futures:

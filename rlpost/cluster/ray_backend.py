@@ -527,15 +527,8 @@ def start_ray_workers(cfg: Config, run_dir: Path, train_prompts, console, *, res
         release(ray, placement.groups if placement is not None else [], started_ray=started)
         raise
     trainers = [trainer] if isinstance(trainer, RayWorker) else list(trainer.handles)
-    return RayWorkers(
-        trainer,
-        rollout,
-        reward,
-        ray=ray,
-        groups=placement.groups,
-        started_ray=started,
-        trainers=trainers,
-    )
+    on_ray = dict(ray=ray, groups=placement.groups, started_ray=started, trainers=trainers)
+    return RayWorkers(trainer, rollout, reward, **on_ray)
 
 
 def _start_trainers(ray, cfg: Config, run_dir: Path, placement: Placement, made: list):
@@ -551,15 +544,12 @@ def _start_trainers(ray, cfg: Config, run_dir: Path, placement: Placement, made:
     where = ray.remote(rendezvous).options(**_options(*placement.trainer[0], 0, 0))
     addr, port = ray.get(where.remote())
     backend = "nccl" if c.trainer.gpus > 0 and cfg.run.device != "cpu" else "gloo"
-    workers = []
-    for i in range(c.trainer_workers):
-        spec = DPSpec(
-            rank=i, world=c.trainer_workers, master_addr=addr, master_port=port, backend=backend
-        )
-        workers.append(_actor(ray, f"trainer-{i}", cfg, run_dir, placement.trainer[i], spec))
-        made.append(workers[-1])
-    _ready(ray, workers, c.start_timeout_s)
-    return TrainerGroup(workers)
+    world = c.trainer_workers
+    for i in range(world):
+        spec = DPSpec(rank=i, world=world, master_addr=addr, master_port=port, backend=backend)
+        made.append(_actor(ray, f"trainer-{i}", cfg, run_dir, placement.trainer[i], spec))
+    _ready(ray, made[-world:], c.start_timeout_s)
+    return TrainerGroup(made[-world:])
 
 
 def _start_rewards(ray, cfg: Config, run_dir: Path, placement: Placement) -> list[RayWorker]:

@@ -17,6 +17,7 @@ complete); :meth:`close` then stops them.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
@@ -117,10 +118,6 @@ class TrainerGroup:
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
         for h in self.handles:
-            try:
-                kill = getattr(h, "kill", None)
-                if kill is not None:
-                    kill()
+            with contextlib.suppress(WorkerError, OSError):  # a rank already gone: nothing to free
+                getattr(h, "kill", lambda: None)()
                 h.close()
-            except (WorkerError, OSError):
-                pass  # a rank already gone: nothing left to release

@@ -99,13 +99,9 @@ class Guards:
     def _rollback(self, guard: str, reason: str, *, lower_lr: bool = True) -> list[Action]:
         """Roll back (and lower the LR), or stop when the rollback budget is spent."""
         if self._rollbacks >= self.cfg.max_retries:
-            return [
-                self._stop(
-                    guard,
-                    f"{reason}; {self._rollbacks} rollbacks did not help "
-                    f"(observe.guards.max_retries={self.cfg.max_retries})",
-                )
-            ]
+            spent = f"{self._rollbacks} rollbacks did not help"
+            knob = f"observe.guards.max_retries={self.cfg.max_retries}"
+            return [self._stop(guard, f"{reason}; {spent} ({knob})")]
         self._rollbacks += 1
         self._reset_reward()
         budget = f"rollback {self._rollbacks}/{self.cfg.max_retries}"
@@ -197,12 +193,8 @@ class Guards:
         if reward is None:
             return []
         alpha = 2.0 / (self.cfg.reward_collapse_window + 1)
-        ema = (
-            reward
-            if self._reward_ema is None
-            else self._reward_ema + alpha * (reward - self._reward_ema)
-        )
-        self._reward_ema = ema
+        last = self._reward_ema
+        ema = self._reward_ema = reward if last is None else last + alpha * (reward - last)
         self._reward_steps += 1
         if self._reward_steps < self.cfg.reward_collapse_window:
             return []
@@ -228,25 +220,14 @@ class Guards:
             self._rebuilds = 0  # recovered: only consecutive failed rebuilds end the run
             return []
         reason = f"rollout median {median:.3g} tokens/s < {self.cfg.throughput_decay:g} x best {self._best_tps:.3g}"
+        self._tps.clear()
         if self._rebuilds >= self.cfg.max_retries:
             # Slow rollout wastes time but does not corrupt training: once the
             # rebuild budget is spent the guard only warns (a shared, loaded
             # machine halves tokens/s without anything being wrong).
-            logger.warning(
-                "guard %s: %s; %d rebuilds spent, continuing",
-                THROUGHPUT_DECAY,
-                reason,
-                self._rebuilds,
-            )
-            self._tps.clear()
+            spent = "guard %s: %s; %d rebuilds spent, continuing"
+            logger.warning(spent, THROUGHPUT_DECAY, reason, self._rebuilds)
             return []
         self._rebuilds += 1
-        self._tps.clear()
-        return [
-            self._act(
-                THROUGHPUT_DECAY,
-                "rebuild_engine",
-                None,
-                f"{reason}; rebuild {self._rebuilds}/{self.cfg.max_retries}",
-            )
-        ]
+        budget = f"{reason}; rebuild {self._rebuilds}/{self.cfg.max_retries}"
+        return [self._act(THROUGHPUT_DECAY, "rebuild_engine", None, budget)]

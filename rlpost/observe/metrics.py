@@ -31,85 +31,40 @@ class MetricSpec:
     key: str
 
 
-METRICS: tuple[MetricSpec, ...] = (
-    MetricSpec("rl_step_total", "counter", "Training steps recorded [steps].", "step"),
-    MetricSpec(
-        "rl_reward_mean",
-        "gauge",
-        "Mean reward of the step's samples [reward units].",
-        "reward_mean",
-    ),
-    MetricSpec(
-        "rl_reward_std",
-        "gauge",
-        "Standard deviation of the step's rewards [reward units].",
-        "reward_std",
-    ),
-    MetricSpec(
-        "rl_kl_divergence",
-        "gauge",
-        "Mean per-token KL(policy || reference) over response tokens [nats/token].",
-        "kl",
-    ),
-    MetricSpec(
-        "rl_response_length_mean", "gauge", "Mean response length [tokens].", "response_length_mean"
-    ),
-    MetricSpec(
-        "rl_ratio_clip_frac",
-        "gauge",
-        "Fraction of response tokens whose importance ratio was clipped [0-1].",
-        "clip_frac",
-    ),
-    MetricSpec(
-        "rl_rollout_throughput_tps",
-        "gauge",
-        "Rollout generation throughput [generated tokens/second].",
-        "rollout_tps",
-    ),
-    MetricSpec(
-        "rl_train_mfu",
-        "gauge",
-        "Trainer model FLOPs utilisation: achieved / peak FLOP/s [0-1].",
-        "mfu",
-    ),
-    MetricSpec(
-        "rl_weight_sync_duration_seconds",
-        "histogram",
-        "Time to push new weights to the rollout engines [seconds].",
-        "sync_seconds",
-    ),
-    MetricSpec(
-        "rl_weight_sync_bytes_total",
-        "counter",
-        "Bytes sent to the rollout engines by weight syncs [bytes].",
-        "sync_bytes",
-    ),
-    MetricSpec(
-        "rl_rollout_worker_utilization",
-        "gauge",
-        "Fraction of wall time rollout workers spent generating [0-1].",
-        "rollout_utilization",
-    ),
-    MetricSpec(
-        "rl_train_worker_utilization",
-        "gauge",
-        "Fraction of wall time train workers spent computing updates [0-1].",
-        "train_utilization",
-    ),
-    MetricSpec(
-        "rl_sample_mean_lag",
-        "gauge",
-        "Mean policy-version lag of trained samples (trainer version - sample version) [versions].",
-        "sample_lag",
-    ),
-    MetricSpec(
-        "rl_sample_drop_ratio",
-        "gauge",
-        "Fraction of the step's generated samples not trained: invalid rewards and "
-        "samples dropped as too stale [0-1].",
-        "sample_drop_ratio",
-    ),
-)
+METRICS: tuple[MetricSpec, ...] = tuple(
+    MetricSpec(name, kind, text, key)
+    for name, kind, key, text in (
+        ("rl_step_total", "counter", "step", "Training steps recorded [steps]."),
+        ("rl_reward_mean", "gauge", "reward_mean",
+         "Mean reward of the step's samples [reward units]."),
+        ("rl_reward_std", "gauge", "reward_std",
+         "Standard deviation of the step's rewards [reward units]."),
+        ("rl_kl_divergence", "gauge", "kl",
+         "Mean per-token KL(policy || reference) over response tokens [nats/token]."),
+        ("rl_response_length_mean", "gauge", "response_length_mean",
+         "Mean response length [tokens]."),
+        ("rl_ratio_clip_frac", "gauge", "clip_frac",
+         "Fraction of response tokens whose importance ratio was clipped [0-1]."),
+        ("rl_rollout_throughput_tps", "gauge", "rollout_tps",
+         "Rollout generation throughput [generated tokens/second]."),
+        ("rl_train_mfu", "gauge", "mfu",
+         "Trainer model FLOPs utilisation: achieved / peak FLOP/s [0-1]."),
+        ("rl_weight_sync_duration_seconds", "histogram", "sync_seconds",
+         "Time to push new weights to the rollout engines [seconds]."),
+        ("rl_weight_sync_bytes_total", "counter", "sync_bytes",
+         "Bytes sent to the rollout engines by weight syncs [bytes]."),
+        ("rl_rollout_worker_utilization", "gauge", "rollout_utilization",
+         "Fraction of wall time rollout workers spent generating [0-1]."),
+        ("rl_train_worker_utilization", "gauge", "train_utilization",
+         "Fraction of wall time train workers spent computing updates [0-1]."),
+        ("rl_sample_mean_lag", "gauge", "sample_lag",
+         "Mean policy-version lag of trained samples (trainer version - sample version) "
+         "[versions]."),
+        ("rl_sample_drop_ratio", "gauge", "sample_drop_ratio",
+         "Fraction of the step's generated samples not trained: invalid rewards and "
+         "samples dropped as too stale [0-1]."),
+    )
+)  # fmt: skip
 """The exported step metrics, in display order (``docs/operations.md`` mirrors it)."""
 
 GUARD_METRIC = MetricSpec(

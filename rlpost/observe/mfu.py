@@ -29,12 +29,8 @@ def flops_per_token(
     ``n_params`` counts the non-embedding parameters (embedding lookups cost no
     matmul FLOPs; a tied LM head should be counted once in ``n_params``).
     """
-    for name, value in (
-        ("n_params", n_params),
-        ("n_layers", n_layers),
-        ("hidden", hidden),
-        ("seq_len", seq_len),
-    ):
+    sizes = {"n_params": n_params, "n_layers": n_layers, "hidden": hidden, "seq_len": seq_len}
+    for name, value in sizes.items():
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
     attention = n_layers * hidden * seq_len
@@ -62,9 +58,7 @@ def measure_cpu_peak_flops(size: int = 1024, repeats: int = 3, dtype=None) -> fl
         raise ValueError(f"size and repeats must be >= 1, got size={size} repeats={repeats}")
     import torch
 
-    dtype = dtype or torch.float32
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
+    a, b = (torch.randn(size, size).to(dtype or torch.float32) for _ in range(2))
     torch.mm(a, b)  # warm up: first call pays for thread-pool start and allocation
     best = 0.0
     for _ in range(repeats):
@@ -151,10 +145,8 @@ _AUTO_WHY: list[float] = []  # the usable cores and the busy CPUs behind _AUTO_T
 
 
 def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+    allowed = _allowed_cpus()
+    return len(allowed) if allowed is not None else os.cpu_count() or 1
 
 
 def busy_cpus(before: list[int], after: list[int], cpus: int) -> float:

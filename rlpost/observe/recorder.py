@@ -37,11 +37,9 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def _make_metric(spec: MetricSpec, registry: CollectorRegistry) -> Any:
-    if spec.kind == "gauge":
-        return Gauge(spec.name, spec.help, registry=registry)
     if spec.kind == "histogram":
         return Histogram(spec.name, spec.help, buckets=SYNC_BUCKETS, registry=registry)
-    return Counter(spec.name, spec.help, registry=registry)
+    return {"gauge": Gauge, "counter": Counter}[spec.kind](spec.name, spec.help, registry=registry)
 
 
 def _to_float(key: str, value: Any) -> float:

@@ -35,6 +35,7 @@ SUMMARY_FILE = "summary.json"
 SAMPLE_FILES_SHOWN = 6
 SAMPLE_ROWS_SHOWN = 8
 TEXT_CHARS_SHOWN = 2000
+SAMPLE_TEXTS = ("prompt", "completion", "answer")  # a sample's columns of text; then the numbers
 
 COMPARE_FILE = "compare.html"
 DEFAULT_SMOOTHING = 0.6
@@ -60,13 +61,8 @@ PLOTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 def _series(metrics: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
     """(steps, values) of the rows where ``key`` has a finite value."""
-    steps, values = [], []
-    for row in metrics:
-        value = row.get(key)
-        if isinstance(value, int | float) and math.isfinite(value):
-            steps.append(float(row["step"]))
-            values.append(float(value))
-    return steps, values
+    rows = [row for row in metrics if _finite(row.get(key))]
+    return [float(row["step"]) for row in rows], [float(row[key]) for row in rows]
 
 
 def _figure_html(fig: Figure, title: str) -> str:
@@ -190,12 +186,18 @@ def _plot_block(runs: Runs, smooth: float = 0.0) -> tuple[list[str], list[str]]:
         if not any(_series(metrics, keys[0])[0] for _, metrics in runs):
             skipped.append(title)
             continue
-        fig = Figure(figsize=(5.5, 3.2), layout="constrained")
-        ax = fig.add_subplot()
+        fig, ax = _panel(title)
         _draw(ax, [(n, m) for n, m in runs if _series(m, keys[0])[0]], keys, smooth)
-        ax.set_title(title, fontsize=11)
         figures.append(_figure_html(fig, title))
     return figures + source_figures(runs), skipped
+
+
+def _panel(title: str) -> tuple[Figure, Any]:
+    """One report plot's figure and its titled axes."""
+    fig = Figure(figsize=(5.5, 3.2), layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_title(title, fontsize=11)
+    return fig, ax
 
 
 def plot_curves(metrics: list[dict[str, Any]], out_png: Path) -> None:
@@ -205,11 +207,7 @@ def plot_curves(metrics: list[dict[str, Any]], out_png: Path) -> None:
     empty panel that says so, so the file always exists after a run.
     """
     fig = Figure(figsize=(10, 3.6), layout="constrained")
-    panels = (
-        ("Reward mean", ("reward_mean", "reward_std")),
-        ("Held-out accuracy", ("eval_accuracy",)),
-    )
-    for ax, (title, keys) in zip(fig.subplots(1, 2), panels, strict=True):
+    for ax, (title, keys) in zip(fig.subplots(1, 2), PLOTS[:2], strict=True):
         ax.set_title(title)
         if _series(metrics, keys[0])[0]:
             _draw(ax, [("run", metrics)], keys)
@@ -263,25 +261,17 @@ def summarize(run_dir: Path) -> str:
     """A short text summary: steps, reward first/last, eval accuracy, last KL, wall time."""
     run_dir = Path(run_dir)
     metrics = read_metrics(run_dir)
-    lines = [f"run: {run_dir}"]
-    if metrics:
-        lines.append(f"steps: {len(metrics)} (step {metrics[0]['step']} to {metrics[-1]['step']})")
-    else:
-        lines.append("steps: 0")
+    steps = f"{len(metrics)} (step {metrics[0]['step']} to {metrics[-1]['step']})" if metrics else 0
+    lines = [f"run: {run_dir}", f"steps: {steps}"]
     for label, key in (("reward mean", "reward_mean"), ("eval accuracy", "eval_accuracy")):
-        change = _first_last(metrics, key)
-        lines.append(f"{label}: {change if change else 'not recorded'}")
+        lines.append(f"{label}: {_first_last(metrics, key) or 'not recorded'}")
     lines[-1] = _with_stderr(metrics, lines[-1])
     kl = _series(metrics, "kl")[1]
-    lines.append(f"kl (last): {kl[-1]:.4g} nats/token" if kl else "kl (last): not recorded")
+    lines.append(f"kl (last): {f'{kl[-1]:.4g} nats/token' if kl else 'not recorded'}")
     wall = _read_summary(run_dir).get("wall_seconds")
     if not isinstance(wall, int | float) and len(metrics) > 1:
         wall = float(metrics[-1]["time"]) - float(metrics[0]["time"])
-    lines.append(
-        f"wall time: {_fmt_seconds(wall)}"
-        if isinstance(wall, int | float)
-        else "wall time: unknown"
-    )
+    lines.append(f"wall time: {_fmt_seconds(wall) if _finite(wall) else 'unknown'}")
     return "\n".join(lines)
 
 
@@ -296,21 +286,12 @@ def _load_samples(run_dir: Path) -> tuple[list[tuple[str, list[dict[str, Any]], 
         return int(digits) if digits.isdigit() else -1
 
     files = sorted((run_dir / "samples").glob("step_*.jsonl"), key=step_of)
-    if len(files) > SAMPLE_FILES_SHOWN:
-        last = len(files) - 1
-        picks = sorted(
-            {round(i * last / (SAMPLE_FILES_SHOWN - 1)) for i in range(SAMPLE_FILES_SHOWN)}
-        )
-        chosen = [files[i] for i in picks]
-    else:
-        chosen = files
+    shown, last = min(len(files), SAMPLE_FILES_SHOWN), len(files) - 1
+    picks = sorted({round(i * last / max(shown - 1, 1)) for i in range(shown)})
     loaded = []
-    for path in chosen:
-        rows = [
-            json.loads(line)
-            for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip()
-        ]
+    for path in (files[i] for i in picks):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        rows = [json.loads(line) for line in lines if line.strip()]
         loaded.append((path.name, rows[:SAMPLE_ROWS_SHOWN], len(rows)))
     return loaded, len(files)
 
@@ -336,14 +317,10 @@ def _samples_html(run_dir: Path) -> str:
             "<th>score</th><th>components</th></tr>"
         )
         for row in rows:
-            components = row.get("components") or {}
-            parts.append(
-                f"<tr><td><pre>{_clip(row.get('prompt'))}</pre></td>"
-                f"<td><pre>{_clip(row.get('completion'))}</pre></td>"
-                f"<td><pre>{_clip(row.get('answer'))}</pre></td>"
-                f"<td>{html.escape(_fmt(row.get('score')))}</td>"
-                f"<td>{html.escape(_fmt(components))}</td></tr>"
-            )
+            texts = [f"<td><pre>{_clip(row.get(k))}</pre></td>" for k in SAMPLE_TEXTS]
+            numbers = [row.get("score"), row.get("components") or {}]
+            cells = texts + [f"<td>{html.escape(_fmt(v))}</td>" for v in numbers]
+            parts.append(f"<tr>{''.join(cells)}</tr>")
         parts.append("</table>")
     return "\n".join(parts)
 
@@ -443,9 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="rlpost report",
         description="Write RUN_DIR/report.html; several runs are overlaid in RUN_DIR/compare.html.",
     )
-    parser.add_argument(
-        "run_dir", type=Path, nargs="+", help="run directories (hold metrics.jsonl)"
-    )
+    parser.add_argument("run_dir", type=Path, nargs="+", help="run directories (metrics.jsonl)")
     parser.add_argument(
         "--smooth",
         type=float,
@@ -475,6 +450,7 @@ def _error(message: str) -> int:
     return 2
 
 
+SOURCE_PREFIX = "source/"
 SOURCE_PLOTS = (
     ("Reward by source", "reward_mean"),
     ("Accuracy by source", "accuracy"),
@@ -491,26 +467,20 @@ def source_figures(runs: Runs) -> list[str]:
         {
             k.split("/")[1]
             for _, rows in runs
-            for row in rows
-            for k in row
-            if k.startswith("source/")
+            for r in rows
+            for k in r
+            if k.startswith(SOURCE_PREFIX)
         }
     )
     figures = []
     for title, field in SOURCE_PLOTS if names else ():
-        fig = Figure(figsize=(5.5, 3.2), layout="constrained")
-        ax = fig.add_subplot()
+        fig, ax = _panel(title)
         for run, rows in runs:
             for name in names:
                 steps, values = _series(rows, f"source/{name}/{field}")
+                label = name if len(runs) == 1 else f"{run}: {name}"
                 if steps:
-                    ax.plot(
-                        steps,
-                        values,
-                        marker=".",
-                        label=name if len(runs) == 1 else f"{run}: {name}",
-                    )
-        ax.set_title(title, fontsize=11)
+                    ax.plot(steps, values, marker=".", label=label)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)

@@ -33,25 +33,13 @@ def follow_threads(current: int, cores: int, others_busy: float, margin: float =
     return max(1, min(cores, round(free)))
 
 
-def describe_choice(threads: int, cores: int, others_busy: float) -> str:
-    """The one line that says what ``run.threads=0`` chose and why."""
-    return (
-        f"rlpost: run.threads=0 -> {threads} thread{'s' if threads != 1 else ''} "
-        f"({cores} usable cores, {others_busy:.1f} busy with other work); "
-        "re-checked after every step"
-    )
-
-
 def _say(line: str) -> None:
     print(line, flush=True)
 
 
-def _process_cpu() -> float:
-    return time.process_time()  # every thread of this process, user + system
-
-
 def _sample():
-    return time.perf_counter(), _process_cpu(), _cpu_times(_allowed_cpus())
+    # process_time: every thread of this process, user + system
+    return time.perf_counter(), time.process_time(), _cpu_times(_allowed_cpus())
 
 
 class ThreadFollower:
@@ -96,7 +84,10 @@ def start_threads(
     if requested:
         return None
     cores, busy = mfu._AUTO_WHY or [_usable_cores(), 0.0]
-    say(describe_choice(threads, int(cores), busy))
+    say(
+        f"rlpost: run.threads=0 -> {threads} thread{'s' if threads != 1 else ''} "
+        f"({int(cores)} usable cores, {busy:.1f} busy with other work); re-checked after every step"
+    )
     return ThreadFollower(set_threads, threads, say)
 
 

@@ -488,10 +488,9 @@ def load_eval_sets(cfg: Config, train: list[Prompt]) -> tuple[list[Prompt], Load
     trained = {p.text for p in train}
     for s in cfg.eval.sets:  # a set is its source's held-out rows (a file set's eval_path)
         got = _load_source(cfg, s, f"eval.sets[{s.name}]")
-        rows, part_report = got.held_out, got.eval_report
-        sp = s.system_prompt or got.system_prompt
-        part = fit_to_model(cfg, rows, part_report, system_prompt=sp)
-        part = part[: cfg.eval.limit] if cfg.eval.limit else part
+        part_report, sp = got.eval_report, s.system_prompt or got.system_prompt
+        part = fit_to_model(cfg, got.held_out, part_report, system_prompt=sp)
+        part = part[: cfg.eval.limit or None]
         if not part:
             raise DataError(
                 f"eval.sets[{s.name}]: no held-out prompt fits the model "
@@ -510,16 +509,11 @@ def load_eval_sets(cfg: Config, train: list[Prompt]) -> tuple[list[Prompt], Load
 def build_harness(cfg: Config, engine, tokenizer):
     """The runner of ``agent.harness``: the outside agent against recorded sessions of a
     loopback OpenAI server over ``engine``'s scheduler."""
-    from rlpost.rollout.episodes.agent_runner import AgentRunner, HarnessSettings, load_entry
+    from rlpost.rollout.episodes.agent_runner import AgentRunner, HarnessSettings
     from rlpost.rollout.serve.sessions import SessionBounds
 
     h = cfg.agent.harness
-    entry = None
-    if h.entry is not None:
-        try:
-            entry = load_entry(h.entry)
-        except ValueError as exc:
-            raise ConfigError(f"config agent.harness.entry={h.entry}: {exc}") from None
+    entry = None if h.entry is None else _harness_entry("entry", h.entry)
     bounds = SessionBounds(h.max_requests, cfg.rollout.max_tokens, h.max_seconds)
     settings = HarnessSettings(
         entry, tuple(h.command), tuple(h.env), bounds, h.workers, h.chat_template, h.tool_parser,
@@ -538,16 +532,10 @@ def build_harness(cfg: Config, engine, tokenizer):
 def harness_demonstrations(cfg: Config, tokenizer):
     """The warm-up's example builder of ``agent.harness.demonstrations``: its conversations
     rendered by the served chat template, the assistant turns trained."""
-    from rlpost.rollout.episodes.agent_runner import load_entry
     from rlpost.rollout.episodes.demonstrations import conversation_example
 
     h = cfg.agent.harness
-    try:
-        fn = load_entry(h.demonstrations)
-    except ValueError as exc:
-        raise ConfigError(
-            f"config agent.harness.demonstrations={h.demonstrations}: {exc}"
-        ) from None
+    fn = _harness_entry("demonstrations", h.demonstrations)
     served = copy.copy(tokenizer)
     if h.chat_template is not None:
         served.chat_template = h.chat_template
@@ -557,6 +545,16 @@ def harness_demonstrations(cfg: Config, tokenizer):
         return None if convo is None else conversation_example(served, convo)
 
     return example
+
+
+def _harness_entry(key: str, spec: str):
+    """The function ``agent.harness.<key>`` names (``package.module:function``)."""
+    from rlpost.rollout.episodes.agent_runner import load_entry
+
+    try:
+        return load_entry(spec)
+    except ValueError as exc:
+        raise ConfigError(f"config agent.harness.{key}={spec}: {exc}") from None
 
 
 def check_teacher(cfg: Config, facts: RunFacts) -> None:

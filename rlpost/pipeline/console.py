@@ -103,17 +103,11 @@ class Console:
         table.add_column("")
         table.add_column("start", justify="right")
         table.add_column("end", justify="right")
-        table.add_row(
-            f"held-out accuracy (T={s['eval_temperature']:g}) ± 1 s.e.",
-            _pct(s["eval_accuracy_start"], s.get("eval_accuracy_stderr_start")),
-            _pct(s["eval_accuracy_end"], s.get("eval_accuracy_stderr_end")),
-        )
-        if s.get("eval_greedy_accuracy_start") is not None:
-            table.add_row(
-                "held-out accuracy (greedy) ± 1 s.e.",
-                _pct(s["eval_greedy_accuracy_start"], s.get("eval_greedy_accuracy_stderr_start")),
-                _pct(s["eval_greedy_accuracy_end"], s.get("eval_greedy_accuracy_stderr_end")),
-            )
+        temperature = f"T={s['eval_temperature']:g}"
+        for how, key in ((temperature, "eval_accuracy"), ("greedy", "eval_greedy_accuracy")):
+            if key == "eval_accuracy" or s.get(f"{key}_start") is not None:
+                ends = [_pct(s[f"{key}_{e}"], s.get(f"{key}_stderr_{e}")) for e in ("start", "end")]
+                table.add_row(f"held-out accuracy ({how}) ± 1 s.e.", *ends)
         for name, entry in (s.get("eval_sets") or {}).items():  # eval.sets: one row a metric
             for key in entry:
                 if key.endswith("_start") and not key.startswith("reward_mean"):

@@ -136,11 +136,7 @@ class SyncFeed(_Feed):
     def pause(self) -> None:
         """Nothing runs in the background: the engine already serves the newest weights."""
 
-    def resume(self) -> None:
-        """Nothing to resume."""
-
-    def close(self) -> None:
-        """Nothing runs in the background."""
+    resume = close = pause
 
 
 class OverlapFeed(_Feed):

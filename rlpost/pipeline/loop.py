@@ -20,6 +20,7 @@ that overlap rollout and training reuse the two stages in their own module.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -52,7 +53,7 @@ from rlpost.pipeline.learnability import LearnabilityCheck
 from rlpost.pipeline.memory import check_memory, summary_fields
 from rlpost.pipeline.rundir import finish_run, prepare_run_dir, warm_start
 from rlpost.pipeline.source_metrics import source_metrics
-from rlpost.pipeline.stages import RolloutSettings, TrainSettings, train_stage
+from rlpost.pipeline.stages import RolloutSettings, TrainSettings, invalid_rows, train_stage
 from rlpost.pipeline.streaming import stream_samplers, update_data_report
 from rlpost.pipeline.weights import WeightPath, build_weight_path
 from rlpost.pipeline.workers import Workers
@@ -152,23 +153,19 @@ def train(
     ckpt = usable_checkpoint(run_dir) if resume else None
     start = start or start_workers
     workers = start(cfg, run_dir, train_prompts, console, resuming=ckpt is not None)
-    r = None
-    try:
+    with contextlib.ExitStack() as closing:  # a failed start, too, releases what it started
+        closing.callback(workers.close)
         r = _new_run(cfg, facts, run_dir, workers, train_prompts, ckpt)
+        closing.callback(r.recorder.close)
+        closing.callback(console.stop)
         r.on_groups, r.console = on_groups, console
         r.weights = build_weight_path(cfg, workers.rollout, run_dir)
+        closing.callback(r.weights.close)
+        closing.callback(lambda: r.feed is not None and r.feed.close())
         step, pending = _restore(r, ckpt) if ckpt is not None else (_push(r), [])
         r.weights.take_sent()  # the starting weights are no step's sync
         r.learn = learnability_check(cfg, facts, workers) if ckpt is None else None
-    except BaseException:  # a failed start releases what it started (processes, the exporter)
-        if r is not None:
-            r.recorder.close()
-            if r.weights is not None:
-                r.weights.close()
-        workers.close()
-        raise
-    start_step, history, rl_seconds, empty = step, [], 0.0, 0
-    try:
+        start_step, history, rl_seconds, empty = step, [], 0.0, 0
         first_eval = _full_eval(r, held_out)
         console.note_eval(step, first_eval)
         r.recorder.record(step, first_eval)
@@ -213,13 +210,6 @@ def train(
         final_eval = _full_eval(r, held_out)
         r.recorder.record(step, final_eval)
         _save(r, step)
-    finally:
-        if r.feed is not None:
-            r.feed.close()
-        r.weights.close()
-        console.stop()
-        r.recorder.close()
-        workers.close()
     wall = time.time() - started
     trained = sum(h.get("completions", 0.0) for h in history)
     pace = {
@@ -234,16 +224,9 @@ def train(
     if "eval_tool_call_rate" in first_eval:  # multi-turn episodes: tool use before and after RL
         pace["eval_tool_call_rate_start"] = first_eval["eval_tool_call_rate"]
         pace["eval_tool_call_rate_end"] = final_eval.get("eval_tool_call_rate")
+    extra = pace | summary_fields(memory)
     summary = finish_run(
-        cfg,
-        run_dir,
-        first_eval,
-        final_eval,
-        history,
-        start_step,
-        wall,
-        console,
-        extra=pace | summary_fields(memory),
+        cfg, run_dir, first_eval, final_eval, history, start_step, wall, console, extra=extra
     )
     return RunResult(run_dir=run_dir, summary=summary, history=history)
 
@@ -437,9 +420,7 @@ def _write_samples(r: Run, step: int, groups) -> None:
     if not r.samples.due(step):
         return
     flat = [s for g in groups for s in g.scores]
-    invalid = [
-        i for i, bad in enumerate(b for g in groups for b in (g.invalid or [False] * g.n)) if bad
-    ]
+    invalid = invalid_rows(groups)
     scored = ScoredBatch(flat, _components(groups), len(invalid), invalid)
     completions = [c for g in groups for c in g.completions]
     samples = reward_samples(groups, r.cfg.rollout.max_tokens)

@@ -13,10 +13,10 @@ transformers loaded; the model's shape comes from its config on the meta device.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 
 from rlpost.config import Config, ConfigError
+from rlpost.observe.mfu import _usable_cores
 from rlpost.pipeline.build import EAGER_ATTENTION_MAX_POSITIONS
 from rlpost.resolved import resolve
 from rlpost.train.lm_head import chunk_tokens, needs_chunks
@@ -56,14 +56,12 @@ def model_shape(cfg: Config) -> dict:
     from transformers import AutoModelForCausalLM
 
     from rlpost.models.loading import load_config
+    from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
 
-    if cfg.model.path is None:
-        from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
-
-        with torch.device("meta"):
+    with torch.device("meta"):
+        if cfg.model.path is None:
             model = build_tiny_model(build_char_tokenizer(), **cfg.model.tiny.model_dump())
-    else:
-        with torch.device("meta"):
+        else:
             model = AutoModelForCausalLM.from_config(load_config(cfg.model.path))
     c = model.config
     heads, hidden = getattr(c, "num_attention_heads", 1), getattr(c, "hidden_size", 0)
@@ -184,9 +182,8 @@ REAL_SHAPE_PARAMS, REAL_SHAPE_VOCAB = 10_000_000, 32_000
 def note_idle_cores(cfg: Config, shape: dict) -> bool:
     """One line (True) when a fixed ``run.threads`` leaves cores idle at a real shape (the
     toy recipe's 1 is 1.6x slower than ``run.threads=0`` at a 151,936-token vocabulary)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     real = shape["params"] >= REAL_SHAPE_PARAMS or shape["vocab"] >= REAL_SHAPE_VOCAB
-    threads, cores = cfg.run.threads, cores or 1
+    threads, cores = cfg.run.threads, _usable_cores()
     if not 0 < threads < cores or not real:
         return False
     print(

@@ -45,6 +45,7 @@ from rlpost.pipeline.interrupts import stop_requested
 from rlpost.pipeline.preflight import data_counts, report_data
 from rlpost.pipeline.rundir import (
     SFT_STATE,
+    on_run_device,
     open_stage_run_dir,
     prepare_run_dir,
     schedule,
@@ -130,11 +131,6 @@ def _finished(out: Path) -> bool:
     return False
 
 
-def _on_device(cfg: Config, model) -> None:
-    if cfg.run.device != "cpu" and torch.cuda.is_available():
-        model.to("cuda")
-
-
 def _threads(run: Callable) -> Callable:
     """``run`` with torch's threads as ``run.threads`` says, restored after."""
 
@@ -165,13 +161,9 @@ def load_conversations(cfg: Config) -> tuple[list[Conversation], list[Conversati
     """(train, held-out, {split: LoadReport}) as ``sft.data`` says."""
     s, seed = cfg.sft, cfg.run.seed
     if s.data == "chat_arith":
-        convs = chat_arith(sum(CHAT_ARITH_SIZES), seed=0)  # a fixed set, whatever the run seed
-        n = CHAT_ARITH_SIZES[0]
-        return (
-            convs[:n],
-            convs[n:],
-            {"train": LoadReport(rows=n), "eval": LoadReport(rows=len(convs) - n)},
-        )
+        n, held = CHAT_ARITH_SIZES
+        convs = chat_arith(n + held, seed=0)  # a fixed set, whatever the run seed
+        return convs[:n], convs[n:], {"train": LoadReport(rows=n), "eval": LoadReport(rows=held)}
     if s.data != "file" or not s.train_path:
         raise ConfigError("sft.data=file needs sft.train_path; set it to a JSONL or Parquet file")
     kw = dict(
@@ -238,7 +230,7 @@ def run_conversation_sft(cfg: Config, resume: Path | None = None, console=None) 
     out = run_dir / "sft_model"
     if _finished(out):
         return out
-    _on_device(cfg, model)
+    on_run_device(cfg, model)
     budget = dict(max_tokens=s.max_tokens_per_micro_batch, max_rows=s.batch_size)
     pad = tokenizer.pad_token_id
 
@@ -304,7 +296,7 @@ def run_rm(cfg: Config, resume: Path | None = None, console=None) -> Path:
     out = run_dir / RM_MODEL
     if _finished(out):
         return out
-    _on_device(cfg, model)
+    on_run_device(cfg, model)
     pad = tokenizer.pad_token_id
     done = train_stage(
         run_dir, model, tokenizer, BradleyTerry(train, pad, s.micro_batch_size),

@@ -45,10 +45,7 @@ def check_inputs(
 
 def data_counts(reports: dict[str, LoadReport]) -> dict[str, int]:
     """Flat counts: ``train_rows``, ``train_skipped``, ``train_skipped_<reason>``, same for eval."""
-    out: dict[str, int] = {}
-    for split, report in reports.items():
-        out.update(report.counts(split))
-    return out
+    return {k: n for split, report in reports.items() for k, n in report.counts(split).items()}
 
 
 def report_data(run_dir: Path, reports: dict[str, LoadReport], *, fresh: bool) -> None:

@@ -53,14 +53,17 @@ def prepare_run_dir(
     return run_dir, train, held_out
 
 
-def reopen_run_dir(run_dir: Path) -> Path:
+def reopen_run_dir(run_dir: Path, state: str | None = None) -> Path:
     """A run directory to resume: say where it starts, and drop metric rows past that point so
-    ``metrics.jsonl`` holds each step once."""
+    ``metrics.jsonl`` holds each step once (they are replayed). ``state``: the offline
+    stage's checkpoint directory (``RUN_DIR/<state>``), else the RL run's checkpoints."""
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"--resume {str(run_dir)!r} is not a run directory (no config.yaml)")
-    ckpt = usable_checkpoint(run_dir)
-    step = latest_step(ckpt)
-    if ckpt is not None:
+    ckpt = usable_checkpoint(run_dir) if state is None else None
+    step = latest_step(ckpt) if state is None else steps_done(run_dir / state)
+    if state is not None:
+        where = f"step {step}"
+    elif ckpt is not None:
         where = f"step {step} ({ckpt})"
     elif (run_dir / SFT_STATE).is_dir():
         where = "the interrupted warm-up"
@@ -78,13 +81,7 @@ def open_stage_run_dir(cfg: Config, resume: Path | None, state: str) -> Path:
     ``RUN_DIR/<state>`` holds (``rlpost sft`` on conversations, ``rlpost dpo``, ``rlpost rm``)."""
     if resume is None:
         return claim_run_dir(cfg.run_dir, overwrite=cfg.run.overwrite, config_text=dump_config(cfg))
-    run_dir = Path(resume)
-    if not (run_dir / "config.yaml").is_file():
-        raise ConfigError(f"--resume {str(run_dir)!r} is not a run directory (no config.yaml)")
-    done = steps_done(run_dir / state)
-    print(f"rlpost: resuming {run_dir} from step {done}", file=sys.stderr)
-    drop_metrics_after(run_dir, done)  # rows past the saved state are replayed
-    return run_dir
+    return reopen_run_dir(Path(resume), state)
 
 
 def policy_path(path: Path) -> Path:
@@ -160,6 +157,12 @@ def load_policy_shown(cfg: Config, console):
         return build.build_policy(cfg)
 
 
+def on_run_device(cfg: Config, model) -> None:
+    """``model`` on the GPU when the run asks for one and this process has one."""
+    if cfg.run.device != "cpu" and torch.cuda.is_available():
+        model.to("cuda")
+
+
 def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: bool):
     """(model, tokenizer) of the starting policy: loaded, then SFT warm-up when configured.
 
@@ -181,8 +184,7 @@ def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: 
     task = console.task("sft warm-up", s.steps)
     if (run_dir / SFT_STATE).is_dir():
         print(f"rlpost: continuing the warm-up from {run_dir / SFT_STATE}", file=sys.stderr)
-    if cfg.run.device != "cpu" and torch.cuda.is_available():
-        model.to("cuda")  # the warm-up computes where the run does (on a GPU-less Ray driver: cpu)
+    on_run_device(cfg, model)  # the warm-up computes where the run does (GPU-less Ray driver: cpu)
     objective = SFT(
         tokenizer,
         train_prompts,

@@ -1,18 +1,10 @@
 """Per-source health of a step: what the run-wide means hide in a mixture of sources.
 
-One source stuck at zero reward, or always truncated, or flat in every group, is
-averaged away by the others; so every step writes, for each source that had
-prompts in its batch, ``source/<name>/<metric>``:
-
-- ``reward_mean``: mean final score of its samples;
-- ``accuracy``: fraction of its samples scoring above 0.5 (as held-out accuracy);
-- ``response_length_mean``: mean response tokens;
-- ``truncated_frac``: fraction cut at ``rollout.max_tokens``;
-- ``zero_spread_frac``: fraction of its groups whose scores are all equal (no GRPO signal);
-- ``prompts``: its groups in the batch.
-
-These keys have this module as their one owner; a one-source run has none. The
-recorder exports all but ``prompts`` to Prometheus as ``rl_source_<metric>{source=...}``.
+One source stuck at zero reward, or always truncated, or flat in every group (no GRPO
+signal), is averaged away by the others; so every step writes ``source/<name>/<metric>``
+for each source that had prompts in its batch (accuracy: samples scoring above 0.5, as
+held-out accuracy). These keys have this module as their one owner; a one-source run has
+none. The recorder exports all but ``prompts`` as ``rl_source_<metric>{source=...}``.
 """
 
 from __future__ import annotations

@@ -246,11 +246,9 @@ def trainable_batch(
     """The collated batch with the rows of invalid or non-finite rewards masked out (their
     scores still count in group statistics), and those rows."""
     batch = collate_groups(groups, pad_id)
-    invalid = [
-        r for r, bad in enumerate(b for g in groups for b in (g.invalid or [False] * g.n)) if bad
-    ]
     scores = batch.scores.tolist()
-    dropped = sorted(set(invalid) | set(guards.check_rewards(scores) if guards else []))
+    nonfinite = guards.check_rewards(scores) if guards else []
+    dropped = sorted(set(invalid_rows(groups)) | set(nonfinite))
     if not dropped:
         return batch, dropped
     log.warning(
@@ -259,6 +257,11 @@ def trainable_batch(
     mask = batch.response_mask.clone()
     mask[dropped] = 0.0  # a NaN / Inf reward never reaches the optimizer
     return replace(batch, response_mask=mask), dropped
+
+
+def invalid_rows(groups: list[Group]) -> list[int]:
+    """The rows (completions in group order) whose reward the scorer marked invalid."""
+    return [r for r, bad in enumerate(b for g in groups for b in g.invalid or [False] * g.n) if bad]
 
 
 def estimator_inputs(
@@ -329,22 +332,12 @@ def compute_advantages(
     if turn_rewards is not None:
         rewards = rewards + turn_rewards.to(rewards.dtype)
     if batch.ref_logprobs is not None and beta > 0:
-        rewards, _ = kl_penalized_rewards(
-            rewards,
-            batch.old_logprobs,
-            batch.ref_logprobs,
-            mask,
-            beta=beta,
-            estimator=algo.kl.estimator,
-        )
+        old, ref, kl = batch.old_logprobs, batch.ref_logprobs, algo.kl.estimator
+        rewards, _ = kl_penalized_rewards(rewards, old, ref, mask, beta=beta, estimator=kl)
     estimator = get_advantage_estimator(algo.advantage.name)
+    inputs, params = inputs or {}, algo.advantage.params()
     advantages, returns = estimator(
-        rewards,
-        mask,
-        batch.group,
-        values=batch.values,
-        **(inputs or {}),
-        **algo.advantage.params(),
+        rewards, mask, batch.group, values=batch.values, **inputs, **params
     )
     return Advantages(rewards, advantages, returns)
 

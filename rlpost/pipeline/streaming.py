@@ -33,9 +33,8 @@ def stream_samplers(cfg: Config) -> dict:
 def update_data_report(run_dir: Path, sampler) -> None:
     """Write the streamed sources' rows met so far into ``data_report.json`` (their entries
     under ``train.sources`` and the train totals); nothing without a streamed source."""
-    streams = {
-        n: s for n, s in getattr(sampler, "samplers", {}).items() if isinstance(s, StreamSampler)
-    }
+    samplers = getattr(sampler, "samplers", {})
+    streams = {n: s for n, s in samplers.items() if isinstance(s, StreamSampler)}
     path = run_dir / DATA_REPORT
     if not streams or not path.is_file():
         return
@@ -44,21 +43,14 @@ def update_data_report(run_dir: Path, sampler) -> None:
     sources = train.setdefault("sources", {})
     for name, s in streams.items():
         r = s.report_copy()
-        sources[name] = {
-            **r.counts("train"),
-            "skipped_rows": r.problems,
-            "epoch": s.epoch,
-            "streamed": True,
-        }
+        met = {"skipped_rows": r.problems, "epoch": s.epoch, "streamed": True}
+        sources[name] = r.counts("train") | met
     total = LoadReport()
     for entry in sources.values():
         total.rows += entry["train_rows"]
+        skip = "train_skipped_"
         total.skipped_by_reason.update(
-            {
-                k[len("train_skipped_") :]: v
-                for k, v in entry.items()
-                if k.startswith("train_skipped_")
-            }
+            {k.removeprefix(skip): v for k, v in entry.items() if k.startswith(skip)}
         )
         total.problems.extend(entry["skipped_rows"])
     detail["train"] = {**total.counts("train"), "skipped_rows": total.problems, "sources": sources}

@@ -1,18 +1,13 @@
 """The run's weight path: the one object that moves the trainer's weights to rollout.
 
-Built once per run (:func:`build_weight_path`) and owned by the loop and its
-feed; every push goes through it: the starting weights, each step's update, a
-restore (resume, rollback), a guard's re-send and the weights an evaluation
-must see. Which kind it is follows from the config alone:
-
-* :class:`DirectPath`: ``rollout.load_weights`` with the trainer's tensors, no
-  codec. A rollout fleet fans that out to each member itself.
-* :class:`ChannelPath`: a :class:`~rlpost.sync.WeightSync` over a transport
-  (codecs, buckets, delta, verification): into the rollout worker in process,
-  to ``rlpost serve`` over http (``rollout.engine=remote``, the rollout worker is
-  then told which servers took the version; a ``vllm serve`` through its own
-  routes, :mod:`rlpost.rollout.engines.vllm_server`), or published to a directory that
-  servers and workers load (``sync.channel=disk``).
+Built once per run (:func:`build_weight_path`, its kind follows from the config alone)
+and owned by the loop and its feed; every push goes through it: the starting weights,
+each step's update, a restore (resume, rollback), a guard's re-send and the weights an
+evaluation must see. :class:`DirectPath` hands the trainer's tensors over as they are (a
+rollout fleet fans them out itself); :class:`ChannelPath` runs a
+:class:`~rlpost.sync.WeightSync` (codecs, buckets, delta, verification) into the rollout
+worker, to ``rlpost serve`` or ``vllm serve`` over http (``rollout.engine=remote``), or
+into a directory that servers and workers load (``sync.channel=disk``).
 
 Its counts are the wire truth: ``sync_bytes`` is what the push sent (the
 encoded payload, summed over targets), and the loop's step metrics, hence
@@ -76,11 +71,11 @@ class DirectPath(_Counter):
         self.count(float(export.bytes))
         return {"sync_seconds": time.perf_counter() - start, "sync_bytes": float(export.bytes)}
 
-    def restart_versions(self) -> None:
-        """Nothing to tell: the copy lands whatever its number."""
-
     def close(self) -> None:
-        """Nothing of its own to release."""
+        """Nothing of its own to release (nor to tell on a restore: the copy lands whatever
+        its number)."""
+
+    restart_versions = close
 
 
 class ChannelPath(_Counter):
@@ -122,9 +117,8 @@ def build_weight_path(cfg, rollout, run_dir=None) -> WeightPath:
     if cfg.rollout.engine.name == "remote":
         from rlpost.rollout.engines.client import keys_from_env
 
-        admin = keys_from_env(cfg.rollout.engine.api_key_env, cfg.rollout.engine.admin_key_env)[
-            "admin_key"
-        ]
+        e = cfg.rollout.engine
+        admin = keys_from_env(e.api_key_env, e.admin_key_env)["admin_key"]
         headers = {"Authorization": f"Bearer {admin}"} if admin else None
         http = s.model_copy(update={"channel": "http"})  # servers are reached over HTTP
         sync = build_weight_sync(http, list(cfg.rollout.engine.servers), headers=headers)
