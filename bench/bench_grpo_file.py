@@ -1,7 +1,8 @@
 """A user's own task through ``grpo_file`` on a real checkpoint: held-out accuracy and peak RSS.
 
-Writes a JSONL task that the recipes never saw (one-step word problems: a person buys, finds,
-loses or gives away things; the answer is a plain number) and runs ``rlpost train grpo_file``
+Writes a JSONL task that the recipes never saw (sums and differences asked in words, and
+one-step stories of things bought or given away; the answer is a plain number) and runs
+``rlpost train grpo_file``
 exactly as the README tells a user, plus only the run's shape (``--prompts`` x ``--n``,
 ``--steps``, ``--threads``) and ``--set`` overrides. Held-out accuracy at T=1 comes from the
 run's own evaluation before and after training (with its standard error); peak RSS is the run's
@@ -39,13 +40,20 @@ DOWN = [
 ]
 
 
+ASK = ["What is {a} {op} {b}?", "Compute {a} {op} {b}.", "How much is {a} {op} {b}?"]
+
+
 def word_problems(count: int, seed: int) -> list[dict[str, str]]:
+    """Half bare sums and differences asked in words, half one-step stories."""
     rng = random.Random(seed)
     rows = []
     for _ in range(count):
         n, t = rng.choice(NAMES), rng.choice(THINGS)
         a, b = rng.randint(2, 40), rng.randint(2, 40)
         if rng.random() < 0.5:
+            op, answer = rng.choice([("+", a + b), ("-", a)])
+            q = rng.choice(ASK).format(a=a + b if op == "-" else a, op=op, b=b)
+        elif rng.random() < 0.5:
             q, answer = rng.choice(UP).format(n=n, t=t, a=a, b=b), a + b
         else:
             q, answer = rng.choice(DOWN).format(n=n, t=t, a=a + b, b=b), a
