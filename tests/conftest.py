@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +55,19 @@ def small_overrides(tmp_path, **extra) -> list[str]:
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+def pids_with(marker: str) -> list[int]:
+    """Host pids whose command line contains ``marker``; each is read once, since a
+    process may exit between listing /proc and reading its command line."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:  # exited while we looked, or not ours to read
+            continue
+        if marker.encode() in cmdline:
+            found.append(int(entry.name))
+    return found

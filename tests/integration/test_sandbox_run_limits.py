@@ -19,6 +19,7 @@ import pytest
 from rlpost.rewards.sandbox import SandboxConfig, SandboxUnavailable, check_available, cli
 from rlpost.rewards.sandbox import cgroup as cgroups
 from rlpost.rewards.sandbox.runner import run_code
+from tests.conftest import pids_with
 
 pytestmark = pytest.mark.sandbox
 
@@ -180,24 +181,8 @@ def test_fork_and_thread_bombs_stop_at_the_process_cap(mode: str, program: str) 
     assert result.status == "ok", result.stderr
     assert 0 < int(result.stdout) < 16
     assert result.wall_seconds < 10  # the sleepers died with the run, not at their own pace
-    assert not any(marker.encode() in p.read_bytes() for p in _cmdlines())
+    assert not pids_with(marker)
     _host_unharmed()
-
-
-def _cmdlines() -> list[Path]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (entry / "cmdline").exists():
-            found.append(entry / "cmdline")
-    return [p for p in found if _readable(p)]
-
-
-def _readable(path: Path) -> bool:
-    try:
-        path.read_bytes()
-    except OSError:
-        return False
-    return True
 
 
 def test_cpu_affinity_cannot_be_widened(mode: str) -> None:

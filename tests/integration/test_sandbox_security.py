@@ -27,6 +27,7 @@ from rlpost.rewards.sandbox import (
     run_code,
     run_python_tests,
 )
+from tests.conftest import pids_with
 
 pytestmark = pytest.mark.sandbox
 
@@ -43,21 +44,6 @@ def _sandbox_available() -> None:
         if os.environ.get("RLPOST_REQUIRE_SANDBOX") == "1":
             pytest.fail(f"sandbox unavailable: {exc}")
         pytest.skip(f"sandbox unavailable: {exc}")
-
-
-def _pids_with(marker: str) -> list[int]:
-    """Host pids whose command line contains ``marker``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:  # exited while we looked, or not ours to read
-            continue
-        if marker.encode() in cmdline:
-            found.append(int(entry.name))
-    return found
 
 
 def _marker() -> str:
@@ -190,7 +176,7 @@ def test_fork_bomb_is_contained_and_leaves_no_process() -> None:
     result = run_code(code, config=SHORT)
     assert result.status in ("timeout", "killed", "error")
     assert result.wall_seconds < SHORT.timeout_s + 3
-    assert _pids_with(marker) == []
+    assert pids_with(marker) == []
     assert subprocess.run(["true"], check=False).returncode == 0  # the host can still fork
     assert run_code("print('alive')").stdout == "alive\n"
 
@@ -241,7 +227,7 @@ def test_sleeping_child_left_behind_is_killed() -> None:
     result = run_code(code)
     assert result.status == "ok" and result.stdout.strip().isdigit()
     assert result.wall_seconds < 5
-    assert _pids_with(marker) == []
+    assert pids_with(marker) == []
 
 
 @pytest.mark.parametrize("stream", ["stdout", "stderr"])
