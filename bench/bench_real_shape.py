@@ -361,7 +361,9 @@ def main() -> None:
     )
     ap.add_argument("--lengths", default="256", help="response lengths, e.g. 128,256,512,1024")
     ap.add_argument("--sides", default="full,chunked,trl", help="full, chunked, checkpointed, trl")
-    ap.add_argument("--dtypes", default="bf16", help="fp32, bf16 or fp32,bf16 (--modes run the first)")
+    ap.add_argument(
+        "--dtypes", default="bf16", help="fp32, bf16 or fp32,bf16 (--modes run the first)"
+    )
     ap.add_argument("--steps", type=int, default=2, help="steps per run (the first is warm-up)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: rlpost's rule)")
     ap.add_argument("--plot", default="", help="PNG path for peak memory against length")

@@ -82,7 +82,9 @@ def load_state(path: Path) -> Any:
             raise StateFileError(_refused(path, unsafe)) from None
         raise StateFileError(f"state file {path} cannot be read: {_first_line(exc)}") from None
     except (RuntimeError, EOFError, OSError) as exc:
-        raise StateFileError(f"state file {path} is torn or unreadable: {_first_line(exc)}") from None
+        raise StateFileError(
+            f"state file {path} is torn or unreadable: {_first_line(exc)}"
+        ) from None
 
 
 def check_state_file(path: Path) -> None:
@@ -94,7 +96,9 @@ def check_state_file(path: Path) -> None:
     try:  # the archive's directory is written last: a torn file has none
         zipfile.ZipFile(path).close()
     except (zipfile.BadZipFile, OSError) as exc:
-        raise StateFileError(f"state file {path} is torn or unreadable: {_first_line(exc)}") from None
+        raise StateFileError(
+            f"state file {path} is torn or unreadable: {_first_line(exc)}"
+        ) from None
     unsafe = _unsafe_globals(path)
     if unsafe:
         raise StateFileError(_refused(path, unsafe))

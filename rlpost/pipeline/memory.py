@@ -9,6 +9,11 @@ activations of one micro-batch (:func:`layer_activations`) and the LM head's log
 chunk, or the whole micro-batch unchunked), over the interpreter with torch and
 transformers loaded; the model's shape comes from its config on the meta device.
 ``summary.json`` records the estimate beside the measured ``peak_rss_mib``.
+
+Under a trainer layout (``cluster.trainer_workers``, ``cluster.tensor_parallel``) the
+trainer's terms are one rank's: the decoder layers' matrices split T ways, everything
+FSDP2-sharded over the data-parallel ranks, and the split matrices' activations 1/T; the
+machine must hold every rank it runs (:func:`ranks_here`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from rlpost.observe.mfu import _usable_cores
 from rlpost.pipeline.build import EAGER_ATTENTION_MAX_POSITIONS
 from rlpost.resolved import resolve
 from rlpost.train.lm_head import chunk_tokens, needs_chunks
+from rlpost.train.tp import COLUMN, ROW
 
 MIB = 2**20
 BASE_MIB = 450.0
@@ -65,8 +71,15 @@ def model_shape(cfg: Config) -> dict:
             model = AutoModelForCausalLM.from_config(load_config(cfg.model.path))
     c = model.config
     heads, hidden = getattr(c, "num_attention_heads", 1), getattr(c, "hidden_size", 0)
+    split = COLUMN + ROW
     return {
         "params": sum(p.numel() for p in model.parameters()),
+        # what tensor parallelism splits: the decoder layers' attention and MLP matrices
+        "split": sum(
+            p.numel()
+            for name, p in model.named_parameters()
+            if name.rpartition(".")[0].endswith(split)
+        ),
         "vocab": int(getattr(c, "vocab_size", 0)),
         "hidden": hidden,
         "layers": int(getattr(c, "num_hidden_layers", 1)),
@@ -77,19 +90,36 @@ def model_shape(cfg: Config) -> dict:
     }
 
 
-def layer_activations(shape: dict, rows: int, seq: int, width: int, *, eager: bool) -> float:
+def layer_activations(
+    shape: dict, rows: int, seq: int, width: int, *, eager: bool, tp: int = 1
+) -> float:
     """Bytes a Llama layer saves for its backward: 11 h + 4 I values a token under sdpa (3 h
-    per RMSNorm, q/k/v, the attention output twice, SwiGLU's 4 I), plus eager's scores."""
-    per_token = 11 * shape["hidden"] + 4 * shape["intermediate"]
-    per_token += 2.5 * shape["heads"] * seq if eager else 0  # 5 a s bytes at 16 bits
+    per RMSNorm, q/k/v, the attention output twice, SwiGLU's 4 I), plus eager's scores. Under
+    T-way tensor parallelism a rank saves its heads' 5 h and its 4 I / T; the norms' 6 h whole."""
+    per_token = 6 * shape["hidden"] + (5 * shape["hidden"] + 4 * shape["intermediate"]) / tp
+    per_token += 2.5 * shape["heads"] / tp * seq if eager else 0  # 5 a s bytes at 16 bits
     return rows * seq * per_token * width
 
 
+def rank_params(cfg: Config, shape: dict) -> float:
+    """Parameters one trainer rank holds: the split matrices' 1/T slice and the rest whole,
+    all of it 1/dp under FSDP2 (its layer-at-a-time gathers are not counted)."""
+    tp = cfg.cluster.tensor_parallel
+    dp = max(1, cfg.cluster.trainer_workers // tp)
+    return (shape["params"] - shape["split"] + shape["split"] / tp) / dp
+
+
+def ranks_here(cfg: Config) -> int:
+    """Trainer ranks on this machine: all of them, unless they join a Ray cluster elsewhere."""
+    c = cfg.cluster
+    return 1 if resolve(cfg).backend == "ray" and c.address else c.trainer_workers
+
+
 def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
-    """The step's peak by term (see the module docstring)."""
+    """The step's peak by term (see the module docstring), the trainer's terms one rank's."""
     t, r, facts = cfg.train, cfg.rollout, resolve(cfg)
     width = 2 if facts.bf16 else 4
-    n = shape["params"]
+    n = rank_params(cfg, shape)
     trainable = 0.01 * n if facts.adapters else n  # adapters: a small fraction
     in_process = facts.engine_in_process  # a serving copy (unless shared) and a KV cache
     seq = PROMPT_TOKENS + r.max_tokens
@@ -98,7 +128,7 @@ def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
     micro, budget = t.micro_batch_size, t.max_tokens_per_micro_batch
     micro = max(1, min(micro, budget // seq)) if budget > 0 else micro
     eager = facts.bf16 and shape["positions"] <= EAGER_ATTENTION_MAX_POSITIONS
-    layer = layer_activations(shape, micro, seq, width, eager=eager)
+    layer = layer_activations(shape, micro, seq, width, eager=eager, tp=cfg.cluster.tensor_parallel)
     activations = shape["layers"] * layer
     if cfg.model.gradient_checkpointing:  # each layer's input, and one layer recomputed
         activations = shape["layers"] * micro * seq * shape["hidden"] * width + layer
@@ -116,7 +146,7 @@ def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
         gradients=trainable * 4 / MIB,
         optimizer=trainable * 8 / MIB,
         reference=n * 4 / MIB if facts.reference_copy else 0.0,
-        engine=n * width / MIB if in_process and not facts.shares_storage else 0.0,
+        engine=shape["params"] * width / MIB if in_process and not facts.shares_storage else 0.0,
         kv_cache=kv / MIB,
         activations=activations / MIB,
         logits=logits / MIB,
@@ -156,23 +186,33 @@ def check_memory(cfg: Config, *, total_mib: float | None = None) -> MemoryEstima
         return None  # the model checks report an unreadable checkpoint in their own words
     est = estimate(cfg, shape)
     note_idle_cores(cfg, shape)
+    need = machine_need(cfg, est)
     total, free = machine_mib()
     total = total if total_mib is None else total_mib
-    if total and est.total > total:
+    ranks = ranks_here(cfg)
+    what = "the step needs" if ranks == 1 else f"the step's {ranks} trainer ranks need"
+    if total and need > total:
         terms = {k: v for k, v in asdict(est).items() if k in FIXES}
         worst = max(terms, key=terms.get)
+        each = f"~{est.total - est.engine - est.kv_cache:,.0f} MiB each; " if ranks > 1 else ""
         raise ConfigError(
-            f"memory: the step needs ~{est.total:,.0f} MiB (largest: {worst} "
+            f"memory: {what} ~{need:,.0f} MiB ({each}largest: {worst} "
             f"{terms[worst]:,.0f} MiB) and this machine has {total:,.0f} MiB; "
             f"{FIXES[worst]}"
         )
-    if free and est.total > free:
+    if free and need > free:
         print(
-            f"rlpost: the step needs ~{est.total:,.0f} MiB and {free:,.0f} MiB are free now; "
+            f"rlpost: {what} ~{need:,.0f} MiB and {free:,.0f} MiB are free now; "
             "other processes may push it into swap",
             flush=True,
         )
     return est
+
+
+def machine_need(cfg: Config, est: MemoryEstimate) -> float:
+    """MiB this machine holds: one rank's estimate (with the engine) and each further
+    trainer rank here, a process of its own without the engine's copy and KV cache."""
+    return est.total + (ranks_here(cfg) - 1) * (est.total - est.engine - est.kv_cache)
 
 
 REAL_SHAPE_PARAMS, REAL_SHAPE_VOCAB = 10_000_000, 32_000

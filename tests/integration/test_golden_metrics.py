@@ -52,10 +52,11 @@ COMMON = [
     "observe.progress=false",
     "observe.plot=false",
 ]
+# A case records those its rows have (PPO's critic warm-up steps have no pg_loss).
 STEP_KEYS = [
     "loss", "pg_loss", "reward_mean", "kl", "grad_norm", "clip_frac", "logprob_gap",
     "response_length_mean", "vf_loss",
-]  # fmt: skip; a case records those its rows have (PPO's critic warm-up steps have no pg_loss)
+]  # fmt: skip
 SUMMARY_KEYS = ["eval_accuracy_start", "eval_accuracy_end"]
 
 # Runs the cases with whichever rlpost is first on sys.path (the baseline's tree, when

@@ -16,6 +16,7 @@ from rlpost.algos import get_advantage_estimator, scores_to_token_rewards
 from rlpost.cluster.process import start_trainers
 from rlpost.config import ConfigError
 from rlpost.pipeline import build, rules
+from rlpost.pipeline.memory import model_shape, rank_params
 from rlpost.rollout.engines.hf import HFEngine
 from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.train.batch import collate
@@ -121,6 +122,7 @@ def test_five_grpo_steps_at_tp2_equal_one_process(pair, tmp_path):
     model = one.trainer.model
     split = sum(p.numel() for n, p in model.named_parameters() if n.endswith(SPLIT))
     assert split > 0 and group.describe()["parameters_held"] == held_numel(model) - split // 2
+    assert rank_params(cfg, model_shape(cfg)) == group.describe()["parameters_held"]  # preflight
     _same_steps(cfg, tok, one, group)
     assert one.version() == group.version() == STEPS
 

@@ -46,7 +46,9 @@ def test_pace_sets_torch_on_the_calling_thread_only():
         worker.join()
         # a second thread sets its own count on its first pace, whatever the first did
         busy.value = 1
-        other = threading.Thread(target=lambda: (pace(), seen.setdefault("busy", torch.get_num_threads())))
+        other = threading.Thread(
+            target=lambda: (pace(), seen.setdefault("busy", torch.get_num_threads()))
+        )
         other.start()
         other.join()
     finally:

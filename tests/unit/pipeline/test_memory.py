@@ -186,3 +186,45 @@ def test_checkpointing_keeps_layer_inputs_and_one_recomputed_layer(tmp_path):
     assert plain == pytest.approx(shape["layers"] * layer)
     inputs = shape["layers"] * 8 * seq * shape["hidden"] * 4 / 2**20
     assert ckpt.activations == pytest.approx(inputs + layer)
+
+
+def _smollm2_shape_dir(tmp_path):
+    """A config.json of SmolLM2-135M's shape: 30 layers, 9 heads, 3 KV heads, tied head."""
+    LlamaConfig(
+        vocab_size=49_152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+    ).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_a_trainer_layout_splits_one_ranks_terms_and_the_machine_holds_every_rank(tmp_path):
+    """At TP=3 a rank holds 1/3 of the decoder matrices and the embedding whole (SmolLM2's
+    share measured on the ranks' DTensor shards by bench/bench_parallel.py: 972.5 MiB against
+    2,052.5 in one process); three processes on this machine need three ranks' memory."""
+    from rlpost.pipeline.memory import machine_need
+
+    base = [f"model.path={_smollm2_shape_dir(tmp_path)}", "model.dtype=float32"]
+    one = load_config(None, base)
+    tp3 = load_config(None, [*base, "cluster.trainer_workers=3", "cluster.tensor_parallel=3"])
+    shape = model_shape(one)
+    assert shape["split"] == 30 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536)
+    e1, e3 = estimate(one, shape), estimate(tp3, shape)
+    share = e3.weights + e3.gradients + e3.optimizer
+    assert e1.weights + e1.gradients + e1.optimizer == pytest.approx(2052.5, abs=0.1)
+    assert share == pytest.approx(972.5, abs=0.1)
+    assert e3.logits == e1.logits  # the head stays whole on every rank
+    assert e1.activations / 3 < e3.activations < e1.activations  # the norms' stay whole
+    need = machine_need(tp3, e3)
+    assert need == pytest.approx(e3.total + 2 * (e3.total - e3.engine - e3.kv_cache))
+    with pytest.raises(ConfigError, match=r"the step's 3 trainer ranks need ~[\d,]+ MiB \(~") as e:
+        check_memory(tp3, total_mib=need - 1)
+    assert "\n" not in str(e.value)
+    assert check_memory(tp3, total_mib=need + 1) is not None
+    # FSDP2 over two data-parallel groups halves a rank's share again
+    mesh = load_config(None, [*base, "cluster.trainer_workers=6", "cluster.tensor_parallel=3"])
+    assert estimate(mesh, shape).weights == pytest.approx(e3.weights / 2)
