@@ -25,7 +25,7 @@ from rlpost.algos.reward_model import bradley_terry_loss
 from rlpost.data.files import LoadReport, refuse_or_skip
 from rlpost.data.preferences import PreferencePair
 from rlpost.rewards.model import reward_input_ids
-from rlpost.train.batch import model_device
+from rlpost.train.batch import eval_mode, model_device
 from rlpost.train.offline import pair_parts
 
 
@@ -96,25 +96,16 @@ def pair_rewards(model, pairs: EncodedPairs, idx: list[int], pad_id: int):
     return logits[: len(idx)], logits[len(idx) :]
 
 
-def _margin(pairs: EncodedPairs, idx: list[int]) -> torch.Tensor | None:
-    if pairs.margin is None:
-        return None
-    return pairs.margin[torch.tensor(idx)]
-
-
 @torch.no_grad()
 def evaluate_rm(model, pairs: EncodedPairs, pad_id: int, chunk: int = 128) -> dict[str, float]:
     """Held-out ``eval_accuracy`` (pairs ranked right, ties half), ``eval_loss`` (the mean
     Bradley-Terry loss, margins included) and reward means of ``model`` on ``pairs``."""
-    was_training = model.training
-    model.eval()
-    chosen, rejected = [], []
-    for lo in range(0, len(pairs), chunk):
-        c, r = pair_rewards(model, pairs, list(range(lo, min(lo + chunk, len(pairs)))), pad_id)
-        chosen.append(c)
-        rejected.append(r)
-    model.train(was_training)
-    rc, rr = torch.cat(chosen), torch.cat(rejected)
+    with eval_mode(model):
+        parts = [
+            pair_rewards(model, pairs, list(range(lo, min(lo + chunk, len(pairs)))), pad_id)
+            for lo in range(0, len(pairs), chunk)
+        ]
+    rc, rr = (torch.cat(side) for side in zip(*parts, strict=True))
     out = bradley_terry_loss(rc, rr, margin=pairs.margin)
     return {
         "eval_accuracy": float(out.stats["accuracy"]),
@@ -140,5 +131,6 @@ class BradleyTerry:
     def loss(self, model, micro) -> tuple[torch.Tensor, dict[str, float]]:
         part, total = micro
         rc, rr = pair_rewards(model, self.pairs, part, self.pad_id)
-        out = bradley_terry_loss(rc, rr, margin=_margin(self.pairs, part), num_pairs=total)
+        margin = None if self.pairs.margin is None else self.pairs.margin[torch.tensor(part)]
+        out = bradley_terry_loss(rc, rr, margin=margin, num_pairs=total)
         return out.loss, {k: float(v) * len(part) / total for k, v in out.stats.items()}
