@@ -27,7 +27,7 @@ from rlpost.algos.aggregate import Aggregation
 from rlpost.algos.value import value_loss
 from rlpost.rng import derive
 from rlpost.train.actor import ActorSettings, bf16_autocast, build_optimizer
-from rlpost.train.batch import TrainBatch, eval_mode, model_device, pad_responses
+from rlpost.train.batch import TrainBatch, model_device, pad_responses, score_rows
 from rlpost.train.optim import budget_slices, minibatch_updates, optimizer_step
 from rlpost.train.packing import SHARING_MODES, Pack, pack_for, resolve_packing
 
@@ -170,14 +170,15 @@ class CriticTrainer:
     @torch.no_grad()
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """Old values ``[B, T]`` float32 for GAE, zero on padding (no gradient)."""
-        device = model_device(self.model)
-        values = torch.zeros_like(batch.response_mask)
-        with eval_mode(self.model):
-            for rows in self._micro_slices(batch):
-                micro = self._micro(batch.select(rows)).to(device)
-                with bf16_autocast(self.model, self.s.bf16):
-                    part = response_values(self.model, micro, self.packed).float()
-                values[rows] = pad_responses(part, values.shape[1]).cpu()
+
+        def fn(micro: TrainBatch) -> torch.Tensor:
+            with bf16_autocast(self.model, self.s.bf16):
+                return response_values(self.model, micro, self.packed).float()
+
+        values = score_rows(
+            self.model, batch, fn, micro_batch_size=self.s.micro_batch_size,
+            max_tokens=self.s.max_tokens_per_micro_batch, packed=self.packed,
+        ).cpu()  # fmt: skip
         return torch.where(batch.response_mask > 0, values, torch.zeros_like(values))
 
     def _micro_slices(self, batch: TrainBatch) -> list[torch.Tensor]:
