@@ -128,12 +128,7 @@ class Bucket:
     crc: int = 0
 
     def header(self) -> dict:
-        return {
-            "session": self.session,
-            "index": self.index,
-            "entries": self.entries,
-            "crc": self.crc,
-        }
+        return {k: getattr(self, k) for k in ("session", "index", "entries", "crc")}
 
     def to_bytes(self) -> bytes:
         """Safetensors bytes: the payload tensor, the header in the file's metadata."""
