@@ -24,7 +24,7 @@ from rlpost.train.lm_head import (
     split_head,
 )
 from rlpost.train.optim import budget_slices
-from rlpost.train.packing import Pack, pack_for, packed_forward
+from rlpost.train.packing import Pack, pack_for, packed_forward, scatter
 from rlpost.types import Completion
 
 
@@ -287,7 +287,7 @@ def response_logprobs(
     lp, ent = head_logprobs(
         hidden, head, targets, temperature=temperature, with_entropy=with_entropy, chunk=chunk
     )
-    return _scatter(lp, where), (None if ent is None else _scatter(ent, where))
+    return scatter(lp, where), (None if ent is None else scatter(ent, where))
 
 
 def response_sum_pi_squared(
@@ -304,13 +304,7 @@ def response_sum_pi_squared(
         logits, _, lay_out = _full_logits(model, batch, packed)
         return lay_out(torch.softmax(logits.float() / temperature, dim=-1).pow(2).sum(-1))
     hidden, _, where, head = split
-    return _scatter(head_sum_pi_squared(hidden, head, temperature=temperature, chunk=chunk), where)
-
-
-def _scatter(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-    """``[N]`` values at the True entries of ``where [B, T]``, 0 elsewhere (differentiable)."""
-    out = values.new_zeros(where.shape)
-    return out.masked_scatter(where, values)
+    return scatter(head_sum_pi_squared(hidden, head, temperature=temperature, chunk=chunk), where)
 
 
 @torch.no_grad()
