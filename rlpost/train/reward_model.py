@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoModelForSequenceClassification
 
 from rlpost.algos.reward_model import bradley_terry_loss
@@ -83,13 +84,10 @@ def encode_pairs(
 def pair_rewards(model, pairs: EncodedPairs, idx: list[int], pad_id: int):
     """(chosen ``[n]``, rejected ``[n]``) rewards of pairs ``idx``, one forward pass of
     ``2n`` right-padded rows, with gradient when the caller allows it."""
-    rows = [pairs.chosen[i] for i in idx] + [pairs.rejected[i] for i in idx]
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for j, r in enumerate(rows):
-        ids[j, : len(r)] = torch.tensor(r)
-        mask[j, : len(r)] = 1
+    rows = [torch.tensor(r, dtype=torch.long) for r in
+            [pairs.chosen[i] for i in idx] + [pairs.rejected[i] for i in idx]]  # fmt: skip
+    ids = pad_sequence(rows, batch_first=True, padding_value=pad_id)
+    mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True)
     device = model_device(model)
     logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0]
     logits = logits.float()
