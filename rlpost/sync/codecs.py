@@ -57,7 +57,6 @@ class Encoded:
 
 
 Encoder = Callable[[torch.Tensor], Encoded]
-Decoder = Callable[[dict[str, torch.Tensor], dict], torch.Tensor]
 Shape = Callable[[dict[str, tuple], dict], tuple]  # decoded shape from the parts' shapes, meta
 
 
@@ -85,15 +84,13 @@ def lookup(name: str) -> Codec:
     return CODECS.get(name)
 
 
-def _data_shape(shapes: dict[str, tuple], meta: dict) -> tuple:
-    return tuple(shapes["data"])
+def part_shape(part: str) -> Shape:
+    """The decoded tensor has the shape of part ``part``."""
+    return lambda shapes, meta: tuple(shapes[part])
 
 
-def _q_shape(shapes: dict[str, tuple], meta: dict) -> tuple:
-    return tuple(shapes["q"])
-
-
-def _meta_shape(shapes: dict[str, tuple], meta: dict) -> tuple:
+def meta_shape(shapes: dict[str, tuple], meta: dict) -> tuple:
+    """The decoded tensor has the shape the encoder wrote into ``meta``."""
     return tuple(meta["shape"])
 
 
@@ -131,16 +128,13 @@ def decode(enc: Encoded) -> torch.Tensor:
 # ------------------------------------------------------------ none / bf16
 
 
-def _encode_none(t: torch.Tensor) -> Encoded:
-    return Encoded("none", {"data": t.contiguous()})
-
-
-def _encode_bf16(t: torch.Tensor) -> Encoded:
-    return Encoded("bf16", {"data": t.to(torch.bfloat16).contiguous()})
-
-
-def _decode_plain(parts: dict[str, torch.Tensor], meta: dict) -> torch.Tensor:
-    return parts["data"]
+def _plain(codec: str, dtype: torch.dtype | None) -> Codec:
+    """A codec that sends the tensor itself as part ``data`` (cast to ``dtype``, if any)."""
+    return Codec(
+        lambda t: Encoded(codec, {"data": t.to(dtype or t.dtype).contiguous()}),
+        lambda parts, meta: parts["data"],
+        part_shape("data"),
+    )
 
 
 # -------------------------------------------------------------------- fp8
@@ -209,9 +203,7 @@ def _decode_mxfp4(parts: dict[str, torch.Tensor], meta: dict) -> torch.Tensor:
     return value.reshape(rows, -1)[:, :cols].contiguous()
 
 
-CODECS.register("none", identity=True, exact=True)(Codec(_encode_none, _decode_plain, _data_shape))
-CODECS.register("bf16", exact=True, bit_patterns=True)(
-    Codec(_encode_bf16, _decode_plain, _data_shape)
-)
-CODECS.register("fp8", lossy=True)(Codec(_encode_fp8, _decode_fp8, _q_shape))
-CODECS.register("mxfp4", lossy=True)(Codec(_encode_mxfp4, _decode_mxfp4, _meta_shape))
+CODECS.register("none", identity=True, exact=True)(_plain("none", None))
+CODECS.register("bf16", exact=True, bit_patterns=True)(_plain("bf16", torch.bfloat16))
+CODECS.register("fp8", lossy=True)(Codec(_encode_fp8, _decode_fp8, part_shape("q")))
+CODECS.register("mxfp4", lossy=True)(Codec(_encode_mxfp4, _decode_mxfp4, meta_shape))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import zstandard
 
-from rlpost.sync.codecs import CODECS, Codec, Encoded, from_bytes
+from rlpost.sync.codecs import CODECS, Codec, Encoded, from_bytes, meta_shape
 
 ZSTD_LEVEL = 3  # fast; higher levels gain a few % on these streams at several times the CPU
 
@@ -63,8 +63,4 @@ def apply_delta(parts: dict[str, torch.Tensor], meta: dict, base: torch.Tensor) 
     return out.view(torch.bfloat16).reshape(shape)
 
 
-def _shape(shapes: dict[str, tuple], meta: dict) -> tuple:
-    return tuple(meta["shape"])
-
-
-CODECS.register("delta", needs_base=True)(Codec(None, apply_delta, _shape))
+CODECS.register("delta", needs_base=True)(Codec(None, apply_delta, meta_shape))

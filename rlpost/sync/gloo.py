@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from rlpost.sync.listen import gloo_options, pin_interface, tcp_store
 from rlpost.sync.receiver import CommitReport, Receiver
-from rlpost.sync.session import Bucket, DeltaRefused, Manifest, SessionMeta, SyncError
+from rlpost.sync.session import Bucket, DeltaRefused, Manifest, SessionMeta, SyncError, sync_error
 
 IDLE_POLL_S = 1.0  # how often an idle receiver re-checks for the next message
 KEY_BYTES = 32
@@ -79,17 +79,19 @@ def _connect(link: GlooLink, rank: int, timeout_s: float):
     return store, group, bytes(key.cpu().tolist())
 
 
+def _mac(key: bytes, name: str, text: str) -> str:
+    return hmac.new(key, f"{name}\n{text}".encode(), hashlib.sha256).hexdigest()
+
+
 def _sign(key: bytes, name: str, text: str) -> str:
     """``mac \\n text``: the store value of message or reply ``name`` (``msg/3``)."""
-    mac = hmac.new(key, f"{name}\n{text}".encode(), hashlib.sha256).hexdigest()
-    return f"{mac}\n{text}"
+    return f"{_mac(key, name, text)}\n{text}"
 
 
 def _verify(key: bytes, name: str, raw: bytes) -> dict:
     """The message in store value ``raw``; ValueError (one line) when it is not ours."""
     mac, sep, text = raw.decode("utf-8", "replace").partition("\n")
-    want = hmac.new(key, f"{name}\n{text}".encode(), hashlib.sha256).hexdigest()
-    if not sep or not hmac.compare_digest(mac, want):
+    if not sep or not hmac.compare_digest(mac, _mac(key, name, text)):
         raise ValueError("its signature does not match this group's key")
     try:
         msg = json.loads(text)
@@ -119,10 +121,8 @@ class GlooTransport:
         if not isinstance(link, GlooLink):
             raise ValueError("sync.channel=gloo targets are GlooLink(host, port, world_size)")
         self.link, self.target, self.timeout_s = link, str(link), options.timeout_s
-        try:
+        with sync_error("init", self.target):  # rendezvous fails as several torch types
             self.store, self.group, self.key = _connect(link, 0, options.timeout_s)
-        except Exception as exc:  # rendezvous failures come as several torch error types
-            raise SyncError("init", self.target, f"{type(exc).__name__}: {exc}") from None
         self.seq = 0
         self.acked = 0  # every receiver has read the messages up to this one (it replied)
         self.forgotten = 0  # keys up to this sequence number were deleted from the store
@@ -139,10 +139,8 @@ class GlooTransport:
         self._send(
             "update", {"op": "update", "header": bucket.header(), "size": bucket.payload.numel()}
         )
-        try:
+        with sync_error("update", self.target):
             _broadcast(self.group, bucket.payload.to(_device(self.link)))
-        except Exception as exc:
-            raise SyncError("update", self.target, f"{type(exc).__name__}: {exc}") from None
 
     def finish(self, manifest: Manifest) -> CommitReport:
         replies = self._call("finish", {"op": "finish", "manifest": manifest.to_json()})
@@ -165,22 +163,18 @@ class GlooTransport:
 
     def _forget(self) -> None:
         """Delete the keys of messages every receiver has read, so the store does not grow."""
-        try:
+        with sync_error("start", self.target):
             for seq in range(self.forgotten + 1, self.acked + 1):
                 self.store.delete_key(f"msg/{seq}")
                 for r in range(1, self.link.world_size):
                     self.store.delete_key(f"reply/{seq}/{r}")
-        except Exception as exc:
-            raise SyncError("start", self.target, f"{type(exc).__name__}: {exc}") from None
         self.forgotten = self.acked
 
     def _send(self, phase: str, msg: dict) -> None:
         self.seq += 1
         name = f"msg/{self.seq}"
-        try:
+        with sync_error(phase, self.target):
             self.store.set(name, _sign(self.key, name, json.dumps(msg)))
-        except Exception as exc:
-            raise SyncError(phase, self.target, f"{type(exc).__name__}: {exc}") from None
 
     def _call(self, phase: str, msg: dict) -> list[dict]:
         self._send(phase, msg)

@@ -38,6 +38,7 @@ from rlpost.sync.session import (
     SessionMeta,
     SyncError,
     checksum,
+    sync_error,
     to_dtype,
 )
 
@@ -201,13 +202,11 @@ class Receiver:
                 yield spec.name, tensor
 
         start = time.perf_counter()
-        try:
+        with sync_error("commit", self.name):
             self.engine.load_weights(
                 TensorStream(stream(), {s.name: decoded_shape(s) for s in manifest.tensors}),
                 staged.meta.version,
             )
-        except Exception as exc:
-            raise SyncError("commit", self.name, f"{type(exc).__name__}: {exc}") from None
         pause = time.perf_counter() - start
         self._version = staged.meta.version
         self.run_id = staged.meta.run_id

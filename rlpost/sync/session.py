@@ -16,6 +16,7 @@ sent at ``finish``, once every tensor has been encoded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 import zlib
@@ -39,6 +40,16 @@ class SyncError(RuntimeError):
 
 class DeltaRefused(SyncError):
     """The receiver's base version is not the one the delta was made from: send a full sync."""
+
+
+@contextlib.contextmanager
+def sync_error(phase: str, target: str, errors: type | tuple = Exception) -> Iterator[None]:
+    """``errors`` raised in the block become one :class:`SyncError` line, ``Type: message``
+    (a transport's errors come as many types: torch's, sockets', a store's)."""
+    try:
+        yield
+    except errors as exc:
+        raise SyncError(phase, target, f"{type(exc).__name__}: {exc}") from None
 
 
 def checksum(t: torch.Tensor) -> int:
@@ -117,12 +128,7 @@ class Bucket:
     crc: int = 0
 
     def header(self) -> dict:
-        return {
-            "session": self.session,
-            "index": self.index,
-            "entries": self.entries,
-            "crc": self.crc,
-        }
+        return {k: getattr(self, k) for k in ("session", "index", "entries", "crc")}
 
     def to_bytes(self) -> bytes:
         """Safetensors bytes: the payload tensor, the header in the file's metadata."""

@@ -24,7 +24,7 @@ import httpx
 
 from rlpost.errors import http_error_line
 from rlpost.sync.receiver import CommitReport, Receiver
-from rlpost.sync.session import Bucket, DeltaRefused, Manifest, SessionMeta, SyncError
+from rlpost.sync.session import Bucket, DeltaRefused, Manifest, SessionMeta, SyncError, sync_error
 
 
 @dataclass
@@ -142,10 +142,8 @@ class HttpTransport:
         self.http.close()
 
     def _post(self, phase: str, path: str, **kwargs) -> dict:
-        try:
+        with sync_error(phase, self.target, httpx.TransportError):  # refused, reset, timed out
             r = self.http.post(path, **kwargs)
-        except httpx.TransportError as exc:  # refused, reset, timed out
-            raise SyncError(phase, self.target, f"{type(exc).__name__}: {exc}") from None
         if r.status_code == 409 and phase == "start":
             raise DeltaRefused(phase, self.target, http_error_line(r))
         if r.status_code >= 400:

@@ -243,13 +243,8 @@ class WeightSync:
             for name, want in expected.items():
                 got = report.checksums.get(name)
                 if got != want:
-                    failed[target] = str(
-                        SyncError(
-                            "verify",
-                            target,
-                            f"tensor {name!r} served with checksum {got}, sent {want}",
-                        )
-                    )
+                    why = f"tensor {name!r} served with checksum {got}, sent {want}"
+                    failed[target] = str(SyncError("verify", target, why))
                     break
 
     def _each(self, transports: list[Transport], fn) -> list[Exception | None]:

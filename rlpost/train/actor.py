@@ -417,28 +417,25 @@ class PolicyTrainer:
 
     # ----------------------------------------------------------------- mfu
 
-    def mfu(self, batch: TrainBatch, seconds: float) -> float:
-        """Model FLOPs utilisation of the train phase of a step (old/ref passes + updates).
+    def mfu_of(self, tokens: float, seq: int, seconds: float) -> float:
+        """Model FLOPs utilisation of the train phase of a step (old/ref passes + updates)
+        over ``tokens`` non-padding tokens in sequences padded to ``seq``.
 
         Counted FLOPs: one forward (2N) per scoring pass (old, and ref when kept)
-        plus forward+backward (6N) per epoch, per token of the padded sequences,
-        over the peak FLOP/s of this device (a one-off matmul probe on CPU).
+        plus forward+backward (6N) per epoch, per token, over the peak FLOP/s of
+        this device (a one-off matmul probe on CPU).
         """
-        return self.mfu_of(float(batch.attention_mask.sum()), batch.input_ids.shape[1], seconds)
-
-    def mfu_of(self, tokens: float, seq: int, seconds: float) -> float:
-        """:meth:`mfu` from the batch's non-padding token count and padded sequence length."""
         if seconds <= 0:
             return 0.0
         if model_device(self.model).type != "cpu":  # the peak measured here is the CPU's
             return math.nan
         cfg = self.model.config
         n_params = sum(p.numel() for n, p in self.model.named_parameters() if "embed" not in n)
-        passes = 1 + self.has_reference
-        fwd = flops_per_token(n_params, cfg.num_hidden_layers, cfg.hidden_size, seq, training=False)
-        train = flops_per_token(
-            n_params, cfg.num_hidden_layers, cfg.hidden_size, seq, training=True
+        fwd, train = (
+            flops_per_token(n_params, cfg.num_hidden_layers, cfg.hidden_size, seq, training=t)
+            for t in (False, True)
         )
+        passes = 1 + self.has_reference
         return (passes * fwd + self.s.epochs * train) * tokens / seconds / default_cpu_peak_flops()
 
     # ------------------------------------------------------------- control

@@ -8,6 +8,7 @@ width T, concatenated into ``input_ids [B, P + T]``. The logits at positions
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, fields, replace
 
@@ -23,7 +24,7 @@ from rlpost.train.lm_head import (
     split_head,
 )
 from rlpost.train.optim import budget_slices
-from rlpost.train.packing import Pack, pack_for, packed_forward
+from rlpost.train.packing import Pack, pack_for, packed_forward, scatter
 from rlpost.types import Completion
 
 
@@ -65,12 +66,12 @@ class TrainBatch:
 
     def select(self, idx: torch.Tensor) -> TrainBatch:
         """Rows ``idx`` of every [B, ...] tensor (a mini- or micro-batch)."""
-        changes = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, torch.Tensor):
-                changes[f.name] = v[idx]
-        return replace(self, **changes)
+        return self._map(lambda v: v[idx])
+
+    def _map(self, fn) -> TrainBatch:
+        """A copy with ``fn(tensor)`` in place of every tensor field."""
+        tensors = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{k: fn(v) for k, v in tensors.items() if torch.is_tensor(v)})
 
     def lengths(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(prompt lengths [B], response lengths [B]) in tokens, padding left out."""
@@ -100,12 +101,7 @@ class TrainBatch:
 
     def to(self, device: torch.device | str) -> TrainBatch:
         """Every tensor on ``device`` (tensors already there are the same objects)."""
-        changes = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, torch.Tensor):
-                changes[f.name] = v.to(device)
-        return replace(self, **changes)
+        return self._map(lambda v: v.to(device))
 
 
 def pad_responses(values: torch.Tensor, width: int) -> torch.Tensor:
@@ -118,6 +114,17 @@ def pad_responses(values: torch.Tensor, width: int) -> torch.Tensor:
 def model_device(model: torch.nn.Module) -> torch.device:
     """The device of ``model``'s parameters (where its inputs go)."""
     return next(model.parameters()).device
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module):
+    """``model`` in eval mode inside the block, back in its own mode after (even on error)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 def collate(completions: list[Completion], scores: list[float], pad_id: int) -> TrainBatch:
@@ -280,7 +287,7 @@ def response_logprobs(
     lp, ent = head_logprobs(
         hidden, head, targets, temperature=temperature, with_entropy=with_entropy, chunk=chunk
     )
-    return _scatter(lp, where), (None if ent is None else _scatter(ent, where))
+    return scatter(lp, where), (None if ent is None else scatter(ent, where))
 
 
 def response_sum_pi_squared(
@@ -297,13 +304,7 @@ def response_sum_pi_squared(
         logits, _, lay_out = _full_logits(model, batch, packed)
         return lay_out(torch.softmax(logits.float() / temperature, dim=-1).pow(2).sum(-1))
     hidden, _, where, head = split
-    return _scatter(head_sum_pi_squared(hidden, head, temperature=temperature, chunk=chunk), where)
-
-
-def _scatter(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-    """``[N]`` values at the True entries of ``where [B, T]``, 0 elsewhere (differentiable)."""
-    out = values.new_zeros(where.shape)
-    return out.masked_scatter(where, values)
+    return scatter(head_sum_pi_squared(hidden, head, temperature=temperature, chunk=chunk), where)
 
 
 @torch.no_grad()
@@ -344,8 +345,6 @@ def score_rows(
     ``max_tokens`` > 0: micro-batches are cut by a token budget and trimmed to their own
     widths (:func:`rlpost.train.optim.budget_slices`, :meth:`TrainBatch.trimmed`); the
     budget counts real tokens when ``packed``."""
-    was_training = model.training
-    model.eval()
     device = model_device(model)
     groups = Pack(packed).groups(batch)
     # With shared prompts a group's rows go together (their prompt runs once).
@@ -353,15 +352,14 @@ def score_rows(
     T = batch.responses.shape[1]
     out = None
     lens = batch.lengths()
-    for idx in budget_slices(
-        rows, *lens, micro_batch_size, max_tokens, packed=packed, groups=groups
-    ):
-        pace()  # the cores a co-located rollout process lends: observe.threads
-        mb = batch.select(idx)
-        mb = (mb.trimmed() if max_tokens > 0 else mb).to(device)
-        values = pad_responses(fn(mb), T)
-        if out is None:
-            out = values.new_zeros((len(batch), T))
-        out[idx.to(values.device)] = values
-    model.train(was_training)
+    slices = budget_slices(rows, *lens, micro_batch_size, max_tokens, packed=packed, groups=groups)
+    with eval_mode(model):
+        for idx in slices:
+            pace()  # the cores a co-located rollout process lends: observe.threads
+            mb = batch.select(idx)
+            mb = (mb.trimmed() if max_tokens > 0 else mb).to(device)
+            values = pad_responses(fn(mb), T)
+            if out is None:
+                out = values.new_zeros((len(batch), T))
+            out[idx.to(values.device)] = values
     return out

@@ -106,16 +106,10 @@ def save_checkpoint(
         shutil.rmtree(replaced)
     # the newest ``keep`` by step, this one always among them (after a rollback it may not
     # be the highest step on disk)
-    others = sorted(
-        (p for p in _complete(root) if p != out), key=lambda p: _step_of(p), reverse=True
-    )
+    others = sorted((p for p in _complete(root) if p != out), key=latest_step, reverse=True)
     for old in others[max(0, keep - 1) :]:
         shutil.rmtree(old)
     return out
-
-
-def _step_of(path: Path) -> int:
-    return int(path.name.split("_")[1])
 
 
 def _complete(root: Path) -> list[Path]:
@@ -132,7 +126,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         if marker.read_text().strip() and (path / "state.pt").is_file():
             return path
     done = [p for p in _complete(root) if (p / "state.pt").is_file()] if root.is_dir() else []
-    return max(done, key=_step_of) if done else None
+    return max(done, key=latest_step) if done else None
 
 
 def load_state(ckpt: Path) -> dict[str, Any]:
@@ -146,7 +140,9 @@ def older_checkpoints(run_dir: Path, than: Path) -> list[Path]:
     resume falls back to when ``than`` fails to load."""
     root = run_dir / "checkpoints"
     done = [p for p in _complete(root) if (p / "state.pt").is_file() and p != than]
-    return sorted((p for p in done if _step_of(p) < _step_of(than)), key=_step_of, reverse=True)
+    return sorted(
+        (p for p in done if latest_step(p) < latest_step(than)), key=latest_step, reverse=True
+    )
 
 
 def usable_checkpoint(run_dir: Path) -> Path | None:

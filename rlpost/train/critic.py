@@ -27,7 +27,7 @@ from rlpost.algos.aggregate import Aggregation
 from rlpost.algos.value import value_loss
 from rlpost.rng import derive
 from rlpost.train.actor import ActorSettings, bf16_autocast, build_optimizer
-from rlpost.train.batch import TrainBatch, model_device, pad_responses
+from rlpost.train.batch import TrainBatch, model_device, pad_responses, score_rows
 from rlpost.train.optim import budget_slices, minibatch_updates, optimizer_step
 from rlpost.train.packing import SHARING_MODES, Pack, pack_for, resolve_packing
 
@@ -170,16 +170,15 @@ class CriticTrainer:
     @torch.no_grad()
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """Old values ``[B, T]`` float32 for GAE, zero on padding (no gradient)."""
-        was_training = self.model.training
-        self.model.eval()
-        device = model_device(self.model)
-        values = torch.zeros_like(batch.response_mask)
-        for rows in self._micro_slices(batch):
-            micro = self._micro(batch.select(rows)).to(device)
+
+        def fn(micro: TrainBatch) -> torch.Tensor:
             with bf16_autocast(self.model, self.s.bf16):
-                part = response_values(self.model, micro, self.packed).float()
-            values[rows] = pad_responses(part, values.shape[1]).cpu()
-        self.model.train(was_training)
+                return response_values(self.model, micro, self.packed).float()
+
+        values = score_rows(
+            self.model, batch, fn, micro_batch_size=self.s.micro_batch_size,
+            max_tokens=self.s.max_tokens_per_micro_batch, packed=self.packed,
+        ).cpu()  # fmt: skip
         return torch.where(batch.response_mask > 0, values, torch.zeros_like(values))
 
     def _micro_slices(self, batch: TrainBatch) -> list[torch.Tensor]:
@@ -225,35 +224,18 @@ class CriticTrainer:
             micro = self._micro(mb.select(rows))
             with bf16_autocast(self.model, self.s.bf16):
                 pred = response_values(self.model, micro, self.packed).float()
-            out = value_loss(
-                pred,
-                micro.returns,
-                micro.values,
-                micro.response_mask,
-                agg=agg,
-                clip_range=self.clip_range,
-            )
+            out = self._loss(pred, micro, agg)
             preds[rows.to(preds.device)] = pad_responses(pred.detach(), preds.shape[1])
             return out.loss, {}
 
+        params = list(self.model.parameters())
         outcome = optimizer_step(
-            self.optimizer,
-            self.scheduler,
-            list(self.model.parameters()),
-            self.s.grad_clip,
-            self._micro_slices(mb),
+            self.optimizer, self.scheduler, params, self.s.grad_clip, self._micro_slices(mb),
             micro_loss,
-        )
+        )  # fmt: skip
         # Statistics over the whole mini-batch (explained variance does not add up over parts).
         with torch.no_grad():
-            whole = value_loss(
-                preds,
-                mb.returns,
-                mb.values,
-                mb.response_mask,
-                agg=agg,
-                clip_range=self.clip_range,
-            )
+            whole = self._loss(preds, mb, agg)
         stats = {k: float(v) for k, v in whole.stats.items()}
         stats["vf_loss"] = outcome.loss
         stats["critic_grad_norm"] = outcome.grad_norm
@@ -261,6 +243,12 @@ class CriticTrainer:
         if outcome.skipped:
             self.skipped_updates += 1
         return stats
+
+    def _loss(self, pred: torch.Tensor, batch: TrainBatch, agg: Aggregation):
+        return value_loss(
+            pred, batch.returns, batch.values, batch.response_mask, agg=agg,
+            clip_range=self.clip_range,
+        )  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs, the value model's weights included."""

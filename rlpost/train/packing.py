@@ -130,9 +130,13 @@ class PackedRows:
         return out.flatten(0, 1)[self.at]
 
     def scatter(self, values: Tensor) -> Tensor:
-        """``[n]`` values back at ``where``: ``[b, T]``, 0 elsewhere (differentiable)."""
-        out = values.new_zeros(self.where.shape)
-        return out.masked_scatter(self.where, values)
+        """``[n]`` values back at ``where``: ``[b, T]``, 0 elsewhere."""
+        return scatter(values, self.where)
+
+
+def scatter(values: Tensor, where: Tensor) -> Tensor:
+    """``[N]`` values at the True entries of ``where [B, T]``, 0 elsewhere (differentiable)."""
+    return values.new_zeros(where.shape).masked_scatter(where, values)
 
 
 def _lines(lengths: list[int], line_tokens: int) -> list[list[int]]:

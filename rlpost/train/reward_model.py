@@ -19,13 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoModelForSequenceClassification
 
 from rlpost.algos.reward_model import bradley_terry_loss
 from rlpost.data.files import LoadReport, refuse_or_skip
 from rlpost.data.preferences import PreferencePair
 from rlpost.rewards.model import reward_input_ids
-from rlpost.train.batch import model_device
+from rlpost.train.batch import eval_mode, model_device
 from rlpost.train.offline import pair_parts
 
 
@@ -83,38 +84,26 @@ def encode_pairs(
 def pair_rewards(model, pairs: EncodedPairs, idx: list[int], pad_id: int):
     """(chosen ``[n]``, rejected ``[n]``) rewards of pairs ``idx``, one forward pass of
     ``2n`` right-padded rows, with gradient when the caller allows it."""
-    rows = [pairs.chosen[i] for i in idx] + [pairs.rejected[i] for i in idx]
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for j, r in enumerate(rows):
-        ids[j, : len(r)] = torch.tensor(r)
-        mask[j, : len(r)] = 1
+    rows = [torch.tensor(r, dtype=torch.long) for r in
+            [pairs.chosen[i] for i in idx] + [pairs.rejected[i] for i in idx]]  # fmt: skip
+    ids = pad_sequence(rows, batch_first=True, padding_value=pad_id)
+    mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True)
     device = model_device(model)
     logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0]
     logits = logits.float()
     return logits[: len(idx)], logits[len(idx) :]
 
 
-def _margin(pairs: EncodedPairs, idx: list[int]) -> torch.Tensor | None:
-    if pairs.margin is None:
-        return None
-    return pairs.margin[torch.tensor(idx)]
-
-
 @torch.no_grad()
 def evaluate_rm(model, pairs: EncodedPairs, pad_id: int, chunk: int = 128) -> dict[str, float]:
     """Held-out ``eval_accuracy`` (pairs ranked right, ties half), ``eval_loss`` (the mean
     Bradley-Terry loss, margins included) and reward means of ``model`` on ``pairs``."""
-    was_training = model.training
-    model.eval()
-    chosen, rejected = [], []
-    for lo in range(0, len(pairs), chunk):
-        c, r = pair_rewards(model, pairs, list(range(lo, min(lo + chunk, len(pairs)))), pad_id)
-        chosen.append(c)
-        rejected.append(r)
-    model.train(was_training)
-    rc, rr = torch.cat(chosen), torch.cat(rejected)
+    with eval_mode(model):
+        parts = [
+            pair_rewards(model, pairs, list(range(lo, min(lo + chunk, len(pairs)))), pad_id)
+            for lo in range(0, len(pairs), chunk)
+        ]
+    rc, rr = (torch.cat(side) for side in zip(*parts, strict=True))
     out = bradley_terry_loss(rc, rr, margin=pairs.margin)
     return {
         "eval_accuracy": float(out.stats["accuracy"]),
@@ -140,5 +129,6 @@ class BradleyTerry:
     def loss(self, model, micro) -> tuple[torch.Tensor, dict[str, float]]:
         part, total = micro
         rc, rr = pair_rewards(model, self.pairs, part, self.pad_id)
-        out = bradley_terry_loss(rc, rr, margin=_margin(self.pairs, part), num_pairs=total)
+        margin = None if self.pairs.margin is None else self.pairs.margin[torch.tensor(part)]
+        out = bradley_terry_loss(rc, rr, margin=margin, num_pairs=total)
         return out.loss, {k: float(v) * len(part) / total for k, v in out.stats.items()}

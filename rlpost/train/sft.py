@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from rlpost.algos.aggregate import Aggregation
-from rlpost.train.batch import TrainBatch, collate, model_device, response_logprobs
+from rlpost.train.batch import TrainBatch, collate, eval_mode, model_device, response_logprobs
 from rlpost.train.optim import budget_slices
 from rlpost.types import Completion, Prompt
 
@@ -117,41 +117,31 @@ def mean_nll(model, rows: list[Completion], pad_id: int, *, max_tokens: int, max
     """Token-mean negative log-likelihood of ``rows``' assistant tokens (held-out loss)."""
     if not rows:
         return None
-    was_training = model.training
-    model.eval()
     batches, agg = micro_batches(
         rows, pad_id, max_tokens=max_tokens, max_rows=max_rows, device=model_device(model)
     )
-    total = sum(float(nll(model, b, agg)) for b in batches)
-    model.train(was_training)
-    return total
+    with eval_mode(model):
+        return sum(float(nll(model, b, agg)) for b in batches)
 
 
 @torch.no_grad()
 def greedy_replies(model, tokenizer, prompts: list[str], *, max_new_tokens: int, batch: int = 32):
     """The greedy reply to each rendered prompt (up to EOS or ``max_new_tokens``)."""
-    was_training = model.training
-    model.eval()
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     out: list[str] = []
     try:
-        for lo in range(0, len(prompts), batch):
-            enc = tokenizer(
-                prompts[lo : lo + batch],
-                return_tensors="pt",
-                padding=True,
-                add_special_tokens=False,
-            ).to(model_device(model))
-            gen = model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-            new = gen[:, enc["input_ids"].shape[1] :]
-            out += tokenizer.batch_decode(new, skip_special_tokens=True)
+        with eval_mode(model):
+            for lo in range(0, len(prompts), batch):
+                enc = tokenizer(
+                    prompts[lo : lo + batch], return_tensors="pt", padding=True,
+                    add_special_tokens=False,
+                ).to(model_device(model))  # fmt: skip
+                gen = model.generate(
+                    **enc, max_new_tokens=max_new_tokens, do_sample=False,
+                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                )  # fmt: skip
+                new = gen[:, enc["input_ids"].shape[1] :]
+                out += tokenizer.batch_decode(new, skip_special_tokens=True)
     finally:
         tokenizer.padding_side = side
-        model.train(was_training)
     return out

@@ -73,11 +73,10 @@ class LocalTeacher:
         """``[B, T]`` the teacher's logprob of each response token (0 on padding)."""
         T = batch.responses.shape[1]
         real = batch.attention_mask[:, -T:] > 0
-        with torch.no_grad():
-            lp = compute_logprobs(
-                self.model, batch.to(model_device(self.model)), temperature=1.0,
-                micro_batch_size=self.micro_batch_size,
-            ).cpu()  # fmt: skip
+        lp = compute_logprobs(  # no gradient
+            self.model, batch.to(model_device(self.model)), temperature=1.0,
+            micro_batch_size=self.micro_batch_size,
+        ).cpu()  # fmt: skip
         return torch.where(real, lp, torch.zeros_like(lp))
 
     @torch.no_grad()
