@@ -19,7 +19,7 @@ batch in ``ScoredBatch.invalid`` and per term in ``RewardScorer.counters()``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -188,19 +188,8 @@ class RewardScorer:
         return self.alpha * verifiable + (1.0 - self.alpha) * model
 
     def verifiable_accuracy(self, scored: ScoredBatch) -> float | None:
-        """Mean of the ``verifiable``-kind components over the batch (NaNs skipped).
-
-        The signal the hacking monitor compares the reward against; ``None`` when
-        no verifiable term applied to any sample.
-        """
-        values = [
-            v
-            for t in self.terms
-            if t.kind == "verifiable"
-            for v in scored.components.get(t.name, [])
-            if not math.isnan(v)
-        ]
-        return sum(values) / len(values) if values else None
+        """:func:`verifiable_accuracy` of one scored batch."""
+        return verifiable_accuracy(self.terms, [scored.components])
 
     def counters(self) -> dict[str, int]:
         """Cumulative counts for metrics: invalid scores per term, and each batched
@@ -218,6 +207,19 @@ class RewardScorer:
             close = getattr(t.scorer, "close", None)
             if callable(close):
                 close()
+
+
+def verifiable_accuracy(
+    terms: Sequence[Term], components: Iterable[Mapping[str, list[float]]]
+) -> float | None:
+    """Mean of the ``verifiable``-kind components over every column set (NaNs skipped).
+
+    The signal the hacking monitor compares the reward against; ``None`` when
+    no verifiable term applied to any sample.
+    """
+    names = {t.name for t in terms if t.kind == "verifiable"}
+    values = [v for c in components for n in names for v in c.get(n, []) if not math.isnan(v)]
+    return sum(values) / len(values) if values else None
 
 
 def check_terms(cfg: RewardConfig) -> None:
