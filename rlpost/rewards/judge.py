@@ -147,16 +147,9 @@ class JudgeScorer:
             return dict(self._counts)
 
     def _payload(self, text: str) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model": self.model,
-            "temperature": self.temperature,
-            "max_tokens": self.max_tokens,
-        }
-        if self.api == "chat":
-            body["messages"] = [{"role": "user", "content": text}]
-        else:
-            body["prompt"] = text
-        return body
+        body = {"model": self.model, "temperature": self.temperature, "max_tokens": self.max_tokens}
+        chat = {"messages": [{"role": "user", "content": text}]}
+        return body | (chat if self.api == "chat" else {"prompt": text})
 
     def _reply_text(self, data: Any) -> str:
         choice = data["choices"][0]

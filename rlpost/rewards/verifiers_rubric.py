@@ -174,9 +174,8 @@ class VerifiersRubric:
         groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(samples):  # a prompt's completions: one group
             row = row_input(s.prompt, s.answer, s.metadata)
-            groups.setdefault((s.prompt, json.dumps(row, sort_keys=True, default=str)), []).append(
-                i
-            )
+            key = (s.prompt, json.dumps(row, sort_keys=True, default=str))
+            groups.setdefault(key, []).append(i)
         values: list[float | None] = [None] * len(samples)
         parts: dict[str, list[float]] = {}
         for rows in groups.values():
