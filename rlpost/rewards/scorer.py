@@ -142,14 +142,9 @@ class RewardScorer:
             components[TRUNCATED] = [self.truncated_reward if c else math.nan for c in cut]
         scores: list[float] = []
         invalid_rows: list[int] = []
-        for i in range(len(samples)):
-            if cut[i]:
-                for term in self.terms:
-                    components[term.name].append(math.nan)
-                scores.append(float(self.truncated_reward))
-                continue
+        for i, truncated in enumerate(cut):
             parts: dict[str, float] = {}
-            bad = False
+            bad = False  # a truncated sample's columns are all None: never bad
             for term in self.terms:
                 value = columns[term.name][i]
                 if not self._valid(value):
@@ -159,10 +154,10 @@ class RewardScorer:
                 components[term.name].append(math.nan if value is None else value)
                 if value is not None and not math.isnan(value):
                     parts[term.name] = value
-            combined = None if bad else self._combine(parts)
-            if combined is not None and not math.isfinite(combined):  # weights can overflow
-                bad = True
-            if bad:
+            combined = self._combine(parts)
+            if truncated:
+                scores.append(float(self.truncated_reward))
+            elif bad or not math.isfinite(combined):  # weights can overflow
                 invalid_rows.append(i)
                 scores.append(self.invalid_score)
             else:
