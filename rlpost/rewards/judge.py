@@ -170,11 +170,8 @@ class JudgeScorer:
             self._count("requests")
             try:
                 response = self._client.post(self.url, json=self._payload(text))
-            except httpx.TimeoutException:
-                reason = "timeout"
-                continue
-            except httpx.RequestError:
-                reason = "connection"
+            except httpx.RequestError as exc:  # TimeoutException is one
+                reason = "timeout" if isinstance(exc, httpx.TimeoutException) else "connection"
                 continue
             if response.status_code >= 500 or response.status_code in RETRYABLE_STATUS:
                 reason = "http"
