@@ -249,9 +249,7 @@ def build_scorer(cfg: RewardConfig, *, truncated_reward: float | None = None) ->
     """Resolve every term by name and build batched scorers; errors surface here.
 
     An unknown name, or a param the reward does not accept, fails before training.
-    When ``cfg.alpha`` is None and the terms hold both a verifiable/rule part and a
-    model/judge part, ``alpha = 0.8`` (``DEFAULT_ALPHA``) is used; with only one
-    part present the score is the plain weighted sum.
+    ``alpha`` defaults as the module docstring says (``DEFAULT_ALPHA``).
     """
     terms: list[Term] = []
     seen: set[str] = set()
