@@ -24,13 +24,15 @@ from rlpost.rewards.verifiable import (
 Extractor = Callable[[str], Hashable | None]
 
 
-def _numeric(tag: str | None = None, position: str = "first", **_) -> Extractor:
-    def read(text: str) -> Hashable | None:
-        if tag is not None and (text := extract_tag(text, tag)) is None:
-            return None
-        return stated_number(text, position)
+def _tagged(tag: str | None, read: Callable[[str], Hashable | None]) -> Extractor:
+    """``read`` of the last ``<tag>`` block (no block: no answer), or of the whole text."""
+    if tag is None:
+        return read
+    return lambda text: None if (inner := extract_tag(text, tag)) is None else read(inner)
 
-    return read
+
+def _numeric(tag: str | None = None, position: str = "first", **_) -> Extractor:
+    return _tagged(tag, lambda text: stated_number(text, position))
 
 
 def _exact(
@@ -40,12 +42,7 @@ def _exact(
     collapse_space: bool = False,
     **_,
 ) -> Extractor:
-    def read(text: str) -> Hashable | None:
-        if tag is not None and (text := extract_tag(text, tag)) is None:
-            return None
-        return normalize_text(text, strip, ignore_case, collapse_space)
-
-    return read
+    return _tagged(tag, lambda text: normalize_text(text, strip, ignore_case, collapse_space))
 
 
 def _reasoning_gym(extract: str = "tag", tag: str = "answer", **_) -> Extractor:
@@ -53,12 +50,7 @@ def _reasoning_gym(extract: str = "tag", tag: str = "answer", **_) -> Extractor:
 
 
 def _math(tag: str | None = None, **_) -> Extractor:
-    def read(text: str) -> Hashable | None:
-        if tag is not None and (text := extract_tag(text, tag)) is None:
-            return None
-        return (extract_final_answer(text) or text).strip() or None
-
-    return read
+    return _tagged(tag, lambda text: (extract_final_answer(text) or text).strip() or None)
 
 
 EXTRACTORS: dict[str, Callable[..., Extractor]] = {

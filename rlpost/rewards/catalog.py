@@ -20,23 +20,18 @@ from rlpost.rewards import verifiers_rubric as _verifiers_rubric  # noqa: F401
 from rlpost.rewards.registry import REWARDS, SCORERS, RewardFn
 
 
-def _import_object(name: str) -> Any:
-    try:
-        obj = import_object(name)
-    except ValueError as exc:
-        raise ValueError(f"reward {name!r}: {exc}") from None
-    if not callable(obj):
-        raise ValueError(f"reward {name!r}: {name} is not callable")
-    return obj
-
-
 def lookup(name: str) -> tuple[Literal["sample", "batch"], Callable[..., Any]]:
     """Resolve ``name`` to ``("sample", fn)`` or ``("batch", factory)``.
 
     Raises ``UnknownNameError`` listing every valid name of both kinds.
     """
     if ":" in name:
-        obj = _import_object(name)
+        try:
+            obj = import_object(name)
+        except ValueError as exc:
+            raise ValueError(f"reward {name!r}: {exc}") from None
+        if not callable(obj):
+            raise ValueError(f"reward {name!r}: {name} is not callable")
         is_scorer_class = inspect.isclass(obj) and callable(getattr(obj, "score", None))
         return ("batch", obj) if is_scorer_class else ("sample", obj)
     if name in REWARDS:

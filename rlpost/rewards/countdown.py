@@ -14,6 +14,7 @@ Grammar (integers only, no unary minus, no exponent)::
 
 from __future__ import annotations
 
+import operator
 import re
 from collections import Counter
 from fractions import Fraction
@@ -28,6 +29,7 @@ _EQUATION_RUN = re.compile(r"[\d\s+\-*/()=]+")
 # Bounds keep a hostile completion from costing more than a few microseconds.
 MAX_CHARS = 300
 MAX_DEPTH = 32
+_APPLY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 
 
 class EquationError(ValueError):
@@ -63,26 +65,22 @@ class _Parser:
             raise EquationError(f"unexpected {self._peek()!r}")
         return value
 
-    def _expr(self, depth: int) -> Fraction:
-        value = self._term(depth)
-        while self._peek() in ("+", "-"):
+    def _chain(self, depth: int, ops: tuple[str, str], operand) -> Fraction:
+        """``operand (op operand)*`` for the two operators of one precedence level."""
+        value = operand(depth)
+        while self._peek() in ops:
             op = self._take()
-            rhs = self._term(depth)
-            value = value + rhs if op == "+" else value - rhs
+            rhs = operand(depth)
+            if op == "/" and rhs == 0:
+                raise EquationError("division by zero")
+            value = _APPLY[op](value, rhs)
         return value
 
+    def _expr(self, depth: int) -> Fraction:
+        return self._chain(depth, ("+", "-"), self._term)
+
     def _term(self, depth: int) -> Fraction:
-        value = self._factor(depth)
-        while self._peek() in ("*", "/"):
-            op = self._take()
-            rhs = self._factor(depth)
-            if op == "*":
-                value *= rhs
-            elif rhs == 0:
-                raise EquationError("division by zero")
-            else:
-                value /= rhs
-        return value
+        return self._chain(depth, ("*", "/"), self._factor)
 
     def _factor(self, depth: int) -> Fraction:
         token = self._take()

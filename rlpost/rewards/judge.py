@@ -147,16 +147,9 @@ class JudgeScorer:
             return dict(self._counts)
 
     def _payload(self, text: str) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model": self.model,
-            "temperature": self.temperature,
-            "max_tokens": self.max_tokens,
-        }
-        if self.api == "chat":
-            body["messages"] = [{"role": "user", "content": text}]
-        else:
-            body["prompt"] = text
-        return body
+        body = {"model": self.model, "temperature": self.temperature, "max_tokens": self.max_tokens}
+        chat = {"messages": [{"role": "user", "content": text}]}
+        return body | (chat if self.api == "chat" else {"prompt": text})
 
     def _reply_text(self, data: Any) -> str:
         choice = data["choices"][0]
@@ -177,11 +170,8 @@ class JudgeScorer:
             self._count("requests")
             try:
                 response = self._client.post(self.url, json=self._payload(text))
-            except httpx.TimeoutException:
-                reason = "timeout"
-                continue
-            except httpx.RequestError:
-                reason = "connection"
+            except httpx.RequestError as exc:  # TimeoutException is one
+                reason = "timeout" if isinstance(exc, httpx.TimeoutException) else "connection"
                 continue
             if response.status_code >= 500 or response.status_code in RETRYABLE_STATUS:
                 reason = "http"

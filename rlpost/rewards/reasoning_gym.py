@@ -44,7 +44,8 @@ def _check(
     max_answer_chars: int = 20_000,
     sandbox: dict[str, Any] | None = None,
     timeout_s: float = 10.0,
-) -> None:
+):
+    """Refuse bad params; the ``SandboxConfig`` that ``sandbox`` names."""
     if extract not in EXTRACTS:
         raise ValueError(f"extract={extract!r} must be one of {', '.join(EXTRACTS)}")
     if extract == "tag" and not tag:
@@ -57,10 +58,6 @@ def _check(
         isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0
     ):
         raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
-    _sandbox_config(sandbox)
-
-
-def _sandbox_config(sandbox: dict[str, Any] | None):
     from rlpost.rewards.sandbox import SandboxConfig
 
     try:
@@ -97,15 +94,15 @@ class ReasoningGymScorer:
         sandbox: dict[str, Any] | None = None,
         timeout_s: float = 10.0,
     ) -> None:
-        _check(
+        self.sandbox = _check(
             extract=extract,
             tag=tag,
             max_answer_chars=max_answer_chars,
             sandbox=sandbox,
             timeout_s=timeout_s,
         )
-        self.extract, self.tag, self.max_answer_chars = extract, tag, max_answer_chars
-        self.sandbox, self.timeout_s = _sandbox_config(sandbox), timeout_s
+        self.extract, self.tag = extract, tag
+        self.max_answer_chars, self.timeout_s = max_answer_chars, timeout_s
         self._datasets: dict[tuple[str, str], Any] = {}
         self._counts = {"scorer_errors": 0, "no_answer": 0, "too_long": 0, "sandboxed": 0}
 

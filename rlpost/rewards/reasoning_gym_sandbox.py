@@ -31,6 +31,7 @@ from typing import Any
 
 from rlpost.rewards.sandbox import SandboxConfig, SandboxUnavailable, check_available, run_code
 from rlpost.rewards.sandbox.command import SANDBOX_PYTHON, find_interpreter
+from rlpost.rewards.sandbox.harness import marker_lines
 
 Item = tuple[str, dict[str, Any], dict[str, Any], str]
 """(task, config, entry, answer) of one answer to score."""
@@ -92,18 +93,12 @@ def _one_run(items: list[Item], config: SandboxConfig, timeout_s: float) -> tupl
     result = run_code(_script(), stdin=json.dumps(spec), config=budget)
     scores: dict[int, float] = {}
     started: set[int] = set()
-    for line in result.stdout.splitlines():
-        parts = line.split(" ")
-        if len(parts) != 3 or parts[0] != nonce or not parts[1].isdigit():
-            continue
-        index = int(parts[1])
-        if index >= len(items):
-            continue
-        if parts[2] == "start":
+    for index, value in marker_lines(result.stdout, nonce, len(items)):
+        if value == "start":
             started.add(index)
         elif index not in scores:
             try:
-                scores[index] = float(parts[2])
+                scores[index] = float(value)
             except ValueError:
                 scores[index] = math.nan
     tail = [line for line in result.stderr.splitlines() if line.strip()][-1:]

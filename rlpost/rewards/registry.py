@@ -84,10 +84,7 @@ def check_params(
     except (TypeError, ValueError):  # builtins without a signature: nothing to check
         return
     try:
-        if per_sample:
-            sig.bind(None, **params)
-        else:
-            sig.bind(**params)
+        sig.bind(*([None] if per_sample else []), **params)  # a per-sample fn's ``sample``
     except TypeError as exc:
         accepted = [
             p.name

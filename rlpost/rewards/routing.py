@@ -27,13 +27,11 @@ class RoutedScorer:
     @property
     def terms(self) -> list[Term]:
         """Every scorer's terms, each name once (the verifiable-accuracy signal reads them)."""
-        out, seen = [], set()
+        out: dict[str, Term] = {}
         for scorer in (self.default, *self.by_source.values()):
             for t in scorer.terms:
-                if t.name not in seen:
-                    seen.add(t.name)
-                    out.append(t)
-        return out
+                out.setdefault(t.name, t)
+        return list(out.values())
 
     def score(self, samples: Sequence[RewardSample], *, training: bool = True) -> ScoredBatch:
         parts: dict[str, list[int]] = {}

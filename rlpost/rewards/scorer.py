@@ -19,7 +19,7 @@ batch in ``ScoredBatch.invalid`` and per term in ``RewardScorer.counters()``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -142,14 +142,9 @@ class RewardScorer:
             components[TRUNCATED] = [self.truncated_reward if c else math.nan for c in cut]
         scores: list[float] = []
         invalid_rows: list[int] = []
-        for i in range(len(samples)):
-            if cut[i]:
-                for term in self.terms:
-                    components[term.name].append(math.nan)
-                scores.append(float(self.truncated_reward))
-                continue
+        for i, truncated in enumerate(cut):
             parts: dict[str, float] = {}
-            bad = False
+            bad = False  # a truncated sample's columns are all None: never bad
             for term in self.terms:
                 value = columns[term.name][i]
                 if not self._valid(value):
@@ -159,10 +154,10 @@ class RewardScorer:
                 components[term.name].append(math.nan if value is None else value)
                 if value is not None and not math.isnan(value):
                     parts[term.name] = value
-            combined = None if bad else self._combine(parts)
-            if combined is not None and not math.isfinite(combined):  # weights can overflow
-                bad = True
-            if bad:
+            combined = self._combine(parts)
+            if truncated:
+                scores.append(float(self.truncated_reward))
+            elif bad or not math.isfinite(combined):  # weights can overflow
                 invalid_rows.append(i)
                 scores.append(self.invalid_score)
             else:
@@ -188,19 +183,8 @@ class RewardScorer:
         return self.alpha * verifiable + (1.0 - self.alpha) * model
 
     def verifiable_accuracy(self, scored: ScoredBatch) -> float | None:
-        """Mean of the ``verifiable``-kind components over the batch (NaNs skipped).
-
-        The signal the hacking monitor compares the reward against; ``None`` when
-        no verifiable term applied to any sample.
-        """
-        values = [
-            v
-            for t in self.terms
-            if t.kind == "verifiable"
-            for v in scored.components.get(t.name, [])
-            if not math.isnan(v)
-        ]
-        return sum(values) / len(values) if values else None
+        """:func:`verifiable_accuracy` of one scored batch."""
+        return verifiable_accuracy(self.terms, [scored.components])
 
     def counters(self) -> dict[str, int]:
         """Cumulative counts for metrics: invalid scores per term, and each batched
@@ -218,6 +202,19 @@ class RewardScorer:
             close = getattr(t.scorer, "close", None)
             if callable(close):
                 close()
+
+
+def verifiable_accuracy(
+    terms: Sequence[Term], components: Iterable[Mapping[str, list[float]]]
+) -> float | None:
+    """Mean of the ``verifiable``-kind components over every column set (NaNs skipped).
+
+    The signal the hacking monitor compares the reward against; ``None`` when
+    no verifiable term applied to any sample.
+    """
+    names = {t.name for t in terms if t.kind == "verifiable"}
+    values = [v for c in components for n in names for v in c.get(n, []) if not math.isnan(v)]
+    return sum(values) / len(values) if values else None
 
 
 def check_terms(cfg: RewardConfig) -> None:
@@ -252,9 +249,7 @@ def build_scorer(cfg: RewardConfig, *, truncated_reward: float | None = None) ->
     """Resolve every term by name and build batched scorers; errors surface here.
 
     An unknown name, or a param the reward does not accept, fails before training.
-    When ``cfg.alpha`` is None and the terms hold both a verifiable/rule part and a
-    model/judge part, ``alpha = 0.8`` (``DEFAULT_ALPHA``) is used; with only one
-    part present the score is the plain weighted sum.
+    ``alpha`` defaults as the module docstring says (``DEFAULT_ALPHA``).
     """
     terms: list[Term] = []
     seen: set[str] = set()

@@ -63,6 +63,11 @@ def _check(
         _load_task(task)
 
 
+def _row(sample: RewardSample) -> dict:
+    """The dataset row verifiers scores ``sample`` against."""
+    return row_input(sample.prompt, sample.answer, sample.metadata)
+
+
 def _import(spec: str, what: str) -> Any:
     try:
         return import_object(spec)
@@ -126,14 +131,9 @@ class VerifiersRubric:
 
     def state(self, sample: RewardSample):
         """The verifiers State of ``sample``, completion and trajectory filled in."""
-        state = new_state(
-            self.vf, self.env, row_input(sample.prompt, sample.answer, sample.metadata)
-        )
-        messages, steps = self._messages(
-            sample, list(state["prompt"]), state.get("trajectory_id", "")
-        )
-        state["completion"] = messages
-        state["trajectory"] = steps
+        state = new_state(self.vf, self.env, _row(sample))
+        prompt, trajectory_id = list(state["prompt"]), state.get("trajectory_id", "")
+        state["completion"], state["trajectory"] = self._messages(sample, prompt, trajectory_id)
         state["is_completed"] = True
         state["is_truncated"] = sample.finish_reason == "length"
         return state
@@ -173,10 +173,8 @@ class VerifiersRubric:
     def _score_classic(self, samples: Sequence[RewardSample]) -> list[float | None]:
         groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(samples):  # a prompt's completions: one group
-            row = row_input(s.prompt, s.answer, s.metadata)
-            groups.setdefault((s.prompt, json.dumps(row, sort_keys=True, default=str)), []).append(
-                i
-            )
+            key = (s.prompt, json.dumps(_row(s), sort_keys=True, default=str))
+            groups.setdefault(key, []).append(i)
         values: list[float | None] = [None] * len(samples)
         parts: dict[str, list[float]] = {}
         for rows in groups.values():
@@ -193,7 +191,7 @@ class VerifiersRubric:
 
     def _task_data(self, sample: RewardSample):
         data_type = self.task_cls.data_type()
-        row = row_input(sample.prompt, sample.answer, sample.metadata)
+        row = _row(sample)
         info = row.get("info") if isinstance(row.get("info"), dict) else {}
         fields = set(data_type.model_fields)
         given = {**info, **{k: v for k, v in row.items() if k not in ("prompt", "info")}}

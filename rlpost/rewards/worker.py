@@ -8,10 +8,9 @@ live; the loop sees only records.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
-from rlpost.rewards.scorer import VERIFIABLE_KINDS, RewardScorer
+from rlpost.rewards.scorer import RewardScorer, verifiable_accuracy
 from rlpost.types import Group, RewardSample
 
 
@@ -69,15 +68,7 @@ class RewardWorker:
 
     def verifiable_accuracy(self, groups: list[Group]) -> float | None:
         """Mean of the verifiable-kind components over the groups (NaNs skipped; None if none)."""
-        names = {t.name for t in self.scorer.terms if t.kind == VERIFIABLE_KINDS[0]}
-        values = [
-            v
-            for g in groups
-            for name in names
-            for v in g.components.get(name, [])
-            if not math.isnan(v)
-        ]
-        return sum(values) / len(values) if values else None
+        return verifiable_accuracy(self.scorer.terms, (g.components for g in groups))
 
     def counters(self) -> dict[str, int]:
         return self.scorer.counters()

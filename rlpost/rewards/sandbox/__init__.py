@@ -11,7 +11,7 @@ from rlpost.rewards.sandbox.command import SandboxUnavailable
 from rlpost.rewards.sandbox.harness import parse_outcomes, run_python_tests
 from rlpost.rewards.sandbox.limits import STATUSES, SandboxConfig, SandboxResult, Status
 from rlpost.rewards.sandbox.pool import SandboxPool
-from rlpost.rewards.sandbox.runner import check_available, run_code, run_file
+from rlpost.rewards.sandbox.runner import check_available, run_code
 
 __all__ = [
     "STATUSES",
@@ -23,6 +23,5 @@ __all__ = [
     "check_available",
     "parse_outcomes",
     "run_code",
-    "run_file",
     "run_python_tests",
 ]

@@ -257,12 +257,11 @@ def _kernel_line(limits: RunPlan, seen: dict, buffers: dict[str, SandboxResult])
 
 def _keyring_line(limits: RunPlan, seen: dict) -> Line:
     refused = "keyctl" in limits.blocked
-    if refused:
-        detail = (
-            "add_key, keyctl, request_key refused by seccomp: the session keyring is unreachable"
-        )
-    else:
-        detail = "the program can read and clear the session keyring it inherits"
+    detail = (
+        "add_key, keyctl, request_key refused by seccomp: the session keyring is unreachable"
+        if refused
+        else "the program can read and clear the session keyring it inherits"
+    )
     ok = refused and seen["keyctl"] == "EPERM"
     scope = "refused" if refused else "open"
     return Line("keyring", scope, f"{detail} (probe: keyctl {seen['keyctl']})", ok)

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
 
 from rlpost.rewards.sandbox.limits import SandboxConfig, SandboxResult
@@ -58,14 +59,18 @@ def run_python_tests(
     return outcomes.count("pass") / len(tests), result
 
 
+def marker_lines(stdout: str, nonce: str, count: int) -> Iterator[tuple[int, str]]:
+    """``(index, value)`` of each ``<nonce> <index> <value>`` line with ``index < count``."""
+    for line in stdout.splitlines():
+        parts = line.split(" ")
+        if len(parts) == 3 and parts[0] == nonce and parts[1].isdigit() and int(parts[1]) < count:
+            yield int(parts[1]), parts[2]
+
+
 def parse_outcomes(stdout: str, nonce: str, num_tests: int) -> list[Outcome]:
     """Per-test outcome from the harness's marker lines; the first line per index wins."""
     outcomes: list[Outcome] = ["missing"] * num_tests
-    for line in stdout.splitlines():
-        parts = line.split(" ")
-        if len(parts) != 3 or parts[0] != nonce or not parts[1].isdigit():
-            continue
-        index = int(parts[1])
-        if index < num_tests and outcomes[index] == "missing":
-            outcomes[index] = parts[2]
+    for index, outcome in marker_lines(stdout, nonce, num_tests):
+        if outcomes[index] == "missing":
+            outcomes[index] = outcome
     return outcomes

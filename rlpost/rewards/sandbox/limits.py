@@ -25,6 +25,16 @@ _MAX_SIGNAL = 64
 # Python's MemoryError, glibc/C++ allocation failures: the run hit RLIMIT_AS.
 _MEMORY_HINT = re.compile(rb"MemoryError|Cannot allocate memory|out of memory|std::bad_alloc")
 _HINT_WINDOW = 4096
+# The least value each integer limit accepts.
+_MINIMUMS = {
+    "memory_mb": 64,
+    "max_processes": 1,
+    "max_output_bytes": 1,
+    "max_file_mb": 1,
+    "tmpfs_mb": 1,
+    "max_tmp_files": 16,
+    "max_open_files": 16,
+}
 
 
 @dataclass(frozen=True)
@@ -73,15 +83,9 @@ class SandboxConfig:
             self.timeout_s,
             "must be a positive number of seconds",
         )
-        _require(self.memory_mb >= 64, "memory_mb", self.memory_mb, "must be >= 64")
-        _require(self.max_processes >= 1, "max_processes", self.max_processes, "must be >= 1")
-        _require(
-            self.max_output_bytes >= 1, "max_output_bytes", self.max_output_bytes, "must be >= 1"
-        )
-        _require(self.max_file_mb >= 1, "max_file_mb", self.max_file_mb, "must be >= 1")
-        _require(self.tmpfs_mb >= 1, "tmpfs_mb", self.tmpfs_mb, "must be >= 1")
-        _require(self.max_tmp_files >= 16, "max_tmp_files", self.max_tmp_files, "must be >= 16")
-        _require(self.max_open_files >= 16, "max_open_files", self.max_open_files, "must be >= 16")
+        for field, least in _MINIMUMS.items():
+            value = getattr(self, field)
+            _require(value >= least, field, value, f"must be >= {least}")
         _require(
             self.cpu is None or self.cpu >= 0, "cpu", self.cpu, "must be a CPU index >= 0 or None"
         )

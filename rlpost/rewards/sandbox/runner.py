@@ -25,7 +25,6 @@ import signal
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 from rlpost.rewards.sandbox.cgroup import CHAIN_PIDS, RunGroup
 from rlpost.rewards.sandbox.command import (
@@ -101,18 +100,6 @@ def run_code(
         _check_file_name(name)
     check_available()
     return _execute(find_tools(), find_interpreter(), code, _encode(stdin), config, files)
-
-
-def run_file(
-    path: str | os.PathLike[str],
-    *,
-    stdin: str = "",
-    config: SandboxConfig | None = None,
-    files: dict[str, str] | None = None,
-) -> SandboxResult:
-    """``run_code`` on the text of a file on the host."""
-    code = Path(path).read_text(encoding="utf-8", errors="replace")
-    return run_code(code, stdin=stdin, config=config, files=files)
 
 
 def _check_file_name(name: str) -> None:

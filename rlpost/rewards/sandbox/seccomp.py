@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import platform
 import struct
+from typing import NamedTuple
 
 # struct seccomp_data: int nr; __u32 arch; __u64 instruction_pointer; __u64 args[6].
 _NR_OFFSET = 0
@@ -97,11 +98,10 @@ ARGUMENT_RULES = {
 _LEGACY_CALLS = frozenset({"inotify_init"})
 
 
-class _Arch:
-    def __init__(self, audit: int, numbers: dict[str, int], x32_bit: bool) -> None:
-        self.audit = audit
-        self.numbers = numbers
-        self.x32_bit = x32_bit
+class _Arch(NamedTuple):
+    audit: int
+    numbers: dict[str, int]
+    x32_bit: bool
 
 
 # Numbers from arch/x86/entry/syscalls/syscall_64.tbl and include/uapi/asm-generic/unistd.h.
