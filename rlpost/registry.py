@@ -94,6 +94,17 @@ def import_object(spec: str) -> Any:
     return getattr(module, attr)
 
 
+def import_callable(spec: str, what: str, error: type[Exception] = ValueError) -> Any:
+    """:func:`import_object` for a callable; one line ``error("{what} 'spec': reason")``."""
+    try:
+        obj = import_object(spec)
+    except ValueError as exc:
+        raise error(f"{what} {spec!r}: {exc}") from None
+    if not callable(obj):
+        raise error(f"{what} {spec!r}: {spec} is not callable")
+    return obj
+
+
 def _load_file(path: str):
     import importlib.util
     from pathlib import Path

@@ -30,7 +30,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from rlpost.data.tasks import TASKS, Splits, generated
-from rlpost.registry import import_object
+from rlpost.registry import import_callable
 from rlpost.types import Prompt
 
 SUPPORTED = "0.3.1"
@@ -174,12 +174,7 @@ def load_env(spec: str, env_args: dict | None = None):
 def _build(vf, spec: str, env_args: dict):
     if ":" not in spec:
         return vf.load_environment(spec, **env_args)
-    try:
-        fn = import_object(spec)
-    except ValueError as exc:
-        raise VerifiersError(f"verifiers env {spec!r}: {exc}") from None
-    if not callable(fn):
-        raise VerifiersError(f"verifiers env {spec!r}: {spec} is not callable")
+    fn = import_callable(spec, "verifiers env", VerifiersError)
     try:
         return fn(**env_args)
     except TypeError as exc:

@@ -12,7 +12,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Literal
 
-from rlpost.registry import UnknownNameError, import_object
+from rlpost.registry import UnknownNameError, import_callable
 from rlpost.rewards import code, countdown, judge, model, rule, verifiable  # noqa: F401
 from rlpost.rewards import math as _math  # noqa: F401
 from rlpost.rewards import reasoning_gym as _reasoning_gym  # noqa: F401
@@ -26,12 +26,7 @@ def lookup(name: str) -> tuple[Literal["sample", "batch"], Callable[..., Any]]:
     Raises ``UnknownNameError`` listing every valid name of both kinds.
     """
     if ":" in name:
-        try:
-            obj = import_object(name)
-        except ValueError as exc:
-            raise ValueError(f"reward {name!r}: {exc}") from None
-        if not callable(obj):
-            raise ValueError(f"reward {name!r}: {name} is not callable")
+        obj = import_callable(name, "reward")
         is_scorer_class = inspect.isclass(obj) and callable(getattr(obj, "score", None))
         return ("batch", obj) if is_scorer_class else ("sample", obj)
     if name in REWARDS:

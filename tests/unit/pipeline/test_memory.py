@@ -12,18 +12,17 @@ from rlpost.config import ConfigError, load_config
 from rlpost.pipeline.memory import check_memory, estimate, model_shape, summary_fields
 
 
-def _real_shape_dir(tmp_path):
+def _real_shape_dir(tmp_path, **dims):
     """A config.json of a 151,936-token Llama (no weights: the estimate reads none)."""
-    cfg = LlamaConfig(
+    shape = dict(
         vocab_size=151_936,
         hidden_size=256,
         intermediate_size=1024,
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=4,
-        tie_word_embeddings=True,
     )
-    cfg.save_pretrained(tmp_path)
+    LlamaConfig(**(shape | dims), tie_word_embeddings=True).save_pretrained(tmp_path)
     return str(tmp_path)
 
 
@@ -188,27 +187,17 @@ def test_checkpointing_keeps_layer_inputs_and_one_recomputed_layer(tmp_path):
     assert ckpt.activations == pytest.approx(inputs + layer)
 
 
-def _smollm2_shape_dir(tmp_path):
-    """A config.json of SmolLM2-135M's shape: 30 layers, 9 heads, 3 KV heads, tied head."""
-    LlamaConfig(
-        vocab_size=49_152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        tie_word_embeddings=True,
-    ).save_pretrained(tmp_path)
-    return str(tmp_path)
-
-
 def test_a_trainer_layout_splits_one_ranks_terms_and_the_machine_holds_every_rank(tmp_path):
     """At TP=3 a rank holds 1/3 of the decoder matrices and the embedding whole (SmolLM2's
     share measured on the ranks' DTensor shards by bench/bench_parallel.py: 972.5 MiB against
     2,052.5 in one process); three processes on this machine need three ranks' memory."""
     from rlpost.pipeline.memory import machine_need
 
-    base = [f"model.path={_smollm2_shape_dir(tmp_path)}", "model.dtype=float32"]
+    smollm2 = dict(  # SmolLM2-135M's shape: 30 layers, 9 heads, 3 KV heads, tied head
+        vocab_size=49_152, hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+    )  # fmt: skip
+    base = [f"model.path={_real_shape_dir(tmp_path, **smollm2)}", "model.dtype=float32"]
     one = load_config(None, base)
     tp3 = load_config(None, [*base, "cluster.trainer_workers=3", "cluster.tensor_parallel=3"])
     shape = model_shape(one)
