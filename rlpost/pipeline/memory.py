@@ -52,6 +52,11 @@ class MemoryEstimate:
     def total(self) -> float:
         return sum(asdict(self).values())
 
+    @property
+    def trainer_rank(self) -> float:
+        """A further trainer rank's process: the total less the engine's copy and KV cache."""
+        return self.total - self.engine - self.kv_cache
+
     def as_dict(self) -> dict[str, float]:
         return {k: round(v, 1) for k, v in asdict(self).items()} | {"total": round(self.total)}
 
@@ -194,7 +199,7 @@ def check_memory(cfg: Config, *, total_mib: float | None = None) -> MemoryEstima
     if total and need > total:
         terms = {k: v for k, v in asdict(est).items() if k in FIXES}
         worst = max(terms, key=terms.get)
-        each = f"~{est.total - est.engine - est.kv_cache:,.0f} MiB each; " if ranks > 1 else ""
+        each = f"~{est.trainer_rank:,.0f} MiB each; " if ranks > 1 else ""
         raise ConfigError(
             f"memory: {what} ~{need:,.0f} MiB ({each}largest: {worst} "
             f"{terms[worst]:,.0f} MiB) and this machine has {total:,.0f} MiB; "
@@ -211,8 +216,8 @@ def check_memory(cfg: Config, *, total_mib: float | None = None) -> MemoryEstima
 
 def machine_need(cfg: Config, est: MemoryEstimate) -> float:
     """MiB this machine holds: one rank's estimate (with the engine) and each further
-    trainer rank here, a process of its own without the engine's copy and KV cache."""
-    return est.total + (ranks_here(cfg) - 1) * (est.total - est.engine - est.kv_cache)
+    trainer rank here."""
+    return est.total + (ranks_here(cfg) - 1) * est.trainer_rank
 
 
 REAL_SHAPE_PARAMS, REAL_SHAPE_VOCAB = 10_000_000, 32_000
