@@ -430,8 +430,9 @@ class RemoteEngine(Variant):
     routes) or openai (any OpenAI-compatible endpoint; it cannot take weights, so
     evaluation only)."""
     weights_dir: str | None = None
-    """server=vllm: directory the weight file of each push is written to, read by the servers
-    under the same path (None: /dev/shm, servers on this host)."""
+    """server=vllm: a directory the servers mount under the same path, the weight file of each
+    push written there (None: servers on this host read it from /dev/shm, others fetch it
+    over HTTP from the trainer)."""
 
 
 EngineChoice = choice("auto", AutoEngine, HFEngine, HFContinuousEngine, VLLMEngine, RemoteEngine)

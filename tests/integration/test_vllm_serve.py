@@ -99,15 +99,18 @@ def _wait_healthy(proc, url: str, log) -> None:
     pytest.fail(f"vllm serve did not answer /health in {START_TIMEOUT_S} s")
 
 
-def test_pushed_weights_match_trainer_after_prefix_cache_reset(server, tokenizer, model_dir):
+@pytest.mark.parametrize("pull", [False, True], ids=["shared-memory", "http-pull"])
+def test_pushed_weights_match_trainer_after_prefix_cache_reset(server, tokenizer, model_dir, pull):
     """The prompt's KV is cached under the old weights first; after a push of perturbed
     weights, the server's logprobs of what it samples equal the trainer's under the new
-    weights (and are far from the old weights' logprobs: the push took effect)."""
+    weights (and are far from the old weights' logprobs: the push took effect). Pulled,
+    the server fetches the file from the trainer over HTTP, as one on another host does."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     old = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    engine = RemoteEngine([server], tokenizer, weight_sync=VLLMServerSync([server]))
+    sync = VLLMServerSync([server], pull=pull)
+    engine = RemoteEngine([server], tokenizer, weight_sync=sync)
     prompt = tokenizer(PROMPT)["input_ids"]
     try:
         engine.generate([prompt], SamplingParams(max_tokens=4, seed=3), n=2)  # caches the prompt

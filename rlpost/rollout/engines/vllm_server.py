@@ -10,18 +10,27 @@ push, per server: ``/pause?mode=wait`` (requests in flight finish on the old wei
 (:mod:`rlpost.rollout.engines.vllm_worker`, answering ``[version, tensors]``),
 ``/reset_prefix_cache``, ``/resume``.
 
-The file is written once per push into ``rollout.engine.weights_dir``, which the servers must
-read under the same path (shared memory on one host, a shared filesystem across hosts). The
-development routes carry no authentication: the servers belong on loopback or a private network.
+The file is written once per push. Servers on this machine read it from shared memory, and
+so do servers given ``rollout.engine.weights_dir`` (a filesystem they mount under the same
+path). Any other server pulls it over HTTP: the trainer serves the file, for the push's
+duration only, under a random 192-bit path on its address facing that server
+(:class:`WeightFiles`). The development routes carry no authentication: the servers belong
+on loopback or a private network.
 """
 
 from __future__ import annotations
 
+import secrets
+import shutil
+import socket
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import torch
@@ -29,6 +38,7 @@ import torch
 from rlpost.errors import http_error_line
 from rlpost.rollout.engines.vllm import SHM, WORKER_EXTENSION, write_weights
 from rlpost.sync import SyncError, SyncStats
+from rlpost.sync.listen import is_loopback, local_address_towards
 
 LOAD_METHOD = "rlpost_load_weights"
 
@@ -66,12 +76,58 @@ class Server:
     target: str
 
 
+class WeightFiles:
+    """Weight files offered over HTTP on one address, each under a random path while offered.
+
+    The standard library's threaded server is enough: a handful of servers each fetch one
+    file per push, and nothing else is routed (no other path answers but 404)."""
+
+    def __init__(self, host: str) -> None:
+        self.offered: dict[str, Path] = {}
+        offered = self.offered
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = offered.get(self.path.lstrip("/"))
+                if path is None:
+                    self.send_error(404)
+                    return
+                with open(path, "rb") as f:
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(path.stat().st_size))
+                    self.end_headers()
+                    shutil.copyfileobj(f, self.wfile, 1 << 20)
+
+            def log_message(self, *args) -> None:  # a request per push is not news
+                pass
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        served = type("Served", (ThreadingHTTPServer,), {"address_family": family})
+        self.httpd = served((host, 0), Handler)
+        self.httpd.daemon_threads = True
+        bound = f"[{host}]" if ":" in host else host
+        self.base = f"http://{bound}:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def offer(self, token: str, path: Path) -> str:
+        self.offered[token] = path
+        return f"{self.base}/{token}"
+
+    def withdraw(self, token: str) -> None:
+        self.offered.pop(token, None)
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
 class VLLMServerSync:
     """Pushes versioned weights into ``vllm serve`` servers through their development routes.
 
     Quacks like :class:`~rlpost.sync.WeightSync` for the run's weight path: ``push`` returns
     the :class:`SyncStats` of the servers that committed, and raises :class:`SyncError` when
-    none did."""
+    none did. ``pull`` makes every server fetch the file over HTTP (default: the servers
+    not on loopback, unless ``weights_dir`` names a filesystem they share)."""
 
     def __init__(
         self,
@@ -80,12 +136,23 @@ class VLLMServerSync:
         weights_dir: str | None = None,
         timeout_s: float = 300.0,
         headers: dict[str, str] | None = None,
+        pull: bool | None = None,
     ) -> None:
         self.transports = [Server(u.rstrip("/")) for u in urls]
         default = SHM if SHM.is_dir() else Path(tempfile.gettempdir())
         self.weights_dir = Path(weights_dir) if weights_dir else default
         self.http = httpx.Client(timeout=timeout_s, headers=headers)
         self.timeout_s = timeout_s
+        # server -> the WeightFiles on this machine's address facing it (None: reads the path)
+        self.files: dict[str, WeightFiles | None] = {}
+        served: dict[str | None, WeightFiles] = {}
+        for server in self.transports:
+            host = urlsplit(server.target).hostname or ""
+            pulls = pull if pull is not None else not (weights_dir or is_loopback(host))
+            address = local_address_towards(host) if pulls else None
+            if address and address not in served:
+                served[address] = WeightFiles(address)
+            self.files[server.target] = served.get(address)
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         start = time.perf_counter()
@@ -93,14 +160,19 @@ class VLLMServerSync:
         path = write_weights(tensors, self.weights_dir)
         size = path.stat().st_size
         committed, failed = [], {}
+        token = secrets.token_urlsafe(24)
         try:
             for server in self.transports:
+                files = self.files[server.target]
+                source = str(path) if files is None else files.offer(token, path)
                 try:
-                    self._load(server.target, path, version, len(tensors))
+                    self._load(server.target, source, version, len(tensors))
                     committed.append(server.target)
                 except (httpx.HTTPError, ValueError) as exc:
                     failed[server.target] = str(exc).splitlines()[0]
         finally:
+            for files in filter(None, self.files.values()):
+                files.withdraw(token)
             path.unlink(missing_ok=True)  # every server has read it, or failed to
         if not committed:
             target, why = next(iter(failed.items()))
@@ -110,10 +182,10 @@ class VLLMServerSync:
             version, seconds, size * len(committed), committed=committed, failed=failed
         )
 
-    def _load(self, url: str, path: Path, version: int, count: int) -> None:
+    def _load(self, url: str, source: str, version: int, count: int) -> None:
         self._post(f"{url}/pause", params={"mode": "wait"})
         try:
-            body = {"method": LOAD_METHOD, "args": [str(path), str(version)]}
+            body = {"method": LOAD_METHOD, "args": [source, str(version)]}
             answer = self._post(f"{url}/collective_rpc", json={**body, "timeout": self.timeout_s})
             results = answer.get("results") or []
             if not results or any(r != [version, count] for r in results):
@@ -140,6 +212,8 @@ class VLLMServerSync:
 
     def close(self) -> None:
         self.http.close()
+        for files in {id(f): f for f in filter(None, self.files.values())}.values():
+            files.close()
 
 
 def build_sync(cfg) -> VLLMServerSync:

@@ -3,37 +3,51 @@
 vLLM mixes :class:`WeightLoader` into each worker (``worker_extension_cls``), so
 ``collective_rpc("rlpost_load_weights", ...)`` calls it by name: no pickled function crosses
 to the engine core and vLLM's insecure serialisation stays off. ``collective_rpc`` arguments
-travel as msgpack (a tensor arrives as a list), so the tensors travel as a safetensors file on
-shared memory, loaded without unpickling through vLLM's in-place reload (the model's own
+travel as msgpack (a tensor arrives as a list), so the tensors travel as a safetensors file (on
+shared memory, or fetched over HTTP from the trainer), loaded without unpickling through vLLM's in-place reload (the model's own
 ``load_weights`` and the backend's post-load processing). Importing this module must stay
 cheap and import nothing of vLLM: the workers import it at start-up.
 """
 
 from __future__ import annotations
 
+import urllib.request
+
 from safetensors import safe_open
+from safetensors.torch import load as load_bytes
+
+PULL_TIMEOUT_S = 300.0
 
 
 class WeightLoader:
     """Worker extension: load a weight file into this worker's model, with a version."""
 
     def rlpost_load_weights(self, path: str, version: int | str) -> list[int]:
-        """Copy the tensors of the safetensors file ``path`` into the model; returns
-        ``[version, tensors loaded]`` so the caller can check every worker took it.
+        """Copy the tensors of the safetensors file ``path`` (or an ``http://`` URL serving
+        one) into the model; returns ``[version, tensors loaded]`` so the caller can check
+        every worker took it.
 
         ``version`` may arrive as a string: ``vllm serve``'s ``/collective_rpc`` route
         passes only strings, and a list is what it returns as JSON unchanged."""
         version = int(version)
         dtype = next(self.model_runner.get_model().parameters()).dtype
-        with safe_open(path, framework="pt") as f:
-            # The trainer's dtype (fp32 master weights) becomes the serving dtype here.
-            weights = [(name, f.get_tensor(name).to(dtype)) for name in f.keys()]
+        # The trainer's dtype (fp32 master weights) becomes the serving dtype here.
+        weights = [(name, t.to(dtype)) for name, t in read_weights(path)]
         # vLLM's in-place reload, not the model's bare load_weights: backends that repack
         # weights after loading (the CPU one does) leave the checkpoint-format parameters
         # empty; the reload restores them, loads, and repacks into the same kernel tensors.
         self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
         _reprocess_tied(self.model_runner.get_model())
         return [version, len(weights)]
+
+
+def read_weights(source: str) -> list:
+    """The ``(name, tensor)`` pairs of a safetensors file, from a path or an HTTP URL."""
+    if source.startswith(("http://", "https://")):
+        with urllib.request.urlopen(source, timeout=PULL_TIMEOUT_S) as r:
+            return list(load_bytes(r.read()).items())
+    with safe_open(source, framework="pt") as f:
+        return [(name, f.get_tensor(name)) for name in f.keys()]
 
 
 def _reprocess_tied(model) -> None:

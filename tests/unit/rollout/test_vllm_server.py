@@ -3,8 +3,12 @@ routes is refused in one line naming how to start it, and no weight file is left
 
 from __future__ import annotations
 
+import json
 import threading
+import urllib.error
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 import torch
@@ -54,3 +58,76 @@ def test_serve_args_load_rlpost_worker_extension():
     )
     assert args[args.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert args[args.index("--host") + 1] == "127.0.0.1"
+
+
+class _DevRoutes(BaseHTTPRequestHandler):
+    """vllm serve's development routes as rlpost uses them; ``/collective_rpc`` runs the
+    worker extension's reader on what it is given, as each worker does."""
+
+    seen: ClassVar[list] = []
+
+    def do_POST(self):
+        from rlpost.rollout.engines.vllm_worker import read_weights
+
+        body = self.rfile.read(int(self.headers.get("content-length") or 0))
+        answer = b"{}"
+        if self.path.startswith("/collective_rpc"):
+            source, version = json.loads(body)["args"]
+            weights = read_weights(source)
+            self.seen.append((source, weights))
+            answer = json.dumps({"results": [[int(version), len(weights)]]}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def dev_server():
+    _DevRoutes.seen = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _DevRoutes)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_server_without_the_trainers_filesystem_pulls_the_weights_over_http(dev_server, tmp_path):
+    """Pulled: the server is given a URL, not a path; it reads the pushed tensors there,
+    and the URL answers 404 once the push is over (offered for the push's duration only)."""
+    tensors = [("a", torch.arange(6.0).reshape(2, 3)), ("b", torch.ones(4))]
+    sync = VLLMServerSync([dev_server], weights_dir=str(tmp_path), pull=True)
+    try:
+        stats = sync.push(tensors, version=3)
+        ((source, got),) = _DevRoutes.seen
+        assert source.startswith("http://127.0.0.1:") and str(tmp_path) not in source
+        assert sorted(n for n, _ in got) == ["a", "b"]
+        assert all(torch.equal(t, dict(tensors)[n]) for n, t in got)
+        assert stats.committed == [dev_server] and stats.version == 3
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            urllib.request.urlopen(source, timeout=5)
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        sync.close()
+
+
+def test_loopback_servers_and_a_shared_weights_dir_read_the_file_others_pull(dev_server, tmp_path):
+    sync = VLLMServerSync([dev_server], weights_dir=str(tmp_path))
+    sync.push([("a", torch.ones(2))], version=1)
+    sync.close()
+    assert _DevRoutes.seen[0][0].startswith(str(tmp_path))
+    try:
+        remote = VLLMServerSync(["http://10.254.0.9:8000"])
+    except OSError:
+        pytest.skip("no route off loopback on this machine")
+    try:
+        files = remote.files["http://10.254.0.9:8000"]
+        assert files is not None and not files.base.startswith("http://127.")
+        shared = VLLMServerSync(["http://10.254.0.9:8000"], weights_dir=str(tmp_path))
+        assert shared.files["http://10.254.0.9:8000"] is None
+        shared.close()
+    finally:
+        remote.close()
