@@ -102,7 +102,9 @@ class WeightFiles:
                 pass
 
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        served = type("Served", (ThreadingHTTPServer,), {"address_family": family})
+        # a server that drops the connection mid-file fails its load, reported by the push
+        quiet = {"address_family": family, "handle_error": lambda *_: None}
+        served = type("Served", (ThreadingHTTPServer,), quiet)
         self.httpd = served((host, 0), Handler)
         self.httpd.daemon_threads = True
         bound = f"[{host}]" if ":" in host else host
