@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from rlpost.config import ConfigError
 from rlpost.resolved import ENGINES
 from rlpost.rollout.engines.client import savable
 from rlpost.rollout.engines.protocol import SamplingParams, TokenRate
@@ -218,12 +219,33 @@ def _unlink_orphans(names: set[str]) -> None:
         resource_tracker.unregister(f"/{name}", "shared_memory")
 
 
+def split_error(config, tp: int) -> str | None:
+    """Why vLLM cannot split a model of ``config`` over ``tp`` ranks (one line), or None:
+    every rank takes whole attention heads, and whole KV heads or copies of one."""
+
+    def splits(t: int) -> bool:
+        return heads % t == 0 and (kv % t == 0 if kv >= t else t % kv == 0)
+
+    heads = getattr(config, "num_attention_heads", 1)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if splits(tp):
+        return None
+    sizes = ", ".join(str(t) for t in range(1, heads + 1) if splits(t))
+    return (
+        f"rollout.engine.tensor_parallel_size={tp}: vLLM cannot split the model's {heads} "
+        f"attention heads and {kv} KV heads over {tp} ranks; use one of {sizes}"
+    )
+
+
 @ENGINES.register("vllm", loads_own_weights=True)
 def build(cfg, facts, model, tokenizer) -> VLLMEngine:
     """The vLLM engine for ``rollout.engine=vllm``: it serves ``model.path`` as it loads it
     (``facts`` and ``model`` unused: the run pushes its weights)."""
     _import_vllm()
     r = cfg.rollout
+    why = split_error(model.config, r.engine.tensor_parallel_size)
+    if why is not None:
+        raise ConfigError(why)
     return VLLMEngine(
         str(cfg.model.path),
         tokenizer,

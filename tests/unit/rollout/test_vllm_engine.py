@@ -56,3 +56,32 @@ def test_weight_file_holds_every_tensor_tied_ones_too(tmp_path):
     assert sorted(loaded) == ["embed.weight", "head.weight", "w"]
     for name, t in named:
         assert torch.equal(loaded[name], t)
+
+
+def test_a_tensor_parallel_size_that_cannot_split_the_heads_is_refused_in_one_line(monkeypatch):
+    """SmolLM2's 9 heads and 3 KV heads: 3 ranks take 3 heads and one KV head each, 9 take
+    one head and a copy of a KV head; 2 ranks cannot split them, refused before vLLM starts."""
+    from transformers import LlamaConfig
+
+    from rlpost.config import ConfigError
+
+    smol = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3)
+    assert vllm_engine.split_error(smol, 1) is None
+    assert vllm_engine.split_error(smol, 3) is None
+    assert vllm_engine.split_error(smol, 9) is None
+    why = vllm_engine.split_error(smol, 2)
+    assert why == (
+        "rollout.engine.tensor_parallel_size=2: vLLM cannot split the model's 9 attention "
+        "heads and 3 KV heads over 2 ranks; use one of 1, 3, 9"
+    )
+    no_gqa = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=None)
+    assert vllm_engine.split_error(no_gqa, 4) is None and vllm_engine.split_error(no_gqa, 3)
+
+    monkeypatch.setattr(vllm_engine, "_import_vllm", lambda: None)
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda *a, **k: pytest.fail("vLLM started"))
+    cfg = SimpleNamespace(
+        model=SimpleNamespace(path="x", dtype="float32"),
+        rollout=SimpleNamespace(engine=SimpleNamespace(tensor_parallel_size=2)),
+    )
+    with pytest.raises(ConfigError, match=r"^rollout\.engine\.tensor_parallel_size=2: "):
+        vllm_engine.build(cfg, None, SimpleNamespace(config=smol), tokenizer=None)
