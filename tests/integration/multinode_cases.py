@@ -292,8 +292,9 @@ def test_a_rollout_host_partitioned_for_a_while_the_run_completes(bed, tmp_path,
 
 
 def test_a_slow_rollout_host_the_run_completes(bed, tmp_path):
-    """Host 3's link limited to 2 Mbit/s (tbf; netem is not in every kernel) for steps 3-5: the run completes, one row per
-    step, each step's full batch trained once; every row has each worker's rollout seconds."""
+    """Host 3's link limited to 2 Mbit/s (tbf; netem is not in every kernel) from the start
+    to step 3: the run completes, one row per step, each step's full batch trained once;
+    every row has each worker's rollout seconds."""
     run = TrainRun(bed, tmp_path, "slow", BASE, **{"train.steps": 7})
     qdisc = ["tc", "qdisc", "{}", "dev", "eth0", "root"]
 
@@ -301,10 +302,10 @@ def test_a_slow_rollout_host_the_run_completes(bed, tmp_path):
         done = bed.run(3, [x.format(verb) for x in qdisc] + list(more))
         assert done.returncode == 0, done.stderr
 
+    tc("add", "tbf", "rate", "2mbit", "burst", "32kbit", "latency", "400ms")
+
     def on_step(step: int) -> None:
-        if step == 2:
-            tc("add", "tbf", "rate", "2mbit", "burst", "32kbit", "latency", "400ms")
-        elif step == 5:
+        if step == 3:
             tc("del")
 
     assert run.wait(on_step, timeout=600) == 0, run.tail()
@@ -314,7 +315,7 @@ def test_a_slow_rollout_host_the_run_completes(bed, tmp_path):
     # each worker's seconds are in every row, so a user sees which one is slow
     per = [{k[-1]: round(v, 2) for k, v in r.items() if "seconds_worker" in k} for r in rows]
     assert all(sorted(p) == ["0", "1"] for p in per), per
-    print(f"measured: 2 Mbit/s on host 3 for steps 3-5: step seconds {times}, per worker {per}")
+    print(f"measured: 2 Mbit/s on host 3 to step 3: step seconds {times}, per worker {per}")
 
 
 def test_a_trainer_host_cut_off_stops_the_run_in_one_line(bed, tmp_path):
