@@ -158,6 +158,7 @@ class RolloutFleet:
         todo = [Chunk(0, list(prompts))] if prompts else []
         done: dict[int, list] = {}
         stats: list[dict[str, float]] = []
+        took: dict[str, float] = {"rollout_resent": 0.0}  # per worker: its slowest share
         kw = dict(train=train, last=last)
         while todo:
             workers = self._await_serving()
@@ -170,7 +171,7 @@ class RolloutFleet:
                 m = workers[k % len(workers)]  # more shares than workers: a re-send left gaps
                 m.health.call_started()
                 call = partial(m.handle.generate, **kw, min_version=floor)
-                fut = self._pool.submit(call, chunk.prompts, params, n)
+                fut = self._pool.submit(_timed, call, chunk.prompts, params, n)
                 running[fut] = (m, chunk, m.handle)
             while running:
                 finished, _ = wait(list(running), timeout=1.0, return_when=FIRST_COMPLETED)
@@ -196,12 +197,16 @@ class RolloutFleet:
                                     f"rollout failed on two workers: {chunk.failures[-1]}",
                                 ) from exc
                         todo.append(chunk)
+                        took["rollout_resent"] += 1
                         continue
                     with self._lock:
                         if handle is m.handle:
                             m.health.succeeded()
                             self._log(m)
                         m.served += len(chunk.prompts)
+                    result, seconds = result
+                    key = f"rollout_seconds_worker{m.index}"
+                    took[key] = max(took.get(key, 0.0), seconds)
                     done[chunk.start] = result.groups
                     stats.append(result.stats)
                 for fut, (m, chunk, handle) in list(running.items()):
@@ -213,8 +218,9 @@ class RolloutFleet:
                         chunk.failures.append("no reply")
                         self._later(m, self._restart, True)  # stopping it may take a while
                         todo.append(chunk)
+                        took["rollout_resent"] += 1
         groups = [g for start in sorted(done) for g in done[start]]
-        return RolloutResult(groups, _merge_stats(stats))
+        return RolloutResult(groups, {**_merge_stats(stats), **took})
 
     def _await_serving(self) -> list[Member]:
         """The healthy workers; waits for a restart to finish when none is left."""
@@ -583,6 +589,12 @@ def _is_loss(spawner: Spawner, handle: Any) -> bool:
         return not spawner.alive(handle)
     except Exception:  # cannot even ask: treat as gone
         return True
+
+
+def _timed(call: Callable, *args: Any) -> tuple[Any, float]:
+    """``call(*args)`` and the seconds it took."""
+    start = time.monotonic()
+    return call(*args), time.monotonic() - start
 
 
 def _merge_stats(stats: list[dict[str, float]]) -> dict[str, float]:

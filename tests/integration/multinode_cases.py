@@ -10,6 +10,7 @@ it: ``trainer_node`` on host 1, ``dp_node`` on hosts 1-2, ``rollout_node`` on ho
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import signal
@@ -254,6 +255,67 @@ def _returned(events: list[dict]) -> dict | None:
             assert back["version"] == back["current"], back  # synced before it served
             return back
     return None
+
+
+def _full_batches_once(run) -> list[dict]:
+    """The run's rows: one per step, each step's full batch (8 prompts x 4 samples)."""
+    rows = run.rows()
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), rows
+    assert all(r["prompts"] == 8 and r["completions"] == 32 for r in rows), rows
+    return rows
+
+
+@pytest.mark.parametrize("seconds", [2, 8])
+def test_a_rollout_host_partitioned_for_a_while_the_run_completes(bed, tmp_path, seconds):
+    """Host 3's link goes down at step 2 for ``seconds`` (2 s: below the 3 s the head takes
+    to declare a node dead; 8 s: above it), then comes back. Nothing hangs: the steps go
+    on with host 2's worker (or the call to host 3 fails and its share is re-sent), the run
+    completes with one row per step, each step's full batch trained once."""
+    extra = {"train.steps": 8, "cluster.suspect_after_s": 5, "cluster.dead_after_s": 20}
+    run = TrainRun(bed, tmp_path, f"part{seconds}", BASE, **extra)
+    seen: dict = {}
+
+    def on_step(step: int) -> None:
+        if step == 2 and "cut" not in seen:
+            bed.partition(3)
+            seen["cut"] = time.monotonic()
+            time.sleep(seconds)
+            bed.heal(3)
+            seen["healed"] = time.monotonic()
+
+    start = time.monotonic()
+    assert run.wait(on_step, timeout=600) == 0, run.tail()
+    rows = _full_batches_once(run)
+    assert len(rows) == 8
+    gaps = [round(b["time"] - a["time"], 1) for a, b in itertools.pairwise(rows)]
+    print(f"measured: partition {seconds} s: run {time.monotonic() - start:.0f} s, gaps {gaps}")
+
+
+def test_a_slow_rollout_host_the_run_completes(bed, tmp_path):
+    """Host 3's link limited to 2 Mbit/s (tbf; netem is not in every kernel) from the start
+    to step 3: the run completes, one row per step, each step's full batch trained once;
+    every row has each worker's rollout seconds."""
+    run = TrainRun(bed, tmp_path, "slow", BASE, **{"train.steps": 7})
+    qdisc = ["tc", "qdisc", "{}", "dev", "eth0", "root"]
+
+    def tc(verb: str, *more: str) -> None:
+        done = bed.run(3, [x.format(verb) for x in qdisc] + list(more))
+        assert done.returncode == 0, done.stderr
+
+    tc("add", "tbf", "rate", "2mbit", "burst", "32kbit", "latency", "400ms")
+
+    def on_step(step: int) -> None:
+        if step == 3:
+            tc("del")
+
+    assert run.wait(on_step, timeout=600) == 0, run.tail()
+    rows = _full_batches_once(run)
+    assert len(rows) == 7
+    times = [round(r["step_seconds"], 1) for r in rows]
+    # each worker's seconds are in every row, so a user sees which one is slow
+    per = [{k[-1]: round(v, 2) for k, v in r.items() if "seconds_worker" in k} for r in rows]
+    assert all(sorted(p) == ["0", "1"] for p in per), per
+    print(f"measured: 2 Mbit/s on host 3 to step 3: step seconds {times}, per worker {per}")
 
 
 def test_a_trainer_host_cut_off_stops_the_run_in_one_line(bed, tmp_path):

@@ -311,3 +311,25 @@ def test_the_fleet_acts_on_the_kind_never_on_the_words():
         assert State.DRAINING in history[1] and State.SUSPECT not in history[1]
     finally:
         fleet.close()
+
+
+def test_each_workers_seconds_and_the_resent_shares_are_in_the_stats():
+    """A slow worker shows as the largest per-worker seconds; a failed share is counted."""
+    fleet = _fleet(Spawner(), 3, suspect_after_s=30, dead_after_s=60)
+    try:
+        slow = fleet.members[1].handle
+        fast_generate = slow.generate
+
+        def generate(*args, **kw):
+            time.sleep(0.3)
+            return fast_generate(*args, **kw)
+
+        slow.generate = generate
+        fleet.members[2].handle.gen_error = RuntimeError("connection reset")
+        out = fleet.generate(list(range(9)), None, 1)
+        assert [p for _, p in out.groups] == list(range(9))
+        seconds = {k: v for k, v in out.stats.items() if k.startswith("rollout_seconds_worker")}
+        assert max(seconds, key=seconds.get) == "rollout_seconds_worker1", seconds
+        assert out.stats["rollout_resent"] == 1
+    finally:
+        fleet.close()
