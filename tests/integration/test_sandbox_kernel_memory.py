@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,13 @@ import pytest
 from rlpost.rewards.sandbox import SandboxConfig, cli, seccomp
 from rlpost.rewards.sandbox import cgroup as cgroups
 from rlpost.rewards.sandbox.check import SOCKET_BUFFERS
+from rlpost.rewards.sandbox.command import (
+    SANDBOX_UID,
+    Interpreter,
+    build_command,
+    caps_files,
+    find_tools,
+)
 from rlpost.rewards.sandbox.runner import run_code
 from tests.integration.test_sandbox_security import _sandbox_available  # noqa: F401 (autouse)
 
@@ -119,6 +127,47 @@ def test_files_on_the_private_tmpfs_are_capped(mode: str) -> None:
     made, stop = result.stdout.split()
     # Files and directories alternate between /tmp and /dev/shm, 300 inodes each.
     assert stop == "ENOSPC" and 500 <= int(made) <= 600, result.stdout
+
+
+def test_files_are_capped_when_the_supervisor_is_not_root(monkeypatch, tmp_path: Path) -> None:
+    """The command a uid-65534 supervisor builds, run as uid 65534: the user
+    namespace mount stage caps the files as root's does."""
+    python = "/usr/bin/python3"
+    if os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists(python):
+        pytest.skip("switching to uid 65534 needs root, setpriv and a /usr/bin/python3")
+    tools = find_tools()
+    monkeypatch.setattr(os, "geteuid", lambda: SANDBOX_UID)
+    if not caps_files(tools):
+        pytest.skip("this kernel refuses unprivileged user namespaces: no file cap")
+    program, (info_r, info_w) = os.open(tmp_path, os.O_TMPFILE | os.O_RDWR), os.pipe()
+    os.write(program, MANY_FILES.encode())
+    os.lseek(program, 0, os.SEEK_SET)
+    config = SandboxConfig(max_tmp_files=300)
+    files = [(program, "main.py")]
+    argv = build_command(
+        tools,
+        Interpreter(None, python),
+        config,
+        cpu=0,
+        files=files,
+        info_fd=info_w,
+        argv=["-S", "/tmp/main.py"],
+    )
+    assert "--map-root-user" in argv and "--tmpfs" not in argv
+    uid = str(SANDBOX_UID)
+    drop = ["setpriv", "--reuid", uid, "--regid", uid, "--clear-groups", "--"]
+    done = subprocess.run(
+        drop + argv,
+        input="300",
+        pass_fds=(program, info_w),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    os.close(info_r), os.close(info_w), os.close(program)
+    assert done.returncode == 0, done.stderr
+    made, stop = done.stdout.split()
+    assert stop == "ENOSPC" and 500 <= int(made) <= 600, done.stdout
 
 
 def _seccomp() -> SandboxConfig:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 import stat
 import sys
@@ -27,7 +28,7 @@ from rlpost.rewards.sandbox import (
     run_python_tests,
     runner,
 )
-from rlpost.rewards.sandbox.command import Interpreter, Tools, build_command
+from rlpost.rewards.sandbox.command import Interpreter, Tools, _user_mounts, build_command
 from rlpost.rewards.sandbox.limits import classify
 
 
@@ -210,12 +211,12 @@ TOOLS = Tools(
 )
 
 
-def _command(monkeypatch, euid: int, interpreter: Interpreter) -> list[str]:
+def _command(monkeypatch, euid: int, interpreter: Interpreter, tools: Tools = TOOLS) -> list[str]:
     monkeypatch.setattr(os, "geteuid", lambda: euid)
     files = [(7, "main.py")]
     config = SandboxConfig()
     return build_command(
-        TOOLS, interpreter, config, cpu=3, files=files, info_fd=5, argv=["-S", "main.py"]
+        tools, interpreter, config, cpu=3, files=files, info_fd=5, argv=["-S", "main.py"]
     )
 
 
@@ -224,7 +225,8 @@ def _pairs(argv: list[str], option: str) -> list[tuple[str, str]]:
 
 
 def test_command_isolates_and_limits(monkeypatch) -> None:
-    argv = _command(monkeypatch, 1000, Interpreter(None, "/usr/bin/python3.11"))
+    no_unshare = dataclasses.replace(TOOLS, unshare=None)
+    argv = _command(monkeypatch, 1000, Interpreter(None, "/usr/bin/python3.11"), no_unshare)
     # The pin is set outside bwrap: inside, seccomp may refuse sched_setaffinity.
     assert argv[:4] == ["/usr/bin/taskset", "--cpu-list", "3", "/usr/bin/bwrap"]
     assert "/usr/bin/setpriv" not in argv and "--seccomp" not in argv
@@ -279,6 +281,16 @@ def test_command_as_root_mounts_tmpfs_capped_in_bytes_and_files(monkeypatch) -> 
     # bwrap binds those mounts, and makes no uncapped tmpfs of its own.
     assert [("/tmp/shm", "/dev/shm"), ("/tmp/tmp", "/tmp")] == _pairs(argv, "--bind")
     assert "--tmpfs" not in argv
+
+
+@pytest.mark.skipif(not shutil.which("unshare"), reason="needs util-linux unshare")
+def test_command_without_root_mounts_capped_tmpfs_in_a_user_namespace(monkeypatch) -> None:
+    if not _user_mounts(TOOLS.unshare, TOOLS.sh):
+        pytest.skip("this kernel refuses unprivileged user namespaces")
+    argv = _command(monkeypatch, 1000, Interpreter(None, "/usr/bin/python3.11"))
+    assert argv[3:6] == ["/usr/bin/unshare", "--user", "--map-root-user"]
+    assert "/usr/bin/setpriv" not in argv and "--tmpfs" not in argv
+    assert "nr_inodes=4096" in argv[argv.index("-c") + 1]
 
 
 def test_interpreter_is_this_python_seen_from_inside() -> None:

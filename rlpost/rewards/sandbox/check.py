@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from rlpost.rewards.sandbox import seccomp
 from rlpost.rewards.sandbox.cgroup import CHAIN_PIDS, swap_accounted
-from rlpost.rewards.sandbox.command import SANDBOX_UID, find_tools
+from rlpost.rewards.sandbox.command import SANDBOX_UID, caps_files, find_tools
 from rlpost.rewards.sandbox.limits import RunLimits, SandboxConfig, SandboxResult
 from rlpost.rewards.sandbox.plan import RunPlan, plan
 from rlpost.rewards.sandbox.runner import check_available, run_code
@@ -182,7 +182,7 @@ def run_check(mode: RunLimits) -> list[Line]:
         _seccomp_line(limits),
         _network_line(seen),
         _root_line(seen, config),
-        _files_line(seen, config),
+        _files_line(seen, config, caps_files(tools)),
     ]
 
 
@@ -330,11 +330,11 @@ def _root_line(seen: dict, config: SandboxConfig) -> Line:
     return Line("root", "read-only", detail, ok)
 
 
-def _files_line(seen: dict, config: SandboxConfig) -> Line:
+def _files_line(seen: dict, config: SandboxConfig, capped: bool) -> Line:
     made, stop = seen["files"], seen["files_stop"]
-    if os.geteuid() != 0:
+    if not capped:
         detail = (
-            "not capped: without root bwrap's tmpfs takes no file count "
+            "not capped: without root or unprivileged user namespaces the tmpfs takes no file count "
             f"(a memory cgroup still charges their kernel memory; probe: made {made})"
         )
         return Line("files", "none", detail)

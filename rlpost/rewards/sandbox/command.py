@@ -4,9 +4,10 @@ Layers, outermost first::
 
     sh      (only with a per-run cgroup: writes its pid into the run's groups, then execs)
     taskset one CPU (outside bwrap: inside, seccomp may refuse sched_setaffinity)
-    unshare (only when started as root: a private mount namespace where sh mounts the
-             run's /tmp and /dev/shm as tmpfs capped in bytes and in files, and
-             stages a private interpreter prefix on a world-readable path)
+    unshare (a private mount namespace, in a user namespace of its own when not
+             root, where sh mounts the run's /tmp and /dev/shm as tmpfs capped in
+             bytes and in files; as root it also stages a private interpreter
+             prefix on a world-readable path)
     setpriv (only when started as root: become uid/gid 65534, no groups, no new privileges)
     bwrap   user, pid, network, ipc, uts and cgroup namespaces; read-only /usr and
             interpreter; capped private tmpfs on /tmp and /dev/shm, the only
@@ -26,13 +27,15 @@ had; setting the cap after it exists makes every run's cap its own, so one
 fork bomb cannot starve concurrent runs.
 Why the outer mount namespace: bwrap's ``--tmpfs`` takes a size but no file
 count, and each file on a tmpfs holds about 1 KiB of kernel memory its size
-does not count (440,000 empty files held 500 MiB), so where it can (as root) the
-supervisor mounts the two tmpfs itself with ``nr_inodes``. The same namespace
+does not count (440,000 empty files held 500 MiB), so the supervisor mounts the
+two tmpfs itself with ``nr_inodes``: as root, or without root in a user
+namespace where the kernel allows unprivileged ones. The same namespace
 stages a private interpreter prefix: a pyenv interpreter lives under /root
 (mode 0700), which uid 65534 cannot traverse, so the prefix is bind-mounted
 onto a path the inner bwrap can reach. Inside, the prefix is mounted at
-``/opt/python`` so nothing of /root is visible. Without root, bwrap's
-size-capped tmpfs bound the bytes, and a cgroup (where there is one) the rest.
+``/opt/python`` so nothing of /root is visible. Where the kernel refuses
+unprivileged user namespaces, bwrap's size-capped tmpfs bound the bytes, and a
+cgroup (where there is one) the rest.
 
 Per run, not per process: the rlimits bind each process; the run as a whole
 is bounded by its cgroup (``cgroup.py``: memory with shared memory included,
@@ -85,10 +88,10 @@ class Tools:
     prlimit: str
     taskset: str
     setpriv: str | None
-    # Only the cgroup join and the root's mount stage need a shell; cgroup detection
+    # Only the cgroup join and the mount stage need a shell; cgroup detection
     # needs one too, so a host without sh plans no cgroup.
     sh: str | None = None
-    # The root's mount stage (util-linux).
+    # The mount stage (util-linux).
     unshare: str | None = None
     mount: str | None = None
 
@@ -113,12 +116,12 @@ def find_tools() -> Tools:
         raise SandboxUnavailable(f"bubblewrap (bwrap) is not on PATH; {_INSTALL_BWRAP}")
     found: dict[str, str] = {}
     as_root = ["setpriv", "unshare", "mount", "sh"] if os.geteuid() == 0 else []
-    needed = ["prlimit", "taskset", *as_root]
-    for name in needed:
+    for name in ["prlimit", "taskset", "setpriv", "unshare", "mount", "sh"]:
         path = shutil.which(name)
-        if path is None:
+        if path is not None:
+            found[name] = path
+        elif name in ["prlimit", "taskset", *as_root]:
             raise SandboxUnavailable(f"{name} (util-linux) is not on PATH; {_INSTALL_UTIL_LINUX}")
-        found[name] = path
     options = bwrap_options(bwrap)
     missing = [option for option in _REQUIRED_OPTIONS if option not in options]
     if missing:
@@ -130,7 +133,7 @@ def find_tools() -> Tools:
         prlimit=found["prlimit"],
         taskset=found["taskset"],
         setpriv=found.get("setpriv"),
-        sh=found.get("sh") or shutil.which("sh"),
+        sh=found.get("sh"),
         unshare=found.get("unshare"),
         mount=found.get("mount"),
     )
@@ -182,11 +185,13 @@ def build_command(
     """
     prefix_source = interpreter.host_prefix
     outer: list[str] = [*(join or []), tools.taskset, "--cpu-list", str(cpu)]
-    staged = os.geteuid() == 0
+    root = os.geteuid() == 0
+    staged = caps_files(tools)
     if staged:
-        private = prefix_source is not None and not _readable_by_others(prefix_source)
-        outer += _mount_stage(tools, config, prefix_source if private else None)
+        private = root and prefix_source is not None and not _readable_by_others(prefix_source)
+        outer += _mount_stage(tools, config, prefix_source if private else None, user=not root)
         prefix_source = _STAGING if private else prefix_source
+    if root:
         uid = str(SANDBOX_UID)
         outer += [str(tools.setpriv), "--reuid", uid, "--regid", uid, "--clear-groups"]
         outer += ["--no-new-privs", "--"]
@@ -202,8 +207,28 @@ def build_command(
     return outer + inner + ["--", *_limits(tools, config), interpreter.executable, *argv]
 
 
-def _mount_stage(tools: Tools, config: SandboxConfig, private_prefix: str | None) -> list[str]:
-    """unshare + sh: the run's tmpfs capped in bytes and files, and a staged prefix."""
+def caps_files(tools: Tools) -> bool:
+    """Whether runs get tmpfs capped in files: as root, or in a user namespace of their own."""
+    return os.geteuid() == 0 or _user_mounts(tools.unshare, tools.sh)
+
+
+@functools.cache
+def _user_mounts(unshare: str | None, sh: str | None) -> bool:
+    """Whether this user may mount a tmpfs inside an unprivileged user namespace."""
+    if unshare is None or sh is None:
+        return False
+    probe = [unshare, "--user", "--map-root-user", "--mount", "--", sh, "-c", "exit 0"]
+    return subprocess.run(probe, capture_output=True, timeout=10).returncode == 0
+
+
+def _mount_stage(
+    tools: Tools, config: SandboxConfig, private_prefix: str | None, *, user: bool
+) -> list[str]:
+    """unshare + sh: the run's tmpfs capped in bytes and files, and a staged prefix.
+
+    Without root (``user``) the stage runs in a user namespace where the user
+    maps to root, which the kernel lets mount a tmpfs.
+    """
     mount = shlex.quote(str(tools.mount))
     capped = f"nosuid,nodev,mode=1777,size={config.tmpfs_mb << 20},nr_inodes={config.max_tmp_files}"
     script = ["set -e", f"{mount} -t tmpfs -o nosuid,nodev,mode=0755,size=1m rlpost {_STAGE}"]
@@ -213,7 +238,8 @@ def _mount_stage(tools: Tools, config: SandboxConfig, private_prefix: str | None
         where = f"{shlex.quote(private_prefix)} {_STAGING}"
         script.append(f"{mount} --bind -o ro,X-mount.mkdir {where}")
     script.append('exec "$@"')
-    stage = [str(tools.unshare), "--mount", "--propagation", "private", "--"]
+    own = ["--user", "--map-root-user"] if user else []
+    stage = [str(tools.unshare), *own, "--mount", "--propagation", "private", "--"]
     return [*stage, str(tools.sh), "-c", "\n".join(script), "rlpost-mounts"]
 
 

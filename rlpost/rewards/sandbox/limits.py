@@ -47,8 +47,8 @@ class SandboxConfig:
     ``max_file_mb`` caps one written file (RLIMIT_FSIZE), ``tmpfs_mb`` the
     private /tmp and /dev/shm each, ``max_tmp_files`` the files, links and
     directories on each (the tmpfs ``nr_inodes``: each one holds about 1 KiB of
-    kernel memory that ``tmpfs_mb`` does not count; bounded when the supervisor
-    runs as root, where it mounts the tmpfs itself), ``max_processes`` the
+    kernel memory that ``tmpfs_mb`` does not count; bounded where the supervisor
+    mounts the tmpfs itself: as root, or in a user namespace of its own), ``max_processes`` the
     processes and threads of one run (RLIMIT_NPROC, counted per run).
     ``cpu`` pins the run to one CPU; ``None`` spreads runs round-robin over the
     CPUs this process may use.
