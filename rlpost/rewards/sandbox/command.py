@@ -218,7 +218,10 @@ def _user_mounts(unshare: str | None, sh: str | None) -> bool:
     if unshare is None or sh is None:
         return False
     probe = [unshare, "--user", "--map-root-user", "--mount", "--", sh, "-c", "exit 0"]
-    return subprocess.run(probe, capture_output=True, timeout=10).returncode == 0
+    try:
+        return subprocess.run(probe, capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):  # no namespace to be had: size caps only
+        return False
 
 
 def _mount_stage(

@@ -240,7 +240,7 @@ def split_error(config, tp: int) -> str | None:
 @ENGINES.register("vllm", loads_own_weights=True)
 def build(cfg, facts, model, tokenizer) -> VLLMEngine:
     """The vLLM engine for ``rollout.engine=vllm``: it serves ``model.path`` as it loads it
-    (``facts`` and ``model`` unused: the run pushes its weights)."""
+    (the run pushes its weights; ``model`` only gives the head counts the split must fit)."""
     _import_vllm()
     r = cfg.rollout
     why = split_error(model.config, r.engine.tensor_parallel_size)

@@ -98,8 +98,8 @@ class WeightFiles:
                     self.end_headers()
                     shutil.copyfileobj(f, self.wfile, 1 << 20)
 
-            def log_message(self, *args) -> None:  # a request per push is not news
-                pass
+            def log_message(self, *args) -> None:
+                """Silent: a request per push is not news."""
 
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # a server that drops the connection mid-file fails its load, reported by the push
@@ -151,7 +151,10 @@ class VLLMServerSync:
         for server in self.transports:
             host = urlsplit(server.target).hostname or ""
             pulls = pull if pull is not None else not (weights_dir or is_loopback(host))
-            address = local_address_towards(host) if pulls else None
+            try:
+                address = local_address_towards(host) if pulls else None
+            except OSError as exc:  # unresolvable, or no route: the push could never reach it
+                raise SyncError("start", server.target, f"no route to {host}: {exc}") from None
             if address and address not in served:
                 served[address] = WeightFiles(address)
             self.files[server.target] = served.get(address)

@@ -82,7 +82,7 @@ class _DevRoutes(BaseHTTPRequestHandler):
         self.wfile.write(answer)
 
     def log_message(self, *args):
-        pass
+        """Silent."""
 
 
 @pytest.fixture
@@ -121,7 +121,7 @@ def test_loopback_servers_and_a_shared_weights_dir_read_the_file_others_pull(dev
     assert _DevRoutes.seen[0][0].startswith(str(tmp_path))
     try:
         remote = VLLMServerSync(["http://10.254.0.9:8000"])
-    except OSError:
+    except SyncError:
         pytest.skip("no route off loopback on this machine")
     try:
         files = remote.files["http://10.254.0.9:8000"]
@@ -131,3 +131,11 @@ def test_loopback_servers_and_a_shared_weights_dir_read_the_file_others_pull(dev
         shared.close()
     finally:
         remote.close()
+
+
+def test_a_server_no_route_reaches_is_refused_in_one_line():
+    with pytest.raises(SyncError) as err:
+        VLLMServerSync(["http://no-such-host.invalid:8000"])
+    line = str(err.value)
+    assert "\n" not in line
+    assert line.startswith("weight sync start on http://no-such-host.invalid:8000: no route to ")
