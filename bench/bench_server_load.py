@@ -16,7 +16,7 @@ A request is *accepted* when the server did not refuse it for load (429,
 503); every accepted request must be served (200 and, when streamed, a
 ``[DONE]``): the report's ``accepted_not_served`` is the goal's 0.
 
-Then the same load runs again with a hostile mix alongside (``--stalled``
+Then the same load runs again with a hostile mix alongside, from a process of its own (``--stalled``
 clients that send a large streaming request through a 4 KiB receive buffer
 and never read, ``--slow-bodies`` clients that trickle a body byte by byte,
 ``--huge`` clients sending requests at the server's work caps, 1024 sequences
@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import socket
 import statistics
 import subprocess
@@ -232,24 +233,14 @@ async def scorer(client: httpx.AsyncClient, stop: asyncio.Event, hostile: Counte
             hostile[f"score_{type(exc).__name__}"] += 1
 
 
-async def drive(url: str, args, report: Report, hostile: Counter | None = None) -> None:
-    """Run the load: ``args.concurrency`` clients over ``args.requests`` requests, plus tricklers
-    and, with ``hostile`` (its counts), the hostile mix."""
+async def drive(url: str, args, report: Report) -> None:
+    """Run the load: ``args.concurrency`` clients over ``args.requests`` requests, plus tricklers."""
     host, port = url.removeprefix("http://").split(":")
     stop = asyncio.Event()
     slow = [
         asyncio.create_task(trickler(host, int(port), args.trickle_s, stop, report))
         for _ in range(args.tricklers)
     ]
-    if hostile is not None:
-        slow += [
-            asyncio.create_task(stalled_reader(host, int(port), stop, hostile))
-            for _ in range(args.stalled)
-        ]
-        slow += [
-            asyncio.create_task(slow_body(host, int(port), stop, hostile))
-            for _ in range(args.slow_bodies)
-        ]
     numbers = iter(range(args.requests))
     headers = {"Authorization": f"Bearer {API}"}
     limits = httpx.Limits(max_connections=args.concurrency)
@@ -259,17 +250,36 @@ async def drive(url: str, args, report: Report, hostile: Counter | None = None) 
             for i in numbers:
                 await one_request(c, *request_for(i, args.stream_every, args.max_tokens), report)
 
-        if hostile is not None:
-            big = httpx.AsyncClient(base_url=url, headers=headers, timeout=600)
-            slow += [asyncio.create_task(huge(big, stop, hostile)) for _ in range(args.huge)]
-            slow += [asyncio.create_task(scorer(big, stop, hostile)) for _ in range(args.scorers)]
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         report.seconds = time.perf_counter() - start
     stop.set()
     await asyncio.gather(*slow, return_exceptions=True)
-    if hostile is not None:
-        await big.aclose()
+
+
+def hostile_mix(url: str, args, stop, out) -> None:
+    """The hostile clients, in a process of their own (as they would be on other machines:
+    their own parsing must not delay the normal clients' clocks) until ``stop`` is set;
+    ``out`` gets "ready" once they run, then their counts."""
+
+    async def mix() -> None:
+        host, port = url.removeprefix("http://").split(":")
+        done, hostile = asyncio.Event(), Counter()
+        headers = {"Authorization": f"Bearer {API}"}
+        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as big:
+            tasks = [stalled_reader(host, int(port), done, hostile) for _ in range(args.stalled)]
+            tasks += [slow_body(host, int(port), done, hostile) for _ in range(args.slow_bodies)]
+            tasks += [huge(big, done, hostile) for _ in range(args.huge)]
+            tasks += [scorer(big, done, hostile) for _ in range(args.scorers)]
+            running = [asyncio.create_task(t) for t in tasks]
+            out.put("ready")
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+            done.set()
+            await asyncio.gather(*running, return_exceptions=True)
+        out.put(dict(hostile))
+
+    asyncio.run(mix())
 
 
 def run(model_dir: Path | None, args) -> dict:
@@ -277,6 +287,7 @@ def run(model_dir: Path | None, args) -> dict:
     flags = ["--max-pending", str(args.max_pending), "--header-timeout", str(args.header_timeout)]
     flags += ["--write-timeout", str(args.write_timeout), "--body-timeout", str(args.body_timeout)]
     flags += ["--max-request-sequences", str(min(1024, args.max_pending))]
+    flags += ["--threads", str(args.server_threads)] if args.server_threads else []
     proc, url = start_server(model_dir, *flags)
     try:
         warm = argparse.Namespace(**{**vars(args), "requests": args.concurrency, "tricklers": 0})
@@ -316,7 +327,18 @@ def hostile_round(url: str, args) -> dict:
     quiet, mixed, hostile = Report(), Report(), Counter()
     plain = argparse.Namespace(**{**vars(args), "tricklers": 0})
     asyncio.run(drive(url, plain, quiet))
-    asyncio.run(drive(url, plain, mixed, hostile))
+    ctx = multiprocessing.get_context("fork")  # the module may not be importable by name
+    stop, out = ctx.Event(), ctx.Queue()
+    clients = ctx.Process(target=hostile_mix, args=(url, args, stop, out), daemon=True)
+    clients.start()
+    try:
+        if out.get(timeout=60) != "ready":
+            raise RuntimeError("the hostile clients did not start")
+        asyncio.run(drive(url, plain, mixed))
+    finally:
+        stop.set()
+        hostile.update(out.get(timeout=120))
+        clients.join(timeout=30)
     q, m = quiet.summary(), mixed.summary()
     return {
         "normal_alone": {k: q[k] for k in ("served", "p50_ms", "p99_ms", "status")},
@@ -346,6 +368,7 @@ def parser() -> argparse.ArgumentParser:
     add("--slow-bodies", type=int, default=8, help="hostile: clients trickling a body")
     add("--huge", type=int, default=1, help="hostile: clients sending requests at the caps")
     add("--scorers", type=int, default=2, help="hostile: clients sending big prompt_logprobs")
+    add("--server-threads", type=int, default=0, help="the server's --threads (0: torch's)")
     add("--write-timeout", type=float, default=2.0, help="the server's --write-timeout")
     add("--body-timeout", type=float, default=2.0, help="the server's --body-timeout")
     return ap

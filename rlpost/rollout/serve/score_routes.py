@@ -21,6 +21,7 @@ logprob needs only its logit and the position's logsumexp.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Generator
 
 from fastapi import APIRouter, Request
@@ -55,7 +56,8 @@ async def prompt_logprobs(request: Request):
     service.budget.take(len(prompts))  # 429 when the server is full
     scheduler = service.scheduler
     # On the scheduler's thread, a piece at a time between decode steps (run_between_steps).
-    future = scheduler.run_between_steps(score_pieces(scheduler.model, prompts, starts))
+    pieces = score_pieces(scheduler.model, prompts, starts)
+    future = scheduler.run_between_steps(encoded_rows(pieces))
     # Released when the work has ended, not when the client has: until then it holds memory.
     future.add_done_callback(lambda _: service.budget.release(len(prompts)))
     work = asyncio.wrap_future(future)
@@ -65,7 +67,8 @@ async def prompt_logprobs(request: Request):
         rows = work.result()
     finally:
         future.cancel()  # stops it before its next piece; nothing when it has ended
-    return {"logprobs": rows, "policy_version": scheduler.version}
+    body = f'{{"logprobs": [{rows}], "policy_version": {scheduler.version}}}'
+    return Response(body, media_type="application/json")
 
 
 def parse_scoring(body: dict, vocab: int, settings) -> tuple[list[list[int]], list[int]]:
@@ -131,6 +134,20 @@ def score_pieces(
         for i, lp in zip(rows, picked, strict=True):
             out[i] = lp[starts[i] - 1 :]
     return out
+
+
+def encoded_rows(pieces: Generator[None, None, list[list[float]]], rows_per_piece: int = 16):
+    """The rows ``pieces`` returns, as the JSON text of a list's items, encoded a few rows per
+    piece: 256 rows of 120 logprobs take tens of milliseconds to encode, which in one go
+    would hold the GIL, and with it every other request's handling, that long."""
+    rows = yield from pieces
+    parts = []
+    for s in range(0, len(rows), rows_per_piece):
+        parts.append(
+            ", ".join(json.dumps(row, allow_nan=False) for row in rows[s : s + rows_per_piece])
+        )
+        yield
+    return ", ".join(parts)
 
 
 def _row_groups(prompts: list[list[int]]) -> list[list[int]]:

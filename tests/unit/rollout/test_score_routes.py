@@ -111,3 +111,35 @@ def test_the_vocabulary_is_hashed_once_per_server(model):
 
     assert asyncio.run(ask()) == [want] * 5
     assert len(calls) == 1
+
+
+def test_rows_are_encoded_a_few_at_a_time_into_the_same_numbers(model):
+    """The answer's JSON is built in pieces on the scheduler's thread; read back, it holds
+    exactly the floats the scoring computed, and a NaN fails instead of writing bad JSON."""
+    import json
+
+    from rlpost.rollout.serve.score_routes import encoded_rows
+
+    expected = score(model, PROMPTS, STARTS)
+    pieces = encoded_rows(score_pieces(model, PROMPTS, STARTS), rows_per_piece=1)
+    paused = 0
+    while True:
+        try:
+            next(pieces)
+            paused += 1
+        except StopIteration as end:
+            text = end.value
+            break
+    assert json.loads(f"[{text}]") == expected
+    scoring_pauses = sum(1 for _ in score_pieces(model, PROMPTS, STARTS))
+    assert paused == scoring_pauses + len(PROMPTS)  # one more pause per row encoded
+    bad = encoded_rows(_returning([[0.5, float("nan")]]))
+    with pytest.raises(ValueError):
+        while True:
+            next(bad)
+
+
+def _returning(rows):
+    """A generator with no pieces that returns ``rows``."""
+    return rows
+    yield
