@@ -112,8 +112,11 @@ def cmd_train(args) -> int:
     with Interrupts() as interrupts:
         try:
             train(cfg, resume=resume, stop=interrupts.stop, start=starter(cfg))
-        except (TrainingStopped, WorkerError) as exc:
+        except TrainingStopped as exc:
             print(f"rlpost: {exc}", file=sys.stderr)
+            return 1
+        except WorkerError as exc:  # lost outside a step: what was saved stands
+            print(f"rlpost: {exc}; continue with rlpost train --resume {run_dir}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             return _interrupted(args, run_dir, interrupts.exit_code)

@@ -318,11 +318,14 @@ def test_a_slow_rollout_host_the_run_completes(bed, tmp_path):
     print(f"measured: 2 Mbit/s on host 3 to step 3: step seconds {times}, per worker {per}")
 
 
-def test_a_trainer_host_cut_off_stops_the_run_in_one_line(bed, tmp_path):
+def test_a_trainer_host_cut_off_stops_in_one_line_and_resumes_with_one_command(bed, tmp_path):
     """Data-parallel trainers on hosts 1 and 2 (rollout on host 1); host 2 is cut off the
     bridge at step 2, its processes living on, unreachable. Ray declares the node dead, the
     call to its rank fails, and the run stops with one line naming the rank instead of
-    hanging in a collective. Last in the module: host 2 stays out of the cluster."""
+    hanging in a collective; the line ends with the command that continues the run. That
+    command, with one trainer (host 2 is out of the cluster now, and a checkpoint resumes on
+    any number of trainers), resumes from the last checkpoint and completes: one metrics row per step, each step's full
+    batch once. Last in the module: host 2 stays out of the cluster."""
     extra = {
         "cluster.trainer_workers": 2,
         "cluster.trainer.resources": "{dp_node: 1}",
@@ -346,5 +349,15 @@ def test_a_trainer_host_cut_off_stops_the_run_in_one_line(bed, tmp_path):
     assert re.search(
         r"trainer rank [01] of 2 failed in \w+ \(rank [01]: trainer-[01] worker lost", lines[0]
     ), lines
+    assert lines[0].endswith(f"rlpost train --resume {run.dir}"), lines
+    stopped_at = len(run.rows())
     bed.heal(2)
-    print(f"trainer host cut off: the run stopped {seen['stopped_after_s']:.1f} s later")
+    resumed = TrainRun(bed, tmp_path, "cut", {}, resume=True, **{"cluster.trainer_workers": 1})
+    assert resumed.wait(timeout=600) == 0, resumed.tail()
+    assert "rlpost: resuming" in resumed.log.read_text(), resumed.tail()
+    rows = _full_batches_once(resumed)
+    assert len(rows) == 6
+    print(
+        f"measured: trainer host cut off: the run stopped {seen['stopped_after_s']:.1f} s "
+        f"later with {stopped_at} rows; resumed with one trainer and completed 6 steps"
+    )
