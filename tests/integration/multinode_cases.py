@@ -14,6 +14,7 @@ import itertools
 import json
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -316,6 +317,48 @@ def test_a_slow_rollout_host_the_run_completes(bed, tmp_path):
     per = [{k[-1]: round(v, 2) for k, v in r.items() if "seconds_worker" in k} for r in rows]
     assert all(sorted(p) == ["0", "1"] for p in per), per
     print(f"measured: 2 Mbit/s on host 3 to step 3: step seconds {times}, per worker {per}")
+
+
+def test_the_rollout_fleet_grows_and_shrinks_across_hosts_while_the_run_goes(bed, tmp_path):
+    """``rlpost cluster scale`` from host 1 while the run goes: 2 rollout workers grow to 4
+    at step 2 (the new ones placed by ``rollout_node`` on hosts 2 and 3, each synced to the
+    weights of the moment before it serves), then shrink to 1, without a restart. Two steps
+    later SIGTERM stops the driver cleanly. Every step keeps its full batch, trained once,
+    one metrics row per step."""
+    run = TrainRun(bed, tmp_path, "elastic", BASE, **{"train.steps": 1000})
+    scale = [sys.executable, "-m", "rlpost.cli", "cluster", "scale", "--rollout"]
+    seen: dict = {}
+
+    def resize(size: str) -> None:  # the run goes on meanwhile: the step is the run's now
+        t = time.monotonic()
+        done = bed.run(1, [*scale, size, str(run.dir), "--wait", "300"], timeout=330)
+        assert done.returncode == 0, done.stdout + done.stderr
+        seen[size] = (len(run.rows()), round(time.monotonic() - t, 1), _actors(bed))
+
+    def on_step(step: int) -> None:
+        if step >= 2 and "4" not in seen:
+            resize("4")
+        elif "4" in seen and "1" not in seen:
+            resize("1")
+        elif "1" in seen and step >= seen["1"][0] + 2 and "stopped" not in seen:
+            seen["stopped"] = step
+            run.proc.send_signal(signal.SIGTERM)
+
+    assert run.wait(on_step, timeout=900) == 128 + signal.SIGTERM, run.tail()
+    rows = _full_batches_once(run)
+    grown = seen["4"][2]
+    assert sum(x.count("RolloutWorker") for x in grown.values()) == 4, grown
+    assert "RolloutWorker" not in grown[1], grown  # rollout_node: never on the trainer host
+    events = run.events()
+    for worker in (2, 3):
+        states = [e for e in events if e["worker"] == worker]
+        healthy = [e for e in states if e["state"] == "healthy"]
+        assert healthy and healthy[0]["version"] == healthy[0]["current"], states  # synced
+        assert states[-1]["state"] == "retired", states
+    print(
+        f"measured: scaled 2 -> 4 in {seen['4'][1]} s (step {seen['4'][0]} when done), "
+        f"4 -> 1 in {seen['1'][1]} s (step {seen['1'][0]}); {len(rows)} steps in all"
+    )
 
 
 def test_a_trainer_host_cut_off_stops_in_one_line_and_resumes_with_one_command(bed, tmp_path):
