@@ -1260,6 +1260,8 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
                 value = raw
         if isinstance(value, str) and _FLOAT.fullmatch(value):
             value = float(value)  # YAML 1.1 reads "1e-5" as a string
+        if isinstance(value, dict) and key in mapping_fields():
+            value = Whole(value)  # resources={solo: 1}: exactly that, not merged with the recipe's
         node: Any = tree
         for i, part in enumerate(parts[:-1]):  # algo.loss=dapo algo.loss.clip_high=..: a choice
             node = node.get(part, {}) if isinstance(node, dict) else node
@@ -1300,9 +1302,28 @@ def merge(base: dict[str, Any], extra: dict[str, Any], _at: str = "") -> dict[st
             names = {d.get("name") for d in (old, v) if isinstance(d, dict)} - {None}
             if len(names) == 2:  # another variant: its own defaults
                 old = None
-        both = isinstance(v, dict) and isinstance(old, dict)
-        out[k] = merge(old, v, at + ".") if both else v
+        both = isinstance(v, dict) and isinstance(old, dict) and not isinstance(v, Whole)
+        out[k] = type(old)(merge(old, v, at + ".")) if both else v
     return out
+
+
+class Whole(dict):
+    """A mapping an override gives for a free-form mapping field (``key={a: 1}``): it replaces
+    the recipe's value, as a list does; ``key.a=1`` still sets one entry."""
+
+
+@functools.cache
+def mapping_fields(model: type[BaseModel] | None = None, prefix: str = "") -> frozenset[str]:
+    """Dotted keys of the fields that hold a free-form mapping (``cluster.rollout.resources``),
+    which an override of the whole key replaces (:class:`Whole`)."""
+    found: set[str] = set()
+    for name, field in (model or Config).model_fields.items():
+        ann = field.annotation
+        if any(get_origin(a) is dict for a in (ann, *get_args(ann))):
+            found.add(prefix + name)
+        elif isinstance(ann, type) and issubclass(ann, BaseModel) and not _is_choice(field):
+            found |= mapping_fields(ann, f"{prefix}{name}.")
+    return frozenset(found)
 
 
 def _is_choice(field: Any) -> bool:

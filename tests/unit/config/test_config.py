@@ -279,3 +279,17 @@ def test_a_bad_lr_names_the_key_without_pydantics_union_labels():
             err.value
         ) or f"train.optim.lr={value}" in str(err.value)
         assert "constrained" not in str(err.value)
+
+
+def test_an_override_of_a_whole_mapping_replaces_the_recipes_and_a_dotted_one_adds(tmp_path):
+    """``cluster.rollout.resources={solo: 1}`` on resume over a saved ``{rollout_node: 1}``
+    places the workers by ``solo`` alone; ``...resources.solo=1`` adds one entry."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("cluster:\n  rollout:\n    resources: {rollout_node: 1}\n")
+    key = "cluster.rollout.resources"
+    assert load_config(recipe, [f"{key}={{solo: 1}}"]).cluster.rollout.resources == {"solo": 1}
+    both = {"rollout_node": 1, "solo": 1}
+    assert load_config(recipe, [f"{key}.solo=1"]).cluster.rollout.resources == both
+    later = load_config(recipe, [f"{key}={{solo: 1}}", f"{key}.x=2"]).cluster.rollout.resources
+    assert later == {"solo": 1, "x": 2}
+    assert load_config(recipe, ["agent.params={a: 1}"]).agent.params == {"a": 1}
