@@ -1251,7 +1251,8 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override {item!r} has an empty key part")
         parts = key.split(".")
-        if _is_text_field(Config, parts) and raw not in ("null", "~"):
+        kind = _leaf_type(Config, parts)
+        if kind in (str, str | None) and raw not in ("null", "~"):
             value: Any = raw
         else:
             try:
@@ -1260,7 +1261,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
                 value = raw
         if isinstance(value, str) and _FLOAT.fullmatch(value):
             value = float(value)  # YAML 1.1 reads "1e-5" as a string
-        if isinstance(value, dict) and key in mapping_fields():
+        if isinstance(value, dict) and get_origin(kind) is dict:
             value = Whole(value)  # resources={solo: 1}: exactly that, not merged with the recipe's
         node: Any = tree
         for i, part in enumerate(parts[:-1]):  # algo.loss=dapo algo.loss.clip_high=..: a choice
@@ -1273,13 +1274,14 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return tree
 
 
-def _is_text_field(model: type[BaseModel] | None, parts: list[str]) -> bool:
+def _leaf_type(model: type[BaseModel] | None, parts: list[str]) -> Any:
+    """The annotation of the field at ``parts`` through sections (None where there is none)."""
     *sections, leaf = parts
     for part in sections:
         field = model.model_fields.get(part) if model is not None else None
         model = section_class(field.annotation) if field is not None else None
     field = model.model_fields.get(leaf) if model is not None else None
-    return field is not None and field.annotation in (str, str | None)
+    return field.annotation if field is not None else None
 
 
 def section_class(ann: Any) -> type[BaseModel] | None:
@@ -1310,20 +1312,6 @@ def merge(base: dict[str, Any], extra: dict[str, Any], _at: str = "") -> dict[st
 class Whole(dict):
     """A mapping an override gives for a free-form mapping field (``key={a: 1}``): it replaces
     the recipe's value, as a list does; ``key.a=1`` still sets one entry."""
-
-
-@functools.cache
-def mapping_fields(model: type[BaseModel] | None = None, prefix: str = "") -> frozenset[str]:
-    """Dotted keys of the fields that hold a free-form mapping (``cluster.rollout.resources``),
-    which an override of the whole key replaces (:class:`Whole`)."""
-    found: set[str] = set()
-    for name, field in (model or Config).model_fields.items():
-        ann = field.annotation
-        if any(get_origin(a) is dict for a in (ann, *get_args(ann))):
-            found.add(prefix + name)
-        elif isinstance(ann, type) and issubclass(ann, BaseModel) and not _is_choice(field):
-            found |= mapping_fields(ann, f"{prefix}{name}.")
-    return frozenset(found)
 
 
 def _is_choice(field: Any) -> bool:

@@ -1,7 +1,8 @@
 """A Ray cluster of several simulated hosts (``tests/multinode.py``): ``multinode_cases.py``
-runs inside network and mount namespaces of its own, where it makes the hosts, their
-bridge and the cluster; this module starts it, asserts every case passed, and that
-nothing it started outlived it."""
+(the fleet and its failures) and ``launch_cases.py`` (the SLURM template's commands) each
+run inside network and mount namespaces of their own, where they make the hosts, their
+bridge and the cluster; this module starts them, asserts every case passed, and that
+nothing they started outlived them."""
 
 from __future__ import annotations
 
@@ -36,7 +37,12 @@ def _left_behind(marker: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_multinode_cases_on_simulated_hosts(tmp_path):
+@pytest.mark.parametrize(
+    ("cases", "at_least"),
+    [("multinode_cases.py", 4), ("launch_cases.py", 1)],
+    ids=["fleet", "launch"],
+)
+def test_multinode_cases_on_simulated_hosts(tmp_path, cases, at_least):
     why = multinode.unavailable()
     if why:
         pytest.skip(why)
@@ -45,7 +51,7 @@ def test_multinode_cases_on_simulated_hosts(tmp_path):
     bed_dir = tempfile.mkdtemp(prefix="rlmn", dir="/tmp")  # short: Ray's sockets live there
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RLPOST_BED_DIR": bed_dir}
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    argv += [f"--basetemp={tmp_path / 'inner'}", "tests/integration/multinode_cases.py"]
+    argv += [f"--basetemp={tmp_path / 'inner'}", f"tests/integration/{cases}"]
     only = os.environ.get("RLPOST_MULTINODE_K")  # a -k expression: some cases only
     if only:
         argv += ["-k", only, "-s"]
@@ -65,7 +71,7 @@ def test_multinode_cases_on_simulated_hosts(tmp_path):
     tail = "\n".join(kept)[-6000:]
     assert done.returncode == 0, tail
     summary = re.search(r"(\d+) passed", done.stdout)
-    assert summary and (only or int(summary.group(1)) >= 4), tail
+    assert summary and (only or int(summary.group(1)) >= at_least), tail
     print("\n".join(x[x.index("measured:") :] for x in kept if "measured:" in x))
     assert not re.search(r"\d+ (failed|skipped|error)", done.stdout), tail
     assert not left, left
