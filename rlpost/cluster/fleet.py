@@ -375,8 +375,13 @@ class RolloutFleet:
             takes = (State.HEALTHY, State.SUSPECT, State.STALE)
             targets = [m for m in self.members if not m.restarting and m.health.state in takes]
         futures = {self._pool.submit(self._push, m, tensors, version): m for m in targets}
-        for fut in futures:
-            fut.result()
+        _, silent = wait(futures, timeout=self.policy.dead_after_s)
+        for fut in silent:  # no reply past dead_after_s: the step goes on without it
+            m, why = futures[fut], f"no reply for {self.policy.dead_after_s:g} s"
+            with self._lock:
+                m.health.missed(version, why)
+                self._log(m)
+            self._later(m, self._admit_marked)  # a full sync once it answers, or a restart
         if not self.serving() and not any(m.restarting for m in self.members):
             raise WorkerError(
                 "rollout",
@@ -401,8 +406,8 @@ class RolloutFleet:
         with self._lock:
             if handle is not m.handle:
                 return
-            if m.health.state is State.STALE:
-                m.health.synced(reported, version)
+            if m.health.state is State.STALE:  # the newest version, if a push was abandoned
+                m.health.synced(reported, self._version)
             elif reported != version:
                 m.health.missed(version, f"reports version {reported}")
             else:

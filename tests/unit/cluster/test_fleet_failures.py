@@ -33,6 +33,7 @@ class Scripted:
         self.dead = False
         self.v = 0
         self.block: threading.Event | None = None
+        self.push_block: threading.Event | None = None  # load_weights waits for it
         self.gen_error: Exception | None = None
         self.calls = 0
 
@@ -42,9 +43,11 @@ class Scripted:
         return self.v
 
     def load_weights(self, tensors, version: int) -> None:
+        if self.push_block is not None:
+            self.push_block.wait(30)
         if self.dead:
             raise RuntimeError("process exited")
-        self.v = version
+        self.v = max(self.v, version)  # an actor runs one caller's calls in order
 
     def generate(self, prompts, params, n, *, train=False, last=False, min_version=None):
         self.calls += 1
@@ -238,6 +241,30 @@ def test_a_worker_restarted_after_a_silence_is_timed_afresh():
         back.generate = slow
         fleet.generate(list(range(4)), None, 1)  # the clock stands still
         assert fleet.members[0].health.restarts == 1 and fleet.states() == ["healthy"] * 2
+    finally:
+        fleet.close()
+
+
+def test_a_push_unanswered_past_dead_after_goes_on_without_that_worker(thread_errors):
+    """A worker behind a partition does not answer a weight push: after ``dead_after_s`` the
+    push returns with the others served, the silent one stale (no prompts for it); once it
+    answers again a full sync brings it to the newest version before it serves."""
+    spawner = Spawner()
+    fleet = _fleet(spawner, 2, suspect_after_s=0.2, dead_after_s=0.5)
+    try:
+        cut = fleet.members[1].handle
+        cut.push_block = threading.Event()
+        start = time.monotonic()
+        fleet.load_weights(weights(), 2)
+        assert time.monotonic() - start < 5  # bounded by dead_after_s, not by the silence
+        assert fleet.states() == ["healthy", "stale"]
+        out = fleet.generate(list(range(4)), None, 1)
+        assert {w for w, _ in out.groups} == {0}  # only the worker that took version 2
+        fleet.load_weights(weights(), 3)  # meanwhile a newer version: the silent one misses it
+        cut.push_block.set()  # the link is back
+        _until(lambda: fleet.states() == ["healthy", "healthy"])
+        assert cut.v == 3 and fleet.members[1].handle is cut  # synced, not restarted
+        assert thread_errors == []
     finally:
         fleet.close()
 
