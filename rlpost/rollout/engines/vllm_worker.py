@@ -5,8 +5,8 @@ vLLM mixes :class:`WeightLoader` into each worker (``worker_extension_cls``), so
 to the engine core and vLLM's insecure serialisation stays off. ``collective_rpc`` arguments
 travel as msgpack (a tensor arrives as a list), so the tensors travel as a safetensors file (on
 shared memory, or fetched over HTTP from the trainer), loaded without unpickling through vLLM's
-in-place reload (the model's own ``load_weights`` and the backend's post-load processing). Importing this module must stay
-cheap and import nothing of vLLM: the workers import it at start-up.
+in-place reload (the model's own ``load_weights`` and the backend's post-load processing).
+Importing this module must stay cheap, nothing of vLLM: the workers import it at start-up.
 """
 
 from __future__ import annotations

@@ -64,10 +64,10 @@ async def prompt_logprobs(request: Request):
     try:
         if not await service.wait(request, [work]):
             return Response(status_code=499)  # nobody is listening
-        rows = work.result()
+        rows_json = work.result()
     finally:
         future.cancel()  # stops it before its next piece; nothing when it has ended
-    body = f'{{"logprobs": [{rows}], "policy_version": {scheduler.version}}}'
+    body = f'{{"logprobs": [{rows_json}], "policy_version": {scheduler.version}}}'
     return Response(body, media_type="application/json")
 
 
