@@ -311,6 +311,26 @@ def test_head_linear_takes_onednn_for_a_large_vocabulary_without_a_gradient():
     assert not _ran_onednn(lambda: lm_head.head_linear(x.double(), big.double()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_linear_takes_a_strided_last_position_as_rows(dtype):
+    """``hidden[:, -1:]`` of a padded prompt batch: one matmul over its rows, never a batched
+    one over the weight expanded per row (a bf16 CPU kernel copies that expansion out)."""
+    from rlpost.train import lm_head
+
+    torch.manual_seed(0)
+    hidden = torch.randn(6, 9, 16, dtype=dtype)
+    weight = torch.randn(lm_head.ONEDNN_MIN_VOCAB, 16, dtype=dtype)
+    last = hidden[:, -1:, :]
+    assert not last.is_contiguous()
+    with _Ops() as ops:
+        got = lm_head.head_linear(last, weight)
+    assert "aten.bmm" not in ops.names and "aten.expand" not in ops.names
+    assert got.shape == (6, 1, lm_head.ONEDNN_MIN_VOCAB)
+    want = torch.nn.functional.linear(last.contiguous().float(), weight.float())
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
 def test_a_serving_head_keeps_its_weights_ties_and_numbers(monkeypatch):
     import copy
     import pickle
