@@ -10,10 +10,8 @@ come from the heap, which fragments and keeps growing (docs/performance.md,
 is a fresh, zero-filled mapping). glibc reads ``MALLOC_MMAP_THRESHOLD_`` only at
 process start, so a running process sets it with ``mallopt``; ctypes is the only
 way to reach it from Python (no library wraps it).
-
-Freed memory inside the heap stays in the process until ``malloc_trim`` returns its whole
-pages: at SmolLM2-135M the training process kept about 150 MiB more after every step
-without it, about 90 with it (docs/performance.md, "Memory").
+Freed pages inside the heap stay in the process until ``malloc_trim`` returns them: at
+SmolLM2-135M a step kept ~150 MiB more without it, ~90 with it (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -50,10 +48,7 @@ def set_mmap_threshold(nbytes: int) -> bool:
 
 
 def release_free_heap() -> bool:
-    """Give the heap's free pages back to the system (glibc's ``malloc_trim(0)``, every
-    arena). True when memory was returned; False when none was, or on a C library
-    without it, where nothing changes."""
+    """glibc's ``malloc_trim(0)``: the heap's free pages back to the system. True when
+    some were returned; False otherwise or without glibc."""
     lib = _libc()
-    if lib is None or not hasattr(lib, "malloc_trim"):
-        return False
-    return bool(lib.malloc_trim(ctypes.c_size_t(0)))
+    return lib is not None and bool(lib.malloc_trim(ctypes.c_size_t(0)))
