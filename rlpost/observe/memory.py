@@ -1,17 +1,13 @@
 """Process memory: glibc's mmap threshold, set in the running process, and the free heap
-given back after each step.
+given back after each step (docs/performance.md, "Memory").
 
-glibc serves an allocation above its mmap threshold with its own ``mmap`` (returned
-to the system on ``free``) and anything smaller from the heap. The threshold is
-dynamic by default: freeing a large mmapped block raises it to that block's size
-(up to 32 MiB), so from the second training step on, activations and gradients
-come from the heap, which fragments and keeps growing (docs/performance.md,
-"Memory"). A fixed threshold ends that at a cost in step time (every large tensor
-is a fresh, zero-filled mapping). glibc reads ``MALLOC_MMAP_THRESHOLD_`` only at
-process start, so a running process sets it with ``mallopt``; ctypes is the only
-way to reach it from Python (no library wraps it).
-Freed pages inside the heap stay in the process until ``malloc_trim`` returns them: at
-SmolLM2-135M a step kept ~150 MiB more without it, ~90 with it (docs/performance.md).
+Above its mmap threshold glibc maps an allocation (returned on ``free``), below it uses
+the heap. The threshold rises when a large mapped block is freed (up to 32 MiB), so from
+the second step on activations come from the heap, which fragments and grows. A fixed
+threshold ends that at a cost in step time (every large tensor a fresh mapping); glibc
+reads ``MALLOC_MMAP_THRESHOLD_`` only at start, so ``mallopt`` through ctypes (no library
+wraps it) sets it. Freed heap pages stay until ``malloc_trim`` returns them: at
+SmolLM2-135M a step kept ~150 MiB more without it, ~90 with it.
 """
 
 from __future__ import annotations
@@ -27,24 +23,17 @@ MAX_MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's upper bound on 64-bit (HEAP_MAX
 @functools.cache
 def _libc():
     name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    lib = ctypes.CDLL(name)
+    lib = ctypes.CDLL(name) if name else None
     return lib if hasattr(lib, "mallopt") and hasattr(lib, "gnu_get_libc_version") else None
 
 
 def set_mmap_threshold(nbytes: int) -> bool:
-    """Fix glibc's mmap threshold at ``nbytes`` for the rest of this process (0: leave
-    the dynamic default). True when it was set; False on a C library without ``mallopt``
-    (musl, macOS), where nothing changes. ``nbytes`` above 32 MiB is refused by glibc."""
+    """Fix glibc's mmap threshold at ``nbytes`` for this process (0: keep the dynamic one).
+    True when set; False without glibc's ``mallopt`` (musl, macOS), nothing changed."""
     if nbytes < 0 or nbytes > MAX_MMAP_THRESHOLD:
         raise ValueError(f"mmap threshold {nbytes} is outside 0..{MAX_MMAP_THRESHOLD} bytes")
-    if nbytes == 0:
-        return False
-    lib = _libc()
-    if lib is None:
-        return False
-    return bool(lib.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(nbytes)))
+    lib = _libc() if nbytes else None
+    return lib is not None and bool(lib.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(nbytes)))
 
 
 def release_free_heap() -> bool:

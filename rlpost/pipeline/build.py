@@ -403,8 +403,7 @@ def agent_demonstrations(cfg: Config, tokenizer):
     """The warm-up's example builder for multi-turn episodes (None without ``agent.env``):
     the environment's demonstration in the run's call format, its tool output masked;
     ``agent.sft_direct`` of them answer without calling a tool."""
-    a = cfg.agent
-    if a.harness is not None and a.harness.demonstrations is not None:
+    if (a := cfg.agent).harness is not None and a.harness.demonstrations is not None:
         return harness_demonstrations(cfg, tokenizer)
     if a.env is None:
         return None

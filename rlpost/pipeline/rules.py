@@ -334,8 +334,7 @@ def _terms_problem(cfg: Config, key: str, terms: list) -> str | None:
 
 @rule(*RL)
 def agent_env_resolves(cfg: Config) -> str | bool | None:
-    a = cfg.agent
-    if a.env is None:
+    if (a := cfg.agent).env is None:
         return None
     try:
         make_env = env_factory(a.env, a.params)

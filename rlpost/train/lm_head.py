@@ -126,11 +126,8 @@ def head_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     wanted, oneDNN's linear (the kernel torch's compiler fuses linears into) rather than
     MKL's sgemm, which runs the head's skinny shapes poorly: ``[32-220, 256] x [256,
     151,936]`` went 1.25-1.8x faster (2 threads, AVX2 CPU, docs/performance.md). Elsewhere
-    torch's own, on ``x`` as rows: ``nn.functional.linear`` on a 3-d ``x`` whose batch rows
-    are not one block (the last position of a padded prompt batch, ``hidden[:, -1:]``) runs
-    as a batched matmul over the weight expanded per row, which a bf16 CPU kernel copies
-    out: ``[40, 1, 576] x [49,152, 576]`` held 2.2 GB for 2 s, against 16 MB and 0.06 s as
-    ``[40, 576]`` rows."""
+    torch's own, on ``x`` as rows: a strided 3-d ``x`` (``hidden[:, -1:]``) ran as a bmm over
+    the weight expanded per row, 2.2 GB in bf16 at [40, 1, 576] x [49,152, 576]."""
     rows = x.reshape(-1, x.shape[-1])  # a view where the rows allow it
     if _onednn_head(x, weight):
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [], "")
