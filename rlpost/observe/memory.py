@@ -22,8 +22,7 @@ MAX_MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's upper bound on 64-bit (HEAP_MAX
 
 @functools.cache
 def _libc():
-    name = ctypes.util.find_library("c")
-    lib = ctypes.CDLL(name) if name else None
+    lib = ctypes.CDLL(name) if (name := ctypes.util.find_library("c")) else None
     return lib if hasattr(lib, "mallopt") and hasattr(lib, "gnu_get_libc_version") else None
 
 

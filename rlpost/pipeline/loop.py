@@ -37,7 +37,7 @@ from rlpost.data import PromptSampler
 from rlpost.data.sources import make_sampler
 from rlpost.errors import WorkerError, one_line
 from rlpost.observe import Guards, Recorder
-from rlpost.observe.memory import release_free_heap, set_mmap_threshold
+from rlpost.observe.memory import set_mmap_threshold
 from rlpost.observe.metrics import merge_metrics
 from rlpost.observe.threads import start_threads
 from rlpost.pipeline import build, rules
@@ -187,7 +187,6 @@ def train(
                 continue
             empty = 0
             step += 1
-            release_free_heap()  # what the step freed, back to the system
             rl_seconds += time.perf_counter() - t0
             if follower is not None:
                 follower.after_step()

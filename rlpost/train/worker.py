@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from rlpost.observe.memory import release_free_heap
 from rlpost.rng import rng_state, set_rng_state
 from rlpost.statefile import load_state, save_state
 from rlpost.train.actor import PolicyTrainer, PolicyUpdate
@@ -130,6 +131,7 @@ class TrainerWorker:
         during critic warm-up), then the version moves on. ``batch`` is left as it came."""
         done = self.trainer.update(batch, beta=beta) if train_policy else PolicyUpdate({})
         self._version += 1
+        release_free_heap()  # what the step freed, back to the system, in every backend
         return UpdateResult(stats=done.stats, old_logprobs=done.old_logprobs, version=self._version)
 
     def export_weights(self) -> WeightsExport:
