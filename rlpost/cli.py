@@ -354,7 +354,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rlpost.observe.memory import bound_kernel_caches
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    bound_kernel_caches()  # before any kernel is built; a run's memory grows with its shapes
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in OWN_ARGS:
         return _own_args(argv[0], argv[1:])

@@ -64,9 +64,11 @@ class Host:
         import torch
 
         from rlpost.models.loading import quiet_transformers
+        from rlpost.observe.memory import bound_kernel_caches
         from rlpost.observe.threads import CoreShare, share_cores
 
         quiet_transformers()  # a child process starts with transformers' defaults
+        bound_kernel_caches()  # a Ray actor's environment comes from its raylet
         cfg = Config.model_validate(cfg_data)
         torch.manual_seed(cfg.run.seed)
         threads = cfg.run.threads if threads is None else threads

@@ -37,7 +37,7 @@ from rlpost.data import PromptSampler
 from rlpost.data.sources import make_sampler
 from rlpost.errors import WorkerError, one_line
 from rlpost.observe import Guards, Recorder
-from rlpost.observe.memory import set_mmap_threshold
+from rlpost.observe.memory import bound_kernel_caches, set_mmap_threshold
 from rlpost.observe.metrics import merge_metrics
 from rlpost.observe.threads import start_threads
 from rlpost.pipeline import build, rules
@@ -147,6 +147,7 @@ def train(
     torch.manual_seed(cfg.run.seed)
     follower = start_threads(cfg.run.threads, torch.set_num_threads)  # None unless 0
     set_mmap_threshold(cfg.run.malloc_mmap_threshold)
+    bound_kernel_caches()  # a library caller's process, where no kernel was built yet
     started = time.time()
     if cfg.eval.limit and not cfg.eval.sets:  # eval.sets: applied to each set at load
         held_out = held_out[: cfg.eval.limit]

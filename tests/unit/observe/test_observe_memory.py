@@ -1,7 +1,8 @@
-"""glibc's mmap threshold, fixed in a running process (rlpost.observe.memory)."""
+"""Process memory: glibc's mmap threshold and heap, the kernel caches (rlpost.observe.memory)."""
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import sys
 import pytest
 
 from rlpost.config import ConfigError, load_config
-from rlpost.observe.memory import set_mmap_threshold
+from rlpost.observe.memory import KERNEL_CACHE_ENTRIES, KERNEL_CACHES, set_mmap_threshold
 
 GLIBC = platform.libc_ver()[0] == "glibc"
 
@@ -19,7 +20,7 @@ GLIBC = platform.libc_ver()[0] == "glibc"
 # process: the threshold is process-wide and never unset.
 PROBE = """
 import ctypes, sys
-from rlpost.observe.memory import set_mmap_threshold
+from rlpost.observe.memory import KERNEL_CACHE_ENTRIES, KERNEL_CACHES, set_mmap_threshold
 print(set_mmap_threshold(int(sys.argv[1])))
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
@@ -81,3 +82,23 @@ def test_release_free_heap_returns_the_pages_a_free_left_on_the_heap():
     out = subprocess.run([sys.executable, "-c", TRIM], capture_output=True, text=True, check=True)
     released, mib = out.stdout.split()
     assert released == "True" and int(mib) >= 15
+
+
+CACHES = """
+import os, sys
+from rlpost.cli import main
+main(["config", "grpo_arith"])
+print("CAPS", os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY"), os.environ["LRU_CACHE_CAPACITY"])
+"""
+
+
+@pytest.mark.parametrize("user", [None, "7"])
+def test_every_command_caps_the_kernel_caches_unless_the_user_set_them(user):
+    env = {k: v for k, v in os.environ.items() if k not in KERNEL_CACHES}
+    if user:
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = user
+    out = subprocess.run(
+        [sys.executable, "-c", CACHES], capture_output=True, text=True, check=True, env=env
+    )
+    caps = out.stdout.rsplit("CAPS", 1)[1].split()
+    assert caps == [user or str(KERNEL_CACHE_ENTRIES), str(KERNEL_CACHE_ENTRIES)]
