@@ -147,11 +147,56 @@ def _execute(
     cpu = _pick_cpu(config)
     limits = plan(config.run_limits)
     group = _run_group(limits, config, cpu)
-    try:
-        return _supervise(tools, interpreter, code, stdin, config, files, cpu, limits, group)
-    finally:
-        if group is not None:
-            group.close()
+    with contextlib.closing(group) if group is not None else contextlib.nullcontext():
+        entries: list[tuple[int, str]] = []
+        program = limits.seccomp_program
+        seccomp_fd = _memfd("seccomp", program) if program is not None else None
+        info_r, info_w = os.pipe()
+        try:
+            for name, text in [(MAIN_FILE, code), *files.items()]:
+                entries.append((_memfd(name, _encode(text)), name))
+            argv = build_command(
+                tools,
+                interpreter,
+                config,
+                cpu=cpu,
+                files=entries,
+                info_fd=info_w,
+                argv=[*PYTHON_FLAGS, MAIN_FILE],
+                join=group.join_argv(tools.sh or "sh") if group is not None else None,
+                seccomp_fd=seccomp_fd,
+            )
+            extra = () if seccomp_fd is None else (seccomp_fd,)
+            start = time.monotonic()
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(info_w, *extra, *(fd for fd, _ in entries)),
+                start_new_session=True,
+                env=_HOST_ENV,
+                cwd="/",
+            )
+        except BaseException:
+            os.close(info_r)
+            raise
+        finally:
+            os.close(info_w)
+            for fd in [fd for fd, _ in entries] + ([] if seccomp_fd is None else [seccomp_fd]):
+                os.close(fd)
+        with _Supervisor(proc, info_r, config, deadline=start + config.timeout_s) as supervisor:
+            stopped = supervisor.pump(stdin)
+            out, err = bytes(supervisor.stdout), bytes(supervisor.stderr)
+        oom_kills = group.oom_kills() if group is not None else 0
+        status, exit_code = classify(proc.returncode, err, stopped, oom_kills)
+        return SandboxResult(
+            status=status,
+            exit_code=exit_code,
+            stdout=out.decode("utf-8", errors="replace"),
+            stderr=err.decode("utf-8", errors="replace"),
+            wall_seconds=time.monotonic() - start,
+        )
 
 
 def _run_group(limits: RunPlan, config: SandboxConfig, cpu: int) -> RunGroup | None:
@@ -169,68 +214,6 @@ def _run_group(limits: RunPlan, config: SandboxConfig, cpu: int) -> RunGroup | N
             f"cannot make the run's cgroup ({exc.strerror or exc}); "
             "set run_limits=seccomp to run without one"
         ) from None
-
-
-def _supervise(
-    tools: Tools,
-    interpreter: Interpreter,
-    code: str,
-    stdin: bytes,
-    config: SandboxConfig,
-    files: dict[str, str],
-    cpu: int,
-    limits: RunPlan,
-    group: RunGroup | None,
-) -> SandboxResult:
-    entries: list[tuple[int, str]] = []
-    program = limits.seccomp_program
-    seccomp_fd = _memfd("seccomp", program) if program is not None else None
-    info_r, info_w = os.pipe()
-    try:
-        for name, text in [(MAIN_FILE, code), *files.items()]:
-            entries.append((_memfd(name, _encode(text)), name))
-        argv = build_command(
-            tools,
-            interpreter,
-            config,
-            cpu=cpu,
-            files=entries,
-            info_fd=info_w,
-            argv=[*PYTHON_FLAGS, MAIN_FILE],
-            join=group.join_argv(tools.sh or "sh") if group is not None else None,
-            seccomp_fd=seccomp_fd,
-        )
-        extra = () if seccomp_fd is None else (seccomp_fd,)
-        start = time.monotonic()
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            pass_fds=(info_w, *extra, *(fd for fd, _ in entries)),
-            start_new_session=True,
-            env=_HOST_ENV,
-            cwd="/",
-        )
-    except BaseException:
-        os.close(info_r)
-        raise
-    finally:
-        os.close(info_w)
-        for fd in [fd for fd, _ in entries] + ([] if seccomp_fd is None else [seccomp_fd]):
-            os.close(fd)
-    with _Supervisor(proc, info_r, config, deadline=start + config.timeout_s) as supervisor:
-        stopped = supervisor.pump(stdin)
-        out, err = bytes(supervisor.stdout), bytes(supervisor.stderr)
-    oom_kills = group.oom_kills() if group is not None else 0
-    status, exit_code = classify(proc.returncode, err, stopped, oom_kills)
-    return SandboxResult(
-        status=status,
-        exit_code=exit_code,
-        stdout=out.decode("utf-8", errors="replace"),
-        stderr=err.decode("utf-8", errors="replace"),
-        wall_seconds=time.monotonic() - start,
-    )
 
 
 class _Supervisor:
