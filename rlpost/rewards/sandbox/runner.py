@@ -166,14 +166,11 @@ def _execute(
                 join=group.join_argv(tools.sh or "sh") if group is not None else None,
                 seccomp_fd=seccomp_fd,
             )
-            extra = () if seccomp_fd is None else (seccomp_fd,)
             start = time.monotonic()
             proc = subprocess.Popen(
                 argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=(info_w, *extra, *(fd for fd, _ in entries)),
+                **dict.fromkeys(("stdin", "stdout", "stderr"), subprocess.PIPE),
+                pass_fds=(info_w, *(fd for fd, _ in entries), *{seccomp_fd} - {None}),
                 start_new_session=True,
                 env=_HOST_ENV,
                 cwd="/",
