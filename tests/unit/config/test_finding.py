@@ -39,7 +39,7 @@ def test_shipped_recipes_work_from_any_directory(tmp_path, monkeypatch, capsys):
     mine = tmp_path / "mine.yaml"
     mine.write_text("base: grpo_arith.yaml\nrun: {name: mine}\n")
     cfg = load_config(mine)
-    assert cfg.run.name == "mine" and cfg.sft.steps == 2500  # the rest from the shipped recipe
+    assert cfg.run.name == "mine" and cfg.sft.steps == 2000  # the rest from the shipped recipe
     with pytest.raises(ConfigError, match="did you mean dapo_arith"):
         load_config("dapo_arth")
     assert main(["recipes"]) == 0
