@@ -6,7 +6,7 @@ one-step stories of things bought or given away; the answer is a plain number) a
 exactly as the README tells a user, plus only the run's shape (``--prompts`` x ``--n``,
 ``--steps``, ``--threads``) and ``--set`` overrides. Held-out accuracy at T=1 comes from the
 run's own evaluation before and after training (with its standard error); peak RSS is the run's
-process tree, sampled every 0.5 s.
+process tree, sampled every 0.5 s, which is also read as each step's row lands.
 
     python bench/bench_grpo_file.py --model ~/.cache/rlpost/models/SmolLM2-135M-Instruct \\
         [--steps 20] [--prompts 8] [--n 8] [--threads 2] [--eval 200] [--set KEY=VALUE ...]
@@ -70,14 +70,30 @@ def write_task(root: Path, train: int, held_out: int) -> tuple[Path, Path]:
     return paths
 
 
-def peak_rss_mib(proc: subprocess.Popen, peak: list[float], done: threading.Event) -> None:
+def last_step(runs: Path) -> int:
+    """The newest trained step in the run's ``metrics.jsonl`` (0 before the first)."""
+    steps = [0]
+    for path in runs.glob("*/metrics.jsonl"):
+        for line in path.read_text().splitlines():
+            row = json.loads(line) if line.strip() else {}
+            steps.append(row.get("step", 0) if "loss" in row else 0)
+    return max(steps)
+
+
+def sample_rss(proc: subprocess.Popen, runs: Path, seen: dict, done: threading.Event) -> None:
+    """The process tree's RSS every 0.5 s: its peak, and its value as each step's row lands
+    (whether a step keeps memory it does not need is read there)."""
     root = psutil.Process(proc.pid)
     while not done.is_set():
         try:
             tree = [root, *root.children(recursive=True)]
-            peak[0] = max(peak[0], sum(p.memory_info().rss for p in tree) / 2**20)
+            rss = sum(p.memory_info().rss for p in tree) / 2**20
         except psutil.Error:
-            pass  # a child exited between listing and reading; the next sample counts it
+            rss = 0.0  # a child exited between listing and reading; the next sample counts it
+        seen["peak"] = max(seen["peak"], rss)
+        step = last_step(runs)
+        if rss and step and step not in seen["by_step"]:
+            seen["by_step"][step] = round(rss)
         time.sleep(0.5)
 
 
@@ -113,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     print("$", " ".join(command), flush=True)
     started = time.perf_counter()
     proc = subprocess.Popen(command)
-    peak, done = [0.0], threading.Event()
-    sampler = threading.Thread(target=peak_rss_mib, args=(proc, peak, done), daemon=True)
+    seen, done = {"peak": 0.0, "by_step": {}}, threading.Event()
+    sampler = threading.Thread(
+        target=sample_rss, args=(proc, root / "runs", seen, done), daemon=True
+    )
     sampler.start()
     code = proc.wait()
     done.set()
@@ -125,7 +143,15 @@ def main(argv: list[str] | None = None) -> int:
         return code
     summary = json.loads(next((root / "runs").glob("*/summary.json")).read_text())
     print(
-        json.dumps({"wall_s": round(wall, 1), "peak_rss_mib": round(peak[0]), **summary}, indent=1)
+        json.dumps(
+            {
+                "wall_s": round(wall, 1),
+                "peak_rss_mib": round(seen["peak"]),
+                "rss_mib_by_step": seen["by_step"],
+                **summary,
+            },
+            indent=1,
+        )
     )
     return 0
 
