@@ -400,20 +400,20 @@ class RolloutFleet:
                     return  # replaced meanwhile: its restart syncs the new one
                 m.health.missed(version, typed_line(exc))
             self._failed(m, exc, handle)
-            if m.health.state is State.STALE:  # still there: a full sync readmits it
-                self._later(m, self._admit_marked)
-            return
-        with self._lock:
-            if handle is not m.handle:
-                return
-            if m.health.state is State.STALE:  # the newest version, if a push was abandoned
-                m.health.synced(reported, self._version)
-            elif reported != version:
-                m.health.missed(version, f"reports version {reported}")
-            else:
-                m.health.responded(f"took version {version}")
-            self._log(m, current=version)
-            self._lock.notify_all()
+        else:
+            with self._lock:
+                if handle is not m.handle:
+                    return
+                if m.health.state is State.STALE:  # the newest version, if a push was abandoned
+                    m.health.synced(reported, self._version)
+                elif reported < version:  # an abandoned push may return after a newer one
+                    m.health.missed(version, f"reports version {reported}")
+                else:
+                    m.health.responded(f"took version {version}")
+                self._log(m, current=version)
+                self._lock.notify_all()
+        if m.health.state is State.STALE:  # still there: a full sync readmits it
+            self._later(m, self._admit_marked)
 
     def _admit_marked(self, m: Member) -> None:
         """:meth:`_admit` for a worker marked ``restarting``; the mark goes when it is done,

@@ -34,17 +34,20 @@ class Scripted:
         self.v = 0
         self.block: threading.Event | None = None
         self.push_block: threading.Event | None = None  # load_weights waits for it
+        self.push_gates: list = []  # or, call by call, for the next of these (None: no wait)
         self.gen_error: Exception | None = None
         self.calls = 0
 
     def version(self) -> int:
+        self.asked = getattr(self, "asked", 0) + 1
         if self.dead:
             raise RuntimeError("process exited")
         return self.v
 
     def load_weights(self, tensors, version: int) -> None:
-        if self.push_block is not None:
-            self.push_block.wait(30)
+        gate = self.push_gates.pop(0) if self.push_gates else self.push_block
+        if gate is not None:
+            gate.wait(30)
         if self.dead:
             raise RuntimeError("process exited")
         self.v = max(self.v, version)  # an actor runs one caller's calls in order
@@ -265,6 +268,28 @@ def test_a_push_unanswered_past_dead_after_goes_on_without_that_worker(thread_er
         _until(lambda: fleet.states() == ["healthy", "healthy"])
         assert cut.v == 3 and fleet.members[1].handle is cut  # synced, not restarted
         assert thread_errors == []
+    finally:
+        fleet.close()
+
+
+def test_an_abandoned_push_answering_after_the_resync_is_no_miss(thread_errors):
+    """The push that went silent returns only after the full sync gave the worker a newer
+    version; the worker reporting that newer version has missed nothing and stays admitted."""
+    spawner = Spawner()
+    fleet = _fleet(spawner, 2, suspect_after_s=0.2, dead_after_s=0.5)
+    try:
+        cut = fleet.members[1].handle
+        late, sync = threading.Event(), threading.Event()
+        cut.push_gates = [late, sync, None]  # the push of version 2, then the resync's
+        fleet.load_weights(weights(), 2)  # silent past dead_after_s: stale, a resync starts
+        fleet.load_weights(weights(), 3)
+        sync.set()  # the resync lands first (version 2, then 3)
+        _until(lambda: fleet.states() == ["healthy", "healthy"] and cut.v == 3)
+        asked = cut.asked
+        late.set()  # then the abandoned push of version 2 answers
+        _until(lambda: cut.asked > asked)
+        time.sleep(0.2)
+        assert fleet.states() == ["healthy", "healthy"] and thread_errors == []
     finally:
         fleet.close()
 
