@@ -14,6 +14,7 @@ import json
 import re
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -99,19 +100,26 @@ def test_hosts_form_a_token_guarded_cluster_the_outsider_is_not_in(bed):
 @pytest.fixture(scope="module")
 def placed(bed, tmp_path_factory):
     """The three-host run (trainer on host 1, rollout on hosts 2 and 3) and what was seen
-    while it ran: the actors on each host at any step, the bytes each host received."""
+    while it ran: the actors on each host at any time, the bytes each host received."""
     out = tmp_path_factory.mktemp("placed")
     seen: dict = {"actors": {i: set() for i in range(1, bed.n + 1)}}
     before = {i: bed.received(i) for i in (2, 3, OUTSIDER)}
+    done = threading.Event()
 
-    def on_step(step: int) -> None:
-        # every step's rows may land in one poll near the end, when the rollout actors are
-        # already gone: what any step saw counts
-        for i, names in _actors(bed).items():
-            seen["actors"][i].update(names)
+    def sample() -> None:
+        # sampled all along: the tiny steps' rows can all land after the rollout actors left
+        while not done.wait(0.2):
+            for i, names in _actors(bed).items():
+                seen["actors"][i].update(names)
 
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     run = TrainRun(bed, out, "three_hosts", BASE)
-    assert run.wait(on_step) == 0, run.tail()
+    try:
+        assert run.wait() == 0, run.tail()
+    finally:
+        done.set()
+        sampler.join()
     seen["received"] = {i: bed.received(i) - v for i, v in before.items()}
     return run, seen
 
