@@ -1,22 +1,25 @@
-"""Per-rank memory and step time of tensor-parallel trainers against one trainer process.
+"""Per-rank memory and step time of tensor- and pipeline-parallel trainers against one
+trainer process.
 
 Starts the trainer of a GRPO run on SmolLM2-135M-Instruct (or ``--model``) as one
-process, then as ``--tp`` tensor-parallel processes (``cluster.tensor_parallel``), and
+process, then as ``--tp`` tensor-parallel processes (``cluster.tensor_parallel``) and
+as ``--pp`` pipeline stages (``cluster.pipeline_parallel``; 0 or 1 skips a layout), and
 runs the same ``--steps`` updates on each (old logprobs, then two optimizer steps on
 12 sampled rows). Prints per layout, as JSON:
 
 - ``held_mib``: the model's share on a rank, the float32 weights, gradients and AdamW's
-  two moments of the parameter elements it holds (``describe()["parameters_held"]``);
+  two moments of the parameter elements it holds (``describe()["parameters_held"]``),
+  and ``preflight_held_mib``, the memory preflight's prediction of it;
 - ``peak_rss_mib``: each rank's peak resident set during the steps (``VmHWM``, reset
   after the start so the load of the whole checkpoint is not counted), and
   ``rss_after_start_mib``;
 - ``median_step_s``: the median wall time of a step (logprobs + update), and the TP
-  layout's ratio of each to one process.
+  layouts' ratio of each to one process.
 
 SmolLM2 has 9 heads and 3 KV heads: tensor parallelism of 3 divides it, 2 does not.
 On a machine of fewer cores than ranks the step time is the cores', not the layout's.
 
-    python bench/bench_parallel.py --tp 3 --steps 3
+    python bench/bench_parallel.py --tp 3 --pp 2 --steps 3
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ STATE_BYTES = 16
 """float32 weight, gradient and AdamW's two moments, per parameter element."""
 
 
-def config(out: str, model: str, workers: int, tp: int):
+def config(out: str, model: str, workers: int, tp: int = 1, pp: int = 1):
     from rlpost.config import load_config
 
     return load_config(
@@ -49,6 +52,7 @@ def config(out: str, model: str, workers: int, tp: int):
             "cluster.backend=process",
             f"cluster.trainer_workers={workers}",
             f"cluster.tensor_parallel={tp}",
+            f"cluster.pipeline_parallel={pp}",
         ],
     )
 
@@ -113,10 +117,18 @@ def measure(cfg, run_dir: Path, data: list) -> dict:
         trainer.close()
 
 
+def preflight_held(cfg) -> float:
+    """The parameter elements the memory preflight says a rank of ``cfg`` holds."""
+    from rlpost.pipeline.memory import model_shape, rank_params
+
+    return rank_params(cfg, model_shape(cfg))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None, help="HF directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--tp", type=int, default=3)
+    p.add_argument("--pp", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     args = p.parse_args()
     if args.model is None:
@@ -125,16 +137,21 @@ def main() -> None:
         args.model = str(smollm2_dir())
     out = Path(tempfile.mkdtemp())
     t = time.perf_counter()
-    data = batches(config(str(out), args.model, 1, 1), args.steps)
+    data = batches(config(str(out), args.model, 1), args.steps)
     print(f"sampled {args.steps} batches in {time.perf_counter() - t:.0f} s", flush=True)
-    rows = {
-        "one_process": measure(config(str(out), args.model, 1, 1), out, data),
-        f"tp{args.tp}": measure(config(str(out), args.model, args.tp, args.tp), out, data),
-    }
-    one, tp = rows["one_process"], rows[f"tp{args.tp}"]
-    tp["held_ratio"] = round(tp["held_mib"] / one["held_mib"], 3)
-    tp["peak_rss_ratio"] = round(max(tp["peak_rss_mib"]) / max(one["peak_rss_mib"]), 3)
-    tp["step_time_ratio"] = round(tp["median_step_s"] / one["median_step_s"], 3)
+    layouts = {"one_process": config(str(out), args.model, 1)}
+    if args.tp > 1:
+        layouts[f"tp{args.tp}"] = config(str(out), args.model, args.tp, tp=args.tp)
+    if args.pp > 1:
+        layouts[f"pp{args.pp}"] = config(str(out), args.model, args.pp, pp=args.pp)
+    rows = {name: measure(cfg, out, data) for name, cfg in layouts.items()}
+    one = rows["one_process"]
+    for name, row in rows.items():
+        row["preflight_held_mib"] = round(preflight_held(layouts[name]) * STATE_BYTES / MIB, 1)
+        if name != "one_process":
+            row["held_ratio"] = round(row["held_mib"] / one["held_mib"], 3)
+            row["peak_rss_ratio"] = round(max(row["peak_rss_mib"]) / max(one["peak_rss_mib"]), 3)
+            row["step_time_ratio"] = round(row["median_step_s"] / one["median_step_s"], 3)
     print(json.dumps(rows, indent=2))
 
 

@@ -168,11 +168,13 @@ def run_rlpost(ckpt: str, dtype: str, length: int, steps: int, extra: list[str])
     result = loop.train(cfg, start=starter(cfg))  # overlapped modes: separate processes
     last = result.history[-1]
     starts.append(starts[-1] + last["step_seconds"] + last.get("sync_seconds", 0.0))
+    summary = json.loads((Path(result.run_dir) / "summary.json").read_text())
+    estimate = summary.get("memory_estimate_mib", {}).get("total")
     return {
         "step_seconds": [b - a for a, b in itertools.pairwise(starts)],
         "peak_rss_mib": seen[-1] if seen else peak_rss_mib(),
         "run_dir": str(result.run_dir),
-    }
+    } | ({"preflight_mib": estimate} if estimate else {})
 
 
 MODE_KEYS = ("trainer_wait_seconds", "sample_lag", "rollout_utilization", "train_utilization")
@@ -343,7 +345,13 @@ def one_run(side: str, dtype: str, length: int, ckpt: str, args) -> dict:
     else:
         print(
             f"  {side:>7} {dtype} {length:>5} tokens: peak RSS {out['peak_rss_mib']:7.0f} MiB  "
-            f"step {out['step']:7.1f} s  threads {out['threads']}  load {load:.2f}",
+            f"step {out['step']:7.1f} s  threads {out['threads']}  load {load:.2f}"
+            + (
+                f"  preflight {out['preflight_mib']:,.0f} MiB "
+                f"({out['preflight_mib'] / out['peak_rss_mib']:.2f}x the peak)"
+                if out.get("preflight_mib")
+                else ""
+            ),
             flush=True,
         )
     return out

@@ -993,6 +993,11 @@ class ClusterConfig(Section):
     """Trainer workers that split each decoder layer's heads and MLP width between them
     (tensor parallelism, neighbours in rank order); divides trainer_workers, heads, KV heads
     and intermediate size. docs/cluster.md: choosing a layout."""
+    pipeline_parallel: int = Field(1, ge=1)
+    """Trainer workers that split the decoder layers into consecutive stages, one each
+    (pipeline parallelism: each holds its stage's weights, gradients and optimizer state;
+    the stages compute in turn); at most the model's layers. Not yet with data or tensor
+    parallelism: trainer_workers equals it."""
     start_timeout_s: float = Field(600.0, gt=0)
     """Seconds a worker process may take to start (build its model) before the run stops."""
     address: str = ""

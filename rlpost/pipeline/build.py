@@ -213,8 +213,9 @@ def build_trainer(cfg: Config, model, dp=None, *, facts: RunFacts | None = None)
 
 
 def build_layout(cfg: Config, facts: RunFacts, model, dp=None):
-    """The weights' layout, chosen once: sharded over ``dp``'s ranks (split over its mesh's
-    tensor-parallel axis first where it has one), LoRA adapters (``model.lora.rank > 0``,
+    """The weights' layout, chosen once: pipeline stages over ``dp``'s mesh where it has
+    them, sharded over ``dp``'s ranks (split over its mesh's tensor-parallel axis first
+    where it has one), LoRA adapters (``model.lora.rank > 0``,
     ``model`` already wears them) or plain; with the reference the step plan asks for (a
     frozen copy, or the base with the adapters off)."""
     from rlpost.train.layout import LoRALayout, PlainLayout, ShardedLayout
@@ -224,6 +225,15 @@ def build_layout(cfg: Config, facts: RunFacts, model, dp=None):
     ref = frozen_copy(model) if facts.reference_copy else None
     if dp is None:
         return PlainLayout(model, ref)
+    if dp.mesh is not None and "pp" in dp.mesh.mesh_dim_names:
+        from rlpost.train.pp import PipelineLayout, pipeline
+
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        keys = list(model.state_dict())
+        group = dp.mesh["pp"].get_group()
+        for module in [model, ref][: 1 + (ref is not None)]:
+            pipeline(module, group)
+        return PipelineLayout(model, ref, dp, names, keys)
     from rlpost.train.dp import shard_model
 
     for module, trainable in [(model, True), (ref, False)][: 1 + (ref is not None)]:
@@ -300,15 +310,16 @@ def build_trainer_worker(
                 f"({device.type} here): use gloo on cpu and nccl on cuda"
             )
         model.to(device)
+        from rlpost.train import pp as stages
         from rlpost.train.dp import DataParallel, init_group
         from rlpost.train.tp import device_mesh, split_error
 
-        tp = cfg.cluster.tensor_parallel
-        why = split_error(model.config, tp)
+        tp, pp = cfg.cluster.tensor_parallel, cfg.cluster.pipeline_parallel
+        why = split_error(model.config, tp) or stages.split_error(model.config, pp)
         if why is not None:
             raise ConfigError(why)
         init_group(dp, timeout_s=cfg.cluster.start_timeout_s)
-        mesh = None if tp == 1 else device_mesh(dp.world, tp, device.type)
+        mesh = None if tp == pp == 1 else device_mesh(dp.world, tp, device.type, pp)
         group = DataParallel(dp, device=device, mesh=mesh)
         trainer = build_trainer(cfg, model, group, facts=facts)
         return TrainerWorker(trainer, tokenizer, layout=trainer.layout)

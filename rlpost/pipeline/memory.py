@@ -12,7 +12,8 @@ transformers loaded; the model's shape comes from its config on the meta device.
 
 Under a trainer layout (``cluster.trainer_workers``, ``cluster.tensor_parallel``) the
 trainer's terms are one rank's: the decoder layers' matrices split T ways, everything
-FSDP2-sharded over the data-parallel ranks, and the split matrices' activations 1/T; the
+FSDP2-sharded over the data-parallel ranks, and the split matrices' activations 1/T;
+under ``cluster.pipeline_parallel`` the largest stage's layers and their activations; the
 machine must hold every rank it runs (:func:`ranks_here`).
 """
 
@@ -85,6 +86,8 @@ def model_shape(cfg: Config) -> dict:
             for name, p in model.named_parameters()
             if name.rpartition(".")[0].endswith(split)
         ),
+        # what pipeline stages split: the decoder layers
+        "layer_params": sum(p.numel() for n, p in model.named_parameters() if ".layers." in n),
         "vocab": int(getattr(c, "vocab_size", 0)),
         "hidden": hidden,
         "layers": int(getattr(c, "num_hidden_layers", 1)),
@@ -106,12 +109,22 @@ def layer_activations(
     return rows * seq * per_token * width
 
 
+def stage_share(cfg: Config, shape: dict) -> float:
+    """The share of the decoder layers the largest pipeline stage holds (1 without stages)."""
+    layers = max(1, shape["layers"])
+    return -(-layers // cfg.cluster.pipeline_parallel) / layers
+
+
 def rank_params(cfg: Config, shape: dict) -> float:
-    """Parameters one trainer rank holds: the split matrices' 1/T slice and the rest whole,
-    all of it 1/dp under FSDP2 (its layer-at-a-time gathers are not counted)."""
-    tp = cfg.cluster.tensor_parallel
-    dp = max(1, cfg.cluster.trainer_workers // tp)
-    return (shape["params"] - shape["split"] + shape["split"] / tp) / dp
+    """Parameters one trainer rank holds: its pipeline stage's layers (the largest stage),
+    of them the split matrices' 1/T slice, and the rest whole; all of it 1/dp under FSDP2
+    (its layer-at-a-time gathers are not counted)."""
+    c = cfg.cluster
+    tp, share = c.tensor_parallel, stage_share(cfg, shape)
+    dp = max(1, c.trainer_workers // (tp * c.pipeline_parallel))
+    held = shape["params"] - shape.get("layer_params", 0) * (1 - share)
+    split = shape["split"] * share
+    return (held - split + split / tp) / dp
 
 
 def ranks_here(cfg: Config) -> int:
@@ -134,9 +147,10 @@ def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
     micro = max(1, min(micro, budget // seq)) if budget > 0 else micro
     eager = facts.bf16 and shape["positions"] <= EAGER_ATTENTION_MAX_POSITIONS
     layer = layer_activations(shape, micro, seq, width, eager=eager, tp=cfg.cluster.tensor_parallel)
-    activations = shape["layers"] * layer
+    layers = round(shape["layers"] * stage_share(cfg, shape))  # the largest pipeline stage's
+    activations = layers * layer
     if cfg.model.gradient_checkpointing:  # each layer's input, and one layer recomputed
-        activations = shape["layers"] * micro * seq * shape["hidden"] * width + layer
+        activations = layers * micro * seq * shape["hidden"] * width + layer
     tokens = micro * r.max_tokens
     if facts.plan.teacher_logits:
         # gkd reads whole distributions, past the chunked head: the student's logits, their

@@ -445,6 +445,17 @@ def tensor_parallel_divides_workers(cfg: Config) -> str | bool | None:
 
 
 @rule("train")
+def pipeline_parallel_alone(cfg: Config) -> str | bool | None:
+    c = cfg.cluster
+    pp = c.pipeline_parallel
+    return (pp > 1 and (c.trainer_workers != pp or c.tensor_parallel > 1)) and (
+        f"cluster.pipeline_parallel={pp} with cluster.trainer_workers={c.trainer_workers} and "
+        f"cluster.tensor_parallel={c.tensor_parallel}: pipeline stages do not yet compose with "
+        f"data or tensor parallelism; set trainer_workers={pp} and tensor_parallel=1"
+    )
+
+
+@rule("train")
 def data_parallel_without_critic(cfg: Config) -> str | bool | None:
     n, a = cfg.cluster.trainer_workers, cfg.algo.advantage.name
     return (n > 1 and resolve(cfg).plan.values) and (

@@ -127,22 +127,32 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
     Sharded parameters hold DTensor gradients whose norms torch reduces over their mesh;
     under tensor parallelism the parameters sit on different meshes (the split matrices
     on the tensor-parallel axis or both axes, the whole ones on the data-parallel axis
-    or none), which one ``clip_grad_norm_`` cannot stack. Each mesh's norm is taken
-    apart, made whole, and the total is the norm of those: every slice counted once."""
-    by_mesh: dict[object, list[torch.Tensor]] = {}
+    or none), which one ``clip_grad_norm_`` cannot stack. A pipeline stage's parameters
+    are on its rank alone (:data:`rlpost.train.pp.GROUP_ATTR` names the group whose
+    stages add up). Each part's norm is taken apart, made whole, and the total is the
+    norm of those: every slice and stage counted once."""
+    import torch.distributed as dist
+
+    by_part: dict[object, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
-            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
-    if len(by_mesh) <= 1:
+            part = getattr(p, "pipeline_group", None) or getattr(p.grad, "device_mesh", None)
+            by_part.setdefault(part, []).append(p.grad)
+    if len(by_part) <= 1 and not any(isinstance(k, dist.ProcessGroup) for k in by_part):
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     norms = []
-    for grads in by_mesh.values():
+    for part, grads in by_part.items():
         norm = torch.nn.utils.get_total_norm(grads)
-        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        if isinstance(part, dist.ProcessGroup):  # the stages' own: summed over the pipeline
+            square = norm.double().square()
+            dist.all_reduce(square, group=part)
+            norm = square.sqrt().to(norm.dtype)
+        norms.append(norm)
     total = torch.linalg.vector_norm(torch.stack(norms))
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grads_with_norm_'s
-    for grads in by_mesh.values():
+    for grads in by_part.values():
         for g in grads:
             g.mul_(coef)
     return total

@@ -59,13 +59,19 @@ def split_error(config, tp: int) -> str | None:
     return None
 
 
-def device_mesh(world: int, tp: int, device_type: str = "cpu"):
-    """The ``("dp", "tp")`` mesh of this process group (every rank calls it)."""
+def device_mesh(world: int, tp: int, device_type: str = "cpu", pp: int = 1):
+    """The ``("dp", "tp")`` mesh of this process group (every rank calls it); with
+    pipeline stages (``pp > 1``) the ``("dp", "pp", "tp")`` one, stages outside slices."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if world % tp:
-        raise ValueError(f"tensor_parallel={tp} does not divide {world} ranks")
-    return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    if world % (tp * pp):
+        raise ValueError(
+            f"tensor_parallel={tp} x pipeline_parallel={pp} does not divide {world} ranks"
+        )
+    if pp == 1:
+        return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    shape = (world // (tp * pp), pp, tp)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("dp", "pp", "tp"))
 
 
 def parallelize(model: nn.Module, tp_mesh) -> nn.Module:

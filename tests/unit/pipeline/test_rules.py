@@ -156,6 +156,12 @@ CASES = {
         ["cluster.trainer_workers=3"],
         "cluster.tensor_parallel=2 does not divide cluster.trainer_workers=3",
     ),
+    "pipeline_parallel_alone": (
+        "train",
+        ["cluster.trainer_workers=2", "cluster.pipeline_parallel=2", "cluster.backend=process"],
+        ["cluster.trainer_workers=4"],
+        "pipeline stages do not yet compose with data or tensor parallelism",
+    ),
     "data_parallel_without_critic": (
         "train",
         [],

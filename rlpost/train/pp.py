@@ -1,0 +1,280 @@
+"""Pipeline parallelism: the decoder layers split into consecutive stages, one a rank.
+
+Rank ``s`` of the pipeline group holds the layers of stage ``s`` (the first ranks one
+more where the count does not divide) and none of the others: its place in the layer
+list is taken by :class:`Skipped`, which has no weights. The embeddings, the final
+norm and the LM head stay whole on every rank, as under tensor parallelism, so the
+chunked LM head keeps its memory savings and the trainer runs unchanged: every rank
+takes every row of the batch and computes the same logits and loss.
+
+Between the stages, activations are handed on (:class:`_Handoff`): before stage ``s``'s
+first layer, stage ``s - 1``'s output is broadcast from its rank, replacing whatever a
+rank carried through the layers it skipped; before the final norm, the last stage's.
+The backward runs the other way: each hand-off's gradient is broadcast from the rank
+that consumed it (stage ``s``'s), so the gradient reaching every rank's copy of the
+embeddings is the one rank 0's layers produced, and the whole parameters' gradients
+are the same on every rank without a reduction. A stage's layers get their gradient on
+their own rank only; the gradient norm adds each stage's once
+(:func:`rlpost.train.optim.clip_grad_norm` reads :data:`GROUP_ATTR`).
+
+The schedule is the plain one: a micro-batch's forward passes the stages in turn and
+its backward returns through them, so one stage computes at a time (a bubble of
+``(P - 1) / P``): what it buys is memory, each rank holding ``1 / P`` of the layers
+with their gradients, optimizer state and saved activations.
+
+:class:`PipelineLayout` gathers the stages' weights and optimizer state to rank 0 to
+export or save them, in the same files and forms as one worker's, so a checkpoint
+resumes under any layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlpost.train.dp import DataParallel, optimizer_state_by_index, optimizer_state_by_name
+
+GROUP_ATTR = "pipeline_group"
+"""Set on a stage's own parameters: the pipeline's process group their norm is summed over."""
+
+
+def stage_ranges(layers: int, pp: int) -> list[range]:
+    """The layer indices of each of ``pp`` stages: consecutive, sizes differing by at most
+    one (the first stages the larger)."""
+    base, extra = divmod(layers, pp)
+    out, lo = [], 0
+    for s in range(pp):
+        hi = lo + base + (s < extra)
+        out.append(range(lo, hi))
+        lo = hi
+    return out
+
+
+def split_error(config, pp: int) -> str | None:
+    """Why ``pp`` stages cannot split a model of ``config`` (one line), or None."""
+    if pp == 1:
+        return None
+    n = getattr(config, "num_hidden_layers", None)
+    if n is None:
+        return (
+            f"cluster.pipeline_parallel={pp}: the model ({type(config).__name__}) has no "
+            "num_hidden_layers; pipeline stages split decoder layers, set it to 1"
+        )
+    if n < pp:
+        return (
+            f"cluster.pipeline_parallel={pp} is more stages than the model's "
+            f"num_hidden_layers={n}; use at most {n}"
+        )
+    return None
+
+
+class Skipped(nn.Module):
+    """A decoder layer another stage holds: the hidden states pass through unchanged (the
+    next hand-off replaces them)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+    def extra_repr(self) -> str:
+        return f"layer {self.index}, held by another stage"
+
+
+class _Handoff(torch.autograd.Function):
+    """Forward: ``x`` broadcast from ``src`` (None: every rank's ``x`` is already the
+    same). Backward: the gradient broadcast from ``consumer`` (None: already the same)."""
+
+    @staticmethod
+    def forward(ctx, x, src, consumer, group):
+        ctx.consumer, ctx.group = consumer, group
+        if src is None:
+            return x.view_as(x)
+        y = x.detach().contiguous().clone()
+        dist.broadcast(y, group_src=src, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.contiguous().clone()
+        if ctx.consumer is not None:
+            dist.broadcast(g, group_src=ctx.consumer, group=ctx.group)
+        return g, None, None, None
+
+
+def _handoff_hook(src: int | None, consumer: int | None, group):
+    def hook(module, args):
+        return (_Handoff.apply(args[0], src, consumer, group), *args[1:])
+
+    return hook
+
+
+def layers_prefix(model: nn.Module) -> str:
+    """The state-dict prefix of ``model``'s decoder layers (``model.layers.``)."""
+    for name, module in model.named_modules():
+        if name.endswith("layers") and isinstance(module, nn.ModuleList):
+            return f"{name}."
+    raise ValueError(f"{type(model).__name__} has no decoder layers to split into stages")
+
+
+def pipeline(model: nn.Module, group) -> nn.Module:
+    """Keep this rank's stage of ``model``'s decoder layers (``group``: the pipeline's
+    ranks, in stage order) and hand activations between the stages; in place, returned.
+
+    The weights are first made the group's first rank's, so the stages are of one model
+    whatever each rank built."""
+    from rlpost.train.dp import non_reentrant_checkpointing
+
+    pp, stage = dist.get_world_size(group), dist.get_rank(group)
+    prefix = layers_prefix(model)[:-1]
+    decoder, layers = model.get_submodule(prefix.rpartition(".")[0]), model.get_submodule(prefix)
+    norm = getattr(decoder, "norm", None)
+    if not isinstance(norm, nn.Module):
+        raise ValueError(f"{type(model).__name__} has no final norm after its decoder layers")
+    non_reentrant_checkpointing(model)
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, group_src=0, group=group)
+    ranges = stage_ranges(len(layers), pp)
+    for i in range(len(layers)):
+        if i not in ranges[stage]:
+            layers[i] = Skipped(i)
+    for p in layers.parameters():
+        setattr(p, GROUP_ATTR, group)
+    # stage 0's input is every rank's embeddings; its gradient is the one stage 0 computed
+    layers[0].register_forward_pre_hook(_handoff_hook(None, 0, group))
+    for s in range(1, pp):
+        layers[ranges[s].start].register_forward_pre_hook(_handoff_hook(s - 1, s, group))
+    norm.register_forward_pre_hook(_handoff_hook(pp - 1, None, group))
+    return model
+
+
+# ------------------------------------------------------------------- layout
+
+
+def _gather_named(items: dict, group) -> dict:
+    """Every stage's ``items`` merged on the group's first rank (the others get {})."""
+    parts = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object(items, parts, group_dst=0, group=group)
+    if parts is None:
+        return {}
+    merged: dict = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+class PipelineLayout:
+    """The stages of ``model`` and ``ref`` over the pipeline ranks of ``ranks``'s mesh.
+
+    ``names``: the whole model's trainable parameter names in its order (the optimizer's
+    order in one worker), ``keys``: its state-dict keys; both read before the split."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        ref: nn.Module | None,
+        ranks: DataParallel,
+        names: list[str],
+        keys: list[str],
+    ) -> None:
+        self.model, self.ref, self.ranks = model, ref, ranks
+        self.names, self.keys = names, keys
+        self.group = ranks.mesh["pp"].get_group()
+        self.prefix = layers_prefix(model)
+        self.writes_files = ranks.spec.rank == 0
+
+    @property
+    def has_reference(self) -> bool:
+        return self.ref is not None
+
+    def reference(self):
+        return contextlib.nullcontext(self.ref)
+
+    def _own(self, module: nn.Module, *, whole: bool) -> dict[str, torch.Tensor]:
+        """This stage's state (``whole``) or parameters; the whole modules' from the first
+        stage only (every rank holds the same)."""
+        mine = module.state_dict() if whole else dict(module.named_parameters())
+        return {n: t.detach().cpu() for n, t in mine.items() if self._sent(n)}
+
+    def _sent(self, name: str) -> bool:
+        """Whether this rank sends ``name`` when the stages are gathered."""
+        return dist.get_rank(self.group) == 0 or name.startswith(self.prefix)
+
+    def export(self) -> list[tuple[str, torch.Tensor]]:
+        merged = _gather_named(self._own(self.model, whole=False), self.group)
+        if not self.writes_files:
+            return []
+        order = [n for n in self.keys if n in merged]  # a tied weight once, as engines expect
+        return [(n, merged[n]) for n in order]
+
+    def save_weights(self, directory: Path, tokenizer) -> None:
+        """The same files as one worker's: the stages' states gathered to rank 0, which
+        writes them."""
+        for module, sub in [(self.model, "model"), (self.ref, "ref_model")]:
+            if module is None:
+                continue
+            state = _gather_named(self._own(module, whole=True), self.group)
+            if self.writes_files:
+                _save_whole(module, state, directory / sub)
+        if self.writes_files:
+            tokenizer.save_pretrained(directory / "model")
+
+    def load_weights(self, directory: Path) -> None:
+        """Every rank reads the whole checkpoint and keeps its stage."""
+        from rlpost.models.loading import load_causal_lm
+
+        for module, sub in [(self.model, "model"), (self.ref, "ref_model")]:
+            if module is None or not (directory / sub).is_dir():
+                continue
+            mine = module.state_dict()
+            whole = load_causal_lm(directory / sub).state_dict()
+            module.load_state_dict({k: v for k, v in whole.items() if k in mine})
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The whole state keyed by parameter name on rank 0 (a collective), as sharded
+        workers save it, so a checkpoint resumes on any layout."""
+        own = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        state = optimizer_state_by_name(optimizer.state_dict(), own)
+        mine = {n: v for n, v in state["state"].items() if self._sent(n)}
+        merged = _gather_named(mine, self.group)
+        if not self.writes_files:
+            return {}
+        order = [n for n in self.names if n in merged]
+        groups = [{**g, "params": order} for g in state["param_groups"][:1]]
+        return {"state": {n: merged[n] for n in order}, "param_groups": groups}
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """This stage's share of a whole state (keyed by name, or by index in one
+        worker's order)."""
+        own = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        by_name = optimizer_state_by_name(state, self.names)
+        keep = set(own)
+        mine = {
+            "state": {n: v for n, v in by_name["state"].items() if n in keep},
+            "param_groups": [
+                {**g, "params": [n for n in g["params"] if n in keep]}
+                for g in by_name["param_groups"]
+            ],
+        }
+        optimizer.load_state_dict(optimizer_state_by_index(mine, own))
+
+    def close(self) -> None:
+        """Leave the trainers' group."""
+        from rlpost.train.dp import destroy_group
+
+        destroy_group()
+
+
+def _save_whole(stage: nn.Module, state: dict[str, torch.Tensor], out: Path) -> None:
+    """``state`` (every stage's) saved as an ordinary HF directory of the model's class."""
+    with torch.random.fork_rng(devices=[]):  # building it must not move the run's streams
+        whole = type(stage)(stage.config)
+    whole.load_state_dict(state)
+    whole.save_pretrained(out)
