@@ -127,35 +127,50 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
     Sharded parameters hold DTensor gradients whose norms torch reduces over their mesh;
     under tensor parallelism the parameters sit on different meshes (the split matrices
     on the tensor-parallel axis or both axes, the whole ones on the data-parallel axis
-    or none), which one ``clip_grad_norm_`` cannot stack. A pipeline stage's parameters
-    are on its rank alone (:data:`rlpost.train.pp.GROUP_ATTR` names the group whose
-    stages add up). Each part's norm is taken apart, made whole, and the total is the
-    norm of those: every slice and stage counted once."""
-    import torch.distributed as dist
-
-    by_part: dict[object, list[torch.Tensor]] = {}
+    or none), which one ``clip_grad_norm_`` cannot stack. Each mesh's norm is taken
+    apart, made whole, and the total is the norm of those: every slice counted once.
+    Pipeline stages: :func:`_staged_norm`."""
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    staged = any(getattr(p, "pipeline_group", None) is not None for p in params)
     for p in params:
         if p.grad is not None:
-            part = getattr(p, "pipeline_group", None) or getattr(p.grad, "device_mesh", None)
-            by_part.setdefault(part, []).append(p.grad)
-    if len(by_part) <= 1 and not any(isinstance(k, dist.ProcessGroup) for k in by_part):
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    if len(by_mesh) <= 1 and not staged:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    norms = []
-    for part, grads in by_part.items():
-        norm = torch.nn.utils.get_total_norm(grads)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        if isinstance(part, dist.ProcessGroup):  # the stages' own: summed over the pipeline
-            square = norm.double().square()
-            dist.all_reduce(square, group=part)
-            norm = square.sqrt().to(norm.dtype)
-        norms.append(norm)
-    total = torch.linalg.vector_norm(torch.stack(norms))
+    if staged:
+        total = _staged_norm(params)
+    else:
+        norms = []
+        for grads in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm(grads)
+            norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        total = torch.linalg.vector_norm(torch.stack(norms))
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grads_with_norm_'s
-    for grads in by_part.values():
+    for grads in by_mesh.values():
         for g in grads:
             g.mul_(coef)
     return total
+
+
+def _staged_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The gradient norm of a pipeline stage's ``params`` (its own layers, marked with
+    their group by :func:`rlpost.train.pp.pipeline`, between the whole parameters) and
+    the other stages' layers: each tensor's norm, the stages' gathered in layer order,
+    then the norm of them all, as ``clip_grad_norm_`` takes one process's on CPU, so the
+    total is the one process's to the bit."""
+    import torch.distributed as dist
+
+    with_grad = [p for p in params if p.grad is not None]
+    group = next(p.pipeline_group for p in with_grad if hasattr(p, "pipeline_group"))
+    own = [hasattr(p, "pipeline_group") for p in with_grad]
+    first, last = own.index(True), len(own) - own[::-1].index(True)
+    norms = [torch.linalg.vector_norm(p.grad) for p in with_grad]
+    stages: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(stages, [n.cpu() for n in norms[first:last]], group=group)
+    device = norms[0].device
+    layers = [n.to(device) for stage in stages for n in stage]
+    return torch.linalg.vector_norm(torch.stack(norms[:first] + layers + norms[last:]))
 
 
 def minibatch_updates(
