@@ -29,7 +29,6 @@ resumes under any layout.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
@@ -37,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlpost.train.dp import DataParallel, optimizer_state_by_index, optimizer_state_by_name
+from rlpost.train.layout import PlainLayout, ShardedLayout, _save_plain
 
 GROUP_ATTR = "pipeline_group"
 """Set on a stage's own parameters: the pipeline's process group their norm is summed over."""
@@ -82,9 +82,6 @@ class Skipped(nn.Module):
 
     def forward(self, hidden_states, *args, **kwargs):
         return hidden_states
-
-    def extra_repr(self) -> str:
-        return f"layer {self.index}, held by another stage"
 
 
 class _Handoff(torch.autograd.Function):
@@ -190,12 +187,9 @@ class PipelineLayout:
         self.prefix = layers_prefix(model)
         self.writes_files = ranks.spec.rank == 0
 
-    @property
-    def has_reference(self) -> bool:
-        return self.ref is not None
-
-    def reference(self):
-        return contextlib.nullcontext(self.ref)
+    # ``ref`` is split as the policy is, held and lent as the other layouts hold theirs
+    has_reference, reference = PlainLayout.has_reference, PlainLayout.reference
+    close = ShardedLayout.close  # leave the trainers' group
 
     def _own(self, module: nn.Module, *, whole: bool) -> dict[str, torch.Tensor]:
         """This stage's state (``whole``) or parameters; the whole modules' from the first
@@ -222,7 +216,7 @@ class PipelineLayout:
                 continue
             state = _gather_named(self._own(module, whole=True), self.group)
             if self.writes_files:
-                _save_whole(module, state, directory / sub)
+                _save_plain(module, state, directory / sub)
         if self.writes_files:
             tokenizer.save_pretrained(directory / "model")
 
@@ -264,17 +258,3 @@ class PipelineLayout:
             ],
         }
         optimizer.load_state_dict(optimizer_state_by_index(mine, own))
-
-    def close(self) -> None:
-        """Leave the trainers' group."""
-        from rlpost.train.dp import destroy_group
-
-        destroy_group()
-
-
-def _save_whole(stage: nn.Module, state: dict[str, torch.Tensor], out: Path) -> None:
-    """``state`` (every stage's) saved as an ordinary HF directory of the model's class."""
-    with torch.random.fork_rng(devices=[]):  # building it must not move the run's streams
-        whole = type(stage)(stage.config)
-    whole.load_state_dict(state)
-    whole.save_pretrained(out)

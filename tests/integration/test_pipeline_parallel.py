@@ -64,7 +64,7 @@ def test_five_grpo_steps_at_pp2_equal_one_process(pair, tmp_path):
 def test_a_checkpoint_written_at_tp2_resumes_at_pp2(pair, tmp_path):
     """The layouts write one format: two tensor-parallel ranks' checkpoint, after a step,
     loads into the two stages, and the next step is the same on both."""
-    cfg, tok, one, group = pair
+    _, tok, one, group = pair
     tp_cfg = _cfg(tmp_path, "cluster.trainer_workers=2", "cluster.tensor_parallel=2")
     tp = start_trainers(tp_cfg, tmp_path)
     try:
