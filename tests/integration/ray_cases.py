@@ -10,6 +10,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 ray = pytest.importorskip("ray")
 
@@ -249,3 +250,25 @@ def test_a_lost_node_takes_a_rollout_worker_and_the_run_goes_on(tmp_path, cluste
     assert "healthy" in states[gone:]
     back = states.index("healthy", gone)
     assert rows[back]["version"] == rows[back]["current"]
+
+
+@pytest.mark.parametrize("layout", ["cluster.tensor_parallel", "cluster.pipeline_parallel"])
+def test_model_parallel_trainers_train_as_ray_actors(tmp_path, layout):
+    """Two trainer actors splitting the model (each layer's heads, or the layers into two
+    stages) train a run; every checkpoint gathers both ranks' parts, and each of the two
+    layers changed from one step's checkpoint to the next."""
+    from rlpost.models.loading import load_causal_lm
+
+    over = {"train.steps": 2, "eval.every": 0, "cluster.trainer_workers": 2, layout: 2}
+    spread = "[{name: 'tests.integration.knob_probe:spread_reward'}]"  # advantages not all 0
+    more = {"model.tiny.num_key_value_heads": 2, "reward.terms": spread}
+    more["rollout.truncated_reward"] = "null"
+    cfg = _cfg(tmp_path, **over, **more)
+    result = train(cfg)
+    assert [h["step"] for h in result.history] == [1, 2]
+    steps = [load_causal_lm(result.run_dir / "checkpoints" / f"step_{s}" / "model") for s in (1, 2)]
+    one, two = (dict(m.named_parameters()) for m in steps)
+    for layer in range(cfg.model.tiny.num_hidden_layers):
+        name = f"model.layers.{layer}.mlp.down_proj.weight"
+        assert not torch.equal(one[name], two[name]), name
+    _all_cpus_free()
