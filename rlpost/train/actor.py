@@ -50,7 +50,7 @@ from rlpost.train.batch import (
     score_rows,
     token_logprobs,
 )
-from rlpost.train.layout import PlainLayout, SingleRank, WeightLayout
+from rlpost.train.layout import PlainLayout, WeightLayout
 from rlpost.train.optim import SlicedAdamW, budget_slices, minibatch_updates, optimizer_step
 from rlpost.train.packing import SHARING_MODES, resolve_packing
 
@@ -196,8 +196,8 @@ class PolicyTrainer:
         self.correction = None if c is None or c.name == "none" else get_correction(c.name)
         self.s = settings
         # Decided once: the rows of every pass run packed, or padded where the model cannot.
-        sharded = not isinstance(self.ranks, SingleRank)
-        self.packed = resolve_packing(settings.packing, model, sharded=sharded)
+        # (ranks that split the model, not the rows, run every row: they pack as one does)
+        self.packed = resolve_packing(settings.packing, model, sharded=self.ranks.world > 1)
         self.whole_groups = settings.packing in SHARING_MODES  # mini-batches of whole groups
         self.lr_scale = LRScale()
         self.optimizer, self.scheduler = build_optimizer(model, settings, self.lr_scale)

@@ -14,18 +14,15 @@ The backward runs the other way: each hand-off's gradient is broadcast from the 
 that consumed it (stage ``s``'s), so the gradient reaching every rank's copy of the
 embeddings is the one rank 0's layers produced, and the whole parameters' gradients
 are the same on every rank without a reduction. A stage's layers get their gradient on
-their own rank only; the gradient norm adds each stage's once
-(:func:`rlpost.train.optim.clip_grad_norm` reads :data:`GROUP_ATTR`).
+their own rank only; the gradient norm counts each stage's once (:data:`GROUP_ATTR`).
 
 The schedule is the plain one: a micro-batch's forward passes the stages in turn and
 its backward returns through them, so one stage computes at a time (a bubble of
 ``(P - 1) / P``): what it buys is memory, each rank holding ``1 / P`` of the layers
 with their gradients, optimizer state and saved activations.
 
-:class:`PipelineLayout` gathers the stages' weights and optimizer state to rank 0 to
-export or save them, in the same files and forms as one worker's, so a checkpoint
-resumes under any layout.
-"""
+:class:`PipelineLayout` gathers the stages to rank 0 to export or save them, in one
+worker's files and forms, so a checkpoint resumes under any layout."""
 
 from __future__ import annotations
 

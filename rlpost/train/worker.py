@@ -88,8 +88,9 @@ class TrainerWorker:
     # ------------------------------------------------------------- queries
 
     def describe(self) -> dict[str, Any]:
-        """Facts the loop needs once: pad id, whether a critic / reference exist; and
-        ``parameters_held``, the policy's parameter elements this rank holds (its shards)."""
+        """Facts the loop needs once: pad id, whether a critic / reference exist;
+        ``parameters_held``, the policy's parameter elements this rank holds (its shards),
+        and ``packing``, how its passes lay rows out (padded, rows, shared)."""
         return {
             "parameters_held": self._held,
             "pad_token_id": self.tokenizer.pad_token_id,
@@ -97,6 +98,7 @@ class TrainerWorker:
             "has_critic": self.critic is not None,
             "has_reference": self.layout.has_reference,
             "version": self._version,
+            "packing": self.trainer.packed.name.lower(),
         }
 
     def version(self) -> int:

@@ -80,6 +80,22 @@ def test_a_checkpoint_written_at_tp2_resumes_at_pp2(pair, tmp_path):
         assert _close(r_tp.stats[key], r_pp.stats[key]), (key, r_tp.stats, r_pp.stats)
 
 
+def test_stages_pack_their_rows_as_one_process(tmp_path):
+    """Ranks that split the model run every row, so they pack rows as one process does
+    (only data-parallel ranks, which cut micro-batches by rows, pad)."""
+    cfg = _cfg(
+        tmp_path, "cluster.trainer_workers=2", "cluster.pipeline_parallel=2", "train.packing=on"
+    )
+    model, tok = build.build_policy(cfg)
+    one = build.build_trainer_worker(cfg, model, tok)
+    group = start_trainers(cfg, tmp_path)
+    try:
+        assert one.describe()["packing"] == group.describe()["packing"] == "rows"
+        _same_steps(cfg, tok, one, group, steps=2)
+    finally:
+        group.close()
+
+
 def test_stages_are_consecutive_and_balanced():
     assert stage_ranges(30, 4) == [range(0, 8), range(8, 16), range(16, 23), range(23, 30)]
     assert stage_ranges(2, 2) == [range(0, 1), range(1, 2)]
