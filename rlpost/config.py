@@ -649,12 +649,13 @@ class TrainConfig(Trains):
     packing: Annotated[Literal["auto", "shared", "on", "off"], OnOff] = "auto"
     """Padding-free passes: the rows of a micro-batch (and of a scoring pass) run end to end
     in sequences as wide as the model's attention makes cheap (at most 2,048 tokens),
-    position ids restarting at each row, attention kept within rows; the token budget then counts real tokens. on: pack; shared (and auto):
-    pack, and the rows with the same prompt (a GRPO group) run it once, each response
-    seeing the prompt and itself (a group of G rows costs p + G r tokens, not G (p + r);
-    mini-batches then shuffle whole groups); off: pad. A model whose attention would cross
-    rows, or data-parallel trainers, pad instead, and an attention that takes no custom
-    mask (flash, flex) packs rows alone; each says so in one line."""
+    position ids restarting at each row, attention kept within rows; the token budget then
+    counts real tokens. on: pack; shared (and auto): pack, and the rows with the same prompt
+    (a GRPO group) run it once, each response seeing the prompt and itself (a group of G
+    rows costs p + G r tokens, not G (p + r); mini-batches then shuffle whole groups); off:
+    pad. A model whose attention would cross rows, or data-parallel trainers (not tensor-
+    or pipeline-parallel ones), pad instead, and an attention that takes no custom mask
+    (flash, flex) packs rows alone; each says so in one line."""
 
 
 class CriticConfig(Trains):

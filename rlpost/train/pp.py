@@ -70,8 +70,7 @@ def split_error(config, pp: int) -> str | None:
 
 
 class Skipped(nn.Module):
-    """A decoder layer another stage holds: the hidden states pass through unchanged (the
-    next hand-off replaces them)."""
+    """A decoder layer another stage holds: the hidden states pass through as they are."""
 
     def __init__(self, index: int) -> None:
         super().__init__()
