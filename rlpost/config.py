@@ -997,8 +997,8 @@ class ClusterConfig(Section):
     pipeline_parallel: int = Field(1, ge=1)
     """Trainer workers that split the decoder layers into consecutive stages, one each
     (pipeline parallelism: each holds its stage's weights, gradients and optimizer state;
-    the stages compute in turn); at most the model's layers. Not yet with data or tensor
-    parallelism: trainer_workers equals it."""
+    the stages compute in turn); at most the model's layers. trainer_workers is data-parallel
+    times it (each stage FSDP2-sharded over its replicas); not yet with tensor_parallel."""
     start_timeout_s: float = Field(600.0, gt=0)
     """Seconds a worker process may take to start (build its model) before the run stops."""
     address: str = ""

@@ -226,14 +226,9 @@ def build_layout(cfg: Config, facts: RunFacts, model, dp=None):
     if dp is None:
         return PlainLayout(model, ref)
     if dp.mesh is not None and "pp" in dp.mesh.mesh_dim_names:
-        from rlpost.train.pp import PipelineLayout, pipeline
+        from rlpost.train.pp import PipelineLayout
 
-        names = [n for n, p in model.named_parameters() if p.requires_grad]
-        keys = list(model.state_dict())
-        group = dp.mesh["pp"].get_group()
-        for module in [model, ref][: 1 + (ref is not None)]:
-            pipeline(module, group)
-        return PipelineLayout(model, ref, dp, names, keys)
+        return PipelineLayout(model, ref, dp, facts.bf16)
     from rlpost.train.dp import shard_model
 
     for module, trainable in [(model, True), (ref, False)][: 1 + (ref is not None)]:

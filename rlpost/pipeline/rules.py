@@ -445,13 +445,17 @@ def tensor_parallel_divides_workers(cfg: Config) -> str | bool | None:
 
 
 @rule("train")
-def pipeline_parallel_alone(cfg: Config) -> str | bool | None:
+def pipeline_parallel_divides_workers(cfg: Config) -> str | bool | None:
     c = cfg.cluster
-    pp = c.pipeline_parallel
-    return (pp > 1 and (c.trainer_workers != pp or c.tensor_parallel > 1)) and (
-        f"cluster.pipeline_parallel={pp} with cluster.trainer_workers={c.trainer_workers} and "
-        f"cluster.tensor_parallel={c.tensor_parallel}: pipeline stages do not yet compose with "
-        f"data or tensor parallelism; set trainer_workers={pp} and tensor_parallel=1"
+    pp, n, tp = c.pipeline_parallel, c.trainer_workers, c.tensor_parallel
+    if pp > 1 and tp > 1:
+        return (
+            f"cluster.pipeline_parallel={pp} with cluster.tensor_parallel={tp}: pipeline "
+            "stages do not yet compose with tensor parallelism; set one of them to 1"
+        )
+    return n % pp and (
+        f"cluster.pipeline_parallel={pp} does not divide cluster.trainer_workers={n}; "
+        f"set trainer_workers to a multiple of {pp} (data-parallel x pipeline stages)"
     )
 
 

@@ -99,13 +99,15 @@ def destroy_group() -> None:
 
 
 def shard_model(
-    model: nn.Module, *, bf16: bool = False, trainable: bool = True, mesh=None
+    model: nn.Module, *, bf16: bool = False, trainable: bool = True, mesh=None, synced=False
 ) -> nn.Module:
     """Wrap ``model`` in FSDP2 in place: each decoder layer is a unit, the root the rest.
 
     Rank 0's weights are broadcast first, so every rank shards the same model
-    whatever each built. ``mesh``: the data-parallel axis of a device mesh whose other
-    axis already split the model (:mod:`rlpost.train.tp`); None, every rank. ``bf16``:
+    whatever each built (``synced``: they already are, and the ranks may hold different
+    parts: pipeline stages). ``mesh``: the data-parallel axis of a device mesh whose other
+    axes already split the model (:mod:`rlpost.train.tp`, :mod:`rlpost.train.pp`); None,
+    every rank. ``bf16``:
     parameters are gathered in bfloat16 for compute and gradients reduced in float32;
     the sharded master weights and the optimizer state stay float32. Gradient
     checkpointing is made non-reentrant (:func:`non_reentrant_checkpointing`).
@@ -115,7 +117,7 @@ def shard_model(
 
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
-            if not isinstance(t, DTensor):  # a split one was broadcast before it was split
+            if not (synced or isinstance(t, DTensor)):  # a split one was, before its split
                 dist.broadcast(t.data, src=0)
     non_reentrant_checkpointing(model)
     mp = (
@@ -124,7 +126,8 @@ def shard_model(
         else MixedPrecisionPolicy()
     )
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
+        if next(layer.parameters(), None) is not None:  # not another stage's place
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     if trainable:
         # The ranks' losses are shares of one global loss (global denominators): sum the

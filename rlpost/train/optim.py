@@ -166,6 +166,7 @@ def _staged_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     own = [hasattr(p, "pipeline_group") for p in with_grad]
     first, last = own.index(True), len(own) - own[::-1].index(True)
     norms = [torch.linalg.vector_norm(p.grad) for p in with_grad]
+    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]  # FSDP2
     stages: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(stages, [n.cpu() for n in norms[first:last]], group=group)
     device = norms[0].device

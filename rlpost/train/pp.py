@@ -31,10 +31,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint import state_dict as dcp
 
-from rlpost.train.dp import DataParallel, optimizer_state_by_index, optimizer_state_by_name
+from rlpost.train.dp import DataParallel, full_tensor, optimizer_state_by_name, resharded
 from rlpost.train.layout import PlainLayout, ShardedLayout, _save_plain
 
+FULL = dcp.StateDictOptions(full_state_dict=True)
+"""Whole tensors in state dicts, on every rank of a stage's data-parallel group."""
 GROUP_ATTR = "pipeline_group"
 """Set on a stage's own parameters: the pipeline's process group their norm is summed over."""
 
@@ -116,13 +119,17 @@ def layers_prefix(model: nn.Module) -> str:
     raise ValueError(f"{type(model).__name__} has no decoder layers to split into stages")
 
 
-def pipeline(model: nn.Module, group) -> nn.Module:
+def pipeline(
+    model: nn.Module, group, *, dp_mesh=None, bf16: bool = False, trainable: bool = True
+) -> nn.Module:
     """Keep this rank's stage of ``model``'s decoder layers (``group``: the pipeline's
     ranks, in stage order) and hand activations between the stages; in place, returned.
+    ``dp_mesh``: the data-parallel axis the stage is then sharded over with FSDP2
+    (:func:`rlpost.train.dp.shard_model`, ``bf16`` and ``trainable`` as there).
 
-    The weights are first made the group's first rank's, so the stages are of one model
-    whatever each rank built."""
-    from rlpost.train.dp import non_reentrant_checkpointing
+    The weights are first made global rank 0's, so the stages are of one model whatever
+    each rank built."""
+    from rlpost.train.dp import non_reentrant_checkpointing, shard_model
 
     pp, stage = dist.get_world_size(group), dist.get_rank(group)
     prefix = layers_prefix(model)[:-1]
@@ -133,11 +140,13 @@ def pipeline(model: nn.Module, group) -> nn.Module:
     non_reentrant_checkpointing(model)
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
-            dist.broadcast(t.data, group_src=0, group=group)
+            dist.broadcast(t.data, src=0)
     ranges = stage_ranges(len(layers), pp)
     for i in range(len(layers)):
         if i not in ranges[stage]:
             layers[i] = Skipped(i)
+    if dp_mesh is not None:  # sharding makes new parameters: marked after it
+        shard_model(model, bf16=bf16, trainable=trainable, mesh=dp_mesh, synced=True)
     for p in layers.parameters():
         setattr(p, GROUP_ATTR, group)
     # stage 0's input is every rank's embeddings; its gradient is the one stage 0 computed
@@ -155,43 +164,35 @@ def _gather_named(items: dict, group) -> dict:
     """Every stage's ``items`` merged on the group's first rank (the others get {})."""
     parts = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
     dist.gather_object(items, parts, group_dst=0, group=group)
-    if parts is None:
-        return {}
-    merged: dict = {}
-    for part in parts:
-        merged.update(part)
-    return merged
+    return {} if parts is None else {k: v for part in parts for k, v in part.items()}
 
 
 class PipelineLayout:
-    """The stages of ``model`` and ``ref`` over the pipeline ranks of ``ranks``'s mesh.
+    """``model`` and ``ref`` split into stages over the pipeline axis of ``ranks``'s mesh
+    (:func:`pipeline`), each sharded over its data-parallel axis where it has more than
+    one rank. ``names``: the whole model's trainable parameter names in its order (the
+    optimizer's in one worker), ``keys``: its state-dict keys; both read before the split."""
 
-    ``names``: the whole model's trainable parameter names in its order (the optimizer's
-    order in one worker), ``keys``: its state-dict keys; both read before the split."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        ref: nn.Module | None,
-        ranks: DataParallel,
-        names: list[str],
-        keys: list[str],
-    ) -> None:
+    def __init__(self, model: nn.Module, ref: nn.Module | None, ranks: DataParallel, bf16: bool):
         self.model, self.ref, self.ranks = model, ref, ranks
-        self.names, self.keys = names, keys
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.keys, self.prefix = list(model.state_dict()), layers_prefix(model)
         self.group = ranks.mesh["pp"].get_group()
-        self.prefix = layers_prefix(model)
         self.writes_files = ranks.spec.rank == 0
+        mesh = ranks.mesh["dp"] if ranks.world > 1 else None
+        for module, trainable in [(model, True), (ref, False)][: 1 + (ref is not None)]:
+            pipeline(module, self.group, dp_mesh=mesh, bf16=bf16, trainable=trainable)
 
     # ``ref`` is split as the policy is, held and lent as the other layouts hold theirs
     has_reference, reference = PlainLayout.has_reference, PlainLayout.reference
     close = ShardedLayout.close  # leave the trainers' group
 
     def _own(self, module: nn.Module, *, whole: bool) -> dict[str, torch.Tensor]:
-        """This stage's state (``whole``) or parameters; the whole modules' from the first
-        stage only (every rank holds the same)."""
+        """This stage's state (``whole``) or parameters, shards gathered (a collective);
+        the whole modules' from the first stage only (every rank holds the same)."""
+        resharded(module)
         mine = module.state_dict() if whole else dict(module.named_parameters())
-        return {n: t.detach().cpu() for n, t in mine.items() if self._sent(n)}
+        return {n: full_tensor(t).detach().cpu() for n, t in mine.items() if self._sent(n)}
 
     def _sent(self, name: str) -> bool:
         """Whether this rank sends ``name`` when the stages are gathered."""
@@ -205,8 +206,7 @@ class PipelineLayout:
         return [(n, merged[n]) for n in order]
 
     def save_weights(self, directory: Path, tokenizer) -> None:
-        """The same files as one worker's: the stages' states gathered to rank 0, which
-        writes them."""
+        """One worker's files: the stages' states gathered to rank 0, which writes them."""
         for module, sub in [(self.model, "model"), (self.ref, "ref_model")]:
             if module is None:
                 continue
@@ -217,21 +217,20 @@ class PipelineLayout:
             tokenizer.save_pretrained(directory / "model")
 
     def load_weights(self, directory: Path) -> None:
-        """Every rank reads the whole checkpoint and keeps its stage."""
+        """Every rank reads the whole checkpoint and keeps its stage (its shards of it)."""
         from rlpost.models.loading import load_causal_lm
 
         for module, sub in [(self.model, "model"), (self.ref, "ref_model")]:
             if module is None or not (directory / sub).is_dir():
                 continue
-            mine = module.state_dict()
-            whole = load_causal_lm(directory / sub).state_dict()
-            module.load_state_dict({k: v for k, v in whole.items() if k in mine})
+            mine, whole = resharded(module).state_dict(), load_causal_lm(directory / sub)
+            mine = {k: v for k, v in whole.state_dict().items() if k in mine}
+            dcp.set_model_state_dict(module, mine, options=FULL)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The whole state keyed by parameter name on rank 0 (a collective), as sharded
         workers save it, so a checkpoint resumes on any layout."""
-        own = [n for n, p in self.model.named_parameters() if p.requires_grad]
-        state = optimizer_state_by_name(optimizer.state_dict(), own)
+        state = dcp.get_optimizer_state_dict(self.model, optimizer, options=FULL)
         mine = {n: v for n, v in state["state"].items() if self._sent(n)}
         merged = _gather_named(mine, self.group)
         if not self.writes_files:
@@ -241,11 +240,9 @@ class PipelineLayout:
         return {"state": {n: merged[n] for n in order}, "param_groups": groups}
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        """This stage's share of a whole state (keyed by name, or by index in one
-        worker's order)."""
-        own = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        """This stage's share of a whole state (keyed by name, or by one worker's index)."""
+        keep = {n for n, p in self.model.named_parameters() if p.requires_grad}
         by_name = optimizer_state_by_name(state, self.names)
-        keep = set(own)
         mine = {
             "state": {n: v for n, v in by_name["state"].items() if n in keep},
             "param_groups": [
@@ -253,4 +250,4 @@ class PipelineLayout:
                 for g in by_name["param_groups"]
             ],
         }
-        optimizer.load_state_dict(optimizer_state_by_index(mine, own))
+        dcp.set_optimizer_state_dict(self.model, optimizer, mine, options=FULL)

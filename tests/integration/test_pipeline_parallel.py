@@ -110,15 +110,42 @@ def test_more_stages_than_layers_is_refused_in_one_line():
     assert split_error(LlamaConfig(num_hidden_layers=2), 2) is None
 
 
-def test_pipeline_with_data_parallel_is_refused(tmp_path):
-    cfg = _cfg(tmp_path, "cluster.trainer_workers=4", "cluster.pipeline_parallel=2")
+def test_pipeline_with_tensor_parallel_is_refused(tmp_path):
+    cfg = _cfg(
+        tmp_path,
+        "cluster.trainer_workers=4",
+        "cluster.pipeline_parallel=2",
+        "cluster.tensor_parallel=2",
+    )
     with pytest.raises(ConfigError) as err:
         rules.check(cfg)
     assert str(err.value) == (
-        "cluster.pipeline_parallel=2 with cluster.trainer_workers=4 and "
-        "cluster.tensor_parallel=1: pipeline stages do not yet compose with data or "
-        "tensor parallelism; set trainer_workers=2 and tensor_parallel=1"
+        "cluster.pipeline_parallel=2 with cluster.tensor_parallel=2: pipeline stages do not "
+        "yet compose with tensor parallelism; set one of them to 1"
     )
+
+
+@pytest.mark.slow
+def test_two_replicas_of_two_stages_equal_one_process(tmp_path):
+    """Four ranks: two data-parallel replicas (FSDP2 over the dp axis) of two stages, each
+    stage's layers sharded over its replicas; the rows split between the replicas."""
+    cfg = _cfg(tmp_path, "cluster.trainer_workers=4", "cluster.pipeline_parallel=2")
+    model, tok = build.build_policy(cfg)
+    one = build.build_trainer_worker(cfg, model, tok)
+    group = start_trainers(cfg, tmp_path)
+    try:
+        assert rank_params(cfg, model_shape(cfg)) == group.describe()["parameters_held"]
+        _same_steps(cfg, tok, one, group)
+        group.save(tmp_path / "dp2pp2")
+        batch = _batch(one.trainer.model, tok, seed=STEPS)
+        _, r_group = _step(group, batch)
+        solo = build.build_trainer_worker(cfg, build.build_policy(cfg)[0], tok)
+        solo.restore(tmp_path / "dp2pp2", version=STEPS)
+        _, r_solo = _step(solo, batch)
+        for key in ("loss", "grad_norm"):
+            assert _close(r_solo.stats[key], r_group.stats[key]), (key, r_solo.stats)
+    finally:
+        group.close()
 
 
 def test_too_many_stages_are_refused_before_any_group(tmp_path):

@@ -156,11 +156,11 @@ CASES = {
         ["cluster.trainer_workers=3"],
         "cluster.tensor_parallel=2 does not divide cluster.trainer_workers=3",
     ),
-    "pipeline_parallel_alone": (
+    "pipeline_parallel_divides_workers": (
         "train",
-        ["cluster.trainer_workers=2", "cluster.pipeline_parallel=2", "cluster.backend=process"],
-        ["cluster.trainer_workers=4"],
-        "pipeline stages do not yet compose with data or tensor parallelism",
+        ["cluster.trainer_workers=4", "cluster.pipeline_parallel=2", "cluster.backend=process"],
+        ["cluster.trainer_workers=3"],
+        "cluster.pipeline_parallel=2 does not divide cluster.trainer_workers=3",
     ),
     "data_parallel_without_critic": (
         "train",
