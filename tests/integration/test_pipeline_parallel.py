@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 from transformers import LlamaConfig
 
 from rlpost.cluster.process import start_trainers
@@ -17,7 +16,15 @@ from rlpost.pipeline import build, rules
 from rlpost.pipeline.memory import model_shape, rank_params
 from rlpost.train.dp import DPSpec, held_numel
 from rlpost.train.pp import split_error, stage_ranges
-from tests.integration.test_tensor_parallel import STEPS, _batch, _cfg, _close, _same_steps, _step
+from tests.integration.test_tensor_parallel import (
+    STEPS,
+    _batch,
+    _cfg,
+    _close,
+    _same_steps,
+    _step,
+    smollm2_steps,
+)
 
 
 @pytest.fixture(scope="module")
@@ -158,40 +165,5 @@ def test_too_many_stages_are_refused_before_any_group(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_at_pp2_equals_one_trainer_process(tmp_path):
-    """SmolLM2-135M-Instruct's 30 layers in two stages of 15 against one trainer process
-    started the same way (a worker process, as a run starts it): five GRPO steps, each
-    sampled from the current policy, with equal logprobs, loss, gradient norm and weights.
-
-    (Against a trainer in the test's own process the float32 logprobs differ by 2e-5 from
-    the first pass, with or without stages: that process computes differently, and from
-    the second step Adam's steps on elements whose gradient is rounding noise carry it
-    past the bar.)"""
-    from tests.integration.test_tensor_parallel import REL
-    from tests.real_model import smollm2_dir
-
-    common = [f"model.path={smollm2_dir()}", "train.mini_batch_size=6", "train.optim.lr=1e-5"]
-    cfg = _cfg(tmp_path, *common, "cluster.trainer_workers=2", "cluster.pipeline_parallel=2")
-    solo_cfg = _cfg(tmp_path / "solo", *common)
-    policy, tok = build.build_policy(cfg)
-    solo, group = start_trainers(solo_cfg, tmp_path / "solo"), start_trainers(cfg, tmp_path)
-    try:
-        for step in range(STEPS):
-            batch = _batch(policy, tok, seed=step).select(torch.arange(6))
-            mask = batch.response_mask > 0
-            b1, r1 = _step(solo, batch)
-            b2, r2 = _step(group, batch)
-            for which in ("old_logprobs", "ref_logprobs"):
-                x, y = getattr(b1, which)[mask], getattr(b2, which)[mask]
-                assert torch.allclose(x, y, rtol=REL, atol=REL), (step, which)
-            assert r1.stats["clip_frac"] > 0 and r1.stats["grad_norm"] > cfg.train.optim.grad_clip
-            for key in ("loss", "grad_norm", "clip_frac"):
-                assert _close(r1.stats[key], r2.stats[key]), (step, key, r1.stats, r2.stats)
-            e1, e2 = solo.export_weights(), group.export_weights()
-            assert [n for n, _ in e1.tensors] == [n for n, _ in e2.tensors]
-            for (n, x), (_, y) in zip(e1.tensors, e2.tensors, strict=True):
-                assert torch.allclose(x, y, rtol=REL, atol=REL), (step, n)
-            loaded = policy.load_state_dict(dict(e1.tensors), strict=False)  # the next sampler
-            assert not loaded.unexpected_keys
-    finally:
-        solo.close()
-        group.close()
+    """SmolLM2-135M-Instruct's 30 layers in two stages of 15."""
+    smollm2_steps(tmp_path, "cluster.trainer_workers=2", "cluster.pipeline_parallel=2")
