@@ -146,11 +146,12 @@ def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
     micro, budget = t.micro_batch_size, t.max_tokens_per_micro_batch
     micro = max(1, min(micro, budget // seq)) if budget > 0 else micro
     eager = facts.bf16 and shape["positions"] <= EAGER_ATTENTION_MAX_POSITIONS
-    layer = layer_activations(shape, micro, seq, width, eager=eager, tp=cfg.cluster.tensor_parallel)
+    # float32's size under bf16 autocast too: it saves 0.7-0.8 of that, the backward adds
+    layer = layer_activations(shape, micro, seq, 4, eager=eager, tp=cfg.cluster.tensor_parallel)
     layers = round(shape["layers"] * stage_share(cfg, shape))  # the largest pipeline stage's
     activations = layers * layer
     if cfg.model.gradient_checkpointing:  # each layer's input, and one layer recomputed
-        activations = layers * micro * seq * shape["hidden"] * width + layer
+        activations = layers * micro * seq * shape["hidden"] * 4 + layer  # float32 residuals
     tokens = micro * r.max_tokens
     if facts.plan.teacher_logits:
         # gkd reads whole distributions, past the chunked head: the student's logits, their

@@ -170,6 +170,21 @@ def test_activation_term_matches_what_a_llama_layer_saves(dims):
     assert eager - layer_activations(shape, rows, seq, 4, eager=False) >= rows * heads * seq**2 * 4
 
 
+def test_under_bf16_autocast_a_layer_saves_most_of_what_float32_saves():
+    """Why the activation term is float32's size under bf16 too: autocast keeps the residual
+    stream and norms in float32 and saves each matmul's input in both dtypes."""
+    import torch
+
+    from rlpost.pipeline.memory import layer_activations
+
+    dims = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9)
+    config = LlamaConfig(vocab_size=512, num_hidden_layers=2, num_key_value_heads=3, **dims)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        measured = _saved_bytes_per_layer(config, 4, 256)
+    shape = {"hidden": 576, "heads": 9, "intermediate": 1536}
+    assert 0.6 < measured / layer_activations(shape, 4, 256, 4, eager=False) < 1.0
+
+
 def test_checkpointing_keeps_layer_inputs_and_one_recomputed_layer(tmp_path):
     from rlpost.pipeline.memory import layer_activations
 
