@@ -52,7 +52,8 @@ class SlicedAdamW(torch.optim.AdamW):
         for *tensors, step in entries:
             size = max(64, SLICE_BYTES // tensors[0].element_size() // 64 * 64)
             n = tensors[0].numel()
-            if n <= size or not all(t.is_contiguous() for t in tensors):
+            sharded = hasattr(tensors[0], "device_mesh")  # a DTensor's temporaries: a shard's
+            if n <= size or sharded or not all(t.is_contiguous() for t in tensors):
                 for x, t in zip(lists, tensors, strict=True):
                     x.append(t)
                 steps.append(step)

@@ -75,17 +75,12 @@ def split_error(config, pp: int) -> str | None:
 class Skipped(nn.Module):
     """A decoder layer another stage holds: the hidden states pass through as they are."""
 
-    def __init__(self, index: int) -> None:
-        super().__init__()
-        self.index = index
-
     def forward(self, hidden_states, *args, **kwargs):
         return hidden_states
 
 
 class _Handoff(torch.autograd.Function):
-    """Forward: ``x`` broadcast from ``src`` (None: every rank's ``x`` is already the
-    same). Backward: the gradient broadcast from ``consumer`` (None: already the same)."""
+    """``x`` broadcast from rank ``src``, its gradient from ``consumer`` (None: as it is)."""
 
     @staticmethod
     def forward(ctx, x, src, consumer, group):
@@ -144,7 +139,7 @@ def pipeline(
     ranges = stage_ranges(len(layers), pp)
     for i in range(len(layers)):
         if i not in ranges[stage]:
-            layers[i] = Skipped(i)
+            layers[i] = Skipped()
     if dp_mesh is not None:  # sharding makes new parameters: marked after it
         shard_model(model, bf16=bf16, trainable=trainable, mesh=dp_mesh, synced=True)
     for p in layers.parameters():

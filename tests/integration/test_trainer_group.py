@@ -227,3 +227,12 @@ def test_a_run_on_two_trainer_processes_matches_one_trainer(tmp_path):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), (a["step"], key)
     assert spread.summary["eval_accuracy_end"] == local.summary["eval_accuracy_end"]
     assert (spread.run_dir / "checkpoints" / "step_3" / "model" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_smollm2_on_two_data_parallel_ranks_equals_one_process(tmp_path):
+    """FSDP2 over two ranks on SmolLM2-135M-Instruct: five GRPO steps against one trainer
+    process (each rank takes three of the six rows)."""
+    from tests.integration.test_tensor_parallel import SMOLLM2_GRAD_REL, smollm2_steps
+
+    smollm2_steps(tmp_path, "cluster.trainer_workers=2", grad_rel=SMOLLM2_GRAD_REL)
