@@ -1,11 +1,11 @@
-"""Per-rank memory and step time of tensor- and pipeline-parallel trainers against one
-trainer process.
+"""Per-rank memory and step time of tensor-parallel, pipeline-parallel and data-parallel
+trainers against one trainer process.
 
 Starts the trainer of a GRPO run on SmolLM2-135M-Instruct (or ``--model``) as one
-process, then as ``--tp`` tensor-parallel processes (``cluster.tensor_parallel``) and
-as ``--pp`` pipeline stages (``cluster.pipeline_parallel``; 0 or 1 skips a layout), and
-runs the same ``--steps`` updates on each (old logprobs, then two optimizer steps on
-12 sampled rows). Prints per layout, as JSON:
+process, then as ``--tp`` tensor-parallel processes (``cluster.tensor_parallel``), as
+``--pp`` pipeline stages (``cluster.pipeline_parallel``) and as ``--dp`` data-parallel
+ranks (FSDP2); 0 or 1 skips a layout. It runs the same ``--steps`` updates on each (old
+logprobs, then two optimizer steps on 12 sampled rows). Prints per layout, as JSON:
 
 - ``held_mib``: the model's share on a rank, the float32 weights, gradients and AdamW's
   two moments of the parameter elements it holds (``describe()["parameters_held"]``),
@@ -19,7 +19,7 @@ runs the same ``--steps`` updates on each (old logprobs, then two optimizer step
 SmolLM2 has 9 heads and 3 KV heads: tensor parallelism of 3 divides it, 2 does not.
 On a machine of fewer cores than ranks the step time is the cores', not the layout's.
 
-    python bench/bench_parallel.py --tp 3 --pp 2 --steps 3
+    python bench/bench_parallel.py --tp 3 --pp 2 --dp 2 --steps 3
 """
 
 from __future__ import annotations
@@ -129,6 +129,7 @@ def main() -> None:
     p.add_argument("--model", default=None, help="HF directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--tp", type=int, default=3)
     p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--dp", type=int, default=0, help="data-parallel ranks (FSDP2); 0 skips")
     p.add_argument("--steps", type=int, default=3)
     args = p.parse_args()
     if args.model is None:
@@ -144,6 +145,8 @@ def main() -> None:
         layouts[f"tp{args.tp}"] = config(str(out), args.model, args.tp, tp=args.tp)
     if args.pp > 1:
         layouts[f"pp{args.pp}"] = config(str(out), args.model, args.pp, pp=args.pp)
+    if args.dp > 1:
+        layouts[f"dp{args.dp}"] = config(str(out), args.model, args.dp)
     rows = {name: measure(cfg, out, data) for name, cfg in layouts.items()}
     one = rows["one_process"]
     for name, row in rows.items():
