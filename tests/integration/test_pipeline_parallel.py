@@ -12,6 +12,7 @@ from transformers import LlamaConfig
 
 from rlpost.cluster.process import start_trainers
 from rlpost.config import ConfigError
+from rlpost.errors import WorkerError
 from rlpost.pipeline import build, rules
 from rlpost.pipeline.memory import model_shape, rank_params
 from rlpost.train.dp import DPSpec, held_numel
@@ -85,6 +86,19 @@ def test_a_checkpoint_written_at_tp2_resumes_at_pp2(pair, tmp_path):
         tp.close()
     for key in ("loss", "grad_norm"):
         assert _close(r_tp.stats[key], r_pp.stats[key]), (key, r_tp.stats, r_pp.stats)
+
+
+def test_a_killed_stage_stops_the_group_in_one_line(pair):
+    """The last stage's process dies; the first, blocked in a hand-off to it, does not hang
+    the run. Runs last of the tests on the shared group: it leaves the group unusable."""
+    _, tok, one, group = pair
+    batch = _batch(one.trainer.model, tok, seed=21)
+    group.handles[1].kill()
+    with pytest.raises(WorkerError, match=r"trainer rank [01] of 2 failed in logprobs") as err:
+        _step(group, batch)
+    assert "rank 1: trainer-1 worker process exited" in str(err.value)
+    assert "\n" not in str(err.value)
+    group.close()  # stops rank 0, blocked or not, and returns
 
 
 def test_stages_pack_their_rows_as_one_process(tmp_path):
