@@ -24,6 +24,7 @@ from tests.integration.test_tensor_parallel import (
     _close,
     _same_steps,
     _step,
+    resumes_both_ways,
     smollm2_steps,
 )
 
@@ -52,21 +53,7 @@ def test_five_grpo_steps_at_pp2_equal_one_process(pair, tmp_path):
     _same_steps(cfg, tok, one, group)
     assert one.version() == group.version() == STEPS
 
-    group.save(tmp_path / "pp2")
-    one.save(tmp_path / "one")
-    batch = _batch(one.trainer.model, tok, seed=STEPS)
-    _, r_pp2 = _step(group, batch)
-    _, tok2 = build.build_policy(cfg)
-    solo = build.build_trainer_worker(cfg, build.build_policy(cfg)[0], tok2)
-    solo.restore(tmp_path / "pp2", version=STEPS)
-    _, r_solo = _step(solo, batch)
-    for key in ("loss", "grad_norm"):
-        assert _close(r_solo.stats[key], r_pp2.stats[key]), (key, r_solo.stats, r_pp2.stats)
-    _, r_one = _step(one, batch)
-    group.restore(tmp_path / "one", version=STEPS)
-    _, r_back = _step(group, batch)
-    for key in ("loss", "grad_norm"):
-        assert _close(r_back.stats[key], r_one.stats[key]), (key, r_back.stats, r_one.stats)
+    resumes_both_ways(cfg, tok, one, group, tmp_path)
 
 
 def test_a_checkpoint_written_at_tp2_resumes_at_pp2(pair, tmp_path):

@@ -67,6 +67,13 @@ def _step(worker, batch):
     return b, worker.update(b, beta=0.05)
 
 
+def _same_logprobs(b1, b2, mask, step) -> None:
+    """The old and reference logprobs two trainers scored agree to :data:`REL`."""
+    for which in ("old_logprobs", "ref_logprobs"):
+        x, y = getattr(b1, which)[mask], getattr(b2, which)[mask]
+        assert torch.allclose(x, y, rtol=REL, atol=REL), (step, which)
+
+
 def _close(a, b, rel=REL, floor=1e-2):
     """Equal to ``rel``; a loss near 0 is a mean of per-token terms of order ``floor`` and
     more (advantages of both signs) that cancel, so its rounding is relative to them."""
@@ -96,9 +103,7 @@ def _same_steps(
         mask = batch.response_mask > 0
         b1, r1 = _step(one, batch)
         b2, r2 = _step(group, batch)
-        for which in ("old_logprobs", "ref_logprobs"):
-            x, y = getattr(b1, which)[mask], getattr(b2, which)[mask]
-            assert torch.allclose(x, y, rtol=REL, atol=REL), (step, which)
+        _same_logprobs(b1, b2, mask, step)
         assert r1.version == r2.version and r1.stats["updates"] == r2.stats["updates"]
         assert abs(r1.stats["loss"]) > 1e-2 and r1.stats["clip_frac"] > 0
         for key in ("loss", "clip_frac"):
@@ -126,16 +131,22 @@ def test_five_grpo_steps_at_tp2_equal_one_process(pair, tmp_path):
     _same_steps(cfg, tok, one, group)
     assert one.version() == group.version() == STEPS
 
-    group.save(tmp_path / "tp2")
+    resumes_both_ways(cfg, tok, one, group, tmp_path)
+
+
+def resumes_both_ways(cfg, tok, one, group, tmp_path) -> None:
+    """The group's checkpoint resumes in one process, and one process's in the group, each
+    with the same next step as the one it was written by."""
+    group.save(tmp_path / "group")
     one.save(tmp_path / "one")
     batch = _batch(one.trainer.model, tok, seed=STEPS)
-    _, r_tp2 = _step(group, batch)
+    _, r_group = _step(group, batch)
     _, tok2 = build.build_policy(cfg)
     solo = build.build_trainer_worker(cfg, build.build_policy(cfg)[0], tok2)
-    solo.restore(tmp_path / "tp2", version=STEPS)
+    solo.restore(tmp_path / "group", version=STEPS)
     _, r_solo = _step(solo, batch)
     for key in ("loss", "grad_norm"):
-        assert _close(r_solo.stats[key], r_tp2.stats[key]), (key, r_solo.stats, r_tp2.stats)
+        assert _close(r_solo.stats[key], r_group.stats[key]), (key, r_solo.stats, r_group.stats)
     _, r_one = _step(one, batch)
     group.restore(tmp_path / "one", version=STEPS)
     _, r_back = _step(group, batch)
@@ -202,9 +213,7 @@ def smollm2_steps(tmp_path, *layout: str, grad_rel: float = REL) -> None:
             mask = batch.response_mask > 0
             b1, r1 = _step(solo, batch)
             b2, r2 = _step(group, batch)
-            for which in ("old_logprobs", "ref_logprobs"):
-                x, y = getattr(b1, which)[mask], getattr(b2, which)[mask]
-                assert torch.allclose(x, y, rtol=REL, atol=REL), (step, which)
+            _same_logprobs(b1, b2, mask, step)
             assert r1.stats["clip_frac"] > 0 and r1.stats["grad_norm"] > cfg.train.optim.grad_clip
             for key in ("loss", "clip_frac"):  # SmolLM2's terms: of order 0.1 (its loss -0.30)
                 assert _close(r1.stats[key], r2.stats[key], floor=0.1), (step, key, r1.stats)
