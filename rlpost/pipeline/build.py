@@ -181,11 +181,7 @@ def build_trainer(cfg: Config, model, dp=None, *, facts: RunFacts | None = None)
     if lr == "auto":
         lr = size_scaled_lr(sum(p.numel() for p in model.parameters()), facts.adapters)
     settings = ActorSettings(
-        lr=lr,
-        warmup_steps=t.optim.warmup_steps,
-        weight_decay=t.optim.weight_decay,
-        betas=tuple(t.optim.betas),
-        grad_clip=t.optim.grad_clip,
+        optim=t.optim.model_copy(update={"lr": lr}),
         mini_batch_size=t.mini_batch_size,
         micro_batch_size=t.micro_batch_size,
         epochs=t.epochs,
@@ -270,10 +266,7 @@ def build_critic(cfg: Config, facts: RunFacts, model):
         ValueModel.from_policy(model).to(run_device(facts)),
         seed=cfg.run.seed,
         bf16=facts.bf16,
-        lr=c.optim.lr,
-        warmup_steps=c.optim.warmup_steps,
-        grad_clip=c.optim.grad_clip,
-        weight_decay=c.optim.weight_decay,
+        optim=c.optim,
         mini_batch_size=t.mini_batch_size,
         micro_batch_size=t.micro_batch_size,
         epochs=c.epochs,

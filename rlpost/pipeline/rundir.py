@@ -127,17 +127,8 @@ def _row_step(line: str) -> int:
 
 def schedule(section, seed: int) -> Schedule:
     """The offline loop's schedule a training section (``sft``, ``dpo``, ``rm``) sets."""
-    o = section.optim
     return Schedule(
-        steps=section.steps,
-        lr=o.lr,
-        batch_size=section.batch_size,
-        warmup_steps=o.warmup_steps,
-        grad_clip=o.grad_clip,
-        weight_decay=o.weight_decay,
-        betas=tuple(o.betas),
-        seed=seed,
-        save_every=section.save_every,
+        section.steps, section.batch_size, section.optim, seed, save_every=section.save_every
     )
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from rlpost.algos.correction import get_correction
 from rlpost.algos.entropy import entropy_from_logits
 from rlpost.algos.policy_losses import POLICY_LOSSES, LossInputs
 from rlpost.algos.terms import entropy_term, kl_term, nll_term
+from rlpost.config import OptimConfig
 from rlpost.observe.mfu import default_cpu_peak_flops, flops_per_token
 from rlpost.params import Variant
 from rlpost.rng import derive
@@ -51,17 +52,13 @@ from rlpost.train.batch import (
     token_logprobs,
 )
 from rlpost.train.layout import PlainLayout, WeightLayout
-from rlpost.train.optim import SlicedAdamW, budget_slices, minibatch_updates, optimizer_step
+from rlpost.train.optim import adamw, budget_slices, minibatch_updates, optimizer_step
 from rlpost.train.packing import SHARING_MODES, resolve_packing
 
 
 @dataclass
 class ActorSettings:
-    lr: float = 1e-5
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
+    optim: OptimConfig = field(default_factory=OptimConfig)  # its lr a number, not "auto"
     mini_batch_size: int = 64
     micro_batch_size: int = 64
     epochs: int = 1
@@ -153,10 +150,10 @@ def size_scaled_lr(parameters: int, adapters: bool = False) -> float:
 
 
 def build_optimizer(model: torch.nn.Module, s: ActorSettings, scale: LRScale | None = None):
-    """AdamW over the trainable parameters; the LR is ``s.lr`` x warm-up x ``scale``."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = SlicedAdamW(params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay)
-    warmup, scale = warmup_lambda(s.warmup_steps), scale if scale is not None else LRScale()
+    """AdamW over the trainable parameters; the LR is ``s.optim.lr`` x warm-up x ``scale``."""
+    opt = adamw([p for p in model.parameters() if p.requires_grad], s.optim)
+    warmup = warmup_lambda(s.optim.warmup_steps)
+    scale = scale if scale is not None else LRScale()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: warmup(step) * scale.factor)
     return opt, sched
 
@@ -340,7 +337,7 @@ class PolicyTrainer:
         else:
             micros = self.ranks.micro_slices(rows, self.s.micro_batch_size)
         outcome = optimizer_step(
-            self.optimizer, self.scheduler, params, self.s.grad_clip, micros, micro_loss,
+            self.optimizer, self.scheduler, params, self.s.optim.grad_clip, micros, micro_loss,
             lambda stats: self.ranks.sum_floats({k: float(v) for k, v in stats.items()}),
         )  # fmt: skip
         if outcome.skipped:

@@ -25,6 +25,7 @@ from transformers import AutoModel, PreTrainedModel
 
 from rlpost.algos.aggregate import Aggregation
 from rlpost.algos.value import value_loss
+from rlpost.config import OptimConfig
 from rlpost.rng import derive
 from rlpost.train.actor import ActorSettings, bf16_autocast, build_optimizer
 from rlpost.train.batch import TrainBatch, model_device, pad_responses, score_rows
@@ -127,15 +128,12 @@ class CriticTrainer:
         self,
         value_model: ValueModel,
         *,
-        lr: float,
-        warmup_steps: int = 0,
-        grad_clip: float = 1.0,
+        optim: OptimConfig,
         mini_batch_size: int = 64,
         micro_batch_size: int = 64,
         epochs: int = 1,
         clip_range: float | None = 0.2,
         loss_agg_mode: str = "token-mean",
-        weight_decay: float = 0.0,
         bf16: bool = False,
         seed: int = 0,
         max_tokens_per_micro_batch: int = 0,
@@ -148,10 +146,7 @@ class CriticTrainer:
         Aggregation(loss_agg_mode)  # an unknown mode fails here, listing the valid ones
         self.model = value_model
         self.s = ActorSettings(
-            lr=lr,
-            warmup_steps=warmup_steps,
-            weight_decay=weight_decay,
-            grad_clip=grad_clip,
+            optim=optim,
             mini_batch_size=mini_batch_size,
             micro_batch_size=micro_batch_size,
             epochs=epochs,
@@ -230,7 +225,7 @@ class CriticTrainer:
 
         params = list(self.model.parameters())
         outcome = optimizer_step(
-            self.optimizer, self.scheduler, params, self.s.grad_clip, self._micro_slices(mb),
+            self.optimizer, self.scheduler, params, self.s.optim.grad_clip, self._micro_slices(mb),
             micro_loss,
         )  # fmt: skip
         # Statistics over the whole mini-batch (explained variance does not add up over parts).

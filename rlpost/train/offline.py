@@ -19,17 +19,18 @@ import math
 import random
 import shutil
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from rlpost.config import OptimConfig
 from rlpost.rng import set_rng_state
 from rlpost.statefile import fsync_dir, fsync_tree, load_state, save_state
 from rlpost.train.actor import warmup_lambda
 from rlpost.train.checkpoint import TRAINER_STATE, latest_step, save_checkpoint, usable_checkpoint
-from rlpost.train.optim import SlicedAdamW, optimizer_step
+from rlpost.train.optim import adamw, optimizer_step
 
 
 class Objective(Protocol):
@@ -46,12 +47,8 @@ class Schedule:
     only when stopped)."""
 
     steps: int
-    lr: float
     batch_size: int
-    warmup_steps: int = 0
-    grad_clip: float = 1.0
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     seed: int = 0
     save_every: int = 0
 
@@ -84,8 +81,10 @@ def train_offline(
     objective's statistics.
     """
     params = list(model.parameters())
-    opt = SlicedAdamW(params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_cosine(s.warmup_steps, s.steps))
+    opt = adamw(params, s.optim)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, warmup_then_cosine(s.optim.warmup_steps, s.steps)
+    )
     rng, losses = random.Random(s.seed), []
     ckpt = usable_checkpoint(state_dir) if state_dir is not None else None
     if ckpt is not None:
@@ -106,7 +105,7 @@ def train_offline(
         micro = objective.draw(rng, s.batch_size)
         lr = opt.param_groups[0]["lr"]
         out = optimizer_step(
-            opt, sched, params, s.grad_clip, micro, lambda m: objective.loss(model, m)
+            opt, sched, params, s.optim.grad_clip, micro, lambda m: objective.loss(model, m)
         )
         losses.append(out.loss)
         if on_step is not None:

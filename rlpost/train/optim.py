@@ -121,6 +121,14 @@ def optimizer_step(
     return StepOutcome(loss_total, grad_norm, False, stats)
 
 
+def adamw(params: list[torch.nn.Parameter], optim) -> SlicedAdamW:
+    """AdamW over ``params`` at ``optim``'s (a :class:`rlpost.config.OptimConfig`) peak LR,
+    betas and weight decay; the caller's scheduler shapes the LR."""
+    return SlicedAdamW(
+        params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
+    )
+
+
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Scale the gradients of ``params`` to a total 2-norm of at most ``max_norm``; the
     total norm before scaling (a plain 0-d tensor, the same on every rank).

@@ -17,7 +17,7 @@ import torch
 from rlpost.algos import get_policy_loss
 from rlpost.algos.aggregate import Aggregation
 from rlpost.algos.policy_losses import LossInputs
-from rlpost.config import Config
+from rlpost.config import Config, OptimConfig
 from rlpost.data.arith import arith_problems
 from rlpost.envs.catalog import env_factory
 from rlpost.envs.formats import TagFormat, demonstration_completion
@@ -74,7 +74,7 @@ def calc_policy():
     def example(prompt, rng):
         return demonstration_completion(make_env(), prompt, fmt, tok, rng)
 
-    train_offline(model, SFT(tok, problems[8:], example), Schedule(60, lr=5e-3, batch_size=16))
+    train_offline(model, SFT(tok, problems[8:], example), Schedule(60, 16, OptimConfig(lr=5e-3)))
     return model, tok, problems
 
 

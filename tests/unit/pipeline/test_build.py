@@ -185,6 +185,6 @@ def test_auto_lr_scales_the_policys_rate_to_its_size_and_adapters():
     model = build_tiny_model(tok)
     size = sum(p.numel() for p in model.parameters())
     trainer = build.build_trainer(load_config(None, ["train.optim.lr=auto"]), model)
-    assert trainer.s.lr == size_scaled_lr(size)
+    assert trainer.s.optim.lr == size_scaled_lr(size)
     fixed = build.build_trainer(load_config(None, ["train.optim.lr=3e-5"]), build_tiny_model(tok))
-    assert fixed.s.lr == 3e-5
+    assert fixed.s.optim.lr == 3e-5

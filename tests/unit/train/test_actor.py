@@ -8,6 +8,7 @@ from rlpost.algos import (
     get_kl_estimator,
     scores_to_token_rewards,
 )
+from rlpost.config import OptimConfig
 from rlpost.params import LossChoice, PPOClipParams, variants
 from rlpost.rollout.engines.hf import HFEngine
 from rlpost.rollout.engines.protocol import SamplingParams
@@ -29,7 +30,9 @@ def _batch(model, tok):
 
 
 def _trainer(model, **kw):
-    s = ActorSettings(lr=1e-3, mini_batch_size=16, micro_batch_size=kw.pop("micro", 16), **kw)
+    s = ActorSettings(
+        optim=OptimConfig(lr=1e-3), mini_batch_size=16, micro_batch_size=kw.pop("micro", 16), **kw
+    )
     return PolicyTrainer(model, PPOClipParams(), s, kl_estimator=get_kl_estimator("k3"))
 
 
@@ -107,7 +110,11 @@ def test_multi_step_update_refuses_missing_old_logprobs(tiny):
 
 def test_warmup_and_lr_scaling(tiny):
     model, _tok = tiny
-    tr = PolicyTrainer(copy.deepcopy(model), PPOClipParams(), ActorSettings(lr=1.0, warmup_steps=3))
+    tr = PolicyTrainer(
+        copy.deepcopy(model),
+        PPOClipParams(),
+        ActorSettings(optim=OptimConfig(lr=1.0, warmup_steps=3)),
+    )
     assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(0.25)
     assert tr.scale_lr(0.5) == pytest.approx(0.5)
     assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(0.125)
@@ -121,7 +128,9 @@ def test_rollout_correction_weights_the_loss_and_masks_tokens(tiny):
 
     def update(variant, rollout_shift):
         m = copy.deepcopy(model)
-        s = ActorSettings(lr=1e-3, mini_batch_size=16, micro_batch_size=16, correction=variant)
+        s = ActorSettings(
+            optim=OptimConfig(lr=1e-3), mini_batch_size=16, micro_batch_size=16, correction=variant
+        )
         tr = PolicyTrainer(m, PPOClipParams(), s)
         batch = copy.deepcopy(b)
         batch.old_logprobs = tr.old_logprobs(batch)
@@ -144,7 +153,7 @@ def test_rollout_correction_weights_the_loss_and_masks_tokens(tiny):
 
 
 def _selector_trainer(model, name, micro, **kw):
-    s = ActorSettings(lr=1e-3, mini_batch_size=16, micro_batch_size=micro)
+    s = ActorSettings(optim=OptimConfig(lr=1e-3), mini_batch_size=16, micro_batch_size=micro)
     return PolicyTrainer(model, variants(LossChoice)[name](**kw.pop("params", {})), s, **kw)
 
 

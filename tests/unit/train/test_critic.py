@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlpost.config import OptimConfig
 from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
 from rlpost.train.batch import collate
 from rlpost.train.critic import CriticTrainer, ValueModel, response_values
@@ -38,7 +39,9 @@ def _batch(tokenizer, rows=(("12+7=", "19"), ("3-5=", "-2"), ("40+40=", "80"), (
 
 
 def _trainer(model, **kw) -> CriticTrainer:
-    args = dict(lr=1e-2, mini_batch_size=4, micro_batch_size=4, clip_range=None, seed=0)
+    args = dict(
+        optim=OptimConfig(lr=1e-2), mini_batch_size=4, micro_batch_size=4, clip_range=None, seed=0
+    )
     args.update(kw)
     return CriticTrainer(model, **args)
 
@@ -88,7 +91,7 @@ def test_update_fits_fixed_returns(policy):
     batch = _batch(tokenizer)
     torch.manual_seed(0)
     batch.returns = torch.randn(batch.response_mask.shape) * batch.response_mask
-    trainer = _trainer(ValueModel.from_policy(model), lr=3e-3)
+    trainer = _trainer(ValueModel.from_policy(model), optim=OptimConfig(lr=3e-3))
     batch.values = trainer.values(batch)
     first = trainer.update(batch)
     for _ in range(60):

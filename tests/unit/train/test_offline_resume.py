@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlpost.config import OptimConfig
 from rlpost.data import arith_splits
 from rlpost.data.preferences import preference_splits
 from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
@@ -20,7 +21,7 @@ from rlpost.train.offline import (
 )
 from rlpost.train.sft import SFT
 
-SCHEDULE = Schedule(steps=6, lr=1e-3, batch_size=8, warmup_steps=2, seed=0)
+SCHEDULE = Schedule(steps=6, batch_size=8, optim=OptimConfig(lr=1e-3, warmup_steps=2), seed=0)
 
 
 def _model(seed: int):

@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlpost.algos import get_advantage_estimator, scores_to_token_rewards
+from rlpost.config import OptimConfig
 from rlpost.params import PPOClipParams
 from rlpost.train import packing
 from rlpost.train.actor import ActorSettings, PolicyTrainer
@@ -128,7 +129,7 @@ def test_packed_budget_counts_real_tokens():
 
 def _trainer(model, packing: str, micro: int, budget: int = 0):
     s = ActorSettings(
-        lr=1e-3,
+        optim=OptimConfig(lr=1e-3),
         mini_batch_size=8,
         micro_batch_size=micro,
         max_tokens_per_micro_batch=budget,
@@ -174,7 +175,7 @@ def test_packed_critic_values_and_update_equal_padded():
         torch.manual_seed(5)  # the same value head
         return CriticTrainer(
             ValueModel.from_policy(copy.deepcopy(base)),
-            lr=1e-3,
+            optim=OptimConfig(lr=1e-3),
             mini_batch_size=8,
             micro_batch_size=micro,
             max_tokens_per_micro_batch=budget,
@@ -330,7 +331,7 @@ def test_shared_update_equals_the_padded_update(micro, budget):
     a, c = copy.deepcopy(base), copy.deepcopy(base)
 
     def trainer(model, packing, micro, budget=0):
-        s = ActorSettings(lr=1e-3, mini_batch_size=7, micro_batch_size=micro, epochs=2,
+        s = ActorSettings(optim=OptimConfig(lr=1e-3), mini_batch_size=7, micro_batch_size=micro, epochs=2,
                           max_tokens_per_micro_batch=budget, entropy_coef=0.01, packing=packing)  # fmt: skip
         return PolicyTrainer(model, PPOClipParams(), s)
 
@@ -344,7 +345,9 @@ def test_shared_critic_values_equal_padded():
 
     def critic(packing):
         torch.manual_seed(5)  # the same value head
-        return CriticTrainer(ValueModel.from_policy(copy.deepcopy(base)), lr=1e-3, packing=packing)
+        return CriticTrainer(
+            ValueModel.from_policy(copy.deepcopy(base)), optim=OptimConfig(lr=1e-3), packing=packing
+        )
 
     shared, padded = critic("shared"), critic("off")
     assert shared.packed is Pack.SHARED

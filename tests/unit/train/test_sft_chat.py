@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlpost.config import OptimConfig
 from rlpost.data.conversations import chat_arith, encode_conversations, ensure_chat_template
 from rlpost.data.files import LoadReport
 from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
@@ -37,7 +38,7 @@ def _train(budget: int) -> tuple[list[float], torch.nn.Module]:
     prompts = [Prompt(text="", metadata={"example": r}) for r in rows]
     torch.manual_seed(0)
     sft = SFT(tok, prompts, example=lambda p, rng: p.metadata["example"], max_tokens=budget)
-    losses = train_offline(model, sft, Schedule(steps=3, lr=1e-3, batch_size=8))
+    losses = train_offline(model, sft, Schedule(steps=3, batch_size=8, optim=OptimConfig(lr=1e-3)))
     return losses, model
 
 

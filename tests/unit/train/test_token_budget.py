@@ -13,6 +13,7 @@ from rlpost.algos import (
     get_kl_estimator,
     scores_to_token_rewards,
 )
+from rlpost.config import OptimConfig
 from rlpost.params import PPOClipParams
 from rlpost.train.actor import ActorSettings, PolicyTrainer
 from rlpost.train.batch import collate, compute_logprobs, pad_responses
@@ -70,7 +71,7 @@ def test_trimmed_micro_batch_has_its_own_widths_and_the_same_logprobs(tiny):
 
 def _trainer(model, budget: int, entropy: float = 0.0):
     s = ActorSettings(
-        lr=1e-3,
+        optim=OptimConfig(lr=1e-3),
         mini_batch_size=8,
         micro_batch_size=4,
         max_tokens_per_micro_batch=budget,
@@ -106,7 +107,10 @@ def test_on_policy_fill_of_old_logprobs_under_a_budget(tiny):
     model, tok = tiny
     b = _batch(len(tok))
     s = ActorSettings(
-        lr=1e-3, mini_batch_size=16, micro_batch_size=4, max_tokens_per_micro_batch=30
+        optim=OptimConfig(lr=1e-3),
+        mini_batch_size=16,
+        micro_batch_size=4,
+        max_tokens_per_micro_batch=30,
     )
     tr = PolicyTrainer(copy.deepcopy(model), PPOClipParams(), s)
     explicit = tr.old_logprobs(b)
