@@ -17,6 +17,8 @@ Outputs are zero on padding and have the dtype of ``token_level_rewards``.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -103,6 +105,35 @@ def _tile(
     return advantages, advantages.clone()
 
 
+_HEAD = [
+    inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="Tensor")
+    for n in ("token_level_rewards", "response_mask", "group")
+] + [inspect.Parameter("values", inspect.Parameter.KEYWORD_ONLY, default=None)]
+
+
+def outcome(name: str, *, whiten: bool = False, **traits):
+    """Register ``fn(scores [B], group [B], **params) -> [B]`` as the outcome estimator
+    ``name`` (with ``traits``): ``scores`` are the rows' summed rewards (float64), and its
+    per-row advantages are tiled over each row's valid tokens (then whitened over the
+    batch where ``whiten``), the returns equal to them. The estimator has the one
+    signature of the module docstring, ``fn``'s keywords its parameters."""
+
+    def wrap(fn: Callable[..., Tensor]) -> AdvantageEstimator:
+        @functools.wraps(fn)
+        @torch.no_grad()
+        def estimator(token_level_rewards, response_mask, group, *, values=None, **params):
+            _check(token_level_rewards, response_mask, group)
+            rows = fn(_outcome_scores(token_level_rewards), group, **params)
+            return _tile(rows, response_mask, token_level_rewards.dtype, whiten=whiten)
+
+        own = inspect.signature(fn).parameters.values()
+        kept = [p for p in own if p.kind is p.KEYWORD_ONLY]
+        estimator.__signature__ = inspect.Signature([*_HEAD, *kept])
+        return ADVANTAGES.register(name, **traits)(estimator)
+
+    return wrap
+
+
 def _reward_to_go(token_level_rewards: Tensor, response_mask: Tensor) -> tuple[Tensor, Tensor]:
     """``(G [B, T], valid [B, T])``: the undiscounted float64 reward-to-go over valid tokens."""
     m = response_mask.to(torch.float64) > 0
@@ -110,93 +141,59 @@ def _reward_to_go(token_level_rewards: Tensor, response_mask: Tensor) -> tuple[T
     return rewards.flip(-1).cumsum(-1).flip(-1), m
 
 
-@ADVANTAGES.register("grpo", group_relative=True)
-@torch.no_grad()
+@outcome("grpo", group_relative=True)
 def grpo_advantages(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
+    scores: Tensor,
     group: Tensor,
     *,
-    values: Tensor | None = None,
     norm_by_std: bool = True,
     std_scope: str = "group",
     eps: float = 1e-6,
-) -> tuple[Tensor, Tensor]:
+) -> Tensor:
     """GRPO outcome advantage ``A_i = (s_i - mean_g) / (std_g + eps)`` (DeepSeekMath, arXiv 2402.03300).
 
-    Shapes: rewards, mask ``[B, T]``, group ``[B]`` -> ``([B, T], [B, T])``; returns
-    equal advantages. ``norm_by_std=False`` gives Dr.GRPO's ``s_i - mean_g``.
+    ``norm_by_std=False`` gives Dr.GRPO's ``s_i - mean_g``.
     std is unbiased; a singleton group gives ``s_i / (1 + eps)`` (verl).
     ``std_scope="batch"`` divides by the unbiased std of every score in the batch
     instead (group mean, batch std: TRL's ``scale_rewards="batch"``, as argued in
     "Tricks or Traps? A Deep Dive into RL for LLM Reasoning", arXiv 2508.08221).
     """
-    _check(token_level_rewards, response_mask, group)
     if std_scope not in ("group", "batch"):
         raise ValueError(f"grpo std_scope must be 'group' or 'batch', got {std_scope!r}")
-    scores = _outcome_scores(token_level_rewards)
     centered, std, _ = _group_centered(scores, group)
     if std_scope == "batch" and scores.numel() > 1:
         std = torch.full_like(std, float((scores - scores.min()).std()))
-    adv = centered / (std + eps) if norm_by_std else centered
-    return _tile(adv, response_mask, token_level_rewards.dtype)
+    return centered / (std + eps) if norm_by_std else centered
 
 
-@ADVANTAGES.register("dr_grpo", group_relative=True)
-@torch.no_grad()
-def dr_grpo_advantages(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    group: Tensor,
-    *,
-    values: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+@outcome("dr_grpo", group_relative=True)
+def dr_grpo_advantages(scores: Tensor, group: Tensor) -> Tensor:
     """Dr.GRPO ``A_i = s_i - mean_g`` without std division ("Understanding R1-Zero-Like Training", arXiv 2503.20783).
 
-    Shapes as :func:`grpo_advantages`. Pair with ``seq-mean-token-sum-norm`` aggregation.
+    Pair with ``seq-mean-token-sum-norm`` aggregation.
     """
-    return grpo_advantages(token_level_rewards, response_mask, group, norm_by_std=False)
+    return _group_centered(scores, group)[0]
 
 
-@ADVANTAGES.register("rloo", group_relative=True)
-@torch.no_grad()
-def rloo_advantages(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    group: Tensor,
-    *,
-    values: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+@outcome("rloo", group_relative=True)
+def rloo_advantages(scores: Tensor, group: Tensor) -> Tensor:
     """RLOO ``A_i = s_i - mean_{j != i} s_j = n/(n-1) (s_i - mean_g)`` (Ahmadian et al., arXiv 2402.14740).
 
-    Shapes: rewards, mask ``[B, T]``, group ``[B]`` -> ``([B, T], [B, T])``.
     A singleton group keeps its raw score (verl's loop version).
     """
-    _check(token_level_rewards, response_mask, group)
-    centered, _, count = _group_centered(_outcome_scores(token_level_rewards), group)
-    adv = torch.where(count > 1, centered * count / (count - 1).clamp(min=1.0), centered)
-    return _tile(adv, response_mask, token_level_rewards.dtype)
+    centered, _, count = _group_centered(scores, group)
+    return torch.where(count > 1, centered * count / (count - 1).clamp(min=1.0), centered)
 
 
-@ADVANTAGES.register("gpg", group_relative=True)
-@torch.no_grad()
-def gpg_advantages(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    group: Tensor,
-    *,
-    values: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+@outcome("gpg", group_relative=True)
+def gpg_advantages(scores: Tensor, group: Tensor) -> Tensor:
     """GPG ``A_i = alpha (s_i - mean_g)``, ``alpha = B / max(1, #{s_i != 0})`` (arXiv 2504.02546).
 
-    Shapes as :func:`grpo_advantages`. ``alpha`` re-scales the batch when few rows
-    score at all; no std division; singleton mean 0 (verl).
+    ``alpha`` re-scales the batch when few rows score at all; no std division;
+    singleton mean 0 (verl).
     """
-    _check(token_level_rewards, response_mask, group)
-    scores = _outcome_scores(token_level_rewards)
-    centered, _, _ = _group_centered(scores, group)
     alpha = scores.numel() / max(1, int((scores != 0).sum()))
-    return _tile(alpha * centered, response_mask, token_level_rewards.dtype)
+    return alpha * _group_centered(scores, group)[0]
 
 
 @ADVANTAGES.register("reinforce_pp")
@@ -231,23 +228,13 @@ def reinforce_pp_advantages(
     return advantages.to(dtype), returns.to(dtype)
 
 
-@ADVANTAGES.register("reinforce_pp_baseline", group_relative=True)
-@torch.no_grad()
-def reinforce_pp_baseline_advantages(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    group: Tensor,
-    *,
-    values: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+@outcome("reinforce_pp_baseline", whiten=True, group_relative=True)
+def reinforce_pp_baseline_advantages(scores: Tensor, group: Tensor) -> Tensor:
     """REINFORCE++-baseline (arXiv 2501.03262): ``s_i - mean_g`` tiled, then global whitening.
 
-    Shapes ``[B, T]``, group ``[B]`` -> ``([B, T], [B, T])``; returns equal
-    advantages. Singleton mean 0; whitening as :func:`reinforce_pp_advantages`.
+    Singleton mean 0; whitening as :func:`reinforce_pp_advantages`.
     """
-    _check(token_level_rewards, response_mask, group)
-    centered, _, _ = _group_centered(_outcome_scores(token_level_rewards), group)
-    return _tile(centered, response_mask, token_level_rewards.dtype, whiten=True)
+    return _group_centered(scores, group)[0]
 
 
 def _gae(rewards: Tensor, values: Tensor, valid: Tensor, gamma: float, lam: Tensor) -> Tensor:

@@ -27,6 +27,7 @@ from rlpost.algos.advantages import (
     _outcome_scores,
     _reward_to_go,
     _tile,
+    outcome,
 )
 
 
@@ -60,17 +61,10 @@ def opo_advantages(
     return _tile(scores - baseline, response_mask, token_level_rewards.dtype)
 
 
-@ADVANTAGES.register("grpo_passk", group_relative=True)
-@torch.no_grad()
+@outcome("grpo_passk", group_relative=True)
 def grpo_passk_advantages(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    group: Tensor,
-    *,
-    values: Tensor | None = None,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[Tensor, Tensor]:
+    scores: Tensor, group: Tensor, *, norm_by_std: bool = True, eps: float = 1e-6
+) -> Tensor:
     """Pass@k GRPO: only each group's best row gets ``(s_max - s_second) / (std_g + eps)``.
 
     Every other row gets 0, so the update raises the probability of the best
@@ -79,10 +73,7 @@ def grpo_passk_advantages(
     Objectives using Reinforcement Learning", Tang et al., arXiv 2503.19595;
     verl's ``grpo_passk``). Ties go to the first row in batch order;
     with a tie for best the margin is 0. Needs groups of at least 2 rows.
-    Shapes: rewards, mask ``[B, T]``, group ``[B]`` -> ``([B, T], [B, T])``.
     """
-    _check(token_level_rewards, response_mask, group)
-    scores = _outcome_scores(token_level_rewards)
     _, std, count = _group_centered(scores, group)
     if bool((count < 2).any()):
         raise ValueError("grpo_passk needs at least 2 samples per group (rollout.n >= 2)")
@@ -93,20 +84,13 @@ def grpo_passk_advantages(
         top, where = torch.topk(scores[rows], 2)  # topk keeps the first of equal values first
         margin = top[0] - top[1]
         adv[rows[where[0]]] = margin / (std[rows[0]] + eps) if norm_by_std else margin
-    return _tile(adv, response_mask, token_level_rewards.dtype)
+    return adv
 
 
-@ADVANTAGES.register("gdpo", group_relative=True, needs_components=True)
-@torch.no_grad()
+@outcome("gdpo", whiten=True, group_relative=True, needs_components=True)
 def gdpo_advantages(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    group: Tensor,
-    *,
-    values: Tensor | None = None,
-    components: Tensor | None = None,
-    eps: float = 1e-6,
-) -> tuple[Tensor, Tensor]:
+    scores: Tensor, group: Tensor, *, components: Tensor | None = None, eps: float = 1e-6
+) -> Tensor:
     """GDPO: group-normalise each reward term, sum, then whiten over the batch.
 
     ``A_i = whiten_batch(sum_k (c_ik - mean_g c_k) / (std_g c_k + eps))``, so a
@@ -115,11 +99,10 @@ def gdpo_advantages(
     al., arXiv 2601.05242; verl's ``gdpo``). ``components [B, K]``: each term's value per row; NaN (the
     term did not apply) counts as 0. Without components the summed score is the
     only term (GRPO followed by batch whitening). Whitening as ``masked_whiten``
-    over valid tokens. Shapes: rewards, mask ``[B, T]``, group ``[B]`` -> ``([B, T], [B, T])``.
+    over valid tokens.
     """
-    _check(token_level_rewards, response_mask, group)
     if components is None:
-        comps = _outcome_scores(token_level_rewards)[:, None]
+        comps = scores[:, None]
     else:
         if components.dim() != 2 or components.shape[0] != group.shape[0]:
             raise ValueError(f"components must be [B, K], got {tuple(components.shape)}")
@@ -128,7 +111,7 @@ def gdpo_advantages(
     for k in range(comps.shape[1]):
         centered, std, _ = _group_centered(comps[:, k], group)
         total = total + centered / (std + eps)
-    return _tile(total, response_mask, token_level_rewards.dtype, whiten=True)
+    return total
 
 
 @ADVANTAGES.register("remax", needs_greedy_baseline=True)

@@ -12,6 +12,7 @@ import rlpost.algos as algos
 
 ALGOS_DIR = Path(algos.__file__).parent
 ALLOWED_ROOTS = {"__future__", "torch", "math", "typing", "dataclasses", "collections"}
+ALLOWED_ROOTS |= {"functools", "inspect"}  # the outcome estimators' one signature
 ALLOWED_RLPOST = ("rlpost.registry", "rlpost.algos", "rlpost.params")  # params: pydantic only
 
 
