@@ -11,7 +11,8 @@ transformers loaded; the model's shape comes from its config on the meta device.
 ``summary.json`` records the estimate beside the measured ``peak_rss_mib``.
 
 Under a trainer layout (``cluster.trainer_workers``, ``cluster.tensor_parallel``) the
-trainer's terms are one rank's: the decoder layers' matrices split T ways, everything
+trainer's terms are one rank's: the decoder layers' matrices, the embedding and the LM
+head (by vocabulary, with the head's chunk of logits) split T ways, everything
 FSDP2-sharded over the data-parallel ranks, and the split matrices' activations 1/T;
 under ``cluster.pipeline_parallel`` the largest stage's layers and their activations; the
 machine must hold every rank it runs (:func:`ranks_here`).
@@ -26,7 +27,7 @@ from rlpost.observe.mfu import _usable_cores
 from rlpost.pipeline.build import EAGER_ATTENTION_MAX_POSITIONS
 from rlpost.resolved import resolve
 from rlpost.train.lm_head import chunk_tokens, needs_chunks
-from rlpost.train.tp import COLUMN, ROW
+from rlpost.train.tp import COLUMN, ROW, vocab_modules
 
 MIB = 2**20
 BASE_MIB = 450.0
@@ -77,7 +78,7 @@ def model_shape(cfg: Config) -> dict:
             model = AutoModelForCausalLM.from_config(load_config(cfg.model.path))
     c = model.config
     heads, hidden = getattr(c, "num_attention_heads", 1), getattr(c, "hidden_size", 0)
-    split = COLUMN + ROW
+    split, found = COLUMN + ROW, vocab_modules(model) or ()
     return {
         "params": sum(p.numel() for p in model.parameters()),
         # what tensor parallelism splits: the decoder layers' attention and MLP matrices
@@ -86,6 +87,8 @@ def model_shape(cfg: Config) -> dict:
             for name, p in model.named_parameters()
             if name.rpartition(".")[0].endswith(split)
         ),
+        # what tensor parallelism splits by vocabulary: the embedding and an untied head
+        "vocab_split": sum(p.numel() for p in torch.nn.ModuleList(found).parameters()),
         # what pipeline stages split: the decoder layers
         "layer_params": sum(p.numel() for n, p in model.named_parameters() if ".layers." in n),
         "vocab": int(getattr(c, "vocab_size", 0)),
@@ -117,13 +120,14 @@ def stage_share(cfg: Config, shape: dict) -> float:
 
 def rank_params(cfg: Config, shape: dict) -> float:
     """Parameters one trainer rank holds: its pipeline stage's layers (the largest stage),
-    of them the split matrices' 1/T slice, and the rest whole; all of it 1/dp under FSDP2
-    (its layer-at-a-time gathers are not counted)."""
+    of them and of the vocabulary-split embedding and head the split matrices' 1/T slice,
+    and the rest whole; all of it 1/dp under FSDP2 (its layer-at-a-time gathers are not
+    counted)."""
     c = cfg.cluster
     tp, share = c.tensor_parallel, stage_share(cfg, shape)
     dp = max(1, c.trainer_workers // (tp * c.pipeline_parallel))
     held = shape["params"] - shape.get("layer_params", 0) * (1 - share)
-    split = shape["split"] * share
+    split = shape["split"] * share + (shape.get("vocab_split", 0) if tp > 1 else 0)
     return (held - split + split / tp) / dp
 
 
@@ -159,6 +163,7 @@ def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
         logits = 6 * tokens * shape["vocab"] * 4
     elif needs_chunks(tokens, shape["vocab"], t.logits_chunk_tokens) and t.logits_chunk_tokens >= 0:
         logits = 4 * chunk_tokens(shape["vocab"], t.logits_chunk_tokens) * shape["vocab"] * 4
+        logits /= cfg.cluster.tensor_parallel  # a rank's rows of a vocabulary-split head
     else:  # the full logits, their float32 copy and the gradient
         logits = 3 * tokens * shape["vocab"] * 4
     return MemoryEstimate(

@@ -17,6 +17,11 @@ Formulas, per token with tempered logits ``z = (h W^T + b) / tau``:
 ``logp_t = z_t - logsumexp(z)``, ``H = logsumexp(z) - sum_v p_v z_v`` and the
 gradients ``d logp_t / dz = onehot(t) - p``, ``dH / dz = -p (log p + H)``.
 The result equals the full-logits path up to float summation order.
+
+A head split by vocabulary over tensor-parallel ranks (:func:`rlpost.train.tp.vocab_shard`)
+computes its ``[chunk, V/T]`` logits and all-reduces the max, the softmax's sums and the
+target's logit (Megatron's vocabulary-parallel cross-entropy), and the hidden states'
+gradient once a pass.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from rlpost.observe.mfu import cpu_bf16_native, cpu_vendor
 from rlpost.observe.threads import pace
+from rlpost.train.tp import vocab_shard
 
 CHUNK_BYTES = 64 * 2**20
 """Float32 logits per chunk (the backward holds about four such tensors at once)."""
@@ -231,7 +238,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
     does not use gets no gradient work (a logged entropy costs nothing in the backward)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, tau, chunk, with_entropy, dtype):
+    def forward(ctx, hidden, weight, bias, targets, tau, chunk, with_entropy, dtype, shard=None):
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None
         n = hidden.shape[0]
         logprobs = hidden.new_empty(n, dtype=torch.float32)
@@ -244,27 +251,33 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
                 pace()  # the cores a co-located rollout process lends: observe.threads
                 hi = min(n, lo + chunk)
                 z = _chunk_logits(hidden[lo:hi], w, bias, tau, dtype, scratch)
-                target = z.gather(-1, targets[lo:hi, None]).squeeze(-1)
+                index, mine = _local_targets(targets[lo:hi], shard, z.shape[-1])
+                target = z.gather(-1, index[:, None]).squeeze(-1)
                 top = z.amax(dim=-1, keepdim=True)
+                if shard is not None:
+                    target = torch.where(mine, target, 0.0)
+                    dist.all_reduce(top, dist.ReduceOp.MAX, group=shard[0])
                 z.sub_(top)  # z' = z - max <= 0, in place: logsumexp's own steps
                 if with_entropy:
                     e = torch.exp(z, out=scratch.get("probs", hi - lo))
-                    total = e.sum(-1)
+                    total, ez = e.sum(-1), e.mul_(z).sum(-1)
+                    total, ez, target = _summed(shard, total, ez, target)
                     lse[lo:hi] = top.squeeze(-1) + total.log()
                     # H = log s - sum e z' / s with s = sum e: two non-negative terms, so
                     # no cancellation near H = 0
-                    entropy[lo:hi] = total.log() - e.mul_(z).sum(-1) / total
+                    entropy[lo:hi] = total.log() - ez / total
                 else:
-                    lse[lo:hi] = top.squeeze(-1) + z.exp_().sum(-1).log_()
+                    total, target = _summed(shard, z.exp_().sum(-1), target)
+                    lse[lo:hi] = top.squeeze(-1) + total.log_()
                 logprobs[lo:hi] = target - lse[lo:hi]
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
-        ctx.settings = (tau, chunk, with_entropy, dtype)
+        ctx.settings = (tau, chunk, with_entropy, dtype, shard)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
-        tau, chunk, with_entropy, dtype = ctx.settings
+        tau, chunk, with_entropy, dtype, shard = ctx.settings
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if want_h else None
         # The weight's gradient goes straight into its ``.grad`` where it may (no [V, H]
@@ -300,7 +313,9 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
                 p, ent = logp.exp_(), None
             if grad_logprobs is not None:
                 g = grad_logprobs[lo:hi, None]
-                gz = p.mul_(-g).scatter_add_(-1, targets[lo:hi, None], g)
+                index, mine = _local_targets(targets[lo:hi], shard, p.shape[-1])
+                at = g if mine is None else g * mine[:, None]  # another rank's token: not here
+                gz = p.mul_(-g).scatter_add_(-1, index[:, None], at)
             else:
                 gz = p.zero_()
             if ent is not None:
@@ -320,9 +335,33 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
                     grad_w.addmm_(low.t(), h.to(dtype))
                 else:
                     grad_w += (low.t() @ h.to(dtype)).float()
+        if grad_h is not None and shard is not None:  # each rank's rows' part of the sum
+            total = grad_h.float()
+            dist.all_reduce(total, group=shard[0])
+            grad_h = total.to(hidden.dtype)
         grad_w = None if grad_w is None or sink is not None else grad_w.to(weight.dtype)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+
+
+def _local_targets(targets: Tensor, shard, rows: int) -> tuple[Tensor, Tensor | None]:
+    """(column of each target among this rank's ``rows`` vocabulary rows, which of them
+    this rank holds; None when it holds them all). A target held elsewhere points at
+    column 0, to be masked."""
+    if shard is None:
+        return targets, None
+    local = targets - shard[1]
+    mine = (local >= 0) & (local < rows)
+    return torch.where(mine, local, 0), mine
+
+
+def _summed(shard, *values: Tensor) -> tuple[Tensor, ...]:
+    """``values`` ([c] each) summed over the vocabulary-split group in one all-reduce."""
+    if shard is None:
+        return values
+    stacked = torch.stack([v.float() for v in values])
+    dist.all_reduce(stacked, group=shard[0])
+    return tuple(stacked)
 
 
 def _in_place_ok(weight: Tensor) -> bool:
@@ -378,7 +417,8 @@ def embed_tokens(embedding: nn.Module, ids: Tensor) -> Tensor:
     plain = type(embedding) is nn.Embedding and embedding.max_norm is None
     plain = plain and not (embedding.sparse or embedding.scale_grad_by_freq)
     weight = getattr(embedding, "weight", None)
-    if not (plain and torch.is_grad_enabled() and weight is not None and _in_place_ok(weight)):
+    plain = plain and weight is not None and not hasattr(weight, "device_mesh")  # a DTensor's
+    if not (plain and torch.is_grad_enabled() and _in_place_ok(weight)):  # own plan looks up
         return embedding(ids)
     return _EmbedIntoGrad.apply(weight, ids, embedding.padding_idx)
 
@@ -399,8 +439,9 @@ def head_logprobs(
     :data:`CHUNK_BYTES`)."""
     tau = 1.0 if temperature in (0.0, 1.0) else float(temperature)
     size = chunk_tokens(head.weight.shape[0], chunk)
+    weight, bias, shard = vocab_shard(head)
     lp, ent = ChunkedHeadLogprobs.apply(
-        hidden, head.weight, head.bias, targets, tau, size, with_entropy, compute_dtype(head.weight)
+        hidden, weight, bias, targets, tau, size, with_entropy, compute_dtype(weight), shard
     )
     return lp, (ent if with_entropy else None)
 
@@ -412,13 +453,17 @@ def head_sum_pi_squared(
     """``sum_v softmax(head(hidden) / T)_v^2`` per token: ``[N, H]`` -> ``[N]`` float32."""
     tau = 1.0 if temperature in (0.0, 1.0) else float(temperature)
     size = chunk_tokens(head.weight.shape[0], chunk)
-    dtype = compute_dtype(head.weight)
+    weight, bias, shard = vocab_shard(head)
+    dtype = compute_dtype(weight)
     out = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
-    w = head.weight.to(dtype)
-    scratch = _scratch(hidden, head.weight, size)
+    w = weight.to(dtype)
+    scratch = _scratch(hidden, weight, size)
     for lo in range(0, hidden.shape[0], size):
-        z = _chunk_logits(hidden[lo : lo + size], w, head.bias, tau, dtype, scratch)
-        e = z.sub_(z.amax(dim=-1, keepdim=True)).exp_()  # the softmax's steps, in place
-        total = e.sum(-1)
-        out[lo : lo + size] = e.pow_(2).sum(-1) / total.square()
+        z = _chunk_logits(hidden[lo : lo + size], w, bias, tau, dtype, scratch)
+        top = z.amax(dim=-1, keepdim=True)
+        if shard is not None:
+            dist.all_reduce(top, dist.ReduceOp.MAX, group=shard[0])
+        e = z.sub_(top).exp_()  # the softmax's steps, in place
+        total, squares = _summed(shard, e.sum(-1), e.pow_(2).sum(-1))
+        out[lo : lo + size] = squares / total.square()
     return out

@@ -1,23 +1,19 @@
-"""Tensor parallelism: each decoder layer's matrices split over the ranks of a mesh axis.
+"""Tensor parallelism: each decoder layer's matrices, the embedding and the LM head split
+over the ranks of a mesh axis (docs/cluster.md).
 
-The trainer's ranks form a ``(dp, tp)`` device mesh (``init_device_mesh``): rank
-``d * tp + t`` holds tensor-parallel slice ``t`` of data-parallel replica ``d``, so
-the ranks of one tensor-parallel group are neighbours (one node, the fast links).
-Inside a decoder layer, the Megatron split of torch's DTensor plans
-(``torch.distributed.tensor.parallel``): q/k/v and gate/up are column-wise (each rank
-holds its heads, KV heads included, and its share of the MLP's intermediate width),
-o and down row-wise (their partial sums all-reduced). Between the plans activations
-are ordinary tensors, so the attention code runs unchanged on its local heads.
+The ranks form a ``(dp, tp)`` device mesh: rank ``d * tp + t`` holds slice ``t`` of
+replica ``d``, so a tensor-parallel group is neighbours (one node). Inside a layer, torch's
+DTensor plans make Megatron's split: q/k/v and gate/up column-wise (a rank's heads and MLP
+width), o and down row-wise (partial sums all-reduced); between them activations are plain
+tensors, so attention runs unchanged on the local heads. The embedding and the head split
+by vocabulary rows (a tie kept): lookups are all-reduced, and the chunked head
+(:mod:`rlpost.train.lm_head`) reduces its softmax over the group. The norms stay whole.
+Then FSDP2 shards every parameter over the data-parallel axis
+(:func:`rlpost.train.dp.shard_model`).
 
-Everything else (embeddings, norms, the LM head) stays whole on every rank of the
-group: its input is the same everywhere, so its output and gradient are too, and
-the chunked LM head keeps its memory savings as it is. Then the data-parallel axis
-shards every parameter with FSDP2 as one rank would (:func:`rlpost.train.dp.shard_model`).
-
-Why the update equals one worker's: every rank of a tensor-parallel group runs the
-same rows; a split matrix's gradient is the whole gradient of its slice, a whole
-parameter's the same on every rank. The gradient norm counts each slice once
-(:func:`rlpost.train.optim.clip_grad_norm`).
+The update is one worker's: a group's ranks run the same rows, a split matrix's gradient
+is its slice's whole gradient, a whole parameter's the same on every rank, and the norm
+counts each slice once (:func:`rlpost.train.optim.clip_grad_norm`).
 """
 
 from __future__ import annotations
@@ -43,7 +39,7 @@ def split_error(config, tp: int) -> str | None:
     if tp == 1:
         return None
     heads = getattr(config, "num_attention_heads", None)
-    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         n = getattr(config, key, None)
         n = heads if n is None and key == "num_key_value_heads" else n  # no GQA: one per head
         if n is None:
@@ -74,12 +70,15 @@ def device_mesh(world: int, tp: int, device_type: str = "cpu", pp: int = 1):
     return init_device_mesh(device_type, shape, mesh_dim_names=("dp", "pp", "tp"))
 
 
-def parallelize(model: nn.Module, tp_mesh) -> nn.Module:
-    """Split ``model``'s decoder layers over ``tp_mesh`` (1-D) in place; returned.
+def parallelize(model: nn.Module, tp_mesh, *, synced: bool = False) -> nn.Module:
+    """Split ``model``'s decoder layers over ``tp_mesh`` (1-D) in place, a layer without
+    weights (another pipeline stage's) left as it is, and its embedding and LM head
+    (:func:`vocab_modules`; else both stay whole) by vocabulary rows, a tie kept; returned.
 
-    The weights are first made rank 0's on every rank of the whole group, so the slices
-    are of one model whatever each rank built; gradient checkpointing is made
-    non-reentrant."""
+    The weights are first made rank 0's on every rank of the whole group (unless
+    ``synced``: they are), so the slices are of one model whatever each rank built;
+    gradient checkpointing is made non-reentrant."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -90,12 +89,42 @@ def parallelize(model: nn.Module, tp_mesh) -> nn.Module:
 
     non_reentrant_checkpointing(model)
     with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
+        for t in [] if synced else list(model.parameters()) + list(model.buffers()):
             dist.broadcast(t.data, src=0)
     plan = {name: ColwiseParallel() for name in COLUMN} | {name: RowwiseParallel() for name in ROW}
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no decoder layers to split")
     for layer in layers:
-        parallelize_module(layer, tp_mesh, plan)
+        if any(True for _ in layer.parameters()):
+            parallelize_module(layer, tp_mesh, plan)
+    if (found := vocab_modules(model)) is not None:
+        embed, head = found
+        tied = head.weight is embed.weight
+        # a full-logits forward gathers each rank's [.., V/T] logits
+        parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+        parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+        if tied:  # each plan made a parameter of its own: one again
+            embed.weight = head.weight
     return model
+
+
+def vocab_modules(model: nn.Module) -> tuple[nn.Embedding, nn.Linear] | None:
+    """(token embedding, LM head) of ``model`` where both are plain layers (the ones
+    :func:`parallelize` splits by vocabulary), else None."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    plain = type(embed) is nn.Embedding and type(head) is nn.Linear
+    return (embed, head) if plain else None
+
+
+def vocab_shard(head: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
+    """(weight, bias, (group, first row) or None): this rank's rows of a head split by
+    vocabulary (:func:`parallelize`), else the head's own (whole, or FSDP2's shards,
+    gathered before use)."""
+    from torch.distributed.tensor import DTensor
+
+    w, b = head.weight, head.bias
+    if not isinstance(w, DTensor) or w.device_mesh.mesh_dim_names != ("tp",):
+        return w, b, None
+    local, group = w.to_local(), w.device_mesh.get_group()
+    return local, None if b is None else b.to_local(), (group, dist.get_rank(group) * len(local))
