@@ -988,17 +988,19 @@ class ClusterConfig(Section):
     a Ray actor (extra [ray]; docs/cluster.md); auto: local for pipeline.mode=sync, process for
     the overlapped modes (so rollout and training use different cores)."""
     trainer_workers: int = Field(1, ge=1)
-    """Trainer workers, data-parallel times tensor-parallel; each update's batch is sharded
-    over the data-parallel ones (FSDP2)."""
+    """Trainer workers, data-parallel x pipeline stages x tensor-parallel; each update's
+    batch is sharded over the data-parallel ones (FSDP2)."""
     tensor_parallel: int = Field(1, ge=1)
-    """Trainer workers that split each decoder layer's heads and MLP width between them
-    (tensor parallelism, neighbours in rank order); divides trainer_workers, heads, KV heads
-    and intermediate size. docs/cluster.md: choosing a layout."""
+    """Trainer workers that split each decoder layer's heads and MLP width, and the embedding
+    and LM head by vocabulary, between them (tensor parallelism, neighbours in rank order);
+    divides trainer_workers, heads, KV heads, intermediate size and vocabulary.
+    docs/cluster.md: choosing a layout."""
     pipeline_parallel: int = Field(1, ge=1)
     """Trainer workers that split the decoder layers into consecutive stages, one each
     (pipeline parallelism: each holds its stage's weights, gradients and optimizer state;
     the stages compute in turn); at most the model's layers. trainer_workers is data-parallel
-    times it (each stage FSDP2-sharded over its replicas); not yet with tensor_parallel."""
+    x it x tensor_parallel (each stage's layers split over its tensor-parallel ranks, then
+    FSDP2-sharded over its replicas)."""
     start_timeout_s: float = Field(600.0, gt=0)
     """Seconds a worker process may take to start (build its model) before the run stops."""
     address: str = ""

@@ -449,9 +449,10 @@ def pipeline_parallel_divides_workers(cfg: Config) -> str | bool | None:
     c = cfg.cluster
     pp, n, tp = c.pipeline_parallel, c.trainer_workers, c.tensor_parallel
     if pp > 1 and tp > 1:
-        return (
-            f"cluster.pipeline_parallel={pp} with cluster.tensor_parallel={tp}: pipeline "
-            "stages do not yet compose with tensor parallelism; set one of them to 1"
+        return n % (pp * tp) and (
+            f"cluster.pipeline_parallel={pp} x cluster.tensor_parallel={tp} does not divide "
+            f"cluster.trainer_workers={n}; set trainer_workers to a multiple of {pp * tp} "
+            "(data-parallel x pipeline stages x tensor-parallel)"
         )
     return n % pp and (
         f"cluster.pipeline_parallel={pp} does not divide cluster.trainer_workers={n}; "

@@ -33,6 +33,13 @@ from rlpost.train.dp import (
 from rlpost.train.optim import micro_slices
 
 
+def whole_tensors(*, rank0: bool = False):
+    """State-dict options: whole tensors on every rank, or (``rank0``) on rank 0 only."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=rank0)
+
+
 class SingleRank:
     """A batch's rows on one worker: the row interface of :class:`DataParallel`, one rank."""
 
@@ -191,71 +198,74 @@ class ShardedLayout:
     def __init__(self, model: torch.nn.Module, ref: torch.nn.Module | None, dp: DataParallel):
         self.model, self.ref, self.ranks = model, ref, dp
         self.writes_files = dp.spec.rank == 0  # the group's first rank, of any mesh axis
+        self.names = _trainable_names(model)  # the optimizer's, in one worker's order
 
     # ``ref`` is sharded as the policy is: held and lent as the plain layout holds its own.
     has_reference = PlainLayout.has_reference
     reference = PlainLayout.reference
 
-    def export(self) -> list[tuple[str, torch.Tensor]]:
-        from rlpost.train.dp import full_parameters
+    def _whole(self, module: torch.nn.Module, *, state: bool) -> dict[str, torch.Tensor]:
+        """``module``'s state (``state``) or parameters, every shard gathered on the
+        writing rank (a collective: every rank takes part; the others may get {})."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        whole = full_parameters(self.model)  # a collective: every rank takes part
+        from rlpost.train.dp import full_parameters, resharded
+
+        if state:
+            return get_model_state_dict(resharded(module), options=whole_tensors(rank0=True))
+        return dict(full_parameters(module))
+
+    def export(self) -> list[tuple[str, torch.Tensor]]:
+        whole = self._whole(self.model, state=False)
         if not self.writes_files:  # the group returns rank 0's; the others send nothing back
             return []
-        return [(n, t.cpu()) for n, t in whole]
+        return [(n, t.cpu()) for n, t in whole.items()]
 
     def save_weights(self, directory: Path, tokenizer) -> None:
-        """The same files as one worker's save: every shard gathered into rank 0's memory
-        (the others take part and keep nothing), rank 0 writes."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        from rlpost.train.dp import resharded
-
-        to_rank0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        policy = get_model_state_dict(resharded(self.model), options=to_rank0)
-        ref = None
-        if self.ref is not None:
-            ref = get_model_state_dict(resharded(self.ref), options=to_rank0)
+        """The same files as one worker's save, rank 0 writing what was gathered to it."""
+        for module, sub in [(self.model, "model"), (self.ref, "ref_model")]:
+            if module is not None:
+                state = self._whole(module, state=True)
+                if self.writes_files:
+                    _save_plain(module, state, directory / sub)
         if self.writes_files:
-            _save_plain(self.model, policy, directory / "model")
             tokenizer.save_pretrained(directory / "model")
-            if ref is not None:
-                _save_plain(self.ref, ref, directory / "ref_model")
 
     def load_weights(self, directory: Path) -> None:
-        """Every rank reads the whole checkpoint and keeps its shards."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        """Every rank reads the whole checkpoint and keeps its shards (of what it holds)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
         from rlpost.models.loading import load_causal_lm
         from rlpost.train.dp import resharded
 
-        whole = StateDictOptions(full_state_dict=True)
-        model = resharded(self.model)
-        set_model_state_dict(model, load_causal_lm(directory / "model").state_dict(), options=whole)
-        if self.ref is not None and (directory / "ref_model").is_dir():
-            state = load_causal_lm(directory / "ref_model").state_dict()
-            set_model_state_dict(resharded(self.ref), state, options=whole)
+        for module, sub in [(self.model, "model"), (self.ref, "ref_model")]:
+            if module is None or not (directory / sub).is_dir():
+                continue
+            mine, whole = resharded(module).state_dict(), load_causal_lm(directory / sub)
+            mine = {k: v for k, v in whole.state_dict().items() if k in mine}
+            set_model_state_dict(module, mine, options=whole_tensors())
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The whole state keyed by parameter name (a collective), so a checkpoint
         resumes on any number of workers."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        to_rank0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(self.model, optimizer, options=to_rank0)
+        return get_optimizer_state_dict(self.model, optimizer, options=whole_tensors(rank0=True))
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
+        """This rank's share of a whole state (keyed by name, or by one worker's index)."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        by_name = optimizer_state_by_name(state, _trainable_names(self.model))
-        options = StateDictOptions(full_state_dict=True)
-        set_optimizer_state_dict(self.model, optimizer, by_name, options=options)
+        keep = set(_trainable_names(self.model))
+        by_name = optimizer_state_by_name(state, self.names)
+        mine = {
+            "state": {n: v for n, v in by_name["state"].items() if n in keep},
+            "param_groups": [
+                {**g, "params": [n for n in g["params"] if n in keep]}
+                for g in by_name["param_groups"]
+            ],
+        }
+        set_optimizer_state_dict(self.model, optimizer, mine, options=whole_tensors())
 
     def close(self) -> None:
         """Leave the data-parallel group."""

@@ -1,43 +1,31 @@
-"""Pipeline parallelism: the decoder layers split into consecutive stages, one a rank.
+"""Pipeline parallelism: the decoder layers split into consecutive stages, one a rank
+(docs/cluster.md).
 
-Rank ``s`` of the pipeline group holds the layers of stage ``s`` (the first ranks one
-more where the count does not divide) and none of the others: its place in the layer
-list is taken by :class:`Skipped`, which has no weights. The embeddings, the final
-norm and the LM head stay whole on every rank, as under tensor parallelism, so the
-chunked LM head keeps its memory savings and the trainer runs unchanged: every rank
-takes every row of the batch and computes the same logits and loss.
+Rank ``s`` of the pipeline group holds stage ``s``'s layers (the first stages one more
+where the count does not divide); :class:`Skipped`, weightless, stands in the others'
+places. The embeddings, final norm and LM head are on every rank (split by vocabulary over
+a stage's tensor-parallel ranks where it has them), so every rank runs every row to the
+same logits and loss, and the trainer runs unchanged.
 
-Between the stages, activations are handed on (:class:`_Handoff`): before stage ``s``'s
-first layer, stage ``s - 1``'s output is broadcast from its rank, replacing whatever a
-rank carried through the layers it skipped; before the final norm, the last stage's.
-The backward runs the other way: each hand-off's gradient is broadcast from the rank
-that consumed it (stage ``s``'s), so the gradient reaching every rank's copy of the
-embeddings is the one rank 0's layers produced, and the whole parameters' gradients
-are the same on every rank without a reduction. A stage's layers get their gradient on
-their own rank only; the gradient norm counts each stage's once (:data:`GROUP_ATTR`).
-
-The schedule is the plain one: a micro-batch's forward passes the stages in turn and
-its backward returns through them, so one stage computes at a time (a bubble of
-``(P - 1) / P``): what it buys is memory, each rank holding ``1 / P`` of the layers
-with their gradients, optimizer state and saved activations.
-
-:class:`PipelineLayout` gathers the stages to rank 0 to export or save them, in one
-worker's files and forms, so a checkpoint resumes under any layout."""
+Activations are handed on (:class:`_Handoff`) by a broadcast from the producing stage
+before each stage's first layer and before the final norm; the backward broadcasts each
+hand-off's gradient from the rank that consumed it, so the whole parameters' gradients are
+the same on every rank without a reduction, and the norm counts each stage's layers once
+(:data:`GROUP_ATTR`). The schedule is the plain one, one stage computing at a time (a
+bubble of ``(P - 1) / P``): it buys memory, a rank holding ``1 / P`` of the layers with
+their gradients, optimizer state and activations. :class:`PipelineLayout` gathers the
+stages to rank 0 to export or save them in one worker's files."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import state_dict as dcp
 
-from rlpost.train.dp import DataParallel, full_tensor, optimizer_state_by_name, resharded
-from rlpost.train.layout import PlainLayout, ShardedLayout, _save_plain
+from rlpost.train.dp import DataParallel, full_tensor, resharded
+from rlpost.train.layout import ShardedLayout, whole_tensors
 
-FULL = dcp.StateDictOptions(full_state_dict=True)
-"""Whole tensors in state dicts, on every rank of a stage's data-parallel group."""
 GROUP_ATTR = "pipeline_group"
 """Set on a stage's own parameters: the pipeline's process group their norm is summed over."""
 
@@ -56,20 +44,18 @@ def stage_ranges(layers: int, pp: int) -> list[range]:
 
 def split_error(config, pp: int) -> str | None:
     """Why ``pp`` stages cannot split a model of ``config`` (one line), or None."""
-    if pp == 1:
-        return None
     n = getattr(config, "num_hidden_layers", None)
+    if pp == 1 or (n or 0) >= pp:
+        return None
     if n is None:
         return (
             f"cluster.pipeline_parallel={pp}: the model ({type(config).__name__}) has no "
             "num_hidden_layers; pipeline stages split decoder layers, set it to 1"
         )
-    if n < pp:
-        return (
-            f"cluster.pipeline_parallel={pp} is more stages than the model's "
-            f"num_hidden_layers={n}; use at most {n}"
-        )
-    return None
+    return (
+        f"cluster.pipeline_parallel={pp} is more stages than the model's "
+        f"num_hidden_layers={n}; use at most {n}"
+    )
 
 
 class Skipped(nn.Module):
@@ -115,11 +101,19 @@ def layers_prefix(model: nn.Module) -> str:
 
 
 def pipeline(
-    model: nn.Module, group, *, dp_mesh=None, bf16: bool = False, trainable: bool = True
+    model: nn.Module,
+    group,
+    *,
+    dp_mesh=None,
+    tp_mesh=None,
+    bf16: bool = False,
+    trainable: bool = True,
 ) -> nn.Module:
     """Keep this rank's stage of ``model``'s decoder layers (``group``: the pipeline's
     ranks, in stage order) and hand activations between the stages; in place, returned.
-    ``dp_mesh``: the data-parallel axis the stage is then sharded over with FSDP2
+    ``tp_mesh``: the tensor-parallel axis the stage's layers, the embedding and the head
+    are then split over (:func:`rlpost.train.tp.parallelize`); ``dp_mesh``: the
+    data-parallel axis the stage is then sharded over with FSDP2
     (:func:`rlpost.train.dp.shard_model`, ``bf16`` and ``trainable`` as there).
 
     The weights are first made global rank 0's, so the stages are of one model whatever
@@ -140,6 +134,10 @@ def pipeline(
     for i in range(len(layers)):
         if i not in ranges[stage]:
             layers[i] = Skipped()
+    if tp_mesh is not None:
+        from rlpost.train.tp import parallelize
+
+        parallelize(model, tp_mesh, synced=True)
     if dp_mesh is not None:  # sharding makes new parameters: marked after it
         shard_model(model, bf16=bf16, trainable=trainable, mesh=dp_mesh, synced=True)
     for p in layers.parameters():
@@ -162,7 +160,7 @@ def _gather_named(items: dict, group) -> dict:
     return {} if parts is None else {k: v for part in parts for k, v in part.items()}
 
 
-class PipelineLayout:
+class PipelineLayout(ShardedLayout):
     """``model`` and ``ref`` split into stages over the pipeline axis of ``ranks``'s mesh
     (:func:`pipeline`), each sharded over its data-parallel axis where it has more than
     one rank. ``names``: the whole model's trainable parameter names in its order (the
@@ -174,58 +172,28 @@ class PipelineLayout:
         self.keys, self.prefix = list(model.state_dict()), layers_prefix(model)
         self.group = ranks.mesh["pp"].get_group()
         self.writes_files = ranks.spec.rank == 0
-        mesh = ranks.mesh["dp"] if ranks.world > 1 else None
+        dp = ranks.mesh["dp"] if ranks.world > 1 else None
+        tp = ranks.mesh["tp"] if ranks.mesh["tp"].size() > 1 else None
         for module, trainable in [(model, True), (ref, False)][: 1 + (ref is not None)]:
-            pipeline(module, self.group, dp_mesh=mesh, bf16=bf16, trainable=trainable)
+            pipeline(module, self.group, dp_mesh=dp, tp_mesh=tp, bf16=bf16, trainable=trainable)
 
-    # ``ref`` is split as the policy is, held and lent as the other layouts hold theirs
-    has_reference, reference = PlainLayout.has_reference, PlainLayout.reference
-    close = ShardedLayout.close  # leave the trainers' group
-
-    def _own(self, module: nn.Module, *, whole: bool) -> dict[str, torch.Tensor]:
-        """This stage's state (``whole``) or parameters, shards gathered (a collective);
-        the whole modules' from the first stage only (every rank holds the same)."""
+    def _whole(self, module: nn.Module, *, state: bool) -> dict[str, torch.Tensor]:
+        """Each stage's part (shards gathered; the whole modules from stage 0) merged on
+        rank 0, in the model's key order (a tied weight once, as engines expect)."""
         resharded(module)
-        mine = module.state_dict() if whole else dict(module.named_parameters())
-        return {n: full_tensor(t).detach().cpu() for n, t in mine.items() if self._sent(n)}
+        mine = module.state_dict() if state else dict(module.named_parameters())
+        mine = {n: full_tensor(t).detach().cpu() for n, t in mine.items() if self._sent(n)}
+        merged = _gather_named(mine, self.group)
+        return {n: merged[n] for n in self.keys if n in merged}
 
     def _sent(self, name: str) -> bool:
         """Whether this rank sends ``name`` when the stages are gathered."""
         return dist.get_rank(self.group) == 0 or name.startswith(self.prefix)
 
-    def export(self) -> list[tuple[str, torch.Tensor]]:
-        merged = _gather_named(self._own(self.model, whole=False), self.group)
-        if not self.writes_files:
-            return []
-        order = [n for n in self.keys if n in merged]  # a tied weight once, as engines expect
-        return [(n, merged[n]) for n in order]
-
-    def save_weights(self, directory: Path, tokenizer) -> None:
-        """One worker's files: the stages' states gathered to rank 0, which writes them."""
-        for module, sub in [(self.model, "model"), (self.ref, "ref_model")]:
-            if module is None:
-                continue
-            state = _gather_named(self._own(module, whole=True), self.group)
-            if self.writes_files:
-                _save_plain(module, state, directory / sub)
-        if self.writes_files:
-            tokenizer.save_pretrained(directory / "model")
-
-    def load_weights(self, directory: Path) -> None:
-        """Every rank reads the whole checkpoint and keeps its stage (its shards of it)."""
-        from rlpost.models.loading import load_causal_lm
-
-        for module, sub in [(self.model, "model"), (self.ref, "ref_model")]:
-            if module is None or not (directory / sub).is_dir():
-                continue
-            mine, whole = resharded(module).state_dict(), load_causal_lm(directory / sub)
-            mine = {k: v for k, v in whole.state_dict().items() if k in mine}
-            dcp.set_model_state_dict(module, mine, options=FULL)
-
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The whole state keyed by parameter name on rank 0 (a collective), as sharded
         workers save it, so a checkpoint resumes on any layout."""
-        state = dcp.get_optimizer_state_dict(self.model, optimizer, options=FULL)
+        state = dcp.get_optimizer_state_dict(self.model, optimizer, options=whole_tensors())
         mine = {n: v for n, v in state["state"].items() if self._sent(n)}
         merged = _gather_named(mine, self.group)
         if not self.writes_files:
@@ -233,16 +201,3 @@ class PipelineLayout:
         order = [n for n in self.names if n in merged]
         groups = [{**g, "params": order} for g in state["param_groups"][:1]]
         return {"state": {n: merged[n] for n in order}, "param_groups": groups}
-
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        """This stage's share of a whole state (keyed by name, or by one worker's index)."""
-        keep = {n for n, p in self.model.named_parameters() if p.requires_grad}
-        by_name = optimizer_state_by_name(state, self.names)
-        mine = {
-            "state": {n: v for n, v in by_name["state"].items() if n in keep},
-            "param_groups": [
-                {**g, "params": [n for n in g["params"] if n in keep]}
-                for g in by_name["param_groups"]
-            ],
-        }
-        dcp.set_optimizer_state_dict(self.model, optimizer, mine, options=FULL)
