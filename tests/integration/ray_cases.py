@@ -252,14 +252,24 @@ def test_a_lost_node_takes_a_rollout_worker_and_the_run_goes_on(tmp_path, cluste
     assert rows[back]["version"] == rows[back]["current"]
 
 
-@pytest.mark.parametrize("layout", ["cluster.tensor_parallel", "cluster.pipeline_parallel"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"cluster.tensor_parallel": 2},
+        {"cluster.pipeline_parallel": 2},
+        {"cluster.tensor_parallel": 2, "cluster.pipeline_parallel": 2},
+    ],
+    ids=["tp2", "pp2", "pp2xtp2"],
+)
 def test_model_parallel_trainers_train_as_ray_actors(tmp_path, layout):
-    """Two trainer actors splitting the model (each layer's heads, or the layers into two
-    stages) train a run; every checkpoint gathers both ranks' parts, and each of the two
+    """Trainer actors splitting the model (each layer's heads, the layers into two stages,
+    or both) train a run; every checkpoint gathers every rank's parts, and each of the two
     layers changed from one step's checkpoint to the next."""
     from rlpost.models.loading import load_causal_lm
 
-    over = {"train.steps": 2, "eval.every": 0, "cluster.trainer_workers": 2, layout: 2}
+    ranks = layout.get("cluster.tensor_parallel", 1) * layout.get("cluster.pipeline_parallel", 1)
+    over = {"train.steps": 2, "eval.every": 0, "cluster.trainer_workers": ranks, **layout}
+    over["cluster.trainer.cpus"] = 2 / ranks  # the ranks' bundles fit the cluster's 4 CPUs
     spread = "[{name: 'tests.integration.knob_probe:spread_reward'}]"  # advantages not all 0
     more = {"model.tiny.num_key_value_heads": 2, "reward.terms": spread}
     more["rollout.truncated_reward"] = "null"

@@ -20,6 +20,7 @@ from rlpost.algos import (
     get_kl_estimator,
     scores_to_token_rewards,
 )
+from rlpost.config import OptimConfig
 from rlpost.models.loading import frozen_copy
 from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
 from rlpost.params import PPOClipParams
@@ -82,7 +83,9 @@ def _run_case(settings: dict, options: dict, batch, dp: DataParallel | None) -> 
         shard_model(model, bf16=settings.get("bf16", False))
         if ref is not None:
             shard_model(ref, bf16=settings.get("bf16", False), trainable=False)
-    s = ActorSettings(lr=1e-3, **{"mini_batch_size": 16, "micro_batch_size": 4, **settings})
+    s = ActorSettings(
+        optim=OptimConfig(lr=1e-3), **{"mini_batch_size": 16, "micro_batch_size": 4, **settings}
+    )
     layout = PlainLayout(model, ref) if dp is None else ShardedLayout(model, ref, dp)
     trainer = PolicyTrainer(
         model, PPOClipParams(), s, layout=layout, kl_estimator=get_kl_estimator("k3")

@@ -5,8 +5,6 @@ the workers cannot take is refused in one line."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 from transformers import LlamaConfig
 
@@ -26,18 +24,14 @@ from tests.integration.test_tensor_parallel import (
     _step,
     resumes_both_ways,
     smollm2_steps,
+    started_pair,
 )
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pp")
-    cfg = _cfg(tmp, "cluster.trainer_workers=2", "cluster.pipeline_parallel=2")
-    model, tok = build.build_policy(cfg)
-    one = build.build_trainer_worker(cfg, copy.deepcopy(model), tok)
-    group = start_trainers(cfg, tmp)
-    yield cfg, tok, one, group
-    group.close()
+    yield from started_pair(tmp, "cluster.trainer_workers=2", "cluster.pipeline_parallel=2")
 
 
 def test_five_grpo_steps_at_pp2_equal_one_process(pair, tmp_path):
@@ -88,6 +82,22 @@ def test_a_killed_stage_stops_the_group_in_one_line(pair):
     group.close()  # stops rank 0, blocked or not, and returns
 
 
+@pytest.mark.slow
+def test_a_killed_rank_of_stages_of_tensor_parallel_ranks_stops_the_group_in_one_line(tmp_path):
+    """2 stages x TP 2: the last stage's second tensor-parallel rank dies mid-run; the three
+    others, blocked in its all-reduces or hand-offs, do not hang the run."""
+    layout = ("cluster.trainer_workers=4", "cluster.pipeline_parallel=2")
+    started = started_pair(tmp_path, *layout, "cluster.tensor_parallel=2")
+    _, tok, one, group = next(started)
+    batch = _batch(one.trainer.model, tok, seed=21)
+    group.handles[3].kill()
+    with pytest.raises(WorkerError, match=r"trainer rank [0-3] of 4 failed in logprobs") as err:
+        _step(group, batch)
+    assert "rank 3: trainer-3 worker process exited" in str(err.value)
+    assert "\n" not in str(err.value)
+    next(started, None)  # closes the group: every rank stopped, blocked or not
+
+
 def test_stages_pack_their_rows_as_one_process(tmp_path):
     """Ranks that split the model run every row, so they pack rows as one process does
     (only data-parallel ranks, which cut micro-batches by rows, pad)."""
@@ -118,37 +128,56 @@ def test_more_stages_than_layers_is_refused_in_one_line():
     assert split_error(LlamaConfig(num_hidden_layers=2), 2) is None
 
 
-def test_pipeline_with_tensor_parallel_is_refused(tmp_path):
+def test_stages_of_tensor_parallel_ranks_that_do_not_divide_the_workers_are_refused(tmp_path):
     cfg = _cfg(
         tmp_path,
-        "cluster.trainer_workers=4",
+        "cluster.trainer_workers=6",
         "cluster.pipeline_parallel=2",
         "cluster.tensor_parallel=2",
     )
     with pytest.raises(ConfigError) as err:
         rules.check(cfg)
     assert str(err.value) == (
-        "cluster.pipeline_parallel=2 with cluster.tensor_parallel=2: pipeline stages do not "
-        "yet compose with tensor parallelism; set one of them to 1"
+        "cluster.pipeline_parallel=2 x cluster.tensor_parallel=2 does not divide "
+        "cluster.trainer_workers=6; set trainer_workers to a multiple of 4 "
+        "(data-parallel x pipeline stages x tensor-parallel)"
     )
 
 
 @pytest.mark.slow
-def test_two_replicas_of_two_stages_equal_one_process(tmp_path):
-    """Four ranks: two data-parallel replicas (FSDP2 over the dp axis) of two stages, each
-    stage's layers sharded over its replicas; the rows split between the replicas."""
-    cfg = _cfg(tmp_path, "cluster.trainer_workers=4", "cluster.pipeline_parallel=2")
+@pytest.mark.parametrize(
+    "layout",
+    [
+        # two data-parallel replicas (FSDP2 over the dp axis) of two stages, each stage's
+        # layers sharded over its replicas; the rows split between the replicas
+        ("cluster.trainer_workers=4", "cluster.pipeline_parallel=2"),
+        # two stages, each a layer split over two tensor-parallel ranks (the embedding and
+        # head by vocabulary, the head in chunks)
+        (
+            "cluster.trainer_workers=4",
+            "cluster.pipeline_parallel=2",
+            "cluster.tensor_parallel=2",
+            "train.logits_chunk_tokens=5",
+        ),
+    ],
+    ids=["dp2xpp2", "pp2xtp2"],
+)
+def test_four_ranks_with_two_stages_equal_one_process(tmp_path, layout):
+    """Four ranks against one process; then their checkpoint resumes in one process with
+    the same next step."""
+    cfg = _cfg(tmp_path, *layout)
     model, tok = build.build_policy(cfg)
     one = build.build_trainer_worker(cfg, model, tok)
     group = start_trainers(cfg, tmp_path)
     try:
-        assert rank_params(cfg, model_shape(cfg)) == group.describe()["parameters_held"]
+        held = group.describe()["parameters_held"]
+        assert held == rank_params(cfg, model_shape(cfg)) < held_numel(model) / 2
         _same_steps(cfg, tok, one, group)
-        group.save(tmp_path / "dp2pp2")
+        group.save(tmp_path / "four")
         batch = _batch(one.trainer.model, tok, seed=STEPS)
         _, r_group = _step(group, batch)
         solo = build.build_trainer_worker(cfg, build.build_policy(cfg)[0], tok)
-        solo.restore(tmp_path / "dp2pp2", version=STEPS)
+        solo.restore(tmp_path / "four", version=STEPS)
         _, r_solo = _step(solo, batch)
         for key in ("loss", "grad_norm"):
             assert _close(r_solo.stats[key], r_group.stats[key]), (key, r_solo.stats)

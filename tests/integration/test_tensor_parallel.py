@@ -29,7 +29,9 @@ SMOLLM2_GRAD_REL = 5e-5
 """SmolLM2's float32 gradient norm (135 M elements, 30 layers) is itself off the float64
 one by a relative 3.2e-5 in one process and 1.7e-5 at TP=3; in float64 the two layouts
 agree exactly (measured on the first step). Its rounding, not the layout's, sets this."""
-SPLIT = tuple(f"{m}.weight" for m in COLUMN + ROW)
+SPLIT = (*(f"{m}.weight" for m in COLUMN + ROW), "embed_tokens.weight")
+"""What TP splits in the tiny model: the layers' matrices and (by vocabulary) the embedding
+its head is tied to."""
 REL = 1e-5
 
 
@@ -80,15 +82,21 @@ def _close(a, b, rel=REL, floor=1e-2):
     return abs(a - b) <= rel * max(abs(a), abs(b), floor)
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tp")
-    cfg = _cfg(tmp, "cluster.trainer_workers=2", "cluster.tensor_parallel=2")
+def started_pair(tmp, *layout: str):
+    """(cfg, tokenizer, one trainer in this process, the group of ``layout``), the group
+    closed after the ``yield`` (a module fixture's body)."""
+    cfg = _cfg(tmp, *layout)
     model, tok = build.build_policy(cfg)
     one = build.build_trainer_worker(cfg, copy.deepcopy(model), tok)
     group = start_trainers(cfg, tmp)
     yield cfg, tok, one, group
     group.close()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp")
+    yield from started_pair(tmp, "cluster.trainer_workers=2", "cluster.tensor_parallel=2")
 
 
 def _same_steps(
@@ -123,7 +131,7 @@ def test_five_grpo_steps_at_tp2_equal_one_process(pair, tmp_path):
     """Two optimizer steps a GRPO step; then a checkpoint written at TP=2 resumes at TP=1
     (and one trainer's at TP=2) with the same next step."""
     cfg, tok, one, group = pair
-    # rank 0 holds half of every split matrix and the whole of the rest
+    # rank 0 holds half of every split matrix, the embedding included, and the whole of the rest
     model = one.trainer.model
     split = sum(p.numel() for n, p in model.named_parameters() if n.endswith(SPLIT))
     assert split > 0 and group.describe()["parameters_held"] == held_numel(model) - split // 2
@@ -132,6 +140,32 @@ def test_five_grpo_steps_at_tp2_equal_one_process(pair, tmp_path):
     assert one.version() == group.version() == STEPS
 
     resumes_both_ways(cfg, tok, one, group, tmp_path)
+
+
+def test_a_vocabulary_split_chunked_head_equals_one_process(tmp_path):
+    """The LM head in chunks of 5 tokens (a rank's logits ``[5, 50]``), with an entropy
+    bonus the loss differentiates: the group's reduced softmax gives one process's
+    logprobs, ``sum_v pi^2``, loss, gradient norm and weights; a rank holds half the
+    embedding."""
+    cfg = _cfg(
+        tmp_path,
+        "cluster.trainer_workers=2",
+        "cluster.tensor_parallel=2",
+        "train.logits_chunk_tokens=5",
+        "algo.entropy_coef=0.01",
+    )
+    model, tok = build.build_policy(cfg)
+    one = build.build_trainer_worker(cfg, copy.deepcopy(model), tok)
+    group = start_trainers(cfg, tmp_path)
+    try:
+        batch = _batch(model, tok, seed=0)
+        x, y = one.logprobs(batch, "sum_pi_squared"), group.logprobs(batch, "sum_pi_squared")
+        mask = batch.response_mask > 0
+        assert torch.allclose(x[mask], y[mask], rtol=REL, atol=REL) and x[mask].min() > 0
+        assert group.describe()["parameters_held"] == rank_params(cfg, model_shape(cfg))
+        _same_steps(cfg, tok, one, group, steps=2)
+    finally:
+        group.close()
 
 
 def resumes_both_ways(cfg, tok, one, group, tmp_path) -> None:
@@ -181,6 +215,7 @@ def test_tensor_parallel_that_does_not_divide_the_model_is_refused_before_any_gr
     [
         (dict(num_attention_heads=6, num_key_value_heads=3), "num_key_value_heads=3"),
         (dict(num_attention_heads=4, intermediate_size=65), "intermediate_size=65"),
+        (dict(num_attention_heads=4, vocab_size=101), "vocab_size=101"),  # by vocabulary too
     ],
 )
 def test_each_split_dimension_is_checked(shape, what):
@@ -204,6 +239,7 @@ def smollm2_steps(tmp_path, *layout: str, grad_rel: float = REL) -> None:
     from tests.real_model import smollm2_dir
 
     common = [f"model.path={smollm2_dir()}", "train.mini_batch_size=6", "train.optim.lr=1e-5"]
+    common.append("train.logits_chunk_tokens=16")  # the head in chunks, as at longer responses
     cfg, solo_cfg = _cfg(tmp_path, *common, *layout), _cfg(tmp_path / "solo", *common)
     policy, tok = build.build_policy(cfg)
     solo, group = start_trainers(solo_cfg, tmp_path / "solo"), start_trainers(cfg, tmp_path)
