@@ -20,11 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.real_model: the converted SmolLM2
 
 MESSAGES = [{"role": "user", "content": "What is 12 + 7? Answer with a number."}]
 

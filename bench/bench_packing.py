@@ -69,6 +69,7 @@ def worker(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from rlpost.config import OptimConfig
     from rlpost.params import PPOClipParams
     from rlpost.train.actor import ActorSettings, PolicyTrainer
 
@@ -76,7 +77,7 @@ def worker(args) -> None:
     packing, budgeted = SIDES[args.worker]
     model = AutoModelForCausalLM.from_pretrained(args.ckpt, dtype=torch.float32)
     settings = ActorSettings(
-        lr=1e-5,
+        optim=OptimConfig(lr=1e-5),
         mini_batch_size=PROMPTS * GROUP,
         micro_batch_size=MICRO,
         max_tokens_per_micro_batch=args.budget if budgeted else 0,

@@ -19,7 +19,12 @@ logprobs, then two optimizer steps on 12 sampled rows). Prints per layout, as JS
 SmolLM2 has 9 heads and 3 KV heads: tensor parallelism of 3 divides it, 2 does not.
 On a machine of fewer cores than ranks the step time is the cores', not the layout's.
 
+``--both`` adds ``--pp`` stages of ``--tp`` ranks each; ``--chunk N`` runs the LM head in
+chunks of N tokens (``train.logits_chunk_tokens``; under TP each rank's ``[N, V/T]``).
+
     python bench/bench_parallel.py --tp 3 --pp 2 --dp 2 --steps 3
+    python bench/bench_parallel.py --tp 3 --pp 2 --both --chunk 64 --steps 3
+    python bench/bench_parallel.py --model DIR --tp 2 --pp 2 --both --max-tokens 256 --steps 2
 """
 
 from __future__ import annotations
@@ -28,16 +33,20 @@ import argparse
 import copy
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.real_model: the converted SmolLM2
 
 MIB = 2**20
 STATE_BYTES = 16
 """float32 weight, gradient and AdamW's two moments, per parameter element."""
 
 
-def config(out: str, model: str, workers: int, tp: int = 1, pp: int = 1):
+def config(out: str, model: str, workers: int, tp: int = 1, pp: int = 1, chunk: int = 0):
     from rlpost.config import load_config
 
     return load_config(
@@ -53,11 +62,12 @@ def config(out: str, model: str, workers: int, tp: int = 1, pp: int = 1):
             f"cluster.trainer_workers={workers}",
             f"cluster.tensor_parallel={tp}",
             f"cluster.pipeline_parallel={pp}",
+            f"train.logits_chunk_tokens={chunk}",
         ],
     )
 
 
-def batches(cfg, steps: int) -> list:
+def batches(cfg, steps: int, max_tokens: int = 16) -> list:
     from rlpost.algos import get_advantage_estimator, scores_to_token_rewards
     from rlpost.pipeline import build
     from rlpost.rollout.engines.hf import HFEngine
@@ -69,7 +79,9 @@ def batches(cfg, steps: int) -> list:
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in prompts]
     out = []
     for seed in range(steps):
-        cs = HFEngine(model, tok, seed=seed).generate(ids, SamplingParams(max_tokens=16), n=4)
+        cs = HFEngine(model, tok, seed=seed).generate(
+            ids, SamplingParams(max_tokens=max_tokens), n=4
+        )
         b = collate(cs, [float((i + seed) % 4 < 2) for i in range(len(cs))], tok.pad_token_id)
         b.advantages, _ = get_advantage_estimator("grpo")(
             scores_to_token_rewards(b.scores, b.response_mask), b.response_mask, b.group
@@ -131,6 +143,11 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--dp", type=int, default=0, help="data-parallel ranks (FSDP2); 0 skips")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens sampled a response")
+    p.add_argument("--both", action="store_true", help="also --pp stages of --tp ranks each")
+    p.add_argument(
+        "--chunk", type=int, default=0, help="train.logits_chunk_tokens (0: from the vocabulary)"
+    )
     args = p.parse_args()
     if args.model is None:
         from tests.real_model import smollm2_dir
@@ -138,15 +155,21 @@ def main() -> None:
         args.model = str(smollm2_dir())
     out = Path(tempfile.mkdtemp())
     t = time.perf_counter()
-    data = batches(config(str(out), args.model, 1), args.steps)
+    data = batches(config(str(out), args.model, 1), args.steps, args.max_tokens)
     print(f"sampled {args.steps} batches in {time.perf_counter() - t:.0f} s", flush=True)
-    layouts = {"one_process": config(str(out), args.model, 1)}
+    m, c = args.model, args.chunk
+    layouts = {"one_process": config(str(out), m, 1, chunk=c)}
     if args.tp > 1:
-        layouts[f"tp{args.tp}"] = config(str(out), args.model, args.tp, tp=args.tp)
+        layouts[f"tp{args.tp}"] = config(str(out), m, args.tp, tp=args.tp, chunk=c)
     if args.pp > 1:
-        layouts[f"pp{args.pp}"] = config(str(out), args.model, args.pp, pp=args.pp)
+        layouts[f"pp{args.pp}"] = config(str(out), m, args.pp, pp=args.pp, chunk=c)
+    if args.both and args.tp > 1 and args.pp > 1:
+        ranks = args.pp * args.tp
+        layouts[f"pp{args.pp}xtp{args.tp}"] = config(
+            str(out), m, ranks, tp=args.tp, pp=args.pp, chunk=c
+        )
     if args.dp > 1:
-        layouts[f"dp{args.dp}"] = config(str(out), args.model, args.dp)
+        layouts[f"dp{args.dp}"] = config(str(out), m, args.dp, chunk=c)
     rows = {name: measure(cfg, out, data) for name, cfg in layouts.items()}
     one = rows["one_process"]
     for name, row in rows.items():
