@@ -36,6 +36,7 @@ from rlpost.models.loading import (
     load_tokenizer,
 )
 from rlpost.models.tiny import build_char_tokenizer
+from rlpost.observe.memory import release_free_heap
 from rlpost.pipeline.weights import build_weight_path
 from rlpost.resolved import ENGINES, RunFacts, resolve
 from rlpost.rewards.routing import build_routed_scorer
@@ -236,6 +237,7 @@ def build_layout(cfg: Config, facts: RunFacts, model, dp=None):
         parallelize(module, dp.mesh["tp"])
         if dp.world > 1:
             shard_model(module, bf16=facts.bf16, trainable=trainable, mesh=dp.mesh["dp"])
+    release_free_heap()  # the whole weights each rank loaded, back to the system
     return ShardedLayout(model, ref, dp)
 
 

@@ -147,12 +147,15 @@ def non_reentrant_checkpointing(model: nn.Module) -> None:
         checkpointing(model, reentrant=False)
 
 
+def layers_name(model: nn.Module) -> str | None:
+    """The name of an HF model's repeated transformer blocks (``model.layers``), or None."""
+    lists = (n for n, m in model.named_modules() if isinstance(m, nn.ModuleList))
+    return next((n for n in lists if n.endswith("layers")), None)
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks of an HF model (``*.layers``), the usual FSDP units."""
-    for name, module in model.named_modules():
-        if name.endswith("layers") and isinstance(module, nn.ModuleList):
-            return list(module)
-    return []
+    """The repeated transformer blocks of an HF model, the usual FSDP units."""
+    return [] if (name := layers_name(model)) is None else list(model.get_submodule(name))
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -164,12 +167,6 @@ def held_numel(model: nn.Module) -> int:
     """Parameter elements this rank holds: its shards of sharded (DTensor) parameters.
     (Between a forward and the next reshard FSDP2's root lists its gathered copies.)"""
     return sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
-
-
-def full_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``named_parameters`` with every shard gathered (every rank gets the whole)."""
-    resharded(model)
-    return [(n, full_tensor(p).detach()) for n, p in model.named_parameters()]
 
 
 def resharded(model: nn.Module) -> nn.Module:

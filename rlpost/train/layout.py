@@ -209,11 +209,11 @@ class ShardedLayout:
         writing rank (a collective: every rank takes part; the others may get {})."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        from rlpost.train.dp import full_parameters, resharded
+        from rlpost.train.dp import full_tensor, resharded
 
         if state:
             return get_model_state_dict(resharded(module), options=whole_tensors(rank0=True))
-        return dict(full_parameters(module))
+        return {n: full_tensor(p).detach() for n, p in resharded(module).named_parameters()}
 
     def export(self) -> list[tuple[str, torch.Tensor]]:
         whole = self._whole(self.model, state=False)

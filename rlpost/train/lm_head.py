@@ -64,11 +64,9 @@ def split_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     None for a model sharded over ranks (its root's hooks gather the head in the full
     forward only), a head that is not a plain linear layer, or a config that transforms the
     logits; those keep the full-logits path."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch built without distributed: nothing sharded
-        FSDPModule = None
-    if FSDPModule is not None and any(isinstance(m, FSDPModule) for m in model.modules()):
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
         return None
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     getters = ("get_decoder", "get_output_embeddings")
@@ -192,9 +190,9 @@ class _Scratch:
     threshold (32 MiB), so every chunk would map, fault in and unmap it again: about 20 ms
     a 64 MiB tensor at one thread, a third of the chunk's matmul."""
 
-    def __init__(self, rows: int, vocab: int, device: torch.device):
-        self.rows, self.vocab, self.device = rows, vocab, device
-        self._made: dict[str, Tensor] = {}
+    def __init__(self, hidden: Tensor, weight: Tensor, chunk: int):
+        self.rows, self.vocab = min(chunk, hidden.shape[0]), weight.shape[0]
+        self.device, self._made = hidden.device, {}
 
     def get(self, name: str, n: int, dtype: torch.dtype = torch.float32) -> Tensor:
         t = self._made.get(name)
@@ -202,10 +200,6 @@ class _Scratch:
             t = torch.empty(self.rows, self.vocab, dtype=dtype, device=self.device)
             self._made[name] = t
         return t[:n]
-
-
-def _scratch(hidden: Tensor, weight: Tensor, chunk: int) -> _Scratch:
-    return _Scratch(min(chunk, hidden.shape[0]), weight.shape[0], hidden.device)
 
 
 def _chunk_logits(
@@ -245,7 +239,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         entropy = hidden.new_zeros(n, dtype=torch.float32)
         lse = hidden.new_empty(n, dtype=torch.float32)
         w = weight.to(dtype)
-        scratch = _scratch(hidden, weight, chunk)
+        scratch = _Scratch(hidden, weight, chunk)
         with torch.autocast(hidden.device.type, enabled=False):
             for lo in range(0, n, chunk):
                 pace()  # the cores a co-located rollout process lends: observe.threads
@@ -282,7 +276,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if want_h else None
         # The weight's gradient goes straight into its ``.grad`` where it may (no [V, H]
         # tensor of its own, nor a sum with a tied embedding's gradient), else is returned.
-        sink = grad_sink(weight) if want_w else None
+        sink = grad_sink(weight if shard is None else shard[2]) if want_w else None
         grad_w = (
             sink
             if sink is not None or not want_w
@@ -297,7 +291,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
             grad_w is not None and grad_w.dtype == torch.float32 and weight.device.type == "cpu"
         )
         w = weight.to(dtype)
-        scratch = _scratch(hidden, weight, chunk)
+        scratch = _Scratch(hidden, weight, chunk)
         for lo in range(0, hidden.shape[0], chunk):
             pace()
             hi = min(hidden.shape[0], lo + chunk)
@@ -384,43 +378,55 @@ def grad_sink(weight: Tensor) -> Tensor | None:
         return None
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
-    return weight.grad
+    # a DTensor's (a vocabulary-split head's): its local shard, which shares its storage
+    return weight.grad.to_local() if hasattr(weight.grad, "device_mesh") else weight.grad
 
 
 class _EmbedIntoGrad(torch.autograd.Function):
     """``embedding(ids, weight)`` whose backward adds the rows' gradients into ``weight.grad``
-    (:func:`grad_sink`) instead of making a dense ``[V, H]`` gradient to sum with it."""
+    (:func:`grad_sink`) instead of making a dense ``[V, H]`` gradient to sum with it.
+    Split by vocabulary (``shard``, :func:`rlpost.train.tp.vocab_shard`): a rank looks up
+    the ids among its rows, the lookups are summed over the group, and each rank's rows take
+    their gradient (Megatron's vocabulary-parallel embedding)."""
 
     @staticmethod
-    def forward(ctx, weight, ids, padding_idx):
-        ctx.save_for_backward(weight, ids)
-        ctx.padding_idx = padding_idx
-        return torch.nn.functional.embedding(ids, weight)
+    def forward(ctx, weight, ids, padding_idx, shard=None):
+        index, mine = _local_targets(ids, shard, weight.shape[0])
+        out = torch.nn.functional.embedding(index, weight)
+        if shard is not None:
+            out.mul_(mine[..., None])
+            dist.all_reduce(out, group=shard[0])
+        ctx.save_for_backward(weight, index, mine if shard is not None else None)
+        ctx.padding_idx, ctx.shard = padding_idx, shard
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        weight, ids = ctx.saved_tensors
+        weight, ids, mine = ctx.saved_tensors
         ids, grad = ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).to(weight.dtype)
+        keep = torch.ones_like(ids, dtype=torch.bool) if mine is None else mine.reshape(-1)
         if ctx.padding_idx is not None:  # as nn.Embedding: the padding row takes no gradient
-            keep = ids != ctx.padding_idx
-            ids, grad = ids[keep], grad[keep]
-        sink = grad_sink(weight)
+            keep &= ids != ctx.padding_idx - (0 if ctx.shard is None else ctx.shard[1])
+        ids, grad = ids[keep], grad[keep]
+        sink = grad_sink(weight if ctx.shard is None else ctx.shard[2])
         if sink is None:  # the weight changed since the forward (hooked, frozen): return it
-            return torch.zeros_like(weight).index_add_(0, ids, grad), None, None
+            return torch.zeros_like(weight).index_add_(0, ids, grad), None, None, None
         sink.index_add_(0, ids, grad)
-        return None, None, None
+        return None, None, None, None
 
 
 def embed_tokens(embedding: nn.Module, ids: Tensor) -> Tensor:
     """``embedding(ids)``; for a plain ``nn.Embedding`` whose weight takes gradients in place
-    (:func:`grad_sink`), by a lookup whose backward adds into ``weight.grad``."""
+    (:func:`grad_sink`), whole or split by vocabulary, by a lookup whose backward adds into
+    ``weight.grad``."""
     plain = type(embedding) is nn.Embedding and embedding.max_norm is None
     plain = plain and not (embedding.sparse or embedding.scale_grad_by_freq)
-    weight = getattr(embedding, "weight", None)
-    plain = plain and weight is not None and not hasattr(weight, "device_mesh")  # a DTensor's
-    if not (plain and torch.is_grad_enabled() and _in_place_ok(weight)):  # own plan looks up
+    if not (plain and torch.is_grad_enabled() and _in_place_ok(embedding.weight)):
         return embedding(ids)
-    return _EmbedIntoGrad.apply(weight, ids, embedding.padding_idx)
+    local, _, shard = vocab_shard(embedding)
+    if shard is None and hasattr(local, "device_mesh"):  # another layout's DTensor
+        return embedding(ids)
+    return _EmbedIntoGrad.apply(local, ids, embedding.padding_idx, shard)
 
 
 def head_logprobs(
@@ -457,7 +463,7 @@ def head_sum_pi_squared(
     dtype = compute_dtype(weight)
     out = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
     w = weight.to(dtype)
-    scratch = _scratch(hidden, weight, size)
+    scratch = _Scratch(hidden, weight, size)
     for lo in range(0, hidden.shape[0], size):
         z = _chunk_logits(hidden[lo : lo + size], w, bias, tau, dtype, scratch)
         top = z.amax(dim=-1, keepdim=True)

@@ -18,12 +18,14 @@ stages to rank 0 to export or save them in one worker's files."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import state_dict as dcp
 
-from rlpost.train.dp import DataParallel, full_tensor, resharded
+from rlpost.train.dp import DataParallel, full_tensor, layers_name, resharded
 from rlpost.train.layout import ShardedLayout, whole_tensors
 
 GROUP_ATTR = "pipeline_group"
@@ -34,12 +36,8 @@ def stage_ranges(layers: int, pp: int) -> list[range]:
     """The layer indices of each of ``pp`` stages: consecutive, sizes differing by at most
     one (the first stages the larger)."""
     base, extra = divmod(layers, pp)
-    out, lo = [], 0
-    for s in range(pp):
-        hi = lo + base + (s < extra)
-        out.append(range(lo, hi))
-        lo = hi
-    return out
+    edges = [s * base + min(s, extra) for s in range(pp + 1)]
+    return [range(lo, hi) for lo, hi in itertools.pairwise(edges)]
 
 
 def split_error(config, pp: int) -> str | None:
@@ -94,10 +92,9 @@ def _handoff_hook(src: int | None, consumer: int | None, group):
 
 def layers_prefix(model: nn.Module) -> str:
     """The state-dict prefix of ``model``'s decoder layers (``model.layers.``)."""
-    for name, module in model.named_modules():
-        if name.endswith("layers") and isinstance(module, nn.ModuleList):
-            return f"{name}."
-    raise ValueError(f"{type(model).__name__} has no decoder layers to split into stages")
+    if (name := layers_name(model)) is None:
+        raise ValueError(f"{type(model).__name__} has no decoder layers to split into stages")
+    return f"{name}."
 
 
 def pipeline(
@@ -167,11 +164,9 @@ class PipelineLayout(ShardedLayout):
     optimizer's in one worker), ``keys``: its state-dict keys; both read before the split."""
 
     def __init__(self, model: nn.Module, ref: nn.Module | None, ranks: DataParallel, bf16: bool):
-        self.model, self.ref, self.ranks = model, ref, ranks
-        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        super().__init__(model, ref, ranks)
         self.keys, self.prefix = list(model.state_dict()), layers_prefix(model)
         self.group = ranks.mesh["pp"].get_group()
-        self.writes_files = ranks.spec.rank == 0
         dp = ranks.mesh["dp"] if ranks.world > 1 else None
         tp = ranks.mesh["tp"] if ranks.mesh["tp"].size() > 1 else None
         for module, trainable in [(model, True), (ref, False)][: 1 + (ref is not None)]:

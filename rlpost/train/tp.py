@@ -117,14 +117,14 @@ def vocab_modules(model: nn.Module) -> tuple[nn.Embedding, nn.Linear] | None:
     return (embed, head) if plain else None
 
 
-def vocab_shard(head: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
-    """(weight, bias, (group, first row) or None): this rank's rows of a head split by
-    vocabulary (:func:`parallelize`), else the head's own (whole, or FSDP2's shards,
-    gathered before use)."""
+def vocab_shard(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
+    """(weight, bias, (group, first row, the whole parameter) or None): this rank's rows of
+    a head split by vocabulary (:func:`parallelize`), else the head's own (whole, or FSDP2's
+    shards, gathered before use)."""
     from torch.distributed.tensor import DTensor
 
-    w, b = head.weight, head.bias
+    w, b = head.weight, getattr(head, "bias", None)  # an embedding has none
     if not isinstance(w, DTensor) or w.device_mesh.mesh_dim_names != ("tp",):
         return w, b, None
     local, group = w.to_local(), w.device_mesh.get_group()
-    return local, None if b is None else b.to_local(), (group, dist.get_rank(group) * len(local))
+    return local, None if b is None else b.to_local(), (group, dist.get_rank(group) * len(local), w)

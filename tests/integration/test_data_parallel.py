@@ -75,7 +75,7 @@ def _batch() -> object:
 
 def _run_case(settings: dict, options: dict, batch, dp: DataParallel | None) -> dict:
     """One update of a fresh model; what it reports, and the logprobs before and after."""
-    from rlpost.train.dp import full_parameters, shard_model
+    from rlpost.train.dp import full_tensor, resharded, shard_model
 
     model = _model(options.get("checkpointing", False))
     ref = frozen_copy(model) if options.get("beta") else None
@@ -99,7 +99,7 @@ def _run_case(settings: dict, options: dict, batch, dp: DataParallel | None) -> 
         b.old_logprobs = before + 0.2 * noise
     done = trainer.update(b, beta=options.get("beta", 0.0))
     after = trainer.old_logprobs(b)
-    weights = dict(full_parameters(model))
+    weights = {n: full_tensor(p).detach() for n, p in resharded(model).named_parameters()}
     return {
         "stats": done.stats,
         "before": before,
