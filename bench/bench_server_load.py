@@ -22,7 +22,8 @@ and never read, ``--slow-bodies`` clients that trickle a body byte by byte,
 ``--huge`` clients sending requests at the server's work caps, 1024 sequences
 each, ``--scorers`` clients sending ``/v1/prompt_logprobs`` requests of 256 prompts x 120
 tokens, every other one given up after 0.5 s): the normal requests' p50/p99 with and without the mix, their ratio,
-and how many normal requests failed (the goal: none).
+and how many normal requests failed (the goal: none), with the CPU seconds the server spent
+in each run (``server_cpu_s``) and the hostile clients' process in all (``hostile.cpu_s``).
 
     python bench/bench_server_load.py [--concurrency 64] [--requests 2000] [--tricklers 32]
 """
@@ -34,6 +35,7 @@ import asyncio
 import contextlib
 import json
 import multiprocessing
+import os
 import socket
 import statistics
 import subprocess
@@ -87,6 +89,12 @@ def start_server(model_dir: Path | None, *flags: str) -> tuple[subprocess.Popen,
     """One keyed ``rlpost serve`` on 127.0.0.1, a free port, one thread; (process, URL)."""
     keys = {"RLPOST_API_KEY": API, "RLPOST_ADMIN_KEY": ADMIN}
     return serve_util.start_server(model_dir, "--threads", "1", *flags, env=keys)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its threads so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_bytes(pid: int) -> int:
@@ -277,6 +285,7 @@ def hostile_mix(url: str, args, stop, out) -> None:
                 await asyncio.sleep(0.05)
             done.set()
             await asyncio.gather(*running, return_exceptions=True)
+        hostile["cpu_s"] = round(cpu_seconds(os.getpid()), 1)
         out.put(dict(hostile))
 
     asyncio.run(mix())
@@ -298,7 +307,7 @@ def run(model_dir: Path | None, args) -> dict:
             reports.append(Report())
             asyncio.run(drive(url, args, reports[-1]))
             after_rounds.append(round(rss_bytes(proc.pid) / 2**20, 1))
-        mixed = hostile_round(url, args)
+        mixed = hostile_round(url, args, proc.pid)
         time.sleep(args.settle_s)
         health = httpx.get(f"{url}/health", timeout=10).json()
         return {
@@ -320,13 +329,16 @@ def run(model_dir: Path | None, args) -> dict:
         proc.wait(timeout=30)
 
 
-def hostile_round(url: str, args) -> dict:
-    """The same normal load without and with the hostile mix: latency of the normal requests."""
+def hostile_round(url: str, args, server: int) -> dict:
+    """The same normal load without and with the hostile mix: latency of the normal requests,
+    and the CPU seconds the server (pid ``server``) and the hostile clients spent in each."""
     if not (args.stalled or args.slow_bodies or args.huge or args.scorers):
         return {}
     quiet, mixed, hostile = Report(), Report(), Counter()
     plain = argparse.Namespace(**{**vars(args), "tricklers": 0})
+    cpu = [cpu_seconds(server)]
     asyncio.run(drive(url, plain, quiet))
+    cpu.append(cpu_seconds(server))
     ctx = multiprocessing.get_context("fork")  # the module may not be importable by name
     stop, out = ctx.Event(), ctx.Queue()
     clients = ctx.Process(target=hostile_mix, args=(url, args, stop, out), daemon=True)
@@ -334,7 +346,9 @@ def hostile_round(url: str, args) -> dict:
     try:
         if out.get(timeout=60) != "ready":
             raise RuntimeError("the hostile clients did not start")
+        cpu.append(cpu_seconds(server))
         asyncio.run(drive(url, plain, mixed))
+        cpu.append(cpu_seconds(server))
     finally:
         stop.set()
         hostile.update(out.get(timeout=120))
@@ -346,6 +360,11 @@ def hostile_round(url: str, args) -> dict:
         "p50_ratio": round(m["p50_ms"] / q["p50_ms"], 2) if q["p50_ms"] else None,
         "p99_ratio": round(m["p99_ms"] / q["p99_ms"], 2) if q["p99_ms"] else None,
         "normal_failed": mixed.requests - mixed.served + quiet.requests - quiet.served,
+        "server_cpu_s": {
+            "alone": round(cpu[1] - cpu[0], 1),
+            "with_hostile": round(cpu[3] - cpu[2], 1),
+        },
+        "seconds": {"alone": round(quiet.seconds, 1), "with_hostile": round(mixed.seconds, 1)},
         "hostile": dict(sorted(hostile.items())),
     }
 
