@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 
 # How far a blocked stream may fall behind: this many decode steps of all its samples.
-# Blocked means the kernel's send buffer and the transport's are full already (over half
-# a MiB unread), so a client this far behind is not keeping up.
+# Blocked means the kernel's send buffer and the transport's are full already (about 200
+# KiB unread), so a client this far behind is not keeping up.
 BACKLOG_STEPS = 4
 BACKLOG_MIN_EVENTS = 64
 
