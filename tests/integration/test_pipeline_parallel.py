@@ -73,13 +73,18 @@ def test_a_killed_stage_stops_the_group_in_one_line(pair):
     """The last stage's process dies; the first, blocked in a hand-off to it, does not hang
     the run. Runs last of the tests on the shared group: it leaves the group unusable."""
     _, tok, one, group = pair
-    batch = _batch(one.trainer.model, tok, seed=21)
-    group.handles[1].kill()
-    with pytest.raises(WorkerError, match=r"trainer rank [01] of 2 failed in logprobs") as err:
-        _step(group, batch)
-    assert "rank 1: trainer-1 worker process exited" in str(err.value)
-    assert "\n" not in str(err.value)
+    _kill_and_expect_one_line(group, _batch(one.trainer.model, tok, seed=21), rank=1, world=2)
     group.close()  # stops rank 0, blocked or not, and returns
+
+
+def _kill_and_expect_one_line(group, batch, *, rank: int, world: int) -> None:
+    """Kill ``rank``; the next step fails with one line naming it, no hang."""
+    group.handles[rank].kill()
+    match = rf"trainer rank [0-{world - 1}] of {world} failed in logprobs"
+    with pytest.raises(WorkerError, match=match) as err:
+        _step(group, batch)
+    assert f"rank {rank}: trainer-{rank} worker process exited" in str(err.value)
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.slow
@@ -89,12 +94,7 @@ def test_a_killed_rank_of_stages_of_tensor_parallel_ranks_stops_the_group_in_one
     layout = ("cluster.trainer_workers=4", "cluster.pipeline_parallel=2")
     started = started_pair(tmp_path, *layout, "cluster.tensor_parallel=2")
     _, tok, one, group = next(started)
-    batch = _batch(one.trainer.model, tok, seed=21)
-    group.handles[3].kill()
-    with pytest.raises(WorkerError, match=r"trainer rank [0-3] of 4 failed in logprobs") as err:
-        _step(group, batch)
-    assert "rank 3: trainer-3 worker process exited" in str(err.value)
-    assert "\n" not in str(err.value)
+    _kill_and_expect_one_line(group, _batch(one.trainer.model, tok, seed=21), rank=3, world=4)
     next(started, None)  # closes the group: every rank stopped, blocked or not
 
 
