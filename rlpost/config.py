@@ -581,8 +581,8 @@ class OptimConfig(Section):
 
     lr: Annotated[float, Field(gt=0.0)] | Literal["auto"] = 1e-5
     """Peak learning rate. ``auto`` (train.optim only): scaled to the policy's size,
-    1e-6 x (7e9 / parameters) ** 0.58, two significant digits (SmolLM2-135M 9.9e-6, 0.5B
-    4.7e-6, 7B 1e-6), ten times that with LoRA adapters."""
+    1e-6 x (7e9 / parameters) ** 0.76, two significant digits (SmolLM2-135M 2e-5, 0.5B
+    7.5e-6, 7B 1e-6), ten times that with LoRA adapters."""
     warmup_steps: int = Field(0, ge=0)
     """Linear LR warm-up, in optimizer updates."""
     weight_decay: float = Field(0.0, ge=0.0)

@@ -98,7 +98,7 @@ ALTS = {
     "train.optim.weight_decay": (other(0.5, 0.0), "update", {}),
     "train.optim.betas": (other((0.5, 0.9), (0.9, 0.999)), "update", OFF_POLICY),
     "train.optim.grad_clip": (other(1e-6, 1.0), "update", {}),
-    "train.mini_batch_size": (lambda v: max(1, v // 2), "update", {}),
+    "train.mini_batch_size": (lambda v: v // 2 if v > 1 else 2, "update", {}),
     "train.micro_batch_size": (lambda v: v // 2 if v > 1 else 2, "passes", {}),
     "train.epochs": (lambda v: v + 1, "update", {}),
     # the token budget cuts the loss pass into more, smaller micro-batches (packed, it counts
