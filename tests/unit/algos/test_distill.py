@@ -143,7 +143,7 @@ def test_gkd_loss_is_the_masked_mean_divergence_with_gradient_to_the_student_onl
     )  # fmt: skip
     div = divergence_tokens(logits, teacher, "forward_kl")
     want = float((div.detach() * mask).sum() / mask.sum())
-    assert float(out.loss) == pytest.approx(want, rel=1e-6)
+    assert out.loss.detach().item() == pytest.approx(want, rel=1e-6)
     assert float(out.stats["distill_div"]) == pytest.approx(want, rel=1e-6)
     out.loss.backward()
     assert teacher.grad is None
@@ -163,7 +163,7 @@ def test_gkd_loss_is_micro_batch_invariant():
 
     whole = loss(torch.arange(4))
     split = loss(torch.tensor([0, 2])) + loss(torch.tensor([1, 3]))
-    assert float(split) == pytest.approx(float(whole), rel=1e-6)
+    assert split.detach().item() == pytest.approx(whole.detach().item(), rel=1e-6)
 
 
 def test_gkd_task_weight_adds_the_ppo_term():
@@ -173,7 +173,7 @@ def test_gkd_task_weight_adds_the_ppo_term():
     alone = policy_loss("gkd")(lp, lp.detach(), adv, mask, **kw).loss
     both = policy_loss("gkd")(lp, lp.detach(), adv, mask, task_weight=0.5, **kw).loss
     # ratio 1 on every token: the PPO term is -mean(A) = -1
-    assert float(both - alone) == pytest.approx(-0.5, rel=1e-6)
+    assert (both - alone).detach().item() == pytest.approx(-0.5, rel=1e-6)
 
 
 def test_gkd_without_teacher_logits_names_the_problem():
