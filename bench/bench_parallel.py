@@ -20,7 +20,9 @@ SmolLM2 has 9 heads and 3 KV heads: tensor parallelism of 3 divides it, 2 does n
 On a machine of fewer cores than ranks the step time is the cores', not the layout's.
 
 ``--both`` adds ``--pp`` stages of ``--tp`` ranks each; ``--chunk N`` runs the LM head in
-chunks of N tokens (``train.logits_chunk_tokens``; under TP each rank's ``[N, V/T]``).
+chunks of N tokens (``train.logits_chunk_tokens``; under TP each rank's ``[N, V/T]``);
+``--micro N`` cuts each optimizer step's 6 rows into micro-batches of N (the pipeline
+stages overlap micro-batches: more of them, a smaller bubble).
 
     python bench/bench_parallel.py --tp 3 --pp 2 --dp 2 --steps 3
     python bench/bench_parallel.py --tp 3 --pp 2 --both --chunk 64 --steps 3
@@ -46,7 +48,9 @@ STATE_BYTES = 16
 """float32 weight, gradient and AdamW's two moments, per parameter element."""
 
 
-def config(out: str, model: str, workers: int, tp: int = 1, pp: int = 1, chunk: int = 0):
+def config(
+    out: str, model: str, workers: int, tp: int = 1, pp: int = 1, chunk: int = 0, micro: int = 3
+):
     from rlpost.config import load_config
 
     return load_config(
@@ -56,7 +60,7 @@ def config(out: str, model: str, workers: int, tp: int = 1, pp: int = 1, chunk: 
             "run.threads=1",
             f"model.path={model}",
             "train.mini_batch_size=6",
-            "train.micro_batch_size=3",
+            f"train.micro_batch_size={micro}",
             "algo.kl.beta=0",
             "cluster.backend=process",
             f"cluster.trainer_workers={workers}",
@@ -148,6 +152,9 @@ def main() -> None:
     p.add_argument(
         "--chunk", type=int, default=0, help="train.logits_chunk_tokens (0: from the vocabulary)"
     )
+    p.add_argument(
+        "--micro", type=int, default=3, help="train.micro_batch_size (of a mini-batch of 6)"
+    )
     args = p.parse_args()
     if args.model is None:
         from tests.real_model import smollm2_dir
@@ -157,19 +164,19 @@ def main() -> None:
     t = time.perf_counter()
     data = batches(config(str(out), args.model, 1), args.steps, args.max_tokens)
     print(f"sampled {args.steps} batches in {time.perf_counter() - t:.0f} s", flush=True)
-    m, c = args.model, args.chunk
-    layouts = {"one_process": config(str(out), m, 1, chunk=c)}
+    m, c = args.model, {"chunk": args.chunk, "micro": args.micro}
+    layouts = {"one_process": config(str(out), m, 1, **c)}
     if args.tp > 1:
-        layouts[f"tp{args.tp}"] = config(str(out), m, args.tp, tp=args.tp, chunk=c)
+        layouts[f"tp{args.tp}"] = config(str(out), m, args.tp, tp=args.tp, **c)
     if args.pp > 1:
-        layouts[f"pp{args.pp}"] = config(str(out), m, args.pp, pp=args.pp, chunk=c)
+        layouts[f"pp{args.pp}"] = config(str(out), m, args.pp, pp=args.pp, **c)
     if args.both and args.tp > 1 and args.pp > 1:
         ranks = args.pp * args.tp
         layouts[f"pp{args.pp}xtp{args.tp}"] = config(
-            str(out), m, ranks, tp=args.tp, pp=args.pp, chunk=c
+            str(out), m, ranks, tp=args.tp, pp=args.pp, **c
         )
     if args.dp > 1:
-        layouts[f"dp{args.dp}"] = config(str(out), m, args.dp, chunk=c)
+        layouts[f"dp{args.dp}"] = config(str(out), m, args.dp, **c)
     rows = {name: measure(cfg, out, data) for name, cfg in layouts.items()}
     one = rows["one_process"]
     for name, row in rows.items():

@@ -84,6 +84,30 @@ class StepOutcome:
         return out
 
 
+def accumulate_grads(
+    micro_batches: Iterable[M],
+    micro_loss: Callable[[M], tuple[torch.Tensor, dict[str, float]]],
+    order: list[tuple[str, int]] | None = None,
+) -> tuple[float, dict[str, float]]:
+    """(summed loss, summed statistics) of ``micro_loss`` over ``micro_batches``, their
+    gradients accumulated. ``order``: the passes, ``("F", i)`` micro-batch ``i``'s forward
+    and ``("B", i)`` its backward, the backwards in the forwards' order (None: each one's
+    backward right after its forward)."""
+    micros, pending = list(micro_batches), []
+    loss_total, stats = 0.0, {}
+    for op, i in order or [(op, i) for i in range(len(micros)) for op in "FB"]:
+        if op == "B":
+            pending.pop(0).backward()
+            continue
+        pace()  # the cores a co-located rollout process lends: observe.threads
+        loss, micro_stats = micro_loss(micros[i])
+        pending.append(loss)
+        loss_total += float(loss.detach())
+        for k, v in micro_stats.items():
+            stats[k] = stats.get(k, 0.0) + v
+    return loss_total, stats
+
+
 def optimizer_step(
     optimizer: torch.optim.Optimizer,
     scheduler,
@@ -92,22 +116,17 @@ def optimizer_step(
     micro_batches: Iterable[M],
     micro_loss: Callable[[M], tuple[torch.Tensor, dict[str, float]]],
     sum_ranks: Callable[[dict[str, float]], dict[str, float]] | None = None,
+    accumulate=accumulate_grads,
 ) -> StepOutcome:
     """Accumulate ``micro_loss`` over ``micro_batches``, clip, and step (or skip when non-finite).
 
     ``sum_ranks``: under data parallelism, sums the loss and statistics over the ranks
     (each rank's are its share), so every rank reports and decides the same.
+    ``accumulate``: runs the micro-batches' passes (:func:`accumulate_grads`; pipeline
+    stages: :meth:`rlpost.train.pp.Stages.accumulate`).
     """
     optimizer.zero_grad(set_to_none=True)
-    loss_total = 0.0
-    stats: dict[str, float] = {}
-    for micro in micro_batches:
-        pace()  # the cores a co-located rollout process lends: observe.threads
-        loss, micro_stats = micro_loss(micro)
-        loss.backward()
-        loss_total += float(loss.detach())
-        for k, v in micro_stats.items():
-            stats[k] = stats.get(k, 0.0) + v
+    loss_total, stats = accumulate(micro_batches, micro_loss)
     if sum_ranks is not None:
         stats = sum_ranks({**stats, "\0loss": loss_total})
         loss_total = stats.pop("\0loss")

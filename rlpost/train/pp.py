@@ -4,17 +4,11 @@
 Rank ``s`` of the pipeline group holds stage ``s``'s layers (the first stages one more
 where the count does not divide); :class:`Skipped`, weightless, stands in the others'
 places. The embeddings, final norm and LM head are on every rank (split by vocabulary over
-a stage's tensor-parallel ranks where it has them), so every rank runs every row to the
-same logits and loss, and the trainer runs unchanged.
+a stage's tensor-parallel ranks where it has them).
 
-Activations are handed on (:class:`_Handoff`) by a broadcast from the producing stage
-before each stage's first layer and before the final norm; the backward broadcasts each
-hand-off's gradient from the rank that consumed it, so the whole parameters' gradients are
-the same on every rank without a reduction, and the norm counts each stage's layers once
-(:data:`GROUP_ATTR`). The schedule is the plain one, one stage computing at a time (a
-bubble of ``(P - 1) / P``): it buys memory, a rank holding ``1 / P`` of the layers with
-their gradients, optimizer state and activations. :class:`PipelineLayout` gathers the
-stages to rank 0 to export or save them in one worker's files."""
+A training step runs the 1F1B schedule, point to point (:class:`Stages`); passes without
+a gradient run every row on every rank. :class:`PipelineLayout` gathers the stages to rank
+0 to export or save them in one worker's files."""
 
 from __future__ import annotations
 
@@ -27,6 +21,7 @@ from torch.distributed.checkpoint import state_dict as dcp
 
 from rlpost.train.dp import DataParallel, full_tensor, layers_name, resharded
 from rlpost.train.layout import ShardedLayout, whole_tensors
+from rlpost.train.optim import accumulate_grads
 
 GROUP_ATTR = "pipeline_group"
 """Set on a stage's own parameters: the pipeline's process group their norm is summed over."""
@@ -63,31 +58,154 @@ class Skipped(nn.Module):
         return hidden_states
 
 
-class _Handoff(torch.autograd.Function):
-    """``x`` broadcast from rank ``src``, its gradient from ``consumer`` (None: as it is)."""
+def one_f_one_b(pp: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
+    """Stage ``stage``'s passes over ``micro_batches`` micro-batches, in order: ``("F", i)``
+    a forward, ``("B", i)`` a backward. ``P - 1 - s`` forwards ahead, then a forward and a
+    backward in turn, then the backwards left."""
+    ahead = min(pp - 1 - stage, micro_batches)
+    order = [("F", i) for i in range(ahead)]
+    for i in range(ahead, micro_batches):
+        order += [("F", i), ("B", i - ahead)]
+    return order + [("B", i) for i in range(micro_batches - ahead, micro_batches)]
+
+
+class StageDone(Exception):
+    """Raised out of a stage's forward with gradients at its last layer, for
+    :meth:`Stages.accumulate`: ``loss`` stands for the rest of the model, its backward
+    receives the gradient."""
+
+    def __init__(self, loss: torch.Tensor):
+        super().__init__("a pipeline stage's training forward runs in Stages.accumulate")
+        self.loss = loss
+
+
+class _Receive(torch.autograd.Function):
+    """The previous stage's output in ``like``'s shape; the gradient sent back to it.
+    ``anchor`` (requiring a gradient) makes the backward run with frozen inputs too."""
 
     @staticmethod
-    def forward(ctx, x, src, consumer, group):
-        ctx.consumer, ctx.group = consumer, group
-        if src is None:
-            return x.view_as(x)
-        y = x.detach().contiguous().clone()
-        dist.broadcast(y, group_src=src, group=group)
+    def forward(ctx, like, anchor, stages, src):
+        ctx.stages, ctx.src = stages, src
+        y = torch.empty_like(like)
+        dist.recv(y, group_src=src, group=stages.group)
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        g = grad.contiguous().clone()
-        if ctx.consumer is not None:
-            dist.broadcast(g, group_src=ctx.consumer, group=ctx.group)
+        ctx.stages.send(grad, ctx.src)
+        return None, None, None, None
+
+
+class _Send(torch.autograd.Function):
+    """``x`` sent on to the next stage, a zero loss in its place whose backward receives
+    ``x``'s gradient from that stage."""
+
+    @staticmethod
+    def forward(ctx, x, anchor, stages, dst):
+        ctx.stages, ctx.dst, ctx.like = stages, dst, x.detach()
+        stages.send(x.detach(), dst)
+        return x.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, _):
+        g = torch.empty_like(ctx.like)
+        dist.recv(g, group_src=ctx.dst, group=ctx.stages.group)
         return g, None, None, None
 
 
-def _handoff_hook(src: int | None, consumer: int | None, group):
-    def hook(module, args):
-        return (_Handoff.apply(args[0], src, consumer, group), *args[1:])
+class Stages:
+    """A model's pipeline stages seen from one rank, and the 1F1B schedule its training
+    step runs (:meth:`accumulate`).
 
-    return hook
+    A pass without a gradient (scoring) runs every row on every rank to the same logits:
+    the hand-offs are broadcasts. A pass with one, in :meth:`accumulate`, receives the
+    stage's input from the previous stage's rank, sends its output to the next and stops
+    there (:class:`StageDone`); only the last stage runs the head and the loss.
+    Each rank runs ``P - 1 - s`` forwards ahead, then one forward and one backward in
+    turn (PipeDream-Flush's 1F1B): the stages compute different micro-batches at once,
+    a bubble of ``(P - 1) / (M + P - 1)`` for ``M`` micro-batches, and a stage keeps at
+    most ``P - s`` micro-batches' activations."""
+
+    def __init__(self, group, params: list[nn.Parameter]):
+        self.group = group
+        self.params = params  # the trainable ones, whose gradients :meth:`accumulate` sums
+        self.pp, self.stage = dist.get_world_size(group), dist.get_rank(group)
+        self._sends: list = []
+        self._anchor = torch.zeros((), requires_grad=True)
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        t = t.contiguous()
+        self._sends.append((dist.isend(t, group_dst=dst, group=self.group), t))
+
+    def hook(self, boundary: int):
+        """The forward pre-hook before stage ``boundary``'s first layer (``P``: the norm)."""
+        src = None if boundary == 0 else boundary - 1
+
+        def hook(module, args):
+            x = args[0]
+            if not torch.is_grad_enabled():  # a scoring pass: every rank runs every row
+                if src is not None:
+                    x = x.contiguous().clone()
+                    dist.broadcast(x, group_src=src, group=self.group)
+            elif boundary == self.stage and src is not None:
+                x = _Receive.apply(x, self._anchor, self, src)
+            elif boundary == self.stage + 1 and boundary < self.pp:
+                raise StageDone(_Send.apply(x, self._anchor, self, boundary))
+            return (x, *args[1:])
+
+        return hook
+
+    def accumulate(self, micro_batches, micro_loss):
+        """(summed loss, summed statistics) of ``micro_loss`` over ``micro_batches``, the
+        gradients accumulated: the 1F1B schedule over the stages, then the whole
+        parameters' gradients (the embeddings' from stage 0, the norm's and head's from
+        the last) summed over the stages and the last stage's loss and statistics given
+        to every rank."""
+        micros = list(micro_batches)
+
+        def loss_of(micro):
+            try:
+                return micro_loss(micro)
+            except StageDone as done:  # not the last stage: its output went on
+                return done.loss, {}
+
+        try:
+            order = one_f_one_b(self.pp, self.stage, len(micros))
+            total, stats = accumulate_grads(micros, loss_of, order)
+            for work, _ in self._sends:
+                work.wait()
+        finally:
+            self._sends = []
+        self._sum_whole_grads()
+        out = [(total, stats)]
+        dist.broadcast_object_list(out, group_src=self.pp - 1, group=self.group)
+        return out[0]
+
+    def _sum_whole_grads(self) -> None:
+        """Sum the gradients of the parameters every rank holds whole over the stages
+        (each came from one stage); one that no stage's backward reached stays None."""
+        whole = [p for p in self.params if not hasattr(p, GROUP_ATTR)]
+        reached = torch.tensor([p.grad is not None for p in whole], dtype=torch.int32)
+        dist.all_reduce(reached, group=self.group)
+        for p, n in zip(whole, reached.tolist(), strict=True):
+            if n:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(getattr(p.grad, "_local_tensor", p.grad), group=self.group)
+
+    def from_last(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` made the last stage's on every rank (in place)."""
+        dist.broadcast(t, group_src=self.pp - 1, group=self.group)
+        return t
+
+
+STAGES_ATTR = "pipeline_stages"
+"""Set on a model :func:`pipeline` split: its :class:`Stages`."""
+
+
+def stages_of(model: nn.Module) -> Stages | None:
+    """The :class:`Stages` of a model :func:`pipeline` split, else None."""
+    return getattr(model, STAGES_ATTR, None)
 
 
 def layers_prefix(model: nn.Module) -> str:
@@ -139,11 +257,12 @@ def pipeline(
         shard_model(model, bf16=bf16, trainable=trainable, mesh=dp_mesh, synced=True)
     for p in layers.parameters():
         setattr(p, GROUP_ATTR, group)
+    stages = Stages(group, [p for p in model.parameters() if p.requires_grad])
     # stage 0's input is every rank's embeddings; its gradient is the one stage 0 computed
-    layers[0].register_forward_pre_hook(_handoff_hook(None, 0, group))
-    for s in range(1, pp):
-        layers[ranges[s].start].register_forward_pre_hook(_handoff_hook(s - 1, s, group))
-    norm.register_forward_pre_hook(_handoff_hook(pp - 1, None, group))
+    for s in range(pp):
+        layers[ranges[s].start].register_forward_pre_hook(stages.hook(s))
+    norm.register_forward_pre_hook(stages.hook(pp))
+    setattr(model, STAGES_ATTR, stages)
     return model
 
 

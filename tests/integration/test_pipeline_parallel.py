@@ -14,7 +14,7 @@ from rlpost.errors import WorkerError
 from rlpost.pipeline import build, rules
 from rlpost.pipeline.memory import model_shape, rank_params
 from rlpost.train.dp import DPSpec, held_numel
-from rlpost.train.pp import split_error, stage_ranges
+from rlpost.train.pp import one_f_one_b, split_error, stage_ranges
 from tests.integration.test_tensor_parallel import (
     STEPS,
     _batch,
@@ -117,6 +117,46 @@ def test_stages_pack_their_rows_as_one_process(tmp_path):
 def test_stages_are_consecutive_and_balanced():
     assert stage_ranges(30, 4) == [range(0, 8), range(8, 16), range(16, 23), range(23, 30)]
     assert stage_ranges(2, 2) == [range(0, 1), range(1, 2)]
+
+
+def _makespan(pp: int, micro_batches: int, order=one_f_one_b) -> int:
+    """Ticks until ``pp`` stages finish their ``order``, a pass taking one tick, a stage
+    waiting for its input (the previous stage's forward, the next stage's backward)."""
+    todo = [order(pp, s, micro_batches) for s in range(pp)]
+    done, ticks = set(), 0
+    while any(todo):
+        ready = []
+        for s, ops in enumerate(todo):
+            if ops:
+                op, i = ops[0]
+                need = (op, s - 1 if op == "F" else s + 1, i)
+                if (need[1] in (-1, pp) or need in done) and (op == "F" or ("F", s, i) in done):
+                    ready.append((op, s, i))
+        assert ready, f"the stages wait on each other: {todo}"
+        for _, s, _ in ready:
+            todo[s].pop(0)
+        done |= set(ready)
+        ticks += 1
+    return ticks
+
+
+@pytest.mark.parametrize(("pp", "micro_batches"), [(2, 1), (2, 3), (3, 4), (4, 8)])
+def test_the_stages_overlap_micro_batches_one_forward_one_backward(pp, micro_batches):
+    """Each pass once; stage s keeps at most P - s micro-batches in flight; the stages
+    finish in 2 (M + P - 1) passes' time, against 2 M P one stage at a time."""
+    for s in range(pp):
+        order = one_f_one_b(pp, s, micro_batches)
+        assert sorted(order) == sorted((op, i) for op in "FB" for i in range(micro_batches))
+        flight = [
+            sum(1 if op == "F" else -1 for op, _ in order[: k + 1]) for k in range(len(order))
+        ]
+        assert max(flight) == min(pp - s, micro_batches)
+    assert _makespan(pp, micro_batches) == 2 * (micro_batches + pp - 1)
+
+    def in_turn(pp, s, m):
+        return [(op, i) for i in range(m) for op in "FB"]
+
+    assert _makespan(pp, micro_batches, in_turn) == 2 * micro_batches * pp
 
 
 def test_more_stages_than_layers_is_refused_in_one_line():

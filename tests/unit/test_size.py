@@ -4,8 +4,8 @@ Four numbers, each with a bound in ``SIZE_BOUNDS``: lines of Python under ``rlpo
 ``rlpost config grpo_arith --keys`` lists, functions longer than 60 lines, and blocks of
 ``BLOCK`` lines (stripped, blank lines and comments left out) written twice. A change that
 raises one past its bound fails here with the number; lower the bound when a change shrinks
-it, so the slack does not come back unseen. Run ``python tests/unit/test_size.py`` to print
-them.
+it, so the slack does not come back unseen, and raise it only by what a feature's commit
+adds and names. Run ``python tests/unit/test_size.py`` to print them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "rlpost"
 BLOCK = 8
 LONG_FUNCTION = 60
 SIZE_BOUNDS = {
-    "lines": 36_654,
+    "lines": 36_797,
     "grpo_arith_keys": 193,
     "functions_over_60_lines": 6,
     "repeated_blocks": 4,
