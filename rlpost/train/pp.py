@@ -102,13 +102,14 @@ class _Send(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, anchor, stages, dst):
-        ctx.stages, ctx.dst, ctx.like = stages, dst, x.detach()
+        ctx.stages, ctx.dst = stages, dst
+        ctx.like = {"size": x.shape, "dtype": x.dtype, "device": x.device}  # not x: no memory
         stages.send(x.detach(), dst)
         return x.new_zeros((), dtype=torch.float32)
 
     @staticmethod
     def backward(ctx, _):
-        g = torch.empty_like(ctx.like)
+        g = torch.empty(**ctx.like)
         dist.recv(g, group_src=ctx.dst, group=ctx.stages.group)
         return g, None, None, None
 
@@ -127,8 +128,7 @@ class Stages:
     most ``P - s`` micro-batches' activations."""
 
     def __init__(self, group, params: list[nn.Parameter]):
-        self.group = group
-        self.params = params  # the trainable ones, whose gradients :meth:`accumulate` sums
+        self.group, self.params = group, params  # params: trainable, grads summed in accumulate
         self.pp, self.stage = dist.get_world_size(group), dist.get_rank(group)
         self._sends: list = []
         self._anchor = torch.zeros((), requires_grad=True)
