@@ -54,7 +54,6 @@ from rlpost.train.batch import (
 from rlpost.train.layout import PlainLayout, WeightLayout
 from rlpost.train.optim import adamw, budget_slices, minibatch_updates, optimizer_step
 from rlpost.train.packing import SHARING_MODES, resolve_packing
-from rlpost.train.pp import stages_of
 
 
 @dataclass
@@ -296,9 +295,7 @@ class PolicyTrainer:
             groups=batch.group if self.whole_groups else None,
         )
         if own_old:
-            self.ranks.sum_tensor(on_device.old_logprobs)  # each row was filled on one rank only
-            if stages := stages_of(self.model):  # and by the last pipeline stage
-                stages.from_last(on_device.old_logprobs)
+            self.layout.rows_filled(on_device.old_logprobs)
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         return PolicyUpdate(out, on_device.old_logprobs.cpu() if own_old else None)
 
@@ -339,11 +336,10 @@ class PolicyTrainer:
             )  # fmt: skip
         else:
             micros = self.ranks.micro_slices(rows, self.s.micro_batch_size)
-        stages = stages_of(self.model)
         outcome = optimizer_step(
             self.optimizer, self.scheduler, params, self.s.optim.grad_clip, micros, micro_loss,
             lambda stats: self.ranks.sum_floats({k: float(v) for k, v in stats.items()}),
-            **({"accumulate": stages.accumulate} if stages else {}),
+            self.layout.accumulate,
         )  # fmt: skip
         if outcome.skipped:
             self.skipped_updates += 1

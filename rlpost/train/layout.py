@@ -30,7 +30,7 @@ from rlpost.train.dp import (
     optimizer_state_by_index,
     optimizer_state_by_name,
 )
-from rlpost.train.optim import micro_slices
+from rlpost.train.optim import accumulate_grads, micro_slices
 
 
 def whole_tensors(*, rank0: bool = False):
@@ -58,9 +58,6 @@ class SingleRank:
     def sum_floats(self, values: dict[str, float]) -> dict[str, float]:
         return values
 
-    def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        return t
-
     def barrier(self) -> None:
         """Nothing to wait for: one rank."""
 
@@ -79,6 +76,8 @@ class WeightLayout(Protocol):
     def load_weights(self, directory: Path) -> None: ...
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict: ...
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None: ...
+    def accumulate(self, micro_batches, micro_loss) -> tuple[float, dict[str, float]]: ...
+    def rows_filled(self, t: torch.Tensor) -> torch.Tensor: ...
     def close(self) -> None: ...
 
 
@@ -100,6 +99,12 @@ class PlainLayout:
 
     def __init__(self, model: torch.nn.Module, ref: torch.nn.Module | None = None) -> None:
         self.model, self.ref, self.ranks = model, ref, SingleRank()
+
+    accumulate = staticmethod(accumulate_grads)  # a step's micro-batches, one after another
+
+    def rows_filled(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` whole on every rank, each of its rows filled by the one rank that ran it."""
+        return t if self.ranks.world == 1 else self.ranks.sum_tensor(t)
 
     @property
     def has_reference(self) -> bool:
@@ -203,6 +208,7 @@ class ShardedLayout:
     # ``ref`` is sharded as the policy is: held and lent as the plain layout holds its own.
     has_reference = PlainLayout.has_reference
     reference = PlainLayout.reference
+    accumulate, rows_filled = staticmethod(accumulate_grads), PlainLayout.rows_filled
 
     def _whole(self, module: torch.nn.Module, *, state: bool) -> dict[str, torch.Tensor]:
         """``module``'s state (``state``) or parameters, every shard gathered on the

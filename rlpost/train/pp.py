@@ -199,15 +199,6 @@ class Stages:
         return t
 
 
-STAGES_ATTR = "pipeline_stages"
-"""Set on a model :func:`pipeline` split: its :class:`Stages`."""
-
-
-def stages_of(model: nn.Module) -> Stages | None:
-    """The :class:`Stages` of a model :func:`pipeline` split, else None."""
-    return getattr(model, STAGES_ATTR, None)
-
-
 def layers_prefix(model: nn.Module) -> str:
     """The state-dict prefix of ``model``'s decoder layers (``model.layers.``)."""
     if (name := layers_name(model)) is None:
@@ -223,9 +214,10 @@ def pipeline(
     tp_mesh=None,
     bf16: bool = False,
     trainable: bool = True,
-) -> nn.Module:
+) -> Stages:
     """Keep this rank's stage of ``model``'s decoder layers (``group``: the pipeline's
-    ranks, in stage order) and hand activations between the stages; in place, returned.
+    ranks, in stage order) and hand activations between the stages, in place; its
+    :class:`Stages`.
     ``tp_mesh``: the tensor-parallel axis the stage's layers, the embedding and the head
     are then split over (:func:`rlpost.train.tp.parallelize`); ``dp_mesh``: the
     data-parallel axis the stage is then sharded over with FSDP2
@@ -262,8 +254,7 @@ def pipeline(
     for s in range(pp):
         layers[ranges[s].start].register_forward_pre_hook(stages.hook(s))
     norm.register_forward_pre_hook(stages.hook(pp))
-    setattr(model, STAGES_ATTR, stages)
-    return model
+    return stages
 
 
 # ------------------------------------------------------------------- layout
@@ -288,8 +279,14 @@ class PipelineLayout(ShardedLayout):
         self.group = ranks.mesh["pp"].get_group()
         dp = ranks.mesh["dp"] if ranks.world > 1 else None
         tp = ranks.mesh["tp"] if ranks.mesh["tp"].size() > 1 else None
-        for module, trainable in [(model, True), (ref, False)][: 1 + (ref is not None)]:
-            pipeline(module, self.group, dp_mesh=dp, tp_mesh=tp, bf16=bf16, trainable=trainable)
+        self.stages = pipeline(model, self.group, dp_mesh=dp, tp_mesh=tp, bf16=bf16)
+        if ref is not None:
+            pipeline(ref, self.group, dp_mesh=dp, tp_mesh=tp, bf16=bf16, trainable=False)
+        self.accumulate = self.stages.accumulate  # 1F1B
+
+    def rows_filled(self, t: torch.Tensor) -> torch.Tensor:
+        """As the sharded layout's, the rows filled by the last stage."""
+        return self.stages.from_last(super().rows_filled(t))
 
     def _whole(self, module: nn.Module, *, state: bool) -> dict[str, torch.Tensor]:
         """Each stage's part (shards gathered; the whole modules from stage 0) merged on

@@ -6,6 +6,7 @@ the workers cannot take is refused in one line."""
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from rlpost.cluster.process import start_trainers
@@ -27,11 +28,13 @@ from tests.integration.test_tensor_parallel import (
     started_pair,
 )
 
+PP2 = ("cluster.trainer_workers=2", "cluster.pipeline_parallel=2")
+
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pp")
-    yield from started_pair(tmp, "cluster.trainer_workers=2", "cluster.pipeline_parallel=2")
+    yield from started_pair(tmp, *PP2)
 
 
 def test_five_grpo_steps_at_pp2_equal_one_process(pair, tmp_path):
@@ -48,6 +51,21 @@ def test_five_grpo_steps_at_pp2_equal_one_process(pair, tmp_path):
     assert one.version() == group.version() == STEPS
 
     resumes_both_ways(cfg, tok, one, group, tmp_path)
+
+
+def test_one_optimizer_step_a_batch_returns_the_last_stages_old_logprobs(tmp_path):
+    """With one optimizer step a batch the loss pass's own logprobs are the old ones: only
+    the last stage computes them, and every rank returns them, as one process does."""
+    _, tok, one, group = next(gen := started_pair(tmp_path, *PP2, "train.mini_batch_size=16"))
+    try:
+        batch = _batch(one.trainer.model, tok, seed=3)
+        r1, r2 = one.update(batch, beta=0.0), group.update(batch, beta=0.0)
+        mask = batch.response_mask > 0
+        assert r1.old_logprobs[mask].abs().min() > 0
+        assert torch.allclose(r1.old_logprobs, r2.old_logprobs, rtol=1e-5, atol=1e-6)
+        assert _close(r1.stats["loss"], r2.stats["loss"])
+    finally:
+        next(gen, None)
 
 
 def test_a_checkpoint_written_at_tp2_resumes_at_pp2(pair, tmp_path):
