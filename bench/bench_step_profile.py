@@ -197,7 +197,7 @@ def run_size(name: str, args) -> list[str]:
     from rlpost.cluster import starter  # noqa: F401  (the loop's default placement)
     from rlpost.observe.recorder import Recorder
     from rlpost.pipeline import loop
-    from rlpost.rewards.samples import SampleWriter
+    from rlpost.rewards.scorer import SampleWriter
 
     prof = Profile()
     out = tempfile.mkdtemp(prefix=f"rlpost-profile-{name}-")

@@ -20,8 +20,7 @@ from rlpost.algos.aggregate import (
 )
 from rlpost.algos.dpo import dpo_loss
 from rlpost.algos.entropy import entropy_from_logits
-from rlpost.algos.kl import KL_ESTIMATORS, get_kl_estimator, kl_penalized_rewards
-from rlpost.algos.kl_control import KLCoefficient
+from rlpost.algos.kl import KL_ESTIMATORS, KLCoefficient, get_kl_estimator, kl_penalized_rewards
 from rlpost.algos.policy_losses import POLICY_LOSSES, PolicyLossOutput, get_policy_loss
 from rlpost.algos.sampling import (
     group_has_spread,

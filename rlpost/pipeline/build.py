@@ -40,7 +40,7 @@ from rlpost.observe.memory import release_free_heap
 from rlpost.pipeline.weights import build_weight_path
 from rlpost.resolved import ENGINES, RunFacts, resolve
 from rlpost.rewards.routing import build_routed_scorer
-from rlpost.rewards.worker import RewardWorker
+from rlpost.rewards.scorer import RewardWorker
 from rlpost.rng import derive
 from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.rollout.episodes.multiturn import MultiTurnRollout

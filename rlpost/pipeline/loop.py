@@ -59,8 +59,7 @@ from rlpost.pipeline.weights import WeightPath, build_weight_path
 from rlpost.pipeline.workers import Workers
 from rlpost.resolved import RunFacts, resolve
 from rlpost.rewards.monitor import HackingMonitor
-from rlpost.rewards.samples import SampleWriter
-from rlpost.rewards.worker import reward_samples
+from rlpost.rewards.scorer import SampleWriter, reward_samples
 from rlpost.rng import set_rng_state
 from rlpost.train.checkpoint import latest_step, load_state, save_checkpoint, usable_checkpoint
 from rlpost.types import Group, ScoredBatch

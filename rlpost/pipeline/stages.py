@@ -27,7 +27,7 @@ from rlpost.algos import (
     scores_to_token_rewards,
 )
 from rlpost.algos.distill import distill_kl
-from rlpost.algos.kl_control import KLCoefficient
+from rlpost.algos.kl import KLCoefficient
 from rlpost.algos.sampling import spread_per_group
 from rlpost.config import AlgoConfig
 from rlpost.data import PromptSampler

@@ -10,8 +10,7 @@ models and judges are batched scorers (``SCORERS``). ``build_scorer`` turns the
 from rlpost.rewards.catalog import get_reward
 from rlpost.rewards.monitor import HackingMonitor
 from rlpost.rewards.registry import REWARDS, SCORERS, batched_scorer, reward_function
-from rlpost.rewards.samples import SampleWriter
-from rlpost.rewards.scorer import RewardScorer, Term, build_scorer
+from rlpost.rewards.scorer import RewardScorer, SampleWriter, Term, build_scorer
 
 __all__ = [
     "REWARDS",

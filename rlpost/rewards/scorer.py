@@ -14,20 +14,33 @@ so a learned or judged signal never outweighs the checkable one by default.
 A NaN, an infinity or a score outside ``score_range`` never reaches the
 optimizer: the sample's score is replaced by ``invalid_score`` and counted, per
 batch in ``ScoredBatch.invalid`` and per term in ``RewardScorer.counters()``.
+
+:class:`RewardWorker` is the reward role behind the same narrow interface as the
+others: it takes :class:`~rlpost.types.Group` records from the rollout stage and returns
+them with ``scores``, ``components`` and ``invalid`` filled in. Reward models and judges
+hold weights or HTTP clients, so the worker is where they live; the loop sees records.
+
+Reward hacking is found by reading samples, not by reading curves: :class:`SampleWriter`
+writes the first ``count`` completions of the batch every ``every`` steps to
+``RUN_DIR/samples/step_N.jsonl``, one JSON object per line, with the final score and every
+reward component next to the text that earned it.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from rlpost.config import RewardConfig
 from rlpost.rewards.catalog import lookup
 from rlpost.rewards.registry import BatchScorer, RewardFn, check_params
-from rlpost.types import RewardSample, ScoredBatch
+from rlpost.types import Completion, Group, RewardSample, ScoredBatch
 
 VERIFIABLE_KINDS = ("verifiable", "rule")
 TRUNCATED = "truncated"  # the component that holds rollout.truncated_reward
@@ -280,3 +293,147 @@ def _sub_components(terms: list[Term], scored: int, cut: list[bool]) -> dict[str
             if len(col) == scored:
                 out[f"{t.name}/{name}"] = [math.nan if v is None else v for v in _spread(col, cut)]
     return out
+
+
+# -------------------------------------------------------------------- worker
+
+
+def reward_samples(groups: list[Group], max_tokens: int) -> list[RewardSample]:
+    """One :class:`RewardSample` per completion, groups in order."""
+    return [
+        RewardSample(
+            prompt=g.prompt.text,
+            # An episode is judged on the policy's final turn, not on the tools' output.
+            completion=c.episode.answer if c.episode is not None else c.text,
+            answer=g.prompt.answer,
+            metadata=g.prompt.metadata,
+            finish_reason=c.finish_reason,
+            num_tokens=len(c.token_ids),
+            max_tokens=max_tokens,
+            source=g.prompt.source,
+            episode=c.episode,
+        )
+        for g in groups
+        for c in g.completions
+    ]
+
+
+class RewardWorker:
+    """Scores groups with one :class:`RewardScorer` (every configured reward term)."""
+
+    def __init__(self, scorer: RewardScorer, *, max_tokens: int) -> None:
+        self.scorer = scorer
+        self.max_tokens = max_tokens
+
+    def score(
+        self, groups: list[Group], max_tokens: int | None = None, *, training: bool = True
+    ) -> list[Group]:
+        """The groups with scores, components and invalid flags (new records; inputs untouched).
+
+        ``training=False`` (evaluation) leaves out the training-only score overrides
+        (``rollout.truncated_reward``), so held-out accuracy judges the answer itself.
+        """
+        samples = reward_samples(groups, max_tokens or self.max_tokens)
+        scored = self.scorer.score(samples, training=training)
+        bad = set(scored.invalid_rows)
+        out, lo = [], 0
+        for g in groups:
+            rows = range(lo, lo + g.n)
+            out.append(
+                replace(
+                    g,
+                    scores=[scored.scores[r] for r in rows],
+                    components={k: [v[r] for r in rows] for k, v in scored.components.items()},
+                    invalid=[r in bad for r in rows],
+                )
+            )
+            lo += g.n
+        return out
+
+    def verifiable_accuracy(self, groups: list[Group]) -> float | None:
+        """Mean of the verifiable-kind components over the groups (NaNs skipped; None if none)."""
+        return verifiable_accuracy(self.scorer.terms, (g.components for g in groups))
+
+    def counters(self) -> dict[str, int]:
+        return self.scorer.counters()
+
+    def close(self) -> None:
+        self.scorer.close()
+
+
+# ------------------------------------------------------------------- samples
+
+
+def _json_value(value: float) -> float | None:
+    # JSON has no NaN; a component that did not apply is written as null.
+    return value if math.isfinite(value) else None
+
+
+def sample_record(
+    sample: RewardSample, scored: ScoredBatch, i: int, completion: Completion | None = None
+) -> dict[str, Any]:
+    """The JSON object written for sample ``i`` of a scored batch. A multi-turn episode
+    (``completion.episode``) is written whole, with its turns marked: ``completion`` is the
+    transcript, ``final_turn`` what the reward judged, ``turns`` each turn's role, text, tool,
+    reward and error."""
+    record = {
+        "prompt": sample.prompt,
+        "completion": sample.completion,
+        "answer": sample.answer,
+        "score": _json_value(scored.scores[i]),
+        "components": {name: _json_value(col[i]) for name, col in scored.components.items()},
+        "finish_reason": sample.finish_reason,
+        "num_tokens": sample.num_tokens,
+    }
+    episode = completion.episode if completion is not None else None
+    if episode is not None:
+        record["completion"] = completion.text
+        record["final_turn"] = sample.completion
+        record["budget"] = episode.budget
+        record["turns"] = [
+            {"role": t.role, "text": t.text, "tool": t.tool, "reward": t.reward, "error": t.error}
+            for t in episode.turns
+        ]
+    return record
+
+
+class SampleWriter:
+    """Writes ``RUN_DIR/samples/step_N.jsonl`` every ``every`` steps (0: never)."""
+
+    def __init__(self, run_dir: str | Path, every: int, count: int) -> None:
+        if every < 0 or count < 1:
+            raise ValueError(f"SampleWriter: need every >= 0 and count >= 1, got {every}, {count}")
+        self.dir = Path(run_dir) / "samples"
+        self.every = every
+        self.count = count
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def maybe_write(
+        self,
+        step: int,
+        samples: Sequence[RewardSample],
+        scored: ScoredBatch,
+        completions: Sequence[Completion] | None = None,
+    ) -> Path | None:
+        """Write the file for ``step`` if it is due; return its path (None if not due).
+        ``completions`` (aligned with ``samples``) add the turns of multi-turn episodes."""
+        if not self.due(step):
+            return None
+        if len(scored.scores) != len(samples):
+            raise ValueError(
+                f"SampleWriter: {len(samples)} samples but {len(scored.scores)} scores"
+            )
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / f"step_{step}.jsonl"
+        tmp = path.with_suffix(".jsonl.tmp")
+        # model text can hold lone surrogates (a token cut inside a character): replaced
+        with tmp.open("w", encoding="utf-8", errors="replace") as f:
+            for i in range(min(self.count, len(samples))):
+                completion = completions[i] if completions is not None else None
+                record = sample_record(samples[i], scored, i, completion)
+                f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+        # Rename so a reader (the report, a tail -f) never sees a half-written file.
+        os.replace(tmp, path)
+        return path

@@ -9,7 +9,7 @@ them over epochs, shuffled mini-batches (one optimizer step each) and micro-batc
 split. Each micro-batch's forward pass becomes one frozen
 :class:`rlpost.algos.policy_losses.LossInputs`, holding what the loss declared it reads
 (full logits and the teacher's for a distillation loss); the loss and the KL, NLL and
-entropy terms (:mod:`rlpost.algos.terms`) are functions of it. Statistics stay tensors
+entropy terms (:mod:`rlpost.algos.policy_losses`) are functions of it. Statistics stay tensors
 until the step ends and are read once per optimizer step.
 
 Precision: weights and optimizer state are float32; ``bf16=True`` runs the
@@ -34,8 +34,7 @@ import torch
 from rlpost.algos.aggregate import Aggregation
 from rlpost.algos.correction import get_correction
 from rlpost.algos.entropy import entropy_from_logits
-from rlpost.algos.policy_losses import POLICY_LOSSES, LossInputs
-from rlpost.algos.terms import entropy_term, kl_term, nll_term
+from rlpost.algos.policy_losses import POLICY_LOSSES, LossInputs, entropy_term, kl_term, nll_term
 from rlpost.config import OptimConfig
 from rlpost.observe.mfu import default_cpu_peak_flops, flops_per_token
 from rlpost.params import Variant

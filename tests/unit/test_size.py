@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "rlpost"
 BLOCK = 8
 LONG_FUNCTION = 60
 SIZE_BOUNDS = {
-    "lines": 36_796,
+    "lines": 36_771,
     "grpo_arith_keys": 193,
     "functions_over_60_lines": 6,
     "repeated_blocks": 4,

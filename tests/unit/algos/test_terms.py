@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from rlpost.algos import Aggregation, get_kl_estimator
-from rlpost.algos.policy_losses import LossInputs
-from rlpost.algos.terms import entropy_term, kl_term, nll_term
+from rlpost.algos.policy_losses import LossInputs, entropy_term, kl_term, nll_term
 
 
 def k3_hand(x: float) -> float:

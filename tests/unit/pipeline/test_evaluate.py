@@ -8,8 +8,7 @@ import torch
 
 from rlpost.config import Config
 from rlpost.pipeline.evaluate import evaluate, rollout_health
-from rlpost.rewards.scorer import build_scorer
-from rlpost.rewards.worker import RewardWorker
+from rlpost.rewards.scorer import RewardWorker, build_scorer
 from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.rollout.worker import RolloutWorker
 from rlpost.types import Completion, Prompt

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from rlpost.rewards.samples import SampleWriter
+from rlpost.rewards.scorer import SampleWriter
 from rlpost.types import RewardSample, ScoredBatch
 
 
