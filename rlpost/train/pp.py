@@ -250,7 +250,7 @@ def pipeline(
     for p in layers.parameters():
         setattr(p, GROUP_ATTR, group)
     stages = Stages(group, [p for p in model.parameters() if p.requires_grad])
-    # stage 0's input is every rank's embeddings; its gradient is the one stage 0 computed
+    # a hand-off before each stage's first layer (stage 0's: its own embeddings) and the norm
     for s in range(pp):
         layers[ranges[s].start].register_forward_pre_hook(stages.hook(s))
     norm.register_forward_pre_hook(stages.hook(pp))
