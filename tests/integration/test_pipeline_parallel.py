@@ -95,6 +95,22 @@ def test_a_killed_stage_stops_the_group_in_one_line(pair):
     group.close()  # stops rank 0, blocked or not, and returns
 
 
+def test_a_stage_killed_before_the_update_stops_the_group_in_one_line(tmp_path):
+    """The logprobs are scored, then the last stage dies: the first stage, sending its
+    activations and waiting for their gradient point to point, does not hang the run."""
+    _, tok, one, group = next(gen := started_pair(tmp_path, *PP2))
+    try:
+        b = _batch(one.trainer.model, tok, seed=5)
+        b.old_logprobs, b.ref_logprobs = group.logprobs(b, "old"), group.logprobs(b, "ref")
+        group.handles[1].kill()
+        with pytest.raises(WorkerError, match=r"trainer rank [01] of 2 failed in update") as err:
+            group.update(b, beta=0.05)
+        assert "rank 1: trainer-1 worker process exited" in str(err.value)
+        assert "\n" not in str(err.value)
+    finally:
+        next(gen, None)
+
+
 def _kill_and_expect_one_line(group, batch, *, rank: int, world: int) -> None:
     """Kill ``rank``; the next step fails with one line naming it, no hang."""
     group.handles[rank].kill()
