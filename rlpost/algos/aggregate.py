@@ -14,7 +14,8 @@ neither the value nor the gradient.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -138,15 +139,18 @@ class Aggregation:
     mini-batch (token-mean denominator). ``num_seqs``: non-empty rows in the whole
     mini-batch (sequence-mean denominators). ``norm_constant``: Dr.GRPO's constant
     length (e.g. the maximum response length); ``None`` uses the padded width T.
+    ``fn``: the mode's reduce function, looked up once and kept by :meth:`counts`.
     """
 
     mode: str = "token-mean"
     num_tokens: float | None = None
     num_seqs: float | None = None
     norm_constant: float | None = None
+    fn: Callable | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        get_aggregation(self.mode)
+        if self.fn is None:
+            object.__setattr__(self, "fn", get_aggregation(self.mode))
         for field_name in ("num_tokens", "num_seqs", "norm_constant"):
             value = getattr(self, field_name)
             if value is not None and not value > 0:
@@ -162,13 +166,14 @@ class Aggregation:
         micro-batch loss: the sum of micro-batch losses equals the mini-batch loss.
         An all-empty mask keeps the local counts (``None``).
         """
+        return cls(mode, norm_constant=norm_constant).counts(mask)
+
+    def counts(self, mask: Tensor) -> Aggregation:
+        """This aggregation with the denominators of ``mask [B, T]`` (see :meth:`for_minibatch`)."""
         tokens = float(mask.to(torch.float64).sum())
         seqs = float(_nonempty_rows(mask, torch.float64))
-        return cls(
-            mode=mode,
-            num_tokens=tokens if tokens > 0 else None,
-            num_seqs=seqs if seqs > 0 else None,
-            norm_constant=norm_constant,
+        return replace(
+            self, num_tokens=tokens if tokens > 0 else None, num_seqs=seqs if seqs > 0 else None
         )
 
     def reduce(self, loss_mat: Tensor, mask: Tensor) -> Tensor:
@@ -177,4 +182,4 @@ class Aggregation:
             raise ValueError(
                 f"loss matrix shape {tuple(loss_mat.shape)} != mask shape {tuple(mask.shape)}"
             )
-        return get_aggregation(self.mode)(loss_mat, mask, self)
+        return self.fn(loss_mat, mask, self)

@@ -21,16 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlpost.data.verifiers_source import (
-    VerifiersError,
-    call_arguments,
-    classic,
-    load_env,
-    new_state,
-    row_input,
-    run_async,
-    trajectory_step,
-)
+from rlpost.data import verifiers_source as vs
 from rlpost.envs.base import Action, EnvError, StepResult, environment
 from rlpost.types import Prompt
 
@@ -52,9 +43,9 @@ class VerifiersEnv:
 
     def __init__(self, env: str = "", env_args: dict[str, Any] | None = None) -> None:
         try:
-            self.vf = classic()
-            self.env = load_env(env, env_args)
-        except VerifiersError as exc:
+            self.vf = vs.classic()
+            self.env = vs.load_env(env, env_args)
+        except vs.VerifiersError as exc:
             raise EnvError(str(exc)) from None
         if not isinstance(self.env, self.vf.MultiTurnEnv):
             raise EnvError(
@@ -78,10 +69,10 @@ class VerifiersEnv:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.vf = classic()
-        self.env = load_env(self.spec, self.env_args)
+        self.vf = vs.classic()
+        self.env = vs.load_env(self.spec, self.env_args)
         if self.state is not None:
-            fresh = new_state(self.vf, self.env, self.state["input"])
+            fresh = vs.new_state(self.vf, self.env, self.state["input"])
             for key in self._UNPICKLED:  # (the usage counts restart: rlpost counts tokens)
                 self.state[key] = fresh.get(key)
             restored = self.vf.State(input=self.state.pop("input"))
@@ -89,9 +80,9 @@ class VerifiersEnv:
             self.state = restored
 
     def reset(self, prompt: Prompt) -> None:
-        row = row_input(prompt.text, prompt.answer, prompt.metadata)
-        self.state = new_state(self.vf, self.env, row)
-        set_up = run_async(self.env.setup_state(self.state))
+        row = vs.row_input(prompt.text, prompt.answer, prompt.metadata)
+        self.state = vs.new_state(self.vf, self.env, row)
+        set_up = vs.run_async(self.env.setup_state(self.state))
         if set_up is not None:
             self.state = set_up
         self.messages = list(self.state["prompt"])
@@ -105,21 +96,21 @@ class VerifiersEnv:
             tool = self.env.tool_map.get(action.call.name)
             args = action.call.arguments
             if tool is not None:
-                args = call_arguments(tool, args)
+                args = vs.call_arguments(tool, args)
             calls = [ToolCall(id=f"call_{self.calls}", name=action.call.name, arguments=args)]
         return AssistantMessage(content=action.text, tool_calls=calls)
 
     def step(self, action: Action) -> StepResult:
         try:
             reply = self._reply(action)
-        except VerifiersError as exc:  # arguments no tool parameter takes: the policy sees why
+        except vs.VerifiersError as exc:  # arguments no tool parameter takes: the policy sees why
             return StepResult(f"error: {exc}", error=True)
-        step = trajectory_step(self.messages, [reply], self.state["trajectory_id"])
-        run_async(self.env.add_trajectory_step(self.state, step))
+        step = vs.trajectory_step(self.messages, [reply], self.state["trajectory_id"])
+        vs.run_async(self.env.add_trajectory_step(self.state, step))
         self.messages.append(reply)
-        if run_async(self.env.is_completed(self.state)):
+        if vs.run_async(self.env.is_completed(self.state)):
             return StepResult(done=True)
-        answer = run_async(self.env.env_response(list(self.messages), self.state))
+        answer = vs.run_async(self.env.env_response(list(self.messages), self.state))
         from verifiers.utils.message_utils import maybe_normalize_messages
 
         answer = maybe_normalize_messages(answer, field_name="env_response")

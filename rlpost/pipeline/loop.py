@@ -103,6 +103,7 @@ class Run:
     pad_id: int
     eos_id: int
     facts: RunFacts  # derived run facts (the step plan among them), resolved once
+    train: TrainSettings  # what the train stage reads, its estimator bound once
     feed: object = None
     weights: WeightPath | None = None  # the one thing that moves weights (pipeline/weights.py)
     on_groups: Callable | None = None
@@ -344,6 +345,7 @@ def _new_run(
         pad_id=int(info["pad_token_id"]),
         eos_id=int(info["eos_token_id"]),
         facts=facts,
+        train=TrainSettings(cfg.algo, facts.plan, workers.teacher),
     )
 
 
@@ -365,7 +367,7 @@ def rl_step(r: Run, step: int) -> tuple[dict, list]:
     stats = train_stage(
         out.groups,
         r.w.trainer,
-        TrainSettings(cfg.algo, r.facts.plan, r.w.teacher),
+        r.train,
         pad_id=r.pad_id,
         kl_coef=r.kl_coef,
         guards=r.guards,

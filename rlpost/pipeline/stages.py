@@ -14,12 +14,13 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 
 from rlpost.algos import (
-    ADVANTAGES,
     get_advantage_estimator,
     get_kl_estimator,
     kl_penalized_rewards,
@@ -152,11 +153,21 @@ def collate_groups(groups: list[Group], pad_id: int) -> TrainBatch:
 
 @dataclass
 class TrainSettings:
-    """The fields of the config the train stage reads: the algorithm's and the step plan."""
+    """The fields of the config the train stage reads: the algorithm's and the step plan.
+    Built once per run; ``estimator`` is the advantage estimator with its parameters bound."""
 
     algo: AlgoConfig
     plan: StepPlan  # the run facts' step plan, resolved once per run
     teacher: object = None  # the distillation teacher the plan reads (TeacherAPI), or None
+    estimator: Callable = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.estimator = bound_estimator(self.algo)
+
+
+def bound_estimator(algo: AlgoConfig) -> Callable:
+    """``algo.advantage``'s registered estimator with its parameters bound."""
+    return partial(get_advantage_estimator(algo.advantage.name), **algo.advantage.params())
 
 
 @dataclass(frozen=True)
@@ -200,9 +211,11 @@ def train_stage(
         values=trainer.values(batch) if plan.values else None,
     )
     scored, teacher_seconds = with_teacher(scored, s.teacher, plan)
-    inputs = estimator_inputs(groups, scored, trainer, algo.advantage.name)
+    inputs = estimator_inputs(groups, scored, trainer, plan)
     turn = turn_rewards(groups, batch.response_mask)
-    adv = compute_advantages(scored, algo, beta=kl_coef.in_reward, inputs=inputs, turn_rewards=turn)
+    adv = compute_advantages(
+        scored, algo, beta=kl_coef.in_reward, inputs=inputs, turn_rewards=turn, bound=s.estimator
+    )
     ready = replace(scored, **vars(adv))
     critic_stats = trainer.update_critic(ready) if plan.values else {}
     result = trainer.update(ready, beta=kl_coef.in_loss, train_policy=plan.trains_policy(step))
@@ -265,13 +278,13 @@ def invalid_rows(groups: list[Group]) -> list[int]:
 
 
 def estimator_inputs(
-    groups: list[Group], batch: TrainBatch, trainer: TrainerAPI, name: str
+    groups: list[Group], batch: TrainBatch, trainer: TrainerAPI, plan: StepPlan
 ) -> dict[str, torch.Tensor]:
-    """The extra inputs the estimator's traits ask for (see ``algos/advantages_extra.py``);
-    ``batch`` already holds the old logprobs when the estimator takes them (the plan's
-    ``sum_pi_squared``)."""
+    """The extra inputs the estimator's traits ask for, as ``plan`` holds them (see
+    ``algos/advantages_extra.py``); ``batch`` already holds the old logprobs when the
+    estimator takes them (the plan's ``sum_pi_squared``)."""
     inputs: dict[str, torch.Tensor] = {}
-    if ADVANTAGES.trait(name, "needs_components"):
+    if plan.components:
         terms = sorted({k for g in groups for k in g.components})
         rows = [
             [g.components.get(k, [math.nan] * g.n)[i] for k in terms]
@@ -279,18 +292,18 @@ def estimator_inputs(
             for i in range(g.n)
         ]
         inputs["components"] = torch.tensor(rows, dtype=torch.float64).reshape(len(batch), -1)
-    if ADVANTAGES.trait(name, "needs_greedy_baseline"):
+    if plan.greedy_baseline:
         if any(g.baseline_score is None for g in groups):
-            raise ValueError(f"advantage estimator {name!r} needs the rollout's greedy baselines")
+            raise ValueError("the advantage estimator needs the rollout's greedy baselines")
         inputs["baseline_scores"] = torch.tensor(
             [g.baseline_score for g in groups for _ in range(g.n)], dtype=torch.float64
         )
-    if ADVANTAGES.trait(name, "needs_teacher"):
+    if plan.teacher:
         inputs["old_logprobs"] = batch.old_logprobs
         inputs["teacher_logprobs"] = batch.teacher_logprobs
-    if ADVANTAGES.trait(name, "needs_sum_pi_squared"):
+    if plan.sum_pi_squared:
         if batch.old_logprobs is None:
-            raise ValueError(f"advantage estimator {name!r} needs the old logprobs up front")
+            raise ValueError("the advantage estimator needs the old logprobs up front")
         inputs["old_logprobs"] = batch.old_logprobs
         inputs["sum_pi_squared"] = trainer.logprobs(batch, "sum_pi_squared")
     return inputs
@@ -319,6 +332,7 @@ def compute_advantages(
     beta: float,
     inputs: dict | None = None,
     turn_rewards: torch.Tensor | None = None,
+    bound: Callable | None = None,
 ) -> Advantages:
     """Token-level rewards (less the KL penalty), advantages and returns.
 
@@ -326,7 +340,8 @@ def compute_advantages(
     the KL is in the loss); ``inputs``: extra keyword inputs of the estimator (:func:`estimator_inputs`);
     ``turn_rewards`` [B, T]: per-turn rewards of episodes, added to the outcome scores'
     token rewards (outcome estimators sum them into the episode's return; GAE and
-    return-to-go estimators see them where they were earned)."""
+    return-to-go estimators see them where they were earned); ``bound``: the estimator
+    already bound (:attr:`TrainSettings.estimator`), else ``algo.advantage``'s."""
     mask = batch.response_mask
     rewards = scores_to_token_rewards(batch.scores, mask)
     if turn_rewards is not None:
@@ -334,10 +349,9 @@ def compute_advantages(
     if batch.ref_logprobs is not None and beta > 0:
         old, ref, kl = batch.old_logprobs, batch.ref_logprobs, algo.kl.estimator
         rewards, _ = kl_penalized_rewards(rewards, old, ref, mask, beta=beta, estimator=kl)
-    estimator = get_advantage_estimator(algo.advantage.name)
-    inputs, params = inputs or {}, algo.advantage.params()
+    estimator = bound or bound_estimator(algo)
     advantages, returns = estimator(
-        rewards, mask, batch.group, values=batch.values, **inputs, **params
+        rewards, mask, batch.group, values=batch.values, **(inputs or {})
     )
     return Advantages(rewards, advantages, returns)
 

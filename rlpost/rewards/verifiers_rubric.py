@@ -30,16 +30,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from rlpost.data.verifiers_source import (
-    VerifiersError,
-    call_arguments,
-    classic,
-    load_env,
-    new_state,
-    row_input,
-    run_async,
-    trajectory_step,
-)
+from rlpost.data import verifiers_source as vs
 from rlpost.registry import import_object
 from rlpost.rewards.registry import batched_scorer
 from rlpost.types import RewardSample
@@ -56,7 +47,7 @@ def _check(
     if env_args and not env:
         raise ValueError("env_args are the environment's; they need env")
     if env:
-        load_env(env, env_args)  # loaded once per process; a missing download fails here
+        vs.load_env(env, env_args)  # loaded once per process; a missing download fails here
     elif rubric:
         _load_rubric(rubric)
     else:
@@ -65,23 +56,23 @@ def _check(
 
 def _row(sample: RewardSample) -> dict:
     """The dataset row verifiers scores ``sample`` against."""
-    return row_input(sample.prompt, sample.answer, sample.metadata)
+    return vs.row_input(sample.prompt, sample.answer, sample.metadata)
 
 
 def _import(spec: str, what: str) -> Any:
     try:
         return import_object(spec)
     except ValueError as exc:
-        raise VerifiersError(f"{what}={spec!r}: {exc}") from None
+        raise vs.VerifiersError(f"{what}={spec!r}: {exc}") from None
 
 
 def _load_rubric(spec: str):
-    vf = classic()
+    vf = vs.classic()
     obj = _import(spec, "rubric")
     if not isinstance(obj, vf.Rubric) and callable(obj):
         obj = obj()
     if not isinstance(obj, vf.Rubric):
-        raise VerifiersError(f"rubric={spec!r} is a {type(obj).__name__}, not a vf.Rubric")
+        raise vs.VerifiersError(f"rubric={spec!r} is a {type(obj).__name__}, not a vf.Rubric")
     return obj
 
 
@@ -89,19 +80,19 @@ def _load_task(spec: str) -> type:
     try:
         from verifiers.v1 import Task
     except ImportError:
-        raise VerifiersError(
+        raise vs.VerifiersError(
             "task= needs verifiers' Task API (verifiers.v1, in 0.3.1 and 0.4.0): "
             "pip install 'rlpost[verifiers]'"
         ) from None
     cls = _import(spec, "task")
     if not (inspect.isclass(cls) and issubclass(cls, Task)):
-        raise VerifiersError(f"task={spec!r} is not a verifiers Task class")
+        raise vs.VerifiersError(f"task={spec!r} is not a verifiers Task class")
     probe = object.__new__(cls)
     probe.config = cls.config_type()()
     for fn in [*probe.hooks("reward"), *probe.hooks("metric")]:
         param = inspect.signature(fn).parameters.get("runtime")
         if param is not None and param.default is inspect.Parameter.empty:
-            raise VerifiersError(
+            raise vs.VerifiersError(
                 f"task={spec!r}: {fn.__name__} needs a runtime (the task's sandbox box), "
                 "which rlpost does not provision; only runtime-free rewards are scored"
             )
@@ -119,8 +110,8 @@ class VerifiersRubric:
         self, env: str = "", env_args: dict | None = None, rubric: str = "", task: str = ""
     ) -> None:
         _check(env=env, env_args=env_args, rubric=rubric, task=task)
-        self.vf = classic() if not task else None
-        self.env = load_env(env, env_args) if env else None
+        self.vf = vs.classic() if not task else None
+        self.env = vs.load_env(env, env_args) if env else None
         self.rubric = (
             self.env.rubric if self.env is not None else (_load_rubric(rubric) if rubric else None)
         )
@@ -131,7 +122,7 @@ class VerifiersRubric:
 
     def state(self, sample: RewardSample):
         """The verifiers State of ``sample``, completion and trajectory filled in."""
-        state = new_state(self.vf, self.env, _row(sample))
+        state = vs.new_state(self.vf, self.env, _row(sample))
         prompt, trajectory_id = list(state["prompt"]), state.get("trajectory_id", "")
         state["completion"], state["trajectory"] = self._messages(sample, prompt, trajectory_id)
         state["is_completed"] = True
@@ -144,7 +135,7 @@ class VerifiersRubric:
         episode = getattr(sample, "episode", None)
         if episode is None or not episode.turns:
             reply = [AssistantMessage(content=sample.completion)]
-            return reply, [trajectory_step(prompt, reply, trajectory_id)]
+            return reply, [vs.trajectory_step(prompt, reply, trajectory_id)]
         tools = getattr(self.env, "tool_map", {}) or {}
         messages: list = []
         steps: list = []
@@ -161,12 +152,12 @@ class VerifiersRubric:
                 call_id = f"call_{i}"
                 args = getattr(turn, "arguments", None) or ""
                 try:
-                    args = call_arguments(tools[turn.tool], args) if turn.tool in tools else args
-                except VerifiersError:
+                    args = vs.call_arguments(tools[turn.tool], args) if turn.tool in tools else args
+                except vs.VerifiersError:
                     pass  # the call's own text, as the environment got it
                 calls = [ToolCall(id=call_id, name=turn.tool, arguments=args)]
             reply = AssistantMessage(content=turn.text, tool_calls=calls)
-            steps.append(trajectory_step(prompt + messages, [reply], trajectory_id))
+            steps.append(vs.trajectory_step(prompt + messages, [reply], trajectory_id))
             messages.append(reply)
         return messages, steps
 
@@ -179,7 +170,7 @@ class VerifiersRubric:
         parts: dict[str, list[float]] = {}
         for rows in groups.values():
             states = [self.state(samples[i]) for i in rows]
-            run_async(self.rubric.score_group(states))
+            vs.run_async(self.rubric.score_group(states))
             for i, st in zip(rows, states, strict=True):
                 values[i] = float(st["reward"])
                 for name, v in (st.get("metrics") or {}).items():
@@ -202,7 +193,7 @@ class VerifiersRubric:
         except Exception as exc:  # pydantic's ValidationError: name the first field
             errors = getattr(exc, "errors", lambda: [])()
             where = ".".join(str(x) for x in errors[0]["loc"]) if errors else "?"
-            raise VerifiersError(
+            raise vs.VerifiersError(
                 f"task {self.task_cls.__name__}: the prompt's row gives no valid {where!r} "
                 f"({errors[0]['msg'] if errors else exc}); put it in the row (a file column)"
             ) from None
@@ -238,7 +229,7 @@ class VerifiersRubric:
         values: list[float | None] = []
         parts: dict[str, list[float]] = {}
         for i, s in enumerate(samples):
-            trace = run_async(self._score_task(s))
+            trace = vs.run_async(self._score_task(s))
             values.append(float(trace.reward))
             named = {k: (r.score if r is not None else math.nan) for k, r in trace.rewards.items()}
             named |= {k: (math.nan if v is None else v) for k, v in trace.metrics.items()}

@@ -191,6 +191,8 @@ class PolicyTrainer:
         c = settings.correction
         self.correction = None if c is None or c.name == "none" else get_correction(c.name)
         self.s = settings
+        self.agg = Aggregation(settings.loss_agg_mode, norm_constant=settings.norm_constant)
+        self.nll_agg = Aggregation("token-mean")  # the NLL term's, over rewarded rows
         # Decided once: the rows of every pass run packed, or padded where the model cannot.
         # (ranks that split the model, not the rows, run every row: they pack as one does)
         self.packed = resolve_packing(settings.packing, model, sharded=self.ranks.world > 1)
@@ -347,7 +349,7 @@ class PolicyTrainer:
     def _minibatch(self, batch: TrainBatch, rows: torch.Tensor, beta: float) -> Minibatch:
         """The loss denominators and what else is decided once per mini-batch."""
         mask = batch.response_mask[rows]
-        agg = Aggregation.for_minibatch(mask, self.s.loss_agg_mode, self.s.norm_constant)
+        agg = self.agg.counts(mask)
         selected = rewarded = nll_agg = None
         if self.token_selector is not None:
             chosen = self.token_selector(
@@ -357,7 +359,7 @@ class PolicyTrainer:
             selected[rows] = chosen
         if self.s.nll_coef > 0:
             rewarded = (batch.scores > 0).to(batch.response_mask.dtype)[:, None]
-            nll_agg = Aggregation.for_minibatch(mask * rewarded[rows], "token-mean")
+            nll_agg = self.nll_agg.counts(mask * rewarded[rows])
         return Minibatch(agg, beta, selected, rewarded, nll_agg)
 
     def _inputs(

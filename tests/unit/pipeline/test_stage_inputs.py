@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rlpost.config import AlgoConfig
+from rlpost.config import AlgoConfig, load_config
 from rlpost.pipeline.stages import (
     RolloutSettings,
     collate_groups,
@@ -17,6 +17,7 @@ from rlpost.pipeline.stages import (
     estimator_inputs,
     rollout_stage,
 )
+from rlpost.resolved import resolve_step_plan
 from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.rollout.worker import RolloutResult
 from rlpost.types import Completion, Group, Prompt
@@ -85,31 +86,35 @@ def scored_groups():
     return [g0, g1]
 
 
+def plan(estimator):
+    return resolve_step_plan(load_config(None, [f"algo.advantage={estimator}"]))
+
+
 def test_estimator_inputs_follow_the_traits():
     groups = scored_groups()
     batch = collate_groups(groups, pad_id=0)
     trainer = FakeTrainer()
-    assert estimator_inputs(groups, batch, trainer, "grpo") == {}
-    comps = estimator_inputs(groups, batch, trainer, "gdpo")["components"]
+    assert estimator_inputs(groups, batch, trainer, plan("grpo")) == {}
+    comps = estimator_inputs(groups, batch, trainer, plan("gdpo"))["components"]
     want = torch.tensor([[1.0, math.nan], [0.0, math.nan], [math.nan, 0.0], [math.nan, 2.0]])
     torch.testing.assert_close(comps, want.double(), equal_nan=True)
-    base = estimator_inputs(groups, batch, trainer, "remax")["baseline_scores"]
+    base = estimator_inputs(groups, batch, trainer, plan("remax"))["baseline_scores"]
     assert base.tolist() == [0.5, 0.5, 1.0, 1.0]
     with pytest.raises(ValueError, match="old logprobs up front"):
-        estimator_inputs(groups, batch, trainer, "optimal_token_baseline")
+        estimator_inputs(groups, batch, trainer, plan("optimal_token_baseline"))
     with_old = replace(batch, old_logprobs=trainer.logprobs(batch, "old"))
-    otb = estimator_inputs(groups, with_old, trainer, "optimal_token_baseline")
+    otb = estimator_inputs(groups, with_old, trainer, plan("optimal_token_baseline"))
     assert set(otb) == {"old_logprobs", "sum_pi_squared"} and batch.old_logprobs is None
     groups[1].baseline_score = None
     with pytest.raises(ValueError, match="greedy baselines"):
-        estimator_inputs(groups, batch, trainer, "remax")
+        estimator_inputs(groups, batch, trainer, plan("remax"))
 
 
 def test_compute_advantages_passes_the_inputs():
     groups = scored_groups()
     batch = collate_groups(groups, pad_id=0)
     algo = AlgoConfig(advantage="remax", kl={"beta": 0.0})
-    inputs = estimator_inputs(groups, batch, None, "remax")
+    inputs = estimator_inputs(groups, batch, None, plan("remax"))
     adv = compute_advantages(batch, algo, beta=0.0, inputs=inputs)
     # score - greedy score on every valid token
     want = torch.tensor([[0.5, 0.5], [-0.5, 0.0], [-1.0, 0.0], [1.0, 1.0]])
