@@ -252,6 +252,75 @@ def test_a_rollout_host_lost_mid_run_the_run_goes_on_and_its_worker_returns(bed,
     assert all(r["prompts"] == 8 and r["completions"] == 32 for r in rows)
     assert (run.dir / "checkpoints" / f"step_{len(rows)}").is_dir()  # saved as it stopped
     assert seen["host2"] == ["RolloutWorker", "RolloutWorker"]  # the bundle moved there
+    _rejoin(bed, 3)  # the cases below cut host 3 again: it is in the cluster for them
+
+
+def _rejoin(bed, host: int) -> float:
+    """``ray start`` on ``host`` again (the machine back after a loss, its processes gone,
+    under its old address and temp dir), once the head has declared its old node dead;
+    returns the seconds from that command until the head lists the new node alive."""
+    probe = (
+        "import json, ray; ray.init(address='auto', logging_level='ERROR'); "
+        "print(json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))"
+    )
+
+    def alive() -> bool:
+        return bed.address(host) in json.loads(bed.python(1, probe).strip().splitlines()[-1])
+
+    t = time.monotonic()
+    while alive():  # the old node, not yet declared dead: a new one would not be admitted
+        assert time.monotonic() - t < 60, f"host {host}'s old node still alive after 60 s"
+        time.sleep(1)
+    t = time.monotonic()
+    bed.start_node(host, RESOURCES[host])
+    while not alive():
+        assert time.monotonic() - t < 60, f"host {host} not admitted within 60 s"
+        time.sleep(1)
+    return time.monotonic() - t
+
+
+def test_a_rollout_host_lost_then_back_its_worker_returns_there_with_the_newest_weights(
+    bed, tmp_path
+):
+    """One rollout worker per rollout host (each needs all 4 ``rollout_node`` of a host): host
+    3 loses every process at step 2, and its worker has nowhere else to go, so the steps go on
+    with host 2's worker alone. Two steps after the fleet marks it dead, the machine comes back:
+    ``ray start`` there again, under the same address. Ray places the waiting bundle on it and
+    restarts the actor; the fleet syncs it to the newest weights before it serves. Then SIGTERM
+    stops the driver cleanly: one metrics row per step, every step's full batch once."""
+    extra = {"train.steps": 1000, "cluster.rollout.resources": "{rollout_node: 4}"}
+    run = TrainRun(bed, tmp_path, "rejoin", BASE, **extra)
+    seen: dict = {}
+
+    def dead(events: list[dict]) -> bool:
+        return any(e["state"] == "dead" for e in events)
+
+    def on_step(step: int) -> None:
+        if step == 2:
+            seen["before"] = _actors(bed)
+            seen["killed"] = bed.kill_host(3)
+        elif "killed" in seen and "dead_at" not in seen and dead(run.events()):
+            seen["dead_at"] = step
+        elif "dead_at" in seen and step >= seen["dead_at"] + 2 and "rejoined" not in seen:
+            seen["admitted_s"] = _rejoin(bed, 3)
+            seen["rejoined"] = (step, time.monotonic())
+        elif "rejoined" in seen and "back" not in seen and _returned(run.events()):
+            seen["back"] = step
+            seen["back_s"] = time.monotonic() - seen["rejoined"][1]
+            seen["after"] = _actors(bed)
+        elif "back" in seen and step >= seen["back"] + 2 and "stopped" not in seen:
+            seen["stopped"] = step
+            run.proc.send_signal(signal.SIGTERM)
+
+    assert run.wait(on_step, timeout=600) == 128 + signal.SIGTERM, run.tail()
+    assert seen["before"][2] == ["RolloutWorker"] == seen["before"][3], seen
+    assert seen["after"][2] == ["RolloutWorker"] == seen["after"][3], seen  # back on host 3
+    rows = _full_batches_once(run)
+    print(
+        f"measured: rollout host lost at step 2 and back at step {seen['rejoined'][0]}: "
+        f"admitted {seen['admitted_s']:.1f} s after ray start, its worker serving the newest "
+        f"weights {seen['back_s']:.1f} s after; {len(rows)} steps, each its full batch"
+    )
 
 
 def _returned(events: list[dict]) -> dict | None:
@@ -306,6 +375,7 @@ def test_a_rollout_host_partitioned_for_a_while_the_run_goes_on(bed, tmp_path, s
 
     def on_step(step: int) -> None:
         if step >= 2 and "cut" not in seen:
+            assert _actors(bed)[3] == ["RolloutWorker"], _actors(bed)  # a worker to cut off
             bed.partition(3)
             seen["cut"] = (time.monotonic(), len(run.rows()))
             time.sleep(seconds)
@@ -345,6 +415,8 @@ def test_a_slow_rollout_host_the_run_completes(bed, tmp_path):
     tc("add", "tbf", "rate", "2mbit", "burst", "32kbit", "latency", "400ms")
 
     def on_step(step: int) -> None:
+        if step == 1:
+            assert _actors(bed)[3] == ["RolloutWorker"], _actors(bed)  # behind the slow link
         if step == 3:
             tc("del")
 
@@ -404,10 +476,10 @@ def test_a_trainer_host_cut_off_stops_in_one_line_and_resumes_with_one_command(b
     """Data-parallel trainers on hosts 1 and 2 (rollout on host 1); host 2 is cut off the
     bridge at step 2, its processes living on, unreachable. Ray declares the node dead, the
     call to its rank fails, and the run stops with one line naming the rank instead of
-    hanging in a collective; the line ends with the command that continues the run. That
-    command, with one trainer (host 2 is out of the cluster now, and a checkpoint resumes on
-    any number of trainers), resumes from the last checkpoint and completes: one metrics row per step, each step's full
-    batch once. Last in the module: host 2 stays out of the cluster."""
+    hanging in a collective; the line ends with the command that continues the run. Then the
+    machine comes back (its link up, its processes gone, ``ray start`` under its old
+    address), and that command as printed resumes from the last checkpoint with both
+    trainers and completes: one metrics row per step, each step's full batch once."""
     extra = {
         "cluster.trainer_workers": 2,
         "cluster.trainer.resources": "{dp_node: 1}",
@@ -434,12 +506,29 @@ def test_a_trainer_host_cut_off_stops_in_one_line_and_resumes_with_one_command(b
     assert lines[0].endswith(f"rlpost train --resume {run.dir}"), lines
     stopped_at = len(run.rows())
     bed.heal(2)
-    resumed = TrainRun(bed, tmp_path, "cut", {}, resume=True, **{"cluster.trainer_workers": 1})
-    assert resumed.wait(timeout=600) == 0, resumed.tail()
+    bed.kill_host(2)  # the machine restarted: nothing of the cut-off node runs there
+    admitted_s = _rejoin(bed, 2)
+    resumed = TrainRun(bed, tmp_path, "cut", {}, resume=True)
+    trainers: set[int] = set()
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.2):
+            trainers.update(h for h in (1, 2) if "TrainerWorker" in _actors(bed)[h])
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        assert resumed.wait(timeout=600) == 0, resumed.tail()
+    finally:
+        done.set()
+        sampler.join()
+    assert trainers == {1, 2}, trainers  # a trainer on the host that came back
     assert "rlpost: resuming" in resumed.log.read_text(), resumed.tail()
     rows = _full_batches_once(resumed)
     assert len(rows) == 6
     print(
         f"measured: trainer host cut off: the run stopped {seen['stopped_after_s']:.1f} s "
-        f"later with {stopped_at} rows; resumed with one trainer and completed 6 steps"
+        f"later with {stopped_at} rows; host 2 back {admitted_s:.1f} s after ray start; "
+        "resumed with its two trainers and completed 6 steps"
     )
