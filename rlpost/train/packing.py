@@ -139,6 +139,13 @@ def scatter(values: Tensor, where: Tensor) -> Tensor:
     return values.new_zeros(where.shape).masked_scatter(where, values)
 
 
+def _ranges(starts: Tensor, lens: Tensor) -> tuple[Tensor, Tensor]:
+    """Every index of the ranges ``[starts[i], starts[i] + lens[i])`` in order, and each
+    one's offset within its range."""
+    within = torch.arange(int(lens.sum())) - (lens.cumsum(0) - lens).repeat_interleave(lens)
+    return starts.repeat_interleave(lens) + within, within
+
+
 def _lines(lengths: list[int], line_tokens: int) -> list[list[int]]:
     """Row ids in sequences of at most ``line_tokens`` tokens: first fit, longest first."""
     lines: list[list[int]] = []
@@ -169,43 +176,50 @@ def pack_rows(batch: Any, line_tokens: int = 0, shared: bool = False) -> PackedR
     sizes = [prompt_lens[u[0]] + sum(response_lens[i] for i in u) for u in units]
     lines = _lines(sizes, line_tokens)
     width = max(sum(sizes[u] for u in line) for line in lines)
-    ids = batch.input_ids.new_zeros((len(lines), width))
-    pos = torch.zeros_like(ids)
-    # Which unit (a row, or rows sharing a prompt) and which part of it (0: the prompt,
-    # 1 + j: its j-th row's response) each place holds; the tail of a line is a unit alone.
-    unit_of = torch.full_like(ids, -1)
-    part_of = torch.zeros_like(ids)
-    first = [0] * len(prompt_lens)  # where the output that predicts row i's first token sits
-    rest = [0] * len(prompt_lens)  # where row i's own response tokens start
+    # Where each unit and each row's response start in the flattened [k * width], as plain
+    # ints (a loop over rows is cheap; a tensor write per row is not), then every token
+    # moved by one indexed copy per kind.
+    n, cols = len(prompt_lens), batch.input_ids.shape[1]
+    prompt_of = [prompt_lens[u[0]] for u in units]  # a unit's prompt: its lead row's
+    unit_at, line_end = [0] * len(units), []
+    first, rest, slot, row_prompt = [0] * n, [0] * n, [0] * n, [0] * n
     for j, line in enumerate(lines):
         offset = 0
         for u in line:
-            p, lead = prompt_lens[units[u][0]], units[u][0]
-            ids[j, offset : offset + p] = batch.input_ids[lead, P - p : P]
-            pos[j, offset : offset + p] = torch.arange(p)
-            unit_of[j, offset : offset + sizes[u]] = u
-            base = offset + p
-            for slot, i in enumerate(units[u]):
-                r = response_lens[i]
-                ids[j, base : base + r] = batch.input_ids[i, P : P + r]
-                pos[j, base : base + r] = torch.arange(p, p + r)
-                part_of[j, base : base + r] = slot + 1
-                first[i], rest[i] = j * width + offset + p - 1, j * width + base
-                base += r
+            unit_at[u], p = j * width + offset, prompt_of[u]
+            base = unit_at[u] + p
+            for k, i in enumerate(units[u]):
+                # row i's token 0 is predicted at the prompt's last place, its token t > 0
+                # at the place of its own token t - 1
+                first[i], rest[i], slot[i], row_prompt[i] = unit_at[u] + p - 1, base, k + 1, p
+                base += response_lens[i]
             offset += sizes[u]
-        tail = width - offset
-        pos[j, offset:] = torch.arange(tail)
-        unit_of[j, offset:] = -1 - j
-    # Row i's token 0 is predicted at the prompt's last place, its token t > 0 at the
-    # place of its own token t - 1.
-    at = torch.cat(
-        [
-            torch.cat([torch.tensor([first[i]]), torch.arange(rest[i], rest[i] + r - 1)])
-            for i, r in enumerate(response_lens)
-            if r > 0
-        ]
-        or [torch.zeros(0, dtype=torch.long)]
-    ).to(ids.device)
+        line_end.append(offset)
+    lens, k_lines = torch.tensor(response_lens), torch.arange(len(lines))
+    source = batch.input_ids.flatten().cpu()
+    ids = torch.zeros(len(lines) * width, dtype=source.dtype)
+    pos = torch.zeros_like(ids)
+    # which unit (a row, or rows sharing a prompt) and which part of it (0: the prompt,
+    # 1 + j: its j-th row's response) each place holds; the tail of a line is a unit alone
+    unit_of, part_of = (-1 - k_lines).repeat_interleave(width), torch.zeros_like(ids)
+    starts, p_lens = torch.tensor(unit_at), torch.tensor(prompt_of)
+    dst, k = _ranges(starts, p_lens)  # the prompts, from their lead rows
+    lead = torch.tensor([u[0] for u in units])
+    ids[dst], pos[dst] = source[_ranges(lead * cols + P - p_lens, p_lens)[0]], k
+    sizes_t = torch.tensor(sizes)
+    unit_of[_ranges(starts, sizes_t)[0]] = torch.arange(len(units)).repeat_interleave(sizes_t)
+    dst, k = _ranges(torch.tensor(rest), lens)  # the responses
+    ids[dst] = source[_ranges(torch.arange(n) * cols + P, lens)[0]]
+    pos[dst] = k + torch.tensor(row_prompt).repeat_interleave(lens)
+    part_of[dst] = torch.tensor(slot).repeat_interleave(lens)
+    ends = torch.tensor(line_end)
+    dst, k = _ranges(k_lines * width + ends, width - ends)  # each line's tail
+    pos[dst] = k
+    at, k = _ranges(torch.tensor(rest) - 1, lens)
+    at[k == 0] = torch.tensor(first)[lens > 0]
+    shape, device = (len(lines), width), batch.input_ids.device
+    ids, pos, unit_of, part_of = (x.view(shape).to(device) for x in (ids, pos, unit_of, part_of))
+    at = at.to(device)
     mask = None
     if any(len(u) > 1 for u in units):
         same = unit_of[:, :, None] == unit_of[:, None, :]
