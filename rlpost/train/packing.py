@@ -160,6 +160,30 @@ def _lines(lengths: list[int], line_tokens: int) -> list[list[int]]:
     return lines
 
 
+def _places(units, lines, sizes, width, prompt_of, response_lens):
+    """Where each unit starts in the flattened ``[k * width]``; per row, the place that
+    predicts its first token, where its response starts, its slot in its unit (1 + its
+    index) and its prompt's length; each line's used width. Plain ints: a loop over rows is cheap where a tensor
+    write per row is not; the tokens then move by one indexed copy per kind."""
+    n = len(response_lens)
+    unit_at, line_end = [0] * len(units), []
+    first, rest, slot, prompt = [0] * n, [0] * n, [0] * n, [0] * n
+    for j, line in enumerate(lines):
+        offset = 0
+        for u in line:
+            unit_at[u] = j * width + offset
+            base = unit_at[u] + prompt_of[u]
+            for k, i in enumerate(units[u]):
+                # row i's token 0 is predicted at the prompt's last place, its token t > 0
+                # at the place of its own token t - 1
+                first[i], rest[i] = unit_at[u] + prompt_of[u] - 1, base
+                slot[i], prompt[i] = k + 1, prompt_of[u]
+                base += response_lens[i]
+            offset += sizes[u]
+        line_end.append(offset)
+    return unit_at, first, rest, slot, prompt, line_end
+
+
 def pack_rows(batch: Any, line_tokens: int = 0, shared: bool = False) -> PackedRows:
     """:class:`PackedRows` of ``batch``, a :class:`rlpost.train.batch.TrainBatch` (not
     imported: that module imports this one; prompts left-, responses right-padded),
@@ -176,25 +200,10 @@ def pack_rows(batch: Any, line_tokens: int = 0, shared: bool = False) -> PackedR
     sizes = [prompt_lens[u[0]] + sum(response_lens[i] for i in u) for u in units]
     lines = _lines(sizes, line_tokens)
     width = max(sum(sizes[u] for u in line) for line in lines)
-    # Where each unit and each row's response start in the flattened [k * width], as plain
-    # ints (a loop over rows is cheap; a tensor write per row is not), then every token
-    # moved by one indexed copy per kind.
-    n, cols = len(prompt_lens), batch.input_ids.shape[1]
     prompt_of = [prompt_lens[u[0]] for u in units]  # a unit's prompt: its lead row's
-    unit_at, line_end = [0] * len(units), []
-    first, rest, slot, row_prompt = [0] * n, [0] * n, [0] * n, [0] * n
-    for j, line in enumerate(lines):
-        offset = 0
-        for u in line:
-            unit_at[u], p = j * width + offset, prompt_of[u]
-            base = unit_at[u] + p
-            for k, i in enumerate(units[u]):
-                # row i's token 0 is predicted at the prompt's last place, its token t > 0
-                # at the place of its own token t - 1
-                first[i], rest[i], slot[i], row_prompt[i] = unit_at[u] + p - 1, base, k + 1, p
-                base += response_lens[i]
-            offset += sizes[u]
-        line_end.append(offset)
+    places = _places(units, lines, sizes, width, prompt_of, response_lens)
+    unit_at, first, rest, slot, row_prompt, line_end = places
+    n, cols = len(prompt_lens), batch.input_ids.shape[1]
     lens, k_lines = torch.tensor(response_lens), torch.arange(len(lines))
     source = batch.input_ids.flatten().cpu()
     ids = torch.zeros(len(lines) * width, dtype=source.dtype)

@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "rlpost"
 BLOCK = 8
 LONG_FUNCTION = 60
 SIZE_BOUNDS = {
-    "lines": 36_776,
+    "lines": 36_799,
     "grpo_arith_keys": 193,
     "functions_over_60_lines": 6,
     "repeated_blocks": 2,
