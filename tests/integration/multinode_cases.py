@@ -476,10 +476,10 @@ def test_a_trainer_host_cut_off_stops_in_one_line_and_resumes_with_one_command(b
     """Data-parallel trainers on hosts 1 and 2 (rollout on host 1); host 2 is cut off the
     bridge at step 2, its processes living on, unreachable. Ray declares the node dead, the
     call to its rank fails, and the run stops with one line naming the rank instead of
-    hanging in a collective; the line ends with the command that continues the run. Then the
-    machine comes back (its link up, its processes gone, ``ray start`` under its old
-    address), and that command as printed resumes from the last checkpoint with both
-    trainers and completes: one metrics row per step, each step's full batch once."""
+    hanging in a collective; the line ends with the command that continues the run. That
+    command, with one trainer (host 2 is out of the cluster now, and a checkpoint resumes on
+    any number of trainers), resumes from the last checkpoint and completes: one metrics row per step, each step's full
+    batch once. Last in the module: host 2 stays out of the cluster."""
     extra = {
         "cluster.trainer_workers": 2,
         "cluster.trainer.resources": "{dp_node: 1}",
@@ -506,29 +506,12 @@ def test_a_trainer_host_cut_off_stops_in_one_line_and_resumes_with_one_command(b
     assert lines[0].endswith(f"rlpost train --resume {run.dir}"), lines
     stopped_at = len(run.rows())
     bed.heal(2)
-    bed.kill_host(2)  # the machine restarted: nothing of the cut-off node runs there
-    admitted_s = _rejoin(bed, 2)
-    resumed = TrainRun(bed, tmp_path, "cut", {}, resume=True)
-    trainers: set[int] = set()
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.2):
-            trainers.update(h for h in (1, 2) if "TrainerWorker" in _actors(bed)[h])
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        assert resumed.wait(timeout=600) == 0, resumed.tail()
-    finally:
-        done.set()
-        sampler.join()
-    assert trainers == {1, 2}, trainers  # a trainer on the host that came back
+    resumed = TrainRun(bed, tmp_path, "cut", {}, resume=True, **{"cluster.trainer_workers": 1})
+    assert resumed.wait(timeout=600) == 0, resumed.tail()
     assert "rlpost: resuming" in resumed.log.read_text(), resumed.tail()
     rows = _full_batches_once(resumed)
     assert len(rows) == 6
     print(
         f"measured: trainer host cut off: the run stopped {seen['stopped_after_s']:.1f} s "
-        f"later with {stopped_at} rows; host 2 back {admitted_s:.1f} s after ray start; "
-        "resumed with its two trainers and completed 6 steps"
+        f"later with {stopped_at} rows; resumed with one trainer and completed 6 steps"
     )
