@@ -98,6 +98,8 @@ class Bed:
             "RAY_USAGE_STATS_ENABLED": "0",
         }
         self.up = False
+        self.runs: list[TrainRun] = []  # started on this bed
+        self.custom: set[str] = set()  # the custom resources its nodes were given
 
     # ------------------------------------------------------------ network
 
@@ -233,6 +235,7 @@ class Bed:
 
     def start_node(self, i: int, resources: dict[str, float]) -> None:
         """Ray on host ``i``: the head for host 1, else a node joining it."""
+        self.custom.update(resources)
         ports = [f"--{k.replace('_', '-')}-port={v}" for k, v in RAY_PORTS.items()]
         if i != 1:
             ports = [p for p in ports if "ray-client-server" not in p]
@@ -266,6 +269,42 @@ class Bed:
             raise RuntimeError(f"on host {i}: {done.stderr[-2000:]}")
         return done.stdout
 
+    def ask_ray(self, expr: str, i: int = 1):
+        """The value of ``expr`` (JSON-able, may use ``ray``) read from the cluster by a
+        driver on host ``i``; its answer picked out of whatever else Ray prints."""
+        mark = "RLPOST-ANSWER "
+        code = (
+            "import json, ray; ray.init(address='auto', logging_level='ERROR'); "
+            f"print({mark!r} + json.dumps({expr}), flush=True)"
+        )
+        out = self.python(i, code)
+        for line in reversed(out.splitlines()):
+            if line.startswith(mark):
+                return json.loads(line[len(mark) :])
+        raise RuntimeError(f"no answer from host {i}: {out[-1000:]}")
+
+    def settle(self, timeout: float = 90) -> None:
+        """Stop every run still going, then wait until the cluster has every custom resource
+        of its live nodes free again (a dead driver's actors and bundles released)."""
+        for run in self.runs:
+            run.stop()
+        self.runs.clear()
+        expr = "[ray.available_resources(), ray.cluster_resources()]"
+        deadline = time.monotonic() + timeout
+        while True:
+            free, total = self.ask_ray(expr)
+            held = {
+                k: (free.get(k, 0), v)
+                for k, v in total.items()
+                if k in self.custom and free.get(k, 0) < v
+            }
+            if not held:
+                return
+            assert time.monotonic() < deadline, (
+                f"resources still held after {timeout:.0f} s: {held}"
+            )
+            time.sleep(1)
+
     # ------------------------------------------------------------ teardown
 
     def close(self) -> None:
@@ -288,6 +327,12 @@ def _sh(command: str) -> None:
         raise RuntimeError(f"{command}: {done.stderr.strip()}")
 
 
+def _lines(path: Path) -> list[str]:
+    """The complete lines of a JSON-lines file another process is appending to."""
+    text = path.read_text()
+    return [x for x in text[: text.rfind("\n") + 1].splitlines() if x.strip()]
+
+
 class TrainRun:
     """``rlpost train`` on a host of the bed (overrides ``base``, then ``extra``), joined to
     the bed's cluster; ``wait(on_step)`` calls ``on_step(step)`` as each step's metrics row
@@ -305,23 +350,34 @@ class TrainRun:
             argv += ["--resume", str(self.dir)]
         self.log = out / f"{name}{'.resumed' if resume else ''}.log"
         self.proc = bed.popen(host, argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        bed.runs.append(self)
+
+    def stop(self) -> None:
+        """Kill the run if it still goes (a failed case must not hold the cluster)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
     def wait(self, on_step: Callable[[int], None] | None = None, timeout: float = 900) -> int:
         deadline, seen = time.monotonic() + timeout, 0
-        while self.proc.poll() is None:
-            assert time.monotonic() < deadline, self.tail()
-            for step in [r["step"] for r in self.rows() if r["step"] > seen]:
-                seen = step
-                if on_step is not None:
-                    on_step(step)
-            time.sleep(0.5)
+        try:
+            while self.proc.poll() is None:
+                assert time.monotonic() < deadline, self.tail()
+                for step in [r["step"] for r in self.rows() if r["step"] > seen]:
+                    seen = step
+                    if on_step is not None:
+                        on_step(step)
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
         return self.proc.returncode
 
     def rows(self) -> list[dict]:
         path = self.dir / "metrics.jsonl"
         if not path.exists():
             return []
-        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        rows = [json.loads(x) for x in _lines(path)]
         return [r for r in rows if r["step"] > 0 and "loss" in r]
 
     def summary(self) -> dict:
@@ -329,7 +385,7 @@ class TrainRun:
 
     def events(self) -> list[dict]:
         path = self.dir / "cluster_events.jsonl"
-        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        return [json.loads(x) for x in _lines(path)] if path.exists() else []
 
     def tail(self) -> str:
         return self.log.read_text()[-4000:]

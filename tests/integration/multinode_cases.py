@@ -10,7 +10,6 @@ it: ``trainer_node`` on host 1, ``dp_node`` on hosts 1-2, ``rollout_node`` on ho
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import sys
@@ -69,6 +68,14 @@ def bed():
     assert not Path("/run/netns/h1").exists()
 
 
+@pytest.fixture(autouse=True)
+def _settled(bed):
+    """Each case starts on a quiet cluster: a case that failed mid-run leaves no run going
+    and no resource held for the next."""
+    yield
+    bed.settle()
+
+
 def _actors(bed) -> dict[int, list[str]]:
     """host -> the rlpost actor classes running there."""
     out = {}
@@ -79,13 +86,7 @@ def _actors(bed) -> dict[int, list[str]]:
 
 
 def test_hosts_form_a_token_guarded_cluster_the_outsider_is_not_in(bed):
-    nodes = json.loads(
-        bed.python(
-            1,
-            "import json, ray; ray.init(address='auto', logging_level='ERROR'); "
-            "print(json.dumps([[n['NodeManagerAddress'], n['Alive']] for n in ray.nodes()]))",
-        )
-    )
+    nodes = bed.ask_ray("[[n['NodeManagerAddress'], n['Alive']] for n in ray.nodes()]")
     assert sorted(nodes) == [[bed.address(i), True] for i in (1, 2, 3)]
     # the GCS answers the outsider (it reaches the port) but refuses it without the token
     probe = (
@@ -259,13 +260,10 @@ def _rejoin(bed, host: int) -> float:
     """``ray start`` on ``host`` again (the machine back after a loss, its processes gone,
     under its old address and temp dir), once the head has declared its old node dead;
     returns the seconds from that command until the head lists the new node alive."""
-    probe = (
-        "import json, ray; ray.init(address='auto', logging_level='ERROR'); "
-        "print(json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))"
-    )
 
     def alive() -> bool:
-        return bed.address(host) in json.loads(bed.python(1, probe).strip().splitlines()[-1])
+        live = bed.ask_ray("[n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]")
+        return bed.address(host) in live
 
     t = time.monotonic()
     while alive():  # the old node, not yet declared dead: a new one would not be admitted
