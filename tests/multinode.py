@@ -233,10 +233,14 @@ class Bed:
         for i in sorted(resources):  # the head first
             self.start_node(i, resources[i])
 
-    def start_node(self, i: int, resources: dict[str, float]) -> None:
-        """Ray on host ``i``: the head for host 1, else a node joining it."""
+    def start_node(self, i: int, resources: dict[str, float], shift: int = 0) -> None:
+        """Ray on host ``i``: the head for host 1, else a node joining it; ``shift``: its
+        raylet and object manager on ports that many above the pinned ones."""
         self.custom.update(resources)
-        ports = [f"--{k.replace('_', '-')}-port={v}" for k, v in RAY_PORTS.items()]
+        ports = {**RAY_PORTS}
+        for k in ("node_manager", "object_manager"):
+            ports[k] += shift
+        ports = [f"--{k.replace('_', '-')}-port={v}" for k, v in ports.items()]
         if i != 1:
             ports = [p for p in ports if "ray-client-server" not in p]
         argv = [

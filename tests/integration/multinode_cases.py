@@ -256,10 +256,14 @@ def test_a_rollout_host_lost_mid_run_the_run_goes_on_and_its_worker_returns(bed,
     _rejoin(bed, 3)  # the cases below cut host 3 again: it is in the cluster for them
 
 
-def _rejoin(bed, host: int) -> float:
+def _rejoin(bed, host: int, shift: int = 0) -> float:
     """``ray start`` on ``host`` again (the machine back after a loss, its processes gone,
     under its old address and temp dir), once the head has declared its old node dead;
-    returns the seconds from that command until the head lists the new node alive."""
+    returns the seconds from that command until the head lists the new node alive.
+    ``shift``: its raylet on ports that many above the pinned ones. A host that was cut off
+    (not killed while reachable) needs it: the head still holds a connection to the old
+    raylet's address and port, and its first bundle lease to a new raylet there fails with
+    "Connection reset by peer", leaving the bundle's resources held on that raylet."""
 
     def alive() -> bool:
         live = bed.ask_ray("[n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]")
@@ -270,7 +274,7 @@ def _rejoin(bed, host: int) -> float:
         assert time.monotonic() - t < 60, f"host {host}'s old node still alive after 60 s"
         time.sleep(1)
     t = time.monotonic()
-    bed.start_node(host, RESOURCES[host])
+    bed.start_node(host, RESOURCES[host], shift)
     while not alive():
         assert time.monotonic() - t < 60, f"host {host} not admitted within 60 s"
         time.sleep(1)
@@ -474,15 +478,17 @@ def test_a_trainer_host_cut_off_stops_in_one_line_and_resumes_with_one_command(b
     """Data-parallel trainers on hosts 1 and 2 (rollout on host 1); host 2 is cut off the
     bridge at step 2, its processes living on, unreachable. Ray declares the node dead, the
     call to its rank fails, and the run stops with one line naming the rank instead of
-    hanging in a collective; the line ends with the command that continues the run. That
-    command, with one trainer (host 2 is out of the cluster now, and a checkpoint resumes on
-    any number of trainers), resumes from the last checkpoint and completes: one metrics row per step, each step's full
-    batch once. Last in the module: host 2 stays out of the cluster."""
+    hanging in a collective; the line ends with the command that continues the run.
+    While host 2 is out, that command with one trainer resumes on host 1 (a checkpoint
+    resumes on any number of trainers) until SIGTERM stops it after a checkpoint. Then host
+    2 comes back, rebooted (its processes gone, its link up, ``ray start`` again), and the
+    command with both trainers again resumes on hosts 1 and 2 and completes the run: one
+    metrics row per step, each step's full batch once."""
     extra = {
         "cluster.trainer_workers": 2,
         "cluster.trainer.resources": "{dp_node: 1}",
         "cluster.rollout.resources": "{solo: 1}",
-        "train.steps": 6,
+        "train.steps": 16,
         "checkpoint.every": 1,
     }
     run = TrainRun(bed, tmp_path, "cut", BASE, **extra)
@@ -503,13 +509,34 @@ def test_a_trainer_host_cut_off_stops_in_one_line_and_resumes_with_one_command(b
     ), lines
     assert lines[0].endswith(f"rlpost train --resume {run.dir}"), lines
     stopped_at = len(run.rows())
+    bed.kill_host(2)  # the machine goes down while cut off
     bed.heal(2)
-    resumed = TrainRun(bed, tmp_path, "cut", {}, resume=True, **{"cluster.trainer_workers": 1})
-    assert resumed.wait(timeout=600) == 0, resumed.tail()
-    assert "rlpost: resuming" in resumed.log.read_text(), resumed.tail()
-    rows = _full_batches_once(resumed)
-    assert len(rows) == 6
+
+    alone = TrainRun(bed, tmp_path, "cut", {}, resume=True, **{"cluster.trainer_workers": 1})
+
+    def stop_alone(step: int) -> None:
+        if step > stopped_at and "alone" not in seen:
+            seen["alone"] = step
+            alone.proc.send_signal(signal.SIGTERM)
+
+    assert alone.wait(stop_alone, timeout=600) == 128 + signal.SIGTERM, alone.tail()
+    # back, rebooted: its raylet on other ports than the pinned ones (see _rejoin)
+    admitted = _rejoin(bed, 2, shift=10)
+    seen["from"] = len(alone.rows())
+    both = TrainRun(bed, tmp_path, "cut", {}, resume=True, **{"cluster.trainer_workers": 2})
+
+    def look(step: int) -> None:
+        if step > seen["from"]:  # a row of this run
+            seen.setdefault("actors", _actors(bed))
+
+    assert both.wait(look, timeout=600) == 0, both.tail()
+    assert seen["actors"][2] == ["TrainerWorker"], seen  # a rank on host 2 again
+    assert "rlpost: resuming" in both.log.read_text(), both.tail()
+    rows = _full_batches_once(both)
+    assert len(rows) == 16
     print(
         f"measured: trainer host cut off: the run stopped {seen['stopped_after_s']:.1f} s "
-        f"later with {stopped_at} rows; resumed with one trainer and completed 6 steps"
+        f"later with {stopped_at} rows; resumed on host 1 alone to step {seen['from']}; "
+        f"host 2 back (admitted {admitted:.1f} s after ray start), resumed on both hosts "
+        f"and completed 16 steps"
     )
