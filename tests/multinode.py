@@ -195,7 +195,7 @@ class Bed:
         """The ``ports`` of ``address`` that accept a TCP connection from host ``i``, all
         tried at once (a dropped SYN costs ``timeout`` once, not once a port)."""
         probe = (
-            "import socket, sys, time\n"
+            "import socket, sys\n"
             "from concurrent.futures import ThreadPoolExecutor\n"
             "def ok(port):\n"
             "    with socket.socket() as s:\n"

@@ -163,8 +163,8 @@ def _lines(lengths: list[int], line_tokens: int) -> list[list[int]]:
 def _places(units, lines, sizes, width, prompt_of, response_lens):
     """Where each unit starts in the flattened ``[k * width]``; per row, the place that
     predicts its first token, where its response starts, its slot in its unit (1 + its
-    index) and its prompt's length; each line's used width. Plain ints: a loop over rows is cheap where a tensor
-    write per row is not; the tokens then move by one indexed copy per kind."""
+    index) and its prompt's length; each line's used width. Plain ints (a tensor write
+    per row is what cost); the tokens then move by one indexed copy per kind."""
     n = len(response_lens)
     unit_at, line_end = [0] * len(units), []
     first, rest, slot, prompt = [0] * n, [0] * n, [0] * n, [0] * n
