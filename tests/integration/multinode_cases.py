@@ -110,8 +110,9 @@ def test_the_firewall_keeps_every_listener_to_the_cluster_address(bed):
     def exposed(host: int) -> tuple[set[int], set[int]]:
         """Host's TCP listeners not on loopback, and those the outsider reaches through
         the other network."""
-        ports = {x.port for x in bed.listeners(host) if x.proto.startswith("tcp")}
-        ports -= {x.port for x in bed.listeners(host) if x.loopback}
+        listeners = bed.listeners(host)
+        ports = {x.port for x in listeners if x.proto.startswith("tcp")}
+        ports -= {x.port for x in listeners if x.loopback}
         return ports, bed.reachable(OUTSIDER, f"{OTHER_NET}.{host}", ports)
 
     found = {i: exposed(i) for i in (1, 2, 3)}
