@@ -51,7 +51,13 @@ from rlpost.train.batch import (
     token_logprobs,
 )
 from rlpost.train.layout import PlainLayout, WeightLayout
-from rlpost.train.optim import adamw, budget_slices, minibatch_updates, optimizer_step
+from rlpost.train.optim import (
+    adamw,
+    apply_grads,
+    budget_slices,
+    minibatch_updates,
+    optimizer_step,
+)
 from rlpost.train.packing import SHARING_MODES, resolve_packing
 
 
@@ -304,7 +310,64 @@ class PolicyTrainer:
         self, batch: TrainBatch, rows: torch.Tensor, beta: float, fill_old: bool
     ) -> dict[str, float]:
         """One optimizer step on rows ``rows`` of ``batch`` (micro-batches accumulated)."""
-        mb = self._minibatch(batch, rows, beta)
+        outcome = optimizer_step(
+            self.optimizer, self.scheduler, self._params(), self.s.optim.grad_clip,
+            self._micros(batch, rows), self._micro_loss(batch, rows, beta, fill_old),
+            lambda stats: self.ranks.sum_floats({k: float(v) for k, v in stats.items()}),
+            self.layout.accumulate,
+        )  # fmt: skip
+        if outcome.skipped:
+            self.skipped_updates += 1
+        return {**outcome.as_dict(), "loss": outcome.loss}
+
+    def accumulate(
+        self, batch: TrainBatch, loss: tuple | None = None, *, agg: str | None = None,
+        record: torch.Tensor | None = None,
+    ) -> dict[str, float]:  # fmt: skip
+        """The gradients of ``loss`` over all of ``batch``, added to the trainable parameters'
+        (no optimizer step: :meth:`apply_step` takes it). ``loss``: (function, params) in place
+        of the trainer's own; ``agg``: its reduction in place of the trainer's; ``record``:
+        ``[B, T]`` that receives the pass's logprobs; ``batch.old_logprobs`` None: the pass's
+        own (ratio 1)."""
+        if batch.advantages is None:
+            raise ValueError("accumulate() needs batch.advantages")
+        fill_old = batch.old_logprobs is None
+        if fill_old:
+            batch = replace(batch, old_logprobs=torch.zeros_like(batch.response_mask))
+        self.model.train()
+        batch, rows = batch.to(model_device(self.model)), torch.arange(len(batch))
+        micro_loss = self._micro_loss(batch, rows, 0.0, fill_old, loss, agg, record)
+        total, stats = self.layout.accumulate(self._micros(batch, rows), micro_loss)
+        return {**{k: float(v) for k, v in stats.items()}, "loss": total}
+
+    def apply_step(self, grad_clip: float) -> dict[str, float]:
+        """Clip and apply the accumulated gradients (skipped when non-finite), then zero them."""
+        outcome = apply_grads(self.optimizer, self.scheduler, self._params(), grad_clip)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_updates += outcome.skipped
+        return outcome.as_dict()
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        # The optimizer's own tensors: a sharded model lists its gathered (unsharded)
+        # parameters between a forward and the next reshard, and those get no gradient.
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _micros(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
+        budget = self.s.max_tokens_per_micro_batch
+        if budget > 0:  # one rank (a rule refuses it with data-parallel trainers)
+            return budget_slices(
+                rows, *batch.lengths(), self.s.micro_batch_size, budget,
+                packed=self.packed, groups=self.packed.groups(batch),
+            )  # fmt: skip
+        return self.ranks.micro_slices(rows, self.s.micro_batch_size)
+
+    def _micro_loss(
+        self, batch, rows, beta: float, fill_old: bool, loss=None, agg=None, record=None
+    ):
+        """The loss and statistics of one micro-batch of rows ``rows`` of ``batch``; the
+        pass's logprobs go to ``record`` (``batch.old_logprobs`` when ``fill_old``)."""
+        mb = self._minibatch(batch, rows, beta, agg)
+        record = batch.old_logprobs if fill_old else record
         total_tokens = float(batch.response_mask[rows].sum().clamp(min=1))
 
         def micro_loss(micro_rows: torch.Tensor):
@@ -314,42 +377,26 @@ class PolicyTrainer:
             x, fixed = self._inputs(
                 micro, fill_old, mb.part(micro_rows.clamp(min=0), micro.responses.shape[1])
             )
-            loss, stats = self._loss(x, mb.beta)
+            value, stats = self._loss(x, mb.beta, loss)
             stats |= fixed
-            if fill_old:
+            if record is not None:
                 real = micro_rows >= 0
-                old = pad_responses(x.old_logprobs, batch.responses.shape[1])
-                batch.old_logprobs[micro_rows[real]] = old[real]
+                seen = pad_responses(x.logprobs.detach(), batch.responses.shape[1])
+                record[micro_rows[real]] = seen[real]
             # Loss terms reduced with the mini-batch denominators add up over micro-batches
             # (and ranks); per-micro-batch means are weighted by their share of the tokens.
             weight = float(micro.response_mask.sum()) / total_tokens
             stats = {k: torch.as_tensor(v, dtype=torch.float64) for k, v in stats.items()}
-            return loss, {k: v if k in ADDITIVE_STATS else v * weight for k, v in stats.items()}
+            return value, {k: v if k in ADDITIVE_STATS else v * weight for k, v in stats.items()}
 
-        # The optimizer's own tensors: a sharded model lists its gathered (unsharded)
-        # parameters between a forward and the next reshard, and those get no gradient.
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        budget = self.s.max_tokens_per_micro_batch
-        if budget > 0:  # one rank (a rule refuses it with data-parallel trainers)
-            micros = budget_slices(
-                rows, *batch.lengths(), self.s.micro_batch_size, budget,
-                packed=self.packed, groups=self.packed.groups(batch),
-            )  # fmt: skip
-        else:
-            micros = self.ranks.micro_slices(rows, self.s.micro_batch_size)
-        outcome = optimizer_step(
-            self.optimizer, self.scheduler, params, self.s.optim.grad_clip, micros, micro_loss,
-            lambda stats: self.ranks.sum_floats({k: float(v) for k, v in stats.items()}),
-            self.layout.accumulate,
-        )  # fmt: skip
-        if outcome.skipped:
-            self.skipped_updates += 1
-        return {**outcome.as_dict(), "loss": outcome.loss}
+        return micro_loss
 
-    def _minibatch(self, batch: TrainBatch, rows: torch.Tensor, beta: float) -> Minibatch:
+    def _minibatch(
+        self, batch: TrainBatch, rows: torch.Tensor, beta: float, agg: str | None = None
+    ) -> Minibatch:
         """The loss denominators and what else is decided once per mini-batch."""
         mask = batch.response_mask[rows]
-        agg = self.agg.counts(mask)
+        agg = (self.agg if agg is None else Aggregation(agg)).counts(mask)
         selected = rewarded = nll_agg = None
         if self.token_selector is not None:
             chosen = self.token_selector(
@@ -397,9 +444,13 @@ class PolicyTrainer:
         )  # fmt: skip
         return x, fixed
 
-    def _loss(self, x: LossInputs, beta: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The policy loss plus each term whose coefficient is not 0; detached statistics."""
-        out = self.policy_loss(x, self.loss)
+    def _loss(
+        self, x: LossInputs, beta: float, loss: tuple | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The policy loss (``loss``'s (function, params), else the trainer's) plus each term
+        whose coefficient is not 0; detached statistics."""
+        fn, params = loss if loss is not None else (self.policy_loss, self.loss)
+        out = fn(x, params)
         loss, stats = out.loss, {**out.stats, "pg_loss": out.loss.detach()}
         kl = beta if x.ref_logprobs is not None else 0.0
         terms = (  # (statistic, coefficient, term); the pipeline logs the KL itself

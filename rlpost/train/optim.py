@@ -130,14 +130,21 @@ def optimizer_step(
     if sum_ranks is not None:
         stats = sum_ranks({**stats, "\0loss": loss_total})
         loss_total = stats.pop("\0loss")
+    return apply_grads(optimizer, scheduler, params, grad_clip, loss_total, stats)
+
+
+def apply_grads(
+    optimizer, scheduler, params, grad_clip: float, loss_total: float = 0.0, stats=None
+) -> StepOutcome:
+    """Clip the accumulated gradients of ``params`` and step (or skip when non-finite)."""
     grad_norm = float(clip_grad_norm(params, grad_clip))
     if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):
         # A NaN / Inf loss or gradient never reaches the weights.
         optimizer.zero_grad(set_to_none=True)
-        return StepOutcome(loss_total, grad_norm, True, stats)
+        return StepOutcome(loss_total, grad_norm, True, stats or {})
     optimizer.step()
     scheduler.step()
-    return StepOutcome(loss_total, grad_norm, False, stats)
+    return StepOutcome(loss_total, grad_norm, False, stats or {})
 
 
 def adamw(params: list[torch.nn.Parameter], optim) -> SlicedAdamW:

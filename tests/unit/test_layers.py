@@ -17,6 +17,8 @@ ROOT = Path(rlpost.__file__).parent
 # Highest first (DESIGN.md "Layers"); one row may hold siblings of one layer.
 LAYERS = [
     ("cli", "configdoc"),
+    ("tinker",),
+    ("api",),
     ("cluster",),
     ("pipeline",),
     ("rollout",),
