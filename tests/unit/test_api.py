@@ -46,7 +46,7 @@ def test_sampled_logprobs_are_the_forward_logprobs(base):
     policy = base.policy(rlpost.LoRA(rank=4))
     prompt, out = rollout(policy, base)
     data = as_data(prompt, out, [1.0] * len(out))
-    for d, c, lp in zip(data, out, policy.forward(data), strict=True):
+    for c, lp in zip(out, policy.forward(data), strict=True):
         got = lp[len(prompt) - 1 :]
         assert torch.allclose(got, torch.tensor(c.logprobs), atol=1e-5), (got, c.logprobs)
     policy.close()
