@@ -9,6 +9,7 @@ a lower bound of what the kernel held for it.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -21,7 +22,7 @@ import pytest
 
 from rlpost.rewards.sandbox import SandboxConfig, cli, seccomp
 from rlpost.rewards.sandbox import cgroup as cgroups
-from rlpost.rewards.sandbox.check import SOCKET_BUFFERS
+from rlpost.rewards.sandbox.check import PIN_PAGES, SOCKET_BUFFERS
 from rlpost.rewards.sandbox.command import (
     SANDBOX_UID,
     Interpreter,
@@ -29,6 +30,7 @@ from rlpost.rewards.sandbox.command import (
     caps_files,
     find_tools,
 )
+from rlpost.rewards.sandbox.plan import make_plan
 from rlpost.rewards.sandbox.runner import run_code
 from tests.integration.test_sandbox_security import _sandbox_available  # noqa: F401 (autouse)
 
@@ -132,42 +134,129 @@ def test_files_on_the_private_tmpfs_are_capped(mode: str) -> None:
 def test_files_are_capped_when_the_supervisor_is_not_root(monkeypatch, tmp_path: Path) -> None:
     """The command a uid-65534 supervisor builds, run as uid 65534: the user
     namespace mount stage caps the files as root's does."""
+    done = _as_nobody(monkeypatch, tmp_path, MANY_FILES, "300", SandboxConfig(max_tmp_files=300))
+    assert done.returncode == 0, done.stderr
+    made, stop = done.stdout.split()
+    assert stop == "ENOSPC" and 500 <= int(made) <= 600, done.stdout
+
+
+def _as_nobody(
+    monkeypatch, tmp_path: Path, code: str, stdin: str, config: SandboxConfig, prefix=(), **seccomp
+) -> subprocess.CompletedProcess:
+    """``code`` through the command a uid-65534 supervisor builds (its user namespace mount
+    stage; ``seccomp=program`` for its filter), run as uid 65534 after ``prefix``."""
     python = "/usr/bin/python3"
     if os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists(python):
         pytest.skip("switching to uid 65534 needs root, setpriv and a /usr/bin/python3")
     tools = find_tools()
-    monkeypatch.setattr(os, "geteuid", lambda: SANDBOX_UID)
-    if not caps_files(tools):
-        pytest.skip("this kernel refuses unprivileged user namespaces: no file cap")
-    program, (info_r, info_w) = os.open(tmp_path, os.O_TMPFILE | os.O_RDWR), os.pipe()
-    os.write(program, MANY_FILES.encode())
-    os.lseek(program, 0, os.SEEK_SET)
-    config = SandboxConfig(max_tmp_files=300)
-    files = [(program, "main.py")]
-    argv = build_command(
-        tools,
-        Interpreter(None, python),
-        config,
-        cpu=0,
-        files=files,
-        info_fd=info_w,
-        argv=["-S", "/tmp/main.py"],
-    )
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "geteuid", lambda: SANDBOX_UID)
+        if not caps_files(tools):
+            pytest.skip("this kernel refuses unprivileged user namespaces: no file cap")
+        program, (info_r, info_w) = os.open(tmp_path, os.O_TMPFILE | os.O_RDWR), os.pipe()
+        os.write(program, code.encode())
+        os.lseek(program, 0, os.SEEK_SET)
+        fds = [program, info_w]
+        if "seccomp" in seccomp:
+            fds.append(os.memfd_create("seccomp"))
+            os.write(fds[-1], seccomp["seccomp"])
+            os.lseek(fds[-1], 0, os.SEEK_SET)
+        argv = build_command(
+            tools,
+            Interpreter(None, python),
+            config,
+            cpu=0,
+            files=[(program, "main.py")],
+            info_fd=info_w,
+            argv=["-S", "/tmp/main.py"],
+            seccomp_fd=fds[2] if len(fds) > 2 else None,
+        )
     assert "--map-root-user" in argv and "--tmpfs" not in argv
     uid = str(SANDBOX_UID)
     drop = ["setpriv", "--reuid", uid, "--regid", uid, "--clear-groups", "--"]
-    done = subprocess.run(
-        drop + argv,
-        input="300",
-        pass_fds=(program, info_w),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    os.close(info_r), os.close(info_w), os.close(program)
-    assert done.returncode == 0, done.stderr
-    made, stop = done.stdout.split()
-    assert stop == "ENOSPC" and 500 <= int(made) <= 600, done.stdout
+    try:
+        return subprocess.run(
+            [*prefix, *drop, *argv],
+            input=stdin,
+            pass_fds=fds,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        for fd in [info_r, *fds]:
+            os.close(fd)
+
+
+# Each of PIN_PROCESSES processes tries to pin four times what it may hold.
+PIN_MB, PIN_LIMIT_MB = 256, 64
+# A run of PIN_PAGES through the real runner, in a process of its own: [status, stdout].
+PIN_RUN = r"""
+import json, sys
+from rlpost.rewards.sandbox import SandboxConfig, run_code
+from rlpost.rewards.sandbox.check import PIN_PAGES
+config = SandboxConfig(run_limits=sys.argv[1], memory_mb=int(sys.argv[2]), timeout_s=60)
+result = run_code(PIN_PAGES, stdin=sys.argv[3], config=config)
+print(json.dumps([result.status, result.stdout]))
+"""
+
+
+def _measured(run) -> tuple[str, str, int]:
+    """``run(prefix)`` (a run of PIN_PAGES whose command starts with ``prefix``) inside a
+    memory cgroup of its own without a limit: its status, stdout and peak memory in MiB."""
+    memory = cgroups.detect().get("memory")
+    if memory is None:
+        pytest.skip(f"no memory cgroup to measure a run in ({cgroups.detect().reason('memory')})")
+    group = cgroups.RunGroup.create({"memory": memory}, memory_bytes=1 << 40, max_pids=0, cpu=0)
+    try:
+        done = run([*group.join_argv(shutil.which("sh") or "/bin/sh")])
+        controller, path = group.dirs["memory"]
+        peak = "memory.peak" if controller.version == 2 else "memory.max_usage_in_bytes"
+        return *done, int(Path(path, peak).read_text()) >> 20
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("path", ["cgroup", "seccomp", "not root"])
+def test_pipes_cannot_hold_pages_past_the_memory_bound(
+    path: str, monkeypatch, tmp_path: Path
+) -> None:
+    """vmsplice of transparent huge pages into pipes, then unmapping them, by two processes
+    at PIN_LIMIT_MB: what the run holds, as its own memory cgroup measured it, stays
+    within the bound, and without a memory cgroup the calls that pin are refused."""
+    if path == "cgroup" and cgroups.detect().get("memory") is None:
+        pytest.skip("no per-run memory cgroup on this host")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # The non-root supervisor's plan where no cgroup is writable.
+    nobody = make_plan("auto", cgroups.CgroupHost((), ()), seccomp_supported=True)
+
+    def run(mb: int, prefix: list[str]) -> tuple[str, str]:
+        ask = json.dumps({"mb": mb, "processes": 2})
+        if path == "not root":
+            config = SandboxConfig(memory_mb=PIN_LIMIT_MB, timeout_s=60)
+            program = nobody.seccomp_program
+            done = _as_nobody(
+                monkeypatch, tmp_path, PIN_PAGES, ask, config, prefix, seccomp=program
+            )
+            return ("ok" if done.returncode == 0 else done.stderr), done.stdout
+        argv = [sys.executable, "-c", PIN_RUN, path, str(PIN_LIMIT_MB), ask]
+        done = subprocess.run(
+            [*prefix, *argv], capture_output=True, text=True, env=env, timeout=180
+        )
+        status, stdout = json.loads(done.stdout)
+        return status, stdout
+
+    *_, baseline = _measured(functools.partial(run, 0))
+    status, stdout, peak = _measured(functools.partial(run, PIN_MB))
+    bound = PIN_LIMIT_MB if path == "cgroup" else 2 * PIN_LIMIT_MB
+    assert peak - baseline <= bound, (status, stdout, peak, baseline)
+    if path == "cgroup":
+        assert status == "memory" or json.loads(stdout)["held_mb"] <= bound, stdout
+    else:
+        assert status == "ok", status
+        seen = json.loads(stdout)
+        assert seen["held_mb"] == 0 and seen["vmsplice"] == ["EPERM", "EPERM"], seen
+        assert (seen["splice"], seen["tee"], seen["sendfile"]) == ("EPERM",) * 3
 
 
 def _seccomp() -> SandboxConfig:

@@ -250,10 +250,12 @@ def test_check_says_which_limits_hold(mode: str, capsys: pytest.CaptureFixture) 
         assert by_name["memory"].split()[1:3] == ["per", "run"]
         assert "shared memory" in by_name["memory"] and "status memory" in by_name["memory"]
         assert "charged to the run" in by_name["kernel"] and "unix" in by_name["kernel"]
+        assert "pinning pipe pages past unmapping: stopped, status memory" in by_name["memory"]
     else:
         assert "refused by seccomp" in by_name["memory"] and "memfd EPERM" in by_name["memory"]
         assert "held unix 0 (EPERM), tcp 0 (EPERM) of 64 MiB" in by_name["kernel"]
-        assert "pipe_size EPERM, io_uring EPERM" in by_name["kernel"]
+        assert "pipe_size EPERM, io_uring EPERM, io_setup EPERM" in by_name["kernel"]
+        assert "held 0 MiB; vmsplice EPERM/EPERM, splice EPERM" in by_name["memory"]
     assert by_name["seccomp"].split()[1] == "on"
     assert "keyctl EPERM" in by_name["keyring"]
     assert "interfaces lo," in by_name["network"] and "EROFS" in by_name["root"]
@@ -267,3 +269,4 @@ def test_check_without_run_limits_names_the_holes(capsys: pytest.CaptureFixture)
     missing = [line.split()[0] for line in out.splitlines() if line.endswith("[MISSING]")]
     assert missing == ["memory", "kernel", "keyring", "cpu", "cpuset"]
     assert "memfd allowed" in out and "socketpair allowed" in out and "keyctl allowed" in out
+    assert "vmsplice held/held" in out

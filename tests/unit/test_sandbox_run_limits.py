@@ -61,6 +61,9 @@ import fcntl, socket
 r, w = os.pipe()
 report("F_GETFL", lambda: fcntl.fcntl(w, fcntl.F_GETFL))
 report("F_SETPIPE_SZ", lambda: fcntl.fcntl(w, 1031, 1 << 20))
+source = open(sys.executable, "rb")
+report("splice", lambda: os.splice(source.fileno(), w, 4096, offset_src=0))
+report("sendfile", lambda: os.sendfile(w, source.fileno(), 0, 4096))
 report("socketpair", lambda: [s.close() for s in socket.socketpair()])
 report("AF_UNIX", lambda: socket.socket(socket.AF_UNIX).close())
 report("AF_INET", lambda: socket.socket(socket.AF_INET).close())
@@ -102,6 +105,9 @@ def test_filter_refuses_kernel_memory_affinity_and_keyrings_and_allows_the_rest(
         # Only one fcntl command is refused: the one that grows a pipe's kernel buffer.
         "F_GETFL": "allowed",
         "F_SETPIPE_SZ": "EPERM",
+        # A pipe holds pages given to it by reference past their unmapping or truncation.
+        "splice": "EPERM",
+        "sendfile": "EPERM",
         "socketpair": "EPERM",
         "AF_UNIX": "EPERM",
         "AF_INET": "EPERM",

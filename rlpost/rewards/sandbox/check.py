@@ -49,6 +49,9 @@ attempt("tcp", lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()
 pipe = os.pipe()
 attempt("pipe_size", lambda: fcntl.fcntl(pipe[1], 1031, 1 << 20))  # F_SETPIPE_SZ
 call("io_uring", "io_uring_setup", ctypes.c_long(1), ctypes.create_string_buffer(120))
+call("io_setup", "io_setup", ctypes.c_long(1), ctypes.byref(ctypes.c_ulong(0)), fd=False)
+call("userfaultfd", "userfaultfd", ctypes.c_long(0))
+call("memfd_secret", "memfd_secret", ctypes.c_long(0))
 call("inotify", "inotify_init1", ctypes.c_long(0))
 call("mq_open", "mq_open", b"probe", ctypes.c_long(os.O_CREAT | os.O_RDWR),
      ctypes.c_long(0o600), None)
@@ -70,7 +73,8 @@ except OSError as exc:
 print(json.dumps(out))
 """
 # The calls PROBE makes by number, as the filter knows them.
-PROBE_CALLS = ("io_uring_setup", "inotify_init1", "mq_open", "keyctl")
+PROBE_CALLS = ("io_uring_setup", "io_setup", "userfaultfd", "memfd_secret", "inotify_init1")
+PROBE_CALLS += ("mq_open", "keyctl")
 
 # Holds memfd memory past the limit, 8 MiB at a time.
 HOLD_MEMORY = r"""
@@ -127,8 +131,71 @@ except OSError as exc:
     print("stopped", errno.errorcode.get(exc.errno, exc.errno), flush=True)
 print("held", sent >> 20, flush=True)
 """
+# Pins pages in pipes past unmapping, in each of `processes` processes up to `mb` MiB each:
+# vmsplice one 4 KiB page of each transparent huge page (the slot then holds all 2 MiB), then
+# unmap; then splice, tee and sendfile into a pipe once. Prints the MiB held and how each ended.
+PIN_PAGES = r"""
+import ctypes, errno, json, os, sys
+ask, held_r, held_w, wait_r, wait_w = json.loads(sys.stdin.read()), *os.pipe(), *os.pipe()
+libc, P, Z = ctypes.CDLL(None, use_errno=True), ctypes.c_void_p, ctypes.c_size_t
+libc.mmap.restype, libc.mmap.argtypes = P, [P, Z, ctypes.c_int, ctypes.c_int, ctypes.c_int, Z]
+libc.munmap.argtypes, libc.madvise.argtypes = [P, Z], [P, Z, ctypes.c_int]
+libc.vmsplice.restype = libc.tee.restype = ctypes.c_long
+HUGE, SPAN = 2 << 20, 8 << 20
+class Iovec(ctypes.Structure):
+    _fields_ = [("base", P), ("len", Z)]
+def huge_kb():
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+def pin(target, held=0, pipe=-1):
+    while held < target:
+        addr = libc.mmap(None, SPAN, 3, 0x22, -1, 0)  # read/write, private and anonymous
+        if addr in (None, P(-1).value):
+            return held, errno.errorcode[ctypes.get_errno()]
+        libc.madvise(addr, SPAN, 14)  # MADV_HUGEPAGE
+        tops, before = range(-(-addr // HUGE) * HUGE, addr + SPAN - HUGE + 1, HUGE), huge_kb()
+        for top in tops:
+            ctypes.memset(top, 1, 1)
+        each = HUGE if (huge_kb() - before) << 10 >= len(tops) * HUGE else 4096
+        try:
+            for top in tops:
+                while libc.vmsplice(pipe, ctypes.byref(Iovec(top, 4096)), 1, 2) < 0:
+                    if ctypes.get_errno() not in (errno.EAGAIN, errno.EBADF):
+                        return held, errno.errorcode[ctypes.get_errno()]
+                    pipe = os.pipe2(os.O_NONBLOCK)[1]  # this one is full
+                held += each
+        except OSError as exc:
+            return held, errno.errorcode[exc.errno]
+        finally:
+            libc.munmap(addr, SPAN)
+    return held, "held"
+def checked(got):
+    if got < 0:
+        raise OSError(ctypes.get_errno(), "")
+def once(key, fn):
+    try:
+        fn()
+        out[key] = "allowed"
+    except OSError as exc:
+        out[key] = errno.errorcode[exc.errno]
+for _ in range(ask["processes"] - 1):
+    if os.fork() == 0:  # holds what it pinned until the first process exits
+        os.write(held_w, "{} {}\n".format(*pin(ask["mb"] << 20)).encode())
+        os.close(held_w), os.close(wait_w), os.read(wait_r, 1), os._exit(0)
+os.close(held_w)
+ends = [pin(ask["mb"] << 20), *(line.split() for line in os.fdopen(held_r).read().splitlines())]
+out = {"held_mb": sum(int(held) for held, _ in ends) >> 20, "vmsplice": [e for _, e in ends]}
+(r, w), f = os.pipe(), open("/tmp/pinned", "wb+")
+f.write(b"x" * 4096), f.flush()
+once("splice", lambda: os.splice(f.fileno(), w, 4096, offset_src=0))
+once("sendfile", lambda: os.sendfile(w, f.fileno(), 0, 4096))
+os.write(w, b"x")
+once("tee", lambda: checked(libc.tee(r, os.pipe()[1], 1, 2)))
+print(json.dumps(out))
+"""
 PROBE_MEMORY_MB = 64
 PROBE_PROCESSES = 8
+PIN_PROCESSES = 2
 
 
 @dataclass(frozen=True)
@@ -167,13 +234,15 @@ def run_check(mode: RunLimits) -> list[Line]:
     )
     # Without a memory cgroup nothing bounds held memfds but the refusal the first probe saw.
     memory = run_code(HOLD_MEMORY, config=small) if limits.controller("memory") else None
+    ask = {"mb": 2 * PROBE_MEMORY_MB, "processes": PIN_PROCESSES}  # twice what each may hold
+    pinned = run_code(PIN_PAGES, stdin=json.dumps(ask), config=small)
     forks = run_code(FORK, config=small)
     buffers = {kind: run_code(SOCKET_BUFFERS, stdin=kind, config=small) for kind in ("unix", "tcp")}
     tools = find_tools()
     started = f"bubblewrap {tools.bwrap}, as uid {SANDBOX_UID}, run_limits={mode}"
     return [
         Line("sandbox", "runs", started),
-        _memory_line(limits, seen, memory),
+        _memory_line(limits, seen, memory, pinned),
         _kernel_line(limits, seen, buffers),
         _keyring_line(limits, seen),
         _processes_line(limits, forks.stdout),
@@ -197,31 +266,51 @@ def _why_not(limits: RunPlan, name: str) -> str:
     return f"no {name} cgroup: {limits.host.reason(name)}"
 
 
-def _memory_line(limits: RunPlan, seen: dict, memory: SandboxResult | None) -> Line:
+def _pinned(result: SandboxResult) -> tuple[int | None, str]:
+    """The MiB a PIN_PAGES run held past unmapping (None: it was stopped), and how it ended."""
+    if result.status != "ok":
+        return None, f"stopped, status {result.status}"
+    got = json.loads(result.stdout)
+    calls = ", ".join(f"{key} {got[key]}" for key in ("splice", "tee", "sendfile"))
+    return got[
+        "held_mb"
+    ], f"held {got['held_mb']} MiB; vmsplice {'/'.join(got['vmsplice'])}, {calls}"
+
+
+def _memory_line(
+    limits: RunPlan, seen: dict, memory: SandboxResult | None, pin: SandboxResult
+) -> Line:
     where = _where(limits, "memory")
+    held, how = _pinned(pin)
+    pinned = f"{PIN_PROCESSES} processes pinning pipe pages past unmapping: {how}"
     if memory is not None and where is not None:
         lines = memory.stdout.splitlines()
         most = max((int(line.split()[1]) for line in lines if line.startswith("memfd ")), default=0)
         status = memory.status
-        ok = status == "memory" and most <= PROBE_MEMORY_MB
+        ok = status == "memory" and most <= PROBE_MEMORY_MB and (held or 0) <= PROBE_MEMORY_MB
         swap = "swap off" if swap_accounted(limits.controller("memory")) else "swap not counted"
         detail = (
             f"{where}: memory_mb for the whole run, shared memory and tmpfs included, {swap} "
-            f"(probe: stopped at {most} of {PROBE_MEMORY_MB} MiB of memfd, status {status})"
+            f"(probe: stopped at {most} of {PROBE_MEMORY_MB} MiB of memfd, status {status}; "
+            f"{pinned})"
         )
         return Line("memory", "per run", detail, ok)
-    refused = "memfd_create" in limits.blocked
+    refused = "memfd_create" in limits.blocked and "vmsplice" in limits.blocked
+    bound = PROBE_MEMORY_MB * PIN_PROCESSES
     ok = refused and seen["memfd"] == "EPERM" and seen["shm"] == "EPERM"
+    ok = ok and held is not None and held <= bound
     how = "refused by seccomp" if refused else "NOT bounded"
     detail = (
-        f"RLIMIT_AS memory_mb per process, up to max_processes; memfd and SysV shm {how} "
-        f"(probe: memfd {seen['memfd']}, shm {seen['shm']}); {_why_not(limits, 'memory')}"
+        f"RLIMIT_AS memory_mb per process, so memory_mb x max_processes per run; memfd, SysV shm "
+        f"and pipe page pinning {how} (probe: memfd {seen['memfd']}, shm {seen['shm']}; "
+        f"{pinned}, bound {bound} MiB); {_why_not(limits, 'memory')}"
     )
     return Line("memory", "per process", detail, ok)
 
 
 # What the probe reports for each kind of kernel memory the seccomp path refuses.
-_KERNEL_PROBES = ("socketpair", "tcp", "pipe_size", "io_uring", "inotify", "mq_open")
+_KERNEL_PROBES = ("socketpair", "tcp", "pipe_size", "io_uring", "io_setup", "userfaultfd")
+_KERNEL_PROBES += ("memfd_secret", "inotify", "mq_open")
 
 
 def _held(result: SandboxResult) -> tuple[int, str]:
@@ -249,7 +338,8 @@ def _kernel_line(limits: RunPlan, seen: dict, buffers: dict[str, SandboxResult])
     calls = ", ".join(f"{key} {seen[key]}" for key in _KERNEL_PROBES)
     how = "refused by seccomp" if refused else "NOT bounded"
     detail = (
-        f"sockets, pipe resizing, io_uring, inotify, POSIX queues {how} "
+        f"sockets, pipe resizing, io_uring, AIO, userfaultfd, memfd_secret, inotify, "
+        f"POSIX queues {how} "
         f"(probe: {calls}; {probe}); {_why_not(limits, 'memory')}"
     )
     return Line("kernel", "refused" if refused else "none", detail, ok)

@@ -7,7 +7,13 @@ segment once detached (``shmget``/``shmat``/``shmdt``), SysV and POSIX message
 queues, socket buffers (one process pins about 2 GiB in unix socketpairs with
 ``SO_SNDBUF`` raised, and 800 MiB in loopback TCP buffers without), pipes
 grown by ``F_SETPIPE_SZ``, io_uring rings, inotify watches, BPF maps and perf
-buffers. ``sched_setaffinity`` would let the program leave the CPU it was
+buffers. A pipe holds the pages given to it by reference: ``vmsplice``
+of a transparent huge page pins the whole 2 MiB page in one pipe slot after
+the program unmaps it (two processes at ``memory_mb=256`` held 2 GiB so), and
+``splice``, ``tee`` and ``sendfile`` into a pipe pin file pages past a
+truncate the same way; without them a pipe holds only the 64 KiB written into
+it. Native AIO contexts (``io_setup``) hold their rings past an unmap too.
+``sched_setaffinity`` would let the program leave the CPU it was
 pinned to. The filter makes those calls fail with EPERM, so a program gets an
 ordinary error instead of holding the host's memory. Two rules look at an
 argument: ``fcntl`` only for ``F_SETPIPE_SZ``, and ``socket`` for any family
@@ -75,6 +81,11 @@ KERNEL_MEMORY_CALLS = (
     "socketpair",
     "fcntl(F_SETPIPE_SZ)",
     "mq_open",
+    "vmsplice",
+    "splice",
+    "tee",
+    "sendfile",
+    "io_setup",
     "io_uring_setup",
     "io_uring_enter",
     "io_uring_register",
@@ -121,9 +132,11 @@ ARCHES = {
             "msgrcv": 70,
             "msgctl": 71,
             "sched_setaffinity": 203,
+            "io_setup": 206,
             "semtimedop": 220,
             "memfd_create": 319,
             "memfd_secret": 447,
+            "sendfile": 40,
             "socket": 41,
             "socketpair": 53,
             "fcntl": 72,
@@ -137,6 +150,9 @@ ARCHES = {
             "fanotify_init": 300,
             "bpf": 321,
             "userfaultfd": 323,
+            "splice": 275,
+            "tee": 276,
+            "vmsplice": 278,
             "io_uring_setup": 425,
             "io_uring_enter": 426,
             "io_uring_register": 427,
@@ -146,6 +162,11 @@ ARCHES = {
     "aarch64": _Arch(
         0xC00000B7,  # AUDIT_ARCH_AARCH64
         {
+            "io_setup": 0,
+            "sendfile": 71,
+            "vmsplice": 75,
+            "splice": 76,
+            "tee": 77,
             "sched_setaffinity": 122,
             "msgget": 186,
             "msgctl": 187,
