@@ -3,7 +3,8 @@
 Programs run in the real sandbox: one reports what it can reach (memfd, SysV
 shm, sockets, pipe resizing, io_uring, inotify, POSIX queues, the keyring, a
 wider CPU affinity, the network, a write to /), the others try to hold more
-memory than a small limit allows (memfd, unix and TCP socket buffers) and to
+memory than a small limit allows (memfd, pipe pages pinned by ``vmsplice``,
+unix and TCP socket buffers) and to
 fork past a small process cap. Each line is then what the plan promised and
 what the probes saw; a promise the probes contradict makes the check fail.
 """

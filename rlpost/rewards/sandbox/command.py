@@ -41,7 +41,7 @@ Per run, not per process: the rlimits bind each process; the run as a whole
 is bounded by its cgroup (``cgroup.py``: memory with shared memory included,
 pids, CPU quota, cpuset) where the host gives one, and otherwise by the
 seccomp filter (``seccomp.py``) refusing memfd, SysV IPC, sockets, pipe
-resizing, io_uring and ``sched_setaffinity``, so memory no address space
+resizing and page pinning, io_uring and ``sched_setaffinity``, so memory no address space
 counts cannot be held and the CPU pin cannot be widened. Without a memory
 cgroup a run can still hold up to ``max_processes`` address spaces of
 ``memory_mb`` each. The filter also refuses the keyring calls on every path.
