@@ -425,8 +425,9 @@ SPAWN = (
 
 
 @pytest.mark.parametrize("ending", ["exit", "timeout"])
-def test_nothing_a_command_started_outlives_it(engine, tmp_path, ending):
-    pids_file = tmp_path / "pids"
+def test_nothing_a_command_started_outlives_it(engine, ending):
+    # Outside /tmp, which the command has of its own.
+    pids_file = Path(tempfile.mkdtemp(prefix="rlpost-pids-", dir="/var/tmp")) / "pids"
     code = SPAWN + ("import time; time.sleep(300)\n" if ending == "timeout" else "print('done')\n")
     runner = _runner(
         engine, command=(sys.executable, "-c", code, str(pids_file)),
@@ -441,6 +442,7 @@ def test_nothing_a_command_started_outlives_it(engine, tmp_path, ending):
         for p in [int(p) for p in pids_file.read_text().split()] if pids_file.exists() else []:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
+    shutil.rmtree(pids_file.parent)
     assert len(pids) == 2 and left == []  # the background child and the setsid one
     counted = "harness_timed_out" if ending == "timeout" else "harness_failed"
     assert runner.last_stats.metrics()[counted] == 1.0  # no request sent: not trained
@@ -486,7 +488,7 @@ echo "seen=$seen denied=$denied"
 def test_a_harness_cannot_read_another_sessions_key(engine, monkeypatch, own_user, answer):
     """Under a uid of its own, a harness cannot read its sibling's /proc/PID/environ (so
     not its session key); as the trainer's user it can."""
-    shared = Path(tempfile.mkdtemp(prefix="rlpost-peek-"))
+    shared = Path(tempfile.mkdtemp(prefix="rlpost-peek-", dir="/var/tmp"))  # not /tmp: their own
     shared.chmod(0o1777)  # both commands write here, whatever their uid
     monkeypatch.setenv("PEEK_DIR", str(shared))
     runner = _runner(

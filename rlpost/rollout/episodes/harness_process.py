@@ -12,6 +12,11 @@ to exec at all).
 (:mod:`rlpost.rollout.episodes.harness_user`), with ``HOME`` and ``TMPDIR`` a private directory:
 no other harness can read its key from ``/proc/PID/environ``.
 
+**Scratch space.** Each command gets a ``/tmp`` and ``/dev/shm`` of its own (fresh tmpfs in
+a mount namespace of its own, ``TMPDIR`` pointing there), so no episode reads what another
+left; where the kernel allows no mount namespace (a trainer that is not root, with
+unprivileged user namespaces off) commands share the host's, and the run says so once.
+
 **Descendants.** The command runs under :mod:`rlpost.rollout.episodes.harness_reaper`, a
 child subreaper in its own process group: whatever the command started (background
 jobs, ``setsid`` daemons) is killed when the command exits, when it is killed for
@@ -24,6 +29,8 @@ running past its time, and when the trainer dies.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
 import signal
 import subprocess
@@ -41,6 +48,7 @@ STDOUT_TAIL = 1 << 20  # the answer is the last line: a tail keeps it
 STDERR_TAIL = 64 << 10
 REAPER = Path(__file__).with_name("harness_reaper.py")
 KILL_WAIT_S = 10.0  # for the reaper to kill and reap the command's tree
+log = logging.getLogger(__name__)
 
 
 def harness_env(
@@ -51,6 +59,20 @@ def harness_env(
     env = {k: v for k, v in environ.items() if k in BASIC_ENV or k.startswith("LC_") or k in names}
     env["OPENAI_BASE_URL"], env["OPENAI_API_KEY"] = base_url, key
     return env
+
+
+@functools.cache
+def private_scratch() -> bool:
+    """Whether the reaper can give commands a private /tmp and /dev/shm here (probed once)."""
+    argv = [sys.executable, "-I", "-S", str(REAPER), str(os.getpid()), "-", "private"]
+    done = subprocess.run(
+        [*argv, sys.executable, "-I", "-S", "-c", ""], capture_output=True, timeout=60
+    )
+    if done.returncode != 0:
+        why = (done.stderr.decode(errors="replace").strip().splitlines() or ["?"])[-1]
+        log.warning("harness commands share /tmp and /dev/shm here: %s; run the trainer as "
+                    "root or allow unprivileged user namespaces", why)  # fmt: skip
+    return done.returncode == 0
 
 
 class Tail:
@@ -88,11 +110,13 @@ class HarnessProcess:
 
     def __init__(self, command: tuple[str, ...], env: dict[str, str], own_user: bool = True):
         self.user = harness_user.reserve() if own_user and harness_user.isolates() else None
-        uid = "-"
+        uid, scratch = "-", "private" if private_scratch() else "shared"
+        if scratch == "private":  # the trainer's TMPDIR may be under the /tmp it no longer sees
+            env = {**env, "TMPDIR": "/tmp"}
         if self.user is not None:
             uid, env = str(self.user.uid), {**env, "HOME": str(self.user.home)}
             env["TMPDIR"] = str(self.user.home)
-        argv = [sys.executable, "-I", "-S", str(REAPER), str(os.getpid()), uid, *command]
+        argv = [sys.executable, "-I", "-S", str(REAPER), str(os.getpid()), uid, scratch, *command]
         try:
             self.proc = subprocess.Popen(
                 argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -1,6 +1,6 @@
 """Run a harness command and leave nothing it started behind (stdlib only: run by path).
 
-    python -I -S harness_reaper.py PARENT_PID UID COMMAND [ARG...]
+    python -I -S harness_reaper.py PARENT_PID UID SCRATCH COMMAND [ARG...]
 
 This process marks itself a child subreaper (``PR_SET_CHILD_SUBREAPER``), so every
 descendant of the command whose parent exits is reparented here rather than to init:
@@ -14,6 +14,12 @@ With a number for ``UID`` (``-``: none) the command runs under that uid, its gro
 the same number and no other group; this process keeps its own user, so it can
 still kill whatever the command started.
 
+With ``private`` for ``SCRATCH`` (``shared``: none) this process first enters a mount
+namespace of its own, in a user namespace of its own mapping only its ids when it is not
+root, and mounts fresh tmpfs on ``/tmp`` and ``/dev/shm``: the command and all it starts
+see only what they wrote there, and the kernel frees it when the last of them ends. A
+``HOME`` under ``/tmp`` (a harness user's private home) is bound into the new ``/tmp``.
+
 Exits with the command's status (128 + the signal that ended it; 127: it did not start).
 """
 
@@ -24,6 +30,8 @@ import subprocess
 import sys
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+CLONE_NEWNS, CLONE_NEWUSER = 0x20000, 0x10000000
+MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
 
 
 def _children() -> set[int]:
@@ -68,7 +76,36 @@ def _on_signal(signum, frame) -> None:
     os._exit(128 + signum)
 
 
-def main(parent: int, uid: int | None, argv: list[str]) -> int:
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"{what}: {os.strerror(code)}")
+
+
+def private_scratch(libc) -> None:
+    """Fresh tmpfs on /tmp and /dev/shm, in a mount namespace of this process's own."""
+    uid, gid, home = os.geteuid(), os.getegid(), os.environ.get("HOME", "")
+    _check(libc.unshare(CLONE_NEWNS | (CLONE_NEWUSER if uid else 0)), "unshare")
+    if uid:  # the user namespace maps only our own ids: the command keeps its user
+        for name, line in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                           ("gid_map", f"{gid} {gid} 1")):  # fmt: skip
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(line)
+    _check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
+    kept = os.open(home, os.O_PATH | os.O_DIRECTORY) if home.startswith("/tmp/") else None
+    for path in ("/tmp", "/dev/shm"):
+        if os.path.isdir(path):
+            flags, options = MS_NOSUID | MS_NODEV, b"mode=1777"
+            _check(libc.mount(b"tmpfs", path.encode(), b"tmpfs", flags, options), f"tmpfs {path}")
+    if kept is not None:
+        os.makedirs(home)
+        _check(libc.mount(f"/proc/self/fd/{kept}".encode(), home.encode(), None, MS_BIND, None),
+               f"bind {home}")  # fmt: skip
+        os.close(kept)
+
+
+def main(parent: int, uid: int | None, scratch: str, argv: list[str]) -> int:
+    libc = None
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
@@ -79,6 +116,13 @@ def main(parent: int, uid: int | None, argv: list[str]) -> int:
         signal.signal(signum, _on_signal)
     if os.getppid() != parent:  # the runner died before the death signal was armed
         return 128 + signal.SIGTERM
+    if scratch == "private":
+        try:
+            private_scratch(libc)
+        except (OSError, AttributeError) as exc:
+            why = getattr(exc, "strerror", None) or exc
+            print(f"cannot give the command a private /tmp ({why})", file=sys.stderr)
+            return 127
     user = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
     try:
         child = subprocess.Popen(argv, **user)
@@ -88,6 +132,8 @@ def main(parent: int, uid: int | None, argv: list[str]) -> int:
             line = f"cannot run {argv[0]!r} as uid {uid}, the harness's own user: {exc.strerror}; "
             line += "make the command and what it reads readable by other users, or set "
             line += "agent.harness.user=trainer"
+        if scratch == "private" and argv[0].startswith(("/tmp/", "/dev/shm/")):
+            line += "; the command sees a /tmp and /dev/shm of its own: keep it elsewhere"
         print(line, file=sys.stderr)
         return 127
     code = child.wait()
@@ -96,4 +142,5 @@ def main(parent: int, uid: int | None, argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]), None if sys.argv[2] == "-" else int(sys.argv[2]), sys.argv[3:]))
+    uid = None if sys.argv[2] == "-" else int(sys.argv[2])
+    sys.exit(main(int(sys.argv[1]), uid, sys.argv[3], sys.argv[4:]))
