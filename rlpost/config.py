@@ -1085,8 +1085,9 @@ class HarnessConfig(Section):
     answer (judged by the reward terms), a number (the session's reward) or None."""
     command: list[str] = []
     """The agent as a command (instead of entry): OPENAI_BASE_URL and OPENAI_API_KEY (its
-    session's own key) in its environment, the prompt on stdin; its last stdout line is the
-    answer or a number. Nothing it starts outlives it."""
+    session's own key) in its environment, the prompt on stdin, a /tmp and /dev/shm of its own;
+    its last stdout line is the answer, or ``reward: <number>`` for the session's reward (a
+    number alone is an answer). Nothing it starts outlives it."""
     env: list[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]] = []
     """Names of the trainer's environment variables a command also gets. It gets no others
     but PATH, HOME, USER, LOGNAME, SHELL, TERM, TMPDIR, LANG, LANGUAGE, LC_* and TZ."""

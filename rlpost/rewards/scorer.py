@@ -13,7 +13,9 @@ so a learned or judged signal never outweighs the checkable one by default.
 
 A NaN, an infinity or a score outside ``score_range`` never reaches the
 optimizer: the sample's score is replaced by ``invalid_score`` and counted, per
-batch in ``ScoredBatch.invalid`` and per term in ``RewardScorer.counters()``.
+batch in ``ScoredBatch.invalid`` and per term in ``RewardScorer.counters()``. The
+same holds for the rewards an episode's turns carry (an environment's, an agent
+harness's), which trained beside the terms' score.
 
 :class:`RewardWorker` is the reward role behind the same narrow interface as the
 others: it takes :class:`~rlpost.types.Group` records from the rollout stage and returns
@@ -168,7 +170,11 @@ class RewardScorer:
                 if value is not None and not math.isnan(value):
                     parts[term.name] = value
             combined = self._combine(parts)
-            if truncated:
+            turns = samples[i].episode.turns if samples[i].episode is not None else ()
+            if not all(self._valid(t.reward) for t in turns):  # trained even when truncated
+                invalid_rows.append(i)
+                scores.append(self.invalid_score)
+            elif truncated:
                 scores.append(float(self.truncated_reward))
             elif bad or not math.isfinite(combined):  # weights can overflow
                 invalid_rows.append(i)

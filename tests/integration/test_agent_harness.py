@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ import torch
 from openai import BadRequestError, NotFoundError, OpenAI
 
 from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
+from rlpost.rewards.scorer import RewardScorer, Term, reward_samples
 from rlpost.rollout.engines.continuous import ContinuousEngine
 from rlpost.rollout.engines.prefix_cache import PrefixCache
 from rlpost.rollout.engines.protocol import SamplingParams
@@ -303,6 +305,42 @@ own = {"Authorization": "Bearer " + key}
 body = {"prompt": "hi", "max_tokens": 2}
 httpx.post(url + "/completions", json=body, headers=own, timeout=60).raise_for_status()
 """
+
+
+# What a command prints last: its answer, or a reward line; valid: whether the sample may train.
+LAST_LINES = [
+    ("4", "4", 0.0, True),  # a number alone is an answer, judged by the reward terms
+    ("1e30", "1e30", 0.0, True),
+    ("inf", "inf", 0.0, True),
+    ("nan", "nan", 0.0, True),
+    ("reward: 0.75", None, 0.75, True),
+    ("reward: -10", None, -10.0, True),
+    ("reward: 1e30", None, 1e30, False),  # outside reward.score_range
+    ("reward: inf", None, math.inf, False),
+    ("reward: nan", None, math.nan, False),
+    ("reward: 0.5x", None, math.nan, False),
+]
+
+
+def test_a_commands_reward_is_an_explicit_line_in_the_score_range(engine):
+    runner = _runner(engine, command=(sys.executable, "-c", AGENT + "print(prompt)\n"))
+    prompts = [Prompt(last) for last, *_ in LAST_LINES]
+    try:
+        rows = runner.generate([[1]] * len(prompts), GREEDY, n=1, prompts=prompts)
+    finally:
+        runner.close()
+    rows = sorted(rows, key=lambda r: r.group)
+    assert [r.group for r in rows] == list(range(len(LAST_LINES)))
+    for row, (last, answer, reward, _) in zip(rows, LAST_LINES, strict=True):
+        got = [t for t in row.episode.turns if t.role == "policy"][-1].reward
+        assert got == reward or (math.isnan(got) and math.isnan(reward)), (last, got)
+        assert row.episode.answer == answer if answer else row.episode.answer != last
+    # The reward worker's check: such a sample scores invalid_score and is counted.
+    groups = to_groups(prompts, rows, 1, by_index=True)
+    scorer = RewardScorer([Term("zero", lambda s, **_: 0.0, 1.0, "rule")], invalid_score=-1.0,
+                          score_range=(-10.0, 10.0))  # fmt: skip
+    scored = scorer.score(reward_samples(groups, max_tokens=40))
+    assert scored.invalid_rows == [i for i, (*_, valid) in enumerate(LAST_LINES) if not valid]
 
 
 def test_a_command_gets_its_url_its_key_the_listed_names_and_its_prompt_on_stdin(

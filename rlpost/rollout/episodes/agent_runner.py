@@ -11,9 +11,12 @@ rollout servers (:class:`~rlpost.rollout.engines.remote_sessions.RemoteSessions`
 The agent is a callable ``fn(prompt, base_url, **info)`` run in a thread (``info``: those of
 ``api_key``, ``session_id``, ``metadata`` it accepts), or a command
 (:mod:`rlpost.rollout.episodes.harness_process`). Its key opens its own session and no other;
-the loopback server's keys stay with the trainer. It returns (a command: prints last) its
-final answer, which the reward terms judge, a number added to their reward, or nothing (the
-last request's text is the answer). A harness that raises, exits non-zero or runs past
+the loopback server's keys stay with the trainer. It returns its final answer, which the
+reward terms judge, a number added to their reward, or nothing (the last request's text is
+the answer); a command prints its answer as its last stdout line, or a last line
+``reward: <number>`` for a reward (a number alone is an answer). A reward that is not finite
+or lies outside ``reward.score_range`` makes the sample invalid (the reward worker counts
+it). A harness that raises, exits non-zero or runs past
 ``timeout_s`` is counted and its session dropped; one stopped by a session bound is kept as
 truncated. Every session is closed when its harness ends.
 """
@@ -22,6 +25,9 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
+import math
+import re
 import secrets
 import socket
 import threading
@@ -40,6 +46,8 @@ from rlpost.rollout.serve.sessions import Session, SessionBounds, session_sample
 from rlpost.types import Completion, Prompt
 
 GRACE_S = 5.0  # past the session's wall bound, a harness still running is hung
+log = logging.getLogger(__name__)
+REWARD_LINE = re.compile(r"reward:\s*(\S+)")  # a command's last line that is its reward
 
 
 @dataclass(frozen=True)
@@ -293,10 +301,12 @@ class AgentRunner:
         if not lines:
             return None
         last = lines[-1].strip()
-        try:
-            return float(last)
-        except ValueError:
+        if (reward := REWARD_LINE.fullmatch(last)) is None:
             return last
+        try:
+            return float(reward.group(1))
+        except ValueError:  # not a number: an invalid reward, never an answer
+            return math.nan
 
     def _collect(self, jobs: list[_Job]) -> list[Completion]:
         s = self.last_stats = HarnessStats(sessions=len(jobs))
@@ -335,6 +345,9 @@ class AgentRunner:
             s.tokens += session.tokens
             s.rows += len(out)
             rows += out
+        if not rows and s.failed:  # a broken harness, not bad luck: say why
+            log.warning("every harness session failed (%d of %d); the last: %s",
+                        s.failed, s.sessions, s.last_error)  # fmt: skip
         return rows
 
     def state_dict(self) -> dict[str, Any]:

@@ -244,3 +244,20 @@ def test_parameter_values_a_reward_would_refuse_are_refused_at_load(name, params
     with pytest.raises(ValueError) as err:
         check_terms(RewardConfig(terms=[RewardTerm(name=name, params=params)]))
     assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_an_episodes_turn_reward_out_of_range_or_not_finite_makes_the_sample_invalid():
+    from rlpost.types import Episode, Turn
+
+    def episode(reward: float) -> Episode:
+        return Episode([Turn("policy", 0, 2, reward=0.5), Turn("policy", 3, 4, reward=reward)])
+
+    rewards = [0.25, 1e30, math.inf, math.nan, -10.5, 10.0]
+    batch = [RewardSample("p", "c", episode=episode(r), finish_reason="length") for r in rewards]
+    batch.append(RewardSample("p", "c"))  # no episode: only the terms decide
+    scorer = RewardScorer([Term("one", const(1.0), 1.0, "rule")], invalid_score=-3.0,
+                          score_range=(-10.0, 10.0), truncated_reward=0.0)  # fmt: skip
+    scored = scorer.score(batch)
+    # Truncated samples too: their turn rewards train beside truncated_reward.
+    assert scored.invalid_rows == [1, 2, 3, 4] and scored.invalid == 4
+    assert scored.scores == [0.0, -3.0, -3.0, -3.0, -3.0, 0.0, 1.0]
