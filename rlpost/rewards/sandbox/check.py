@@ -49,6 +49,13 @@ attempt("socketpair", lambda: [end.close() for end in socket.socketpair()])
 attempt("tcp", lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM).close())
 pipe = os.pipe()
 attempt("pipe_size", lambda: fcntl.fcntl(pipe[1], 1031, 1 << 20))  # F_SETPIPE_SZ
+with open("/tmp/probe", "wb+") as f:  # a file's pages handed to a pipe by reference
+    f.write(b"x" * 4096), f.flush()
+    attempt("splice", lambda: os.splice(f.fileno(), pipe[1], 4096, offset_src=0))
+    attempt("sendfile", lambda: os.sendfile(pipe[1], f.fileno(), 0, 4096))
+os.write(pipe[1], b"x")
+call("tee", "tee", ctypes.c_long(pipe[0]), ctypes.c_long(os.pipe()[1]), ctypes.c_long(1),
+     ctypes.c_long(2), fd=False)
 call("io_uring", "io_uring_setup", ctypes.c_long(1), ctypes.create_string_buffer(120))
 call("io_setup", "io_setup", ctypes.c_long(1), ctypes.byref(ctypes.c_ulong(0)), fd=False)
 call("userfaultfd", "userfaultfd", ctypes.c_long(0))
@@ -75,7 +82,7 @@ print(json.dumps(out))
 """
 # The calls PROBE makes by number, as the filter knows them.
 PROBE_CALLS = ("io_uring_setup", "io_setup", "userfaultfd", "memfd_secret", "inotify_init1")
-PROBE_CALLS += ("mq_open", "keyctl")
+PROBE_CALLS += ("mq_open", "keyctl", "tee")
 
 # Holds memfd memory past the limit, 8 MiB at a time.
 HOLD_MEMORY = r"""
@@ -134,14 +141,14 @@ print("held", sent >> 20, flush=True)
 """
 # Pins pages in pipes past unmapping, in each of `processes` processes up to `mb` MiB each:
 # vmsplice one 4 KiB page of each transparent huge page (the slot then holds all 2 MiB), then
-# unmap; then splice, tee and sendfile into a pipe once. Prints the MiB held and how each ended.
+# unmap. Prints the MiB held and how each process ended.
 PIN_PAGES = r"""
 import ctypes, errno, json, os, sys
 ask, held_r, held_w, wait_r, wait_w = json.loads(sys.stdin.read()), *os.pipe(), *os.pipe()
 libc, P, Z = ctypes.CDLL(None, use_errno=True), ctypes.c_void_p, ctypes.c_size_t
 libc.mmap.restype, libc.mmap.argtypes = P, [P, Z, ctypes.c_int, ctypes.c_int, ctypes.c_int, Z]
 libc.munmap.argtypes, libc.madvise.argtypes = [P, Z], [P, Z, ctypes.c_int]
-libc.vmsplice.restype = libc.tee.restype = ctypes.c_long
+libc.vmsplice.restype = ctypes.c_long
 HUGE, SPAN = 2 << 20, 8 << 20
 class Iovec(ctypes.Structure):
     _fields_ = [("base", P), ("len", Z)]
@@ -170,29 +177,14 @@ def pin(target, held=0, pipe=-1):
         finally:
             libc.munmap(addr, SPAN)
     return held, "held"
-def checked(got):
-    if got < 0:
-        raise OSError(ctypes.get_errno(), "")
-def once(key, fn):
-    try:
-        fn()
-        out[key] = "allowed"
-    except OSError as exc:
-        out[key] = errno.errorcode[exc.errno]
 for _ in range(ask["processes"] - 1):
     if os.fork() == 0:  # holds what it pinned until the first process exits
         os.write(held_w, "{} {}\n".format(*pin(ask["mb"] << 20)).encode())
         os.close(held_w), os.close(wait_w), os.read(wait_r, 1), os._exit(0)
 os.close(held_w)
 ends = [pin(ask["mb"] << 20), *(line.split() for line in os.fdopen(held_r).read().splitlines())]
-out = {"held_mb": sum(int(held) for held, _ in ends) >> 20, "vmsplice": [e for _, e in ends]}
-(r, w), f = os.pipe(), open("/tmp/pinned", "wb+")
-f.write(b"x" * 4096), f.flush()
-once("splice", lambda: os.splice(f.fileno(), w, 4096, offset_src=0))
-once("sendfile", lambda: os.sendfile(w, f.fileno(), 0, 4096))
-os.write(w, b"x")
-once("tee", lambda: checked(libc.tee(r, os.pipe()[1], 1, 2)))
-print(json.dumps(out))
+held = sum(int(held) for held, _ in ends) >> 20
+print(json.dumps({"held_mb": held, "vmsplice": [end for _, end in ends]}))
 """
 PROBE_MEMORY_MB = 64
 PROBE_PROCESSES = 8
@@ -272,10 +264,7 @@ def _pinned(result: SandboxResult) -> tuple[int | None, str]:
     if result.status != "ok":
         return None, f"stopped, status {result.status}"
     got = json.loads(result.stdout)
-    calls = ", ".join(f"{key} {got[key]}" for key in ("splice", "tee", "sendfile"))
-    return got[
-        "held_mb"
-    ], f"held {got['held_mb']} MiB; vmsplice {'/'.join(got['vmsplice'])}, {calls}"
+    return got["held_mb"], f"held {got['held_mb']} MiB, vmsplice {'/'.join(got['vmsplice'])}"
 
 
 def _memory_line(
@@ -310,8 +299,8 @@ def _memory_line(
 
 
 # What the probe reports for each kind of kernel memory the seccomp path refuses.
-_KERNEL_PROBES = ("socketpair", "tcp", "pipe_size", "io_uring", "io_setup", "userfaultfd")
-_KERNEL_PROBES += ("memfd_secret", "inotify", "mq_open")
+_KERNEL_PROBES = ("socketpair", "tcp", "pipe_size", "splice", "sendfile", "tee", "io_uring")
+_KERNEL_PROBES += ("io_setup", "userfaultfd", "memfd_secret", "inotify", "mq_open")
 
 
 def _held(result: SandboxResult) -> tuple[int, str]:
@@ -339,8 +328,8 @@ def _kernel_line(limits: RunPlan, seen: dict, buffers: dict[str, SandboxResult])
     calls = ", ".join(f"{key} {seen[key]}" for key in _KERNEL_PROBES)
     how = "refused by seccomp" if refused else "NOT bounded"
     detail = (
-        f"sockets, pipe resizing, io_uring, AIO, userfaultfd, memfd_secret, inotify, "
-        f"POSIX queues {how} "
+        f"sockets, pipe resizing and page passing, io_uring, AIO, userfaultfd, memfd_secret, "
+        f"inotify, POSIX queues {how} "
         f"(probe: {calls}; {probe}); {_why_not(limits, 'memory')}"
     )
     return Line("kernel", "refused" if refused else "none", detail, ok)
