@@ -310,6 +310,9 @@ class ReasoningGymConfig(Variant):
     """Unique held-out rows asked for, none of them a training row's question."""
     seed: int = 0
     """Generator seed: the rows do not depend on the run's seed."""
+    evaluate_answers: bool = False
+    """Allow a task whose scorer evaluates the answer as code (eval, sympy's parse_expr):
+    scored in the sandbox, the evaluation apart from the score. Off: such a task is refused."""
 
 
 class VerifiersSourceConfig(Variant):

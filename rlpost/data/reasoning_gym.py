@@ -65,6 +65,7 @@ class TaskEntry:
     task: str
     config: dict[str, Any]
     entry: dict[str, Any]
+    evaluate_answers: bool = False
 
 
 STALL_DRAWS = 200
@@ -101,6 +102,10 @@ def task_problem(c: ReasoningGymConfig) -> str | None:
         return f"reasoning-gym has no task {c.task!r}; {fix}"
     if c.task in BROKEN:
         return f"refused: {BROKEN[c.task]}"
+    from rlpost.rewards.reasoning_gym import evaluating_refused, task_evaluates
+
+    if (calls := task_evaluates(c.task)) and not c.evaluate_answers:
+        return evaluating_refused(calls)
     reserved = sorted({"seed", "size"} & set(c.config))
     if reserved:
         return f"config.{reserved[0]} is set by the source; set {reserved[0]} beside config"
@@ -186,7 +191,7 @@ def generate_splits(
         Prompt(
             text=template.format(prompt=e["question"]),
             answer=e.get("answer"),
-            metadata={"reasoning_gym": TaskEntry(c.task, dict(c.config), e)},
+            metadata={"reasoning_gym": TaskEntry(c.task, dict(c.config), e, c.evaluate_answers)},
             uid=f"{c.task}:{i}",
         )
         for i, e in entries

@@ -701,7 +701,9 @@ def reasoning_gym_task_generates(cfg: Config) -> str | bool | None:
     for key, s in _sources(cfg):
         if not isinstance(s.task, ReasoningGymConfig):
             continue
-        problem = task_problem(s.task) or _reasoning_gym_sandbox_problem(s.task.task)
+        problem = task_problem(s.task)
+        if problem is None and s.task.evaluate_answers:
+            problem = _reasoning_gym_sandbox_problem(s.task.task)
         if problem is not None:
             return f"{key}.task.task={s.task.task}: {problem}"
     return None

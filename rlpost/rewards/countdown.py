@@ -14,6 +14,7 @@ Grammar (integers only, no unary minus, no exponent)::
 
 from __future__ import annotations
 
+import math
 import operator
 import re
 from collections import Counter
@@ -21,7 +22,7 @@ from fractions import Fraction
 from typing import Any
 
 from rlpost.rewards.registry import reward_function
-from rlpost.rewards.verifiable import extract_tag
+from rlpost.rewards.verifiable import extract_tag, numbers_bounded
 from rlpost.types import RewardSample
 
 _TOKEN = re.compile(r"\s*(?:(\d+)|(.))")
@@ -135,10 +136,13 @@ def _uses_allowed_numbers(used: list[int], given: list[int], exactly_once: bool)
     return all(used_count[n] <= given_count[n] for n in used_count)
 
 
-def _metadata_numbers(metadata: dict[str, Any]) -> tuple[list[int], Fraction] | None:
+def _metadata_numbers(metadata: dict[str, Any]) -> tuple[list[int], Fraction] | float | None:
+    """(numbers, target) of a row; NaN (an invalid score) for a target too large to read."""
     numbers, target = metadata.get("numbers"), metadata.get("target")
     if numbers is None or target is None:
         return None
+    if not numbers_bounded(str(target)):
+        return math.nan
     try:
         return [int(n) for n in numbers], Fraction(target)
     except (TypeError, ValueError):
@@ -158,11 +162,13 @@ def countdown(
     ``metadata["numbers"]`` (list of ints) and ``metadata["target"]`` are required
     (``None`` otherwise). Each number may be used at most once, or exactly once with
     ``exactly_once``. A well-formed, legal equation with the wrong value scores
-    ``format_score`` (TinyZero uses 0.1); anything else scores 0.0.
+    ``format_score`` (TinyZero uses 0.1); anything else scores 0.0. A target past
+    :func:`~rlpost.rewards.verifiable.numbers_bounded` scores NaN, which the scorer
+    counts as invalid.
     """
     spec = _metadata_numbers(sample.metadata)
-    if spec is None:
-        return None
+    if not isinstance(spec, tuple):
+        return spec
     given, target = spec
     equation = extract_equation(sample.completion, tag)
     if not equation:

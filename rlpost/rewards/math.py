@@ -16,11 +16,11 @@ character limit would prevent.
 
 from __future__ import annotations
 
-import atexit
 import threading
 from functools import lru_cache
 from typing import Any
 
+from rlpost.rewards.helper import Helper, Overran
 from rlpost.rewards.registry import reward_function
 from rlpost.rewards.verifiable import extract_final_answer, extract_tag
 from rlpost.types import RewardSample
@@ -30,39 +30,7 @@ def _on_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-class _Checker:
-    """One helper process that runs :func:`_check` with math-verify's own timeouts; killed
-    and started afresh when a call overruns. Hand-written because a process pool cannot
-    stop one running task (``multiprocessing.Pool.terminate`` is the only way out)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pool = None
-
-    def __call__(self, reference: str, text: str, timeout_s: int, rounding: int) -> bool:
-        import multiprocessing as mp
-
-        with self._lock:  # one check at a time: the helper has one thread
-            if self._pool is None:
-                self._pool = mp.get_context("spawn").Pool(1)
-                atexit.register(self.close)  # before interpreter teardown, not in Pool.__del__
-            job = self._pool.apply_async(_check, (reference, text, timeout_s, rounding))
-            try:
-                return bool(job.get(timeout=2 * timeout_s + 10))
-            except mp.TimeoutError:
-                self._pool.terminate()
-                self._pool = None
-                return False
-
-    def close(self) -> None:
-        with self._lock:
-            if self._pool is not None:
-                self._pool.terminate()
-                self._pool.join()
-                self._pool = None
-
-
-_CHECKER = _Checker()
+_HELPER = Helper()
 
 
 def _check(reference: str, text: str, timeout: int | None, rounding: int) -> bool:
@@ -120,5 +88,9 @@ def math_verify_reward(
     if _on_main_thread():
         ok = _check(reference, text, timeout_seconds, float_rounding)
     else:  # no alarm off the main thread: a helper process that can be killed
-        ok = _CHECKER(reference, text, timeout_seconds, float_rounding)
+        try:  # math-verify's own timeouts, then a margin before the helper is killed
+            args = (reference, text, timeout_seconds, float_rounding)
+            ok = _HELPER.call(_check, *args, timeout_s=2 * timeout_seconds + 10)
+        except Overran:
+            ok = False
     return 1.0 if ok else 0.0

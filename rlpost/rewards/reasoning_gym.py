@@ -11,27 +11,37 @@ The scorer gets the task's in-memory entry, a
 :class:`~rlpost.data.reasoning_gym.TaskEntry` that only rlpost's reasoning-gym source
 makes; a sample without one (another source, a file row) is not applicable (``None``).
 Model output is data: a task whose scorer evaluates text as code (``eval``, sympy's
-``parse_expr``..., found by :mod:`rlpost.rewards.reasoning_gym_scan`) is scored in
-the sandbox, one run per batch and a fresh process per answer
+``parse_expr``..., found by :mod:`rlpost.rewards.reasoning_gym_scan`) is scored only
+where its source opted in (``evaluate_answers``), in the sandbox, where the evaluation
+runs apart from the scorer and cannot choose its score
 (:mod:`rlpost.rewards.reasoning_gym_sandbox`; ``sandbox``: its ``SandboxConfig``
 keywords, ``timeout_s``: seconds per answer); every other scorer is plain string and
-number work and runs here. A scorer that raises, times out or gives no finite score
-scores 0 and is counted (``scorer_errors``), as are replies without an answer
-(``no_answer``), answers over the length cap (``too_long``) and the answers scored in
-the sandbox (``sandboxed``).
+number work and runs in a helper process, killed past ``timeout_s``
+(:mod:`rlpost.rewards.helper`). Scores are clipped to [0, 1].
+
+A scorer that raises or gives no finite score scores 0 and is counted
+(``scorer_errors``), as are replies without an answer (``no_answer``), answers over
+the length cap (``too_long``), the answers scored in the sandbox (``sandboxed``) and the
+sandbox runs started again after one ended early (``sandbox_restarts``). An answer
+whose numbers are too large for exact arithmetic
+(:func:`~rlpost.rewards.verifiable.numbers_bounded`: ``1e999999999``) or whose scorer
+overran ``timeout_s`` scores NaN, which the reward scorer turns into ``invalid_score``
+and counts (``too_large``, ``timed_out``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Sequence
 from typing import Any
 
 from rlpost.data.reasoning_gym import TaskEntry
+from rlpost.rewards.helper import Helper, Overran
 from rlpost.rewards.reasoning_gym_scan import task_evaluates
 from rlpost.rewards.registry import batched_scorer
-from rlpost.rewards.verifiable import extract_tag
+from rlpost.rewards.verifiable import extract_tag, numbers_bounded
 from rlpost.types import RewardSample
 
 EXTRACTS = ("tag", "last_line", "whole")
@@ -79,6 +89,27 @@ def extract_answer(text: str, extract: str, tag: str) -> str | None:
     return found or None
 
 
+@functools.cache
+def _dataset(task: str, config: str):
+    import reasoning_gym
+
+    return reasoning_gym.create_dataset(task, seed=0, size=1, **json.loads(config))
+
+
+def score_answer(task: str, config: dict, entry: dict, answer: str) -> float:
+    """``task``'s own scorer on ``answer`` (in the helper process: a module-level function)."""
+    dataset = _dataset(task, json.dumps(config, sort_keys=True, default=str))
+    return float(dataset.score_answer(answer, entry))
+
+
+def evaluating_refused(calls: Sequence[str]) -> str:
+    """Why a task whose scorer makes ``calls`` is refused without the opt-in (one phrase)."""
+    return (
+        f"its scorer evaluates the answer as code ({', '.join(calls[:3])}); set "
+        "evaluate_answers=true beside it to score it in the sandbox"
+    )
+
+
 @batched_scorer("reasoning_gym")
 class ReasoningGymScorer:
     """The reasoning-gym task's own scorer of each prompt, on the extracted answer."""
@@ -103,22 +134,18 @@ class ReasoningGymScorer:
         )
         self.extract, self.tag = extract, tag
         self.max_answer_chars, self.timeout_s = max_answer_chars, timeout_s
-        self._datasets: dict[tuple[str, str], Any] = {}
-        self._counts = {"scorer_errors": 0, "no_answer": 0, "too_long": 0, "sandboxed": 0}
-
-    def _dataset(self, task: str, config: dict):
-        key = (task, json.dumps(config, sort_keys=True, default=str))
-        if key not in self._datasets:
-            import reasoning_gym
-
-            self._datasets[key] = reasoning_gym.create_dataset(task, seed=0, size=1, **config)
-        return self._datasets[key]
+        self._helper = Helper()
+        counts = ("scorer_errors", "no_answer", "too_long", "too_large", "timed_out")
+        self._counts = dict.fromkeys((*counts, "sandboxed", "sandbox_restarts"), 0)
 
     def _answer(self, sample: RewardSample) -> tuple[TaskEntry, str] | float | None:
         """The sample's entry and answer, or its score when no scorer need be asked."""
         meta = sample.metadata.get("reasoning_gym") if sample.metadata else None
         if not isinstance(meta, TaskEntry):
             return None  # not a row rlpost's reasoning-gym source generated
+        calls = task_evaluates(meta.task)
+        if calls and not meta.evaluate_answers:
+            raise ValueError(f"task={meta.task}: {evaluating_refused(calls)}")
         answer = extract_answer(sample.completion, self.extract, self.tag)
         if answer is None:
             self._counts["no_answer"] += 1
@@ -126,11 +153,19 @@ class ReasoningGymScorer:
         if len(answer) > self.max_answer_chars:
             self._counts["too_long"] += 1
             return 0.0
+        if not calls and not numbers_bounded(answer):
+            self._counts["too_large"] += 1
+            return math.inf  # past the error count below: NaN, an invalid score
         return meta, answer
 
     def _in_process(self, meta: TaskEntry, answer: str) -> float:
         try:
-            return float(self._dataset(meta.task, meta.config).score_answer(answer, meta.entry))
+            args = (meta.task, meta.config, meta.entry, answer)
+            value = self._helper.call(score_answer, *args, timeout_s=self.timeout_s)
+            return value if math.isfinite(value) else math.nan
+        except Overran:
+            self._counts["timed_out"] += 1
+            return math.inf
         except Exception:  # a task's scorer raising on an odd answer (prime_factorization)
             return math.nan
 
@@ -150,16 +185,23 @@ class ReasoningGymScorer:
             self._counts["sandboxed"] += len(confined)
             from rlpost.rewards.reasoning_gym_sandbox import score_in_sandbox
 
-            values = score_in_sandbox([item for _, item in confined], self.sandbox, self.timeout_s)
+            items = [item for _, item in confined]
+            values, runs = score_in_sandbox(items, self.sandbox, self.timeout_s)
+            self._counts["sandbox_restarts"] += runs - 1
             for (i, _), value in zip(confined, values, strict=True):
                 out[i] = value
         return [self._finite(v) for v in out]
 
     def _finite(self, value: float | None) -> float | None:
-        if value is not None and not math.isfinite(value):
+        if value is None or math.isinf(value):  # inf: a bound was hit, counted where it was
+            return None if value is None else math.nan
+        if not math.isfinite(value):
             self._counts["scorer_errors"] += 1
             return 0.0
-        return value
+        return min(max(value, 0.0), 1.0)
+
+    def close(self) -> None:
+        self._helper.close()
 
     def counters(self) -> dict[str, int]:
         return dict(self._counts)

@@ -1,14 +1,16 @@
 """reasoning-gym scorers that evaluate their input, run in the sandbox.
 
 The trusted side of ``reasoning_gym_sandbox_script.py``: one sandbox run scores a
-batch's items (task, config, entry, answer), each in a fresh process forked inside it,
-so an answer a scorer ``eval``\\ s runs as the sandbox's user with no network, a
-read-only root and the run's memory, process and time limits, and never sees another
-item or this process. Items travel as a pickle of plain data into the sandbox; only
-``<nonce> <index> <score>`` lines come back, parsed as floats. An item without a score
-(its child timed out, crashed or printed nothing) is NaN, which the reward counts as a
-scorer error. A child that kills the run costs its own item; the items after it run
-again in a new sandbox.
+batch's items (task, config, entry, answer). Inside it the task's scorer runs in a
+process that evaluates nothing; each ``eval`` or ``parse_expr`` it makes runs in a
+child forked for it, confined by :data:`CHILD_CALLS` refused, whose only output is
+data the scorer then judges; so an answer runs as the sandbox's user with no network,
+a read-only root and the run's limits, and cannot choose its score. Items travel as a
+pickle of plain data into the sandbox; only ``<nonce> <index> <score>`` lines come
+back, parsed as floats and clipped to :data:`SCORE_RANGE`. An item without a score
+(its evaluation timed out or died, its scorer overran) is NaN, which the reward
+counts as a scorer error. A run that ends early costs its item in progress, and the
+items after it run again in a new sandbox (counted as a restart).
 
 The sandbox runs the interpreter's own standard library and site-packages, read-only
 under ``/opt/python`` (or ``/usr``): reasoning-gym must be installed there, not in a
@@ -24,12 +26,19 @@ import json
 import math
 import os
 import pickle
+import platform
 import secrets
 import sys
 from pathlib import Path
 from typing import Any
 
-from rlpost.rewards.sandbox import SandboxConfig, SandboxUnavailable, check_available, run_code
+from rlpost.rewards.sandbox import (
+    SandboxConfig,
+    SandboxUnavailable,
+    check_available,
+    run_code,
+    seccomp,
+)
 from rlpost.rewards.sandbox.command import SANDBOX_PYTHON, find_interpreter
 from rlpost.rewards.sandbox.harness import marker_lines
 
@@ -38,6 +47,34 @@ Item = tuple[str, dict[str, Any], dict[str, Any], str]
 
 START_S = 60.0
 """Budget of one run before its first item: importing reasoning-gym and sympy in the sandbox."""
+
+SCORE_RANGE = (0.0, 1.0)
+"""What a reasoning-gym scorer gives; a score outside is clipped into it."""
+
+CHILD_CALLS = (
+    *("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo"),
+    *("pidfd_open", "pidfd_send_signal", "pidfd_getfd", "ptrace"),
+    *("process_vm_readv", "process_vm_writev", "clone", "clone3", "fork", "vfork"),
+)
+"""What the child evaluating an answer may not do: reach another process or start one."""
+
+_CHILD_NUMBERS = {
+    "x86_64": dict(
+        zip(
+            CHILD_CALLS,
+            (62, 200, 234, 129, 297, 434, 424, 438, 101, 310, 311, 56, 435, 57, 58),
+            strict=True,
+        )
+    ),
+    # aarch64 has no fork or vfork (glibc forks with clone)
+    "aarch64": dict(
+        zip(
+            CHILD_CALLS,
+            (129, 130, 131, 138, 240, 434, 424, 438, 117, 270, 271, 220, 435),
+            strict=False,
+        )
+    ),
+}
 
 
 @functools.cache
@@ -62,12 +99,24 @@ def sandbox_paths() -> list[str]:
     return list(dict.fromkeys(path for path in seen if path is not None))
 
 
+@functools.cache
+def child_filter() -> bytes:
+    """The seccomp program of :data:`CHILD_CALLS` for this machine."""
+    calls = [c for c in CHILD_CALLS if c in _CHILD_NUMBERS.get(platform.machine(), {})]
+    return seccomp.build_filter(calls, numbers=_CHILD_NUMBERS)
+
+
 def sandbox_problem() -> str | None:
     """Why evaluating scorers cannot run in the sandbox here (one phrase with the fix), or None."""
     try:
         check_available()
     except SandboxUnavailable as exc:
         return f"the sandbox cannot run here: {exc}"
+    if not seccomp.supported() or platform.machine() not in _CHILD_NUMBERS:
+        return (
+            f"an answer's evaluation is confined by a seccomp filter, which this machine "
+            f"({platform.machine()}) cannot load; score on x86_64 or aarch64 Linux"
+        )
     import reasoning_gym
 
     home = os.path.dirname(os.path.dirname(os.path.realpath(reasoning_gym.__file__)))
@@ -80,45 +129,56 @@ def sandbox_problem() -> str | None:
     return None
 
 
-def _one_run(items: list[Item], config: SandboxConfig, timeout_s: float) -> tuple[dict, set, str]:
-    """(scores by index, indices started, stderr's last line) of one sandbox run."""
-    nonce = secrets.token_hex(16)
-    spec = {
-        "nonce": nonce,
-        "paths": sandbox_paths(),
-        "timeout_s": timeout_s,
-        "items": base64.b64encode(pickle.dumps(items)).decode("ascii"),
-    }
-    budget = dataclasses.replace(config, timeout_s=START_S + len(items) * (timeout_s + 1.0))
-    result = run_code(_script(), stdin=json.dumps(spec), config=budget)
+def parse_scores(stdout: str, nonce: str, count: int) -> tuple[dict[int, float], set[int]]:
+    """(scores by index, clipped to :data:`SCORE_RANGE`, indices started) of a run's output."""
     scores: dict[int, float] = {}
     started: set[int] = set()
-    for index, value in marker_lines(result.stdout, nonce, len(items)):
+    lo, hi = SCORE_RANGE
+    for index, value in marker_lines(stdout, nonce, count):
         if value == "start":
             started.add(index)
         elif index not in scores:
             try:
-                scores[index] = float(value)
+                scores[index] = min(max(float(value), lo), hi)  # NaN stays NaN
             except ValueError:
                 scores[index] = math.nan
+    return scores, started
+
+
+def _one_run(items: list[Item], config: SandboxConfig, timeout_s: float) -> tuple[dict, set, str]:
+    """(scores by index, indices started, stderr's last line) of one sandbox run."""
+    nonce = secrets.token_hex(16)
+    head = {
+        "paths": sandbox_paths(),
+        "timeout_s": timeout_s,
+        "filter": base64.b64encode(child_filter()).decode("ascii"),
+    }
+    spec = {"nonce": nonce, "items": base64.b64encode(pickle.dumps(items)).decode("ascii")}
+    budget = dataclasses.replace(config, timeout_s=START_S + len(items) * (timeout_s + 1.0))
+    result = run_code(_script(), stdin=f"{json.dumps(head)}\n{json.dumps(spec)}", config=budget)
     tail = [line for line in result.stderr.splitlines() if line.strip()][-1:]
-    return scores, started, "".join(tail) or f"status {result.status}"
+    return (*parse_scores(result.stdout, nonce, len(items)), "".join(tail) or result.status)
 
 
-def score_in_sandbox(items: list[Item], config: SandboxConfig, timeout_s: float) -> list[float]:
-    """Each item's score from its task's scorer, run in the sandbox; NaN where none came back.
+def score_in_sandbox(
+    items: list[Item], config: SandboxConfig, timeout_s: float
+) -> tuple[list[float], int]:
+    """(each item's score from its task's scorer, run in the sandbox, NaN where none came
+    back; the runs it took).
 
     Raises ``SandboxUnavailable`` when the sandbox cannot run, and RuntimeError (one
     line, the sandbox's last error line) when a run scores nothing at all.
     """
     scores = [math.nan] * len(items)
     pending = list(range(len(items)))
+    runs = 0
     while pending:
         got, started, why = _one_run([items[i] for i in pending], config, timeout_s)
+        runs += 1
         if not started:
             raise RuntimeError(f"reasoning-gym scoring in the sandbox failed to start ({why})")
         for k, value in got.items():
             scores[pending[k]] = value
         # The run ended early: the item in progress keeps NaN, those after it run again.
         pending = [i for k, i in enumerate(pending) if k not in started]
-    return scores
+    return scores, runs

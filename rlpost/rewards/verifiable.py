@@ -22,6 +22,23 @@ from rlpost.types import RewardSample
 _NUMBER = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
 
+MAX_EXPONENT = 1000
+"""The largest exponent (``1e1000``) numeric text may carry into exact arithmetic."""
+MAX_DIGITS = 4300
+"""The longest run of digits it may hold (Python's own limit for ``int`` of a string)."""
+_EXPONENT = re.compile(r"(?<=[\d.])[eE]\s*[-+]?\s*([\d_]+)")
+_DIGITS = re.compile(rf"[\d_]{{{MAX_DIGITS + 1}}}")
+
+
+def numbers_bounded(text: str) -> bool:
+    """Whether every number in ``text`` is small enough for exact arithmetic: ``Fraction``
+    and ``Decimal`` turn ``1e999999999`` into a billion-digit integer (hours of work)."""
+    if _DIGITS.search(text):
+        return False
+    exponents = (int(m.group(1).replace("_", "") or 0) for m in _EXPONENT.finditer(text))
+    return all(e <= MAX_EXPONENT for e in exponents)
+
+
 def _to_float(token: str) -> float | None:
     try:
         value = float(token.replace(",", ""))

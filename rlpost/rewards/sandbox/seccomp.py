@@ -215,16 +215,22 @@ def supported(machine: str | None = None) -> bool:
         return False
 
 
-def build_filter(blocked: tuple[str, ...] | list[str], machine: str | None = None) -> bytes:
+def build_filter(
+    blocked: tuple[str, ...] | list[str],
+    machine: str | None = None,
+    numbers: dict[str, dict[str, int]] | None = None,
+) -> bytes:
     """The ``struct sock_filter`` array refusing ``blocked`` with EPERM, allowing the rest.
 
-    ``blocked`` holds call names and ``ARGUMENT_RULES`` names. Raises ``ValueError``
-    for a machine without a table or a call not in it.
+    ``blocked`` holds call names and ``ARGUMENT_RULES`` names; ``numbers`` adds calls to
+    the tables (by machine, then name). Raises ``ValueError`` for a machine without a
+    table or a call not in it.
     """
     machine = machine or platform.machine()
     arch = ARCHES.get(machine)
     if arch is None:
         raise ValueError(f"no seccomp syscall table for {machine}; known: {', '.join(ARCHES)}")
+    arch = arch._replace(numbers={**arch.numbers, **(numbers or {}).get(machine, {})})
     whole = {name for name in blocked if name not in ARGUMENT_RULES}
     whole -= {name for name in _LEGACY_CALLS if name not in arch.numbers}
     rules: dict[str, list[tuple[int, bool, int]]] = {}

@@ -134,21 +134,35 @@ def test_a_file_row_cannot_choose_the_task_or_entry_a_scorer_evaluates(tmp_path)
     assert got == [None] and FLAG not in builtins.__dict__
 
 
-def test_an_evaluating_task_is_refused_at_load_where_the_sandbox_cannot_run(monkeypatch, tmp_path):
+def test_an_evaluating_task_is_refused_without_the_opt_in_or_where_the_sandbox_cannot_run(
+    monkeypatch, tmp_path
+):
     from rlpost.config import load_config
+    from rlpost.data.reasoning_gym import TaskEntry
     from rlpost.pipeline import rules
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no bubblewrap on it
     found = {}
-    for task in ("countdown", "basic_arithmetic"):
-        src = f"[{{name: g, task: {{name: reasoning_gym, task: {task}}}}}]"
-        found[task] = rules.problems(load_config(None, [f"data.sources={src}"]), "train")
-    assert found["basic_arithmetic"] == []
-    assert found["countdown"] == [
+    for task, opt_in in (("countdown", False), ("countdown", True), ("basic_arithmetic", False)):
+        src = f"[{{name: g, task: {{name: reasoning_gym, task: {task}, evaluate_answers: {opt_in}}}}}]"
+        found[task, opt_in] = rules.problems(load_config(None, [f"data.sources={src}"]), "train")
+    assert found["basic_arithmetic", False] == []
+    assert found["countdown", False] == [
+        "data.sources[g].task.task=countdown: its scorer evaluates the answer as code "
+        "(sympy.parse_expr); set evaluate_answers=true beside it to score it in the sandbox"
+    ]
+    assert found["countdown", True] == [
         "data.sources[g].task.task=countdown: its scorer evaluates the answer as code "
         "(sympy.parse_expr), which rlpost runs only in the sandbox, and the sandbox cannot run "
         "here: bubblewrap (bwrap) is not on PATH; install it with: apt-get install -y bubblewrap"
     ]
+    # and an entry made without the opt-in is refused by the reward too, before any scoring
+    entry = rg.create_dataset("countdown", seed=0, size=1)[0]
+    sample = RewardSample(
+        "q", "<answer>1</answer>", None, {"reasoning_gym": TaskEntry("countdown", {}, entry)}
+    )
+    with pytest.raises(ValueError, match=r"^task=countdown: .* set evaluate_answers=true"):
+        ReasoningGymScorer().score([sample])
 
 
 def test_an_answer_over_the_length_cap_scores_zero_unread():
