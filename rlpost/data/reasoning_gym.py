@@ -102,10 +102,6 @@ def task_problem(c: ReasoningGymConfig) -> str | None:
         return f"reasoning-gym has no task {c.task!r}; {fix}"
     if c.task in BROKEN:
         return f"refused: {BROKEN[c.task]}"
-    from rlpost.rewards.reasoning_gym import evaluating_refused, task_evaluates
-
-    if (calls := task_evaluates(c.task)) and not c.evaluate_answers:
-        return evaluating_refused(calls)
     reserved = sorted({"seed", "size"} & set(c.config))
     if reserved:
         return f"config.{reserved[0]} is set by the source; set {reserved[0]} beside config"

@@ -701,20 +701,21 @@ def reasoning_gym_task_generates(cfg: Config) -> str | bool | None:
     for key, s in _sources(cfg):
         if not isinstance(s.task, ReasoningGymConfig):
             continue
-        problem = task_problem(s.task)
-        if problem is None and s.task.evaluate_answers:
-            problem = _reasoning_gym_sandbox_problem(s.task.task)
+        problem = task_problem(s.task) or _reasoning_gym_sandbox_problem(s.task)
         if problem is not None:
             return f"{key}.task.task={s.task.task}: {problem}"
     return None
 
 
-def _reasoning_gym_sandbox_problem(task: str) -> str | None:
-    """Why a task whose scorer evaluates text as code cannot be scored here, or None."""
+def _reasoning_gym_sandbox_problem(c: ReasoningGymConfig) -> str | None:
+    """Why a task whose scorer evaluates text as code is not scored here, or None."""
+    from rlpost.rewards.reasoning_gym import evaluating_refused
     from rlpost.rewards.reasoning_gym_sandbox import sandbox_problem
     from rlpost.rewards.reasoning_gym_scan import task_evaluates
 
-    calls = task_evaluates(task)
+    calls = task_evaluates(c.task)
+    if calls and not c.evaluate_answers:
+        return evaluating_refused(calls)
     if not calls or (problem := sandbox_problem()) is None:
         return None
     return (

@@ -28,7 +28,7 @@ SCORES_THE_SOLUTION = {
 
 
 def _score(scorer, task: str, entry: dict, reply: str) -> float | None:
-    meta = {"reasoning_gym": TaskEntry(task, {}, entry)}
+    meta = {"reasoning_gym": TaskEntry(task, {}, entry, evaluate_answers=True)}
     return scorer.score([RewardSample("q", reply, entry.get("answer"), meta)])[0]
 
 

@@ -121,7 +121,9 @@ def test_reward_scores_the_extracted_answer_with_the_tasks_scorer():
         ]
     )
     assert got == [1.0, 0.0, 0.0, None]
-    assert scorer.counters() == {"scorer_errors": 0, "no_answer": 2, "too_long": 0, "sandboxed": 0}
+    assert scorer.counters() == {"scorer_errors": 0, "no_answer": 2, "too_long": 0,
+                                 "sandboxed": 0, "too_large": 0, "timed_out": 0,
+                                 "sandbox_restarts": 0}  # fmt: skip
     last_line = ReasoningGymScorer(extract="last_line")
     assert last_line.score([_sample(p, f"so\n{gold}\n\n")]) == [1.0]
 
