@@ -43,7 +43,7 @@ import time
 
 _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 4, 38, 22, 2
 _MAX_REPLY = 1 << 20
-_HEAD_FORMAT, _REPLY_FORMAT = ">IId", ">IIB"  # (size, id, deadline_s), (size, id, scored)
+_HEAD_FORMAT, _REPLY_FORMAT = ">IId", ">II"  # (size, id, deadline_s), (size, id)
 _HEAD, _REPLY_HEAD = struct.calcsize(_HEAD_FORMAT), struct.calcsize(_REPLY_FORMAT)
 _SYMPY_CALLS = frozenset(
     "Add Mul Pow Integer Rational Float Symbol Tuple Equality Unequality StrictLessThan "
@@ -108,7 +108,7 @@ def _child(request, w, program):
     try:
         request = json.loads(request)
         if request["op"] == "eval":
-            reply = {"ok": repr(eval(request["text"], {}))}  # confined: see _child
+            reply = {"ok": repr(eval(request["text"], {}))}  # confined by the filter above
         else:
             import sympy
             from sympy.parsing.sympy_parser import parse_expr
@@ -130,10 +130,8 @@ def _serve(requests, replies, program):
     Requests and replies pass through two buffers, zeroed once used, and never become
     objects here: a later child, forked from this process, finds no earlier text in it
     (a gold answer the scorer also evaluates, another answer's value)."""
-    request, reply = (
-        memoryview(bytearray(_HEAD + _MAX_REPLY)),
-        memoryview(bytearray(_MAX_REPLY + 1)),
-    )
+    request = memoryview(bytearray(_HEAD + _MAX_REPLY))
+    reply = memoryview(bytearray(_MAX_REPLY + 1))
     while _fill(requests, request[:_HEAD]) == _HEAD:
         size, ident, deadline_s = struct.unpack_from(_HEAD_FORMAT, request)
         if size > _MAX_REPLY or _fill(requests, request[_HEAD : _HEAD + size]) != size:
@@ -150,9 +148,8 @@ def _serve(requests, replies, program):
         os.close(r)
         os.kill(pid, signal.SIGKILL)  # it cannot fork, so it is the only one to end
         os.waitpid(pid, 0)
-        scored = got <= _MAX_REPLY  # past the deadline, only a partial reply: not JSON
-        got = got if scored else 0
-        _write(replies, struct.pack(_REPLY_FORMAT, got, ident, scored))
+        got = got if got <= _MAX_REPLY else 0  # too long, or cut at the deadline: not JSON
+        _write(replies, struct.pack(_REPLY_FORMAT, got, ident))
         _write(replies, reply[:got])
         reply[:got] = bytes(got)
     os._exit(0)
@@ -233,9 +230,9 @@ class Evaluator:
         try:
             _write(self.requests, head + data)
             top = memoryview(bytearray(_REPLY_HEAD))
-            size, ident, scored = (0, 0, 0)
+            size, ident = (0, 0)
             if _fill(self.replies, top) == _REPLY_HEAD:
-                size, ident, scored = struct.unpack(_REPLY_FORMAT, top)
+                size, ident = struct.unpack(_REPLY_FORMAT, top)
             body = memoryview(bytearray(size))
             complete = ident == self.ids and _fill(self.replies, body) == size
         except OSError:
@@ -246,7 +243,7 @@ class Evaluator:
             self.broken = True
             raise Unscored("the evaluator is gone")
         try:
-            got = json.loads(bytes(body)) if scored else {}
+            got = json.loads(bytes(body)) if size else {}
         except ValueError:
             got = {}
         if isinstance(got, dict) and isinstance(got.get("ok"), str):
