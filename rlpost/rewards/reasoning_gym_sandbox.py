@@ -58,22 +58,12 @@ CHILD_CALLS = (
 )
 """What the child evaluating an answer may not do: reach another process or start one."""
 
-_CHILD_NUMBERS = {
-    "x86_64": dict(
-        zip(
-            CHILD_CALLS,
-            (62, 200, 234, 129, 297, 434, 424, 438, 101, 310, 311, 56, 435, 57, 58),
-            strict=True,
-        )
-    ),
-    # aarch64 has no fork or vfork (glibc forks with clone)
-    "aarch64": dict(
-        zip(
-            CHILD_CALLS,
-            (129, 130, 131, 138, 240, 434, 424, 438, 117, 270, 271, 220, 435),
-            strict=False,
-        )
-    ),
+_CHILD_NUMBERS = {  # aarch64 has no fork or vfork (glibc forks with clone)
+    machine: dict(zip(CHILD_CALLS, numbers, strict=False))
+    for machine, numbers in {
+        "x86_64": (62, 200, 234, 129, 297, 434, 424, 438, 101, 310, 311, 56, 435, 57, 58),
+        "aarch64": (129, 130, 131, 138, 240, 434, 424, 438, 117, 270, 271, 220, 435),
+    }.items()
 }
 
 
