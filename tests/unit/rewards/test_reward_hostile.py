@@ -121,7 +121,9 @@ def _metadata(name: str) -> list[dict]:
     from rlpost.rewards.reasoning_gym_sandbox import sandbox_problem
 
     tasks = ["basic_arithmetic"] + (["string_insertion"] if sandbox_problem() is None else [])
-    configs = [ReasoningGymConfig(task=t, train_size=1, eval_size=1) for t in tasks]
+    configs = [
+        ReasoningGymConfig(task=t, train_size=1, eval_size=1, evaluate_answers=True) for t in tasks
+    ]
     return [generate_splits(c, "{prompt}")[0][0].metadata for c in configs]
 
 
