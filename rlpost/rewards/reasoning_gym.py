@@ -16,8 +16,9 @@ where its source opted in (``evaluate_answers``), in the sandbox, where the eval
 runs apart from the scorer and cannot choose its score
 (:mod:`rlpost.rewards.reasoning_gym_sandbox`; ``sandbox``: its ``SandboxConfig``
 keywords, ``timeout_s``: seconds per answer); every other scorer is plain string and
-number work and runs in a helper process, killed past ``timeout_s``
-(:mod:`rlpost.rewards.helper`). Scores are clipped to [0, 1].
+number work and runs in a helper process (:mod:`rlpost.rewards.helper`): a batch
+within ``timeout_s``, or else each answer within ``timeout_s``, the helper killed past
+it. Scores are clipped to [0, 1].
 
 A scorer that raises or gives no finite score scores 0 and is counted
 (``scorer_errors``), as are replies without an answer (``no_answer``), answers over
@@ -96,10 +97,18 @@ def _dataset(task: str, config: str):
     return reasoning_gym.create_dataset(task, seed=0, size=1, **json.loads(config))
 
 
-def score_answer(task: str, config: dict, entry: dict, answer: str) -> float:
-    """``task``'s own scorer on ``answer`` (in the helper process: a module-level function)."""
-    dataset = _dataset(task, json.dumps(config, sort_keys=True, default=str))
-    return float(dataset.score_answer(answer, entry))
+def score_answers(items: list[tuple[str, dict, dict, str]]) -> list[float]:
+    """Each ``(task, config, entry, answer)``'s score by its task's own scorer, NaN where it
+    raised (prime_factorization on a non-number); run in the helper process."""
+    out = []
+    for task, config, entry, answer in items:
+        dataset = _dataset(task, json.dumps(config, sort_keys=True, default=str))
+        try:
+            value = float(dataset.score_answer(answer, entry))
+        except Exception:
+            value = math.nan
+        out.append(value if math.isfinite(value) else math.nan)
+    return out
 
 
 def evaluating_refused(calls: Sequence[str]) -> str:
@@ -158,29 +167,34 @@ class ReasoningGymScorer:
             return math.inf  # past the error count below: NaN, an invalid score
         return meta, answer
 
-    def _in_process(self, meta: TaskEntry, answer: str) -> float:
+    def _in_process(self, items: list[tuple]) -> list[float]:
+        """Scores of ``items`` in the helper: the batch within ``timeout_s``, else one by one
+        within ``timeout_s`` each, an overrun scoring inf (counted; NaN, invalid, below)."""
         try:
-            args = (meta.task, meta.config, meta.entry, answer)
-            value = self._helper.call(score_answer, *args, timeout_s=self.timeout_s)
-            return value if math.isfinite(value) else math.nan
+            return self._helper.call(score_answers, items, timeout_s=self.timeout_s)
+        except Overran:
+            return [self._one(item) for item in items]
+
+    def _one(self, item: tuple) -> float:
+        try:
+            return self._helper.call(score_answers, [item], timeout_s=self.timeout_s)[0]
         except Overran:
             self._counts["timed_out"] += 1
             return math.inf
-        except Exception:  # a task's scorer raising on an odd answer (prime_factorization)
-            return math.nan
 
     def score(self, samples: Sequence[RewardSample]) -> list[float | None]:
         out: list[float | None] = []
         confined: list[tuple[int, tuple]] = []
+        here: list[tuple[int, tuple]] = []
         for i, sample in enumerate(samples):
             got = self._answer(sample)
-            if not isinstance(got, tuple):
-                out.append(got)
-            elif task_evaluates(got[0].task):
-                out.append(math.nan)
-                confined.append((i, (got[0].task, got[0].config, got[0].entry, got[1])))
-            else:
-                out.append(self._in_process(*got))
+            out.append(got if not isinstance(got, tuple) else math.nan)
+            if isinstance(got, tuple):
+                item = (got[0].task, got[0].config, got[0].entry, got[1])
+                (confined if task_evaluates(got[0].task) else here).append((i, item))
+        if here:
+            for (i, _), value in zip(here, self._in_process([it for _, it in here]), strict=True):
+                out[i] = value
         if confined:
             self._counts["sandboxed"] += len(confined)
             from rlpost.rewards.reasoning_gym_sandbox import score_in_sandbox
