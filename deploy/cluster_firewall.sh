@@ -4,8 +4,12 @@
 # is not loopback; its token refuses callers without it, and this rule keeps them off the
 # node's other networks altogether: a new TCP connection to any address of this node
 # other than the cluster address and loopback is dropped, unless its port is in --allow.
-# Connections the node opens itself, and their replies, are untouched. One nftables
-# table, `inet rlpost_cluster`, replaced as a whole on each run.
+# The cluster address counts only on the interface that holds it: Linux accepts a packet
+# for any local address on any interface (the weak host model, which rp_filter does not
+# change), so a host on another network that routes the cluster address through this
+# node's interface there would otherwise pass. Connections the node opens itself, and
+# their replies, are untouched. One nftables table, `inet rlpost_cluster`, replaced as a
+# whole on each run.
 #
 #   bash deploy/cluster_firewall.sh CLUSTER_ADDRESS [--allow PORTS] [--print | --remove]
 #
@@ -25,7 +29,7 @@ while [ $# -gt 0 ]; do
     --allow) [ $# -ge 2 ] || die "--allow needs a port list (e.g. 22,8000-8010)"; allow="$2"; shift 2 ;;
     --print) mode="print"; shift ;;
     --remove) mode="remove"; shift ;;
-    -h | --help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,18p' "$0"; exit 0 ;;
     -*) die "unknown option $1 (options: --allow PORTS, --print, --remove)" ;;
     *) [ -z "$address" ] || die "one cluster address, not '$address' and '$1'"; address="$1"; shift ;;
   esac
@@ -57,7 +61,7 @@ table inet rlpost_cluster {
   chain input {
     type filter hook input priority filter; policy accept;
     iif \"lo\" accept
-    $family daddr $address accept
+    $family daddr $address fib daddr . iif type local accept
 $keep
     tcp flags & (syn | ack) == syn drop
   }

@@ -1,7 +1,8 @@
 """Simulated hosts for multi-node tests and benches: network namespaces on a private bridge.
 
 A :class:`Bed` of N hosts is N network namespaces (``ip netns``), each with one veth
-interface on a Linux bridge, host ``i`` at ``10.201.0.i/24``. The bridge and the
+interface on a Linux bridge, host ``i`` at ``10.201.0.i/24`` (and, given
+:meth:`Bed.add_network`, a second interface on a second bridge). The bridge and the
 namespaces' names live inside the caller's own network and mount namespaces, so the
 caller must run isolated (:func:`isolated`, ``unshare -n -m``): no interface, route or
 ``/run/netns`` entry of the machine is touched, and when the caller ends nothing is
@@ -125,7 +126,10 @@ class Bed:
         # /run/netns holds the namespaces' names: a tmpfs of this mount namespace only
         os.makedirs("/run/netns", exist_ok=True)
         _sh("mount -t tmpfs rlpost-netns /run/netns")
-        _sh("ip link set lo up; ip link add rlbr0 type bridge; ip link set rlbr0 up")
+        _sh(
+            "ip link set lo up; ip link add rlbr0 type bridge; ip link set rlbr0 up; "
+            "ip link add rlbr1 type bridge; ip link set rlbr1 up"
+        )
         self.up = True
         for i in range(1, self.n + 1):
             self.add_host(i)
@@ -139,9 +143,13 @@ class Bed:
             f"ip -n h{i} link set eth0 up; ip -n h{i} link set lo up"
         )
 
-    def add_address(self, i: int, cidr: str) -> None:
-        """A second address on host ``i``'s interface (another network it is on)."""
-        _sh(f"ip -n h{i} addr add {cidr} dev eth0")
+    def add_network(self, i: int, cidr: str) -> None:
+        """Host ``i`` on a second network: ``eth1`` holding ``cidr``, on a second bridge."""
+        _sh(
+            f"ip link add rlvo{i} type veth peer name eth1 netns h{i}; "
+            f"ip link set rlvo{i} master rlbr1 up; "
+            f"ip -n h{i} addr add {cidr} dev eth1; ip -n h{i} link set eth1 up"
+        )
 
     def on(self, i: int, argv: list[str]) -> list[str]:
         """``argv`` run on host ``i``."""
@@ -333,7 +341,8 @@ class Bed:
             if Path(f"/run/netns/h{i}").exists():
                 self.kill_host(i)
                 subprocess.run(["ip", "netns", "del", f"h{i}"], capture_output=True)
-        subprocess.run(["ip", "link", "del", "rlbr0"], capture_output=True)
+        for bridge in ("rlbr0", "rlbr1"):
+            subprocess.run(["ip", "link", "del", bridge], capture_output=True)
         subprocess.run(["umount", "/run/netns"], capture_output=True)
         shutil.rmtree(self.root, ignore_errors=True)
         self.up = False

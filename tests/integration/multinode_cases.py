@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 OUTSIDER = 4
-OTHER_NET = "10.202.0"  # a second network every host is also on
+OTHER_NET = "10.202.0"  # a second network every host is also on, through its eth1
 RESOURCES = {
     1: {"trainer_node": 1, "dp_node": 1, "solo": 8},
     2: {"dp_node": 1, "rollout_node": 4},
@@ -63,7 +63,7 @@ BASE = {
 def bed():
     with multinode.Bed(4) as b:
         for i in range(1, 5):
-            b.add_address(i, f"{OTHER_NET}.{i}/24")
+            b.add_network(i, f"{OTHER_NET}.{i}/24")
         b.start_ray(RESOURCES)
         yield b
     assert not Path("/run/netns/h1").exists()
@@ -101,33 +101,50 @@ def test_hosts_form_a_token_guarded_cluster_the_outsider_is_not_in(bed):
 
 def test_the_firewall_keeps_every_listener_to_the_cluster_address(bed):
     """``deploy/cluster_firewall.sh`` on each cluster host. Before it, Ray's servers answer
-    the outsider on the hosts' other network (they listen on every address of a node);
-    after it, no listener of any host does, and the cluster address still answers (the
-    token guards it there). The cases after this one run behind it: the cluster works."""
+    the outsider on the hosts' other network (they listen on every address of a node), and
+    so does the cluster address itself when the outsider routes it through a host's other
+    interface (Linux's weak host model; the hosts filter reverse paths, rp_filter=1).
+    After it, no listener of any host answers the outsider either way, and the cluster
+    address still answers on the cluster network (the token guards it there). The cases
+    after this one run behind it: the cluster works."""
     if not shutil.which("nft"):
         pytest.skip("nft is not installed (apt-get install nftables)")
 
-    def exposed(host: int) -> tuple[set[int], set[int]]:
-        """Host's TCP listeners not on loopback, and those the outsider reaches through
-        the other network."""
+    def exposed(host: int) -> tuple[set[int], set[int], set[int]]:
+        """Host's TCP listeners not on loopback, those the outsider reaches at the host's
+        other address, and those it reaches at the cluster address through that network."""
         listeners = bed.listeners(host)
         ports = {x.port for x in listeners if x.proto.startswith("tcp")}
         ports -= {x.port for x in listeners if x.loopback}
-        return ports, bed.reachable(OUTSIDER, f"{OTHER_NET}.{host}", ports)
+        other = bed.reachable(OUTSIDER, f"{OTHER_NET}.{host}", ports)
+        return ports, other, bed.reachable(OUTSIDER, bed.address(host), ports)
 
-    found = {i: exposed(i) for i in (1, 2, 3)}
-    assert multinode.PORT in found[1][1], found  # the GCS, open on the other network
-    script = str(Path(__file__).resolve().parents[2] / "deploy" / "cluster_firewall.sh")
-    for i in (1, 2, 3):
-        done = bed.run(i, ["bash", script, bed.address(i)])
-        assert done.returncode == 0, done.stderr
-    for i in (1, 2, 3):
-        ports, reached = exposed(i)
-        assert ports and not reached, (i, sorted(reached))
+    hosts = (1, 2, 3)
+    via = [f"{bed.address(i)}/32 via {OTHER_NET}.{i} dev eth1" for i in hosts]
+    for i in hosts:
+        assert bed.run(i, ["sysctl", "-qw", "net.ipv4.conf.all.rp_filter=1"]).returncode == 0
+    for route in via:
+        assert bed.run(OUTSIDER, ["ip", "route", "add", *route.split()]).returncode == 0
+    try:
+        found = {i: exposed(i) for i in hosts}
+        assert multinode.PORT in found[1][1], found  # the GCS, open on the other network
+        assert multinode.PORT in found[1][2], found  # and at its cluster address through it
+        script = str(Path(__file__).resolve().parents[2] / "deploy" / "cluster_firewall.sh")
+        for i in hosts:
+            done = bed.run(i, ["bash", script, bed.address(i)])
+            assert done.returncode == 0, done.stderr
+        for i in hosts:
+            ports, other, routed = exposed(i)
+            assert ports and not other and not routed, (i, sorted(other), sorted(routed))
+    finally:
+        for route in via:
+            bed.run(OUTSIDER, ["ip", "route", "del", *route.split()])
     print(
-        "measured: listeners the outsider reached on the other network, without -> with the "
-        "firewall: "
-        + ", ".join(f"host {i} {len(r)} of {len(p)} -> 0" for i, (p, r) in found.items())
+        "measured: listeners the outsider reached on the other network (its address; the "
+        "cluster address routed through it), without -> with the firewall: "
+        + ", ".join(
+            f"host {i} {len(o)}; {len(r)} of {len(p)} -> 0; 0" for i, (p, o, r) in found.items()
+        )
     )
     assert bed.reachable(OUTSIDER, bed.address(1), [multinode.PORT]) == {multinode.PORT}
 
