@@ -7,16 +7,22 @@ numbers, strings and containers, plus the few record classes rlpost itself write
 (:data:`SAFE_TYPES`). A file holding anything else is refused in one line.
 
 Writes are durable: the bytes are fsynced before the file is renamed into place and the
-directory entry fsynced after, so a power loss leaves the old file or the new one.
+directory entry fsynced after, so a power loss leaves the old file or the new one. Every
+file rlpost replaces whole goes through :func:`atomic_write`, whose temporary file is
+created exclusively: whoever can write the directory cannot make rlpost write through a
+link planted at the temporary name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import shutil
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -52,16 +58,59 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
-def save_state(obj: Any, path: Path) -> None:
-    """Write ``obj`` to ``path`` atomically and durably."""
+_EXCLUSIVE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@contextlib.contextmanager
+def atomic_write(path: Path, mode: str = "wb", **open_args) -> Iterator[IO]:
+    """Yield a file open on ``.NAME.tmp`` beside ``path``; when the block ends, fsync it and
+    rename it onto ``path`` (durably); if the block raises, remove it.
+
+    The temporary file is created with ``O_CREAT | O_EXCL | O_NOFOLLOW``: whatever is at
+    its name (a stale file, a symlink planted there) is unlinked, never opened, and the
+    rename replaces a link at ``path`` instead of writing through it."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        fd = os.open(tmp, _EXCLUSIVE, 0o666)
+    except FileExistsError:
+        clear(tmp)
+        fd = os.open(tmp, _EXCLUSIVE, 0o666)
+    try:
+        with open(fd, mode, **open_args) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     fsync_dir(path.parent)
+
+
+def clear(path: Path) -> None:
+    """Remove whatever is at ``path``: a link itself (never what it points to), a file or
+    a directory tree."""
+    path = Path(path)
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def fresh_dir(path: Path) -> Path:
+    """``path`` as a new empty directory of this process's own (whatever was there removed;
+    ``mkdir`` fails rather than follow a link planted after that)."""
+    clear(path)
+    path.mkdir(parents=True)
+    return path
+
+
+def save_state(obj: Any, path: Path) -> None:
+    """Write ``obj`` to ``path`` atomically and durably."""
+    with atomic_write(path) as fh:
+        torch.save(obj, fh)
 
 
 def load_state(path: Path) -> Any:

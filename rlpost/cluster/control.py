@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 from rlpost.cluster.fleet import FLEET_STATE, SCALE_REQUEST
+from rlpost.statefile import atomic_write
 
 
 def _fail(message: str) -> int:
@@ -55,9 +56,8 @@ def scale(run_dir: str, rollout: int, wait: float) -> int:
     if not json.loads((control / FLEET_STATE).read_text()).get("running", True):
         return _fail(f"the job of {run_dir} has ended; nothing to scale")
     ident = uuid.uuid4().hex
-    tmp = control / (SCALE_REQUEST + ".tmp")
-    tmp.write_text(json.dumps({"rollout": rollout, "id": ident}))
-    tmp.replace(control / SCALE_REQUEST)
+    with atomic_write(control / SCALE_REQUEST, "w") as fh:
+        fh.write(json.dumps({"rollout": rollout, "id": ident}))
     deadline = time.monotonic() + wait
     while True:
         try:

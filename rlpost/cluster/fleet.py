@@ -38,6 +38,7 @@ from rlpost.cluster.health import HealthPolicy, State, WorkerHealth
 from rlpost.errors import WorkerError, kind_of, typed_line
 from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.rollout.worker import RolloutResult
+from rlpost.statefile import atomic_write
 from rlpost.types import Prompt
 
 SCALE_REQUEST = "scale.json"  # in <run_dir>/cluster: {"rollout": N, "id": ...}
@@ -508,9 +509,8 @@ class RolloutFleet:
             self._reported = now
             body = dict(id=ident, error=error, version=self._version, workers=rows)
             body["running"] = not self._closed
-        tmp = self.control / (FLEET_STATE + ".tmp")
-        tmp.write_text(json.dumps(body))
-        tmp.replace(self.control / FLEET_STATE)
+        with atomic_write(self.control / FLEET_STATE, "w") as fh:
+            fh.write(json.dumps(body))
 
     # ------------------------------------------------------------ the rest
 

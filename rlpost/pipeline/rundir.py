@@ -24,6 +24,7 @@ from rlpost.observe.recorder import METRICS_FILE
 from rlpost.pipeline import build
 from rlpost.pipeline.interrupts import stop_requested
 from rlpost.pipeline.preflight import check_inputs, read_data_counts, report_data
+from rlpost.statefile import atomic_write
 from rlpost.train.batch import model_device
 from rlpost.train.checkpoint import claim_run_dir, latest_step, usable_checkpoint
 from rlpost.train.offline import Schedule, save_model, steps_done, train_offline
@@ -112,9 +113,8 @@ def drop_metrics_after(run_dir: Path, step: int) -> int:
     # A torn line (the run was killed mid-write) goes too: new rows must not be glued to it.
     kept = [line for line in lines if 0 <= _row_step(line) <= step and line.endswith("\n")]
     if len(kept) != len(lines):
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        tmp.replace(path)
+        with atomic_write(path, "w", encoding="utf-8") as fh:
+            fh.write("".join(kept))
     return len(lines) - len(kept)
 
 

@@ -18,6 +18,7 @@ from rlpost.data import LoadReport
 from rlpost.data.stream import StreamSampler
 from rlpost.pipeline.build import stream_args, stream_fit
 from rlpost.pipeline.preflight import DATA_REPORT
+from rlpost.statefile import atomic_write
 
 
 def stream_samplers(cfg: Config) -> dict:
@@ -54,6 +55,5 @@ def update_data_report(run_dir: Path, sampler) -> None:
         )
         total.problems.extend(entry["skipped_rows"])
     detail["train"] = {**total.counts("train"), "skipped_rows": total.problems, "sources": sources}
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(detail, indent=2))
-    tmp.replace(path)
+    with atomic_write(path, "w") as fh:
+        fh.write(json.dumps(detail, indent=2))

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -42,6 +41,7 @@ from typing import Any
 from rlpost.config import RewardConfig
 from rlpost.rewards.catalog import lookup
 from rlpost.rewards.registry import BatchScorer, RewardFn, check_params
+from rlpost.statefile import atomic_write
 from rlpost.types import Completion, Group, RewardSample, ScoredBatch
 
 VERIFIABLE_KINDS = ("verifiable", "rule")
@@ -433,13 +433,11 @@ class SampleWriter:
             )
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"step_{step}.jsonl"
-        tmp = path.with_suffix(".jsonl.tmp")
-        # model text can hold lone surrogates (a token cut inside a character): replaced
-        with tmp.open("w", encoding="utf-8", errors="replace") as f:
+        # model text can hold lone surrogates (a token cut inside a character): replaced;
+        # renamed into place, so a reader (the report, a tail -f) never sees half a file
+        with atomic_write(path, "w", encoding="utf-8", errors="replace") as f:
             for i in range(min(self.count, len(samples))):
                 completion = completions[i] if completions is not None else None
                 record = sample_record(samples[i], scored, i, completion)
                 f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
-        # Rename so a reader (the report, a tail -f) never sees a half-written file.
-        os.replace(tmp, path)
         return path

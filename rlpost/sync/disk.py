@@ -25,6 +25,7 @@ import os
 import shutil
 from pathlib import Path
 
+from rlpost.statefile import atomic_write, clear
 from rlpost.sync.receiver import CommitReport, Receiver
 from rlpost.sync.session import Bucket, Manifest, SessionMeta, SyncError
 
@@ -77,12 +78,10 @@ class DiskTransport:
         try:
             (self.tmp / "session.json").write_text(json.dumps(body))
             final = version_dir(self.root, version)
-            if final.exists():
-                shutil.rmtree(final)  # the same version written again (a retried step)
+            clear(final)  # the same version written again (a retried step)
             os.replace(self.tmp, final)
-            marker = self.root / f".{MARKER}.tmp"
-            marker.write_text(str(version))
-            os.replace(marker, self.root / MARKER)
+            with atomic_write(self.root / MARKER, "w") as fh:
+                fh.write(str(version))
         except OSError as exc:
             raise SyncError(
                 "finish", self.target, f"cannot publish version {version}: {exc}"

@@ -11,7 +11,6 @@ a crash mid-save never leaves a half checkpoint marked as latest.
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -24,8 +23,10 @@ from rlpost.rng import rng_state
 from rlpost.statefile import (
     StateFileError,
     allow,
+    atomic_write,
     check_state_file,
-    fsync_dir,
+    clear,
+    fresh_dir,
     fsync_tree,
     save_state,
 )
@@ -81,27 +82,18 @@ def save_checkpoint(
     """
     root = run_dir / "checkpoints"
     out = root / f"step_{step}"
-    tmp = root / f".step_{step}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp = fresh_dir(root / f".step_{step}.tmp")
     write_parts(tmp)
     save_state({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
     fsync_tree(tmp)  # every part on disk before the rename makes it the checkpoint
     replaced = None
     if out.exists():  # the same step saved again: the old copy stays until the new is in place
         replaced = root / f".step_{step}.old"
-        if replaced.exists():
-            shutil.rmtree(replaced)
+        clear(replaced)
         out.rename(replaced)
     tmp.rename(out)
-    marker = root / ".latest.tmp"
-    with open(marker, "w") as fh:
+    with atomic_write(root / "latest", "w") as fh:  # ``latest`` is always whole
         fh.write(out.name)
-        fh.flush()
-        os.fsync(fh.fileno())
-    marker.replace(root / "latest")  # atomic: ``latest`` is always whole
-    fsync_dir(root)
     if replaced is not None:
         shutil.rmtree(replaced)
     # the newest ``keep`` by step, this one always among them (after a rollback it may not

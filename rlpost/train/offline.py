@@ -27,7 +27,7 @@ import torch
 
 from rlpost.config import OptimConfig
 from rlpost.rng import set_rng_state
-from rlpost.statefile import fsync_dir, fsync_tree, load_state, save_state
+from rlpost.statefile import fresh_dir, fsync_dir, fsync_tree, load_state, save_state
 from rlpost.train.actor import warmup_lambda
 from rlpost.train.checkpoint import TRAINER_STATE, latest_step, save_checkpoint, usable_checkpoint
 from rlpost.train.optim import adamw, optimizer_step
@@ -153,9 +153,7 @@ def save_model(model, tokenizer, out: Path, state_dir: Path | None = None) -> No
     """Write the finished model to ``out`` atomically and durably, then remove its resume
     state: a crash at any point leaves either the checkpoint to continue from or the
     whole model, never a half-written model the loader trips on."""
-    tmp = out.with_name(f".{out.name}.tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    tmp = fresh_dir(out.with_name(f".{out.name}.tmp"))
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     fsync_tree(tmp)

@@ -105,3 +105,26 @@ def test_overwrite_never_replaces_what_is_not_a_run(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "run" in err, (name, err)
     assert (mine / "notes" / "keep.txt").read_text() == "mine"
+
+
+def test_a_run_never_writes_through_links_planted_in_its_directory(tmp_path):
+    """A shared run directory: someone plants links at the temporary names the trainer
+    writes, to a file and a directory outside it; the resumed run saves its checkpoint and
+    nothing outside changes."""
+    over = small_overrides(tmp_path / "out", **{"train.steps": 1, "eval.every": 0})
+    assert main(["train", *over]) == 0
+    run, outside = tmp_path / "out" / "t", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "file.txt").write_text("mine")
+    (outside / ".trainer_state.pt.tmp").symlink_to(outside / "file.txt")
+    for name in ("checkpoints/.latest.tmp", "metrics.jsonl.tmp", ".metrics.jsonl.tmp"):
+        (run / name).symlink_to(outside / "file.txt")
+    (run / "checkpoints" / ".step_2.tmp").symlink_to(outside)
+    before = _snapshot(outside)
+    over = small_overrides(tmp_path / "out", **{"train.steps": 2, "eval.every": 0})
+    assert main(["train", *over, "--resume", str(run)]) == 0
+    assert _snapshot(outside) == before and sorted(p.name for p in outside.iterdir()) == [
+        ".trainer_state.pt.tmp",
+        "file.txt",
+    ]
+    assert (run / "checkpoints" / "latest").read_text() == "step_2"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from rlpost.statefile import atomic_write, save_state
+from rlpost.statefile import load_state as load_state_file
 from rlpost.train.checkpoint import latest_checkpoint, load_state, save_checkpoint
 
 
@@ -94,3 +96,42 @@ def test_the_lr_cut_is_saved_with_the_checkpoint_and_old_states_load(tmp_path):
     torch.save(state, tmp_path / "cut" / STATE_FILE)
     fresh.restore(tmp_path / "cut", version=3)
     assert fresh.trainer.lr_scale.factor == 1.0
+
+
+def test_links_planted_at_the_temporary_names_are_never_written_through(tmp_path):
+    """Whoever can write the run directory plants links at the names a save writes first
+    (``.latest.tmp``, ``.trainer_state.pt.tmp``, ``.step_N.tmp``, ``.step_N.old``), to a
+    file and a directory outside it and to a path that does not exist yet: the saves
+    succeed and nothing outside changes."""
+    outside = tmp_path / "outside"
+    (outside / "dir").mkdir(parents=True)
+    (outside / "file").write_text("mine")
+    (outside / "dir" / "keep.txt").write_text("mine")
+    before = {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()}
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    root.mkdir(parents=True)
+    plants = {
+        root / ".latest.tmp": outside / "file",
+        root / ".step_1.tmp": outside / "dir",
+        root / ".step_1.old": outside / "dir",
+        run / ".trainer_state.pt.tmp": outside / "file",
+        run / ".summary.json.tmp": outside / "new",
+    }
+    for link, target in plants.items():
+        link.symlink_to(target)
+
+    def parts(d):
+        save_state({"w": 1}, d / "trainer_state.pt")
+
+    save_checkpoint(run, 1, parts, {"x": 1})
+    save_checkpoint(run, 1, parts, {"x": 2})  # again: the old copy moves to .step_1.old
+    save_state({"w": 2}, run / "trainer_state.pt")
+    with atomic_write(run / "summary.json", "w") as fh:
+        fh.write("{}")
+    assert {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()} == before
+    assert not (outside / "new").exists()
+    assert load_state(latest_checkpoint(run))["x"] == 2
+    assert load_state_file(run / "trainer_state.pt") == {"w": 2}
+    assert (run / "summary.json").read_text() == "{}"
+    assert not any(p.is_symlink() for p in run.rglob("*"))
