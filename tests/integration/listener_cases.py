@@ -7,6 +7,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import threading
+from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
@@ -145,3 +147,35 @@ def test_the_gloo_sync_channel_listens_on_loopback_only():
         proc.join(60)
     assert proc.exitcode == 0
     _assert_loopback_only(found, want_some=3)  # the store and a pair on each side
+
+
+def test_the_weight_pull_server_listens_during_a_push_only_facing_the_server(tmp_path):
+    """``rollout.engine.server=vllm`` with a server off this machine: the trainer offers the
+    weight file on its address facing that server while the push lasts, and nowhere else."""
+    from rlpost.rollout.engines.vllm_server import VLLMServerSync
+    from tests.unit.rollout.test_vllm_server import _DevRoutes
+
+    during: list = []
+
+    class Watched(_DevRoutes):
+        def do_POST(self):
+            if self.path.startswith("/collective_rpc"):
+                during.extend(x for x in netns.listeners() if x.pid == os.getpid())
+            super().do_POST()
+
+    server = ThreadingHTTPServer((netns.ADDRESS, 0), Watched)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://{netns.ADDRESS}:{server.server_address[1]}"
+    own = f"{netns.ADDRESS}:{server.server_address[1]}"
+    sync = VLLMServerSync([url])  # not on loopback, no shared weights_dir: it pulls
+    try:
+        idle = [x for x in netns.listeners() if x.pid == os.getpid()]
+        sync.push(toy_weights(0).items(), 1)
+        after = [x for x in netns.listeners() if x.pid == os.getpid()]
+    finally:
+        sync.close()
+        server.shutdown()
+        server.server_close()
+    assert [f"{x.ip}:{x.port}" for x in idle] == [own] == [f"{x.ip}:{x.port}" for x in after]
+    pulls = [x for x in during if f"{x.ip}:{x.port}" != own]
+    assert len(pulls) == 1 and pulls[0].ip == netns.ADDRESS, [str(x) for x in during]

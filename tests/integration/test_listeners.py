@@ -1,8 +1,8 @@
 """Nothing rlpost starts listens beyond loopback unless asked: ``listener_cases.py`` runs a
-short Ray run (data-parallel trainers, the Prometheus exporter), ``rlpost serve`` and the
-gloo sync channel inside a network namespace where the machine has the routable address
-10.200.0.2 (its hostname resolves to it, the default route leaves from it), and lists
-every listening socket there."""
+short Ray run (data-parallel trainers, the Prometheus exporter), ``rlpost serve``, the
+gloo sync channel and a weight push to a ``vllm serve`` off the machine inside a network
+namespace where the machine has the routable address 10.200.0.2 (its hostname resolves to
+it, the default route leaves from it), and lists every listening socket there."""
 
 from __future__ import annotations
 
@@ -35,5 +35,5 @@ def test_every_listener_is_on_loopback_in_a_namespace_with_a_routable_address(tm
     tail = "\n".join(kept)[-6000:]
     assert done.returncode == 0, tail
     summary = re.search(r"(\d+) passed", done.stdout)
-    assert summary and int(summary.group(1)) == 5, tail
+    assert summary and int(summary.group(1)) == 6, tail
     assert not re.search(r"\d+ (failed|skipped|error)", done.stdout), tail

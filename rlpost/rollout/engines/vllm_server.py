@@ -12,8 +12,8 @@ push, per server: ``/pause?mode=wait`` (requests in flight finish on the old wei
 
 The file is written once per push. Servers on this machine read it from shared memory, and
 so do servers given ``rollout.engine.weights_dir`` (a filesystem they mount under the same
-path). Any other server pulls it over HTTP: the trainer serves the file, for the push's
-duration only, under a random 192-bit path on its address facing that server
+path). Any other server pulls it over HTTP: the trainer listens for the push's duration
+only, on its address facing that server, and serves the file under a random 192-bit path
 (:class:`WeightFiles`). The development routes carry no authentication: the servers belong
 on loopback or a private network.
 """
@@ -80,13 +80,25 @@ class WeightFiles:
     """Weight files offered over HTTP on one address, each under a random path while offered.
 
     The standard library's threaded server is enough: a handful of servers each fetch one
-    file per push, and nothing else is routed (no other path answers but 404)."""
+    file per push, and nothing else is routed (no other path answers but 404). It listens
+    only while a file is offered (a push; each push on a new port), serves at most
+    ``max_connections`` connections at once (one thread each; a connection past that is
+    closed at once), and closes a connection that sends nothing, or takes nothing, for
+    ``timeout_s`` seconds: idle connections cannot hold the trainer's threads."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, *, timeout_s: float = 30.0, max_connections: int = 16) -> None:
+        self.host, self.timeout_s = host, timeout_s
         self.offered: dict[str, Path] = {}
-        offered = self.offered
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.httpd: ThreadingHTTPServer | None = None
+
+    def _listen(self) -> ThreadingHTTPServer:
+        offered, slots, timeout_s = self.offered, self.slots, self.timeout_s
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = timeout_s  # on the socket: a silent or stalled peer is cut off
+
             def do_GET(self) -> None:
                 path = offered.get(self.path.lstrip("/"))
                 if path is None:
@@ -101,26 +113,48 @@ class WeightFiles:
             def log_message(self, *args) -> None:
                 """Silent: a request per push is not news."""
 
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        # a server that drops the connection mid-file fails its load, reported by the push
-        quiet = {"address_family": family, "handle_error": lambda *_: None}
-        served = type("Served", (ThreadingHTTPServer,), quiet)
-        self.httpd = served((host, 0), Handler)
-        self.httpd.daemon_threads = True
-        bound = f"[{host}]" if ":" in host else host
-        self.base = f"http://{bound}:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        class Served(ThreadingHTTPServer):
+            address_family = family
+            daemon_threads = True
+            request_queue_size = 128  # a burst is accepted, then refused or served
+
+            def handle_error(self, *_) -> None:
+                """A server that drops the connection mid-file fails its load, reported by
+                the push."""
+
+            def process_request(self, request, client_address) -> None:
+                if not slots.acquire(blocking=False):
+                    self.shutdown_request(request)  # full: refused, never queued on a thread
+                    return
+                super().process_request(request, client_address)
+
+            def process_request_thread(self, request, client_address) -> None:
+                try:
+                    super().process_request_thread(request, client_address)
+                finally:
+                    slots.release()
+
+        httpd = Served((self.host, 0), Handler)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        return httpd
 
     def offer(self, token: str, path: Path) -> str:
+        if self.httpd is None:
+            self.httpd = self._listen()
         self.offered[token] = path
-        return f"{self.base}/{token}"
+        bound = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{bound}:{self.httpd.server_address[1]}/{token}"
 
     def withdraw(self, token: str) -> None:
         self.offered.pop(token, None)
+        if not self.offered:
+            self.close()
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        if self.httpd is not None:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+            self.httpd = None
 
 
 class VLLMServerSync:

@@ -4,7 +4,9 @@ routes is refused in one line naming how to start it, and no weight file is left
 from __future__ import annotations
 
 import json
+import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -13,7 +15,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from rlpost.rollout.engines.vllm_server import VLLMServerSync, serve_args
+from rlpost.rollout.engines.vllm_server import VLLMServerSync, WeightFiles, serve_args
 from rlpost.sync import SyncError
 
 
@@ -97,7 +99,7 @@ def dev_server():
 
 def test_a_server_without_the_trainers_filesystem_pulls_the_weights_over_http(dev_server, tmp_path):
     """Pulled: the server is given a URL, not a path; it reads the pushed tensors there,
-    and the URL answers 404 once the push is over (offered for the push's duration only)."""
+    and nothing listens there once the push is over (the trainer listens during a push)."""
     tensors = [("a", torch.arange(6.0).reshape(2, 3)), ("b", torch.ones(4))]
     sync = VLLMServerSync([dev_server], weights_dir=str(tmp_path), pull=True)
     try:
@@ -107,8 +109,9 @@ def test_a_server_without_the_trainers_filesystem_pulls_the_weights_over_http(de
         assert sorted(n for n, _ in got) == ["a", "b"]
         assert all(torch.equal(t, dict(tensors)[n]) for n, t in got)
         assert stats.committed == [dev_server] and stats.version == 3
-        with pytest.raises(urllib.error.HTTPError, match="404"):
+        with pytest.raises(urllib.error.URLError) as refused:
             urllib.request.urlopen(source, timeout=5)
+        assert isinstance(refused.value.reason, ConnectionRefusedError), refused.value
         assert list(tmp_path.iterdir()) == []
     finally:
         sync.close()
@@ -125,7 +128,8 @@ def test_loopback_servers_and_a_shared_weights_dir_read_the_file_others_pull(dev
         pytest.skip("no route off loopback on this machine")
     try:
         files = remote.files["http://10.254.0.9:8000"]
-        assert files is not None and not files.base.startswith("http://127.")
+        assert files is not None and not files.host.startswith("127.")
+        assert files.httpd is None  # nothing listens until a push offers a file
         shared = VLLMServerSync(["http://10.254.0.9:8000"], weights_dir=str(tmp_path))
         assert shared.files["http://10.254.0.9:8000"] is None
         shared.close()
@@ -139,3 +143,31 @@ def test_a_server_no_route_reaches_is_refused_in_one_line():
     line = str(err.value)
     assert "\n" not in line
     assert line.startswith("weight sync start on http://no-such-host.invalid:8000: no route to ")
+
+
+def test_idle_connections_to_the_weight_files_are_capped_and_cut_off(tmp_path):
+    """200 connections that never send a request hold at most ``max_connections`` threads
+    of the trainer, the rest are closed at once, every one is closed by the timeout, and
+    the file is served again after."""
+    (tmp_path / "w").write_bytes(b"weights")
+    files = WeightFiles("127.0.0.1", timeout_s=1.0, max_connections=4)
+    before = threading.active_count()
+    url = files.offer("token", tmp_path / "w")
+    port = int(url.split(":")[2].split("/")[0])
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(200)]
+    try:
+        time.sleep(0.5)
+        held = threading.active_count() - before
+        assert held <= 4 + 1, held  # the handlers and the accept loop
+        start = time.monotonic()
+        assert all(s.recv(1) == b"" for s in idle)  # closed by the server, each one
+        assert time.monotonic() - start < 5
+        with urllib.request.urlopen(url, timeout=10) as r:
+            assert r.read() == b"weights"
+    finally:
+        for s in idle:
+            s.close()
+        files.withdraw("token")
+    assert threading.active_count() <= before + 1  # a handler may still be finishing
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=5)
