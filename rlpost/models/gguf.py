@@ -11,6 +11,8 @@ run started from a ``.gguf`` writes ordinary HF checkpoints.
 
 Metadata questions (is the file readable, its context length, its config) are answered
 from the file's header without reading tensor data, and cached per file for the process.
+A header that does not parse, declares a non-positive size, or a ``block_count`` its tensor
+table does not hold is refused in one line before any weight is allocated.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import struct
 from pathlib import Path
 
 import torch
@@ -60,22 +63,28 @@ def require_gguf() -> None:
         raise ModelLoadError(f"reading a .gguf model needs {' and '.join(missing)}: {INSTALL}")
 
 
+# what a damaged header raises in transformers' reader and config conversion: a count past
+# the file's end (struct), one too large to allocate, a zero it divides by
+BROKEN = (OSError, ValueError, KeyError, IndexError, struct.error, ArithmeticError, MemoryError)
+
+
 @functools.lru_cache(maxsize=8)
-def _header(path: str, size: int, mtime_ns: int) -> dict:
+def _header(path: str, size: int, mtime_ns: int) -> tuple[dict, tuple[str, ...]]:
     from transformers.integrations.gguf import read_gguf_metadata
 
     try:
-        metadata, _ = read_gguf_metadata(path)
-    except (OSError, ValueError, KeyError) as exc:
+        return read_gguf_metadata(path)
+    except BROKEN as exc:
         raise ModelLoadError(f"cannot read {path!r} as GGUF: {one_line(exc)}") from None
-    return metadata
 
 
-def metadata(file: Path) -> dict:
-    """The file's metadata keys (string arrays such as the vocabulary left as their length)."""
+def metadata(file: Path, *, tensors: bool = False):
+    """The file's metadata keys (string arrays such as the vocabulary left as their length);
+    with ``tensors``, also the names in its tensor table."""
     require_gguf()
     st = file.stat()
-    return _header(str(file), st.st_size, st.st_mtime_ns)
+    meta, names = _header(str(file), st.st_size, st.st_mtime_ns)
+    return (meta, names) if tensors else meta
 
 
 def supported_architectures() -> set[str]:
@@ -86,14 +95,29 @@ def supported_architectures() -> set[str]:
 
 
 def check(file: Path) -> Path:
-    """``file`` if transformers can build a model from it (architecture read from the
-    header, no tensor data touched)."""
-    arch = metadata(file)["general.architecture"]
+    """``file`` if transformers can build a model from it (architecture and sizes read from
+    the header, no tensor data touched)."""
+    meta, names = metadata(file, tensors=True)
+    arch = meta["general.architecture"]
     known = supported_architectures()
     if arch not in known and arch.replace("moe", "_moe").replace("-", "_") not in known:
         raise ModelLoadError(
             f"{str(file)!r} is a GGUF of architecture {arch!r}, which transformers cannot read "
             f"(it reads {', '.join(sorted(known)[:8])}...); use an HF checkpoint directory"
+        )
+    damaged = f"the file is damaged or mislabeled; export or download it again ({str(file)!r})"
+    for key in ("block_count", "embedding_length", "attention.head_count"):
+        value = meta.get(f"{arch}.{key}")
+        if isinstance(value, int) and value <= 0:
+            raise ModelLoadError(f"GGUF {arch}.{key}={value}: not a size; {damaged}")
+    split = (n.split(".") for n in names)
+    blocks = {int(x[1]) for x in split if x[0] == "blk" and len(x) > 1 and x[1].isdigit()}
+    declared = meta.get(f"{arch}.block_count")
+    if isinstance(declared, int) and blocks != set(range(declared)):
+        held = f"blk.{min(blocks)} to blk.{max(blocks)}" if blocks else "none"
+        raise ModelLoadError(
+            f"GGUF {arch}.block_count={declared}: its tensor table holds {len(blocks)} "
+            f"blocks ({held}); {damaged}"
         )
     return file
 
@@ -111,7 +135,7 @@ def load_config(file: Path):
     check(file)
     try:
         conf = AutoConfig.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
+    except BROKEN as exc:
         raise ModelLoadError(f"cannot read a config from {str(file)!r}: {one_line(exc)}") from None
     conf.__dict__.pop("quantization_config", None)
     return conf
@@ -125,7 +149,7 @@ def load_tokenizer(file: Path):
         return AutoTokenizer.from_pretrained(
             file.parent, gguf_file=file.name, local_files_only=True
         )
-    except (OSError, ValueError, KeyError) as exc:
+    except BROKEN as exc:
         raise ModelLoadError(
             f"cannot load a tokenizer from {str(file)!r}: {one_line(exc)}"
         ) from None
@@ -136,20 +160,24 @@ def load_causal_lm(file: Path, *, dtype: torch.dtype = torch.float32):
     loaded from an HF directory."""
     from transformers import AutoModelForCausalLM, GgufConfig
 
+    from rlpost.models.loading import refuse_incomplete
+
     check(file)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model, info = AutoModelForCausalLM.from_pretrained(
             file.parent,
             gguf_file=file.name,
             local_files_only=True,
             dtype=dtype,
             quantization_config=GgufConfig(dequantize=True),
+            output_loading_info=True,
         )
-    except (OSError, ValueError, KeyError, RuntimeError, NotImplementedError) as exc:
+    except (*BROKEN, RuntimeError, NotImplementedError) as exc:
         # NotImplementedError: a quantization type the gguf package cannot dequantize
         raise ModelLoadError(
             f"cannot load a causal LM from {str(file)!r}: {one_line(exc)}"
         ) from None
+    refuse_incomplete(file, info)
     return model
 
 

@@ -148,17 +148,44 @@ def load_config(path: str | Path) -> PretrainedConfig:
 
 
 def load_causal_lm(path: str | Path, *, dtype: str = "float32") -> PreTrainedModel:
-    """The model at ``path`` (an HF directory or a GGUF file) in ``dtype``."""
+    """The model at ``path`` (an HF directory or a GGUF file) in ``dtype``, every weight
+    read from the checkpoint (:func:`refuse_incomplete`)."""
     if (file := _gguf(path)) is not None:
         from rlpost.models import gguf
 
         return gguf.load_causal_lm(file, dtype=DTYPES[dtype])
     p = check_model_path(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=DTYPES[dtype])
+        model, info = AutoModelForCausalLM.from_pretrained(
+            p, local_files_only=True, dtype=DTYPES[dtype], output_loading_info=True
+        )
     except (OSError, ValueError, RuntimeError, SafetensorError) as exc:  # a torn weights file too
         raise ModelLoadError(f"cannot load a causal LM from {str(p)!r}: {one_line(exc)}") from None
+    refuse_incomplete(p, info)
     return model
+
+
+def refuse_incomplete(path: Path, info: dict) -> None:
+    """A one-line :class:`ModelLoadError` naming the weights the checkpoint at ``path`` lacks
+    (transformers would initialise them at random) or holds that the model has no place for
+    (dropped), from ``from_pretrained``'s ``output_loading_info``. A tied output head is
+    neither: it is the embedding."""
+
+    def some(keys) -> str:
+        names = sorted(keys)
+        more = f", ... {len(names) - 4} more" if len(names) > 4 else ""
+        return f"{len(names)} weight{'s' * (len(names) > 1)} ({', '.join(names[:4])}{more})"
+
+    parts = []
+    if info["missing_keys"]:
+        parts.append(f"{some(info['missing_keys'])} missing from it would start at random")
+    if info["unexpected_keys"]:
+        parts.append(f"{some(info['unexpected_keys'])} the model lacks would be dropped")
+    if parts:
+        raise ModelLoadError(
+            f"model.path={str(path)!r}: {'; '.join(parts)}; name a complete checkpoint of the "
+            "model its config describes"
+        )
 
 
 def load_policy(

@@ -3,6 +3,7 @@ transformers' GGUF loader, same tokens and the same logits within the format's e
 
 from __future__ import annotations
 
+import struct
 import sys
 
 import numpy as np
@@ -144,9 +145,9 @@ def _write_llama_gguf(path, model, tok, arch="llama", bad_type=None):
     writer = gguf.GGUFWriter(str(path), arch)
     write_config(writer, model.config, "f32")
     write_tokenizer(writer, tok, model.config.vocab_size)
-    if bad_type is None:
-        write_tensors(writer, model, "f32")
-    else:
+    write_tensors(writer, model, "f32")
+    if bad_type is not None:
+        del writer.tensors[0]["token_embd.weight"]
         writer.add_tensor("token_embd.weight", np.zeros((10, 292), np.uint8), raw_dtype=bad_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -177,3 +178,100 @@ def test_missing_gguf_package_names_the_install(policy, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ImportError
     with pytest.raises(ModelLoadError, match=r"needs gguf: pip install 'rlpost\[gguf\]'"):
         check_model_path(out["gguf"])
+
+
+@pytest.fixture(scope="module")
+def good_gguf(policy, tmp_path_factory):
+    """The tiny model's f32 GGUF, as bytes: two blocks, 20 tensors."""
+    model, tok = policy
+    out = tmp_path_factory.mktemp("good") / "out"
+    return export_model(model, tok, out, gguf_type="f32", overwrite=False)["gguf"].read_bytes()
+
+
+def _value_at(blob: bytes, key: str) -> int:
+    """Offset of metadata ``key``'s value type (its value follows 4 bytes on)."""
+    name = key.encode()
+    return blob.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+
+
+def _patched(blob: bytes, at: int, fmt: str, value: int) -> bytes:
+    out = bytearray(blob)
+    struct.pack_into(fmt, out, at, value)
+    return bytes(out)
+
+
+def _tensor_at(blob: bytes, name: str) -> int:
+    """Offset of tensor ``name``'s dimension count in the tensor table."""
+    return blob.index(name.encode()) + len(name)
+
+
+# name -> (the good file's bytes -> the malformed file's bytes, what the line must say)
+MALFORMED = {
+    "empty": (lambda b: b"", "cannot mmap an empty file"),
+    "cut in the header": (lambda b: b[:100], "cannot read"),
+    "cut in the tensor table": (lambda b: b[: _tensor_at(b, "blk.1.ffn_up.weight")], "read"),
+    "cut in the data": (lambda b: b[:-1000], "cannot load a causal LM"),
+    "not GGUF": (lambda b: b"GGUX" + b[4:], "magic"),
+    "version 9": (lambda b: _patched(b, 4, "<I", 9), "v9"),
+    "2^60 tensors": (lambda b: _patched(b, 8, "<Q", 2**60), "cannot read"),
+    "2^60 metadata keys": (lambda b: _patched(b, 16, "<Q", 2**60), "cannot read"),
+    "value type 99": (
+        lambda b: _patched(b, _value_at(b, "llama.context_length"), "<I", 99),
+        "type 99",
+    ),
+    "an array of 2^32 + 1 tokens": (
+        lambda b: _patched(b, _value_at(b, "tokenizer.ggml.tokens") + 8, "<Q", 2**32 + 1),
+        "cannot read",
+    ),
+    "2^32 - 1 dimensions": (
+        lambda b: _patched(b, _tensor_at(b, "token_embd.weight"), "<I", 2**32 - 1),
+        "cannot read",
+    ),
+    "a dimension of 2^32": (
+        lambda b: _patched(b, _tensor_at(b, "token_embd.weight") + 4, "<Q", 2**32),
+        "cannot load a causal LM",
+    ),
+    "a tensor past the end": (
+        lambda b: _patched(b, _tensor_at(b, "token_embd.weight") + 24, "<Q", 2**40),
+        "cannot load a causal LM",
+    ),
+    "head_count 0": (
+        lambda b: _patched(b, _value_at(b, "llama.attention.head_count") + 4, "<I", 0),
+        "llama.attention.head_count=0: not a size",
+    ),
+    "embedding_length 0": (
+        lambda b: _patched(b, _value_at(b, "llama.embedding_length") + 4, "<I", 0),
+        "llama.embedding_length=0: not a size",
+    ),
+    "block_count 400": (
+        lambda b: _patched(b, _value_at(b, "llama.block_count") + 4, "<I", 400),
+        "llama.block_count=400: its tensor table holds 2 blocks (blk.0 to blk.1)",
+    ),
+    "block_count 1": (
+        lambda b: _patched(b, _value_at(b, "llama.block_count") + 4, "<I", 1),
+        "llama.block_count=1: its tensor table holds 2 blocks",
+    ),
+    "a weight missing": (
+        lambda b: b.replace(b"blk.1.ffn_up.weight", b"blk.1.ffn_xx.weight"),
+        "1 weight (model.layers.1.mlp.up_proj.weight) missing from it would start at random",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_gguf_is_one_line_from_the_cli(good_gguf, tmp_path, capsys, case):
+    """``rlpost export`` of each malformed file (it loads the model and its tokenizer):
+    exit 2 and one line naming the problem, never a traceback, nothing written."""
+    from rlpost.cli import main
+
+    make, says = MALFORMED[case]
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(make(good_gguf))
+    assert main(["export", str(bad), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    # transformers' GGUF reader draws its own progress bar (\r-separated), rlpost may warn
+    noise = ("rlpost: warning", "Converting and de-quantizing")
+    lines = [x for x in err.splitlines() if x.strip() and not x.startswith(noise)]
+    assert len(lines) == 1 and lines[0].startswith("rlpost: error: "), err
+    assert says in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
