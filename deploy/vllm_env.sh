@@ -39,13 +39,19 @@ print("\n".join(d for d in deps if re.match(r"[A-Za-z0-9_.-]+", d)[0] not in hel
 "$py" -m pip install -q -r "$deps" pytest -c "$pins"
 "$py" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 
-# The environment works: vLLM and rlpost's engine import, torch is the one pinned.
+# The environment works: vLLM and rlpost's engine import, torch is the one pinned and within
+# rlpost's range (rlpost went in without its dependencies: TORCH must respect its floor).
 "$py" -c '
-import sys
+import sys, tomllib
 import torch, transformers, vllm
+from packaging.requirements import Requirement
 from rlpost.rollout.engines import vllm as vllm_engine, vllm_worker
 pins = dict(line.strip().split("==") for line in open(sys.argv[1]))
 assert torch.__version__ == pins["torch"], (torch.__version__, pins)
+deps = [Requirement(d) for d in tomllib.load(open(sys.argv[2], "rb"))["project"]["dependencies"]]
+admitted = next(r.specifier for r in deps if r.name == "torch")
+if not admitted.contains(torch.__version__):
+    sys.exit(f"vllm_env: torch {torch.__version__} is outside torch{admitted}; set TORCH to one within")
 print(f"vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")
-' "$pins"
+' "$pins" "$root/pyproject.toml"
 echo "ready: $venv"
