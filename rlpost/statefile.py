@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import secrets
 import shutil
 import zipfile
 from collections.abc import Iterator
@@ -63,19 +64,15 @@ _EXCLUSIVE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 @contextlib.contextmanager
 def atomic_write(path: Path, mode: str = "wb", **open_args) -> Iterator[IO]:
-    """Yield a file open on ``.NAME.tmp`` beside ``path``; when the block ends, fsync it and
-    rename it onto ``path`` (durably); if the block raises, remove it.
+    """Yield a file open on a new temporary file beside ``path``; when the block ends, fsync
+    it and rename it onto ``path`` (durably); if the block raises, remove it.
 
-    The temporary file is created with ``O_CREAT | O_EXCL | O_NOFOLLOW``: whatever is at
-    its name (a stale file, a symlink planted there) is unlinked, never opened, and the
-    rename replaces a link at ``path`` instead of writing through it."""
+    The temporary name is random and created with ``O_CREAT | O_EXCL | O_NOFOLLOW``: no
+    name planted in the directory beforehand (a symlink to elsewhere) is ever opened, and
+    the rename replaces a link at ``path`` instead of writing through it."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        fd = os.open(tmp, _EXCLUSIVE, 0o666)
-    except FileExistsError:
-        clear(tmp)
-        fd = os.open(tmp, _EXCLUSIVE, 0o666)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, _EXCLUSIVE, 0o666)
     try:
         with open(fd, mode, **open_args) as fh:
             yield fh
