@@ -135,7 +135,8 @@ class WeightFiles:
                     slots.release()
 
         httpd = Served((self.host, 0), Handler)
-        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        # polled often: closing it ends every push, and waits for one poll
+        threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
         return httpd
 
     def offer(self, token: str, path: Path) -> str:
