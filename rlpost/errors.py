@@ -1,5 +1,5 @@
-"""Errors that cross boundaries: a worker's failure as a typed record, and the one-line
-form of any error.
+"""Errors that cross boundaries: a worker's failure as a typed record, the one-line form
+of any error, and a model load's refusal of a checkpoint that does not fill its model.
 
 A worker may live in this process, in a child process or in a Ray actor; its failure
 reaches the caller pickled. :class:`WorkerError` keeps what the caller acts on as data
@@ -42,6 +42,29 @@ class WorkerError(RuntimeError):
 
 class ModelLoadError(RuntimeError):
     """A model path (HF directory or GGUF file) that cannot be used, explained in one line."""
+
+
+def refuse_incomplete(path, info: dict) -> None:
+    """A one-line :class:`ModelLoadError` naming the weights the checkpoint at ``path`` lacks
+    (transformers would initialise them at random) or holds that the model has no place for
+    (dropped), from ``from_pretrained``'s ``output_loading_info``. A tied output head is
+    neither: it is the embedding."""
+
+    def some(keys) -> str:
+        names = sorted(keys)
+        more = f", ... {len(names) - 4} more" if len(names) > 4 else ""
+        return f"{len(names)} weight{'s' * (len(names) > 1)} ({', '.join(names[:4])}{more})"
+
+    parts = []
+    if info["missing_keys"]:
+        parts.append(f"{some(info['missing_keys'])} missing from it would start at random")
+    if info["unexpected_keys"]:
+        parts.append(f"{some(info['unexpected_keys'])} the model lacks would be dropped")
+    if parts:
+        raise ModelLoadError(
+            f"model.path={str(path)!r}: {'; '.join(parts)}; name a complete checkpoint of the "
+            "model its config describes"
+        )
 
 
 def kind_of(exc: BaseException) -> str:

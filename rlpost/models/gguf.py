@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from rlpost.errors import ModelLoadError, one_line
+from rlpost.errors import ModelLoadError, one_line, refuse_incomplete
 
 SUFFIX = ".gguf"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -159,8 +159,6 @@ def load_causal_lm(file: Path, *, dtype: torch.dtype = torch.float32):
     """The file's model, every weight dequantized to ``dtype``, saved and trained like one
     loaded from an HF directory."""
     from transformers import AutoModelForCausalLM, GgufConfig
-
-    from rlpost.models.loading import refuse_incomplete
 
     check(file)
     try:

@@ -23,7 +23,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from rlpost.errors import ModelLoadError, one_line
+from rlpost.errors import ModelLoadError, one_line, refuse_incomplete
 from rlpost.models.tiny import build_char_tokenizer, build_tiny_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -149,7 +149,7 @@ def load_config(path: str | Path) -> PretrainedConfig:
 
 def load_causal_lm(path: str | Path, *, dtype: str = "float32") -> PreTrainedModel:
     """The model at ``path`` (an HF directory or a GGUF file) in ``dtype``, every weight
-    read from the checkpoint (:func:`refuse_incomplete`)."""
+    read from the checkpoint (:func:`~rlpost.errors.refuse_incomplete`)."""
     if (file := _gguf(path)) is not None:
         from rlpost.models import gguf
 
@@ -163,29 +163,6 @@ def load_causal_lm(path: str | Path, *, dtype: str = "float32") -> PreTrainedMod
         raise ModelLoadError(f"cannot load a causal LM from {str(p)!r}: {one_line(exc)}") from None
     refuse_incomplete(p, info)
     return model
-
-
-def refuse_incomplete(path: Path, info: dict) -> None:
-    """A one-line :class:`ModelLoadError` naming the weights the checkpoint at ``path`` lacks
-    (transformers would initialise them at random) or holds that the model has no place for
-    (dropped), from ``from_pretrained``'s ``output_loading_info``. A tied output head is
-    neither: it is the embedding."""
-
-    def some(keys) -> str:
-        names = sorted(keys)
-        more = f", ... {len(names) - 4} more" if len(names) > 4 else ""
-        return f"{len(names)} weight{'s' * (len(names) > 1)} ({', '.join(names[:4])}{more})"
-
-    parts = []
-    if info["missing_keys"]:
-        parts.append(f"{some(info['missing_keys'])} missing from it would start at random")
-    if info["unexpected_keys"]:
-        parts.append(f"{some(info['unexpected_keys'])} the model lacks would be dropped")
-    if parts:
-        raise ModelLoadError(
-            f"model.path={str(path)!r}: {'; '.join(parts)}; name a complete checkpoint of the "
-            "model its config describes"
-        )
 
 
 def load_policy(
