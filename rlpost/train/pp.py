@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import state_dict as dcp
+from torch.distributed.tensor import DTensor
 
 from rlpost.train.dp import DataParallel, full_tensor, layers_name, resharded
 from rlpost.train.layout import ShardedLayout, whole_tensors
@@ -81,7 +82,10 @@ class StageDone(Exception):
 
 class _Receive(torch.autograd.Function):
     """The previous stage's output in ``like``'s shape; the gradient sent back to it.
-    ``anchor`` (requiring a gradient) makes the backward run with frozen inputs too."""
+    ``anchor`` (requiring a gradient) makes the backward run with frozen inputs too.
+    ``like`` comes detached: this rank's own lookup, made for its shape alone, is then no
+    part of the backward (in it a vocabulary-split embedding's redistribution would get
+    autograd's zero gradient as a plain tensor, not a DTensor, and fail)."""
 
     @staticmethod
     def forward(ctx, like, anchor, stages, src):
@@ -148,7 +152,7 @@ class Stages:
                     x = x.contiguous().clone()
                     dist.broadcast(x, group_src=src, group=self.group)
             elif boundary == self.stage and src is not None:
-                x = _Receive.apply(x, self._anchor, self, src)
+                x = _Receive.apply(x.detach(), self._anchor, self, src)
             elif boundary == self.stage + 1 and boundary < self.pp:
                 raise StageDone(_Send.apply(x, self._anchor, self, boundary))
             return (x, *args[1:])
@@ -191,6 +195,10 @@ class Stages:
             if n:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+                elif isinstance(p, DTensor) and p.grad.placements != p.placements:
+                    # a vocabulary-split embedding's lookup gives its gradient whole
+                    # (Replicate): this rank's rows of it, as the weight holds them
+                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
                 dist.all_reduce(getattr(p.grad, "_local_tensor", p.grad), group=self.group)
 
     def from_last(self, t: torch.Tensor) -> torch.Tensor:

@@ -233,8 +233,18 @@ def test_stages_of_tensor_parallel_ranks_that_do_not_divide_the_workers_are_refu
             "cluster.tensor_parallel=2",
             "train.logits_chunk_tokens=5",
         ),
+        # the same with the whole-logits head (the tiny vocabulary's default), 4 layers, 8
+        # heads on 4 KV heads: the last stage's own lookup took no part in its backward
+        (
+            "cluster.trainer_workers=4",
+            "cluster.pipeline_parallel=2",
+            "cluster.tensor_parallel=2",
+            "model.tiny.num_hidden_layers=4",
+            "model.tiny.num_attention_heads=8",
+            "model.tiny.num_key_value_heads=4",
+        ),
     ],
-    ids=["dp2xpp2", "pp2xtp2"],
+    ids=["dp2xpp2", "pp2xtp2", "pp2xtp2_whole_logits"],
 )
 def test_four_ranks_with_two_stages_equal_one_process(tmp_path, layout):
     """Four ranks against one process; then their checkpoint resumes in one process with
