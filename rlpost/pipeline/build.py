@@ -46,7 +46,7 @@ from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.rollout.episodes.multiturn import MultiTurnRollout
 from rlpost.rollout.longtail import LengthPredictor, PartialRollout
 from rlpost.rollout.worker import RolloutWorker
-from rlpost.train.actor import ActorSettings, PolicyTrainer, size_scaled_lr
+from rlpost.train.actor import ActorSettings, PolicyTrainer, eager_attention_pays, size_scaled_lr
 from rlpost.train.dp import DPSpec
 from rlpost.train.worker import TrainerWorker, WeightsExport
 from rlpost.types import Prompt
@@ -239,22 +239,6 @@ def build_layout(cfg: Config, facts: RunFacts, model, dp=None):
             shard_model(module, bf16=facts.bf16, trainable=trainable, mesh=dp.mesh["dp"])
     release_free_heap()  # the whole weights each rank loaded, back to the system
     return ShardedLayout(model, ref, dp)
-
-
-EAGER_ATTENTION_MAX_POSITIONS = 512
-
-
-def eager_attention_pays(model) -> bool:
-    """Whether the trainer should run the eager attention rather than sdpa under bf16.
-
-    On CPU, torch's sdpa backward under bf16 autocast is slow at the short sequences of
-    RL on small models: eager attention made a bf16 forward+backward 1.34x faster at
-    ~25M and 1.44x at the tiny size (128 rows x 16 tokens, docs/performance.md); in
-    fp32 the two are even. Eager keeps a ``[B, heads, L, L]`` score tensor per layer
-    for the backward, so it is used only where the context is short.
-    """
-    positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
-    return positions <= EAGER_ATTENTION_MAX_POSITIONS and hasattr(model, "set_attn_implementation")
 
 
 def build_critic(cfg: Config, facts: RunFacts, model):

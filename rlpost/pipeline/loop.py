@@ -110,6 +110,7 @@ class Run:
     learn: LearnabilityCheck | None = None  # "cannot learn" warnings at the first steps
     eval_seconds: float = 0.0  # wall time spent in held-out evaluation
     console: Console | None = None  # held-out evaluation shows its progress here
+    gap_noted: bool = False  # the engine/trainer logprob gap was reported (once a run)
 
 
 def start_workers(cfg: Config, run_dir: Path, train_prompts, console, *, resuming: bool) -> Workers:
@@ -374,6 +375,7 @@ def rl_step(r: Run, step: int) -> tuple[dict, list]:
         step=step,
     )
     m = stats.metrics
+    note_logprob_gap(r, m, step + 1)
     if m["invalid_rewards"]:
         r.recorder.count_guard("nonfinite_reward")
     elapsed = time.perf_counter() - t0
@@ -395,6 +397,28 @@ def rl_step(r: Run, step: int) -> tuple[dict, list]:
     components = {f"reward/{k}": _nanmean(v) for k, v in _components(out.groups).items()}
     sources = source_metrics(out.groups) | reward_counts(r)
     return merge_metrics(m, fed.stats, own, out.stats, components, sources), stats.actions
+
+
+LOGPROB_GAP_NOTE = 0.01
+"""Mean engine-trainer logprob gap, nats a token on the same weights, above which a run
+without a rollout correction says so (SmolLM2-135M: 1e-5 in float32; in bf16 0.038 from an
+engine wholly in bf16, 0.016 from one with the trainer's numerics, docs/performance.md)."""
+
+
+def note_logprob_gap(r: Run, m: dict, step: int) -> None:
+    """Say once, in one line, that the engine samples from another distribution than the
+    trainer scores (a different dtype or kernels) when nothing corrects for it."""
+    if r.gap_noted or r.cfg.algo.rollout_correction.name != "none" or m["sample_lag_max"]:
+        return
+    if m["logprob_gap"] > LOGPROB_GAP_NOTE:
+        r.gap_noted = True
+        log.warning(
+            "logprob_gap=%.3f at step %d: the engine samples from another policy than the "
+            "trainer scores (nats a token, same weights); set algo.rollout_correction.name=tis "
+            "to correct for it",
+            m["logprob_gap"],
+            step,
+        )
 
 
 def reward_counts(r: Run) -> dict[str, float]:

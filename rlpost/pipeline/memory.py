@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 
 from rlpost.config import Config, ConfigError
 from rlpost.observe.mfu import _usable_cores
-from rlpost.pipeline.build import EAGER_ATTENTION_MAX_POSITIONS
 from rlpost.resolved import resolve
+from rlpost.train.actor import EAGER_ATTENTION_MAX_POSITIONS
 from rlpost.train.lm_head import chunk_tokens, needs_chunks
 from rlpost.train.tp import COLUMN, ROW, vocab_modules
 
@@ -131,6 +131,12 @@ def rank_params(cfg: Config, shape: dict) -> float:
     return (held - split + split / tp) / dp
 
 
+def serving_bytes(shape: dict, width: int) -> int:
+    """An in-process engine's copy: its layers' matrices ``width`` bytes an element, the
+    embeddings and head float32 (a bf16 copy computes as the trainer's autocast does)."""
+    return shape["layer_params"] * width + (shape["params"] - shape["layer_params"]) * 4
+
+
 def ranks_here(cfg: Config) -> int:
     """Trainer ranks on this machine: all of them, unless they join a Ray cluster elsewhere."""
     c = cfg.cluster
@@ -171,7 +177,9 @@ def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
         gradients=trainable * 4 / MIB,
         optimizer=trainable * 8 / MIB,
         reference=n * 4 / MIB if facts.reference_copy else 0.0,
-        engine=shape["params"] * width / MIB if in_process and not facts.shares_storage else 0.0,
+        engine=serving_bytes(shape, width) / MIB
+        if in_process and not facts.shares_storage
+        else 0.0,
         kv_cache=kv / MIB,
         activations=activations / MIB,
         logits=logits / MIB,

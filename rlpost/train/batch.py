@@ -216,7 +216,8 @@ def response_hidden(
 ):
     """(hidden [N, H] of the real response tokens, their targets [N], where [B, T] bool, head),
     or None when the model's head cannot be split off (:func:`split_head`) or the logits
-    fit one chunk (:func:`needs_chunks`).
+    fit one chunk (:func:`needs_chunks`) outside autocast (under it the whole head would
+    round its logits to bf16; the chunked one computes them in float32, as engines do).
 
     Padding positions are left out: the head never runs on them. ``packed``: the decoder
     runs on the rows packed end to end (:mod:`rlpost.train.packing`), not padded; with
@@ -224,7 +225,8 @@ def response_hidden(
     split = split_head(model)
     T = batch.responses.shape[1]
     tokens = int(batch.attention_mask[:, -T:].sum()) if packed else len(batch) * T
-    if split is None or not needs_chunks(tokens, split[1].weight.shape[0], chunk):
+    autocast = torch.is_autocast_enabled(batch.input_ids.device.type)
+    if split is None or not (autocast or needs_chunks(tokens, split[1].weight.shape[0], chunk)):
         return None
     decoder, head = split
     # The lookup adds its gradient into the (tied) weight's own: lm_head.grad_sink.

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from rlpost.observe.mfu import cpu_bf16_native, cpu_vendor
+from rlpost.observe.mfu import cpu_vendor
 from rlpost.observe.threads import pace
 from rlpost.train.tp import vocab_shard
 
@@ -83,23 +83,14 @@ def split_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     return decoder, head
 
 
-@functools.cache
-def _cpu_bf16() -> bool:
-    return cpu_bf16_native()  # read once: /proc/cpuinfo does not change
-
-
 def compute_dtype(weight: Tensor) -> torch.dtype:
-    """The head's matmul dtype: autocast's where it is on (as ``nn.Linear`` would get), else
-    the weight's; but float32 on a CPU without native bf16 instructions. There bf16 is
-    emulated, and at the head's shapes (a vocabulary-wide output, or a reduction over the
-    vocabulary) it ran 3x (forward) to 270x (the hidden-state gradient, [c, V] x [V, H])
-    slower than float32 (AVX2 CPU, docs/performance.md)."""
-    kind = weight.device.type
-    if kind == "cpu" and not _cpu_bf16():
-        return torch.promote_types(weight.dtype, torch.float32)
-    if torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return weight.dtype
+    """The head's matmul dtype: float32 (the weight's where wider), under bf16 autocast too.
+    A bf16 head rounds each logit to 8 bits of mantissa (0.06 at a logit of 10), and the
+    trainer's chunks and an engine's decode steps sum in different orders, so their
+    roundings differ: on SmolLM2-135M the sampling and the trainer's logprobs were 0.037
+    nats a token apart, 2e-3 with both heads in float32 (docs/performance.md, "bf16").
+    The field's RL stacks keep the head in float32 for the same reason."""
+    return torch.promote_types(weight.dtype, torch.float32)
 
 
 ONEDNN_MIN_VOCAB = 32_768
@@ -153,10 +144,13 @@ def _onednn_head(x: Tensor, weight: Tensor) -> bool:
 
 
 class ServingHead(nn.Linear):
-    """An engine's LM head: :func:`head_linear` (the same weights, the same state dict)."""
+    """An engine's LM head: :func:`head_linear` (the same weights, the same state dict), in
+    the weight's dtype whatever autocast says: float32 beside a bf16 decoder, as the
+    trainer's head (:func:`compute_dtype`)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return head_linear(x, self.weight, self.bias)
+        with torch.autocast(x.device.type, enabled=False):
+            return head_linear(x.to(self.weight.dtype), self.weight, self.bias)
 
 
 def serve_head(model: nn.Module) -> nn.Module:
@@ -166,6 +160,33 @@ def serve_head(model: nn.Module) -> nn.Module:
     if type(head) is nn.Linear:
         head.__class__ = ServingHead  # forward alone differs; a copy or pickle keeps it
     return model
+
+
+AUTOCAST = "serving_autocast"
+"""Attribute of a serving module whose forward runs under autocast to that dtype."""
+
+
+def bf16_serving(model: nn.Module) -> nn.Module:
+    """``model`` made to compute as a trainer under bf16 autocast does, in place: its linear
+    layers' weights cast to bf16 once (what autocast casts a float32 weight to), the
+    embeddings, norms and output head left float32, and its forward to run under bf16
+    autocast (:func:`serving_precision`). The residual stream and the norms then stay
+    float32 and the head computes in float32, as in the trainer; a model wholly in bf16
+    sampled 0.037 nats a token away from the trainer's logprobs on SmolLM2-135M."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and m is not head:
+            m.to(torch.bfloat16)
+    setattr(model, AUTOCAST, torch.bfloat16)
+    return model
+
+
+def serving_precision(model: nn.Module):
+    """The context an engine runs ``model``'s forward in: bf16 autocast for a
+    :func:`bf16_serving` model, else none."""
+    dtype = getattr(model, AUTOCAST, None)
+    device = next(model.parameters()).device.type
+    return torch.autocast(device, dtype=dtype, enabled=dtype is not None)
 
 
 @functools.cache

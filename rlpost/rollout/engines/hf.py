@@ -22,8 +22,9 @@ from transformers import DynamicCache
 
 from rlpost.resolved import ENGINES, RunFacts
 from rlpost.rollout.engines.protocol import SamplingParams, TokenRate, sample_tokens
+from rlpost.train.actor import eager_attention_pays
 from rlpost.train.batch import keeps_logits
-from rlpost.train.lm_head import serve_head
+from rlpost.train.lm_head import bf16_serving, serve_head, serving_precision
 from rlpost.types import Completion
 
 
@@ -97,7 +98,8 @@ class HFEngine(TokenRate):
         cache = DynamicCache()
         last_only = {"logits_to_keep": 1} if keeps_logits(self.model) else {}
         inputs = {"input_ids": ids, "attention_mask": attn, "position_ids": pos}
-        out = self.model(**inputs, cache=cache, use_cache=True, **last_only)
+        with serving_precision(self.model):
+            out = self.model(**inputs, cache=cache, use_cache=True, **last_only)
         logits = out.logits[:, -1, :]
         if self.share_prefix and n > 1:
             cache.batch_repeat_interleave(n)
@@ -135,7 +137,8 @@ class HFEngine(TokenRate):
             attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=-1)
             last_pos = last_pos + 1
             inputs = {"input_ids": tok[:, None], "position_ids": last_pos[:, None]}
-            out = self.model(**inputs, attention_mask=attn, cache=cache, use_cache=True)
+            with serving_precision(self.model):
+                out = self.model(**inputs, attention_mask=attn, cache=cache, use_cache=True)
             logits = out.logits[:, -1, :]
         self.tokens_generated += sum(len(t) for t in tokens)
         return [
@@ -181,8 +184,10 @@ def serving_copy(facts: RunFacts, model) -> torch.nn.Module:
     else:
         serving = copy.deepcopy(model)
     serving.requires_grad_(False)
-    if facts.bf16:
-        serving = serving.to(dtype=torch.bfloat16)
+    if facts.bf16:  # the trainer's numerics (autocast, its attention kernel), not wholly bf16
+        bf16_serving(serving)
+        if eager_attention_pays(serving):
+            serving.set_attn_implementation("eager")
     return serving.to(torch.device(facts.device))
 
 

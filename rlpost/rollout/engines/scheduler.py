@@ -51,7 +51,7 @@ from rlpost.rollout.engines.protocol import (
     adjust_logits,
     sample_tokens,
 )
-from rlpost.train.lm_head import serve_head
+from rlpost.train.lm_head import serve_head, serving_precision
 from rlpost.types import FinishReason
 
 TRIM_COLUMNS = 16  # drop all-padding KV columns once this many have piled up
@@ -538,9 +538,10 @@ class Scheduler:
         device = next(self.model.parameters()).device
         ids = torch.tensor([prompt[start:]], dtype=torch.long, device=device)
         pos = torch.arange(start, len(prompt), dtype=torch.long, device=device)[None]
-        out = self.model(
-            input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1
-        )
+        with serving_precision(self.model):
+            out = self.model(
+                input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1
+            )
         kv, logits = pc.cache_tensors(cache), out.logits[0, -1].float()
         self.prefix_cache.insert(prompt, kv, logits, self.version)
         self.counters["prefills"] += 1
@@ -578,7 +579,8 @@ class Scheduler:
         pos = torch.tensor([[s.position] for s in rows], dtype=torch.long, device=device)
         self._mask = torch.cat([self._mask, self._mask.new_ones(len(rows), 1)], dim=-1)
         inputs = {"input_ids": ids, "attention_mask": self._mask, "position_ids": pos}
-        out = self.model(**inputs, cache=self._cache, use_cache=True)
+        with serving_precision(self.model):
+            out = self.model(**inputs, cache=self._cache, use_cache=True)
         self.counters["steps"] += 1
         self.counters["max_batch_seen"] = max(self.counters["max_batch_seen"], len(rows))
         self._advance(rows, out.logits[:, -1, :])

@@ -156,3 +156,30 @@ def test_evaluation_reports_progress_per_chunk_in_samples():
     assert (counts.total, counts.steps) == (20, [8, 8, 4])
     evaluate(rollout, reward, prompts, SamplingParams(temperature=0), samples=4, progress=counts)
     assert (counts.total, counts.steps[3:]) == (25, [5])  # greedy: one sample a problem
+
+
+def test_a_logprob_gap_on_the_same_weights_is_said_once_unless_corrected(caplog):
+    """The engine sampling another distribution than the trainer scores (a dtype, kernels)
+    is one line, once a run; not when a correction acts, nor for stale samples."""
+    from types import SimpleNamespace
+
+    from rlpost.config import load_config
+    from rlpost.pipeline.loop import LOGPROB_GAP_NOTE, note_logprob_gap
+
+    def run(*extra):
+        return SimpleNamespace(cfg=load_config(None, list(extra)), gap_noted=False)
+
+    big = {"logprob_gap": 0.037, "sample_lag_max": 0.0}
+    r = run()
+    with caplog.at_level("WARNING", logger="rlpost.pipeline.loop"):
+        note_logprob_gap(r, {**big, "logprob_gap": LOGPROB_GAP_NOTE / 10}, 1)
+        assert not caplog.records
+        note_logprob_gap(r, big, 2)
+        note_logprob_gap(r, big, 3)
+        note_logprob_gap(run("algo.rollout_correction.name=tis"), big, 1)
+        note_logprob_gap(run(), {**big, "sample_lag_max": 1.0}, 1)
+    assert [rec.getMessage() for rec in caplog.records] == [
+        "logprob_gap=0.037 at step 2: the engine samples from another policy than the trainer "
+        "scores (nats a token, same weights); set algo.rollout_correction.name=tis to correct "
+        "for it"
+    ]
