@@ -304,12 +304,12 @@ def build_trainer_worker(
         from rlpost.train.dp import DataParallel, init_group
         from rlpost.train.tp import device_mesh, split_error
 
-        tp, pp = cfg.cluster.tensor_parallel, cfg.cluster.pipeline_parallel
-        why = split_error(model.config, tp) or stages.split_error(model.config, pp)
+        layout = facts.layout
+        why = split_error(model.config, layout.tp) or stages.split_error(model.config, layout.pp)
         if why is not None:
             raise ConfigError(why)
         init_group(dp, timeout_s=cfg.cluster.start_timeout_s)
-        mesh = None if tp == pp == 1 else device_mesh(dp.world, tp, device.type, pp)
+        mesh = device_mesh(layout, device.type) if layout.split else None
         group = DataParallel(dp, device=device, mesh=mesh)
         trainer = build_trainer(cfg, model, group, facts=facts)
         return TrainerWorker(trainer, tokenizer, layout=trainer.layout)

@@ -34,7 +34,7 @@ from rlpost.envs.catalog import env_factory
 from rlpost.envs.formats import TagFormat
 from rlpost.pipeline.build import run_device
 from rlpost.registry import UnknownNameError
-from rlpost.resolved import ENGINES, resolve
+from rlpost.resolved import ENGINES, TrainerLayout, resolve
 from rlpost.rewards.scorer import check_terms
 
 COMMANDS = ("train", "sft", "eval", "dpo", "rm")
@@ -436,28 +436,12 @@ def suspect_before_dead(cfg: Config) -> str | bool | None:
 
 
 @rule("train")
-def tensor_parallel_divides_workers(cfg: Config) -> str | bool | None:
-    tp, n = cfg.cluster.tensor_parallel, cfg.cluster.trainer_workers
-    return n % tp and (
-        f"cluster.tensor_parallel={tp} does not divide cluster.trainer_workers={n}; "
-        f"set trainer_workers to a multiple of {tp} (data-parallel x tensor-parallel)"
-    )
-
-
-@rule("train")
-def pipeline_parallel_divides_workers(cfg: Config) -> str | bool | None:
-    c = cfg.cluster
-    pp, n, tp = c.pipeline_parallel, c.trainer_workers, c.tensor_parallel
-    if pp > 1 and tp > 1:
-        return n % (pp * tp) and (
-            f"cluster.pipeline_parallel={pp} x cluster.tensor_parallel={tp} does not divide "
-            f"cluster.trainer_workers={n}; set trainer_workers to a multiple of {pp * tp} "
-            "(data-parallel x pipeline stages x tensor-parallel)"
-        )
-    return n % pp and (
-        f"cluster.pipeline_parallel={pp} does not divide cluster.trainer_workers={n}; "
-        f"set trainer_workers to a multiple of {pp} (data-parallel x pipeline stages)"
-    )
+def trainer_layout_fits(cfg: Config) -> str | bool | None:
+    try:
+        TrainerLayout.of(cfg.cluster)
+    except ConfigError as exc:
+        return str(exc)
+    return None
 
 
 @rule("train")
