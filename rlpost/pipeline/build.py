@@ -516,9 +516,15 @@ def build_harness(cfg: Config, engine, tokenizer):
     entry = None if h.entry is None else _harness_entry("entry", h.entry)
     bounds = SessionBounds(h.max_requests, cfg.rollout.max_tokens, h.max_seconds)
     settings = HarnessSettings(
-        entry, tuple(h.command), tuple(h.env), bounds, h.workers, h.chat_template, h.tool_parser,
+        entry,
+        tuple(h.command),
+        tuple(h.env),
+        bounds,
+        h.workers,
+        h.chat_template,
+        h.tool_parser,
         own_user=h.user == "session",
-    )  # fmt: skip
+    )
     if cfg.rollout.engine.name == "remote":  # sessions on the servers, over their admin routes
         from rlpost.rollout.engines.client import keys_from_env
         from rlpost.rollout.engines.remote_sessions import RemoteSessions
@@ -578,6 +584,10 @@ def build_teacher_worker(cfg: Config, facts: RunFacts, tokenizer=None):
 
     t = cfg.model.teacher
     return build_teacher(
-        t.path, t.url, tokenizer or run_tokenizer(cfg), api_key=t.api_key, timeout=t.timeout_s,
+        t.path,
+        t.url,
+        tokenizer or run_tokenizer(cfg),
+        api_key=t.api_key,
+        timeout=t.timeout_s,
         micro_batch_size=t.micro_batch_size,
-    )  # fmt: skip
+    )

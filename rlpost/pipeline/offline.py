@@ -249,22 +249,38 @@ def run_conversation_sft(cfg: Config, resume: Path | None = None, console=None) 
         device=model_device(model),
     )
     done = train_stage(
-        run_dir, model, tokenizer, objective, schedule(s, cfg.run.seed),
-        state=SFT_STATE, evaluate=held_out, eval_every=s.eval_every, fresh=resume is None,
-        console=console, title="sft on conversations", row=lambda m: {"sft_loss": m["loss"]},
-    )  # fmt: skip
+        run_dir,
+        model,
+        tokenizer,
+        objective,
+        schedule(s, cfg.run.seed),
+        state=SFT_STATE,
+        evaluate=held_out,
+        eval_every=s.eval_every,
+        fresh=resume is None,
+        console=console,
+        title="sft on conversations",
+        row=lambda m: {"sft_loss": m["loss"]},
+    )
     losses = done["losses"]
     (run_dir / "sft_losses.json").write_text(json.dumps(losses))
-    _finish(run_dir, model, tokenizer, out, SFT_STATE, {
-        **done["ends"],
-        "sft_loss_last": losses[-1] if losses else None,
-        "steps": s.steps,
-        "train_examples": len(train),
-        "eval_examples": len(held),
-        "chat_template": "plain (added)" if templated else "the tokenizer's",
-        "wall_seconds": time.time() - started,
-        **data_counts(reports),
-    })  # fmt: skip
+    _finish(
+        run_dir,
+        model,
+        tokenizer,
+        out,
+        SFT_STATE,
+        {
+            **done["ends"],
+            "sft_loss_last": losses[-1] if losses else None,
+            "steps": s.steps,
+            "train_examples": len(train),
+            "eval_examples": len(held),
+            "chat_template": "plain (added)" if templated else "the tokenizer's",
+            "wall_seconds": time.time() - started,
+            **data_counts(reports),
+        },
+    )
     return out
 
 
@@ -299,27 +315,41 @@ def run_rm(cfg: Config, resume: Path | None = None, console=None) -> Path:
     on_run_device(cfg, model)
     pad = tokenizer.pad_token_id
     done = train_stage(
-        run_dir, model, tokenizer, BradleyTerry(train, pad, s.micro_batch_size),
-        schedule(s, cfg.run.seed), state=RM_STATE, evaluate=lambda: evaluate_rm(model, held, pad),
-        eval_every=s.eval_every, fresh=resume is None, console=console,
+        run_dir,
+        model,
+        tokenizer,
+        BradleyTerry(train, pad, s.micro_batch_size),
+        schedule(s, cfg.run.seed),
+        state=RM_STATE,
+        evaluate=lambda: evaluate_rm(model, held, pad),
+        eval_every=s.eval_every,
+        fresh=resume is None,
+        console=console,
         title="reward model (bradley-terry)",
         info=lambda m: f"loss {m['loss']:.3f} | acc {m['accuracy']:.1%}",
-    )  # fmt: skip
+    )
     # The reward worker reads the score at the last non-pad token through this id, and
     # pads as the tokenizer says: right, as trained (left padding would shift positions).
     model.config.pad_token_id = pad
     tokenizer.padding_side = "right"
-    _finish(run_dir, model, tokenizer, out, RM_STATE, {
-        **done["ends"],
-        "train_loss_last": done["losses"][-1],
-        "steps": s.steps,
-        "train_pairs": len(train),
-        "eval_pairs": len(held),
-        "margin_field": s.margin_field,
-        "started_from": cfg.model.path or "the tiny model config",
-        "wall_seconds": time.time() - started,
-        **data_counts(reports),
-    })  # fmt: skip
+    _finish(
+        run_dir,
+        model,
+        tokenizer,
+        out,
+        RM_STATE,
+        {
+            **done["ends"],
+            "train_loss_last": done["losses"][-1],
+            "steps": s.steps,
+            "train_pairs": len(train),
+            "eval_pairs": len(held),
+            "margin_field": s.margin_field,
+            "started_from": cfg.model.path or "the tiny model config",
+            "wall_seconds": time.time() - started,
+            **data_counts(reports),
+        },
+    )
     return out
 
 
@@ -355,12 +385,20 @@ def run_dpo(cfg: Config, resume: Path | None = None, console=None) -> DPOResult:
     eval_set.ref_chosen, eval_set.ref_rejected = keep["ref"][2:]
     kw = s.loss_kwargs()
     done = train_stage(
-        run_dir, model, tokenizer, DPO(train_set, pad, s.micro_batch_size, kw),
-        schedule(s, cfg.run.seed), state=DPO_STATE,
-        evaluate=lambda: evaluate_pairs(model, eval_set, pad, kw), eval_every=s.eval_every,
-        fresh=resume is None, console=console, title=f"dpo ({s.loss_type})", keep=keep,
+        run_dir,
+        model,
+        tokenizer,
+        DPO(train_set, pad, s.micro_batch_size, kw),
+        schedule(s, cfg.run.seed),
+        state=DPO_STATE,
+        evaluate=lambda: evaluate_pairs(model, eval_set, pad, kw),
+        eval_every=s.eval_every,
+        fresh=resume is None,
+        console=console,
+        title=f"dpo ({s.loss_type})",
+        keep=keep,
         info=lambda m: f"loss {m['loss']:.3f} | margin {m['reward_margin']:.3f}",
-    )  # fmt: skip
+    )
     summary = {
         **done["ends"],
         "eval_pairs": len(eval_set),

@@ -384,10 +384,14 @@ class RequestLoadBalancer:
     def stats(self) -> dict:
         now = time.monotonic()
         servers = {
-            s.client.url: {"completed": s.completed, "failures": s.failures,
-                           "outstanding": s.outstanding, "up": s.down_until <= now}
+            s.client.url: {
+                "completed": s.completed,
+                "failures": s.failures,
+                "outstanding": s.outstanding,
+                "up": s.down_until <= now,
+            }
             for s in self.servers
-        }  # fmt: skip
+        }
         return {"retries": self.retries, "servers": servers}
 
     def close(self) -> None:

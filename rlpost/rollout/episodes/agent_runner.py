@@ -141,9 +141,11 @@ class LoopbackServer:
         from rlpost.rollout.serve.server import create_app
 
         settings = ServerSettings(
-            name, max_tokens_limit=1 << 20, max_model_len=scheduler.max_model_len,
+            name,
+            max_tokens_limit=1 << 20,
+            max_model_len=scheduler.max_model_len,
             tool_parser=tool_parser,
-        )  # fmt: skip
+        )
         keys = GuardSettings(secrets.token_urlsafe(32), secrets.token_urlsafe(32))
         self.app = create_app(scheduler, tokenizer, settings, keys)
         self.sessions = self.app.state.sessions

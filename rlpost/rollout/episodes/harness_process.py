@@ -42,8 +42,17 @@ from pathlib import Path
 from rlpost.rollout.episodes import harness_user
 
 BASIC_ENV = (
-    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "TMPDIR", "LANG", "LANGUAGE", "TZ",
-)  # fmt: skip
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "TERM",
+    "TMPDIR",
+    "LANG",
+    "LANGUAGE",
+    "TZ",
+)
 STDOUT_TAIL = 1 << 20  # the answer is the last line: a tail keeps it
 STDERR_TAIL = 64 << 10
 REAPER = Path(__file__).with_name("harness_reaper.py")
@@ -119,9 +128,14 @@ class HarnessProcess:
         argv = [sys.executable, "-I", "-S", str(REAPER), str(os.getpid()), uid, scratch, *command]
         try:
             self.proc = subprocess.Popen(
-                argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, bufsize=0, start_new_session=True,
-            )  # fmt: skip
+                argv,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                bufsize=0,
+                start_new_session=True,
+            )
         except BaseException:
             self._release()
             raise

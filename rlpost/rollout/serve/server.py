@@ -201,12 +201,16 @@ class RolloutService:
         kind = "chatcmpl" if chat else "cmpl"
         head = {"id": f"{kind}-{uuid.uuid4().hex}", "created": int(time.time())}
         return Plan(
-            prompts, fields, {**head, "model": settings.model_name}, chat=chat,
+            prompts,
+            fields,
+            {**head, "model": settings.model_name},
+            chat=chat,
             logprobs=bool(body.get("logprobs")) if chat else body.get("logprobs") is not None,
             stream=body.get("stream") is True,
             usage=bool((body.get("stream_options") or {}).get("include_usage")),
-            sequences=sequences, tools=tools if tools is not None and tools.parses else None,
-        )  # fmt: skip
+            sequences=sequences,
+            tools=tools if tools is not None and tools.parses else None,
+        )
 
     async def respond(self, request: Request, chat: bool):
         plan = await run_in_threadpool(self.plan, await request.body(), chat)
@@ -492,10 +496,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--port", type=int, default=8000, help="0 picks a free port (printed on start)")
     add("--max-batch", type=int, default=64, help="sequences decoded together")
     add(
-        "--max-request-batch", type=int, default=None,
+        "--max-request-batch",
+        type=int,
+        default=None,
         help="sequences of one request decoded together while another runs or waits "
         "(default: an eighth of --max-batch, at least 2)",
-    )  # fmt: skip
+    )
     add("--max-tokens-limit", type=int, default=512, help="largest max_tokens accepted")
     add("--max-n", type=int, default=64, help="largest n accepted")
     add("--max-prompts", type=int, default=1024, help="most prompts in one completions request")
@@ -543,17 +549,29 @@ def _checked(args: argparse.Namespace) -> str | None:
     if args.max_request_sequences is None:  # one limit set alone never contradicts the other
         args.max_request_sequences = min(1024, max(args.max_pending, 1))
     for flag in (
-        "max_batch", "max_tokens_limit", "max_n", "max_prompts", "max_connections", "max_pending",
-        "max_request_sequences", "max_request_tokens", "max_score_entries", "max_sessions",
-    ):  # fmt: skip
+        "max_batch",
+        "max_tokens_limit",
+        "max_n",
+        "max_prompts",
+        "max_connections",
+        "max_pending",
+        "max_request_sequences",
+        "max_request_tokens",
+        "max_score_entries",
+        "max_sessions",
+    ):
         if getattr(args, flag) < 1:
             return f"--{flag.replace('_', '-')} must be >= 1"
     if args.max_request_batch is not None and args.max_request_batch < 1:
         return "--max-request-batch must be >= 1"
     for flag in (
-        "max_body_mb", "max_weights_mb", "request_timeout", "header_timeout", "body_timeout",
+        "max_body_mb",
+        "max_weights_mb",
+        "request_timeout",
+        "header_timeout",
+        "body_timeout",
         "write_timeout",
-    ):  # fmt: skip
+    ):
         if not getattr(args, flag) > 0:
             return f"--{flag.replace('_', '-')} must be > 0"
     if args.max_request_sequences > args.max_pending:  # such a request could never run
@@ -593,17 +611,28 @@ def main(argv: list[str] | None = None, routers: dict | None = None) -> int:
     options["max_request_batch"] = args.max_request_batch
     scheduler = Scheduler(model, tokenizer, **options)
     settings = ServerSettings(
-        name, args.max_tokens_limit, args.max_n, scheduler.max_model_len,
-        request_timeout_s=args.request_timeout, weights_dir=args.weights_dir,
-        max_prompts=args.max_prompts, max_request_sequences=args.max_request_sequences,
-        max_request_tokens=args.max_request_tokens, tool_parser=args.tool_parser,
+        name,
+        args.max_tokens_limit,
+        args.max_n,
+        scheduler.max_model_len,
+        request_timeout_s=args.request_timeout,
+        weights_dir=args.weights_dir,
+        max_prompts=args.max_prompts,
+        max_request_sequences=args.max_request_sequences,
+        max_request_tokens=args.max_request_tokens,
+        tool_parser=args.tool_parser,
         max_score_entries=args.max_score_entries,
-    )  # fmt: skip
+    )
     guard = GuardSettings(
-        args.api_key, args.admin_key, int(args.max_body_mb * MIB), int(args.max_weights_mb * MIB),
-        args.max_pending, args.request_timeout, args.body_timeout,
+        args.api_key,
+        args.admin_key,
+        int(args.max_body_mb * MIB),
+        int(args.max_weights_mb * MIB),
+        args.max_pending,
+        args.request_timeout,
+        args.body_timeout,
         max_sessions=args.max_sessions,
-    )  # fmt: skip
+    )
     app = create_app(scheduler, tokenizer, settings, guard)
     for prefix, router in (routers or {}).items():
         app.include_router(router, prefix=prefix)
@@ -624,10 +653,13 @@ def _serve(app: FastAPI, scheduler: Scheduler, args: argparse.Namespace, name: s
     port = sock.getsockname()[1]
     print(f"rlpost serve: listening on http://{args.host}:{port} model={name}", flush=True)
     config = uvicorn.Config(
-        app, log_level="warning", access_log=False,
+        app,
+        log_level="warning",
+        access_log=False,
         http=guarded_h11(args.header_timeout, args.write_timeout),
-        limit_concurrency=args.max_connections, timeout_keep_alive=args.keep_alive_timeout,
-    )  # fmt: skip
+        limit_concurrency=args.max_connections,
+        timeout_keep_alive=args.keep_alive_timeout,
+    )
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
