@@ -351,21 +351,23 @@ def agent_env_resolves(cfg: Config) -> str | bool | None:
 @rule("train")
 def sync_channel_is_wired(cfg: Config) -> str | bool | None:
     channel, remote = cfg.sync.channel, cfg.rollout.engine.name == "remote"
-    if channel in (("http", "inprocess") if remote else ("inprocess", "disk")):
+    gloo = ("gloo",) if not remote and resolve(cfg).backend == "process" else ()
+    if channel in (("http", "inprocess") if remote else ("inprocess", "disk", *gloo)):
         return None
     return (
         f"sync.channel={channel}: rlpost train sends weights in process (inprocess), through "
-        "the run's weights/ directory to rollout workers (disk) or to rollout servers (http, "
-        "with rollout.engine=remote); set one of those (gloo and vllm are for engines "
-        "started outside the loop: docs/sync.md)"
+        "the run's weights/ directory to rollout workers (disk), over torch.distributed to a "
+        "rollout worker process (gloo, with cluster.backend=process) or to rollout servers "
+        "(http, with rollout.engine=remote); set one of those (vllm is for engines started "
+        "outside the loop: docs/sync.md)"
     )
 
 
 @rule("train")
 def disk_channel_one_rollout_worker(cfg: Config) -> str | bool | None:
-    n = cfg.cluster.rollout_workers
-    return (cfg.sync.channel == "disk" and n > 1) and (
-        f"sync.channel=disk with cluster.rollout_workers={n}: a fleet readmits restarted "
+    n, channel = cfg.cluster.rollout_workers, cfg.sync.channel
+    return (channel in ("disk", "gloo") and n > 1) and (
+        f"sync.channel={channel} with cluster.rollout_workers={n}: a fleet readmits restarted "
         "workers from its own copy of the weights; set sync.channel=inprocess or "
         "cluster.rollout_workers=1"
     )
