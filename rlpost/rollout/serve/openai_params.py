@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import reprlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from rlpost.data import safe_json
@@ -137,7 +136,6 @@ class ServerSettings:
     max_score_entries: int = 1 << 32  # prompt_logprobs: prompts x longest x vocabulary
     weights_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
-    weights_dir: Path | None = None  # resolved; None: no loads from a path
     tool_parser: str = "hermes"  # the call format read from chat outputs (tool_parsers.py)
 
 
