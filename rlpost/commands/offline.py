@@ -220,6 +220,10 @@ def conversation_rows(cfg: Config, model, tokenizer):
     return train, held, held_convs, reports, templated
 
 
+def _example(prompt: Prompt, rng):
+    return prompt.metadata["example"]
+
+
 def run_conversation_sft(cfg: Config, resume: Path | None = None, console=None) -> Path:
     """Train on conversations; returns ``RUN_DIR/sft_model``."""
     started, s = time.time(), cfg.sft
@@ -241,13 +245,8 @@ def run_conversation_sft(cfg: Config, resume: Path | None = None, console=None) 
         }
 
     prompts = [Prompt(text="", metadata={"example": e}, uid=e.text) for e in train]
-    objective = SFT(
-        tokenizer,
-        prompts,
-        example=lambda p, rng: p.metadata["example"],
-        max_tokens=s.max_tokens_per_micro_batch,
-        device=model_device(model),
-    )
+    device, cap = model_device(model), s.max_tokens_per_micro_batch
+    objective = SFT(tokenizer, prompts, example=_example, max_tokens=cap, device=device)
     done = train_stage(
         run_dir,
         model,
@@ -287,12 +286,8 @@ def run_conversation_sft(cfg: Config, resume: Path | None = None, console=None) 
 # ------------------------------------------------------------------------ rlpost rm
 
 
-@_threads
-def run_rm(cfg: Config, resume: Path | None = None, console=None) -> Path:
-    """Train the reward model; returns ``RUN_DIR/rm_model`` (the ``reward_model`` reward's
-    ``path``)."""
-    started, s = time.time(), cfg.rm or RMConfig()
-    # Inputs first: a start that fails on them leaves an existing run untouched.
+def rm_rows(cfg: Config, s: RMConfig):
+    """(reward model, tokenizer, encoded train pairs, held-out pairs, load reports)."""
     train_pairs, held_pairs, reports = load_pairs_reported(
         cfg.data, cfg.run.seed, margin_field=s.margin_field
     )
@@ -301,12 +296,21 @@ def run_rm(cfg: Config, resume: Path | None = None, console=None) -> Path:
     )
     max_len = getattr(lm.config, "max_position_embeddings", None) or tokenizer.model_max_length
     model = reward_model_from(lm, tokenizer.pad_token_id, seed=cfg.run.seed)
-    del lm
     enc = dict(max_len=max_len, on_bad_row=cfg.data.on_bad_row)
     train = encode_rm_pairs(train_pairs, tokenizer, report=reports["train"], **enc)
     held = encode_rm_pairs(held_pairs, tokenizer, report=reports["eval"], **enc)
     if not len(train) or not len(held):
         raise DataError(f"no {'training' if not len(train) else 'held-out'} pair fits the model")
+    return model, tokenizer, train, held, reports
+
+
+@_threads
+def run_rm(cfg: Config, resume: Path | None = None, console=None) -> Path:
+    """Train the reward model; returns ``RUN_DIR/rm_model`` (the ``reward_model`` reward's
+    ``path``)."""
+    started, s = time.time(), cfg.rm or RMConfig()
+    # Inputs first: a start that fails on them leaves an existing run untouched.
+    model, tokenizer, train, held, reports = rm_rows(cfg, s)
     run_dir = open_stage_run_dir(cfg, resume, RM_STATE)
     report_data(run_dir, reports, fresh=resume is None)
     out = run_dir / RM_MODEL
