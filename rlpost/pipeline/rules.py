@@ -226,8 +226,8 @@ def batch_engine_runs_whole_batches(cfg: Config) -> str | bool | None:
     """An engine that decodes whole batches cannot stop a partial step early, take weights
     while it generates (async) or serve a harness's sessions: refused, never swapped."""
     name, async_ = cfg.rollout.engine.name, cfg.pipeline.mode == "async"
-    needs = [k for k, on in (("rollout.partial=true", cfg.rollout.partial),
-             ("pipeline.mode=async", async_), ("agent.harness", cfg.agent.harness)) if on]  # fmt: skip
+    asked = ("rollout.partial=true", cfg.rollout.partial), ("pipeline.mode=async", async_)
+    needs = [k for k, on in (*asked, ("agent.harness", cfg.agent.harness)) if on]
     if not needs or name == "auto" or not ENGINES.trait(name, "whole_batches"):
         return None
     return (
