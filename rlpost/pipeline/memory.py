@@ -132,8 +132,8 @@ def rank_params(cfg: Config, shape: dict) -> float:
 
 def ranks_here(cfg: Config) -> int:
     """Trainer ranks on this machine: all of them, unless they join a Ray cluster elsewhere."""
-    c = cfg.cluster
-    return 1 if resolve(cfg).backend == "ray" and c.address else c.trainer_workers
+    facts = resolve(cfg)
+    return 1 if facts.backend == "ray" and cfg.cluster.address else facts.layout.world
 
 
 def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
