@@ -216,7 +216,7 @@ def _plot_block(
 
 
 def _names(drawn: Runs, kept: Runs) -> str:
-    return ", ".join(n for n, _ in drawn if n not in {k for k, _ in kept})
+    return ", ".join(n for n, m in drawn if not any(m is k for _, k in kept))
 
 
 GROUP_OF = {"eval_": "held-out set", "reward": "reward"}
