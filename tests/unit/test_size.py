@@ -27,8 +27,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "rlpost"
 BLOCK = 8
 LONG_FUNCTION = 60
 SIZE_BOUNDS = {
-    "statements": 19_516,
-    "code_chars": 833_064,
+    "statements": 19_517,
+    "code_chars": 833_088,
     "lines": 38_000,
     "grpo_arith_keys": 193,
     "functions_over_60_lines": 6,
