@@ -348,8 +348,12 @@ class AgentRunner:
             s.rows += len(out)
             rows += out
         if not rows and s.failed:  # a broken harness, not bad luck: say why
-            log.warning("every harness session failed (%d of %d); the last: %s",
-                        s.failed, s.sessions, s.last_error)  # fmt: skip
+            log.warning(
+                "every harness session failed (%d of %d); the last: %s",
+                s.failed,
+                s.sessions,
+                s.last_error,
+            )
         return rows
 
     def state_dict(self) -> dict[str, Any]:

@@ -79,8 +79,11 @@ def private_scratch() -> bool:
     )
     if done.returncode != 0:
         why = (done.stderr.decode(errors="replace").strip().splitlines() or ["?"])[-1]
-        log.warning("harness commands share /tmp and /dev/shm here: %s; run the trainer as "
-                    "root or allow unprivileged user namespaces", why)  # fmt: skip
+        log.warning(
+            "harness commands share /tmp and /dev/shm here: %s; run the trainer as "
+            "root or allow unprivileged user namespaces",
+            why,
+        )
     return done.returncode == 0
 
 
