@@ -41,18 +41,7 @@ from pathlib import Path
 
 from rlpost.rollout.episodes import harness_user
 
-BASIC_ENV = (
-    "PATH",
-    "HOME",
-    "USER",
-    "LOGNAME",
-    "SHELL",
-    "TERM",
-    "TMPDIR",
-    "LANG",
-    "LANGUAGE",
-    "TZ",
-)
+BASIC_ENV = tuple("PATH HOME USER LOGNAME SHELL TERM TMPDIR LANG LANGUAGE TZ".split())
 STDOUT_TAIL = 1 << 20  # the answer is the last line: a tail keeps it
 STDERR_TAIL = 64 << 10
 REAPER = Path(__file__).with_name("harness_reaper.py")

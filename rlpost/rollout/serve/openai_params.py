@@ -23,37 +23,16 @@ MAX_LOGIT_BIAS = 1024
 
 # Implemented on both endpoints (vLLM's names for top_k, stop_token_ids, ignore_eos and
 # the return_* flags; rlpost always returns token ids). ``user`` only labels a request.
-COMMON_FIELDS = {
-    "model",
-    "n",
-    "temperature",
-    "top_p",
-    "top_k",
-    "max_tokens",
-    "stop",
-    "stop_token_ids",
-    "logprobs",
-    "seed",
-    "ignore_eos",
-    "stream",
-    "stream_options",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "user",
-    "return_token_ids",
-    "return_tokens_as_token_ids",
-}
+COMMON_FIELDS = set(
+    "model n temperature top_p top_k max_tokens stop stop_token_ids logprobs seed ignore_eos "
+    "stream stream_options presence_penalty frequency_penalty logit_bias user return_token_ids "
+    "return_tokens_as_token_ids".split()
+)
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "add_special_tokens"}
 # tools, tool_choice and parallel_tool_calls are checked by rlpost.rollout.serve.tool_calls.
-CHAT_FIELDS = COMMON_FIELDS | {
-    "messages",
-    "max_completion_tokens",
-    "top_logprobs",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-}
+CHAT_FIELDS = COMMON_FIELDS | set(
+    "messages max_completion_tokens top_logprobs tools tool_choice parallel_tool_calls".split()
+)
 
 
 def _neutral_best_of(value, body) -> bool:
