@@ -27,9 +27,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "rlpost"
 BLOCK = 8
 LONG_FUNCTION = 60
 SIZE_BOUNDS = {
-    "statements": 19_814,
-    "code_chars": 848_365,
-    "lines": 38_172,
+    "statements": 19_872,
+    "code_chars": 851_043,
+    "lines": 38_293,
     "grpo_arith_keys": 193,
     "functions_over_60_lines": 6,
     "repeated_blocks": 2,
