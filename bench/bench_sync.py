@@ -21,13 +21,10 @@ optimizer state), and the weights are pushed through every channel:
 with each codec: ``none`` (float32), ``bf16``, ``fp8``, ``mxfp4`` and ``bf16+delta``
 (its base is the version before the step, pushed untimed); ``fp8-all`` is fp8 that
 also quantises the embeddings and lm_head (``keep_bf16=norm``), for the byte ratio
-on models whose embedding is a large share of the weights. The baseline measured
-in the same run is today's push: the whole model as one safetensors payload to
-``/v1/weights`` (``old-http``). Printed per model: seconds, bytes on the wire
-(bucket payloads) and generation pause for each cell; then the ratios the issue
-asks for: fp8 / bf16 bytes, delta / bf16 bytes, old push / bucketed push seconds,
-and the server's peak extra memory (VmHWM after the push minus VmRSS before it,
-peak reset through /proc/PID/clear_refs) for the old push and for each
+on models whose embedding is a large share of the weights. Printed per model: seconds,
+bytes on the wire (bucket payloads) and generation pause for each cell; then the ratios:
+fp8 / bf16 bytes, delta / bf16 bytes, and the server's peak extra memory (VmHWM after the
+push minus VmRSS before it, peak reset through /proc/PID/clear_refs) for each
 ``--bucket-mb``.
 
     python bench/bench_sync.py                                   # the full matrix
@@ -49,14 +46,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlpost.models.tiny import build_char_tokenizer
-from rlpost.rollout.engines.client import CompletionClient, encode_weights
 from rlpost.rollout.engines.hf import HFEngine
 from rlpost.sync import Receiver
 from rlpost.sync.codecs import DEFAULT_KEEP_BF16
@@ -155,7 +150,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-ADMIN = "bench-sync-admin"  # the server's /v1/weights and /v1/sync need an admin key
+ADMIN = "bench-sync-admin"  # the server's /v1/sync needs an admin key
 
 
 def start_server(model_dir: Path, threads: int) -> tuple[subprocess.Popen, str]:
@@ -272,7 +267,7 @@ class _Ctx:
 
 
 class _HttpCtx:
-    """A server process; the old single-payload push and memory are measured on entry."""
+    """A server process; its peak extra memory per bucket size is measured on entry."""
 
     def __init__(self, name, config, model, args, rows, options) -> None:
         self.name, self.config, self.model, self.args, self.rows = name, config, model, args, rows
@@ -284,25 +279,6 @@ class _HttpCtx:
         self.model.save_pretrained(d)
         build_char_tokenizer().save_pretrained(d)
         self.proc, url = start_server(d, self.args.threads)
-        client = CompletionClient(url, timeout=TIMEOUT_S, admin_key=ADMIN)
-
-        def old_push():
-            start = time.perf_counter()
-            payload = encode_weights(params(self.model))
-            client.push_weights(payload, 1)
-            return time.perf_counter() - start, len(payload)
-
-        old_push()  # warm the server once, as every other cell is warm too
-        mem, (seconds, size) = peak_extra_mb(self.proc.pid, old_push)
-        seconds = sorted([seconds] + [old_push()[0] for _ in range(self.args.repeats - 1)])[
-            self.args.repeats // 2
-        ]
-        self.rows[("old-http", "none")] = {
-            "seconds": seconds,
-            "bytes": size,
-            "pause": float("nan"),
-            "mem_mb": mem,
-        }
         self.transport = HttpTransport(url, self.options)
         for mb in self.args.memory_bucket_mb:
             sync = WeightSync([self.transport], codec="none", bucket_bytes=int(mb * MB))
@@ -396,15 +372,6 @@ def print_table(name: str, rows: dict, args) -> None:
                 f"delta/bf16 bytes {rows[(transport, 'bf16+delta')]['bytes'] / bf16['bytes']:.4f} (target <= 0.1)"
             )
         print(f"  {transport}: " + "; ".join(parts))
-    old = rows.get(("old-http", "none"))
-    if old is not None:
-        for key in [k for k in rows if k[0] == "http" or k[0].startswith("http@")]:
-            r = rows[key]
-            line = f"  old push / {key[0]} {key[1]}: {old['seconds'] / r['seconds']:.2f}x faster"
-            if "mem_mb" in r:
-                bucket = float(key[0].split("@")[1].rstrip("MB"))
-                line += f"; server +{r['mem_mb']:.0f} MB = {r['mem_mb'] / bucket:.1f} buckets (old push +{old['mem_mb']:.0f} MB)"
-            print(line)
 
 
 def main(argv=None) -> int:

@@ -151,9 +151,9 @@ def _interrupted(
 
 def cmd_sft(args) -> int:
     cfg = _command_config(args)
+    from rlpost.commands.offline import run_conversation_sft
     from rlpost.pipeline.console import Console
     from rlpost.pipeline.interrupts import Interrupts
-    from rlpost.pipeline.offline import run_conversation_sft
     from rlpost.pipeline.rundir import prepare_run_dir, warm_start
 
     resume = Path(args.resume) if args.resume else None
@@ -199,18 +199,18 @@ def cmd_eval(args) -> int:
     return 0
 
 
-OFFLINE = {  # command: (default recipe, driver in pipeline.offline, what it says at the end)
+OFFLINE = {  # command: (default recipe, driver in commands.offline, what it says at the end)
     "dpo": ("dpo_prefs.yaml", "run_dpo", None),
     "rm": ("rm_prefs.yaml", "run_rm", "reward model saved to {} (the reward_model reward's path)"),
 }
 
 
 def cmd_offline(args) -> int:
-    """``rlpost dpo`` and ``rlpost rm``: ``pipeline.offline.<run>``, stopped by Ctrl-C with
+    """``rlpost dpo`` and ``rlpost rm``: ``commands.offline.<run>``, stopped by Ctrl-C with
     the command that continues it."""
     recipe, run, saved = OFFLINE[args.command]
     cfg = _command_config(args, recipe)
-    from rlpost.pipeline import offline
+    from rlpost.commands import offline
     from rlpost.pipeline.console import Console
     from rlpost.pipeline.interrupts import Interrupts
 

@@ -1,7 +1,8 @@
 """Derived run facts: what follows from the config and the registries, decided once.
 
 :func:`resolve` turns a config into a frozen :class:`RunFacts` (device, compute dtype, the
-engine and its traits, storage sharing, a kept reference, the :class:`StepPlan`). Builders,
+engine and its traits, storage sharing, a kept reference, the :class:`StepPlan`, the
+:class:`TrainerLayout`). Builders,
 the rule table, the memory estimate and the cluster read it and answer none of these
 again. Engines register in ``ENGINES`` from their own modules in ``rollout/`` (importing
 ``rlpost.rollout`` or ``rlpost.pipeline`` registers them all) with the traits it reads:
@@ -26,7 +27,7 @@ from typing import Literal
 import torch
 
 from rlpost.algos import ADVANTAGES, POLICY_LOSSES
-from rlpost.config import Config
+from rlpost.config import ClusterConfig, Config, ConfigError
 from rlpost.observe.mfu import cpu_bf16_native
 from rlpost.registry import Registry
 from rlpost.sync.codecs import CODECS
@@ -100,6 +101,42 @@ def resolve_step_plan(cfg: Config) -> StepPlan:
     )
 
 
+@dataclass(frozen=True)
+class TrainerLayout:
+    """The trainer ranks as data-parallel ``dp`` x pipeline stages ``pp`` x tensor-parallel
+    ``tp`` (``cluster.trainer_workers``, ``pipeline_parallel``, ``tensor_parallel``): the
+    shape of the device mesh, in that order, neighbours in rank order sharing a layer.
+    :meth:`of` is the one place that checks the sizes fit; the mesh, the builders and the
+    memory estimate read the record."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def split(self) -> bool:
+        """Whether a rank holds part of a layer or of the layers (a mesh beyond data parallel)."""
+        return self.pp * self.tp > 1
+
+    @classmethod
+    def of(cls, c: ClusterConfig) -> TrainerLayout:
+        """The layout of ``c``; ConfigError (one line) when ``pp x tp`` does not divide the
+        workers."""
+        n, pp, tp = c.trainer_workers, c.pipeline_parallel, c.tensor_parallel
+        if n % (pp * tp):
+            split = (("pipeline_parallel", pp), ("tensor_parallel", tp))
+            parts = " x ".join(f"cluster.{k}={v}" for k, v in split if v > 1)
+            raise ConfigError(
+                f"{parts} does not divide cluster.trainer_workers={n}; set trainer_workers to a "
+                f"multiple of {pp * tp} (data-parallel x pipeline stages x tensor-parallel)"
+            )
+        return cls(n // (pp * tp), pp, tp)
+
+
 ENGINES: Registry = Registry("rollout engine")
 """Registered engine name -> ``builder(cfg, facts, model, tokenizer) -> RolloutEngine``."""
 
@@ -113,7 +150,8 @@ class RunFacts:
     the policy's own parameter memory. ``adapters``: LoRA adapters train (``model.lora.rank
     > 0``); then the reference is the base with the adapters off, else a frozen copy.
     ``group_relative``: the estimator compares the samples of a prompt. ``backend``:
-    ``cluster.backend`` resolved (auto: local for one worker of each role in sync mode)."""
+    ``cluster.backend`` resolved (auto: local for one worker of each role in sync mode).
+    ``layout``: the trainer ranks' :class:`TrainerLayout`."""
 
     device: Literal["cpu", "cuda"]
     bf16: bool
@@ -125,6 +163,7 @@ class RunFacts:
     group_relative: bool
     backend: Literal["local", "process", "ray"]
     plan: StepPlan
+    layout: TrainerLayout = TrainerLayout()
 
     @property
     def reference_copy(self) -> bool:
@@ -133,7 +172,8 @@ class RunFacts:
 
 
 def resolve(cfg: Config) -> RunFacts:
-    """The :class:`RunFacts` of ``cfg`` (the engines of ``rlpost.rollout`` registered)."""
+    """The :class:`RunFacts` of ``cfg`` (the engines of ``rlpost.rollout`` registered);
+    ConfigError when its trainer layout does not fit (:meth:`TrainerLayout.of`)."""
     device, c = cfg.run.device, cfg.cluster
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -150,6 +190,7 @@ def resolve(cfg: Config) -> RunFacts:
         group_relative=bool(ADVANTAGES.trait(cfg.algo.advantage.name, "group_relative")),
         backend=c.backend if c.backend != "auto" else "local" if one else "process",
         plan=plan,
+        layout=TrainerLayout.of(c),
     )
 
 

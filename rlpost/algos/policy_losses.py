@@ -81,8 +81,14 @@ class LossInputs:
     nll_agg: Aggregation | None = None
 
     def __post_init__(self) -> None:
-        names = ("old_logprobs", "advantages", "response_mask", "rollout_logprobs",
-                 "ref_logprobs", "selected")  # fmt: skip
+        names = (
+            "old_logprobs",
+            "advantages",
+            "response_mask",
+            "rollout_logprobs",
+            "ref_logprobs",
+            "selected",
+        )
         given = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
         _same_shape("logprobs", self.logprobs, **given)
 

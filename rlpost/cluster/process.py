@@ -458,19 +458,21 @@ def _core_share(cfg: Config):
 
 
 def start_trainers(cfg: Config, run_dir: Path, cores=None, lend: int = 0):
-    """One trainer process, or ``cluster.trainer_workers`` data-parallel ones behind a
+    """One trainer process, or the trainer layout's ranks (dp x pp x tp) behind a
     :class:`TrainerGroup` (a gloo group, nccl on cuda, on a free port of 127.0.0.1).
     ``cores``, ``lend``: :func:`_core_share`'s, for the one trainer."""
-    n = cfg.cluster.trainer_workers
+    from rlpost.resolved import resolve
+
+    facts = resolve(cfg)
+    n = facts.layout.world
     if n == 1:
         return ProcessWorker(
             "trainer", "trainer_factory", cfg, run_dir, cores=cores, lend_cores=lend
         )
     from rlpost.cluster.trainer_group import TrainerGroup
-    from rlpost.resolved import resolve
     from rlpost.train.dp import DPSpec, free_port
 
-    backend = "nccl" if resolve(cfg).device == "cuda" else "gloo"
+    backend = "nccl" if facts.device == "cuda" else "gloo"
     port = free_port()
 
     def rank_worker(rank: int) -> ProcessWorker:

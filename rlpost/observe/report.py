@@ -7,7 +7,10 @@ norm, learning rate, entropy, KL, length...) as inline PNGs, EMA-smoothed over t
 faded raw values as TensorBoard does (``--smooth``), the summary table, the config,
 and sampled completions next to their reference answers, since reward curves
 alone do not show reward hacking. ``rlpost report RUN_A RUN_B ...`` overlays the
-runs on the same axes and writes ``RUN_A/compare.html``. The page has no
+runs on the same axes and writes ``RUN_A/compare.html``; where the runs were scored on
+different held-out sets or rewards (:func:`differences`, from each ``config.yaml`` and
+``summary.json``) the page says so and draws those curves apart. A series that is zero at
+every step of a run is left out and named. The page has no
 external references so it can be mailed or attached to an issue as one file.
 Plots are drawn with matplotlib's Agg canvas directly (no pyplot), so making a
 report never touches the process-wide plotting backend.
@@ -26,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
 from matplotlib.figure import Figure
 
 from rlpost.observe.recorder import METRICS_FILE, read_metrics
@@ -39,11 +43,16 @@ SAMPLE_TEXTS = ("prompt", "completion", "answer")  # a sample's columns of text;
 
 COMPARE_FILE = "compare.html"
 DEFAULT_SMOOTHING = 0.6
-UNSMOOTHED = ("eval_accuracy", "lr")  # measured exactly, not noisy: smoothing would only lag
+UNSMOOTHED = (
+    "eval_accuracy",
+    "eval_greedy_accuracy",
+    "lr",
+)  # measured exactly, not noisy: smoothing would only lag
 
 PLOTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Reward mean", ("reward_mean", "reward_std")),
     ("Held-out accuracy", ("eval_accuracy",)),
+    ("Held-out accuracy (greedy)", ("eval_greedy_accuracy",)),
     ("Policy loss", ("loss",)),
     ("Gradient norm (before clipping)", ("grad_norm",)),
     ("Learning rate", ("lr",)),
@@ -92,7 +101,7 @@ def _draw(ax: Any, runs: Runs, keys: tuple[str, ...], smooth: float = 0.0) -> No
         steps, values = _series(metrics, keys[0])
         label = name if len(runs) > 1 else ("mean" if keys[0] == "reward_mean" else keys[0])
         style = {"color": f"C{colour}", "marker": marker}
-        stderr = _stderr(metrics, steps) if keys[0] == "eval_accuracy" else None
+        stderr = _stderr(metrics, steps, keys[0]) if keys[0] in UNSMOOTHED[:2] else None
         if smooth > 0 and len(values) > 2 and keys[0] not in UNSMOOTHED:
             ax.plot(steps, values, alpha=0.25, color=f"C{colour}")
             ax.plot(steps, ema(values, smooth), label=f"{label} (smoothed)", color=f"C{colour}")
@@ -107,19 +116,21 @@ def _draw(ax: Any, runs: Runs, keys: tuple[str, ...], smooth: float = 0.0) -> No
                 ax.fill_between(
                     band[0], band[1], band[2], alpha=0.25, label=band[3], color=f"C{colour}"
                 )
-    if keys[0] == "eval_accuracy":  # a fraction: the axis never shows what it cannot be
+    if keys[0] in UNSMOOTHED[:2]:  # a fraction: the axis never shows what it cannot be
         low, high = ax.get_ylim()
         ax.set_ylim(max(low, -0.01), min(high, 1.01))
-    legend = keys[0] == "reward_mean" or (keys[0] == "eval_accuracy" and stderr is not None)
+    legend = keys[0] == "reward_mean" or (keys[0] in UNSMOOTHED[:2] and stderr is not None)
     if len(runs) > 1 or legend or smooth > 0:
         ax.legend(loc="best", fontsize=8)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
 
 
-def _stderr(metrics: list[dict[str, Any]], steps: list[float]) -> list[float] | None:
-    """``eval_accuracy_stderr`` at each of ``steps`` (0 where missing); None if never recorded."""
-    by_step = dict(zip(*_series(metrics, "eval_accuracy_stderr"), strict=True))
+def _stderr(
+    metrics: list[dict[str, Any]], steps: list[float], key: str = "eval_accuracy"
+) -> list[float] | None:
+    """``{key}_stderr`` at each of ``steps`` (0 where missing); None if never recorded."""
+    by_step = dict(zip(*_series(metrics, f"{key}_stderr"), strict=True))
     return [by_step.get(s, 0.0) for s in steps] if by_step else None
 
 
@@ -179,17 +190,74 @@ def _finite(value: Any) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
 
-def _plot_block(runs: Runs, smooth: float = 0.0) -> tuple[list[str], list[str]]:
-    """(``<figure>`` HTML of each drawn plot, titles skipped for lack of data)."""
-    figures, skipped = [], []
+def _plot_block(
+    runs: Runs, smooth: float = 0.0, apart: Sequence[str] = ()
+) -> tuple[list[str], list[str], list[str]]:
+    """(``<figure>`` HTML of each drawn plot, titles skipped for lack of data, titles with
+    a run left out for being zero at every step). A plot whose key belongs to a group in
+    ``apart`` (:data:`GROUP_OF`) gets one panel per run instead of one overlay."""
+    figures, skipped, zero = [], [], []
     for title, keys in PLOTS:
-        if not any(_series(metrics, keys[0])[0] for _, metrics in runs):
+        drawn = [(n, m) for n, m in runs if _series(m, keys[0])[0]]
+        if not drawn:
             skipped.append(title)
             continue
-        fig, ax = _panel(title)
-        _draw(ax, [(n, m) for n, m in runs if _series(m, keys[0])[0]], keys, smooth)
-        figures.append(_figure_html(fig, title))
-    return figures + source_figures(runs), skipped
+        nonzero = [(n, m) for n, m in drawn if any(_series(m, keys[0])[1])]
+        if len(nonzero) < len(drawn):
+            zero.append(title if len(runs) == 1 else f"{title} ({_names(drawn, nonzero)})")
+        panels = [(title, nonzero)] if nonzero else []
+        if len(nonzero) > 1 and _group(keys[0]) in apart:
+            panels = [(f"{title}: {n}", [(n, m)]) for n, m in nonzero]
+        for name, shown in panels:
+            fig, ax = _panel(name)
+            _draw(ax, shown, keys, smooth)
+            figures.append(_figure_html(fig, name))
+    return figures + source_figures(runs), skipped, zero
+
+
+def _names(drawn: Runs, kept: Runs) -> str:
+    return ", ".join(n for n, m in drawn if not any(m is k for _, k in kept))
+
+
+GROUP_OF = {"eval_": "held-out set", "reward": "reward"}
+"""Metric key prefix -> what must be the same in two runs for their curves to be overlaid."""
+
+
+def _group(key: str) -> str | None:
+    return next((g for prefix, g in GROUP_OF.items() if key.startswith(prefix)), None)
+
+
+def identity(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """What a run's curves measure, by group: the held-out set (the data task or sources it
+    comes from, their own parameters, ``eval.limit`` and ``eval.sets``, the eval temperature,
+    the run seed where it splits the rows, and the problem count ``summary.json`` records)
+    and the reward terms (name, weight, params), read from ``config.yaml``."""
+    path = run_dir / "config.yaml"
+    cfg = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}) if path.is_file() else {}
+    data, ev, summary = cfg.get("data") or {}, cfg.get("eval") or {}, _read_summary(run_dir)
+    held = {f"data.{k}": data.get(k) for k in ("task", "sources")}
+    held |= {f"eval.{k}": ev.get(k) for k in ("limit", "sets", "temperature")}
+    if "eval_fraction" in (data.get("task") or {}):
+        held["run.seed"] = (cfg.get("run") or {}).get("seed")
+    held["eval problems"] = summary.get("eval_problems")
+    terms = (cfg.get("reward") or {}).get("terms")
+    reward = {"reward.terms": terms} if terms is not None else {}
+    return {"held-out set": held if cfg else {}, "reward": reward}
+
+
+def differences(run_dirs: Sequence[Path]) -> dict[str, list[str]]:
+    """Group -> the keys (``key: value in run a, value in run b``) whose values differ
+    between the runs; a key some run does not record is not compared."""
+    ids = [(Path(d).name, identity(Path(d))) for d in run_dirs]
+    out: dict[str, list[str]] = {}
+    for group in ("held-out set", "reward"):
+        known = [(name, i[group]) for name, i in ids if i[group]]
+        for key in dict.fromkeys(k for _, i in known for k in i):
+            values = [(name, i.get(key)) for name, i in known]
+            if any(v != values[0][1] for _, v in values):
+                told = ", ".join(f"{name}: {_fmt(v)}" for name, v in values)
+                out.setdefault(group, []).append(f"{key} ({told})")
+    return out
 
 
 def _panel(title: str) -> tuple[Figure, Any]:
@@ -258,17 +326,26 @@ def _with_stderr(metrics: list[dict[str, Any]], line: str) -> str:
 
 
 def summarize(run_dir: Path) -> str:
-    """A short text summary: steps, reward first/last, eval accuracy, last KL, wall time."""
+    """A short text summary: steps, reward first/last, eval accuracy, last KL, wall time.
+    The step count and the reward's ends are ``summary.json``'s where it records them (the
+    last reward there is the mean of the final steps), so the page and the run agree."""
     run_dir = Path(run_dir)
-    metrics = read_metrics(run_dir)
-    steps = f"{len(metrics)} (step {metrics[0]['step']} to {metrics[-1]['step']})" if metrics else 0
+    metrics, summary = read_metrics(run_dir), _read_summary(run_dir)
+    trained = [r["step"] for r in metrics if r["step"] > 0] or [r["step"] for r in metrics]
+    steps = summary.get("steps", trained[-1] if trained else 0)
     lines = [f"run: {run_dir}", f"steps: {steps}"]
-    for label, key in (("reward mean", "reward_mean"), ("eval accuracy", "eval_accuracy")):
-        lines.append(f"{label}: {_first_last(metrics, key) or 'not recorded'}")
+    if trained:
+        lines[-1] += f" (step {trained[0]} to {trained[-1]})"
+    ends = [summary.get(k) for k in ("reward_mean_first", "reward_mean_last")]
+    reward = _first_last(metrics, "reward_mean")
+    if all(_finite(v) for v in ends):
+        reward = f"{ends[0]:.4g} -> {ends[1]:.4g} (last: mean of the final steps, summary.json)"
+    lines.append(f"reward mean: {reward or 'not recorded'}")
+    lines.append(f"eval accuracy: {_first_last(metrics, 'eval_accuracy') or 'not recorded'}")
     lines[-1] = _with_stderr(metrics, lines[-1])
     kl = _series(metrics, "kl")[1]
     lines.append(f"kl (last): {f'{kl[-1]:.4g} nats/token' if kl else 'not recorded'}")
-    wall = _read_summary(run_dir).get("wall_seconds")
+    wall = summary.get("wall_seconds")
     if not isinstance(wall, int | float) and len(metrics) > 1:
         wall = float(metrics[-1]["time"]) - float(metrics[0]["time"])
     lines.append(f"wall time: {_fmt_seconds(wall) if _finite(wall) else 'unknown'}")
@@ -333,7 +410,7 @@ figure { margin: 0; } figure img { width: 100%; }
 table { border-collapse: collapse; font-size: 13px; }
 td, th { border: 1px solid #ccc; padding: 4px 8px; vertical-align: top; text-align: left; }
 pre { white-space: pre-wrap; margin: 0; max-width: 480px; font-size: 12px; }
-.note { color: #666; font-size: 13px; }
+.note { color: #666; font-size: 13px; } .warn { color: #a40; font-weight: 600; }
 """
 
 
@@ -371,12 +448,18 @@ def _config_html(run_dir: Path) -> str:
 
 def _render(run_dirs: list[Path], smooth: float = 0.0) -> str:
     runs = [(d.name, read_metrics(d)) for d in run_dirs]
-    figures, skipped = _plot_block(runs, smooth)
+    differ = differences(run_dirs) if len(run_dirs) > 1 else {}
+    figures, skipped, zero = _plot_block(runs, smooth, tuple(differ))
     names = " vs ".join(html.escape(d.name) for d in run_dirs)
     title = f"rlpost run report: {names}" if len(run_dirs) == 1 else f"rlpost comparison: {names}"
     body = [f"<h1>{title}</h1>"]
     body += [f"<pre>{html.escape(summarize(d))}</pre>" for d in run_dirs]
     body.append("<h2>Curves</h2>")
+    for group, keys in differ.items():
+        body.append(
+            f"<p class=warn>The runs' {group}s differ: {html.escape('; '.join(keys))}. "
+            f"Their {group} curves measure different quantities and are drawn apart.</p>"
+        )
     if smooth > 0:
         body.append(
             f"<p class=note>Training curves smoothed (EMA weight {smooth}); raw values faded.</p>"
@@ -387,6 +470,10 @@ def _render(run_dirs: list[Path], smooth: float = 0.0) -> str:
     if skipped:
         body.append(
             f"<p class=note>Not plotted (not recorded in this run): {html.escape(', '.join(skipped))}.</p>"
+        )
+    if zero:
+        body.append(
+            f"<p class=note>Zero at every step, not plotted: {html.escape(', '.join(zero))}.</p>"
         )
     body += ["<h2>Summary</h2>", _summary_table(run_dirs), "<h2>Config</h2>"]
     body += [_config_html(d) for d in run_dirs]

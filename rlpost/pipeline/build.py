@@ -288,12 +288,12 @@ def build_trainer_worker(
         from rlpost.train.dp import DataParallel, init_group
         from rlpost.train.tp import device_mesh, split_error
 
-        tp, pp = cfg.cluster.tensor_parallel, cfg.cluster.pipeline_parallel
-        why = split_error(model.config, tp) or stages.split_error(model.config, pp)
+        layout = facts.layout
+        why = split_error(model.config, layout.tp) or stages.split_error(model.config, layout.pp)
         if why is not None:
             raise ConfigError(why)
         init_group(dp, timeout_s=cfg.cluster.start_timeout_s)
-        mesh = None if tp == pp == 1 else device_mesh(dp.world, tp, device.type, pp)
+        mesh = device_mesh(layout, device.type) if layout.split else None
         group = DataParallel(dp, device=device, mesh=mesh)
         trainer = build_trainer(cfg, model, group, facts=facts)
         return TrainerWorker(trainer, tokenizer, layout=trainer.layout)
@@ -500,9 +500,15 @@ def build_harness(cfg: Config, engine, tokenizer):
     entry = None if h.entry is None else _harness_entry("entry", h.entry)
     bounds = SessionBounds(h.max_requests, cfg.rollout.max_tokens, h.max_seconds)
     settings = HarnessSettings(
-        entry, tuple(h.command), tuple(h.env), bounds, h.workers, h.chat_template, h.tool_parser,
+        entry,
+        tuple(h.command),
+        tuple(h.env),
+        bounds,
+        h.workers,
+        h.chat_template,
+        h.tool_parser,
         own_user=h.user == "session",
-    )  # fmt: skip
+    )
     if cfg.rollout.engine.name == "remote":  # sessions on the servers, over their admin routes
         from rlpost.rollout.engines.client import keys_from_env
         from rlpost.rollout.engines.remote_sessions import RemoteSessions
@@ -562,6 +568,10 @@ def build_teacher_worker(cfg: Config, facts: RunFacts, tokenizer=None):
 
     t = cfg.model.teacher
     return build_teacher(
-        t.path, t.url, tokenizer or run_tokenizer(cfg), api_key=t.api_key, timeout=t.timeout_s,
+        t.path,
+        t.url,
+        tokenizer or run_tokenizer(cfg),
+        api_key=t.api_key,
+        timeout=t.timeout_s,
         micro_batch_size=t.micro_batch_size,
-    )  # fmt: skip
+    )

@@ -10,7 +10,7 @@ chunk, or the whole micro-batch unchunked), over the interpreter with torch and
 transformers loaded; the model's shape comes from its config on the meta device.
 ``summary.json`` records the estimate beside the measured ``peak_rss_mib``.
 
-Under a trainer layout (``cluster.trainer_workers``, ``cluster.tensor_parallel``) the
+Under a trainer layout (:class:`~rlpost.resolved.TrainerLayout`, dp x pp x tp) the
 trainer's terms are one rank's: the decoder layers' matrices, the embedding and the LM
 head (by vocabulary, with the head's chunk of logits) split T ways, everything
 FSDP2-sharded over the data-parallel ranks, and the split matrices' activations 1/T;
@@ -115,7 +115,7 @@ def layer_activations(
 def stage_share(cfg: Config, shape: dict) -> float:
     """The share of the decoder layers the largest pipeline stage holds (1 without stages)."""
     layers = max(1, shape["layers"])
-    return -(-layers // cfg.cluster.pipeline_parallel) / layers
+    return -(-layers // resolve(cfg).layout.pp) / layers
 
 
 def rank_params(cfg: Config, shape: dict) -> float:
@@ -123,9 +123,8 @@ def rank_params(cfg: Config, shape: dict) -> float:
     of them and of the vocabulary-split embedding and head the split matrices' 1/T slice,
     and the rest whole; all of it 1/dp under FSDP2 (its layer-at-a-time gathers are not
     counted)."""
-    c = cfg.cluster
-    tp, share = c.tensor_parallel, stage_share(cfg, shape)
-    dp = max(1, c.trainer_workers // (tp * c.pipeline_parallel))
+    layout, share = resolve(cfg).layout, stage_share(cfg, shape)
+    tp, dp = layout.tp, layout.dp
     held = shape["params"] - shape.get("layer_params", 0) * (1 - share)
     split = shape["split"] * share + (shape.get("vocab_split", 0) if tp > 1 else 0)
     return (held - split + split / tp) / dp
@@ -139,8 +138,8 @@ def serving_bytes(shape: dict, width: int) -> int:
 
 def ranks_here(cfg: Config) -> int:
     """Trainer ranks on this machine: all of them, unless they join a Ray cluster elsewhere."""
-    c = cfg.cluster
-    return 1 if resolve(cfg).backend == "ray" and c.address else c.trainer_workers
+    facts = resolve(cfg)
+    return 1 if facts.backend == "ray" and cfg.cluster.address else facts.layout.world
 
 
 def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
@@ -157,7 +156,7 @@ def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
     micro = max(1, min(micro, budget // seq)) if budget > 0 else micro
     eager = facts.bf16 and shape["positions"] <= EAGER_ATTENTION_MAX_POSITIONS
     # float32's size under bf16 autocast too: it saves 0.7-0.8 of that, the backward adds
-    layer = layer_activations(shape, micro, seq, 4, eager=eager, tp=cfg.cluster.tensor_parallel)
+    layer = layer_activations(shape, micro, seq, 4, eager=eager, tp=facts.layout.tp)
     layers = round(shape["layers"] * stage_share(cfg, shape))  # the largest pipeline stage's
     activations = layers * layer
     if cfg.model.gradient_checkpointing:  # each layer's input, and one layer recomputed
@@ -169,7 +168,7 @@ def estimate(cfg: Config, shape: dict) -> MemoryEstimate:
         logits = 6 * tokens * shape["vocab"] * 4
     elif needs_chunks(tokens, shape["vocab"], t.logits_chunk_tokens) and t.logits_chunk_tokens >= 0:
         logits = 4 * chunk_tokens(shape["vocab"], t.logits_chunk_tokens) * shape["vocab"] * 4
-        logits /= cfg.cluster.tensor_parallel  # a rank's rows of a vocabulary-split head
+        logits /= facts.layout.tp  # a rank's rows of a vocabulary-split head
     else:  # the full logits, their float32 copy and the gradient
         logits = 3 * tokens * shape["vocab"] * 4
     return MemoryEstimate(

@@ -34,7 +34,7 @@ from rlpost.envs.catalog import env_factory
 from rlpost.envs.formats import TagFormat
 from rlpost.pipeline.build import run_device
 from rlpost.registry import UnknownNameError
-from rlpost.resolved import ENGINES, resolve
+from rlpost.resolved import ENGINES, TrainerLayout, resolve
 from rlpost.rewards.scorer import check_terms
 
 COMMANDS = ("train", "sft", "eval", "dpo", "rm")
@@ -226,8 +226,8 @@ def batch_engine_runs_whole_batches(cfg: Config) -> str | bool | None:
     """An engine that decodes whole batches cannot stop a partial step early, take weights
     while it generates (async) or serve a harness's sessions: refused, never swapped."""
     name, async_ = cfg.rollout.engine.name, cfg.pipeline.mode == "async"
-    needs = [k for k, on in (("rollout.partial=true", cfg.rollout.partial),
-             ("pipeline.mode=async", async_), ("agent.harness", cfg.agent.harness)) if on]  # fmt: skip
+    asked = ("rollout.partial=true", cfg.rollout.partial), ("pipeline.mode=async", async_)
+    needs = [k for k, on in (*asked, ("agent.harness", cfg.agent.harness)) if on]
     if not needs or name == "auto" or not ENGINES.trait(name, "whole_batches"):
         return None
     return (
@@ -351,21 +351,23 @@ def agent_env_resolves(cfg: Config) -> str | bool | None:
 @rule("train")
 def sync_channel_is_wired(cfg: Config) -> str | bool | None:
     channel, remote = cfg.sync.channel, cfg.rollout.engine.name == "remote"
-    if channel in (("http", "inprocess") if remote else ("inprocess", "disk")):
+    gloo = ("gloo",) if not remote and resolve(cfg).backend == "process" else ()
+    if channel in (("http", "inprocess") if remote else ("inprocess", "disk", *gloo)):
         return None
     return (
         f"sync.channel={channel}: rlpost train sends weights in process (inprocess), through "
-        "the run's weights/ directory to rollout workers (disk) or to rollout servers (http, "
-        "with rollout.engine=remote); set one of those (gloo and vllm are for engines "
-        "started outside the loop: docs/sync.md)"
+        "the run's weights/ directory to rollout workers (disk), over torch.distributed to a "
+        "rollout worker process (gloo, with cluster.backend=process) or to rollout servers "
+        "(http, with rollout.engine=remote); set one of those (vllm is for engines started "
+        "outside the loop: docs/sync.md)"
     )
 
 
 @rule("train")
 def disk_channel_one_rollout_worker(cfg: Config) -> str | bool | None:
-    n = cfg.cluster.rollout_workers
-    return (cfg.sync.channel == "disk" and n > 1) and (
-        f"sync.channel=disk with cluster.rollout_workers={n}: a fleet readmits restarted "
+    n, channel = cfg.cluster.rollout_workers, cfg.sync.channel
+    return (channel in ("disk", "gloo") and n > 1) and (
+        f"sync.channel={channel} with cluster.rollout_workers={n}: a fleet readmits restarted "
         "workers from its own copy of the weights; set sync.channel=inprocess or "
         "cluster.rollout_workers=1"
     )
@@ -436,28 +438,12 @@ def suspect_before_dead(cfg: Config) -> str | bool | None:
 
 
 @rule("train")
-def tensor_parallel_divides_workers(cfg: Config) -> str | bool | None:
-    tp, n = cfg.cluster.tensor_parallel, cfg.cluster.trainer_workers
-    return n % tp and (
-        f"cluster.tensor_parallel={tp} does not divide cluster.trainer_workers={n}; "
-        f"set trainer_workers to a multiple of {tp} (data-parallel x tensor-parallel)"
-    )
-
-
-@rule("train")
-def pipeline_parallel_divides_workers(cfg: Config) -> str | bool | None:
-    c = cfg.cluster
-    pp, n, tp = c.pipeline_parallel, c.trainer_workers, c.tensor_parallel
-    if pp > 1 and tp > 1:
-        return n % (pp * tp) and (
-            f"cluster.pipeline_parallel={pp} x cluster.tensor_parallel={tp} does not divide "
-            f"cluster.trainer_workers={n}; set trainer_workers to a multiple of {pp * tp} "
-            "(data-parallel x pipeline stages x tensor-parallel)"
-        )
-    return n % pp and (
-        f"cluster.pipeline_parallel={pp} does not divide cluster.trainer_workers={n}; "
-        f"set trainer_workers to a multiple of {pp} (data-parallel x pipeline stages)"
-    )
+def trainer_layout_fits(cfg: Config) -> str | bool | None:
+    try:
+        TrainerLayout.of(cfg.cluster)
+    except ConfigError as exc:
+        return str(exc)
+    return None
 
 
 @rule("train")

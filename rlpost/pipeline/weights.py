@@ -6,8 +6,10 @@ each step's update, a restore (resume, rollback), a guard's re-send and the weig
 evaluation must see. :class:`DirectPath` hands the trainer's tensors over as they are (a
 rollout fleet fans them out itself); :class:`ChannelPath` runs a
 :class:`~rlpost.sync.WeightSync` (codecs, buckets, delta, verification) into the rollout
-worker, to ``rlpost serve`` or ``vllm serve`` over http (``rollout.engine=remote``), or
-into a directory that servers and workers load (``sync.channel=disk``).
+worker, to ``rlpost serve`` or ``vllm serve`` over http (``rollout.engine=remote``),
+into a directory that servers and workers load (``sync.channel=disk``), or over
+torch.distributed to a rollout worker in another process (``sync.channel=gloo``: this
+process is rank 0 of a group on 127.0.0.1, the worker rank 1).
 
 Its counts are the wire truth: ``sync_bytes`` is what the push sent (the
 encoded payload, summed over targets), and the loop's step metrics, hence
@@ -128,6 +130,13 @@ def build_weight_path(cfg, rollout, run_dir=None) -> WeightPath:
             raise ValueError("sync.channel=disk publishes under the run directory; none given")
         root = str(Path(run_dir) / "weights")
         return ChannelPath(build_weight_sync(s, [root]), served=_disk_reader(rollout, root, s))
+    if s.channel == "gloo":
+        from rlpost.sync.gloo import GlooLink
+        from rlpost.train.dp import free_port
+
+        link = GlooLink("127.0.0.1", free_port(), world_size=2)
+        rollout.join_gloo(link, 1, s.verify, s.timeout_s)
+        return ChannelPath(build_weight_sync(s, [link]))
     if CODECS.trait(s.codec, "identity") and not s.delta:
         return DirectPath(rollout)
     return ChannelPath(build_weight_sync(s, [rollout]))

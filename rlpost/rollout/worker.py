@@ -10,7 +10,9 @@ process or a Ray actor.
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +23,7 @@ from rlpost.errors import WorkerError
 from rlpost.rng import rng_state, set_rng_state
 from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.rollout.longtail import LengthPredictor, PartialRollout, bucket_by_length
-from rlpost.sync import Receiver
+from rlpost.sync import Receiver, SyncError
 from rlpost.sync.disk import load_version
 from rlpost.types import Completion, Group, Prompt
 
@@ -155,6 +157,21 @@ class RolloutWorker:
         if self._reader is None or self._reader.verify != verify:
             self._reader = Receiver(self.engine, name=f"reader of {root}", verify=verify)
         load_version(root, version, self._reader)
+
+    def join_gloo(self, link, rank: int, verify: bool = True, timeout_s: float = 300.0) -> None:
+        """Receive the ``gloo`` channel's versions as ``rank`` of ``link``'s group (a
+        :class:`~rlpost.sync.gloo.GlooLink`; the run's weight path is rank 0), in a thread of
+        this process, until the sender closes the group. Returns at once: the sender's
+        rendezvous waits for this rank. Versions land as ``load_weights`` calls would."""
+        from rlpost.sync.gloo import serve_gloo
+
+        def receive() -> None:
+            try:
+                serve_gloo(self.engine, link, rank, verify=verify, timeout_s=timeout_s)
+            except SyncError as exc:  # the sender went away: the engine keeps its last version
+                logging.getLogger(__name__).warning("%s", exc)
+
+        threading.Thread(target=receive, name=f"gloo-rank-{rank}", daemon=True).start()
 
     def weights_served(self, version: int, committed: list[str], failed: list[str]) -> None:
         """The run's weight path put ``version`` on the engine's servers itself (a remote

@@ -197,10 +197,13 @@ def _spec_problem(spec: TensorSpec) -> str | None:
         return "name and codec must be strings"
     parts = spec.parts
     if not isinstance(parts, dict) or not all(
-        isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and isinstance(v[1], list)
+        isinstance(v, list)
+        and len(v) == 2
+        and isinstance(v[0], str)
+        and isinstance(v[1], list)
         and all(_is_int(n) for n in v[1])
         for v in parts.values()
-    ):  # fmt: skip
+    ):
         return "parts must map part names to [dtype name, shape]"
     if not isinstance(spec.meta, dict):
         return "meta must be an object"

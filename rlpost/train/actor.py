@@ -266,9 +266,12 @@ class PolicyTrainer:
         def fn(mb: TrainBatch) -> torch.Tensor:
             with bf16_autocast(self.model, self.s.bf16):
                 return response_sum_pi_squared(
-                    self.model, mb, self.s.temperature, chunk=self.s.logits_chunk,
+                    self.model,
+                    mb,
+                    self.s.temperature,
+                    chunk=self.s.logits_chunk,
                     packed=self.packed,
-                )  # fmt: skip
+                )
 
         return score_rows(
             self.model,
@@ -328,19 +331,27 @@ class PolicyTrainer:
     ) -> dict[str, float]:
         """One optimizer step on rows ``rows`` of ``batch`` (micro-batches accumulated)."""
         outcome = optimizer_step(
-            self.optimizer, self.scheduler, self._params(), self.s.optim.grad_clip,
-            self._micros(batch, rows), self._micro_loss(batch, rows, beta, fill_old),
+            self.optimizer,
+            self.scheduler,
+            self._params(),
+            self.s.optim.grad_clip,
+            self._micros(batch, rows),
+            self._micro_loss(batch, rows, beta, fill_old),
             lambda stats: self.ranks.sum_floats({k: float(v) for k, v in stats.items()}),
             self.layout.accumulate,
-        )  # fmt: skip
+        )
         if outcome.skipped:
             self.skipped_updates += 1
         return {**outcome.as_dict(), "loss": outcome.loss}
 
     def accumulate(
-        self, batch: TrainBatch, loss: tuple | None = None, *, agg: str | None = None,
+        self,
+        batch: TrainBatch,
+        loss: tuple | None = None,
+        *,
+        agg: str | None = None,
         record: torch.Tensor | None = None,
-    ) -> dict[str, float]:  # fmt: skip
+    ) -> dict[str, float]:
         """The gradients of ``loss`` over all of ``batch``, added to the trainable parameters'
         (no optimizer step: :meth:`apply_step` takes it). ``loss``: (function, params) in place
         of the trainer's own; ``agg``: its reduction in place of the trainer's; ``record``:
@@ -373,9 +384,13 @@ class PolicyTrainer:
         budget = self.s.max_tokens_per_micro_batch
         if budget > 0:  # one rank (a rule refuses it with data-parallel trainers)
             return budget_slices(
-                rows, *batch.lengths(), self.s.micro_batch_size, budget,
-                packed=self.packed, groups=self.packed.groups(batch),
-            )  # fmt: skip
+                rows,
+                *batch.lengths(),
+                self.s.micro_batch_size,
+                budget,
+                packed=self.packed,
+                groups=self.packed.groups(batch),
+            )
         return self.ranks.micro_slices(rows, self.s.micro_batch_size)
 
     def _micro_loss(
@@ -438,9 +453,13 @@ class PolicyTrainer:
                 logits = response_logits(self.model, micro)
             else:
                 logprobs, entropy = response_logprobs(
-                    self.model, micro, self.s.temperature, with_entropy=self.s.entropy_coef > 0,
-                    chunk=self.s.logits_chunk, packed=self.packed,
-                )  # fmt: skip
+                    self.model,
+                    micro,
+                    self.s.temperature,
+                    with_entropy=self.s.entropy_coef > 0,
+                    chunk=self.s.logits_chunk,
+                    packed=self.packed,
+                )
         if logits is not None:
             logprobs = token_logprobs(logits, micro.responses, self.s.temperature)
             entropy = entropy_from_logits(logits.float()) if self.s.entropy_coef > 0 else None
@@ -454,11 +473,20 @@ class PolicyTrainer:
             )
             advantages, fixed = advantages * fix.weights, fix.stats
         x = LossInputs(
-            logprobs, old, advantages, micro.response_mask, mb.agg,
-            rollout_logprobs=micro.rollout_logprobs, ref_logprobs=micro.ref_logprobs,
-            selected=mb.selected, logits=logits, teacher_logits=micro.teacher_logits,
-            entropy=entropy, rewarded=mb.rewarded, nll_agg=mb.nll_agg,
-        )  # fmt: skip
+            logprobs,
+            old,
+            advantages,
+            micro.response_mask,
+            mb.agg,
+            rollout_logprobs=micro.rollout_logprobs,
+            ref_logprobs=micro.ref_logprobs,
+            selected=mb.selected,
+            logits=logits,
+            teacher_logits=micro.teacher_logits,
+            entropy=entropy,
+            rewarded=mb.rewarded,
+            nll_agg=mb.nll_agg,
+        )
         return x, fixed
 
     def _loss(

@@ -171,9 +171,13 @@ class CriticTrainer:
                 return response_values(self.model, micro, self.packed).float()
 
         values = score_rows(
-            self.model, batch, fn, micro_batch_size=self.s.micro_batch_size,
-            max_tokens=self.s.max_tokens_per_micro_batch, packed=self.packed,
-        ).cpu()  # fmt: skip
+            self.model,
+            batch,
+            fn,
+            micro_batch_size=self.s.micro_batch_size,
+            max_tokens=self.s.max_tokens_per_micro_batch,
+            packed=self.packed,
+        ).cpu()
         return torch.where(batch.response_mask > 0, values, torch.zeros_like(values))
 
     def _micro_slices(self, batch: TrainBatch) -> list[torch.Tensor]:
@@ -181,9 +185,13 @@ class CriticTrainer:
         rows, budget = torch.arange(len(batch)), self.s.max_tokens_per_micro_batch
         lens = batch.lengths()
         return budget_slices(
-            rows, *lens, self.s.micro_batch_size, budget,
-            packed=self.packed, groups=self.packed.groups(batch),
-        )  # fmt: skip
+            rows,
+            *lens,
+            self.s.micro_batch_size,
+            budget,
+            packed=self.packed,
+            groups=self.packed.groups(batch),
+        )
 
     def _micro(self, micro: TrainBatch) -> TrainBatch:
         """A micro-batch under a token budget is trimmed to its own widths."""
@@ -225,9 +233,13 @@ class CriticTrainer:
 
         params = list(self.model.parameters())
         outcome = optimizer_step(
-            self.optimizer, self.scheduler, params, self.s.optim.grad_clip, self._micro_slices(mb),
+            self.optimizer,
+            self.scheduler,
+            params,
+            self.s.optim.grad_clip,
+            self._micro_slices(mb),
             micro_loss,
-        )  # fmt: skip
+        )
         # Statistics over the whole mini-batch (explained variance does not add up over parts).
         with torch.no_grad():
             whole = self._loss(preds, mb, agg)
@@ -241,9 +253,13 @@ class CriticTrainer:
 
     def _loss(self, pred: torch.Tensor, batch: TrainBatch, agg: Aggregation):
         return value_loss(
-            pred, batch.returns, batch.values, batch.response_mask, agg=agg,
+            pred,
+            batch.returns,
+            batch.values,
+            batch.response_mask,
+            agg=agg,
             clip_range=self.clip_range,
-        )  # fmt: skip
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs, the value model's weights included."""

@@ -322,8 +322,9 @@ def _probe(model: torch.nn.Module, shared: bool) -> str | None:
         alone = []
         for p, r in rows:
             row = tensor(p + r)[None]
-            out = decoder(input_ids=row, position_ids=torch.arange(row.shape[1])[None],
-                          use_cache=False).last_hidden_state[0, len(p) - 1 : -1]  # fmt: skip
+            out = decoder(
+                input_ids=row, position_ids=torch.arange(row.shape[1])[None], use_cache=False
+            ).last_hidden_state[0, len(p) - 1 : -1]
             alone.append(out.float())
         packed = pack_rows(probe, shared=shared)
         got = packed.gather(packed_forward(decoder, packed).last_hidden_state).float()

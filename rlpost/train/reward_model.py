@@ -84,8 +84,10 @@ def encode_pairs(
 def pair_rewards(model, pairs: EncodedPairs, idx: list[int], pad_id: int):
     """(chosen ``[n]``, rejected ``[n]``) rewards of pairs ``idx``, one forward pass of
     ``2n`` right-padded rows, with gradient when the caller allows it."""
-    rows = [torch.tensor(r, dtype=torch.long) for r in
-            [pairs.chosen[i] for i in idx] + [pairs.rejected[i] for i in idx]]  # fmt: skip
+    rows = [
+        torch.tensor(r, dtype=torch.long)
+        for r in [pairs.chosen[i] for i in idx] + [pairs.rejected[i] for i in idx]
+    ]
     ids = pad_sequence(rows, batch_first=True, padding_value=pad_id)
     mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True)
     device = model_device(model)

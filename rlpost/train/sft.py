@@ -133,13 +133,18 @@ def greedy_replies(model, tokenizer, prompts: list[str], *, max_new_tokens: int,
         with eval_mode(model):
             for lo in range(0, len(prompts), batch):
                 enc = tokenizer(
-                    prompts[lo : lo + batch], return_tensors="pt", padding=True,
+                    prompts[lo : lo + batch],
+                    return_tensors="pt",
+                    padding=True,
                     add_special_tokens=False,
-                ).to(model_device(model))  # fmt: skip
+                ).to(model_device(model))
                 gen = model.generate(
-                    **enc, max_new_tokens=max_new_tokens, do_sample=False,
-                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                )  # fmt: skip
+                    **enc,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
                 new = gen[:, enc["input_ids"].shape[1] :]
                 out += tokenizer.batch_decode(new, skip_special_tokens=True)
     finally:

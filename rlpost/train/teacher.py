@@ -51,8 +51,10 @@ def check_local_teacher(path: str, student: dict) -> None:
     except ModelLoadError as exc:
         raise TeacherError(f"model.teacher.path={path}: {exc}") from None
     if problem is not None:
-        raise TeacherError(f"model.teacher.path={path}: {problem}; distil from a "
-                           "teacher with the student's tokenizer")  # fmt: skip
+        raise TeacherError(
+            f"model.teacher.path={path}: {problem}; distil from a "
+            "teacher with the student's tokenizer"
+        )
 
 
 class LocalTeacher:
@@ -74,9 +76,11 @@ class LocalTeacher:
         T = batch.responses.shape[1]
         real = batch.attention_mask[:, -T:] > 0
         lp = compute_logprobs(  # no gradient
-            self.model, batch.to(model_device(self.model)), temperature=1.0,
+            self.model,
+            batch.to(model_device(self.model)),
+            temperature=1.0,
             micro_batch_size=self.micro_batch_size,
-        ).cpu()  # fmt: skip
+        ).cpu()
         return torch.where(real, lp, torch.zeros_like(lp))
 
     @torch.no_grad()
@@ -98,8 +102,13 @@ class ServerTeacher:
     """A server answering ``POST /v1/prompt_logprobs`` for the student's token ids."""
 
     def __init__(
-        self, url: str, student: dict, *, api_key: str | None = None, timeout: float = 120.0,
-    ) -> None:  # fmt: skip
+        self,
+        url: str,
+        student: dict,
+        *,
+        api_key: str | None = None,
+        timeout: float = 120.0,
+    ) -> None:
         import httpx
 
         self.url = url.rstrip("/")
@@ -108,8 +117,9 @@ class ServerTeacher:
         served = self._call("GET", "/v1/tokenizer")
         problem = vocab_mismatch(student, served)
         if problem is not None:
-            raise TeacherError(f"model.teacher.url={url}: {problem}; serve a teacher with the "
-                               "student's tokenizer")  # fmt: skip
+            raise TeacherError(
+                f"model.teacher.url={url}: {problem}; serve a teacher with the student's tokenizer"
+            )
 
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         import httpx
@@ -142,8 +152,10 @@ class ServerTeacher:
         rows = self._call("POST", "/v1/prompt_logprobs", body)["logprobs"]
         for i, lp in zip(keep, rows, strict=True):
             if len(lp) != int(response_lens[i]):
-                raise TeacherError(f"model.teacher.url={self.url}: {len(lp)} logprobs for a "
-                                   f"{int(response_lens[i])}-token response")  # fmt: skip
+                raise TeacherError(
+                    f"model.teacher.url={self.url}: {len(lp)} logprobs for a "
+                    f"{int(response_lens[i])}-token response"
+                )
             out[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
         return out
 
@@ -152,9 +164,14 @@ class ServerTeacher:
 
 
 def build_teacher(
-    path: str | None, url: str | None, student_tokenizer, *, api_key: str | None = None,
-    timeout: float = 120.0, micro_batch_size: int = 64,
-) -> LocalTeacher | ServerTeacher:  # fmt: skip
+    path: str | None,
+    url: str | None,
+    student_tokenizer,
+    *,
+    api_key: str | None = None,
+    timeout: float = 120.0,
+    micro_batch_size: int = 64,
+) -> LocalTeacher | ServerTeacher:
     """The teacher ``path`` (a local checkpoint) or ``url`` (a server) names, checked against
     the student's tokenizer."""
     student = vocab_digest(student_tokenizer)
@@ -166,9 +183,13 @@ def build_teacher(
 
 
 def check_teacher(
-    path: str | None, url: str | None, student_tokenizer, *, api_key: str | None = None,
+    path: str | None,
+    url: str | None,
+    student_tokenizer,
+    *,
+    api_key: str | None = None,
     timeout: float = 120.0,
-) -> None:  # fmt: skip
+) -> None:
     """Raise :class:`TeacherError` for a teacher ``build_teacher`` would refuse, reading only
     tokenizers (a run checks this before its directory is touched)."""
     student = vocab_digest(student_tokenizer)

@@ -35,7 +35,7 @@ ROW = ("self_attn.o_proj", "mlp.down_proj")
 def split_error(config, tp: int) -> str | None:
     """Why ``tp`` ranks cannot split a model of ``config`` (one line,
     ``cluster.tensor_parallel=...: reason; fix``), or None. (That ``tp`` divides the
-    workers is the rule table's: it needs no model.)"""
+    workers is :class:`~rlpost.resolved.TrainerLayout`'s: it needs no model.)"""
     if tp == 1:
         return None
     heads = getattr(config, "num_attention_heads", None)
@@ -55,19 +55,17 @@ def split_error(config, tp: int) -> str | None:
     return None
 
 
-def device_mesh(world: int, tp: int, device_type: str = "cpu", pp: int = 1):
-    """The ``("dp", "tp")`` mesh of this process group (every rank calls it); with
-    pipeline stages (``pp > 1``) the ``("dp", "pp", "tp")`` one, stages outside slices."""
+def device_mesh(layout, device_type: str = "cpu"):
+    """The ``("dp", "tp")`` mesh of ``layout`` (a :class:`~rlpost.resolved.TrainerLayout`,
+    its sizes checked when it was built; every rank calls it); with pipeline stages
+    (``layout.pp > 1``) the ``("dp", "pp", "tp")`` one, stages outside slices."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if world % (tp * pp):
-        raise ValueError(
-            f"tensor_parallel={tp} x pipeline_parallel={pp} does not divide {world} ranks"
-        )
-    if pp == 1:
-        return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
-    shape = (world // (tp * pp), pp, tp)
-    return init_device_mesh(device_type, shape, mesh_dim_names=("dp", "pp", "tp"))
+    if layout.pp == 1:
+        shape, names = (layout.dp, layout.tp), ("dp", "tp")
+    else:
+        shape, names = (layout.dp, layout.pp, layout.tp), ("dp", "pp", "tp")
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 def parallelize(model: nn.Module, tp_mesh, *, synced: bool = False) -> nn.Module:

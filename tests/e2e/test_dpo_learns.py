@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from rlpost.commands.offline import run_dpo
 from rlpost.config import RECIPES_DIR, load_config
-from rlpost.pipeline.offline import run_dpo
 
 RECIPE = RECIPES_DIR / "dpo_prefs.yaml"
 

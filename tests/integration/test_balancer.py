@@ -10,11 +10,12 @@ from collections import Counter
 import httpx
 import pytest
 
+from rlpost.config import SyncConfig
 from rlpost.models.loading import load_causal_lm, load_tokenizer
-from rlpost.rollout.engines.client import CompletionClient, encode_weights
 from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.rollout.engines.remote import RemoteEngine
-from tests.conftest import TEST_ADMIN_KEY
+from rlpost.sync import build_weight_sync
+from tests.conftest import ADMIN_HEADERS, TEST_ADMIN_KEY
 from tests.integration.test_server import start_server, stop_server
 
 
@@ -71,9 +72,9 @@ def test_server_behind_on_weights_leaves_rotation(pair, tok):
         _urls(pair), tok, version=1, max_inflight_per_server=2, admin_key=TEST_ADMIN_KEY
     )
     behind = pair["servers"]["b"][1]
-    CompletionClient(behind, admin_key=TEST_ADMIN_KEY).push_weights(
-        encode_weights(model.named_parameters()), version=0
-    )
+    http = build_weight_sync(SyncConfig(channel="http"), [behind], headers=ADMIN_HEADERS)
+    http.push(model.named_parameters(), 0)
+    http.close()
     params = SamplingParams(temperature=1.0, max_tokens=4)
     out = engine.generate(_prompts(tok, 8), params, n=2)
     assert {c.policy_version for c in out} == {1} and len(out) == 16

@@ -11,9 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlpost.cli import main
+from rlpost.commands.offline import run_dpo
 from rlpost.config import RECIPES_DIR, load_config
 from rlpost.pipeline.interrupts import Interrupts
-from rlpost.pipeline.offline import run_dpo
 from rlpost.train.offline import TrainingStopped
 from tests.integration.test_sft_conversations import _StopAfter
 
@@ -92,7 +92,7 @@ def test_default_recipe_is_the_cli_default(tmp_path, monkeypatch):
     cfg = load_config(RECIPE, [])
     assert cfg.run.name == "dpo_prefs" and cfg.dpo.beta == 0.1 and cfg.data.task.eval_size >= 200
     seen = {}
-    monkeypatch.setattr("rlpost.pipeline.offline.run_dpo", lambda c, *_: seen.setdefault("cfg", c))
+    monkeypatch.setattr("rlpost.commands.offline.run_dpo", lambda c, *_: seen.setdefault("cfg", c))
     assert main(["dpo", "dpo.steps=7"]) == 0
     assert seen["cfg"].run.name == "dpo_prefs" and seen["cfg"].dpo.steps == 7
 

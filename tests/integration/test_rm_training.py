@@ -12,10 +12,10 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from rlpost.cli import main
+from rlpost.commands.offline import run_rm
 from rlpost.config import RECIPES_DIR, load_config
 from rlpost.pipeline.interrupts import Interrupts
 from rlpost.pipeline.loop import train
-from rlpost.pipeline.offline import run_rm
 from rlpost.rewards.model import RewardModelWorker
 from rlpost.train.offline import TrainingStopped
 from rlpost.types import RewardSample

@@ -13,12 +13,13 @@ import time
 import httpx
 import pytest
 import torch
-from safetensors.torch import save_file
 
+from rlpost.config import SyncConfig
 from rlpost.models.loading import load_causal_lm
-from rlpost.rollout.engines.client import CompletionClient, Job, encode_weights
+from rlpost.rollout.engines.client import CompletionClient, Job
 from rlpost.rollout.engines.protocol import SamplingParams
-from tests.conftest import ADMIN_HEADERS, TEST_ADMIN_KEY
+from rlpost.sync import build_weight_sync
+from tests.conftest import ADMIN_HEADERS
 
 START_TIMEOUT_S = 90
 
@@ -69,13 +70,8 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def weights_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("weights")
-
-
-@pytest.fixture(scope="module")
-def server(tiny_dir, weights_dir):
-    limits = ("--max-tokens-limit", "120", "--max-n", "32", "--weights-dir", str(weights_dir))
+def server(tiny_dir):
+    limits = ("--max-tokens-limit", "120", "--max-n", "32")
     proc, url = start_server(tiny_dir, *limits)
     yield url
     stop_server(proc)
@@ -180,8 +176,9 @@ def test_client_disconnect_frees_its_slots(server):
     assert _complete(server, max_tokens=2).status_code == 200
 
 
-def test_weight_update_changes_outputs_and_version(server, tiny_dir, weights_dir):
-    client = CompletionClient(server, admin_key=TEST_ADMIN_KEY)
+def test_weight_update_changes_outputs_and_version(server, tiny_dir):
+    """Weights reach the server through the http sync channel, the one door for weights."""
+    client = CompletionClient(server)
     job = Job("w", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8))
     before = client.complete(job)[0]
     model = load_causal_lm(tiny_dir)
@@ -189,30 +186,17 @@ def test_weight_update_changes_outputs_and_version(server, tiny_dir, weights_dir
     noisy = {
         k: v + 0.5 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()
     }
-    answer = client.push_weights(encode_weights(noisy.items()), version=5)
-    assert answer["policy_version"] == 5 and answer["tensors"] == len(noisy)
+    sync = build_weight_sync(SyncConfig(channel="http"), [server], headers=ADMIN_HEADERS)
+    assert sync.push(noisy.items(), 5).committed == [server]
     after = client.complete(job)[0]
     assert after.policy_version == 5 and after.token_ids != before.token_ids
-    # From a safetensors directory: back to the original weights, version 6.
-    (weights_dir / "step6").mkdir()
     original = {k: v.clone() for k, v in model.state_dict().items()}
-    save_file(original, weights_dir / "step6" / "model.safetensors")
-    r = httpx.post(
-        f"{server}/v1/weights",
-        json={"path": "step6", "version": 6},
-        headers=ADMIN_HEADERS,
-        timeout=60,
-    )
-    assert r.json()["policy_version"] == 6
+    sync.push(original.items(), 6)
     again = client.complete(job)[0]
     assert again.token_ids == before.token_ids and again.policy_version == 6
-    bad = httpx.post(
-        f"{server}/v1/weights?version=7",
-        content=b"junk",
-        headers={"content-type": "application/octet-stream", **ADMIN_HEADERS},
-    )
-    assert bad.status_code == 400 and "not a safetensors file" in bad.json()["error"]["message"]
     assert httpx.get(f"{server}/health").json()["policy_version"] == 6
+    assert httpx.post(f"{server}/v1/weights", headers=ADMIN_HEADERS).status_code == 404
+    sync.close()
     client.close()
 
 

@@ -72,7 +72,6 @@ ROUTES = {
                                                      "meta": {}, "checksum": 0}]],
         },
     ),
-    "/v1/weights": ({"version": 1, "path": "w"}, {"version": INT[1:], "path": TEXT}),
 }  # fmt: skip
 CASES = [
     pytest.param(path, field, value, id=f"{path}:{field}={json.dumps(value)}")

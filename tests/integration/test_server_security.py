@@ -1,4 +1,4 @@
-"""`rlpost serve` off loopback: keys, the admin guard, the weights directory, limits, slow clients.
+"""`rlpost serve` off loopback: keys, the admin guard, weight checks, limits, slow clients.
 
 Every server here is a real process on 127.0.0.1; the non-loopback refusal runs
 in a network namespace of its own (only ``lo`` and a dummy interface).
@@ -21,9 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from safetensors.torch import save_file
 
+from rlpost.config import SyncConfig
 from rlpost.models.loading import load_causal_lm
+from rlpost.sync import SyncError, build_weight_sync
 from tests.integration.test_server import start_server, stop_server
 
 API, ADMIN = "inference-key-123", "admin-key-456"
@@ -47,10 +48,9 @@ def auth(key: str) -> dict:
 @pytest.fixture(scope="module")
 def keyed(tiny_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("secure")
-    (root / "weights").mkdir()
     script = root / "serve_with_sync.py"
     script.write_text(EXTRA_ROUTES)
-    flags = ["--weights-dir", str(root / "weights"), "--max-body-mb", "1", "--max-pending", "2"]
+    flags = ["--max-body-mb", "1", "--max-pending", "2"]
     flags += ["--max-request-sequences", "2", "--header-timeout", "1", "--request-timeout", "4"]
     flags += ["--body-timeout", "4"]
     proc, url = start_server(tiny_dir, *flags, env=KEYS, entry=[str(script)])
@@ -76,7 +76,7 @@ def test_inference_needs_the_api_key(keyed):
 
 @pytest.mark.parametrize(
     ("method", "path"),
-    [("POST", "/v1/weights"), ("POST", "/v1/sync/open"), ("GET", "/v1/sync/deeper/status")],
+    [("POST", "/v1/sync/open"), ("GET", "/v1/sync/deeper/status")],
 )
 def test_control_routes_need_the_admin_key(keyed, method, path):
     url = keyed["url"]
@@ -84,40 +84,7 @@ def test_control_routes_need_the_admin_key(keyed, method, path):
     inference = httpx.request(method, f"{url}{path}", headers=auth(API))
     assert inference.status_code == 403 and "admin key" in inference.json()["error"]["message"]
     admin = httpx.request(method, f"{url}{path}", headers=auth(ADMIN), json={})
-    assert admin.status_code in (200, 400)  # through the guard; /v1/weights wants a body
-
-
-def _weights_status(url, path):
-    r = _post(url, "/v1/weights", ADMIN, json={"path": path, "version": 3})
-    return r.status_code, r.text
-
-
-def test_weight_paths_stay_inside_the_weights_dir(keyed, tmp_path):
-    url, root = keyed["url"], keyed["root"]
-    state = load_causal_lm(keyed["model"]).state_dict()
-    outside = tmp_path / "outside.safetensors"
-    save_file({k: v.clone() for k, v in state.items()}, outside)
-    (root / "weights" / "link.safetensors").symlink_to(outside)
-    (root / "weights" / "linkdir").symlink_to(tmp_path, target_is_directory=True)
-    (root / "weights" / "notes.txt").write_text("not weights")
-    refused = [
-        str(outside),
-        f"../../{tmp_path.parent.name}/{tmp_path.name}/outside.safetensors",
-        "link.safetensors",
-        "linkdir",
-        "notes.txt",
-        "missing.safetensors",
-        "/etc/passwd",
-    ]
-    answers = {_weights_status(url, p) for p in refused}
-    assert len(answers) == 1  # the same 403 and message whatever lies behind the path
-    status, text = answers.pop()
-    assert status == 403 and "root" not in text and str(tmp_path) not in text
-    assert httpx.get(f"{url}/health").json()["policy_version"] == 0
-    (root / "weights" / "ok").mkdir()
-    save_file({k: v.clone() for k, v in state.items()}, root / "weights" / "ok" / "m.safetensors")
-    assert _weights_status(url, "ok")[0] == 200
-    assert httpx.get(f"{url}/health").json()["policy_version"] == 3
+    assert admin.status_code == 200  # through the guard
 
 
 def test_weights_are_checked_before_anything_is_applied(keyed):
@@ -125,19 +92,15 @@ def test_weights_are_checked_before_anything_is_applied(keyed):
     state = load_causal_lm(keyed["model"]).state_dict()
     name = next(k for k, v in state.items() if v.is_floating_point())
     version = httpx.get(f"{url}/health").json()["policy_version"]
-    from rlpost.rollout.engines.client import encode_weights
-
     bad = [
         {name: torch.zeros(3, 3)},  # wrong shape
-        {name: torch.zeros(state[name].shape, dtype=torch.int64)},  # wrong dtype
         {"not.a.weight": torch.zeros(2)},  # unknown name
     ]
+    sync = build_weight_sync(SyncConfig(channel="http"), [url], headers=auth(ADMIN))
     for tensors in bad:
-        headers = {**auth(ADMIN), "content-type": "application/octet-stream"}
-        r = httpx.post(
-            f"{url}/v1/weights?version=99", content=encode_weights(tensors.items()), headers=headers
-        )
-        assert r.status_code == 400
+        with pytest.raises(SyncError):
+            sync.push(tensors.items(), 99)
+    sync.close()
     assert httpx.get(f"{url}/health").json()["policy_version"] == version
 
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from rlpost.cli import main
+from rlpost.commands.offline import run_conversation_sft
 from rlpost.config import load_config
 from rlpost.data.conversations import Conversation, chat_arith
 from rlpost.models.loading import load_policy
 from rlpost.pipeline.interrupts import Interrupts
 from rlpost.pipeline.loop import train
-from rlpost.pipeline.offline import run_conversation_sft
 from rlpost.train.offline import TrainingStopped
 
 TINY = ["model.tiny.max_position_embeddings=256", "model.tiny.hidden_size=32"]

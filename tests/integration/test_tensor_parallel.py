@@ -194,7 +194,7 @@ def test_tensor_parallel_that_does_not_divide_the_workers_is_refused(tmp_path):
         rules.check(cfg)
     assert str(err.value) == (
         "cluster.tensor_parallel=2 does not divide cluster.trainer_workers=3; "
-        "set trainer_workers to a multiple of 2 (data-parallel x tensor-parallel)"
+        "set trainer_workers to a multiple of 2 (data-parallel x pipeline stages x tensor-parallel)"
     )
 
 

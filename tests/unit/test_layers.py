@@ -17,6 +17,7 @@ ROOT = Path(rlpost.__file__).parent
 # Highest first (DESIGN.md "Layers"); one row may hold siblings of one layer.
 LAYERS = [
     ("cli", "configdoc"),
+    ("commands",),
     ("tinker",),
     ("api",),
     ("cluster",),

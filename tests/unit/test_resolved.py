@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from rlpost.config import load_config
+from rlpost.config import ConfigError, load_config
 from rlpost.pipeline import build
-from rlpost.resolved import ENGINES, resolve, resolve_step_plan
+from rlpost.resolved import ENGINES, TrainerLayout, resolve, resolve_step_plan
 
 
 def test_the_default_run_serves_in_process_from_the_policys_memory():
@@ -55,3 +55,44 @@ def test_the_trainer_builder_follows_the_record_it_is_handed():
     assert build.build_trainer_worker(cfg, model, tokenizer).describe()["has_reference"]
     worker = build.build_trainer_worker(cfg, build.build_policy(cfg)[0], tokenizer, facts=no_ref)
     assert not worker.describe()["has_reference"]
+
+
+@pytest.mark.parametrize(
+    ("workers", "pp", "tp", "layout"),
+    [(1, 1, 1, (1, 1, 1)), (4, 1, 2, (2, 1, 2)), (4, 2, 1, (2, 2, 1)), (8, 2, 2, (2, 2, 2))],
+)
+def test_the_trainer_layout_is_one_record_every_user_reads(workers, pp, tp, layout):
+    over = [f"cluster.trainer_workers={workers}", f"cluster.pipeline_parallel={pp}"]
+    cfg = load_config(None, [*over, f"cluster.tensor_parallel={tp}", "cluster.backend=process"])
+    got = resolve(cfg).layout
+    assert (got.dp, got.pp, got.tp) == layout and got.world == workers
+    assert got.split == (pp * tp > 1)
+    from rlpost.pipeline.memory import rank_params
+
+    # the memory estimate splits what one rank holds by the same record
+    shape = {"params": 800.0, "split": 0.0, "layers": 2, "layer_params": 0}
+    assert rank_params(cfg, shape) == pytest.approx(800.0 / layout[0])
+
+
+@pytest.mark.parametrize(
+    ("workers", "pp", "tp", "named"),
+    [
+        (3, 1, 2, "cluster.tensor_parallel=2 does not divide cluster.trainer_workers=3"),
+        (3, 2, 1, "cluster.pipeline_parallel=2 does not divide cluster.trainer_workers=3"),
+        (6, 2, 2, "cluster.pipeline_parallel=2 x cluster.tensor_parallel=2 does not divide"),
+    ],
+)
+def test_a_layout_that_does_not_fit_is_one_line_from_the_record_and_the_rule(
+    workers, pp, tp, named
+):
+    over = [f"cluster.trainer_workers={workers}", f"cluster.pipeline_parallel={pp}"]
+    cfg = load_config(None, [*over, f"cluster.tensor_parallel={tp}", "cluster.backend=process"])
+    with pytest.raises(ConfigError, match="trainer_workers to a multiple of") as err:
+        TrainerLayout.of(cfg.cluster)
+    assert named in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ConfigError) as by_facts:
+        resolve(cfg)
+    assert str(by_facts.value) == str(err.value)
+    from rlpost.pipeline import rules
+
+    assert rules.trainer_layout_fits(cfg) == str(err.value)

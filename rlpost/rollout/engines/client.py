@@ -87,26 +87,6 @@ def savable(named_tensors) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def encode_weights(named_tensors) -> bytes:
-    """Safetensors bytes of ``(name, tensor)`` pairs (tied tensors are written once per name)."""
-    from safetensors.torch import save
-
-    return save(savable(named_tensors))
-
-
-def decode_weights(payload: bytes) -> dict[str, torch.Tensor]:
-    """Tensors from safetensors bytes; ValueError (one line) when they are not safetensors."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load
-
-    if not payload:
-        raise ValueError("weights payload is empty: send safetensors bytes")
-    try:
-        return load(payload)
-    except (SafetensorError, ValueError) as exc:
-        raise ValueError(f"weights payload is not a safetensors file: {exc}") from None
-
-
 def completion_body(job: Job, model: str | None) -> dict:
     """The ``/v1/completions`` request for a job (extra fields are vLLM's names for the same things)."""
     p = job.params
@@ -184,8 +164,8 @@ def _retokenize(choice: dict, tokenize, logprobs, eos_id) -> list[int]:
 class CompletionClient:
     """Synchronous client of one server; safe to share between threads.
 
-    ``api_key`` is sent as a Bearer token with generation requests,
-    ``admin_key`` with weight pushes (``rlpost serve --api-key/--admin-key``).
+    ``api_key`` is sent as a Bearer token with generation requests (``rlpost serve
+    --api-key``); weights go through the ``http`` sync channel, with the admin key.
     """
 
     def __init__(
@@ -195,13 +175,11 @@ class CompletionClient:
         timeout: float = 120.0,
         model: str | None = None,
         api_key: str | None = None,
-        admin_key: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.model = model
         self.http = httpx.Client(base_url=self.url, timeout=timeout)
         self._auth = _bearer(api_key)
-        self._admin_auth = _bearer(admin_key)
 
     def __repr__(self) -> str:  # never shows the keys
         return f"CompletionClient({self.url!r})"
@@ -210,13 +188,6 @@ class CompletionClient:
         body = completion_body(job, self.model)
         data = self._post("/v1/completions", json=body, headers=self._auth)
         return parse_choices(data, tokenize, eos_id)
-
-    def push_weights(self, payload: bytes, version: int) -> dict:
-        """Stream safetensors bytes to ``/v1/weights``; returns the server's answer."""
-        headers = {"content-type": "application/octet-stream", **self._admin_auth}
-        return self._post(
-            "/v1/weights", content=payload, headers=headers, params={"version": version}
-        )
 
     def health(self) -> dict:
         try:
@@ -384,10 +355,14 @@ class RequestLoadBalancer:
     def stats(self) -> dict:
         now = time.monotonic()
         servers = {
-            s.client.url: {"completed": s.completed, "failures": s.failures,
-                           "outstanding": s.outstanding, "up": s.down_until <= now}
+            s.client.url: {
+                "completed": s.completed,
+                "failures": s.failures,
+                "outstanding": s.outstanding,
+                "up": s.down_until <= now,
+            }
             for s in self.servers
-        }  # fmt: skip
+        }
         return {"retries": self.retries, "servers": servers}
 
     def close(self) -> None:

@@ -64,8 +64,9 @@ class RemoteEngine(TokenRate):
         self.extra_body = dict(extra_body or {})  # merged into every request body
         self.version = version
         self.generator = torch.Generator().manual_seed(seed)
-        keys = {"api_key": api_key, "admin_key": admin_key}
-        self.clients = [CompletionClient(u, timeout=timeout, model=model, **keys) for u in urls]
+        self.clients = [
+            CompletionClient(u, timeout=timeout, model=model, api_key=api_key) for u in urls
+        ]
         self.balancer = RequestLoadBalancer(
             self.clients, max_inflight=max_inflight_per_server, cooldown_s=cooldown_s
         )

@@ -57,13 +57,25 @@ def serve_args(
     rollout server rlpost can push weights to; run it with ``VLLM_SERVER_DEV_MODE=1`` and
     rlpost importable."""
     args = [
-        "--model", model_path, "--host", host, "--port", str(port),
-        "--dtype", dtype, "--seed", str(seed),
-        "--enable-prefix-caching", "--enable-chunked-prefill",
-        "--logprobs-mode", "processed_logprobs",
-        "--generation-config", "vllm",  # the request's sampling, not the checkpoint's defaults
-        "--worker-extension-cls", WORKER_EXTENSION,
-    ]  # fmt: skip
+        "--model",
+        model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--seed",
+        str(seed),
+        "--enable-prefix-caching",
+        "--enable-chunked-prefill",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--generation-config",
+        "vllm",  # the request's sampling, not the checkpoint's defaults
+        "--worker-extension-cls",
+        WORKER_EXTENSION,
+    ]
     if max_model_len is not None:
         args += ["--max-model-len", str(max_model_len)]
     return args + list(extra or [])

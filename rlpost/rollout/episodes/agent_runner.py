@@ -141,9 +141,11 @@ class LoopbackServer:
         from rlpost.rollout.serve.server import create_app
 
         settings = ServerSettings(
-            name, max_tokens_limit=1 << 20, max_model_len=scheduler.max_model_len,
+            name,
+            max_tokens_limit=1 << 20,
+            max_model_len=scheduler.max_model_len,
             tool_parser=tool_parser,
-        )  # fmt: skip
+        )
         keys = GuardSettings(secrets.token_urlsafe(32), secrets.token_urlsafe(32))
         self.app = create_app(scheduler, tokenizer, settings, keys)
         self.sessions = self.app.state.sessions
@@ -346,8 +348,12 @@ class AgentRunner:
             s.rows += len(out)
             rows += out
         if not rows and s.failed:  # a broken harness, not bad luck: say why
-            log.warning("every harness session failed (%d of %d); the last: %s",
-                        s.failed, s.sessions, s.last_error)  # fmt: skip
+            log.warning(
+                "every harness session failed (%d of %d); the last: %s",
+                s.failed,
+                s.sessions,
+                s.last_error,
+            )
         return rows
 
     def state_dict(self) -> dict[str, Any]:

@@ -41,9 +41,7 @@ from pathlib import Path
 
 from rlpost.rollout.episodes import harness_user
 
-BASIC_ENV = (
-    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "TMPDIR", "LANG", "LANGUAGE", "TZ",
-)  # fmt: skip
+BASIC_ENV = tuple("PATH HOME USER LOGNAME SHELL TERM TMPDIR LANG LANGUAGE TZ".split())
 STDOUT_TAIL = 1 << 20  # the answer is the last line: a tail keeps it
 STDERR_TAIL = 64 << 10
 REAPER = Path(__file__).with_name("harness_reaper.py")
@@ -70,8 +68,11 @@ def private_scratch() -> bool:
     )
     if done.returncode != 0:
         why = (done.stderr.decode(errors="replace").strip().splitlines() or ["?"])[-1]
-        log.warning("harness commands share /tmp and /dev/shm here: %s; run the trainer as "
-                    "root or allow unprivileged user namespaces", why)  # fmt: skip
+        log.warning(
+            "harness commands share /tmp and /dev/shm here: %s; run the trainer as "
+            "root or allow unprivileged user namespaces",
+            why,
+        )
     return done.returncode == 0
 
 
@@ -119,9 +120,14 @@ class HarnessProcess:
         argv = [sys.executable, "-I", "-S", str(REAPER), str(os.getpid()), uid, scratch, *command]
         try:
             self.proc = subprocess.Popen(
-                argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, bufsize=0, start_new_session=True,
-            )  # fmt: skip
+                argv,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                bufsize=0,
+                start_new_session=True,
+            )
         except BaseException:
             self._release()
             raise

@@ -87,8 +87,11 @@ def private_scratch(libc) -> None:
     uid, gid, home = os.geteuid(), os.getegid(), os.environ.get("HOME", "")
     _check(libc.unshare(CLONE_NEWNS | (CLONE_NEWUSER if uid else 0)), "unshare")
     if uid:  # the user namespace maps only our own ids: the command keeps its user
-        for name, line in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
-                           ("gid_map", f"{gid} {gid} 1")):  # fmt: skip
+        for name, line in (
+            ("setgroups", "deny"),
+            ("uid_map", f"{uid} {uid} 1"),
+            ("gid_map", f"{gid} {gid} 1"),
+        ):
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(line)
     _check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
@@ -99,8 +102,10 @@ def private_scratch(libc) -> None:
             _check(libc.mount(b"tmpfs", path.encode(), b"tmpfs", flags, options), f"tmpfs {path}")
     if kept is not None:
         os.makedirs(home)
-        _check(libc.mount(f"/proc/self/fd/{kept}".encode(), home.encode(), None, MS_BIND, None),
-               f"bind {home}")  # fmt: skip
+        _check(
+            libc.mount(f"/proc/self/fd/{kept}".encode(), home.encode(), None, MS_BIND, None),
+            f"bind {home}",
+        )
         os.close(kept)
 
 

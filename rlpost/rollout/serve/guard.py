@@ -4,8 +4,8 @@ One pure ASGI middleware in front of the whole app decides from the path and hea
 before any route runs and before a byte of the body is read:
 
 * **keys**: everything but ``/health`` and ``/metrics`` needs ``Authorization: Bearer <api
-  key>`` when an API key is set (401, as vLLM). Admin prefixes (``/v1/weights``, ``/v1/sync``,
-  ``/v1/admin``, ``/v1/sessions``) need the admin key (the API key alone: 403) and are closed
+  key>`` when an API key is set (401, as vLLM). Admin prefixes (``/v1/sync``, ``/v1/admin``,
+  ``/v1/sessions``) need the admin key (the API key alone: 403) and are closed
   (403) on a server without one, loopback included: any local process could otherwise replace
   the weights or read another agent's sessions. A session's own requests
   (``/sessions/<id>/v1/...completions``) pass to their route, which checks that session's key.
@@ -15,13 +15,12 @@ before any route runs and before a byte of the body is read:
   counted as it arrives.
 * **bodies first**: a generation request's body is read whole within the short body timeout
   (408) before it counts as pending, so a client trickling its body holds no slot; a control
-  route's body (weights, up to gigabytes) streams to its route within the request timeout.
+  route's body (a weight bucket) streams to its route within the request timeout.
 * **pending sequences** (prompts x n, running or queued) are bounded by
   :class:`PendingBudget`: a 429 with ``Retry-After``, from the headers alone once full.
 
 A refusal for size closes the connection; others keep it (uvicorn reads past the bounded
-body). Weight loads from a path are confined to ``--weights-dir``
-(:func:`confined_weights_files`).
+body).
 """
 
 from __future__ import annotations
@@ -33,12 +32,11 @@ import json
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from rlpost.rollout.serve.openai_params import APIError, error_body
 
 OPEN_PATHS = ("/health", "/metrics")
-ADMIN_PREFIXES = ("/v1/weights", "/v1/sync", "/v1/admin", "/v1/sessions")
+ADMIN_PREFIXES = ("/v1/sync", "/v1/admin", "/v1/sessions")
 # Routes whose requests count as pending sequences (the scoring route counts its prompts).
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/prompt_logprobs")
 SESSION_PATH = re.compile(r"/sessions/[0-9a-f]{1,64}/v1/(chat/)?completions")
@@ -260,47 +258,3 @@ def _content_length(headers: list[tuple[bytes, bytes]]) -> int:
         if name == b"content-length":
             return int(value) if value.isdigit() else 0  # h11 has refused malformed lengths
     return 0
-
-
-# --------------------------------------------------------- weights directory
-
-OUTSIDE = "path must name a .safetensors file or directory inside the server's weights directory"
-
-
-def confined_weights_files(path: str, root: Path | None) -> list[Path]:
-    """The ``.safetensors`` files ``path`` names, all inside ``root`` after resolving symlinks.
-
-    Relative paths are taken from ``root``. Anything outside it, missing, or
-    not safetensors is the same 403 with the same message, so an answer
-    reveals nothing about the file system.
-    """
-    if root is None:
-        why = "start the server with --weights-dir, or stream safetensors bytes"
-        raise APIError(403, f"weights from a path are off: {why}", "path")
-    try:
-        real = (root / path).resolve(strict=True)
-        inside = real.is_relative_to(root)
-        files = sorted(real.glob("*.safetensors")) if inside and real.is_dir() else [real]
-        files = [f.resolve(strict=True) for f in files]
-    except (OSError, RuntimeError, ValueError):
-        raise APIError(403, OUTSIDE, "path") from None
-    ok = all(f.is_relative_to(root) and f.is_file() and f.suffix == ".safetensors" for f in files)
-    if not inside or not files or not ok:
-        raise APIError(403, OUTSIDE, "path")
-    return files
-
-
-def load_safetensors_files(files: list[Path]) -> dict:
-    """Every tensor of ``files`` (safetensors only; never pickle); ValueError without the path."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    tensors: dict = {}
-    for f in files:
-        try:
-            tensors.update(load_file(f))
-        except (SafetensorError, OSError, ValueError):
-            raise ValueError(
-                "a weights file under the weights directory is not a safetensors file"
-            ) from None
-    return tensors

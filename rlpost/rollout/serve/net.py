@@ -34,7 +34,7 @@ def bind_refusal(
     warns when it binds one insecurely.
     """
     if api_key and admin_key and api_key == admin_key:
-        return "--admin-key must differ from --api-key (the API key would unlock /v1/weights)"
+        return "--admin-key must differ from --api-key (the API key would unlock /v1/sync)"
     if is_loopback(host) or (api_key and admin_key) or insecure:
         return None
     missing = [

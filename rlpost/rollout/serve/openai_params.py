@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import reprlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from rlpost.data import safe_json
@@ -24,17 +23,16 @@ MAX_LOGIT_BIAS = 1024
 
 # Implemented on both endpoints (vLLM's names for top_k, stop_token_ids, ignore_eos and
 # the return_* flags; rlpost always returns token ids). ``user`` only labels a request.
-COMMON_FIELDS = {
-    "model", "n", "temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids",
-    "logprobs", "seed", "ignore_eos", "stream", "stream_options", "presence_penalty",
-    "frequency_penalty", "logit_bias", "user", "return_token_ids", "return_tokens_as_token_ids",
-}  # fmt: skip
+COMMON_FIELDS = set(
+    "model n temperature top_p top_k max_tokens stop stop_token_ids logprobs seed ignore_eos "
+    "stream stream_options presence_penalty frequency_penalty logit_bias user return_token_ids "
+    "return_tokens_as_token_ids".split()
+)
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "add_special_tokens"}
 # tools, tool_choice and parallel_tool_calls are checked by rlpost.rollout.serve.tool_calls.
-CHAT_FIELDS = COMMON_FIELDS | {
-    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-    "parallel_tool_calls",
-}  # fmt: skip
+CHAT_FIELDS = COMMON_FIELDS | set(
+    "messages max_completion_tokens top_logprobs tools tool_choice parallel_tool_calls".split()
+)
 
 
 def _neutral_best_of(value, body) -> bool:
@@ -117,7 +115,6 @@ class ServerSettings:
     max_score_entries: int = 1 << 32  # prompt_logprobs: prompts x longest x vocabulary
     weights_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
-    weights_dir: Path | None = None  # resolved; None: no loads from a path
     tool_parser: str = "hermes"  # the call format read from chat outputs (tool_parsers.py)
 
 

@@ -1,6 +1,6 @@
 """``rlpost serve``: the rollout engine as an OpenAI-compatible HTTP service.
 
-    rlpost serve [--model DIR] [--port 8000] [--api-key K --admin-key A] [--weights-dir DIR] ...
+    rlpost serve [--model DIR] [--port 8000] [--api-key K --admin-key A] ...
 
 ``/v1/completions`` and ``/v1/chat/completions`` follow the OpenAI API (fields:
 :mod:`~rlpost.rollout.serve.openai_params`, which refuses by name what it does not implement)
@@ -8,8 +8,8 @@ and add what RL needs: each choice carries its sampled ``token_ids``, their logp
 ``policy_version`` of its first token and every version it spans. ``stream=true`` sends one
 event per sampled token with its id, logprob and version. Chat ``tools`` are rendered by the
 chat template and read back into ``tool_calls`` (:mod:`~rlpost.rollout.serve.tool_calls`).
-``POST /v1/weights`` swaps weights between two decode steps (a safetensors path inside
-``--weights-dir``, or safetensors bytes in the body with ``?version=N``). ``/health`` reports
+Weights arrive over ``/v1/sync`` (the ``http`` channel,
+:mod:`~rlpost.rollout.serve.sync_routes`) between two decode steps. ``/health`` reports
 the scheduler's counters, ``/metrics`` the ``rl_*`` rollout metrics.
 
 Keys, body and pending limits: :class:`~rlpost.rollout.serve.guard.Guard`; slow heads:
@@ -32,7 +32,6 @@ import uuid
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -42,7 +41,6 @@ from starlette.concurrency import run_in_threadpool
 from rlpost.errors import typed_line
 from rlpost.observe import Recorder
 from rlpost.rollout.engines.backlog import Backlog, backlog_limit
-from rlpost.rollout.engines.client import decode_weights
 from rlpost.rollout.engines.prefix_cache import PrefixCache
 from rlpost.rollout.engines.protocol import prompt_seeds
 from rlpost.rollout.engines.scheduler import GenerationRequest, Scheduler, Ticket
@@ -51,22 +49,18 @@ from rlpost.rollout.serve.guard import (
     Guard,
     GuardSettings,
     PendingBudget,
-    confined_weights_files,
-    load_safetensors_files,
 )
 from rlpost.rollout.serve.net import WRITE_TIMEOUTS, bind_refusal, guarded_h11, is_loopback
 from rlpost.rollout.serve.openai_format import ChoiceStream, format_choice
 from rlpost.rollout.serve.openai_params import (
     APIError,
     ServerSettings,
-    ascii_int,
     check_context,
     check_work,
     error_body,
     parse_json_object,
     parse_prompts,
     parse_sampling,
-    shown,
 )
 from rlpost.rollout.serve.score_routes import router as score_router
 from rlpost.rollout.serve.sessions import SessionStore, add_session_routes
@@ -131,7 +125,7 @@ class RolloutService:
         self.window = (time.monotonic(), 0, 0.0)
         self.rates = {"rollout_tps": 0.0, "rollout_utilization": 0.0}
         # The run id of the weights served (SessionMeta.run_id of the last /v1/sync commit;
-        # "" for the weights the server started with or a /v1/weights upload).
+        # "" for the weights the server started with).
         self.weights_run_id = ""
         self.tool_stats = {"tool_calls": 0, "tool_parse_failures": 0}
 
@@ -201,12 +195,16 @@ class RolloutService:
         kind = "chatcmpl" if chat else "cmpl"
         head = {"id": f"{kind}-{uuid.uuid4().hex}", "created": int(time.time())}
         return Plan(
-            prompts, fields, {**head, "model": settings.model_name}, chat=chat,
+            prompts,
+            fields,
+            {**head, "model": settings.model_name},
+            chat=chat,
             logprobs=bool(body.get("logprobs")) if chat else body.get("logprobs") is not None,
             stream=body.get("stream") is True,
             usage=bool((body.get("stream_options") or {}).get("include_usage")),
-            sequences=sequences, tools=tools if tools is not None and tools.parses else None,
-        )  # fmt: skip
+            sequences=sequences,
+            tools=tools if tools is not None and tools.parses else None,
+        )
 
     async def respond(self, request: Request, chat: bool):
         plan = await run_in_threadpool(self.plan, await request.body(), chat)
@@ -335,32 +333,6 @@ class RolloutService:
             return _sse(error_body(line, kind="internal_error"))
         return None
 
-    async def weights(self, request: Request) -> dict:
-        if request.headers.get("content-type", "").startswith("application/octet-stream"):
-            version = _version(request.query_params.get("version"))
-            load = partial(decode_weights, await request.body())
-        else:
-            body = parse_json_object(await request.body())
-            version = _version(body.get("version"))
-            path = body.get("path")
-            if not isinstance(path, str) or not path or "\0" in path:
-                raise APIError(400, "path must name a safetensors file or directory", "path")
-            files = confined_weights_files(path, self.settings.weights_dir)
-            load = partial(load_safetensors_files, files)
-        try:
-            tensors = await run_in_threadpool(load)
-            apply = partial(self.scheduler.load_weights, tensors.items(), version)
-            seconds = await run_in_threadpool(apply, self.settings.weights_timeout_s)
-        except (KeyError, ValueError) as exc:
-            raise APIError(400, str(exc).strip("'\"")) from None
-        self.recorder.record(version, {"sync_seconds": seconds})
-        self.weights_run_id = ""
-        return {
-            "policy_version": self.scheduler.version,
-            "tensors": len(tensors),
-            "seconds": seconds,
-        }
-
     def health(self) -> JSONResponse:
         alive = self.scheduler.alive
         body = {
@@ -433,7 +405,6 @@ def create_app(
 
     app.post("/v1/completions")(completions)
     app.post("/v1/chat/completions")(chat_completions)
-    app.post("/v1/weights")(service.weights)
     app.include_router(sync_router)
     app.include_router(score_router)  # a distillation teacher's prompt logprobs
     app.get("/v1/models")(models)
@@ -474,15 +445,6 @@ def _post(loop: asyncio.AbstractEventLoop, backlog: Backlog, prompt, event) -> N
         loop.call_soon_threadsafe(backlog.put, (prompt, event))
 
 
-def _version(value: Any) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62:
-        return value
-    number = ascii_int(value) if isinstance(value, str) else None
-    if number is None:
-        raise APIError(400, f"version must be an integer >= 0, got {shown(value)}", "version")
-    return number
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rlpost serve", description="Serve a policy over HTTP.")
     add = ap.add_argument
@@ -492,10 +454,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--port", type=int, default=8000, help="0 picks a free port (printed on start)")
     add("--max-batch", type=int, default=64, help="sequences decoded together")
     add(
-        "--max-request-batch", type=int, default=None,
+        "--max-request-batch",
+        type=int,
+        default=None,
         help="sequences of one request decoded together while another runs or waits "
         "(default: an eighth of --max-batch, at least 2)",
-    )  # fmt: skip
+    )
     add("--max-tokens-limit", type=int, default=512, help="largest max_tokens accepted")
     add("--max-n", type=int, default=64, help="largest n accepted")
     add("--max-prompts", type=int, default=1024, help="most prompts in one completions request")
@@ -506,9 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
     sec = ap.add_argument_group("keys (prefer the environment: flags show in ps)")
     add = sec.add_argument
     add("--api-key", help="Bearer key for the OpenAI endpoints (env RLPOST_API_KEY)")
-    add("--admin-key", help="Bearer key for /v1/weights and control routes (env RLPOST_ADMIN_KEY)")
+    add("--admin-key", help="Bearer key for /v1/sync and the control routes (env RLPOST_ADMIN_KEY)")
     add("--insecure", action="store_true", help="bind a non-loopback address without both keys")
-    add("--weights-dir", help="directory /v1/weights may read paths from (default: none)")
     lim = ap.add_argument_group("limits")
     for flag, kind, default, what in LIMIT_FLAGS:
         shown = "" if default is None else f" (default {default})"
@@ -518,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 LIMIT_FLAGS = [
     ("--max-body-mb", float, 16.0, "largest request body [MiB]; 413 beyond"),
-    ("--max-weights-mb", float, 65536.0, "largest /v1/weights body [MiB]; 413 beyond"),
+    ("--max-weights-mb", float, 65536.0, "largest control request body (a /v1/sync bucket) [MiB]; 413 beyond"),
     ("--max-connections", int, 1024, "open connections; 503 beyond (uvicorn's limit)"),
     ("--max-pending", int, 4096, "sequences (prompts x n) running or queued; 429 beyond"),
     ("--max-request-sequences", int, None,
@@ -543,25 +506,33 @@ def _checked(args: argparse.Namespace) -> str | None:
     if args.max_request_sequences is None:  # one limit set alone never contradicts the other
         args.max_request_sequences = min(1024, max(args.max_pending, 1))
     for flag in (
-        "max_batch", "max_tokens_limit", "max_n", "max_prompts", "max_connections", "max_pending",
-        "max_request_sequences", "max_request_tokens", "max_score_entries", "max_sessions",
-    ):  # fmt: skip
+        "max_batch",
+        "max_tokens_limit",
+        "max_n",
+        "max_prompts",
+        "max_connections",
+        "max_pending",
+        "max_request_sequences",
+        "max_request_tokens",
+        "max_score_entries",
+        "max_sessions",
+    ):
         if getattr(args, flag) < 1:
             return f"--{flag.replace('_', '-')} must be >= 1"
     if args.max_request_batch is not None and args.max_request_batch < 1:
         return "--max-request-batch must be >= 1"
     for flag in (
-        "max_body_mb", "max_weights_mb", "request_timeout", "header_timeout", "body_timeout",
+        "max_body_mb",
+        "max_weights_mb",
+        "request_timeout",
+        "header_timeout",
+        "body_timeout",
         "write_timeout",
-    ):  # fmt: skip
+    ):
         if not getattr(args, flag) > 0:
             return f"--{flag.replace('_', '-')} must be > 0"
     if args.max_request_sequences > args.max_pending:  # such a request could never run
         return "--max-request-sequences must be <= --max-pending"
-    if args.weights_dir is not None:
-        if not Path(args.weights_dir).is_dir():
-            return f"--weights-dir {args.weights_dir} is not a directory"
-        args.weights_dir = Path(args.weights_dir).resolve()
     return bind_refusal(args.host, args.api_key, args.admin_key, args.insecure)
 
 
@@ -593,17 +564,27 @@ def main(argv: list[str] | None = None, routers: dict | None = None) -> int:
     options["max_request_batch"] = args.max_request_batch
     scheduler = Scheduler(model, tokenizer, **options)
     settings = ServerSettings(
-        name, args.max_tokens_limit, args.max_n, scheduler.max_model_len,
-        request_timeout_s=args.request_timeout, weights_dir=args.weights_dir,
-        max_prompts=args.max_prompts, max_request_sequences=args.max_request_sequences,
-        max_request_tokens=args.max_request_tokens, tool_parser=args.tool_parser,
+        name,
+        args.max_tokens_limit,
+        args.max_n,
+        scheduler.max_model_len,
+        request_timeout_s=args.request_timeout,
+        max_prompts=args.max_prompts,
+        max_request_sequences=args.max_request_sequences,
+        max_request_tokens=args.max_request_tokens,
+        tool_parser=args.tool_parser,
         max_score_entries=args.max_score_entries,
-    )  # fmt: skip
+    )
     guard = GuardSettings(
-        args.api_key, args.admin_key, int(args.max_body_mb * MIB), int(args.max_weights_mb * MIB),
-        args.max_pending, args.request_timeout, args.body_timeout,
+        args.api_key,
+        args.admin_key,
+        int(args.max_body_mb * MIB),
+        int(args.max_weights_mb * MIB),
+        args.max_pending,
+        args.request_timeout,
+        args.body_timeout,
         max_sessions=args.max_sessions,
-    )  # fmt: skip
+    )
     app = create_app(scheduler, tokenizer, settings, guard)
     for prefix, router in (routers or {}).items():
         app.include_router(router, prefix=prefix)
@@ -624,10 +605,13 @@ def _serve(app: FastAPI, scheduler: Scheduler, args: argparse.Namespace, name: s
     port = sock.getsockname()[1]
     print(f"rlpost serve: listening on http://{args.host}:{port} model={name}", flush=True)
     config = uvicorn.Config(
-        app, log_level="warning", access_log=False,
+        app,
+        log_level="warning",
+        access_log=False,
         http=guarded_h11(args.header_timeout, args.write_timeout),
-        limit_concurrency=args.max_connections, timeout_keep_alive=args.keep_alive_timeout,
-    )  # fmt: skip
+        limit_concurrency=args.max_connections,
+        timeout_keep_alive=args.keep_alive_timeout,
+    )
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:

@@ -92,11 +92,20 @@ def _opening(start: str):
 
 
 # Hermes 2 Pro, Qwen 2.5 / Qwen 3 and most open chat models with a tool template.
-register(CallFormat("hermes", "<tool_call>", "</tool_call>", _one_object, "<tool_call>\n",
-                    _opening("<tool_call>\n")))  # fmt: skip
+register(
+    CallFormat(
+        "hermes",
+        "<tool_call>",
+        "</tool_call>",
+        _one_object,
+        "<tool_call>\n",
+        _opening("<tool_call>\n"),
+    )
+)
 # Phi-4-mini: ``functools[{...}, {...}]`` to the end of the output.
-register(CallFormat("functools", "functools", None, _object_list, "functools[",
-                    _opening("functools[")))  # fmt: skip
+register(
+    CallFormat("functools", "functools", None, _object_list, "functools[", _opening("functools["))
+)
 
 
 def tool_format(name: str) -> CallFormat:

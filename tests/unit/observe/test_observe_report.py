@@ -61,7 +61,7 @@ def test_report_is_self_contained_with_plots_tables_and_escaped_samples(tmp_path
     # reward, accuracy, KL, length are present; the rest are listed as skipped
     assert page.count('<img alt="') == 5  # reward, accuracy, loss, KL, length
     assert page.count("data:image/png;base64,") == 5
-    assert "Not plotted (not recorded in this run): Gradient norm" in page
+    assert "Not plotted (not recorded in this run): Held-out accuracy (greedy), Gradient" in page
     assert "Ratio clip fraction" in page.split("Not plotted")[1]
     assert "<th>final_accuracy</th><td>0.6</td>" in page
     assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in page

@@ -150,17 +150,11 @@ CASES = {
         ["cluster.suspect_after_s=100", "cluster.dead_after_s=50"],
         "cluster.suspect_after_s=100.0",
     ),
-    "tensor_parallel_divides_workers": (
+    "trainer_layout_fits": (
         "train",
         ["cluster.trainer_workers=4", "cluster.tensor_parallel=2", "cluster.backend=process"],
         ["cluster.trainer_workers=3"],
         "cluster.tensor_parallel=2 does not divide cluster.trainer_workers=3",
-    ),
-    "pipeline_parallel_divides_workers": (
-        "train",
-        ["cluster.trainer_workers=4", "cluster.pipeline_parallel=2", "cluster.backend=process"],
-        ["cluster.trainer_workers=3"],
-        "cluster.pipeline_parallel=2 does not divide cluster.trainer_workers=3",
     ),
     "data_parallel_without_critic": (
         "train",

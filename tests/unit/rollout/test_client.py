@@ -4,7 +4,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from rlpost.rollout.engines.client import (
     Choice,
@@ -13,8 +12,6 @@ from rlpost.rollout.engines.client import (
     RequestRejected,
     ServerUnavailable,
     completion_body,
-    decode_weights,
-    encode_weights,
     parse_choices,
 )
 from rlpost.rollout.engines.protocol import SamplingParams
@@ -69,17 +66,6 @@ def test_vllm_token_id_strings_and_retokenize_fallback():
         parse_choices(bad, tokenize=lambda t: list(t.encode()))
     with pytest.raises(ValueError, match="no tokenizer"):
         parse_choices({"choices": [{"index": 0, "text": "a", "logprobs": {}}]})
-
-
-def test_weights_round_trip_including_tied_tensors(tmp_path):
-    shared = torch.randn(3, 2)
-    payload = encode_weights(
-        [("embed.weight", shared), ("lm_head.weight", shared), ("b", torch.ones(2))]
-    )
-    back = decode_weights(payload)
-    assert torch.equal(back["embed.weight"], shared) and torch.equal(back["lm_head.weight"], shared)
-    with pytest.raises(ValueError, match="not a safetensors file"):
-        decode_weights(b"garbage!")
 
 
 class FakeClient:

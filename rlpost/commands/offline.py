@@ -220,6 +220,10 @@ def conversation_rows(cfg: Config, model, tokenizer):
     return train, held, held_convs, reports, templated
 
 
+def _example(prompt: Prompt, rng):
+    return prompt.metadata["example"]
+
+
 def run_conversation_sft(cfg: Config, resume: Path | None = None, console=None) -> Path:
     """Train on conversations; returns ``RUN_DIR/sft_model``."""
     started, s = time.time(), cfg.sft
@@ -241,42 +245,49 @@ def run_conversation_sft(cfg: Config, resume: Path | None = None, console=None) 
         }
 
     prompts = [Prompt(text="", metadata={"example": e}, uid=e.text) for e in train]
-    objective = SFT(
-        tokenizer,
-        prompts,
-        example=lambda p, rng: p.metadata["example"],
-        max_tokens=s.max_tokens_per_micro_batch,
-        device=model_device(model),
-    )
+    device, cap = model_device(model), s.max_tokens_per_micro_batch
+    objective = SFT(tokenizer, prompts, example=_example, max_tokens=cap, device=device)
     done = train_stage(
-        run_dir, model, tokenizer, objective, schedule(s, cfg.run.seed),
-        state=SFT_STATE, evaluate=held_out, eval_every=s.eval_every, fresh=resume is None,
-        console=console, title="sft on conversations", row=lambda m: {"sft_loss": m["loss"]},
-    )  # fmt: skip
+        run_dir,
+        model,
+        tokenizer,
+        objective,
+        schedule(s, cfg.run.seed),
+        state=SFT_STATE,
+        evaluate=held_out,
+        eval_every=s.eval_every,
+        fresh=resume is None,
+        console=console,
+        title="sft on conversations",
+        row=lambda m: {"sft_loss": m["loss"]},
+    )
     losses = done["losses"]
     (run_dir / "sft_losses.json").write_text(json.dumps(losses))
-    _finish(run_dir, model, tokenizer, out, SFT_STATE, {
-        **done["ends"],
-        "sft_loss_last": losses[-1] if losses else None,
-        "steps": s.steps,
-        "train_examples": len(train),
-        "eval_examples": len(held),
-        "chat_template": "plain (added)" if templated else "the tokenizer's",
-        "wall_seconds": time.time() - started,
-        **data_counts(reports),
-    })  # fmt: skip
+    _finish(
+        run_dir,
+        model,
+        tokenizer,
+        out,
+        SFT_STATE,
+        {
+            **done["ends"],
+            "sft_loss_last": losses[-1] if losses else None,
+            "steps": s.steps,
+            "train_examples": len(train),
+            "eval_examples": len(held),
+            "chat_template": "plain (added)" if templated else "the tokenizer's",
+            "wall_seconds": time.time() - started,
+            **data_counts(reports),
+        },
+    )
     return out
 
 
 # ------------------------------------------------------------------------ rlpost rm
 
 
-@_threads
-def run_rm(cfg: Config, resume: Path | None = None, console=None) -> Path:
-    """Train the reward model; returns ``RUN_DIR/rm_model`` (the ``reward_model`` reward's
-    ``path``)."""
-    started, s = time.time(), cfg.rm or RMConfig()
-    # Inputs first: a start that fails on them leaves an existing run untouched.
+def rm_rows(cfg: Config, s: RMConfig):
+    """(reward model, tokenizer, encoded train pairs, held-out pairs, load reports)."""
     train_pairs, held_pairs, reports = load_pairs_reported(
         cfg.data, cfg.run.seed, margin_field=s.margin_field
     )
@@ -285,12 +296,21 @@ def run_rm(cfg: Config, resume: Path | None = None, console=None) -> Path:
     )
     max_len = getattr(lm.config, "max_position_embeddings", None) or tokenizer.model_max_length
     model = reward_model_from(lm, tokenizer.pad_token_id, seed=cfg.run.seed)
-    del lm
     enc = dict(max_len=max_len, on_bad_row=cfg.data.on_bad_row)
     train = encode_rm_pairs(train_pairs, tokenizer, report=reports["train"], **enc)
     held = encode_rm_pairs(held_pairs, tokenizer, report=reports["eval"], **enc)
     if not len(train) or not len(held):
         raise DataError(f"no {'training' if not len(train) else 'held-out'} pair fits the model")
+    return model, tokenizer, train, held, reports
+
+
+@_threads
+def run_rm(cfg: Config, resume: Path | None = None, console=None) -> Path:
+    """Train the reward model; returns ``RUN_DIR/rm_model`` (the ``reward_model`` reward's
+    ``path``)."""
+    started, s = time.time(), cfg.rm or RMConfig()
+    # Inputs first: a start that fails on them leaves an existing run untouched.
+    model, tokenizer, train, held, reports = rm_rows(cfg, s)
     run_dir = open_stage_run_dir(cfg, resume, RM_STATE)
     report_data(run_dir, reports, fresh=resume is None)
     out = run_dir / RM_MODEL
@@ -299,27 +319,41 @@ def run_rm(cfg: Config, resume: Path | None = None, console=None) -> Path:
     on_run_device(cfg, model)
     pad = tokenizer.pad_token_id
     done = train_stage(
-        run_dir, model, tokenizer, BradleyTerry(train, pad, s.micro_batch_size),
-        schedule(s, cfg.run.seed), state=RM_STATE, evaluate=lambda: evaluate_rm(model, held, pad),
-        eval_every=s.eval_every, fresh=resume is None, console=console,
+        run_dir,
+        model,
+        tokenizer,
+        BradleyTerry(train, pad, s.micro_batch_size),
+        schedule(s, cfg.run.seed),
+        state=RM_STATE,
+        evaluate=lambda: evaluate_rm(model, held, pad),
+        eval_every=s.eval_every,
+        fresh=resume is None,
+        console=console,
         title="reward model (bradley-terry)",
         info=lambda m: f"loss {m['loss']:.3f} | acc {m['accuracy']:.1%}",
-    )  # fmt: skip
+    )
     # The reward worker reads the score at the last non-pad token through this id, and
     # pads as the tokenizer says: right, as trained (left padding would shift positions).
     model.config.pad_token_id = pad
     tokenizer.padding_side = "right"
-    _finish(run_dir, model, tokenizer, out, RM_STATE, {
-        **done["ends"],
-        "train_loss_last": done["losses"][-1],
-        "steps": s.steps,
-        "train_pairs": len(train),
-        "eval_pairs": len(held),
-        "margin_field": s.margin_field,
-        "started_from": cfg.model.path or "the tiny model config",
-        "wall_seconds": time.time() - started,
-        **data_counts(reports),
-    })  # fmt: skip
+    _finish(
+        run_dir,
+        model,
+        tokenizer,
+        out,
+        RM_STATE,
+        {
+            **done["ends"],
+            "train_loss_last": done["losses"][-1],
+            "steps": s.steps,
+            "train_pairs": len(train),
+            "eval_pairs": len(held),
+            "margin_field": s.margin_field,
+            "started_from": cfg.model.path or "the tiny model config",
+            "wall_seconds": time.time() - started,
+            **data_counts(reports),
+        },
+    )
     return out
 
 
@@ -355,12 +389,20 @@ def run_dpo(cfg: Config, resume: Path | None = None, console=None) -> DPOResult:
     eval_set.ref_chosen, eval_set.ref_rejected = keep["ref"][2:]
     kw = s.loss_kwargs()
     done = train_stage(
-        run_dir, model, tokenizer, DPO(train_set, pad, s.micro_batch_size, kw),
-        schedule(s, cfg.run.seed), state=DPO_STATE,
-        evaluate=lambda: evaluate_pairs(model, eval_set, pad, kw), eval_every=s.eval_every,
-        fresh=resume is None, console=console, title=f"dpo ({s.loss_type})", keep=keep,
+        run_dir,
+        model,
+        tokenizer,
+        DPO(train_set, pad, s.micro_batch_size, kw),
+        schedule(s, cfg.run.seed),
+        state=DPO_STATE,
+        evaluate=lambda: evaluate_pairs(model, eval_set, pad, kw),
+        eval_every=s.eval_every,
+        fresh=resume is None,
+        console=console,
+        title=f"dpo ({s.loss_type})",
+        keep=keep,
         info=lambda m: f"loss {m['loss']:.3f} | margin {m['reward_margin']:.3f}",
-    )  # fmt: skip
+    )
     summary = {
         **done["ends"],
         "eval_pairs": len(eval_set),
