@@ -1339,6 +1339,7 @@ def choices(model: type[BaseModel] | None = None, prefix: str = "") -> dict[str,
         ann = field.annotation
         if _is_choice(field):
             variants = {a.__metadata__[0].tag: a.__origin__ for a in get_args(ann)}
+            variants.pop("user")  # user code: any name with a ':'
             found[prefix + name] = (variants, field.get_default(call_default_factory=True).name)
         elif isinstance(ann, type) and issubclass(ann, BaseModel):
             found |= choices(ann, f"{prefix}{name}.")
@@ -1411,8 +1412,11 @@ def format_validation_error(err: ValidationError, data: Any = None) -> str:
     key = _located(_untagged(tuple(e["loc"])), data)
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "union_tag_invalid":  # a choice's unknown name
-        names = e["ctx"]["expected_tags"].replace("'", "")
-        return f"config {key}.name={e['ctx']['tag']!r}: not one of {names}"
+        names = e["ctx"]["expected_tags"].replace("'", "").removesuffix(", user")
+        return (
+            f"config {key}.name={e['ctx']['tag']!r}: not one of {names}, nor"
+            " path/to/file.py:object or package.module:object"
+        )
     if e["type"] in BOUNDS:  # "must be > 0", not pydantic's "Input should be greater than 0"
         msg = f"must be {BOUNDS[e['type']]} {next(iter(e.get('ctx', {}).values()), '')}".strip()
     elif e["type"] == "missing":
@@ -1423,6 +1427,8 @@ def format_validation_error(err: ValidationError, data: Any = None) -> str:
         near = nearest_keys(key)
         hint = f"did you mean {' or '.join(near)}?" if near else "check the spelling"
         return f"unknown config key {key!r}; {hint} (rlpost config --keys lists every key)"
+    if msg.startswith("name="):  # a user part's file or object is missing
+        return f"config {key}.{msg}"
     if not key or msg.startswith(key + "."):  # the validator already named the key
         return msg
     value = e.get("input")
@@ -1522,6 +1528,7 @@ def describe_fields(
         if _is_choice(field):  # the chosen variant's keys only; its name gets the choice's help
             chosen = sub if values is not None else default
             own = describe_fields(type(chosen), key + ".", chosen)
+            own += [(f"{key}.{k}", repr(v), "") for k, v in (chosen.model_extra or {}).items()]
             rows.extend((k, v, h or field.description or "") for k, v, h in own)
         elif section_class(ann) and (values is None or sub is not None):  # optional: when set
             rows.extend(describe_fields(section_class(ann), key + ".", sub))

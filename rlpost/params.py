@@ -12,15 +12,27 @@ written here once. An advantage estimator takes its variant's fields as keywords
 (``variant.params()``). A contract test (tests/unit/algos/test_params_contract.py) holds
 each registered function to its variant.
 
-This module imports nothing of rlpost and not torch: the config tree is built from it,
-which is why the variant classes live here and not beside their functions in ``algos``.
+A name with a ``:`` is the user's own code (``{name: my.py:fn, clip: 0.3}``), a
+:class:`UserPart` whose other keys are its parameters.
+
+This module imports nothing of rlpost but the registry, and not torch: the config tree is
+built from it, which is why the variant classes live here and not beside their functions.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, create_model
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    create_model,
+    model_validator,
+)
 
 
 class ParamSet(BaseModel):
@@ -48,14 +60,42 @@ def bare(name: str) -> type[Variant]:
     )
 
 
+class UserPart(Variant):
+    """A part from the user's code: ``name`` is ``path/to/file.py:object`` or
+    ``package.module:object``; the other keys are its parameters, checked by the params class
+    it declares (``rlpost.registry.part(params=...)``; none declared: taken as given). The
+    parameters are attributes of this record and keywords of :meth:`params`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _own_params(self) -> UserPart:
+        from rlpost.registry import declared, import_object
+
+        try:
+            declared_params = declared(import_object(self.name))[0]
+        except ValueError as exc:
+            raise ValueError(f"name={self.name}: {exc}") from None
+        if declared_params is not None:  # its defaults filled in, its bounds checked
+            self.__pydantic_extra__ = declared_params(**self.model_extra).model_dump()
+        return self
+
+
+def is_user_spec(name: Any) -> bool:
+    """Whether a part's name points at user code (``file.py:fn``, ``package.module:fn``)."""
+    return isinstance(name, str) and ":" in name
+
+
 def choice(default: str, *variants: type[Variant]) -> Any:
     """A config field type: the union of ``variants`` keyed on ``name`` (``default`` when a
-    mapping has none)."""
+    mapping has none), or a :class:`UserPart` when the name points at user code."""
 
     def tag(value: Any) -> str:
-        return value.get("name", default) if isinstance(value, dict) else value.name
+        name = value.get("name", default) if isinstance(value, dict) else value.name
+        return "user" if is_user_spec(name) else name
 
     members = tuple(Annotated[v, Tag(v.model_fields["name"].default)] for v in variants)
+    members += (Annotated[UserPart, Tag("user")],)
     return Annotated[
         Union[members],  # noqa: UP007
         Discriminator(tag),
@@ -65,7 +105,8 @@ def choice(default: str, *variants: type[Variant]) -> Any:
 
 def variants(union: Any) -> dict[str, type[Variant]]:
     """The variant class of each name a choice field accepts, in declaration order."""
-    return {m.__metadata__[0].tag: m.__origin__ for m in union.__origin__.__args__}
+    found = {m.__metadata__[0].tag: m.__origin__ for m in union.__origin__.__args__}
+    return {k: v for k, v in found.items() if k != "user"}
 
 
 # ------------------------------------------------------------------ policy losses

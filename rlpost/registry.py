@@ -9,10 +9,15 @@ An entry may carry **traits**, keyword metadata registered with it
 (``@ADVANTAGES.register("gae", needs_critic=True)``): what the rest of the
 framework must provide for it (a critic, a reference model, groups of samples).
 Callers ask ``REG.trait(name, "needs_critic")`` instead of keeping name lists.
+
+A name may also point at user code, ``path/to/file.py:object`` or ``package.module:object``:
+the first lookup imports it and registers it under that name, with the params class and
+traits it declares with :func:`part`, so callers treat it as any registered part.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -57,6 +62,9 @@ class Registry(Generic[T]):
         return [n for n in sorted(self._items) if self._traits[n].get(trait, False) == value]
 
     def get(self, name: str) -> T:
+        if name not in self._items and ":" in name:  # user code: imported once, then registered
+            obj = import_callable(name, self.kind)
+            self.register(name, **declared(obj)[1])(obj)
         try:
             return self._items[name]
         except KeyError:
@@ -73,10 +81,50 @@ class Registry(Generic[T]):
         return iter(sorted(self._items))
 
 
+def part(params: type | None = None, **traits: Any) -> Callable[[T], T]:
+    """Decorator for a part in the user's own code: ``params``, a pydantic model its config keys
+    beside ``name`` are checked by (its instance's fields reach the part as the built-ins'
+    do), and ``traits`` as a registered part's (``needs_reference=True``). Undecorated: the
+    keys are taken as given and every trait is false."""
+
+    def deco(obj: T) -> T:
+        obj.rlpost_part = (params, traits)  # type: ignore[attr-defined]
+        return obj
+
+    return deco
+
+
+def declared(obj: Any) -> tuple[type | None, dict[str, Any]]:
+    """``(params class, traits)`` that ``obj`` declared with :func:`part`."""
+    return getattr(obj, "rlpost_part", (None, {}))
+
+
+def where(obj: Any) -> str:
+    """``name (file:line)`` of a user's function or class, for one-line errors."""
+    import inspect
+    import os
+
+    name = getattr(obj, "__qualname__", repr(obj))
+    try:
+        file, line = inspect.getsourcefile(obj), inspect.getsourcelines(obj)[1]
+    except (TypeError, OSError):
+        return name
+    shown = os.path.relpath(file) if file and file.startswith(os.getcwd()) else file
+    return f"{name} ({shown}:{line})"
+
+
 def import_object(spec: str) -> Any:
     """The object ``package.module:name`` or ``path/to/file.py:name`` names (a relative path:
-    from the working directory, else from the checkout rlpost lives in). ValueError saying
-    what is missing; callers put the key that named it in front."""
+    from the working directory, else from the checkout rlpost lives in), imported once per
+    working directory. ValueError saying what is missing; callers put the key that named it
+    in front."""
+    import os
+
+    return _import_object(spec, os.getcwd())
+
+
+@functools.cache
+def _import_object(spec: str, cwd: str) -> Any:
     import importlib
 
     module_name, _, attr = spec.rpartition(":")

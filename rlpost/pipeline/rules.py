@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlpost.algos import get_aggregation, get_kl_estimator
+from rlpost.algos.probe import CONTRACTS, probe
 from rlpost.config import (
     Config,
     ConfigError,
@@ -291,17 +291,26 @@ def rollout_logprobs_need_trainer_numbers(cfg: Config) -> str | bool | None:
 
 
 @rule("train")
-def algorithm_names_are_registered(cfg: Config) -> str | bool | None:
+def algorithm_parts_resolve(cfg: Config) -> str | bool | None:
+    # A choice's built-in name is checked by its union; user code gets one dummy call.
     a = cfg.algo
-    names = [  # a choice's name is checked by its union (algo.loss, algo.advantage)
-        ("algo.kl.estimator", a.kl.estimator, get_kl_estimator),
-        ("algo.loss_agg_mode", a.loss_agg_mode, get_aggregation),
-    ]
-    for key, name, lookup in names:
+    for key, kind, part in (
+        ("algo.advantage.name", "advantage", a.advantage),
+        ("algo.loss.name", "loss", a.loss),
+        ("algo.kl.estimator", "kl", a.kl.estimator),
+        ("algo.loss_agg_mode", "aggregation", a.loss_agg_mode),
+        ("algo.rollout_correction.name", "correction", a.rollout_correction),
+    ):
+        name = getattr(part, "name", part)
         try:
-            lookup(name)
-        except UnknownNameError as exc:
-            return f"config {key}={name!r}: {exc}"
+            if ":" in name:
+                problem = probe(kind, name, part)
+            else:
+                problem = isinstance(part, str) and CONTRACTS[kind][0].get(name) and None
+        except (UnknownNameError, ValueError) as exc:
+            problem = str(exc)
+        if problem:
+            return f"config {key}={name}: {problem}"
     return None
 
 

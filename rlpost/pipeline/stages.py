@@ -350,9 +350,8 @@ def compute_advantages(
         old, ref, kl = batch.old_logprobs, batch.ref_logprobs, algo.kl.estimator
         rewards, _ = kl_penalized_rewards(rewards, old, ref, mask, beta=beta, estimator=kl)
     estimator = bound or bound_estimator(algo)
-    advantages, returns = estimator(
-        rewards, mask, batch.group, values=batch.values, **(inputs or {})
-    )
+    values = {} if batch.values is None else {"values": batch.values}  # a critic's, when kept
+    advantages, returns = estimator(rewards, mask, batch.group, **values, **(inputs or {}))
     return Advantages(rewards, advantages, returns)
 
 

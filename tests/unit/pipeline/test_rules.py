@@ -79,11 +79,11 @@ CASES = {
         ["algo.old_logprobs=rollout", "sync.codec=bf16"],
         "sync.codec=bf16",
     ),
-    "algorithm_names_are_registered": (
+    "algorithm_parts_resolve": (
         "train",
         [],
         ["algo.kl.estimator=nope"],
-        "algo.kl.estimator='nope'",
+        "algo.kl.estimator=nope: unknown KL estimator 'nope'",
     ),
     "component_estimator_needs_outcome_rewards": (
         "train",
