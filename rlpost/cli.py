@@ -103,7 +103,7 @@ def _command_config(args, default: str | None = None):
 def cmd_train(args) -> int:
     cfg = _command_config(args)
     from rlpost.cluster import starter
-    from rlpost.errors import WorkerError
+    from rlpost.errors import UserCodeError, WorkerError
     from rlpost.pipeline.interrupts import Interrupts
     from rlpost.pipeline.loop import TrainingStopped, train
 
@@ -115,7 +115,7 @@ def cmd_train(args) -> int:
         except TrainingStopped as exc:
             print(f"rlpost: {exc}", file=sys.stderr)
             return 1
-        except WorkerError as exc:  # lost outside a step: what was saved stands
+        except (WorkerError, UserCodeError) as exc:  # outside a step: what was saved stands
             print(f"rlpost: {exc}; continue with rlpost train --resume {run_dir}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
@@ -373,11 +373,14 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except (FileNotFoundError, ValueError, RuntimeError, ImportError, OSError) as exc:
         from rlpost.data.files import DataError
+        from rlpost.errors import UserCodeError
         from rlpost.models.loading import ModelLoadError
         from rlpost.statefile import StateFileError
         from rlpost.sync.session import SyncError
 
-        one_line = ConfigError | ModelLoadError | DataError | StateFileError | SyncError
+        one_line = (
+            ConfigError | ModelLoadError | DataError | StateFileError | SyncError | UserCodeError
+        )
         missing_extra = isinstance(exc, ImportError) and "pip install" in str(exc)
         if missing_extra or isinstance(exc, one_line):  # a missing extra names its install
             return _fail(str(exc))

@@ -230,7 +230,7 @@ class FileTaskConfig(Variant):
     train_path: str | None = None
     """JSONL or Parquet file, or a ``datasets`` save_to_disk directory, of training rows."""
     eval_path: str | None = None
-    """The same for held-out rows (None: none; rlpost dpo splits eval_fraction off instead)."""
+    """The same for held-out rows (None: eval_fraction of train_path's rows is held out)."""
     prompt_field: str = "prompt"
     """Column holding the prompt text."""
     answer_field: str = "answer"
@@ -240,7 +240,7 @@ class FileTaskConfig(Variant):
     rejected_field: str = "rejected"
     """Column holding the dispreferred response (preference pairs)."""
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)
-    """Share of a pairs train file held out when eval_path is None (preference pairs)."""
+    """Share of train_path's rows held out, seeded, when eval_path is None."""
     stream: bool = False
     """Read train_path lazily (JSONL or Parquet), shuffled by a buffer, instead of loading it
     whole (a source of data.sources)."""

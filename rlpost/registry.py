@@ -155,6 +155,7 @@ def import_callable(spec: str, what: str, error: type[Exception] = ValueError) -
 
 def _load_file(path: str):
     import importlib.util
+    import sys
     from pathlib import Path
 
     checkout = Path(__file__).resolve().parents[1]
@@ -163,6 +164,7 @@ def _load_file(path: str):
         raise ValueError(f"no file {path!r} (looked in . and {checkout})")
     spec = importlib.util.spec_from_file_location(f"rlpost_user_{found.stem}", found)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its classes' source is found, its functions pickle
     try:
         spec.loader.exec_module(module)
     except Exception as exc:  # the user's file: any error it raises is its own, said in one line

@@ -21,6 +21,7 @@ named (``"{question}\\n\\nLevel: {level}"``).
 from __future__ import annotations
 
 import json
+import random
 import string
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -330,3 +331,17 @@ def row_prompt(row: dict, uid: str, prompt_field: str, answer_field: str, templa
     meta = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
     text = template.format(**{**row, "prompt": row[prompt_field]})
     return Prompt(text=text, answer=row[answer_field], metadata=meta, uid=uid)
+
+
+def split_off(rows: list, fraction: float, seed: int) -> tuple[list, list]:
+    """(train, held_out): a seeded ``fraction`` of ``rows`` held out (at least one, never all),
+    each part in the rows' order."""
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    n_eval = min(max(1, round(fraction * len(rows))), len(rows) - 1)
+    if n_eval < 1:
+        raise DataError("a held-out split needs at least two rows; set data.task.eval_path instead")
+    held = set(order[:n_eval])
+    return [r for i, r in enumerate(rows) if i not in held], [
+        r for i, r in enumerate(rows) if i in held
+    ]

@@ -23,7 +23,7 @@ from typing import Any
 
 from rlpost.config import DataConfig, prefs_task_problem
 from rlpost.data.arith import TASK_SEED, arith_problems
-from rlpost.data.files import DataError, LoadReport, Problem, unreadable, valid_rows
+from rlpost.data.files import DataError, LoadReport, Problem, split_off, unreadable, valid_rows
 
 
 @dataclass
@@ -128,22 +128,6 @@ def load_preference_file(
     if not pairs:
         raise DataError(f"dataset {str(p)!r} has no usable rows")
     return pairs, report
-
-
-def split_off(
-    pairs: list[PreferencePair], fraction: float, seed: int
-) -> tuple[list[PreferencePair], list[PreferencePair]]:
-    """(train, held_out): a seeded ``fraction`` of ``pairs`` held out (at least one, never all)."""
-    order = list(range(len(pairs)))
-    random.Random(seed).shuffle(order)
-    n_eval = min(max(1, round(fraction * len(pairs))), len(pairs) - 1)
-    if n_eval < 1:
-        raise DataError(
-            "a held-out split needs at least two pairs; set data.task.eval_path instead"
-        )
-    held = set(order[:n_eval])
-    train = [p for i, p in enumerate(pairs) if i not in held]
-    return train, [p for i, p in enumerate(pairs) if i in held]
 
 
 # ------------------------------------------------------------------------ config

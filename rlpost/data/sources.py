@@ -17,16 +17,19 @@ stores a few ints and a resumed run draws exactly the rows an uninterrupted one 
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import replace
 
 from rlpost.config import FileTaskConfig, SourceConfig
 from rlpost.data import arith, code, reasoning_gym, verifiers_source  # noqa: F401 (their tasks)
-from rlpost.data.files import DataError, load_prompt_file, prompt_file_keywords
+from rlpost.data.files import DataError, load_prompt_file, prompt_file_keywords, split_off
 from rlpost.data.sampler import PromptSampler
 from rlpost.data.tasks import TASKS, Splits
 from rlpost.rng import derive
 from rlpost.types import Prompt
+
+log = logging.getLogger(__name__)
 
 
 def load_source(src: SourceConfig, *, on_bad_row: str) -> Splits:
@@ -50,6 +53,11 @@ def load_files(t: FileTaskConfig, *, template: str, on_bad_row: str) -> Splits:
         out.train, out.train_report = load_prompt_file(t.train_path, **kwargs)
     if t.eval_path:
         out.held_out, out.eval_report = load_prompt_file(t.eval_path, **kwargs)
+    elif len(out.train) > 1:  # no held-out file: a seeded share of the train rows
+        out.train, out.held_out = split_off(out.train, t.eval_fraction, seed=0)
+    elif t.train_path:
+        log.warning("data.task.eval_path is unset and train_path %s: no row is held out",
+                    "is streamed" if t.stream else "has one row")  # fmt: skip
     return out
 
 

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from rlpost.registry import Registry
+from rlpost.errors import UserCodeError
+from rlpost.registry import Registry, where
 from rlpost.types import Prompt
 
 
@@ -65,6 +66,19 @@ class Environment(Protocol):
     def step(self, action: Action) -> StepResult:
         """Answer one policy turn."""
         ...
+
+
+def checked_step(env: Environment, action: Action) -> StepResult:
+    """``env.step(action)``; an answer that is no StepResult is a UserCodeError naming the
+    environment's class, its file and line, and the turn."""
+    result = env.step(action)
+    if not isinstance(result, StepResult):
+        turn = action.text if len(action.text) <= 60 else action.text[:57] + "..."
+        raise UserCodeError(
+            f"environment {where(type(env))}: step() returned {type(result).__name__}, not a"
+            f" StepResult, on the turn {turn!r}"
+        )
+    return result
 
 
 # A demonstration for the warm-up: tool calls and the final answer text. A call's

@@ -12,8 +12,10 @@ from typing import Any
 
 from rlpost.envs import calculator, countdown, python  # noqa: F401
 from rlpost.envs import verifiers_env as _verifiers_env  # noqa: F401
-from rlpost.envs.base import ENVS, EnvError, Environment
+from rlpost.envs.base import ENVS, Action, EnvError, Environment, checked_step
+from rlpost.errors import UserCodeError
 from rlpost.registry import UnknownNameError, import_object
+from rlpost.types import Prompt
 
 
 def load_env_class(name: str) -> type:
@@ -44,4 +46,12 @@ def env_factory(name: str, params: dict[str, Any] | None = None) -> Callable[[],
     tools = getattr(probe, "tools", None)
     if not isinstance(tools, tuple) or not all(isinstance(t, str) for t in tools):
         raise EnvError(f"environment {name!r}: tools must be a tuple of names, got {tools!r}")
+    if ":" in name:  # the user's class: one answer turn on a dummy prompt, before any work
+        try:
+            probe.reset(Prompt("1+1=", 2))
+            checked_step(probe, Action("2"))
+        except UserCodeError as exc:
+            raise EnvError(str(exc)) from None
+        except Exception:  # a prompt it cannot take says nothing; its first episode will
+            pass
     return lambda: cls(**params)

@@ -26,7 +26,7 @@ import random
 import re
 
 from rlpost.data import safe_json
-from rlpost.envs.base import Action, Demonstration, EnvError, Environment, ToolCall
+from rlpost.envs.base import Action, Demonstration, EnvError, Environment, ToolCall, checked_step
 from rlpost.types import Completion, Prompt
 
 _MARK = "\x00OBSERVATION\x00"
@@ -205,7 +205,9 @@ def demonstration_completion(
             text = fmt.render_call(call)
             ids += encode(text)
             mask += [1] * (len(ids) - len(mask))
-            shown = stated if stated is not None else env.step(Action(text, call)).observation
+            shown = (
+                stated if stated is not None else checked_step(env, Action(text, call)).observation
+            )
             obs = encode(fmt.observation_text(shown))
             ids += obs
             mask += [0] * len(obs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import sys
 from functools import partial
 
 import torch
@@ -393,6 +394,9 @@ def agent_demonstrations(cfg: Config, tokenizer):
     if a.env is None:
         return None
     make_env = env_factory(a.env, a.params)
+    if not callable(getattr(make_env(), "demonstration", None)):
+        why = "has no demonstration(): the warm-up teaches no tool use"
+        print(f"rlpost: agent.env={a.env} {why}", file=sys.stderr)
     fmt = agent_format(cfg, tokenizer)
 
     def example(prompt: Prompt, rng):

@@ -35,7 +35,7 @@ from rlpost.algos import KLCoefficient
 from rlpost.config import Config
 from rlpost.data import PromptSampler
 from rlpost.data.sources import make_sampler
-from rlpost.errors import WorkerError, one_line
+from rlpost.errors import UserCodeError, WorkerError, one_line
 from rlpost.observe import Guards, Recorder
 from rlpost.observe.memory import bound_kernel_caches, set_mmap_threshold
 from rlpost.observe.metrics import merge_metrics
@@ -59,7 +59,7 @@ from rlpost.pipeline.weights import WeightPath, build_weight_path
 from rlpost.pipeline.workers import Workers
 from rlpost.resolved import RunFacts, resolve
 from rlpost.rewards.monitor import HackingMonitor
-from rlpost.rewards.scorer import SampleWriter, reward_samples
+from rlpost.rewards.scorer import SampleWriter, probe_terms, reward_samples
 from rlpost.rng import set_rng_state
 from rlpost.train.checkpoint import latest_step, load_state, save_checkpoint, usable_checkpoint
 from rlpost.types import Group, ScoredBatch
@@ -144,6 +144,7 @@ def train(
     memory = check_memory(cfg)  # before the run directory is touched
     build.check_teacher(cfg, facts)  # likewise
     run_dir, train_prompts, held_out = prepare_run_dir(cfg, resume)  # the one data load
+    probe_terms(cfg.reward, cfg.data.sources, train_prompts)  # the user's rewards, on two rows
     console = console or Console(enabled=cfg.observe.progress)
     torch.manual_seed(cfg.run.seed)
     follower = start_threads(cfg.run.threads, torch.set_num_threads)  # None unless 0
@@ -182,7 +183,7 @@ def train(
                     m = merge_metrics(m, r.feed.push(r.w.trainer.export_weights()))
                 else:  # sync.every > 1: the engine keeps serving an older version
                     m = merge_metrics(m, {"sync_seconds": 0.0, "sync_bytes": 0.0})
-            except (RolloutFailed, WorkerError) as exc:
+            except (RolloutFailed, WorkerError, UserCodeError) as exc:
                 _stop_on_lost_worker(r, step, exc)
             except EmptyStep as exc:  # counted, and the step drawn again from new prompts
                 empty = _count_empty_step(r, step, exc, empty)

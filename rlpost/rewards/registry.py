@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from rlpost.errors import one_line
-from rlpost.registry import Registry
+from rlpost.registry import Registry, where
 from rlpost.types import RewardSample
 
 RewardFn = Callable[..., float | None]
@@ -91,8 +91,11 @@ def check_params(
             for p in sig.parameters.values()
             if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "sample"
         ]
+        takes = (
+            f"accepted: {', '.join(accepted)}" if accepted else "a reward is fn(sample, **params)"
+        )
         raise ValueError(
-            f"reward {name!r}: bad params {sorted(params)} ({exc}); accepted: {', '.join(accepted)}"
+            f"reward {name!r}: {where(fn)} does not take params {sorted(params)} ({exc}); {takes}"
         ) from None
     values = getattr(fn, "check_values", None)
     if values is not None:

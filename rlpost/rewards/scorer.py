@@ -36,9 +36,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsFloat
 
-from rlpost.config import RewardConfig
+from rlpost.config import ConfigError, RewardConfig
+from rlpost.errors import UserCodeError, typed_line
+from rlpost.registry import where
 from rlpost.rewards.catalog import lookup
 from rlpost.rewards.registry import BatchScorer, RewardFn, check_params
 from rlpost.statefile import atomic_write
@@ -77,15 +79,37 @@ class Term:
                         f"for {len(samples)} samples"
                     )
                 return values
-            fn, params = self.fn, self.params
-            workers = min(int(getattr(fn, "concurrency", 1)), len(samples))
+            workers = min(int(getattr(self.fn, "concurrency", 1)), len(samples))
             if workers <= 1:
-                return [fn(s, **params) for s in samples]
+                return [self.call(s) for s in samples]
             with ThreadPoolExecutor(max_workers=workers) as pool:
-                return list(pool.map(lambda s: fn(s, **params), samples))
+                return list(pool.map(self.call, samples))
+        except UserCodeError:
+            raise
         except Exception as exc:
             exc.add_note(f"while scoring reward term {self.name!r}")
             raise
+
+    def call(self, sample: RewardSample) -> float | None:
+        """The per-sample function on ``sample``: a float or None; what else it returns, or
+        raises, is a UserCodeError naming the function and the sample."""
+        try:
+            value = self.fn(sample, **self.params)
+        except Exception as exc:  # the reward's own code: said in one line, with the sample
+            raise self._error(f"raised {typed_line(exc)}", sample) from None
+        if value is None:
+            return None
+        if isinstance(value, str) or not isinstance(value, SupportsFloat):
+            raise self._error(f"returned {value!r}, not a float or None", sample)
+        return float(value)
+
+    def _error(self, what: str, sample: RewardSample) -> UserCodeError:
+        prompt, reply = (
+            x if len(x) <= 60 else x[:57] + "..." for x in (sample.prompt, sample.completion)
+        )
+        return UserCodeError(
+            f"reward {self.name!r}: {where(self.fn)} {what} on the sample {prompt!r} -> {reply!r}"
+        )
 
 
 def _spread(values: list[float | None], cut: list[bool]) -> list[float | None]:
@@ -151,6 +175,12 @@ class RewardScorer:
             t.name: _spread([_as_float(t.name, r) for r in t.column(scored)], cut)
             for t in self.terms
         }
+        if scored and all(v is None for c in columns.values() for v in c):
+            who = ", ".join(f"{t.name!r} ({where(t.fn or t.scorer)})" for t in self.terms)
+            raise UserCodeError(
+                f"reward: every term returned None (not applicable) for all {len(scored)} samples"
+                f" of a batch: {who}; return a float for the samples a term scores"
+            )
         components: dict[str, list[float]] = {t.name: [] for t in self.terms}
         components.update(_sub_components(self.terms, len(scored), cut))
         if any(cut):
@@ -262,6 +292,28 @@ def _build_term(label: str, term: Any) -> Term:
     if "kind" not in term.model_fields_set:
         kind = getattr(obj, "default_kind", kind)
     return Term(label, None, term.weight, kind, params, scorer=obj(**params))
+
+
+def probe_terms(cfg: RewardConfig, sources: Sequence[Any], prompts: Sequence[Any]) -> None:
+    """Call each per-sample reward from the user's code (``file.py:fn``) on the first two rows
+    of its source, each row's reference answer as the completion, before any work: an
+    exception, a non-number or a NaN is a UserCodeError naming the function and the row."""
+    own = {s.name: s.reward for s in sources if s.reward is not None}
+    for source, terms in [("", cfg.terms), *own.items()]:
+        rows = [p for p in prompts if (p.source if p.source in own else "") == source][:2]
+        for t in terms:
+            kind, fn = lookup(t.name)
+            if ":" not in t.name or kind != "sample":  # the built-ins are held by their tests
+                continue
+            term = Term(t.name, fn, t.weight, t.kind, dict(t.params))
+            for p in rows:
+                answer = "" if p.answer is None else str(p.answer)
+                sample = RewardSample(p.text, answer, p.answer, p.metadata, source=p.source)
+                try:
+                    if (value := term.call(sample)) is not None and not math.isfinite(value):
+                        raise term._error(f"returned {value}", sample)
+                except UserCodeError as exc:  # before any work: a config error
+                    raise ConfigError(str(exc)) from None
 
 
 def build_scorer(cfg: RewardConfig, *, truncated_reward: float | None = None) -> RewardScorer:

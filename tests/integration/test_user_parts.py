@@ -22,8 +22,8 @@ PARTS = Path(__file__).parent / "user_parts"
 
 
 def _train(tmp_path, **over):
-    extra = {"train.steps": 2, "sft.steps": 0, "eval.every": 0, "checkpoint.every": 0}
-    result = train(load_config(None, small_overrides(tmp_path, **extra, **over)))
+    extra = {"train.steps": 2, "sft.steps": 0, "eval.every": 0, "checkpoint.every": 0} | over
+    result = train(load_config(None, small_overrides(tmp_path, **extra)))
     rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "loss" in r]
 
@@ -98,3 +98,69 @@ def test_the_cli_says_a_user_mistake_in_one_line_without_traceback(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1 and "raises (" in proc.stderr
+
+
+REWARDS = f"{PARTS}/rewards.py"
+
+
+def test_a_user_reward_environment_data_task_and_engine_train_two_steps(tmp_path, capsys):
+    from rlpost.registry import import_object
+
+    engine = f"{PARTS}/counting_engine.py:counting"
+    over = {
+        "reward.terms": f"[{{name: '{REWARDS}:exact', params: {{bonus: 0.5}}}}]",
+        "agent.env": f"{PARTS}/echo_env.py:Echo",
+        "data.task": f"{{name: '{PARTS}/data_task.py:sums', n: 24, held: 4}}",
+        "rollout.engine": engine,
+        "rollout.max_tokens": 8,
+        "sft.steps": 1,
+    }
+    rows = _train(tmp_path, **over)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert import_object(engine).__globals__["SAMPLED"]  # the user's engine sampled
+    err = capsys.readouterr().err  # Echo has no demonstration(): the warm-up says so
+    assert "echo_env.py:Echo has no demonstration(): the warm-up teaches no tool use" in err
+
+
+def _reward_run(capsys, tmp_path, fn: str, *extra: str) -> tuple[int, str]:
+    args = small_overrides(tmp_path, **{"train.steps": 1, "eval.every": 0})
+    return _cli(capsys, *args, f"reward.terms=[{{name: '{REWARDS}:{fn}'}}]", *extra)
+
+
+@pytest.mark.parametrize(
+    ("fn", "says"),
+    [
+        ("wrong_signature", "does not take params [] (too many positional arguments)"),
+        ("says_yes", "returned 'yes', not a float or None on the sample"),
+        ("raises", "raised KeyError: 'score' on the sample"),
+        ("nan", "returned nan on the sample"),
+    ],
+)
+def test_a_mistake_in_a_user_reward_is_one_line_before_the_warm_up(capsys, tmp_path, fn, says):
+    code, err = _reward_run(capsys, tmp_path, fn, "sft.steps=5")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert says in lines[0] and f"{fn} (" in lines[0] and "rewards.py:" in lines[0]
+    assert not (tmp_path / "t" / "sft_model").exists()  # before the warm-up
+
+
+def test_a_reward_that_never_applies_stops_the_run_in_one_line(capsys, tmp_path):
+    code, err = _reward_run(capsys, tmp_path, "never_applies")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "every term returned None (not applicable) for all" in err and "never_applies (" in err
+
+
+def test_a_user_reward_failing_at_run_time_names_the_sample_and_the_resume(capsys, tmp_path):
+    code, err = _reward_run(capsys, tmp_path, "fails_later")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "fails_later (" in err and "raised ValueError: cannot parse the completion" in err
+    assert "on the sample '" in err and f"rlpost train --resume {tmp_path / 't'}" in err
+
+
+def test_an_environment_whose_step_returns_none_is_one_line(capsys, tmp_path):
+    args = small_overrides(tmp_path, **{"train.steps": 1})
+    code, err = _cli(capsys, *args, f"agent.env={PARTS}/echo_env.py:SilentEcho")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert "environment SilentEcho (" in lines[0] and "echo_env.py:" in lines[0]
+    assert "step() returned NoneType, not a StepResult, on the turn '2'" in lines[0]

@@ -24,10 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rlpost.envs.base import Action, Environment, StepResult, ToolCall
+from rlpost.envs.base import Action, Environment, StepResult, ToolCall, checked_step
 from rlpost.envs.formats import TagFormat
 from rlpost.envs.tools import CodeTool, HttpTool, Tool, ToolEnv
-from rlpost.errors import typed_line
+from rlpost.errors import UserCodeError, typed_line
 from rlpost.rollout.engines.protocol import RolloutEngine, SamplingParams
 from rlpost.rollout.longtail import PartialStep
 from rlpost.types import Completion, Episode, FinishReason, Prompt, Turn
@@ -338,7 +338,9 @@ class MultiTurnRollout:
             )
         else:
             try:
-                result = env.step(action)
+                result = checked_step(env, action)
+            except UserCodeError:  # a broken contract, not a failed call: the run stops
+                raise
             except Exception as exc:  # the policy sees the failure; the rollout goes on
                 result = StepResult(f"error: {typed_line(exc)}", error=True)
         return result, time.perf_counter() - t0

@@ -87,9 +87,10 @@ def test_sources_load_tagged_with_prefixed_uids(tmp_path):
     task = FileTaskConfig(train_path=str(f), prompt_field="q", answer_field="a")
     src = SourceConfig(name="words", task=task, prompt_template="Say {prompt}")
     got = load_source(src, on_bad_row="error")
-    assert [p.text for p in got.train] == ["Say w0", "Say w1", "Say w2", "Say w3"]
-    assert {p.source for p in got.train} == {"words"} and got.train[0].uid == "words/train.jsonl:1"
-    assert got.train_report.rows == 4 and got.held_out == []
+    both = sorted(p.text for p in got.train + got.held_out)
+    assert both == ["Say w0", "Say w1", "Say w2", "Say w3"] and len(got.held_out) == 1
+    assert {p.source for p in got.train} == {"words"} and got.train[0].uid.startswith("words/")
+    assert got.train_report.rows == 4
     arith = load_source(SourceConfig(name="ar", task=ArithConfig()), on_bad_row="error")
     assert len(arith.train) == arith.train_report.rows and arith.held_out[0].uid.startswith("ar/")
 
@@ -102,7 +103,8 @@ def test_a_save_to_disk_directory_is_a_source(tmp_path):
     with pytest.raises(DataError, match=r"ds:3: field 'prompt' is missing or not a non-empty"):
         load_source(src, on_bad_row="error")
     got = load_source(src, on_bad_row="skip")
-    assert [p.answer for p in got.train] == [2, 4] and got.train_report.skipped == 1
+    assert sorted(p.answer for p in got.train + got.held_out) == [2, 4]
+    assert got.train_report.skipped == 1
     datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}).save_to_disk(
         str(tmp_path / "dd")
     )
@@ -168,3 +170,18 @@ def test_a_mixture_loads_per_source_with_its_system_prompt(tmp_path):
     assert all(p.text.startswith("SYS\n\n") == (p.source == "w") for p in train + held_out)
     assert reports["train"].rows == 31 and reports["train"].sources["w"].rows == 3
     assert reports["eval"].sources["ar"].rows == 4
+
+
+def test_a_file_without_eval_path_holds_out_its_eval_fraction(tmp_path, caplog):
+    f = tmp_path / "train.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": i}) + "\n" for i in range(40)))
+    src = SourceConfig(name="f", task=FileTaskConfig(train_path=str(f), eval_fraction=0.25))
+    got = load_source(src, on_bad_row="error")
+    assert len(got.held_out) == 10 and len(got.train) == 30
+    assert not {p.uid for p in got.train} & {p.uid for p in got.held_out}
+    again = load_source(src, on_bad_row="error")  # seeded: the same rows every load
+    assert [p.uid for p in again.held_out] == [p.uid for p in got.held_out]
+    f.write_text(json.dumps({"prompt": "only", "answer": 1}) + "\n")
+    with caplog.at_level("WARNING"):
+        one = load_source(src, on_bad_row="error")
+    assert one.held_out == [] and "no row is held out" in caplog.text

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from rlpost.config import RewardConfig, RewardTerm
+from rlpost.errors import UserCodeError
 from rlpost.registry import UnknownNameError
 from rlpost.rewards.catalog import get_reward, lookup
 from rlpost.rewards.scorer import DEFAULT_ALPHA, RewardScorer, Term, build_scorer
@@ -102,11 +103,27 @@ def test_reward_error_names_the_term_and_bad_return_type():
     def broken(sample):
         raise RuntimeError("boom")
 
-    with pytest.raises(RuntimeError, match="boom") as info:
+    with pytest.raises(UserCodeError) as info:
         RewardScorer([Term("mine", broken, 1.0, "rule")]).score(samples(1))
-    assert "while scoring reward term 'mine'" in info.value.__notes__[0]
-    with pytest.raises(TypeError, match="returned str"):
+    line = str(info.value)
+    assert (
+        line.startswith("reward 'mine': ")
+        and "broken (" in line
+        and "test_reward_scorer.py:" in line
+    )
+    assert "raised RuntimeError: boom on the sample" in line
+    with pytest.raises(UserCodeError, match="returned 'high', not a float or None"):
         RewardScorer([Term("s", const("high"), 1.0, "rule")]).score(samples(1))
+
+
+def test_a_batch_no_term_applies_to_is_an_error():
+    scorer = RewardScorer(
+        [Term("a", const(None), 1.0, "rule"), Term("b", const(None), 1.0, "rule")]
+    )
+    with pytest.raises(UserCodeError, match=r"every term returned None .* for all 3 samples"):
+        scorer.score(samples(3))
+    mixed = RewardScorer([Term("a", const(None), 1.0, "rule"), Term("b", const(1.0), 1.0, "rule")])
+    assert mixed.score(samples(3)).scores == [1.0, 1.0, 1.0]  # one term applies: fine
 
 
 def test_term_and_scorer_validation():

@@ -154,7 +154,7 @@ def test_split_off_is_seeded_disjoint_and_complete():
     assert sorted(p.prompt for p in train + held) == sorted(p.prompt for p in pairs)
     assert split_off(pairs, 0.25, seed=3) == (train, held)
     assert split_off(pairs, 0.25, seed=4) != (train, held)
-    with pytest.raises(DataError, match="at least two pairs"):
+    with pytest.raises(DataError, match="at least two rows"):
         split_off(pairs[:1], 0.5, seed=0)
 
 
