@@ -251,16 +251,19 @@ def cmd_export(args) -> int:
 
 
 def cmd_config(args) -> int:
-    from rlpost.pipeline.rules import check, command_for
+    from rlpost.pipeline.rules import check, command_for, unread_keys
 
     recipe, overrides = _split_args(args.items)
     cfg = load_config(recipe, overrides)
-    check(cfg, args.check_as or command_for(cfg))
     if args.keys:
-        # The values this recipe and these overrides would run with, each with its help.
+        # The values this recipe and these overrides would run with, each with its help: the
+        # chosen parts' keys, unchecked against a command (a train path may come later).
+        unread = tuple(f"{k}." for k in unread_keys(cfg))
         for key, value, help_text in describe_fields(values=cfg):
-            print(f"{key} = {value}\n    {' '.join(help_text.split())}")
+            if not f"{key}.".startswith(unread):
+                print(f"{key} = {value}\n    {' '.join(help_text.split())}")
         return 0
+    check(cfg, args.check_as or command_for(cfg))
     print(dump_config(cfg), end="")
     return 0
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from rlpost.algos.probe import CONTRACTS, probe
 from rlpost.config import (
+    AgentConfig,
     Config,
     ConfigError,
     EvalSetConfig,
@@ -523,6 +524,44 @@ def no_inert_knobs(cfg: Config) -> str | bool | None:
 
 def inert_knobs(cfg: Config) -> list[str]:
     """Every knob of ``cfg`` set away from its default that this config never reads."""
+    out = []
+    for section, prefix, fields, inert, fix in _inert_table(cfg):
+        for field in fields:
+            value = getattr(section, field)
+            if inert and value != type(section).model_fields[field].default:
+                out.append(f"{prefix}.{field}={value}: nothing reads it in this config; {fix}")
+    return out
+
+
+def unread_keys(cfg: Config) -> list[str]:
+    """Keys (and sections, ``critic``) of parts ``cfg`` does not use: ``rlpost config --keys``
+    leaves them out, so it lists the chosen parts' keys."""
+    facts, m, a = resolve(cfg), cfg.model, cfg.agent
+    ray, fleet = facts.backend == "ray", facts.backend != "local"
+    table = [
+        (not facts.plan.values, ["critic"]),
+        (not m.teacher.path and not m.teacher.url, [f"model.teacher.{k}" for k in
+         ("api_key", "timeout_s", "micro_batch_size")]),
+        (m.lora.rank == 0, ["model.lora.alpha", "model.lora.dropout", "model.lora.target_modules"]),
+        (a.env is None and a.harness is None, [f"agent.{k}" for k in AgentConfig.model_fields
+                                               if k not in ("env", "harness")]),
+        (not ray, [f"cluster.{k}" for k in ("address", "reward_workers", "placement", "trainer",
+                                            "rollout", "reward", "placement_timeout_s")]),
+        (not fleet, [f"cluster.{k}" for k in ("start_timeout_s", "max_restarts", "suspect_after_s",
+                                              "dead_after_s", "drain_timeout_s")]),
+        (cfg.observe.prometheus.port is None, ["observe.prometheus.host"]),
+        (cfg.sft.data != "file", [f"sft.{k}" for k in ("train_path", "eval_path", "eval_fraction",
+                                                        "messages_field", "answer_field",
+                                                        "last_turn_only")]),
+    ]  # fmt: skip
+    out = [key for unused, keys in table if unused for key in keys]
+    inert = [(p, f) for _, p, f, unused, _ in _inert_table(cfg) if unused]
+    return out + [f"{prefix}.{field}" for prefix, fields in inert for field in fields]
+
+
+def _inert_table(cfg: Config) -> list[tuple]:
+    """(section, its key, fields, nothing reads them, the fix) of knobs that other knobs
+    turn off."""
     a, r, s, w = cfg.algo, cfg.rollout, cfg.sync, cfg.reward
     copied = r.engine.name != "remote" and s.codec == "none" and not s.delta
     mixed = any(t.kind in ("model", "judge") for t in w.terms)
@@ -557,13 +596,7 @@ def inert_knobs(cfg: Config) -> list[str]:
     if loss.name in ("ppo_clip", "dapo"):
         rules.append((loss, "algo.loss", ("clip_ratio_c",), loss.dual_clip is False,
                       "set algo.loss.dual_clip=true"))  # fmt: skip
-    out = []
-    for section, prefix, fields, inert, fix in rules:
-        for field in fields:
-            value = getattr(section, field)
-            if inert and value != type(section).model_fields[field].default:
-                out.append(f"{prefix}.{field}={value}: nothing reads it in this config; {fix}")
-    return out
+    return rules
 
 
 # ------------------------------------------------------------- conversation SFT
