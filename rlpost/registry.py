@@ -68,11 +68,12 @@ class Registry(Generic[T]):
         try:
             return self._items[name]
         except KeyError:
-            valid = ", ".join(sorted(self._items))
+            valid = ", ".join(self.names())
             raise UnknownNameError(f"unknown {self.kind} {name!r}; valid: {valid}") from None
 
     def names(self) -> list[str]:
-        return sorted(self._items)
+        """The registered names, without the user code looked up by ``file.py:fn``."""
+        return sorted(n for n in self._items if ":" not in n)
 
     def __contains__(self, name: object) -> bool:
         return name in self._items

@@ -38,3 +38,19 @@ def test_a_file_that_raises_on_import_is_one_line(tmp_path):
     bad.write_text("raise RuntimeError('boom')\n")
     with pytest.raises(ValueError, match=r"bad.py does not load \(RuntimeError: boom\)"):
         import_object(f"{bad}:f")
+
+
+def test_a_user_spec_is_imported_once_and_carries_its_declared_traits(tmp_path, monkeypatch):
+    from rlpost.registry import Registry
+
+    (tmp_path / "mine.py").write_text(
+        "from rlpost.registry import part\n\n"
+        "@part(needs_reference=True)\ndef fn(x):\n    return x\n\n"
+        "def plain(x):\n    return x\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    reg = Registry("thing")
+    assert reg.get("mine.py:fn")(3) == 3 and reg.get("mine.py:fn") is reg.get("mine.py:fn")
+    assert reg.trait("mine.py:fn", "needs_reference") is True
+    assert reg.trait("mine.py:plain", "needs_reference") is False  # undeclared: safe default
+    assert reg.names() == []  # user code is not offered as a registered name
