@@ -1,7 +1,8 @@
 """A part from the user's own file, for each kind: it trains, and its mistakes are one line.
 
-Each part lives in one file under tests/integration/user_parts/, outside the package, and is
-named in the config as ``path/to/file.py:object``; nothing in rlpost/ names it.
+Each part lives in one file under examples/parts/ (the mistakes: tests/integration/user_parts/),
+outside the package, and is named in the config as ``path/to/file.py:object``; nothing in
+rlpost/ names it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from rlpost.config import load_config
 from rlpost.pipeline.loop import train
 from tests.conftest import small_overrides
 
-PARTS = Path(__file__).parent / "user_parts"
+PARTS = Path(__file__).resolve().parents[2] / "examples" / "parts"  # the documented examples
+BAD = Path(__file__).parent / "user_parts"  # the mistakes
 
 
 def _train(tmp_path, **over):
@@ -57,7 +59,7 @@ def _cli(capsys, *args: str) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-BROKEN = f"{PARTS}/broken_parts.py"
+BROKEN = f"{BAD}/broken_parts.py"
 
 
 @pytest.mark.parametrize(
@@ -100,7 +102,7 @@ def test_the_cli_says_a_user_mistake_in_one_line_without_traceback(tmp_path):
     assert proc.stderr.count("\n") == 1 and "raises (" in proc.stderr
 
 
-REWARDS = f"{PARTS}/rewards.py"
+REWARDS = f"{BAD}/rewards.py"
 
 
 def test_a_user_reward_environment_data_task_and_engine_train_two_steps(tmp_path, capsys):
@@ -108,7 +110,7 @@ def test_a_user_reward_environment_data_task_and_engine_train_two_steps(tmp_path
 
     engine = f"{PARTS}/counting_engine.py:counting"
     over = {
-        "reward.terms": f"[{{name: '{REWARDS}:exact', params: {{bonus: 0.5}}}}]",
+        "reward.terms": f"[{{name: '{PARTS}/reward.py:exact', params: {{bonus: 0.5}}}}]",
         "agent.env": f"{PARTS}/echo_env.py:Echo",
         "data.task": f"{{name: '{PARTS}/data_task.py:sums', n: 24, held: 4}}",
         "rollout.engine": engine,
@@ -159,7 +161,7 @@ def test_a_user_reward_failing_at_run_time_names_the_sample_and_the_resume(capsy
 
 def test_an_environment_whose_step_returns_none_is_one_line(capsys, tmp_path):
     args = small_overrides(tmp_path, **{"train.steps": 1})
-    code, err = _cli(capsys, *args, f"agent.env={PARTS}/echo_env.py:SilentEcho")
+    code, err = _cli(capsys, *args, f"agent.env={BAD}/echo_env.py:SilentEcho")
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err
     assert "environment SilentEcho (" in lines[0] and "echo_env.py:" in lines[0]

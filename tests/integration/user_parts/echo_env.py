@@ -1,22 +1,11 @@
-"""An environment from outside the package: one ``echo`` tool that answers its argument."""
-
-from rlpost.envs.base import StepResult
+"""An environment that forgets to return its answer: step() returns None."""
 
 
-class Echo:
+class SilentEcho:
     tools = ("echo",)
 
     def reset(self, prompt):
         self.prompt = prompt
-
-    def step(self, action):
-        if action.call is None:  # the policy answered
-            return StepResult(done=True)
-        return StepResult(observation=action.call.arguments)
-
-
-class SilentEcho(Echo):
-    """Forgets to return its answer."""
 
     def step(self, action):
         self.last = action
