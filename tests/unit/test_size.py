@@ -30,7 +30,7 @@ SIZE_BOUNDS = {
     "statements": 19_872,
     "code_chars": 851_043,
     "lines": 38_293,
-    "grpo_arith_keys": 193,
+    "grpo_arith_keys": 133,
     "functions_over_60_lines": 6,
     "repeated_blocks": 2,
     "grpo_step_modules": 24,
