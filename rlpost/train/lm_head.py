@@ -1,27 +1,19 @@
 """The LM head in chunks of tokens: log-probabilities and entropy without the [N, V] logits.
 
-With a real vocabulary (128k-152k) the logits of a batch of long responses are
-the largest tensor of a step: ``[B, T, V]`` in float32, kept for the backward
-together with the softmax the loss differentiates through. Here the hidden
-states of the response tokens go through the head ``chunk`` tokens at a time;
-each chunk's logits give that chunk's logprob of the target token (and its
-entropy) and are freed. The backward (:class:`ChunkedHeadLogprobs`) recomputes a
-chunk's logits from the saved hidden states instead of storing them, so the
-memory of the head is one chunk's ``[chunk, V]`` whatever the response length
-(TRL's chunked entropy, verl's fused kernels and Liger's fused linear
-cross-entropy take the same route). The head's weight gradient, and the token
-lookup's (:func:`embed_tokens`), are added into the weight's ``.grad`` in place
-(:func:`grad_sink`), so a tied embedding has no ``[V, H]`` gradient but that one.
+With a real vocabulary the ``[B, T, V]`` float32 logits are a step's largest tensor. Here
+hidden states go through the head ``chunk`` tokens at a time, and the backward
+(:class:`ChunkedHeadLogprobs`) recomputes a chunk's logits, so the head holds one ``[chunk,
+V]`` whatever the length (as TRL's chunked entropy and Liger's fused linear cross-entropy).
+The head's and the lookup's (:func:`embed_tokens`) weight gradients go into ``.grad`` in place
+(:func:`grad_sink`).
 
 Formulas, per token with tempered logits ``z = (h W^T + b) / tau``:
 ``logp_t = z_t - logsumexp(z)``, ``H = logsumexp(z) - sum_v p_v z_v`` and the
 gradients ``d logp_t / dz = onehot(t) - p``, ``dH / dz = -p (log p + H)``.
-The result equals the full-logits path up to float summation order.
 
 A head split by vocabulary over tensor-parallel ranks (:func:`rlpost.train.tp.vocab_shard`)
-computes its ``[chunk, V/T]`` logits and all-reduces the max, the softmax's sums and the
-target's logit (Megatron's vocabulary-parallel cross-entropy), and the hidden states'
-gradient once a pass.
+all-reduces the max, the softmax's sums and the target's logit (Megatron's
+vocabulary-parallel cross-entropy).
 """
 
 from __future__ import annotations
@@ -46,8 +38,7 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 def needs_chunks(tokens: int, vocab: int, setting: int = 0) -> bool:
     """Whether ``tokens`` positions' logits go through the head in chunks: always when
-    ``setting`` is positive, else only when they exceed one chunk (a small vocabulary keeps
-    the one-matmul head and its exact numbers)."""
+    ``setting`` is positive, else when they exceed one chunk."""
     return setting > 0 or tokens > chunk_tokens(vocab, setting)
 
 
@@ -59,11 +50,8 @@ def chunk_tokens(vocab: int, setting: int = 0) -> int:
 
 
 def split_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
-    """(decoder, head) of a causal LM whose logits are exactly ``head(decoder(...))``, else None.
-
-    None for a model sharded over ranks (its root's hooks gather the head in the full
-    forward only), a head that is not a plain linear layer, or a config that transforms the
-    logits; those keep the full-logits path."""
+    """(decoder, head) of a causal LM whose logits are exactly ``head(decoder(...))``, else None
+    (an FSDP model, whose root's hooks gather the head in the full forward only)."""
     from torch.distributed.fsdp import FSDPModule
 
     if any(isinstance(m, FSDPModule) for m in model.modules()):
@@ -84,26 +72,19 @@ def split_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
 
 
 def compute_dtype(weight: Tensor) -> torch.dtype:
-    """The head's matmul dtype: float32 (the weight's where wider), under bf16 autocast too.
-    A bf16 head rounds each logit to 8 bits of mantissa (0.06 at a logit of 10), and the
-    trainer's chunks and an engine's decode steps sum in different orders, so their
-    roundings differ: on SmolLM2-135M the sampling and the trainer's logprobs were 0.037
-    nats a token apart, 2e-3 with both heads in float32 (docs/performance.md, "bf16").
-    The field's RL stacks keep the head in float32 for the same reason."""
+    """The head's matmul dtype: float32 (the weight's where wider), under bf16 autocast too:
+    a bf16 head rounds differently in the trainer's chunks and an engine's decode steps (0.037
+    nats a token apart on SmolLM2-135M; docs/performance.md, "bf16")."""
     return torch.promote_types(weight.dtype, torch.float32)
 
 
 ONEDNN_MIN_VOCAB = 32_768
-"""Heads of at least this many tokens take oneDNN's float32 kernel on CPU (:func:`head_linear`);
-a smaller head keeps torch's, so the toy vocabularies keep their exact numbers."""
+"""Heads of at least this many tokens take oneDNN's float32 kernel on CPU (:func:`head_linear`)."""
 
 
 @functools.cache
 def _onednn_linear() -> bool:
-    """Whether oneDNN's linear runs in this torch build and agrees with torch's (once).
-
-    Float32 whatever context asks first: a trainer's bf16 autocast would make torch's side
-    of the comparison bf16."""
+    """Whether oneDNN's linear runs in this torch build and agrees with torch's (once)."""
     if not torch.backends.mkldnn.is_available():
         return False
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
@@ -119,11 +100,9 @@ def head_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     """``x @ weight.T + bias`` for an LM head ``weight [V, H]`` and ``x [..., H]``.
 
     On CPU in float32 with a vocabulary of :data:`ONEDNN_MIN_VOCAB` or more and no gradient
-    wanted, oneDNN's linear (the kernel torch's compiler fuses linears into) rather than
-    MKL's sgemm, which runs the head's skinny shapes poorly: ``[32-220, 256] x [256,
-    151,936]`` went 1.25-1.8x faster (2 threads, AVX2 CPU, docs/performance.md). Elsewhere
-    torch's own, on ``x`` as rows: a strided 3-d ``x`` (``hidden[:, -1:]``) ran as a bmm over
-    the weight expanded per row, 2.2 GB in bf16 at [40, 1, 576] x [49,152, 576]."""
+    wanted, oneDNN's linear, faster than MKL's sgemm at the head's skinny shapes. ``x`` goes
+    as rows: a strided 3-d ``x`` ran as a bmm over a per-row copy of the weight
+    (docs/performance.md)."""
     rows = x.reshape(-1, x.shape[-1])  # a view where the rows allow it
     if _onednn_head(x, weight):
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [], "")
@@ -154,8 +133,7 @@ class ServingHead(nn.Linear):
 
 
 def serve_head(model: nn.Module) -> nn.Module:
-    """``model`` with its output head (a plain ``nn.Linear``) turned into a
-    :class:`ServingHead` in place: the module keeps its parameters (and their ties)."""
+    """``model`` with its plain ``nn.Linear`` head made a :class:`ServingHead` in place."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is nn.Linear:
         head.__class__ = ServingHead  # forward alone differs; a copy or pickle keeps it
@@ -196,20 +174,14 @@ def _intel_cpu() -> bool:
 
 def _chunk_onednn(h: Tensor, weight: Tensor) -> bool:
     """Whether a trainer pass's float32 chunk takes oneDNN's kernel: where
-    :func:`head_linear` would, but not on an Intel CPU. There MKL's sgemm into the pass's
-    reused buffer is faster (oneDNN's kernel returns a fresh ``[c, V]`` tensor whose pages
-    fault in anew each chunk): a 110-token chunk took 62 against 94 ms at one thread
-    (Xeon with AMX), while on an AMD EPYC oneDNN's took 146 against MKL's 220 ms at two
-    (docs/performance.md)."""
+    :func:`head_linear` would, but not on an Intel CPU, where MKL's sgemm into the reused
+    buffer is faster (docs/performance.md)."""
     return _onednn_head(h, weight) and not _intel_cpu()
 
 
 class _Scratch:
-    """A pass's reused ``[c, V]`` tensors, each made on its first use: the float32 logits,
-    the float32 probabilities of the entropy's terms, and the low-precision logits (or
-    logit gradient) of a bf16 pass. A fresh ``[c, V]`` tensor is past glibc's largest mmap
-    threshold (32 MiB), so every chunk would map, fault in and unmap it again: about 20 ms
-    a 64 MiB tensor at one thread, a third of the chunk's matmul."""
+    """A pass's reused ``[c, V]`` tensors, each made on first use: a fresh one is past glibc's
+    mmap threshold, so every chunk would map, fault in and unmap it again."""
 
     def __init__(self, hidden: Tensor, weight: Tensor, chunk: int):
         self.rows, self.vocab = min(chunk, hidden.shape[0]), weight.shape[0]
@@ -226,9 +198,8 @@ class _Scratch:
 def _chunk_logits(
     h: Tensor, weight: Tensor, bias: Tensor | None, tau: float, dtype, scratch: _Scratch
 ) -> Tensor:
-    """Float32 tempered logits ``[c, V]`` of hidden states ``h [c, H]`` (``weight`` already in
-    ``dtype``: cast once per pass, not per chunk), in ``scratch``'s logits where the kernel
-    takes an output. A bf16 pass rounds them as the full head under autocast would."""
+    """Float32 tempered logits ``[c, V]`` of ``h [c, H]`` (``weight`` already in ``dtype``),
+    rounded as the full head under autocast would."""
     n = h.shape[0]
     if dtype != torch.float32:
         low = torch.mm(h.to(dtype), weight.t(), out=scratch.get("low", n, dtype))
@@ -248,9 +219,8 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
     """(logprobs [N], entropy [N]) of ``targets [N]`` from ``hidden [N, H]`` and the head
     ``weight [V, H]`` (``bias [V]`` or None), ``chunk`` tokens of logits at a time.
 
-    Differentiable in ``hidden``, ``weight`` and ``bias``; the backward recomputes each
-    chunk's logits. ``entropy`` is all zeros unless ``with_entropy``. An output the loss
-    does not use gets no gradient work (a logged entropy costs nothing in the backward)."""
+    Differentiable in ``hidden``, ``weight`` and ``bias``; ``entropy`` is zeros unless
+    ``with_entropy``, and an unused output costs nothing in the backward."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, tau, chunk, with_entropy, dtype, shard=None):
@@ -295,8 +265,6 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         tau, chunk, with_entropy, dtype, shard = ctx.settings
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if want_h else None
-        # The weight's gradient goes straight into its ``.grad`` where it may (no [V, H]
-        # tensor of its own, nor a sum with a tied embedding's gradient), else is returned.
         sink = grad_sink(weight if shard is None else shard[2]) if want_w else None
         grad_w = (
             sink
@@ -305,9 +273,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         )
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if want_b else None
         use_entropy = with_entropy and grad_entropy is not None
-        # A float32 weight gradient of a bf16 pass on CPU is one float32 addmm: faster than
-        # a bf16 [V, H] product converted and added (73 against 137 ms a 110-token chunk at
-        # one thread, Xeon with AMX), and unrounded.
+        # a bf16 pass's float32 weight gradient on CPU: one float32 addmm, faster and unrounded
         exact_w = (
             grad_w is not None and grad_w.dtype == torch.float32 and weight.device.type == "cpu"
         )
@@ -317,9 +283,6 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
             pace()
             hi = min(hidden.shape[0], lo + chunk)
             h = hidden[lo:hi]
-            # Every [c, V] step below is in place in the pass's scratch: the chunk's logits
-            # become its log-probabilities and then the entropy's term, its probabilities
-            # its gradient.
             logp = _chunk_logits(h, w, bias, tau, dtype, scratch).sub_(lse[lo:hi, None])
             if use_entropy:
                 p = torch.exp(logp, out=scratch.get("probs", hi - lo))
@@ -360,9 +323,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
 
 
 def _local_targets(targets: Tensor, shard, rows: int) -> tuple[Tensor, Tensor | None]:
-    """(column of each target among this rank's ``rows`` vocabulary rows, which of them
-    this rank holds; None when it holds them all). A target held elsewhere points at
-    column 0, to be masked."""
+    """(column of each target among this rank's ``rows``, which of them this rank holds or None)."""
     if shard is None:
         return targets, None
     local = targets - shard[1]
@@ -388,13 +349,9 @@ def _in_place_ok(weight: Tensor) -> bool:
 def grad_sink(weight: Tensor) -> Tensor | None:
     """``weight.grad`` (zeros when it has none yet) when a backward may add a gradient into it
     itself, as autograd's own accumulation would: a float32 leaf that takes gradients and has
-    no hooks (a hook would not see the part added here); else None.
-
-    At a real vocabulary a tied embedding's gradient is 148 MiB (151,936 x 256, float32), and
-    autograd holds three at once in the backward: the head's, the embedding lookup's and
-    their sum, beside ``.grad`` itself. Added in place, only ``.grad`` is left. The price:
-    those gradients reach ``.grad`` under ``backward()`` but not under ``torch.autograd.grad``
-    (rlpost's passes only call ``backward()``)."""
+    no hooks; else None. It saves a tied embedding's three ``[V, H]`` gradients
+    (docs/performance.md), but they reach ``.grad`` under ``backward()`` only, not
+    ``torch.autograd.grad``."""
     if not _in_place_ok(weight):
         return None
     if weight.grad is None:
@@ -405,10 +362,8 @@ def grad_sink(weight: Tensor) -> Tensor | None:
 
 class _EmbedIntoGrad(torch.autograd.Function):
     """``embedding(ids, weight)`` whose backward adds the rows' gradients into ``weight.grad``
-    (:func:`grad_sink`) instead of making a dense ``[V, H]`` gradient to sum with it.
-    Split by vocabulary (``shard``, :func:`rlpost.train.tp.vocab_shard`): a rank looks up
-    the ids among its rows, the lookups are summed over the group, and each rank's rows take
-    their gradient (Megatron's vocabulary-parallel embedding)."""
+    (:func:`grad_sink`); split by vocabulary (``shard``) as Megatron's vocabulary-parallel
+    embedding."""
 
     @staticmethod
     def forward(ctx, weight, ids, padding_idx, shard=None):
@@ -437,9 +392,8 @@ class _EmbedIntoGrad(torch.autograd.Function):
 
 
 def embed_tokens(embedding: nn.Module, ids: Tensor) -> Tensor:
-    """``embedding(ids)``; for a plain ``nn.Embedding`` whose weight takes gradients in place
-    (:func:`grad_sink`), whole or split by vocabulary, by a lookup whose backward adds into
-    ``weight.grad``."""
+    """``embedding(ids)``, by :class:`_EmbedIntoGrad` for a plain ``nn.Embedding`` whose weight
+    takes gradients in place (:func:`grad_sink`)."""
     plain = type(embedding) is nn.Embedding and embedding.max_norm is None
     plain = plain and not (embedding.sparse or embedding.scale_grad_by_freq)
     if not (plain and torch.is_grad_enabled() and _in_place_ok(embedding.weight)):
@@ -461,9 +415,8 @@ def head_logprobs(
 ) -> tuple[Tensor, Tensor | None]:
     """(logprobs [N], entropy [N] or None) of ``targets [N]`` under ``softmax(head(hidden) / T)``.
 
-    ``hidden [N, H]``; T = 1 when ``temperature`` is 0 (greedy) or 1, as
-    :func:`rlpost.train.batch.token_logprobs` does. ``chunk`` tokens per chunk (0: from
-    :data:`CHUNK_BYTES`)."""
+    ``hidden [N, H]``; T = 1 when ``temperature`` is 0 (greedy) or 1. ``chunk`` tokens per
+    chunk (0: from :data:`CHUNK_BYTES`)."""
     tau = 1.0 if temperature in (0.0, 1.0) else float(temperature)
     size = chunk_tokens(head.weight.shape[0], chunk)
     weight, bias, shard = vocab_shard(head)
