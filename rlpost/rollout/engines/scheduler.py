@@ -1,32 +1,14 @@
 """Continuous batching: one thread owns the model; requests join and leave between steps.
 
-Each decode step runs every active sequence through one batched forward.
-Sequences of different lengths share a left-padded KV batch with an attention
-mask and per-row position ids; a sequence that finishes leaves the batch at
-the end of the step, and a waiting request is prefilled (through the prefix
-cache, once for all its ``n`` samples) and joins before the next one. New
-weights are applied only between two steps, so a step never mixes weights;
-every token records the policy version that produced it.
+Sequences share a left-padded KV batch with per-row position ids; a finished one leaves at
+the end of a step and a waiting request is prefilled (once for its ``n`` samples, through the
+prefix cache) and joins before the next. Weights change only between steps, and every token
+records its policy version.
 
-Why not transformers' own continuous batching (read in transformers 5.24,
-``generation/continuous_batching``; it does run on CPU with sdpa over a paged
-cache and can return logprobs):
-
-* its logprobs are taken after temperature *and* top-k/top-p renormalisation
-  (``ModelRunner._sample`` logs the softmax of the processed scores), while the
-  trainer recomputes the tempered, untruncated distribution; they differ
-  whenever top_p < 1 or top_k > 0 (the ``rlhf`` preset);
-* ``num_return_sequences`` is one manager-wide setting, so groups of different
-  sizes from different clients cannot share a manager;
-* its loop runs in its own thread with no hook to swap weights between two
-  steps, and tokens carry no policy version;
-* prefix sharing is by whole pages (256 tokens by default), so prompts shorter
-  than a page share nothing across requests;
-* sampling draws from the process-wide RNG, so a per-request seed cannot be
-  honoured.
-
-What it has that this lacks is a paged KV (joins and leaves here copy the
-batch KV once) and CUDA graphs; on a GPU the vLLM engine is the fast path.
+Not transformers' continuous batching: its logprobs are of the top-k/top-p renormalised
+distribution, ``num_return_sequences`` is manager-wide, it has no hook to swap weights between
+steps, it shares prefixes by whole pages, and it samples from the process-wide RNG. It has a
+paged KV and CUDA graphs; on a GPU the vLLM engine is the fast path.
 """
 
 from __future__ import annotations
@@ -64,13 +46,9 @@ SIDE_SHARE = 0.5
 class GenerationRequest:
     """``n`` samples continuing ``prompt_ids``.
 
-    ``stop_texts`` end a sample when its decoded text contains one of them;
-    ``top_logprobs`` asks for that many most likely alternatives per token;
-    ``seed`` gives the request its own random generator (reproducible samples);
-    ``ignore_eos`` keeps decoding past EOS (benchmarks that need fixed lengths);
-    ``adjust`` applies penalties and a logit bias (the rollout server's OpenAI
-    parameters); ``on_token(event)`` is called from the scheduler thread for
-    every sampled token (streaming), and must not block or raise.
+    ``seed`` gives the request its own generator; ``adjust`` applies the OpenAI penalties and
+    logit bias; ``on_token(event)`` is called on the scheduler thread for every sampled
+    token, and must not block or raise.
     """
 
     prompt_ids: list[int]
@@ -101,9 +79,8 @@ class TokenEvent:
 class SampleOutput:
     """One finished sample: sampled ids, their logprobs and the version of each token.
 
-    ``text_end`` is the character offset in the decoded text where a stop text
-    begins (None when no stop text matched); ``top_logprobs[i]`` lists
-    ``(token_id, logprob)`` alternatives at position i when they were asked for.
+    ``text_end``: where a matched stop text begins in the decoded text; ``top_logprobs[i]``:
+    ``(token_id, logprob)`` alternatives at position i.
     """
 
     token_ids: list[int]
@@ -179,11 +156,9 @@ class _WeightUpdate:
 class Scheduler:
     """Serves generation requests from one model with continuous batching.
 
-    ``max_batch`` caps the sequences decoded together; ``max_request_batch``
-    (default an eighth of it, at least 2) caps one submission's share of them while another
-    submission runs or waits (:mod:`~rlpost.rollout.engines.admission`); a request larger
-    than the room joins in parts. ``max_model_len`` ends a sample with ``length``
-    before it would pass the model's context.
+    ``max_request_batch`` caps one submission's share of ``max_batch`` while another runs or
+    waits (:mod:`~rlpost.rollout.engines.admission`); ``max_model_len`` ends a sample with
+    ``length`` before it would pass the model's context.
     """
 
     def __init__(
@@ -255,12 +230,8 @@ class Scheduler:
         requests: list[GenerationRequest],
         on_done: Callable[[int, Future], None] | None = None,
     ) -> list[Ticket]:
-        """Queue requests together: they join the batch at the same step boundary.
-
-        Submitting one by one would let the scheduler start on the first ones
-        while the rest arrive, so batches, and with them the samples drawn from
-        the shared generator, would depend on thread timing. ``on_done(i, future)``
-        is attached to every ticket before any is queued.
+        """Queue requests together, so they join at one step boundary and the samples drawn
+        do not depend on thread timing; ``on_done(i, future)`` is attached before any is queued.
         """
         for request in requests:
             if not request.prompt_ids:
@@ -279,11 +250,8 @@ class Scheduler:
         return tickets
 
     def cancel(self, ticket: Ticket, *, keep_partial: bool = False) -> None:
-        """Free the ticket's slots at the next step boundary.
-
-        Without ``keep_partial`` (a client went away) the future is cancelled;
-        with it (partial rollout) the future resolves with every sample so far,
-        unfinished ones marked ``abort``, so their tokens can be continued later.
+        """Free the ticket's slots at the next step boundary; the future is cancelled, or with
+        ``keep_partial`` resolves with every sample so far, unfinished ones marked ``abort``.
         """
         with self._cond:
             ticket.cancelled, ticket.keep_partial = True, keep_partial
@@ -293,10 +261,8 @@ class Scheduler:
         """Run ``chunks`` (a generator doing one bounded piece of model work per step) on the
         scheduler thread between decode steps, within :data:`SIDE_SHARE` of the time while
         samples decode, at full speed otherwise; the future resolves with its return value.
-        Cancelling the future stops the work before its next piece.
-
-        Work on the model from another thread would take cores from the decode steps as it
-        pleased, and could read weights that an update is half way through writing."""
+        From another thread such work would take cores at will and could read half-updated
+        weights."""
         job = _SideJob(chunks)
         with self._cond:
             if self._stop:
@@ -315,12 +281,9 @@ class Scheduler:
     ) -> float:
         """Swap in new weights between two decode steps; returns the seconds it waited.
 
-        Every name, shape and dtype is checked before anything is applied, so a bad
-        update changes nothing. With ``shapes`` (each name's shape, known ahead:
-        a weight-sync manifest) the check runs on them and the tensors are
-        consumed one at a time on the scheduler thread while no decode step
-        runs, so memory holds one tensor, not the whole model; the caller
-        vouches that the stream matches ``shapes`` and does not fail midway.
+        Every name, shape and dtype is checked before anything is applied. With ``shapes`` (a
+        weight-sync manifest) the check runs on them and the tensors stream in one at a time
+        between steps; the caller vouches that the stream matches and does not fail midway.
         """
         tensors = dict(named_tensors) if shapes is None else named_tensors
         if not (shapes if shapes is not None else tensors):  # a version with nothing in it
@@ -377,8 +340,6 @@ class Scheduler:
             "uptime_seconds": time.monotonic() - self.started,
         }
 
-    # ------------------------------------------------------------- the loop
-
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -421,8 +382,7 @@ class Scheduler:
 
     def _side_turn(self, step_seconds: float) -> None:
         """One piece of the first side job, when its share of the time allows; jobs take
-        turns. While samples decode, each step earns side work ``SIDE_SHARE`` of its time
-        (at most one step's worth is saved up) and a piece spends what it took."""
+        turns, and each decode step earns ``SIDE_SHARE`` of its time (one step's worth saved)."""
         if not self._side:
             self._side_credit = 0.0
             return
@@ -459,9 +419,8 @@ class Scheduler:
         return False
 
     def _take_admissible(self) -> list[tuple[Ticket, range]]:
-        """``(ticket, samples)``: the samples of waiting tickets that fit in the batch, a
-        fair share per submission (:mod:`~rlpost.rollout.engines.admission`; caller holds the lock);
-        none while the model holds a partly applied update."""
+        """``(ticket, samples)`` of waiting tickets that fit, a fair share per submission; none
+        while an update is partly applied. The caller holds the lock."""
         if self._mixed:
             return []
         running = Counter(s.ticket.group for s in self._rows)
@@ -525,8 +484,6 @@ class Scheduler:
                 ticket.future.set_exception(exc)
         self._rows, self._cache, self._mask = [], None, None
 
-    # ------------------------------------------------------- prefill, decode
-
     @torch.no_grad()
     def _prefill(self, prompt: list[int]) -> tuple[LayerKV, torch.Tensor]:
         """(KV ``[1, H, L, D]`` per layer, next-token logits ``[V]``) of ``prompt``, via the prefix cache."""
@@ -548,9 +505,8 @@ class Scheduler:
         return kv, logits
 
     def _admit(self, admitted: list[tuple[Ticket, range]]) -> None:
-        """Prefill each request once (a later part of it: from the prefix cache), sample the
-        first tokens of the samples admitted, and join the unfinished ones to the batch in one
-        copy of the batch KV (joining one by one would copy it per request)."""
+        """Prefill each request once, sample the first tokens, and join the unfinished samples
+        to the batch in one copy of the batch KV."""
         kvs, masks = [], []
         if self._rows:
             kvs.append(pc.cache_tensors(self._cache))
