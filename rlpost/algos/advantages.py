@@ -3,16 +3,11 @@
 ``fn(token_level_rewards [B, T], response_mask [B, T], group [B], *, values=None,
 **params) -> (advantages [B, T], returns [B, T])``, run without gradients.
 
-``group`` holds arbitrary int64 prompt ids in any order (verl's ``index``), not
-consecutive blocks, so a filtered or shuffled batch still groups correctly.
-Outcome estimators use the score ``s_i = sum_t token_level_rewards[i, t]``
-(all positions, as verl: the caller puts the reward on the last valid token,
-see :func:`scores_to_token_rewards`). Semantics follow verl 0.9.1: unbiased std,
-``eps`` added to the std, a singleton group keeps its raw score (mean 0, std 1).
-
-Group statistics are taken in float64 around each group's minimum, so a group
-whose scores are all equal gets exactly zero advantage, never a rounding residue.
-Outputs are zero on padding and have the dtype of ``token_level_rewards``.
+``group`` holds int64 prompt ids in any order (verl's ``index``). Outcome estimators use the
+score ``s_i = sum_t token_level_rewards[i, t]`` (:func:`scores_to_token_rewards`). Semantics
+follow verl 0.9.1: unbiased std, ``eps`` added to the std, a singleton group keeps its raw
+score. Group statistics are float64 around each group's minimum, so equal scores give exactly
+zero. Outputs are zero on padding, in the dtype of ``token_level_rewards``.
 """
 
 from __future__ import annotations
@@ -69,9 +64,8 @@ def _group_index(group: Tensor) -> tuple[Tensor, int]:
 def _group_centered(scores: Tensor, group: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row group statistics of ``scores [B]`` (float64) under ids ``group [B]``.
 
-    Returns ``(centered [B], std [B], count [B])``: ``s_i - mean_g``, the unbiased
-    group std and the group size, each broadcast back to rows. Singleton groups
-    get mean 0 and std 1 (verl), so their row keeps its raw score.
+    Returns ``(centered [B], std [B], count [B])``, broadcast back to rows; a singleton
+    group gets mean 0 and std 1 (verl).
     """
     inverse, num_groups = _group_index(group)
     zeros = scores.new_zeros(num_groups)
@@ -96,9 +90,8 @@ def _outcome_scores(token_level_rewards: Tensor) -> Tensor:
 def _tile(
     row_values: Tensor, response_mask: Tensor, dtype: torch.dtype, whiten: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """(advantages, returns): ``row_values [B]`` broadcast over ``[B, T]``, zero on padding,
-    then (``whiten``) whitened over the valid tokens of the batch; an outcome estimator's
-    returns equal its advantages (a copy)."""
+    """(advantages, returns): ``row_values [B]`` over ``[B, T]``, zero on padding, whitened
+    over the batch's valid tokens where ``whiten``; returns are a copy."""
     m = response_mask.to(torch.float64) > 0
     tiled = torch.where(m, row_values[:, None], 0.0)
     advantages = (masked_whiten(tiled, m) if whiten else tiled).to(dtype)
@@ -113,10 +106,8 @@ _HEAD = [
 
 def outcome(name: str, *, whiten: bool = False, **traits):
     """Register ``fn(scores [B], group [B], **params) -> [B]`` as the outcome estimator
-    ``name`` (with ``traits``): ``scores`` are the rows' summed rewards (float64), and its
-    per-row advantages are tiled over each row's valid tokens (then whitened over the
-    batch where ``whiten``), the returns equal to them. The estimator has the one
-    signature of the module docstring, ``fn``'s keywords its parameters."""
+    ``name``: ``scores`` are the rows' summed rewards (float64), the result tiled by
+    :func:`_tile`; ``fn``'s keywords are its parameters."""
 
     def wrap(fn: Callable[..., Tensor]) -> AdvantageEstimator:
         @functools.wraps(fn)
@@ -152,11 +143,8 @@ def grpo_advantages(
 ) -> Tensor:
     """GRPO outcome advantage ``A_i = (s_i - mean_g) / (std_g + eps)`` (DeepSeekMath, arXiv 2402.03300).
 
-    ``norm_by_std=False`` gives Dr.GRPO's ``s_i - mean_g``.
-    std is unbiased; a singleton group gives ``s_i / (1 + eps)`` (verl).
-    ``std_scope="batch"`` divides by the unbiased std of every score in the batch
-    instead (group mean, batch std: TRL's ``scale_rewards="batch"``, as argued in
-    "Tricks or Traps? A Deep Dive into RL for LLM Reasoning", arXiv 2508.08221).
+    ``norm_by_std=False`` gives Dr.GRPO's ``s_i - mean_g``. ``std_scope="batch"`` divides by
+    the batch's std instead (TRL's ``scale_rewards="batch"``, arXiv 2508.08221).
     """
     if std_scope not in ("group", "batch"):
         raise ValueError(f"grpo std_scope must be 'group' or 'batch', got {std_scope!r}")
@@ -168,30 +156,20 @@ def grpo_advantages(
 
 @outcome("dr_grpo", group_relative=True)
 def dr_grpo_advantages(scores: Tensor, group: Tensor) -> Tensor:
-    """Dr.GRPO ``A_i = s_i - mean_g`` without std division ("Understanding R1-Zero-Like Training", arXiv 2503.20783).
-
-    Pair with ``seq-mean-token-sum-norm`` aggregation.
-    """
+    """Dr.GRPO ``A_i = s_i - mean_g`` (arXiv 2503.20783); pair with ``seq-mean-token-sum-norm``."""
     return _group_centered(scores, group)[0]
 
 
 @outcome("rloo", group_relative=True)
 def rloo_advantages(scores: Tensor, group: Tensor) -> Tensor:
-    """RLOO ``A_i = s_i - mean_{j != i} s_j = n/(n-1) (s_i - mean_g)`` (Ahmadian et al., arXiv 2402.14740).
-
-    A singleton group keeps its raw score (verl's loop version).
-    """
+    """RLOO ``A_i = s_i - mean_{j != i} s_j = n/(n-1) (s_i - mean_g)`` (arXiv 2402.14740)."""
     centered, _, count = _group_centered(scores, group)
     return torch.where(count > 1, centered * count / (count - 1).clamp(min=1.0), centered)
 
 
 @outcome("gpg", group_relative=True)
 def gpg_advantages(scores: Tensor, group: Tensor) -> Tensor:
-    """GPG ``A_i = alpha (s_i - mean_g)``, ``alpha = B / max(1, #{s_i != 0})`` (arXiv 2504.02546).
-
-    ``alpha`` re-scales the batch when few rows score at all; no std division;
-    singleton mean 0 (verl).
-    """
+    """GPG ``A_i = alpha (s_i - mean_g)``, ``alpha = B / max(1, #{s_i != 0})`` (arXiv 2504.02546)."""
     alpha = scores.numel() / max(1, int((scores != 0).sum()))
     return alpha * _group_centered(scores, group)[0]
 
@@ -208,11 +186,8 @@ def reinforce_pp_advantages(
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu, arXiv 2501.03262): discounted return, then batch-global whitening.
 
-    ``G_t = r_t + gamma G_{t+1}`` over valid tokens only (mask-0 tokens carry G
-    through undiscounted, verl); advantages ``= whiten(G)`` over all valid tokens
-    of the batch (unbiased var, ``rsqrt(var + 1e-8)``). Any KL penalty is already
-    folded into ``token_level_rewards``. Shapes ``[B, T]`` -> ``([B, T], [B, T])``;
-    returns are the un-whitened ``G``.
+    ``G_t = r_t + gamma G_{t+1}`` over valid tokens (mask-0 tokens carry G undiscounted,
+    verl); advantages ``= whiten(G)`` over the batch's valid tokens; returns are ``G``.
     """
     _check(token_level_rewards, response_mask, group)
     m = response_mask.to(torch.float64) > 0
@@ -230,10 +205,7 @@ def reinforce_pp_advantages(
 
 @outcome("reinforce_pp_baseline", whiten=True, group_relative=True)
 def reinforce_pp_baseline_advantages(scores: Tensor, group: Tensor) -> Tensor:
-    """REINFORCE++-baseline (arXiv 2501.03262): ``s_i - mean_g`` tiled, then global whitening.
-
-    Singleton mean 0; whitening as :func:`reinforce_pp_advantages`.
-    """
+    """REINFORCE++-baseline (arXiv 2501.03262): ``s_i - mean_g`` tiled, then global whitening."""
     return _group_centered(scores, group)[0]
 
 
@@ -241,9 +213,7 @@ def _gae(rewards: Tensor, values: Tensor, valid: Tensor, gamma: float, lam: Tens
     """Generalised advantage estimate ``[B, T]`` with per-row ``lam [B]`` (float64 in, out).
 
     Backwards over t: ``delta_t = r_t + gamma V_next - V_t``, ``A_t = delta_t +
-    gamma lam A_next``; ``V_next`` and ``A_next`` advance only on valid tokens, so
-    mask-0 tokens (tool output) are skipped without discount (verl). Each position
-    stores the latest valid ``A``.
+    gamma lam A_next``; ``V_next`` and ``A_next`` advance only on valid tokens (verl).
     """
     next_value = rewards.new_zeros(rewards.shape[0])
     next_adv = rewards.new_zeros(rewards.shape[0])
@@ -286,10 +256,7 @@ def gae_advantages(
 ) -> tuple[Tensor, Tensor]:
     """PPO's GAE (Schulman et al., arXiv 1506.02438) with batch-global whitening.
 
-    Shapes: rewards, mask, values ``[B, T]``; group ``[B]`` (unused) ->
-    ``(advantages [B, T], returns [B, T])``. ``returns = A + V`` (critic target,
-    un-whitened); advantages ``= whiten(A)`` over valid tokens. Both are zero on
-    padding (verl leaves whitened values there).
+    ``returns = A + V`` (the critic's target); advantages ``= whiten(A)`` over valid tokens.
     """
     _check(token_level_rewards, response_mask, group)
     rewards, v, valid = _critic_inputs("gae", token_level_rewards, response_mask, values)
@@ -314,11 +281,8 @@ def vapo_gae_advantages(
 ) -> tuple[Tensor, Tensor]:
     """VAPO's decoupled, length-adaptive GAE (arXiv 2504.05118).
 
-    The policy uses ``lam_i = 1 - 1 / (alpha n_i)`` per sequence (``n_i`` valid
-    tokens), clamped to [0, 1] because short rows (``alpha n_i < 1``) would give
-    a negative lambda; the critic's ``returns = A(value_lam) + V`` use its own
-    lambda (1.0 in the paper). Advantages are whitened as :func:`gae_advantages`.
-    Shapes: rewards, mask, values ``[B, T]`` -> ``([B, T], [B, T])``.
+    The policy uses ``lam_i = 1 - 1 / (alpha n_i)`` per row of ``n_i`` valid tokens, clamped
+    to [0, 1]; the critic's ``returns = A(value_lam) + V``.
     """
     _check(token_level_rewards, response_mask, group)
     if alpha <= 0:
@@ -336,12 +300,8 @@ def vapo_gae_advantages(
 def scores_to_token_rewards(scores: Tensor, response_mask: Tensor) -> Tensor:
     """Place each outcome score on its row's last valid token.
 
-    Shapes: ``scores [B]``, ``response_mask [B, T]`` -> ``token_level_rewards [B, T]``
-    (dtype of ``scores``). A row with no valid token (its reward was dropped, or
-    every token is tool output) keeps its score at position 0, where no loss reads
-    it: outcome estimators sum every position, so the row still counts in its
-    group's mean, std and leave-one-out baseline, as it does in verl and TRL,
-    instead of entering them as a 0.
+    ``scores [B]``, ``response_mask [B, T]`` -> ``[B, T]``. A row with no valid token keeps
+    its score at position 0, so it still counts in its group's statistics (verl, TRL).
     """
     if scores.shape != response_mask.shape[:1]:
         raise ValueError(f"scores must be [B]={response_mask.shape[0]}, got {tuple(scores.shape)}")

@@ -1,17 +1,10 @@
 """Advantage estimators that need more than rewards and groups, or change the group baseline.
 
-Same signature and conventions as ``advantages.py`` (float64 inside, zero on
-padding, dtype of ``token_level_rewards`` out). Some take a caller-supplied
-input, announced by a registry trait so the train stage knows to provide it:
+Conventions as ``advantages.py``. A registry trait announces each extra input:
 
 - ``needs_components``: ``components [B, K]``, each reward term's value per row (GDPO);
-- ``needs_greedy_baseline``: ``baseline_scores [B]``, the reward of a greedy
-  response to each row's prompt (ReMax);
-- ``needs_sum_pi_squared``: ``sum_pi_squared [B, T]`` (``sum_v pi(v)^2`` at each
-  position) and ``old_logprobs [B, T]`` of the sampling policy (optimal token baseline).
-
-Inputs not needed by an estimator are accepted by none of the others, so a
-config that sets them is refused by signature at load.
+- ``needs_greedy_baseline``: ``baseline_scores [B]``, a greedy response's reward (ReMax);
+- ``needs_sum_pi_squared``: ``sum_pi_squared [B, T]`` and ``old_logprobs [B, T]``.
 """
 
 from __future__ import annotations
@@ -42,12 +35,8 @@ def opo_advantages(
 ) -> tuple[Tensor, Tensor]:
     """OPO: ``A_i = s_i - sum_g(n_j s_j) / sum_g(n_j)``, a length-weighted group baseline.
 
-    ``n_j`` = valid tokens of row j. On-Policy RL with Optimal reward baseline
-    (Hao et al., arXiv 2505.23585): with exact on-policy updates, the
-    variance-minimising sequence baseline weights each return by the squared
-    gradient norm, which the paper approximates by the length. A singleton group,
-    or one whose rows have no valid token, gets baseline 0 (verl).
-    Shapes: rewards, mask ``[B, T]``, group ``[B]`` -> ``([B, T], [B, T])``.
+    ``n_j`` = valid tokens of row j, the paper's stand-in for the squared gradient norm
+    (arXiv 2505.23585). A singleton or tokenless group gets baseline 0 (verl).
     """
     _check(token_level_rewards, response_mask, group)
     scores = _outcome_scores(token_level_rewards)
@@ -67,12 +56,8 @@ def grpo_passk_advantages(
 ) -> Tensor:
     """Pass@k GRPO: only each group's best row gets ``(s_max - s_second) / (std_g + eps)``.
 
-    Every other row gets 0, so the update raises the probability of the best
-    response only by its margin over the runner-up: the leave-one-out gradient
-    of the pass@n objective ("Optimizing Language Models for Inference Time
-    Objectives using Reinforcement Learning", Tang et al., arXiv 2503.19595;
-    verl's ``grpo_passk``). Ties go to the first row in batch order;
-    with a tie for best the margin is 0. Needs groups of at least 2 rows.
+    Every other row gets 0: the leave-one-out gradient of pass@n (arXiv 2503.19595; verl's
+    ``grpo_passk``). Ties go to the first row. Needs groups of at least 2 rows.
     """
     _, std, count = _group_centered(scores, group)
     if bool((count < 2).any()):
@@ -93,13 +78,9 @@ def gdpo_advantages(
 ) -> Tensor:
     """GDPO: group-normalise each reward term, sum, then whiten over the batch.
 
-    ``A_i = whiten_batch(sum_k (c_ik - mean_g c_k) / (std_g c_k + eps))``, so a
-    term with a large scale cannot drown the others' signal in a multi-term
-    reward (GDPO: Group reward-Decoupled Normalization Policy Optimization, Liu et
-    al., arXiv 2601.05242; verl's ``gdpo``). ``components [B, K]``: each term's value per row; NaN (the
-    term did not apply) counts as 0. Without components the summed score is the
-    only term (GRPO followed by batch whitening). Whitening as ``masked_whiten``
-    over valid tokens.
+    ``A_i = whiten_batch(sum_k (c_ik - mean_g c_k) / (std_g c_k + eps))`` (arXiv 2601.05242;
+    verl's ``gdpo``). ``components [B, K]``, NaN counting as 0; without them the summed
+    score is the only term.
     """
     if components is None:
         comps = scores[:, None]
@@ -126,11 +107,8 @@ def remax_advantages(
 ) -> tuple[Tensor, Tensor]:
     """ReMax: ``A_it = G_it - b_i`` with ``b_i`` the reward of the greedy response to the prompt.
 
-    ``G_it`` is the undiscounted reward-to-go over valid tokens (the outcome score
-    on every token for an outcome reward). ReMax, Li et al., arXiv 2310.10505.
-    ``baseline_scores [B]``: the greedy response's reward for each row's prompt
-    (the rollout stage samples it). No normalisation, as the paper and verl.
-    Shapes: rewards, mask ``[B, T]`` -> ``(advantages, returns)`` ``[B, T]``.
+    ``G_it`` is the undiscounted reward-to-go over valid tokens (arXiv 2310.10505). No
+    normalisation, as the paper and verl.
     """
     _check(token_level_rewards, response_mask, group)
     if baseline_scores is None:
@@ -158,15 +136,9 @@ def optimal_token_baseline_advantages(
     """Optimal token baseline: ``A_it = G_it - sum_g(G_jt W_jt) / (sum_g W_jt + eps)``.
 
     ``W_it = sum_{s <= t} (1 - 2 pi_is + sum_v pi_is(v)^2)`` over valid tokens is
-    the squared norm of the score function of the path so far (``||e_y - pi||^2``
-    for a softmax policy), so the baseline at position t is the variance-minimising
-    one among the group's rows still running there (verl's
-    ``optimal_token_baseline``; the optimal-baseline argument of OPO, arXiv
-    2505.23585, per token). ``G_it`` is the reward-to-go. ``pi_is`` =
-    ``exp(old_logprobs)``; ``sum_pi_squared [B, T]`` from the trainer's forward pass.
-    A row alone at a position has baseline 0 there (its advantage is its reward-to-go);
-    verl's rule, except with holes inside a mask (docs/algorithms.md).
-    Shapes: ``[B, T]`` tensors, group ``[B]`` -> ``(advantages, returns)`` ``[B, T]``.
+    the squared norm of the path's score function, making the baseline variance-minimising
+    per token (verl's ``optimal_token_baseline``; OPO, arXiv 2505.23585). ``pi_is`` =
+    ``exp(old_logprobs)``. A row alone at a position has baseline 0 there.
     """
     _check(token_level_rewards, response_mask, group)
     for name, t in (("old_logprobs", old_logprobs), ("sum_pi_squared", sum_pi_squared)):
