@@ -1,15 +1,9 @@
 """Masked reductions: token counting and loss aggregation live here and nowhere else.
 
-A per-token loss matrix ``[B, T]`` becomes a scalar through an :class:`Aggregation`.
-The design choice is that the *denominator* is explicit: ``num_tokens`` and
-``num_seqs`` are the counts over the whole optimizer mini-batch, so a trainer
-that splits the mini-batch into micro-batches and sums their losses gets exactly
-the mini-batch loss (micro-batch invariance). Leave them ``None`` to use the
-local counts of the tensor passed in.
-
-Masks are 0/1 (bool or float) and padding may hold any finite value: masked
-entries are selected away with ``torch.where`` before summing, so they change
-neither the value nor the gradient.
+A per-token loss matrix ``[B, T]`` becomes a scalar through an :class:`Aggregation` whose
+denominators are explicit: the whole mini-batch's counts, so summed micro-batch losses equal
+the mini-batch loss (``None``: the local counts). Masked entries are selected away with
+``torch.where``, so padding changes neither value nor gradient.
 """
 
 from __future__ import annotations
@@ -29,11 +23,7 @@ WHITEN_EPS = 1e-8
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Sum of ``x`` over entries where ``mask`` is set; padding values are ignored.
-
-    Shapes: ``x`` and ``mask`` broadcastable, typically ``[B, T]``. Returns a
-    scalar (``dim=None``) or the reduction along ``dim``.
-    """
+    """Sum of ``x`` over entries where ``mask`` is set (``[B, T]``), whole or along ``dim``."""
     m = mask.to(x.dtype)
     picked = torch.where(m > 0, x, torch.zeros((), dtype=x.dtype, device=x.device)) * m
     return picked.sum() if dim is None else picked.sum(dim)
@@ -42,9 +32,7 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Mean of ``x`` over set mask entries: ``sum(x*m) / max(sum(m), 1)``.
 
-    Shapes: ``x``, ``mask`` ``[B, T]``; scalar for ``dim=None``, else reduced along
-    ``dim``. An empty mask gives 0, not NaN (verl adds 1e-8 to the count
-    instead; values agree for non-empty masks).
+    An empty mask gives 0 (verl adds 1e-8 to the count instead).
     """
     count = mask.to(x.dtype).sum() if dim is None else mask.to(x.dtype).sum(dim)
     return masked_sum(x, mask, dim) / count.clamp(min=1.0)
@@ -53,8 +41,7 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 def masked_var(x: Tensor, mask: Tensor) -> Tensor:
     """Unbiased (N-1) variance of ``x`` over set mask entries, as verl's ``masked_var``.
 
-    Shapes: ``x``, ``mask`` ``[B, T]`` -> scalar. With fewer than two valid
-    entries the variance is defined as 0 (verl raises instead).
+    Fewer than two valid entries give 0 (verl raises).
     """
     n = mask.to(x.dtype).sum()
     mu = masked_mean(x, mask)
@@ -65,9 +52,7 @@ def masked_var(x: Tensor, mask: Tensor) -> Tensor:
 def masked_whiten(x: Tensor, mask: Tensor) -> Tensor:
     """Batch-global whitening ``(x - mu) * rsqrt(var + 1e-8)`` over valid entries, re-masked.
 
-    Shapes: ``x``, ``mask`` ``[B, T]`` -> ``[B, T]`` with zeros on padding.
-    Statistics as verl's ``masked_whiten`` (unbiased variance, additive 1e-8);
-    unlike verl the result is multiplied by the mask so padding holds 0.
+    As verl's ``masked_whiten``, but padding holds 0.
     """
     mu = masked_mean(x, mask)
     out = (x - mu) * torch.rsqrt(masked_var(x, mask) + WHITEN_EPS)
@@ -135,11 +120,9 @@ def get_aggregation(name: str):
 class Aggregation:
     """How a per-token loss matrix becomes a scalar.
 
-    ``mode``: a name in ``AGGREGATIONS``. ``num_tokens``: valid tokens in the whole
-    mini-batch (token-mean denominator). ``num_seqs``: non-empty rows in the whole
-    mini-batch (sequence-mean denominators). ``norm_constant``: Dr.GRPO's constant
-    length (e.g. the maximum response length); ``None`` uses the padded width T.
-    ``fn``: the mode's reduce function, looked up once and kept by :meth:`counts`.
+    ``num_tokens`` and ``num_seqs``: the whole mini-batch's valid tokens and non-empty rows;
+    ``norm_constant``: Dr.GRPO's constant length (``None``: the padded width T); ``fn``: the
+    mode's reduce function.
     """
 
     mode: str = "token-mean"
@@ -162,8 +145,6 @@ class Aggregation:
     ) -> Aggregation:
         """An aggregation whose denominators are the counts of ``mask [B, T]``.
 
-        Build it once from the whole mini-batch mask, then pass it to every
-        micro-batch loss: the sum of micro-batch losses equals the mini-batch loss.
         An all-empty mask keeps the local counts (``None``).
         """
         return cls(mode, norm_constant=norm_constant).counts(mask)

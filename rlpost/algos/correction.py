@@ -1,26 +1,14 @@
 """Rollout corrections: importance weights between the policy that sampled and the one trained.
 
-When samples come from older weights (asynchronous and one-step-off training,
-partial rollout) or from an engine whose numerics differ from the trainer's,
-the behaviour policy ``mu`` (the engine's logprobs, ``rollout_logprobs``) is not
-the proximal policy ``pi_prox`` the loss is computed against (``old_logprobs``,
-the trainer's recompute). Every correction here returns a per-token weight
-``w [B, T]`` (detached, >= 0) that the trainer multiplies into the advantages;
-for every registered policy loss the per-token loss is linear in the advantage
-with a positive factor, so this equals weighting the per-token loss. A weight
-of 0 masks a token without changing the aggregation's denominators.
+The behaviour policy ``mu`` (``rollout_logprobs``) differs from the proximal policy the loss
+uses (``old_logprobs``) under stale weights or different engine numerics. Each correction
+returns a detached weight ``w [B, T] >= 0`` multiplied into the advantages; 0 masks a token.
 
 ``fn(proximal_logprobs [B, T], rollout_logprobs [B, T], response_mask [B, T], p) ->
 CorrectionOutput``, ``p`` the chosen variant of ``algo.rollout_correction`` (its
-``cap``, ``low``, ``high``, validated there); log-ratios ``d = prox - mu`` are clamped to
-+-20 before ``exp``.
-
-With one optimizer step per batch the proximal policy is the loss pass's own
-(detached) logprobs, so no extra forward pass is needed: that is the cheap form
-of AReaL's decoupled PPO objective (Fu et al., arXiv 2505.24298, eq. 5), whose
-clip then acts against the current policy and whose importance weight
-``pi_prox / mu`` carries the staleness. With several optimizer steps the
-proximal policy is recomputed before the first one (the full form).
+``cap``, ``low``, ``high``); ``d = prox - mu`` is clamped to +-20 before ``exp``. With one
+optimizer step per batch the proximal logprobs are the loss pass's own: AReaL's decoupled PPO
+(arXiv 2505.24298, eq. 5) without an extra forward.
 """
 
 from __future__ import annotations

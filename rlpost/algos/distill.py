@@ -2,17 +2,10 @@
 
 Two forms, both registered so they compose with the rest of ``algos``:
 
-- ``on_policy_distill`` (advantage estimator): the per-token reverse KL estimate on the
-  sampled token, ``k_t = log pi_s(y_t) - log pi_t(y_t)``, is a dense per-token reward
-  with discount zero, so each token's advantage is ``-k_t`` (Thinking Machines, "On-Policy
-  Distillation", 2025; Agarwal et al., "On-Policy Distillation of Language Models:
-  Learning from Self-Generated Mistakes" (GKD), arXiv 2306.13649). Any policy loss takes
-  it (``ppo_clip``: the importance ratio covers the off-policy mini-batches). A verifiable
-  reward joins with a weight: ``A = task_weight * A_grpo + distill_weight * (-k)``.
-- ``gkd`` (policy loss): the divergence between the teacher's and the student's whole
-  next-token distributions at every sampled position (forward KL, reverse KL or the
-  generalised Jensen-Shannon divergence with ``beta``, GKD eq. 1 / TRL's
-  ``generalized_jsd_loss``), plus ``task_weight`` times the PPO clipped surrogate.
+- ``on_policy_distill`` (advantage estimator): each token's advantage is ``-k_t``,
+  ``k_t = log pi_s(y_t) - log pi_t(y_t)`` (Thinking Machines 2025; GKD, arXiv 2306.13649).
+- ``gkd`` (policy loss): a divergence between the whole next-token distributions
+  (GKD eq. 1 / TRL's ``generalized_jsd_loss``) plus ``task_weight`` times PPO's surrogate.
 
 The student's log-probs ``lp_s`` are the sampling policy's (``old_logprobs``); the
 teacher's are at temperature 1 on the same token ids (the same tokenizer is required).
@@ -68,12 +61,7 @@ def on_policy_distill_advantages(
     """``A[i, t] = distill_weight * -(lp_s - lp_t)[i, t] + task_weight * A_grpo[i, t]``
     (on-policy distillation: GKD, arXiv 2306.13649; Thinking Machines 2025).
 
-    ``old_logprobs`` (the student that sampled) and ``teacher_logprobs``: ``[B, T]``.
-    The distillation term is per token, undiscounted and unnormalised (each token's own
-    reverse KL); ``center`` subtracts the batch's mean ``k`` over valid tokens first (a
-    constant baseline: unbiased, as ``E[grad log pi] = 0``, and with less variance). The
-    task term is GRPO's group-normalised outcome advantage with ``eps`` (computed only when
-    ``task_weight`` is not 0). Zero on padding; returns = advantages.
+    ``center`` subtracts the batch's mean ``k`` first, a baseline with less variance.
     """
     if old_logprobs is None or teacher_logprobs is None:
         raise ValueError("advantage estimator 'on_policy_distill' needs old and teacher logprobs")
@@ -96,8 +84,7 @@ def divergence_tokens(
 
     ``forward_kl``: KL(p_t || p_s); ``reverse_kl``: KL(p_s || p_t); ``jsd``: the generalised
     JSD ``beta KL(p_t || m) + (1 - beta) KL(p_s || m)``, ``m = beta p_t + (1 - beta) p_s``
-    (GKD; TRL's convention: ``beta -> 0`` tends to forward KL, ``beta -> 1`` to reverse KL,
-    each scaled by ``beta`` resp. ``1 - beta``). Gradient flows through ``logits`` only.
+    (GKD; TRL's convention).
     """
     if logits.shape != teacher_logits.shape:
         raise ValueError(
@@ -122,10 +109,7 @@ def gkd_loss(x: LossInputs, p: GKDParams) -> PolicyLossOutput:
     """``distill_weight * agg(D(p_t, p_s)) + task_weight * ppo_clip(advantages)`` (GKD,
     Agarwal et al., arXiv 2306.13649, eq. 1 with the student's own samples).
 
-    ``x.logits`` ``[B, T, V]``: the student's (with gradient) at each response position;
-    ``x.teacher_logits`` ``[B, T, V]``: the teacher's on the same positions. ``D``: see
-    :func:`divergence_tokens`. The PPO term uses its default clips. Stats: ``distill_div``
-    (the divergence's masked mean), and the PPO term's when it is on.
+    ``x.logits`` and ``x.teacher_logits`` ``[B, T, V]``; ``D``: :func:`divergence_tokens`.
     """
     if x.logits is None or x.teacher_logits is None:
         raise ValueError("policy loss 'gkd' needs the student's and the teacher's full logits")

@@ -1,20 +1,13 @@
 """Per-token KL estimators between the policy and the reference policy.
 
 Every estimator is ``fn(logprobs [B, T], ref_logprobs [B, T]) -> [B, T]``, unmasked,
-with ``x = logprobs - ref_logprobs`` evaluated on the sampled tokens (Schulman,
-"Approximating KL Divergence", 2020). Values follow verl 0.9.1 ``kl_penalty``:
-k1/k2/abs unclamped, k3 clamped as verl's ``low_var_kl``. The ``+`` variants are
-straight-through: the value of the base estimator with the gradient of ``x^2/2``,
-whose expected gradient is the true KL gradient (k1 and k3 are unbiased in value
-but not in gradient). The reference is treated as a constant.
+with ``x = logprobs - ref_logprobs`` on the sampled tokens (Schulman, "Approximating KL
+Divergence", 2020), values as verl 0.9.1 ``kl_penalty``. The ``+`` variants are
+straight-through: the base value with the gradient of ``x^2/2``, the true KL gradient in
+expectation.
 
-:class:`KLCoefficient` is the coefficient's one owner: ``beta`` is read and written only
-there. Its placement is decided once: subtracted from the per-token reward (``in_reward``:
-PPO, REINFORCE++; Ziegler et al., arXiv 1909.08593) or added to the loss (``in_loss``:
-GRPO); the other reads 0. With a ``target`` KL the coefficient follows Ziegler et al.'s
-proportional controller after every step (:meth:`KLCoefficient.observe`); a guard raises
-it through :meth:`KLCoefficient.raise_by`. The whole state is beta, so a checkpoint stores
-``state_dict()`` and a resumed run continues with the same value.
+:class:`KLCoefficient` alone reads and writes ``beta``, placed once in the reward
+(``in_reward``: PPO; Ziegler et al., arXiv 1909.08593) or the loss (``in_loss``: GRPO).
 """
 
 from __future__ import annotations
@@ -59,8 +52,7 @@ def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """k3 = e^y - y - 1 with y = clamp(-x, -20, 20), result clamped to [-10, 10].
 
-    Shapes ``[B, T] -> [B, T]``. Unbiased and non-negative (Schulman 2020); the
-    clamps are verl's ``low_var_kl``, and their gradient is zero where active.
+    Unbiased and non-negative; the clamps are verl's ``low_var_kl``.
     """
     y = torch.clamp(-_log_ratio(logprobs, ref_logprobs), -K3_EXPONENT_CLAMP, K3_EXPONENT_CLAMP)
     return torch.clamp(torch.exp(y) - y - 1.0, -K3_VALUE_CLAMP, K3_VALUE_CLAMP)
@@ -113,18 +105,14 @@ def kl_penalized_rewards(
 ) -> tuple[Tensor, Tensor]:
     """KL in the reward: ``r = scores - beta * kl(old, ref) * m`` (Ziegler et al. 2019, arXiv 1909.08593).
 
-    Shapes: ``[B, T]`` in; returns ``(token_level_rewards [B, T], mean_kl scalar)``
-    where ``mean_kl`` is the batch mean of per-sequence token means of the
-    penalty before ``beta`` (what an adaptive KL controller consumes), as verl's
-    ``apply_kl_penalty``. Padding gets no penalty.
+    Returns ``(token_level_rewards [B, T], mean_kl)``, ``mean_kl`` the batch mean of
+    per-sequence token means before ``beta``, as verl's ``apply_kl_penalty``.
     """
     kl = get_kl_estimator(estimator)(old_logprobs, ref_logprobs)
     kl = torch.where(response_mask.to(kl.dtype) > 0, kl, torch.zeros_like(kl))
     mean_kl = masked_mean(kl, response_mask, dim=-1).mean()
     return token_level_scores - beta * kl, mean_kl
 
-
-# ----------------------------------------------------------- the coefficient
 
 # Ziegler et al. clip the proportional error so one noisy KL reading moves beta
 # by at most 20% of n_steps / horizon.

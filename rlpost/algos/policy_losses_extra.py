@@ -1,17 +1,9 @@
 """More policy losses on the signature of ``policy_losses.py``: GMPO, DPPO, DRO, KL-Cov, Clip-Cov.
 
-Same contract: ``fn(x: LossInputs, params)``, gradients only through ``x.logprobs``,
-every other input detached, the ``[B, T]`` loss matrix reduced by ``x.agg`` so each loss
-works with every aggregation mode and stays micro-batch invariant.
-
-KL-Cov and Clip-Cov treat a small fraction of tokens differently, chosen by
-the covariance between advantage and log-probability over the batch. A
-choice over "the batch" depends on how the batch is split, so it is a
-separate function registered as the loss's ``token_selector`` trait:
-``select(logprobs, advantages, response_mask, params) -> bool [B, T]``.
-The trainer calls it once per optimizer mini-batch (with the sampling policy's
-logprobs) and hands each micro-batch its rows as ``x.selected``; without
-``selected``, the loss selects over the tensors it was given.
+KL-Cov and Clip-Cov treat the tokens of highest advantage-logprob covariance differently. That
+choice depends on the batch's split, so it is the loss's ``token_selector`` trait,
+``select(logprobs, advantages, response_mask, params) -> bool [B, T]``, which the trainer calls
+once per mini-batch and hands each micro-batch as ``x.selected``.
 """
 
 from __future__ import annotations
@@ -41,12 +33,8 @@ def gmpo_loss(x: LossInputs, p: GMPOParams) -> PolicyLossOutput:
 
     ``d_t = lp - old`` (no +-20 clamp, as verl); ``c_t = sgn(A) min(sgn(A) d_t, sgn(A) clip(d_t,
     -clip_low, clip_high))`` (sign-aware like PPO's clip, on the log-ratio);
-    ``rho_i = exp(sum_t c_t m / n_i)``; every valid token of row i carries
-    ``-A_i rho_i`` with ``A_i`` the row's mean advantage. With
-    ``seq-mean-token-mean`` this is the paper's (and verl's ``geo_mean``)
-    ``mean_i(-A_i rho_i)``. Default range ``(e^-0.4, e^0.4)`` is the paper's.
-    ``clip_frac`` = tokens whose log-ratio the sign-aware clip replaced (verl's
-    ``pg_clipfrac`` counts other tokens, see docs/algorithms.md).
+    ``rho_i = exp(sum_t c_t m / n_i)``; every valid token of row i carries ``-A_i rho_i``, ``A_i``
+    the row's mean advantage (verl's ``geo_mean`` under ``seq-mean-token-mean``).
     """
     old, adv, mask = x.detached()
     log_ratio = _raw_log_ratio(x.logprobs, old, mask)
@@ -73,12 +61,8 @@ def dppo_loss(x: LossInputs, p: DPPOParams) -> PolicyLossOutput:
     (gradient ``-A min(r, c) grad lp``: PPO's inside the region). ``p, q`` are the
     current and old probabilities of the sampled token; ``D`` is the binary KL
     ``q log(q/p) + (1-q) log((1-q)/(1-p))`` or the signed TV ``p - q``. The region is
-    sign-aware like PPO's clip: with ``A > 0`` a token is dropped when it has
-    moved up past the threshold (``p > q`` and ``D > tr_kl``, or ``p - q > tr_tv``),
-    with ``A <= 0`` when it has moved down past it. verl's ``dppo_kl`` /
-    ``dppo_tv`` (one threshold for both sides here).
-    Stats: ``clip_frac`` (dropped tokens), ``is_capped_frac``, ``approx_kl`` of the
-    clamped log-ratio.
+    sign-aware like PPO's clip: a token is dropped once it moved past the threshold in the
+    advantage's direction. verl's ``dppo_kl`` / ``dppo_tv``.
     """
     old, adv, mask = x.detached()
     log_ratio, ratio = _ratio(x.logprobs, old)
@@ -104,11 +88,7 @@ def dppo_loss(x: LossInputs, p: DPPOParams) -> PolicyLossOutput:
 def dro_loss(x: LossInputs, p: DROParams) -> PolicyLossOutput:
     """DRO: ``L = -A lp + reg_coef/2 (lp - old)^2``, a policy gradient held near the sampler.
 
-    The squared log-ratio penalty replaces clipping with a quadratic trust
-    region: its gradient ``reg_coef (lp - old)`` pulls each token back towards the
-    policy that sampled it. Direct Reward Optimisation, Richemond et al., arXiv
-    2405.19107 (the per-token form of the Tinker cookbook's ``dro`` loss; verl's ``dro``).
-    ``lp - old`` is not clamped (as verl). ``clip_frac`` is 0.
+    A quadratic trust region instead of clipping (arXiv 2405.19107; verl's ``dro``).
     """
     old, adv, mask = x.detached()
     log_ratio = _raw_log_ratio(x.logprobs, old, mask)
@@ -169,14 +149,8 @@ def _selection(x: LossInputs, select, p) -> Tensor:
 def kl_cov_loss(x: LossInputs, p: KLCovParams) -> PolicyLossOutput:
     """KL-Cov: ``L = -A r + ppo_kl_coef |lp - old| [selected]``, no clipping (arXiv 2505.22617).
 
-    The selected tokens (top ``kl_cov_ratio`` by the covariance of advantage and
-    logprob, :func:`kl_cov_select`) are those whose updates collapse entropy
-    fastest; a KL penalty holds them near the sampling policy while every other
-    token gets the plain importance-weighted gradient. ``x.selected [B, T]`` is
-    supplied by the trainer per mini-batch; without it the loss selects over its
-    own inputs. ``r = exp(lp - old)``, not clamped (as verl).
-    ``clip_frac`` = selected fraction; ``abs_kl`` = masked mean of ``|lp - old|`` (what verl's
-    ``kl_cov`` logs as ``ppo_kl``; ``approx_kl`` stays the signed mean of every loss).
+    The selected tokens (:func:`kl_cov_select`) collapse entropy fastest, so a KL penalty
+    holds them near the sampler. ``abs_kl`` is what verl's ``kl_cov`` logs as ``ppo_kl``.
     """
     old, adv, mask = x.detached()
     chosen = _selection(x, kl_cov_select, p)
@@ -197,10 +171,7 @@ def clip_cov_loss(x: LossInputs, p: ClipCovParams) -> PolicyLossOutput:
     """Clip-Cov: PPO's clipped surrogate with the selected tokens' gradient removed (arXiv 2505.22617).
 
     ``L = max(-A r, -A clip(r, 1-clip_low, 1+clip_high)) (1 - [selected])``;
-    the selected tokens (:func:`clip_cov_select`) are the highest-covariance
-    tokens inside the band ``(clip_cov_lb, clip_cov_ub)``. ``r = exp(lp - old)``, not
-    clamped, and no dual clip (both as verl).
-    Stats: ``clip_frac`` (PPO-clipped or selected), ``cov_selected_frac``.
+    the selected tokens (:func:`clip_cov_select`) lie inside ``(clip_cov_lb, clip_cov_ub)``.
     """
     old, adv, mask = x.detached()
     chosen = _selection(x, clip_cov_select, p)
