@@ -1,26 +1,10 @@
 """Data-parallel training: N trainer workers share each update's batch, sharded with FSDP2.
 
-Every rank receives the same full call (the whole :class:`TrainBatch`) and takes
-its own rows: the contiguous ``rank``-th share of each mini-batch (or of the batch,
-for a scoring pass). Parameters, gradients and optimizer state are sharded by
-``torch.distributed.fsdp.fully_shard`` (FSDP2, ZeRO-3 class), over gloo on CPU
-and NCCL on GPU.
-
-Why the update equals one worker's:
-
-- The loss denominators (tokens, sequences) are counted on the *whole* mini-batch,
-  which every rank holds, so they are the global counts with no exchange, and each
-  rank's loss is its share of the one-worker loss.
-- FSDP2 averages gradients over ranks by default; the gradient divide factor is set
-  to 1, so the reduce-scatter *sums* the shares: the one-worker gradient.
-- The gradient norm is the norm of that sharded gradient (``clip_grad_norm_`` on
-  DTensors reduces over ranks); loss and statistics are summed over ranks.
-
-FSDP2 gathers parameters in every forward and reduces gradients in every
-backward, so all ranks must run the same number of forward and backward passes.
-A rank whose share is short is padded with rows whose ``response_mask`` is zero
-(:data:`PAD` entries): they add nothing to the loss or the gradient, and their
-outputs are dropped.
+Every rank receives the whole :class:`TrainBatch` and takes the contiguous ``rank``-th share
+of each mini-batch. The update equals one worker's: loss denominators are counted on the whole
+mini-batch, and the gradient divide factor is 1, so the reduce-scatter sums the shares.
+All ranks must run as many passes, so a short share is padded with :data:`PAD` rows whose
+``response_mask`` is zero.
 """
 
 from __future__ import annotations
@@ -45,8 +29,7 @@ PAD = -1
 class DPSpec:
     """Where one trainer worker sits in its data-parallel group.
 
-    ``rank`` in ``0 .. world - 1``; ``master_addr`` / ``master_port``: rank 0's TCP
-    rendezvous; ``backend``: ``gloo`` (CPU) or ``nccl`` (GPU).
+    ``master_addr`` / ``master_port``: rank 0's TCP rendezvous.
     """
 
     rank: int
@@ -95,22 +78,14 @@ def destroy_group() -> None:
         dist.destroy_process_group()
 
 
-# ------------------------------------------------------------------ sharding
-
-
 def shard_model(
     model: nn.Module, *, bf16: bool = False, trainable: bool = True, mesh=None, synced=False
 ) -> nn.Module:
     """Wrap ``model`` in FSDP2 in place: each decoder layer is a unit, the root the rest.
 
-    Rank 0's weights are broadcast first, so every rank shards the same model
-    whatever each built (``synced``: they already are, and the ranks may hold different
-    parts: pipeline stages). ``mesh``: the data-parallel axis of a device mesh whose other
-    axes already split the model (:mod:`rlpost.train.tp`, :mod:`rlpost.train.pp`); None,
-    every rank. ``bf16``:
-    parameters are gathered in bfloat16 for compute and gradients reduced in float32;
-    the sharded master weights and the optimizer state stay float32. Gradient
-    checkpointing is made non-reentrant (:func:`non_reentrant_checkpointing`).
+    Rank 0's weights are broadcast first unless ``synced``. ``mesh``: the data-parallel axis
+    of a device mesh whose other axes already split the model (None: every rank). ``bf16``:
+    gathered in bfloat16, gradients reduced and master weights kept in float32.
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
@@ -180,9 +155,8 @@ def resharded(model: nn.Module) -> nn.Module:
 class DataParallel:
     """This rank's view of its group: which rows it takes, and the sums and gathers.
 
-    ``mesh``: a ``("dp", "tp")`` device mesh (:mod:`rlpost.train.tp`); the rows are shared
-    over its data-parallel axis, and the ranks of one tensor-parallel group, which run the
-    same rows, sum and gather within their own data-parallel group. None: every rank."""
+    ``mesh``: a ``("dp", "tp")`` device mesh (:mod:`rlpost.train.tp`) whose data-parallel
+    axis shares the rows (None: every rank)."""
 
     def __init__(self, spec: DPSpec, device: torch.device | None = None, mesh=None) -> None:
         self.spec = spec
@@ -195,8 +169,6 @@ class DataParallel:
         # this rank's device, named explicitly: calls arrive on threads whose current CUDA
         # device is not the one set at start (it is per thread)
         self.device = device if device is not None else torch.device("cpu")
-
-    # ------------------------------------------------------------- rows
 
     def share(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous share of ``rows``, padded with :data:`PAD` to
@@ -244,8 +216,6 @@ class DataParallel:
             out[idx[keep]] = part[keep]
         return out
 
-    # ------------------------------------------------------------- sums
-
     def sum_floats(self, values: dict[str, float]) -> dict[str, float]:
         """Each value summed over the ranks; a key a rank lacks counts 0 there."""
         names: list[list[str]] = [[] for _ in range(self.world)]
@@ -272,13 +242,8 @@ class DataParallel:
         dist.barrier()
 
 
-# -------------------------------------------------------- optimizer state
-
-
 def optimizer_state_by_name(state: dict, names: list[str]) -> dict:
-    """An ``optimizer.state_dict()`` keyed by parameter name (the form sharded optimizers
-    save and load); ``names[i]`` is the name of the optimizer's ``i``-th parameter.
-    A state already keyed by name is returned as is."""
+    """An ``optimizer.state_dict()`` keyed by parameter name, ``names[i]`` the ``i``-th's."""
     groups = state["param_groups"]
     if all(isinstance(p, str) for g in groups for p in g["params"]):
         return state

@@ -1,12 +1,7 @@
 """One optimizer step, written once: the actor, the critic and DPO all use it.
 
-An optimizer step is: zero the gradients, accumulate the gradient of every
-micro-batch (the caller's loss function already divides by the mini-batch's
-global denominator, so the sum is the mini-batch gradient whatever the split),
-clip the gradient norm, and step, unless the loss or the gradient norm is not
-finite, in which case the gradients are thrown away and the weights do not
-move. :func:`minibatch_updates` is the PPO-style loop around it: epochs of
-shuffled mini-batches, one optimizer step each, statistics averaged.
+Zero, accumulate every micro-batch's gradient, clip, and step, unless the loss or norm is not
+finite. :func:`minibatch_updates` is the PPO-style loop around it.
 """
 
 from __future__ import annotations
@@ -30,14 +25,9 @@ SLICE_BYTES = 8 * 2**20
 class SlicedAdamW(torch.optim.AdamW):
     """torch's AdamW, with a large parameter's update run on slices of :data:`SLICE_BYTES`.
 
-    torch's CPU AdamW (single-tensor) makes two parameter-sized temporaries for the
-    denominator, ``sqrt(v)`` and its division by the bias correction: 297 MiB for a
-    151,936 x 256 float32 embedding, at the peak of a step. Here torch's own update runs
-    on slices of a parameter, as if each were a parameter of its own, so the temporaries are
-    a slice's size. Each element goes through the same operations: the weights and moments
-    are bit-identical to ``torch.optim.AdamW``'s (test), and so is the state (a checkpoint of
-    either loads in the other). torch has no option for it (its foreach and fused paths make
-    temporaries of a whole parameter or more), hence the subclass."""
+    torch's CPU AdamW makes two parameter-sized temporaries at the peak of a step; on slices
+    they are a slice's size. Weights, moments and state are bit-identical to
+    ``torch.optim.AdamW``'s."""
 
     def _init_group(self, group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps):
         has_complex = super()._init_group(
@@ -120,10 +110,8 @@ def optimizer_step(
 ) -> StepOutcome:
     """Accumulate ``micro_loss`` over ``micro_batches``, clip, and step (or skip when non-finite).
 
-    ``sum_ranks``: under data parallelism, sums the loss and statistics over the ranks
-    (each rank's are its share), so every rank reports and decides the same.
-    ``accumulate``: runs the micro-batches' passes (:func:`accumulate_grads`; pipeline
-    stages: :meth:`rlpost.train.pp.Stages.accumulate`).
+    ``sum_ranks``: sums the loss and statistics over data-parallel ranks. ``accumulate``:
+    :func:`accumulate_grads` or :meth:`rlpost.train.pp.Stages.accumulate`.
     """
     optimizer.zero_grad(set_to_none=True)
     loss_total, stats = accumulate(micro_batches, micro_loss)
@@ -159,11 +147,8 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
     """Scale the gradients of ``params`` to a total 2-norm of at most ``max_norm``; the
     total norm before scaling (a plain 0-d tensor, the same on every rank).
 
-    Sharded parameters hold DTensor gradients whose norms torch reduces over their mesh;
-    under tensor parallelism the parameters sit on different meshes (the split matrices
-    on the tensor-parallel axis or both axes, the whole ones on the data-parallel axis
-    or none), which one ``clip_grad_norm_`` cannot stack. Each mesh's norm is taken
-    apart, made whole, and the total is the norm of those: every slice counted once.
+    Under tensor parallelism parameters sit on different meshes, which one
+    ``clip_grad_norm_`` cannot stack, so each mesh's norm is taken apart and made whole.
     Pipeline stages: :func:`_staged_norm`."""
     by_mesh: dict[object, list[torch.Tensor]] = {}
     staged = any(getattr(p, "pipeline_group", None) is not None for p in params)
@@ -189,11 +174,8 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
 
 
 def _staged_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """The gradient norm of a pipeline stage's ``params`` (its own layers, marked with
-    their group by :func:`rlpost.train.pp.pipeline`, between the whole parameters) and
-    the other stages' layers: each tensor's norm, the stages' gathered in layer order,
-    then the norm of them all, as ``clip_grad_norm_`` takes one process's on CPU, so the
-    total is the one process's to the bit."""
+    """The gradient norm over all pipeline stages: each tensor's norm, gathered in layer
+    order, then their norm, so the total is one process's to the bit."""
     import torch.distributed as dist
 
     with_grad = [p for p in params if p.grad is not None]
@@ -219,10 +201,8 @@ def minibatch_updates(
 ) -> dict[str, float]:
     """``epochs`` passes of shuffled mini-batches of row indices, ``step(rows)`` on each.
 
-    ``groups`` ``[num_rows]``: the groups are shuffled, not the rows, so a group's rows stay
-    together (their prompt then runs once: :class:`rlpost.train.packing.Pack`).
-    Returns the mean of each statistic over the optimizer steps and ``updates``,
-    their count.
+    ``groups`` ``[num_rows]``: the groups are shuffled, not the rows. Returns each
+    statistic's mean over the steps and ``updates``, their count.
     """
     sums: dict[str, float] = {}
     updates = 0
@@ -269,12 +249,9 @@ def budget_slices(
     ``packed`` (a :class:`rlpost.train.packing.Pack`): whose real tokens, the sum of their
     lengths, do (the rows run packed end to end, :mod:`rlpost.train.packing`).
 
-    ``prompt_lens``/``response_lens`` [B] are indexed by row id. Rows go longest first, so
-    rows of like length share a micro-batch and one long row does not set the shape of the
-    others (verl's dynamic batch size, slime's max tokens per GPU); a row longer than the
-    budget is a micro-batch of its own. ``groups`` [B] (with shared prompts): the groups go
-    longest first, a group's rows together, and a micro-batch counts a group's prompt once.
-    ``max_tokens <= 0``: :func:`micro_slices`."""
+    Rows (or ``groups``, a group's prompt counted once) go longest first, as verl's dynamic
+    batch size; a row over the budget is a micro-batch of its own. ``max_tokens <= 0``:
+    :func:`micro_slices`."""
     if max_tokens <= 0:
         return micro_slices(rows, micro_batch_size)
     length = {r: int(prompt_lens[r]) + int(response_lens[r]) for r in rows.tolist()}

@@ -18,33 +18,16 @@ Layers, outermost first::
             dumps, no locked memory, no POSIX message queues, few queued signals
     python  -E -s -S main.py   (standard library only, no site-packages)
 
-Why drop to uid 65534 before bwrap: bwrap started by root maps the sandbox user
-to host root, and RLIMIT_NPROC never binds root, so a fork bomb would be free.
-Started as 65534, the sandbox user is host uid 65534 with no capabilities.
-Why prlimit runs inside the sandbox: the kernel counts processes per user
-namespace, and the namespace created by bwrap inherits the limit its creator
-had; setting the cap after it exists makes every run's cap its own, so one
-fork bomb cannot starve concurrent runs.
-Why the outer mount namespace: bwrap's ``--tmpfs`` takes a size but no file
-count, and each file on a tmpfs holds about 1 KiB of kernel memory its size
-does not count (440,000 empty files held 500 MiB), so the supervisor mounts the
-two tmpfs itself with ``nr_inodes``: as root, or without root in a user
-namespace where the kernel allows unprivileged ones. The same namespace
-stages a private interpreter prefix: a pyenv interpreter lives under /root
-(mode 0700), which uid 65534 cannot traverse, so the prefix is bind-mounted
-onto a path the inner bwrap can reach. Inside, the prefix is mounted at
-``/opt/python`` so nothing of /root is visible. Where the kernel refuses
-unprivileged user namespaces, bwrap's size-capped tmpfs bound the bytes, and a
-cgroup (where there is one) the rest.
+Why uid 65534 before bwrap: bwrap started by root maps the sandbox user to host root, which
+RLIMIT_NPROC never binds. Why prlimit inside: the process cap set after bwrap's user namespace
+exists is each run's own, so one fork bomb cannot starve concurrent runs. Why the outer mount
+namespace: bwrap's ``--tmpfs`` has no file count, and tmpfs inodes hold kernel memory their
+size does not count, so the two tmpfs are mounted here with ``nr_inodes``; it also stages an
+interpreter under /root (mode 0700) onto a path uid 65534 reaches, seen at ``/opt/python``.
 
-Per run, not per process: the rlimits bind each process; the run as a whole
-is bounded by its cgroup (``cgroup.py``: memory with shared memory included,
-pids, CPU quota, cpuset) where the host gives one, and otherwise by the
-seccomp filter (``seccomp.py``) refusing memfd, SysV IPC, sockets, pipe
-resizing and page pinning, io_uring and ``sched_setaffinity``, so memory no address space
-counts cannot be held and the CPU pin cannot be widened. Without a memory
-cgroup a run can still hold up to ``max_processes`` address spaces of
-``memory_mb`` each. The filter also refuses the keyring calls on every path.
+The run as a whole is bounded by its cgroup (``cgroup.py``) where the host gives one, else by
+the seccomp filter (``seccomp.py``); without a memory cgroup a run can still hold up to
+``max_processes`` address spaces of ``memory_mb`` each.
 """
 
 from __future__ import annotations
@@ -100,9 +83,8 @@ class Tools:
 class Interpreter:
     """Where the Python that runs untrusted code lives.
 
-    ``host_prefix`` is the install prefix to mount read-only at
-    ``SANDBOX_PYTHON``, or ``None`` when it lies under /usr (already visible);
-    ``executable`` is the interpreter's path as seen inside the sandbox.
+    ``host_prefix``: the prefix to mount at ``SANDBOX_PYTHON`` (None: under /usr);
+    ``executable``: the interpreter's path inside the sandbox.
     """
 
     host_prefix: str | None
@@ -178,10 +160,8 @@ def build_command(
 ) -> list[str]:
     """The full argv: cgroup join, CPU pin, privilege drop, bwrap, prlimit, then ``python <argv>``.
 
-    ``files`` are ``(fd, name)`` pairs copied into ``/tmp/name``; ``info_fd``
-    receives bwrap's JSON with the host pid of the sandbox's pid 1; ``join``
-    is the prefix that moves the run into its cgroups (``RunGroup.join_argv``);
-    ``seccomp_fd`` holds the compiled filter bwrap loads for the program.
+    ``files``: ``(fd, name)`` pairs copied into ``/tmp/name``; ``info_fd`` gets bwrap's JSON
+    with the sandbox's host pid; ``join``: ``RunGroup.join_argv``.
     """
     prefix_source = interpreter.host_prefix
     outer: list[str] = [*(join or []), tools.taskset, "--cpu-list", str(cpu)]
@@ -227,11 +207,8 @@ def _user_mounts(unshare: str | None, sh: str | None) -> bool:
 def _mount_stage(
     tools: Tools, config: SandboxConfig, private_prefix: str | None, *, user: bool
 ) -> list[str]:
-    """unshare + sh: the run's tmpfs capped in bytes and files, and a staged prefix.
-
-    Without root (``user``) the stage runs in a user namespace where the user
-    maps to root, which the kernel lets mount a tmpfs.
-    """
+    """unshare + sh: the run's tmpfs capped in bytes and files, and a staged prefix (without
+    root in a user namespace of its own)."""
     mount = shlex.quote(str(tools.mount))
     capped = f"nosuid,nodev,mode=1777,size={config.tmpfs_mb << 20},nr_inodes={config.max_tmp_files}"
     script = ["set -e", f"{mount} -t tmpfs -o nosuid,nodev,mode=0755,size=1m rlpost {_STAGE}"]
