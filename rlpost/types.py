@@ -1,9 +1,7 @@
 """Typed records passed between stages (DESIGN.md "one training step, as data").
 
-Token-level tensors between layers are right-padded ``[B, T]`` with a
-``response_mask``; ``group`` is an int64 ``[B]`` mapping each row to its prompt.
-Records here are plain dataclasses so every stage can be run and inspected on
-its own.
+Token-level tensors are right-padded ``[B, T]`` with a ``response_mask``; ``group`` is an
+int64 ``[B]`` mapping each row to its prompt.
 """
 
 from __future__ import annotations
@@ -18,12 +16,8 @@ FinishReason = Literal["stop", "length", "abort"]
 class Turn:
     """One turn of a multi-turn episode: response tokens ``start .. end - 1``.
 
-    ``role`` is ``"policy"`` (sampled, trained) or ``"env"`` (the environment's
-    answer, masked from the loss). A policy turn carries the tool it called
-    (``None``: it answered, or its call was past the turn budget and never ran), the
-    reward the environment gave it, whether the call failed and its wall time in
-    ``seconds``.
-    ``text`` is the turn's tokens decoded (for people reading samples; never re-encoded).
+    ``role``: ``"policy"`` (trained) or ``"env"`` (masked). ``tool``: the tool a policy turn
+    called, None when none ran. ``text``: the tokens decoded, for reading, never re-encoded.
     """
 
     role: Literal["policy", "env"]
@@ -41,9 +35,8 @@ class Turn:
 class Episode:
     """How a multi-turn completion unfolded.
 
-    ``answer`` is the text of the policy's last turn: what the reward terms
-    judge. ``budget`` names the budget that ended the episode (``"turns"`` or
-    ``"tokens"``), ``None`` when the policy or the environment ended it.
+    ``answer``: the policy's last turn, which the rewards judge. ``budget``: ``"turns"`` or
+    ``"tokens"`` when a budget ended it.
     """
 
     turns: list[Turn] = field(default_factory=list)
@@ -63,10 +56,8 @@ class Episode:
 class Prompt:
     """One task instance: the text shown to the policy and what the reward needs.
 
-    ``answer`` is the reference (a number, a string, a list of tests...);
-    ``metadata`` carries anything else a reward function may read (task name,
-    test cases, rubric). ``uid`` identifies the prompt across steps (length
-    prediction, partial rollout, sample logs).
+    ``metadata`` carries anything else a reward may read; ``uid`` identifies the prompt
+    across steps.
     """
 
     text: str
@@ -80,15 +71,10 @@ class Prompt:
 class Completion:
     """One sampled response, as the rollout engine produced it.
 
-    ``logprobs[i]`` is the engine's log-probability of ``token_ids[i]`` under the
-    sampling distribution actually used (temperature applied, before top-p/top-k
-    truncation renormalisation is *not* applied: it is the model's tempered
-    distribution). ``loss_mask[i]`` is 0 for tokens the policy did not produce
-    (tool output in a multi-turn rollout) and 1 otherwise. ``token_versions[i]``
-    is the policy version of the weights that sampled ``token_ids[i]`` (a sample
-    continued across a weight update spans several); ``policy_version`` is the
-    version that began the sample. ``group`` is the engine's prompt index within
-    one ``generate`` call; the pipeline groups samples in :class:`Group` records.
+    ``logprobs[i]``: of ``token_ids[i]`` under the tempered, untruncated distribution.
+    ``loss_mask[i]``: 0 for tokens the policy did not produce. ``token_versions[i]``: the
+    policy version that sampled ``token_ids[i]``; ``policy_version``: the one that began.
+    ``group``: the prompt index within one ``generate`` call.
     """
 
     prompt_ids: list[int]
@@ -117,13 +103,9 @@ class Completion:
 class Group:
     """One prompt and its ``n`` samples: the record the rollout stage hands to training.
 
-    The group size travels here and only here (``len(completions)``). The reward
-    worker fills ``scores`` (the final scalar reward of each sample, what trains),
-    ``components`` (each reward term's value per sample, ``nan`` where it did not
-    apply) and ``invalid`` (True where the reward was NaN, infinite or out of
-    range: the score is then ``reward.invalid_score`` and the sample's tokens are
-    not trained). Per-token logprobs, versions, finish reasons and loss masks are
-    in the completions, so a multi-turn episode (tool output masked) fits as is.
+    The group size travels here only. The reward worker fills ``scores``, ``components``
+    (``nan`` where a term did not apply) and ``invalid`` (a NaN, infinite or out-of-range
+    reward: scored ``reward.invalid_score`` and not trained).
     """
 
     prompt: Prompt
@@ -146,9 +128,8 @@ class Group:
 class RewardSample:
     """The canonical sample every reward function scores.
 
-    Reward functions are plain callables ``fn(sample, **params) -> float | None``;
-    ``None`` means "not applicable to this sample" (e.g. a code reward on a math
-    prompt) and is distinct from a score of 0.
+    Reward functions are ``fn(sample, **params) -> float | None``; ``None`` means "not
+    applicable", distinct from 0.
     """
 
     prompt: str
@@ -166,10 +147,8 @@ class RewardSample:
 class ScoredBatch:
     """Scores for a batch of completions plus each named component for logging.
 
-    ``scores[i]`` is the final scalar reward of completion i (finite floats only;
-    invalid scores are replaced and counted in ``invalid``; their indices are in
-    ``invalid_rows`` so the trainer can drop them). ``components`` maps a reward
-    name to its per-sample values (``nan`` where not applicable).
+    ``scores`` are finite; invalid ones are replaced, counted in ``invalid`` and indexed in
+    ``invalid_rows``. ``components``: per-term values, ``nan`` where not applicable.
     """
 
     scores: list[float]

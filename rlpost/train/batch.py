@@ -79,9 +79,8 @@ class TrainBatch:
         return self.attention_mask[:, :P].sum(-1), self.attention_mask[:, P:].sum(-1)
 
     def trimmed(self) -> TrainBatch:
-        """The same rows without the columns that are padding in every row (the prompts'
-        left, the responses' right): a micro-batch of short rows gets its own, narrower
-        shape. Response tensors become ``[B, T']``; :func:`pad_responses` restores T."""
+        """The same rows without the columns that are padding in every row; response tensors
+        become ``[B, T']`` (:func:`pad_responses` restores T)."""
         prompt_lens, response_lens = self.lengths()
         keep_p = max(1, int(prompt_lens.max()))
         keep_t = max(1, int(response_lens.max()))
@@ -179,10 +178,7 @@ _KEEPS_LOGITS: dict[type, bool] = {}
 def response_logits(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
     """Logits [B, T, V] that predict the response tokens.
 
-    The LM head runs on the last ``T + 1`` positions only where the model allows
-    it: the prompt's logits are never used, and with a large vocabulary and long
-    prompts they are most of the head's FLOPs and of the activation memory (the
-    forward's [B, P + T, V] logits and their gradient)."""
+    The LM head runs on the last ``T + 1`` positions only, where the model allows it."""
     T = batch.responses.shape[1]
     extra = {"logits_to_keep": T + 1} if keeps_logits(model) else {}
     out = model(
@@ -215,13 +211,9 @@ def response_hidden(
     model: torch.nn.Module, batch: TrainBatch, chunk: int = 0, packed: Pack = Pack.PADDED
 ):
     """(hidden [N, H] of the real response tokens, their targets [N], where [B, T] bool, head),
-    or None when the model's head cannot be split off (:func:`split_head`) or the logits
-    fit one chunk (:func:`needs_chunks`) outside autocast (under it the whole head would
-    round its logits to bf16; the chunked one computes them in float32, as engines do).
-
-    Padding positions are left out: the head never runs on them. ``packed``: the decoder
-    runs on the rows packed end to end (:mod:`rlpost.train.packing`), not padded; with
-    :attr:`Pack.SHARED`, the rows of one prompt after a single copy of it."""
+    or None when the head cannot be split off (:func:`split_head`) or the logits fit one
+    chunk outside autocast (under it the chunked head keeps them float32, as engines do).
+    ``packed``: the decoder runs on the rows packed (:mod:`rlpost.train.packing`)."""
     split = split_head(model)
     T = batch.responses.shape[1]
     tokens = int(batch.attention_mask[:, -T:].sum()) if packed else len(batch) * T
@@ -272,11 +264,9 @@ def response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs [B, T], entropy [B, T] or None) of the responses, float32, differentiable.
 
-    The LM head runs on the response tokens in chunks (:mod:`rlpost.train.lm_head`), so the
-    full ``[B, T, V]`` logits never exist; padding positions hold 0. ``chunk`` tokens per
-    chunk (0: from the vocabulary size, and the unchunked path where the logits fit one
-    chunk; :data:`FULL_LOGITS`: the unchunked path, also taken by a model whose head cannot
-    be split off). ``packed``: the rows run packed (:mod:`rlpost.train.packing`)."""
+    The LM head runs in chunks (:mod:`rlpost.train.lm_head`); padding holds 0. ``chunk``
+    tokens per chunk (0: from the vocabulary size; :data:`FULL_LOGITS`: unchunked).
+    ``packed``: the rows run packed (:mod:`rlpost.train.packing`)."""
     split = None if chunk == FULL_LOGITS else response_hidden(model, batch, chunk, packed)
     if split is None:
         logits, targets, lay_out = _full_logits(model, batch, packed)
@@ -344,9 +334,8 @@ def score_rows(
 ):
     """``fn(micro) -> [b, T]`` over micro-batches of ``batch`` in eval mode, as ``[B, T]``.
 
-    ``max_tokens`` > 0: micro-batches are cut by a token budget and trimmed to their own
-    widths (:func:`rlpost.train.optim.budget_slices`, :meth:`TrainBatch.trimmed`); the
-    budget counts real tokens when ``packed``."""
+    ``max_tokens`` > 0: micro-batches are cut by a token budget and trimmed
+    (:func:`rlpost.train.optim.budget_slices`)."""
     device = model_device(model)
     groups = Pack(packed).groups(batch)
     # With shared prompts a group's rows go together (their prompt runs once).

@@ -1,10 +1,7 @@
 """The rollout protocol every engine implements.
 
-An engine is token in, token out: it takes prompt token ids and returns
-:class:`~rlpost.types.Completion` records with the sampled token ids, the
-engine's log-probabilities of those tokens, the finish reason and the policy
-version of the weights that produced them. Weights arrive through
-``load_weights`` tagged with a version.
+Token in, token out: prompt ids in, :class:`~rlpost.types.Completion` records out; weights
+arrive through ``load_weights`` tagged with a version.
 """
 
 from __future__ import annotations
@@ -22,10 +19,8 @@ from rlpost.types import Completion
 class SamplingParams:
     """How to sample. ``temperature == 0`` means greedy; ``top_k == -1`` keeps all tokens.
 
-    ``seed``: per-request seed (as in vLLM): sampling uses its own generator and
-    leaves the engine's stream untouched, so evaluations never shift training samples.
-    ``stop_texts``: a sample also ends on the token that completes one of these strings in
-    its decoded text (the tokens that wrote it are kept: token in, token out).
+    ``seed``: the request's own generator, leaving the engine's stream untouched.
+    ``stop_texts``: a sample ends on the token that completes one of them (that token kept).
     """
 
     temperature: float = 1.0
@@ -51,11 +46,7 @@ class SamplingParams:
 class LogitAdjust:
     """OpenAI's logit adjustments, applied to the raw logits before temperature.
 
-    ``presence_penalty`` is subtracted once from every token already sampled in
-    this sample, ``frequency_penalty`` once per occurrence, and ``logit_bias``
-    adds ``(token_id, bias)`` pairs. Only the rollout server uses them: the
-    engines that feed training never do, so their logprobs stay those of the
-    model the trainer recomputes.
+    Only the rollout server uses them, so training logprobs stay the model's.
     """
 
     presence_penalty: float = 0.0
@@ -159,12 +150,9 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 INVERSE_CDF_VOCAB = 32_768
-"""From this vocabulary size up, a sample is drawn by inverting the CDF (one uniform per
-row) instead of ``torch.multinomial``. For one sample torch's multinomial races one
-exponential draw per category: at 151,936 categories and 32 rows that is 0.2 s of a
-single-threaded generator per decode step on CPU, about six times the LM head's matmul
-(docs/performance.md, "Sampling at a real vocabulary"). Below it the race is kept: a
-seeded small-vocabulary run samples the tokens it always did."""
+"""From this vocabulary size up, a sample is drawn by inverting the CDF instead of
+``torch.multinomial``, whose per-category draws cost more than the LM head
+(docs/performance.md, "Sampling at a real vocabulary")."""
 
 
 def sample_tokens(
@@ -172,8 +160,8 @@ def sample_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B], logprobs [B]) for next-token ``logits`` [B, V] (float32).
 
-    The logprob is of the tempered, untruncated distribution ``log_softmax(logits / T)``
-    (T = 1 when greedy), which is what the trainer recomputes.
+    The logprob is of the tempered, untruncated ``log_softmax(logits / T)`` the trainer
+    recomputes.
     """
     logits = logits.float()
     if params.temperature == 0:
@@ -212,14 +200,9 @@ _CDF_BLOCK = 1024
 def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of ``probs [B, V]`` (non-negative, any positive row sum).
 
-    Two levels, in float64: a uniform picks a block of :data:`_CDF_BLOCK` tokens by the
-    CDF of the block sums, then a token inside it by that block's own CDF, so the work
-    beyond one reduction pass is a cumulative sum of ``V / 1024 + 1024`` values a row,
-    not ``V``. Each token's share of the draw is its probability to the rounding of a
-    1024-value float32 sum (about 1e-7 relative, below the float32 probabilities' own).
-    A zero-probability token (masked by top-k/top-p) is never picked. The uniforms come
-    from the CPU generator when ``generator`` is one, so a seed picks the same tokens on
-    every device."""
+    Two levels in float64: a uniform picks a block of :data:`_CDF_BLOCK` tokens by the block
+    sums' CDF, then a token by that block's own, so a row cumsums ``V / 1024 + 1024`` values.
+    A zero-probability token is never picked."""
     rows, vocab = probs.shape
     full = vocab // _CDF_BLOCK * _CDF_BLOCK
     blocks = probs[:, :full].reshape(rows, -1, _CDF_BLOCK)
