@@ -93,8 +93,6 @@ class WorkerHealth:
     def __post_init__(self) -> None:
         self.history.append(Event(self.clock(), self.state, "created"))
 
-    # ------------------------------------------------------------- queries
-
     @property
     def serving(self) -> bool:
         """May be given new prompts."""
@@ -104,8 +102,6 @@ class WorkerHealth:
     def alive(self) -> bool:
         """Is (or may soon be) able to work: not dead, draining or retired."""
         return self.state in (State.HEALTHY, State.SUSPECT, State.STALE, State.RESTARTING)
-
-    # -------------------------------------------------------------- events
 
     def _to(self, state: State, why: str) -> None:
         if state is self.state:

@@ -53,9 +53,6 @@ def import_ray():
     return ray
 
 
-# ------------------------------------------------------------------ actors
-
-
 class _Host(Host):
     """Actor body: a :class:`~rlpost.cluster.process.Host`, run by name through ``call``.
 
@@ -110,9 +107,6 @@ def rendezvous() -> tuple[str, int]:
     return host, port
 
 
-# ------------------------------------------------------------------ proxy
-
-
 class RayWorker(Proxy):
     """Blocking calls to an actor: ``proxy.method(*args)``; a lost actor or a failed call is a
     one-line :class:`WorkerError` naming the worker, as with the other backends: ``lost``
@@ -151,9 +145,6 @@ class RayWorker(Proxy):
 
     def kill(self) -> None:
         import_ray().kill(self.actor, no_restart=True)
-
-
-# --------------------------------------------------------------- placement
 
 
 @dataclass
@@ -289,9 +280,6 @@ def _options(pg, index: int | None, cpus: float, gpus: float, resources=None, **
     return opts
 
 
-# ------------------------------------------------------------------ fleet
-
-
 class RaySpawner(Spawner):
     """Rollout actors for a :class:`RolloutFleet`. A lost actor is restarted by Ray in its
     bundle; ``start`` waits until it answers again (a new actor if Ray gave up on it)."""
@@ -419,9 +407,6 @@ def _ready(ray, workers: list[RayWorker], timeout: float, cancelled=None) -> Non
         raise WorkerError(w.role, "timeout", line)
 
 
-# ------------------------------------------------------------------ rewards
-
-
 class RewardPool:
     """The reward worker interface over ``cluster.reward_workers`` actors: each scoring call's
     groups are split over them and scored concurrently (sandboxes and reward models scale out)."""
@@ -455,9 +440,6 @@ class RewardPool:
         for w in self.workers:
             w.close()
         self.pool.shutdown(wait=False)
-
-
-# ------------------------------------------------------------------ start
 
 
 @dataclass

@@ -86,9 +86,6 @@ def ensure_chat_template(tokenizer) -> bool:
     return True
 
 
-# ------------------------------------------------------------------------ checks
-
-
 def check_messages(messages: Any) -> Problem | None:
     """The problem of a ``messages`` value, or None (see the module docstring)."""
     if not isinstance(messages, list) or not messages:
@@ -155,9 +152,6 @@ def load_conversation_file(
     if not out:
         raise DataError(f"conversation file {str(p)!r} has no usable rows ({report.first_problem})")
     return out, report
-
-
-# ------------------------------------------------------------------ render, mask
 
 
 def _ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
@@ -265,9 +259,6 @@ def prompt_for_answer(conv: Conversation, tokenizer) -> str:
     return tokenizer.apply_chat_template(
         conv.messages[:-1], tokenize=False, add_generation_prompt=True
     )
-
-
-# --------------------------------------------------------------- built-in set
 
 
 def chat_arith(size: int, seed: int = 0) -> list[Conversation]:

@@ -66,9 +66,6 @@ def classic():
     return vf
 
 
-# ---------------------------------------------------------------- async from threads
-
-
 class _Loop:
     """One event loop on a daemon thread: verifiers' coroutines (reward functions,
     env_response, stop conditions) run there, from whatever thread asks, even one that is
@@ -94,9 +91,6 @@ def run_async(coro: Coroutine) -> Any:
         if _LOOP is None:
             _LOOP = _Loop()
     return _LOOP.run(coro)
-
-
-# ---------------------------------------------------------------------- loading
 
 
 def _offline_cause(exc: BaseException) -> BaseException | None:
@@ -210,9 +204,6 @@ class _keep_signals:
                 self.signal.signal(sig, handler)
 
 
-# ------------------------------------------------------------------------- rows
-
-
 def _plain(value: Any) -> Any:
     """A dataset value (or pydantic message) as plain JSON-like data."""
     if hasattr(value, "model_dump"):
@@ -318,9 +309,6 @@ def row_input(prompt_text: str, answer: Any, metadata: dict | None) -> dict:
         "info": info,
         "example_id": 0,
     }
-
-
-# ------------------------------------------------------------ states and messages
 
 
 def call_arguments(tool: Any, arguments: str) -> str:

@@ -177,8 +177,6 @@ class OverlapFeed(_Feed):
         self._thread = threading.Thread(target=self._produce, name="rlpost-rollout", daemon=True)
         self._thread.start()
 
-    # ----------------------------------------------------------- producer side
-
     def _admissible(self) -> bool:
         if self._stop:
             return True
@@ -229,8 +227,6 @@ class OverlapFeed(_Feed):
                 return batch
 
         return Recording()
-
-    # ------------------------------------------------------------ trainer side
 
     def next(self, step: int, version: int, last: bool) -> Fed:
         t0 = time.perf_counter()

@@ -88,9 +88,6 @@ def _write(fd, data):
         view = view[os.write(fd, view) :]
 
 
-# ------------------------------------------------------------------- evaluator side
-
-
 def _child(request, w, program):
     """Evaluate one request, confined, and write the reply on ``w``; never returns."""
     try:
@@ -176,9 +173,6 @@ def start_evaluator(program):
     os.close(req_r)
     os.close(rep_w)
     return req_w, rep_r
-
-
-# ------------------------------------------------------------------------ judge side
 
 
 def rebuild(text):

@@ -118,8 +118,6 @@ class VerifiersRubric:
         self.task_cls = _load_task(task) if task else None
         self.last_components: dict[str, list[float]] = {}
 
-    # ------------------------------------------------------------------ classic
-
     def state(self, sample: RewardSample):
         """The verifiers State of ``sample``, completion and trajectory filled in."""
         state = vs.new_state(self.vf, self.env, _row(sample))
@@ -177,8 +175,6 @@ class VerifiersRubric:
                     parts.setdefault(name, [math.nan] * len(samples))[i] = float(v)
         self.last_components = parts
         return values
-
-    # -------------------------------------------------------------------- tasks
 
     def _task_data(self, sample: RewardSample):
         data_type = self.task_cls.data_type()

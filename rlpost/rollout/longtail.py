@@ -28,8 +28,6 @@ from rlpost.rollout.engines.continuous import VersionedCompletion
 from rlpost.rollout.engines.protocol import RolloutEngine, SamplingParams
 from rlpost.types import Completion, FinishReason, Prompt
 
-# ------------------------------------------------------ length-aware batching
-
 
 class LengthPredictor:
     """EMA of response lengths per prompt uid, per task (``metadata["task"]``) and overall.
@@ -96,9 +94,6 @@ def bucket_by_length(
             buckets.append(order[start:end])
         start = end
     return buckets
-
-
-# ------------------------------------------------------------ partial rollout
 
 
 @dataclass

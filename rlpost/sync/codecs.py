@@ -125,9 +125,6 @@ def decode(enc: Encoded) -> torch.Tensor:
     return lookup(enc.codec).decode(enc.parts, enc.meta)
 
 
-# ------------------------------------------------------------ none / bf16
-
-
 def _plain(codec: str, dtype: torch.dtype | None) -> Codec:
     """A codec that sends the tensor itself as part ``data`` (cast to ``dtype``, if any)."""
     return Codec(
@@ -135,9 +132,6 @@ def _plain(codec: str, dtype: torch.dtype | None) -> Codec:
         lambda parts, meta: parts["data"],
         part_shape("data"),
     )
-
-
-# -------------------------------------------------------------------- fp8
 
 
 def _blocks(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -166,9 +160,6 @@ def _decode_fp8(parts: dict[str, torch.Tensor], meta: dict) -> torch.Tensor:
     q = parts["q"]
     b = _blocks(q.float(), FP8_BLOCK, FP8_BLOCK) * parts["scale"][:, :, None, None]
     return _unblock(b, q.shape).contiguous()
-
-
-# ------------------------------------------------------------------ mxfp4
 
 
 def _encode_mxfp4(t: torch.Tensor) -> Encoded:

@@ -129,8 +129,6 @@ class Receiver:
     def in_session(self) -> bool:
         return self._staged is not None
 
-    # ------------------------------------------------------------ phases
-
     def start(self, meta: SessionMeta) -> None:
         with self._lock:
             self._drop()  # a new session replaces an unfinished one (its sender restarted)
@@ -179,8 +177,6 @@ class Receiver:
                 self._staged is not None and self._staged.meta.session == session
             ):
                 self._drop()
-
-    # ------------------------------------------------------------ commit
 
     def _commit(self, staged: _Staged, manifest: Manifest) -> CommitReport:
         if manifest.buckets != len(staged.buckets):
@@ -252,8 +248,6 @@ class Receiver:
         if base is None:
             self._fail("finish", f"delta for {spec.name!r} but no base tensor is held")
         return codec.decode(parts, spec.meta, base)
-
-    # ------------------------------------------------------------ staging
 
     def _stage(self, staged: _Staged, bucket: Bucket):
         if self.spool_dir is None:

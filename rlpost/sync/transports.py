@@ -60,9 +60,6 @@ def make_transport(name: str, target, options: TransportOptions) -> Transport:
     return TRANSPORTS[name](target, options)
 
 
-# ------------------------------------------------------------ in-process
-
-
 class InProcessTransport:
     """A receiver around an engine of this process; the receiver (and its delta base) persists."""
 
@@ -98,9 +95,6 @@ class InProcessTransport:
 
     def close(self) -> None:
         self.receiver.abort()
-
-
-# ------------------------------------------------------------------ http
 
 
 class HttpTransport:
@@ -149,9 +143,6 @@ class HttpTransport:
         if r.status_code >= 400:
             raise SyncError(phase, self.target, f"HTTP {r.status_code}: {http_error_line(r)}")
         return r.json()
-
-
-# ------------------------------------------------------------------ vllm
 
 
 class VllmTransport(InProcessTransport):

@@ -152,8 +152,6 @@ class WeightSync:
             failed=failed,
         )
 
-    # ------------------------------------------------------------ phases
-
     def _start(self, version: int, failed: dict[str, str]) -> list[_Group]:
         """Start a session on every target: the delta group first, then those needing full."""
         base = self.base_version if self.delta and self._base else None

@@ -33,8 +33,6 @@ from rlpost.train.batch import (
 from rlpost.train.offline import pair_parts
 from rlpost.types import Completion
 
-# ----------------------------------------------------------------- pair tensors
-
 
 @dataclass
 class PairSet:
@@ -130,9 +128,6 @@ def evaluate_pairs(
         "eval_chosen_logp": float(pc.mean()),
         "eval_rejected_logp": float(pr.mean()),
     }
-
-
-# --------------------------------------------------------------------- objective
 
 
 @dataclass

@@ -85,8 +85,6 @@ class TrainerWorker:
         self._version = version
         self._held = held_numel(trainer.model)  # as built: sharded, before any forward
 
-    # ------------------------------------------------------------- queries
-
     def describe(self) -> dict[str, Any]:
         """Facts the loop needs once: pad id, whether a critic / reference exist;
         ``parameters_held``, the policy's parameter elements this rank holds (its shards),
@@ -104,8 +102,6 @@ class TrainerWorker:
     def version(self) -> int:
         return self._version
 
-    # ------------------------------------------------------------ logprobs
-
     def logprobs(self, batch: TrainBatch, which: str = "old") -> torch.Tensor | None:
         """``[B, T]`` logprobs of the batch's responses under the current policy (``old``)
         or the reference (``ref``; None when no reference is kept); ``sum_pi_squared``:
@@ -122,8 +118,6 @@ class TrainerWorker:
     def values(self, batch: TrainBatch) -> torch.Tensor | None:
         """``[B, T]`` critic values (None without a critic)."""
         return None if self.critic is None else self.critic.values(batch)
-
-    # ------------------------------------------------------------- updates
 
     def update_critic(self, batch: TrainBatch) -> dict[str, float]:
         return {} if self.critic is None else self.critic.update(batch)
@@ -146,8 +140,6 @@ class TrainerWorker:
 
     def scale_lr(self, factor: float) -> float:
         return self.trainer.scale_lr(factor)
-
-    # --------------------------------------------------------- checkpoints
 
     def save(self, directory: str | Path) -> None:
         """Write the policy (an HF directory with the tokenizer), the reference and the

@@ -51,8 +51,6 @@ class HFEngine(TokenRate):
         self.pad_id = tokenizer.pad_token_id
         self.eos_id = tokenizer.eos_token_id
 
-    # ----------------------------------------------------------------- weights
-
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         params = dict(self.model.named_parameters())
@@ -62,8 +60,6 @@ class HFEngine(TokenRate):
                 raise KeyError(f"weight {name!r} is not a parameter of the serving model")
             params[name].copy_(tensor)
         self.version = version
-
-    # -------------------------------------------------------------- generation
 
     def generate(
         self, prompt_ids: list[list[int]], params: SamplingParams, n: int = 1, group_offset: int = 0

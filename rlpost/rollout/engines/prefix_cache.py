@@ -104,9 +104,6 @@ class PrefixCache:
         }
 
 
-# ----------------------------------------------------------------- KV helpers
-
-
 def cache_tensors(cache: DynamicCache) -> LayerKV:
     """The per-layer (keys, values) ``[B, H, L, D]`` held by ``cache``."""
     return [(layer.keys, layer.values) for layer in cache.layers]

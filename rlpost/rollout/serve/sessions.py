@@ -261,9 +261,6 @@ def add_session_routes(app, service, store: SessionStore) -> None:
     add_session_admin_routes(app, store)
 
 
-# ------------------------------------------------------------------ managed over HTTP
-
-
 def session_record(session: Session) -> dict:
     """A session as JSON: what :func:`session_from_record` reads back on the trainer's side."""
     return {
@@ -371,9 +368,6 @@ def add_session_admin_routes(app, store: SessionStore) -> None:
     app.get("/v1/sessions")(list_sessions)
     app.get("/v1/sessions/{sid}")(read_session)
     app.delete("/v1/sessions/{sid}")(close_session)
-
-
-# ------------------------------------------------------------------ samples
 
 
 def _extends(context: list[int], prompt: list[int]) -> bool:

@@ -151,9 +151,6 @@ def _choice(choice: Any, names: list[str]) -> tuple[str, str | None]:
     return "function", name
 
 
-# ---------------------------------------------------------------- the chat
-
-
 def chat_turns(messages: Any) -> list[dict]:
     """OpenAI messages -> the turns a Hugging Face chat template takes."""
     if not isinstance(messages, list) or not messages:
@@ -250,9 +247,6 @@ def _nonempty(ids: list[int]) -> list[int]:
     if not ids:
         raise APIError(400, "messages are empty: the prompt has no tokens", "messages")
     return list(ids)
-
-
-# ---------------------------------------------------------------- the model's calls
 
 
 def _wire(call: ParsedCall, index: int | None = None) -> dict:
