@@ -1,20 +1,13 @@
 """Workers as Ray actors (``cluster.backend=ray``; extra ``[ray]``).
 
-The actor classes :class:`TrainerWorker`, :class:`RolloutWorker` and
-:class:`RewardWorker` are thin shells: each builds its worker with the same
-builders the other backends use and answers ``call(name, args, kwargs)``. A
-:class:`RayWorker` proxy gives the loop the blocking method interface it has
-everywhere (``proxy.generate(...)``), so the loop cannot tell Ray from a local
-object. Rollout workers form a :class:`~rlpost.cluster.fleet.RolloutFleet`:
-Ray restarts a lost actor (at most ``cluster.max_restarts`` times) and the fleet
-syncs it in full before it serves again.
+The actors build their workers with the other backends' builders and answer ``call(name,
+args, kwargs)``; a :class:`RayWorker` proxy gives the loop the blocking interface it has
+everywhere. Ray restarts a lost rollout actor (``cluster.max_restarts``) and the
+:class:`~rlpost.cluster.fleet.RolloutFleet` syncs it in full before it serves again.
 
-Placement: one placement group per role (split), or the rollout workers inside
-the trainers' bundles (colocated). A request the cluster cannot hold fails at
-once, in one line naming the role and the resource; a group not placed within
-``cluster.placement_timeout_s`` is removed and fails the same way, never a
-silent hang. Ray is imported only here and in ``ray_connect``, and only when this backend
-is chosen.
+One placement group per role (split), or the rollout workers in the trainers' bundles
+(colocated). A request the cluster cannot hold, or a group not placed within
+``cluster.placement_timeout_s``, fails in one line naming the role and the resource.
 """
 
 from __future__ import annotations
@@ -56,10 +49,8 @@ def import_ray():
 class _Host(Host):
     """Actor body: a :class:`~rlpost.cluster.process.Host`, run by name through ``call``.
 
-    SIGTERM (a preemption notice): ``notice()`` turns True. A rollout or reward host then
-    drains and exits (Ray restarts it, within ``max_restarts``). A trainer host keeps
-    serving: the driver sees the notice and the loop saves a checkpoint after the current
-    step and stops cleanly.
+    SIGTERM (a preemption notice) turns ``notice()`` True: a rollout or reward host drains
+    and exits; a trainer host keeps serving until the loop checkpoints and stops.
     """
 
     def __init__(self, factory: str, cfg_data: dict, run_dir: str, threads: int, dp=None):
@@ -108,9 +99,8 @@ def rendezvous() -> tuple[str, int]:
 
 
 class RayWorker(Proxy):
-    """Blocking calls to an actor: ``proxy.method(*args)``; a lost actor or a failed call is a
-    one-line :class:`WorkerError` naming the worker, as with the other backends: ``lost``
-    for an actor that died, else the kind the actor's own error carried."""
+    """Blocking calls to an actor: ``proxy.method(*args)``; a failure is a one-line
+    :class:`WorkerError` naming the worker (``lost`` for an actor that died)."""
 
     def __init__(self, label: str, actor, role: str) -> None:
         self.label, self.actor, self.role = label, actor, role
@@ -368,9 +358,8 @@ _ACTORS = {"trainer": TrainerWorker, "rollout": RolloutWorker, "reward": RewardW
 
 
 def _actor(ray, label: str, cfg: Config, run_dir: Path, slot, dp=None, **extra) -> RayWorker:
-    """A new actor for worker ``label`` (``role`` or ``role-i``) in bundle ``slot`` ((group,
-    index)), with the cpus (its torch threads) and gpus of ``cluster.<role>``; ``extra``:
-    actor options beyond those."""
+    """A new actor for worker ``label`` in bundle ``slot`` ((group, index)), with the cpus and
+    gpus of ``cluster.<role>``."""
     role = label.split("-")[0]
     res = getattr(cfg.cluster, role)
     opts = _options(*slot, res.cpus, res.gpus, res.resources, **{"max_concurrency": 2, **extra})
@@ -444,10 +433,9 @@ class RewardPool:
 
 @dataclass
 class RayWorkers(Workers):
-    """The run's workers on Ray; closing also removes the placement groups and, when this
-    run started the Ray cluster, stops it. A watcher asks the trainers every few seconds
-    whether a preemption notice reached them; one that did stops the run after the current
-    step, with a checkpoint (as SIGTERM to this process does)."""
+    """The run's workers on Ray; closing removes the placement groups and a cluster this run
+    started. A watcher polls the trainers for a preemption notice, which stops the run after
+    the current step with a checkpoint."""
 
     ray: Any = None
     groups: list = field(default_factory=list)

@@ -1,27 +1,13 @@
 """Where a step's rollout comes from: generated on the spot, or by a producer running ahead.
 
-The loop asks its feed for the next step's scored groups and tells it when new
-weights are served; nothing else about the loop changes between modes.
+* :class:`SyncFeed` (``pipeline.mode=sync``) runs the rollout stage when asked.
+* :class:`OverlapFeed` (``one_step_off`` and ``async``) runs it on a producer thread while
+  the trainer trains. Staleness is bounded by admission (AReaL, SkyRL): batch ``j`` starts
+  once the engine serves version ``j - eta`` or newer. A group still past the bound is
+  trained with the importance weight (``pipeline.stale=wait``) or dropped and resampled.
 
-* :class:`SyncFeed` (``pipeline.mode=sync``) runs the rollout stage when asked:
-  every sample comes from the newest weights.
-* :class:`OverlapFeed` (``one_step_off`` and ``async``) runs the rollout stage
-  on a producer thread while the trainer trains. Staleness is bounded by
-  **admission**, as AReaL and SkyRL do: rollout batch ``j`` (trained at step
-  ``j``) may start only once the engine serves version ``j - eta`` or newer, so
-  its oldest token lags the weights it trains against by at most ``eta``
-  versions and no finished sample has to be thrown away. ``one_step_off`` is
-  ``eta = 1`` with one batch in flight: the rollout of step k+1 runs while step
-  k trains. New weights reach the engine while it generates (between decode
-  steps, each token stamped with its version), so a sample is never restarted
-  because the weights changed. A group that still exceeds the bound when it
-  arrives (a long sample that spanned many updates) is trained, corrected by the
-  importance weight (``pipeline.stale=wait``), or dropped and its prompt sampled
-  again (``drop``); drops are counted.
-
-Both keep the prompts they have drawn but not yet handed to training, so a
-checkpoint records them (``pending``) and a resumed run generates them first:
-every prompt of the data order trains exactly once.
+Both checkpoint the prompts drawn but not yet trained (``pending``), so every prompt trains
+exactly once.
 """
 
 from __future__ import annotations
@@ -47,8 +33,7 @@ class RolloutFailed(RuntimeError):
 class PromptSource:
     """The sampler's batches, after any batches handed back (a resume, a rollback, a drop).
 
-    ``take`` returns what was drawn since the last call, so each rollout output
-    knows exactly which prompt batches it consumed.
+    ``take`` returns what was drawn since the last call.
     """
 
     def __init__(self, sampler: PromptSampler, pending: list[list[Prompt]] | None = None) -> None:
@@ -265,14 +250,9 @@ class OverlapFeed(_Feed):
         return out, drop
 
     def push(self, export, *, report: bool = True) -> dict[str, float]:
-        """New weights from the trainer; returns sync metrics (seconds the trainer spent,
-        bytes the weight path sent since the last report). ``report=False``: a re-send
-        (a guard's), counted in the next report.
-
-        The continuous engine (async) takes them at once, between two decode steps
-        of whatever it is generating; the batch engine (one_step_off) gets them from
-        the producer before its next batch, so the trainer does not wait (the
-        tensors are copied first: the trainer goes on updating its own).
+        """New weights from the trainer; returns sync metrics (``report=False``: a re-send,
+        counted in the next report). The continuous engine takes them between two decode
+        steps, the batch engine from the producer before its next batch.
         """
         start, m = time.perf_counter(), {}
         if self.defer_weights:

@@ -1,18 +1,9 @@
 """Long-tail control: length-aware batching and partial rollout.
 
-A synchronous step waits for its longest response; with long-tailed lengths most of the batch
-sits finished while a few samples decode alone. Two remedies, usable together:
-
-* **Length-aware batching.** :class:`LengthPredictor` keeps an EMA of response lengths per
-  prompt uid, per task and overall; :func:`bucket_by_length` groups prompts of similar
-  predicted length.
+* **Length-aware batching.** :func:`bucket_by_length` groups prompts of similar predicted length.
 * **Partial rollout** (Kimi k1.5, section 2.6.2; AReaL). :class:`PartialRollout` ends a step
-  once ``fraction`` of its samples are done. Whole groups go to training (a GRPO advantage
-  needs the whole group); the others are carried, tokens, logprobs and versions, and never
-  dropped (:meth:`PartialRollout.flush`). On the in-process
-  :class:`~rlpost.rollout.engines.continuous.ContinuousEngine` unfinished samples are aborted
-  at a decode-step boundary and handed back; any other engine is driven in chunks of tokens.
-  A carried sample continues by re-prefilling prompt + its tokens (cheap: prefix cache).
+  once ``fraction`` of its samples are done. Whole groups train; the others are carried and
+  continue by re-prefilling prompt + tokens (:meth:`PartialRollout.flush`).
 
 A completion's ``policy_version`` is that of its *first* token; ``versions`` lists all it spans.
 """
@@ -32,8 +23,7 @@ from rlpost.types import Completion, FinishReason, Prompt
 class LengthPredictor:
     """EMA of response lengths per prompt uid, per task (``metadata["task"]``) and overall.
 
-    ``predict`` uses the most specific estimate available; ``default`` is
-    returned before anything was observed.
+    ``predict`` uses the most specific estimate; ``default`` before any.
     """
 
     def __init__(self, alpha: float = 0.3, default: float = 0.0) -> None:
@@ -79,10 +69,7 @@ class LengthPredictor:
 def bucket_by_length(
     prompts: list[Prompt], predictor: LengthPredictor, n_buckets: int
 ) -> list[list[int]]:
-    """Indices of ``prompts`` in ``n_buckets`` near-equal buckets of ascending predicted length.
-
-    Ties keep their input order; empty buckets are omitted.
-    """
+    """Indices of ``prompts`` in ``n_buckets`` near-equal buckets of ascending predicted length."""
     if n_buckets < 1:
         raise ValueError(f"n_buckets={n_buckets} must be >= 1")
     order = sorted(range(len(prompts)), key=lambda i: predictor.predict(prompts[i]))
@@ -121,8 +108,7 @@ class _Group:
 class PartialStep:
     """What one step trains on: whole groups, and how much was carried over.
 
-    ``completions`` are grouped (``group`` 0..k-1 in order); ``payloads[g]`` is
-    what the caller passed with group g (e.g. its :class:`Prompt`).
+    ``payloads[g]`` is what the caller passed with group g.
     """
 
     completions: list[VersionedCompletion]
@@ -136,12 +122,9 @@ class PartialStep:
 class PartialRollout:
     """Generates a step's samples, finishing it once ``fraction`` of all pending samples are done.
 
-    ``params.max_tokens`` bounds a sample's total length across steps. An
-    engine with ``generate_partial`` (:class:`ContinuousEngine`) is stopped as
-    soon as the step is done and hands back the unfinished samples' tokens;
-    any other :class:`RolloutEngine` is driven in chunks of ``chunk_tokens``
-    and the step ends at the first chunk boundary where it is done. With
-    ``fraction=1.0`` every step waits for all of its samples.
+    ``params.max_tokens`` bounds a sample's length across steps. An engine with
+    ``generate_partial`` is stopped when the step is done; any other is driven in chunks of
+    ``chunk_tokens``.
     """
 
     def __init__(
@@ -177,8 +160,7 @@ class PartialRollout:
     ) -> PartialStep:
         """Add these prompts (``n`` samples each) to the carried ones and run until the step is done.
 
-        ``fraction`` overrides the configured one for this step (1.0 on a
-        run's last step, so that nothing is left carried).
+        ``fraction`` overrides the configured one (1.0 on a run's last step).
         """
         payloads = payloads if payloads is not None else [None] * len(prompt_ids)
         if len(payloads) != len(prompt_ids):
@@ -260,8 +242,7 @@ class PartialRollout:
     def _decode_chunk(self, params: SamplingParams, chunk: int) -> None:
         """Up to ``chunk`` more tokens for every unfinished sample.
 
-        Groups not started yet go in one call with ``n`` samples per prompt, so
-        the engine prefills each prompt once; continued samples go one row each.
+        New groups go in one call of ``n`` samples a prompt; continued samples one row each.
         """
         fresh = [
             g for g in self.pending if all(s.finish is None and not s.tokens for s in g.samples)
