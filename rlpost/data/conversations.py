@@ -1,31 +1,16 @@
 """Conversations for supervised fine-tuning: OpenAI-style ``messages`` rows, checked,
 rendered with the tokenizer's chat template and masked to the assistant's tokens.
 
-A row holds a list of messages ``{"role": ..., "content": ...}`` with roles system,
-user, assistant and tool (an assistant message may carry ``tool_calls`` in place of
-text). A row is bad, and skipped and counted or refused with file and line as
-``data.on_bad_row`` says (:mod:`rlpost.data.files`), when it has no assistant turn,
-an unknown role, roles out of order (a system message after the first, a first
-turn that is not the user's, an assistant reply to nothing, a tool result that
-follows no assistant turn), a message whose content is not text, or more tokens
-than the context holds.
+A row is bad (``data.on_bad_row``, :mod:`rlpost.data.files`) without an assistant turn, with
+an unknown role or roles out of order, non-text content, or more tokens than the context.
 
-The mask is computed by rendering, not by searching the text: for each assistant
-turn ``k`` the conversation is rendered up to the turn with the generation prompt
-(``P_k``) and up to its end (``E_k``); the turn's tokens are ``E_k[len(P_k):]``.
-When every ``P_k`` and ``E_k`` is a token prefix of the rendering of the whole
-conversation, the conversation is one example with every assistant span trained.
-A template that rewrites history (Qwen3 drops the reasoning of earlier turns) breaks
-that prefix property; the conversation is then cut into one example per assistant
-turn, ``E_k`` with only turn ``k`` trained, which is exactly what the model sees at
-that turn. A template for which even ``P_k`` is not a prefix of ``E_k`` cannot be
-masked this way and the row is skipped as ``template_prefix``. A conversation whose
-rendering up to its last trained turn is longer than the context is refused after that
-one rendering, before the per-turn ones (their cost grows with the square of the turns).
+The mask comes from rendering: assistant turn ``k``'s tokens are ``E_k[len(P_k):]``, ``P_k``
+the rendering up to the turn with the generation prompt and ``E_k`` up to its end. When all
+are prefixes of the whole rendering, the conversation is one example; a template that
+rewrites history (Qwen3) gives one example per turn, ``E_k``; one where ``P_k`` is not a
+prefix of ``E_k`` is skipped as ``template_prefix``.
 
-A tokenizer without a chat template (the built-in character tokenizer) gets
-:data:`PLAIN_CHAT_TEMPLATE`, which is saved with the trained model, so ``rlpost
-train`` renders its prompts the way the model was taught.
+A tokenizer without a chat template gets :data:`PLAIN_CHAT_TEMPLATE`, saved with the model.
 """
 
 from __future__ import annotations
@@ -61,11 +46,8 @@ PLAIN_CHAT_TEMPLATE = (
     "{{ ('\n' if messages else '') + '<|assistant|>\n' }}"
     "{%- endif -%}"
 )
-"""``<|role|>`` then the content, messages a line apart; an assistant turn ends with EOS, so
-generation stops where a trained reply stops (and the trained span ends there too). ``{% generation %}`` marks the assistant
-spans for ``return_assistant_tokens_mask``. A request's ``tools`` open the chat as a system
-block listing each as JSON inside ``<tools>`` (the Hermes layout), so ``rlpost serve`` can
-take tools for a model trained with this template."""
+"""``<|role|>`` then the content, messages a line apart; an assistant turn ends with EOS.
+A request's ``tools`` open the chat as JSON inside ``<tools>`` (the Hermes layout)."""
 
 
 @dataclass
@@ -181,10 +163,8 @@ def encode_conversation(
 ) -> tuple[list[Completion], bool] | Problem:
     """(examples, segmented) of one conversation, or the problem that makes it a bad row.
 
-    ``segmented``: the template rewrites history, so each assistant turn is its own
-    example (module docstring). ``last_turn_only``: only the last assistant turn is
-    trained. Each example's ``loss_mask`` is 1 exactly on assistant tokens; ``text``
-    holds the row's ``file:line``."""
+    ``segmented``: each assistant turn is its own example (module docstring); ``text`` holds
+    the row's ``file:line``."""
     msgs = conv.messages
     turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     if last_turn_only:
@@ -262,9 +242,8 @@ def prompt_for_answer(conv: Conversation, tokenizer) -> str:
 
 
 def chat_arith(size: int, seed: int = 0) -> list[Conversation]:
-    """A tiny built-in conversation set: two- or three-turn arithmetic chats, some with a
-    system message and some with a calculator tool call and its result. The reference
-    answer is the last turn's result (so held-out accuracy can be measured)."""
+    """A tiny built-in set of two- or three-turn arithmetic chats, some with a system message
+    or a calculator call; the answer is the last turn's result."""
     rng = random.Random(seed)
     out = []
     for i in range(size):

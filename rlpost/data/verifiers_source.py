@@ -1,24 +1,11 @@
 """verifiers environments (extra ``[verifiers]``): loading one, offline, and its dataset as prompts.
 
-verifiers (PyPI) ships two incompatible API generations. The classic one (0.3.1 and
-earlier: ``SingleTurnEnv``, ``MultiTurnEnv``, ``ToolEnv``, ``Rubric``,
-``load_environment``) is what published environments are written against; it is the one
-supported here, as 0.3.1 ships it (``verifiers.legacy``, also reachable as ``verifiers.*``).
-0.4.0 dropped it for ``Task`` classes (its ``@vf.reward`` methods are scored by the
-``verifiers_rubric`` reward's ``task`` parameter, which 0.3.1 ships as ``verifiers.v1``).
-
-An environment is named by its id (an installed package exposing ``load_environment``,
-what ``vf.load_environment`` loads) or by ``package.module:function`` returning one; it is
-loaded once per process and argument set (the data source, the reward and the episode
-environment share it). What cannot be had offline fails in one line naming it: the
-verifiers package, an environment package not installed, a dataset that would come from
-the Hugging Face Hub.
-
-Each dataset row becomes a :class:`Prompt`: the text is the row's non-system messages (one
-user message: its content), the row's system message becomes the source's system prompt
-(unless the source sets one), ``answer`` is the row's answer, and the whole row (prompt
-messages, answer, info, example id, other columns) is kept in
-``metadata["verifiers"]["input"]``, which the reward and the environment adapters read.
+The classic API (0.3.1: ``SingleTurnEnv``, ``ToolEnv``, ``Rubric``, ``load_environment``)
+that published environments use; 0.4.0's ``Task`` classes are scored by the
+``verifiers_rubric`` reward's ``task`` parameter. An environment (an id or
+``package.module:function``) loads once per process and argument set; what cannot be had
+offline fails in one line naming it. Each row becomes a :class:`Prompt` whose
+``metadata["verifiers"]["input"]`` keeps the whole row for the reward and environment.
 """
 
 from __future__ import annotations
@@ -67,10 +54,8 @@ def classic():
 
 
 class _Loop:
-    """One event loop on a daemon thread: verifiers' coroutines (reward functions,
-    env_response, stop conditions) run there, from whatever thread asks, even one that is
-    itself inside a running loop. One loop for the process, so objects a coroutine binds to
-    its loop (an async HTTP client of a judge) stay usable across calls."""
+    """One event loop on a daemon thread for the process, where verifiers' coroutines run from
+    any thread, so objects bound to the loop stay usable across calls."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -139,7 +124,6 @@ def _key(spec: str, env_args: dict | None) -> str:
 def load_env(spec: str, env_args: dict | None = None):
     """The classic environment ``spec`` names, built once per process and argument set.
 
-    ``spec``: an environment id (``vf.load_environment``) or ``package.module:function``.
     Its datasets are built here, so a download they need fails now, in one line.
     """
     key = _key(spec, env_args)
@@ -180,9 +164,8 @@ def _build(vf, spec: str, env_args: dict):
 
 
 class _keep_signals:
-    """verifiers' Environment installs SIGINT / SIGTERM handlers that exit the process; the
-    run's own handlers (a checkpoint on preemption) are put back. In a thread other than the
-    main one (where signal.signal refuses), the environment's install is skipped."""
+    """Put back the run's SIGINT / SIGTERM handlers over the exiting ones verifiers installs
+    (off the main thread, the install is skipped)."""
 
     def __enter__(self):
         import signal

@@ -1,17 +1,8 @@
 """Model FLOPs utilisation: achieved FLOP/s over the hardware's peak.
 
-FLOP counts follow the PaLM paper (Chowdhery et al. 2022, appendix B): a
-decoder with N parameters, L layers, width H and sequence length S costs
-``6N + 12·L·H·S`` FLOPs per trained token (forward and backward of the weight
-matmuls, plus the attention score and value products, counted without the
-causal-mask saving, as PaLM and most MFU reports do). Generation runs the
-forward pass only, ``2N``, and with a KV cache each new token attends to the
-tokens before it: averaged over a sequence of S tokens that is S/2 keys, giving
-``2N + 2·L·H·S``.
-
-On a CPU there is no datasheet peak, so the peak is measured: the best FLOP/s a
-float32 matmul reaches on this machine (:func:`measure_cpu_peak_flops`). MFU
-against it says how much of what the cores can do the trainer is using.
+FLOPs per trained token follow PaLM (Chowdhery et al. 2022, appendix B): ``6N + 12·L·H·S``
+for N parameters, L layers, width H, length S, no causal-mask saving. Generation with a KV
+cache costs ``2N + 2·L·H·S``. A CPU's peak is measured (:func:`measure_cpu_peak_flops`).
 """
 
 from __future__ import annotations
@@ -26,8 +17,7 @@ def flops_per_token(
 ) -> float:
     """FLOPs for one token: ``6N + 12·L·H·S`` training, ``2N + 2·L·H·S`` generation.
 
-    ``n_params`` counts the non-embedding parameters (embedding lookups cost no
-    matmul FLOPs; a tied LM head should be counted once in ``n_params``).
+    ``n_params``: the non-embedding parameters (a tied LM head counted once).
     """
     sizes = {"n_params": n_params, "n_layers": n_layers, "hidden": hidden, "seq_len": seq_len}
     for name, value in sizes.items():
@@ -51,8 +41,7 @@ def mfu(flops: float, seconds: float, peak_flops: float) -> float:
 def measure_cpu_peak_flops(size: int = 1024, repeats: int = 3, dtype=None) -> float:
     """Best FLOP/s of a ``size x size`` matmul (``2·size³`` FLOPs), over ``repeats`` runs.
 
-    ``dtype``: a torch floating dtype (default float32). Uses torch's current
-    intra-op thread count, so measure after setting it.
+    Uses torch's current intra-op thread count.
     """
     if size < 1 or repeats < 1:
         raise ValueError(f"size and repeats must be >= 1, got size={size} repeats={repeats}")
@@ -107,8 +96,7 @@ def cpu_vendor(cpuinfo: str | None = None) -> str:
 def cpu_bf16_native(cpuinfo: str | None = None) -> bool:
     """True when the CPU has bfloat16 arithmetic instructions (AVX-512 BF16 or AMX-BF16).
 
-    Without them bf16 matmuls are emulated and run slower than float32, so
-    bf16 compute pays only where this holds. Detected, never assumed.
+    Without them bf16 matmuls are emulated and slower than float32.
     """
     return bool(cpu_flags(cpuinfo) & set(CPU_BF16_FLAGS))
 
@@ -116,12 +104,9 @@ def cpu_bf16_native(cpuinfo: str | None = None) -> bool:
 def pick_threads(requested: int, *, cores: int | None = None, load: float | None = None) -> int:
     """torch intra-op threads for ``run.threads``: ``requested`` when > 0.
 
-    0 picks the cores other processes leave free: the cores this process may
-    run on minus the CPUs other work keeps busy now (sampled, rounded), at least 1, decided on
-    the first call and kept for the life of the process. On a quiet
-    machine that is every core; beside a job that keeps a core busy it is one
-    fewer, because a thread sharing a core with another process stalls every
-    parallel region it takes part in (``bench/bench_threads.py``).
+    0: the cores this process may use minus those other work keeps busy now, at least 1,
+    decided once per process; a thread sharing a busy core stalls every parallel region
+    (``bench/bench_threads.py``).
     """
     if requested < 0:
         raise ValueError(f"threads must be >= 0, got {requested}")
@@ -187,9 +172,8 @@ def _allowed_cpus() -> set[int] | None:
 def _load(window_s: float = 0.3) -> float:
     """CPUs busy now: sampled from /proc/stat over ``window_s`` while this process waits.
 
-    Why not the 1-minute load average: it decays for a minute after work ends, so a
-    run started right after another (a bench's next subprocess, a resumed run) took
-    fewer threads than the idle machine had. Falls back to it off Linux."""
+    Not the 1-minute load average, which decays a minute after work ends (the fallback off
+    Linux)."""
     allowed = _allowed_cpus()  # only the CPUs this process may run on count
     before = _cpu_times(allowed)
     if before is None:

@@ -1,38 +1,15 @@
 """A seccomp filter refusing the system calls whose memory or CPU no per-process limit bounds.
 
-Used where no per-run cgroup is available (see ``cgroup.py``): RLIMIT_AS
-counts only address spaces, and the kernel holds memory for a program in many
-places besides: a memfd's pages (``memfd_create`` + ``fallocate``), a SysV
-segment once detached (``shmget``/``shmat``/``shmdt``), SysV and POSIX message
-queues, socket buffers (one process pins about 2 GiB in unix socketpairs with
-``SO_SNDBUF`` raised, and 800 MiB in loopback TCP buffers without), pipes
-grown by ``F_SETPIPE_SZ``, io_uring rings, inotify watches, BPF maps and perf
-buffers. A pipe holds the pages given to it by reference: ``vmsplice``
-of a transparent huge page pins the whole 2 MiB page in one pipe slot after
-the program unmaps it (two processes at ``memory_mb=256`` held 2 GiB so), and
-``splice``, ``tee`` and ``sendfile`` into a pipe pin file pages past a
-truncate the same way; without them a pipe holds only the 64 KiB written into
-it. Native AIO contexts (``io_setup``) hold their rings past an unmap too.
-``sched_setaffinity`` would let the program leave the CPU it was
-pinned to. The filter makes those calls fail with EPERM, so a program gets an
-ordinary error instead of holding the host's memory. Two rules look at an
-argument: ``fcntl`` only for ``F_SETPIPE_SZ``, and ``socket`` for any family
-but ``AF_UNIX`` (a cgroup v1 memory group counts unix socket buffers but not
-TCP or UDP ones). The keyring calls are refused on every path: a program
-would otherwise read and clear the session keyring it inherits.
+Used where no per-run cgroup is available (``cgroup.py``): RLIMIT_AS counts only address
+spaces, while memfds, SysV segments, message queues, socket buffers, grown pipes, io_uring
+rings, AIO contexts and pipes holding spliced pages keep kernel memory past it, and
+``sched_setaffinity`` would leave the pinned CPU. Those calls fail with EPERM (``fcntl`` only
+for ``F_SETPIPE_SZ``, ``socket`` for any family but ``AF_UNIX``); the keyring calls are
+refused on every path.
 
-Why a hand-written classic-BPF program instead of libseccomp: the Python
-bindings of libseccomp come only with the system interpreter's packages, not
-with a virtualenv or pyenv interpreter, and the program needed is a few dozen
-instructions (check the architecture, compare the syscall number against a
-short list, an argument for two calls). bubblewrap loads it from a file
-descriptor (``--seccomp FD``, an array of ``struct sock_filter``) after
-setting no_new_privs.
-
-The layout follows the kernel's ``samples/seccomp`` and
-Documentation/userspace-api/seccomp_filter.rst: a call from another ABI
-(i386 via ``int 0x80``, x32, arm32 compat) kills the process, since its
-numbers differ and the list would not apply.
+Hand-written classic BPF, not libseccomp, whose Python bindings come only with the system
+interpreter; bubblewrap loads it (``--seccomp FD``). As the kernel's ``samples/seccomp``, a
+call from another ABI (i386, x32, arm32 compat) kills the process.
 """
 
 from __future__ import annotations
@@ -222,9 +199,8 @@ def build_filter(
 ) -> bytes:
     """The ``struct sock_filter`` array refusing ``blocked`` with EPERM, allowing the rest.
 
-    ``blocked`` holds call names and ``ARGUMENT_RULES`` names; ``numbers`` adds calls to
-    the tables (by machine, then name). Raises ``ValueError`` for a machine without a
-    table or a call not in it.
+    ``numbers`` adds calls to the tables (by machine, then name). ``ValueError`` for a machine
+    or call without a number.
     """
     machine = machine or platform.machine()
     arch = ARCHES.get(machine)
