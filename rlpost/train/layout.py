@@ -1,19 +1,13 @@
 """Weight layouts: how the policy's weights are held, scored, exported and checkpointed.
 
 - ``plain``: one module holds the whole weights; the reference is a frozen copy.
-- ``lora``: a frozen base with trained adapters (peft); the reference is the base with
-  the adapters off (no second copy), engines get the merged weights under the base's
-  names, and a checkpoint holds the adapters and the merged model.
-- ``sharded``: FSDP2 shards of the policy and the reference over the data-parallel
-  ranks, each decoder layer's matrices split over the tensor-parallel ones where the
-  mesh has them (:mod:`rlpost.train.tp`); each data-parallel rank scores and trains its
-  share of the rows, weights are gathered to be exported or saved, and rank 0 writes
-  the files.
+- ``lora``: a frozen base with peft adapters; the reference is the base with adapters off,
+  engines get the merged weights.
+- ``sharded``: FSDP2 shards over the data-parallel ranks, matrices split over the
+  tensor-parallel ones (:mod:`rlpost.train.tp`); rank 0 writes the files.
 
-The builder picks one (:func:`rlpost.pipeline.build.build_layout`); the trainer and its
-worker call it and never ask which. Every layout writes the same checkpoint files
-(``model/`` an ordinary HF directory, ``ref_model/``, LoRA's ``adapter/``), and the
-optimizer state in the form any layout reads back, so a run resumes on another.
+:func:`rlpost.pipeline.build.build_layout` picks one. Every layout writes the same checkpoint
+files and optimizer state, so a run resumes on another.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """The trainer worker: everything that holds training state, behind a narrow interface.
 
-The policy, its optimizer and LR schedule, the frozen reference policy, the
-critic and the shuffle generators live here and nowhere else. The pipeline
-calls the methods below with picklable values (a :class:`TrainBatch` of
-tensors, floats, paths) and gets picklable values back, never a module, an
-optimizer or a generator. That is what lets ``rlpost.cluster`` put this worker
-in the training process, in a process of its own, or in a Ray actor without
-the loop changing.
-
-The worker owns the weights' **version**: 0 for the starting policy, one more
-after every :meth:`update`, and the checkpoint's step after :meth:`restore`.
-Engines stamp it on every token they sample.
-
-Data parallel (the sharded layout): N workers, one per rank, each get the same
-calls; each runs its share of the rows and all return the same result (logprobs
-gathered, weights and checkpoints whole), so a driver may keep rank 0's. Rank 0
-alone writes checkpoint files.
+The policy, optimizer, schedule, reference, critic and shuffle generators live here alone;
+calls take and return picklable values only, so ``rlpost.cluster`` can place the worker in
+process, in a process of its own or in a Ray actor. The worker owns the weights' version: 0 at
+start, one more per :meth:`update`. Data-parallel ranks get the same calls and return the same
+results; rank 0 alone writes checkpoint files.
 """
 
 from __future__ import annotations
@@ -41,10 +30,8 @@ STATE_FILE = "trainer_state.pt"
 class UpdateResult:
     """What one policy update reports.
 
-    ``stats``: means over the optimizer steps (``loss``, ``pg_loss``, ``grad_norm``,
-    ``clip_frac``, ``lr``...; empty when the policy did not train). ``old_logprobs``:
-    ``[B, T]`` when the update computed them from its own loss pass (one optimizer
-    step per batch), else None. ``version``: the weights' version after the update.
+    ``stats``: means over the optimizer steps. ``old_logprobs``: ``[B, T]`` when the update's
+    own loss pass computed them, else None.
     """
 
     stats: dict[str, float]
@@ -86,9 +73,8 @@ class TrainerWorker:
         self._held = held_numel(trainer.model)  # as built: sharded, before any forward
 
     def describe(self) -> dict[str, Any]:
-        """Facts the loop needs once: pad id, whether a critic / reference exist;
-        ``parameters_held``, the policy's parameter elements this rank holds (its shards),
-        and ``packing``, how its passes lay rows out (padded, rows, shared)."""
+        """Facts the loop needs once: pad id, critic and reference, the parameter elements
+        this rank holds and the passes' ``packing``."""
         return {
             "parameters_held": self._held,
             "pad_token_id": self.tokenizer.pad_token_id,
@@ -104,9 +90,8 @@ class TrainerWorker:
 
     def logprobs(self, batch: TrainBatch, which: str = "old") -> torch.Tensor | None:
         """``[B, T]`` logprobs of the batch's responses under the current policy (``old``)
-        or the reference (``ref``; None when no reference is kept); ``sum_pi_squared``:
-        the current policy's ``sum_v pi(v)^2`` at each response position (the optimal
-        token baseline's input, from the same forward pass as ``old``)."""
+        or the reference (``ref``; None without one); ``sum_pi_squared``: the policy's
+        ``sum_v pi(v)^2`` per position, from the same pass."""
         if which == "old":
             return self.trainer.old_logprobs(batch)
         if which == "ref":

@@ -1,21 +1,10 @@
 """A cgroup per sandboxed run: memory, processes and CPU bounded for the whole run.
 
-Per-process rlimits leave a run's total open: each of its processes has its
-own address space, and memfd or SysV shared memory is in no address space at
-all. A memory cgroup charges every page (anonymous, shared memory, tmpfs,
-kernel memory) to the group whose process touched it first, so a limit on
-the run's group bounds what the run can hold, however it holds it.
-
-Where the groups live: under the group this process is already in, for each
-controller (cgroup v2 when its ``cgroup.subtree_control`` delegates the
-controller, otherwise the v1 hierarchy of that controller when it is
-writable). A nested group is charged to its parents too, so a limit set on the
-trainer's own group still holds. Detection makes and removes a probe group
-once per process; ``run_limits`` in ``SandboxConfig`` can skip it.
-
-How a run joins its group: the command line starts with ``sh -c`` writing its
-own pid into each group's ``cgroup.procs`` and then exec-ing the rest, so the
-whole sandbox, from the first bwrap on, is inside before untrusted code runs.
+Rlimits bound each process; a memory cgroup charges every page the run touches, shared
+memory and kernel memory included. The groups live under this process's own, per controller
+(v2 where delegated, else a writable v1 hierarchy), found once per process by a probe group.
+The command line's ``sh -c`` writes its pid into each ``cgroup.procs`` and execs the rest, so
+the sandbox is inside before untrusted code runs.
 """
 
 from __future__ import annotations
@@ -83,10 +72,8 @@ def settings(
 ) -> list[Setting]:
     """The control files one run's groups get, in write order.
 
-    Swap is off where the kernel accounts it (``memory.swap.max`` on v2,
-    ``memory.memsw.limit_in_bytes`` on v1), so the limit cannot be dodged by
-    swapping shared memory out; ``mems`` is the parent's memory nodes, which a
-    v1 cpuset needs before it accepts a task.
+    Swap is off where accounted, so shared memory cannot be swapped out of the limit;
+    ``mems`` is the parent's, which a v1 cpuset needs before it accepts a task.
     """
     out: list[Setting] = []
     memory = controllers.get("memory")

@@ -1,9 +1,6 @@
 """Limits of one sandboxed run and how its outcome is classified.
 
-``SandboxConfig`` is validated when built, so a bad value fails before any
-process starts. ``classify`` turns what the supervisor saw (exit status, the
-tail of stderr, whether it had to kill the run) into one ``SandboxResult.status``;
-it is a pure function so every branch is tested without a sandbox.
+``classify`` is pure, so every branch is tested without a sandbox.
 """
 
 from __future__ import annotations
@@ -41,28 +38,12 @@ _MINIMUMS = {
 class SandboxConfig:
     """Resource limits of one run. Defaults suit a competitive-programming reward.
 
-    ``timeout_s`` is wall-clock time; the CPU-time rlimit is derived from it
-    (``ceil(timeout_s) + 1`` seconds) so a busy loop is stopped by whichever
-    comes first. ``max_output_bytes`` caps stdout and stderr separately.
-    ``max_file_mb`` caps one written file (RLIMIT_FSIZE), ``tmpfs_mb`` the
-    private /tmp and /dev/shm each, ``max_tmp_files`` the files, links and
-    directories on each (the tmpfs ``nr_inodes``: each one holds about 1 KiB of
-    kernel memory that ``tmpfs_mb`` does not count; bounded where the supervisor
-    mounts the tmpfs itself: as root, or in a user namespace of its own), ``max_processes`` the
-    processes and threads of one run (RLIMIT_NPROC, counted per run).
-    ``cpu`` pins the run to one CPU; ``None`` spreads runs round-robin over the
-    CPUs this process may use.
-
-    ``memory_mb`` bounds each process's address space (RLIMIT_AS) and, with a
-    per-run cgroup, everything the run holds together (shared memory, tmpfs
-    and kernel memory included). ``run_limits`` says how the run as a whole is
-    bounded: ``auto`` uses a cgroup for each of memory, processes, CPU quota
-    and cpuset where the host allows one, and a seccomp filter refusing what
-    the missing ones would not bound (memfd, SysV IPC, ``sched_setaffinity``);
-    ``cgroup`` is ``auto`` that refuses to run without memory and pids
-    cgroups; ``seccomp`` skips the cgroup and refuses all of those calls;
-    ``none`` keeps only the per-process rlimits and CPU pin (shared memory then
-    escapes ``memory_mb``; a baseline for benchmarks, not for untrusted code).
+    ``timeout_s`` is wall time, the CPU rlimit ``ceil(timeout_s) + 1``. ``max_tmp_files``:
+    the tmpfs ``nr_inodes``, bounded where the mount stage runs. ``cpu``: the CPU to pin
+    (None: round-robin). ``memory_mb`` bounds each address space and, with a cgroup, the
+    run. ``run_limits``: ``auto`` (cgroups where allowed, seccomp for what they miss),
+    ``cgroup`` (refuse without memory and pids cgroups), ``seccomp``, or ``none`` (a
+    benchmark baseline, not for untrusted code).
     """
 
     timeout_s: float = 5.0
@@ -110,10 +91,7 @@ def _require(ok: bool, field: str, value: object, rule: str) -> None:
 class SandboxResult:
     """Outcome of one run.
 
-    ``exit_code`` is the program's exit status, ``-N`` if it died from signal
-    N, and ``None`` when the supervisor killed it (timeout, output limit).
-    ``stdout``/``stderr`` are decoded as UTF-8 (invalid bytes replaced) and hold
-    at most ``max_output_bytes`` bytes each.
+    ``exit_code``: ``-N`` for signal N, None when the supervisor killed the run.
     """
 
     status: Status
@@ -132,11 +110,8 @@ def classify(
 ) -> tuple[Status, int | None]:
     """Map a finished run to ``(status, exit_code)``.
 
-    ``returncode`` is bwrap's exit status (signals arrive as ``128 + N``),
-    ``stopped`` is ``"timeout"`` or ``"output_limit"`` when the supervisor
-    killed the run itself, else ``None``; ``oom_kills`` counts processes the
-    kernel killed at the run's cgroup memory limit, which makes a failed run
-    a ``memory`` verdict whatever signal or exit status reached bwrap.
+    ``stopped``: ``"timeout"`` or ``"output_limit"`` when the supervisor killed the run;
+    ``oom_kills`` > 0 makes a failed run a ``memory`` verdict.
     """
     if stopped is not None:
         return stopped, None

@@ -1,21 +1,13 @@
 """Recorded sessions on the OpenAI server: what an outside agent's requests sampled.
 
-A request under ``/sessions/<id>/v1/...`` is served like any other and recorded in session
-``<id>``: the prompt ids the chat template produced, the sampled ids, their logprobs and
-versions. A finished session becomes training samples (:func:`session_samples`), token in,
-token out, exactly as recorded.
-
-A session samples at the parameters it was opened with (the run's), whatever the agent asks:
-the trainer recomputes that distribution's logprobs, so a harness's own temperature or
-penalties would make them wrong. Requests, sampled tokens and wall time are bounded; a request
-past a bound, with ``n`` > 1 or ``stream=true`` is a 400, an unknown or closed session a 404.
-A request is admitted against what is left after those still generating (each reserves its
-request and ``max_tokens`` until it ends), so concurrent requests cannot pass a bound together.
-
-Each session has a random key (``Authorization: Bearer <key>``) that every request under it
-must carry: an agent that learns another session's id still cannot send into it. A store
-holds at most ``max_open`` sessions (429) and, on the next open, closes every session more
-than ``reap_after_s`` past its wall bound.
+A request under ``/sessions/<id>/v1/...`` is recorded in session ``<id>`` (prompt ids, sampled
+ids, logprobs, versions), which becomes training samples as recorded (:func:`session_samples`).
+A session samples at the run's parameters whatever the agent asks, since the trainer recomputes
+that distribution. Requests, tokens and wall time are bounded, in-flight requests reserving
+their share; a request past a bound, with ``n`` > 1 or ``stream=true`` is a 400, an unknown
+session a 404. Every request carries its session's random key (``Authorization: Bearer``).
+A store holds at most ``max_open`` sessions (429) and reaps those ``reap_after_s`` past their
+wall bound.
 """
 
 from __future__ import annotations
@@ -83,9 +75,8 @@ class Session:
         return key_matches(token, key_digest(self.key))
 
     def settle(self, granted: int, request: Request | None = None) -> None:
-        """End an admitted request: its reservation (one request, ``granted`` tokens) is
-        returned and ``request``, when given, recorded (a 404 when the session closed while
-        it sampled: its harness ran out of time)."""
+        """End an admitted request: return its reservation and record ``request`` (a 404 when
+        the session closed meanwhile)."""
         with self.lock:
             self.reserved_requests -= 1
             self.reserved_tokens -= granted
@@ -161,10 +152,8 @@ def _refuse(session: Session, bound: str, line: str) -> APIError:
 
 
 def admit(session: Session, plan, context: int) -> int:
-    """Check a planned request against its session's bounds, reserve its share and give it
-    the session's sampling (max_tokens: the agent's, within what the session, less what the
-    requests still generating reserved, and the context have left). The tokens reserved:
-    :meth:`Session.settle` returns them when the request ends."""
+    """Check a planned request against its session's bounds, reserve its share and give it the
+    session's sampling; returns the tokens reserved (:meth:`Session.settle` gives them back)."""
     b = session.bounds
     if plan.stream:
         raise APIError(400, f"session {session.id}: stream=true is not recorded; send stream=false")
@@ -343,9 +332,8 @@ def _is(value, kind: type) -> bool:
 
 
 def add_session_admin_routes(app, store: SessionStore) -> None:
-    """``POST`` / ``GET /v1/sessions`` (open one / the open ids), ``GET`` and ``DELETE
-    /v1/sessions/{id}`` (its record / close it, returning the record): a trainer elsewhere
-    opens, reads and closes sessions (behind the admin key: the guard's admin prefixes)."""
+    """``POST`` / ``GET /v1/sessions`` and ``GET`` / ``DELETE /v1/sessions/{id}``, behind the
+    admin key, for a trainer elsewhere."""
 
     async def open_session(request: HTTPRequest):
         bounds, sampling, seed = parse_open(await request.body())
@@ -390,9 +378,8 @@ def segments(requests: list[Request]) -> list[list[Request]]:
 
 
 def segment_completion(seg: list[Request], group: int, answer: str) -> Completion:
-    """One interleaved sequence: the first prompt, then each request's sampled tokens
-    (trained) and the tokens the next prompt added (tool outputs, template markers:
-    masked, logprob 0, the version of the token before them)."""
+    """One sequence: the first prompt, then each request's sampled tokens (trained) and the
+    tokens the next prompt added (masked, logprob 0)."""
     first = seg[0]
     tokens, logprobs, mask, versions, turns = [], [], [], [], []
     for k, r in enumerate(seg):
