@@ -1,27 +1,11 @@
 """reasoning-gym tasks as a data source (extra ``[reasoning_gym]``).
 
-A source ``task: {name: reasoning_gym, task: ...}`` names a task and its generator settings; its rows
-are generated once at load, in this process, from a fixed seed (never the run
-seed), and de-duplicated by question. The first ``eval_size`` unique questions are
-held out and the next ``train_size`` train, so no held-out question is a training
-one; a task whose space holds fewer unique questions than asked gives what it has,
-and the data report says how many it found in how many draws.
-
-Each prompt keeps the task's entry, in memory, in ``metadata["reasoning_gym"]`` as a
-:class:`TaskEntry`: the ``reasoning_gym`` reward calls the task's own scorer on it (some
-scorers, arc_agi's and rearc's, score wrongly once an entry went through JSON, which
-turns their tuples into lists). The reward scores only a :class:`TaskEntry`, which no
-file, stream or dataset row can hold (their rows are JSON or Arrow values), so a
-dataset row never picks the task or the entry a scorer reads, and some scorers
-evaluate their entry (``number_sorting``, ``bitwise_arithmetic``). Entries are plain
-data, so they survive pickling to a worker.
-
-Known traps, checked by ``tests/integration/test_reasoning_gym_tasks.py``:
-- a few tasks draw their rows in an order that depends on Python's string hash, so
-  another process (a resume) would see other rows: they are generated in a child
-  process with ``PYTHONHASHSEED=0`` unless this process already fixes it (the child does
-  not import from the working directory and is stopped after :data:`CHILD_TIMEOUT_S`);
-- tasks whose scorer is broken are refused at load with the reason (:data:`BROKEN`).
+Rows are generated once at load from a fixed seed and de-duplicated by question; the first
+``eval_size`` unique ones are held out, the next ``train_size`` train. Each prompt keeps the
+entry in memory as a :class:`TaskEntry` in ``metadata["reasoning_gym"]``, which no file or
+dataset row can hold, so a row never picks what a scorer reads (some scorers break once an
+entry went through JSON). Tasks whose order depends on the string hash are drawn in a child
+with ``PYTHONHASHSEED=0``; tasks whose scorer is broken are refused (:data:`BROKEN`).
 """
 
 from __future__ import annotations
@@ -139,10 +123,7 @@ def draw(task: str, config: dict[str, Any], seed: int, wanted: int, max_draws: i
 def _draw_fixed_hash(*args, timeout: float = CHILD_TIMEOUT_S) -> tuple:
     """:func:`draw` in a child process whose string hash is fixed (:data:`HASH_SEEDED`).
 
-    ``-P``: the child does not put the working directory on its path, where a
-    ``random.py`` or ``reasoning_gym.py`` would shadow the library (``-I`` would also drop
-    the ``PYTHONHASHSEED`` the child is started for). The arguments go through stdin, so
-    no size limit of the environment applies."""
+    ``-P``: no working directory on its path (``-I`` would drop ``PYTHONHASHSEED``)."""
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     code = (
         "import pickle, sys; from rlpost.data.reasoning_gym import draw; "

@@ -1,23 +1,9 @@
 """Write a policy out: an HF directory, and a GGUF file llama.cpp-family runtimes load.
 
-The GGUF follows what llama.cpp's own converter writes for a Llama model, built with the
-``gguf`` package's writer, tensor-name map and quantizers:
-
-- metadata under ``llama.*`` (block count, context length, widths, heads, RoPE base, RMS
-  epsilon, vocabulary size, RoPE dimensions) and ``general.file_type``;
-- the tokenizer as ``gpt2`` (byte-level BPE): every token in the byte alphabet, the merges,
-  a token type per id (normal, control for special tokens, user-defined for other added
-  tokens, unused for ids the vocabulary skips), the special token ids, whether BOS is
-  added, the chat template, and the pre-tokenizer's llama.cpp name;
-- Q and K projections permuted per head from HF's half-split RoPE layout to llama.cpp's
-  interleaved one (transformers' GGUF loader undoes this on the way back in);
-- 1-D tensors (norms) always F32; matrices in the asked type. Q8_0 quantizes rows in
-  blocks of 32, so a matrix whose rows are not a multiple of 32 falls back to F16.
-
-The built-in tiny model's character vocabulary is a byte-level BPE without merges: each
-printable ASCII character is its own byte token, so ids and text round-trip unchanged
-through transformers (rlpost's own reader). llama.cpp insists on a merges list, and the
-``gguf`` package cannot write an empty one, so llama.cpp refuses that file; the export
+The GGUF is what llama.cpp's converter writes for a Llama model (the ``gguf`` package's
+writer): ``llama.*`` metadata, the tokenizer as ``gpt2`` byte-level BPE, Q and K permuted to
+llama.cpp's interleaved RoPE, norms in F32 and a matrix whose rows are not a multiple of 32
+in F16 under Q8_0. The tiny model's BPE has no merges, which llama.cpp refuses; the export
 says so on stderr.
 """
 
@@ -48,8 +34,8 @@ PRE_TOKENIZERS = {
 
 def export_model(model, tokenizer, out: Path, *, gguf_type: str | None, overwrite: bool) -> dict:
     """Write ``model`` and ``tokenizer`` to ``out`` (an HF directory) and, with
-    ``gguf_type``, ``out/gguf/model-<type>.gguf``; returns what was written. Built beside
-    ``out`` and renamed into place, so a failed export leaves nothing half-written."""
+    ``gguf_type``, ``out/gguf/model-<type>.gguf``; returns what was written. Renamed into
+    place, so a failed export leaves nothing half-written."""
     if out.exists() and not overwrite:
         raise ModelLoadError(f"--out {str(out)!r} exists; choose another or pass --overwrite")
     if gguf_type is not None:

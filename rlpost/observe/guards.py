@@ -1,25 +1,11 @@
 """Guards: decide what to do when training starts to go wrong.
 
-Pure decision logic over numbers the loop already has (loss, grad norm,
-rewards, step metrics); no torch and no model. The loop asks, carries out the
-returned :class:`Action`s (skip the optimizer step, drop samples, scale the KL
-coefficient or learning rate, restore the last checkpoint, rebuild the rollout
-engine, stop) and counts each with ``Recorder.count_guard(action.guard)``.
-
-Design choices:
-
-* Every remedy has a budget (``max_retries``) and escalates when it is spent:
-  soft remedies (raise beta, lower LR) escalate to a rollback, and rollbacks and
-  engine rebuilds escalate to ``stop``. So a run that keeps failing ends with a
-  message instead of looping forever.
-* Reward collapse compares an EMA of the step's mean reward with the best EMA
-  seen, and only arms after ``reward_collapse_window`` steps, so one bad batch
-  or the noisy first steps do not trigger it. The fall must be both relative
-  (``reward_collapse_drop`` of the best) and absolute
-  (``reward_collapse_min_drop``), so a run whose rewards hover near zero is not
-  "collapsing" on noise.
-* Throughput decay compares the median of the last ``throughput_window`` steps
-  with the best such median, so a single fast or slow step moves nothing.
+Pure decisions over numbers the loop has (no torch); the loop carries out the returned
+:class:`Action`s and counts each. Every remedy has a budget (``max_retries``) and escalates
+when it is spent: soft remedies to a rollback, rollbacks and rebuilds to ``stop``. Reward
+collapse compares the reward EMA with the best seen, armed after ``reward_collapse_window``
+steps, and needs a fall both relative and absolute; throughput decay compares medians over
+``throughput_window`` steps.
 """
 
 from __future__ import annotations
@@ -114,9 +100,7 @@ class Guards:
     def check_update(self, loss: float, grad_norm: float) -> Action | None:
         """``skip_update`` for a non-finite loss or grad norm.
 
-        More than ``max_retries`` in a row means the weights themselves are
-        likely broken: the answer becomes ``rollback`` (or ``stop``), whose
-        first action is returned (the loop skips the step either way).
+        More than ``max_retries`` in a row escalates to ``rollback`` (or ``stop``).
         """
         if not self.cfg.enabled:
             return None
@@ -132,10 +116,7 @@ class Guards:
         return self._act(NONFINITE_UPDATE, "skip_update", None, reason)
 
     def check_rewards(self, scores: list[float]) -> list[int]:
-        """Indices of non-finite scores, to drop before computing advantages.
-
-        The loop counts a non-empty answer as one ``nonfinite_reward`` action.
-        """
+        """Indices of non-finite scores, to drop before computing advantages."""
         if not self.cfg.enabled:
             return []
         bad = [i for i, score in enumerate(scores) if not math.isfinite(score)]
@@ -146,9 +127,7 @@ class Guards:
     def after_step(self, metrics: dict[str, float]) -> list[Action]:
         """Actions after a step, from its metrics (keys as ``Recorder.record``).
 
-        Reads ``kl``, ``clip_frac``, ``reward_mean`` and ``rollout_tps``; absent
-        or non-finite values are ignored. After a ``stop`` every call returns
-        the stop again.
+        Absent or non-finite values are ignored; after a ``stop`` every call returns it.
         """
         if not self.cfg.enabled:
             return []

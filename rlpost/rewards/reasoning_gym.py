@@ -1,33 +1,14 @@
 """The ``reasoning_gym`` reward: a reasoning-gym task's own scorer on the extracted answer.
 
-reasoning-gym's default ``score_answer`` gives partial credit ``len(gold)/len(reply)``
-to any reply that contains the gold answer ("12345" scores 0.2 against "3"), so
-the answer is extracted first: the last ``<answer>...</answer>`` block
-(``extract=tag``), the last non-empty line (``last_line``) or the whole reply
-(``whole``). No answer found scores 0 without asking the scorer, and so does one
-longer than ``max_answer_chars`` (some scorers take seconds on a megabyte).
-
-The scorer gets the task's in-memory entry, a
-:class:`~rlpost.data.reasoning_gym.TaskEntry` that only rlpost's reasoning-gym source
-makes; a sample without one (another source, a file row) is not applicable (``None``).
-Model output is data: a task whose scorer evaluates text as code (``eval``, sympy's
-``parse_expr``..., found by :mod:`rlpost.rewards.reasoning_gym_scan`) is scored only
-where its source opted in (``evaluate_answers``), in the sandbox, where the evaluation
-runs apart from the scorer and cannot choose its score
-(:mod:`rlpost.rewards.reasoning_gym_sandbox`; ``sandbox``: its ``SandboxConfig``
-keywords, ``timeout_s``: seconds per answer); every other scorer is plain string and
-number work and runs in a helper process (:mod:`rlpost.rewards.helper`): a batch
-within ``timeout_s``, or else each answer within ``timeout_s``, the helper killed past
-it. Scores are clipped to [0, 1].
-
-A scorer that raises or gives no finite score scores 0 and is counted
-(``scorer_errors``), as are replies without an answer (``no_answer``), answers over
-the length cap (``too_long``), the answers scored in the sandbox (``sandboxed``) and the
-sandbox runs started again after one ended early (``sandbox_restarts``). An answer
-whose numbers are too large for exact arithmetic
-(:func:`~rlpost.rewards.verifiable.numbers_bounded`: ``1e999999999``) or whose scorer
-overran ``timeout_s`` scores NaN, which the reward scorer turns into ``invalid_score``
-and counts (``too_large``, ``timed_out``).
+The default ``score_answer`` gives partial credit to any reply containing the gold answer, so
+the answer is extracted first (``extract``: ``tag``, ``last_line`` or ``whole``); none, or one
+over ``max_answer_chars``, scores 0. Only a :class:`~rlpost.data.reasoning_gym.TaskEntry` is
+scored (else ``None``). A scorer that evaluates text as code
+(:mod:`rlpost.rewards.reasoning_gym_scan`) runs only where the source opted in
+(``evaluate_answers``), in the sandbox (:mod:`rlpost.rewards.reasoning_gym_sandbox`); the
+rest run in a helper process (:mod:`rlpost.rewards.helper`) within ``timeout_s``. Scores are
+clipped to [0, 1]; a scorer error scores 0, numbers too large or a timeout score NaN, each
+counted.
 """
 
 from __future__ import annotations

@@ -1,31 +1,18 @@
 """Weight codecs: how one tensor is written on the wire, and read back.
 
-A codec turns a tensor into named *parts* (plain tensors) plus a small JSON
-``meta`` dict, and back. Codecs sit in the :data:`CODECS` registry by the
-name ``sync.codec`` uses, with traits the sender and receiver ask instead of
-comparing names: ``identity`` (the trainer's tensor as is), ``exact`` (the
-``data`` part is the decoded tensor), ``lossy`` (kept tensors fall back to
-bf16), ``bit_patterns`` (a delta can be taken against it) and ``needs_base``
-(decoding reads the receiver's previous version: the delta of
-:mod:`rlpost.sync.delta`).
+A codec turns a tensor into named parts plus a JSON ``meta`` dict, and back; the
+:data:`CODECS` registry's traits (``identity``, ``exact``, ``lossy``, ``bit_patterns``,
+``needs_base``) are what the sender and receiver ask.
 
 * ``none``: the trainer's tensor as is.
 * ``bf16``: cast to bfloat16 (exact for a bf16 trainer, the usual serving dtype).
-* ``fp8``: float8 e4m3 in 128x128 blocks with one fp32 scale per block
-  (``scale = amax / 448``), the layout of DeepSeek-V3's block-wise FP8
-  (arXiv:2412.19437, section 3.3). Only 2-D weights are quantised.
-* ``mxfp4``: OCP Microscaling MXFP4 (OCP MX spec v1.0, section 5.3): e2m1 values
-  in 32-element blocks along the last dimension, one shared power-of-two scale
-  per block stored as an E8M0 byte. Only 2-D weights are quantised.
+* ``fp8``: float8 e4m3 in 128x128 blocks, one fp32 scale each (DeepSeek-V3,
+  arXiv:2412.19437, section 3.3).
+* ``mxfp4``: OCP MXFP4 (MX spec v1.0, section 5.3): e2m1 in 32-element blocks, one E8M0
+  scale each.
 
-Tensors whose name matches one of ``keep_bf16`` (embeddings, lm_head, norms by
-default) and every tensor that is not 2-D go as bf16 under ``fp8`` and ``mxfp4``:
-those are the weights quantisation hurts most and they are a small share of a
-large model. Decoded lossy tensors are float32 (the exact dequantised value).
-
-Why by hand: torch has ``float8_e4m3fn`` (used here) but no block scaling, and
-its ``float4_e2m1fn_x2`` has no conversion kernels on CPU, so e2m1 rounding and
-nibble packing are written out below.
+Under both, ``keep_bf16`` matches and tensors not 2-D go as bf16. e2m1 is by hand: torch's
+``float4_e2m1fn_x2`` has no CPU conversion kernels.
 """
 
 from __future__ import annotations
