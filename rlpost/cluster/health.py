@@ -13,11 +13,8 @@
     healthy --misses a weight version--> stale
     any --scaled down--> retired
 
-Only a ``healthy`` worker is given prompts: a restarted one is ``stale`` until
-it has loaded the newest weights and reported their version, so it never
-serves old weights. Nothing here talks to a worker; the fleet
-(:mod:`rlpost.cluster.fleet`) reports what happened and asks what to do, and
-tests drive the clock by hand.
+Only a ``healthy`` worker is given prompts. The fleet (:mod:`rlpost.cluster.fleet`) reports
+events and asks what to do.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """A file source read lazily (``task: {name: file, stream: true}``): rows shuffled by a buffer, never loaded whole.
 
-A streamed JSONL file is read line by line (a ``.json`` file holding one array is refused:
-an array has no row boundary short of parsing it), a Parquet file row group by row group; rows are
-checked, rendered and fitted to the model as they are read (a bad row is skipped and
-counted with ``file:line`` the first time it is met, or refused as ``data.on_bad_row``
-says), and go through a shuffle buffer of ``shuffle_buffer`` rows: each row read replaces a
-random one of the buffer, which is drawn; at the end of the file the buffer drains in a
-random order, and the next epoch starts again from the top. The buffer's generator is
-seeded by the source's seed and the epoch, so each epoch's order is a pure function of the
-file, the seed and the epoch.
-
-The state is ``(epoch, rows drawn in it)`` plus the bad-row report: a resume replays the
-epoch from its start and drops the rows already drawn, so it draws exactly the rows an
-uninterrupted run would. The replay reads the file up to where the run was (a scan, in
-constant memory); storing the buffer instead would make a resume of a huge file cheaper at
-the price of a checkpoint as large as the buffer.
+JSONL is read line by line (a ``.json`` array is refused), Parquet by row group; rows are
+checked as read and go through a buffer of ``shuffle_buffer`` rows seeded by the source's seed
+and the epoch. The state is ``(epoch, rows drawn in it)``: a resume replays the epoch and drops
+the rows drawn, a scan in constant memory instead of a checkpoint as large as the buffer.
 """
 
 from __future__ import annotations
@@ -85,9 +74,7 @@ def check_stream_path(path: str) -> Path:
 class StreamSampler:
     """One streamed source's rows, one at a time, in buffer-shuffled order, epoch after epoch.
 
-    Same interface as :class:`~rlpost.data.sampler.PromptSampler` with a batch of one.
-    ``report`` counts the rows met so far (the first pass over the file; later epochs
-    meet the same rows again and count nothing).
+    Interface of :class:`~rlpost.data.sampler.PromptSampler`; ``report`` counts the first pass.
     """
 
     batch_size = 1
@@ -206,10 +193,8 @@ class StreamSampler:
 
 
 def preflight(sampler_args: dict, fit: Fit) -> list[Prompt]:
-    """Check the first :data:`PREFLIGHT_ROWS` rows of a streamed file (the start reads no
-    more) and return the usable ones (the SFT warm-up's examples of this source): a bad
-    row under on_bad_row=error is refused now; none usable is a DataError. What it finds
-    is not counted: the stream counts each row when it meets it."""
+    """The usable rows among a streamed file's first :data:`PREFLIGHT_ROWS` (uncounted); a bad
+    row under on_bad_row=error is refused now, none usable is a DataError."""
     s = StreamSampler(**sampler_args, fit=fit, buffer=1, seed=0)
     scratch = LoadReport()
     kept = s.chunk_prompts(list(islice(raw_rows(s.path), PREFLIGHT_ROWS)), scratch)

@@ -1,9 +1,7 @@
 """Countdown: reach a target with the given numbers and + - * / and parentheses.
 
-The task of TinyZero (Pan et al., 2025) and many RLVR tutorials. The completion is
-model output, so it is never passed to ``eval``: a small recursive-descent parser
-reads it and evaluates it in exact rational arithmetic (``Fraction``), which
-also makes ``(1/3)*3 == 1`` exact where floats would be off by an ulp.
+TinyZero's task (Pan et al., 2025). Model output never reaches ``eval``: a recursive-descent
+parser evaluates it in exact ``Fraction`` arithmetic.
 
 Grammar (integers only, no unary minus, no exponent)::
 
@@ -113,10 +111,8 @@ def evaluate_equation(text: str) -> tuple[Fraction, list[int]]:
 def extract_equation(completion: str, tag: str | None = "answer") -> str | None:
     """The equation a completion proposes.
 
-    The last ``<tag>`` block when present (taken verbatim, so stray words in it make
-    the answer invalid); otherwise the last run of digits, operators and
-    parentheses that contains an operator. Of ``lhs = rhs`` the side holding an
-    operator is kept, so ``(25-5)*4 = 80`` and ``80 = (25-5)*4`` read alike.
+    The last ``<tag>`` block verbatim, else the last run of digits, operators and parentheses
+    holding an operator; of ``lhs = rhs`` the side with an operator.
     """
     block = extract_tag(completion, tag) if tag else None
     if block is None:
@@ -159,12 +155,9 @@ def countdown(
 ) -> float | None:
     """1.0 if the proposed equation uses the given numbers legally and hits the target.
 
-    ``metadata["numbers"]`` (list of ints) and ``metadata["target"]`` are required
-    (``None`` otherwise). Each number may be used at most once, or exactly once with
-    ``exactly_once``. A well-formed, legal equation with the wrong value scores
-    ``format_score`` (TinyZero uses 0.1); anything else scores 0.0. A target past
-    :func:`~rlpost.rewards.verifiable.numbers_bounded` scores NaN, which the scorer
-    counts as invalid.
+    Needs ``metadata["numbers"]`` and ``["target"]`` (else ``None``). A legal equation with
+    the wrong value scores ``format_score``; a target past
+    :func:`~rlpost.rewards.verifiable.numbers_bounded` scores NaN.
     """
     spec = _metadata_numbers(sample.metadata)
     if not isinstance(spec, tuple):

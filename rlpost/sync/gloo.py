@@ -1,25 +1,11 @@
 """The ``gloo`` channel: torch.distributed between the trainer and engines in other processes.
 
-Rank 0 is the sender; ranks 1..N run :func:`serve_gloo` around their engine
-(another process, or a Ray actor). Control messages (start, each bucket's
-header, finish, and every receiver's reply) go through the group's TCPStore,
-keyed by a sequence number, so a receiver can wait idle between syncs for as
-long as training takes, and a dead sender is noticed when the store's socket
-closes. Bucket payloads travel as one ``broadcast`` each from rank 0. With
-``backend="nccl"`` the same code broadcasts CUDA tensors over NCCL (not run
-here: no GPU).
-
-The group is a standalone ProcessGroup on its own store, not the default
-group, so a trainer that already runs torch.distributed (FSDP) is untouched.
-
-The store listens on ``link.host`` only and the gloo pairs on the address that
-reaches it (:mod:`rlpost.sync.listen`). Anyone who can reach the store can still
-write its keys, so every control message and reply is signed (HMAC-SHA256 over
-its sequence number and text) with a key rank 0 draws at random and broadcasts
-over the group's own sockets, which a store client never sees. A message that
-fails its signature or its schema (an unknown op or header key, a payload size
-above the session's bucket size) is refused with one log line and the receiver
-waits on; it never allocates, replies or stops for it.
+Rank 0 sends; ranks 1..N run :func:`serve_gloo` around their engine. Control messages go
+through the group's TCPStore keyed by a sequence number, so a receiver waits idle between
+syncs; bucket payloads are one ``broadcast`` each. The group is a standalone ProcessGroup, so
+a trainer's own torch.distributed is untouched. Every control message is signed
+(HMAC-SHA256) with a key broadcast over the group's sockets, which a store client never
+sees; one failing its signature or schema is refused with one log line.
 """
 
 from __future__ import annotations
@@ -218,8 +204,7 @@ def serve_gloo(
 ) -> None:
     """Receive sessions for ``engine`` as ``rank`` until the sender closes the group.
 
-    Raises SyncError when the sender goes away; the engine then keeps the last
-    version it committed. A message that is not the sender's is refused (one log line).
+    Raises SyncError when the sender goes away; the engine keeps its last version.
     """
     name = f"{link} rank {rank}"
     store, group, key = _connect(link, rank, timeout_s)

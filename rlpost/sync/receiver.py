@@ -1,20 +1,9 @@
 """The receiving side of a sync session, for any engine with ``load_weights``.
 
-Buckets are staged (in memory, or spooled to files so a server holds about one
-bucket in memory while a session streams in) and nothing reaches the engine
-until ``finish``: then every bucket must be there with a good CRC, every tensor
-is rebuilt and its checksum compared with the sender's manifest, and only then
-are the tensors streamed into ``engine.load_weights(named_tensors, version)``.
-So the engine never serves a mix of two versions, and a sender that dies
-mid-session (or a corrupt bucket, or a wrong delta base) leaves it on the old
-version, serving. The commit streams: an engine that reads the announced shapes
-of :class:`TensorStream` (the server's scheduler) holds one tensor at a time. The pause of generation is the ``load_weights`` call: the
-scheduler swaps weights between two decode steps, an in-process engine is not
-generating while it loads.
-
-With delta sessions the receiver keeps a bf16 copy of the weights it committed
-(the base the next delta applies to): one bf16 model of memory, the price of
-sending only the changed elements.
+Buckets are staged (in memory or spooled to files) and nothing reaches the engine until
+``finish`` has checked every bucket's CRC and tensor checksum, so a failed session leaves the
+old version serving. The commit streams (:class:`TensorStream`). Delta sessions keep a bf16
+copy of the committed weights as the next base.
 """
 
 from __future__ import annotations
@@ -66,9 +55,7 @@ def _entries_fit(entries: list, size: int) -> bool:
 class TensorStream:
     """``(name, tensor)`` pairs produced lazily, with every ``shapes[name]`` known ahead.
 
-    An engine may iterate it like any other stream; one that knows ``shapes``
-    (the rollout server's scheduler) checks names and shapes first and then
-    consumes the stream one tensor at a time instead of holding the model.
+    An engine that knows ``shapes`` checks them first and holds one tensor at a time.
     """
 
     def __init__(self, items: Iterator[tuple[str, torch.Tensor]], shapes: dict[str, tuple]) -> None:
@@ -98,8 +85,7 @@ class _Staged:
 class Receiver:
     """Stages a session's buckets and commits them to ``engine`` atomically.
 
-    ``name`` appears in every error; ``spool_dir`` stages buckets on disk;
-    ``timeout_s`` is how long a session may sit idle before it is dropped.
+    ``timeout_s``: how long a session may sit idle before it is dropped.
     """
 
     def __init__(

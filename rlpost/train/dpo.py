@@ -3,16 +3,9 @@
     pairs --sft on chosen--> starting policy --frozen copy--> reference log-probs (once)
           --dpo steps--> policy --held-out pairs--> preference accuracy before / after
 
-Simplifications, on purpose: the reference model is never kept in memory;
-its summed sequence log-probs for every train and held-out pair are computed
-once, before the first update, with the starting policy. Chosen and rejected
-responses of a micro-batch go through the model in one forward pass. The loss
-math is :func:`rlpost.algos.dpo.dpo_loss`; this module only feeds it.
-
-The held-out preference accuracy counts pairs whose implicit reward of the
-chosen response beats the rejected one (policy margin > reference margin); a
-tie, which is every pair before training, counts one half, the accuracy of a
-coin flip, so the starting value is 50% rather than a meaningless 0%.
+The reference is never kept: its log-probs are computed once with the starting policy. The
+loss is :func:`rlpost.algos.dpo.dpo_loss`. Held-out accuracy counts a tie (every pair before
+training) as one half.
 """
 
 from __future__ import annotations
@@ -84,8 +77,7 @@ def pair_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen ``[N]``, rejected ``[N]``) summed log-probs under ``model``, no gradient.
 
-    The chunking is a pure function of ``chunk``, so the same model gives
-    bit-identical values every call (the policy ties the reference at step 0).
+    Bit-identical for the same model and ``chunk`` (the policy ties the reference at step 0).
     """
     chosen, rejected = [], []
     for lo in range(0, len(pairs), chunk):
@@ -113,9 +105,8 @@ def evaluate_pairs(
 ) -> dict[str, float]:
     """Held-out preference metrics of ``model`` against the stored reference log-probs.
 
-    ``eval_pref_accuracy``: pairs with implicit reward chosen > rejected (ties
-    half); ``eval_margin``: mean ``beta h``; ``eval_logp_accuracy``: pairs where
-    the policy itself gives the chosen response the higher log-prob (ties half).
+    ``eval_pref_accuracy`` (implicit reward) and ``eval_logp_accuracy`` (log-prob) count
+    ties half; ``eval_margin``: mean ``beta h``.
     """
     pc, pr = pair_logprobs(model, pairs, pad_id, chunk)
     out = dpo_loss(pc, pr, pairs.ref_chosen, pairs.ref_rejected, **loss_kwargs)
