@@ -1,13 +1,7 @@
 """One recorder writes each step's metrics to every sink that is on.
 
-Sinks: ``RUN_DIR/metrics.jsonl`` (always, when there is a run directory), a
-Prometheus ``/metrics`` endpoint (when a port is given) and the loggers asked for
-(TensorBoard, W&B, MLflow: :mod:`rlpost.observe.loggers`). Each recorder owns its own
-``CollectorRegistry`` rather than the process-global one, so several runs, a
-rollout server and tests can live in one process without name clashes.
-
-The JSONL line is flushed on every step so a crashed run keeps its history;
-non-finite values are written as ``null`` because JSON has no NaN.
+Sinks: ``RUN_DIR/metrics.jsonl`` (flushed each step; non-finite values as ``null``), a
+Prometheus endpoint on its own ``CollectorRegistry``, and :mod:`rlpost.observe.loggers`.
 """
 
 from __future__ import annotations
@@ -58,9 +52,8 @@ def _json_value(value: float) -> float | None:
 class Recorder:
     """Writes step metrics to JSONL, Prometheus and TensorBoard.
 
-    ``run_dir=None`` turns the file sinks off (a rollout server that only
-    exports). ``prometheus_port=0`` binds an ephemeral port; read it back from
-    :attr:`port`. Safe to call from several threads.
+    ``run_dir=None`` turns the file sinks off; ``prometheus_port=0`` binds an ephemeral
+    :attr:`port`. Thread-safe.
     """
 
     def __init__(
@@ -118,11 +111,8 @@ class Recorder:
     def record(self, step: int, values: dict[str, Any]) -> None:
         """Record one step's metrics.
 
-        ``values`` maps short keys (``metrics.METRICS``' ``key``) to numbers
-        (``None``: not measured, written as null and not exported); keys
-        outside the table go to JSONL and TensorBoard only. The step
-        counter advances once per new ``step``; recording the same step again
-        (e.g. evaluation after training) adds a row but does not count twice.
+        ``values`` maps ``metrics.METRICS`` keys to numbers (``None``: not measured); other
+        keys go to JSONL and TensorBoard only. A step recorded again adds a row.
         """
         floats = {key: _to_float(key, value) for key, value in values.items()}
         missing = {key for key, value in values.items() if value is None}
@@ -202,10 +192,7 @@ class Recorder:
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """Read ``RUN_DIR/metrics.jsonl`` back, one dict per step, in step order.
 
-    Rows written for the same step (training metrics, then evaluation) are
-    merged, later keys winning. ``null`` comes back as ``None``. A run without
-    the file gives ``[]``; a torn last line (the run was killed mid-write) is
-    skipped.
+    Rows of the same step are merged, later keys winning; a torn last line is skipped.
     """
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():

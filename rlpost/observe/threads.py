@@ -1,10 +1,7 @@
 """``run.threads=0`` during a run: the torch threads follow the cores other work leaves free.
 
-The start decision (:func:`rlpost.observe.mfu.pick_threads`) samples the machine once; a
-moment of other load then kept a whole run on one thread (a real-shape sync step took 70 s
-instead of 51 s after starting beside another job). :class:`ThreadFollower` re-checks after
-every step, from counters the kernel already keeps (``/proc/stat`` and this process's CPU
-time over the step just run), so the check costs no sampling window.
+:func:`rlpost.observe.mfu.pick_threads` samples once, so a moment of load could keep a run on
+one thread; :class:`ThreadFollower` re-checks after every step from the kernel's counters.
 """
 
 from __future__ import annotations
@@ -17,9 +14,8 @@ from rlpost.observe import mfu
 from rlpost.observe.mfu import _allowed_cpus, _cpu_times, _usable_cores, busy_cpus
 
 MARGIN = 0.25
-"""CPUs beyond the half-way point the free cores must move before the count changes: a
-load hovering at a rounding boundary would otherwise flip the count (and the float
-rounding) every step."""
+"""CPUs past the half-way point the free cores must move before the count changes, so a load
+at a rounding boundary does not flip it every step."""
 
 
 def follow_threads(current: int, cores: int, others_busy: float, margin: float = MARGIN) -> int:
@@ -43,9 +39,8 @@ def _sample():
 
 
 class ThreadFollower:
-    """Re-checks the load after every step and sets torch's threads (the loop's thread: the
-    trainer's passes and, in sync mode, the engine). Other load is the CPUs busy over the
-    step minus this process's own CPU time over it, so its own threads do not count."""
+    """Re-checks the load after every step and sets the loop thread's torch threads; other load
+    is the CPUs busy over the step minus this process's CPU time."""
 
     def __init__(self, set_threads: Callable[[int], None], current: int, say=_say, **probe):
         """``probe`` (tests): ``cores`` and ``sample``, a callable returning wall seconds,
@@ -95,13 +90,9 @@ class CoreShare:
     """The trainer's threads beside a rollout process on the same cores: ``base`` while the
     rollout process runs a call (``busy.value`` > 0), ``base + lend`` while it does not.
 
-    In the overlapped modes each process has its own cores; at the real shape the rollout
-    process generates a batch in about half a step and then waits for the next weights, its
-    core idle. The trainer's passes call :func:`pace` between chunks of the LM head and
-    between micro-batches, so it takes that core within a step and hands it back within a
-    chunk (a tenth of a second) of the rollout starting again: two OpenMP teams on one core
-    would make each wait at every barrier. ``torch.set_num_threads`` acts on the calling
-    thread, which is the one running the passes."""
+    The trainer's passes call :func:`pace` between head chunks and micro-batches, so they take
+    the idle rollout core and hand it back within a chunk: two OpenMP teams on one core wait
+    at every barrier."""
 
     def __init__(self, busy, base: int, lend: int, set_threads: Callable[[int], None]):
         if base < 1 or lend < 0:

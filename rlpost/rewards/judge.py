@@ -1,15 +1,8 @@
 """LLM-as-judge: a model behind any OpenAI-compatible endpoint grades each response.
 
-The judge is the least trusted and least reliable signal (DESIGN.md: verifiable >
-rule > model > judge), so this scorer is built never to stop a run: timeouts,
-HTTP errors, refused connections and unparsable replies all fall back to
-``default_score`` and are counted (``counters()``), and transient errors are
-retried with exponential backoff, each retry counted too.
-
-Requests go to ``{base_url}/chat/completions`` (``api="chat"``) or
-``{base_url}/completions`` (``api="completions"``); ``base_url`` ends in ``/v1``
-as for the OpenAI client. Samples are judged concurrently on a thread pool
-sharing one ``httpx.Client``.
+The least reliable signal (DESIGN.md), so it never stops a run: every failure falls back to
+``default_score`` and is counted, transient errors retried with backoff. ``base_url`` ends in
+``/v1`` as for the OpenAI client.
 """
 
 from __future__ import annotations
@@ -63,8 +56,7 @@ def parse_score(text: str) -> float | None:
 def render_rubric(rubric: str, sample: RewardSample) -> str:
     """Fill ``{prompt}``, ``{completion}``, ``{answer}`` in one pass.
 
-    Other braces stay literal, and a completion that itself contains ``{answer}``
-    is not expanded (no template injection from model output).
+    A completion containing ``{answer}`` is not expanded (no template injection).
     """
     values = {
         "prompt": sample.prompt,
@@ -80,14 +72,9 @@ def render_rubric(rubric: str, sample: RewardSample) -> str:
 class JudgeScorer:
     """Scores samples in [0, 1] by asking a judge model; never raises on judge failure.
 
-    ``rubric``: prompt template with ``{prompt}``, ``{completion}``, ``{answer}``.
-    ``timeout``: seconds allowed for each connect / read of one attempt.
-    ``retries``: extra attempts after a timeout, a refused connection, 408/409/425/429
-    or 5xx, waiting ``backoff * 2**k`` seconds before retry k. ``max_score``: the
-    judge's scale (a reply outside ``[0, max_score]`` is unparsable).
-    ``default_score``: the score of a sample the judge failed on (``None``: the term
-    does not apply to it). ``api_key_env``: environment variable holding a bearer
-    token. ``concurrency``: requests in flight at once.
+    ``retries``: extra attempts after a timeout, refused connection, 408/409/425/429 or 5xx,
+    ``backoff * 2**k`` seconds apart. ``max_score``: the judge's scale. ``default_score``:
+    a failed sample's score (``None``: not applicable).
     """
 
     default_kind = "judge"

@@ -1,10 +1,7 @@
 """Rule rewards: shape the form of a completion, not its correctness.
 
-These are cheap, deterministic and hackable in isolation (a policy can satisfy a
-format regex with an empty answer), so they are meant to be mixed with a
-verifiable term at a small weight. Length terms read ``sample.num_tokens``, the
-token count the rollout engine produced, so they agree with the length the
-optimizer sees.
+Hackable alone, so mixed with a verifiable term at a small weight. Length terms read
+``sample.num_tokens``, the engine's count.
 """
 
 from __future__ import annotations
@@ -46,8 +43,7 @@ def format_reward(
 ) -> float:
     """1.0 if the completion matches ``pattern`` (``re.search``; anchor it), else 0.0.
 
-    The default requires ``<think>...</think>`` then ``<answer>...</answer>`` and
-    nothing else, the R1-Zero template (DeepSeek-R1, 2025, section 2.2.2).
+    The default is the R1-Zero template (DeepSeek-R1, 2025, section 2.2.2).
     """
     return 1.0 if _compile(pattern, dotall, ignore_case).search(sample.completion) else 0.0
 
@@ -69,9 +65,8 @@ def overlong_penalty(
         ((L_max - L_cache) - L) / L_cache   if L_max - L_cache < L <= L_max
         -1                                  if L > L_max
 
-    ``max_tokens`` defaults to ``sample.max_tokens`` (the generation budget);
-    ``cache_len`` defaults to a fifth of it (DAPO: 4096 of 20480); 0 is a hard cliff.
-    ``None`` when no budget is known. The math is :func:`rlpost.algos.overlong_penalty`'s.
+    ``max_tokens`` defaults to ``sample.max_tokens``, ``cache_len`` to a fifth of it; ``None``
+    without a budget. The math is :func:`rlpost.algos.overlong_penalty`'s.
     """
     l_max = _max_tokens(sample, max_tokens)
     if l_max is None:
@@ -96,10 +91,8 @@ def length_reward(
 ) -> float | None:
     """0.0 inside ``[min_tokens, max_tokens]``; outside it falls linearly to -1.
 
-    The penalty is ``-min(1, distance / tolerance)``, where distance is the number of
-    tokens outside the window, so ``tolerance=1`` is a hard step and a larger value
-    a ramp. ``max_tokens`` defaults to ``sample.max_tokens``; with neither bound set
-    the reward does not apply (``None``).
+    The penalty is ``-min(1, distance / tolerance)``; ``max_tokens`` defaults to
+    ``sample.max_tokens``, and with neither bound the reward is ``None``.
     """
     if tolerance < 1:
         raise ValueError(f"length: tolerance must be >= 1, got {tolerance}")
@@ -120,9 +113,7 @@ def length_reward(
 def repetition_penalty(sample: RewardSample, *, n: int = 3, unit: str = "word") -> float:
     """Minus the fraction of repeated n-grams: ``-(total - unique) / total``.
 
-    0.0 for a completion with no repeated n-gram (or fewer than ``n`` units), close
-    to -1 for one phrase looped until the budget ran out. ``unit`` is ``word``
-    (whitespace split) or ``char``.
+    ``unit``: ``word`` or ``char``.
     """
     if n < 1:
         raise ValueError(f"repetition: n must be >= 1, got {n}")

@@ -6,30 +6,12 @@ and then the test in one namespace; that child proves success only by writing
 ``pass`` to a private pipe after both ran without raising. The harness then
 writes ``<nonce> <index> pass|fail|timeout`` on its own stdout.
 
-Why this shape: the candidate never runs in the harness's process, so it
-cannot monkeypatch the harness's output or read the nonce from its memory (the
-harness makes itself non-dumpable, which closes its /proc/<pid>/mem and fd
-entries to other processes of the same uid); the candidate's stdout and
-stderr go to the harness's stderr, and a forged line without the nonce is
-ignored by the host. ``sys.exit(0)`` or ``os._exit(0)`` before the test ran
-leave the pipe empty and count as a failure, and the child holds its own
-references to ``exec`` and ``os.write`` so patching builtins cannot skip the
-test. Each test runs in its own session, killed after it, so a looping or
-forking test costs only its own time budget.
-
-The candidate shares the child's interpreter, so the child's report is made
-hard to forge: what it must write is a fresh random token per test, not a
-fixed word; the token and the pipe's descriptor (moved to a random number)
-arrive on stdin, not in argv, and the spec holding them is gone before the
-candidate runs; and an audit hook, which no Python code can remove, refuses
-the ways to find them: listing or opening the process's descriptors
-(/proc/self/fd, /dev/fd), and the interpreter's object graph and frames
-(``gc.get_objects`` and referrers, ``sys._current_frames``, traceback and
-generator frames). Code that walks its own stack with ``sys._getframe`` and
-``f_back`` can still reach the child's locals: that door stays open because
-the standard library (``typing``, ``enum``, ``collections.namedtuple``)
-needs ``sys._getframe`` to import, so the token is one more thing a cheat
-must know to look for, not a proof.
+The candidate never runs in the (non-dumpable) harness, so it cannot forge the harness's
+output or read the nonce; an early exit leaves the pipe empty, a failure. Each test runs in
+its own session, killed after it. In the child, the report is a fresh random token per test
+whose value and pipe descriptor arrive on stdin, and an audit hook refuses listing
+descriptors and walking the object graph or other frames. ``sys._getframe`` stays open (the
+standard library needs it to import), so the token hinders a cheat, not proves against one.
 """
 
 import contextlib

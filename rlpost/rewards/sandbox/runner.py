@@ -1,16 +1,8 @@
 """One run of untrusted Python inside the sandbox, supervised from the host.
 
-Fail closed: every run first checks (once per process, then cached) that
-bubblewrap exists and can build the namespaces; if not, ``SandboxUnavailable``
-is raised with the cause and the fix, and nothing runs unsandboxed.
-
-The supervisor feeds stdin, reads stdout and stderr incrementally (at most
-``max_output_bytes`` each are kept; one byte more kills the run), enforces the
-wall-clock deadline, and at the end kills the sandbox's pid 1, which takes
-every process of its pid namespace with it, and waits until they are gone.
-Program files reach the private tmpfs through memfds, so nothing is written
-on the host. Each run gets its own cgroups where the host allows them
-(``plan.py``), removed with every process left in them when the run ends.
+Fail closed: without a working bubblewrap ``SandboxUnavailable`` names the cause and the fix.
+The supervisor kills a run one byte past ``max_output_bytes`` or past its deadline, and at the
+end kills the sandbox's pid 1, taking its pid namespace with it. Files arrive through memfds.
 """
 
 from __future__ import annotations
@@ -57,8 +49,7 @@ _probed: set[tuple[str, str, int]] = set()
 def check_available() -> None:
     """Raise ``SandboxUnavailable`` (one line: cause and fix) unless the sandbox works here.
 
-    The first call per interpreter and user runs a trivial program through the
-    full sandbox; later calls only re-check that the tools are still on PATH.
+    The first call runs a trivial program through the full sandbox; later ones check PATH.
     """
     tools = find_tools()
     interpreter = find_interpreter()
@@ -91,8 +82,7 @@ def run_code(
 ) -> SandboxResult:
     """Run ``python main.py`` with ``code`` as main.py in a fresh sandbox.
 
-    ``files`` maps extra relative paths (e.g. ``"helper.py"``, ``"data/in.txt"``)
-    to their text, placed next to main.py in the private /tmp.
+    ``files``: extra relative paths and their text, placed next to main.py.
     """
     config = config or SandboxConfig()
     files = dict(files or {})

@@ -4,18 +4,10 @@
     POST /v1/prompt_logprobs    {"prompts": [[id, ...], ...], "starts": [k, ...]}
                                 -> {"logprobs": [[lp_k, ..., lp_{n-1}], ...], "policy_version"}
 
-For each sequence, the served model's log-probability (temperature 1) of every token from
-``starts[i]`` on given the tokens before it: vLLM's ``prompt_logprobs`` for the given ids,
-no sampling. A teacher (``model.teacher.url``) is never sent new weights.
-
-The pass runs on the scheduler's thread a piece at a time between decode steps
-(:meth:`~rlpost.rollout.engines.scheduler.Scheduler.run_between_steps`): it takes a bounded
-share of the model's time, never reads a half-applied update, and stops once its client has
-gone. Its work is bounded like a generation request's: prompts count as pending sequences,
-and ``--max-prompts``, ``--max-request-tokens``, the context and ``--max-score-entries``
-(prompts x longest x vocabulary) cap its size. Rows go through the decoder a few at a time
-and the LM head :func:`~rlpost.train.lm_head.chunk_tokens` positions at a time: a token's
-logprob needs only its logit and the position's logsumexp.
+vLLM's ``prompt_logprobs`` at temperature 1 for the given ids. The pass runs in pieces between
+decode steps (:meth:`~rlpost.rollout.engines.scheduler.Scheduler.run_between_steps`), its size
+capped by ``--max-prompts``, ``--max-request-tokens``, the context and
+``--max-score-entries``.
 """
 
 from __future__ import annotations
@@ -117,9 +109,7 @@ def score_pieces(
     model, prompts: list[list[int]], starts: list[int], chunk: int = 0
 ) -> Generator[None, None, list[list[float]]]:
     """``log p(ids[t] | ids[:t])`` for ``t >= starts[i]`` of every sequence (float32 at
-    temperature 1), returned by a generator that pauses after each bounded piece of work: a
-    group of rows through the decoder, ``chunk`` positions through the head (0: what fits
-    :data:`~rlpost.train.lm_head.CHUNK_BYTES`)."""
+    temperature 1), by a generator that pauses after each bounded piece of work."""
     import torch
 
     vocab = model.config.vocab_size
@@ -137,9 +127,8 @@ def score_pieces(
 
 
 def encoded_rows(pieces: Generator[None, None, list[list[float]]], rows_per_piece: int = 16):
-    """The rows ``pieces`` returns, as the JSON text of a list's items, encoded a few rows per
-    piece: 256 rows of 120 logprobs take tens of milliseconds to encode, which in one go
-    would hold the GIL, and with it every other request's handling, that long."""
+    """The rows ``pieces`` returns as JSON list items, a few rows per piece, so encoding does
+    not hold the GIL from other requests for long."""
     rows = yield from pieces
     parts = []
     for s in range(0, len(rows), rows_per_piece):
