@@ -1,18 +1,8 @@
 """N data-parallel trainer workers behind the one-trainer protocol.
 
-Rank ``i`` of the handles was built with ``DPSpec(rank=i, world=N)``
-(:mod:`rlpost.train.dp`). Every call goes to all of them with the same
-arguments, at once (one thread each), and rank 0's result is returned: each
-rank takes its own share of the batch and all return the same values, so the
-loop drives N workers exactly as it drives one.
-
-Calls that run collectives (everything but a few local queries) are made one at
-a time: every rank must enter its collectives in the same order, and two calls
-racing in the ranks' call pools could interleave them differently.
-
-If a rank fails, the call raises a :class:`WorkerError` in one line naming the rank,
-without waiting for the others (they are blocked in a collective that will not
-complete); :meth:`close` then stops them.
+Every call goes to all ranks at once and rank 0's result is returned. Calls running
+collectives go one at a time, so every rank enters them in one order. A failed rank raises a
+one-line :class:`WorkerError` without waiting for the others.
 """
 
 from __future__ import annotations
@@ -91,10 +81,7 @@ class TrainerGroup:
             return self._call_all(name, *args, **kwargs)
 
     def __getattr__(self, name: str):
-        """The rest of the trainer protocol: ``group.update(batch, beta=...)`` and the like are
-        :meth:`call`'s. (``mfu`` is against the peak of rank 0's device: right where the ranks
-        share one machine's cores, the process backend; across machines the group's peak is
-        larger.)"""
+        """The rest of the trainer protocol, through :meth:`call` (``mfu`` against rank 0's peak)."""
         if name.startswith("_"):
             raise AttributeError(name)
         return lambda *args, **kwargs: self.call(name, *args, **kwargs)

@@ -1,12 +1,7 @@
 """The one table of ``rl_*`` metric names, and where each is written.
 
-Every stage records through :class:`rlpost.observe.recorder.Recorder` with the
-short keys below (``reward_mean``, ``kl``, ...); the table maps each key to its
-Prometheus name, type and help text, so a metric is renamed or re-described in
-exactly one place. Keys that are not in the table (``loss``, ``eval_accuracy``,
-``lr``, ...) are still written to ``metrics.jsonl`` and TensorBoard, but are not
-exported to Prometheus: the exported set is a stable contract that alert rules
-and dashboards (``deploy/prometheus``) are written against.
+Each short key maps to its Prometheus name, type and help; keys outside the table are not
+exported, since the exported set is the contract of ``deploy/prometheus``.
 """
 
 from __future__ import annotations
@@ -21,8 +16,7 @@ MetricKind = Literal["gauge", "counter", "histogram"]
 class MetricSpec:
     """One exported metric.
 
-    ``key`` is the name used in ``Recorder.record`` and in ``metrics.jsonl``;
-    ``help`` states the unit in brackets, as Prometheus shows it to users.
+    ``help`` states the unit in brackets.
     """
 
     name: str
@@ -108,8 +102,7 @@ a mixture run adds :data:`SOURCE_METRICS`)."""
 def exposed_sample_name(spec: MetricSpec) -> str:
     """Name of the sample line that carries ``spec`` in the text exposition.
 
-    Counters are declared with their ``_total`` suffix already; a histogram is
-    seen through its ``_count`` series.
+    A histogram is seen through its ``_count`` series.
     """
     return spec.name + "_count" if spec.kind == "histogram" else spec.name
 

@@ -1,20 +1,10 @@
 """reasoning-gym scorers that evaluate their input, run in the sandbox.
 
-The trusted side of ``reasoning_gym_sandbox_script.py``: one sandbox run scores a
-batch's items (task, config, entry, answer). Inside it the task's scorer runs in a
-process that evaluates nothing; each ``eval`` or ``parse_expr`` it makes runs in a
-child forked for it, confined by :data:`CHILD_CALLS` refused, whose only output is
-data the scorer then judges; so an answer runs as the sandbox's user with no network,
-a read-only root and the run's limits, and cannot choose its score. Items travel as a
-pickle of plain data into the sandbox; only ``<nonce> <index> <score>`` lines come
-back, parsed as floats and clipped to :data:`SCORE_RANGE`. An item without a score
-(its evaluation timed out or died, its scorer overran) is NaN, which the reward
-counts as a scorer error. A run that ends early costs its item in progress, and the
-items after it run again in a new sandbox (counted as a restart).
-
-The sandbox runs the interpreter's own standard library and site-packages, read-only
-under ``/opt/python`` (or ``/usr``): reasoning-gym must be installed there, not in a
-virtual environment elsewhere (:func:`sandbox_problem` says so at load).
+The trusted side of ``reasoning_gym_sandbox_script.py``: one run scores a batch's items, each
+evaluation in a child confined by :data:`CHILD_CALLS`; scores come back clipped to
+:data:`SCORE_RANGE`, NaN where none came. A run that ends early restarts after its item in
+progress. reasoning-gym must be installed in the interpreter's own site-packages
+(:func:`sandbox_problem`).
 """
 
 from __future__ import annotations
@@ -156,8 +146,7 @@ def score_in_sandbox(
     """(each item's score from its task's scorer, run in the sandbox, NaN where none came
     back; the runs it took).
 
-    Raises ``SandboxUnavailable`` when the sandbox cannot run, and RuntimeError (one
-    line, the sandbox's last error line) when a run scores nothing at all.
+    RuntimeError (the sandbox's last error line) when a run scores nothing.
     """
     scores = [math.nan] * len(items)
     pending = list(range(len(items)))

@@ -2,30 +2,16 @@
 
 The score never comes from a process that evaluated the answer. Three processes:
 
-- the judge (this process) reads the items, runs each task's own ``score_answer`` and
-  prints ``<nonce> <index> start`` and ``<nonce> <index> <score>``. It evaluates no text:
-  ``eval`` and sympy's ``parse_expr`` are replaced, everywhere they are reachable, by
-  calls to the evaluator that return plain data (a Python literal read by
-  ``ast.literal_eval``, or a sympy expression rebuilt from its ``srepr`` by a short
-  list of constructors) or raise as the evaluation did;
-- the evaluator, forked before any item is read, so it holds no entry, gold answer or
-  nonce, serves one request at a time: a fresh child per evaluation, its reply
-  relayed within the item's deadline, the child killed after;
-- the child closes every descriptor but its reply pipe and loads a seccomp filter
-  refusing signals to other processes, ``ptrace``, cross-process memory and new
-  processes or threads before it evaluates, so an answer can neither reach the
-  judge's output nor end any process but its own; all it chooses is the value of its
-  own evaluation, which the task's scorer then judges.
+- the judge (this process) runs each task's ``score_answer`` and prints ``<nonce> <index>
+  <score>``; its ``eval`` and ``parse_expr`` are replaced by calls to the evaluator that
+  return plain data (a literal, or a sympy expression rebuilt from its ``srepr``);
+- the evaluator, forked before any item is read, runs a fresh child per evaluation;
+- the child keeps only its reply pipe and loads a seccomp filter refusing signals, ``ptrace``,
+  cross-process memory and new processes, so it chooses only its evaluation's value.
 
-An evaluation that outlives the deadline, or a child that dies without a reply, leaves
-its item unscored (``nan``), as does a judge that overruns an item (a SIGALRM). The
-judge and the evaluator are not dumpable, so the child cannot read their memory
-through /proc; /tmp is off ``sys.path``, so nothing the child writes is imported.
-
-stdin: one line of JSON (``paths``: sys.path here, ``timeout_s`` per item, ``filter``:
-base64 of the seccomp program), then JSON with ``nonce`` and ``items`` (base64 of a
-pickled list of ``(task, config, entry, answer)``, plain data from the trusted side).
-Standard library only up to the import of reasoning-gym.
+A timeout or a child dying without a reply leaves the item ``nan``. The judge and evaluator
+are not dumpable; /tmp is off ``sys.path``. stdin: one JSON line (``paths``, ``timeout_s``,
+``filter``), then JSON with ``nonce`` and ``items`` (a base64 pickle of plain data).
 """
 
 import ast
@@ -124,9 +110,8 @@ def _child(request, w, program):
 def _serve(requests, replies, program):
     """The evaluator's loop: one confined child per request, its reply relayed.
 
-    Requests and replies pass through two buffers, zeroed once used, and never become
-    objects here: a later child, forked from this process, finds no earlier text in it
-    (a gold answer the scorer also evaluates, another answer's value)."""
+    Requests and replies pass through two buffers zeroed once used, so a later child finds
+    no earlier text here."""
     request = memoryview(bytearray(_HEAD + _MAX_REPLY))
     reply = memoryview(bytearray(_MAX_REPLY + 1))
     while _fill(requests, request[:_HEAD]) == _HEAD:

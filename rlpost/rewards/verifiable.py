@@ -1,9 +1,6 @@
 """Verifiable rewards: the answer can be checked exactly.
 
-Scores are 1.0 for a correct answer and 0.0 otherwise; ``None`` when the sample
-carries no usable reference answer (the reward does not apply). The completion
-is model output and never trusted: an empty, garbled or huge completion scores
-0.0, it does not raise.
+1.0 or 0.0; ``None`` without a usable reference. A garbled or huge completion scores 0.0.
 """
 
 from __future__ import annotations
@@ -145,12 +142,9 @@ def numeric_match(
 ) -> float | None:
     """1.0 if the number in the completion equals the reference answer.
 
-    ``position``: which number of the completion is the answer, ``first`` or ``last``;
-    a completion that marks its final answer (``#### 42``, ``\\boxed{42}``) is read
-    there instead. ``tag``: read the answer from the last ``<tag>...</tag>`` block
-    only (a missing block scores 0.0). The reference may be a number or a worked
-    solution ending in such a marker (GSM8K's answer field). ``None`` if the reference
-    answer is not a finite number.
+    ``position``: ``first`` or ``last`` number, unless a marker (``#### 42``,
+    ``\\boxed{42}``) says; ``tag``: only the last ``<tag>`` block. The reference may be a
+    worked solution ending in a marker (GSM8K).
     """
     _check_numeric(position=position)
     target = _reference_number(sample.answer)
@@ -176,9 +170,7 @@ def exact_match(
 ) -> float | None:
     """1.0 if the completion equals the reference answer as a string.
 
-    A list or tuple answer holds several accepted strings; any of them matches.
-    ``collapse_space`` folds runs of whitespace to one space; ``tag`` compares only
-    the last ``<tag>...</tag>`` block (a missing block scores 0.0).
+    A list answer accepts any of its strings; ``tag``: only the last ``<tag>`` block.
     """
     if sample.answer is None:
         return None

@@ -3,14 +3,9 @@
     sync = build_weight_sync(cfg.sync, targets)   # engines, URLs, a directory...
     stats = sync.push(model.named_parameters(), version)
 
-One pass over the tensors: each is encoded (codec, or bf16 delta against the
-last version the targets acknowledged), packed into buckets of
-``bucket_bytes``, and every full bucket goes to every target at once, so the
-sender holds about one bucket. Targets whose base version differs from the
-delta's (a restarted server) refuse it at ``start`` and get the full encoding
-of the same pass. A target that fails in any phase is dropped from the session
-with a one-line reason in ``stats.failed`` (the others carry on, so a fleet of
-servers fails over); the push raises only when no target committed.
+One pass: each tensor is encoded, packed into ``bucket_bytes`` buckets, each sent to every
+target at once. A target whose delta base differs gets the full encoding; a failing target
+is dropped with a reason in ``stats.failed``, and the push raises only when none committed.
 """
 
 from __future__ import annotations
@@ -272,10 +267,8 @@ def build_weight_sync(
 ) -> WeightSync:
     """A :class:`WeightSync` for ``sync_cfg`` (a SyncConfig) and its targets.
 
-    ``targets`` depend on ``sync_cfg.channel``: engines for ``inprocess`` and
-    ``vllm``, server URLs for ``http``, directories for ``disk`` and
-    :class:`~rlpost.sync.gloo.GlooLink` for ``gloo``. ``headers`` go with every http
-    request (the rollout servers' admin key).
+    ``targets`` per ``sync_cfg.channel``: engines, URLs, directories or
+    :class:`~rlpost.sync.gloo.GlooLink`; ``headers`` go with every http request.
     """
     options = TransportOptions(
         verify=sync_cfg.verify, timeout_s=sync_cfg.timeout_s, headers=headers
