@@ -1,10 +1,7 @@
 """DAPO's sampling-side helpers as pure functions (arXiv 2503.14476).
 
-Dynamic sampling drops prompts whose group has no reward spread: with all
-scores equal every group-relative advantage is zero, so those rows carry no
-gradient but still dilute the token-mean denominator. The overlong soft penalty
-replaces a cliff at the length limit by a linear ramp over the last
-``cache_len`` tokens.
+Dynamic sampling drops groups without reward spread, which carry no gradient but dilute the
+token-mean denominator.
 """
 
 from __future__ import annotations
@@ -20,14 +17,10 @@ def overlong_penalty(
     factor: float = 1.0,
     dtype: torch.dtype = torch.float32,
 ) -> Tensor:
-    """DAPO soft overlong punishment (eq. 13), added to the outcome reward; the one
-    definition (the ``overlong_penalty`` reward calls it).
+    """DAPO soft overlong punishment (eq. 13): ``lengths [B]`` -> ``[B]``.
 
-    Shapes: ``lengths [B]`` (response tokens) -> ``[B]`` of ``dtype`` (float32; the reward
-    asks float64, the precision of its Python float):
-    ``0`` if ``len <= max_len - cache_len``; ``((max_len - cache_len) - len) / cache_len
-    * factor`` inside the window, reaching ``-factor`` at ``len = max_len``; ``-factor``
-    beyond ``max_len``. ``cache_len = 0`` is a hard cliff: 0 up to ``max_len`` included.
+    ``0`` up to ``max_len - cache_len``, then a ramp to ``-factor`` at ``max_len`` and beyond;
+    ``cache_len = 0`` is a hard cliff.
     """
     if not 0 <= cache_len <= max_len:
         raise ValueError(
@@ -58,9 +51,8 @@ def _group_range(scores: Tensor, group: Tensor) -> tuple[Tensor, Tensor]:
 def group_has_spread(scores: Tensor, group: Tensor) -> Tensor:
     """DAPO dynamic-sampling filter, per group: True where a group's scores are not all equal.
 
-    Shapes: ``scores [B]``, ``group [B]`` int64 prompt ids (any order) -> bool ``[G]``, one
-    per distinct id in ascending order. A singleton group has no spread; nor has a group
-    with a NaN score (its advantages would not be numbers). The rollout stage's filter.
+    ``scores [B]``, ``group [B]`` -> bool ``[G]`` by ascending id. A singleton group, or one
+    with a NaN score, has no spread.
     """
     spread, _ = _group_range(scores, group)
     return spread > 0
@@ -87,8 +79,7 @@ def groups_with_spread(scores: Tensor, group: Tensor) -> Tensor:
 def group_zero_spread_fraction(scores: Tensor, group: Tensor) -> float:
     """Fraction of groups (not rows) whose scores are all equal; 0.0 for an empty batch.
 
-    Shapes: ``scores [B]``, ``group [B]``. A rising value means GRPO is starved
-    of signal (every prompt all-right or all-wrong).
+    A rising value means GRPO is starved of signal.
     """
     spread, _ = _group_range(scores, group)
     if spread.numel() == 0:

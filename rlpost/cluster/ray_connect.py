@@ -1,9 +1,7 @@
 """Joining a Ray cluster, or starting a local one that listens on loopback only.
 
-A local cluster is started as a single-machine one, so every Ray process keeps the
-node address 127.0.0.1 and binds it, and it gets a token of its own; a joined
-cluster that answers without a token is named in one warning line
-(docs/operations.md, "Security model").
+A joined cluster without token authentication gets one warning line (docs/operations.md,
+"Security model").
 """
 
 from __future__ import annotations
@@ -23,9 +21,7 @@ log = logging.getLogger(__name__)
 def connect(ray, cfg: Config) -> bool:
     """Join ``cluster.address`` or start a local cluster; True when this call started one.
 
-    A local cluster listens on 127.0.0.1 only (every Ray process: GCS, raylet, object
-    manager, workers, agents, the driver) and requires a token generated for it; joining a
-    cluster that has no token authentication warns in one line.
+    A local cluster's every process listens on 127.0.0.1 only and requires its own token.
     """
     if ray.is_initialized():
         return False
@@ -65,9 +61,8 @@ def connect(ray, cfg: Config) -> bool:
 
 @contextlib.contextmanager
 def _own_stop_signals():
-    """Keep this process's SIGINT / SIGTERM handlers across ``ray.init``: a driver installs
-    Ray's crash handler for them, which aborts the process on SIGTERM where the run would
-    finish its step and save a checkpoint."""
+    """Keep this process's SIGINT / SIGTERM handlers over the aborting ones ``ray.init``
+    installs."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -101,12 +96,9 @@ def _token_auth_on(ray) -> bool:
 class _LocalCluster:
     """The process environment a loopback-only, token-guarded local cluster starts under.
 
-    Ray binds a process to 127.0.0.1 only when its node address is 127.0.0.1, and turns a
-    loopback ``node_ip_address`` into the routable one unless it runs as a single-machine
-    cluster (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, the mode Ray uses on macOS and
-    Windows). The token (``RAY_AUTH_MODE=token``, ``RAY_AUTH_TOKEN``) reaches every Ray
-    process through the environment, which only their user can read. ``leave`` restores
-    what was there before, once the cluster is stopped.
+    Ray keeps a loopback node address only as a single-machine cluster
+    (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``); the token travels in the environment.
+    ``leave`` restores what was there.
     """
 
     ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")

@@ -1,21 +1,8 @@
 """LoRA through peft: low-rank adapters trained on a frozen base model.
 
-What the trainer gains, and the hooks it needs (each a call into this module):
-
-* **policy**: :func:`apply_lora` wraps the loaded policy; only the adapters require
-  gradients, so the optimizer is built over :func:`trainable_parameters` and its state
-  is a few MB instead of two copies of every weight.
-* **reference**: no frozen copy of the model is kept. Reference log-probs are the base
-  model's, computed inside ``with reference_mode(model):`` (adapters disabled), so
-  KL-regularised RL costs one model in memory, not two.
-* **engine and sync**: engines load plain checkpoints, so they are sent
-  :func:`merged_weights`: the base model's parameter names with ``W + scale * B @ A``
-  folded in, computed without touching the trained model.
-* **checkpoints**: :func:`save_adapters` writes the adapters in peft's format
-  (``adapter_model.safetensors`` and ``adapter_config.json``, loadable with
-  ``PeftModel.from_pretrained``); :func:`load_adapters` restores them on resume.
-
-peft is an optional extra (``pip install 'rlpost[lora]'``), imported only here.
+:func:`apply_lora` wraps the policy and the optimizer takes :func:`trainable_parameters`; the
+reference is the base under ``reference_mode(model)``; engines get :func:`merged_weights`;
+:func:`save_adapters` writes peft's format. peft (extra ``[lora]``) is imported only here.
 """
 
 from __future__ import annotations
@@ -89,10 +76,7 @@ def reference_mode(model) -> Iterator[None]:
 
 
 def merged_weights(model) -> dict[str, torch.Tensor]:
-    """The base model's state dict (its own parameter names) with every adapter folded in.
-
-    The trained model is left as it is (peft's ``merge_and_unload`` would change it).
-    """
+    """The base model's state dict with every adapter folded in, the model left as it is."""
     peft = _peft()
     base = model.get_base_model()
     deltas = {}

@@ -1,18 +1,9 @@
 """Evaluation sets (``eval.sets``): each set's held-out problems and its own metrics.
 
-Every set is sampled through the run's rollout worker in chunks, as the single
-held-out evaluation is (:func:`rlpost.pipeline.evaluate.evaluate`), and scored by
-the reward worker (its set's terms: the set's own ``reward``, the data source of its
-name, or ``reward.terms``). From ``n`` samples per problem at ``eval.temperature``
-come mean@k, pass@k and maj@k (:mod:`rlpost.algos.eval_metrics`); ``greedy`` is one
-sample at temperature 0. A sample is correct when it scores above 0.5.
-
-Keys, this module their one owner: ``eval/<set>/<metric>`` (each a mean over the
-set's problems), ``eval/<set>/problems`` and ``eval/<set>/reward_mean`` (the
-sampled completions' mean score).
-
-:func:`held_out_eval` is the one held-out evaluation a training run and ``rlpost eval``
-both run: the sets, or the single held-out accuracy when there are none.
+From ``n`` samples per problem come mean@k, pass@k and maj@k (:mod:`rlpost.algos.eval_metrics`),
+a sample correct above 0.5; ``greedy`` is one at temperature 0. Keys, owned here:
+``eval/<set>/<metric>``, ``eval/<set>/problems`` and ``eval/<set>/reward_mean``.
+:func:`held_out_eval` is what a training run and ``rlpost eval`` both run.
 """
 
 from __future__ import annotations
@@ -64,9 +55,7 @@ def evaluate_sets(
     greedy: SamplingParams | None,
     progress=None,
 ) -> dict[str, float]:
-    """``eval/<set>/<metric>`` of every set; ``greedy=None`` leaves the greedy metric out
-    (the evaluations between the start and the end). ``progress`` counts the samples
-    (:func:`rlpost.pipeline.evaluate.sample_groups`)."""
+    """``eval/<set>/<metric>`` of every set; ``greedy=None`` leaves the greedy metric out."""
     rows = by_source(prompts)
     out: dict[str, float] = {}
     for i, s in enumerate(cfg.eval.sets):

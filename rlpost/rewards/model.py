@@ -1,15 +1,7 @@
 """Reward model: a sequence-classification model with one output scores a response.
 
-``RewardModelWorker`` is a plain object with a narrow interface (``score``), so
-``cluster`` can host it in this process or wrap it in a Ray actor unchanged. It
-is registered as the batched scorer ``reward_model``; a term's params give
-``path`` (a local HF directory) and optionally ``batch_size``, ``device``,
-``max_length``.
-
-Batches are formed after sorting by token length, so a batch pads to the
-length of similar sequences rather than the longest one in the step; scores
-come back in the caller's order. torch and transformers are imported only when
-a worker is built, so registering the reward costs nothing.
+Registered as the batched scorer ``reward_model`` (``path``: a local HF directory). Batches
+are formed by token length; scores come back in the caller's order.
 """
 
 from __future__ import annotations
@@ -25,9 +17,7 @@ from rlpost.types import RewardSample
 class RewardModelWorker:
     """Scores ``prompt + completion`` with an ``AutoModelForSequenceClassification``.
 
-    The model must have ``num_labels == 1``; its logit is the reward (Bradley-Terry
-    reward models, Ouyang et al., 2022). With a chat template the pair is rendered
-    as a user / assistant exchange, otherwise as ``prompt + completion``.
+    Its one logit is the reward (Bradley-Terry, Ouyang et al., 2022).
     """
 
     default_kind = "model"
@@ -92,8 +82,7 @@ def reward_input_ids(
     """The token ids a reward model reads for each (prompt, response): with a chat template
     a user / assistant exchange, otherwise ``prompt + response``; cut to ``max_length``.
 
-    One function for scoring and for training (``rlpost rm``), so a trained model sees
-    exactly the inputs it was trained on.
+    Shared by scoring and ``rlpost rm``, so a model sees the inputs it was trained on.
     """
     templated = bool(getattr(tokenizer, "chat_template", None))
     if templated:

@@ -1,10 +1,4 @@
-"""The rollout protocol over the in-process continuous-batching scheduler.
-
-:class:`ContinuousEngine` lets the training loop use the same scheduler that
-``rlpost serve`` runs: requests join and leave the running batch at every
-decode step, and a step that needs only part of its samples (partial rollout)
-can stop the rest at a decode-step boundary and get their tokens back.
-"""
+"""The rollout protocol over the in-process continuous-batching scheduler."""
 
 from __future__ import annotations
 
@@ -32,11 +26,8 @@ class VersionedCompletion(Completion):
 class ContinuousEngine:
     """The rollout protocol over an in-process :class:`~rlpost.rollout.engines.scheduler.Scheduler`.
 
-    ``generate`` sends one scheduler request per prompt (``n`` samples, one
-    prefill). ``generate_partial`` is the engine-level partial rollout: the
-    caller stops waiting once ``enough(finished_rows)`` holds, and the rows
-    still decoding are aborted at the next step boundary and come back with
-    their tokens so far (``finish_reason="abort"``), ready to be continued.
+    ``generate_partial`` aborts the rows still decoding once ``enough(finished_rows)`` holds;
+    they come back with ``finish_reason="abort"``, ready to be continued.
     """
 
     def __init__(self, scheduler: Scheduler, tokenizer=None) -> None:
@@ -75,8 +66,7 @@ class ContinuousEngine:
     ) -> list[VersionedCompletion]:
         """One sample per row (row i uses ``params[i]``); rows unfinished once ``enough`` holds are aborted.
 
-        ``enough`` is called with the rows finished so far each time one
-        finishes, on the scheduler's thread, so the abort lands at the very
+        ``enough`` runs on the scheduler's thread as rows finish, so the abort lands at the
         next decode step.
         """
         reqs = [

@@ -2,23 +2,12 @@
 
     python -I -S harness_reaper.py PARENT_PID UID SCRATCH COMMAND [ARG...]
 
-This process marks itself a child subreaper (``PR_SET_CHILD_SUBREAPER``), so every
-descendant of the command whose parent exits is reparented here rather than to init:
-background jobs, double forks and ``setsid`` daemons included (a new session or process
-group does not leave the subreaper's tree). When the command exits, or this process
-gets SIGTERM (the runner's timeout) or its parent dies (``PR_SET_PDEATHSIG``), every
-child of this process is killed and reaped, round after round, until none is left: an
-orphan of a killed one is reparented here and killed on the next round. Only its own,
-unreaped children are signalled, so no pid can have been reused by a stranger.
-With a number for ``UID`` (``-``: none) the command runs under that uid, its group
-the same number and no other group; this process keeps its own user, so it can
-still kill whatever the command started.
-
-With ``private`` for ``SCRATCH`` (``shared``: none) this process first enters a mount
-namespace of its own, in a user namespace of its own mapping only its ids when it is not
-root, and mounts fresh tmpfs on ``/tmp`` and ``/dev/shm``: the command and all it starts
-see only what they wrote there, and the kernel frees it when the last of them ends. A
-``HOME`` under ``/tmp`` (a harness user's private home) is bound into the new ``/tmp``.
+As a child subreaper (``PR_SET_CHILD_SUBREAPER``) every orphaned descendant, ``setsid``
+daemons included, is reparented here; when the command exits, SIGTERM comes or the parent
+dies, its children are killed and reaped round after round until none is left (only its own
+unreaped children, so no pid was reused). ``UID`` (``-``: none) runs the command under that
+uid and group. ``private`` for ``SCRATCH`` mounts fresh tmpfs on ``/tmp`` and ``/dev/shm`` in a
+mount namespace of its own, binding a ``HOME`` under ``/tmp`` into it.
 
 Exits with the command's status (128 + the signal that ended it; 127: it did not start).
 """
