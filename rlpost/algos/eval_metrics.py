@@ -1,17 +1,11 @@
 """Held-out metrics of several samples per problem: mean@k, pass@k, maj@k.
 
-Plain numbers in, plain numbers out. ``correct`` is one problem's samples in the
-order they were drawn (a sample counts as correct when its score is above 0.5);
-``answers`` are the same samples' extracted answers (None: no answer found).
+``correct``: one problem's samples in draw order; ``answers``: their answers (None: none).
 
-- mean@k: fraction correct among the first k samples (an estimate of pass@1).
-- pass@k: the unbiased estimator 1 - C(n-c, k) / C(n, k) from all n samples, c of them
-  correct (Chen et al. 2021): the chance that k of the n, drawn without replacement,
-  hold at least one correct sample. Needs n >= k.
-- maj@k: the majority answer among the first k samples is correct. Samples without an
-  answer do not vote; a tie goes to the answer that reached the top count first in
-  sample order (deterministic), and its correctness is that of the first sample giving
-  it. No answer at all: 0.
+- mean@k: fraction correct among the first k samples.
+- pass@k: the unbiased 1 - C(n-c, k) / C(n, k) over all n (Chen et al. 2021); n >= k.
+- maj@k: the first k samples' majority answer is correct; a tie goes to the answer first at
+  the top count.
 """
 
 from __future__ import annotations

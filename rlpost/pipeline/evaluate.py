@@ -23,10 +23,8 @@ def evaluate(
 ) -> dict[str, float]:
     """Accuracy (fraction of completions whose score is > 0.5) and mean score on ``prompts``.
 
-    ``rollout`` and ``reward`` are the run's workers (any implementation of their
-    protocols). ``samples`` completions per problem (greedy: always one):
-    accuracy is their mean, the pass@1 estimate, and ``eval_accuracy_stderr`` is
-    the standard error of that mean over problems. ``progress``: see :func:`sample_groups`.
+    ``samples`` completions per problem (greedy: one); ``eval_accuracy_stderr`` is the mean's
+    standard error over problems.
     """
     if not prompts:
         return {}
@@ -72,8 +70,7 @@ def sample_groups(
 ) -> list[Group]:
     """``k`` scored samples of every prompt, generated ``chunk`` sequences at a time.
 
-    ``progress`` (a :class:`rlpost.pipeline.console.Phase`, or None) counts the samples:
-    its total grows by ``len(prompts) * k`` first, then it advances once per chunk.
+    ``progress`` (a :class:`rlpost.pipeline.console.Phase`) advances once per chunk.
     """
     out: list[Group] = []
     per_chunk = max(1, chunk // k)
@@ -108,8 +105,7 @@ def rollout_health(
 ) -> dict[str, float]:
     """Truncated fraction, zero-spread group fraction, reward stats, response length.
 
-    ``reward_min`` and ``reward_max`` tell a plot whether the reward lies in [0, 1], where
-    its mean gets an interval that stays in [0, 1] (``observe.report.reward_band``)."""
+    ``reward_min`` / ``reward_max`` tell a plot whether the reward lies in [0, 1]."""
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
     return {
         "reward_mean": float(scores.mean()),

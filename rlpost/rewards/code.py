@@ -1,14 +1,7 @@
 """Code rewards: run the task's tests on the completion, only inside the sandbox.
 
-Untrusted code never runs in this process: ``code_tests`` hands the extracted
-program and the assert statements to ``rlpost.rewards.sandbox``. A sandbox that
-cannot start (no bubblewrap, no user namespaces) raises ``SandboxUnavailable``
-instead of silently scoring every sample 0.
-
-Throughput: each call waits on a sandbox subprocess, so the function is
-registered with ``concurrency`` and the scorer runs that many samples of the
-batch at once on threads (the GIL is released while waiting). This keeps the
-reward a plain per-sample callable, like every other verifiable reward.
+A sandbox that cannot start raises ``SandboxUnavailable`` rather than scoring 0. Registered
+with ``concurrency``: the scorer runs that many samples at once on threads.
 """
 
 from __future__ import annotations
@@ -27,9 +20,8 @@ _PYTHON_TAGS = {"python", "py", "python3", "py3"}
 def extract_code(completion: str) -> str:
     """The program in a completion.
 
-    The last ```` ```python ```` fenced block if any, else the last fenced block of
-    any language, else the whole completion. An unclosed fence (a completion cut by
-    the token budget) runs to the end of the text.
+    The last ```` ```python ```` block, else the last fenced block, else the whole text; an
+    unclosed fence runs to the end.
     """
     blocks = _FENCE.findall(completion)
     if not blocks:
@@ -64,10 +56,7 @@ def code_tests(
 ) -> float | None:
     """Fraction of ``metadata["tests"]`` that pass (1.0/0.0 with ``all_pass``).
 
-    ``sandbox``: keyword arguments for ``SandboxConfig`` (memory, processes...);
-    ``test_timeout_s``: seconds per test (default: the sandbox's ``timeout_s``).
-    A program that crashes, hangs or floods output passes no test.
-    ``None`` when the sample carries no tests; 0.0 for an empty program.
+    ``sandbox``: ``SandboxConfig`` keywords. ``None`` without tests.
     """
     tests = _tests_of(sample.metadata)
     if not tests:

@@ -1,17 +1,8 @@
 """Math answers checked by symbolic equivalence with ``math-verify``.
 
-String or float comparison marks ``\\frac{1}{2}``, ``0.5`` and ``\\boxed{\\tfrac12}``
-as different answers; math-verify parses LaTeX and plain expressions into sympy
-and compares them symbolically, which is what the leaderboards built on it
-(Open R1, lighteval) count as correct.
-
-math-verify bounds its own run time with ``signal.alarm``, which only works on
-the main thread. On any other thread (the overlapped pipeline's producer, a
-worker process's call pool) the check runs in a helper process instead, on its
-main thread where the alarm works, and the caller also waits at most a few
-seconds past the timeout before it kills the helper and scores 0: a short
-completion like ``\boxed{10^{10^{10}}}`` keeps sympy busy far longer than any
-character limit would prevent.
+As Open R1 and lighteval count it. math-verify's ``signal.alarm`` works on the main thread
+only, so elsewhere the check runs in a helper process, killed a few seconds past the timeout
+(``\boxed{10^{10^{10}}}`` keeps sympy busy past any character limit).
 """
 
 from __future__ import annotations
@@ -67,10 +58,8 @@ def math_verify_reward(
 ) -> float | None:
     """1.0 if the completion's final answer is mathematically equal to the reference.
 
-    The answer is what follows the last ``####`` (GSM8K), else the last ``\\boxed{}``,
-    else the last LaTeX or plain expression (math-verify's default extraction); ``tag``
-    restricts it to the last ``<tag>...</tag>`` block. A reference that is a worked
-    solution is read the same way. ``None`` when the sample has no reference answer.
+    The answer follows the last ``####``, else the last ``\\boxed{}``, else math-verify's
+    extraction; ``tag``: the last ``<tag>`` block. The reference is read the same way.
     """
     if sample.answer is None or str(sample.answer).strip() == "":
         return None

@@ -1,15 +1,8 @@
 """Reward-hacking monitor: flags steps where the reward and the truth drift apart.
 
-A policy that learns to please a reward model, a judge or a format rule without
-getting more answers right shows a rising reward with flat verifiable accuracy;
-one that learns "longer looks better" shows a ballooning response length
-(Gao et al., 2023, "Scaling laws for reward model overoptimization"; Singhal et
-al., 2023, "A long way to go"). Both are visible in step means long before the
-eval curve turns, so the monitor watches them over a sliding window.
-
-Each statistic is compared between the older and the newer half of the window
-(half-window means rather than two single steps, so one noisy step neither
-raises nor hides a flag). Pure Python, no dependency on the rest of rlpost.
+A rising reward with flat accuracy, or a ballooning length (Gao et al., 2023; Singhal et al.,
+2023), shows in step means before the eval curve turns; each is compared between the older
+and newer half of a sliding window.
 """
 
 from __future__ import annotations
@@ -33,10 +26,8 @@ def _finite(value: float | None) -> float | None:
 class HackingMonitor:
     """Feed one line of step means per step; get back the flags raised at that step.
 
-    ``reward_up_accuracy_flat``: the reward mean rose by more than ``reward_rise``
-    while the verifiable accuracy rose by at most ``accuracy_band`` (flat or
-    falling). ``length_balloon``: the mean response length grew by more than
-    ``length_factor`` times. Nothing is flagged until ``window`` steps are seen.
+    ``reward_up_accuracy_flat``: reward up by over ``reward_rise``, accuracy by at most
+    ``accuracy_band``; ``length_balloon``: length up over ``length_factor`` times.
     """
 
     def __init__(
@@ -70,8 +61,7 @@ class HackingMonitor:
     ) -> list[str]:
         """Record one step and return the flags raised now (possibly empty).
 
-        ``verifiable_accuracy`` is ``None`` when the run has no verifiable term;
-        the reward/accuracy check is then skipped. Non-finite inputs are ignored.
+        ``verifiable_accuracy=None`` skips the reward/accuracy check.
         """
         self._rows.append(
             (_finite(reward_mean), _finite(verifiable_accuracy), _finite(response_length_mean))

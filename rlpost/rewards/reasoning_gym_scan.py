@@ -1,19 +1,9 @@
 """Which reasoning-gym scorers evaluate text as code: a scan of the code a scorer reaches.
 
-A task's ``score_answer`` that runs ``eval``, ``exec``, ``compile`` or any of sympy's
-functions (``parse_expr``, ``sympify``, and every function that sympifies a string
-argument) may run the model's answer as Python; the ``reasoning_gym`` reward scores
-such a task only inside the sandbox (:mod:`rlpost.rewards.reasoning_gym_sandbox`).
-
-The scan reads bytecode, not source: from ``score_answer`` it follows every global
-name, module attribute and method of the dataset's class that resolves to a function
-or class of reasoning-gym, and reports the evaluating builtins and the functions and
-modules of :data:`EVALUATING_MODULES` it meets on the way. It errs on the side of the
-sandbox (a sympy reference counts even if it never sees the answer). What it cannot
-follow (a method of an object it cannot resolve statically, ``getattr`` by a built
-name) is covered by ``tests/unit/rewards/test_reasoning_gym_safety.py``, which runs
-every scorer on hostile answers and checks that each one that evaluated them is
-flagged here.
+A scorer reaching ``eval``, ``exec``, ``compile`` or sympy's parsing runs only in the sandbox
+(:mod:`rlpost.rewards.reasoning_gym_sandbox`). The scan follows bytecode from ``score_answer``
+through reasoning-gym's functions and classes and errs on the sandbox's side; what it cannot
+follow, ``tests/unit/rewards/test_reasoning_gym_safety.py`` covers with hostile answers.
 """
 
 from __future__ import annotations

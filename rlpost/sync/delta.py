@@ -1,19 +1,12 @@
 """Delta codec on top of bf16: only the elements whose bf16 bit pattern changed.
 
-At RL learning rates most bf16 weights keep their bit pattern from one step
-to the next (an update smaller than half a bf16 ulp rounds away), so sending
-the changed positions and their new 16-bit patterns is exact and far smaller
-than the tensor. Layout of the one part ``z``, before zstd compression:
+At RL learning rates most bf16 weights keep their bit pattern, so the changed positions and
+patterns are exact and small. The part ``z``, before zstd:
 
     gaps  int32 [n]   first changed flat index, then differences between indices
     bits  int16 [n]   new bf16 bit patterns at those indices
 
-Gap-coding makes the indices small numbers that zstd packs well. The receiver
-applies the delta to its copy of the base version; the session refuses a
-delta whose base version is not the receiver's (it then gets a full sync), and
-every tensor carries a checksum of the result, so a wrong base cannot go
-unnoticed. A tensor whose changed fraction is above the threshold is sent as
-plain bf16.
+A receiver with another base gets a full sync, and a checksum catches a wrong base.
 """
 
 from __future__ import annotations
@@ -29,8 +22,7 @@ ZSTD_LEVEL = 3  # fast; higher levels gain a few % on these streams at several t
 def encode_delta(tensor: torch.Tensor, base: torch.Tensor | None, full_threshold: float) -> Encoded:
     """``tensor`` as a bf16 delta against ``base`` (bf16, same shape), or plain bf16.
 
-    Plain bf16 when there is no base, the shape changed, or more than
-    ``full_threshold`` of the elements changed.
+    Plain past ``full_threshold`` changed, or without a base of the same shape.
     """
     new = tensor.detach().cpu().to(torch.bfloat16).contiguous()
     if base is None or base.shape != new.shape:

@@ -1,12 +1,7 @@
 """``rlpost sandbox check``: which limits hold on this host, one line each, each one probed.
 
-Programs run in the real sandbox: one reports what it can reach (memfd, SysV
-shm, sockets, pipe resizing, io_uring, inotify, POSIX queues, the keyring, a
-wider CPU affinity, the network, a write to /), the others try to hold more
-memory than a small limit allows (memfd, pipe pages pinned by ``vmsplice``,
-unix and TCP socket buffers) and to
-fork past a small process cap. Each line is then what the plan promised and
-what the probes saw; a promise the probes contradict makes the check fail.
+Probe programs in the real sandbox report what they can reach and try to pass small memory
+and process caps; a promise of the plan the probes contradict fails the check.
 """
 
 from __future__ import annotations
