@@ -1,9 +1,7 @@
 """Direct preference losses on summed sequence log-probabilities.
 
-Inputs are per-pair log-probabilities of the chosen and rejected responses under
-the policy and the frozen reference. The implicit reward of a response is
-``beta (log pi - log pi_ref)``; the losses only see the difference
-``h = (pc - rc) - (pr - rr)`` of the chosen and rejected log-ratios.
+The implicit reward is ``beta (log pi - log pi_ref)``; the losses see only
+``h = (pc - rc) - (pr - rr)``.
 """
 
 from __future__ import annotations
@@ -30,15 +28,9 @@ def dpo_loss(
 ) -> PolicyLossOutput:
     """DPO (Rafailov et al., arXiv 2305.18290 eq. 7) or IPO (Azar et al., arXiv 2310.12036).
 
-    Shapes: four ``[B]`` tensors -> scalar loss. ``h = (pc - rc) - (pr - rr)``.
-    ``sigmoid``: ``-(1-ls) log sigmoid(beta h) - ls log sigmoid(-beta h)``
-    (``label_smoothing`` ls is conservative DPO's label-noise rate).
-    ``ipo``: ``(h - 1/(2 beta))^2``. The per-pair losses are summed and divided by
-    ``num_pairs`` (pairs in the whole mini-batch, for micro-batch invariance) or
-    by B. Gradient flows only through the policy log-probabilities. Stats:
-    ``chosen_reward``, ``rejected_reward`` (means of ``beta (log pi - log pi_ref)``),
-    ``reward_margin`` (their mean difference), ``reward_accuracy`` (fraction of
-    pairs with chosen reward above rejected).
+    Four ``[B]`` tensors -> scalar. ``sigmoid``: ``-(1-ls) log sigmoid(beta h) - ls log
+    sigmoid(-beta h)`` (conservative DPO); ``ipo``: ``(h - 1/(2 beta))^2``. Summed over
+    pairs and divided by ``num_pairs`` (the mini-batch's) or B.
     """
     shape = policy_chosen_logps.shape
     for name, t in (

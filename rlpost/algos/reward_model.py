@@ -1,10 +1,6 @@
 """The Bradley-Terry loss of a scalar reward model on preference pairs.
 
-A reward model gives each (prompt, response) one number ``r``; under the Bradley-Terry
-model the chance that the chosen response beats the rejected one is
-``sigmoid(r_chosen - r_rejected)``, and training maximises its log-likelihood. An optional
-per-pair margin asks the chosen reward to lead by at least that much before the pair stops
-pulling (Llama 2's margin for pairs rated "significantly better").
+``P(chosen beats rejected) = sigmoid(r_chosen - r_rejected)``, maximised in log-likelihood.
 """
 
 from __future__ import annotations
@@ -25,13 +21,8 @@ def bradley_terry_loss(
 ) -> PolicyLossOutput:
     """``-log sigmoid(r_c - r_r - m)`` summed over pairs, divided by ``num_pairs`` (or B).
 
-    Shapes: ``chosen_rewards``, ``rejected_rewards`` and ``margin`` ``[B]`` -> scalar loss.
-    Ouyang et al. 2022 (InstructGPT, arXiv 2203.02155, eq. 1); the margin ``m`` is Llama 2's
-    (Touvron et al. 2023, arXiv 2307.09288, eq. 2); ``margin=None`` is ``m = 0``. Dividing
-    by the whole mini-batch's pair count (``num_pairs``) makes the summed gradient of its
-    micro-batches the mini-batch's. Stats (no gradient): ``accuracy`` (pairs with
-    ``r_c > r_r``, a tie counting one half), ``reward_margin`` (mean ``r_c - r_r``),
-    ``chosen_reward`` and ``rejected_reward`` (means).
+    ``[B]`` tensors -> scalar. InstructGPT (arXiv 2203.02155, eq. 1); the margin is Llama 2's
+    (arXiv 2307.09288, eq. 2). Stats: ``accuracy`` counts a tie one half.
     """
     if rejected_rewards.shape != chosen_rewards.shape:
         raise ValueError(

@@ -1,20 +1,10 @@
 """``verifiers``: a classic verifiers environment (``MultiTurnEnv``, ``ToolEnv``, ``SingleTurnEnv``)
 driven through rlpost's episode loop (extra ``[verifiers]``).
 
-``agent.env=verifiers agent.params.env=<id or package.module:function>`` (and
-``agent.params.env_args``). Per episode the environment's own ``init_state`` and
-``setup_state`` make its state from the prompt's dataset row (kept by the verifiers data
-source). Each policy turn becomes an assistant message (its tool call, parsed by
-``agent.format``, as the message's ``tool_calls``) and a trajectory step; then the
-environment's stop conditions (``is_completed``: ``max_turns``, a ToolEnv's
-``no_tools_called``, the environment's own ``@vf.stop`` methods) end the episode, or its
-``env_response`` answers, and the text of the messages it returns (tool results, a user
-turn) is the observation rlpost shows the policy next. A ``ToolEnv``'s tools are its
-``tool_map``: plain Python callables, called by its own ``env_response``; an argument text
-that is not a JSON object is the value of a one-parameter tool's parameter.
-
-The outcome is scored by the run's reward terms (``verifiers_rubric`` with the same
-``env``), not here: turn rewards are 0.
+``agent.env=verifiers agent.params.env=<id or package.module:function>``. The environment's
+``setup_state`` starts from the prompt's row; each policy turn becomes an assistant message,
+then its stop conditions end the episode or its ``env_response`` messages are the next
+observation. The outcome is scored by ``verifiers_rubric``; turn rewards are 0.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """A run that cannot learn says so, in one line, at its first steps.
 
-Three ways a run trains on nothing while its loss curve looks normal:
-
-- nearly every response hits ``rollout.max_tokens`` (``truncated_frac`` above 0.9): its
-  reward is then ``rollout.truncated_reward`` (or a cut-off answer's), much the same for all;
-- every group has zero reward spread, at each of the first steps: every group-relative
-  advantage is 0;
-- the engine still serves the weights it started with after the trainer's have changed:
-  the policy samples from its initial weights forever (a weight push or an adapter that
-  never arrives).
-
-The first two read the step's metrics. The third compares the checksum of the weights the
-engine serves (``RolloutWorker.served_checksum``, which every backend forwards) with the one
-it had at the start, once the trainer's own have changed. Each warning is logged once.
+Warned once each: ``truncated_frac`` above 0.9; zero reward spread in every group at each of
+the first steps; the engine's served checksum (``RolloutWorker.served_checksum``) unchanged
+after the trainer's weights changed.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Checks of a run's inputs that must pass before its run directory is touched, and the
 report of what they found.
 
-A start that fails here (a missing dataset, a bad row under ``on_bad_row=error``, a
-model directory that is not a checkpoint, a context too short for ``max_tokens``)
-leaves an earlier run of the same name exactly as it was. Rows skipped under
-``on_bad_row=skip`` are counted by reason on the console, in
-``RUN_DIR/data_report.json`` (every row, with file and line), in the first row of
-``metrics.jsonl`` and in ``summary.json``.
+A start that fails here leaves an earlier run of the same name as it was. Skipped rows are
+counted on the console, in ``RUN_DIR/data_report.json``, ``metrics.jsonl`` and ``summary.json``.
 """
 
 from __future__ import annotations
@@ -30,10 +26,7 @@ def check_inputs(
     cfg: Config, *, prompts: bool = True
 ) -> tuple[list[Prompt], list[Prompt], dict[str, LoadReport]]:
     """Check the model directory and load the data for the model: (train prompts, held-out
-    prompts, load reports). The start keeps these prompts: the data is read once per start.
-
-    ``prompts=False`` (rlpost dpo: its pairs are loaded and checked by the caller) checks
-    the model directory only."""
+    prompts, load reports); ``prompts=False`` checks the model directory only."""
     if cfg.model.path is not None:
         check_model_path(cfg.model.path)
     if not prompts:

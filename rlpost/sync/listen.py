@@ -1,13 +1,8 @@
 """Rendezvous sockets bound to one address, never to all of them.
 
-PyTorch's ``TCPStore`` server binds every interface whatever host it is given,
-and gloo's default device binds the address the machine's hostname resolves to
-(usually its routable one). Both listen unauthenticated, and whoever reaches a
-store can write its keys. So the store's server socket is made here, bound to
-the rendezvous host, and handed over through ``master_listen_fd``; the gloo
-pairs bind the address this process reaches the rendezvous host from (a
-loopback rendezvous keeps every socket on loopback; a routable one binds that
-one interface, not every one).
+``TCPStore`` binds every interface and gloo the hostname's address, both unauthenticated, so
+the store's socket is made here on the rendezvous host (``master_listen_fd``) and the gloo
+pairs bind the interface that reaches it.
 """
 
 from __future__ import annotations
@@ -93,9 +88,7 @@ def interface_of(address: str) -> str | None:
 
 def pin_interface(host: str, variable: str = "GLOO_SOCKET_IFNAME") -> None:
     """Make groups this process creates from now on bind the interface it reaches ``host``
-    from, through ``variable`` (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``), unless the
-    environment already names one: ``init_process_group`` takes no gloo device, only that
-    variable."""
+    from, through ``variable`` (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``) unless set."""
     if os.environ.get(variable):
         return
     name = interface_of(local_address_towards(host))

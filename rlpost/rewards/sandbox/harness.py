@@ -1,11 +1,7 @@
 """Pass fraction of candidate code against assert tests, in one sandbox run.
 
-The trusted side of ``harness_script.py``: it sends the candidate, the tests
-and a fresh random nonce through the sandbox's stdin and counts the harness's
-``<nonce> <index> <outcome>`` lines. A line without the nonce, a repeated
-index or an index out of range is ignored, and a test with no line counts as
-failed, so a candidate that prints fake markers, crashes the harness or
-floods the output can only lower its own score.
+The trusted side of ``harness_script.py``: only ``<nonce> <index> <outcome>`` lines with a fresh
+nonce count, and a test without one fails, so a cheating candidate only lowers its score.
 """
 
 from __future__ import annotations
@@ -39,11 +35,8 @@ def run_python_tests(
 ) -> tuple[float, SandboxResult]:
     """Run ``code`` followed by each test (e.g. ``"assert add(1, 2) == 3"``) in one sandbox.
 
-    Each test runs in a fresh interpreter with the candidate code executed
-    first (``__name__`` is ``"solution"``, so a ``__main__`` block does not
-    run) and gets ``test_timeout_s`` seconds (default ``config.timeout_s``);
-    the whole run gets the sum plus start-up. Returns ``(passed / len(tests),
-    result)``; the candidate's output is in ``result.stderr``.
+    Each test gets a fresh interpreter after the code (``__name__ == "solution"``) and
+    ``test_timeout_s``. Returns ``(passed / len(tests), result)``.
     """
     if not tests:
         raise ValueError("run_python_tests needs at least one test")

@@ -1,13 +1,8 @@
 """Which waiting samples join the batch next: fair shares across submissions, not FIFO.
 
-Under first come, first served one submission of 1024 prompts x n 64 holds every slot while a
-one-prompt request sent a moment later waits behind it. Here each submission (one
-``Scheduler.submit_all`` call: one HTTP request) is a queue of its own, and a free slot goes to
-the submission with the fewest sequences in the batch (ties: the earliest); order within a
-submission is kept. While another submission runs or waits, one holds at most ``cap`` rows, so
-a long request cannot fill the batch; alone it fills it (a training step loses nothing). A
-ticket larger than the room left joins in parts, so a large ``n`` neither waits for an empty
-batch nor holds back the small requests behind it.
+Each submission (one ``Scheduler.submit_all``) is a queue; a free slot goes to the one with
+the fewest sequences in the batch. Beside others a submission holds at most ``cap`` rows, alone
+all; a ticket larger than the room joins in parts.
 """
 
 from __future__ import annotations
@@ -54,10 +49,8 @@ class FairQueue:
     ) -> list[tuple[Any, range]]:
         """``(ticket, samples)``: the sample indices of each ticket to admit into ``room`` slots.
 
-        ``running[group]`` counts each group's sequences in the batch; a group takes at
-        most ``cap`` of them unless no other group runs or waits. Cancelled
-        tickets met on the way are removed and passed to ``drop``; tickets whose future
-        is already settled (failed) are removed."""
+        ``running[group]``: each group's sequences in the batch. Cancelled tickets go to
+        ``drop``; settled ones are removed."""
         taken: list[tuple[Any, range]] = []
         share = Counter(running)
         while room > 0 and self._groups:

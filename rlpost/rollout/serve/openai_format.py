@@ -1,9 +1,6 @@
 """OpenAI response bodies for ``rlpost serve``: whole responses and streamed chunks.
 
-Each choice carries, besides the OpenAI fields, what RL needs: the sampled
-``token_ids`` and the ``policy_version`` of the weights that produced them.
-A streamed chunk carries the token(s) it adds, with their logprobs and
-version, so a client can train on a stream exactly as on a whole response.
+Each choice, and each streamed chunk, also carries its ``token_ids`` and ``policy_version``.
 """
 
 from __future__ import annotations
@@ -78,9 +75,7 @@ def chat_logprobs(out: SampleOutput, tokenizer) -> dict:
 class ChoiceStream:
     """One streamed choice: the text sent so far, held back where a stop text may still begin.
 
-    ``holdback`` characters (the longest stop text less one) stay unsent until
-    the sample ends, so a stop text is never streamed; a trailing U+FFFD (an
-    incomplete UTF-8 sequence) also waits for the token that completes it.
+    ``holdback`` characters stay unsent until the sample ends, and so does a trailing U+FFFD.
     """
 
     def __init__(self, index: int, tokenizer, holdback: int, *, chat: bool) -> None:

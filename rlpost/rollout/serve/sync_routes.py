@@ -6,12 +6,8 @@
     POST /v1/sync/{session}/finish    manifest (JSON) -> the commit report: version, checksums
     POST /v1/sync/{session}/abort     drop the session; the server keeps its version
 
-Buckets are spooled to a temporary directory as they arrive, so the server
-holds about one bucket in memory while a session streams in; nothing reaches
-the scheduler until ``finish`` has checked every bucket and tensor
-(:class:`rlpost.sync.Receiver`). The scheduler swaps the weights between two
-decode steps. One session at a time: a new ``start`` replaces an unfinished
-one (its sender restarted).
+Buckets are spooled to disk (:class:`rlpost.sync.Receiver`). One session at a time: a new
+``start`` replaces an unfinished one.
 """
 
 from __future__ import annotations
