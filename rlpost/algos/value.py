@@ -1,8 +1,6 @@
 """Critic loss for PPO: clipped squared error to the GAE returns.
 
-Value clipping keeps the new prediction within ``clip_range`` of the value the
-rollout saw, as PPO does for the policy ratio (verl ``compute_value_loss``).
-The loss matrix goes through the same :class:`Aggregation` as the policy loss.
+Value clipping as verl's ``compute_value_loss``; aggregated as the policy loss.
 """
 
 from __future__ import annotations
@@ -28,10 +26,7 @@ def value_loss(
 ) -> PolicyLossOutput:
     """Clipped value loss ``1/2 max((v - R)^2, (clip(v, v_old +- c) - R)^2)`` (arXiv 1707.06347; verl).
 
-    Shapes: all ``[B, T]`` -> scalar loss. ``clip_range=None`` gives plain
-    ``1/2 (v - R)^2``. Gradient flows only through ``values_pred``. Stats:
-    ``vf_clip_frac`` (clipped error larger), ``vf_explained_var``
-    (``1 - Var[R - v] / Var[R]`` over valid tokens).
+    ``[B, T]`` -> scalar; ``clip_range=None``: ``1/2 (v - R)^2``.
     """
     inputs = {"returns": returns, "old_values": old_values, "response_mask": response_mask}
     _same_shape("values_pred", values_pred, **inputs)

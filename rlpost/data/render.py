@@ -1,12 +1,8 @@
 """Prompts as the model will see them: chat template, system prompt, context budget.
 
-With ``chat_template="auto"`` a tokenizer that ships a chat template gets each
-prompt as a user message (after an optional system message), rendered with the
-generation prompt appended, as TRL and verl do for chat models; ``"none"`` (or a
-tokenizer without a template) keeps the plain text, with the system prompt, if
-any, as a first paragraph. A prompt whose tokens leave less than
-``rollout.max_tokens`` of the model's positions is a bad row (``prompt_too_long``,
-verl's overlong-prompt filter): refused or skipped and counted, never truncated.
+``chat_template="auto"``: a user message with the generation prompt, where the tokenizer has a
+template; else plain text. A prompt leaving under ``rollout.max_tokens`` positions is a bad
+row (``prompt_too_long``), never truncated.
 """
 
 from __future__ import annotations
@@ -47,8 +43,7 @@ def prepare_prompts(
 ) -> list[Prompt]:
     """Render every prompt and keep those of at most ``max_prompt_tokens`` tokens.
 
-    A longer one is refused (``on_bad_row="error"``) or skipped and counted in
-    ``report`` as ``prompt_too_long``; ``budget_note`` says where the limit comes from.
+    ``budget_note`` says where the limit comes from.
     """
     for p in prompts:
         p.text = render_prompt(

@@ -1,14 +1,8 @@
 """``countdown``: reach the target in checked steps, then state the whole expression.
 
-The numbers and target come from the prompt (``metadata["numbers"]``,
-``metadata["target"]``, as the ``countdown`` reward reads them). Each tool call
-is one step combining two of the numbers still available
-(``<step>25+5</step>``); the environment checks it (both numbers available, an
-exact integer result) and answers the result and the numbers now left, or what
-was wrong. A legal step earns ``step_reward`` and an illegal one costs
-``error_penalty``; a legal step uses up a number, so the shaping is bounded by
-``len(numbers) - 1`` steps whatever the policy does. A turn without a call is the
-answer (``<answer>(25+5)*3</answer>``), judged by the ``countdown`` reward.
+Each tool call combines two available numbers (``<step>25+5</step>``) into an exact integer,
+earning ``step_reward`` or costing ``error_penalty``; a legal step uses up a number, so the
+shaping is bounded. A turn without a call is the answer, judged by the ``countdown`` reward.
 """
 
 from __future__ import annotations
@@ -75,9 +69,8 @@ class CountdownSteps:
 
 
 def solve(numbers: list[int], target: int) -> tuple[list[str], str] | None:
-    """(steps, expression) reaching ``target`` with + - * / on whole numbers, or None.
-
-    Exhaustive over pairs (fine for the 3-4 numbers of the task)."""
+    """(steps, expression) reaching ``target`` with + - * / on whole numbers, or None
+    (exhaustive over pairs)."""
     items = [(Fraction(n), str(n)) for n in numbers]
 
     def search(items, steps):

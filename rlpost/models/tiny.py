@@ -1,14 +1,8 @@
 """The built-in tiny model: a real Llama architecture and a character tokenizer.
 
-Nothing can be downloaded, so rlpost builds its own small checkpoint: a
-``LlamaForCausalLM`` from a config and a character-level tokenizer made with
-the ``tokenizers`` library, saved as an ordinary Hugging Face directory and
-loaded back with the Auto classes like any other model. The Llama family is used
-on purpose: with a Qwen2 config, transformers 5.x loads Qwen's own tokenizer
-class in place of a custom one and silently drops spaces and newlines.
-
-Characters are tokens (printable ASCII plus newline), so arithmetic answers are
-spelt digit by digit and every string round-trips exactly.
+Saved as an ordinary HF directory. Llama, because with a Qwen2 config transformers loads Qwen's
+tokenizer class and drops spaces and newlines. Characters (printable ASCII and newline) are
+tokens, so every string round-trips.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """Metric loggers besides ``metrics.jsonl``: TensorBoard, Weights & Biases, MLflow.
 
-Each is an optional extra named like the logger (``pip install 'rlpost[wandb]'``) and
-is chosen with ``observe.loggers``; the config refuses a missing one at load. All
-write locally by default, so a run with no network logs everything:
+Each an extra of its name, chosen with ``observe.loggers``; all write locally by default:
 
 * ``tensorboard``: event files in ``RUN_DIR/tb``;
 * ``wandb``: offline, into ``RUN_DIR/wandb`` (``wandb sync`` uploads it later) unless
@@ -10,8 +8,7 @@ write locally by default, so a run with no network logs everything:
 * ``mlflow``: a file store in ``RUN_DIR/mlruns`` unless ``MLFLOW_TRACKING_URI`` is set;
   experiment ``MLFLOW_EXPERIMENT_NAME`` or ``rlpost``.
 
-The run's resolved config (``RUN_DIR/config.yaml``) goes to W&B's config and MLflow's
-params. A logger gets each step's finite values; a value not measured is left out.
+The resolved config goes to W&B's config and MLflow's params; loggers get finite values only.
 """
 
 from __future__ import annotations

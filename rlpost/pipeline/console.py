@@ -1,9 +1,7 @@
 """What the user sees: a live progress bar and the end-of-run table (rich).
 
-Every phase that can run for minutes (model loading, held-out evaluation, the
-warm-up, RL steps) shows a bar with what it is doing, and a phase starts with one
-line saying so, which also reaches a log that is not a terminal (where rich draws
-no live bar). ``observe.progress=false`` turns all of it off but the end-of-run table.
+Every long phase starts with one line (which reaches a non-terminal log too) and shows a bar;
+``observe.progress=false`` keeps only the table.
 """
 
 from __future__ import annotations
@@ -51,9 +49,8 @@ class Console:
 
     @contextmanager
     def phase(self, name: str, total: int | None = None) -> Iterator[Phase]:
-        """A bar for one long phase (``total`` None: its length is unknown). When it ends
-        beside a running bar (the RL steps) it is removed; alone, it stays printed as it
-        ended, with its time."""
+        """A bar for one long phase (``total`` None: unknown), removed at its end beside a
+        running bar, else left printed with its time."""
         if self.enabled:
             self.out.print(f"{name} ...")
         self.progress.start()

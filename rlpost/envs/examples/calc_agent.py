@@ -1,13 +1,8 @@
 """A calculator agent written against the OpenAI API alone (it does not import rlpost).
 
-It asks the model with one ``calc`` tool, runs every call itself, sends the results
-back as ``tool`` messages, and returns the model's final answer. Pointed at rlpost
-(``agent.harness.entry=rlpost.envs.examples.calc_agent:run``, recipe ``agent_blackbox``) it is
-trained by swapping its base URL; as a command (``python rlpost/envs/examples/calc_agent.py``) it
-reads ``OPENAI_BASE_URL`` and the prompt on stdin and prints the answer.
-
-``demonstration`` writes the conversations of the warm-up: the chat this agent has
-with a model that calls the tool (or, for a fraction, answers in its head).
+One ``calc`` tool, run by the agent itself; trained through its base URL (recipe
+``agent_blackbox``). As a command it reads ``OPENAI_BASE_URL`` and the prompt on stdin.
+``demonstration`` writes the warm-up's conversations.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Which per-run limits one run gets: cgroup controllers, and a seccomp filter for the rest.
 
-The two mechanisms cover each other's gaps, limit by limit: without a memory
-cgroup, the calls that hold memory outside every address space (memfd, SysV
-IPC, sockets, pipe resizing, io_uring...) are refused; with a cgroup v1 memory
-group, which does not charge TCP and UDP buffers, sockets other than unix ones
-are; without a cpuset, ``sched_setaffinity`` is refused so the CPU pin holds.
-The keyring calls are refused whatever the host gives. Processes are bounded
-per run either way (``pids.max``, or RLIMIT_NPROC counted in the run's own
-user namespace), and so is CPU (a quota, or the pin that cannot be widened).
+Limit by limit, seccomp refuses what a missing cgroup would not bound: memory held outside
+address spaces without a memory cgroup, non-unix sockets under v1, ``sched_setaffinity``
+without a cpuset; the keyring calls always.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """A stream's events between the batch and its client, bounded.
 
-Decoding does not wait for a stream's client. A client that stops reading (or
-reads a trickle) fills the connection's buffers; the response then blocks on it,
-and the events its samples go on producing pile up in the stream's backlog. Past
-a bound the stream gives up its place in the batch: its samples leave at the
-next decode step, so a stalled reader holds no batch slot, only the events
-already made, until the server's write timeout cuts its connection.
+Decoding does not wait for a client; past a bound of unread events the stream's samples leave
+the batch, so a stalled reader holds no slot.
 """
 
 from __future__ import annotations
@@ -25,9 +21,8 @@ def backlog_limit(samples: int) -> int:
 
 
 class Backlog:
-    """The events of one stream not yet turned into bytes. ``blocked`` is set by the stream
-    while the server waits to take its bytes; an event that finds it set with more than
-    ``limit`` events waiting runs ``on_overflow`` (once) and queues :attr:`OVERFLOW`."""
+    """One stream's events not yet bytes; past ``limit`` while ``blocked``, ``on_overflow``
+    runs once and :attr:`OVERFLOW` is queued."""
 
     OVERFLOW = object()  # the queue's marker: the stream fell behind
 

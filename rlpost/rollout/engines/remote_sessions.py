@@ -1,11 +1,8 @@
 """Recorded sessions on remote ``rlpost serve`` servers (``rollout.engine=remote``).
 
-The same store interface as :class:`rlpost.rollout.serve.sessions.SessionStore`, over the
-servers' admin routes: ``POST /v1/sessions`` opens a session (its bounds and the run's
-sampling) on the next server in turn and answers its key, which is all its agent gets, ``DELETE /v1/sessions/{id}`` closes it and
-returns its record, which becomes the :class:`~rlpost.rollout.serve.sessions.Session` that
-:func:`~rlpost.rollout.serve.sessions.session_samples` turns into rows. The per-token versions
-are the server's: weights reach it through the run's weight sync.
+The interface of :class:`rlpost.rollout.serve.sessions.SessionStore` over the servers' admin
+routes: sessions open on the servers in turn, and a closed one's record becomes a
+:class:`~rlpost.rollout.serve.sessions.Session`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """A uid of its own for each harness command, so no harness can read another's key.
 
-A session's key is in its command's environment, and Linux lets a process read
-``/proc/PID/environ`` of any process of the same user, so commands run as one user could open
-each other's sessions. When the trainer runs as root, each command runs under a uid (and group
-of the same number) from :data:`HARNESS_UIDS` with no passwd entry, held for its life by an
-``flock`` in a root-only directory, so no other harness, of this trainer or another, gets it.
-Its ``HOME`` and ``TMPDIR`` are a fresh private directory, removed when it ends. The command and
-what it reads must be readable by other users. A trainer that is not root cannot change uid:
-its harnesses run as its user (docs/operations.md).
+A same-user process can read ``/proc/PID/environ``, where a session's key is. As root, each
+command runs under a uid from :data:`HARNESS_UIDS`, held by an ``flock`` for its life, with a
+fresh private ``HOME``; otherwise as the trainer's user (docs/operations.md).
 """
 
 from __future__ import annotations
