@@ -3,9 +3,6 @@
 :func:`derive` is the one place a stream's seed comes from: each purpose is a fixed
 linear form of the run's seed and the stream's indices, listed in :data:`STREAMS`, so
 no two purposes share a stream and none is a magic number at its use.
-
-Every worker saves its own process's states in its checkpoint part, so a run
-resumes exactly whether its workers share a process or not.
 """
 
 from __future__ import annotations

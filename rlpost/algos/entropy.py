@@ -1,9 +1,6 @@
 """Token entropy of the policy from its logits, without materialising softmax for all of T.
 
-``H = logsumexp(z) - sum_v softmax(z)_v z_v`` per position. Logits of a
-vocabulary of 150k over thousands of positions do not fit twice in memory, so
-the softmax is formed for ``chunk_size`` positions at a time; the result is
-identical to the unchunked formula and differentiable (entropy bonus).
+``H = logsumexp(z) - sum_v softmax(z)_v z_v`` per position, ``chunk_size`` positions at a time.
 """
 
 from __future__ import annotations
@@ -15,9 +12,7 @@ from torch import Tensor
 def entropy_from_logits(logits: Tensor, chunk_size: int = 1024) -> Tensor:
     """Entropy of ``softmax(logits)`` per position.
 
-    Shapes: ``logits [B, T, V]`` -> ``[B, T]`` (dtype of ``logits``; computed in
-    float32 when the logits are lower precision). ``chunk_size`` bounds how many
-    positions have their full softmax in memory at once.
+    ``logits [B, T, V]`` -> ``[B, T]``, computed in at least float32.
     """
     if logits.dim() != 3:
         raise ValueError(f"logits must be [B, T, V], got {tuple(logits.shape)}")

@@ -1,9 +1,7 @@
 """The built-in verifiable arithmetic task.
 
-Problems are ``a+b=`` / ``a-b=`` / ``a*b=`` with operands in ``0..max_operand``;
-the answer is the integer result, checked by the ``numeric_match`` reward.
-Every problem of the space is enumerated and shuffled with a fixed task seed,
-so the held-out split is the same in every run and never overlaps training.
+``a+b=`` / ``a-b=`` / ``a*b=`` with operands in ``0..max_operand``, shuffled with a fixed seed,
+so the held-out split is the same in every run.
 """
 
 from __future__ import annotations
@@ -47,8 +45,7 @@ def arith_splits(
 ) -> tuple[list[Prompt], list[Prompt]]:
     """(train, held_out). Held-out takes the first ``eval_size`` problems; train the rest.
 
-    Raises ValueError if the space is too small to hold out ``eval_size`` problems
-    and still train on something.
+    ValueError if nothing is left to train on.
     """
     problems = arith_problems(max_operand, ops)
     if eval_size >= len(problems):

@@ -1,11 +1,7 @@
 """JSON from outside (dataset lines, request bodies) parsed with a bound on nesting.
 
-``json.loads`` recurses once per level: 100,000 nested ``[`` raise
-RecursionError, and a few hundred levels that do parse can still break later
-code that recurses (``repr``, ``copy.deepcopy``, pickling to a worker). No
-row or request rlpost reads needs more than a handful of levels, so anything
-deeper than :data:`MAX_DEPTH` is refused as :class:`TooDeep` (a ValueError,
-like every other malformed JSON).
+Deep nesting breaks ``json.loads`` or later recursive code, so past :data:`MAX_DEPTH` it is
+refused as :class:`TooDeep` (a ValueError).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """``calc``: a calculator tool for the arithmetic task.
 
-The policy writes an expression (``<calc>347*829</calc>``); the environment
-answers its value. The expression is model output, so it is parsed with
-:mod:`ast` and only integer and float literals, ``+ - * / // %``, unary minus
-and parentheses are evaluated (no names, calls or attributes; ``**`` is left
-out because ``9**9**9`` would hang the rollout). A turn without a call is the
-answer: the episode is done, and the run's reward terms judge it.
+``<calc>347*829</calc>`` is parsed with :mod:`ast`: only number literals, ``+ - * / // %``,
+unary minus and parentheses (no ``**``: ``9**9**9`` would hang). A turn without a call is the
+answer.
 """
 
 from __future__ import annotations

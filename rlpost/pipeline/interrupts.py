@@ -1,10 +1,7 @@
 """Ctrl-C and SIGTERM during a run: stop cleanly, keep everything, say how to resume.
 
-The first SIGINT or SIGTERM sets :attr:`Interrupts.stop`: the RL loop finishes the
-current step, evaluates, saves a checkpoint and writes its summary; the warm-up
-finishes its current step and saves its own resumable state. A second signal
-abandons at once (``KeyboardInterrupt``); the latest checkpoint stays. Signals are
-process-wide, so the active handler is module state that the warm-up can ask.
+The first SIGINT or SIGTERM sets :attr:`Interrupts.stop`: the loop finishes its step and
+checkpoints; a second abandons at once (``KeyboardInterrupt``).
 """
 
 from __future__ import annotations
@@ -61,9 +58,8 @@ def stop_requested() -> bool:
 
 
 def request_stop(why: str) -> bool:
-    """Stop the run as the first SIGTERM would (after the current step, with a checkpoint),
-    for a notice that reached another process (a trainer worker's node is preempted).
-    False when no handler is installed."""
+    """Stop the run as the first SIGTERM would, for a notice another process got; False
+    without a handler."""
     active = _active
     if active is None or active.stop.is_set():
         return False

@@ -1,11 +1,7 @@
 """The protocols the loops drive: a trainer, a rollout and a reward worker.
 
-Every argument and result is picklable (tensors, dicts, dataclasses of them),
-so an implementation may live in this process (``TrainerWorker``,
-``RolloutWorker``, ``RewardWorker``), in another process
-(``rlpost.cluster.process``) or in a Ray actor, and the loop cannot tell.
-Nothing here hands out a torch module, an optimizer, a scheduler or a random
-generator.
+Arguments and results are picklable, so a worker may live in this process, another
+(``rlpost.cluster.process``) or a Ray actor.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """The answer a reply states, as the reward terms that score it read it (majority vote).
 
-maj@k votes over answers, so two replies that a reward scores alike must give one
-answer: ``"12"`` and ``" 12.0"`` under ``numeric_match``, ``"<answer>ab</answer>"``
-and ``"x <answer>ab</answer>"`` under ``exact_match(tag=answer)``. The first term of
-a known reward decides how: its own extraction (tag, final-answer marker, number,
-normalisation) is applied here. Replies under another reward vote with their
-stripped text.
+Replies a reward scores alike give one answer (``"12"`` and ``" 12.0"`` under
+``numeric_match``): the first known term's extraction applies, else the stripped text.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Look up a reward by name: the built-in ones, or ``package.module:function``.
 
-Importing this module imports every built-in reward module, so their rewards
-are registered; the registry itself never imports them back. The heavy
-libraries (math-verify, torch, httpx) load only when a reward is first called
-or built.
+Importing it registers every built-in reward; heavy libraries load at first use.
 """
 
 from __future__ import annotations
@@ -21,10 +18,7 @@ from rlpost.rewards.registry import REWARDS, SCORERS, RewardFn
 
 
 def lookup(name: str) -> tuple[Literal["sample", "batch"], Callable[..., Any]]:
-    """Resolve ``name`` to ``("sample", fn)`` or ``("batch", factory)``.
-
-    Raises ``UnknownNameError`` listing every valid name of both kinds.
-    """
+    """Resolve ``name`` to ``("sample", fn)`` or ``("batch", factory)``."""
     if ":" in name:
         obj = import_callable(name, "reward")
         is_scorer_class = inspect.isclass(obj) and callable(getattr(obj, "score", None))

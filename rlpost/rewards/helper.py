@@ -1,10 +1,7 @@
 """A helper process that runs one scoring call at a time within a deadline.
 
-A call that overruns cannot be stopped inside a multithreaded process (an alarm works
-only on the main thread, and a thread cannot be killed), so in-process scorers that
-may run long on hostile text run here: past the deadline the helper is killed and the
-next call starts a fresh one. Hand-written because a process pool cannot stop one
-running task (``multiprocessing.Pool.terminate`` is the only way out).
+A thread cannot be killed, so scorers that may run long on hostile text run here, killed past
+the deadline; a process pool cannot stop one running task.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Rewards routed by data source: each source's prompts scored by its own reward terms.
 
-A source of ``data.sources`` that lists its own ``reward`` gets its own
-:class:`~rlpost.rewards.scorer.RewardScorer`; the others share the one built
-from ``reward.terms``. A batch is split by ``RewardSample.source``, each part
-scored by its scorer, and the parts put back in order: a term that did not
-score a sample has ``nan`` there, as a term that does not apply.
+A source with its own ``reward`` gets its own :class:`~rlpost.rewards.scorer.RewardScorer`;
+a term that did not score a sample has ``nan`` there.
 """
 
 from __future__ import annotations

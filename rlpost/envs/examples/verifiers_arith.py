@@ -1,10 +1,7 @@
 """A classic verifiers environment built offline: two-operand additions, a local dataset.
 
-Written only against verifiers' classic API (no rlpost import), the way a published
-environment is: ``load_environment`` returns a ``vf.SingleTurnEnv`` (or, with
-``tools=True``, a ``vf.ToolEnv`` with a ``calculator`` tool) whose rubric has an
-exact-match reward and a format reward. The dataset is made in code with
-``datasets.Dataset.from_list``, so nothing is downloaded.
+Against verifiers' classic API alone: a ``vf.SingleTurnEnv`` (``tools=True``: a ``vf.ToolEnv``)
+with exact-match and format rewards.
 
     rlpost train verifiers_arith
 """

@@ -1,11 +1,8 @@
 """``rlpost sandbox run FILE.py [--timeout S] [--memory MB] [--stdin FILE] [--run-limits M] [--json]``
 and ``rlpost sandbox check [--run-limits M]``.
 
-``run`` exits 0 when the program's status is ``ok``, 1 for any other status or
-when the sandbox cannot run here. ``check`` prints one line per limit (memory,
-processes, cpu, cpuset, seccomp, network, root: how far each holds on this
-host and what a probe in the sandbox saw) and exits 0 only when every limit
-holds as planned, else 1. Both exit 2 for bad arguments. Every error is one line.
+``run`` exits 0 when the status is ``ok``, else 1; ``check`` prints one line per limit and
+exits 0 only when every limit holds. Bad arguments exit 2.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Concurrent sandbox runs.
 
-Each run is a separate bwrap process tree that a thread supervises; threads
-only wait on pipes, so ``max_workers`` sets how many sandboxes run at once.
-Runs are pinned round-robin over this process's CPUs (see ``SandboxConfig.cpu``),
-and each has its own process cap, so one fork bomb cannot starve the others.
+A thread supervises each run; runs are pinned round-robin over this process's CPUs.
 """
 
 from __future__ import annotations
@@ -18,8 +15,7 @@ from rlpost.rewards.sandbox.runner import check_available, run_code
 class SandboxPool:
     """A fixed number of concurrent sandbox runs; results come back in input order.
 
-    Construction checks that the sandbox works here (``SandboxUnavailable``
-    otherwise), so a misconfigured host fails before the first batch.
+    Construction checks the sandbox works here (``SandboxUnavailable``).
     """
 
     def __init__(self, max_workers: int, config: SandboxConfig | None = None) -> None:
