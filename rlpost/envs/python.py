@@ -1,12 +1,8 @@
 """``python``: run code in the rlpost sandbox, with the task's tests as feedback.
 
-The policy writes a program (``<python>def f(x): return 3*x+1</python>``); the
-environment runs it in the bubblewrap sandbox against the prompt's assert tests
-(``metadata["tests"]``, the code task's) and answers how many passed and the
-program's last error line, so the next turn can fix it. Without tests it answers
-the program's output. A turn without a call is the final program, judged by the
-run's reward terms (``code_tests``). The sandbox fails closed: when it is not
-available the call answers an error and is counted, it never runs unconfined.
+``<python>...</python>`` runs in the sandbox against ``metadata["tests"]``; the answer is how
+many passed and the last error line (without tests, the output). A turn without a call is
+the final program. Without a sandbox the call answers an error, never runs unconfined.
 """
 
 from __future__ import annotations
@@ -68,9 +64,7 @@ class PythonSandbox:
         return StepResult(text, reward=self.pass_reward * fraction, error=passed == 0)
 
     def demonstration(self, prompt: Prompt, rng: random.Random) -> Demonstration | None:
-        """Test the reference program, then give it as the answer. The reference passes its
-        own tests, so the observation is stated rather than run in the sandbox for every
-        warm-up example."""
+        """Test the reference program (its passing stated, not run), then give it as the answer."""
         if not isinstance(prompt.answer, str):
             return None
         tests = prompt.metadata.get("tests") or []

@@ -9,17 +9,10 @@ One of three things names the scoring (extra ``[verifiers]``):
   only API, shipped by 0.3.1 as ``verifiers.v1``); its ``@vf.reward`` methods score, each
   with its weight, and its ``@vf.metric`` methods are recorded.
 
-Each completion becomes the state verifiers itself would score: the prompt's dataset row
-(kept by the verifiers data source; a prompt of another source is made a one-user-message
-row with its answer and its metadata as ``info``), the completion as an assistant message
-(an episode as its turns: assistant messages with their tool calls, then the tool's or the
-environment's answers), one trajectory step per policy turn. The completions of one prompt
-are scored together with ``Rubric.score_group``, so group reward functions see their group.
-The rubric's weighted reward is the term's value, what trains; every reward function's and
-metric's own value is a component ``verifiers_rubric/<name>`` (logged as
-``reward/verifiers_rubric/<name>`` and written in the sample files).
-
-A reward function that raises scores 0, as verifiers does it (its rubric catches and logs).
+Each completion becomes the state verifiers would score (the prompt's row, the completion
+as assistant messages), a prompt's completions scored together by ``Rubric.score_group``. The
+weighted reward trains; each function's and metric's value is a component
+``verifiers_rubric/<name>``. A reward function that raises scores 0, as in verifiers.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Transports: how one sender reaches one target, behind one small protocol.
 
-Every transport carries the same session (:mod:`rlpost.sync.session`):
-``start(meta)``, ``update(bucket)`` per bucket, ``finish(manifest) -> CommitReport``.
-They are registered by name (the value of ``sync.channel``); a factory takes
-the target (an engine, a URL, a directory...) and the options below.
+Each carries one session (:mod:`rlpost.sync.session`): ``start(meta)``, ``update(bucket)``,
+``finish(manifest) -> CommitReport``; registered by ``sync.channel``.
 
-* ``inprocess``: a :class:`~rlpost.sync.receiver.Receiver` around an engine in
-  this process (staged, atomic, any codec).
-* ``http``: buckets streamed to ``rlpost serve``'s ``/v1/sync`` routes, one
-  request per bucket, so neither side ever holds the whole model as one payload.
+* ``inprocess``: a :class:`~rlpost.sync.receiver.Receiver` around an engine in this process.
+* ``http``: one request per bucket to ``rlpost serve``'s ``/v1/sync`` routes.
 * ``disk`` and ``gloo``: :mod:`rlpost.sync.disk`, :mod:`rlpost.sync.gloo`.
 * ``vllm``: see :class:`VllmTransport` (small and not yet run on a GPU).
 """
@@ -148,11 +144,8 @@ class HttpTransport:
 class VllmTransport(InProcessTransport):
     """Into a vLLM engine of this process, through its ``load_weights``.
 
-    The session is staged and checked by the same receiver as ``inprocess``,
-    then committed through the engine's ``load_weights`` (rlpost's VLLMEngine
-    runs the model's own ``load_weights`` in each worker via collective_rpc).
-    It does not yet drive vLLM's NCCL weight-transfer engine, and it has not
-    been run on a GPU: vLLM needs one.
+    Staged and checked as ``inprocess``, then committed through the workers' own
+    ``load_weights`` (collective_rpc). Not yet run on a GPU.
     """
 
     def __init__(self, engine, options: TransportOptions) -> None:

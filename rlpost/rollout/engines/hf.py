@@ -1,14 +1,8 @@
 """The in-process transformers engine (on its model's device: CPU by default, or a GPU).
 
-Why a hand-written decode loop instead of ``model.generate``: the trainer needs
-the log-probability of every sampled token and the policy version, and a GRPO
-group of G samples shares one prompt. ``generate(num_return_sequences=G)``
-repeats the prompt G times *before* prefill, so it computes the same prompt KV
-G times and returns no per-token logprobs without extra passes. Here the
-prompts are prefilled once, the KV cache is repeated G times in memory
-(``DynamicCache.batch_repeat_interleave``), and decoding samples all rows
-together. Finished rows are dropped from the batch once they are the majority,
-so a long tail does not pay for the short ones.
+Not ``model.generate``, which prefills a group's prompt G times and returns no per-token
+logprobs: here a prompt is prefilled once and its KV repeated G times. Finished rows leave the
+batch once they are the majority.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Prefix cache: a prompt's KV computed once, reused by its group and by repeats.
 
-A GRPO group's prompt is prefilled once and its G sequences share the KV. Prompts also repeat
-across requests (a later epoch, the next turn of a conversation, a continued partial rollout),
-so entries live in an LRU bounded by cached tokens and entries. Lookup returns the *longest*
-cached prefix: an exact hit skips the prefill (the entry keeps the next-token logits), a
-partial hit prefills only the suffix. Entries carry the policy version that computed them;
-stale KV is never served (a weight update clears the cache). The helpers at the bottom convert
-a transformers ``DynamicCache`` to per-layer ``(keys, values)`` ``[B, H, L, D]`` and back.
+Lookup returns the longest cached prefix: an exact hit skips the prefill, a partial one
+prefills the suffix. A weight update clears the cache. KV is per-layer ``(keys, values)``
+``[B, H, L, D]``.
 """
 
 from __future__ import annotations
@@ -34,8 +30,7 @@ class PrefixEntry:
 class PrefixCache:
     """LRU map from token prefixes to their KV, bounded by ``max_tokens`` and ``max_entries``.
 
-    ``max_tokens=0`` disables caching across requests (a group still shares
-    its own prefill, which the scheduler does without the cache).
+    ``max_tokens=0`` disables caching across requests.
     """
 
     def __init__(self, max_tokens: int = 65536, max_entries: int = 1024) -> None:

@@ -1,12 +1,7 @@
 """Warm-up examples for an outside agent: OpenAI conversations rendered as the server would.
 
-A demonstration is ``{"messages": [...], "tools": [...]}`` in the OpenAI chat
-format, the same the agent sends. It is rendered by the chat template the
-server renders the agent's requests with, so the warm-up trains on the very
-tokens a session records: each assistant turn is the span between the chat
-before it (with the generation prompt) and the chat through it; those spans
-train, everything else (system, user, tool messages, template markers) is
-masked.
+``{"messages": [...], "tools": [...]}``, rendered by the server's chat template, so the
+warm-up trains on the tokens a session records; only assistant spans train.
 """
 
 from __future__ import annotations

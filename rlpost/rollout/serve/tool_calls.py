@@ -1,12 +1,8 @@
 """Tool calls on ``/v1/chat/completions``: the request's tools, the chat, the model's calls.
 
-``tools`` (function tools with JSON-schema parameters) and ``tool_choice`` are checked here,
-rendered by the tokenizer's own chat template (the model sees tools as it was trained to), and
-the output is read back into ``tool_calls`` by the server's call format
-(:mod:`rlpost.rollout.serve.tool_parsers`). There is no constrained decoding: ``required`` and
-a named function are honoured by writing the opening of a call after the generation prompt
-(prompt tokens, not sampled); a completion that still does not decode stays content and
-counts as a parse failure.
+Tools are rendered by the tokenizer's chat template and calls parsed back by the server's
+format (:mod:`rlpost.rollout.serve.tool_parsers`). No constrained decoding: ``required`` and a
+named function write a call's opening into the prompt; an unparsable completion stays content.
 """
 
 from __future__ import annotations
