@@ -1,11 +1,7 @@
 """Where workers live: this process (``local``), processes of their own (``process``) or Ray
 actors (``ray``).
 
-Each backend is a ``start(cfg, run_dir, train_prompts, console, resuming) ->
-Workers`` function the loop calls once its run directory exists; the loop then
-drives the workers through their protocols, wherever they are. Several rollout
-workers form a :class:`~rlpost.cluster.fleet.RolloutFleet` behind the same
-protocol.
+Each backend is ``start(cfg, run_dir, train_prompts, console, resuming) -> Workers``.
 """
 
 from __future__ import annotations

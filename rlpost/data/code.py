@@ -1,9 +1,6 @@
 """A built-in code task: write a one-line Python function that passes given asserts.
 
-Prompts state a function of x (``f(x)=3*x+1:``); a completion is Python source
-defining ``f``; the ``code_tests`` reward runs the task's asserts against it in
-the sandbox. Every problem of the space is enumerated and shuffled with a fixed
-seed, so the held-out split never overlaps training.
+``f(x)=3*x+1:``, scored by ``code_tests``; shuffled with a fixed seed.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """The registry of prompt tasks: a task's name -> the loader of its splits.
 
-A source of prompts (``data.task``, or each entry of ``data.sources`` and ``eval.sets``)
-names its task with the task's own settings (``{name: arith, max_operand: 30}``); the
-loader registered under that name turns the settings into :class:`Splits`. Adding a kind
-of source is its settings class (a ``Variant`` in rlpost.config) and one loader here.
+A new kind of source is its settings class (a ``Variant`` in rlpost.config) and one loader.
 """
 
 from __future__ import annotations

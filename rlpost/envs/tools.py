@@ -1,9 +1,6 @@
 """``tools``: plain Python callables (or HTTP endpoints, or sandboxed code) as an environment.
 
-For tools that need no state between turns: each call runs the named tool on
-its argument text and answers its output; a tool that raises answers
-``error: ...`` to the policy (counted as a tool error) and the episode goes on. A
-turn without a call is the answer.
+Stateless: a tool that raises answers ``error: ...`` (counted) and the episode goes on.
 """
 
 from __future__ import annotations

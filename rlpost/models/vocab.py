@@ -1,9 +1,7 @@
 """A tokenizer's identity, to check that two models read token ids the same way.
 
-On-policy distillation scores the student's sampled token ids under the teacher, which
-is meaningful only when id ``k`` is the same token for both. :func:`vocab_digest` hashes
-the id -> token table (and the special tokens' ids), so a local teacher and a served one
-(``GET /v1/tokenizer`` on ``rlpost serve``) are compared the same way.
+:func:`vocab_digest` hashes the id -> token table, for a local or a served teacher
+(``GET /v1/tokenizer``).
 """
 
 from __future__ import annotations

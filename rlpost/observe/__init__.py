@@ -1,9 +1,6 @@
 """Observability: the ``rl_*`` metric table, its writers, MFU, guards and the run report.
 
-Imported by every layer and importing none of them (only ``rlpost.registry`` and
-``rlpost.types`` are allowed). The report (matplotlib) is imported from
-``rlpost.observe.report`` on demand, so recording metrics stays light.
-``rlpost.observe.mfu`` is the module; the function is ``rlpost.observe.mfu.mfu``.
+Imports only ``rlpost.registry`` and ``rlpost.types``; the report (matplotlib) loads on demand.
 """
 
 from rlpost.observe.guards import Action, GuardConfig, Guards

@@ -1,10 +1,7 @@
 """Per-source health of a step: what the run-wide means hide in a mixture of sources.
 
-One source stuck at zero reward, or always truncated, or flat in every group (no GRPO
-signal), is averaged away by the others; so every step writes ``source/<name>/<metric>``
-for each source that had prompts in its batch (accuracy: samples scoring above 0.5, as
-held-out accuracy). These keys have this module as their one owner; a one-source run has
-none. The recorder exports all but ``prompts`` as ``rl_source_<metric>{source=...}``.
+Keys ``source/<name>/<metric>`` for each source in the batch, owned here (none for one
+source); exported but ``prompts`` as ``rl_source_<metric>{source=...}``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Rewards: verifiable > rule > reward model > LLM judge, mixed and guarded.
 
-Per-sample rewards are plain callables registered by name (``REWARDS``); reward
-models and judges are batched scorers (``SCORERS``). ``build_scorer`` turns the
-``reward`` config section into one ``RewardScorer``; ``HackingMonitor`` and
-``SampleWriter`` watch what the rewards are doing. Untrusted code runs only in
-``rlpost.rewards.sandbox``.
+Per-sample callables (``REWARDS``) and batched scorers (``SCORERS``); ``build_scorer`` makes
+the ``reward`` section one ``RewardScorer``.
 """
 
 from rlpost.rewards.catalog import get_reward

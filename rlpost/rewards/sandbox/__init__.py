@@ -1,10 +1,7 @@
 """Sandbox for untrusted code: bubblewrap namespaces, rlimits per process and a cgroup
 (or, without one, a seccomp filter) per run, failing closed.
 
-``run_code`` runs one program, ``SandboxPool`` many at once, and
-``run_python_tests`` scores candidate code against assert tests. See
-``command.py`` for what the sandbox isolates and why, ``plan.py`` for how a
-run is bounded as a whole, ``check.py`` for ``rlpost sandbox check``.
+``command.py`` says what the sandbox isolates and why, ``plan.py`` how a run is bounded.
 """
 
 from rlpost.rewards.sandbox.command import SandboxUnavailable
