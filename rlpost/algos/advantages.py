@@ -62,11 +62,8 @@ def _group_index(group: Tensor) -> tuple[Tensor, int]:
 
 
 def _group_centered(scores: Tensor, group: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-row group statistics of ``scores [B]`` (float64) under ids ``group [B]``.
-
-    Returns ``(centered [B], std [B], count [B])``, broadcast back to rows; a singleton
-    group gets mean 0 and std 1 (verl).
-    """
+    """``(centered [B], std [B], count [B])`` of ``scores [B]`` (float64) per ``group [B]``,
+    broadcast back to rows; a singleton group gets mean 0 and std 1 (verl)."""
     inverse, num_groups = _group_index(group)
     zeros = scores.new_zeros(num_groups)
     count = zeros.scatter_add(0, inverse, torch.ones_like(scores))
@@ -141,10 +138,9 @@ def grpo_advantages(
     std_scope: str = "group",
     eps: float = 1e-6,
 ) -> Tensor:
-    """GRPO outcome advantage ``A_i = (s_i - mean_g) / (std_g + eps)`` (DeepSeekMath, arXiv 2402.03300).
+    """GRPO ``A_i = (s_i - mean_g) / (std_g + eps)`` (DeepSeekMath, arXiv 2402.03300).
 
-    ``norm_by_std=False`` gives Dr.GRPO's ``s_i - mean_g``. ``std_scope="batch"`` divides by
-    the batch's std instead (TRL's ``scale_rewards="batch"``, arXiv 2508.08221).
+    ``std_scope="batch"``: the batch's std (TRL's ``scale_rewards="batch"``, arXiv 2508.08221).
     """
     if std_scope not in ("group", "batch"):
         raise ValueError(f"grpo std_scope must be 'group' or 'batch', got {std_scope!r}")
@@ -254,10 +250,7 @@ def gae_advantages(
     gamma: float = 1.0,
     lam: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
-    """PPO's GAE (Schulman et al., arXiv 1506.02438) with batch-global whitening.
-
-    ``returns = A + V`` (the critic's target); advantages ``= whiten(A)`` over valid tokens.
-    """
+    """PPO's GAE (arXiv 1506.02438): advantages ``whiten(A)``, returns ``A + V``."""
     _check(token_level_rewards, response_mask, group)
     rewards, v, valid = _critic_inputs("gae", token_level_rewards, response_mask, values)
     lam_rows = rewards.new_full((rewards.shape[0],), float(lam))
@@ -279,11 +272,8 @@ def vapo_gae_advantages(
     alpha: float = 0.05,
     value_lam: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
-    """VAPO's decoupled, length-adaptive GAE (arXiv 2504.05118).
-
-    The policy uses ``lam_i = 1 - 1 / (alpha n_i)`` per row of ``n_i`` valid tokens, clamped
-    to [0, 1]; the critic's ``returns = A(value_lam) + V``.
-    """
+    """VAPO's length-adaptive GAE (arXiv 2504.05118): ``lam_i = 1 - 1 / (alpha n_i)`` for
+    ``n_i`` valid tokens, clamped to [0, 1]; ``returns = A(value_lam) + V``."""
     _check(token_level_rewards, response_mask, group)
     if alpha <= 0:
         raise ValueError(f"vapo_gae alpha must be > 0, got {alpha}")
@@ -298,11 +288,8 @@ def vapo_gae_advantages(
 
 
 def scores_to_token_rewards(scores: Tensor, response_mask: Tensor) -> Tensor:
-    """Place each outcome score on its row's last valid token.
-
-    ``scores [B]``, ``response_mask [B, T]`` -> ``[B, T]``. A row with no valid token keeps
-    its score at position 0, so it still counts in its group's statistics (verl, TRL).
-    """
+    """``scores [B]`` on each row's last valid token, ``[B, T]``; a row without one keeps its
+    score at position 0, so it still counts in its group (verl, TRL)."""
     if scores.shape != response_mask.shape[:1]:
         raise ValueError(f"scores must be [B]={response_mask.shape[0]}, got {tuple(scores.shape)}")
     m = response_mask.to(torch.float64) > 0

@@ -105,11 +105,8 @@ def remax_advantages(
     values: Tensor | None = None,
     baseline_scores: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """ReMax: ``A_it = G_it - b_i`` with ``b_i`` the reward of the greedy response to the prompt.
-
-    ``G_it`` is the undiscounted reward-to-go over valid tokens (arXiv 2310.10505). No
-    normalisation, as the paper and verl.
-    """
+    """ReMax (arXiv 2310.10505): ``A_it = G_it - b_i``, ``G_it`` the reward-to-go and ``b_i``
+    the greedy response's reward; no normalisation."""
     _check(token_level_rewards, response_mask, group)
     if baseline_scores is None:
         raise ValueError("advantage estimator 'remax' needs baseline_scores [B] (greedy rewards)")

@@ -30,19 +30,13 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Mean of ``x`` over set mask entries: ``sum(x*m) / max(sum(m), 1)``.
-
-    An empty mask gives 0 (verl adds 1e-8 to the count instead).
-    """
+    """``sum(x*m) / max(sum(m), 1)``: 0 for an empty mask (verl adds 1e-8 to the count)."""
     count = mask.to(x.dtype).sum() if dim is None else mask.to(x.dtype).sum(dim)
     return masked_sum(x, mask, dim) / count.clamp(min=1.0)
 
 
 def masked_var(x: Tensor, mask: Tensor) -> Tensor:
-    """Unbiased (N-1) variance of ``x`` over set mask entries, as verl's ``masked_var``.
-
-    Fewer than two valid entries give 0 (verl raises).
-    """
+    """Unbiased variance over set mask entries, as verl's ``masked_var``; 0 below two."""
     n = mask.to(x.dtype).sum()
     mu = masked_mean(x, mask)
     sq = masked_sum((x - mu) ** 2, mask)
@@ -50,10 +44,8 @@ def masked_var(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def masked_whiten(x: Tensor, mask: Tensor) -> Tensor:
-    """Batch-global whitening ``(x - mu) * rsqrt(var + 1e-8)`` over valid entries, re-masked.
-
-    As verl's ``masked_whiten``, but padding holds 0.
-    """
+    """``(x - mu) * rsqrt(var + 1e-8)`` over valid entries, as verl's ``masked_whiten``, 0 on
+    padding."""
     mu = masked_mean(x, mask)
     out = (x - mu) * torch.rsqrt(masked_var(x, mask) + WHITEN_EPS)
     return torch.where(mask.to(x.dtype) > 0, out, torch.zeros_like(out))
@@ -143,10 +135,8 @@ class Aggregation:
     def for_minibatch(
         cls, mask: Tensor, mode: str = "token-mean", norm_constant: float | None = None
     ) -> Aggregation:
-        """An aggregation whose denominators are the counts of ``mask [B, T]``.
-
-        An all-empty mask keeps the local counts (``None``).
-        """
+        """An aggregation whose denominators are the counts of ``mask [B, T]`` (an empty
+        mask: the local counts)."""
         return cls(mode, norm_constant=norm_constant).counts(mask)
 
     def counts(self, mask: Tensor) -> Aggregation:

@@ -10,10 +10,7 @@ from torch import Tensor
 
 
 def entropy_from_logits(logits: Tensor, chunk_size: int = 1024) -> Tensor:
-    """Entropy of ``softmax(logits)`` per position.
-
-    ``logits [B, T, V]`` -> ``[B, T]``, computed in at least float32.
-    """
+    """Entropy of ``softmax(logits)``: ``[B, T, V]`` -> ``[B, T]``, in at least float32."""
     if logits.dim() != 3:
         raise ValueError(f"logits must be [B, T, V], got {tuple(logits.shape)}")
     if chunk_size < 1:

@@ -50,10 +50,7 @@ def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 
 @KL_ESTIMATORS.register("k3")
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """k3 = e^y - y - 1 with y = clamp(-x, -20, 20), result clamped to [-10, 10].
-
-    Unbiased and non-negative; the clamps are verl's ``low_var_kl``.
-    """
+    """k3 = e^y - y - 1, y = clamp(-x, -20, 20), clamped to [-10, 10] (verl's ``low_var_kl``)."""
     y = torch.clamp(-_log_ratio(logprobs, ref_logprobs), -K3_EXPONENT_CLAMP, K3_EXPONENT_CLAMP)
     return torch.clamp(torch.exp(y) - y - 1.0, -K3_VALUE_CLAMP, K3_VALUE_CLAMP)
 

@@ -86,10 +86,8 @@ def dppo_loss(x: LossInputs, p: DPPOParams) -> PolicyLossOutput:
 
 @POLICY_LOSSES.register("dro")
 def dro_loss(x: LossInputs, p: DROParams) -> PolicyLossOutput:
-    """DRO: ``L = -A lp + reg_coef/2 (lp - old)^2``, a policy gradient held near the sampler.
-
-    A quadratic trust region instead of clipping (arXiv 2405.19107; verl's ``dro``).
-    """
+    """DRO: ``L = -A lp + reg_coef/2 (lp - old)^2``, a quadratic trust region (arXiv
+    2405.19107; verl's ``dro``)."""
     old, adv, mask = x.detached()
     log_ratio = _raw_log_ratio(x.logprobs, old, mask)
     loss_mat = -adv * x.logprobs + 0.5 * p.reg_coef * log_ratio**2

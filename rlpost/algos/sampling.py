@@ -77,10 +77,7 @@ def groups_with_spread(scores: Tensor, group: Tensor) -> Tensor:
 
 
 def group_zero_spread_fraction(scores: Tensor, group: Tensor) -> float:
-    """Fraction of groups (not rows) whose scores are all equal; 0.0 for an empty batch.
-
-    A rising value means GRPO is starved of signal.
-    """
+    """Fraction of groups (not rows) whose scores are all equal; 0.0 for an empty batch."""
     spread, _ = _group_range(scores, group)
     if spread.numel() == 0:
         return 0.0

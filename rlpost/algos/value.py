@@ -24,10 +24,8 @@ def value_loss(
     agg: Aggregation,
     clip_range: float | None = 0.2,
 ) -> PolicyLossOutput:
-    """Clipped value loss ``1/2 max((v - R)^2, (clip(v, v_old +- c) - R)^2)`` (arXiv 1707.06347; verl).
-
-    ``[B, T]`` -> scalar; ``clip_range=None``: ``1/2 (v - R)^2``.
-    """
+    """``1/2 max((v - R)^2, (clip(v, v_old +- c) - R)^2)`` (arXiv 1707.06347; verl), ``[B, T]``
+    -> scalar; ``clip_range=None``: ``1/2 (v - R)^2``."""
     inputs = {"returns": returns, "old_values": old_values, "response_mask": response_mask}
     _same_shape("values_pred", values_pred, **inputs)
     if clip_range is not None and clip_range <= 0:

@@ -19,10 +19,8 @@ log = logging.getLogger(__name__)
 
 
 def connect(ray, cfg: Config) -> bool:
-    """Join ``cluster.address`` or start a local cluster; True when this call started one.
-
-    A local cluster's every process listens on 127.0.0.1 only and requires its own token.
-    """
+    """Join ``cluster.address`` or start a loopback-only, token-guarded local cluster; True
+    when this call started one."""
     if ray.is_initialized():
         return False
     address = cfg.cluster.address

@@ -43,10 +43,7 @@ def arith_problems(max_operand: int, ops: list[str]) -> list[Prompt]:
 def arith_splits(
     max_operand: int, ops: list[str], train_size: int, eval_size: int
 ) -> tuple[list[Prompt], list[Prompt]]:
-    """(train, held_out). Held-out takes the first ``eval_size`` problems; train the rest.
-
-    ValueError if nothing is left to train on.
-    """
+    """(train, held_out): the first ``eval_size`` problems held out; ValueError if none is left."""
     problems = arith_problems(max_operand, ops)
     if eval_size >= len(problems):
         raise ValueError(

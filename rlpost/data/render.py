@@ -41,10 +41,8 @@ def prepare_prompts(
     chat_template: str = "auto",
     system_prompt: str | None = None,
 ) -> list[Prompt]:
-    """Render every prompt and keep those of at most ``max_prompt_tokens`` tokens.
-
-    ``budget_note`` says where the limit comes from.
-    """
+    """Render every prompt and keep those of at most ``max_prompt_tokens`` tokens
+    (``budget_note``: where the limit comes from)."""
     for p in prompts:
         p.text = render_prompt(
             p.text, tokenizer, chat_template=chat_template, system_prompt=system_prompt

@@ -72,10 +72,8 @@ def check_stream_path(path: str) -> Path:
 
 
 class StreamSampler:
-    """One streamed source's rows, one at a time, in buffer-shuffled order, epoch after epoch.
-
-    Interface of :class:`~rlpost.data.sampler.PromptSampler`; ``report`` counts the first pass.
-    """
+    """A :class:`~rlpost.data.sampler.PromptSampler` of one streamed source's rows, one at a
+    time; ``report`` counts the first pass."""
 
     batch_size = 1
 

@@ -122,10 +122,8 @@ def _key(spec: str, env_args: dict | None) -> str:
 
 
 def load_env(spec: str, env_args: dict | None = None):
-    """The classic environment ``spec`` names, built once per process and argument set.
-
-    Its datasets are built here, so a download they need fails now, in one line.
-    """
+    """The classic environment ``spec`` names, built (datasets too) once per process and
+    argument set."""
     key = _key(spec, env_args)
     if key in _ENVS:
         return _ENVS[key]

@@ -98,10 +98,8 @@ class Guards:
         return actions
 
     def check_update(self, loss: float, grad_norm: float) -> Action | None:
-        """``skip_update`` for a non-finite loss or grad norm.
-
-        More than ``max_retries`` in a row escalates to ``rollback`` (or ``stop``).
-        """
+        """``skip_update`` for a non-finite loss or grad norm; past ``max_retries`` in a row,
+        ``rollback`` (or ``stop``)."""
         if not self.cfg.enabled:
             return None
         if math.isfinite(loss) and math.isfinite(grad_norm):
@@ -125,10 +123,7 @@ class Guards:
         return bad
 
     def after_step(self, metrics: dict[str, float]) -> list[Action]:
-        """Actions after a step, from its metrics (keys as ``Recorder.record``).
-
-        Absent or non-finite values are ignored; after a ``stop`` every call returns it.
-        """
+        """Actions after a step, from its finite metrics; after a ``stop``, the stop again."""
         if not self.cfg.enabled:
             return []
         if self.stopped:

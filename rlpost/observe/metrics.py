@@ -14,10 +14,7 @@ MetricKind = Literal["gauge", "counter", "histogram"]
 
 @dataclass(frozen=True)
 class MetricSpec:
-    """One exported metric.
-
-    ``help`` states the unit in brackets.
-    """
+    """One exported metric; ``help`` states the unit in brackets."""
 
     name: str
     kind: MetricKind
@@ -100,10 +97,7 @@ a mixture run adds :data:`SOURCE_METRICS`)."""
 
 
 def exposed_sample_name(spec: MetricSpec) -> str:
-    """Name of the sample line that carries ``spec`` in the text exposition.
-
-    A histogram is seen through its ``_count`` series.
-    """
+    """Name of the sample line that carries ``spec`` (a histogram's ``_count``)."""
     return spec.name + "_count" if spec.kind == "histogram" else spec.name
 
 

@@ -15,10 +15,8 @@ import time
 def flops_per_token(
     n_params: int, n_layers: int, hidden: int, seq_len: int, *, training: bool
 ) -> float:
-    """FLOPs for one token: ``6N + 12·L·H·S`` training, ``2N + 2·L·H·S`` generation.
-
-    ``n_params``: the non-embedding parameters (a tied LM head counted once).
-    """
+    """FLOPs for one token: ``6N + 12·L·H·S`` training, ``2N + 2·L·H·S`` generation;
+    ``n_params`` without embeddings."""
     sizes = {"n_params": n_params, "n_layers": n_layers, "hidden": hidden, "seq_len": seq_len}
     for name, value in sizes.items():
         if value < 0:
@@ -39,10 +37,7 @@ def mfu(flops: float, seconds: float, peak_flops: float) -> float:
 
 
 def measure_cpu_peak_flops(size: int = 1024, repeats: int = 3, dtype=None) -> float:
-    """Best FLOP/s of a ``size x size`` matmul (``2·size³`` FLOPs), over ``repeats`` runs.
-
-    Uses torch's current intra-op thread count.
-    """
+    """Best FLOP/s of a ``size x size`` matmul over ``repeats`` runs, at torch's threads."""
     if size < 1 or repeats < 1:
         raise ValueError(f"size and repeats must be >= 1, got size={size} repeats={repeats}")
     import torch
@@ -94,10 +89,7 @@ def cpu_vendor(cpuinfo: str | None = None) -> str:
 
 
 def cpu_bf16_native(cpuinfo: str | None = None) -> bool:
-    """True when the CPU has bfloat16 arithmetic instructions (AVX-512 BF16 or AMX-BF16).
-
-    Without them bf16 matmuls are emulated and slower than float32.
-    """
+    """True when the CPU has bfloat16 instructions (AVX-512 BF16 or AMX-BF16)."""
     return bool(cpu_flags(cpuinfo) & set(CPU_BF16_FLAGS))
 
 

@@ -50,11 +50,8 @@ def _json_value(value: float) -> float | None:
 
 
 class Recorder:
-    """Writes step metrics to JSONL, Prometheus and TensorBoard.
-
-    ``run_dir=None`` turns the file sinks off; ``prometheus_port=0`` binds an ephemeral
-    :attr:`port`. Thread-safe.
-    """
+    """Writes step metrics to every sink, thread-safe; ``run_dir=None`` turns the file sinks
+    off, ``prometheus_port=0`` binds an ephemeral :attr:`port`."""
 
     def __init__(
         self,
@@ -190,10 +187,8 @@ class Recorder:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """Read ``RUN_DIR/metrics.jsonl`` back, one dict per step, in step order.
-
-    Rows of the same step are merged, later keys winning; a torn last line is skipped.
-    """
+    """``RUN_DIR/metrics.jsonl`` as one dict per step (later keys winning), a torn last line
+    skipped."""
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return []

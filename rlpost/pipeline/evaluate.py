@@ -68,10 +68,7 @@ def sample_groups(
     chunk: int = 256,
     progress=None,
 ) -> list[Group]:
-    """``k`` scored samples of every prompt, generated ``chunk`` sequences at a time.
-
-    ``progress`` (a :class:`rlpost.pipeline.console.Phase`) advances once per chunk.
-    """
+    """``k`` scored samples of every prompt, generated ``chunk`` sequences at a time."""
     out: list[Group] = []
     per_chunk = max(1, chunk // k)
     if progress is not None:

@@ -31,10 +31,7 @@ class RolloutFailed(RuntimeError):
 
 
 class PromptSource:
-    """The sampler's batches, after any batches handed back (a resume, a rollback, a drop).
-
-    ``take`` returns what was drawn since the last call.
-    """
+    """The sampler's batches after any handed back; ``take``: what was drawn since last."""
 
     def __init__(self, sampler: PromptSampler, pending: list[list[Prompt]] | None = None) -> None:
         self.sampler = sampler

@@ -18,11 +18,7 @@ _PYTHON_TAGS = {"python", "py", "python3", "py3"}
 
 
 def extract_code(completion: str) -> str:
-    """The program in a completion.
-
-    The last ```` ```python ```` block, else the last fenced block, else the whole text; an
-    unclosed fence runs to the end.
-    """
+    """The last ```` ```python ```` block, else the last fenced block, else the whole text."""
     blocks = _FENCE.findall(completion)
     if not blocks:
         return completion
@@ -54,10 +50,8 @@ def code_tests(
     sandbox: dict[str, Any] | None = None,
     test_timeout_s: float | None = None,
 ) -> float | None:
-    """Fraction of ``metadata["tests"]`` that pass (1.0/0.0 with ``all_pass``).
-
-    ``sandbox``: ``SandboxConfig`` keywords. ``None`` without tests.
-    """
+    """Fraction of ``metadata["tests"]`` that pass (1.0/0.0 with ``all_pass``); ``None``
+    without tests."""
     tests = _tests_of(sample.metadata)
     if not tests:
         return None

@@ -97,11 +97,8 @@ class _Parser:
 
 
 def evaluate_equation(text: str) -> tuple[Fraction, list[int]]:
-    """Evaluate a countdown expression; returns ``(value, numbers used in order)``.
-
-    Raises ``EquationError`` for invalid characters, bad syntax, division by zero,
-    or text longer than ``MAX_CHARS``.
-    """
+    """``(value, numbers used in order)``, or ``EquationError`` (bad text, division by zero,
+    over ``MAX_CHARS``)."""
     if len(text) > MAX_CHARS:
         raise EquationError(f"expression longer than {MAX_CHARS} characters")
     parser = _Parser(text)

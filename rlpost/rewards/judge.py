@@ -54,10 +54,7 @@ def parse_score(text: str) -> float | None:
 
 
 def render_rubric(rubric: str, sample: RewardSample) -> str:
-    """Fill ``{prompt}``, ``{completion}``, ``{answer}`` in one pass.
-
-    A completion containing ``{answer}`` is not expanded (no template injection).
-    """
+    """Fill ``{prompt}``, ``{completion}``, ``{answer}`` in one pass (no template injection)."""
     values = {
         "prompt": sample.prompt,
         "completion": sample.completion,

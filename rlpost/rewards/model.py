@@ -15,10 +15,7 @@ from rlpost.types import RewardSample
 
 @batched_scorer("reward_model")
 class RewardModelWorker:
-    """Scores ``prompt + completion`` with an ``AutoModelForSequenceClassification``.
-
-    Its one logit is the reward (Bradley-Terry, Ouyang et al., 2022).
-    """
+    """Scores with an ``AutoModelForSequenceClassification`` whose one logit is the reward."""
 
     default_kind = "model"
 

@@ -59,10 +59,8 @@ class HackingMonitor:
         verifiable_accuracy: float | None,
         response_length_mean: float,
     ) -> list[str]:
-        """Record one step and return the flags raised now (possibly empty).
-
-        ``verifiable_accuracy=None`` skips the reward/accuracy check.
-        """
+        """Record one step and return the flags raised now (``verifiable_accuracy=None``
+        skips the reward/accuracy check)."""
         self._rows.append(
             (_finite(reward_mean), _finite(verifiable_accuracy), _finite(response_length_mean))
         )

@@ -41,10 +41,8 @@ def format_reward(
     dotall: bool = True,
     ignore_case: bool = False,
 ) -> float:
-    """1.0 if the completion matches ``pattern`` (``re.search``; anchor it), else 0.0.
-
-    The default is the R1-Zero template (DeepSeek-R1, 2025, section 2.2.2).
-    """
+    """1.0 if the completion matches ``pattern`` (``re.search``), by default the R1-Zero
+    template (DeepSeek-R1, 2025, section 2.2.2)."""
     return 1.0 if _compile(pattern, dotall, ignore_case).search(sample.completion) else 0.0
 
 
@@ -111,10 +109,7 @@ def length_reward(
 
 @reward_function("repetition")
 def repetition_penalty(sample: RewardSample, *, n: int = 3, unit: str = "word") -> float:
-    """Minus the fraction of repeated n-grams: ``-(total - unique) / total``.
-
-    ``unit``: ``word`` or ``char``.
-    """
+    """Minus the fraction of repeated n-grams: ``-(total - unique) / total``."""
     if n < 1:
         raise ValueError(f"repetition: n must be >= 1, got {n}")
     if unit == "word":

@@ -168,10 +168,7 @@ def exact_match(
     collapse_space: bool = False,
     tag: str | None = None,
 ) -> float | None:
-    """1.0 if the completion equals the reference answer as a string.
-
-    A list answer accepts any of its strings; ``tag``: only the last ``<tag>`` block.
-    """
+    """1.0 if the completion equals the answer (or one of a list) as a string."""
     if sample.answer is None:
         return None
     accepted = sample.answer if isinstance(sample.answer, list | tuple) else [sample.answer]

@@ -21,10 +21,7 @@ from rlpost.types import Completion, FinishReason, Prompt
 
 
 class LengthPredictor:
-    """EMA of response lengths per prompt uid, per task (``metadata["task"]``) and overall.
-
-    ``predict`` uses the most specific estimate; ``default`` before any.
-    """
+    """EMA of response lengths per prompt uid, per task and overall (most specific first)."""
 
     def __init__(self, alpha: float = 0.3, default: float = 0.0) -> None:
         if not 0 < alpha <= 1:
@@ -106,10 +103,7 @@ class _Group:
 
 @dataclass
 class PartialStep:
-    """What one step trains on: whole groups, and how much was carried over.
-
-    ``payloads[g]`` is what the caller passed with group g.
-    """
+    """What one step trains on: whole groups (``payloads[g]``: the caller's), and the carry."""
 
     completions: list[VersionedCompletion]
     payloads: list[Any]
@@ -158,10 +152,7 @@ class PartialRollout:
         *,
         fraction: float | None = None,
     ) -> PartialStep:
-        """Add these prompts (``n`` samples each) to the carried ones and run until the step is done.
-
-        ``fraction`` overrides the configured one (1.0 on a run's last step).
-        """
+        """Add these prompts to the carried ones and run until ``fraction`` is done."""
         payloads = payloads if payloads is not None else [None] * len(prompt_ids)
         if len(payloads) != len(prompt_ids):
             raise ValueError(f"{len(payloads)} payloads for {len(prompt_ids)} prompts")
@@ -240,10 +231,7 @@ class PartialRollout:
             self._absorb(s, c, params)
 
     def _decode_chunk(self, params: SamplingParams, chunk: int) -> None:
-        """Up to ``chunk`` more tokens for every unfinished sample.
-
-        New groups go in one call of ``n`` samples a prompt; continued samples one row each.
-        """
+        """Up to ``chunk`` more tokens for every unfinished sample."""
         fresh = [
             g for g in self.pending if all(s.finish is None and not s.tokens for s in g.samples)
         ]

@@ -20,10 +20,7 @@ ZSTD_LEVEL = 3  # fast; higher levels gain a few % on these streams at several t
 
 
 def encode_delta(tensor: torch.Tensor, base: torch.Tensor | None, full_threshold: float) -> Encoded:
-    """``tensor`` as a bf16 delta against ``base`` (bf16, same shape), or plain bf16.
-
-    Plain past ``full_threshold`` changed, or without a base of the same shape.
-    """
+    """``tensor`` as a bf16 delta against ``base``, or plain bf16 past ``full_threshold``."""
     new = tensor.detach().cpu().to(torch.bfloat16).contiguous()
     if base is None or base.shape != new.shape:
         return Encoded("bf16", {"data": new})

@@ -202,10 +202,8 @@ class GlooTransport:
 def serve_gloo(
     engine, link: GlooLink, rank: int, *, verify: bool = True, timeout_s: float = 300.0
 ) -> None:
-    """Receive sessions for ``engine`` as ``rank`` until the sender closes the group.
-
-    Raises SyncError when the sender goes away; the engine keeps its last version.
-    """
+    """Receive sessions for ``engine`` as ``rank`` until the sender closes the group (a
+    SyncError when it goes away)."""
     name = f"{link} rank {rank}"
     store, group, key = _connect(link, rank, timeout_s)
     receiver = Receiver(engine, name=name, verify=verify, timeout_s=timeout_s)

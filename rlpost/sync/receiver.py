@@ -53,10 +53,7 @@ def _entries_fit(entries: list, size: int) -> bool:
 
 
 class TensorStream:
-    """``(name, tensor)`` pairs produced lazily, with every ``shapes[name]`` known ahead.
-
-    An engine that knows ``shapes`` checks them first and holds one tensor at a time.
-    """
+    """``(name, tensor)`` pairs produced lazily, with every ``shapes[name]`` known ahead."""
 
     def __init__(self, items: Iterator[tuple[str, torch.Tensor]], shapes: dict[str, tuple]) -> None:
         self.items, self.shapes = items, shapes
@@ -83,10 +80,7 @@ class _Staged:
 
 
 class Receiver:
-    """Stages a session's buckets and commits them to ``engine`` atomically.
-
-    ``timeout_s``: how long a session may sit idle before it is dropped.
-    """
+    """Stages a session's buckets and commits them to ``engine`` atomically."""
 
     def __init__(
         self,

@@ -27,10 +27,7 @@ PAD = -1
 
 @dataclass(frozen=True)
 class DPSpec:
-    """Where one trainer worker sits in its data-parallel group.
-
-    ``master_addr`` / ``master_port``: rank 0's TCP rendezvous.
-    """
+    """Where one trainer worker sits in its data-parallel group."""
 
     rank: int
     world: int

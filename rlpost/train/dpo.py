@@ -75,10 +75,7 @@ def sequence_logprobs(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor
 def pair_logprobs(
     model: torch.nn.Module, pairs: PairSet, pad_id: int, chunk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen ``[N]``, rejected ``[N]``) summed log-probs under ``model``, no gradient.
-
-    Bit-identical for the same model and ``chunk`` (the policy ties the reference at step 0).
-    """
+    """(chosen ``[N]``, rejected ``[N]``) summed log-probs, bit-identical per ``chunk``."""
     chosen, rejected = [], []
     for lo in range(0, len(pairs), chunk):
         idx = list(range(lo, min(lo + chunk, len(pairs))))

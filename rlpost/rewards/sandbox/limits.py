@@ -89,10 +89,7 @@ def _require(ok: bool, field: str, value: object, rule: str) -> None:
 
 @dataclass
 class SandboxResult:
-    """Outcome of one run.
-
-    ``exit_code``: ``-N`` for signal N, None when the supervisor killed the run.
-    """
+    """Outcome of one run; ``exit_code`` is ``-N`` for signal N, None when killed."""
 
     status: Status
     exit_code: int | None

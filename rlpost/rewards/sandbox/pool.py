@@ -13,10 +13,7 @@ from rlpost.rewards.sandbox.runner import check_available, run_code
 
 
 class SandboxPool:
-    """A fixed number of concurrent sandbox runs; results come back in input order.
-
-    Construction checks the sandbox works here (``SandboxUnavailable``).
-    """
+    """A fixed number of concurrent sandbox runs, results in input order."""
 
     def __init__(self, max_workers: int, config: SandboxConfig | None = None) -> None:
         if isinstance(max_workers, bool) or max_workers < 1:

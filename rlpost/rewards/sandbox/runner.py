@@ -80,10 +80,7 @@ def run_code(
     config: SandboxConfig | None = None,
     files: dict[str, str] | None = None,
 ) -> SandboxResult:
-    """Run ``python main.py`` with ``code`` as main.py in a fresh sandbox.
-
-    ``files``: extra relative paths and their text, placed next to main.py.
-    """
+    """Run ``code`` as main.py, with ``files`` beside it, in a fresh sandbox."""
     config = config or SandboxConfig()
     files = dict(files or {})
     for name in files:

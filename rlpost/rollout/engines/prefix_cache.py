@@ -28,10 +28,7 @@ class PrefixEntry:
 
 
 class PrefixCache:
-    """LRU map from token prefixes to their KV, bounded by ``max_tokens`` and ``max_entries``.
-
-    ``max_tokens=0`` disables caching across requests.
-    """
+    """LRU map from token prefixes to their KV, bounded by ``max_tokens`` and ``max_entries``."""
 
     def __init__(self, max_tokens: int = 65536, max_entries: int = 1024) -> None:
         if max_tokens < 0 or max_entries < 0:

@@ -44,10 +44,7 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class LogitAdjust:
-    """OpenAI's logit adjustments, applied to the raw logits before temperature.
-
-    Only the rollout server uses them, so training logprobs stay the model's.
-    """
+    """OpenAI's logit adjustments, before temperature; used only by the rollout server."""
 
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -158,11 +155,8 @@ INVERSE_CDF_VOCAB = 32_768
 def sample_tokens(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [B], logprobs [B]) for next-token ``logits`` [B, V] (float32).
-
-    The logprob is of the tempered, untruncated ``log_softmax(logits / T)`` the trainer
-    recomputes.
-    """
+    """(tokens [B], logprobs [B]) for ``logits`` [B, V], logprobs of the tempered, untruncated
+    ``log_softmax(logits / T)`` the trainer recomputes."""
     logits = logits.float()
     if params.temperature == 0:
         tokens = logits.argmax(dim=-1)
