@@ -24,8 +24,7 @@ from rlpost.registry import Registry
 
 AdvantageEstimator = Callable[..., tuple[Tensor, Tensor]]
 ADVANTAGES: Registry[AdvantageEstimator] = Registry("advantage estimator")
-# The keywords the train stage supplies, each when the estimator's trait asks for it; every
-# other keyword is a parameter, typed in ``rlpost.params`` with the same default.
+# The keywords the train stage supplies when a trait asks; the others are ``rlpost.params``'.
 CALLER_INPUTS = frozenset(
     {"values", "components", "baseline_scores", "old_logprobs", "sum_pi_squared"}
     | {"teacher_logprobs"}

@@ -152,9 +152,7 @@ def optimal_token_baseline_advantages(
     numerator = zeros.scatter_add(0, index, returns * w_cum)[inverse]
     denominator = zeros.scatter_add(0, index, w_cum)[inverse]
     running = zeros.scatter_add(0, index, m.to(torch.float64))[inverse]
-    # a row alone at a position has no baseline there, so its reward-to-go is its advantage;
-    # verl zeroes the unique longest row past the second-longest row's token count, the same
-    # positions when padding is at the end, not with holes in a mask (docs/algorithms.md)
+    # a row alone at a position keeps its reward-to-go (verl differs with holes: docs/algorithms.md)
     baseline = torch.where(running > 1, numerator / (denominator + eps), 0.0)
     adv = torch.where(m, returns - baseline, 0.0)
     dtype = token_level_rewards.dtype

@@ -63,8 +63,7 @@ def _over_seqs(total: Tensor, mask: Tensor, num_seqs: float | None) -> Tensor:
     return total / _nonempty_rows(mask, total.dtype).clamp(min=1.0)
 
 
-# Each mode is ``fn(loss_mat [B, T], mask [B, T], agg: Aggregation) -> scalar``; ``agg``
-# holds the whole mini-batch's denominators (None: the local counts of ``mask``).
+# Each mode is ``fn(loss_mat [B, T], mask [B, T], agg: Aggregation) -> scalar``.
 
 
 @AGGREGATIONS.register("token-mean")

@@ -22,8 +22,7 @@ from rlpost.registry import Registry
 
 KL_ESTIMATORS: Registry[Callable[[Tensor, Tensor], Tensor]] = Registry("KL estimator")
 
-# verl's low_var_kl bounds: the exponent is clamped to keep exp finite, the result
-# to keep one runaway token from dominating the penalty.
+# verl's low_var_kl bounds: exp stays finite, one runaway token cannot dominate.
 K3_EXPONENT_CLAMP = 20.0
 K3_VALUE_CLAMP = 10.0
 
@@ -111,8 +110,7 @@ def kl_penalized_rewards(
     return token_level_scores - beta * kl, mean_kl
 
 
-# Ziegler et al. clip the proportional error so one noisy KL reading moves beta
-# by at most 20% of n_steps / horizon.
+# Ziegler et al.'s clip: one noisy KL reading moves beta by at most 20% of n_steps / horizon.
 ADAPTIVE_ERROR_CLIP = 0.2
 # What a guard's raise sets when beta is 0 (there is nothing to multiply).
 RAISED_FROM_ZERO = 0.01

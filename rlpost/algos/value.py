@@ -36,8 +36,7 @@ def value_loss(
         loss_mat = 0.5 * err
         clipped_flags = torch.zeros_like(mask)
     else:
-        # clamp(v, old - c, old + c), not old + clamp(v - old, -c, c): the latter can differ
-        # from v by one rounding step when nothing clips, and count a clip that never happened.
+        # not old + clamp(v - old, -c, c), which rounds v off by a step when nothing clips
         clipped = torch.clamp(values_pred, old - clip_range, old + clip_range)
         err_clipped = (clipped - target) ** 2
         loss_mat = 0.5 * torch.maximum(err, err_clipped)

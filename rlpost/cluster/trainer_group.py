@@ -51,9 +51,7 @@ class TrainerGroup:
         done, running = wait(futures, return_when=FIRST_EXCEPTION)
         if not any(f.exception() is not None for f in done):
             return futures[0].result()
-        # Every rank failing alike (a bad argument, refused before any collective) leaves
-        # the group in step. Anything else (a rank still running after a grace period is
-        # blocked in a collective; a lost process; ranks failing differently) ends it.
+        # Every rank failing alike leaves the group in step; anything else ends it.
         if running:
             _, running = wait(running, timeout=GRACE_S)
         # (a rank's done callback may not have run yet when its result is visible)
@@ -64,8 +62,7 @@ class TrainerGroup:
         }
         if running or len(failed) < self.world or len(causes) > 1:
             self._failed = f"rank {failed[0]} failed in {name}"
-        # One line naming every failed rank: a lost process shows up in its peers as a
-        # collective error, and which ends first is a race.
+        # every failed rank: a lost process shows in its peers as a collective error
         parts = [f"rank {r}: {one_line(futures[r].exception(), limit=240)}" for r in failed]
         raise WorkerError(
             self.role,

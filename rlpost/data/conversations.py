@@ -170,9 +170,7 @@ def encode_conversation(
     if last_turn_only:
         turns = turns[-1:]
     try:
-        # Every example holds at least the rendering up to the last trained turn, so one
-        # render refuses a conversation too long for the context before the 2T prefix
-        # renders (quadratic in the turns) are made.
+        # one render refuses a conversation too long before the 2T (quadratic) prefix renders
         last = _ids(tokenizer, msgs[: turns[-1] + 1], False)
         if len(last) > max_len:
             return _too_long(len(last), max_len)

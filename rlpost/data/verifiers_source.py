@@ -331,8 +331,7 @@ def _no_model_client(vf):
 
 
 def _refuse(self, *args, **kwargs):
-    # rlpost's engine writes the policy's turns; an environment that asks a model itself
-    # (a simulated user, a judge through the policy's client) has none to ask
+    # an environment that asks a model itself has none: rlpost's engine writes the turns
     raise VerifiersError(
         "this verifiers environment calls its model client; under rlpost the policy's turns "
         "come from the rollout engine and no other model is reachable through it"

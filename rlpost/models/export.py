@@ -47,8 +47,7 @@ def export_model(model, tokenizer, out: Path, *, gguf_type: str | None, overwrit
         tokenizer.save_pretrained(tmp)
         written = {"hf_dir": out}
         if gguf_type is not None:
-            # its own folder: transformers reads a tokenizer_config.json beside a .gguf into
-            # the GGUF's tokenizer
+            # its own folder: transformers reads a tokenizer_config.json beside a .gguf
             name = f"gguf/model-{gguf_type}.gguf"
             (tmp / "gguf").mkdir()
             write_gguf(model, tokenizer, tmp / name, gguf_type)
@@ -173,8 +172,7 @@ def write_tokenizer(writer, tokenizer, vocab_size: int) -> None:
     """The tokenizer as llama.cpp's ``gpt2`` (byte-level BPE) vocabulary."""
     tokens, merges, pre = byte_level_vocab(tokenizer)
     added = tokenizer.added_tokens_decoder
-    # an added token past the embedding (a tokenizer class's default <|endoftext|>) can
-    # never reach the model; a vocabulary token there means they do not belong together
+    # a vocabulary token past the embedding means tokenizer and model do not belong together
     beyond = [i for i in range(vocab_size, len(tokens)) if tokens[i] is not None]
     if any(i not in added for i in beyond):
         raise ModelLoadError(
@@ -198,8 +196,7 @@ def write_tokenizer(writer, tokenizer, vocab_size: int) -> None:
     if merges:
         writer.add_token_merges(merges)
     else:
-        # transformers rebuilds merges from scores when a file lists none; a one-character
-        # vocabulary yields none back, which is what it is
+        # transformers rebuilds merges from scores; a one-character vocabulary yields none
         writer.add_token_scores([0.0] * vocab_size)
         print(
             "rlpost: warning: a vocabulary without merges: transformers and rlpost read this "

@@ -196,9 +196,7 @@ class Guards:
         reason = f"rollout median {median:.3g} tokens/s < {self.cfg.throughput_decay:g} x best {self._best_tps:.3g}"
         self._tps.clear()
         if self._rebuilds >= self.cfg.max_retries:
-            # Slow rollout wastes time but does not corrupt training: once the
-            # rebuild budget is spent the guard only warns (a shared, loaded
-            # machine halves tokens/s without anything being wrong).
+            # slow rollout corrupts nothing: past the rebuild budget, only a warning
             spent = "guard %s: %s; %d rebuilds spent, continuing"
             logger.warning(spent, THROUGHPUT_DECAY, reason, self._rebuilds)
             return []

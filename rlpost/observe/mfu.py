@@ -105,8 +105,7 @@ def pick_threads(requested: int, *, cores: int | None = None, load: float | None
     if requested:
         return requested
     if cores is None and load is None:
-        # Decided once per process: two runs in one process (a run and its resume)
-        # then compute with the same thread count, so with the same float rounding.
+        # once per process, so a run and its resume round floats alike
         if not _AUTO_THREADS:
             cores, load = _usable_cores(), _load()
             _AUTO_THREADS.append(pick_threads(0, cores=cores, load=load))

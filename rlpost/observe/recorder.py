@@ -75,8 +75,7 @@ class Recorder:
         }
         self._guard_counts: dict[str, int] = {}
         self._guards_changed: set[str] = set()
-        # Rows recorded at ``start_step`` (the evaluation before the first
-        # update, or the step a run resumes from) do not advance rl_step_total.
+        # rows at ``start_step`` (before the first update) do not advance rl_step_total
         self._last_step: int | None = start_step
         self._lock = threading.Lock()
         self._file = None

@@ -30,8 +30,7 @@ def evaluate(
         return {}
     k = 1 if params.temperature == 0 else samples
     groups = sample_groups(rollout, reward, prompts, params, k, chunk, progress)
-    # A prompt whose samples were dropped (a failed harness, engine or reward) counts as
-    # wrong: the accuracy is over every held-out problem, never over what came back.
+    # a prompt whose samples were dropped counts as wrong: over every problem, not what came back
     per_problem = [sum(s > 0.5 for s in g.scores) / k for g in groups]
     per_problem += [0.0] * max(0, len(prompts) - len(groups))
     scores = [s for g in groups for s in g.scores]

@@ -36,8 +36,7 @@ Response:
 Rate the response from 0 (wrong or useless) to 10 (correct and complete).
 Reply with one line: Score: N"""
 
-# 408/409/425/429 and 5xx are transient by HTTP semantics; other 4xx will not
-# change on a retry (wrong model name, bad URL) and fail at once.
+# Transient by HTTP semantics; other 4xx fail at once.
 RETRYABLE_STATUS = {408, 409, 425, 429}
 _PLACEHOLDER = re.compile(r"\{(prompt|completion|answer)\}")
 _SCORE_LINE = re.compile(r"score\s*[:=]\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)

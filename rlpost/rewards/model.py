@@ -38,8 +38,7 @@ class RewardModelWorker:
             if self.tokenizer.eos_token is None:
                 raise ValueError(f"reward_model: tokenizer at {path} has no pad or eos token")
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        # Sequence classification reads the logit at the last non-pad token; it
-        # finds that token through config.pad_token_id.
+        # the logit is read at the last non-pad token, found through config.pad_token_id
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.to(device).eval()
         self.device = device

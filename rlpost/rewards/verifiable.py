@@ -14,8 +14,7 @@ from typing import Any
 from rlpost.rewards.registry import reward_function
 from rlpost.types import RewardSample
 
-# A number not glued to a preceding digit or dot, so "5-3" reads as 5 and 3 (not -3)
-# and "1.2.3" does not yield a stray "3"; thousands groups ("1,000") are one number.
+# Not glued to a digit or dot: "5-3" reads 5 and 3, "1.2.3" no stray "3"; "1,000" is one.
 _NUMBER = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
 

@@ -161,8 +161,7 @@ class Receiver:
     def _commit(self, staged: _Staged, manifest: Manifest) -> CommitReport:
         if manifest.buckets != len(staged.buckets):
             self._fail("finish", f"{len(staged.buckets)} of {manifest.buckets} buckets arrived")
-        # Pass 1 rebuilds every tensor (one at a time) before the engine sees any, so a
-        # missing part, an undecodable delta or a wrong checksum changes nothing.
+        # pass 1 rebuilds every tensor before the engine sees any: a failure changes nothing
         for spec, tensor in zip(manifest.tensors, self._tensors(staged, manifest), strict=True):
             if self.verify and checksum(tensor) != spec.checksum:
                 self._fail("finish", f"tensor {spec.name!r} does not match its checksum; refused")

@@ -123,8 +123,7 @@ class HttpTransport:
 
     def abort(self) -> None:
         if self.session is not None:
-            # best effort: the server also drops a session that stays idle, and an
-            # unreachable server cannot hold the session open either
+            # best effort: the server also drops an idle session
             with contextlib.suppress(httpx.HTTPError):
                 self.http.post(f"/v1/sync/{self.session}/abort", timeout=5.0)
 

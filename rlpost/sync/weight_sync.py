@@ -185,8 +185,7 @@ class WeightSync:
             return [encode(name, tensor, self.codec, self.keep_bf16)] * len(groups)
         full = encode(name, tensor, self.codec)  # the bit-pattern codec the delta is taken on
         data = full.parts["data"]
-        # a bf16 tensor encodes to itself: the base must not be the live parameter, which the
-        # next optimizer step changes under it
+        # a bf16 tensor encodes to itself: copy, or the next step changes the base
         new_base[name] = (
             data.clone()
             if data.untyped_storage().data_ptr() == (tensor.untyped_storage().data_ptr())

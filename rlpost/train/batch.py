@@ -56,8 +56,7 @@ class TrainBatch:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     values: torch.Tensor | None = None
-    # On-policy distillation: the teacher's logprobs of the responses [B, T], and its
-    # logits [B, T, V] for a loss over the whole vocabulary (rlpost.train.teacher).
+    # on-policy distillation (rlpost.train.teacher): logprobs [B, T], logits [B, T, V]
     teacher_logprobs: torch.Tensor | None = None
     teacher_logits: torch.Tensor | None = None
 
@@ -132,8 +131,7 @@ def collate(completions: list[Completion], scores: list[float], pad_id: int) -> 
         raise ValueError("cannot build a training batch from zero completions")
     P = max(len(c.prompt_ids) for c in completions)
     T = max(1, max(len(c.token_ids) for c in completions))
-    # Padded Python rows and one tensor per field: a tensor per row and field costs more
-    # than the step's model at the default job's shapes.
+    # one tensor per field: a tensor per row and field costs more than the default model
     ids_rows, attn_rows, lp_rows, ver_rows, mask_rows = [], [], [], [], []
     for c in completions:
         left, right = P - len(c.prompt_ids), T - len(c.token_ids)

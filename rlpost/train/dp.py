@@ -58,8 +58,7 @@ def init_group(spec: DPSpec, timeout_s: float = 600.0) -> None:
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group is already set up in this process")
     timeout = timedelta(seconds=timeout_s)
-    # the store listens on master_addr only (a tcp:// init_method would bind every address),
-    # the collectives' sockets on the interface that reaches it
+    # the store on master_addr only (tcp:// would bind every address), sockets on its interface
     store = tcp_store(spec.master_addr, spec.master_port, spec.world, spec.rank == 0, timeout)
     pin_interface(
         spec.master_addr, "NCCL_SOCKET_IFNAME" if spec.backend == "nccl" else "GLOO_SOCKET_IFNAME"
@@ -102,8 +101,7 @@ def shard_model(
             fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     if trainable:
-        # The ranks' losses are shares of one global loss (global denominators): sum the
-        # gradients, do not average them. Plain SUM collectives: gloo has no PREMUL_SUM.
+        # shares of one global loss: sum, do not average (gloo has no PREMUL_SUM)
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)
@@ -163,8 +161,7 @@ class DataParallel:
         if mesh is not None:
             dp = mesh["dp"]
             self.rank, self.world, self.group = dp.get_local_rank(), dp.size(), dp.get_group()
-        # this rank's device, named explicitly: calls arrive on threads whose current CUDA
-        # device is not the one set at start (it is per thread)
+        # named explicitly: the current CUDA device is per thread
         self.device = device if device is not None else torch.device("cpu")
 
     def share(self, rows: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,7 @@ from rlpost.train.tp import vocab_shard
 CHUNK_BYTES = 64 * 2**20
 """Float32 logits per chunk (the backward holds about four such tensors at once)."""
 
-# Config fields of models whose forward does more than ``lm_head(hidden)`` to the logits
-# (soft-capping, scaling): those keep the full head, which knows how.
+# Config fields of models whose logits are more than ``lm_head(hidden)``: the full head's.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
@@ -248,8 +247,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
                     total, ez = e.sum(-1), e.mul_(z).sum(-1)
                     total, ez, target = _summed(shard, total, ez, target)
                     lse[lo:hi] = top.squeeze(-1) + total.log()
-                    # H = log s - sum e z' / s with s = sum e: two non-negative terms, so
-                    # no cancellation near H = 0
+                    # H = log s - sum e z' / s: two non-negative terms, no cancellation
                     entropy[lo:hi] = total.log() - ez / total
                 else:
                     total, target = _summed(shard, z.exp_().sum(-1), target)

@@ -51,8 +51,7 @@ class SlicedAdamW(torch.optim.AdamW):
             for lo in range(0, n, size):
                 for x, t in zip(lists, tensors, strict=True):
                     x.append(t.view(-1)[lo : lo + size])
-                # The first slice steps the parameter's own ``step``, the others a copy
-                # of it: every slice sees the same count.
+                # the others step a copy of the first's ``step``: every slice sees one count
                 steps.append(step if lo == 0 else step.clone())
         return has_complex
 

@@ -135,9 +135,8 @@ except OSError as exc:
     print("stopped", errno.errorcode.get(exc.errno, exc.errno), flush=True)
 print("held", sent >> 20, flush=True)
 """
-# Pins pages in pipes past unmapping, in each of `processes` processes up to `mb` MiB each:
-# vmsplice one 4 KiB page of each transparent huge page (the slot then holds all 2 MiB), then
-# unmap. Prints the MiB held and how each process ended.
+# Pins huge pages in pipes past unmapping (vmsplice), in `processes` processes up to `mb` MiB
+# each; prints the MiB held and how each process ended.
 PIN_PAGES = r"""
 import ctypes, errno, json, os, sys
 ask, held_r, held_w, wait_r, wait_w = json.loads(sys.stdin.read()), *os.pipe(), *os.pipe()

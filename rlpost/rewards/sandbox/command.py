@@ -71,8 +71,7 @@ class Tools:
     prlimit: str
     taskset: str
     setpriv: str | None
-    # Only the cgroup join and the mount stage need a shell; cgroup detection
-    # needs one too, so a host without sh plans no cgroup.
+    # the cgroup join and the mount stage need a shell
     sh: str | None = None
     # The mount stage (util-linux).
     unshare: str | None = None
@@ -247,8 +246,7 @@ def _filesystem(
         args += ["--ro-bind", prefix_source, SANDBOX_PYTHON]
     size = str(config.tmpfs_mb << 20)
     args += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"]
-    # Capped tmpfs: RLIMIT_FSIZE bounds one file, the size bounds them all, and
-    # where the mount stage made them, nr_inodes bounds their number.
+    # RLIMIT_FSIZE bounds one file, the size all of them, nr_inodes their number
     for inside in ("/dev/shm", "/tmp"):
         args += (
             ["--bind", _SCRATCH[inside], inside] if staged else ["--size", size, "--tmpfs", inside]
@@ -270,8 +268,7 @@ def _limits(tools: Tools, config: SandboxConfig) -> list[str]:
         f"--fsize={config.max_file_mb << 20}",
         f"--nofile={config.max_open_files}",
         "--core=0",
-        # Locked pages, POSIX message queues, thousands of queued signals or POSIX
-        # timers (each holds kernel memory): nothing a program run here needs.
+        # kernel memory no program run here needs
         "--memlock=0",
         "--msgqueue=0",
         f"--sigpending={_SIGPENDING}",

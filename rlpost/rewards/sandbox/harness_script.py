@@ -26,8 +26,7 @@ import sys
 
 _PR_SET_DUMPABLE = 4
 
-# Runs in the child, as -c code. Everything it needs after the candidate's code
-# starts is bound to locals first: the candidate shares the interpreter.
+# Runs in the child, as -c code; what it needs after the candidate starts is bound first.
 _CHILD = r"""
 import json, os, sys
 

@@ -31,12 +31,9 @@ from rlpost.rewards.sandbox.limits import SandboxConfig, SandboxResult, Status, 
 from rlpost.rewards.sandbox.plan import RunPlan, plan
 
 MAIN_FILE = "main.py"
-# -E -s -S: no PYTHON* variables, no user or system site-packages; unlike -I the
-# script's directory stays on sys.path so helper files given in ``files`` import.
+# unlike -I, the script's directory stays on sys.path, so ``files`` import
 PYTHON_FLAGS = ("-E", "-s", "-S")
-# The chain (bwrap, setpriv, taskset, prlimit) sees only this, started in "/":
-# /proc/1/environ inside the sandbox is bwrap's initial environment, so it must
-# hold neither secrets nor host paths.
+# the chain's whole environment: the sandbox's /proc/1/environ is bwrap's
 _HOST_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
 _READ_CHUNK = 1 << 16
 _REAP_TIMEOUT_S = 5.0
@@ -306,8 +303,7 @@ class _Supervisor:
                 os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         if self._pid1_fd is not None:
-            # Readable once pid 1 has exited, which it does only after every
-            # process of its namespace is gone.
+            # readable once pid 1 exited, after every process of its namespace
             select.select([self._pid1_fd], [], [], _REAP_TIMEOUT_S)
 
 

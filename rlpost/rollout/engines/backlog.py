@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-# How far a blocked stream may fall behind: this many decode steps of all its samples.
-# Blocked means the kernel's send buffer and the transport's are full already (about 200
-# KiB unread), so a client this far behind is not keeping up.
+# Decode steps of all its samples a blocked stream (its buffers full) may fall behind.
 BACKLOG_STEPS = 4
 BACKLOG_MIN_EVENTS = 64
 

@@ -87,8 +87,7 @@ class ContinuousEngine:
                     if not t.future.done():
                         self.scheduler.cancel(t, keep_partial=True)
 
-        # Callbacks are attached before anything is queued, so the abort always lands
-        # at the same decode step whatever the thread timing.
+        # callbacks first, so the abort lands at one decode step whatever the timing
         tickets += self.scheduler.submit_all(reqs, on_done=on_done)
         if settled.is_set():  # the step was done before ``tickets`` was filled in
             for t in tickets:

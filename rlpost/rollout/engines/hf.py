@@ -78,8 +78,7 @@ class HFEngine(TokenRate):
     ) -> list[Completion]:
         stop_ids = set(params.stop_token_ids) | {self.eos_id}
         stops = [t for t in params.stop_texts if t]
-        # A stop text can only be completed by the newest token, and every token that is not
-        # special writes at least one character: the last len(stop)+1 tokens hold it.
+        # only the newest token completes a stop text: the last len(stop)+1 tokens hold it
         window = max((len(t) for t in stops), default=0) + 1
         ids, attn = self._left_pad(prompts)
         if not self.share_prefix:

@@ -138,8 +138,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the mass strictly before it already reaches top_p;
-        # the most likely token is always kept.
+        # drop a token once the mass before it reaches top_p; the likeliest is kept
         drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
@@ -166,8 +165,7 @@ def sample_tokens(
     scaled = logits if params.temperature == 1.0 else logits / params.temperature
     filtered = filter_logits(scaled, params.top_k, params.top_p)
     if logits.shape[-1] >= INVERSE_CDF_VOCAB:
-        # One exp pass serves both: the unnormalised weights are the draw's (filtered
-        # tokens zeroed), their sum the untruncated log-softmax's normaliser.
+        # one exp: the draw's weights, their sum the untruncated log-softmax's normaliser
         top = scaled.amax(dim=-1, keepdim=True)
         weights = scaled.sub(top).exp_()
         log_norm = top + weights.sum(dim=-1, keepdim=True).log_()
@@ -182,8 +180,7 @@ def sample_tokens(
 
 def _multinomial(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     if generator is not None and generator.device != probs.device:
-        # Seeded streams are CPU generators: draw there, so a seed picks the same tokens
-        # whatever device computed the probabilities.
+        # seeded streams draw on the CPU, alike on every device
         return torch.multinomial(probs.cpu(), 1, generator=generator).to(probs.device).squeeze(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
@@ -201,8 +198,7 @@ def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -
     full = vocab // _CDF_BLOCK * _CDF_BLOCK
     blocks = probs[:, :full].reshape(rows, -1, _CDF_BLOCK)
     tail = probs[:, full:]
-    # float32 block sums (torch's cascaded sum: about 1e-7 relative; a float64 reduction
-    # costs 20x), accumulated in float64
+    # float32 block sums (a float64 reduction costs 20x), accumulated in float64
     sums = blocks.sum(-1)
     if tail.shape[1]:
         sums = torch.cat([sums, tail.sum(-1, keepdim=True)], dim=1)

@@ -37,8 +37,7 @@ from rlpost.train.lm_head import serve_head, serving_precision
 from rlpost.types import FinishReason
 
 TRIM_COLUMNS = 16  # drop all-padding KV columns once this many have piled up
-# The share of the model's time that side work (a teacher's scoring passes) may take while
-# samples decode: a pass of a few thousand positions costs as much as ten decode steps.
+# The share of the model's time side work (a teacher's scoring) may take while samples decode.
 SIDE_SHARE = 0.5
 
 
@@ -189,8 +188,7 @@ class Scheduler:
         self._weights: deque[_WeightUpdate] = deque()
         self._side: deque[_SideJob] = deque()
         self._side_credit = 0.0  # seconds side work may still take before the next step
-        # names an update wrote before it failed: until a later update rewrites them all the
-        # model holds a mix of two versions, and no request is admitted
+        # names a failed update wrote: a mix of versions, so no request is admitted
         self._mixed: set[str] = set()
         self._rows: list[_Seq] = []
         self._cache: DynamicCache | None = None
@@ -450,8 +448,7 @@ class Scheduler:
         update.done.set()
 
     def _drop_cancelled(self) -> None:
-        # A snapshot: completing an aborted sample runs callbacks that may cancel more
-        # tickets; those are dropped at the next step, with all their rows intact.
+        # a snapshot: callbacks may cancel more tickets, dropped at the next step
         gone = {id(s): s for s in self._rows if s.ticket.cancelled}
         for s in gone.values():
             if s.ticket.keep_partial:

@@ -25,8 +25,7 @@ from rlpost.rollout.serve.openai_params import APIError, parse_json_object
 from rlpost.train.lm_head import chunk_tokens
 
 router = APIRouter(prefix="/v1")
-# Padded positions of the rows that go through the decoder together: one piece of work
-# between two decode steps, so a few steps' time, not hundreds.
+# Padded positions through the decoder together: one piece of work between decode steps.
 ROW_POSITIONS = 512
 
 

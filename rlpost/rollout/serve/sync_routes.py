@@ -39,8 +39,7 @@ class _ServedScheduler:
         return self.scheduler.version
 
     def load_weights(self, named_tensors, version: int) -> None:
-        # A receiver's TensorStream announces its shapes: the scheduler then applies it
-        # tensor by tensor between two decode steps instead of holding the whole model.
+        # a TensorStream: the scheduler applies it tensor by tensor between decode steps
         shapes = getattr(named_tensors, "shapes", None)
         self.scheduler.load_weights(named_tensors, version, self.timeout_s, shapes=shapes)
 
