@@ -33,11 +33,8 @@ class Turn:
 
 @dataclass
 class Episode:
-    """How a multi-turn completion unfolded.
-
-    ``answer``: the policy's last turn, which the rewards judge. ``budget``: ``"turns"`` or
-    ``"tokens"`` when a budget ended it.
-    """
+    """How a multi-turn completion unfolded; ``answer`` is the last policy turn, ``budget``
+    the budget that ended it, if one did."""
 
     turns: list[Turn] = field(default_factory=list)
     answer: str = ""
@@ -54,11 +51,7 @@ class Episode:
 
 @dataclass
 class Prompt:
-    """One task instance: the text shown to the policy and what the reward needs.
-
-    ``metadata`` carries anything else a reward may read; ``uid`` identifies the prompt
-    across steps.
-    """
+    """One task instance: the text shown to the policy and what the reward needs."""
 
     text: str
     answer: Any = None

@@ -47,11 +47,8 @@ def import_ray():
 
 
 class _Host(Host):
-    """Actor body: a :class:`~rlpost.cluster.process.Host`, run by name through ``call``.
-
-    SIGTERM (a preemption notice) turns ``notice()`` True: a rollout or reward host drains
-    and exits; a trainer host keeps serving until the loop checkpoints and stops.
-    """
+    """Actor body: a :class:`~rlpost.cluster.process.Host`; SIGTERM turns ``notice()`` True,
+    and a rollout or reward host drains and exits."""
 
     def __init__(self, factory: str, cfg_data: dict, run_dir: str, threads: int, dp=None):
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

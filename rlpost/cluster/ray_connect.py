@@ -92,12 +92,8 @@ def _token_auth_on(ray) -> bool:
 
 
 class _LocalCluster:
-    """The process environment a loopback-only, token-guarded local cluster starts under.
-
-    Ray keeps a loopback node address only as a single-machine cluster
-    (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``); the token travels in the environment.
-    ``leave`` restores what was there.
-    """
+    """The environment of a loopback-only, token-guarded local cluster: Ray keeps a loopback
+    address only as a single-machine cluster (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``)."""
 
     ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
 

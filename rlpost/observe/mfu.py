@@ -94,12 +94,8 @@ def cpu_bf16_native(cpuinfo: str | None = None) -> bool:
 
 
 def pick_threads(requested: int, *, cores: int | None = None, load: float | None = None) -> int:
-    """torch intra-op threads for ``run.threads``: ``requested`` when > 0.
-
-    0: the cores this process may use minus those other work keeps busy now, at least 1,
-    decided once per process; a thread sharing a busy core stalls every parallel region
-    (``bench/bench_threads.py``).
-    """
+    """torch threads for ``run.threads``: ``requested`` when > 0, else the cores others leave
+    free (at least 1); a thread on a busy core stalls every parallel region."""
     if requested < 0:
         raise ValueError(f"threads must be >= 0, got {requested}")
     if requested:
@@ -161,10 +157,7 @@ def _allowed_cpus() -> set[int] | None:
 
 
 def _load(window_s: float = 0.3) -> float:
-    """CPUs busy now: sampled from /proc/stat over ``window_s`` while this process waits.
-
-    Not the 1-minute load average, which decays a minute after work ends (the fallback off
-    Linux)."""
+    """CPUs busy now, from /proc/stat over ``window_s`` (the 1-minute load average lags)."""
     allowed = _allowed_cpus()  # only the CPUs this process may run on count
     before = _cpu_times(allowed)
     if before is None:

@@ -105,11 +105,8 @@ class Recorder:
         return None if self._server is None else self._server.server_port
 
     def record(self, step: int, values: dict[str, Any]) -> None:
-        """Record one step's metrics.
-
-        ``values`` maps ``metrics.METRICS`` keys to numbers (``None``: not measured); other
-        keys go to JSONL and TensorBoard only. A step recorded again adds a row.
-        """
+        """Record one step's metrics (``None``: not measured); keys outside
+        ``metrics.METRICS`` go to JSONL and TensorBoard only."""
         floats = {key: _to_float(key, value) for key, value in values.items()}
         missing = {key for key, value in values.items() if value is None}
         if "step" in floats or "time" in floats:

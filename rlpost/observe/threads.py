@@ -87,12 +87,9 @@ def start_threads(
 
 
 class CoreShare:
-    """The trainer's threads beside a rollout process on the same cores: ``base`` while the
-    rollout process runs a call (``busy.value`` > 0), ``base + lend`` while it does not.
-
-    The trainer's passes call :func:`pace` between head chunks and micro-batches, so they take
-    the idle rollout core and hand it back within a chunk: two OpenMP teams on one core wait
-    at every barrier."""
+    """The trainer's threads beside a rollout process: ``base`` while it runs a call, ``base +
+    lend`` while not, switched by :func:`pace` within a chunk (two OpenMP teams on a core
+    wait at every barrier)."""
 
     def __init__(self, busy, base: int, lend: int, set_threads: Callable[[int], None]):
         if base < 1 or lend < 0:

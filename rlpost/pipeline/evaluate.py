@@ -21,11 +21,8 @@ def evaluate(
     samples: int = 1,
     progress=None,
 ) -> dict[str, float]:
-    """Accuracy (fraction of completions whose score is > 0.5) and mean score on ``prompts``.
-
-    ``samples`` completions per problem (greedy: one); ``eval_accuracy_stderr`` is the mean's
-    standard error over problems.
-    """
+    """Accuracy (score > 0.5) over ``samples`` completions per problem, its standard error
+    over problems, and the mean score on ``prompts``."""
     if not prompts:
         return {}
     k = 1 if params.temperature == 0 else samples

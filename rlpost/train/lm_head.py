@@ -413,8 +413,7 @@ def head_logprobs(
 ) -> tuple[Tensor, Tensor | None]:
     """(logprobs [N], entropy [N] or None) of ``targets [N]`` under ``softmax(head(hidden) / T)``.
 
-    ``hidden [N, H]``; T = 1 when ``temperature`` is 0 (greedy) or 1. ``chunk`` tokens per
-    chunk (0: from :data:`CHUNK_BYTES`)."""
+    ``hidden [N, H]``; T = 1 when ``temperature`` is 0 or 1; ``chunk`` 0: :data:`CHUNK_BYTES`."""
     tau = 1.0 if temperature in (0.0, 1.0) else float(temperature)
     size = chunk_tokens(head.weight.shape[0], chunk)
     weight, bias, shard = vocab_shard(head)

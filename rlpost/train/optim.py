@@ -78,10 +78,9 @@ def accumulate_grads(
     micro_loss: Callable[[M], tuple[torch.Tensor, dict[str, float]]],
     order: list[tuple[str, int]] | None = None,
 ) -> tuple[float, dict[str, float]]:
-    """(summed loss, summed statistics) of ``micro_loss`` over ``micro_batches``, their
-    gradients accumulated. ``order``: the passes, ``("F", i)`` micro-batch ``i``'s forward
-    and ``("B", i)`` its backward, the backwards in the forwards' order (None: each one's
-    backward right after its forward)."""
+    """(summed loss, summed statistics) over ``micro_batches``, gradients accumulated;
+    ``order``: the passes as ``("F", i)`` and ``("B", i)`` (None: each backward after its
+    forward)."""
     micros, pending = list(micro_batches), []
     loss_total, stats = 0.0, {}
     for op, i in order or [(op, i) for i in range(len(micros)) for op in "FB"]:
@@ -107,11 +106,8 @@ def optimizer_step(
     sum_ranks: Callable[[dict[str, float]], dict[str, float]] | None = None,
     accumulate=accumulate_grads,
 ) -> StepOutcome:
-    """Accumulate ``micro_loss`` over ``micro_batches``, clip, and step (or skip when non-finite).
-
-    ``sum_ranks``: sums the loss and statistics over data-parallel ranks. ``accumulate``:
-    :func:`accumulate_grads` or :meth:`rlpost.train.pp.Stages.accumulate`.
-    """
+    """Accumulate ``micro_loss`` over ``micro_batches``, clip, and step (or skip when
+    non-finite); ``sum_ranks`` sums the loss and statistics over data-parallel ranks."""
     optimizer.zero_grad(set_to_none=True)
     loss_total, stats = accumulate(micro_batches, micro_loss)
     if sum_ranks is not None:
@@ -143,12 +139,9 @@ def adamw(params: list[torch.nn.Parameter], optim) -> SlicedAdamW:
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Scale the gradients of ``params`` to a total 2-norm of at most ``max_norm``; the
-    total norm before scaling (a plain 0-d tensor, the same on every rank).
-
-    Under tensor parallelism parameters sit on different meshes, which one
-    ``clip_grad_norm_`` cannot stack, so each mesh's norm is taken apart and made whole.
-    Pipeline stages: :func:`_staged_norm`."""
+    """Scale the gradients of ``params`` to a 2-norm of at most ``max_norm``; returns the norm
+    before, a 0-d tensor alike on every rank. Each mesh's norm is taken apart, as one
+    ``clip_grad_norm_`` cannot stack tensor-parallel meshes."""
     by_mesh: dict[object, list[torch.Tensor]] = {}
     staged = any(getattr(p, "pipeline_group", None) is not None for p in params)
     for p in params:
@@ -198,11 +191,8 @@ def minibatch_updates(
     step: Callable[[torch.Tensor], dict[str, float]],
     groups: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """``epochs`` passes of shuffled mini-batches of row indices, ``step(rows)`` on each.
-
-    ``groups`` ``[num_rows]``: the groups are shuffled, not the rows. Returns each
-    statistic's mean over the steps and ``updates``, their count.
-    """
+    """``epochs`` passes of shuffled mini-batches (whole ``groups``), ``step(rows)`` on each;
+    returns each statistic's mean and ``updates``, their count."""
     sums: dict[str, float] = {}
     updates = 0
     for _ in range(epochs):
@@ -243,14 +233,9 @@ def budget_slices(
     packed: int = 0,
     groups: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """``rows`` cut into micro-batches of at most ``micro_batch_size`` rows whose padded size,
-    rows x (longest prompt + longest response among them), stays within ``max_tokens``;
-    ``packed`` (a :class:`rlpost.train.packing.Pack`): whose real tokens, the sum of their
-    lengths, do (the rows run packed end to end, :mod:`rlpost.train.packing`).
-
-    Rows (or ``groups``, a group's prompt counted once) go longest first, as verl's dynamic
-    batch size; a row over the budget is a micro-batch of its own. ``max_tokens <= 0``:
-    :func:`micro_slices`."""
+    """``rows`` cut into micro-batches of at most ``micro_batch_size`` rows whose padded size
+    (``packed``: real tokens) stays within ``max_tokens``, longest first as verl's dynamic
+    batch size; a row over the budget goes alone. ``max_tokens <= 0``: :func:`micro_slices`."""
     if max_tokens <= 0:
         return micro_slices(rows, micro_batch_size)
     length = {r: int(prompt_lens[r]) + int(response_lens[r]) for r in rows.tolist()}

@@ -28,11 +28,8 @@ STATE_FILE = "trainer_state.pt"
 
 @dataclass
 class UpdateResult:
-    """What one policy update reports.
-
-    ``stats``: means over the optimizer steps. ``old_logprobs``: ``[B, T]`` when the update's
-    own loss pass computed them, else None.
-    """
+    """What one policy update reports; ``old_logprobs`` ``[B, T]`` when its loss pass made
+    them."""
 
     stats: dict[str, float]
     old_logprobs: torch.Tensor | None
@@ -139,10 +136,7 @@ class TrainerWorker:
         self.layout.ranks.barrier()  # no rank returns before the files are there
 
     def restore(self, directory: str | Path, *, version: int, keep_lr: bool = False) -> int:
-        """Load what :meth:`save` wrote; the weights' version becomes ``version``.
-
-        ``keep_lr``: keep the LR cuts made since the checkpoint (a guard's rollback).
-        """
+        """Load what :meth:`save` wrote as ``version``; ``keep_lr`` keeps later LR cuts."""
         d = Path(directory)
         self.layout.load_weights(d)
         # on the CPU: optimizer.load_state_dict moves the state onto its parameters' device

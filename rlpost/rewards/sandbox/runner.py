@@ -44,10 +44,7 @@ _probed: set[tuple[str, str, int]] = set()
 
 
 def check_available() -> None:
-    """Raise ``SandboxUnavailable`` (one line: cause and fix) unless the sandbox works here.
-
-    The first call runs a trivial program through the full sandbox; later ones check PATH.
-    """
+    """Raise ``SandboxUnavailable`` (one line: cause and fix) unless the sandbox works here."""
     tools = find_tools()
     interpreter = find_interpreter()
     key = (tools.bwrap, interpreter.executable, os.geteuid())

@@ -256,11 +256,8 @@ class Scheduler:
             self._cond.notify_all()
 
     def run_between_steps(self, chunks: Iterator[None]) -> Future:
-        """Run ``chunks`` (a generator doing one bounded piece of model work per step) on the
-        scheduler thread between decode steps, within :data:`SIDE_SHARE` of the time while
-        samples decode, at full speed otherwise; the future resolves with its return value.
-        From another thread such work would take cores at will and could read half-updated
-        weights."""
+        """Run ``chunks`` (a generator of bounded model work) on the scheduler thread between
+        decode steps, within :data:`SIDE_SHARE` of the time while samples decode."""
         job = _SideJob(chunks)
         with self._cond:
             if self._stop:
@@ -279,9 +276,8 @@ class Scheduler:
     ) -> float:
         """Swap in new weights between two decode steps; returns the seconds it waited.
 
-        Every name, shape and dtype is checked before anything is applied. With ``shapes`` (a
-        weight-sync manifest) the check runs on them and the tensors stream in one at a time
-        between steps; the caller vouches that the stream matches and does not fail midway.
+        Every name, shape and dtype is checked first; with ``shapes`` the tensors stream in
+        one at a time, the caller vouching that the stream matches them.
         """
         tensors = dict(named_tensors) if shapes is None else named_tensors
         if not (shapes if shapes is not None else tensors):  # a version with nothing in it
