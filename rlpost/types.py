@@ -119,11 +119,8 @@ class Group:
 
 @dataclass
 class RewardSample:
-    """The canonical sample every reward function scores.
-
-    Reward functions are ``fn(sample, **params) -> float | None``; ``None`` means "not
-    applicable", distinct from 0.
-    """
+    """What every reward ``fn(sample, **params) -> float | None`` scores (None: not
+    applicable, distinct from 0)."""
 
     prompt: str
     completion: str
@@ -138,11 +135,8 @@ class RewardSample:
 
 @dataclass
 class ScoredBatch:
-    """Scores for a batch of completions plus each named component for logging.
-
-    ``scores`` are finite; invalid ones are replaced, counted in ``invalid`` and indexed in
-    ``invalid_rows``. ``components``: per-term values, ``nan`` where not applicable.
-    """
+    """Finite scores of a batch (invalid ones replaced and indexed in ``invalid_rows``) and
+    each term's values, ``nan`` where not applicable."""
 
     scores: list[float]
     components: dict[str, list[float]] = field(default_factory=dict)

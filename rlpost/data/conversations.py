@@ -161,10 +161,8 @@ def _example(ids: list[int], mask: list[int], uid: str) -> Completion:
 def encode_conversation(
     conv: Conversation, tokenizer, *, last_turn_only: bool = False, max_len: int
 ) -> tuple[list[Completion], bool] | Problem:
-    """(examples, segmented) of one conversation, or the problem that makes it a bad row.
-
-    ``segmented``: each assistant turn is its own example (module docstring); ``text`` holds
-    the row's ``file:line``."""
+    """(examples, segmented) of one conversation, or the problem that makes it a bad row;
+    ``segmented``: one example per assistant turn (module docstring)."""
     msgs = conv.messages
     turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     if last_turn_only:

@@ -248,9 +248,7 @@ class OverlapFeed(_Feed):
 
     def push(self, export, *, report: bool = True) -> dict[str, float]:
         """New weights from the trainer; returns sync metrics (``report=False``: a re-send,
-        counted in the next report). The continuous engine takes them between two decode
-        steps, the batch engine from the producer before its next batch.
-        """
+        counted in the next report)."""
         start, m = time.perf_counter(), {}
         if self.defer_weights:
             tensors = [(name, t.detach().clone()) for name, t in export.tensors]

@@ -106,11 +106,8 @@ def evaluate_equation(text: str) -> tuple[Fraction, list[int]]:
 
 
 def extract_equation(completion: str, tag: str | None = "answer") -> str | None:
-    """The equation a completion proposes.
-
-    The last ``<tag>`` block verbatim, else the last run of digits, operators and parentheses
-    holding an operator; of ``lhs = rhs`` the side with an operator.
-    """
+    """The last ``<tag>`` block verbatim, else the last run of digits, operators and
+    parentheses holding an operator; of ``lhs = rhs`` the side with an operator."""
     block = extract_tag(completion, tag) if tag else None
     if block is None:
         runs = [r for r in _EQUATION_RUN.findall(completion) if re.search(r"\d\s*[-+*/]", r)]

@@ -68,9 +68,8 @@ def render_rubric(rubric: str, sample: RewardSample) -> str:
 class JudgeScorer:
     """Scores samples in [0, 1] by asking a judge model; never raises on judge failure.
 
-    ``retries``: extra attempts after a timeout, refused connection, 408/409/425/429 or 5xx,
-    ``backoff * 2**k`` seconds apart. ``max_score``: the judge's scale. ``default_score``:
-    a failed sample's score (``None``: not applicable).
+    ``retries``: extra attempts after a transient failure, ``backoff * 2**k`` seconds apart;
+    ``default_score``: a failed sample's score (``None``: not applicable).
     """
 
     default_kind = "judge"

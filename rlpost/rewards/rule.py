@@ -87,11 +87,8 @@ def length_reward(
     max_tokens: int | None = None,
     tolerance: int = 1,
 ) -> float | None:
-    """0.0 inside ``[min_tokens, max_tokens]``; outside it falls linearly to -1.
-
-    The penalty is ``-min(1, distance / tolerance)``; ``max_tokens`` defaults to
-    ``sample.max_tokens``, and with neither bound the reward is ``None``.
-    """
+    """0.0 inside ``[min_tokens, max_tokens]``, else ``-min(1, distance / tolerance)``;
+    ``max_tokens`` defaults to ``sample.max_tokens``."""
     if tolerance < 1:
         raise ValueError(f"length: tolerance must be >= 1, got {tolerance}")
     upper = _max_tokens(sample, max_tokens)

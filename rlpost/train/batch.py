@@ -260,11 +260,8 @@ def response_logprobs(
     chunk: int = 0,
     packed: Pack = Pack.PADDED,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logprobs [B, T], entropy [B, T] or None) of the responses, float32, differentiable.
-
-    The LM head runs in chunks (:mod:`rlpost.train.lm_head`); padding holds 0. ``chunk``
-    tokens per chunk (0: from the vocabulary size; :data:`FULL_LOGITS`: unchunked).
-    ``packed``: the rows run packed (:mod:`rlpost.train.packing`)."""
+    """(logprobs [B, T], entropy [B, T] or None) of the responses, float32, differentiable;
+    the head runs ``chunk`` tokens at a time (0: by vocabulary; :data:`FULL_LOGITS`: whole)."""
     split = None if chunk == FULL_LOGITS else response_hidden(model, batch, chunk, packed)
     if split is None:
         logits, targets, lay_out = _full_logits(model, batch, packed)
@@ -330,10 +327,8 @@ def score_rows(
     max_tokens: int = 0,
     packed: Pack = Pack.PADDED,
 ):
-    """``fn(micro) -> [b, T]`` over micro-batches of ``batch`` in eval mode, as ``[B, T]``.
-
-    ``max_tokens`` > 0: micro-batches are cut by a token budget and trimmed
-    (:func:`rlpost.train.optim.budget_slices`)."""
+    """``fn(micro) -> [b, T]`` over micro-batches of ``batch`` in eval mode, as ``[B, T]``;
+    ``max_tokens`` > 0 cuts them by :func:`rlpost.train.optim.budget_slices`."""
     device = model_device(model)
     groups = Pack(packed).groups(batch)
     # With shared prompts a group's rows go together (their prompt runs once).

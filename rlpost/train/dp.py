@@ -148,10 +148,8 @@ def resharded(model: nn.Module) -> nn.Module:
 
 
 class DataParallel:
-    """This rank's view of its group: which rows it takes, and the sums and gathers.
-
-    ``mesh``: a ``("dp", "tp")`` device mesh (:mod:`rlpost.train.tp`) whose data-parallel
-    axis shares the rows (None: every rank)."""
+    """This rank's view of its group: which rows it takes, and the sums and gathers over the
+    data-parallel axis of ``mesh`` (None: every rank)."""
 
     def __init__(self, spec: DPSpec, device: torch.device | None = None, mesh=None) -> None:
         self.spec = spec

@@ -29,11 +29,8 @@ from rlpost.types import Completion
 
 @dataclass
 class PairSet:
-    """Tokenised pairs: ``chosen[i]`` and ``rejected[i]`` answer the same prompt.
-
-    ``ref_chosen`` / ``ref_rejected``: ``[N]`` float32 summed log-probs under the
-    frozen starting policy, filled once by :func:`attach_reference`.
-    """
+    """Tokenised pairs; ``ref_chosen`` / ``ref_rejected``: ``[N]`` summed log-probs of the
+    starting policy, from :func:`attach_reference`."""
 
     chosen: list[Completion]
     rejected: list[Completion]

@@ -70,11 +70,8 @@ class CgroupHost:
 def settings(
     controllers: Mapping[str, Controller], *, memory_bytes: int, max_pids: int, cpu: int, mems: str
 ) -> list[Setting]:
-    """The control files one run's groups get, in write order.
-
-    Swap is off where accounted, so shared memory cannot be swapped out of the limit;
-    ``mems`` is the parent's, which a v1 cpuset needs before it accepts a task.
-    """
+    """The control files one run's groups get, in write order: swap off where accounted, and
+    the parent's ``mems``, which a v1 cpuset needs first."""
     out: list[Setting] = []
     memory = controllers.get("memory")
     if memory is not None and memory.version == 2:
