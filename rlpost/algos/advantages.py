@@ -101,9 +101,8 @@ _HEAD = [
 
 
 def outcome(name: str, *, whiten: bool = False, **traits):
-    """Register ``fn(scores [B], group [B], **params) -> [B]`` as the outcome estimator
-    ``name``: ``scores`` are the rows' summed rewards (float64), the result tiled by
-    :func:`_tile`; ``fn``'s keywords are its parameters."""
+    """Register ``fn(scores [B], group [B], **params) -> [B]`` (float64 summed rewards in,
+    tiled by :func:`_tile`) as the outcome estimator ``name``."""
 
     def wrap(fn: Callable[..., Tensor]) -> AdvantageEstimator:
         @functools.wraps(fn)

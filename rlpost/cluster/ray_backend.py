@@ -430,9 +430,8 @@ class RewardPool:
 
 @dataclass
 class RayWorkers(Workers):
-    """The run's workers on Ray; closing removes the placement groups and a cluster this run
-    started. A watcher polls the trainers for a preemption notice, which stops the run after
-    the current step with a checkpoint."""
+    """The run's workers on Ray; a watcher polls the trainers for a preemption notice, which
+    stops the run after the current step."""
 
     ray: Any = None
     groups: list = field(default_factory=list)

@@ -97,9 +97,8 @@ def task_problem(c: ReasoningGymConfig) -> str | None:
 
 
 def draw(task: str, config: dict[str, Any], seed: int, wanted: int, max_draws: int) -> tuple:
-    """(entries of unique questions with their draw index, draws made): up to ``wanted``
-    of them in at most ``max_draws`` draws, stopping early once :data:`STALL_DRAWS`
-    draws in a row bring nothing new."""
+    """(unique entries with their draw index, draws made): up to ``wanted`` in ``max_draws``,
+    stopping after :data:`STALL_DRAWS` draws bring nothing new."""
     rg = _import()
     dataset = rg.create_dataset(task, seed=seed, size=max_draws, **config)
     seen: set[str] = set()
@@ -121,9 +120,7 @@ def draw(task: str, config: dict[str, Any], seed: int, wanted: int, max_draws: i
 
 
 def _draw_fixed_hash(*args, timeout: float = CHILD_TIMEOUT_S) -> tuple:
-    """:func:`draw` in a child process whose string hash is fixed (:data:`HASH_SEEDED`).
-
-    ``-P``: no working directory on its path (``-I`` would drop ``PYTHONHASHSEED``)."""
+    """:func:`draw` in a child process whose string hash is fixed (:data:`HASH_SEEDED`)."""
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     code = (
         "import pickle, sys; from rlpost.data.reasoning_gym import draw; "

@@ -33,9 +33,8 @@ PRE_TOKENIZERS = {
 
 
 def export_model(model, tokenizer, out: Path, *, gguf_type: str | None, overwrite: bool) -> dict:
-    """Write ``model`` and ``tokenizer`` to ``out`` (an HF directory) and, with
-    ``gguf_type``, ``out/gguf/model-<type>.gguf``; returns what was written. Renamed into
-    place, so a failed export leaves nothing half-written."""
+    """Write ``out`` (an HF directory) and, with ``gguf_type``, ``out/gguf/model-<type>.gguf``,
+    renamed into place; returns what was written."""
     if out.exists() and not overwrite:
         raise ModelLoadError(f"--out {str(out)!r} exists; choose another or pass --overwrite")
     if gguf_type is not None:

@@ -96,9 +96,7 @@ def episode_summary(episodes: list) -> dict[str, float]:
 def rollout_health(
     completions: list[Completion], scores: torch.Tensor, group: torch.Tensor
 ) -> dict[str, float]:
-    """Truncated fraction, zero-spread group fraction, reward stats, response length.
-
-    ``reward_min`` / ``reward_max`` tell a plot whether the reward lies in [0, 1]."""
+    """Truncated fraction, zero-spread group fraction, reward stats, response length."""
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
     return {
         "reward_mean": float(scores.mean()),

@@ -104,8 +104,7 @@ class SyncFeed(_Feed):
         return Fed(out)
 
     def push(self, export, *, report: bool = True) -> dict[str, float]:
-        """Serve the trainer's new weights now (nothing is generating); returns sync metrics,
-        ``sync_bytes`` counting every push since the last report (``report=False``: a
+        """Serve the trainer's new weights now; returns sync metrics (``report=False``: a
         re-send, counted in the next report)."""
         m = self.path.push(export)
         return {**m, "sync_bytes": self.path.take_sent()} if report else {}

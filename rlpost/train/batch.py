@@ -174,9 +174,7 @@ _KEEPS_LOGITS: dict[type, bool] = {}
 
 
 def response_logits(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
-    """Logits [B, T, V] that predict the response tokens.
-
-    The LM head runs on the last ``T + 1`` positions only, where the model allows it."""
+    """Logits [B, T, V] that predict the response tokens, the head on ``T + 1`` positions."""
     T = batch.responses.shape[1]
     extra = {"logits_to_keep": T + 1} if keeps_logits(model) else {}
     out = model(
@@ -238,9 +236,8 @@ def response_hidden(
 
 
 def _full_logits(model: torch.nn.Module, batch: TrainBatch, packed: Pack):
-    """(logits [..., V], their targets [...], a function that lays [...] values out as
-    [B, T]): the padded ``[B, T, V]`` logits, or packed the ``[1, N, V]`` of the real
-    response tokens alone."""
+    """(logits [..., V], targets [...], a function laying [...] out as [B, T]): ``[B, T, V]``
+    padded, or ``[1, N, V]`` packed."""
     if not packed:
         return response_logits(model, batch), batch.responses, lambda v: v
     rows = pack_for(batch, model, packed)
@@ -305,9 +302,8 @@ def compute_logprobs(
     max_tokens: int = 0,
     packed: Pack = Pack.PADDED,
 ) -> torch.Tensor:
-    """Per-token logprobs [B, T] of the batch's responses under ``model`` (no gradient);
-    ``max_tokens`` > 0 cuts the passes by a token budget (:func:`score_rows`); ``packed``:
-    each pass runs on its rows packed."""
+    """Per-token logprobs [B, T] of the batch's responses under ``model`` (no gradient),
+    passes cut as :func:`score_rows`."""
     return score_rows(
         model,
         batch,

@@ -172,9 +172,8 @@ def _intel_cpu() -> bool:
 
 
 def _chunk_onednn(h: Tensor, weight: Tensor) -> bool:
-    """Whether a trainer pass's float32 chunk takes oneDNN's kernel: where
-    :func:`head_linear` would, but not on an Intel CPU, where MKL's sgemm into the reused
-    buffer is faster (docs/performance.md)."""
+    """Whether a pass's float32 chunk takes oneDNN's kernel: as :func:`head_linear`, but not on
+    Intel, where MKL into the reused buffer is faster (docs/performance.md)."""
     return _onednn_head(h, weight) and not _intel_cpu()
 
 
@@ -359,9 +358,8 @@ def grad_sink(weight: Tensor) -> Tensor | None:
 
 
 class _EmbedIntoGrad(torch.autograd.Function):
-    """``embedding(ids, weight)`` whose backward adds the rows' gradients into ``weight.grad``
-    (:func:`grad_sink`); split by vocabulary (``shard``) as Megatron's vocabulary-parallel
-    embedding."""
+    """``embedding(ids, weight)`` whose backward adds into ``weight.grad`` (:func:`grad_sink`);
+    ``shard`` as Megatron's vocabulary-parallel embedding."""
 
     @staticmethod
     def forward(ctx, weight, ids, padding_idx, shard=None):

@@ -49,9 +49,8 @@ class WeightsExport:
 
 
 class TrainerWorker:
-    """Actor (policy trainer), reference policy and optional critic of one run; ``layout``
-    (:mod:`rlpost.train.layout`, the trainer's own) holds, exports and checkpoints the
-    weights."""
+    """Actor, reference and optional critic of one run; ``layout`` (:mod:`rlpost.train.layout`)
+    holds, exports and checkpoints the weights."""
 
     def __init__(
         self,
@@ -86,9 +85,8 @@ class TrainerWorker:
         return self._version
 
     def logprobs(self, batch: TrainBatch, which: str = "old") -> torch.Tensor | None:
-        """``[B, T]`` logprobs of the batch's responses under the current policy (``old``)
-        or the reference (``ref``; None without one); ``sum_pi_squared``: the policy's
-        ``sum_v pi(v)^2`` per position, from the same pass."""
+        """``[B, T]`` logprobs under the policy (``old``) or the reference (``ref``; None
+        without one); ``sum_pi_squared``: ``sum_v pi(v)^2`` from the same pass."""
         if which == "old":
             return self.trainer.old_logprobs(batch)
         if which == "ref":

@@ -228,9 +228,8 @@ class Scheduler:
         requests: list[GenerationRequest],
         on_done: Callable[[int, Future], None] | None = None,
     ) -> list[Ticket]:
-        """Queue requests together, so they join at one step boundary and the samples drawn
-        do not depend on thread timing; ``on_done(i, future)`` is attached before any is queued.
-        """
+        """Queue requests to join at one step boundary, ``on_done(i, future)`` attached first,
+        so the samples drawn do not depend on thread timing."""
         for request in requests:
             if not request.prompt_ids:
                 raise ValueError("empty prompt: a request needs at least one prompt token")
@@ -248,9 +247,8 @@ class Scheduler:
         return tickets
 
     def cancel(self, ticket: Ticket, *, keep_partial: bool = False) -> None:
-        """Free the ticket's slots at the next step boundary; the future is cancelled, or with
-        ``keep_partial`` resolves with every sample so far, unfinished ones marked ``abort``.
-        """
+        """Free the ticket's slots at the next step; with ``keep_partial`` the future resolves
+        with every sample so far, unfinished ones marked ``abort``."""
         with self._cond:
             ticket.cancelled, ticket.keep_partial = True, keep_partial
             self._cond.notify_all()
