@@ -4,11 +4,9 @@ The behaviour policy ``mu`` (``rollout_logprobs``) differs from the proximal pol
 uses (``old_logprobs``) under stale weights or different engine numerics. Each correction
 returns a detached weight ``w [B, T] >= 0`` multiplied into the advantages; 0 masks a token.
 
-``fn(proximal_logprobs [B, T], rollout_logprobs [B, T], response_mask [B, T], p) ->
-CorrectionOutput``, ``p`` the chosen variant of ``algo.rollout_correction`` (its
-``cap``, ``low``, ``high``); ``d = prox - mu`` is clamped to +-20 before ``exp``. With one
-optimizer step per batch the proximal logprobs are the loss pass's own: AReaL's decoupled PPO
-(arXiv 2505.24298, eq. 5) without an extra forward.
+``fn(proximal_logprobs, rollout_logprobs, response_mask, p) -> CorrectionOutput``, ``p`` the
+variant of ``algo.rollout_correction``; ``d = prox - mu`` is clamped to +-20. With one step
+per batch the proximal logprobs are the loss pass's own (AReaL, arXiv 2505.24298, eq. 5).
 """
 
 from __future__ import annotations

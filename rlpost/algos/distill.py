@@ -7,8 +7,7 @@ Two forms, both registered so they compose with the rest of ``algos``:
 - ``gkd`` (policy loss): a divergence between the whole next-token distributions
   (GKD eq. 1 / TRL's ``generalized_jsd_loss``) plus ``task_weight`` times PPO's surrogate.
 
-The student's log-probs ``lp_s`` are the sampling policy's (``old_logprobs``); the
-teacher's are at temperature 1 on the same token ids (the same tokenizer is required).
+``lp_s`` is ``old_logprobs``; the teacher's are at temperature 1 on the same token ids.
 """
 
 from __future__ import annotations

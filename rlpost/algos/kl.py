@@ -2,9 +2,8 @@
 
 Every estimator is ``fn(logprobs [B, T], ref_logprobs [B, T]) -> [B, T]``, unmasked,
 with ``x = logprobs - ref_logprobs`` on the sampled tokens (Schulman, "Approximating KL
-Divergence", 2020), values as verl 0.9.1 ``kl_penalty``. The ``+`` variants are
-straight-through: the base value with the gradient of ``x^2/2``, the true KL gradient in
-expectation.
+Divergence", 2020), values as verl 0.9.1 ``kl_penalty``. The ``+`` variants take the
+gradient of ``x^2/2``, the true KL gradient in expectation.
 
 :class:`KLCoefficient` alone reads and writes ``beta``, placed once in the reward
 (``in_reward``: PPO; Ziegler et al., arXiv 1909.08593) or the loss (``in_loss``: GRPO).

@@ -1,14 +1,7 @@
 """Metric loggers besides ``metrics.jsonl``: TensorBoard, Weights & Biases, MLflow.
 
-Each an extra of its name, chosen with ``observe.loggers``; all write locally by default:
-
-* ``tensorboard``: event files in ``RUN_DIR/tb``;
-* ``wandb``: offline, into ``RUN_DIR/wandb`` (``wandb sync`` uploads it later) unless
-  ``WANDB_MODE`` says otherwise; project ``WANDB_PROJECT`` or ``rlpost``;
-* ``mlflow``: a file store in ``RUN_DIR/mlruns`` unless ``MLFLOW_TRACKING_URI`` is set;
-  experiment ``MLFLOW_EXPERIMENT_NAME`` or ``rlpost``.
-
-The resolved config goes to W&B's config and MLflow's params; loggers get finite values only.
+Each an extra of its name, chosen with ``observe.loggers``, writing locally by default
+(where, and the environment variables: docs/operations.md). Loggers get finite values only.
 """
 
 from __future__ import annotations

@@ -2,12 +2,9 @@
 
 One of three things names the scoring (extra ``[verifiers]``):
 
-* ``env``: a classic environment (an id, or ``package.module:function`` returning one, with
-  ``env_args``); its ``rubric`` scores, monitor rubrics included;
+* ``env``: a classic environment (with ``env_args``), whose ``rubric`` scores;
 * ``rubric``: ``package.module:name``, a classic ``vf.Rubric`` or a function returning one;
-* ``task``: ``package.module:Class``, a ``Task`` of the newer generation (verifiers 0.4.0's
-  only API, shipped by 0.3.1 as ``verifiers.v1``); its ``@vf.reward`` methods score, each
-  with its weight, and its ``@vf.metric`` methods are recorded.
+* ``task``: ``package.module:Class``, a 0.4.0 ``Task`` whose ``@vf.reward`` methods score.
 
 Each completion becomes the state verifiers would score (the prompt's row, the completion
 as assistant messages), a prompt's completions scored together by ``Rubric.score_group``. The

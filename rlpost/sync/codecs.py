@@ -1,8 +1,7 @@
 """Weight codecs: how one tensor is written on the wire, and read back.
 
-A codec turns a tensor into named parts plus a JSON ``meta`` dict, and back; the
-:data:`CODECS` registry's traits (``identity``, ``exact``, ``lossy``, ``bit_patterns``,
-``needs_base``) are what the sender and receiver ask.
+A codec turns a tensor into named parts plus a JSON ``meta`` dict, and back; sender and
+receiver ask the :data:`CODECS` registry's traits.
 
 * ``none``: the trainer's tensor as is.
 * ``bf16``: cast to bfloat16 (exact for a bf16 trainer, the usual serving dtype).

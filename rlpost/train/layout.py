@@ -6,8 +6,7 @@
 - ``sharded``: FSDP2 shards over the data-parallel ranks, matrices split over the
   tensor-parallel ones (:mod:`rlpost.train.tp`); rank 0 writes the files.
 
-:func:`rlpost.pipeline.build.build_layout` picks one. Every layout writes the same checkpoint
-files and optimizer state, so a run resumes on another.
+Every layout writes the same checkpoint files, so a run resumes on another.
 """
 
 from __future__ import annotations

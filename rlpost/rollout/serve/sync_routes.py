@@ -6,8 +6,7 @@
     POST /v1/sync/{session}/finish    manifest (JSON) -> the commit report: version, checksums
     POST /v1/sync/{session}/abort     drop the session; the server keeps its version
 
-Buckets are spooled to disk (:class:`rlpost.sync.Receiver`). One session at a time: a new
-``start`` replaces an unfinished one.
+One session at a time (:class:`rlpost.sync.Receiver`): a new ``start`` replaces it.
 """
 
 from __future__ import annotations
