@@ -76,10 +76,8 @@ def reward_input_ids(
     tokenizer, pairs: Sequence[tuple[str, str]], *, max_length: int | None = None
 ) -> list[list[int]]:
     """The token ids a reward model reads for each (prompt, response): with a chat template
-    a user / assistant exchange, otherwise ``prompt + response``; cut to ``max_length``.
-
-    Shared by scoring and ``rlpost rm``, so a model sees the inputs it was trained on.
-    """
+    a user / assistant exchange, otherwise ``prompt + response``; cut to ``max_length``. Shared
+    by scoring and ``rlpost rm``."""
     templated = bool(getattr(tokenizer, "chat_template", None))
     if templated:
         texts = [

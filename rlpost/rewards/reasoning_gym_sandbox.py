@@ -143,11 +143,8 @@ def _one_run(items: list[Item], config: SandboxConfig, timeout_s: float) -> tupl
 def score_in_sandbox(
     items: list[Item], config: SandboxConfig, timeout_s: float
 ) -> tuple[list[float], int]:
-    """(each item's score from its task's scorer, run in the sandbox, NaN where none came
-    back; the runs it took).
-
-    RuntimeError (the sandbox's last error line) when a run scores nothing.
-    """
+    """(each item's score in the sandbox, NaN where none came back; the runs it took);
+    RuntimeError (the sandbox's last error line) when a run scores nothing."""
     scores = [math.nan] * len(items)
     pending = list(range(len(items)))
     runs = 0

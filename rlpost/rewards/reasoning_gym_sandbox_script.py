@@ -108,10 +108,8 @@ def _child(request, w, program):
 
 
 def _serve(requests, replies, program):
-    """The evaluator's loop: one confined child per request, its reply relayed.
-
-    Requests and replies pass through two buffers zeroed once used, so a later child finds
-    no earlier text here."""
+    """The evaluator's loop: one confined child per request; two buffers zeroed once used, so
+    a later child finds no earlier text."""
     request = memoryview(bytearray(_HEAD + _MAX_REPLY))
     reply = memoryview(bytearray(_MAX_REPLY + 1))
     while _fill(requests, request[:_HEAD]) == _HEAD:

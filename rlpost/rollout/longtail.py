@@ -116,10 +116,8 @@ class PartialStep:
 class PartialRollout:
     """Generates a step's samples, finishing it once ``fraction`` of all pending samples are done.
 
-    ``params.max_tokens`` bounds a sample's length across steps. An engine with
-    ``generate_partial`` is stopped when the step is done; any other is driven in chunks of
-    ``chunk_tokens``.
-    """
+    ``params.max_tokens`` bounds a sample across steps; an engine without ``generate_partial``
+    is driven in chunks of ``chunk_tokens``."""
 
     def __init__(
         self,

@@ -141,11 +141,8 @@ class HttpTransport:
 
 
 class VllmTransport(InProcessTransport):
-    """Into a vLLM engine of this process, through its ``load_weights``.
-
-    Staged and checked as ``inprocess``, then committed through the workers' own
-    ``load_weights`` (collective_rpc). Not yet run on a GPU.
-    """
+    """Into a vLLM engine of this process: staged as ``inprocess``, then committed through the
+    workers' ``load_weights`` (collective_rpc); not yet run on a GPU."""
 
     def __init__(self, engine, options: TransportOptions) -> None:
         try:

@@ -80,11 +80,8 @@ class Tools:
 
 @dataclass(frozen=True)
 class Interpreter:
-    """Where the Python that runs untrusted code lives.
-
-    ``host_prefix``: the prefix to mount at ``SANDBOX_PYTHON`` (None: under /usr);
-    ``executable``: the interpreter's path inside the sandbox.
-    """
+    """Where the sandbox's Python lives: ``host_prefix`` mounted at ``SANDBOX_PYTHON`` (None:
+    under /usr), ``executable`` its path inside."""
 
     host_prefix: str | None
     executable: str
@@ -157,11 +154,8 @@ def build_command(
     join: list[str] | None = None,
     seccomp_fd: int | None = None,
 ) -> list[str]:
-    """The full argv: cgroup join, CPU pin, privilege drop, bwrap, prlimit, then ``python <argv>``.
-
-    ``files``: ``(fd, name)`` pairs copied into ``/tmp/name``; ``info_fd`` gets bwrap's JSON
-    with the sandbox's host pid; ``join``: ``RunGroup.join_argv``.
-    """
+    """The full argv: cgroup join, CPU pin, privilege drop, bwrap, prlimit, then ``python <argv>``;
+    ``files``: ``(fd, name)`` copied into ``/tmp/name``; ``info_fd``: bwrap's JSON."""
     prefix_source = interpreter.host_prefix
     outer: list[str] = [*(join or []), tools.taskset, "--cpu-list", str(cpu)]
     root = os.geteuid() == 0

@@ -35,9 +35,8 @@ def run_python_tests(
 ) -> tuple[float, SandboxResult]:
     """Run ``code`` followed by each test (e.g. ``"assert add(1, 2) == 3"``) in one sandbox.
 
-    Each test gets a fresh interpreter after the code (``__name__ == "solution"``) and
-    ``test_timeout_s``. Returns ``(passed / len(tests), result)``.
-    """
+    Each test gets a fresh interpreter after the code and ``test_timeout_s``; returns
+    ``(passed / len(tests), result)``."""
     if not tests:
         raise ValueError("run_python_tests needs at least one test")
     config = config or SandboxConfig()

@@ -105,11 +105,8 @@ class SandboxResult:
 def classify(
     returncode: int | None, stderr: bytes, stopped: Status | None, oom_kills: int = 0
 ) -> tuple[Status, int | None]:
-    """Map a finished run to ``(status, exit_code)``.
-
-    ``stopped``: ``"timeout"`` or ``"output_limit"`` when the supervisor killed the run;
-    ``oom_kills`` > 0 makes a failed run a ``memory`` verdict.
-    """
+    """Map a finished run to ``(status, exit_code)``; ``stopped``: the supervisor's reason
+    to kill it, if any; ``oom_kills`` > 0 makes a failure ``memory``."""
     if stopped is not None:
         return stopped, None
     if returncode is None:

@@ -47,10 +47,8 @@ class FairQueue:
     def take(
         self, room: int, running: Counter, cap: int, drop: Callable
     ) -> list[tuple[Any, range]]:
-        """``(ticket, samples)``: the sample indices of each ticket to admit into ``room`` slots.
-
-        ``running[group]``: each group's sequences in the batch. Cancelled tickets go to
-        ``drop``; settled ones are removed."""
+        """``(ticket, samples)`` to admit into ``room`` slots, ``running[group]`` counting each
+        group's sequences in the batch; cancelled tickets go to ``drop``."""
         taken: list[tuple[Any, range]] = []
         share = Counter(running)
         while room > 0 and self._groups:

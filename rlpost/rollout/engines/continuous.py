@@ -64,11 +64,8 @@ class ContinuousEngine:
         params: list[SamplingParams],
         enough: Callable[[list[int]], bool],
     ) -> list[VersionedCompletion]:
-        """One sample per row (row i uses ``params[i]``); rows unfinished once ``enough`` holds are aborted.
-
-        ``enough`` runs on the scheduler's thread as rows finish, so the abort lands at the
-        next decode step.
-        """
+        """One sample per row (``params[i]``); rows unfinished once ``enough`` holds (checked on
+        the scheduler's thread) are aborted at the next decode step."""
         reqs = [
             GenerationRequest(list(p), q, stop_texts=q.stop_texts)
             for p, q in zip(prompt_ids, params, strict=True)

@@ -17,11 +17,8 @@ from rlpost.types import Completion
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample. ``temperature == 0`` means greedy; ``top_k == -1`` keeps all tokens.
-
-    ``seed``: the request's own generator, leaving the engine's stream untouched.
-    ``stop_texts``: a sample ends on the token that completes one of them (that token kept).
-    """
+    """How to sample. ``temperature == 0`` means greedy; ``top_k == -1`` keeps all tokens;
+    ``seed``: the request's own generator, leaving the engine's stream untouched."""
 
     temperature: float = 1.0
     top_p: float = 1.0

@@ -76,11 +76,8 @@ class TokenEvent:
 
 @dataclass
 class SampleOutput:
-    """One finished sample: sampled ids, their logprobs and the version of each token.
-
-    ``text_end``: where a matched stop text begins in the decoded text; ``top_logprobs[i]``:
-    ``(token_id, logprob)`` alternatives at position i.
-    """
+    """One finished sample: sampled ids, logprobs and versions; ``text_end``: where a matched
+    stop text begins in the decoded text."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -153,12 +150,8 @@ class _WeightUpdate:
 
 
 class Scheduler:
-    """Serves generation requests from one model with continuous batching.
-
-    ``max_request_batch`` caps one submission's share of ``max_batch`` while another runs or
-    waits (:mod:`~rlpost.rollout.engines.admission`); ``max_model_len`` ends a sample with
-    ``length`` before it would pass the model's context.
-    """
+    """Serves generation requests from one model with continuous batching;
+    ``max_request_batch`` caps one submission's share of ``max_batch`` beside others."""
 
     def __init__(
         self,

@@ -73,10 +73,8 @@ def chat_logprobs(out: SampleOutput, tokenizer) -> dict:
 
 
 class ChoiceStream:
-    """One streamed choice: the text sent so far, held back where a stop text may still begin.
-
-    ``holdback`` characters stay unsent until the sample ends, and so does a trailing U+FFFD.
-    """
+    """One streamed choice: the text sent so far, holding back ``holdback`` characters (where
+    a stop text may begin) and a trailing U+FFFD."""
 
     def __init__(self, index: int, tokenizer, holdback: int, *, chat: bool) -> None:
         self.index, self.tokenizer, self.holdback, self.chat = index, tokenizer, holdback, chat
