@@ -136,10 +136,8 @@ def grpo_advantages(
     std_scope: str = "group",
     eps: float = 1e-6,
 ) -> Tensor:
-    """GRPO ``A_i = (s_i - mean_g) / (std_g + eps)`` (DeepSeekMath, arXiv 2402.03300).
-
-    ``std_scope="batch"``: the batch's std (TRL's ``scale_rewards="batch"``, arXiv 2508.08221).
-    """
+    """GRPO ``A_i = (s_i - mean_g) / (std_g + eps)`` (DeepSeekMath, arXiv 2402.03300);
+    ``std_scope="batch"``: the batch's std (TRL's ``scale_rewards="batch"``, arXiv 2508.08221)."""
     if std_scope not in ("group", "batch"):
         raise ValueError(f"grpo std_scope must be 'group' or 'batch', got {std_scope!r}")
     centered, std, _ = _group_centered(scores, group)
@@ -204,11 +202,8 @@ def reinforce_pp_baseline_advantages(scores: Tensor, group: Tensor) -> Tensor:
 
 
 def _gae(rewards: Tensor, values: Tensor, valid: Tensor, gamma: float, lam: Tensor) -> Tensor:
-    """Generalised advantage estimate ``[B, T]`` with per-row ``lam [B]`` (float64 in, out).
-
-    Backwards over t: ``delta_t = r_t + gamma V_next - V_t``, ``A_t = delta_t +
-    gamma lam A_next``; ``V_next`` and ``A_next`` advance only on valid tokens (verl).
-    """
+    """GAE ``[B, T]`` with per-row ``lam [B]``, float64: ``A_t = delta_t + gamma lam A_next``,
+    ``V_next`` and ``A_next`` advancing only on valid tokens (verl)."""
     next_value = rewards.new_zeros(rewards.shape[0])
     next_adv = rewards.new_zeros(rewards.shape[0])
     out = torch.zeros_like(rewards)

@@ -109,12 +109,8 @@ def get_aggregation(name: str):
 
 @dataclass(frozen=True)
 class Aggregation:
-    """How a per-token loss matrix becomes a scalar.
-
-    ``num_tokens`` and ``num_seqs``: the whole mini-batch's valid tokens and non-empty rows;
-    ``norm_constant``: Dr.GRPO's constant length (``None``: the padded width T); ``fn``: the
-    mode's reduce function.
-    """
+    """How a per-token loss matrix becomes a scalar: ``num_tokens`` and ``num_seqs`` are the
+    whole mini-batch's; ``norm_constant``: Dr.GRPO's constant length (``None``: width T)."""
 
     mode: str = "token-mean"
     num_tokens: float | None = None

@@ -58,9 +58,7 @@ def on_policy_distill_advantages(
     center: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``A[i, t] = distill_weight * -(lp_s - lp_t)[i, t] + task_weight * A_grpo[i, t]``
-    (on-policy distillation: GKD, arXiv 2306.13649; Thinking Machines 2025).
-
-    ``center`` subtracts the batch's mean ``k`` first, a baseline with less variance.
+    (GKD, arXiv 2306.13649; Thinking Machines 2025); ``center`` subtracts the mean ``k`` first.
     """
     if old_logprobs is None or teacher_logprobs is None:
         raise ValueError("advantage estimator 'on_policy_distill' needs old and teacher logprobs")
@@ -106,9 +104,7 @@ def divergence_tokens(
 @POLICY_LOSSES.register("gkd", needs_teacher_logits=True)
 def gkd_loss(x: LossInputs, p: GKDParams) -> PolicyLossOutput:
     """``distill_weight * agg(D(p_t, p_s)) + task_weight * ppo_clip(advantages)`` (GKD,
-    Agarwal et al., arXiv 2306.13649, eq. 1 with the student's own samples).
-
-    ``x.logits`` and ``x.teacher_logits`` ``[B, T, V]``; ``D``: :func:`divergence_tokens`.
+    arXiv 2306.13649, eq. 1), ``D`` as :func:`divergence_tokens` on ``[B, T, V]`` logits.
     """
     if x.logits is None or x.teacher_logits is None:
         raise ValueError("policy loss 'gkd' needs the student's and the teacher's full logits")

@@ -100,8 +100,7 @@ def kl_penalized_rewards(
 ) -> tuple[Tensor, Tensor]:
     """KL in the reward: ``r = scores - beta * kl(old, ref) * m`` (Ziegler et al. 2019, arXiv 1909.08593).
 
-    Returns ``(token_level_rewards [B, T], mean_kl)``, ``mean_kl`` the batch mean of
-    per-sequence token means before ``beta``, as verl's ``apply_kl_penalty``.
+    Returns ``(token_level_rewards [B, T], mean_kl)`` as verl's ``apply_kl_penalty``.
     """
     kl = get_kl_estimator(estimator)(old_logprobs, ref_logprobs)
     kl = torch.where(response_mask.to(kl.dtype) > 0, kl, torch.zeros_like(kl))

@@ -147,8 +147,7 @@ def _selection(x: LossInputs, select, p) -> Tensor:
 def kl_cov_loss(x: LossInputs, p: KLCovParams) -> PolicyLossOutput:
     """KL-Cov: ``L = -A r + ppo_kl_coef |lp - old| [selected]``, no clipping (arXiv 2505.22617).
 
-    The selected tokens (:func:`kl_cov_select`) collapse entropy fastest, so a KL penalty
-    holds them near the sampler. ``abs_kl`` is what verl's ``kl_cov`` logs as ``ppo_kl``.
+    The selected tokens (:func:`kl_cov_select`) collapse entropy fastest.
     """
     old, adv, mask = x.detached()
     chosen = _selection(x, kl_cov_select, p)

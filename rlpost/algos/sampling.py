@@ -17,11 +17,8 @@ def overlong_penalty(
     factor: float = 1.0,
     dtype: torch.dtype = torch.float32,
 ) -> Tensor:
-    """DAPO soft overlong punishment (eq. 13): ``lengths [B]`` -> ``[B]``.
-
-    ``0`` up to ``max_len - cache_len``, then a ramp to ``-factor`` at ``max_len`` and beyond;
-    ``cache_len = 0`` is a hard cliff.
-    """
+    """DAPO soft overlong punishment (eq. 13), ``lengths [B]`` -> ``[B]``: 0 up to ``max_len -
+    cache_len``, then a ramp to ``-factor`` at ``max_len`` and beyond."""
     if not 0 <= cache_len <= max_len:
         raise ValueError(
             f"need 0 <= cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}"
@@ -51,8 +48,7 @@ def _group_range(scores: Tensor, group: Tensor) -> tuple[Tensor, Tensor]:
 def group_has_spread(scores: Tensor, group: Tensor) -> Tensor:
     """DAPO dynamic-sampling filter, per group: True where a group's scores are not all equal.
 
-    ``scores [B]``, ``group [B]`` -> bool ``[G]`` by ascending id. A singleton group, or one
-    with a NaN score, has no spread.
+    ``[B]`` -> bool ``[G]`` by ascending id; a singleton or NaN group has no spread.
     """
     spread, _ = _group_range(scores, group)
     return spread > 0
