@@ -14,11 +14,8 @@ FinishReason = Literal["stop", "length", "abort"]
 
 @dataclass
 class Turn:
-    """One turn of a multi-turn episode: response tokens ``start .. end - 1``.
-
-    ``role``: ``"policy"`` (trained) or ``"env"`` (masked). ``tool``: the tool a policy turn
-    called, None when none ran. ``text``: the tokens decoded, for reading, never re-encoded.
-    """
+    """One turn of a multi-turn episode: response tokens ``start .. end - 1``; ``role``:
+    ``"policy"`` (trained) or ``"env"`` (masked); ``text`` is for reading, never re-encoded."""
 
     role: Literal["policy", "env"]
     start: int
@@ -96,9 +93,8 @@ class Completion:
 class Group:
     """One prompt and its ``n`` samples: the record the rollout stage hands to training.
 
-    The group size travels here only. The reward worker fills ``scores``, ``components``
-    (``nan`` where a term did not apply) and ``invalid`` (a NaN, infinite or out-of-range
-    reward: scored ``reward.invalid_score`` and not trained).
+    The group size travels here only. ``invalid``: a NaN, infinite or out-of-range reward,
+    scored ``reward.invalid_score`` and not trained.
     """
 
     prompt: Prompt

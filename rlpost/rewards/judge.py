@@ -66,11 +66,8 @@ def render_rubric(rubric: str, sample: RewardSample) -> str:
 
 @batched_scorer("judge")
 class JudgeScorer:
-    """Scores samples in [0, 1] by asking a judge model; never raises on judge failure.
-
-    ``retries``: extra attempts after a transient failure, ``backoff * 2**k`` seconds apart;
-    ``default_score``: a failed sample's score (``None``: not applicable).
-    """
+    """Scores samples in [0, 1] by asking a judge model, retrying a transient failure after
+    ``backoff * 2**k`` seconds; a failed sample scores ``default_score``."""
 
     default_kind = "judge"
 

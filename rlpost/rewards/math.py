@@ -59,8 +59,7 @@ def math_verify_reward(
     """1.0 if the completion's final answer is mathematically equal to the reference.
 
     The answer follows the last ``####``, else the last ``\\boxed{}``, else math-verify's
-    extraction; ``tag``: the last ``<tag>`` block. The reference is read the same way.
-    """
+    extraction (``tag``: the last ``<tag>`` block); the reference is read alike."""
     if sample.answer is None or str(sample.answer).strip() == "":
         return None
     text = sample.completion if tag is None else extract_tag(sample.completion, tag)

@@ -24,11 +24,8 @@ def _finite(value: float | None) -> float | None:
 
 
 class HackingMonitor:
-    """Feed one line of step means per step; get back the flags raised at that step.
-
-    ``reward_up_accuracy_flat``: reward up by over ``reward_rise``, accuracy by at most
-    ``accuracy_band``; ``length_balloon``: length up over ``length_factor`` times.
-    """
+    """Feed one line of step means per step; get back the flags raised at that step
+    (``reward_up_accuracy_flat``, ``length_balloon``)."""
 
     def __init__(
         self,

@@ -24,11 +24,8 @@ class VersionedCompletion(Completion):
 
 
 class ContinuousEngine:
-    """The rollout protocol over an in-process :class:`~rlpost.rollout.engines.scheduler.Scheduler`.
-
-    ``generate_partial`` aborts the rows still decoding once ``enough(finished_rows)`` holds;
-    they come back with ``finish_reason="abort"``, ready to be continued.
-    """
+    """The rollout protocol over an in-process :class:`~rlpost.rollout.engines.scheduler.Scheduler`;
+    ``generate_partial``'s aborted rows come back ``finish_reason="abort"``, to be continued."""
 
     def __init__(self, scheduler: Scheduler, tokenizer=None) -> None:
         self.scheduler = scheduler
