@@ -120,7 +120,8 @@ def draw(task: str, config: dict[str, Any], seed: int, wanted: int, max_draws: i
 
 
 def _draw_fixed_hash(*args, timeout: float = CHILD_TIMEOUT_S) -> tuple:
-    """:func:`draw` in a child process whose string hash is fixed (:data:`HASH_SEEDED`)."""
+    """:func:`draw` in a child process whose string hash is fixed (:data:`HASH_SEEDED`); ``-P``
+    keeps the working directory off its path (``-I`` would drop ``PYTHONHASHSEED``)."""
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     code = (
         "import pickle, sys; from rlpost.data.reasoning_gym import draw; "

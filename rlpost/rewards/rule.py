@@ -55,16 +55,9 @@ def _max_tokens(sample: RewardSample, max_tokens: int | None) -> int | None:
 def overlong_penalty(
     sample: RewardSample, *, max_tokens: int | None = None, cache_len: int | None = None
 ) -> float | None:
-    """DAPO soft overlong punishment (Yu et al., 2025, eq. 13).
-
-    With ``L = num_tokens``, ``L_max = max_tokens`` and ``L_cache = cache_len``::
-
-        0                                   if L <= L_max - L_cache
-        ((L_max - L_cache) - L) / L_cache   if L_max - L_cache < L <= L_max
-        -1                                  if L > L_max
-
-    ``max_tokens`` defaults to ``sample.max_tokens``, ``cache_len`` to a fifth of it; ``None``
-    without a budget. The math is :func:`rlpost.algos.overlong_penalty`'s.
+    """DAPO soft overlong punishment (Yu et al., 2025, eq. 13) of ``sample.num_tokens``: the
+    math is :func:`rlpost.algos.overlong_penalty`'s. ``max_tokens`` defaults to
+    ``sample.max_tokens``, ``cache_len`` to a fifth of it; ``None`` without a budget.
     """
     l_max = _max_tokens(sample, max_tokens)
     if l_max is None:

@@ -83,7 +83,8 @@ ONEDNN_MIN_VOCAB = 32_768
 
 @functools.cache
 def _onednn_linear() -> bool:
-    """Whether oneDNN's linear runs in this torch build and agrees with torch's (once)."""
+    """Whether oneDNN's linear runs and agrees with torch's, both float32 whatever the caller's
+    autocast (once)."""
     if not torch.backends.mkldnn.is_available():
         return False
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
