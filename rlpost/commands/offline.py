@@ -4,8 +4,11 @@
         .reward_model) --the offline loop (rlpost.train.offline)--> RUN_DIR/<model>
     held-out rows --> metrics at the start, every eval_every steps and the end
 
-Each reports bad rows as a run does and resumes with ``--resume RUN_DIR`` as if never stopped;
-:func:`train_stage` is what they share.
+Every command reads the one config tree, reports bad rows as a run does (the console and
+``RUN_DIR/data_report.json``, with file and line), checkpoints in ``RUN_DIR/<state>`` in
+the RL run's format and resumes from it with ``--resume RUN_DIR``, taking the same steps as
+a run that never stopped. :func:`train_stage` is what they share: the metrics file, the
+progress bar, the held-out evaluations, the loop and the summary's start / end values.
 """
 
 from __future__ import annotations
@@ -78,7 +81,9 @@ def train_stage(
     keep: dict | None = None,
 ) -> dict:
     """Run ``objective`` under the offline loop with a checkpoint in ``RUN_DIR/<state>``;
-    returns ``ends`` (start and end held-out metrics) and ``losses``."""
+    returns ``ends`` (the held-out metrics at the start and the end, as summary keys) and
+    ``losses`` (every step's). ``row(metrics)`` is what a step records;
+    ``evaluate()``'s metrics join it every ``eval_every`` steps and at the last."""
     console = console or Console(False)
     recorder = Recorder(run_dir)
     saved = None if fresh else saved_state(run_dir / state)
@@ -179,8 +184,9 @@ def load_conversations(cfg: Config) -> tuple[list[Conversation], list[Conversati
 
 
 def accuracy(model, tokenizer, convs: list[Conversation], max_new_tokens: int) -> float | None:
-    """Share of held-out conversations whose greedy last reply matches their answer; None: no
-    row has one."""
+    """Share of the held-out conversations with a reference answer whose greedy last reply
+    matches it (numerically when the answer is a number, else as a string); None: no row
+    has an answer."""
     rows = [c for c in convs if c.answer is not None]
     if not rows:
         return None
