@@ -1,8 +1,7 @@
 """Seeds derived from the run's seed, and the process-wide random states saved as one.
 
-:func:`derive` is the one place a stream's seed comes from: each purpose is a fixed
-linear form of the run's seed and the stream's indices, listed in :data:`STREAMS`, so
-no two purposes share a stream and none is a magic number at its use.
+:func:`derive` is the one place a stream's seed comes from: a fixed linear form per purpose
+(:data:`STREAMS`), so no two purposes share a stream.
 """
 
 from __future__ import annotations

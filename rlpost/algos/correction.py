@@ -52,9 +52,8 @@ def _log_ratio(prox: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
 
 
 def _output(weights: Tensor, mask: Tensor, masked: Tensor | None = None) -> CorrectionOutput:
-    """``weights`` zeroed on padding and on the ``masked`` tokens, with their statistics: the
-    weight mean, the effective sample size fraction ``(sum w)^2 / (N sum w^2)`` and the masked
-    fraction."""
+    """``weights`` zeroed on padding and ``masked`` tokens, with their mean, the effective
+    sample size fraction ``(sum w)^2 / (N sum w^2)`` and the masked fraction."""
     m = mask > 0
     masked = torch.zeros_like(m) if masked is None else masked
     w = torch.where(m & ~masked, weights, torch.zeros_like(weights))

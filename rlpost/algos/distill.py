@@ -58,8 +58,7 @@ def on_policy_distill_advantages(
     center: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``A[i, t] = distill_weight * -(lp_s - lp_t)[i, t] + task_weight * A_grpo[i, t]``
-    (GKD, arXiv 2306.13649; Thinking Machines 2025); ``center`` subtracts the mean ``k`` first.
-    """
+    (GKD, arXiv 2306.13649; Thinking Machines 2025); ``center`` subtracts the mean ``k``."""
     if old_logprobs is None or teacher_logprobs is None:
         raise ValueError("advantage estimator 'on_policy_distill' needs old and teacher logprobs")
     kl = reverse_kl_tokens(old_logprobs, teacher_logprobs, response_mask).to(torch.float64)
@@ -104,8 +103,7 @@ def divergence_tokens(
 @POLICY_LOSSES.register("gkd", needs_teacher_logits=True)
 def gkd_loss(x: LossInputs, p: GKDParams) -> PolicyLossOutput:
     """``distill_weight * agg(D(p_t, p_s)) + task_weight * ppo_clip(advantages)`` (GKD,
-    arXiv 2306.13649, eq. 1), ``D`` as :func:`divergence_tokens` on ``[B, T, V]`` logits.
-    """
+    arXiv 2306.13649, eq. 1), ``D`` as :func:`divergence_tokens` on ``[B, T, V]`` logits."""
     if x.logits is None or x.teacher_logits is None:
         raise ValueError("policy loss 'gkd' needs the student's and the teacher's full logits")
     mask = x.response_mask.detach()

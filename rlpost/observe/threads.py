@@ -88,8 +88,7 @@ def start_threads(
 
 class CoreShare:
     """The trainer's threads beside a rollout process: ``base`` while it runs a call, ``base +
-    lend`` while not, switched by :func:`pace` within a chunk (two OpenMP teams on a core
-    wait at every barrier)."""
+    lend`` while not, switched by :func:`pace` (two OpenMP teams on a core wait each other)."""
 
     def __init__(self, busy, base: int, lend: int, set_threads: Callable[[int], None]):
         if base < 1 or lend < 0:

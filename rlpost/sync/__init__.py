@@ -1,8 +1,7 @@
 """Weight transfer from trainer to rollout engines: codecs, buckets, transports, versions.
 
-The sender calls :func:`build_weight_sync` once and ``push(named_tensors,
-version)`` after each update; receivers wrap any engine in a
-:class:`Receiver`. See docs/sync.md.
+The sender calls :func:`build_weight_sync` once and ``push(named_tensors, version)`` after
+each update; a :class:`Receiver` wraps any engine (docs/sync.md).
 """
 
 from rlpost.sync.codecs import codec_names

@@ -71,9 +71,8 @@ def split_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
 
 
 def compute_dtype(weight: Tensor) -> torch.dtype:
-    """The head's matmul dtype: float32 (the weight's where wider), under bf16 autocast too:
-    a bf16 head rounds differently in the trainer's chunks and an engine's decode steps (0.037
-    nats a token apart on SmolLM2-135M; docs/performance.md, "bf16")."""
+    """The head's matmul dtype: float32 (the weight's where wider), under bf16 autocast too,
+    as a bf16 head rounds differently in the trainer's chunks and an engine's decode steps."""
     return torch.promote_types(weight.dtype, torch.float32)
 
 
@@ -123,9 +122,8 @@ def _onednn_head(x: Tensor, weight: Tensor) -> bool:
 
 
 class ServingHead(nn.Linear):
-    """An engine's LM head: :func:`head_linear` (the same weights, the same state dict), in
-    the weight's dtype whatever autocast says: float32 beside a bf16 decoder, as the
-    trainer's head (:func:`compute_dtype`)."""
+    """An engine's LM head: :func:`head_linear` in the weight's dtype whatever autocast says,
+    as the trainer's head (:func:`compute_dtype`)."""
 
     def forward(self, x: Tensor) -> Tensor:
         with torch.autocast(x.device.type, enabled=False):
@@ -145,12 +143,10 @@ AUTOCAST = "serving_autocast"
 
 
 def bf16_serving(model: nn.Module) -> nn.Module:
-    """``model`` made to compute as a trainer under bf16 autocast does, in place: its linear
-    layers' weights cast to bf16 once (what autocast casts a float32 weight to), the
-    embeddings, norms and output head left float32, and its forward to run under bf16
-    autocast (:func:`serving_precision`). The residual stream and the norms then stay
-    float32 and the head computes in float32, as in the trainer; a model wholly in bf16
-    sampled 0.037 nats a token away from the trainer's logprobs on SmolLM2-135M."""
+    """``model`` made to compute as a trainer under bf16 autocast does, in place: linear
+    weights cast to bf16 once, embeddings, norms and head left float32, the forward under
+    :func:`serving_precision`. Wholly in bf16, SmolLM2-135M sampled 0.037 nats a token away
+    from the trainer's logprobs."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for m in model.modules():
         if isinstance(m, nn.Linear) and m is not head:

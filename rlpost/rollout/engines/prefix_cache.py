@@ -1,8 +1,7 @@
 """Prefix cache: a prompt's KV computed once, reused by its group and by repeats.
 
 Lookup returns the longest cached prefix: an exact hit skips the prefill, a partial one
-prefills the suffix. A weight update clears the cache. KV is per-layer ``(keys, values)``
-``[B, H, L, D]``.
+prefills the suffix. A weight update clears the cache. KV: ``(keys, values)`` ``[B, H, L, D]``.
 """
 
 from __future__ import annotations
