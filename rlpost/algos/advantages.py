@@ -161,7 +161,8 @@ def rloo_advantages(scores: Tensor, group: Tensor) -> Tensor:
 
 @outcome("gpg", group_relative=True)
 def gpg_advantages(scores: Tensor, group: Tensor) -> Tensor:
-    """GPG ``A_i = alpha (s_i - mean_g)``, ``alpha = B / max(1, #{s_i != 0})`` (arXiv 2504.02546)."""
+    """GPG ``A_i = alpha (s_i - mean_g)``, ``alpha = B / max(1, #{s_i != 0})`` (arXiv
+    2504.02546)."""
     alpha = scores.numel() / max(1, int((scores != 0).sum()))
     return alpha * _group_centered(scores, group)[0]
 

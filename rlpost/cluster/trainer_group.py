@@ -78,7 +78,7 @@ class TrainerGroup:
             return self._call_all(name, *args, **kwargs)
 
     def __getattr__(self, name: str):
-        """The rest of the trainer protocol, through :meth:`call` (``mfu`` against rank 0's peak)."""
+        """The rest of the trainer protocol, through :meth:`call` (``mfu``: rank 0's peak)."""
         if name.startswith("_"):
             raise AttributeError(name)
         return lambda *args, **kwargs: self.call(name, *args, **kwargs)
