@@ -250,18 +250,24 @@ def cmd_export(args) -> int:
     return 0
 
 
+def config_keys(cfg) -> list[tuple[str, str, str]]:
+    """(key, value, help) of the keys ``rlpost config --keys`` lists: the values this config
+    runs with, the chosen parts' keys only, unchecked against a command (a train path may
+    come later)."""
+    from rlpost.pipeline.rules import unread_keys
+
+    unread = tuple(f"{k}." for k in unread_keys(cfg))
+    return [row for row in describe_fields(values=cfg) if not f"{row[0]}.".startswith(unread)]
+
+
 def cmd_config(args) -> int:
-    from rlpost.pipeline.rules import check, command_for, unread_keys
+    from rlpost.pipeline.rules import check, command_for
 
     recipe, overrides = _split_args(args.items)
     cfg = load_config(recipe, overrides)
     if args.keys:
-        # The values this recipe and these overrides would run with, each with its help: the
-        # chosen parts' keys, unchecked against a command (a train path may come later).
-        unread = tuple(f"{k}." for k in unread_keys(cfg))
-        for key, value, help_text in describe_fields(values=cfg):
-            if not f"{key}.".startswith(unread):
-                print(f"{key} = {value}\n    {' '.join(help_text.split())}")
+        for key, value, help_text in config_keys(cfg):
+            print(f"{key} = {value}\n    {' '.join(help_text.split())}")
         return 0
     check(cfg, args.check_as or command_for(cfg))
     print(dump_config(cfg), end="")
