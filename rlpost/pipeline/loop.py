@@ -61,6 +61,7 @@ from rlpost.resolved import RunFacts, resolve
 from rlpost.rewards.monitor import HackingMonitor
 from rlpost.rewards.scorer import SampleWriter, probe_terms, reward_samples
 from rlpost.rng import set_rng_state
+from rlpost.sync import SyncError
 from rlpost.train.checkpoint import latest_step, load_state, save_checkpoint, usable_checkpoint
 from rlpost.types import Group, ScoredBatch
 
@@ -183,7 +184,7 @@ def train(
                     m = merge_metrics(m, r.feed.push(r.w.trainer.export_weights()))
                 else:  # sync.every > 1: the engine keeps serving an older version
                     m = merge_metrics(m, {"sync_seconds": 0.0, "sync_bytes": 0.0})
-            except (RolloutFailed, WorkerError, UserCodeError) as exc:
+            except (RolloutFailed, WorkerError, UserCodeError, SyncError) as exc:
                 _stop_on_lost_worker(r, step, exc)
             except EmptyStep as exc:  # counted, and the step drawn again from new prompts
                 empty = _count_empty_step(r, step, exc, empty)

@@ -8,9 +8,11 @@ mismatch is an error, never a silent misalignment) and the policy version (``pol
 else the caller's).
 
 :class:`RequestLoadBalancer` sends each job (one prompt with its whole group, so a group never
-spans servers) to the healthy server with the fewest outstanding requests. A connection error,
-timeout or 5xx benches that server for a cool-down and re-queues only the jobs not completed;
-results are keyed by job id, so no prompt is lost or counted twice. A 4xx is raised at once.
+spans servers) to the healthy server with the fewest outstanding requests. A timeout or 5xx
+benches that server for a cool-down, a refused connection (the server is gone) until a weight
+push reaches it again, and re-queues only the jobs not completed; results are keyed by job id,
+so no prompt is lost or counted twice. A 4xx is raised at once; with no server left, a
+:class:`~rlpost.errors.WorkerError` (``rollout``, ``lost``) the loop stops on.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 import httpx
 import torch
 
-from rlpost.errors import http_error_line
+from rlpost.errors import WorkerError, http_error_line
 from rlpost.rollout.engines.protocol import SamplingParams
 
 TOKEN_ID_PREFIX = "token_id:"
@@ -31,11 +33,12 @@ TOKEN_ID_PREFIX = "token_id:"
 
 class ServerUnavailable(RuntimeError):
     """A server that could not answer (connection, timeout, 5xx, or busy: 408 / 429): worth
-    retrying elsewhere. ``retry_after``: seconds the server asked to be left alone."""
+    retrying elsewhere. ``retry_after``: seconds the server asked to be left alone; ``gone``:
+    it refused the connection (nothing listens there now)."""
 
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
+    def __init__(self, message: str, retry_after: float | None = None, gone: bool = False) -> None:
         super().__init__(message)
-        self.retry_after = retry_after
+        self.retry_after, self.gone = retry_after, gone
 
 
 BUSY = (408, 429)  # the request timed out waiting, or too many are pending: not its fault
@@ -200,7 +203,8 @@ class CompletionClient:
         try:
             r = self.http.post(path, **kwargs)
         except httpx.TransportError as exc:  # connection refused/reset, timeouts
-            raise ServerUnavailable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from None
+            why = f"{self.url}{path}: {type(exc).__name__}: {exc}"
+            raise ServerUnavailable(why, gone=isinstance(exc, httpx.ConnectError)) from None
         if r.status_code >= 500 or r.status_code in BUSY:
             why = f"{self.url}{path}: HTTP {r.status_code}: {http_error_line(r)}"
             raise ServerUnavailable(why, retry_after=_retry_after(r))
@@ -247,8 +251,9 @@ class RequestLoadBalancer:
     """Runs jobs over several servers: fewest outstanding requests first, failed jobs re-sent.
 
     ``max_inflight`` bounds the requests outstanding at one server;
-    ``cooldown_s`` is how long a failed server sits out; ``max_attempts`` per
-    job (default: 2 per server) bounds retries before the run fails loudly.
+    ``cooldown_s`` is how long a failed server sits out (one that refused the connection:
+    until :meth:`enable`); ``max_attempts`` per job (default: 2 per server) bounds retries
+    before the run stops (:class:`WorkerError`, naming the last failure).
     """
 
     def __init__(
@@ -289,9 +294,8 @@ class RequestLoadBalancer:
                 inflight[fut] = (job, server)
             if not inflight:
                 if math.isinf(self._next_up()):
-                    raise RuntimeError(
-                        "every rollout server is out of rotation; none can take jobs"
-                    )
+                    last = f"; last: {next(reversed(last_error.values()))}" if last_error else ""
+                    raise _lost(f"every rollout server is out of rotation{last}")
                 time.sleep(min(0.5, max(0.01, self._next_up() - time.monotonic())))
                 continue
             done, _ = wait(list(inflight), timeout=1.0, return_when=FIRST_COMPLETED)
@@ -301,13 +305,12 @@ class RequestLoadBalancer:
                 try:
                     choices = fut.result()
                 except ServerUnavailable as exc:
-                    self._mark_down(server, exc.retry_after)
+                    self._mark_down(server, exc)
                     last_error[job.id] = str(exc)
                     if attempts[job.id] >= self.max_attempts:
                         self._abandon(inflight)
-                        raise RuntimeError(
-                            f"job {job.id} failed on {attempts[job.id]} attempts; last: {exc}"
-                        ) from None
+                        why = f"job {job.id} failed on {attempts[job.id]} attempts; last: {exc}"
+                        raise _lost(why) from None
                     self.retries += 1
                     queue.insert(0, job)
                     continue
@@ -331,10 +334,10 @@ class RequestLoadBalancer:
     def _next_up(self) -> float:
         return min(s.down_until for s in self.servers)
 
-    def _mark_down(self, server: _Server, retry_after: float | None = None) -> None:
+    def _mark_down(self, server: _Server, exc: ServerUnavailable) -> None:
         server.failures += 1
-        wait_s = self.cooldown_s if retry_after is None else min(retry_after, self.cooldown_s)
-        server.down_until = time.monotonic() + wait_s
+        wait_s = min(self.cooldown_s, math.inf if exc.retry_after is None else exc.retry_after)
+        server.down_until = math.inf if exc.gone else time.monotonic() + wait_s
 
     def _abandon(self, inflight: dict) -> None:
         for fut in inflight:
@@ -369,6 +372,10 @@ class RequestLoadBalancer:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for s in self.servers:
             s.client.close()
+
+
+def _lost(why: str) -> WorkerError:
+    return WorkerError("rollout", "lost", f"rollout servers: {why}")
 
 
 def seeds_from(generator: torch.Generator, count: int) -> list[int]:
