@@ -426,16 +426,13 @@ class RemoteEngine(Variant):
     """Name of the environment variable holding the servers' API key, sent as a Bearer token
     (unset or empty: none). A name, never the key: keys stay out of recipes and config.yaml."""
     admin_key_env: str | None = Field("RLPOST_ADMIN_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
-    """Name of the environment variable holding the servers' admin key, sent with weight pushes."""
+    """Name of the environment variable holding the servers' admin key, sent with weight pushes
+    (server=vllm: it signs them, each vllm serve holding it as RLPOST_WEIGHTS_KEY)."""
     server: Literal["rlpost", "vllm", "openai"] = "rlpost"
     """What the servers are: rlpost (``rlpost serve``: weights over its sync routes), vllm (a
     stock ``vllm serve`` started as docs/rollout.md says: weights through its development
     routes) or openai (any OpenAI-compatible endpoint; it cannot take weights, so
     evaluation only)."""
-    weights_dir: str | None = None
-    """server=vllm: a directory the servers mount under the same path, the weight file of each
-    push written there (None: servers on this host read it from /dev/shm, others fetch it
-    over HTTP from the trainer)."""
 
 
 EngineChoice = choice("auto", AutoEngine, HFEngine, HFContinuousEngine, VLLMEngine, RemoteEngine)

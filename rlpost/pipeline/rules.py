@@ -584,8 +584,6 @@ def _inert_table(cfg: Config) -> list[tuple]:
     ]  # fmt: skip
     if r.engine.name == "remote":
         vllm = r.engine.server == "vllm"
-        rules.append((r.engine, "rollout.engine", ("weights_dir",), not vllm,
-                      "set rollout.engine.server=vllm"))  # fmt: skip
         rules.append((s, "sync", ("bucket_mb", "verify", "keep_bf16"), vllm,
                       "vllm serve loads one plain weight file per push"))  # fmt: skip
     if loss.name in ("flash_reinforce", "dppo"):  # the trust region reads one threshold

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 import torch
@@ -169,6 +169,7 @@ class CompletionClient:
 
     ``api_key`` is sent as a Bearer token with generation requests (``rlpost serve
     --api-key``); weights go through the ``http`` sync channel, with the admin key.
+    ``seeds=False`` leaves the jobs' seeds out (a server that cannot take them).
     """
 
     def __init__(
@@ -178,9 +179,10 @@ class CompletionClient:
         timeout: float = 120.0,
         model: str | None = None,
         api_key: str | None = None,
+        seeds: bool = True,
     ) -> None:
         self.url = url.rstrip("/")
-        self.model = model
+        self.model, self.seeds = model, seeds
         self.http = httpx.Client(base_url=self.url, timeout=timeout)
         self._auth = _bearer(api_key)
 
@@ -188,7 +190,7 @@ class CompletionClient:
         return f"CompletionClient({self.url!r})"
 
     def complete(self, job: Job, tokenize=None, eos_id: int | None = None) -> list[Choice]:
-        body = completion_body(job, self.model)
+        body = completion_body(job if self.seeds else replace(job, seed=None), self.model)
         data = self._post("/v1/completions", json=body, headers=self._auth)
         return parse_choices(data, tokenize, eos_id)
 

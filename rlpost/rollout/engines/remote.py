@@ -55,6 +55,7 @@ class RemoteEngine(TokenRate):
         api_key: str | None = None,
         admin_key: str | None = None,
         weight_sync: WeightSync | None = None,
+        seedless: Iterable[str] = (),
     ) -> None:
         if not urls:
             raise ValueError(
@@ -67,6 +68,9 @@ class RemoteEngine(TokenRate):
         self.clients = [
             CompletionClient(u, timeout=timeout, model=model, api_key=api_key) for u in urls
         ]
+        seedless = {u.rstrip("/") for u in seedless}
+        for client in self.clients:
+            client.seeds = client.url not in seedless
         self.balancer = RequestLoadBalancer(
             self.clients, max_inflight=max_inflight_per_server, cooldown_s=cooldown_s
         )
@@ -187,11 +191,12 @@ def build(cfg, facts, model, tokenizer) -> RemoteEngine:
     ``rollout.engine.admin_key_env`` name (``facts`` and ``model`` unused)."""
     r = cfg.rollout
     keys = keys_from_env(r.engine.api_key_env, r.engine.admin_key_env)
-    sync = None
+    sync, seedless = None, []
     if r.engine.server == "vllm":
         from rlpost.rollout.engines.vllm_server import build_sync
 
         sync = build_sync(cfg)
+        seedless = sync.seedless()  # they sample from the engine's own seed, as vllm.py's does
     return RemoteEngine(
         list(r.engine.servers),
         tokenizer,
@@ -199,6 +204,7 @@ def build(cfg, facts, model, tokenizer) -> RemoteEngine:
         timeout=r.engine.server_timeout_s,
         seed=cfg.run.seed,
         weight_sync=sync,
+        seedless=seedless,
         **keys,
     )
 

@@ -6,10 +6,11 @@ prefix caching, chunked prefill); this module adapts it to the rollout protocol:
 * prompts go in as token ids, ``n = G`` per prompt; ``logprobs=0`` with ``logprobs_mode=
   "processed_logprobs"`` returns each sampled token's logprob under the tempered distribution
   the trainer recomputes (top-k/top-p truncation shows in them when on; ``rlvr`` keeps it off);
-* weights go into one safetensors file on shared memory, which every worker loads through the
-  model's own ``load_weights`` (HF names, fused QKV, tensor-parallel shards) by name through
-  ``collective_rpc`` (:mod:`rlpost.rollout.engines.vllm_worker`), answering the version it now
-  serves; then the prefix cache is reset. vLLM's NCCL/IPC transfer is the faster path for
+* weights go into one safetensors file on shared memory, its path signed with a key of the
+  engine's; every worker checks it against the model and loads it through the model's own
+  ``load_weights`` (HF names, fused QKV, tensor-parallel shards), called by name through
+  ``collective_rpc`` (:mod:`rlpost.rollout.engines.vllm_worker`), and answers the version it
+  now serves; then the prefix cache is reset. vLLM's NCCL/IPC transfer is the faster path for
   models larger than one node's memory;
 * the engine core is a separate, spawned process: :meth:`VLLMEngine.close` shuts it down, and
   a script that builds the engine needs the ``if __name__ == "__main__":`` guard.
@@ -21,6 +22,7 @@ CPU, ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and ``VLLM_CPU_OMP_THREADS_BIND`` are vLLM
 from __future__ import annotations
 
 import os
+import secrets
 import tempfile
 import time
 from collections.abc import Iterable
@@ -33,6 +35,7 @@ from rlpost.config import ConfigError
 from rlpost.resolved import ENGINES
 from rlpost.rollout.engines.client import savable
 from rlpost.rollout.engines.protocol import SamplingParams, TokenRate
+from rlpost.rollout.engines.vllm_worker import FROM_ENV, KEY_ENV, sign
 from rlpost.types import Completion
 
 MISSING = "rollout.engine=vllm needs the [vllm] extra: pip install 'rlpost[vllm]'"
@@ -117,6 +120,10 @@ class VLLMEngine(TokenRate):
         # vLLM seeds its own sampling; the generator is kept for the loop's checkpoints.
         self.generator = torch.Generator().manual_seed(seed)
         self.weights_dir = SHM if SHM.is_dir() else Path(tempfile.gettempdir())
+        # The engine core inherits this environment: its loader takes the files this engine
+        # signs with a key of its own, never a URL (RLPOST_WEIGHTS_FROM is a served one's).
+        self.key = os.environ.setdefault(KEY_ENV, secrets.token_hex(32))
+        os.environ.pop(FROM_ENV, None)
         self.llm = vllm.LLM(**engine_args(model_path, seed=seed, **kwargs))
         # vLLM's CPU build cannot rewind a seeded request's generator after a chunked
         # prefill ("CPU Generator does not use offset", vLLM 0.32): there a run's samples
@@ -165,11 +172,12 @@ class VLLMEngine(TokenRate):
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         path = write_weights(named_tensors, self.weights_dir)
         try:
-            answers = self.llm.collective_rpc("rlpost_load_weights", args=(str(path), version))
+            args = (str(path), version, sign(self.key, str(path), version))
+            answers = self.llm.collective_rpc("rlpost_load_weights", args=args)
         finally:
             path.unlink(missing_ok=True)  # the workers have read it (or failed to)
         if any(v != version for v, _ in answers):
-            raise RuntimeError(f"vLLM workers answered versions {answers}, expected {version}")
+            raise RuntimeError(f"vLLM workers answered {answers}, expected version {version}")
         # Cached prompt KV was computed with the old weights.
         self.llm.reset_prefix_cache()
         self.version = version

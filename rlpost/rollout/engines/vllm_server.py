@@ -6,16 +6,17 @@ the tempered distribution the trainer recomputes). Weights: vLLM's own transfer 
 GPU on both sides; every build, CPU included, serves the development API
 (``VLLM_SERVER_DEV_MODE=1``) with rlpost's worker extension (``--worker-extension-cls``). One
 push, per server: ``/pause?mode=wait`` (requests in flight finish on the old weights),
-``/collective_rpc`` of ``rlpost_load_weights(path, version)`` on every worker
+``/collective_rpc`` of ``rlpost_load_weights(url, version, token)`` on every worker
 (:mod:`rlpost.rollout.engines.vllm_worker`, answering ``[version, tensors]``),
 ``/reset_prefix_cache``, ``/resume``.
 
-The file is written once per push. Servers on this machine read it from shared memory, and
-so do servers given ``rollout.engine.weights_dir`` (a filesystem they mount under the same
-path). Any other server pulls it over HTTP: the trainer listens for the push's duration
-only, on its address facing that server, and serves the file under a random 192-bit path
-(:class:`WeightFiles`). The development routes carry no authentication: the servers belong
-on loopback or a private network.
+The file is written once per push, and every server pulls it over HTTP: the trainer listens
+for the push's duration only, on its address facing that server, and serves the file under a
+random 192-bit path (:class:`WeightFiles`). The development routes carry no authentication, so
+the loader takes only what the trainer signed with the admin key (``RLPOST_WEIGHTS_KEY`` on
+the server) from the trainer's address (``RLPOST_WEIGHTS_FROM``); the routes still let
+whoever reaches them pause the server or reset its cache: it belongs on loopback or a
+private network.
 """
 
 from __future__ import annotations
@@ -35,10 +36,12 @@ from urllib.parse import urlsplit
 import httpx
 import torch
 
+from rlpost.config import ConfigError
 from rlpost.errors import http_error_line
 from rlpost.rollout.engines.vllm import SHM, WORKER_EXTENSION, write_weights
+from rlpost.rollout.engines.vllm_worker import FROM_ENV, KEY_ENV, sign
 from rlpost.sync import SyncError, SyncStats
-from rlpost.sync.listen import is_loopback, local_address_towards
+from rlpost.sync.listen import local_address_towards
 
 LOAD_METHOD = "rlpost_load_weights"
 
@@ -175,36 +178,33 @@ class VLLMServerSync:
 
     Quacks like :class:`~rlpost.sync.WeightSync` for the run's weight path: ``push`` returns
     the :class:`SyncStats` of the servers that committed, and raises :class:`SyncError` when
-    none did. ``pull`` makes every server fetch the file over HTTP (default: the servers
-    not on loopback, unless ``weights_dir`` names a filesystem they share)."""
+    none did. ``key`` signs each push (the servers' ``RLPOST_WEIGHTS_KEY``); the admin key
+    also goes as a Bearer token (``headers``), for a proxy in front of the routes."""
 
     def __init__(
         self,
         urls: list[str],
         *,
-        weights_dir: str | None = None,
+        key: str,
         timeout_s: float = 300.0,
         headers: dict[str, str] | None = None,
-        pull: bool | None = None,
     ) -> None:
         self.transports = [Server(u.rstrip("/")) for u in urls]
-        default = SHM if SHM.is_dir() else Path(tempfile.gettempdir())
-        self.weights_dir = Path(weights_dir) if weights_dir else default
+        self.weights_dir = SHM if SHM.is_dir() else Path(tempfile.gettempdir())
         self.http = httpx.Client(timeout=timeout_s, headers=headers)
-        self.timeout_s = timeout_s
-        # server -> the WeightFiles on this machine's address facing it (None: reads the path)
-        self.files: dict[str, WeightFiles | None] = {}
-        served: dict[str | None, WeightFiles] = {}
+        self.key, self.timeout_s = key, timeout_s
+        # server -> the WeightFiles on this machine's address facing it
+        self.files: dict[str, WeightFiles] = {}
+        served: dict[str, WeightFiles] = {}
         for server in self.transports:
             host = urlsplit(server.target).hostname or ""
-            pulls = pull if pull is not None else not (weights_dir or is_loopback(host))
             try:
-                address = local_address_towards(host) if pulls else None
+                address = local_address_towards(host)
             except OSError as exc:  # unresolvable, or no route: the push could never reach it
                 raise SyncError("start", server.target, f"no route to {host}: {exc}") from None
-            if address and address not in served:
+            if address not in served:
                 served[address] = WeightFiles(address)
-            self.files[server.target] = served.get(address)
+            self.files[server.target] = served[address]
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         start = time.perf_counter()
@@ -215,15 +215,14 @@ class VLLMServerSync:
         token = secrets.token_urlsafe(24)
         try:
             for server in self.transports:
-                files = self.files[server.target]
-                source = str(path) if files is None else files.offer(token, path)
+                source = self.files[server.target].offer(token, path)
                 try:
                     self._load(server.target, source, version, len(tensors))
                     committed.append(server.target)
                 except (httpx.HTTPError, ValueError) as exc:
                     failed[server.target] = str(exc).splitlines()[0]
         finally:
-            for files in filter(None, self.files.values()):
+            for files in self.files.values():
                 files.withdraw(token)
             path.unlink(missing_ok=True)  # every server has read it, or failed to
         if not committed:
@@ -237,9 +236,13 @@ class VLLMServerSync:
     def _load(self, url: str, source: str, version: int, count: int) -> None:
         self._post(f"{url}/pause", params={"mode": "wait"})
         try:
-            body = {"method": LOAD_METHOD, "args": [source, str(version)]}
+            args = [source, str(version), sign(self.key, source, version)]
+            body = {"method": LOAD_METHOD, "args": args}
             answer = self._post(f"{url}/collective_rpc", json={**body, "timeout": self.timeout_s})
             results = answer.get("results") or []
+            refused = [r[1] for r in results if isinstance(r, list) and r[:1] == ["refused"]]
+            if refused:
+                raise ValueError(f"{url}: {refused[0]}")
             if not results or any(r != [version, count] for r in results):
                 raise ValueError(
                     f"{url}: workers answered {results}, expected [{version}, {count}] each"
@@ -247,6 +250,19 @@ class VLLMServerSync:
             self._post(f"{url}/reset_prefix_cache")
         finally:
             self._post(f"{url}/resume")
+
+    def seedless(self) -> list[str]:
+        """The servers that cannot take per-request seeds (vLLM's CPU build), or did not say."""
+        out = []
+        for server in self.transports:
+            body = {"method": "rlpost_serves_seeds", "timeout": self.timeout_s}
+            try:
+                answer = self._post(f"{server.target}/collective_rpc", json=body)
+            except (httpx.HTTPError, ValueError):  # down, or no dev routes: the push will say
+                answer = {}
+            if not answer.get("results") or any(r != [True] for r in answer["results"]):
+                out.append(server.target)
+        return out
 
     def _post(self, url: str, **kwargs) -> dict:
         r = self.http.post(url, **kwargs)
@@ -264,17 +280,23 @@ class VLLMServerSync:
 
     def close(self) -> None:
         self.http.close()
-        for files in {id(f): f for f in filter(None, self.files.values())}.values():
+        for files in {id(f): f for f in self.files.values()}.values():
             files.close()
 
 
 def build_sync(cfg) -> VLLMServerSync:
-    """The weight push of ``rollout.engine.server=vllm`` (servers, weights_dir, sync timeout)."""
+    """The weight push of ``rollout.engine.server=vllm`` (servers, admin key, sync timeout)."""
     from rlpost.rollout.engines.client import keys_from_env
 
     e = cfg.rollout.engine
     admin = keys_from_env(e.api_key_env, e.admin_key_env)["admin_key"]
-    headers = {"Authorization": f"Bearer {admin}"} if admin else None
+    if not admin:
+        raise ConfigError(
+            f"rollout.engine.admin_key_env={e.admin_key_env}: that variable is empty, and "
+            f"rollout.engine.server=vllm signs each push with it; set it, and start each "
+            f"vllm serve with {KEY_ENV} (the same key) and {FROM_ENV} (this machine's address)"
+        )
     return VLLMServerSync(
-        list(e.servers), weights_dir=e.weights_dir, timeout_s=cfg.sync.timeout_s, headers=headers
-    )
+        list(e.servers), key=admin, timeout_s=cfg.sync.timeout_s,
+        headers={"Authorization": f"Bearer {admin}"},
+    )  # fmt: skip

@@ -1,53 +1,195 @@
-"""The part of ``rollout.engine=vllm`` that runs inside vLLM's workers.
+"""The part of ``rollout.engine=vllm`` and ``server=vllm`` that runs inside vLLM's workers.
 
 vLLM mixes :class:`WeightLoader` into each worker (``worker_extension_cls``), so
 ``collective_rpc("rlpost_load_weights", ...)`` calls it by name: no pickled function crosses
 to the engine core and vLLM's insecure serialisation stays off. ``collective_rpc`` arguments
-travel as msgpack (a tensor arrives as a list), so the tensors travel as a safetensors file (on
-shared memory, or fetched over HTTP from the trainer), loaded without unpickling through vLLM's
-in-place reload (the model's own ``load_weights`` and the backend's post-load processing).
-Importing this module must stay cheap, nothing of vLLM: the workers import it at start-up.
+travel as msgpack (a tensor arrives as a list), so the tensors travel as a safetensors file,
+loaded without unpickling through vLLM's in-place reload (the model's own ``load_weights`` and
+the backend's post-load processing).
+
+``vllm serve`` answers ``/collective_rpc`` to whoever reaches it, without a key, so the loader
+trusts its arguments no further than it can check them: a push is signed
+(HMAC-SHA256 of source and version, :func:`sign`) with the key in ``RLPOST_WEIGHTS_KEY``; a
+served loader (``RLPOST_WEIGHTS_FROM``, the trainer's address, set) fetches only ``http://``
+URLs on that address, an in-process one (unset) only files; and the file's header must name
+tensors of the served checkpoint, of its shapes, in a float dtype, before a byte of data is
+read, its length bounded by the model's. Importing this module must stay cheap, nothing of
+vLLM: the workers import it at start-up.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
+import math
+import os
+import struct
 import urllib.request
+from pathlib import Path
+from urllib.parse import urlsplit
 
 from safetensors import safe_open
 from safetensors.torch import load as load_bytes
 
 PULL_TIMEOUT_S = 300.0
+KEY_ENV, FROM_ENV = "RLPOST_WEIGHTS_KEY", "RLPOST_WEIGHTS_FROM"
+FLOAT_BYTES = {"F32": 4, "BF16": 2, "F16": 2}  # the trainer's dtypes; F32 the widest
+HEADER_BYTES_PER_TENSOR = 512  # one entry's JSON: its name, dtype, shape and offsets
+
+
+class WeightsRefused(ValueError):
+    """A push the loader will not load, in one line."""
+
+
+def sign(key: str, source: str, version: int | str) -> str:
+    """The push's token: HMAC-SHA256 of ``source`` and ``version`` under ``key`` (hex)."""
+    message = f"{source}\n{int(version)}".encode()
+    return hmac.new(key.encode(), message, hashlib.sha256).hexdigest()
 
 
 class WeightLoader:
     """Worker extension: load a weight file into this worker's model, with a version."""
 
-    def rlpost_load_weights(self, path: str, version: int | str) -> list[int]:
-        """Copy the tensors of the safetensors file ``path`` (or an ``http://`` URL serving
-        one) into the model; returns ``[version, tensors loaded]`` so the caller can check
-        every worker took it.
+    def rlpost_load_weights(self, source: str, version: int | str, token: str = "") -> list:
+        """Copy the tensors of the safetensors file at ``source`` (the trainer's URL, or a
+        file for an in-process engine) into the model; returns ``[version, tensors loaded]``
+        so the caller can check every worker took it.
 
         ``version`` may arrive as a string: ``vllm serve``'s ``/collective_rpc`` route
-        passes only strings, and a list is what it returns as JSON unchanged."""
-        version = int(version)
+        passes only strings, and a list is what it returns as JSON unchanged. A refused push
+        answers ``["refused", why]`` (raised, vLLM's route would answer a bare 500)."""
+        try:
+            check_source(source, version, token, os.environ)
+            if getattr(self, "_rlpost_tensors", None) is None:
+                self._rlpost_tensors = checkpoint_tensors(self.vllm_config.model_config.model)
+            weights = read_weights(source, self._rlpost_tensors)
+        except (WeightsRefused, OSError) as exc:  # OSError: the URL did not answer
+            why = exc if isinstance(exc, WeightsRefused) else f"weights refused: {exc!r}"
+            return ["refused", str(why)]
         dtype = next(self.model_runner.get_model().parameters()).dtype
         # The trainer's dtype (fp32 master weights) becomes the serving dtype here.
-        weights = [(name, t.to(dtype)) for name, t in read_weights(path)]
+        weights = [(name, t.to(dtype)) for name, t in weights]
         # vLLM's in-place reload, not the model's bare load_weights: backends that repack
         # weights after loading (the CPU one does) leave the checkpoint-format parameters
         # empty; the reload restores them, loads, and repacks into the same kernel tensors.
         self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
         _reprocess_tied(self.model_runner.get_model())
-        return [version, len(weights)]
+        return [int(version), len(weights)]
+
+    def rlpost_serves_seeds(self) -> list[bool]:
+        """Whether this build takes per-request seeds: vLLM's CPU build cannot rewind a seeded
+        request's generator after a chunked prefill ("CPU Generator does not use offset",
+        vLLM 0.32), an error that kills its engine core."""
+        from vllm.platforms import current_platform
+
+        return [not current_platform.is_cpu()]
 
 
-def read_weights(source: str) -> list:
-    """The ``(name, tensor)`` pairs of a safetensors file, from a path or an HTTP URL."""
-    if source.startswith(("http://", "https://")):
-        with urllib.request.urlopen(source, timeout=PULL_TIMEOUT_S) as r:
-            return list(load_bytes(r.read()).items())
-    with safe_open(source, framework="pt") as f:
-        return [(name, f.get_tensor(name)) for name in f.keys()]
+def check_source(source: str, version: int | str, token: str, env) -> None:
+    """Refuse (:class:`WeightsRefused`) a push not signed with ``env``'s key, or from a place
+    this loader does not read: another address than ``RLPOST_WEIGHTS_FROM``, or a file when
+    that is set (served), a URL when not (in process)."""
+    key = env.get(KEY_ENV)
+    if not key:
+        raise WeightsRefused(
+            f"weights refused: {KEY_ENV} is not set where vLLM runs; start it "
+            "with the trainer's admin key there"
+        )
+    if not hmac.compare_digest(sign(key, source, version), str(token)):
+        raise WeightsRefused(f"weights refused: the push's token does not match {KEY_ENV}")
+    origin, url = env.get(FROM_ENV), urlsplit(source)
+    if not origin:
+        if url.scheme:
+            raise WeightsRefused(
+                f"weights refused: {source!r} is a URL and {FROM_ENV} is unset; "
+                f"set {FROM_ENV} to the trainer's address"
+            )
+    elif url.scheme != "http" or url.hostname != origin.strip("[]"):
+        raise WeightsRefused(
+            f"weights refused: {source!r} is not on the trainer's address ({FROM_ENV}={origin})"
+        )
+
+
+def checkpoint_tensors(model: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of the served checkpoint (its safetensors headers): a
+    directory, or a hub id vLLM has downloaded."""
+    root = Path(model)
+    if not root.is_dir():
+        from huggingface_hub import snapshot_download
+
+        root = Path(
+            snapshot_download(model, allow_patterns=["*.safetensors"], local_files_only=True)
+        )
+    tensors = {}
+    for path in sorted(root.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            tensors.update({n: tuple(f.get_slice(n).get_shape()) for n in f.keys()})
+    if not tensors:
+        raise WeightsRefused(
+            f"weights refused: no safetensors checkpoint in {root} to check against"
+        )
+    return tensors
+
+
+def read_weights(source: str, tensors: dict[str, tuple[int, ...]]) -> list:
+    """The ``(name, tensor)`` pairs of the safetensors file at ``source`` (an ``http://`` URL
+    or a path), its header checked against ``tensors`` (:func:`check_header`) and its body
+    read no further than the header says."""
+    if urlsplit(source).scheme:
+        stream = urllib.request.urlopen(source, timeout=PULL_TIMEOUT_S)
+    else:
+        stream = open(source, "rb")
+    with stream:
+        prefix = _read(stream, 8)
+        (length,) = struct.unpack("<Q", prefix)
+        if length > HEADER_BYTES_PER_TENSOR * len(tensors):
+            raise WeightsRefused(
+                f"weights refused: a {length}-byte header, more than {len(tensors)} tensors take"
+            )
+        header = _read(stream, length)
+        size = check_header(header, tensors)
+        body = _read(stream, size)
+        if stream.read(1):
+            raise WeightsRefused("weights refused: the file runs past the tensors its header lists")
+    return list(load_bytes(prefix + header + body).items())
+
+
+def check_header(header: bytes, tensors: dict[str, tuple[int, ...]]) -> int:
+    """The data length a safetensors ``header`` declares, once every entry names a tensor of
+    ``tensors`` with its shape, a float dtype and the bytes those take; else refused."""
+    try:
+        entries = json.loads(header)
+        entries.pop("__metadata__", None)
+        end = 0
+        for name, entry in entries.items():
+            shape, dtype = list(entry["shape"]), entry["dtype"]
+            begin, stop = entry["data_offsets"]
+            if name not in tensors:
+                raise WeightsRefused(f"weights refused: {name!r} is not a tensor of the model")
+            if shape != list(tensors[name]) or dtype not in FLOAT_BYTES:
+                raise WeightsRefused(
+                    f"weights refused: {name} is {dtype}{shape}, the model's is "
+                    f"{list(tensors[name])} in F32, BF16 or F16"
+                )
+            if stop - begin != math.prod(shape) * FLOAT_BYTES[dtype] or begin < 0:
+                raise WeightsRefused(f"weights refused: {name}'s offsets do not fit its shape")
+            end = max(end, stop)
+        cap = sum(math.prod(s) for s in tensors.values()) * max(FLOAT_BYTES.values())
+        if end > cap:
+            raise WeightsRefused(f"weights refused: {end} bytes of tensors, the model's take {cap}")
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, WeightsRefused):
+            raise
+        raise WeightsRefused(f"weights refused: not a safetensors header ({exc})") from None
+    return end
+
+
+def _read(stream, n: int) -> bytes:
+    data = stream.read(n)
+    if len(data) != n:
+        raise WeightsRefused(f"weights refused: the file ends {n - len(data)} bytes early")
+    return data
 
 
 def _reprocess_tied(model) -> None:
