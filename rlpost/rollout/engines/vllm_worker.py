@@ -29,7 +29,7 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_bytes
 
 PULL_TIMEOUT_S = 300.0
@@ -90,25 +90,15 @@ def check_source(source: str, version: int | str, token: str, env) -> None:
     """Refuse (:class:`WeightsRefused`) a push not signed with ``env``'s key, or from a place
     this loader does not read: another address than ``RLPOST_WEIGHTS_FROM``, or a file when
     that is set (served), a URL when not (in process)."""
-    key = env.get(KEY_ENV)
+    key, origin, url = env.get(KEY_ENV), env.get(FROM_ENV), urlsplit(source)
     if not key:
-        raise WeightsRefused(
-            f"weights refused: {KEY_ENV} is not set where vLLM runs; start it "
-            "with the trainer's admin key there"
-        )
+        raise _refused(f"{KEY_ENV} is not set where vLLM runs; set it to the trainer's admin key")
     if not hmac.compare_digest(sign(key, source, version), str(token)):
-        raise WeightsRefused(f"weights refused: the push's token does not match {KEY_ENV}")
-    origin, url = env.get(FROM_ENV), urlsplit(source)
-    if not origin:
-        if url.scheme:
-            raise WeightsRefused(
-                f"weights refused: {source!r} is a URL and {FROM_ENV} is unset; "
-                f"set {FROM_ENV} to the trainer's address"
-            )
-    elif url.scheme != "http" or url.hostname != origin.strip("[]"):
-        raise WeightsRefused(
-            f"weights refused: {source!r} is not on the trainer's address ({FROM_ENV}={origin})"
-        )
+        raise _refused(f"the push's token does not match {KEY_ENV}")
+    if not origin and url.scheme:
+        raise _refused(f"{source!r} is a URL and {FROM_ENV} (the trainer's address) is unset")
+    if origin and (url.scheme != "http" or url.hostname != origin.strip("[]")):
+        raise _refused(f"{source!r} is not on the trainer's address ({FROM_ENV}={origin})")
 
 
 def checkpoint_tensors(model: str) -> dict[str, tuple[int, ...]]:
@@ -118,17 +108,13 @@ def checkpoint_tensors(model: str) -> dict[str, tuple[int, ...]]:
     if not root.is_dir():
         from huggingface_hub import snapshot_download
 
-        root = Path(
-            snapshot_download(model, allow_patterns=["*.safetensors"], local_files_only=True)
-        )
+        root = Path(snapshot_download(model, allow_patterns="*.safetensors", local_files_only=True))
     tensors = {}
     for path in sorted(root.glob("*.safetensors")):
         with safe_open(path, framework="pt") as f:
             tensors.update({n: tuple(f.get_slice(n).get_shape()) for n in f.keys()})
     if not tensors:
-        raise WeightsRefused(
-            f"weights refused: no safetensors checkpoint in {root} to check against"
-        )
+        raise _refused(f"no safetensors checkpoint in {root} to check pushes against")
     return tensors
 
 
@@ -136,23 +122,20 @@ def read_weights(source: str, tensors: dict[str, tuple[int, ...]]) -> list:
     """The ``(name, tensor)`` pairs of the safetensors file at ``source`` (an ``http://`` URL
     or a path), its header checked against ``tensors`` (:func:`check_header`) and its body
     read no further than the header says."""
-    if urlsplit(source).scheme:
-        stream = urllib.request.urlopen(source, timeout=PULL_TIMEOUT_S)
-    else:
-        stream = open(source, "rb")
-    with stream:
-        prefix = _read(stream, 8)
+    url = urlsplit(source).scheme
+    with urllib.request.urlopen(source, timeout=PULL_TIMEOUT_S) if url else open(source, "rb") as f:
+        prefix = _read(f, 8)
         (length,) = struct.unpack("<Q", prefix)
         if length > HEADER_BYTES_PER_TENSOR * len(tensors):
-            raise WeightsRefused(
-                f"weights refused: a {length}-byte header, more than {len(tensors)} tensors take"
-            )
-        header = _read(stream, length)
-        size = check_header(header, tensors)
-        body = _read(stream, size)
-        if stream.read(1):
-            raise WeightsRefused("weights refused: the file runs past the tensors its header lists")
-    return list(load_bytes(prefix + header + body).items())
+            raise _refused(f"a {length}-byte header, more than {len(tensors)} tensors take")
+        header = _read(f, length)
+        body = _read(f, check_header(header, tensors))
+        if f.read(1):
+            raise _refused("the file runs past the tensors its header lists")
+    try:
+        return list(load_bytes(prefix + header + body).items())
+    except SafetensorError as exc:  # what the checks above leave to safetensors (overlaps)
+        raise _refused(f"not a safetensors file ({exc})") from None
 
 
 def check_header(header: bytes, tensors: dict[str, tuple[int, ...]]) -> int:
@@ -161,35 +144,35 @@ def check_header(header: bytes, tensors: dict[str, tuple[int, ...]]) -> int:
     try:
         entries = json.loads(header)
         entries.pop("__metadata__", None)
-        end = 0
-        for name, entry in entries.items():
-            shape, dtype = list(entry["shape"]), entry["dtype"]
-            begin, stop = entry["data_offsets"]
-            if name not in tensors:
-                raise WeightsRefused(f"weights refused: {name!r} is not a tensor of the model")
-            if shape != list(tensors[name]) or dtype not in FLOAT_BYTES:
-                raise WeightsRefused(
-                    f"weights refused: {name} is {dtype}{shape}, the model's is "
-                    f"{list(tensors[name])} in F32, BF16 or F16"
-                )
-            if stop - begin != math.prod(shape) * FLOAT_BYTES[dtype] or begin < 0:
-                raise WeightsRefused(f"weights refused: {name}'s offsets do not fit its shape")
-            end = max(end, stop)
-        cap = sum(math.prod(s) for s in tensors.values()) * max(FLOAT_BYTES.values())
-        if end > cap:
-            raise WeightsRefused(f"weights refused: {end} bytes of tensors, the model's take {cap}")
+        rows = [(n, list(e["shape"]), e["dtype"], *e["data_offsets"]) for n, e in entries.items()]
+        if any(len(row) != 5 or not all(isinstance(x, int) for x in row[3:]) for row in rows):
+            raise ValueError("data_offsets are not two integers")
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, WeightsRefused):
-            raise
-        raise WeightsRefused(f"weights refused: not a safetensors header ({exc})") from None
+        raise _refused(f"not a safetensors header ({exc})") from None
+    for name, shape, dtype, begin, stop in rows:
+        if name not in tensors:
+            raise _refused(f"{name!r} is not a tensor of the model")
+        if shape != list(tensors[name]) or dtype not in FLOAT_BYTES:
+            want = list(tensors[name])
+            raise _refused(f"{name} is {dtype}{shape}, the model's is {want} in F32, BF16 or F16")
+        if begin < 0 or stop - begin != math.prod(shape) * FLOAT_BYTES[dtype]:
+            raise _refused(f"{name}'s offsets do not fit its shape")
+    end = max((row[4] for row in rows), default=0)
+    cap = sum(math.prod(s) for s in tensors.values()) * max(FLOAT_BYTES.values())
+    if end > cap:
+        raise _refused(f"{end} bytes of tensors, the model's take {cap}")
     return end
 
 
 def _read(stream, n: int) -> bytes:
     data = stream.read(n)
     if len(data) != n:
-        raise WeightsRefused(f"weights refused: the file ends {n - len(data)} bytes early")
+        raise _refused(f"the file ends {n - len(data)} bytes early")
     return data
+
+
+def _refused(why: str) -> WeightsRefused:
+    return WeightsRefused(f"weights refused: {why}")
 
 
 def _reprocess_tied(model) -> None:

@@ -267,6 +267,14 @@ def _weights(**tensors) -> bytes:
     return save({"a": torch.zeros(2, 3), "b": torch.ones(4), **tensors})
 
 
+def _raw(entries: dict, data: int) -> bytes:
+    """A safetensors file written by hand: ``name: [dtype, shape, offsets]``, ``data`` bytes."""
+    header = json.dumps(
+        {n: {"dtype": d, "shape": s, "data_offsets": o} for n, (d, s, o) in entries.items()}
+    ).encode()
+    return len(header).to_bytes(8, "little") + header + b"\0" * data
+
+
 def _load(url, token, env=SERVED, version=1):
     check_source(url, version, token, env)
     return dict(read_weights(url, MODEL))
@@ -288,7 +296,7 @@ def test_the_loader_takes_a_signed_push_from_the_trainers_address(trainer):
         (SERVED, "0" * 64, "token does not match"),
         ({KEY_ENV: "another", FROM_ENV: "127.0.0.1"}, None, "token does not match"),
         ({KEY_ENV: KEY, FROM_ENV: "10.0.0.7"}, None, "not on the trainer's address"),
-        ({KEY_ENV: KEY}, None, "is a URL and RLPOST_WEIGHTS_FROM is unset"),
+        ({KEY_ENV: KEY}, None, "is a URL and RLPOST_WEIGHTS_FROM"),
     ],
     ids=["no-key", "no-token", "wrong-token", "other-key", "other-address", "not-served"],
 )
@@ -331,8 +339,23 @@ def test_a_token_is_for_one_url_and_one_version(trainer):
         ((1 << 40).to_bytes(8, "little") + b"{}", "more than 2 tensors take"),
         (b"\x10" + b"\0" * 7 + b"[not a header]\0\0", "not a safetensors header"),
         (_weights()[:-4], "ends 4 bytes early"),
+        (_raw({"a": ["F32", [2, 3], ["0", "24"]]}, 24), "not a safetensors header"),
+        (
+            _raw({"a": ["F32", [2, 3], [0, 24]], "b": ["F32", [4], [0, 16]]}, 24),
+            "not a safetensors file",
+        ),
     ],
-    ids=["name", "shape", "dtype", "over-cap", "huge-header", "garbage", "short"],
+    ids=[
+        "name",
+        "shape",
+        "dtype",
+        "over-cap",
+        "huge-header",
+        "garbage",
+        "short",
+        "offset-text",
+        "overlap",
+    ],
 )
 def test_the_loader_refuses_tensors_that_are_not_the_models(trainer, payload, why):
     url, token = trainer(payload)
@@ -342,10 +365,7 @@ def test_the_loader_refuses_tensors_that_are_not_the_models(trainer, payload, wh
 
 
 def test_an_offset_past_the_models_size_is_refused_before_reading(trainer):
-    header = json.dumps(
-        {"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [1 << 40, (1 << 40) + 24]}}
-    )
-    url, token = trainer(len(header).to_bytes(8, "little") + header.encode())
+    url, token = trainer(_raw({"a": ["F32", [2, 3], [1 << 40, (1 << 40) + 24]]}, 0))
     with pytest.raises(WeightsRefused, match="bytes of tensors, the model's take 40"):
         _load(url, token)
 
