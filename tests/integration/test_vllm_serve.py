@@ -198,9 +198,10 @@ def test_a_seeded_rollout_at_the_recipes_sizes_leaves_the_cpu_build_alive(server
     r = cfg.rollout
     engine = build(cfg, None, None, tokenizer)
     assert [c.seeds for c in engine.clients] == [False]  # vLLM's CPU build
-    chat = "<|im_start|>user\nCompute {} + {}. Reply with the number only.<|im_end|>\n"
-    prompts = [tokenizer(chat.format(i, 2 * i) + "<|im_start|>assistant\n")["input_ids"]
+    prompts = [_chat(tokenizer, f"Compute {i} + {2 * i} = Reply with the number only.")
                for i in range(r.prompts_per_step)]  # fmt: skip
+    # 64 prefills of this length pass vLLM's CPU budget of 2,048 tokens a step: chunked
+    assert r.prompts_per_step * r.n * len(prompts[0]) > 2048
     params = SamplingParams(temperature=1.0, max_tokens=r.max_tokens, seed=cfg.run.seed)
     try:
         for _ in range(2):
@@ -210,6 +211,13 @@ def test_a_seeded_rollout_at_the_recipes_sizes_leaves_the_cpu_build_alive(server
     finally:
         engine.close()
     assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+
+
+def _chat(tokenizer, text: str) -> list[int]:
+    """``text`` as the run prompts it: through the model's chat template."""
+    message = [{"role": "user", "content": text}]
+    chat = tokenizer.apply_chat_template(message, add_generation_prompt=True, tokenize=False)
+    return tokenizer(chat, add_special_tokens=False)["input_ids"]
 
 
 def test_grpo_trains_against_vllm_serve(server, model_dir, tmp_path):
