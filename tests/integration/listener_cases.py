@@ -9,6 +9,7 @@ import os
 import socket
 import threading
 from http.server import ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 import torch
@@ -153,11 +154,15 @@ def test_the_weight_pull_server_listens_during_a_push_only_facing_the_server(tmp
     """``rollout.engine.server=vllm`` with a server off this machine: the trainer offers the
     weight file on its address facing that server while the push lasts, and nowhere else."""
     from rlpost.rollout.engines.vllm_server import VLLMServerSync
-    from tests.unit.rollout.test_vllm_server import _DevRoutes
+    from rlpost.rollout.engines.vllm_worker import FROM_ENV, KEY_ENV
+    from tests.unit.rollout.test_vllm_server import KEY, _DevRoutes
 
     during: list = []
 
     class Watched(_DevRoutes):
+        env: ClassVar[dict] = {KEY_ENV: KEY, FROM_ENV: netns.ADDRESS}  # the trainer's, facing it
+        model: ClassVar[dict] = {n: tuple(t.shape) for n, t in toy_weights(0).items()}
+
         def do_POST(self):
             if self.path.startswith("/collective_rpc"):
                 during.extend(x for x in netns.listeners() if x.pid == os.getpid())
@@ -167,7 +172,7 @@ def test_the_weight_pull_server_listens_during_a_push_only_facing_the_server(tmp
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://{netns.ADDRESS}:{server.server_address[1]}"
     own = f"{netns.ADDRESS}:{server.server_address[1]}"
-    sync = VLLMServerSync([url])  # not on loopback, no shared weights_dir: it pulls
+    sync = VLLMServerSync([url], key=KEY)
     try:
         idle = [x for x in netns.listeners() if x.pid == os.getpid()]
         sync.push(toy_weights(0).items(), 1)

@@ -84,6 +84,8 @@ class _DevRoutes(BaseHTTPRequestHandler):
     worker extension's checks and reader on what it is given, as each worker does."""
 
     seen: ClassVar[list] = []
+    env: ClassVar[dict] = SERVED  # the loader's environment, and the served model's tensors
+    model: ClassVar[dict] = MODEL
     seeds: ClassVar[list] = [[False]]  # what rlpost_serves_seeds answers: a CPU build's
     bodies: ClassVar[list] = []  # of /v1/completions
 
@@ -100,8 +102,8 @@ class _DevRoutes(BaseHTTPRequestHandler):
         elif self.path == "/collective_rpc":
             source, version, token = json.loads(body)["args"]
             try:
-                check_source(source, version, token, SERVED)
-                weights = read_weights(source, MODEL)
+                check_source(source, version, token, self.env)
+                weights = read_weights(source, self.model)
                 self.seen.append((source, weights))
                 answer = json.dumps({"results": [[int(version), len(weights)]]}).encode()
             except WeightsRefused as exc:  # as rlpost_load_weights answers it
