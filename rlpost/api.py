@@ -43,6 +43,7 @@ from rlpost.algos.policy_losses import POLICY_LOSSES
 from rlpost.config import OptimConfig
 from rlpost.models.loading import load_policy
 from rlpost.params import LossChoice, variants
+from rlpost.registry import declared
 from rlpost.rollout.engines.hf import HFEngine
 from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.statefile import load_state, save_state
@@ -146,22 +147,32 @@ def _rows(values: torch.Tensor, data: Sequence[Datum]) -> list[torch.Tensor]:
 
 
 def resolve_loss(loss: str | Any | Callable, params: dict[str, Any]) -> tuple[Callable, Any]:
-    """(function, params) of a registered loss name, a loss variant, or a user's
-    ``fn(x: LossInputs, params) -> PolicyLossOutput`` (its params: a namespace of ``params``)."""
-    if isinstance(loss, str):
+    """(function, params) of a registered loss name, a user's ``file.py:fn`` or
+    ``package.module:fn``, a loss variant, or a function ``fn(x: LossInputs, params) ->
+    PolicyLossOutput``; a user's function gets ``params`` as attributes (or its declared
+    params model's instance, :func:`rlpost.registry.part`)."""
+    if isinstance(loss, str) and ":" not in loss:
         choices = variants(LossChoice)
         if loss not in choices:
             raise APIError(f"loss={loss!r}: unknown; valid: {', '.join(sorted(choices))}")
         try:
-            variant = choices[loss](**params)
+            return POLICY_LOSSES.get(loss), choices[loss](**params)
         except ValueError as exc:  # pydantic: a wrong or unknown parameter
-            raise APIError(f"loss={loss!r}: {str(exc).splitlines()[0]}; {exc}") from None
-        return POLICY_LOSSES.get(loss), variant
+            raise APIError(f"loss={loss!r}: {' '.join(str(exc).split())}") from None
     if hasattr(loss, "name") and hasattr(loss, "model_dump"):  # a variant
         return POLICY_LOSSES.get(loss.name), loss
-    if callable(loss):
-        return loss, types.SimpleNamespace(**params)
-    raise APIError(f"loss={loss!r}: give a registered name, a variant or a function")
+    if isinstance(loss, str):
+        try:
+            loss = POLICY_LOSSES.get(loss)
+        except (ValueError, KeyError) as exc:
+            raise APIError(f"loss={loss!r}: {exc}") from None
+    if not callable(loss):
+        raise APIError(f"loss={loss!r}: give a registered name, a variant or a function")
+    model = declared(loss)[0]
+    try:
+        return loss, model(**params) if model is not None else types.SimpleNamespace(**params)
+    except ValueError as exc:
+        raise APIError(f"loss params: {' '.join(str(exc).split())}") from None
 
 
 class Base:

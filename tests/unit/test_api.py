@@ -4,6 +4,7 @@ is the trainer's step, policies on one base stay apart, and bad data is one name
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,4 +136,18 @@ def test_bad_data_is_one_named_line(base, datum, field):
         policy.optim_step()
     with pytest.raises(APIError, match="unknown; valid"):
         policy.forward_backward([Datum([1, 2], [2, 3])], "no_such_loss")
+    policy.close()
+
+
+def test_a_users_loss_from_a_file_trains_through_the_api(base):
+    """``examples/parts/clipped_loss.py:clipped`` by name, its declared ``clip`` checked."""
+    spec = f"{Path(__file__).resolve().parents[2]}/examples/parts/clipped_loss.py:clipped"
+    policy = base.policy(rlpost.LoRA(rank=2))
+    prompt, out = rollout(policy, base)
+    data = as_data(prompt, out, [1.0, -1.0, 0.5, -0.5])
+    fb = policy.forward_backward(data, spec, clip=0.1)
+    assert fb.stats["clip"] == pytest.approx(0.1)
+    assert policy.optim_step(lr=1e-2)["grad_norm"] > 0
+    with pytest.raises(APIError, match="loss params"):
+        policy.forward_backward(data, spec, clip="wide")
     policy.close()
