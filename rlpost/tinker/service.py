@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlpost.tinker.wire import BadInput, read_fwdbwd
+from rlpost.tinker.wire import LOSS_INPUTS, BadInput, read_fwdbwd
 
 try:
     from tinker import types
@@ -44,12 +44,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 PROTO = "application/x-protobuf"
-# Tinker's defaults for the clipped losses: the ratio is clipped to [0.8, 1.2].
-CLIP_LOW, CLIP_HIGH = 0.8, 1.2
-# ``importance_sampling`` is ppo_clip with a clip range no ratio reaches (r <= e^20 after the
-# log-ratio clamp) and no dual clip: -A r per token.
-NO_CLIP = 1e9
+# The built-in losses served; Tinker clips the ratio of the clipped ones to [0.8, 1.2].
+LOSS_FNS = tuple(LOSS_INPUTS)
 LONG_POLL_S = 20.0
+SILENT_S = 120.0
 KEEP_SAMPLERS = 4
 STEP_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 
@@ -64,45 +62,31 @@ class Refused(Exception):
 
 def _loss(loss_fn: str, config: dict[str, float]) -> tuple[str, dict]:
     """rlpost's registered loss and params for a Tinker ``loss_fn`` (docs/algorithms.md)."""
-    lo, hi = (
-        config.get("clip_low_threshold", CLIP_LOW),
-        config.get("clip_high_threshold", CLIP_HIGH),
-    )
+    clipped = loss_fn in ("ppo", "cispo", "gspo")
+    known = {"clip_low_threshold", "clip_high_threshold"} if clipped else set()
+    known |= {"beta"} if loss_fn == "dro" else set()
+    if loss_fn not in LOSS_FNS:
+        why = "; its objective is not published" if loss_fn == "stable_reinforce" else ""
+        raise BadInput(f"loss_fn={loss_fn}: not served here{why}; use one of {', '.join(LOSS_FNS)}")
+    if bad := sorted(set(config) - known):
+        raise BadInput(f"loss_fn_config.{bad[0]}: not a parameter of loss_fn={loss_fn} "
+                       f"(takes {sorted(known) or 'none'})")  # fmt: skip
+    lo, hi = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+    if not 0.0 <= lo <= 1.0 <= hi:
+        raise BadInput(f"loss_fn_config: clip thresholds {lo}, {hi}: need 0 <= low <= 1 <= high")
     clip = {"clip_low": 1.0 - lo, "clip_high": hi - 1.0}
-    table = {
+    return {
         "cross_entropy": ("reinforce", {}),
+        # -A r: a clip range no ratio reaches (r <= e^20 after the log-ratio clamp), no dual clip
         "importance_sampling": (
             "ppo_clip",
-            {"clip_low": 1.0, "clip_high": NO_CLIP, "dual_clip": False},
+            {"clip_low": 1.0, "clip_high": 1e9, "dual_clip": False},
         ),
         "ppo": ("ppo_clip", {**clip, "dual_clip": False}),
         "cispo": ("cispo", clip),
         "gspo": ("gspo", clip),
         "dro": ("dro", {"reg_coef": config.get("beta", 0.05)}),
-    }
-    if loss_fn not in table:
-        extra = (
-            "; stable_reinforce's objective is not published"
-            if loss_fn == "stable_reinforce"
-            else ""
-        )
-        raise BadInput(
-            f"loss_fn={loss_fn}: not a built-in loss served here{extra}; use one of {', '.join(table)}"
-        )
-    known = (
-        {"clip_low_threshold", "clip_high_threshold"} if "clip_low" in table[loss_fn][1] else set()
-    )
-    known |= {"beta"} if loss_fn == "dro" else set()
-    for key in config:
-        if key not in known:
-            raise BadInput(
-                f"loss_fn_config.{key}: not a parameter of loss_fn={loss_fn} (takes {sorted(known) or 'none'})"
-            )
-    if "clip_low" in table[loss_fn][1] and not 0.0 <= lo <= 1.0 <= hi:
-        raise BadInput(
-            f"loss_fn_config: clip thresholds {lo}, {hi} must satisfy 0 <= low <= 1 <= high"
-        )
-    return table[loss_fn]
+    }[loss_fn]
 
 
 @dataclass
@@ -111,7 +95,6 @@ class Session:
     owner: str
     ended: bool = False
     seen: float = field(default_factory=time.monotonic)
-    samplers: int = 0  # join_sampling_session's counter
 
 
 @dataclass
@@ -131,8 +114,10 @@ class Sampler:
     owner: str
     base: str
     path: str | None
+    session: str = ""
     model: str | None = None  # the training model it was saved from
     engine: Any = None
+    clients: int = 0  # join_sampling_session's counter
 
 
 @dataclass
@@ -147,7 +132,8 @@ class Future:
 class Worker:
     """One thread runs every model computation; sessions take turns (round-robin)."""
 
-    def __init__(self) -> None:
+    def __init__(self, live=lambda lane: True) -> None:
+        self.live = live  # a lane whose session ended (or went silent) has its work dropped
         self.lanes: dict[str, collections.deque] = {}
         self.turns: collections.deque[str] = collections.deque()
         self.cv = threading.Condition()
@@ -168,12 +154,15 @@ class Worker:
                     lane = self.turns[0]
                     self.turns.rotate(-1)
                     if self.lanes[lane]:
-                        return self.lanes[lane].popleft()
+                        return (lane, *self.lanes[lane].popleft())
                 self.cv.wait()
 
     def _run(self) -> None:
         while True:
-            fut, fn = self._next()
+            lane, fut, fn = self._next()
+            if not self.live(lane):
+                fut.error, fut.done = f"session_id={lane}: the session has ended", True
+                continue
             try:
                 fut.value = fn()
             except (ValueError, Refused) as exc:  # BadInput and rlpost.api.APIError: bad input
@@ -193,8 +182,15 @@ class Service:
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, Sampler] = {}
         self.futures: dict[str, Future] = {}
-        self.lock = threading.Lock()
-        self.worker = Worker()
+        self.worker = Worker(self.alive)
+
+    def alive(self, sid: str) -> bool:
+        """False once a session ended or sent no heartbeat for SILENT_S (the SDK sends one
+        every 10 s): its client is gone, so its queued work is dropped."""
+        s = self.sessions.get(sid)
+        if s is not None and time.monotonic() - s.seen > SILENT_S:
+            s.ended = True
+        return s is None or not s.ended
 
     # -- identity -----------------------------------------------------------------------
     def owner(self, request: Request) -> str:
@@ -263,11 +259,7 @@ class Service:
         return self.bases[name]
 
     def context(self, name: str) -> int | None:
-        base = self.bases.get(name)
-        return (
-            getattr(getattr(base, "model", None), "config", None)
-            and base.model.config.max_position_embeddings
-        )
+        return getattr(self.bases.get(name), "context", None)
 
     def ckpt_dir(self, owner: str, path: str, name: str = "path") -> Path:
         """The directory of a ``tinker://MODEL/KIND/NAME`` path this key owns (field ``name``)."""
@@ -276,6 +268,7 @@ class Service:
             not path.startswith("tinker://")
             or len(parts) != 3
             or parts[1] not in ("weights", "sampler_weights")
+            or {parts[0], parts[2]} & {"", ".", ".."}
         ):
             raise BadInput(
                 f"{name}={path}: not a tinker://MODEL/weights/NAME or sampler_weights path"
@@ -576,7 +569,7 @@ class Face:
         req = _parse(types.SaveWeightsForSamplerRequest, body)
         m = self.svc.model(req.model_id, owner)
         path = _tinker_path(m.id, "sampler_weights", req.path) if req.path else None
-        s = Sampler(f"sampler-{secrets.token_hex(12)}", owner, m.base, path, m.id)
+        s = Sampler(f"sampler-{secrets.token_hex(12)}", owner, m.base, path, m.session, m.id)
 
         def run():
             self.ops.sampler_from(s, None, m.policy)
@@ -599,14 +592,15 @@ class Face:
                 for x in self.svc.samplers.values()
                 if x.path == req.model_path and x.owner == owner
             ]
-            s = Sampler(f"sampler-{secrets.token_hex(12)}", owner, base, req.model_path)
+            s = Sampler(
+                f"sampler-{secrets.token_hex(12)}", owner, base, req.model_path, req.session_id
+            )
             s.engine = known[0].engine if known else None
             if s.engine is None:
                 self.svc.submit(owner, req.session_id, lambda: self.ops.sampler_from(s, d))
         elif req.base_model:
-            s = Sampler(
-                f"sampler-{secrets.token_hex(12)}", owner, self.svc.base_name(req.base_model), None
-            )
+            base = self.svc.base_name(req.base_model)
+            s = Sampler(f"sampler-{secrets.token_hex(12)}", owner, base, None, req.session_id)
         else:
             raise BadInput("model_path: give model_path or base_model")
         self.svc.samplers[s.id] = s
@@ -615,7 +609,7 @@ class Face:
     def join_sampling_session(self, request, owner, body):
         req = _parse(types.JoinSamplingSessionRequest, body)
         s = self.svc._mine(self.svc.samplers, "sampling_session_id", req.sampling_session_id, owner)
-        s.clients = getattr(s, "clients", 0) + 1
+        s.clients += 1
         return types.JoinSamplingSessionResponse(client_counter=s.clients)
 
     def asample(self, request, owner, body):
@@ -630,7 +624,7 @@ class Face:
         if ctx is not None and len(prompt) + (req.sampling_params.max_tokens or 0) > ctx:
             raise BadInput(f"prompt: {len(prompt)} tokens + max_tokens={req.sampling_params.max_tokens} "
                            f"is past the model's context of {ctx}")  # fmt: skip
-        out = self.svc.submit(owner, f"sample-{owner}", lambda: self.ops.sample(s, req))
+        out = self.svc.submit(owner, s.session, lambda: self.ops.sample(s, req))
         return {
             **out,
             "sample_sequence_ids": [secrets.token_hex(8) for _ in range(req.num_samples)],

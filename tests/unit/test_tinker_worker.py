@@ -35,6 +35,16 @@ def test_sessions_take_turns_round_robin():
     assert order == ["a0", "b0", "c0", "a1", "b1", "a2", "a3"]
 
 
+def test_work_of_an_ended_session_is_dropped():
+    ended = {"gone"}
+    worker = Worker(live=lambda lane: lane not in ended)
+    dropped, kept, ran = Future("a"), Future("a"), []
+    worker.submit("gone", dropped, lambda: ran.append("gone"))
+    worker.submit("here", kept, lambda: ran.append("here"))
+    _wait([dropped, kept])
+    assert ran == ["here"] and "session has ended" in dropped.error
+
+
 def test_a_fault_answers_its_future_and_the_worker_goes_on():
     worker = Worker()
     bad, fault, good = Future("a"), Future("a"), Future("a")
