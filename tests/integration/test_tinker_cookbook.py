@@ -63,7 +63,7 @@ def test_supervised_train_lowers_held_out_nll(smol, tmp_path):
     cfg = train.Config(
         log_path=str(tmp_path / "log"), model_name=model, recipe_name="sl-local",
         renderer_name="role_colon", dataset_builder=data, learning_rate=1e-3, lora_rank=8,
-        base_url=url, save_every=0, eval_every=5, max_steps=5, ttl_seconds=None,
+        base_url=url, save_every=0, eval_every=2, max_steps=5, ttl_seconds=None,
     )  # fmt: skip
     asyncio.run(train.main(cfg))
     nll = [m["test/nll"] for m in _metrics(tmp_path / "log") if "test/nll" in m]
