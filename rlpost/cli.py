@@ -15,6 +15,7 @@
     rlpost sandbox run FILE.py [--timeout S] [--memory MB] [--json]
     rlpost sandbox check [--run-limits MODE]   which sandbox limits hold on this host
     rlpost serve [--model DIR|X.gguf] [--port N] OpenAI-compatible rollout server
+    rlpost tinker --model NAME=PATH [--port N]  the Tinker training API, served locally
     rlpost cluster scale --rollout N RUN_DIR   grow or shrink a running job's rollout fleet
 
 A bad config is one line on stderr and exit code 2, before any work starts.
@@ -298,6 +299,7 @@ def cmd_rewards(args) -> int:
 OWN_ARGS = {
     "report": ("rlpost.observe.report", "HTML report of a run, or several overlaid"),
     "serve": ("rlpost.rollout.serve.server", "OpenAI-compatible rollout server"),
+    "tinker": ("rlpost.tinker.service", "the Tinker training API, served locally"),
     "cluster": ("rlpost.cluster.control", "a running job's workers"),
     "sandbox": ("rlpost.rewards.sandbox.cli", "run untrusted code in the sandbox"),
 }
@@ -306,7 +308,7 @@ OWN_ARGS = {
 def _own_args(command: str, rest: list[str]) -> int:
     import importlib
 
-    if command == "serve":
+    if command in ("serve", "tinker"):
         _quiet_libraries()
     return importlib.import_module(OWN_ARGS[command][0]).main(rest)
 

@@ -1,0 +1,1 @@
+"""The Tinker training API, served locally: a face over :mod:`rlpost.api` (docs/tinker.md)."""

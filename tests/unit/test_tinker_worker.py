@@ -1,0 +1,61 @@
+"""The Tinker service's worker: sessions take turns, a fault answers its own future."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("tinker")
+
+from rlpost.tinker.service import Future, Worker
+from rlpost.tinker.wire import BadInput
+
+
+def _wait(futures: list[Future]) -> None:
+    deadline = time.monotonic() + 10
+    while not all(f.done for f in futures) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(f.done for f in futures)
+
+
+def test_sessions_take_turns_round_robin():
+    worker, order, started, gate = Worker(), [], threading.Event(), threading.Event()
+    first = Future("a")
+    worker.submit("a", first, lambda: (started.set(), gate.wait()))  # holds the worker
+    started.wait(10)
+    futures = [first]
+    for lane, n in (("a", 4), ("b", 2), ("c", 1)):
+        for i in range(n):
+            futures.append(Future(lane))
+            worker.submit(lane, futures[-1], lambda tag=f"{lane}{i}": order.append(tag))
+    gate.set()
+    _wait(futures)
+    assert order == ["a0", "b0", "c0", "a1", "b1", "a2", "a3"]
+
+
+def test_work_of_an_ended_session_is_dropped():
+    ended = {"gone"}
+    worker = Worker(live=lambda lane: lane not in ended)
+    dropped, kept, ran = Future("a"), Future("a"), []
+    worker.submit("gone", dropped, lambda: ran.append("gone"))
+    worker.submit("here", kept, lambda: ran.append("here"))
+    _wait([dropped, kept])
+    assert ran == ["here"] and "session has ended" in dropped.error
+
+
+def test_a_fault_answers_its_future_and_the_worker_goes_on():
+    worker = Worker()
+    bad, fault, good = Future("a"), Future("a"), Future("a")
+
+    def raise_(exc):
+        raise exc
+
+    worker.submit("a", bad, lambda: raise_(BadInput("data[0].weights: wrong")))
+    worker.submit("a", fault, lambda: raise_(RuntimeError("boom")))
+    worker.submit("a", good, lambda: 7)
+    _wait([bad, fault, good])
+    assert (bad.error, bad.category) == ("data[0].weights: wrong", "user")
+    assert fault.error == "RuntimeError: boom" and fault.category == "server"
+    assert good.value == 7 and good.error is None
