@@ -104,9 +104,10 @@ def _command_config(args, default: str | None = None):
 def cmd_train(args) -> int:
     cfg = _command_config(args)
     from rlpost.cluster import starter
-    from rlpost.errors import UserCodeError, WorkerError
+    from rlpost.errors import WorkerError
     from rlpost.pipeline.interrupts import Interrupts
     from rlpost.pipeline.loop import TrainingStopped, train
+    from rlpost.registry import UserCodeError
 
     resume = Path(args.resume) if args.resume else None
     run_dir = resume or cfg.run_dir
@@ -384,8 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except (FileNotFoundError, ValueError, RuntimeError, ImportError, OSError) as exc:
         from rlpost.data.files import DataError
-        from rlpost.errors import UserCodeError
         from rlpost.models.loading import ModelLoadError
+        from rlpost.registry import UserCodeError
         from rlpost.statefile import StateFileError
         from rlpost.sync.session import SyncError
 

@@ -40,12 +40,6 @@ class WorkerError(RuntimeError):
         return (type(self), (self.role, self.kind, self.message))
 
 
-class UserCodeError(RuntimeError):
-    """The user's own code (a reward, an environment, a part named ``file.py:fn``) failed or
-    answered what its contract does not allow; the one-line message names the function, its
-    file and line, and the input."""
-
-
 class ModelLoadError(RuntimeError):
     """A model path (HF directory or GGUF file) that cannot be used, explained in one line."""
 

@@ -24,6 +24,12 @@ from typing import Any, Generic, TypeVar
 T = TypeVar("T")
 
 
+class UserCodeError(RuntimeError):
+    """The user's own code (a reward, an environment, a part named ``file.py:fn``) failed or
+    answered what its contract does not allow; the one-line message names the function, its
+    file and line, and the input."""
+
+
 class UnknownNameError(KeyError):
     """Raised for a name that is not registered; the message lists valid names."""
 
@@ -64,7 +70,7 @@ class Registry(Generic[T]):
     def get(self, name: str) -> T:
         if name not in self._items and ":" in name:  # user code: imported once, then registered
             obj = import_callable(name, self.kind)
-            self.register(name, **declared(obj)[1])(obj)
+            self.register(name, **declared(obj)[1])(guarded(obj, self.kind))
         try:
             return self._items[name]
         except KeyError:
@@ -95,6 +101,29 @@ def part(params: type | None = None, **traits: Any) -> Callable[[T], T]:
     return deco
 
 
+def guarded(fn: Any, kind: str) -> Any:
+    """``fn`` (a user's function) raising :class:`UserCodeError` that names it and what it
+    raised, so a failure mid-run stops the run in one line with its resume command; classes
+    and the function itself (``__wrapped__``, for the load-time probe) are left as they are."""
+    import functools
+    import inspect
+
+    if not inspect.isfunction(fn):
+        return fn
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserCodeError:
+            raise
+        except Exception as exc:  # the user's code: whatever it raises is its own
+            text = " ".join(str(exc).split())[:200]
+            raise UserCodeError(f"{kind} {where(fn)} raised {type(exc).__name__}: {text}") from exc
+
+    return call
+
+
 def declared(obj: Any) -> tuple[type | None, dict[str, Any]]:
     """``(params class, traits)`` that ``obj`` declared with :func:`part`."""
     return getattr(obj, "rlpost_part", (None, {}))
@@ -105,6 +134,7 @@ def where(obj: Any) -> str:
     import inspect
     import os
 
+    obj = inspect.unwrap(obj)
     name = getattr(obj, "__qualname__", repr(obj))
     try:
         file, line = inspect.getsourcefile(obj), inspect.getsourcelines(obj)[1]

@@ -116,7 +116,7 @@ def probe(kind: str, spec: str, params: Any = None) -> str | None:
     one line, or None. ``params``: its config record (its keys beside ``name``). An unknown
     name or a file that does not import is the registry's one line."""
     registry, call, signature = CONTRACTS[kind]
-    fn = registry.get(spec)
+    fn = inspect.unwrap(registry.get(spec))  # the user's own function, its errors said here
     args, kw, check = call(fn, params, _batch(), spec)
     who = f"{where(fn)}"
     try:

@@ -22,8 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from rlpost.errors import UserCodeError
-from rlpost.registry import Registry, where
+from rlpost.registry import Registry, UserCodeError, where
 from rlpost.types import Prompt
 
 

@@ -13,8 +13,7 @@ from typing import Any
 from rlpost.envs import calculator, countdown, python  # noqa: F401
 from rlpost.envs import verifiers_env as _verifiers_env  # noqa: F401
 from rlpost.envs.base import ENVS, Action, EnvError, Environment, checked_step
-from rlpost.errors import UserCodeError
-from rlpost.registry import UnknownNameError, import_object
+from rlpost.registry import UnknownNameError, UserCodeError, import_object
 from rlpost.types import Prompt
 
 

@@ -35,7 +35,7 @@ from rlpost.algos import KLCoefficient
 from rlpost.config import Config
 from rlpost.data import PromptSampler
 from rlpost.data.sources import make_sampler
-from rlpost.errors import UserCodeError, WorkerError, one_line
+from rlpost.errors import WorkerError, one_line
 from rlpost.observe import Guards, Recorder
 from rlpost.observe.memory import bound_kernel_caches, set_mmap_threshold
 from rlpost.observe.metrics import merge_metrics
@@ -57,6 +57,7 @@ from rlpost.pipeline.stages import RolloutSettings, TrainSettings, invalid_rows,
 from rlpost.pipeline.streaming import stream_samplers, update_data_report
 from rlpost.pipeline.weights import WeightPath, build_weight_path
 from rlpost.pipeline.workers import Workers
+from rlpost.registry import UserCodeError
 from rlpost.resolved import RunFacts, resolve
 from rlpost.rewards.monitor import HackingMonitor
 from rlpost.rewards.scorer import SampleWriter, probe_terms, reward_samples

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any, SupportsFloat
 
 from rlpost.config import ConfigError, RewardConfig
-from rlpost.errors import UserCodeError, typed_line
-from rlpost.registry import where
+from rlpost.errors import typed_line
+from rlpost.registry import UserCodeError, where
 from rlpost.rewards.catalog import lookup
 from rlpost.rewards.registry import BatchScorer, RewardFn, check_params
 from rlpost.statefile import atomic_write

@@ -166,3 +166,13 @@ def test_an_environment_whose_step_returns_none_is_one_line(capsys, tmp_path):
     assert code == 2 and len(lines) == 1, err
     assert "environment SilentEcho (" in lines[0] and "echo_env.py:" in lines[0]
     assert "step() returned NoneType, not a StepResult, on the turn '2'" in lines[0]
+
+
+def test_a_user_loss_failing_at_run_time_stops_in_one_line_with_the_resume(capsys, tmp_path):
+    args = small_overrides(tmp_path, **{"train.steps": 2, "eval.every": 0})
+    code, err = _cli(capsys, *args, f"algo.loss.name={BAD}/late_loss.py:late")
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1, err
+    assert "late (" in lines[0] and "late_loss.py:" in lines[0]
+    assert "raised ValueError: cannot handle a real batch" in lines[0]
+    assert f"rlpost train --resume {tmp_path / 't'}" in lines[0]

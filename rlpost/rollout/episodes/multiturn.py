@@ -27,7 +27,8 @@ from typing import Any
 from rlpost.envs.base import Action, Environment, StepResult, ToolCall, checked_step
 from rlpost.envs.formats import TagFormat
 from rlpost.envs.tools import CodeTool, HttpTool, Tool, ToolEnv
-from rlpost.errors import UserCodeError, typed_line
+from rlpost.errors import typed_line
+from rlpost.registry import UserCodeError
 from rlpost.rollout.engines.protocol import RolloutEngine, SamplingParams
 from rlpost.rollout.longtail import PartialStep
 from rlpost.types import Completion, Episode, FinishReason, Prompt, Turn

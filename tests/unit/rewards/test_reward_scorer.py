@@ -8,8 +8,7 @@ import threading
 import pytest
 
 from rlpost.config import RewardConfig, RewardTerm
-from rlpost.errors import UserCodeError
-from rlpost.registry import UnknownNameError
+from rlpost.registry import UnknownNameError, UserCodeError
 from rlpost.rewards.catalog import get_reward, lookup
 from rlpost.rewards.scorer import DEFAULT_ALPHA, RewardScorer, Term, build_scorer
 from rlpost.types import RewardSample
