@@ -4,23 +4,19 @@
     base = rlpost.Base.load("path/to/model")              # an HF directory or a GGUF; None: tiny
     policy = base.policy(lora=rlpost.LoRA(rank=16))       # an adapter on the shared base
     out = policy.sample([prompt_ids], rlpost.SamplingParams(max_tokens=32), n=8)
-    policy.forward_backward(data, "importance_sampling")  # gradients accumulate ...
+    policy.forward_backward(data, "ppo_clip")             # gradients accumulate ...
     policy.optim_step(lr=1e-4)                            # ... until the step
 
-The calls are the trainer's own (:class:`rlpost.train.actor.PolicyTrainer`: its losses, its
-micro-batching, its clip and AdamW) and the in-process engine's; ``rlpost train`` composes the
-same parts into the whole pipeline (:func:`train`). The CLI and the Tinker-compatible
-service (:mod:`rlpost.tinker`) are faces over this module.
+The calls are the trainer's (:class:`rlpost.train.actor.PolicyTrainer`: losses, micro-batches,
+clip, AdamW) and the in-process engine's; :func:`train` runs the whole pipeline. The CLI and
+the Tinker service (:mod:`rlpost.tinker`) are faces over this module (docs/extending.md).
 
-Data is :class:`Datum`: ``tokens`` in, and at each position ``i`` the ``target`` that the
-logits after ``tokens[: i + 1]`` score, its weight and its per-token inputs (the sampling
-``logprobs``, the ``advantages``). Inside, a list of data is a
+A :class:`Datum` is ``tokens`` and, at each position ``i``, the ``target`` scored after
+``tokens[: i + 1]``, its weight and per-token inputs. A list of them is a
 :class:`~rlpost.train.batch.TrainBatch` whose one-token prompt is ``tokens[0]`` and whose
-response is the targets, so every loss of :mod:`rlpost.algos.policy_losses` applies as is.
-
-Many policies share one :class:`Base`: each LoRA policy is a named peft adapter on the same
-base weights (N adapters cost the base once), and :attr:`Base.lock` runs one computation
-at a time, with that policy's adapter active. A full fine-tune gets its own copy.
+response is the targets, so every policy loss applies as is. Each LoRA policy of a
+:class:`Base` is a named peft adapter on its weights; :attr:`Base.lock` runs one computation at
+a time with that adapter active. A full fine-tune gets its own copy.
 """
 
 from __future__ import annotations
@@ -207,20 +203,13 @@ class Base:
         """What a new policy adds: the adapter (or a full copy), its gradient and AdamW's
         two moments, in float32."""
         if lora is None:
-            return 4 * 4 * sum(p.numel() for p in self._base_params())
-        cfg = self.model.config
-        hidden, inner = cfg.hidden_size, getattr(cfg, "intermediate_size", cfg.hidden_size)
-        heads = cfg.num_attention_heads
-        kv = getattr(cfg, "num_key_value_heads", heads) * hidden // heads
-        shapes = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
-                  "o_proj": (hidden, hidden), "gate_proj": (hidden, inner),
-                  "up_proj": (hidden, inner), "down_proj": (inner, hidden),
-                  "lm_head": (hidden, cfg.vocab_size)}  # fmt: skip
-        per_layer = sum(lora.rank * sum(shapes[t]) for t in lora.targets() if t != "lm_head")
-        total = per_layer * cfg.num_hidden_layers + lora.rank * sum(shapes["lm_head"]) * (
-            "lm_head" in lora.targets()
+            return 16 * sum(p.numel() for p in self._base_params())
+        targets = set(lora.targets())
+        return 16 * sum(
+            lora.rank * (m.in_features + m.out_features)
+            for name, m in self.model.named_modules()
+            if name.rsplit(".", 1)[-1] in targets and hasattr(m, "in_features")
         )
-        return 4 * 4 * total
 
     def _base_params(self):
         return [p for n, p in self.model.named_parameters() if "lora_" not in n]

@@ -36,7 +36,10 @@ def test_prompts_that_do_not_fit_are_filtered(tiny_dir, tmp_path):
     f = tmp_path / "d.jsonl"
     rows = [{"prompt": "1+1=", "answer": 2}, {"prompt": "9" * 130, "answer": 1}]
     f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    extra = {"model.path": tiny_dir, "data.task": "file", "data.task.train_path": f}
+    held = tmp_path / "held.jsonl"  # its own held-out file: every row of d.jsonl trains
+    held.write_text(json.dumps(rows[0]) + "\n")
+    extra = {"model.path": tiny_dir, "data.task": "file", "data.task.train_path": f,
+             "data.task.eval_path": held}  # fmt: skip
     cfg = load_config(None, small_overrides(tmp_path, **extra, **{"data.on_bad_row": "skip"}))
     train, _, counts = build.build_data(cfg)
     assert len(train) == 1 and counts["train_skipped_prompt_too_long"] == 1
