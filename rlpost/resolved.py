@@ -10,13 +10,13 @@ again. Engines register in ``ENGINES`` from their own modules in ``rollout/`` (i
 ``whole_batches`` (no early stop, no weights mid-generation), ``shares_storage`` (may
 serve the policy's own parameter memory).
 
-The step plan says which logprob passes a step runs, whether it keeps a reference or a
-critic and which inputs the estimator takes, from the algorithms' registered traits,
-never from the batch or from what an earlier stage happened to fill.
+The step plan says which logprob passes a step runs, whether it keeps a reference or a critic and
+which inputs the estimator takes, from the algorithms' registered traits, never from the batch or
+from what an earlier stage happened to fill.
 
-Old logprobs come from the engine (``rollout``), a trainer pass before the update
-(``pass``), or a single update's own loss pass (``update``: one epoch, one mini-batch, and
-nothing reads them before the update; :meth:`StepPlan.old_source`).
+Old logprobs come from the engine (``rollout``), a trainer pass before the update (``pass``), or a
+single update's own loss pass (``update``: one epoch, one mini-batch, and nothing reads them before
+the update; :meth:`StepPlan.old_source`).
 """
 
 from __future__ import annotations
@@ -39,15 +39,14 @@ OldSource = Literal["rollout", "pass", "update"]
 class StepPlan:
     """What every train step of a run computes, and where each input comes from.
 
-    ``old_logprobs``: ``rollout`` (the engine's) or ``trainer`` (:meth:`old_source` says
-    which trainer pass). ``single_update_rows``: the largest batch one optimizer step
-    covers (``train.mini_batch_size`` with one epoch, else 0). ``reference``: a reference
-    pass (a KL penalty, or a loss that reads ``ref_logprobs``). ``values``: critic values
-    and a critic update (the estimator needs a critic). ``components``,
-    ``greedy_baseline``, ``sum_pi_squared``: estimator inputs its traits ask for.
-    ``kl_in_reward``: the KL penalty is subtracted from the rewards (else added to the
-    loss). ``token_selector``: the loss picks tokens by the old logprobs before its
-    first step. ``critic_warmup_steps``: steps the critic trains alone.
+    ``old_logprobs``: ``rollout`` (the engine's) or ``trainer`` (:meth:`old_source` says which
+    trainer pass). ``single_update_rows``: the largest batch one optimizer step covers
+    (``train.mini_batch_size`` with one epoch, else 0). ``reference``: a reference pass (a KL
+    penalty, or a loss that reads ``ref_logprobs``). ``values``: critic values and a critic update
+    (the estimator needs a critic). ``components``, ``greedy_baseline``, ``sum_pi_squared``:
+    estimator inputs its traits ask for. ``kl_in_reward``: the KL penalty is subtracted from the
+    rewards (else added to the loss). ``token_selector``: the loss picks tokens by the old logprobs
+    before its first step. ``critic_warmup_steps``: steps the critic trains alone.
     """
 
     old_logprobs: Literal["trainer", "rollout"] = "trainer"
@@ -103,11 +102,11 @@ def resolve_step_plan(cfg: Config) -> StepPlan:
 
 @dataclass(frozen=True)
 class TrainerLayout:
-    """The trainer ranks as data-parallel ``dp`` x pipeline stages ``pp`` x tensor-parallel
-    ``tp`` (``cluster.trainer_workers``, ``pipeline_parallel``, ``tensor_parallel``): the
-    shape of the device mesh, in that order, neighbours in rank order sharing a layer.
-    :meth:`of` is the one place that checks the sizes fit; the mesh, the builders and the
-    memory estimate read the record."""
+    """The trainer ranks as data-parallel ``dp`` x pipeline stages ``pp`` x tensor-parallel ``tp``
+    (``cluster.trainer_workers``, ``pipeline_parallel``, ``tensor_parallel``): the shape of the
+    device mesh, in that order, neighbours in rank order sharing a layer. :meth:`of` is the one
+    place that checks the sizes fit; the mesh, the builders and the memory estimate read the record.
+    """
 
     dp: int = 1
     pp: int = 1
@@ -216,10 +215,10 @@ def _engine(cfg: Config) -> str:
 
 
 def _shares_storage(cfg: Config, engine: str, bf16: bool) -> bool:
-    """Whether the in-process engine can serve the policy's own memory: when every sync
-    writes the values already there (``copy_`` onto itself is a no-op). Synchronous steps, a
-    sync every step, no codec or delta, no adapters (merged weights are not the base), fp32
-    serving (bf16 is its own cast copy), an engine that never generates across a sync."""
+    """Whether the in-process engine can serve the policy's own memory: when every sync writes the
+    values already there (``copy_`` onto itself is a no-op). Synchronous steps, a sync every step,
+    no codec or delta, no adapters (merged weights are not the base), fp32 serving (bf16 is its own
+    cast copy), an engine that never generates across a sync."""
     s = cfg.sync
     return (
         cfg.pipeline.mode == "sync"

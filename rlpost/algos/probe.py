@@ -1,10 +1,10 @@
 """One call of a user's algorithm part on a dummy batch, before any work.
 
-A part from the user's code (``algo.loss.name=my.py:fn``) is called here once, as the trainer
-would call it, on :data:`ROWS` rows of :data:`TOKENS` tokens of seeded random tensors (two
-groups, one short row). A signature that does not bind, an exception, a wrong return type or
-shape, or a NaN is one line naming the function, its file and line, and the input. The
-built-in parts are held to the same contracts by their tests.
+A part from the user's code (``algo.loss.name=my.py:fn``) is called here once, as the trainer would
+call it, on :data:`ROWS` rows of :data:`TOKENS` tokens of seeded random tensors (two groups, one
+short row). A signature that does not bind, an exception, a wrong return type or shape, or a NaN is
+one line naming the function, its file and line, and the input. The built-in parts are held to the
+same contracts by their tests.
 """
 
 from __future__ import annotations
@@ -112,9 +112,9 @@ CONTRACTS: dict[str, tuple[Registry, Callable, str]] = {
 
 
 def probe(kind: str, spec: str, params: Any = None) -> str | None:
-    """Why the part ``spec`` of ``kind`` (a key of :data:`CONTRACTS`) fails its dummy call, in
-    one line, or None. ``params``: its config record (its keys beside ``name``). An unknown
-    name or a file that does not import is the registry's one line."""
+    """Why the part ``spec`` of ``kind`` (a key of :data:`CONTRACTS`) fails its dummy call, in one
+    line, or None. ``params``: its config record (its keys beside ``name``). An unknown name or a
+    file that does not import is the registry's one line."""
     registry, call, signature = CONTRACTS[kind]
     fn = inspect.unwrap(registry.get(spec))  # the user's own function, its errors said here
     args, kw, check = call(fn, params, _batch(), spec)

@@ -5,10 +5,10 @@
     held-out rows --> metrics at the start, every eval_every steps and the end
 
 Every command reads the one config tree, reports bad rows as a run does (the console and
-``RUN_DIR/data_report.json``, with file and line), checkpoints in ``RUN_DIR/<state>`` in
-the RL run's format and resumes from it with ``--resume RUN_DIR``, taking the same steps as
-a run that never stopped. :func:`train_stage` is what they share: the metrics file, the
-progress bar, the held-out evaluations, the loop and the summary's start / end values.
+``RUN_DIR/data_report.json``, with file and line), checkpoints in ``RUN_DIR/<state>`` in the RL
+run's format and resumes from it with ``--resume RUN_DIR``, taking the same steps as a run that
+never stopped. :func:`train_stage` is what they share: the metrics file, the progress bar, the
+held-out evaluations, the loop and the summary's start / end values.
 """
 
 from __future__ import annotations
@@ -80,10 +80,10 @@ def train_stage(
     info: Callable[[dict], str] = lambda m: f"loss {m['loss']:.3f}",
     keep: dict | None = None,
 ) -> dict:
-    """Run ``objective`` under the offline loop with a checkpoint in ``RUN_DIR/<state>``;
-    returns ``ends`` (the held-out metrics at the start and the end, as summary keys) and
-    ``losses`` (every step's). ``row(metrics)`` is what a step records;
-    ``evaluate()``'s metrics join it every ``eval_every`` steps and at the last."""
+    """Run ``objective`` under the offline loop with a checkpoint in ``RUN_DIR/<state>``; returns
+    ``ends`` (the held-out metrics at the start and the end, as summary keys) and ``losses`` (every
+    step's). ``row(metrics)`` is what a step records; ``evaluate()``'s metrics join it every
+    ``eval_every`` steps and at the last."""
     console = console or Console(False)
     recorder = Recorder(run_dir)
     saved = None if fresh else saved_state(run_dir / state)
@@ -184,9 +184,8 @@ def load_conversations(cfg: Config) -> tuple[list[Conversation], list[Conversati
 
 
 def accuracy(model, tokenizer, convs: list[Conversation], max_new_tokens: int) -> float | None:
-    """Share of the held-out conversations with a reference answer whose greedy last reply
-    matches it (numerically when the answer is a number, else as a string); None: no row
-    has an answer."""
+    """Share of the held-out conversations with a reference answer whose greedy last reply matches
+    it (numerically when the answer is a number, else as a string); None: no row has an answer."""
     rows = [c for c in convs if c.answer is not None]
     if not rows:
         return None

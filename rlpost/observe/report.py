@@ -1,19 +1,17 @@
 """Run report: one self-contained HTML page per run directory.
 
-``rlpost report RUN_DIR`` reads what a run left behind (``metrics.jsonl``,
-``summary.json``, ``config.yaml``, ``samples/step_*.jsonl``) and writes
-``RUN_DIR/report.html``: the training curves (reward, accuracy, loss, gradient
-norm, learning rate, entropy, KL, length...) as inline PNGs, EMA-smoothed over the
-faded raw values as TensorBoard does (``--smooth``), the summary table, the config,
-and sampled completions next to their reference answers, since reward curves
-alone do not show reward hacking. ``rlpost report RUN_A RUN_B ...`` overlays the
-runs on the same axes and writes ``RUN_A/compare.html``; where the runs were scored on
-different held-out sets or rewards (:func:`differences`, from each ``config.yaml`` and
-``summary.json``) the page says so and draws those curves apart. A series that is zero at
-every step of a run is left out and named. The page has no
-external references so it can be mailed or attached to an issue as one file.
-Plots are drawn with matplotlib's Agg canvas directly (no pyplot), so making a
-report never touches the process-wide plotting backend.
+``rlpost report RUN_DIR`` reads what a run left behind (``metrics.jsonl``, ``summary.json``,
+``config.yaml``, ``samples/step_*.jsonl``) and writes ``RUN_DIR/report.html``: the training curves
+(reward, accuracy, loss, gradient norm, learning rate, entropy, KL, length...) as inline PNGs,
+EMA-smoothed over the faded raw values as TensorBoard does (``--smooth``), the summary table, the
+config, and sampled completions next to their reference answers, since reward curves alone do not
+show reward hacking. ``rlpost report RUN_A RUN_B ...`` overlays the runs on the same axes and writes
+``RUN_A/compare.html``; where the runs were scored on different held-out sets or rewards
+(:func:`differences`, from each ``config.yaml`` and ``summary.json``) the page says so and draws
+those curves apart. A series that is zero at every step of a run is left out and named. The page has
+no external references so it can be mailed or attached to an issue as one file. Plots are drawn with
+matplotlib's Agg canvas directly (no pyplot), so making a report never touches the process-wide
+plotting backend.
 """
 
 from __future__ import annotations
@@ -139,9 +137,9 @@ WILSON_Z = 1.96
 
 
 def wilson_interval(mean: float, n: float, z: float = WILSON_Z) -> tuple[float, float]:
-    """The Wilson score interval of a proportion ``mean`` over ``n`` trials (Wilson 1927,
-    eq. 1; Brown, Cai and DasGupta 2001 recommend it over the normal interval). It lies in
-    [0, 1] and keeps its width at a mean of 0 or 1, where mean ± std collapses to a point."""
+    """The Wilson score interval of a proportion ``mean`` over ``n`` trials (Wilson 1927, eq. 1;
+    Brown, Cai and DasGupta 2001 recommend it over the normal interval). It lies in [0, 1] and keeps
+    its width at a mean of 0 or 1, where mean ± std collapses to a point."""
     if n <= 0:
         return mean, mean
     denom = 1 + z * z / n
@@ -155,12 +153,12 @@ def reward_band(
 ) -> tuple[list[float], list[float], list[float], str] | None:
     """(steps, low, high, legend label) of the band drawn around the reward mean.
 
-    A reward whose every recorded value lies in [0, 1] (``reward_min``, ``reward_max``), a
-    0/1 verifiable reward above all, gets the 95% Wilson interval of each step's mean over
-    its ``completions``: it stays in [0, 1] where mean ± std of a 0/1 reward runs below 0
-    whenever the mean is under 0.5. For a reward in [0, 1] that is not 0/1 the interval is
-    conservative (its variance is at most mean * (1 - mean)). Any other reward gets
-    mean ± std. None when neither can be drawn.
+    A reward whose every recorded value lies in [0, 1] (``reward_min``, ``reward_max``), a 0/1
+    verifiable reward above all, gets the 95% Wilson interval of each step's mean over its
+    ``completions``: it stays in [0, 1] where mean ± std of a 0/1 reward runs below 0 whenever the
+    mean is under 0.5. For a reward in [0, 1] that is not 0/1 the interval is conservative (its
+    variance is at most mean * (1 - mean)). Any other reward gets mean ± std. None when neither can
+    be drawn.
     """
     rows = [r for r in metrics if _finite(r.get("reward_mean"))]
     bounded = bool(rows) and all(
@@ -193,9 +191,9 @@ def _finite(value: Any) -> bool:
 def _plot_block(
     runs: Runs, smooth: float = 0.0, apart: Sequence[str] = ()
 ) -> tuple[list[str], list[str], list[str]]:
-    """(``<figure>`` HTML of each drawn plot, titles skipped for lack of data, titles with
-    a run left out for being zero at every step). A plot whose key belongs to a group in
-    ``apart`` (:data:`GROUP_OF`) gets one panel per run instead of one overlay."""
+    """(``<figure>`` HTML of each drawn plot, titles skipped for lack of data, titles with a run
+    left out for being zero at every step). A plot whose key belongs to a group in ``apart``
+    (:data:`GROUP_OF`) gets one panel per run instead of one overlay."""
     figures, skipped, zero = [], [], []
     for title, keys in PLOTS:
         drawn = [(n, m) for n, m in runs if _series(m, keys[0])[0]]
@@ -228,10 +226,10 @@ def _group(key: str) -> str | None:
 
 
 def identity(run_dir: Path) -> dict[str, dict[str, Any]]:
-    """What a run's curves measure, by group: the held-out set (the data task or sources it
-    comes from, their own parameters, ``eval.limit`` and ``eval.sets``, the eval temperature,
-    the run seed where it splits the rows, and the problem count ``summary.json`` records)
-    and the reward terms (name, weight, params), read from ``config.yaml``."""
+    """What a run's curves measure, by group: the held-out set (the data task or sources it comes
+    from, their own parameters, ``eval.limit`` and ``eval.sets``, the eval temperature, the run seed
+    where it splits the rows, and the problem count ``summary.json`` records) and the reward terms
+    (name, weight, params), read from ``config.yaml``."""
     path = run_dir / "config.yaml"
     cfg = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}) if path.is_file() else {}
     data, ev, summary = cfg.get("data") or {}, cfg.get("eval") or {}, _read_summary(run_dir)
@@ -271,8 +269,8 @@ def _panel(title: str) -> tuple[Figure, Any]:
 def plot_curves(metrics: list[dict[str, Any]], out_png: Path) -> None:
     """Write a PNG of reward mean and held-out accuracy against step.
 
-    ``metrics`` is :func:`read_metrics` output. A missing series is drawn as an
-    empty panel that says so, so the file always exists after a run.
+    ``metrics`` is :func:`read_metrics` output. A missing series is drawn as an empty panel that
+    says so, so the file always exists after a run.
     """
     fig = Figure(figsize=(10, 3.6), layout="constrained")
     for ax, (title, keys) in zip(fig.subplots(1, 2), PLOTS[:2], strict=True):
@@ -326,9 +324,9 @@ def _with_stderr(metrics: list[dict[str, Any]], line: str) -> str:
 
 
 def summarize(run_dir: Path) -> str:
-    """A short text summary: steps, reward first/last, eval accuracy, last KL, wall time.
-    The step count and the reward's ends are ``summary.json``'s where it records them (the
-    last reward there is the mean of the final steps), so the page and the run agree."""
+    """A short text summary: steps, reward first/last, eval accuracy, last KL, wall time. The step
+    count and the reward's ends are ``summary.json``'s where it records them (the last reward there
+    is the mean of the final steps), so the page and the run agree."""
     run_dir = Path(run_dir)
     metrics, summary = read_metrics(run_dir), _read_summary(run_dir)
     trained = [r["step"] for r in metrics if r["step"] > 0] or [r["step"] for r in metrics]

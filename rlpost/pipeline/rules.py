@@ -1,16 +1,15 @@
 """The rule table: every rule that relates two or more config fields, in one place.
 
-A rule is a small named function of the whole config that returns one line,
-``key=value: reason; fix``, or None when the config passes it. The typed tree in
-``rlpost.config`` checks each value on its own (types, ranges, a section's own shape);
-what holds only between fields, or between a field and a registered name's traits,
-is checked here and nowhere else: builders, engines and the sync layer trust it.
+A rule is a small named function of the whole config that returns one line, ``key=value: reason;
+fix``, or None when the config passes it. The typed tree in ``rlpost.config`` checks each value on
+its own (types, ranges, a section's own shape); what holds only between fields, or between a field
+and a registered name's traits, is checked here and nowhere else: builders, engines and the sync
+layer trust it.
 
-Every command that loads a config runs the table through :func:`check` (``rlpost
-config`` included), so ``rlpost config X`` cannot call valid what ``rlpost train X``
-refuses. A rule names the commands it applies to; ``rlpost config`` checks as the
-command it is told with ``--for`` (default: ``dpo`` for ``data.task=prefs``, else
-``train``).
+Every command that loads a config runs the table through :func:`check` (``rlpost config`` included),
+so ``rlpost config X`` cannot call valid what ``rlpost train X`` refuses. A rule names the commands
+it applies to; ``rlpost config`` checks as the command it is told with ``--for`` (default: ``dpo``
+for ``data.task=prefs``, else ``train``).
 """
 
 from __future__ import annotations
@@ -54,9 +53,9 @@ RULES: list[Rule] = []
 
 
 def rule(*commands: str):
-    """Add the decorated function to the table, for ``commands`` (default: every command).
-    It returns its line, or anything false when the config passes (``return bad and (line)``);
-    the table's ``check`` returns the line or None."""
+    """Add the decorated function to the table, for ``commands`` (default: every command). It
+    returns its line, or anything false when the config passes (``return bad and (line)``); the
+    table's ``check`` returns the line or None."""
 
     def add(fn: Callable[[Config], str | bool | None]):
         RULES.append(Rule(fn.__name__, lambda cfg: fn(cfg) or None, commands or COMMANDS))

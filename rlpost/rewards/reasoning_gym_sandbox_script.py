@@ -9,9 +9,9 @@ The score never comes from a process that evaluated the answer. Three processes:
 - the child keeps only its reply pipe and loads a seccomp filter refusing signals, ``ptrace``,
   cross-process memory and new processes, so it chooses only its evaluation's value.
 
-A timeout or a child dying without a reply leaves the item ``nan``. The judge and evaluator
-are not dumpable; /tmp is off ``sys.path``. stdin: one JSON line (``paths``, ``timeout_s``,
-``filter``), then JSON with ``nonce`` and ``items`` (a base64 pickle of plain data).
+A timeout or a child dying without a reply leaves the item ``nan``. The judge and evaluator are not
+dumpable; /tmp is off ``sys.path``. stdin: one JSON line (``paths``, ``timeout_s``, ``filter``),
+then JSON with ``nonce`` and ``items`` (a base64 pickle of plain data).
 """
 
 import ast

@@ -1,10 +1,10 @@
 """The Tinker wire format: the SDK's own protobuf messages read and written.
 
 ``forward_backward`` arrives as ``tinker.proto`` bytes (zstd when the client says so) and its
-result, like a sample's, leaves as proto bytes: the SDK accepts nothing else for those two
-types. Every other route is the SDK's pydantic types as JSON. Reading a request checks what a
-loss needs (``target_tokens`` and the per-token inputs as long as the input, finite values) and
-raises :class:`BadInput` naming the field, so a bad datum is a 400 before any model work.
+result, like a sample's, leaves as proto bytes: the SDK accepts nothing else for those two types.
+Every other route is the SDK's pydantic types as JSON. Reading a request checks what a loss needs
+(``target_tokens`` and the per-token inputs as long as the input, finite values) and raises
+:class:`BadInput` naming the field, so a bad datum is a 400 before any model work.
 """
 
 from __future__ import annotations

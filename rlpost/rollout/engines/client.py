@@ -1,17 +1,16 @@
 """HTTP client for rollout servers, and a load balancer over several of them.
 
-The wire format is the OpenAI completions API with token-id prompts, so one client talks to
-``rlpost serve``, ``vllm serve`` and SGLang. What RL needs beyond it is read when present and
-recovered when not: the sampled ids (``choices[i].token_ids``; else vLLM's ``logprobs.tokens``
-spelt ``token_id:N``; else the text re-tokenized, its count checked against the logprobs: a
-mismatch is an error, never a silent misalignment) and the policy version (``policy_version``,
-else the caller's).
+The wire format is the OpenAI completions API with token-id prompts, so one client talks to ``rlpost
+serve``, ``vllm serve`` and SGLang. What RL needs beyond it is read when present and recovered when
+not: the sampled ids (``choices[i].token_ids``; else vLLM's ``logprobs.tokens`` spelt
+``token_id:N``; else the text re-tokenized, its count checked against the logprobs: a mismatch is an
+error, never a silent misalignment) and the policy version (``policy_version``, else the caller's).
 
-:class:`RequestLoadBalancer` sends each job (one prompt with its whole group, so a group never
-spans servers) to the healthy server with the fewest outstanding requests. A timeout or 5xx
-benches that server for a cool-down, a refused connection (the server is gone) until a weight
-push reaches it again, and re-queues only the jobs not completed; results are keyed by job id,
-so no prompt is lost or counted twice. A 4xx is raised at once; with no server left, a
+:class:`RequestLoadBalancer` sends each job (one prompt with its whole group, so a group never spans
+servers) to the healthy server with the fewest outstanding requests. A timeout or 5xx benches that
+server for a cool-down, a refused connection (the server is gone) until a weight push reaches it
+again, and re-queues only the jobs not completed; results are keyed by job id, so no prompt is lost
+or counted twice. A 4xx is raised at once; with no server left, a
 :class:`~rlpost.errors.WorkerError` (``rollout``, ``lost``) the loop stops on.
 """
 
@@ -117,9 +116,9 @@ def completion_body(job: Job, model: str | None) -> dict:
 def parse_choices(response: dict, tokenize=None, eos_id: int | None = None) -> list[Choice]:
     """Choices of a completions response in index order, with token ids recovered if needed.
 
-    ``tokenize(text) -> ids`` is the fallback when the server sends no ids;
-    ``eos_id`` is appended when a stopped sample's logprobs count one more
-    token than its text (the end-of-sequence token has no text).
+    ``tokenize(text) -> ids`` is the fallback when the server sends no ids; ``eos_id`` is appended
+    when a stopped sample's logprobs count one more token than its text (the end-of-sequence token
+    has no text).
     """
     top_version = response.get("policy_version")
     choices = sorted(response.get("choices", []), key=lambda c: c.get("index", 0))
@@ -167,9 +166,9 @@ def _retokenize(choice: dict, tokenize, logprobs, eos_id) -> list[int]:
 class CompletionClient:
     """Synchronous client of one server; safe to share between threads.
 
-    ``api_key`` is sent as a Bearer token with generation requests (``rlpost serve
-    --api-key``); weights go through the ``http`` sync channel, with the admin key.
-    ``seeds=False`` leaves the jobs' seeds out (a server that cannot take them).
+    ``api_key`` is sent as a Bearer token with generation requests (``rlpost serve --api-key``);
+    weights go through the ``http`` sync channel, with the admin key. ``seeds=False`` leaves the
+    jobs' seeds out (a server that cannot take them).
     """
 
     def __init__(

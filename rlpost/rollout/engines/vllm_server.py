@@ -1,22 +1,20 @@
 """A stock ``vllm serve`` as a rollout server (``rollout.engine.server=vllm``).
 
-Generation needs nothing of rlpost on the server (:mod:`rlpost.rollout.engines.client` asks
-for ``return_token_ids`` and ``logprobs=0``; ``--logprobs-mode processed_logprobs`` makes them
-the tempered distribution the trainer recomputes). Weights: vLLM's own transfer engines need a
-GPU on both sides; every build, CPU included, serves the development API
-(``VLLM_SERVER_DEV_MODE=1``) with rlpost's worker extension (``--worker-extension-cls``). One
-push, per server: ``/pause?mode=wait`` (requests in flight finish on the old weights),
-``/collective_rpc`` of ``rlpost_load_weights(url, version, token)`` on every worker
-(:mod:`rlpost.rollout.engines.vllm_worker`, answering ``[version, tensors]``),
-``/reset_prefix_cache``, ``/resume``.
+Generation needs nothing of rlpost on the server (:mod:`rlpost.rollout.engines.client` asks for
+``return_token_ids`` and ``logprobs=0``; ``--logprobs-mode processed_logprobs`` makes them the
+tempered distribution the trainer recomputes). Weights: vLLM's own transfer engines need a GPU on
+both sides; every build, CPU included, serves the development API (``VLLM_SERVER_DEV_MODE=1``) with
+rlpost's worker extension (``--worker-extension-cls``). One push, per server: ``/pause?mode=wait``
+(requests in flight finish on the old weights), ``/collective_rpc`` of ``rlpost_load_weights(url,
+version, token)`` on every worker (:mod:`rlpost.rollout.engines.vllm_worker`, answering ``[version,
+tensors]``), ``/reset_prefix_cache``, ``/resume``.
 
-The file is written once per push, and every server pulls it over HTTP: the trainer listens
-for the push's duration only, on its address facing that server, and serves the file under a
-random 192-bit path (:class:`WeightFiles`). The development routes carry no authentication, so
-the loader takes only what the trainer signed with the admin key (``RLPOST_WEIGHTS_KEY`` on
-the server) from the trainer's address (``RLPOST_WEIGHTS_FROM``); the routes still let
-whoever reaches them pause the server or reset its cache: it belongs on loopback or a
-private network.
+The file is written once per push, and every server pulls it over HTTP: the trainer listens for the
+push's duration only, on its address facing that server, and serves the file under a random 192-bit
+path (:class:`WeightFiles`). The development routes carry no authentication, so the loader takes
+only what the trainer signed with the admin key (``RLPOST_WEIGHTS_KEY`` on the server) from the
+trainer's address (``RLPOST_WEIGHTS_FROM``); the routes still let whoever reaches them pause the
+server or reset its cache: it belongs on loopback or a private network.
 """
 
 from __future__ import annotations
@@ -56,9 +54,9 @@ def serve_args(
     max_model_len: int | None = None,
     extra: list[str] | None = None,
 ) -> list[str]:
-    """Arguments of ``python -m vllm.entrypoints.openai.api_server`` (``vllm serve``) for a
-    rollout server rlpost can push weights to; run it with ``VLLM_SERVER_DEV_MODE=1`` and
-    rlpost importable."""
+    """Arguments of ``python -m vllm.entrypoints.openai.api_server`` (``vllm serve``) for a rollout
+    server rlpost can push weights to; run it with ``VLLM_SERVER_DEV_MODE=1`` and rlpost importable.
+    """
     args = [
         "--model",
         model_path,
@@ -94,12 +92,12 @@ class Server:
 class WeightFiles:
     """Weight files offered over HTTP on one address, each under a random path while offered.
 
-    The standard library's threaded server is enough: a handful of servers each fetch one
-    file per push, and nothing else is routed (no other path answers but 404). It listens
-    only while a file is offered (a push; each push on a new port), serves at most
-    ``max_connections`` connections at once (one thread each; a connection past that is
-    closed at once), and closes a connection that sends nothing, or takes nothing, for
-    ``timeout_s`` seconds: idle connections cannot hold the trainer's threads."""
+    The standard library's threaded server is enough: a handful of servers each fetch one file per
+    push, and nothing else is routed (no other path answers but 404). It listens only while a file
+    is offered (a push; each push on a new port), serves at most ``max_connections`` connections at
+    once (one thread each; a connection past that is closed at once), and closes a connection that
+    sends nothing, or takes nothing, for ``timeout_s`` seconds: idle connections cannot hold the
+    trainer's threads."""
 
     def __init__(self, host: str, *, timeout_s: float = 30.0, max_connections: int = 16) -> None:
         self.host, self.timeout_s = host, timeout_s
@@ -176,10 +174,10 @@ class WeightFiles:
 class VLLMServerSync:
     """Pushes versioned weights into ``vllm serve`` servers through their development routes.
 
-    Quacks like :class:`~rlpost.sync.WeightSync` for the run's weight path: ``push`` returns
-    the :class:`SyncStats` of the servers that committed, and raises :class:`SyncError` when
-    none did. ``key`` signs each push (the servers' ``RLPOST_WEIGHTS_KEY``); the admin key
-    also goes as a Bearer token (``headers``), for a proxy in front of the routes."""
+    Quacks like :class:`~rlpost.sync.WeightSync` for the run's weight path: ``push`` returns the
+    :class:`SyncStats` of the servers that committed, and raises :class:`SyncError` when none did.
+    ``key`` signs each push (the servers' ``RLPOST_WEIGHTS_KEY``); the admin key also goes as a
+    Bearer token (``headers``), for a proxy in front of the routes."""
 
     def __init__(
         self,

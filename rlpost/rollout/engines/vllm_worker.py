@@ -1,20 +1,20 @@
 """The part of ``rollout.engine=vllm`` and ``server=vllm`` that runs inside vLLM's workers.
 
 vLLM mixes :class:`WeightLoader` into each worker (``worker_extension_cls``), so
-``collective_rpc("rlpost_load_weights", ...)`` calls it by name: no pickled function crosses
-to the engine core and vLLM's insecure serialisation stays off. ``collective_rpc`` arguments
-travel as msgpack (a tensor arrives as a list), so the tensors travel as a safetensors file,
-loaded without unpickling through vLLM's in-place reload (the model's own ``load_weights`` and
-the backend's post-load processing).
+``collective_rpc("rlpost_load_weights", ...)`` calls it by name: no pickled function crosses to the
+engine core and vLLM's insecure serialisation stays off. ``collective_rpc`` arguments travel as
+msgpack (a tensor arrives as a list), so the tensors travel as a safetensors file, loaded without
+unpickling through vLLM's in-place reload (the model's own ``load_weights`` and the backend's
+post-load processing).
 
 ``vllm serve`` answers ``/collective_rpc`` to whoever reaches it, without a key, so the loader
-trusts its arguments no further than it can check them: a push is signed
-(HMAC-SHA256 of source and version, :func:`sign`) with the key in ``RLPOST_WEIGHTS_KEY``; a
-served loader (``RLPOST_WEIGHTS_FROM``, the trainer's address, set) fetches only ``http://``
-URLs on that address, an in-process one (unset) only files; and the file's header must name
-tensors of the served checkpoint, of its shapes, in a float dtype, before a byte of data is
-read, its length bounded by the model's. Importing this module must stay cheap, nothing of
-vLLM: the workers import it at start-up.
+trusts its arguments no further than it can check them: a push is signed (HMAC-SHA256 of source and
+version, :func:`sign`) with the key in ``RLPOST_WEIGHTS_KEY``; a served loader
+(``RLPOST_WEIGHTS_FROM``, the trainer's address, set) fetches only ``http://`` URLs on that address,
+an in-process one (unset) only files; and the file's header must name tensors of the served
+checkpoint, of its shapes, in a float dtype, before a byte of data is read, its length bounded by
+the model's. Importing this module must stay cheap, nothing of vLLM: the workers import it at
+start-up.
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ class WeightLoader:
     """Worker extension: load a weight file into this worker's model, with a version."""
 
     def rlpost_load_weights(self, source: str, version: int | str, token: str = "") -> list:
-        """Copy the tensors of the safetensors file at ``source`` (the trainer's URL, or a
-        file for an in-process engine) into the model; returns ``[version, tensors loaded]``
-        so the caller can check every worker took it.
+        """Copy the tensors of the safetensors file at ``source`` (the trainer's URL, or a file for
+        an in-process engine) into the model; returns ``[version, tensors loaded]`` so the caller
+        can check every worker took it.
 
-        ``version`` may arrive as a string: ``vllm serve``'s ``/collective_rpc`` route
-        passes only strings, and a list is what it returns as JSON unchanged. A refused push
-        answers ``["refused", why]`` (raised, vLLM's route would answer a bare 500)."""
+        ``version`` may arrive as a string: ``vllm serve``'s ``/collective_rpc`` route passes only
+        strings, and a list is what it returns as JSON unchanged. A refused push answers
+        ``["refused", why]`` (raised, vLLM's route would answer a bare 500)."""
         try:
             check_source(source, version, token, os.environ)
             if getattr(self, "_rlpost_tensors", None) is None:
@@ -79,17 +79,17 @@ class WeightLoader:
 
     def rlpost_serves_seeds(self) -> list[bool]:
         """Whether this build takes per-request seeds: vLLM's CPU build cannot rewind a seeded
-        request's generator after a chunked prefill ("CPU Generator does not use offset",
-        vLLM 0.32), an error that kills its engine core."""
+        request's generator after a chunked prefill ("CPU Generator does not use offset", vLLM
+        0.32), an error that kills its engine core."""
         from vllm.platforms import current_platform
 
         return [not current_platform.is_cpu()]
 
 
 def check_source(source: str, version: int | str, token: str, env) -> None:
-    """Refuse (:class:`WeightsRefused`) a push not signed with ``env``'s key, or from a place
-    this loader does not read: another address than ``RLPOST_WEIGHTS_FROM``, or a file when
-    that is set (served), a URL when not (in process)."""
+    """Refuse (:class:`WeightsRefused`) a push not signed with ``env``'s key, or from a place this
+    loader does not read: another address than ``RLPOST_WEIGHTS_FROM``, or a file when that is set
+    (served), a URL when not (in process)."""
     key, origin, url = env.get(KEY_ENV), env.get(FROM_ENV), urlsplit(source)
     if not key:
         raise _refused(f"{KEY_ENV} is not set where vLLM runs; set it to the trainer's admin key")
@@ -119,9 +119,9 @@ def checkpoint_tensors(model: str) -> dict[str, tuple[int, ...]]:
 
 
 def read_weights(source: str, tensors: dict[str, tuple[int, ...]]) -> list:
-    """The ``(name, tensor)`` pairs of the safetensors file at ``source`` (an ``http://`` URL
-    or a path), its header checked against ``tensors`` (:func:`check_header`) and its body
-    read no further than the header says."""
+    """The ``(name, tensor)`` pairs of the safetensors file at ``source`` (an ``http://`` URL or a
+    path), its header checked against ``tensors`` (:func:`check_header`) and its body read no
+    further than the header says."""
     url = urlsplit(source).scheme
     with urllib.request.urlopen(source, timeout=PULL_TIMEOUT_S) if url else open(source, "rb") as f:
         prefix = _read(f, 8)
@@ -178,10 +178,10 @@ def _refused(why: str) -> WeightsRefused:
 def _reprocess_tied(model) -> None:
     """Run the post-load processing again on every layer whose weight another layer shares.
 
-    The reload processes a tied weight once, for one of its layers (the input embedding);
-    an output head tied to it keeps what its own processing built from the old weight (on
-    CPU a packed GEMM operand), and would score tokens with the old embedding. Where the
-    processing builds nothing (GPU), running it again changes nothing.
+    The reload processes a tied weight once, for one of its layers (the input embedding); an output
+    head tied to it keeps what its own processing built from the old weight (on CPU a packed GEMM
+    operand), and would score tokens with the old embedding. Where the processing builds nothing
+    (GPU), running it again changes nothing.
     """
     holders: dict[int, list] = {}
     for module in model.modules():
