@@ -1,22 +1,17 @@
 """Derived run facts: what follows from the config and the registries, decided once.
 
-:func:`resolve` turns a config into a frozen :class:`RunFacts` (device, compute dtype, the
-engine and its traits, storage sharing, a kept reference, the :class:`StepPlan`, the
-:class:`TrainerLayout`). Builders,
-the rule table, the memory estimate and the cluster read it and answer none of these
-again. Engines register in ``ENGINES`` from their own modules in ``rollout/`` (importing
-``rlpost.rollout`` or ``rlpost.pipeline`` registers them all) with the traits it reads:
+:func:`resolve` turns a config into a frozen :class:`RunFacts` (device, dtype, the engine and its
+traits, storage sharing, a kept reference, the :class:`StepPlan`, the :class:`TrainerLayout`);
+builders, the rule table, the memory estimate and the cluster read it and decide none of it again.
+Engines register in ``ENGINES`` from their modules in ``rollout/`` with the traits read here:
 ``loads_own_weights`` (vLLM, servers), ``over_http`` (servers the weight path pushes to),
-``whole_batches`` (no early stop, no weights mid-generation), ``shares_storage`` (may
-serve the policy's own parameter memory).
+``whole_batches`` (no early stop, no weights mid-generation), ``shares_storage`` (may serve the
+policy's own parameter memory).
 
-The step plan says which logprob passes a step runs, whether it keeps a reference or a critic and
-which inputs the estimator takes, from the algorithms' registered traits, never from the batch or
-from what an earlier stage happened to fill.
-
-Old logprobs come from the engine (``rollout``), a trainer pass before the update (``pass``), or a
-single update's own loss pass (``update``: one epoch, one mini-batch, and nothing reads them before
-the update; :meth:`StepPlan.old_source`).
+The step plan (logprob passes, reference, critic, estimator inputs) comes from the algorithms'
+registered traits, never from the batch. Old logprobs come from the engine (``rollout``), a trainer
+pass before the update (``pass``), or a single update's own loss pass (``update``;
+:meth:`StepPlan.old_source`).
 """
 
 from __future__ import annotations

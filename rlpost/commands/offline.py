@@ -1,14 +1,11 @@
 """``rlpost sft`` (conversations), ``rlpost dpo`` and ``rlpost rm``, top to bottom.
 
-    rows (conversations or preference pairs) --check--> an objective (rlpost.train.sft, .dpo,
-        .reward_model) --the offline loop (rlpost.train.offline)--> RUN_DIR/<model>
-    held-out rows --> metrics at the start, every eval_every steps and the end
+    rows --check--> an objective (rlpost.train.sft, .dpo, .reward_model) --the offline loop
+        (rlpost.train.offline)--> RUN_DIR/<model>; held-out metrics at start, every eval_every, end
 
-Every command reads the one config tree, reports bad rows as a run does (the console and
-``RUN_DIR/data_report.json``, with file and line), checkpoints in ``RUN_DIR/<state>`` in the RL
-run's format and resumes from it with ``--resume RUN_DIR``, taking the same steps as a run that
-never stopped. :func:`train_stage` is what they share: the metrics file, the progress bar, the
-held-out evaluations, the loop and the summary's start / end values.
+Bad rows are reported as in a run (console and ``RUN_DIR/data_report.json``); checkpoints in
+``RUN_DIR/<state>`` resume with ``--resume RUN_DIR`` as a run that never stopped.
+:func:`train_stage` holds what the commands share.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Run report: one self-contained HTML page per run directory.
 
-``rlpost report RUN_DIR`` reads what a run left behind (``metrics.jsonl``, ``summary.json``,
-``config.yaml``, ``samples/step_*.jsonl``) and writes ``RUN_DIR/report.html``: the training curves
-(reward, accuracy, loss, gradient norm, learning rate, entropy, KL, length...) as inline PNGs,
-EMA-smoothed over the faded raw values as TensorBoard does (``--smooth``), the summary table, the
-config, and sampled completions next to their reference answers, since reward curves alone do not
-show reward hacking. ``rlpost report RUN_A RUN_B ...`` overlays the runs on the same axes and writes
-``RUN_A/compare.html``; where the runs were scored on different held-out sets or rewards
-(:func:`differences`, from each ``config.yaml`` and ``summary.json``) the page says so and draws
-those curves apart. A series that is zero at every step of a run is left out and named. The page has
-no external references so it can be mailed or attached to an issue as one file. Plots are drawn with
-matplotlib's Agg canvas directly (no pyplot), so making a report never touches the process-wide
-plotting backend.
+``rlpost report RUN_DIR`` reads ``metrics.jsonl``, ``summary.json``, ``config.yaml`` and
+``samples/step_*.jsonl`` and writes ``RUN_DIR/report.html``: the training curves as inline PNGs,
+EMA-smoothed over the faded raw values (``--smooth``), the summary, the config, and sampled
+completions beside their reference answers (reward curves alone do not show reward hacking).
+``rlpost report RUN_A RUN_B ...`` overlays the runs in ``RUN_A/compare.html``; curves scored on
+different held-out sets or rewards (:func:`differences`) are drawn apart, and an all-zero series is
+left out and named. No external references: the page travels as one file. Plots use matplotlib's
+Agg canvas directly (no pyplot), leaving the process-wide backend alone.
 """
 
 from __future__ import annotations

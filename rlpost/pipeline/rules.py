@@ -1,15 +1,11 @@
 """The rule table: every rule that relates two or more config fields, in one place.
 
-A rule is a small named function of the whole config that returns one line, ``key=value: reason;
-fix``, or None when the config passes it. The typed tree in ``rlpost.config`` checks each value on
-its own (types, ranges, a section's own shape); what holds only between fields, or between a field
-and a registered name's traits, is checked here and nowhere else: builders, engines and the sync
-layer trust it.
-
-Every command that loads a config runs the table through :func:`check` (``rlpost config`` included),
-so ``rlpost config X`` cannot call valid what ``rlpost train X`` refuses. A rule names the commands
-it applies to; ``rlpost config`` checks as the command it is told with ``--for`` (default: ``dpo``
-for ``data.task=prefs``, else ``train``).
+A rule is a named function of the whole config returning one line, ``key=value: reason; fix``, or
+None when the config passes. ``rlpost.config`` checks each value on its own; what holds between
+fields, or between a field and a registered name's traits, is checked here only, and builders,
+engines and the sync layer trust it. Every command that loads a config runs :func:`check`, so
+``rlpost config X`` cannot call valid what ``rlpost train X`` refuses; ``rlpost config`` checks as
+the command named by ``--for`` (default :func:`command_for`).
 """
 
 from __future__ import annotations

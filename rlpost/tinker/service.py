@@ -2,17 +2,14 @@
 
     rlpost tinker --model NAME=PATH [--model PATH ...] [--port 8100] [--state-dir DIR] [--api-key K]
 
-The official SDK (``tinker``) talks to it unchanged with ``base_url`` pointed here. Each request
-that does model work answers at once with a future id; one worker thread runs the work, taking turns
-between sessions (round-robin), so no client waits behind another's queue; ``/retrieve_future``
-answers the result or "try again". One :class:`rlpost.api.Base` per base model holds the weights
-once; every training client is a LoRA adapter on it. Ids are random and every object is owned by the
-API key that made it: another key gets a 404, as for an id that never existed. Checkpoints live
-under ``--state-dir`` as ``tinker://MODEL/weights/NAME`` (adapter and AdamW state) and
-``tinker://MODEL/sampler_weights/NAME`` and outlive the service. Bad input is a 400 naming the field
-(``field=value: reason; fix``); the SDK retries 5xx for minutes, so an internal fault of one request
-answers its future with an error instead. docs/tinker.md lists the routes and what differs from the
-hosted service.
+The official SDK talks to it with ``base_url`` pointed here. Model work answers at once with a
+future id; one worker thread runs it, sessions taking turns, and ``/retrieve_future`` answers the
+result or "try again". One :class:`rlpost.api.Base` per base model holds the weights; each training
+client is a LoRA adapter on it. Ids are random and every object belongs to the API key that made
+it (another key gets a 404). Checkpoints (``tinker://MODEL/weights/NAME``, adapter and AdamW state;
+``tinker://MODEL/sampler_weights/NAME``) live under ``--state-dir``. Bad input is a 400 naming the
+field; the SDK retries 5xx for minutes, so a request's internal fault answers its future with an
+error instead. docs/tinker.md lists the routes and the differences from the hosted service.
 """
 
 from __future__ import annotations

@@ -1,17 +1,15 @@
 """HTTP client for rollout servers, and a load balancer over several of them.
 
-The wire format is the OpenAI completions API with token-id prompts, so one client talks to ``rlpost
-serve``, ``vllm serve`` and SGLang. What RL needs beyond it is read when present and recovered when
-not: the sampled ids (``choices[i].token_ids``; else vLLM's ``logprobs.tokens`` spelt
-``token_id:N``; else the text re-tokenized, its count checked against the logprobs: a mismatch is an
-error, never a silent misalignment) and the policy version (``policy_version``, else the caller's).
+The wire format is the OpenAI completions API with token-id prompts (``rlpost serve``, ``vllm
+serve``, SGLang). The sampled ids come from ``choices[i].token_ids``, else vLLM's
+``logprobs.tokens`` (``token_id:N``), else the re-tokenized text, its count checked against the
+logprobs (a mismatch is an error); the policy version from ``policy_version``, else the caller's.
 
-:class:`RequestLoadBalancer` sends each job (one prompt with its whole group, so a group never spans
-servers) to the healthy server with the fewest outstanding requests. A timeout or 5xx benches that
-server for a cool-down, a refused connection (the server is gone) until a weight push reaches it
-again, and re-queues only the jobs not completed; results are keyed by job id, so no prompt is lost
-or counted twice. A 4xx is raised at once; with no server left, a
-:class:`~rlpost.errors.WorkerError` (``rollout``, ``lost``) the loop stops on.
+:class:`RequestLoadBalancer` sends each job (a prompt with its whole group) to the healthy server
+with the fewest outstanding requests. A timeout or 5xx benches a server for a cool-down, a refused
+connection until a weight push reaches it again; only unfinished jobs are re-queued, keyed by job
+id, so no prompt is lost or counted twice. A 4xx is raised at once; with no server left, a
+:class:`~rlpost.errors.WorkerError` (``rollout``, ``lost``).
 """
 
 from __future__ import annotations

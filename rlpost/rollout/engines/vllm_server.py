@@ -1,20 +1,15 @@
 """A stock ``vllm serve`` as a rollout server (``rollout.engine.server=vllm``).
 
-Generation needs nothing of rlpost on the server (:mod:`rlpost.rollout.engines.client` asks for
-``return_token_ids`` and ``logprobs=0``; ``--logprobs-mode processed_logprobs`` makes them the
-tempered distribution the trainer recomputes). Weights: vLLM's own transfer engines need a GPU on
-both sides; every build, CPU included, serves the development API (``VLLM_SERVER_DEV_MODE=1``) with
-rlpost's worker extension (``--worker-extension-cls``). One push, per server: ``/pause?mode=wait``
-(requests in flight finish on the old weights), ``/collective_rpc`` of ``rlpost_load_weights(url,
-version, token)`` on every worker (:mod:`rlpost.rollout.engines.vllm_worker`, answering ``[version,
-tensors]``), ``/reset_prefix_cache``, ``/resume``.
-
-The file is written once per push, and every server pulls it over HTTP: the trainer listens for the
-push's duration only, on its address facing that server, and serves the file under a random 192-bit
-path (:class:`WeightFiles`). The development routes carry no authentication, so the loader takes
-only what the trainer signed with the admin key (``RLPOST_WEIGHTS_KEY`` on the server) from the
-trainer's address (``RLPOST_WEIGHTS_FROM``); the routes still let whoever reaches them pause the
-server or reset its cache: it belongs on loopback or a private network.
+Generation needs nothing of rlpost on the server (the client asks for ``return_token_ids`` and
+``logprobs=0``; ``--logprobs-mode processed_logprobs`` gives the tempered distribution the trainer
+recomputes). Weights go through the development API (``VLLM_SERVER_DEV_MODE=1``, any build, CPU
+included; vLLM's transfer engines need GPUs) with rlpost's ``--worker-extension-cls``. One push,
+per server: ``/pause?mode=wait``, ``/collective_rpc`` of ``rlpost_load_weights(url, version,
+token)`` on every worker (:mod:`~rlpost.rollout.engines.vllm_worker`), ``/reset_prefix_cache``,
+``/resume``. The file is written once per push; the trainer serves it, for the push only, under a
+random 192-bit path (:class:`WeightFiles`). The routes carry no authentication: the loader takes
+only what the admin key (``RLPOST_WEIGHTS_KEY``) signed, from ``RLPOST_WEIGHTS_FROM``, but anyone
+reaching them can pause the server or reset its cache, so keep it on loopback or a private network.
 """
 
 from __future__ import annotations

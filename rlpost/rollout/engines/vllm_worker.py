@@ -1,20 +1,15 @@
 """The part of ``rollout.engine=vllm`` and ``server=vllm`` that runs inside vLLM's workers.
 
 vLLM mixes :class:`WeightLoader` into each worker (``worker_extension_cls``), so
-``collective_rpc("rlpost_load_weights", ...)`` calls it by name: no pickled function crosses to the
-engine core and vLLM's insecure serialisation stays off. ``collective_rpc`` arguments travel as
-msgpack (a tensor arrives as a list), so the tensors travel as a safetensors file, loaded without
-unpickling through vLLM's in-place reload (the model's own ``load_weights`` and the backend's
-post-load processing).
+``collective_rpc("rlpost_load_weights", ...)`` calls it by name: no pickled function crosses and
+vLLM's insecure serialisation stays off. Arguments travel as msgpack, so tensors travel as a
+safetensors file, loaded without unpickling through vLLM's in-place reload.
 
-``vllm serve`` answers ``/collective_rpc`` to whoever reaches it, without a key, so the loader
-trusts its arguments no further than it can check them: a push is signed (HMAC-SHA256 of source and
-version, :func:`sign`) with the key in ``RLPOST_WEIGHTS_KEY``; a served loader
-(``RLPOST_WEIGHTS_FROM``, the trainer's address, set) fetches only ``http://`` URLs on that address,
-an in-process one (unset) only files; and the file's header must name tensors of the served
-checkpoint, of its shapes, in a float dtype, before a byte of data is read, its length bounded by
-the model's. Importing this module must stay cheap, nothing of vLLM: the workers import it at
-start-up.
+``/collective_rpc`` has no key, so a push is signed (HMAC-SHA256 of source and version,
+:func:`sign`, key ``RLPOST_WEIGHTS_KEY``); a served loader (``RLPOST_WEIGHTS_FROM`` set) fetches
+only ``http://`` URLs on that address, an in-process one only files; the file's header must name
+tensors of the served checkpoint, of its shapes, in a float dtype, before any data is read.
+Importing this module must stay cheap (no vLLM): the workers import it at start-up.
 """
 
 from __future__ import annotations
