@@ -11,8 +11,7 @@ policy's own parameter memory).
 The step plan (logprob passes, reference, critic, estimator inputs) comes from the algorithms'
 registered traits, never from the batch. Old logprobs come from the engine (``rollout``), a trainer
 pass before the update (``pass``), or a single update's own loss pass (``update``;
-:meth:`StepPlan.old_source`).
-"""
+:meth:`StepPlan.old_source`)."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ class StepPlan:
     (the estimator needs a critic). ``components``, ``greedy_baseline``, ``sum_pi_squared``:
     estimator inputs its traits ask for. ``kl_in_reward``: the KL penalty is subtracted from the
     rewards (else added to the loss). ``token_selector``: the loss picks tokens by the old logprobs
-    before its first step. ``critic_warmup_steps``: steps the critic trains alone.
-    """
+    before its first step. ``critic_warmup_steps``: steps the critic trains alone."""
 
     old_logprobs: Literal["trainer", "rollout"] = "trainer"
     single_update_rows: int = 0

@@ -4,8 +4,7 @@ A part from the user's code (``algo.loss.name=my.py:fn``) is called here once, a
 call it, on :data:`ROWS` rows of :data:`TOKENS` tokens of seeded random tensors (two groups, one
 short row). A signature that does not bind, an exception, a wrong return type or shape, or a NaN is
 one line naming the function, its file and line, and the input. The built-in parts are held to the
-same contracts by their tests.
-"""
+same contracts by their tests."""
 
 from __future__ import annotations
 

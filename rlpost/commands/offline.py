@@ -5,8 +5,7 @@
 
 Bad rows are reported as in a run (console and ``RUN_DIR/data_report.json``); checkpoints in
 ``RUN_DIR/<state>`` resume with ``--resume RUN_DIR`` as a run that never stopped.
-:func:`train_stage` holds what the commands share.
-"""
+:func:`train_stage` holds what the commands share."""
 
 from __future__ import annotations
 

@@ -6,9 +6,8 @@ EMA-smoothed over the faded raw values (``--smooth``), the summary, the config, 
 completions beside their reference answers (reward curves alone do not show reward hacking).
 ``rlpost report RUN_A RUN_B ...`` overlays the runs in ``RUN_A/compare.html``; curves scored on
 different held-out sets or rewards (:func:`differences`) are drawn apart, and an all-zero series is
-left out and named. No external references: the page travels as one file. Plots use matplotlib's
-Agg canvas directly (no pyplot), leaving the process-wide backend alone.
-"""
+left out and named. No external references: the page travels as one file. Plots use matplotlib's Agg
+canvas directly (no pyplot), leaving the process-wide backend alone."""
 
 from __future__ import annotations
 
@@ -154,8 +153,7 @@ def reward_band(
     ``completions``: it stays in [0, 1] where mean ± std of a 0/1 reward runs below 0 whenever the
     mean is under 0.5. For a reward in [0, 1] that is not 0/1 the interval is conservative (its
     variance is at most mean * (1 - mean)). Any other reward gets mean ± std. None when neither can
-    be drawn.
-    """
+    be drawn."""
     rows = [r for r in metrics if _finite(r.get("reward_mean"))]
     bounded = bool(rows) and all(
         _finite(r.get("reward_min"))
@@ -266,8 +264,7 @@ def plot_curves(metrics: list[dict[str, Any]], out_png: Path) -> None:
     """Write a PNG of reward mean and held-out accuracy against step.
 
     ``metrics`` is :func:`read_metrics` output. A missing series is drawn as an empty panel that
-    says so, so the file always exists after a run.
-    """
+    says so, so the file always exists after a run."""
     fig = Figure(figsize=(10, 3.6), layout="constrained")
     for ax, (title, keys) in zip(fig.subplots(1, 2), PLOTS[:2], strict=True):
         ax.set_title(title)
@@ -349,8 +346,7 @@ def summarize(run_dir: Path) -> str:
 def _load_samples(run_dir: Path) -> tuple[list[tuple[str, list[dict[str, Any]], int]], int]:
     """Evenly spaced sample files (first and last included) with their shown rows.
 
-    Returns ([(file name, rows shown, rows in file)], number of files in all).
-    """
+    Returns ([(file name, rows shown, rows in file)], number of files in all)."""
 
     def step_of(path: Path) -> int:
         digits = path.stem.removeprefix("step_")

@@ -5,8 +5,7 @@ None when the config passes. ``rlpost.config`` checks each value on its own; wha
 fields, or between a field and a registered name's traits, is checked here only, and builders,
 engines and the sync layer trust it. Every command that loads a config runs :func:`check`, so
 ``rlpost config X`` cannot call valid what ``rlpost train X`` refuses; ``rlpost config`` checks as
-the command named by ``--for`` (default :func:`command_for`).
-"""
+the command named by ``--for`` (default :func:`command_for`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """A helper process that runs one scoring call at a time within a deadline.
 
 A thread cannot be killed, so scorers that may run long on hostile text run here, killed past the
-deadline; a process pool cannot stop one running task.
-"""
+deadline; a process pool cannot stop one running task."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ The score never comes from a process that evaluated the answer. Three processes:
 
 A timeout or a child dying without a reply leaves the item ``nan``. The judge and evaluator are not
 dumpable; /tmp is off ``sys.path``. stdin: one JSON line (``paths``, ``timeout_s``, ``filter``),
-then JSON with ``nonce`` and ``items`` (a base64 pickle of plain data).
-"""
+then JSON with ``nonce`` and ``items`` (a base64 pickle of plain data)."""
 
 import ast
 import base64

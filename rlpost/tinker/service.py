@@ -5,12 +5,11 @@
 The official SDK talks to it with ``base_url`` pointed here. Model work answers at once with a
 future id; one worker thread runs it, sessions taking turns, and ``/retrieve_future`` answers the
 result or "try again". One :class:`rlpost.api.Base` per base model holds the weights; each training
-client is a LoRA adapter on it. Ids are random and every object belongs to the API key that made
-it (another key gets a 404). Checkpoints (``tinker://MODEL/weights/NAME``, adapter and AdamW state;
+client is a LoRA adapter on it. Ids are random and every object belongs to the API key that made it
+(another key gets a 404). Checkpoints (``tinker://MODEL/weights/NAME``, adapter and AdamW state;
 ``tinker://MODEL/sampler_weights/NAME``) live under ``--state-dir``. Bad input is a 400 naming the
 field; the SDK retries 5xx for minutes, so a request's internal fault answers its future with an
-error instead. docs/tinker.md lists the routes and the differences from the hosted service.
-"""
+error instead. docs/tinker.md lists the routes and the differences from the hosted service."""
 
 from __future__ import annotations
 

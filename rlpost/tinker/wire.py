@@ -4,8 +4,7 @@
 result, like a sample's, leaves as proto bytes: the SDK accepts nothing else for those two types.
 Every other route is the SDK's pydantic types as JSON. Reading a request checks what a loss needs
 (``target_tokens`` and the per-token inputs as long as the input, finite values) and raises
-:class:`BadInput` naming the field, so a bad datum is a 400 before any model work.
-"""
+:class:`BadInput` naming the field, so a bad datum is a 400 before any model work."""
 
 from __future__ import annotations
 

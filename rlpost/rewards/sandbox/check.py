@@ -1,8 +1,7 @@
 """``rlpost sandbox check``: which limits hold on this host, one line each, each one probed.
 
 Probe programs in the real sandbox report what they can reach and try to pass small memory and
-process caps; a promise of the plan the probes contradict fails the check.
-"""
+process caps; a promise of the plan the probes contradict fails the check."""
 
 from __future__ import annotations
 

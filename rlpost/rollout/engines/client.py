@@ -9,8 +9,7 @@ logprobs (a mismatch is an error); the policy version from ``policy_version``, e
 with the fewest outstanding requests. A timeout or 5xx benches a server for a cool-down, a refused
 connection until a weight push reaches it again; only unfinished jobs are re-queued, keyed by job
 id, so no prompt is lost or counted twice. A 4xx is raised at once; with no server left, a
-:class:`~rlpost.errors.WorkerError` (``rollout``, ``lost``).
-"""
+:class:`~rlpost.errors.WorkerError` (``rollout``, ``lost``)."""
 
 from __future__ import annotations
 
@@ -116,8 +115,7 @@ def parse_choices(response: dict, tokenize=None, eos_id: int | None = None) -> l
 
     ``tokenize(text) -> ids`` is the fallback when the server sends no ids; ``eos_id`` is appended
     when a stopped sample's logprobs count one more token than its text (the end-of-sequence token
-    has no text).
-    """
+    has no text)."""
     top_version = response.get("policy_version")
     choices = sorted(response.get("choices", []), key=lambda c: c.get("index", 0))
     out = []
@@ -166,8 +164,7 @@ class CompletionClient:
 
     ``api_key`` is sent as a Bearer token with generation requests (``rlpost serve --api-key``);
     weights go through the ``http`` sync channel, with the admin key. ``seeds=False`` leaves the
-    jobs' seeds out (a server that cannot take them).
-    """
+    jobs' seeds out (a server that cannot take them)."""
 
     def __init__(
         self,
@@ -252,8 +249,7 @@ class RequestLoadBalancer:
     ``max_inflight`` bounds the requests outstanding at one server;
     ``cooldown_s`` is how long a failed server sits out (one that refused the connection:
     until :meth:`enable`); ``max_attempts`` per job (default: 2 per server) bounds retries
-    before the run stops (:class:`WorkerError`, naming the last failure).
-    """
+    before the run stops (:class:`WorkerError`, naming the last failure)."""
 
     def __init__(
         self,

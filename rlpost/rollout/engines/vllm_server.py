@@ -3,14 +3,13 @@
 Generation needs nothing of rlpost on the server (the client asks for ``return_token_ids`` and
 ``logprobs=0``; ``--logprobs-mode processed_logprobs`` gives the tempered distribution the trainer
 recomputes). Weights go through the development API (``VLLM_SERVER_DEV_MODE=1``, any build, CPU
-included; vLLM's transfer engines need GPUs) with rlpost's ``--worker-extension-cls``. One push,
-per server: ``/pause?mode=wait``, ``/collective_rpc`` of ``rlpost_load_weights(url, version,
-token)`` on every worker (:mod:`~rlpost.rollout.engines.vllm_worker`), ``/reset_prefix_cache``,
-``/resume``. The file is written once per push; the trainer serves it, for the push only, under a
-random 192-bit path (:class:`WeightFiles`). The routes carry no authentication: the loader takes
-only what the admin key (``RLPOST_WEIGHTS_KEY``) signed, from ``RLPOST_WEIGHTS_FROM``, but anyone
-reaching them can pause the server or reset its cache, so keep it on loopback or a private network.
-"""
+included; vLLM's transfer engines need GPUs) with rlpost's ``--worker-extension-cls``. One push, per
+server: ``/pause?mode=wait``, ``/collective_rpc`` of ``rlpost_load_weights(url, version, token)`` on
+every worker (:mod:`~rlpost.rollout.engines.vllm_worker`), ``/reset_prefix_cache``, ``/resume``. The
+file is written once per push; the trainer serves it, for the push only, under a random 192-bit path
+(:class:`WeightFiles`). The routes carry no authentication: the loader takes only what the admin key
+(``RLPOST_WEIGHTS_KEY``) signed, from ``RLPOST_WEIGHTS_FROM``, but anyone reaching them can pause
+the server or reset its cache, so keep it on loopback or a private network."""
 
 from __future__ import annotations
 

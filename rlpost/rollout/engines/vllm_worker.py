@@ -9,8 +9,7 @@ safetensors file, loaded without unpickling through vLLM's in-place reload.
 :func:`sign`, key ``RLPOST_WEIGHTS_KEY``); a served loader (``RLPOST_WEIGHTS_FROM`` set) fetches
 only ``http://`` URLs on that address, an in-process one only files; the file's header must name
 tensors of the served checkpoint, of its shapes, in a float dtype, before any data is read.
-Importing this module must stay cheap (no vLLM): the workers import it at start-up.
-"""
+Importing this module must stay cheap (no vLLM): the workers import it at start-up."""
 
 from __future__ import annotations
 
@@ -176,8 +175,7 @@ def _reprocess_tied(model) -> None:
     The reload processes a tied weight once, for one of its layers (the input embedding); an output
     head tied to it keeps what its own processing built from the old weight (on CPU a packed GEMM
     operand), and would score tokens with the old embedding. Where the processing builds nothing
-    (GPU), running it again changes nothing.
-    """
+    (GPU), running it again changes nothing."""
     holders: dict[int, list] = {}
     for module in model.modules():
         weight = module._parameters.get("weight")
