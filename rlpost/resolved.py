@@ -135,15 +135,15 @@ ENGINES: Registry = Registry("rollout engine")
 
 @dataclass(frozen=True)
 class RunFacts:
-    """What a run's config and registries imply. ``device``: ``run.device`` resolved.
-    ``bf16``: ``model.dtype`` resolved. ``engine``: the registered engine that serves
-    rollouts; ``engine_in_process``: from this process's memory (a weights copy, a KV
-    cache); ``engine_over_http``: from servers. ``shares_storage``: the serving module is
-    the policy's own parameter memory. ``adapters``: LoRA adapters train (``model.lora.rank
-    > 0``); then the reference is the base with the adapters off, else a frozen copy.
-    ``group_relative``: the estimator compares the samples of a prompt. ``backend``:
-    ``cluster.backend`` resolved (auto: local for one worker of each role in sync mode).
-    ``layout``: the trainer ranks' :class:`TrainerLayout`."""
+    """What a run's config and registries imply. ``device``: ``run.device`` resolved. ``bf16``:
+    ``model.dtype`` resolved. ``engine``: the registered engine that serves rollouts;
+    ``engine_in_process``: from this process's memory (a weights copy, a KV cache);
+    ``engine_over_http``: from servers. ``shares_storage``: the serving module is the policy's own
+    parameter memory. ``adapters``: LoRA adapters train (``model.lora.rank > 0``); then the
+    reference is the base with the adapters off, else a frozen copy. ``group_relative``: the
+    estimator compares the samples of a prompt. ``backend``: ``cluster.backend`` resolved (auto:
+    local for one worker of each role in sync mode). ``layout``: the trainer ranks'
+    :class:`TrainerLayout`."""
 
     device: Literal["cpu", "cuda"]
     bf16: bool

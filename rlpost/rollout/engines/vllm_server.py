@@ -86,12 +86,10 @@ class Server:
 class WeightFiles:
     """Weight files offered over HTTP on one address, each under a random path while offered.
 
-    The standard library's threaded server is enough: a handful of servers each fetch one file per
-    push, and nothing else is routed (no other path answers but 404). It listens only while a file
-    is offered (a push; each push on a new port), serves at most ``max_connections`` connections at
-    once (one thread each; a connection past that is closed at once), and closes a connection that
-    sends nothing, or takes nothing, for ``timeout_s`` seconds: idle connections cannot hold the
-    trainer's threads."""
+    A handful of servers each fetch one file per push, so the standard library's threaded server
+    does; any other path is a 404. It listens only during a push (a new port each), closes
+    connections past ``max_connections`` at once, and closes one idle for ``timeout_s``, so idle
+    connections cannot hold the trainer's threads."""
 
     def __init__(self, host: str, *, timeout_s: float = 30.0, max_connections: int = 16) -> None:
         self.host, self.timeout_s = host, timeout_s
@@ -168,10 +166,9 @@ class WeightFiles:
 class VLLMServerSync:
     """Pushes versioned weights into ``vllm serve`` servers through their development routes.
 
-    Quacks like :class:`~rlpost.sync.WeightSync` for the run's weight path: ``push`` returns the
-    :class:`SyncStats` of the servers that committed, and raises :class:`SyncError` when none did.
-    ``key`` signs each push (the servers' ``RLPOST_WEIGHTS_KEY``); the admin key also goes as a
-    Bearer token (``headers``), for a proxy in front of the routes."""
+    Quacks like :class:`~rlpost.sync.WeightSync`: ``push`` returns the :class:`SyncStats` of the
+    servers that committed, :class:`SyncError` when none did. ``key`` (the servers'
+    ``RLPOST_WEIGHTS_KEY``) signs each push and goes as a Bearer token (``headers``) for a proxy."""
 
     def __init__(
         self,

@@ -48,11 +48,9 @@ class WeightLoader:
     def rlpost_load_weights(self, source: str, version: int | str, token: str = "") -> list:
         """Copy the tensors of the safetensors file at ``source`` (the trainer's URL, or a file for
         an in-process engine) into the model; returns ``[version, tensors loaded]`` so the caller
-        can check every worker took it.
-
-        ``version`` may arrive as a string: ``vllm serve``'s ``/collective_rpc`` route passes only
-        strings, and a list is what it returns as JSON unchanged. A refused push answers
-        ``["refused", why]`` (raised, vLLM's route would answer a bare 500)."""
+        can check every worker took it. ``version`` may be a string (``/collective_rpc`` passes
+        only strings, and returns a list as JSON unchanged). A refused push answers ``["refused",
+        why]``: raised, vLLM's route would answer a bare 500."""
         try:
             check_source(source, version, token, os.environ)
             if getattr(self, "_rlpost_tensors", None) is None:
@@ -170,12 +168,9 @@ def _refused(why: str) -> WeightsRefused:
 
 
 def _reprocess_tied(model) -> None:
-    """Run the post-load processing again on every layer whose weight another layer shares.
-
-    The reload processes a tied weight once, for one of its layers (the input embedding); an output
-    head tied to it keeps what its own processing built from the old weight (on CPU a packed GEMM
-    operand), and would score tokens with the old embedding. Where the processing builds nothing
-    (GPU), running it again changes nothing."""
+    """Run the post-load processing again on every layer whose weight another layer shares: the
+    reload processes a tied weight once (for the input embedding), and a head tied to it would keep
+    what its processing built from the old weight (on CPU a packed GEMM operand)."""
     holders: dict[int, list] = {}
     for module in model.modules():
         weight = module._parameters.get("weight")
