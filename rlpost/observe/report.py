@@ -148,12 +148,10 @@ def reward_band(
 ) -> tuple[list[float], list[float], list[float], str] | None:
     """(steps, low, high, legend label) of the band drawn around the reward mean.
 
-    A reward whose every recorded value lies in [0, 1] (``reward_min``, ``reward_max``), a 0/1
-    verifiable reward above all, gets the 95% Wilson interval of each step's mean over its
-    ``completions``: it stays in [0, 1] where mean ± std of a 0/1 reward runs below 0 whenever the
-    mean is under 0.5. For a reward in [0, 1] that is not 0/1 the interval is conservative (its
-    variance is at most mean * (1 - mean)). Any other reward gets mean ± std. None when neither can
-    be drawn."""
+    A reward whose every value lies in [0, 1] (``reward_min``, ``reward_max``) gets the 95% Wilson
+    interval of each step's mean over its ``completions``, which stays in [0, 1] (mean ± std of a
+    0/1 reward goes below 0 for a mean under 0.5; for one not 0/1 it is conservative, its variance
+    being at most mean * (1 - mean)). Any other reward gets mean ± std; None when neither can."""
     rows = [r for r in metrics if _finite(r.get("reward_mean"))]
     bounded = bool(rows) and all(
         _finite(r.get("reward_min"))

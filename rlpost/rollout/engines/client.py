@@ -111,11 +111,9 @@ def completion_body(job: Job, model: str | None) -> dict:
 
 
 def parse_choices(response: dict, tokenize=None, eos_id: int | None = None) -> list[Choice]:
-    """Choices of a completions response in index order, with token ids recovered if needed.
-
-    ``tokenize(text) -> ids`` is the fallback when the server sends no ids; ``eos_id`` is appended
-    when a stopped sample's logprobs count one more token than its text (the end-of-sequence token
-    has no text)."""
+    """Choices of a completions response in index order, with token ids recovered if needed:
+    ``tokenize(text) -> ids`` when the server sends none, and ``eos_id`` appended when a stopped
+    sample's logprobs count one more token than its text (the end-of-sequence token has none)."""
     top_version = response.get("policy_version")
     choices = sorted(response.get("choices", []), key=lambda c: c.get("index", 0))
     out = []
@@ -160,11 +158,10 @@ def _retokenize(choice: dict, tokenize, logprobs, eos_id) -> list[int]:
 
 
 class CompletionClient:
-    """Synchronous client of one server; safe to share between threads.
-
-    ``api_key`` is sent as a Bearer token with generation requests (``rlpost serve --api-key``);
-    weights go through the ``http`` sync channel, with the admin key. ``seeds=False`` leaves the
-    jobs' seeds out (a server that cannot take them)."""
+    """Synchronous client of one server; safe to share between threads. ``api_key`` is sent as a
+    Bearer token with generation requests (``rlpost serve --api-key``); weights go through the
+    ``http`` sync channel, with the admin key. ``seeds=False`` leaves the jobs' seeds out (a server
+    that cannot take them)."""
 
     def __init__(
         self,
@@ -246,10 +243,10 @@ class _Server:
 class RequestLoadBalancer:
     """Runs jobs over several servers: fewest outstanding requests first, failed jobs re-sent.
 
-    ``max_inflight`` bounds the requests outstanding at one server;
-    ``cooldown_s`` is how long a failed server sits out (one that refused the connection:
-    until :meth:`enable`); ``max_attempts`` per job (default: 2 per server) bounds retries
-    before the run stops (:class:`WorkerError`, naming the last failure)."""
+    ``max_inflight`` bounds the requests outstanding at one server; ``cooldown_s`` is how long a
+    failed server sits out (one that refused the connection: until :meth:`enable`);
+    ``max_attempts`` per job (None: 2 per server) bounds retries before :class:`WorkerError` names
+    the last failure."""
 
     def __init__(
         self,
