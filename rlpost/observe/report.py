@@ -259,10 +259,8 @@ def _panel(title: str) -> tuple[Figure, Any]:
 
 
 def plot_curves(metrics: list[dict[str, Any]], out_png: Path) -> None:
-    """Write a PNG of reward mean and held-out accuracy against step.
-
-    ``metrics`` is :func:`read_metrics` output. A missing series is drawn as an empty panel that
-    says so, so the file always exists after a run."""
+    """Write a PNG of reward mean and held-out accuracy against step (``metrics``:
+    :func:`read_metrics` rows); a missing series is an empty panel that says so."""
     fig = Figure(figsize=(10, 3.6), layout="constrained")
     for ax, (title, keys) in zip(fig.subplots(1, 2), PLOTS[:2], strict=True):
         ax.set_title(title)
@@ -342,9 +340,8 @@ def summarize(run_dir: Path) -> str:
 
 
 def _load_samples(run_dir: Path) -> tuple[list[tuple[str, list[dict[str, Any]], int]], int]:
-    """Evenly spaced sample files (first and last included) with their shown rows.
-
-    Returns ([(file name, rows shown, rows in file)], number of files in all)."""
+    """([(file name, rows shown, rows in file)] of evenly spaced sample files, first and last
+    included; the number of files in all)."""
 
     def step_of(path: Path) -> int:
         digits = path.stem.removeprefix("step_")
