@@ -260,7 +260,8 @@ def _panel(title: str) -> tuple[Figure, Any]:
 
 def plot_curves(metrics: list[dict[str, Any]], out_png: Path) -> None:
     """Write a PNG of reward mean and held-out accuracy against step (``metrics``:
-    :func:`read_metrics` rows); a missing series is an empty panel that says so: the file always exists."""
+    :func:`read_metrics` rows); a missing series is an empty panel that says so, so the file
+    always exists."""
     fig = Figure(figsize=(10, 3.6), layout="constrained")
     for ax, (title, keys) in zip(fig.subplots(1, 2), PLOTS[:2], strict=True):
         ax.set_title(title)
