@@ -192,7 +192,8 @@ class Base:
         """A new policy: a fresh adapter on this base (``lora``), or a full copy (None)."""
         with self.lock:
             if lora is None:
-                model, _ = load_policy(self.path, seed=self.seed, dtype=self._dtype())
+                dtype = str(self.model.dtype).removeprefix("torch.")
+                model, _ = load_policy(self.path, seed=self.seed, dtype=dtype)
                 return Policy(self, model, None, seed=seed, lr=lr)
             name = f"a{uuid.uuid4().hex[:12]}"
             self._add_adapter(name, lora)
@@ -203,20 +204,12 @@ class Base:
         """What a new policy adds: the adapter (or a full copy), its gradient and AdamW's
         two moments, in float32."""
         if lora is None:
-            return 16 * sum(p.numel() for p in self._base_params())
+            return 16 * sum(p.numel() for n, p in self.model.named_parameters() if "lora_" not in n)
         targets = set(lora.targets())
         return 16 * sum(
             lora.rank * (m.in_features + m.out_features)
             for name, m in self.model.named_modules()
             if name.rsplit(".", 1)[-1] in targets and hasattr(m, "in_features")
-        )
-
-    def _base_params(self):
-        return [p for n, p in self.model.named_parameters() if "lora_" not in n]
-
-    def _dtype(self) -> str:
-        return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(
-            self.model.dtype, "float32"
         )
 
     def _add_adapter(self, name: str, lora: LoRA) -> None:
@@ -279,10 +272,11 @@ class Policy:
             micro_batch_size=8,
         )
         with self._active():
-            self.trainer = PolicyTrainer(model, _default_loss(), settings, seed=seed)
+            self.trainer = PolicyTrainer(
+                model, variants(LossChoice)["ppo_clip"](), settings, seed=seed
+            )
         self.pending = 0  # forward_backward calls since the last step
         self.steps = 0
-        self.frozen: dict[str, Sampler] = {}
 
     @contextlib.contextmanager
     def _active(self):
@@ -294,8 +288,6 @@ class Policy:
 
     def _batch(self, data: Sequence[Datum]) -> TrainBatch:
         return datum_batch(data, self.base.tokenizer.pad_token_id or 0, self.base.context)
-
-    # ------------------------------------------------------------------ train
 
     def forward(self, data: Sequence[Datum]) -> list[torch.Tensor]:
         """Each datum's per-position logprobs of its targets (no gradient)."""
@@ -336,8 +328,6 @@ class Policy:
         self.pending, self.steps = 0, self.steps + 1
         return out
 
-    # ----------------------------------------------------------------- sample
-
     def sample(
         self, prompts: list[list[int]], params: SamplingParams, n: int = 1
     ) -> list[Completion]:
@@ -360,8 +350,6 @@ class Policy:
             _load_adapter_state(self.base, name, state)
             self.base.peft.set_adapter(self.adapter)
             return Sampler(self.base, name, owned=True)
-
-    # ------------------------------------------------------------------ state
 
     def state(self) -> dict[str, Any]:
         with self._active():
@@ -416,14 +404,9 @@ class Policy:
                             overwrite=overwrite)  # fmt: skip
 
     def close(self) -> None:
-        for sampler in self.frozen.values():
-            sampler.close()
+        """Drop this policy's adapter (its snapshots stay until their own close)."""
         if self.adapter is not None:
             self.base.drop_adapter(self.adapter)
-
-
-def _default_loss():
-    return variants(LossChoice)["ppo_clip"]()
 
 
 def _adapter_state(base: Base, name: str) -> dict[str, torch.Tensor]:

@@ -80,9 +80,6 @@ def command_for(cfg: Config) -> str:
     return "dpo" if isinstance(cfg.data.task, PrefsTaskConfig) else "train"
 
 
-# ------------------------------------------------------------------- batch shape
-
-
 @rule("train")
 def micro_batch_fits_mini_batch(cfg: Config) -> str | bool | None:
     t = cfg.train
@@ -107,9 +104,6 @@ def group_relative_needs_groups(cfg: Config) -> str | bool | None:
         f"rollout.n=1 gives every {a} group zero advantage; set rollout.n >= 2 "
         "or use algo.advantage=reinforce_pp with algo.loss=flash_reinforce"
     )
-
-
-# -------------------------------------------------------------------------- data
 
 
 @rule(*RL)
@@ -153,9 +147,6 @@ def tiny_context_fits_max_tokens(cfg: Config) -> str | bool | None:
         f"model.tiny.max_position_embeddings={tiny.max_position_embeddings}; "
         "raise max_position_embeddings or lower max_tokens"
     )
-
-
-# ----------------------------------------------------------------------- rollout
 
 
 @rule(*RL)
@@ -231,9 +222,6 @@ def batch_engine_runs_whole_batches(cfg: Config) -> str | bool | None:
     )
 
 
-# ------------------------------------------------------------- old logprobs source
-
-
 @rule("train")
 def rollout_logprobs_need_full_distribution(cfg: Config) -> str | bool | None:
     r = cfg.rollout
@@ -280,9 +268,6 @@ def rollout_logprobs_need_trainer_numbers(cfg: Config) -> str | bool | None:
         f"algo.old_logprobs=rollout with {key}: the engine serves other numbers than the "
         "trainer's, so its logprobs are not the policy's; use algo.old_logprobs=trainer"
     )
-
-
-# ------------------------------------------------------------ registered names
 
 
 @rule("train")
@@ -349,9 +334,6 @@ def agent_env_resolves(cfg: Config) -> str | bool | None:
     return None
 
 
-# -------------------------------------------------------------------------- sync
-
-
 @rule("train")
 def sync_channel_is_wired(cfg: Config) -> str | bool | None:
     channel, remote = cfg.sync.channel, cfg.rollout.engine.name == "remote"
@@ -406,9 +388,6 @@ def delta_needs_acknowledging_readers(cfg: Config) -> str | bool | None:
         "sync.delta=true with sync.channel=disk: disk readers cannot acknowledge a base "
         "version; use http, gloo or inprocess, or set sync.delta=false"
     )
-
-
-# ----------------------------------------------------------------------- cluster
 
 
 @rule("train")
@@ -506,9 +485,6 @@ def device_is_visible(cfg: Config) -> str | bool | None:
     return None
 
 
-# ----------------------------------------------------------- knobs nothing reads
-
-
 @rule("train")
 def no_inert_knobs(cfg: Config) -> str | bool | None:
     """A knob set away from its default where nothing reads it is refused, never ignored."""
@@ -591,9 +567,6 @@ def _inert_table(cfg: Config) -> list[tuple]:
     return rules
 
 
-# ------------------------------------------------------------- conversation SFT
-
-
 @rule("sft")
 def sft_file_needs_train_path(cfg: Config) -> str | bool | None:
     return (
@@ -607,9 +580,6 @@ def conversations_are_for_rlpost_sft(cfg: Config) -> str | bool | None:
         f"sft.data={cfg.sft.data} trains on conversations with rlpost sft only; run rlpost sft "
         "first, then this command with model.path=RUN_DIR/sft_model sft.steps=0"
     )
-
-
-# ------------------------------------------------------------------ data sources
 
 
 def _listed_twice(names: list[str]) -> str | None:
@@ -744,9 +714,6 @@ def _reasoning_gym_sandbox_problem(c: ReasoningGymConfig) -> str | None:
     )
 
 
-# ------------------------------------------------------------------ evaluation sets
-
-
 @rule("train", "eval")
 def eval_set_metrics_known(cfg: Config) -> str | bool | None:
     from rlpost.algos.eval_metrics import parse_metric
@@ -777,9 +744,6 @@ def eval_set_k_within_samples(cfg: Config) -> str | bool | None:
     return None
 
 
-# ------------------------------------------------------------------ reward model
-
-
 @rule("rm")
 def rm_margin_needs_a_file(cfg: Config) -> str | bool | None:
     margin = cfg.rm.margin_field if cfg.rm is not None else None
@@ -787,9 +751,6 @@ def rm_margin_needs_a_file(cfg: Config) -> str | bool | None:
         f"rm.margin_field={margin}: data.task={cfg.data.task.name} has no columns; "
         "drop it or use data.task=file with a pairs file that has the column"
     )
-
-
-# ------------------------------------------------------------------ outside agents
 
 
 @rule("train", "eval")
@@ -827,9 +788,6 @@ def agent_harness_runs(cfg: Config) -> str | bool | None:
     if h.tool_parser not in TOOL_PARSERS:
         return f"agent.harness.tool_parser={h.tool_parser}: unknown; valid: {', '.join(sorted(TOOL_PARSERS))}"
     return None
-
-
-# ------------------------------------------------------------------ distillation
 
 
 @rule("train")

@@ -27,11 +27,11 @@ PACKAGE = Path(__file__).resolve().parents[2] / "rlpost"
 BLOCK = 8
 LONG_FUNCTION = 60
 SIZE_BOUNDS = {
-    "statements": 19_872,
-    "code_chars": 851_043,
-    "lines": 38_293,
+    "statements": 20_814,
+    "code_chars": 895_162,
+    "lines": 38_000,
     "grpo_arith_keys": 135,
-    "functions_over_60_lines": 6,
+    "functions_over_60_lines": 5,
     "repeated_blocks": 2,
     "grpo_step_modules": 24,
 }
