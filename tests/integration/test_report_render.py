@@ -43,6 +43,8 @@ def make_full_run(run_dir: Path, steps: int = 30) -> None:
             )
             if step % 5 == 0:
                 rec.record(step, {"eval_accuracy": 0.1 + 0.02 * step})
+            if step in (1, steps):  # greedy accuracy: measured at the start and the end
+                rec.record(step, {"eval_greedy_accuracy": 0.3 + 0.01 * step})
     (run_dir / "summary.json").write_text(json.dumps({"final_accuracy": 0.7, "steps": steps}))
     (run_dir / "samples").mkdir()
     row = {
@@ -101,7 +103,7 @@ def test_report_dom_has_title_and_inline_images(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     dom = done.stdout
     assert "<title>rlpost run report: run</title>" in dom
-    assert dom.count("<img") == 13  # every plotted series is present in this run
+    assert dom.count("<img") == 14  # every plotted series is present in this run
     assert "Not plotted" not in dom
     assert "&lt;answer&gt;4&lt;/answer&gt;" in dom
 
@@ -117,5 +119,5 @@ def test_comparison_of_two_runs_renders(tmp_path):
     image = matplotlib.image.imread(shot)[..., :3]
     assert (image < 0.95).any(axis=-1).mean() > 0.05
     dom = chromium(page, tmp_path, "--dump-dom").stdout
-    assert "<title>rlpost comparison: a vs b</title>" in dom and dom.count("<img") == 13
+    assert "<title>rlpost comparison: a vs b</title>" in dom and dom.count("<img") == 14
     assert "<td><pre>4</pre></td>" in dom  # the reference answer next to the completion
