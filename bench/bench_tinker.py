@@ -92,7 +92,8 @@ def rlpost_train(model: str, out: Path, args) -> float:
     cmd = [sys.executable, "-m", "rlpost.cli", "train", "grpo_arith", f"model.path={model}",
            f"rollout.prompts_per_step={args.groups}", f"rollout.n={args.group_size}",
            f"rollout.max_tokens={args.max_tokens}", f"train.steps={args.steps}", "sft.steps=0",
-           "model.lora.rank=32", f"run_dir={out}", "eval.every=0"]  # fmt: skip
+           "model.lora.rank=32", f"run.output_dir={out.parent}", f"run.name={out.name}",
+           "eval.every=0"]  # fmt: skip
     proc = subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )

@@ -228,7 +228,8 @@ class Service:
         if not fut.done and wait:
             return Response(status_code=204)
         if not fut.done:
-            return JSONResponse({"type": "try_again", "request_id": fid, "queue_state": "active"})
+            # 408, as the hosted service: the SDK polls again without logging a warning
+            return JSONResponse({"type": "try_again", "queue_state": "active"}, 408)
         del self.futures[fid]
         if fut.error is not None:
             return JSONResponse({"error": fut.error, "category": fut.category})
