@@ -364,6 +364,7 @@ def rl_step(r: Run, step: int) -> tuple[dict, list]:
         why = "; ".join(
             f"{k}={v:g}" for k, v in out.stats.items() if v and ("fail" in k or "timed" in k)
         )
+        why = "; ".join(w for w in (why, out.why and f"first session: {out.why}") if w)
         raise EmptyStep(f"every sample of {len(out.groups)} prompts failed ({why or 'no rows'})")
     if r.on_groups is not None:
         r.on_groups(step + 1, out.groups)
