@@ -37,6 +37,10 @@ class _ServedScheduler:
     def version(self) -> int:
         return self.scheduler.version
 
+    @property
+    def dtypes(self) -> dict:  # what a raw tensor must be: the server casts none
+        return {n: p.dtype for n, p in self.scheduler._params.items()}
+
     def load_weights(self, named_tensors, version: int) -> None:
         # a TensorStream: the scheduler applies it tensor by tensor between decode steps
         shapes = getattr(named_tensors, "shapes", None)
