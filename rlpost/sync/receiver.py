@@ -162,16 +162,13 @@ class Receiver:
         if manifest.buckets != len(staged.buckets):
             self._fail("finish", f"{len(staged.buckets)} of {manifest.buckets} buckets arrived")
         served = getattr(self.engine, "dtypes", {})  # an engine that casts no raw tensor
-        for spec in manifest.tensors:  # other codecs decode to the model's dtype
-            raw = spec.codec in CODECS and CODECS.trait(spec.codec, "identity")
-            sent = raw and to_dtype(spec.parts.get("data", ["?"])[0])
-            if sent and sent != (want := served.get(spec.name, sent)):
-                why = f"has dtype {sent}, the served model's is {want}; refused (send {want})"
-                self._fail("finish", f"tensor {spec.name!r} {why}")
         # pass 1 rebuilds every tensor before the engine sees any: a failure changes nothing
         for spec, tensor in zip(manifest.tensors, self._tensors(staged, manifest), strict=True):
             if self.verify and checksum(tensor) != spec.checksum:
                 self._fail("finish", f"tensor {spec.name!r} does not match its checksum; refused")
+            want = served.get(spec.name, tensor.dtype)  # other codecs decode to the model's dtype
+            if tensor.dtype != want and CODECS.trait(spec.codec, "identity"):
+                self._fail("finish", f"tensor {spec.name!r} has dtype {tensor.dtype}, not {want}")
         sums: dict[str, int] = {}
         new_base: dict[str, torch.Tensor] = {}
 

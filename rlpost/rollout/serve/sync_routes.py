@@ -32,14 +32,11 @@ class _ServedScheduler:
 
     def __init__(self, scheduler, timeout_s: float) -> None:
         self.scheduler, self.timeout_s = scheduler, timeout_s
+        self.dtypes = {n: p.dtype for n, p in scheduler._params.items()}  # it casts no raw tensor
 
     @property
     def version(self) -> int:
         return self.scheduler.version
-
-    @property
-    def dtypes(self) -> dict:  # what a raw tensor must be: the server casts none
-        return {n: p.dtype for n, p in self.scheduler._params.items()}
 
     def load_weights(self, named_tensors, version: int) -> None:
         # a TensorStream: the scheduler applies it tensor by tensor between decode steps
