@@ -139,9 +139,8 @@ class RolloutWorker:
         if self.lengths is not None:
             for g in groups:
                 self.lengths.observe(g.prompt, (len(c.token_ids) for c in g.completions))
-        return RolloutResult(
-            groups, stats, getattr(getattr(self.agent, "last_stats", 0), "error", "")
-        )
+        why = getattr(getattr(self.agent, "last_stats", None), "error", "")
+        return RolloutResult(groups, stats, why)
 
     def _sample(self, prompts, ids, params, n) -> tuple[list[Completion], dict[str, float]]:
         """Completions (episodes, with an agent) and the episodes' ``agent_*`` counts."""

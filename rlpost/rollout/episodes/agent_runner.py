@@ -188,9 +188,7 @@ class AgentRunner:
         if remote is not None:
             self.sessions = remote
         else:
-            scheduler = getattr(engine, "scheduler", None)
-            if scheduler is None:
-                raise ValueError("an agent harness needs the in-process continuous engine")
+            scheduler = engine.scheduler  # the continuous engine's (the rule table sees to it)
             served = tokenizer
             if settings.chat_template is not None:  # a copy: the training tokenizer is untouched
                 served = copy.copy(tokenizer)
@@ -321,14 +319,11 @@ class AgentRunner:
             if job.timed_out:
                 s.timed_out += 1
                 continue
-            if session is None:  # it did not open
+            truncated = session is not None and session.bound_hit is not None
+            if session is None or (job.error and not truncated) or not session.requests or lost:
                 s.failed += 1
-                s.error = s.error or job.error or "the session did not open"
-                continue
-            truncated = session.bound_hit is not None
-            if (job.error is not None and not truncated) or not session.requests or lost:
-                s.failed += 1
-                s.error = s.error or lost or job.error or "the harness sent no request"
+                none = "the harness sent no request" if session else "the session did not open"
+                s.error = s.error or lost or job.error or none
                 continue
             result = None if job.error is not None else job.result
             reward = float(result) if isinstance(result, int | float) else 0.0
