@@ -63,10 +63,6 @@ class Registry(Generic[T]):
         self.get(name)  # an unknown name fails here, listing the valid ones
         return self._traits[name].get(trait, default)
 
-    def with_trait(self, trait: str, value: Any = True) -> list[str]:
-        """Sorted names whose ``trait`` equals ``value``."""
-        return [n for n in sorted(self._items) if self._traits[n].get(trait, False) == value]
-
     def get(self, name: str) -> T:
         if name not in self._items and ":" in name:  # user code: imported once, then registered
             obj = import_callable(name, self.kind)

@@ -15,7 +15,9 @@ micro-batch invariant.
 
 A loss declares what it reads beyond the logprobs with registry traits, and the trainer
 supplies it: ``needs_teacher_logits`` (the student's and the teacher's ``[B, T, V]``
-logits), ``token_selector`` (tokens chosen once per mini-batch, as ``x.selected``).
+logits), ``token_selector`` (tokens chosen once per mini-batch, as ``x.selected``); the rule
+table reads ``corrects_rollout`` (it weights by the engine/trainer ratio) and ``read_when``
+(``{field: (knob, value)}``: a param read only while another has that value).
 
 Every loss reports ``clip_frac`` (fraction of valid tokens whose gradient the
 trust region cut) and ``approx_kl`` (masked mean of ``old_logprobs - logprobs``),
@@ -51,6 +53,8 @@ LOG_RATIO_CLAMP = 20.0
 GSPO_LOG_RATIO_MAX = 10.0
 # Added inside the binary-KL logs (as verl's dppo_kl) so p -> 1 stays finite.
 BINARY_KL_EPS = 1e-8
+TRUST_REGION = {"tr_tv": ("divergence", "tv"), "tr_kl": ("divergence", "binary_kl")}
+DUAL_CLIP = {"clip_ratio_c": ("dual_clip", True)}
 
 
 @dataclass(frozen=True)
@@ -179,8 +183,8 @@ def _clipped_surrogate(
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-@POLICY_LOSSES.register("ppo_clip")
-@POLICY_LOSSES.register("dapo")
+@POLICY_LOSSES.register("ppo_clip", read_when=DUAL_CLIP)
+@POLICY_LOSSES.register("dapo", read_when=DUAL_CLIP)
 def ppo_clip_loss(x: LossInputs, p: PPOClipParams) -> PolicyLossOutput:
     """PPO clipped surrogate (Schulman et al., arXiv 1707.06347 eq. 7) with dual clip.
 
@@ -302,7 +306,7 @@ def _token_divergence(logprobs: Tensor, rollout: Tensor, divergence: str) -> Ten
     return q * (log_q - log_p) + (1.0 - q) * tail
 
 
-@POLICY_LOSSES.register("flash_reinforce")
+@POLICY_LOSSES.register("flash_reinforce", corrects_rollout=True, read_when=TRUST_REGION)
 def flash_reinforce_loss(x: LossInputs, p: TrustRegionParams) -> PolicyLossOutput:
     """Critic-free REINFORCE with truncated IS and an engine trust region.
 

@@ -14,6 +14,7 @@ from torch import Tensor
 from rlpost.algos.aggregate import masked_mean
 from rlpost.algos.policy_losses import (
     POLICY_LOSSES,
+    TRUST_REGION,
     LossInputs,
     PolicyLossOutput,
     _approx_kl,
@@ -53,7 +54,7 @@ def gmpo_loss(x: LossInputs, p: GMPOParams) -> PolicyLossOutput:
     return PolicyLossOutput(x.agg.reduce(loss_mat, mask), stats)
 
 
-@POLICY_LOSSES.register("dppo")
+@POLICY_LOSSES.register("dppo", read_when=TRUST_REGION)
 def dppo_loss(x: LossInputs, p: DPPOParams) -> PolicyLossOutput:
     """DPPO: a trust region on the divergence of the sampled token's probability (arXiv 2602.04879).
 

@@ -160,7 +160,7 @@ class RolloutFleet:
         done: dict[int, list] = {}
         stats: list[dict[str, float]] = []
         took: dict[str, float] = {"rollout_resent": 0.0}  # per worker: its slowest share
-        kw = dict(train=train, last=last)
+        kw, why = dict(train=train, last=last), ""
         while todo:
             workers = self._await_serving()
             chunks = _split(todo, len(workers))
@@ -210,6 +210,7 @@ class RolloutFleet:
                     took[key] = max(took.get(key, 0.0), seconds)
                     done[chunk.start] = result.groups
                     stats.append(result.stats)
+                    why = why or result.why
                 for fut, (m, chunk, handle) in list(running.items()):
                     with self._lock:
                         state = m.health.check() if handle is m.handle else State.DEAD
@@ -221,7 +222,7 @@ class RolloutFleet:
                         todo.append(chunk)
                         took["rollout_resent"] += 1
         groups = [g for start in sorted(done) for g in done[start]]
-        return RolloutResult(groups, {**_merge_stats(stats), **took})
+        return RolloutResult(groups, {**_merge_stats(stats), **took}, why)
 
     def _await_serving(self) -> list[Member]:
         """The healthy workers; waits for a restart to finish when none is left."""

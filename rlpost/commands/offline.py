@@ -21,7 +21,7 @@ import torch
 from rich.console import Console as RichConsole
 from rich.table import Table
 
-from rlpost.config import Config, ConfigError, DPOConfig, RMConfig
+from rlpost.config import Config, DPOConfig, RMConfig
 from rlpost.data.conversations import (
     Conversation,
     chat_arith,
@@ -160,8 +160,6 @@ def load_conversations(cfg: Config) -> tuple[list[Conversation], list[Conversati
         n, held = CHAT_ARITH_SIZES
         convs = chat_arith(n + held, seed=0)  # a fixed set, whatever the run seed
         return convs[:n], convs[n:], {"train": LoadReport(rows=n), "eval": LoadReport(rows=held)}
-    if s.data != "file" or not s.train_path:
-        raise ConfigError("sft.data=file needs sft.train_path; set it to a JSONL or Parquet file")
     kw = dict(
         messages_field=s.messages_field, answer_field=s.answer_field, on_bad_row=cfg.data.on_bad_row
     )

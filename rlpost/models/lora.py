@@ -1,6 +1,6 @@
 """LoRA through peft: low-rank adapters trained on a frozen base model.
 
-:func:`apply_lora` wraps the policy and the optimizer takes :func:`trainable_parameters`; the
+:func:`apply_lora` wraps the policy and the optimizer takes its trainable parameters; the
 reference is the base under ``reference_mode(model)``; engines get :func:`merged_weights`;
 :func:`save_adapters` writes peft's format. peft (extra ``[lora]``) is imported only here.
 """
@@ -62,10 +62,6 @@ def apply_lora(model: torch.nn.Module, settings: LoRASettings):
             "ignore", message=".*is_gradient_checkpointing", category=FutureWarning
         )
         return peft.get_peft_model(model, config)
-
-
-def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
 
 
 @contextlib.contextmanager

@@ -361,10 +361,9 @@ def rl_step(r: Run, step: int) -> tuple[dict, list]:
     fed = r.feed.next(step, r.w.trainer.version(), last=step + 1 >= cfg.train.steps)
     out = fed.out
     if not any(g.completions for g in out.groups):
-        why = "; ".join(
-            f"{k}={v:g}" for k, v in out.stats.items() if v and ("fail" in k or "timed" in k)
-        )
-        raise EmptyStep(f"every sample of {len(out.groups)} prompts failed ({why or 'no rows'})")
+        why = [f"{k}={v:g}" for k, v in out.stats.items() if v and ("fail" in k or "timed" in k)]
+        why = "; ".join(why + [f"first session: {out.why}"] * bool(out.why)) or "no rows"
+        raise EmptyStep(f"every sample of {len(out.groups)} prompts failed ({why})")
     if r.on_groups is not None:
         r.on_groups(step + 1, out.groups)
     _write_samples(r, step + 1, out.groups)

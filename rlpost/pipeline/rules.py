@@ -9,10 +9,12 @@ the command named by ``--for`` (default :func:`command_for`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cache, partial
 from pathlib import Path
 
+from rlpost.algos import POLICY_LOSSES
 from rlpost.algos.probe import CONTRACTS, probe
 from rlpost.config import (
     AgentConfig,
@@ -29,7 +31,7 @@ from rlpost.envs.catalog import env_factory
 from rlpost.envs.formats import TagFormat
 from rlpost.pipeline.build import run_device
 from rlpost.registry import UnknownNameError
-from rlpost.resolved import ENGINES, TrainerLayout, resolve
+from rlpost.resolved import ENGINES, RunFacts, resolve
 from rlpost.rewards.scorer import check_terms
 
 COMMANDS = ("train", "sft", "eval", "dpo", "rm")
@@ -39,7 +41,7 @@ RL = ("train", "sft", "eval")  # the commands that sample prompts (not preferenc
 @dataclass(frozen=True)
 class Rule:
     name: str
-    check: Callable[[Config], str | None]
+    check: Callable[..., str | None]  # (cfg, f=None): f() gives the resolved facts
     commands: tuple[str, ...]
 
 
@@ -50,10 +52,16 @@ RULES: list[Rule] = []
 def rule(*commands: str):
     """Add the decorated function to the table, for ``commands`` (default: every command). It
     returns its line, or anything false when the config passes (``return bad and (line)``); the
-    table's ``check`` returns the line or None."""
+    table's ``check`` returns the line or None. A rule of two arguments is given the config's
+    :class:`RunFacts` second, resolved once for the table (when its first such rule runs)."""
 
-    def add(fn: Callable[[Config], str | bool | None]):
-        RULES.append(Rule(fn.__name__, lambda cfg: fn(cfg) or None, commands or COMMANDS))
+    def add(fn: Callable[..., str | bool | None]):
+        two = fn.__code__.co_argcount == 2
+
+        def check(cfg: Config, f=None) -> str | None:
+            return (fn(cfg, (f or partial(resolve, cfg))()) if two else fn(cfg)) or None
+
+        RULES.append(Rule(fn.__name__, check, commands or COMMANDS))
         return fn
 
     return add
@@ -61,16 +69,19 @@ def rule(*commands: str):
 
 def problems(cfg: Config, command: str = "train") -> list[str]:
     """Every rule of ``command`` that ``cfg`` breaks, one line each, in table order."""
-    found = (r.check(cfg) for r in RULES if command in r.commands)
-    return [line for line in found if line is not None]
+    return list(_lines(cfg, command))
 
 
 def check(cfg: Config, command: str = "train") -> Config:
     """``cfg`` when it passes every rule of ``command``; else ConfigError with the first line."""
-    for r in RULES:
-        if command in r.commands and (line := r.check(cfg)) is not None:
-            raise ConfigError(line)
+    if (line := next(_lines(cfg, command), None)) is not None:
+        raise ConfigError(line)
     return cfg
+
+
+def _lines(cfg: Config, command: str) -> Iterator[str]:
+    f = cache(partial(resolve, cfg))
+    return (line for r in RULES if command in r.commands if (line := r.check(cfg, f)))
 
 
 def command_for(cfg: Config) -> str:
@@ -78,6 +89,31 @@ def command_for(cfg: Config) -> str:
     if cfg.sft.data != "task":
         return "sft"
     return "dpo" if isinstance(cfg.data.task, PrefsTaskConfig) else "train"
+
+
+@rule("train")
+def algorithm_parts_resolve(cfg: Config) -> str | bool | None:
+    # First: the rules after it read the parts' traits. A choice's built-in name is checked by
+    # its union; user code gets one dummy call.
+    a = cfg.algo
+    for key, kind, part in (
+        ("algo.advantage.name", "advantage", a.advantage),
+        ("algo.loss.name", "loss", a.loss),
+        ("algo.kl.estimator", "kl", a.kl.estimator),
+        ("algo.loss_agg_mode", "aggregation", a.loss_agg_mode),
+        ("algo.rollout_correction.name", "correction", a.rollout_correction),
+    ):
+        name = getattr(part, "name", part)
+        try:
+            if ":" in name:
+                problem = probe(kind, name, part)
+            else:
+                problem = isinstance(part, str) and CONTRACTS[kind][0].get(name) and None
+        except (UnknownNameError, ValueError) as exc:
+            problem = str(exc)
+        if problem:
+            return f"config {key}={name}: {problem}"
+    return None
 
 
 @rule("train")
@@ -98,9 +134,9 @@ def mini_batch_fits_rollout_batch(cfg: Config) -> str | bool | None:
 
 
 @rule("train")
-def group_relative_needs_groups(cfg: Config) -> str | bool | None:
+def group_relative_needs_groups(cfg: Config, f: RunFacts) -> str | bool | None:
     a = cfg.algo.advantage.name
-    return (cfg.rollout.n == 1 and resolve(cfg).group_relative) and (
+    return (cfg.rollout.n == 1 and f.group_relative) and (
         f"rollout.n=1 gives every {a} group zero advantage; set rollout.n >= 2 "
         "or use algo.advantage=reinforce_pp with algo.loss=flash_reinforce"
     )
@@ -208,16 +244,16 @@ def partial_needs_sync_mode(cfg: Config) -> str | bool | None:
 
 
 @rule("train", "eval")
-def batch_engine_runs_whole_batches(cfg: Config) -> str | bool | None:
+def batch_engine_runs_whole_batches(cfg: Config, f: RunFacts) -> str | bool | None:
     """An engine that decodes whole batches cannot stop a partial step early, take weights
     while it generates (async) or serve a harness's sessions: refused, never swapped."""
-    name, async_ = cfg.rollout.engine.name, cfg.pipeline.mode == "async"
+    async_ = cfg.pipeline.mode == "async"
     asked = ("rollout.partial=true", cfg.rollout.partial), ("pipeline.mode=async", async_)
     needs = [k for k, on in (*asked, ("agent.harness", cfg.agent.harness)) if on]
-    if not needs or name == "auto" or not ENGINES.trait(name, "whole_batches"):
+    if not needs or not ENGINES.trait(f.engine, "whole_batches"):  # auto picks one that stops
         return None
     return (
-        f"rollout.engine={name} with {needs[0]}: the batch engine decodes whole batches; use "
+        f"rollout.engine={f.engine} with {needs[0]}: the batch engine decodes whole batches; use "
         "rollout.engine=hf_continuous (or auto, which picks it)"
     )
 
@@ -237,27 +273,24 @@ def rollout_logprobs_need_no_correction(cfg: Config) -> str | bool | None:
     a = cfg.algo
     if a.old_logprobs != "rollout":
         return None
-    tis_cap = a.loss.params().get("tis_cap")
+    corr, tis_cap, loss = a.rollout_correction.name, a.loss.params().get("tis_cap"), a.loss.name
     one = {
-        f"algo.rollout_correction.name={a.rollout_correction.name}": (
-            a.rollout_correction.name != "none"
-        ),
+        f"algo.rollout_correction.name={corr}": corr != "none",
         f"algo.loss.tis_cap={tis_cap}": tis_cap is not None,
-        "algo.loss.name=flash_reinforce": a.loss.name == "flash_reinforce",
+        f"algo.loss.name={loss}": POLICY_LOSSES.trait(loss, "corrects_rollout"),
     }
-    for key in (k for k, bad in one.items() if bad):
-        return (
-            f"algo.old_logprobs=rollout with {key}: the ratio is already against the engine's "
-            "logprobs, so the engine/trainer weight is always 1; use algo.old_logprobs=trainer"
-        )
-    return None
+    key = next((k for k, bad in one.items() if bad), None)
+    return key and (
+        f"algo.old_logprobs=rollout with {key}: the ratio is already against the engine's "
+        "logprobs, so the engine/trainer weight is always 1; use algo.old_logprobs=trainer"
+    )
 
 
 @rule("train")
-def rollout_logprobs_need_trainer_numbers(cfg: Config) -> str | bool | None:
+def rollout_logprobs_need_trainer_numbers(cfg: Config, f: RunFacts) -> str | bool | None:
     if cfg.algo.old_logprobs != "rollout":
         return None
-    if resolve(cfg).bf16:  # bfloat16, or auto on a CPU with native bf16
+    if f.bf16:  # bfloat16, or auto on a CPU with native bf16
         on = " (bf16 on this CPU)" if cfg.model.dtype == "auto" else ""
         key = f"model.dtype={cfg.model.dtype}{on}"
     elif cfg.sync.codec != "none":
@@ -271,35 +304,11 @@ def rollout_logprobs_need_trainer_numbers(cfg: Config) -> str | bool | None:
 
 
 @rule("train")
-def algorithm_parts_resolve(cfg: Config) -> str | bool | None:
-    # A choice's built-in name is checked by its union; user code gets one dummy call.
-    a = cfg.algo
-    for key, kind, part in (
-        ("algo.advantage.name", "advantage", a.advantage),
-        ("algo.loss.name", "loss", a.loss),
-        ("algo.kl.estimator", "kl", a.kl.estimator),
-        ("algo.loss_agg_mode", "aggregation", a.loss_agg_mode),
-        ("algo.rollout_correction.name", "correction", a.rollout_correction),
-    ):
-        name = getattr(part, "name", part)
-        try:
-            if ":" in name:
-                problem = probe(kind, name, part)
-            else:
-                problem = isinstance(part, str) and CONTRACTS[kind][0].get(name) and None
-        except (UnknownNameError, ValueError) as exc:
-            problem = str(exc)
-        if problem:
-            return f"config {key}={name}: {problem}"
-    return None
-
-
-@rule("train")
-def component_estimator_needs_outcome_rewards(cfg: Config) -> str | bool | None:
+def component_estimator_needs_outcome_rewards(cfg: Config, f: RunFacts) -> str | bool | None:
     a = cfg.algo
     why = "algo.kl.placement=reward" if a.kl.placement == "reward" else "agent.env"
     per_token = why != "agent.env" or cfg.agent.env is not None  # rewards beside the outcome
-    return (per_token and resolve(cfg).plan.components) and (
+    return (per_token and f.plan.components) and (
         f"algo.advantage={a.advantage.name} with {why}: it normalises the reward terms' outcome "
         "scores and would drop the per-token rewards (the KL penalty, an environment's turn "
         "rewards); use another estimator or algo.kl.placement=loss"
@@ -335,9 +344,9 @@ def agent_env_resolves(cfg: Config) -> str | bool | None:
 
 
 @rule("train")
-def sync_channel_is_wired(cfg: Config) -> str | bool | None:
-    channel, remote = cfg.sync.channel, cfg.rollout.engine.name == "remote"
-    gloo = ("gloo",) if not remote and resolve(cfg).backend == "process" else ()
+def sync_channel_is_wired(cfg: Config, f: RunFacts) -> str | bool | None:
+    channel, remote = cfg.sync.channel, f.engine_over_http
+    gloo = ("gloo",) if not remote and f.backend == "process" else ()
     if channel in (("http", "inprocess") if remote else ("inprocess", "disk", *gloo)):
         return None
     return (
@@ -361,8 +370,6 @@ def disk_channel_one_rollout_worker(cfg: Config) -> str | bool | None:
 
 @rule("train")
 def engine_logprobs_of_the_full_distribution(cfg: Config) -> str | bool | None:
-    """vLLM reports logprobs after top-p / top-k truncation, the in-process engines before
-    it: an engine/trainer importance weight would then depend on the engine."""
     r, corr = cfg.rollout, cfg.algo.rollout_correction.name
     vllm = r.engine.name == "vllm" or getattr(r.engine, "server", None) == "vllm"
     return (vllm and (r.top_p < 1.0 or r.top_k > 0) and corr != "none") and (
@@ -391,11 +398,9 @@ def delta_needs_acknowledging_readers(cfg: Config) -> str | bool | None:
 
 
 @rule("train")
-def local_backend_one_worker_per_role(cfg: Config) -> str | bool | None:
+def local_backend_one_worker_per_role(cfg: Config, f: RunFacts) -> str | bool | None:
     c = cfg.cluster
-    return (
-        resolve(cfg).backend == "local" and (c.rollout_workers > 1 or c.trainer_workers > 1)
-    ) and (
+    return (f.backend == "local" and (c.rollout_workers > 1 or c.trainer_workers > 1)) and (
         f"cluster.rollout_workers={c.rollout_workers}, trainer_workers={c.trainer_workers} "
         "with cluster.backend=local: several workers of a role need processes of their own; "
         "set cluster.backend=process or cluster.backend=ray"
@@ -403,9 +408,9 @@ def local_backend_one_worker_per_role(cfg: Config) -> str | bool | None:
 
 
 @rule("train")
-def reward_workers_need_ray(cfg: Config) -> str | bool | None:
+def reward_workers_need_ray(cfg: Config, f: RunFacts) -> str | bool | None:
     c = cfg.cluster
-    return (c.reward_workers and resolve(cfg).backend != "ray") and (
+    return (c.reward_workers and f.backend != "ray") and (
         f"cluster.reward_workers={c.reward_workers} needs cluster.backend=ray "
         f"(backend={c.backend}); 0 scores in the driver"
     )
@@ -421,18 +426,9 @@ def suspect_before_dead(cfg: Config) -> str | bool | None:
 
 
 @rule("train")
-def trainer_layout_fits(cfg: Config) -> str | bool | None:
-    try:
-        TrainerLayout.of(cfg.cluster)
-    except ConfigError as exc:
-        return str(exc)
-    return None
-
-
-@rule("train")
-def data_parallel_without_critic(cfg: Config) -> str | bool | None:
+def data_parallel_without_critic(cfg: Config, f: RunFacts) -> str | bool | None:
     n, a = cfg.cluster.trainer_workers, cfg.algo.advantage.name
-    return (n > 1 and resolve(cfg).plan.values) and (
+    return (n > 1 and f.plan.values) and (
         f"cluster.trainer_workers={n}: the PPO critic (algo.advantage={a}) trains on one "
         "worker only; set cluster.trainer_workers=1"
     )
@@ -466,39 +462,40 @@ def fleet_without_partial(cfg: Config) -> str | bool | None:
 
 
 @rule("train")
-def fleet_not_over_remote(cfg: Config) -> str | bool | None:
+def fleet_not_over_remote(cfg: Config, f: RunFacts) -> str | bool | None:
     n = cfg.cluster.rollout_workers
-    return (n > 1 and cfg.rollout.engine.name == "remote") and (
+    return (n > 1 and f.engine_over_http) and (
         f"cluster.rollout_workers={n} with rollout.engine=remote: the remote engine already "
         "balances over rollout.engine.servers; set cluster.rollout_workers=1"
     )
 
 
 @rule()
-def device_is_visible(cfg: Config) -> str | bool | None:
+def device_is_visible(cfg: Config, f: RunFacts) -> str | bool | None:
     if cfg.cluster.backend == "ray":  # Ray workers resolve the device where they run
         return None
     try:
-        run_device(resolve(cfg))
+        run_device(f)
     except ConfigError as exc:
         return str(exc)
     return None
 
 
 @rule("train")
-def no_inert_knobs(cfg: Config) -> str | bool | None:
+def no_inert_knobs(cfg: Config, f: RunFacts) -> str | bool | None:
     """A knob set away from its default where nothing reads it is refused, never ignored."""
-    found = inert_knobs(cfg)
+    found = inert_knobs(cfg, f)
     return found[0] if found else None
 
 
-def inert_knobs(cfg: Config) -> list[str]:
+def inert_knobs(cfg: Config, f: RunFacts) -> list[str]:
     """Every knob of ``cfg`` set away from its default that this config never reads."""
     out = []
-    for section, prefix, fields, inert, fix in _inert_table(cfg):
+    for section, prefix, fields, inert, fix in _inert_table(cfg, f):
         for field in fields:
-            value = getattr(section, field)
-            if inert and value != type(section).model_fields[field].default:
+            value, known = getattr(section, field), type(section).model_fields.get(field)
+            moved = value != known.default if known else field in section.model_fields_set
+            if inert and moved:  # (a user's part: its declared params, set in the config)
                 out.append(f"{prefix}.{field}={value}: nothing reads it in this config; {fix}")
     return out
 
@@ -525,17 +522,16 @@ def unread_keys(cfg: Config) -> list[str]:
                                                         "last_turn_only")]),
     ]  # fmt: skip
     out = [key for unused, keys in table if unused for key in keys]
-    inert = [(p, f) for _, p, f, unused, _ in _inert_table(cfg) if unused]
+    inert = [(p, k) for _, p, k, unused, _ in _inert_table(cfg, facts) if unused]
     return out + [f"{prefix}.{field}" for prefix, fields in inert for field in fields]
 
 
-def _inert_table(cfg: Config) -> list[tuple]:
+def _inert_table(cfg: Config, f: RunFacts) -> list[tuple]:
     """(section, its key, fields, nothing reads them, the fix) of knobs that other knobs
-    turn off."""
+    turn off; a loss declares its own (its ``read_when`` trait)."""
     a, r, s, w = cfg.algo, cfg.rollout, cfg.sync, cfg.reward
-    copied = r.engine.name != "remote" and s.codec == "none" and not s.delta
+    copied = not f.engine_over_http and s.codec == "none" and not s.delta
     mixed = any(t.kind in ("model", "judge") for t in w.terms)
-    loss = a.loss
     rules = [  # (section, its key, fields, nothing reads them, the fix)
         (a.kl, "algo.kl", ("estimator", "placement", "target"), a.kl.beta == 0,
          "set algo.kl.beta > 0"),
@@ -543,7 +539,7 @@ def _inert_table(cfg: Config) -> list[tuple]:
         (a, "algo", ("max_sampling_rounds",), not a.dynamic_sampling,
          "set algo.dynamic_sampling=true"),
         (r, "rollout", ("partial_fraction",), not r.partial, "set rollout.partial=true"),
-        (r, "rollout", ("partial_chunk_tokens",), not r.partial or resolve(cfg).engine_in_process,
+        (r, "rollout", ("partial_chunk_tokens",), not r.partial or f.engine_in_process,
          "it applies to a partial rollout on a remote or vllm engine"),
         (s, "sync", ("delta_full_threshold",), not s.delta, "set sync.delta=true"),
         (s, "sync", ("bucket_mb", "verify", "timeout_s", "keep_bf16"), copied,
@@ -552,18 +548,12 @@ def _inert_table(cfg: Config) -> list[tuple]:
          "alpha mixes verifiable with model or judge terms; add one"),
         (w, "reward", ("sample_count",), w.sample_every == 0, "set reward.sample_every > 0"),
     ]  # fmt: skip
-    if r.engine.name == "remote":
-        vllm = r.engine.server == "vllm"
-        rules.append((s, "sync", ("bucket_mb", "verify", "keep_bf16"), vllm,
-                      "vllm serve loads one plain weight file per push"))  # fmt: skip
-    if loss.name in ("flash_reinforce", "dppo"):  # the trust region reads one threshold
-        rules.append((loss, "algo.loss", ("tr_tv",), loss.divergence != "tv",
-                      "set algo.loss.divergence=tv"))  # fmt: skip
-        rules.append((loss, "algo.loss", ("tr_kl",), loss.divergence == "tv",
-                      "set algo.loss.divergence=binary_kl"))  # fmt: skip
-    if loss.name in ("ppo_clip", "dapo"):
-        rules.append((loss, "algo.loss", ("clip_ratio_c",), loss.dual_clip is False,
-                      "set algo.loss.dual_clip=true"))  # fmt: skip
+    vllm = getattr(r.engine, "server", None) == "vllm"
+    rules.append((s, "sync", ("bucket_mb", "verify", "keep_bf16"), vllm,
+                  "vllm serve loads one plain weight file per push"))  # fmt: skip
+    for k, (knob, on) in POLICY_LOSSES.trait(a.loss.name, "read_when", {}).items():
+        fix = f"set algo.loss.{knob}={str(on).lower()}"
+        rules.append((a.loss, "algo.loss", (k,), getattr(a.loss, knob) != on, fix))
     return rules
 
 
@@ -791,17 +781,16 @@ def agent_harness_runs(cfg: Config) -> str | bool | None:
 
 
 @rule("train")
-def distillation_has_one_teacher(cfg: Config) -> str | bool | None:
+def distillation_has_one_teacher(cfg: Config, f: RunFacts) -> str | bool | None:
     t = cfg.model.teacher
     if t.path and t.url:
         return (
             f"model.teacher.url={t.url}: model.teacher.path={t.path} names a teacher too; "
             "set one of them"
         )
-    plan = resolve(cfg).plan
     uses = "algo.advantage=on_policy_distill or algo.loss=gkd"
-    if plan.reads_teacher and not (t.path or t.url):
-        name = cfg.algo.loss.name if plan.teacher_logits else cfg.algo.advantage.name
+    if f.plan.reads_teacher and not (t.path or t.url):
+        name = cfg.algo.loss.name if f.plan.teacher_logits else cfg.algo.advantage.name
         return (
             f"model.teacher.path=None: {name} distils from a teacher; set model.teacher.path "
             "(a trained run's checkpoints/step_N/model) or model.teacher.url"
@@ -811,15 +800,15 @@ def distillation_has_one_teacher(cfg: Config) -> str | bool | None:
             f"model.teacher.path={t.path}: not a directory or a .gguf file; point it at a "
             "model directory or a .gguf file"
         )
-    if (t.path or t.url) and not plan.reads_teacher:
+    if (t.path or t.url) and not f.plan.reads_teacher:
         key = "path" if t.path else "url"
         return f"model.teacher.{key}={t.path or t.url}: no part of the run reads it; set {uses}"
     return None
 
 
 @rule("train")
-def gkd_needs_local_teacher(cfg: Config) -> str | bool | None:
-    return (resolve(cfg).plan.teacher_logits and cfg.model.teacher.url) and (
+def gkd_needs_local_teacher(cfg: Config, f: RunFacts) -> str | bool | None:
+    return (f.plan.teacher_logits and cfg.model.teacher.url) and (
         f"model.teacher.url={cfg.model.teacher.url}: algo.loss.name={cfg.algo.loss.name} "
         "needs the teacher's full logits, which a server does not return; use "
         "model.teacher.path (in-process) or algo.advantage=on_policy_distill"
@@ -827,9 +816,8 @@ def gkd_needs_local_teacher(cfg: Config) -> str | bool | None:
 
 
 @rule("train")
-def distillation_weights_not_both_zero(cfg: Config) -> str | bool | None:
-    plan = resolve(cfg).plan
-    for on, key in ((plan.teacher, "advantage"), (plan.teacher_logits, "loss")):
+def distillation_weights_not_both_zero(cfg: Config, f: RunFacts) -> str | bool | None:
+    for on, key in ((f.plan.teacher, "advantage"), (f.plan.teacher_logits, "loss")):
         p = getattr(cfg.algo, key).params()
         if on and p.get("distill_weight") == 0 and p.get("task_weight") == 0:
             return (

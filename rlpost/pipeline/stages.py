@@ -52,6 +52,7 @@ class RolloutOutput:
     stats: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
     generated: int = 0  # tokens the policy sampled in every round, dropped groups included
+    why: str = ""  # :attr:`RolloutResult.why` of the last round
 
 
 def sampled_tokens(groups: list[Group]) -> int:
@@ -124,7 +125,7 @@ def rollout_stage(
     if s.greedy_baseline:
         kept, greedy = greedy_baselines(rollout, reward, kept, params)
         generated += greedy
-    return RolloutOutput(kept, rounds, stats, time.perf_counter() - t0, generated)
+    return RolloutOutput(kept, rounds, stats, time.perf_counter() - t0, generated, result.why)
 
 
 def greedy_baselines(

@@ -34,6 +34,7 @@ class RolloutResult:
 
     groups: list[Group]
     stats: dict[str, float] = field(default_factory=dict)
+    why: str = ""  # a harness's first failed session: what the stop line says when all fail
 
 
 def to_groups(
@@ -138,7 +139,8 @@ class RolloutWorker:
         if self.lengths is not None:
             for g in groups:
                 self.lengths.observe(g.prompt, (len(c.token_ids) for c in g.completions))
-        return RolloutResult(groups, stats)
+        why = getattr(getattr(self.agent, "last_stats", None), "error", "")
+        return RolloutResult(groups, stats, why)
 
     def _sample(self, prompts, ids, params, n) -> tuple[list[Completion], dict[str, float]]:
         """Completions (episodes, with an agent) and the episodes' ``agent_*`` counts."""

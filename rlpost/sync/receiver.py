@@ -161,10 +161,14 @@ class Receiver:
     def _commit(self, staged: _Staged, manifest: Manifest) -> CommitReport:
         if manifest.buckets != len(staged.buckets):
             self._fail("finish", f"{len(staged.buckets)} of {manifest.buckets} buckets arrived")
+        served = getattr(self.engine, "dtypes", {})  # an engine that casts no raw tensor
         # pass 1 rebuilds every tensor before the engine sees any: a failure changes nothing
         for spec, tensor in zip(manifest.tensors, self._tensors(staged, manifest), strict=True):
             if self.verify and checksum(tensor) != spec.checksum:
                 self._fail("finish", f"tensor {spec.name!r} does not match its checksum; refused")
+            want = served.get(spec.name, tensor.dtype)  # other codecs decode to the model's dtype
+            if tensor.dtype != want and CODECS.trait(spec.codec, "identity"):
+                self._fail("finish", f"tensor {spec.name!r} has dtype {tensor.dtype}, not {want}")
         sums: dict[str, int] = {}
         new_base: dict[str, torch.Tensor] = {}
 

@@ -224,7 +224,7 @@ def test_crashing_and_hanging_harnesses_are_counted_and_dropped(engine):
         runner.close()
     metrics = runner.last_stats.metrics()
     assert metrics["harness_failed"] == 1.0 and metrics["harness_timed_out"] == 1.0
-    assert "the harness broke" in runner.last_stats.last_error
+    assert "the harness broke" in runner.last_stats.error
     groups = to_groups(prompts, rows, 1, by_index=True)
     assert [g.n for g in groups] == [0, 1, 0]  # only the working session trains
 
@@ -252,7 +252,7 @@ def test_the_calc_agent_as_a_command(engine):
         (session,) = runner.last_sessions
     finally:
         runner.close()
-    assert runner.last_stats.failed == 0, runner.last_stats.last_error
+    assert runner.last_stats.failed == 0, runner.last_stats.error
     assert len(rows) == 1 and rows[0].token_ids[: len(session.requests[0].token_ids)] == (
         session.requests[0].token_ids
     )
@@ -442,7 +442,7 @@ def test_a_sessions_clock_starts_with_its_agent(engine):
         rows = runner.generate([[1]] * 2, GREEDY, n=1, prompts=[Prompt("first"), Prompt("then")])
     finally:
         runner.close()
-    assert runner.last_stats.failed == 0, runner.last_stats.last_error
+    assert runner.last_stats.failed == 0, runner.last_stats.error
     assert len(rows) == 2 and all(s.bound_hit is None for s in runner.last_sessions)
 
 
@@ -537,5 +537,5 @@ def test_a_harness_cannot_read_another_sessions_key(engine, monkeypatch, own_use
     finally:
         runner.close()
         shutil.rmtree(shared)
-    assert runner.last_stats.failed == 0, runner.last_stats.last_error
+    assert runner.last_stats.failed == 0, runner.last_stats.error
     assert sorted(r.episode.answer for r in rows) == [answer, answer]

@@ -242,4 +242,4 @@ def test_a_server_killed_mid_session_drops_the_session_without_a_hang(tiny_dir, 
         stop_server(proc)
     assert rows == []
     assert runner.last_stats.sessions == 1 and runner.last_stats.failed == 1
-    assert runner.last_stats.last_error and "\n" not in runner.last_stats.last_error
+    assert runner.last_stats.error and "\n" not in runner.last_stats.error

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +19,7 @@ from rlpost.envs.examples import calc_agent
 from rlpost.pipeline.loop import EMPTY_STEPS_IN_A_ROW, TrainingStopped, train
 
 CALLS = itertools.count()
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def always_fails(prompt, base_url):
@@ -62,3 +68,42 @@ def test_an_empty_step_is_counted_and_drawn_again(tmp_path):
     assert all(h["completions"] > 0 for h in result.history)
     rows = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("guard_empty_step", 0) >= 1 for r in rows), rows
+
+
+def _train_cli(tmp_path, *harness: str) -> subprocess.CompletedProcess:
+    over = {
+        "run.output_dir": tmp_path, "run.name": "t", "agent.harness.demonstrations": "null",
+        "agent.harness.workers": 4, "sft.steps": 0, "train.steps": 4,
+        "rollout.prompts_per_step": 8, "rollout.n": 2, "rollout.max_tokens": 8,
+        "train.mini_batch_size": 16, "train.micro_batch_size": 16, "eval.limit": 2, "eval.samples": 1,
+        "observe.progress": "false", "observe.plot": "false", "checkpoint.every": 0,
+    }  # fmt: skip
+    args = [*(f"{k}={v}" for k, v in over.items()), *harness]
+    tmp_path.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "rlpost.cli", "train", str(RECIPES_DIR / "agent_blackbox.yaml"), *args],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_failing_harness_says_why_in_the_stop_line(tmp_path):
+    """16 of 16 sessions fail each step: the run's last line carries the first one's reason (a
+    command's exit status and last stderr line; an entry's exception), with no traceback."""
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as scratch:  # a command's /tmp is its own
+        secret = Path(scratch) / "secret"
+        secret.write_text("x")
+        secret.chmod(0)  # unreadable under the command's own uid
+        command = f"agent.harness.command=[cat,{secret}]"
+        for i, (harness, needle) in enumerate((
+            (["agent.harness.entry=null", command],
+             f"harness command exited 1: cat: {secret}: Permission denied"),
+            (["agent.harness.entry=tests.integration.test_failed_rollouts:always_fails"],
+             "RuntimeError: harness down"),
+        )):  # fmt: skip
+            proc = _train_cli(tmp_path / str(i), *harness)
+            assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+            last = proc.stderr.strip().splitlines()[-1]
+            assert "every sample of 8 prompts failed (harness_failed=16" in last, proc.stderr
+            assert needle in last and "--resume" in last, last

@@ -166,3 +166,33 @@ def test_the_only_server_killed_mid_push_is_a_one_line_error(tiny_dir):
     assert "\n" not in msg and f"weight sync update on {url}" in msg
     sync.close()
     stop_server(proc)
+
+
+def test_a_raw_tensor_of_another_dtype_is_refused_and_a_codec_casts(servers, tiny_dir):
+    """codec=none sends tensors as they are: one the served model would have to cast is a 400
+    naming it, and the server keeps serving its weights; bf16 and fp8 decode to its dtype."""
+    url = servers["b"][1]
+    w = _weights(tiny_dir, 3)
+    before = _served_version(url)
+    probe = {"prompt": "1+1=", "max_tokens": 4, "temperature": 0.0, "logprobs": 1}
+    answer = httpx.post(f"{url}/v1/completions", json=probe, timeout=30).json()["choices"]
+    sync = build_weight_sync(
+        SyncConfig(channel="http", codec="none", bucket_mb=BUCKET_MB), [url], headers=ADMIN_HEADERS
+    )
+    name = "model.norm.weight"
+    with pytest.raises(SyncError) as info:
+        sync.push({**w, name: w[name].double()}.items(), before + 1)
+    msg = str(info.value)
+    assert "\n" not in msg and "HTTP 400" in msg, msg
+    assert f"tensor {name!r} has dtype torch.float64, not torch.float32" in msg
+    assert _served_version(url) == before  # nothing applied: the same answer, token for token
+    assert httpx.post(f"{url}/v1/completions", json=probe, timeout=30).json()["choices"] == answer
+    sync.close()
+    for version, codec in enumerate(["bf16", "fp8"], start=before + 1):
+        sync = build_weight_sync(
+            SyncConfig(channel="http", codec=codec, bucket_mb=BUCKET_MB),
+            [url],
+            headers=ADMIN_HEADERS,
+        )
+        assert sync.push(w.items(), version).committed == [url] and _served_version(url) == version
+        sync.close()

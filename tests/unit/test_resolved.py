@@ -95,4 +95,6 @@ def test_a_layout_that_does_not_fit_is_one_line_from_the_record_and_the_rule(
     assert str(by_facts.value) == str(err.value)
     from rlpost.pipeline import rules
 
-    assert rules.trainer_layout_fits(cfg) == str(err.value)
+    with pytest.raises(ConfigError) as by_rules:  # the rules read the same record
+        rules.check(cfg)
+    assert str(by_rules.value) == str(err.value)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import logging
 import math
 import re
 import secrets
@@ -46,7 +45,6 @@ from rlpost.rollout.serve.sessions import Session, SessionBounds, session_sample
 from rlpost.types import Completion, Prompt
 
 GRACE_S = 5.0  # past the session's wall bound, a harness still running is hung
-log = logging.getLogger(__name__)
 REWARD_LINE = re.compile(r"reward:\s*(\S+)")  # a command's last line that is its reward
 
 
@@ -91,7 +89,7 @@ class HarnessStats:
     tool_calls: int = 0
     tokens: int = 0
     output_dropped: int = 0  # bytes of commands' output past the kept tails
-    last_error: str = ""
+    error: str = ""  # the first failed session's reason
 
     def metrics(self) -> dict[str, float]:
         s, kept = max(self.sessions, 1), max(self.sessions - self.failed - self.timed_out, 1)
@@ -190,9 +188,7 @@ class AgentRunner:
         if remote is not None:
             self.sessions = remote
         else:
-            scheduler = getattr(engine, "scheduler", None)
-            if scheduler is None:
-                raise ValueError("an agent harness needs the in-process continuous engine")
+            scheduler = engine.scheduler  # the continuous engine's (the rule table sees to it)
             served = tokenizer
             if settings.chat_template is not None:  # a copy: the training tokenizer is untouched
                 served = copy.copy(tokenizer)
@@ -298,7 +294,8 @@ class AgentRunner:
         job.dropped = done.dropped
         if done.returncode != 0:
             tail = (done.stderr.strip().splitlines() or [""])[-1][:200]
-            raise RuntimeError(f"exit status {done.returncode}: {tail}")
+            job.error = f"harness command exited {done.returncode}: {tail}"
+            return None
         lines = [line for line in done.stdout.splitlines() if line.strip()]
         if not lines:
             return None
@@ -322,14 +319,11 @@ class AgentRunner:
             if job.timed_out:
                 s.timed_out += 1
                 continue
-            if session is None:  # it did not open
+            truncated = session is not None and session.bound_hit is not None
+            if session is None or (job.error and not truncated) or not session.requests or lost:
                 s.failed += 1
-                s.last_error = job.error or "the session did not open"
-                continue
-            truncated = session.bound_hit is not None
-            if (job.error is not None and not truncated) or not session.requests or lost:
-                s.failed += 1
-                s.last_error = lost or job.error or "the harness sent no request"
+                none = "the harness sent no request" if session else "the session did not open"
+                s.error = s.error or lost or job.error or none
                 continue
             result = None if job.error is not None else job.result
             reward = float(result) if isinstance(result, int | float) else 0.0
@@ -347,13 +341,6 @@ class AgentRunner:
             s.tokens += session.tokens
             s.rows += len(out)
             rows += out
-        if not rows and s.failed:  # a broken harness, not bad luck: say why
-            log.warning(
-                "every harness session failed (%d of %d); the last: %s",
-                s.failed,
-                s.sessions,
-                s.last_error,
-            )
         return rows
 
     def state_dict(self) -> dict[str, Any]:

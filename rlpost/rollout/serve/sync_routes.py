@@ -32,6 +32,7 @@ class _ServedScheduler:
 
     def __init__(self, scheduler, timeout_s: float) -> None:
         self.scheduler, self.timeout_s = scheduler, timeout_s
+        self.dtypes = {n: p.dtype for n, p in scheduler._params.items()}  # it casts no raw tensor
 
     @property
     def version(self) -> int:

@@ -150,12 +150,6 @@ CASES = {
         ["cluster.suspect_after_s=100", "cluster.dead_after_s=50"],
         "cluster.suspect_after_s=100.0",
     ),
-    "trainer_layout_fits": (
-        "train",
-        ["cluster.trainer_workers=4", "cluster.tensor_parallel=2", "cluster.backend=process"],
-        ["cluster.trainer_workers=3"],
-        "cluster.tensor_parallel=2 does not divide cluster.trainer_workers=3",
-    ),
     "data_parallel_without_critic": (
         "train",
         [],
@@ -380,3 +374,48 @@ def test_an_eval_set_sized_by_its_metrics_passes():
     cfg = load_config(None, ["eval.sets=[{name: s, task: arith, metrics: [mean@8, maj@4]}]"])
     assert cfg.eval.sets[0].n == 8
     assert rules.problems(cfg, "train") == []
+
+
+TRUST_REGION_LOSS = """
+from typing import Literal
+
+from pydantic import BaseModel
+
+from rlpost.algos.policy_losses import TRUST_REGION, flash_reinforce_loss
+from rlpost.params import TrustRegionParams
+from rlpost.registry import part
+
+
+class Params(BaseModel):
+    divergence: Literal["binary_kl", "tv"] = "binary_kl"
+    tr_kl: float = 0.05
+    tr_tv: float = 0.2
+    is_cap: float = 2.0
+
+
+@part(params=Params{traits})
+def mine(x, p):
+    return flash_reinforce_loss(x, TrustRegionParams(**p.params()))
+"""
+
+
+@pytest.mark.parametrize(
+    ("rule", "bad"),
+    [
+        ("rollout_logprobs_need_no_correction", ["algo.old_logprobs=rollout"]),
+        ("no_inert_knobs", ["algo.loss.tr_tv=0.5"]),
+        ("no_inert_knobs", ["algo.loss.divergence=tv", "algo.loss.tr_kl=0.1"]),
+    ],
+)
+def test_a_users_loss_declaring_the_traits_meets_the_built_in_rules(rule, bad, tmp_path):
+    """The rules read a loss's traits, never its name: a loss from a file that declares
+    flash_reinforce's traits is refused in the same words, one that declares none passes."""
+    traits = ", corrects_rollout=True, read_when=TRUST_REGION"
+    (tmp_path / "declared.py").write_text(TRUST_REGION_LOSS.format(traits=traits))
+    (tmp_path / "plain.py").write_text(TRUST_REGION_LOSS.format(traits=""))
+    built_in = RULE[rule].check(load_config(None, ["algo.loss=flash_reinforce", *bad]))
+    assert built_in is not None
+    declared, plain = (f"{tmp_path / name}.py:mine" for name in ("declared", "plain"))
+    line = RULE[rule].check(load_config(None, [f"algo.loss.name={declared}", *bad]))
+    assert line is not None and line.replace(declared, "flash_reinforce") == built_in, line
+    assert RULE[rule].check(load_config(None, [f"algo.loss.name={plain}", *bad])) is None
