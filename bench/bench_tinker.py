@@ -78,7 +78,8 @@ def cookbook_rl(url: str, model: str, log: Path, args) -> tuple[int, float]:
         task.cancel()
 
     asyncio.run(run())
-    rows = [json.loads(x) for x in (log / "metrics.jsonl").read_text().splitlines()]
+    metrics = log / "metrics.jsonl"
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     steps = [r for r in rows if "time/total" in r]
     per_iter = (
         float(np.mean([r["time/total"] for r in steps[1:]])) if len(steps) > 1 else float("nan")

@@ -126,7 +126,9 @@ class Future:
 
 
 class Worker:
-    """One thread runs every model computation; sessions take turns (round-robin)."""
+    """One thread runs every model computation; sessions take turns (round-robin). Work given a
+    ``key`` runs together with the work of its lane queued under the same key: ``fn`` takes the
+    list of their ``arg`` and returns one value each (the samples of one sampler, one batch)."""
 
     def __init__(self, live=lambda lane: True) -> None:
         self.live = live  # a lane whose session ended (or went silent) has its work dropped
@@ -135,12 +137,12 @@ class Worker:
         self.cv = threading.Condition()
         threading.Thread(target=self._run, name="tinker-worker", daemon=True).start()
 
-    def submit(self, lane: str, fut: Future, fn) -> None:
+    def submit(self, lane: str, fut: Future, fn, key=None, arg=None) -> None:
         with self.cv:
             if lane not in self.lanes:
                 self.lanes[lane] = collections.deque()
                 self.turns.append(lane)
-            self.lanes[lane].append((fut, fn))
+            self.lanes[lane].append((fut, fn, key, arg))
             self.cv.notify()
 
     def _next(self):
@@ -149,23 +151,39 @@ class Worker:
                 for _ in range(len(self.turns)):
                     lane = self.turns[0]
                     self.turns.rotate(-1)
-                    if self.lanes[lane]:
-                        return (lane, *self.lanes[lane].popleft())
+                    if q := self.lanes[lane]:
+                        fut, fn, key, arg = q.popleft()
+                        same = [job for job in q if key is not None and job[2] == key]
+                        for job in same:
+                            q.remove(job)
+                        return (
+                            lane,
+                            [fut, *(j[0] for j in same)],
+                            fn,
+                            key,
+                            [arg, *(j[3] for j in same)],
+                        )
                 self.cv.wait()
 
     def _run(self) -> None:
         while True:
-            lane, fut, fn = self._next()
+            lane, futs, fn, key, args = self._next()
             if not self.live(lane):
-                fut.error, fut.done = f"session_id={lane}: the session has ended", True
+                for fut in futs:
+                    fut.error, fut.done = f"session_id={lane}: the session has ended", True
                 continue
             try:
-                fut.value = fn()
+                values = fn(args) if key is not None else [fn()]
+                for fut, value in zip(futs, values, strict=True):
+                    fut.value = value
             except (ValueError, Refused) as exc:  # BadInput and rlpost.api.APIError: bad input
-                fut.error = str(exc)
-            except Exception as exc:  # a fault answers its own future; the worker goes on
-                fut.error, fut.category = f"{type(exc).__name__}: {exc}", "server"
-            fut.done = True
+                for fut in futs:
+                    fut.error = str(exc)
+            except Exception as exc:  # a fault answers its own futures; the worker goes on
+                for fut in futs:
+                    fut.error, fut.category = f"{type(exc).__name__}: {exc}", "server"
+            for fut in futs:
+                fut.done = True
 
 
 class Service:
@@ -216,10 +234,10 @@ class Service:
         return m
 
     # -- futures ------------------------------------------------------------------------
-    def submit(self, owner: str, lane: str, fn, model_id: str | None = None) -> dict:
+    def submit(self, owner: str, lane: str, fn, model_id: str | None = None, **batch) -> dict:
         fid = secrets.token_hex(12)
         self.futures[fid] = fut = Future(owner)
-        self.worker.submit(lane, fut, fn)
+        self.worker.submit(lane, fut, fn, **batch)
         return {"request_id": fid, "model_id": model_id}
 
     def retrieve(self, fid: str, owner: str, wait: bool) -> Response:
@@ -394,7 +412,8 @@ class Ops:
             for x in self.svc.samplers.values():
                 x.engine = None if x.engine is gone else x.engine
 
-    def sample(self, s: Sampler, req: types.SampleRequest) -> bytes:
+    def sample(self, s: Sampler, reqs: list[types.SampleRequest]) -> list[bytes]:
+        """Requests of one sampler with the same params and num_samples: one engine batch."""
         import rlpost.api as api
         from rlpost.tinker.wire import sample_output
 
@@ -403,22 +422,27 @@ class Ops:
                 raise BadInput(f"sampling_session_id={s.id}: its weights were released (a model keeps "
                                f"its last {KEEP_SAMPLERS}); save them again")  # fmt: skip
             self.sampler_from(s, self.svc.ckpt_dir(s.owner, s.path) if s.path else None)
-        prompt, p = req.prompt.to_ints(), req.sampling_params
+        prompts, p = [r.prompt.to_ints() for r in reqs], reqs[0].sampling_params
         stops = [p.stop] if isinstance(p.stop, (str, int)) else list(p.stop or [])
         params = api.SamplingParams(
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_tokens or 16,
             stop_token_ids=tuple(x for x in stops if isinstance(x, int)), seed=p.seed,
             stop_texts=tuple(x for x in stops if isinstance(x, str)),
         )  # fmt: skip
-        done = s.engine.sample([prompt], params, n=req.num_samples)
-        seqs = [(c.token_ids, c.logprobs, c.finish_reason) for c in done]
-        prompt_lp = None
-        if req.prompt_logprobs:
-            lp = (
-                s.engine.forward([api.Datum(prompt[:-1], prompt[1:])])[0] if len(prompt) > 1 else []
-            )
-            prompt_lp = [float("nan")] + [float(v) for v in lp]
-        return sample_output(seqs, prompt_lp)
+        done = s.engine.sample(prompts, params, n=reqs[0].num_samples)
+        out = []
+        for i, (req, prompt) in enumerate(zip(reqs, prompts, strict=True)):
+            seqs = [(c.token_ids, c.logprobs, c.finish_reason) for c in done if c.group == i]
+            prompt_lp = None
+            if req.prompt_logprobs:
+                lp = (
+                    s.engine.forward([api.Datum(prompt[:-1], prompt[1:])])[0]
+                    if len(prompt) > 1
+                    else []
+                )
+                prompt_lp = [float("nan")] + [float(v) for v in lp]
+            out.append(sample_output(seqs, prompt_lp))
+        return out
 
 
 def _check_step(p: types.AdamParams) -> None:
@@ -621,7 +645,11 @@ class Face:
         if ctx is not None and len(prompt) + (req.sampling_params.max_tokens or 0) > ctx:
             raise BadInput(f"prompt: {len(prompt)} tokens + max_tokens={req.sampling_params.max_tokens} "
                            f"is past the model's context of {ctx}")  # fmt: skip
-        out = self.svc.submit(owner, s.session, lambda: self.ops.sample(s, req))
+        p = req.sampling_params  # a seeded request samples alone, as it would on its own
+        key = (s.id, p.model_dump_json(), req.num_samples) if p.seed is None else object()
+        out = self.svc.submit(
+            owner, s.session, lambda reqs: self.ops.sample(s, reqs), key=key, arg=req
+        )
         return {
             **out,
             "sample_sequence_ids": [secrets.token_hex(8) for _ in range(req.num_samples)],

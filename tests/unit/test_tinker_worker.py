@@ -59,3 +59,25 @@ def test_a_fault_answers_its_future_and_the_worker_goes_on():
     assert (bad.error, bad.category) == ("data[0].weights: wrong", "user")
     assert fault.error == "RuntimeError: boom" and fault.category == "server"
     assert good.value == 7 and good.error is None
+
+
+def test_work_under_one_key_runs_as_one_batch():
+    """Samples of one sampler with the same params queue up while the worker is busy and run
+    as one call, each future getting its own value; another key and other lanes wait their turn."""
+    worker, calls, started, gate = Worker(), [], threading.Event(), threading.Event()
+    first = Future("a")
+    worker.submit("a", first, lambda: (started.set(), gate.wait()))
+    started.wait(10)
+
+    def batch(args):
+        calls.append(list(args))
+        return [x * 10 for x in args]
+
+    futures = {}
+    for lane, key, arg in (("a", "k", 1), ("a", "j", 2), ("b", "k", 3), ("a", "k", 4)):
+        futures[arg] = Future(lane)
+        worker.submit(lane, futures[arg], batch, key=(lane, key), arg=arg)
+    gate.set()
+    _wait([first, *futures.values()])
+    assert calls == [[1, 4], [3], [2]]
+    assert {arg: f.value for arg, f in futures.items()} == {1: 10, 2: 20, 3: 30, 4: 40}
