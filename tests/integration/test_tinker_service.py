@@ -2,7 +2,7 @@
 
 One contract test per SDK call the cookbook makes, the parity of a sampler's
 ``compute_logprobs`` with the training client's ``forward``, every built-in loss against its
-formula written here, bad input (a 4xx naming the field, the service still serving) and a
+formula written here, one ``importance_sampling`` step against ``rlpost train``'s update, bad input (a 4xx naming the field, the service still serving) and a
 ``save_state`` that survives ``kill -9``.
 """
 
@@ -201,6 +201,82 @@ def test_each_builtin_loss_matches_its_formula(service, trainer, loss_fn, config
         _reference(loss_fn, lp, old, adv, config), abs=1e-5
     )
     trainer.optim_step(types.AdamParams(learning_rate=0.0)).result()
+
+
+def _saved(state_dir, path: str) -> dict:
+    """The adapter and AdamW state of a ``tinker://`` checkpoint, read from the state dir."""
+    from rlpost.statefile import load_state
+
+    (d,) = state_dir.glob("*/" + path.removeprefix("tinker://"))
+    return load_state(d / "state.pt")
+
+
+def test_an_importance_sampling_step_equals_the_trainers_update(service, state_dir, tiny_dir):
+    """forward_backward("importance_sampling") + optim_step(AdamParams) through the SDK ==
+    PolicyTrainer.update (what ``rlpost train``'s step calls) on the same completions laid out
+    as ``rlpost train`` lays them (collate), with the matching rlpost config:
+    algo.loss=ppo_clip (clip_low=1, clip_high=1e9, dual_clip=false: the ratio unclipped, so
+    the loss is -sum r*A), train.loss_agg_mode=token-sum, train.optim as the AdamParams."""
+    import peft
+
+    import rlpost
+    from rlpost.config import OptimConfig
+    from rlpost.models.loading import load_policy
+    from rlpost.params import PPOClipParams
+    from rlpost.train.actor import ActorSettings, PolicyTrainer
+    from rlpost.train.batch import collate
+    from rlpost.types import Completion
+
+    tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=4).result()
+    init = _saved(state_dir, tc.save_state("parity-init").result().path)["weights"]
+    prompt = tc.get_tokenizer().encode("12+7=")
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=11)
+    seqs = sampler.sample(types.ModelInput.from_ints(prompt), 4, params).result().sequences
+    # Off-policy behaviour logprobs: ratios across [0.67, 1.5], past the clip range a wrong
+    # mapping (ppo's) would apply.
+    gen = torch.Generator().manual_seed(0)
+    old = [(torch.tensor(s.logprobs) + 0.8 * torch.rand(len(s.logprobs), generator=gen) - 0.4)
+           .tolist() for s in seqs]  # fmt: skip
+    advantages, p = [1.0, -1.0, 0.5, -0.25], len(prompt) - 1
+    data = [
+        _datum([*prompt, *s.tokens], logprobs=[0.0] * p + lp,
+               advantages=[0.0] * p + [a] * len(s.tokens))
+        for s, lp, a in zip(seqs, old, advantages, strict=True)
+    ]  # fmt: skip
+    adam = types.AdamParams(
+        learning_rate=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, grad_clip_norm=0.5
+    )
+    loss = tc.forward_backward(data, "importance_sampling").result().metrics["loss:sum"]
+    tc.optim_step(adam).result()
+    after = _saved(state_dir, tc.save_state("parity-after").result().path)["weights"]
+
+    model, tokenizer = load_policy(tiny_dir, dtype="float32")
+    lora = rlpost.LoRA(rank=4, train_unembed=True)  # the SDK's LoraConfig trains the head too
+    cfg = peft.LoraConfig(r=4, lora_alpha=lora.alpha, target_modules=lora.targets(), bias="none")
+    model = peft.get_peft_model(model.requires_grad_(False), cfg)
+    peft.set_peft_model_state_dict(model, init)
+    settings = ActorSettings(
+        optim=OptimConfig(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), warmup_steps=0,
+                          weight_decay=adam.weight_decay, grad_clip=adam.grad_clip_norm),
+        loss_agg_mode="token-sum", mini_batch_size=64, micro_batch_size=64,
+    )  # fmt: skip
+    loss_cfg = PPOClipParams(clip_low=1.0, clip_high=1e9, dual_clip=False)
+    trainer = PolicyTrainer(model, loss_cfg, settings)
+    assert trainer.optimizer.defaults["eps"] == adam.eps
+    done = [Completion(prompt, s.tokens, lp, "stop", 0, 0) for s, lp in zip(seqs, old, strict=True)]
+    batch = collate(done, [0.0] * len(done), tokenizer.pad_token_id)
+    adv = torch.tensor(advantages)[:, None] * batch.response_mask
+    update = trainer.update(
+        type(batch)(**{**batch.__dict__, "advantages": adv, "old_logprobs": batch.rollout_logprobs})
+    )
+    assert update.stats["loss"] == pytest.approx(loss, abs=1e-5)
+    want = peft.get_peft_model_state_dict(model)
+    assert want.keys() == after.keys()
+    moved = max(float((after[k] - init[k]).abs().max()) for k in after)
+    assert moved > 1e-4  # the step changed the adapter, so equal weights say something
+    for k in after:
+        torch.testing.assert_close(after[k], want[k], atol=1e-5, rtol=0, msg=k)
 
 
 def _post_fwdbwd(url, model_id, data, loss_fn="cross_entropy", key=KEY, config=None):
