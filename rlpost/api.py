@@ -399,6 +399,9 @@ class Policy:
         from rlpost.models.export import export_model
 
         model, _ = load_policy(self.base.path, seed=self.base.seed)
+        if self.lora is not None and self.lora.train_unembed:  # the head moved, the input did not
+            model.config.tie_word_embeddings = False
+            model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
         model.load_state_dict(self.merged_weights())
         return export_model(model, self.base.tokenizer, Path(out), gguf_type=gguf,
                             overwrite=overwrite)  # fmt: skip

@@ -10,7 +10,7 @@
     rlpost recipes                             the recipes installed with rlpost
     rlpost rewards                             the registered rewards and their parameters
     rlpost report RUN_DIR [RUN_DIR ...]        HTML report and a text summary (several: overlaid)
-    rlpost export RUN_DIR|MODEL --out DIR [--gguf f32|f16|bf16|q8_0] [--overwrite]
+    rlpost export RUN_DIR|MODEL|tinker://... --out DIR [--gguf f32|f16|bf16|q8_0] [--overwrite]
                                                the policy as an HF directory (and a GGUF file)
     rlpost sandbox run FILE.py [--timeout S] [--memory MB] [--json]
     rlpost sandbox check [--run-limits MODE]   which sandbox limits hold on this host
@@ -236,13 +236,19 @@ def cmd_export(args) -> int:
     from rlpost.pipeline.rundir import policy_path
 
     _quiet_libraries()
-    source = policy_path(Path(args.source))
     started = time.perf_counter()
-    model, tokenizer = load_policy(source)
-    loaded = time.perf_counter()
-    out = export_model(
-        model, tokenizer, Path(args.out), gguf_type=args.gguf, overwrite=args.overwrite
-    )
+    if args.source.startswith("tinker://"):  # an adapter of rlpost tinker, merged into its base
+        from rlpost.tinker.service import checkpoint_policy
+
+        source, policy = args.source, checkpoint_policy(args.source, Path(args.state_dir))
+        loaded = time.perf_counter()
+        out = policy.export(args.out, gguf=args.gguf, overwrite=args.overwrite)
+    else:
+        source = policy_path(Path(args.source))
+        model, tokenizer = load_policy(source)
+        loaded = time.perf_counter()
+        out = export_model(model, tokenizer, Path(args.out), gguf_type=args.gguf,
+                           overwrite=args.overwrite)  # fmt: skip
     done = time.perf_counter()
     print(f"exported {source} (loaded in {loaded - started:.1f}s, written in {done - loaded:.1f}s)")
     for kind, path in out.items():
@@ -347,8 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_config)
     export = "write a run's policy (or any model) as an HF directory and a GGUF file"
     sp = sub.add_parser("export", help=export)
-    source = "run directory, checkpoint, HF checkpoint directory or .gguf file"
+    source = "run directory, checkpoint, HF checkpoint directory, .gguf file or tinker:// path"
     sp.add_argument("source", help=source)
+    sp.add_argument("--state-dir", default="tinker_state", help="rlpost tinker's, for tinker://")
     sp.add_argument("--out", required=True, help="directory to write (the HF checkpoint)")
     gguf = "also write OUT/gguf/model-TYPE.gguf for llama.cpp-family runtimes (Llama models)"
     sp.add_argument("--gguf", choices=["f32", "f16", "bf16", "q8_0"], help=gguf)

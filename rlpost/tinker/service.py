@@ -278,20 +278,43 @@ class Service:
 
     def ckpt_dir(self, owner: str, path: str, name: str = "path") -> Path:
         """The directory of a ``tinker://MODEL/KIND/NAME`` path this key owns (field ``name``)."""
-        parts = path.removeprefix("tinker://").split("/")
-        if (
-            not path.startswith("tinker://")
-            or len(parts) != 3
-            or parts[1] not in ("weights", "sampler_weights")
-            or {parts[0], parts[2]} & {"", ".", ".."}
-        ):
-            raise BadInput(
-                f"{name}={path}: not a tinker://MODEL/weights/NAME or sampler_weights path"
-            )
-        d = self.state_dir / owner / parts[0] / parts[1] / parts[2]
-        if not (d / "meta.json").is_file():
+        if not (d := self.state_dir / owner / _relative(path, name) / "meta.json").is_file():
             raise Refused(404, f"{name}={path}: no such checkpoint for this API key")
-        return d
+        return d.parent
+
+
+def _relative(path: str, name: str) -> Path:
+    """``MODEL/KIND/NAME`` of a ``tinker://`` path, which stays inside its key's directory."""
+    parts = path.removeprefix("tinker://").split("/")
+    if (
+        not path.startswith("tinker://")
+        or len(parts) != 3
+        or parts[1] not in ("weights", "sampler_weights")
+        or {parts[0], parts[2]} & {"", ".", ".."}
+    ):
+        raise BadInput(f"{name}={path}: not a tinker://MODEL/weights/NAME or sampler_weights path")
+    return Path(*parts)
+
+
+def checkpoint_policy(path: str, state_dir: Path):
+    """The :class:`rlpost.api.Policy` a ``tinker://`` checkpoint under ``state_dir`` saved (any
+    key's), on its base (``rlpost export``); :class:`ModelLoadError` naming what is wrong."""
+    import rlpost.api as api
+    from rlpost.errors import ModelLoadError
+    from rlpost.statefile import load_state
+
+    try:
+        rel = _relative(path, "source")
+    except BadInput as exc:
+        raise ModelLoadError(str(exc)) from None
+    found = [d / rel for d in state_dir.glob("*") if (d / rel / "meta.json").is_file()]
+    if not found:
+        raise ModelLoadError(f"source={path}: no such checkpoint under --state-dir {state_dir}")
+    meta = json.loads((found[0] / "meta.json").read_text())
+    lora = load_state(found[0] / "state.pt")["lora"]
+    policy = api.Base.load(meta.get("base_path", meta["base_model"])).policy(api.LoRA(**lora))
+    policy.load_state(found[0], optimizer=False)
+    return policy
 
 
 def _tinker_path(model_id: str, kind: str, name: str | None) -> str:
@@ -378,7 +401,8 @@ class Ops:
     def save(self, m: Model, path: str, optimizer: bool) -> Path:
         d = self.svc.state_dir / m.owner / path.removeprefix("tinker://").replace("/", os.sep, 2)
         m.policy.save_state(d, optimizer=optimizer)
-        meta = {"base_model": m.base, "rank": m.rank, "model_id": m.id, "time": time.time()}
+        meta = {"base_model": m.base, "base_path": self.svc.paths[m.base], "rank": m.rank,
+                "model_id": m.id, "time": time.time()}  # fmt: skip
         (d / "meta.json").write_text(json.dumps(meta))
         return d
 

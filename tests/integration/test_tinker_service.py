@@ -279,6 +279,48 @@ def test_an_importance_sampling_step_equals_the_trainers_update(service, state_d
         torch.testing.assert_close(after[k], want[k], atol=1e-5, rtol=0, msg=k)
 
 
+def test_rlpost_export_of_a_checkpoint_scores_as_its_sampler(service, state_dir, tmp_path, capsys):
+    """``rlpost export tinker://...`` (of save_state and of save_weights_for_sampler): a merged
+    HF directory whose logprobs under transformers are the sampler's, and a GGUF."""
+    from transformers import AutoModelForCausalLM
+
+    from rlpost.cli import main
+    from rlpost.models.loading import load_causal_lm
+
+    tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+    tokens = _tokens(tc)
+    datum = _datum(tokens, weights=[1.0] * (len(tokens) - 1))
+    for _ in range(2):  # a trained adapter: the merge changes what the base scores
+        tc.forward_backward([datum], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    prompt = types.ModelInput.from_ints(tokens)
+    base = service.create_sampling_client(base_model="tiny").result().compute_logprobs(prompt)
+    base = np.array(base.result()[1:], dtype=np.float32)
+    for saved in (tc.save_state("export").result().path,
+                  tc.save_weights_for_sampler("export").result().path):  # fmt: skip
+        out = tmp_path / saved.split("/")[-2]
+        argv = ["export", saved, "--state-dir", str(state_dir), "--out", str(out)]
+        assert main([*argv, "--gguf", "f32"]) == 0
+        assert saved in capsys.readouterr().out and (out / "gguf" / "model-f32.gguf").is_file()
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens])).logits[0, :-1].log_softmax(-1)
+            gguf = load_causal_lm(out / "gguf")(torch.tensor([tokens])).logits[0, :-1]
+        torch.testing.assert_close(gguf.log_softmax(-1), logits, atol=1e-4, rtol=0)
+        got = logits.gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0].numpy()
+        sampler = service.create_sampling_client(model_path=saved).result()
+        want = np.array(sampler.compute_logprobs(prompt).result()[1:], dtype=np.float32)
+        np.testing.assert_allclose(got, want, atol=1e-4)
+        assert np.abs(want - base).max() > 1e-2  # the adapter is in the export
+    capsys.readouterr()
+    for source, why in [("tinker://nobody/weights/export", "no such checkpoint"),
+                        ("tinker://../weights/export", "not a tinker://MODEL")]:  # fmt: skip
+        argv = ["export", source, "--state-dir", str(state_dir), "--out", str(tmp_path / "bad")]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert why in err and len(err.strip().splitlines()) == 1, err
+
+
 def _post_fwdbwd(url, model_id, data, loss_fn="cross_entropy", key=KEY, config=None):
     request = types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(
