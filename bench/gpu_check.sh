@@ -4,7 +4,9 @@
 #  2. the CUDA tests (tests/integration/test_cuda.py)
 #  3. STEPS GRPO steps of the default recipe on the GPU (local backend): held-out accuracy
 #  4. the same with two rollout worker processes and the trainer process on the one GPU
-#  5. the wall time of each part
+#  5. rlpost tinker --device cuda on SmolLM2-135M-Instruct (MODEL, default tests/real_model.py's):
+#     a short SDK loop (sample, forward_backward, optim_step), seconds per step and the loss
+#  6. the wall time of each part
 # SFT_STEPS (default 500) shortens the SFT warm-up of 3 and 4 (the recipe's is 2500);
 # STEPS (default 20) sets their GRPO steps (the recipe's is 300).
 set -u
@@ -97,7 +99,16 @@ timed grpo_process "$PY" -m rlpost.cli train run.device=cuda "${COMMON[@]}" \
     "run.output_dir=$OUT_DIR/gpu_grpo" "run.name=process-$STAMP" \
     && accuracy "$OUT_DIR/gpu_grpo/process-$STAMP/summary.json"
 
-echo "== 5. wall seconds"
-for k in tests grpo_local grpo_process; do
+echo "== 5. rlpost tinker on cuda: an SDK loop (bench/bench_tinker_clients.py)"
+MODEL=${MODEL:-$("$PY" -c "from tests.real_model import smollm2_dir; print(smollm2_dir())" 2>/dev/null)}
+if "$PY" -c "import tinker" 2>/dev/null && [ -f "$MODEL/config.json" ]; then
+    timed tinker "$PY" bench/bench_tinker_clients.py --model "$MODEL" --device cuda \
+        --clients 1 --steps 4 --samples 8 --max-tokens 32
+else
+    echo "the tinker SDK or $MODEL is missing: rlpost tinker skipped"
+fi
+
+echo "== 6. wall seconds"
+for k in tests grpo_local grpo_process tinker; do
     printf "  %-14s %s\n" "$k" "${WALL[$k]:-not run}"
 done

@@ -44,7 +44,7 @@ from rlpost.rollout.engines.hf import HFEngine
 from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.statefile import load_state, save_state
 from rlpost.train.actor import ActorSettings, PolicyTrainer
-from rlpost.train.batch import TrainBatch, compute_logprobs
+from rlpost.train.batch import TrainBatch, compute_logprobs, model_device
 from rlpost.types import Completion
 
 __all__ = ["Base", "Datum", "ForwardBackward", "LoRA", "Policy", "Sampler", "SamplingParams"]
@@ -139,7 +139,7 @@ def datum_batch(data: Sequence[Datum], pad_id: int, context: int | None = None) 
 
 
 def _rows(values: torch.Tensor, data: Sequence[Datum]) -> list[torch.Tensor]:
-    return [values[i, : len(d.tokens)].clone() for i, d in enumerate(data)]
+    return [values[i, : len(d.tokens)].to("cpu", copy=True) for i, d in enumerate(data)]
 
 
 def resolve_loss(loss: str | Any | Callable, params: dict[str, Any]) -> tuple[Callable, Any]:
@@ -183,10 +183,13 @@ class Base:
         self.context = getattr(model.config, "max_position_embeddings", None)
 
     @classmethod
-    def load(cls, path: str | Path | None = None, *, dtype: str = "float32", seed: int = 0) -> Base:
-        """The model at ``path`` (an HF directory or a GGUF file); None: the built-in tiny one."""
+    def load(cls, path: str | Path | None = None, *, dtype: str = "float32", seed: int = 0,
+             device: str = "cpu") -> Base:  # fmt: skip
+        """The model at ``path`` (an HF directory or a GGUF file; None: the built-in tiny one)
+        on ``device`` (``auto``: cuda where there is one, as ``run.device``)."""
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         model, tokenizer = load_policy(path, seed=seed, dtype=dtype)
-        return cls(model, tokenizer, None if path is None else str(path), seed)
+        return cls(model.to(device), tokenizer, None if path is None else str(path), seed)
 
     def policy(self, lora: LoRA | None = LoRA(), *, seed: int = 0, lr: float = 1e-4) -> Policy:
         """A new policy: a fresh adapter on this base (``lora``), or a full copy (None)."""
@@ -305,7 +308,7 @@ class Policy:
         fn, variant = resolve_loss(loss, params)
         batch = self._batch(data)
         with self._active():
-            seen = torch.zeros_like(batch.response_mask)
+            seen = torch.zeros_like(batch.response_mask, device=model_device(self.model))
             stats = self.trainer.accumulate(batch, (fn, variant), agg=agg, record=seen)
         self.pending += 1
         return ForwardBackward(stats.pop("loss"), _rows(seen, data), stats)

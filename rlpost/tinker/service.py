@@ -1,6 +1,7 @@
 """``rlpost tinker``: the Tinker training API served locally, a face over :mod:`rlpost.api`.
 
     rlpost tinker --model NAME=PATH [--model PATH ...] [--port 8100] [--state-dir DIR] [--api-key K]
+                  [--device cpu|cuda|auto]
 
 The official SDK talks to it with ``base_url`` pointed here. Model work answers at once with a
 future id; one worker thread runs it, sessions taking turns, and ``/retrieve_future`` answers the
@@ -27,17 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlpost.tinker.wire import LOSS_INPUTS, BadInput, read_fwdbwd
-
-try:
-    from tinker import types
-except ImportError:  # the extra is missing: one line, naming it
-    raise SystemExit(
-        "rlpost tinker: error: needs the tinker SDK: pip install 'rlpost[tinker]'"
-    ) from None
-
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+
+from rlpost.tinker.wire import LOSS_INPUTS, BadInput, read_fwdbwd, types
 
 PROTO = "application/x-protobuf"
 # The built-in losses served; Tinker clips the ratio of the clipped ones to [0.8, 1.2].
@@ -189,8 +183,9 @@ class Worker:
 class Service:
     """The state behind the routes: bases, sessions, models, samplers and futures."""
 
-    def __init__(self, models: dict[str, str | None], state_dir: Path, api_keys: set[str]) -> None:
-        self.paths, self.state_dir, self.api_keys = models, state_dir, api_keys
+    def __init__(self, models: dict[str, str | None], state_dir: Path, api_keys: set[str],
+                 device: str = "cpu") -> None:  # fmt: skip
+        self.paths, self.state_dir, self.api_keys, self.device = models, state_dir, api_keys, device
         self.bases: dict[str, Any] = {}
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
@@ -270,7 +265,7 @@ class Service:
         if name not in self.bases:
             import rlpost.api as api
 
-            self.bases[name] = api.Base.load(self.paths[name])
+            self.bases[name] = api.Base.load(self.paths[name], device=self.device)
         return self.bases[name]
 
     def context(self, name: str) -> int | None:
@@ -283,7 +278,7 @@ class Service:
         return d.parent
 
 
-def _relative(path: str, name: str) -> Path:
+def _relative(path: str, name: str, error: type[Exception] = BadInput) -> Path:
     """``MODEL/KIND/NAME`` of a ``tinker://`` path, which stays inside its key's directory."""
     parts = path.removeprefix("tinker://").split("/")
     if (
@@ -292,7 +287,7 @@ def _relative(path: str, name: str) -> Path:
         or parts[1] not in ("weights", "sampler_weights")
         or {parts[0], parts[2]} & {"", ".", ".."}
     ):
-        raise BadInput(f"{name}={path}: not a tinker://MODEL/weights/NAME or sampler_weights path")
+        raise error(f"{name}={path}: not a tinker://MODEL/weights/NAME or sampler_weights path")
     return Path(*parts)
 
 
@@ -303,10 +298,7 @@ def checkpoint_policy(path: str, state_dir: Path):
     from rlpost.errors import ModelLoadError
     from rlpost.statefile import load_state
 
-    try:
-        rel = _relative(path, "source")
-    except BadInput as exc:
-        raise ModelLoadError(str(exc)) from None
+    rel = _relative(path, "source", ModelLoadError)
     found = [d / rel for d in state_dir.glob("*") if (d / rel / "meta.json").is_file()]
     if not found:
         raise ModelLoadError(f"source={path}: no such checkpoint under --state-dir {state_dir}")
@@ -324,16 +316,6 @@ def _tinker_path(model_id: str, kind: str, name: str | None) -> str:
     return f"tinker://{model_id}/{kind}/{name}"
 
 
-def _memory_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 class Ops:
     """The model work behind each route, run by the worker thread, through :mod:`rlpost.api`."""
 
@@ -342,14 +324,15 @@ class Ops:
 
     def new_policy(self, base_name: str, lora: types.LoraConfig):
         import rlpost.api as api
+        from rlpost.pipeline.memory import machine_mib
 
         base = self.svc.base(base_name)
         spec = api.LoRA(rank=lora.rank, train_attn=lora.train_attn, train_mlp=lora.train_mlp,
                         train_unembed=lora.train_unembed)  # fmt: skip
-        need, free = base.estimate_bytes(spec), _memory_available()
-        if free is not None and need > free:
-            raise BadInput(f"lora_config.rank={lora.rank}: a new client needs ~{need / 2**20:.0f} MiB, "
-                           f"{free / 2**20:.0f} MiB free; close a client or lower the rank")  # fmt: skip
+        need, free = base.estimate_bytes(spec) / 2**20, machine_mib()[1]  # free: 0 where unknown
+        if free and need > free:
+            raise BadInput(f"lora_config.rank={lora.rank}: a new client needs ~{need:.0f} MiB, "
+                           f"{free:.0f} MiB free; close a client or lower the rank")  # fmt: skip
         return base.policy(lora=spec, seed=lora.seed or 0)
 
     def create(self, m: Model, lora: types.LoraConfig) -> types.CreateModelResponse:
@@ -500,10 +483,8 @@ class Face:
         return {"status": "ok"}
 
     def capabilities(self, request, owner, body):
-        supported = [
-            types.SupportedModel(model_name=n, trainable=True, sampleable=True)
-            for n in self.svc.paths
-        ]
+        supported = [types.SupportedModel(model_name=n, trainable=True, sampleable=True)
+                     for n in self.svc.paths]  # fmt: skip
         return types.GetServerCapabilitiesResponse(supported_models=supported)
 
     def client_config(self, request, owner, body):
@@ -632,15 +613,11 @@ class Face:
         if req.model_path:
             d = self.svc.ckpt_dir(owner, req.model_path, "model_path")
             base = json.loads((d / "meta.json").read_text())["base_model"]
-            known = [
-                x
-                for x in self.svc.samplers.values()
-                if x.path == req.model_path and x.owner == owner
-            ]
             s = Sampler(
                 f"sampler-{secrets.token_hex(12)}", owner, base, req.model_path, req.session_id
             )
-            s.engine = known[0].engine if known else None
+            mine = (x for x in self.svc.samplers.values() if x.owner == owner)
+            s.engine = next((x.engine for x in mine if x.path == req.model_path), None)
             if s.engine is None:
                 self.svc.submit(owner, req.session_id, lambda: self.ops.sampler_from(s, d))
         elif req.base_model:
@@ -781,47 +758,31 @@ def _model_arg(text: str) -> tuple[str, str]:
 def main(argv: list[str] | None = None) -> int:
     from rlpost.rollout.serve.net import is_loopback
 
-    p = argparse.ArgumentParser(
-        prog="rlpost tinker", description="the Tinker training API, served locally"
-    )
+    p = argparse.ArgumentParser(prog="rlpost tinker", description="the Tinker API, served locally")
     p.add_argument("--model", action="append", type=_model_arg, required=True,
                    help="NAME=PATH (an HF directory or .gguf) or PATH; repeat for several bases")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="a non-loopback address needs --api-key")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--state-dir", default="tinker_state", help="where tinker:// checkpoints live")
-    p.add_argument(
-        "--api-key", action="append", default=[], help="a key clients must send (repeatable)"
-    )
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="as run.device")
+    p.add_argument("--api-key", action="append", default=[], help="a key clients must send")
     args = p.parse_args(argv)
-    keys = set(args.api_key) | (
-        {os.environ["RLPOST_API_KEY"]} if os.environ.get("RLPOST_API_KEY") else set()
-    )
+    keys = {*args.api_key, os.environ.get("RLPOST_API_KEY", "")} - {""}
     if not is_loopback(args.host) and not keys:
-        print(
-            f"rlpost tinker: error: --host {args.host} is not loopback; give --api-key",
-            file=sys.stderr,
-        )
-        return 2
+        p.exit(2, f"rlpost tinker: error: --host {args.host} is not loopback; give --api-key\n")
     import socket
 
     import uvicorn
 
-    svc = Service(dict(args.model), Path(args.state_dir), keys)
+    svc = Service(dict(args.model), Path(args.state_dir), keys, args.device)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((args.host, args.port))
     except OSError as exc:
-        print(
-            f"rlpost tinker: error: cannot bind {args.host}:{args.port} ({exc.strerror})",
-            file=sys.stderr,
-        )
-        return 2
-    port = sock.getsockname()[1]
-    print(
-        f"rlpost tinker: listening on http://{args.host}:{port} models={','.join(svc.paths)}",
-        flush=True,
-    )
+        p.exit(2, f"rlpost tinker: error: cannot bind {args.host}:{args.port} ({exc.strerror})\n")
+    url = f"http://{args.host}:{sock.getsockname()[1]}"
+    print(f"rlpost tinker: listening on {url} models={','.join(svc.paths)}", flush=True)
     config = uvicorn.Config(create_app(svc), log_level="warning", access_log=False)
     uvicorn.Server(config).run(sockets=[sock])
     return 0

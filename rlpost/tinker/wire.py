@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 try:
+    from tinker import types  # noqa: F401 (the pydantic types, for the service)
     from tinker.proto import tinker_public_pb2 as pb
 except ImportError as exc:  # the service's one optional dependency
     raise ImportError(
