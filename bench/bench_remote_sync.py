@@ -1,7 +1,7 @@
 """Remote training's sync bytes: what ``metrics.jsonl`` reports per step for each codec.
 
 Trains a few GRPO steps against one ``rlpost serve`` on 127.0.0.1 with
-``sync.codec=bf16``, ``fp8`` and ``bf16`` + ``sync.delta=true`` at lr 1e-6, and
+``sync.codec=bf16``, ``fp8`` and ``bf16`` + ``sync.codec.delta=true`` at lr 1e-6, and
 prints each run's per-step ``sync_bytes`` (the bytes the run's weight path put on
 the wire) and the ratios against the bf16 run of the same invocation, with the
 model's float32 size for reference (what every run reported before the weight path
@@ -26,12 +26,12 @@ from rlpost.models.tiny import save_tiny_checkpoint
 from rlpost.pipeline.loop import train
 
 SPREAD_REWARD = (
-    'reward.terms=[{"name": "repetition", "kind": "rule", "params": {"n": 1, "unit": "char"}}]'
+    'reward.terms=[{"name": "repetition", "kind": "rule", "n": 1, "unit": "char"}]'
 )
 RUNS = {
     "bf16": ["sync.codec=bf16"],
     "fp8": ["sync.codec=fp8"],
-    "bf16+delta": ["sync.codec=bf16", "sync.delta=true"],
+    "bf16+delta": ["sync.codec=bf16", "sync.codec.delta=true"],
 }
 
 

@@ -39,9 +39,11 @@ from rlpost.params import (
     NoCorrection,
     ParamSet,
     PPOClipParams,
+    UserPart,
     Variant,
     bare,
     choice,
+    variants,
 )
 
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
@@ -340,23 +342,6 @@ PROMPT_TASKS = (
 )
 
 
-def _refuse_moved(data: Any, where: str) -> Any:
-    """A task's keys once sat beside ``task``; they now sit in it (``task: {name: X, ...}``)."""
-    if not isinstance(data, dict):
-        return data
-    moved = {t.model_fields["name"].default for t in (*PROMPT_TASKS, PrefsTaskConfig)}
-    for old in sorted(set(data) & (moved | set(FileTaskConfig.model_fields) - {"name"})):
-        given = data[old]
-        if old in moved and isinstance(given, dict) and given:
-            key, value = next(iter(given.items()))
-            fix = f"{where}.task.name={old} {where}.task.{key}={value}"
-            old = f"{old}.{key}"
-        else:
-            fix, value = f"{where}.task.{old}={given} (with {where}.task.name=file)", given
-        raise ValueError(f"{where}.{old}={value}: the key moved into the task; write {fix}")
-    return data
-
-
 class DataConfig(Section):
     task: choice("arith", *PROMPT_TASKS, PrefsTaskConfig) = ArithConfig()  # type: ignore[valid-type]
     """The one source's task when data.sources is empty: a built-in arithmetic or code task
@@ -375,11 +360,6 @@ class DataConfig(Section):
     sources: list[SourceConfig] = []
     """Named sources of prompts, each with its task, weight, reward terms, template and system
     prompt (docs/data.md); set, they replace task and prompt_template. []: task is the one source."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _moved_keys(cls, data: Any) -> Any:
-        return _refuse_moved(data, "data")
 
     @property
     def prompt_sources(self) -> list[SourceConfig]:
@@ -436,10 +416,6 @@ class RemoteEngine(Variant):
 
 
 EngineChoice = choice("auto", AutoEngine, HFEngine, HFContinuousEngine, VLLMEngine, RemoteEngine)
-ENGINE_KEYS = {
-    k: e.model_fields["name"].default for e in (RemoteEngine, VLLMEngine) for k in e.model_fields
-}
-ENGINE_KEYS.pop("name")  # the engine's keys, once flat in rollout: key -> its engine
 
 
 class RolloutConfig(Section):
@@ -458,11 +434,6 @@ class RolloutConfig(Section):
     def _apply_preset(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        for key in ENGINE_KEYS & data.keys():  # once flat in rollout, now the engine's own
-            raise ValueError(
-                f"rollout.{key}={data[key]}: the key moved into the engine's choice; write "
-                f"rollout.engine.{key}={data[key]} (with rollout.engine.name={ENGINE_KEYS[key]})"
-            )
         if data.get("preset") in SAMPLING_PRESETS:
             data = {**SAMPLING_PRESETS[data["preset"]], **data}
         return data
@@ -546,30 +517,6 @@ class AlgoConfig(Section):
     max_sampling_rounds: int = Field(3, ge=1)
     """Cap on rollout rounds per step under dynamic sampling."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _renamed_keys(cls, data: Any) -> Any:
-        # A part and its parameters were once separate keys; each now is one choice.
-        if not isinstance(data, dict):
-            return data
-        renamed = {"policy_loss": "loss", "loss_params": "loss", "losses": "loss"}
-        renamed |= {"advantage_params": "advantage", "advantages": "advantage"}
-        for old, new in renamed.items():
-            if old not in data:
-                continue
-            path, given = [old], data[old]
-            while isinstance(given, dict) and given:
-                key, given = next(iter(given.items()))
-                path.append(key)
-            if old == "policy_loss":
-                fix = f"algo.loss={given}"
-            elif old in ("losses", "advantages") and len(path) == 3:
-                fix = f"algo.{new}.name={path[1]} algo.{new}.{path[2]}={given}"
-            else:
-                fix = f"algo.{new}.{path[-1]}={given} (with algo.{new}.name)"
-            raise ValueError(f"algo.{'.'.join(path)}={given}: the key was renamed; write {fix}")
-        return data
-
 
 # ------------------------------------------------------------------------- train
 
@@ -595,10 +542,9 @@ class OptimConfig(Section):
 
 class Trains(Section):
     """A section with an optimizer: a partial ``optim`` keeps the section's defaults for the
-    keys it leaves out; an optimizer key written flat is refused, naming where it moved."""
+    keys it leaves out."""
 
     section: ClassVar[str] = ""
-    moved_hint: ClassVar[dict[str, str]] = {}
     optim: OptimConfig = OptimConfig()
 
     @model_validator(mode="after")
@@ -613,12 +559,7 @@ class Trains(Section):
     @model_validator(mode="before")
     @classmethod
     def _optim_keys(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        for key in OptimConfig.model_fields.keys() & data.keys():
-            fix = f"{cls.section}.optim.{key}={data[key]}{cls.moved_hint.get(key, '')}"
-            raise ValueError(f"{cls.section}.{key}={data[key]}: the key moved; write {fix}")
-        if isinstance(data.get("optim"), dict):
+        if isinstance(data, dict) and isinstance(data.get("optim"), dict):
             defaults = cls.model_fields["optim"].default.model_dump()
             data = {**data, "optim": {**defaults, **data["optim"]}}
         return data
@@ -662,9 +603,6 @@ class CriticConfig(Trains):
     """The value model of PPO (used when algo.advantage.name is gae or vapo_gae)."""
 
     section: ClassVar[str] = "critic"
-    moved_hint: ClassVar[dict[str, str]] = {
-        "warmup_steps": " (LR warm-up) or critic.head_start_steps (RL steps the critic trains alone)"
-    }
     optim: OptimConfig = OptimConfig(lr=1e-3, warmup_steps=5)
     """The critic's optimizer (its LR usually higher than the policy's)."""
     head_start_steps: int = Field(0, ge=0)
@@ -720,15 +658,15 @@ class SFTConfig(Trains):
 # ------------------------------------------------------------------------ reward
 
 
-class RewardTerm(Section):
+class RewardTerm(UserPart):
+    """``{name, weight, kind, ...the reward function's keyword parameters (params())}``."""
+
     name: str
-    """Registered reward function name (or ``package.module:function``)."""
+    """Registered reward name, ``path/to/file.py:function`` or ``package.module:function``."""
     weight: float = Field(1.0, allow_inf_nan=False)
     """Weight of this term in the weighted sum."""
     kind: Literal["verifiable", "rule", "model", "judge"] = "verifiable"
     """Rank of the signal: verifiable > rule > model > judge. Used by the mixture."""
-    params: dict[str, Any] = {}
-    """Keyword parameters passed to the reward function."""
 
 
 class RewardConfig(Section):
@@ -1044,23 +982,42 @@ class ClusterConfig(Section):
 # -------------------------------------------------------------------------- sync
 
 
-class SyncConfig(Section):
-    channel: Literal["inprocess", "http", "disk", "gloo", "vllm"] = "inprocess"
-    """How weights reach the engines: inprocess (same process), http (rlpost serve; what
-    rollout.engine=remote uses), disk (a versioned directory, any number of readers), gloo
-    (torch.distributed to engines in other processes; NCCL on GPU) or vllm (extra [vllm])."""
-    codec: Literal["none", "bf16", "fp8", "mxfp4"] = "none"
-    """Wire encoding: none (the trainer's dtype), bf16, fp8 (e4m3, 128x128 blocks, lossy) or
-    mxfp4 (e2m1, 32-element blocks, lossy); lossy codecs keep keep_bf16 tensors in bf16."""
-    bucket_mb: float = Field(64.0, gt=0)
-    """Bucket size [MiB]: tensors stream in buckets this large (larger tensors are split);
-    a receiving server holds about one bucket in memory while a sync streams in."""
+class BF16Codec(Variant):
+    name: Literal["bf16"] = "bf16"
     delta: bool = False
     """Send only the elements whose bf16 bit pattern changed since the last acknowledged
-    version (exact; needs codec=bf16; not on the disk channel)."""
+    version (exact; not on the disk channel)."""
     delta_full_threshold: float = Field(0.3, gt=0.0, le=1.0)
     """With delta, a tensor whose changed fraction is above this goes whole (a delta entry
     costs 6 bytes before compression, a whole bf16 element 2)."""
+
+
+class FP8Codec(Variant):
+    name: Literal["fp8"] = "fp8"
+    keep_bf16: list[str] = Field(default_factory=lambda: ["embed", "lm_head", "norm"])
+    """Regular expressions of tensor names sent as bf16 instead."""
+
+
+class MXFP4Codec(FP8Codec):
+    name: Literal["mxfp4"] = "mxfp4"  # type: ignore[assignment]
+
+
+ChannelChoice = choice("inprocess", *map(bare, ("inprocess", "http", "disk", "gloo", "vllm")))
+CodecChoice = choice("none", bare("none"), BF16Codec, FP8Codec, MXFP4Codec)
+
+
+class SyncConfig(Section):
+    channel: ChannelChoice = variants(ChannelChoice)["inprocess"]()  # type: ignore[valid-type]
+    """How weights reach the engines: inprocess (same process), http (rlpost serve; what
+    rollout.engine=remote uses), disk (a versioned directory, any number of readers), gloo
+    (torch.distributed to engines in other processes; NCCL on GPU) or vllm (extra [vllm])."""
+    codec: CodecChoice = variants(CodecChoice)["none"]()  # type: ignore[valid-type]
+    """Wire encoding: none (the trainer's dtype), bf16 (delta, delta_full_threshold), fp8
+    (e4m3, 128x128 blocks, lossy) or mxfp4 (e2m1, 32-element blocks, lossy); the lossy codecs
+    send keep_bf16 tensors in bf16."""
+    bucket_mb: float = Field(64.0, gt=0)
+    """Bucket size [MiB]: tensors stream in buckets this large (larger tensors are split);
+    a receiving server holds about one bucket in memory while a sync streams in."""
     every: int = Field(1, ge=1)
     """Sync every N steps; in between the engines serve an older version and samples carry it."""
     verify: bool = True
@@ -1068,29 +1025,17 @@ class SyncConfig(Section):
     sender compares them with what it sent; a mismatch names the tensor."""
     timeout_s: float = Field(300.0, gt=0)
     """Seconds each sync phase (start, one bucket, finish) may take before it is an error."""
-    keep_bf16: list[str] = ["embed", "lm_head", "norm"]
-    """Regular expressions of tensor names that lossy codecs (fp8, mxfp4) send as bf16."""
+
+    @property
+    def delta(self) -> bool:
+        """Whether a sync sends only the changed elements (``codec: {name: bf16, delta: true}``)."""
+        return getattr(self.codec, "delta", False)
 
 
 # ------------------------------------------------------------------------- agent
 
 
-class HarnessConfig(Section):
-    """An outside agent as the rollout: rlpost runs it against recorded sessions of a loopback
-    OpenAI server (docs/agents.md, "Bring your own harness")."""
-
-    entry: str | None = None
-    """The agent as ``package.module:function``, called ``fn(prompt, base_url, **info)`` in a
-    thread (info: api_key, session_id, metadata, those it accepts); it returns its final
-    answer (judged by the reward terms), a number (the session's reward) or None."""
-    command: list[str] = []
-    """The agent as a command (instead of entry): OPENAI_BASE_URL and OPENAI_API_KEY (its
-    session's own key) in its environment, the prompt on stdin, a /tmp and /dev/shm of its own;
-    its last stdout line is the answer, or ``reward: <number>`` for the session's reward (a
-    number alone is an answer). Nothing it starts outlives it."""
-    env: list[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]] = []
-    """Names of the trainer's environment variables a command also gets. It gets no others
-    but PATH, HOME, USER, LOGNAME, SHELL, TERM, TMPDIR, LANG, LANGUAGE, LC_* and TZ."""
+class HarnessKnobs(Variant):
     chat_template: str | None = None
     """Jinja chat template the server renders the agent's chats with (None: the tokenizer's;
     rollout.engine=remote: the servers' own, so it must be None)."""
@@ -1108,6 +1053,22 @@ class HarnessConfig(Section):
     later is counted as hung (harness_timed_out) and its session dropped."""
     workers: int = Field(8, ge=1)
     """Sessions run at once."""
+
+
+class CommandHarness(HarnessKnobs):
+    """The agent as a command: OPENAI_BASE_URL and OPENAI_API_KEY (its session's own key) in
+    its environment, the prompt on stdin, a /tmp and /dev/shm of its own; its last stdout line
+    is the answer, or ``reward: <number>`` for the session's reward (a number alone is an
+    answer). Nothing it starts outlives it."""
+
+    name: Literal["command"] = "command"
+    command: list[str] = Field(default_factory=list)
+    """The command line (argv)."""
+    env: list[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]] = Field(
+        default_factory=list
+    )
+    """Names of the trainer's environment variables a command also gets. It gets no others
+    but PATH, HOME, USER, LOGNAME, SHELL, TERM, TMPDIR, LANG, LANGUAGE, LC_* and TZ."""
     user: Literal["session", "trainer"] = "session"
     """Whose user a command runs as. session: when the trainer runs as root, a uid of its own
     per command (50000-59999, HOME a private directory), so no harness can read another's
@@ -1115,12 +1076,22 @@ class HarnessConfig(Section):
     the trainer's user (any process of that user can read the harnesses' keys)."""
 
     @model_validator(mode="after")
-    def _runs_something(self) -> HarnessConfig:
-        if self.entry is None and not self.command:
-            raise ValueError("agent.harness.entry: set it or agent.harness.command (what runs)")
-        if self.entry is not None and self.command:
-            raise ValueError("agent.harness.command: entry is set too; give one of them")
+    def _runs_something(self) -> CommandHarness:
+        if not self.command:
+            raise ValueError(
+                "agent.harness.command: set it, or agent.harness.name=path/to/file.py:function"
+            )
         return self
+
+
+class FunctionHarness(HarnessKnobs, UserPart):
+    """The agent as the user's function ``name``, called ``fn(prompt, base_url, **info,
+    **params)`` in a thread (info: api_key, session_id, metadata, those it accepts; params:
+    its other keys); it returns its final answer (judged by the reward terms), a number (the
+    session's reward) or None."""
+
+
+HarnessChoice = choice("command", bare("none"), CommandHarness, user=FunctionHarness)
 
 
 class AgentConfig(Section):
@@ -1152,9 +1123,11 @@ class AgentConfig(Section):
     sft_direct: float = Field(0.0, ge=0.0, le=1.0)
     """Fraction of warm-up demonstrations that answer without calling a tool (the starting
     policy then sometimes answers in its head, which RL has to unlearn)."""
-    harness: HarnessConfig | None = None
-    """An outside agent written against the OpenAI API as the rollout (instead of env; None:
-    none). Setting any of its keys (agent.harness.entry=...) turns it on."""
+    harness: HarnessChoice = variants(HarnessChoice)["none"]()  # type: ignore[valid-type]
+    """An outside agent written against the OpenAI API as the rollout, instead of env
+    (docs/agents.md, "Bring your own harness"): none, command (a command line) or the user's
+    function (``name: path/to/file.py:function``); a harness given without a name is a
+    command."""
 
 
 # ------------------------------------------------------------------ data sources
@@ -1177,14 +1150,6 @@ class SourceConfig(Section):
     """This source's reward terms (None: reward.terms); alpha, invalid_score and score_range are
     the reward section's."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _moved_keys(cls, data: Any) -> Any:
-        name = data.get("name", "") if isinstance(data, dict) else ""
-        return _refuse_moved(data, f"{cls._list}[{name}]")
-
-    _list: ClassVar[str] = "data.sources"
-
 
 class EvalSetConfig(SourceConfig):
     """One evaluation set of ``eval.sets``: a source's held-out rows (a file set reads
@@ -1194,8 +1159,6 @@ class EvalSetConfig(SourceConfig):
     """Metrics of this set: mean@k, pass@k, maj@k (k samples per problem) and greedy."""
     samples: int | None = Field(None, ge=1)
     """Samples drawn per problem at eval.temperature (None: the largest k of its metrics)."""
-
-    _list: ClassVar[str] = "eval.sets"
 
     @property
     def n(self) -> int:
@@ -1235,6 +1198,12 @@ class Config(Section):
     sync: SyncConfig = SyncConfig()
     agent: AgentConfig = AgentConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        refuse_moved(data)
+        return data
+
     @property
     def batch_size(self) -> int:
         """Sequences per RL step."""
@@ -1243,6 +1212,55 @@ class Config(Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.run.output_dir) / self.run.name
+
+
+# ---------------------------------------------------------------- moved keys
+
+_ENTRY = r"(data|(?:data\.sources|eval\.sets)\[[^]]*\])"  # what holds a task
+_TERM = r"((?:reward\.terms|(?:data\.sources|eval\.sets)\[[^]]*\]\.reward)\[[^]]*\])"
+_TASKS = "|".join(t.model_fields["name"].default for t in (*PROMPT_TASKS, PrefsTaskConfig))
+_FILE_KEYS = "|".join(FileTaskConfig.model_fields.keys() - {"name"})
+MOVED: dict[str, str] = {
+    rf"{_ENTRY}\.({_TASKS})\.(\w+)": r"\1.task.\3 (with \1.task.name=\2)",
+    rf"{_ENTRY}\.({_FILE_KEYS})": r"\1.task.\2 (with \1.task.name=file)",
+    **{
+        rf"rollout\.{key}": f"rollout.engine.{key} (with rollout.engine.name={name})"
+        for name, e in (("remote", RemoteEngine), ("vllm", VLLMEngine))
+        for key in e.model_fields.keys() - {"name"}
+    },
+    r"algo\.policy_loss": "algo.loss",
+    r"algo\.(loss|advantage)_params\.(\w+)": r"algo.\1.\2 (with algo.\1.name)",
+    r"algo\.losses\.(\w+)\.(\w+)": r"algo.loss.\2 (with algo.loss.name=\1)",
+    r"algo\.advantages\.(\w+)\.(\w+)": r"algo.advantage.\2 (with algo.advantage.name=\1)",
+    r"critic\.warmup_steps": "critic.optim.warmup_steps (LR warm-up) or critic.head_start_steps"
+    " (RL steps the critic trains alone)",
+    rf"(train|critic|sft|dpo|rm)\.({'|'.join(OptimConfig.model_fields)})": r"\1.optim.\2",
+    r"sync\.(delta|delta_full_threshold)": r"sync.codec.\1 (with sync.codec.name=bf16)",
+    r"sync\.keep_bf16": "sync.codec.keep_bf16 (with sync.codec.name=fp8 or mxfp4)",
+    r"agent\.harness\.entry": "agent.harness.name",
+    rf"{_TERM}\.params\.(\w+)": r"\1.\2",
+}
+"""Keys that moved: the old dotted key (a regular expression; a list entry is ``[its
+name]``) -> the new key, the old one's groups filled in, then anything else to write."""
+
+
+def refuse_moved(data: Any, at: str = "") -> None:
+    """A ValueError for the first key of ``data`` (a config tree) that :data:`MOVED` holds:
+    ``old=value: the key moved; write new=value``, the value shown at its leaf."""
+    for key, value in data.items() if isinstance(data, dict) else ():
+        path = f"{at}{key}"
+        refuse_moved(value, path + ".")
+        for i, entry in enumerate(value if isinstance(value, list) else ()):
+            name = entry.get("name") if isinstance(entry, dict) else None
+            refuse_moved(entry, f"{path}[{name if isinstance(name, str) and name else i}].")
+        for old, new in MOVED.items():
+            if found := re.fullmatch(old, path):
+                new, _, more = found.expand(new).partition(" ")
+                shown = yaml.safe_dump(value, default_flow_style=True, width=1e9)
+                shown = shown.removesuffix("...\n").strip()  # true, [a, b]: as written
+                raise ValueError(
+                    f"{path}={shown}: the key moved; write {new}={shown} {more}".strip()
+                )
 
 
 # ------------------------------------------------------------------- loading

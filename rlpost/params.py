@@ -68,10 +68,15 @@ class UserPart(Variant):
 
     model_config = ConfigDict(extra="allow")
 
+    def params(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
     @model_validator(mode="after")
     def _own_params(self) -> UserPart:
         from rlpost.registry import declared, import_object
 
+        if not is_user_spec(self.name):  # a registered part (a reward term's name)
+            return self
         try:
             declared_params = declared(import_object(self.name))[0]
         except ValueError as exc:
@@ -86,16 +91,16 @@ def is_user_spec(name: Any) -> bool:
     return isinstance(name, str) and ":" in name
 
 
-def choice(default: str, *variants: type[Variant]) -> Any:
+def choice(default: str, *variants: type[Variant], user: type[UserPart] = UserPart) -> Any:
     """A config field type: the union of ``variants`` keyed on ``name`` (``default`` when a
-    mapping has none), or a :class:`UserPart` when the name points at user code."""
+    mapping has none), or ``user`` when the name points at user code."""
 
     def tag(value: Any) -> str:
         name = value.get("name", default) if isinstance(value, dict) else value.name
         return "user" if is_user_spec(name) else name
 
     members = tuple(Annotated[v, Tag(v.model_fields["name"].default)] for v in variants)
-    members += (Annotated[UserPart, Tag("user")],)
+    members += (Annotated[user, Tag("user")],)
     return Annotated[
         Union[members],  # noqa: UP007
         Discriminator(tag),

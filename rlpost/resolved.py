@@ -204,7 +204,7 @@ def _engine(cfg: Config) -> str:
     if name != "auto":
         return name
     continuous = cfg.rollout.partial or cfg.pipeline.mode == "async"
-    return "hf_continuous" if continuous or cfg.agent.harness is not None else "hf"
+    return "hf_continuous" if continuous or cfg.agent.harness.name != "none" else "hf"
 
 
 def _shares_storage(cfg: Config, engine: str, bf16: bool) -> bool:
@@ -216,7 +216,7 @@ def _shares_storage(cfg: Config, engine: str, bf16: bool) -> bool:
     return (
         cfg.pipeline.mode == "sync"
         and s.every == 1
-        and CODECS.trait(s.codec, "identity")
+        and CODECS.trait(s.codec.name, "identity")
         and not s.delta
         and cfg.model.lora.rank == 0
         and bool(ENGINES.trait(engine, "shares_storage"))

@@ -39,6 +39,7 @@ from rlpost.models.loading import (
 from rlpost.models.tiny import build_char_tokenizer
 from rlpost.observe.memory import release_free_heap
 from rlpost.pipeline.weights import build_weight_path
+from rlpost.registry import import_callable
 from rlpost.resolved import ENGINES, RunFacts, resolve
 from rlpost.rewards.routing import build_routed_scorer
 from rlpost.rewards.scorer import RewardWorker
@@ -354,7 +355,7 @@ def build_rollout_worker(
 def build_agent(cfg: Config, engine, tokenizer) -> MultiTurnRollout | None:
     """The episode runner over ``engine`` when ``agent.env`` is set (None: single turn)."""
     a = cfg.agent
-    if a.harness is not None:
+    if a.harness.name != "none":
         return build_harness(cfg, engine, tokenizer)
     if a.env is None:
         return None
@@ -389,7 +390,7 @@ def agent_demonstrations(cfg: Config, tokenizer):
     """The warm-up's example builder for multi-turn episodes (None without ``agent.env``):
     the environment's demonstration in the run's call format, its tool output masked;
     ``agent.sft_direct`` of them answer without calling a tool."""
-    if (a := cfg.agent).harness is not None and a.harness.demonstrations is not None:
+    if getattr((a := cfg.agent).harness, "demonstrations", None) is not None:
         return harness_demonstrations(cfg, tokenizer)
     if a.env is None:
         return None
@@ -501,17 +502,18 @@ def build_harness(cfg: Config, engine, tokenizer):
     from rlpost.rollout.serve.sessions import SessionBounds
 
     h = cfg.agent.harness
-    entry = None if h.entry is None else _harness_entry("entry", h.entry)
+    command = h.name == "command"
+    entry = None if command else partial(_harness_entry("name", h.name), **h.params())
     bounds = SessionBounds(h.max_requests, cfg.rollout.max_tokens, h.max_seconds)
     settings = HarnessSettings(
         entry,
-        tuple(h.command),
-        tuple(h.env),
+        tuple(h.command) if command else (),
+        tuple(h.env) if command else (),
         bounds,
         h.workers,
         h.chat_template,
         h.tool_parser,
-        own_user=h.user == "session",
+        own_user=command and h.user == "session",
     )
     if cfg.rollout.engine.name == "remote":  # sessions on the servers, over their admin routes
         from rlpost.rollout.engines.client import keys_from_env
@@ -543,12 +545,7 @@ def harness_demonstrations(cfg: Config, tokenizer):
 
 def _harness_entry(key: str, spec: str):
     """The function ``agent.harness.<key>`` names (``package.module:function``)."""
-    from rlpost.rollout.episodes.agent_runner import load_entry
-
-    try:
-        return load_entry(spec)
-    except ValueError as exc:
-        raise ConfigError(f"config agent.harness.{key}={spec}: {exc}") from None
+    return import_callable(spec, f"config agent.harness.{key}", ConfigError)
 
 
 def check_teacher(cfg: Config, facts: RunFacts) -> None:

@@ -206,10 +206,9 @@ def on_policy_servers_take_weights(cfg: Config) -> str | bool | None:
 @rule("train")
 def vllm_server_takes_plain_weights(cfg: Config) -> str | bool | None:
     s, e = cfg.sync, cfg.rollout.engine
-    return (e.name == "remote" and e.server == "vllm" and (s.codec != "none" or s.delta)) and (
-        f"sync.codec={s.codec}, sync.delta={str(s.delta).lower()} with "
-        "rollout.engine.server=vllm: vllm serve loads a plain weight file; set "
-        "sync.codec=none and sync.delta=false"
+    return (e.name == "remote" and e.server == "vllm" and s.codec.name != "none") and (
+        f"sync.codec={s.codec.name} with rollout.engine.server=vllm: vllm serve loads a plain "
+        "weight file; set sync.codec=none"
     )
 
 
@@ -249,7 +248,7 @@ def batch_engine_runs_whole_batches(cfg: Config, f: RunFacts) -> str | bool | No
     while it generates (async) or serve a harness's sessions: refused, never swapped."""
     async_ = cfg.pipeline.mode == "async"
     asked = ("rollout.partial=true", cfg.rollout.partial), ("pipeline.mode=async", async_)
-    needs = [k for k, on in (*asked, ("agent.harness", cfg.agent.harness)) if on]
+    needs = [k for k, on in (*asked, ("agent.harness", cfg.agent.harness.name != "none")) if on]
     if not needs or not ENGINES.trait(f.engine, "whole_batches"):  # auto picks one that stops
         return None
     return (
@@ -293,8 +292,8 @@ def rollout_logprobs_need_trainer_numbers(cfg: Config, f: RunFacts) -> str | boo
     if f.bf16:  # bfloat16, or auto on a CPU with native bf16
         on = " (bf16 on this CPU)" if cfg.model.dtype == "auto" else ""
         key = f"model.dtype={cfg.model.dtype}{on}"
-    elif cfg.sync.codec != "none":
-        key = f"sync.codec={cfg.sync.codec}"
+    elif cfg.sync.codec.name != "none":
+        key = f"sync.codec={cfg.sync.codec.name}"
     else:
         return None
     return (
@@ -345,7 +344,7 @@ def agent_env_resolves(cfg: Config) -> str | bool | None:
 
 @rule("train")
 def sync_channel_is_wired(cfg: Config, f: RunFacts) -> str | bool | None:
-    channel, remote = cfg.sync.channel, f.engine_over_http
+    channel, remote = cfg.sync.channel.name, f.engine_over_http
     gloo = ("gloo",) if not remote and f.backend == "process" else ()
     if channel in (("http", "inprocess") if remote else ("inprocess", "disk", *gloo)):
         return None
@@ -360,7 +359,7 @@ def sync_channel_is_wired(cfg: Config, f: RunFacts) -> str | bool | None:
 
 @rule("train")
 def disk_channel_one_rollout_worker(cfg: Config) -> str | bool | None:
-    n, channel = cfg.cluster.rollout_workers, cfg.sync.channel
+    n, channel = cfg.cluster.rollout_workers, cfg.sync.channel.name
     return (channel in ("disk", "gloo") and n > 1) and (
         f"sync.channel={channel} with cluster.rollout_workers={n}: a fleet readmits restarted "
         "workers from its own copy of the weights; set sync.channel=inprocess or "
@@ -381,19 +380,10 @@ def engine_logprobs_of_the_full_distribution(cfg: Config) -> str | bool | None:
 
 
 @rule("train")
-def delta_needs_bf16(cfg: Config) -> str | bool | None:
-    s = cfg.sync
-    return (s.delta and s.codec != "bf16") and (
-        f"sync.delta=true with sync.codec={s.codec}: delta compares bf16 bit patterns; "
-        "set sync.codec=bf16"
-    )
-
-
-@rule("train")
 def delta_needs_acknowledging_readers(cfg: Config) -> str | bool | None:
-    return (cfg.sync.delta and cfg.sync.channel == "disk") and (
-        "sync.delta=true with sync.channel=disk: disk readers cannot acknowledge a base "
-        "version; use http, gloo or inprocess, or set sync.delta=false"
+    return (cfg.sync.delta and cfg.sync.channel.name == "disk") and (
+        "sync.codec.delta=true with sync.channel=disk: disk readers cannot acknowledge a base "
+        "version; use http, gloo or inprocess, or set sync.codec.delta=false"
     )
 
 
@@ -510,7 +500,7 @@ def unread_keys(cfg: Config) -> list[str]:
         (not m.teacher.path and not m.teacher.url, [f"model.teacher.{k}" for k in
          ("api_key", "timeout_s", "micro_batch_size")]),
         (m.lora.rank == 0, ["model.lora.alpha", "model.lora.dropout", "model.lora.target_modules"]),
-        (a.env is None and a.harness is None, [f"agent.{k}" for k in AgentConfig.model_fields
+        (a.env is None and a.harness.name == "none", [f"agent.{k}" for k in AgentConfig.model_fields
                                                if k not in ("env", "harness")]),
         (not ray, [f"cluster.{k}" for k in ("address", "reward_workers", "placement", "trainer",
                                             "rollout", "reward", "placement_timeout_s")]),
@@ -530,7 +520,7 @@ def _inert_table(cfg: Config, f: RunFacts) -> list[tuple]:
     """(section, its key, fields, nothing reads them, the fix) of knobs that other knobs
     turn off; a loss declares its own (its ``read_when`` trait)."""
     a, r, s, w = cfg.algo, cfg.rollout, cfg.sync, cfg.reward
-    copied = not f.engine_over_http and s.codec == "none" and not s.delta
+    copied = not f.engine_over_http and s.codec.name == "none"
     mixed = any(t.kind in ("model", "judge") for t in w.terms)
     rules = [  # (section, its key, fields, nothing reads them, the fix)
         (a.kl, "algo.kl", ("estimator", "placement", "target"), a.kl.beta == 0,
@@ -541,15 +531,17 @@ def _inert_table(cfg: Config, f: RunFacts) -> list[tuple]:
         (r, "rollout", ("partial_fraction",), not r.partial, "set rollout.partial=true"),
         (r, "rollout", ("partial_chunk_tokens",), not r.partial or f.engine_in_process,
          "it applies to a partial rollout on a remote or vllm engine"),
-        (s, "sync", ("delta_full_threshold",), not s.delta, "set sync.delta=true"),
-        (s, "sync", ("bucket_mb", "verify", "timeout_s", "keep_bf16"), copied,
+        (s, "sync", ("bucket_mb", "verify", "timeout_s"), copied,
          "weights are copied in process with sync.codec=none; set sync.codec to stream them"),
         (w, "reward", ("alpha",), not mixed,
          "alpha mixes verifiable with model or judge terms; add one"),
         (w, "reward", ("sample_count",), w.sample_every == 0, "set reward.sample_every > 0"),
     ]  # fmt: skip
+    if s.codec.name == "bf16":
+        rules.append((s.codec, "sync.codec", ("delta_full_threshold",), not s.delta,
+                      "set sync.codec.delta=true"))  # fmt: skip
     vllm = getattr(r.engine, "server", None) == "vllm"
-    rules.append((s, "sync", ("bucket_mb", "verify", "keep_bf16"), vllm,
+    rules.append((s, "sync", ("bucket_mb", "verify"), vllm,
                   "vllm serve loads one plain weight file per push"))  # fmt: skip
     for k, (knob, on) in POLICY_LOSSES.trait(a.loss.name, "read_when", {}).items():
         fix = f"set algo.loss.{knob}={str(on).lower()}"
@@ -748,7 +740,7 @@ def agent_harness_runs(cfg: Config) -> str | bool | None:
     """An outside agent (agent.harness) runs on the in-process continuous engine or on remote
     rlpost servers (sessions over their admin routes), alone."""
     h = cfg.agent.harness
-    if h is None:
+    if h.name == "none":
         return None
     if cfg.agent.env is not None:
         return f"agent.env={cfg.agent.env}: agent.harness runs the episodes; drop one of them"

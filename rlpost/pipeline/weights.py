@@ -122,22 +122,22 @@ def build_weight_path(cfg, rollout, run_dir=None) -> WeightPath:
         e = cfg.rollout.engine
         admin = keys_from_env(e.api_key_env, e.admin_key_env)["admin_key"]
         headers = {"Authorization": f"Bearer {admin}"} if admin else None
-        http = s.model_copy(update={"channel": "http"})  # servers are reached over HTTP
+        http = type(s).model_validate({**dict(s), "channel": "http"})  # servers: over HTTP
         sync = build_weight_sync(http, list(cfg.rollout.engine.servers), headers=headers)
         return ChannelPath(sync, served=lambda *told: rollout.weights_served(*told))
-    if s.channel == "disk":
+    if s.channel.name == "disk":
         if run_dir is None:
             raise ValueError("sync.channel=disk publishes under the run directory; none given")
         root = str(Path(run_dir) / "weights")
         return ChannelPath(build_weight_sync(s, [root]), served=_disk_reader(rollout, root, s))
-    if s.channel == "gloo":
+    if s.channel.name == "gloo":
         from rlpost.sync.gloo import GlooLink
         from rlpost.train.dp import free_port
 
         link = GlooLink("127.0.0.1", free_port(), world_size=2)
         rollout.join_gloo(link, 1, s.verify, s.timeout_s)
         return ChannelPath(build_weight_sync(s, [link]))
-    if CODECS.trait(s.codec, "identity") and not s.delta:
+    if CODECS.trait(s.codec.name, "identity") and not s.delta:
         return DirectPath(rollout)
     return ChannelPath(build_weight_sync(s, [rollout]))
 

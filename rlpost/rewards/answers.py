@@ -62,5 +62,5 @@ def answer_extractor(terms: list[RewardTerm]) -> Extractor:
     stripped reply)."""
     for t in terms:
         if t.name in EXTRACTORS:
-            return EXTRACTORS[t.name](**t.params)
+            return EXTRACTORS[t.name](**t.params())
     return lambda text: text.strip() or None

@@ -276,11 +276,11 @@ def check_terms(cfg: RewardConfig) -> None:
         raise ValueError("reward.terms is empty; add at least one reward term")
     for term in cfg.terms:
         kind_of, obj = lookup(term.name)
-        check_params(term.name, obj, dict(term.params), per_sample=kind_of == "sample")
+        check_params(term.name, obj, term.params(), per_sample=kind_of == "sample")
 
 
 def _build_term(label: str, term: Any) -> Term:
-    params = dict(term.params)
+    params = term.params()
     kind_of, obj = lookup(term.name)
     if kind_of == "sample":
         check_params(term.name, obj, params, per_sample=True)
@@ -305,7 +305,7 @@ def probe_terms(cfg: RewardConfig, sources: Sequence[Any], prompts: Sequence[Any
             kind, fn = lookup(t.name)
             if ":" not in t.name or kind != "sample":  # the built-ins are held by their tests
                 continue
-            term = Term(t.name, fn, t.weight, t.kind, dict(t.params))
+            term = Term(t.name, fn, t.weight, t.kind, t.params())
             for p in rows:
                 answer = "" if p.answer is None else str(p.answer)
                 sample = RewardSample(p.text, answer, p.answer, p.metadata, source=p.source)

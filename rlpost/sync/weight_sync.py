@@ -84,7 +84,7 @@ class WeightSync:
             raise ValueError("weight sync needs at least one target")
         if delta and not all(t.supports_delta for t in transports):
             raise ValueError(
-                "sync.delta=true needs receivers that acknowledge versions; the disk channel cannot"
+                "sync.codec.delta=true needs receivers that acknowledge versions; the disk channel cannot"
             )
         self.transports = list(transports)
         names = [t.target for t in self.transports]
@@ -272,13 +272,11 @@ def build_weight_sync(
     options = TransportOptions(
         verify=sync_cfg.verify, timeout_s=sync_cfg.timeout_s, headers=headers
     )
-    transports = [make_transport(sync_cfg.channel, t, options) for t in targets]
+    transports = [make_transport(sync_cfg.channel.name, t, options) for t in targets]
     return WeightSync(
         transports,
-        codec=sync_cfg.codec,
+        codec=sync_cfg.codec.name,
         bucket_bytes=int(sync_cfg.bucket_mb * MB),
-        delta=sync_cfg.delta,
-        delta_full_threshold=sync_cfg.delta_full_threshold,
-        keep_bf16=sync_cfg.keep_bf16,
         verify=sync_cfg.verify,
+        **sync_cfg.codec.params(),  # bf16's delta and its threshold, a lossy codec's keep_bf16
     )

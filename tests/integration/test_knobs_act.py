@@ -134,8 +134,8 @@ ALTS = {
     "sync.channel": (other("http", "inprocess"), "sync", {}),
     "sync.codec": (other("bf16", "none"), "sync", {}),
     "sync.bucket_mb": (other(1.0, 2.0), "sync", {}),
-    "sync.delta": (lambda v: not v, "sync", {}),
-    "sync.delta_full_threshold": (other(0.5, 0.3), "sync", {}),
+    "sync.codec.delta": (lambda v: not v, "sync", {}),
+    "sync.codec.delta_full_threshold": (other(0.5, 0.3), "sync", {}),
     "sync.verify": (lambda v: not v, "sync", {}),
     "sync.timeout_s": (other(10.0, 20.0), "sync", {}),
 }
@@ -215,7 +215,7 @@ def knobs(recipe: Recipe) -> list[tuple[str, object]]:
     d = recipe.resolved
     out = [(f"rollout.{k}", d["rollout"][k]) for k in SAMPLING]
     for section in ("train", "sync"):
-        out += [(k, v) for k, v in leaves(d[section], f"{section}.") if k != "sync.keep_bf16"]
+        out += [(k, v) for k, v in leaves(d[section], f"{section}.") if k != "sync.codec.keep_bf16"]
     out += list(leaves(d["algo"], "algo."))  # a choice's leaves are its chosen variant's
     w = d["reward"]
     out += [(f"reward.{k}", w[k]) for k in ("alpha", "invalid_score", "score_range")]
@@ -226,8 +226,9 @@ def knobs(recipe: Recipe) -> list[tuple[str, object]]:
             (f"reward.terms.{i}.kind", term["kind"]),
         ]
         out += [
-            (f"reward.terms.{i}.params.{k}", v)
-            for k, v in term["params"].items()
+            (f"reward.terms.{i}.{k}", v)
+            for k, v in term.items()
+            if k not in ("name", "weight", "kind")
             if isinstance(v, (int, float)) and not isinstance(v, bool)
         ]
     return out
@@ -381,7 +382,7 @@ class Walk:
     def _learning_terms(self) -> dict:
         """The recipe's reward terms plus one that spreads every group, so an update moves."""
         terms = [dict(t) for t in self.recipe.resolved["reward"]["terms"]]
-        terms.append({"name": SPREAD, "weight": 1.0, "kind": "rule", "params": {}})
+        terms.append({"name": SPREAD, "weight": 1.0, "kind": "rule"})
         return {"reward.terms": terms, "rollout.truncated_reward": None}
 
 

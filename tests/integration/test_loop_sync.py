@@ -44,7 +44,7 @@ def test_sync_every_two_steps_serves_an_older_version_in_between(tmp_path):
 
 def test_bf16_delta_through_the_sync_layer_sends_fewer_bytes(tmp_path):
     plain = train(_cfg(tmp_path, "plain")).history
-    delta = train(_cfg(tmp_path, "delta", "sync.codec=bf16", "sync.delta=true")).history
+    delta = train(_cfg(tmp_path, "delta", "sync.codec=bf16", "sync.codec.delta=true")).history
     assert all(math.isfinite(x["loss"]) for x in delta)
     assert all(x["sync_version"] == x["step"] for x in delta)
     assert delta[-1]["sync_bytes"] < 0.5 * plain[-1]["sync_bytes"]

@@ -104,7 +104,7 @@ def test_registered_term_mixes_and_nan_from_model_is_counted(model_dir):
     cfg = RewardConfig(
         terms=[
             RewardTerm(name="exact_match"),
-            RewardTerm(name="reward_model", params={"path": str(model_dir), "batch_size": 2}),
+            RewardTerm(name="reward_model", path=str(model_dir), batch_size=2),
         ]
     )
     scorer = build_scorer(cfg)

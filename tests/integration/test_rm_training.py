@@ -184,7 +184,7 @@ def test_the_rlhf_recipe_trains_against_the_trained_reward_model(tmp_path, pairs
     rm = tmp_path / "rm" / "rm_model"
     recipe = tmp_path / "rlhf.yaml"
     arith = {"max_operand": 30, "ops": ["+", "-"], "eval_size": 8}
-    term = {"name": "reward_model", "kind": "model", "params": {"path": str(rm)}}
+    term = {"name": "reward_model", "kind": "model", "path": str(rm)}
     recipe.write_text(
         json.dumps(
             {

@@ -86,7 +86,7 @@ def test_reasoning_gym_sources_train_with_their_own_reward(tmp_path):
                 "eval_size": 4,
             },
             "prompt_template": "{prompt} <answer>",
-            "reward": [{"name": "reasoning_gym", "params": {"extract": "last_line"}}],
+            "reward": [{"name": "reasoning_gym", "extract": "last_line"}],
         },
     ]
     long = {"model.tiny.max_position_embeddings": 512}  # its questions run to ~300 characters

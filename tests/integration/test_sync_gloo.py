@@ -75,7 +75,9 @@ def test_two_receiving_processes_get_full_then_delta_versions(tmp_path):
     link = GlooLink("127.0.0.1", _free_port(), world_size=3)
     outs = [str(tmp_path / f"r{r}.pt") for r in (1, 2)]
     procs = [_spawn(_receive, link, r, outs[r - 1]) for r in (1, 2)]
-    cfg = SyncConfig(channel="gloo", codec="bf16", delta=True, bucket_mb=0.01, timeout_s=TIMEOUT_S)
+    cfg = SyncConfig(
+        channel="gloo", codec={"name": "bf16", "delta": True}, bucket_mb=0.01, timeout_s=TIMEOUT_S
+    )
     sync = build_weight_sync(cfg, [link])
     w = toy_weights(0)
     full = sync.push(w.items(), 1)

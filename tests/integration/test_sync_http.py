@@ -68,7 +68,7 @@ def test_each_codec_and_delta_reach_the_server_verified(servers, tiny_dir):
         sync.close()
     assert sizes["bf16"] == sizes["none"] / 2 and sizes["mxfp4"] < sizes["fp8"] < sizes["bf16"]
     sync = build_weight_sync(
-        SyncConfig(channel="http", codec="bf16", delta=True, bucket_mb=BUCKET_MB),
+        SyncConfig(channel="http", codec={"name": "bf16", "delta": True}, bucket_mb=BUCKET_MB),
         [url],
         headers=ADMIN_HEADERS,
     )
@@ -107,7 +107,7 @@ def test_server_killed_mid_push_fails_over_and_the_restarted_one_gets_a_full_syn
     tok = load_tokenizer(tiny_dir)
     procs = {n: start_server(tiny_dir, "--threads", "1") for n in ("a", "b")}
     urls = [procs[n][1] for n in ("a", "b")]
-    cfg = SyncConfig(channel="http", codec="bf16", delta=True, bucket_mb=BUCKET_MB)
+    cfg = SyncConfig(channel="http", codec={"name": "bf16", "delta": True}, bucket_mb=BUCKET_MB)
     sync = build_weight_sync(cfg, urls, headers=ADMIN_HEADERS)
     engine = RemoteEngine(urls, tok, weight_sync=sync)
     try:

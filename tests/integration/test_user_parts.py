@@ -110,7 +110,7 @@ def test_a_user_reward_environment_data_task_and_engine_train_two_steps(tmp_path
 
     engine = f"{PARTS}/counting_engine.py:counting"
     over = {
-        "reward.terms": f"[{{name: '{PARTS}/reward.py:exact', params: {{bonus: 0.5}}}}]",
+        "reward.terms": f"[{{name: '{PARTS}/reward.py:exact', bonus: 0.5}}]",
         "agent.env": f"{PARTS}/echo_env.py:Echo",
         "data.task": f"{{name: '{PARTS}/data_task.py:sums', n: 24, held: 4}}",
         "rollout.engine": engine,

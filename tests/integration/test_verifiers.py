@@ -148,7 +148,7 @@ def test_episode_environment_survives_pickling():
 
 def _train(tmp_path, env_args: dict, **extra):
     sources = [{"name": "vf", "task": {"name": "verifiers", "env": ARITH, "env_args": env_args}}]
-    terms = [{"name": "verifiers_rubric", "params": {"env": ARITH, "env_args": env_args}}]
+    terms = [{"name": "verifiers_rubric", "env": ARITH, "env_args": env_args}]
     over = {
         "data.sources": json.dumps(sources),
         "reward.terms": json.dumps(terms),

@@ -36,7 +36,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rlpost.registry import import_object
 from rlpost.rng import derive
 from rlpost.rollout.engines.protocol import SamplingParams
 from rlpost.rollout.engines.remote_sessions import RemoteSessions
@@ -65,15 +64,6 @@ class HarnessSettings:
     @property
     def timeout_s(self) -> float:
         return self.bounds.max_seconds + self.grace_s
-
-
-def load_entry(name: str) -> Callable:
-    """``package.module:function`` or ``path/to/file.py:function``; ValueError naming what is
-    missing."""
-    fn = import_object(name)
-    if not callable(fn):
-        raise ValueError(f"{name!r} is not a function")
-    return fn
 
 
 @dataclass

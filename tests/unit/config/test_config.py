@@ -70,11 +70,11 @@ def test_on_and_off_are_words_where_a_field_takes_them(tmp_path):
         ),
         (
             ["algo.policy_loss=dapo"],
-            "algo.policy_loss=dapo: the key was renamed; write algo.loss=dapo",
+            "algo.policy_loss=dapo: the key moved; write algo.loss=dapo",
         ),
         (
             ["algo.losses.dapo.clip_high=0.3"],
-            "the key was renamed; write algo.loss.name=dapo algo.loss.clip_high=0.3",
+            "the key moved; write algo.loss.clip_high=0.3 (with algo.loss.name=dapo)",
         ),
         (
             ["algo.advantage_params.lam=0.9"],
@@ -93,15 +93,15 @@ def test_on_and_off_are_words_where_a_field_takes_them(tmp_path):
         (["data.sources=[{task: arith}]"], "config data.sources[0].name: is required"),
         (  # a task's keys sit in the task: an old key names its new place
             ["data.arith.max_operand=5"],
-            "data.arith.max_operand=5: the key moved into the task; write data.task.name=arith "
-            "data.task.max_operand=5",
+            "data.arith.max_operand=5: the key moved; write data.task.max_operand=5 (with "
+            "data.task.name=arith)",
         ),
         (["data.train_path=t.jsonl"], "write data.task.train_path=t.jsonl (with data.task.name"),
         (
             ["data.sources=[{name: a, task: reasoning_gym, reasoning_gym: {task: x}}]"],
-            "write data.sources[a].task.name=reasoning_gym data.sources[a].task.task=x",
+            "write data.sources[a].task.task=x (with data.sources[a].task.name=reasoning_gym)",
         ),
-        (["eval.sets=[{name: s, stream: true}]"], "eval.sets[s].stream=True: the key moved"),
+        (["eval.sets=[{name: s, stream: true}]"], "eval.sets[s].stream=true: the key moved"),
     ],
 )
 def test_bad_config_is_one_line(overrides, needle):

@@ -142,7 +142,7 @@ def test_extraction_and_its_parameters():
     assert extract_answer("   ", "whole", "answer") is None
     with pytest.raises(ValueError, match="extract='first' must be one of tag, last_line, whole"):
         ReasoningGymScorer(extract="first")
-    src = "[{name: a, task: arith, reward: [{name: reasoning_gym, params: {extract: first}}]}]"
+    src = "[{name: a, task: arith, reward: [{name: reasoning_gym, extract: first}]}]"
     found = rules.problems(load_config(None, [f"data.sources={src}"]), "train")
     assert found and "extract='first' must be one of" in found[0]
 

@@ -26,7 +26,7 @@ def make_run(run_dir, *, max_operand=30, reward="numeric_match", kl=0.0, steps=4
         "run": {"seed": 0},
         "data": {"task": {"name": "arith", "max_operand": max_operand, "eval_size": 500}},
         "eval": {"limit": 4, "sets": [], "temperature": 1.0},
-        "reward": {"terms": [{"name": reward, "weight": 1.0, "params": {}}]},
+        "reward": {"terms": [{"name": reward, "weight": 1.0}]},
     }
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
     summary = {

@@ -14,17 +14,17 @@ def test_numeric_match_votes_by_number():
     read = answer_extractor([RewardTerm(name="numeric_match")])
     assert read("12") == read(" 12.0") == read("12 apples") == 12.0
     assert read("no number") is None
-    last = answer_extractor([RewardTerm(name="numeric_match", params={"position": "last"})])
+    last = answer_extractor([RewardTerm(name="numeric_match", position="last")])
     assert last("3 then 4") == 4.0
 
 
 def test_exact_match_and_reasoning_gym_read_their_tag():
-    read = answer_extractor([RewardTerm(name="exact_match", params={"tag": "answer"})])
+    read = answer_extractor([RewardTerm(name="exact_match", tag="answer")])
     assert read("x <answer> ab </answer>") == "ab"
     assert read("ab") is None  # no tag: no answer, no vote
-    rg = answer_extractor([RewardTerm(name="reasoning_gym", params={"extract": "whole"})])
+    rg = answer_extractor([RewardTerm(name="reasoning_gym", extract="whole")])
     assert rg(" 7\n") == "7" and rg("  ") is None
-    other = answer_extractor([RewardTerm(name="mypkg.mod:fn")])
+    other = answer_extractor([RewardTerm(name="os.path:basename")])
     assert other(" yes ") == "yes"
 
 

@@ -94,7 +94,6 @@ CASES = {
     "reward_terms_resolve": ("train", [], ["reward.terms=[{name: nope}]"], "reward.terms"),
     "agent_env_resolves": ("train", [], ["agent.env=nope"], "agent.env"),
     "sync_channel_is_wired": ("train", [], ["sync.channel=gloo"], "sync.channel=gloo"),
-    "delta_needs_bf16": ("train", [], ["sync.delta=true"], "sync.delta=true with sync.codec=none"),
     "disk_channel_one_rollout_worker": (
         "train",
         ["sync.channel=disk"],
@@ -134,8 +133,8 @@ CASES = {
     "delta_needs_acknowledging_readers": (
         "train",
         [],
-        ["sync.delta=true", "sync.codec=bf16", "sync.channel=disk"],
-        "sync.delta=true with sync.channel=disk",
+        ["sync.codec.delta=true", "sync.codec=bf16", "sync.channel=disk"],
+        "sync.codec.delta=true with sync.channel=disk",
     ),
     "local_backend_one_worker_per_role": (
         "train",
@@ -234,7 +233,7 @@ CASES["rm_margin_needs_a_file"] = (
 CASES["agent_harness_runs"] = (  # remote servers pass: sessions open over their admin routes
     "train",
     [
-        "agent.harness.entry=agent.py:run",
+        "agent.harness.command=[python, agent.py]",
         "rollout.engine=remote",
         "rollout.engine.servers=[http://127.0.0.1:9]",
     ],
@@ -290,7 +289,7 @@ def test_the_shipped_default_passes_the_whole_table_for_every_command_but_dpo():
 
 
 def test_check_reports_the_first_problem_of_the_table():
-    cfg = load_config(None, ["sync.delta=true", "rollout.engine=vllm"])
+    cfg = load_config(None, ["algo.kl.horizon=5000", "rollout.engine=vllm"])
     found = rules.problems(cfg)
     assert len(found) == 2
     with pytest.raises(ConfigError) as err:
@@ -310,6 +309,7 @@ def test_an_eval_config_with_only_a_held_out_file_passes_as_eval_not_as_train():
 PARITY = [
     ["data.task=file", "data.task.eval_path=e.jsonl"],
     ["sync.delta=true"],
+    ["sync.codec=bf16", "sync.codec.delta=true", "sync.channel=disk"],
     ["rollout.engine=vllm"],
     ["cluster.backend=local", "cluster.trainer_workers=2"],
     ["cluster.backend=local", "cluster.rollout_workers=2"],

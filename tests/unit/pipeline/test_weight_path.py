@@ -35,7 +35,7 @@ def test_a_codec_goes_through_the_sync_layer_and_counts_the_encoded_bytes():
     w = toy_weights()
     fp32 = sum(t.numel() * 4 for t in w.values())
     engine = DictEngine({k: torch.zeros_like(v) for k, v in w.items()})
-    path = build_weight_path(_cfg("sync.codec=bf16", "sync.delta=true"), engine)
+    path = build_weight_path(_cfg("sync.codec=bf16", "sync.codec.delta=true"), engine)
     try:
         assert isinstance(path, ChannelPath)
         first = path.push(_export(w, 1))

@@ -64,7 +64,7 @@ def test_scorer_runs_code_samples_concurrently_in_order():
 
     bodies = ["return a + b", "return a - b", "while True: pass", "return b + a"]
     batch = [sample(f"```python\ndef add(a, b):\n    {body}\n```", TESTS[:2]) for body in bodies]
-    term = RewardTerm(name="code_tests", params={"test_timeout_s": 4.0})
+    term = RewardTerm(name="code_tests", test_timeout_s=4.0)
     try:
         out = build_scorer(RewardConfig(terms=[term])).score(batch)
     except unavailable as exc:

@@ -143,7 +143,7 @@ def test_unknown_name_lists_valid_names():
 
 
 def test_build_scorer_refuses_bad_params_and_batched_get_reward():
-    cfg = RewardConfig(terms=[RewardTerm(name="numeric_match", params={"positon": "last"})])
+    cfg = RewardConfig(terms=[RewardTerm(name="numeric_match", positon="last")])
     with pytest.raises(ValueError, match="accepted: position"):
         build_scorer(cfg)
     with pytest.raises(ValueError, match="batched scorer"):
@@ -190,7 +190,7 @@ def test_package_module_function_loading(user_module):
 
 def test_build_scorer_default_alpha_and_kind_inference(user_module):
     verifiable = RewardTerm(name="exact_match")
-    model = RewardTerm(name=f"{user_module}:HalfModel", params={"value": 0.25})
+    model = RewardTerm(name=f"{user_module}:HalfModel", value=0.25)
     mixed = build_scorer(RewardConfig(terms=[verifiable, model]))
     assert mixed.alpha == DEFAULT_ALPHA
     assert [t.kind for t in mixed.terms] == ["verifiable", "model"]  # inferred
@@ -205,7 +205,7 @@ def test_build_scorer_default_alpha_and_kind_inference(user_module):
 
 def test_duplicate_terms_get_distinct_labels(user_module):
     fn = f"{user_module}:starts_with"
-    cfg = RewardConfig(terms=[RewardTerm(name=fn), RewardTerm(name=fn, params={"prefix": "B"})])
+    cfg = RewardConfig(terms=[RewardTerm(name=fn), RewardTerm(name=fn, prefix="B")])
     out = build_scorer(cfg).score([RewardSample("q", "Bee")])
     assert out.components == {fn: [0.0], f"{fn}#1": [1.0]}
 
@@ -258,7 +258,7 @@ def test_parameter_values_a_reward_would_refuse_are_refused_at_load(name, params
     from rlpost.rewards.scorer import check_terms
 
     with pytest.raises(ValueError) as err:
-        check_terms(RewardConfig(terms=[RewardTerm(name=name, params=params)]))
+        check_terms(RewardConfig(terms=[RewardTerm(name=name, **params)]))
     assert says in str(err.value) and "\n" not in str(err.value)
 
 

@@ -64,7 +64,7 @@ def test_auto_resolves_to_the_engine_its_mode_needs_and_a_named_one_is_kept(over
     [
         (["rollout.partial=true"], "rollout.partial=true"),
         (["pipeline.mode=async"], "pipeline.mode=async"),
-        (["agent.harness.entry=tests.x:run"], "agent.harness"),
+        (["agent.harness.command=[run]"], "agent.harness"),
     ],
 )
 def test_the_batch_engine_named_where_it_cannot_run_is_refused_in_one_line(overrides, key):

@@ -59,7 +59,7 @@ def _wire_bytes(w, codec):
 def test_delta_is_exact_and_a_restarted_engine_gets_a_full_sync():
     w = toy_weights()
     a, b = DictEngine(_zeros(w)), DictEngine(_zeros(w))
-    sync = build_weight_sync(_cfg(codec="bf16", delta=True), [a, b])
+    sync = build_weight_sync(_cfg(codec={"name": "bf16", "delta": True}), [a, b])
     full = sync.push(w.items(), 1)
     stepped = {k: v - 1e-6 * torch.sign(torch.randn_like(v)) for k, v in w.items()}
     sync.transports[1].receiver = Receiver(b, name="b")  # b restarted: it lost its base
@@ -139,7 +139,7 @@ def test_delta_from_a_bf16_model_keeps_its_own_base():
     tensors in place does not move the base, and the next delta carries the step."""
     live = {k: v.to(torch.bfloat16) for k, v in toy_weights().items()}
     engine = DictEngine(_zeros(live))
-    sync = build_weight_sync(_cfg(codec="bf16", delta=True), [engine])
+    sync = build_weight_sync(_cfg(codec={"name": "bf16", "delta": True}), [engine])
     sync.push(live.items(), 1)
     with torch.no_grad():
         for v in live.values():
