@@ -42,7 +42,7 @@ def test_agent_blackbox_trains_the_openai_client_agent(tmp_path):
 
 
 def test_a_harness_with_an_env_or_a_vllm_engine_is_refused():
-    base = ["agent.harness.entry=rlpost.envs.examples.calc_agent:run"]
+    base = ["agent.harness.name=rlpost.envs.examples.calc_agent:run"]
     remote = "rollout.engine=remote rollout.engine.servers=[http://127.0.0.1:9]"
     for extra, needle in (
         ("agent.env=calc", "agent.env=calc: agent.harness runs the episodes"),
@@ -55,7 +55,9 @@ def test_a_harness_with_an_env_or_a_vllm_engine_is_refused():
         with pytest.raises(ConfigError):
             check(cfg)
         assert any(needle in line for line in problems(cfg)), (extra, problems(cfg))
-    with pytest.raises(ConfigError, match=r"agent\.harness\.command: entry is set too"):
-        load_config(RECIPES_DIR / "grpo_arith.yaml", [*base, "agent.harness.command=[python]"])
+    with pytest.raises(
+        ConfigError, match=r"agent\.harness\.command: set it, or agent\.harness\.name"
+    ):
+        load_config(RECIPES_DIR / "grpo_arith.yaml", ["agent.harness.max_requests=2"])
     cfg = load_config(RECIPES_DIR / "grpo_arith.yaml", [*base, *remote.split()])
     assert problems(cfg) == []  # remote servers: sessions open over their admin routes

@@ -189,7 +189,7 @@ def test_training_steps_with_the_agent_on_remote_servers(
             "rollout.engine": "remote",
             "rollout.engine.servers": json.dumps(servers),
             "rollout.max_tokens": 8,
-            "agent.harness.entry": "tests.integration.test_agent_harness_remote:agent",
+            "agent.harness.name": "tests.integration.test_agent_harness_remote:agent",
             "agent.harness.workers": 4,
             "train.steps": 2,
             "sft.steps": 3,

@@ -37,7 +37,7 @@ def fails_the_first_sessions(prompt, base_url, api_key):
 def _config(tmp_path, entry: str, steps: int = 2):
     over = {
         "run.output_dir": tmp_path, "run.name": "t",
-        "agent.harness.entry": f"tests.integration.test_failed_rollouts:{entry}",
+        "agent.harness.name": f"tests.integration.test_failed_rollouts:{entry}",
         "agent.harness.demonstrations": "null", "agent.harness.workers": 2,
         "sft.steps": 2, "train.steps": steps, "rollout.prompts_per_step": 2, "rollout.n": 2,
         "rollout.max_tokens": 8, "train.mini_batch_size": 4, "train.micro_batch_size": 4,

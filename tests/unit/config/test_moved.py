@@ -76,3 +76,16 @@ def test_the_new_spellings_choose_and_set():
         load_config(None, ["sync.codec=fp8", "sync.codec.delta=true"])
     term = load_config(None, ["reward.terms=[{name: numeric_match, position: last}]"]).reward
     assert term.terms[0].params() == {"position": "last"}
+
+
+def test_a_harness_is_a_command_or_the_users_function_with_its_own_params():
+    assert load_config(None).agent.harness.name == "none"
+    h = load_config(None, ["agent.harness.command=[python, a.py]"]).agent.harness
+    assert (h.name, h.command, h.user) == ("command", ["python", "a.py"], "session")
+    fn = "rlpost.envs.examples.calc_agent:run"
+    h = load_config(
+        None, [f"agent.harness.name={fn}", "agent.harness.workers=2", "agent.harness.tries=3"]
+    ).agent.harness
+    assert (h.workers, h.params()) == (2, {"tries": 3})  # the shared knobs are not its params
+    with pytest.raises(ConfigError, match=r"^config agent\.harness\.name=nope\.py:run: no file"):
+        load_config(None, ["agent.harness.name=nope.py:run"])
