@@ -25,9 +25,7 @@ from rlpost.config import load_config
 from rlpost.models.tiny import save_tiny_checkpoint
 from rlpost.pipeline.loop import train
 
-SPREAD_REWARD = (
-    'reward.terms=[{"name": "repetition", "kind": "rule", "n": 1, "unit": "char"}]'
-)
+SPREAD_REWARD = 'reward.terms=[{"name": "repetition", "kind": "rule", "n": 1, "unit": "char"}]'
 RUNS = {
     "bf16": ["sync.codec=bf16"],
     "fp8": ["sync.codec=fp8"],
