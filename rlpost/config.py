@@ -1092,6 +1092,7 @@ class FunctionHarness(HarnessKnobs, UserPart):
 
 
 HarnessChoice = choice("command", bare("none"), CommandHarness, user=FunctionHarness)
+KNOBS = HarnessKnobs.model_fields.keys() - {"name"}
 
 
 class AgentConfig(Section):
@@ -1322,7 +1323,8 @@ def section_class(ann: Any) -> type[BaseModel] | None:
 def merge(base: dict[str, Any], extra: dict[str, Any], _at: str = "") -> dict[str, Any]:
     """Recursive dict merge; ``extra`` wins. Lists and scalars are replaced whole. A choice
     (``algo.loss``) written as a bare name is ``{name: ...}``, and one that names another
-    variant starts from that variant's defaults, never the old variant's parameters."""
+    variant starts from that variant's defaults, never the old variant's parameters (a
+    harness keeps its session knobs: ``agent.harness.name=my.py:agent`` on a recipe's)."""
     out = dict(base)
     for k, v in extra.items():
         old, at = out.get(k), f"{_at}{k}"
@@ -1330,7 +1332,7 @@ def merge(base: dict[str, Any], extra: dict[str, Any], _at: str = "") -> dict[st
             old, v = ({"name": x} if isinstance(x, str) else x for x in (old, v))  # loss=dapo
             names = {d.get("name") for d in (old, v) if isinstance(d, dict)} - {None}
             if len(names) == 2:  # another variant: its own defaults
-                old = None
+                old = {n: x for n, x in old.items() if at == "agent.harness" and n in KNOBS}
         both = isinstance(v, dict) and isinstance(old, dict) and not isinstance(v, Whole)
         out[k] = type(old)(merge(old, v, at + ".")) if both else v
     return out

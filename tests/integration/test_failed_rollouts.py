@@ -90,16 +90,16 @@ def _train_cli(tmp_path, *harness: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_a_failing_harness_says_why_in_the_stop_line(tmp_path):
     """16 of 16 sessions fail each step: the run's last line carries the first one's reason (a
-    command's exit status and last stderr line; an entry's exception), with no traceback."""
+    command's exit status and last stderr line; a function's exception), with no traceback."""
     with tempfile.TemporaryDirectory(dir="/var/tmp") as scratch:  # a command's /tmp is its own
         secret = Path(scratch) / "secret"
         secret.write_text("x")
         secret.chmod(0)  # unreadable under the command's own uid
         command = f"agent.harness.command=[cat,{secret}]"
         for i, (harness, needle) in enumerate((
-            (["agent.harness.entry=null", command],
+            (["agent.harness.name=command", command],
              f"harness command exited 1: cat: {secret}: Permission denied"),
-            (["agent.harness.entry=tests.integration.test_failed_rollouts:always_fails"],
+            (["agent.harness.name=tests.integration.test_failed_rollouts:always_fails"],
              "RuntimeError: harness down"),
         )):  # fmt: skip
             proc = _train_cli(tmp_path / str(i), *harness)
