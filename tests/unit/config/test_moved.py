@@ -89,3 +89,10 @@ def test_a_harness_is_a_command_or_the_users_function_with_its_own_params():
     assert (h.workers, h.params()) == (2, {"tries": 3})  # the shared knobs are not its params
     with pytest.raises(ConfigError, match=r"^config agent\.harness\.name=nope\.py:run: no file"):
         load_config(None, ["agent.harness.name=nope.py:run"])
+
+
+def test_naming_another_harness_keeps_the_recipes_session_knobs():
+    fn = "rlpost.envs.examples.calc_agent:demonstration"
+    h = load_config("agent_blackbox", [f"agent.harness.name={fn}"]).agent.harness
+    assert (h.name, h.max_requests, h.workers, h.params()) == (fn, 3, 32, {})
+    assert h.chat_template.startswith("{%- if tools %}")
