@@ -1253,7 +1253,7 @@ def refuse_moved(data: Any, at: str = "") -> None:
         refuse_moved(value, path + ".")
         for i, entry in enumerate(value if isinstance(value, list) else ()):
             name = entry.get("name") if isinstance(entry, dict) else None
-            refuse_moved(entry, f"{path}[{name if isinstance(name, str) and name else i}].")
+            refuse_moved(entry, f"{path}[{name or i}].")
         for old, new in MOVED.items():
             if found := re.fullmatch(old, path):
                 new, _, more = found.expand(new).partition(" ")

@@ -503,7 +503,8 @@ def build_harness(cfg: Config, engine, tokenizer):
 
     h = cfg.agent.harness
     command = h.name == "command"
-    entry = None if command else partial(_harness_entry("name", h.name), **h.params())
+    fn = None if command else import_callable(h.name, "config agent.harness.name", ConfigError)
+    entry = fn and partial(fn, **h.params())
     bounds = SessionBounds(h.max_requests, cfg.rollout.max_tokens, h.max_seconds)
     settings = HarnessSettings(
         entry,
@@ -531,7 +532,7 @@ def harness_demonstrations(cfg: Config, tokenizer):
     from rlpost.rollout.episodes.demonstrations import conversation_example
 
     h = cfg.agent.harness
-    fn = _harness_entry("demonstrations", h.demonstrations)
+    fn = import_callable(h.demonstrations, "config agent.harness.demonstrations", ConfigError)
     served = copy.copy(tokenizer)
     if h.chat_template is not None:
         served.chat_template = h.chat_template
@@ -541,11 +542,6 @@ def harness_demonstrations(cfg: Config, tokenizer):
         return None if convo is None else conversation_example(served, convo)
 
     return example
-
-
-def _harness_entry(key: str, spec: str):
-    """The function ``agent.harness.<key>`` names (``package.module:function``)."""
-    return import_callable(spec, f"config agent.harness.{key}", ConfigError)
 
 
 def check_teacher(cfg: Config, facts: RunFacts) -> None:
