@@ -59,7 +59,7 @@ def _sync_bytes(tmp_path, model_dir, name: str, **sync) -> list[float]:
 def test_sync_bytes_are_the_bytes_each_codec_sends(tmp_path, wide_dir):
     bf16 = _sync_bytes(tmp_path, wide_dir, "bf16", codec="bf16")
     fp8 = _sync_bytes(tmp_path, wide_dir, "fp8", codec="fp8")
-    delta = _sync_bytes(tmp_path, wide_dir, "delta", codec="bf16", delta="true")
+    delta = _sync_bytes(tmp_path, wide_dir, "delta", codec="bf16", **{"codec.delta": "true"})
     assert len(bf16) == len(fp8) == len(delta) == 3
     assert len(set(bf16)) == 1 and bf16[0] > 0  # a full bf16 encoding every step
     assert all(0 < b <= 0.55 * bf16[0] for b in fp8), (fp8, bf16)

@@ -37,7 +37,7 @@ def _run(tmp_path, tiny_dir, name: str, **sync) -> list[dict]:
 
 def test_bf16_delta_samples_exactly_what_bf16_samples(tmp_path, tiny_dir):
     plain = _run(tmp_path, tiny_dir, "bf16", codec="bf16")
-    delta = _run(tmp_path, tiny_dir, "delta", codec="bf16", delta="true")
+    delta = _run(tmp_path, tiny_dir, "delta", codec="bf16", **{"codec.delta": "true"})
     assert [r["policy_version"] for r in delta] == [0, 1, 2]
     for key in ("reward_mean", "response_length_mean", "truncated_frac"):
         assert [r[key] for r in delta] == [r[key] for r in plain], key
