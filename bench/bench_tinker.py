@@ -93,8 +93,9 @@ def rlpost_train(model: str, out: Path, args) -> float:
     cmd = [sys.executable, "-m", "rlpost.cli", "train", "grpo_arith", f"model.path={model}",
            f"rollout.prompts_per_step={args.groups}", f"rollout.n={args.group_size}",
            f"rollout.max_tokens={args.max_tokens}", f"train.steps={args.steps}", "sft.steps=0",
-           "model.lora.rank=32", f"run.output_dir={out.parent}", f"run.name={out.name}",
-           "eval.every=0"]  # fmt: skip
+           f"train.mini_batch_size={args.groups * args.group_size}",
+           f"train.micro_batch_size={args.groups * args.group_size}", "model.lora.rank=32",
+           f"run.output_dir={out.parent}", f"run.name={out.name}", "eval.every=0"]  # fmt: skip
     proc = subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
@@ -143,9 +144,10 @@ def main() -> int:
             tc.close("success").result()
         finally:
             stop(proc)
+        print(f"held-out accuracy: {before:.2f} -> {after:.2f} "
+              f"({(after - before) * 100:+.0f} points) after {iterations} iterations "
+              f"in {args.minutes} min", flush=True)  # fmt: skip
         train_s = rlpost_train(model, tmp / "run", args)
-    print(f"held-out accuracy: {before:.2f} -> {after:.2f} ({(after - before) * 100:+.0f} points) "
-          f"after {iterations} iterations in {args.minutes} min")  # fmt: skip
     print(f"seconds per iteration: API {api_s:.1f}, rlpost train {train_s:.1f} "
           f"(ratio {api_s / train_s:.2f}, bar 1.3)")  # fmt: skip
     return 0
