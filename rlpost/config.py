@@ -1091,6 +1091,39 @@ class FunctionHarness(HarnessKnobs, UserPart):
     session's reward) or None."""
 
 
+class CalcEnv(Variant):
+    name: Literal["calc"] = "calc"
+    call_reward: float = 0.0
+    """Reward of each call (a shaping term beside the outcome; 0: the outcome alone)."""
+
+
+class CountdownEnv(Variant):
+    name: Literal["countdown"] = "countdown"
+    step_reward: float = 0.1
+    """Reward of each valid step."""
+    error_penalty: float = 0.1
+    """Penalty of each step that fails (a number not left, a non-integer result)."""
+
+
+class PythonEnv(Variant):
+    name: Literal["python"] = "python"
+    sandbox: dict[str, Any] | None = None
+    """The sandbox's limits (SandboxConfig's keys; None: the defaults)."""
+    pass_reward: float = 0.0
+    """Reward of each call, times the fraction of the prompt's tests it passed."""
+
+
+class VerifiersEnv(Variant):
+    name: Literal["verifiers"] = "verifiers"
+    env: str = ""
+    """The verifiers environment: an installed id or ``package.module:function``."""
+    env_args: dict[str, Any] | None = None
+    """Keyword arguments of its load_environment."""
+
+
+EnvChoice = choice(
+    "none", bare("none"), CalcEnv, CountdownEnv, PythonEnv, VerifiersEnv, user=UserPart
+)
 HarnessChoice = choice("command", bare("none"), CommandHarness, user=FunctionHarness)
 KNOBS = HarnessKnobs.model_fields.keys() - {"name"}
 
@@ -1098,11 +1131,9 @@ KNOBS = HarnessKnobs.model_fields.keys() - {"name"}
 class AgentConfig(Section):
     """Multi-turn episodes: the policy calls tools of an environment between its turns."""
 
-    env: str | None = None
-    """Environment of every episode: a built-in name (calc, python, countdown) or
-    ``package.module:Class`` (None: single-turn completions, no tools)."""
-    params: dict[str, Any] = {}
-    """Keyword parameters of the environment's constructor (e.g. countdown's step_reward)."""
+    env: EnvChoice = variants(EnvChoice)["none"]()  # type: ignore[valid-type]
+    """Environment of every episode, ``{name, ...its constructor's keywords}``: a built-in,
+    ``path/to/file.py:Class`` or ``package.module:Class``; none: single turns, no tools."""
     format: Literal["auto", "tags", "chat_template"] = "auto"
     """How calls are written: plain tags (call_template / result_template) or the tokenizer chat
     template's tool format (``<tool_call>{json}</tool_call>`` and its tool message); auto: the
@@ -1239,6 +1270,7 @@ MOVED: dict[str, str] = {
     r"sync\.(delta|delta_full_threshold)": r"sync.codec.\1 (with sync.codec.name=bf16)",
     r"sync\.keep_bf16": "sync.codec.keep_bf16 (with sync.codec.name=fp8 or mxfp4)",
     r"agent\.harness\.entry": "agent.harness.name",
+    r"agent\.params(\.\w+)?": r"agent.env\1 (with agent.env.name)",
     rf"{_TERM}\.params\.(\w+)": r"\1.\2",
 }
 """Keys that moved: the old dotted key (a regular expression; a list entry is ``[its

@@ -367,12 +367,6 @@ def rollout_factory(cfg: Config, run_dir: Path):
     return build.build_rollout_worker(cfg)  # weights arrive from the trainer
 
 
-def reward_factory(cfg: Config, run_dir: Path):
-    from rlpost.pipeline import build
-
-    return build.build_reward_worker(cfg)
-
-
 class ProcessSpawner(Spawner):
     """Rollout workers in processes of their own, for a :class:`RolloutFleet`."""
 

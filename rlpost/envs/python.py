@@ -34,7 +34,10 @@ class PythonSandbox:
         try:  # checked here, at load: a bad key would otherwise fail every call of the run
             self.config = SandboxConfig(**sandbox) if sandbox else None
         except (TypeError, ValueError) as exc:
-            raise EnvError(f"python sandbox={sandbox!r}: {one_line(exc)}") from None
+            keys = ", ".join(SandboxConfig.__dataclass_fields__)
+            raise EnvError(
+                f"python sandbox={sandbox!r}: {one_line(exc)}; its keys: {keys}"
+            ) from None
         self.pass_reward = pass_reward  # per call, times the fraction of tests passed
 
     def reset(self, prompt: Prompt) -> None:

@@ -1,7 +1,7 @@
 """``verifiers``: a classic verifiers environment (``MultiTurnEnv``, ``ToolEnv``, ``SingleTurnEnv``)
 driven through rlpost's episode loop (extra ``[verifiers]``).
 
-``agent.env=verifiers agent.params.env=<id or package.module:function>``. The environment's
+``agent.env.name=verifiers agent.env.env=<id or package.module:function>``. The environment's
 ``setup_state`` starts from the prompt's row; each policy turn becomes an assistant message,
 then its stop conditions end the episode or its ``env_response`` messages are the next
 observation. The outcome is scored by ``verifiers_rubric``; turn rewards are 0.

@@ -357,10 +357,10 @@ def build_agent(cfg: Config, engine, tokenizer) -> MultiTurnRollout | None:
     a = cfg.agent
     if a.harness.name != "none":
         return build_harness(cfg, engine, tokenizer)
-    if a.env is None:
+    if a.env.name == "none":
         return None
     try:
-        make_env = env_factory(a.env, a.params)
+        make_env = env_factory(a.env.name, a.env.params())
         fmt = agent_format(cfg, tokenizer)
         fmt.check(tuple(make_env().tools))
     except EnvError as exc:
@@ -392,12 +392,12 @@ def agent_demonstrations(cfg: Config, tokenizer):
     ``agent.sft_direct`` of them answer without calling a tool."""
     if getattr((a := cfg.agent).harness, "demonstrations", None) is not None:
         return harness_demonstrations(cfg, tokenizer)
-    if a.env is None:
+    if a.env.name == "none":
         return None
-    make_env = env_factory(a.env, a.params)
+    make_env = env_factory(a.env.name, a.env.params())
     if not callable(getattr(make_env(), "demonstration", None)):
         why = "has no demonstration(): the warm-up teaches no tool use"
-        print(f"rlpost: agent.env={a.env} {why}", file=sys.stderr)
+        print(f"rlpost: agent.env={a.env.name} {why}", file=sys.stderr)
     fmt = agent_format(cfg, tokenizer)
 
     def example(prompt: Prompt, rng):

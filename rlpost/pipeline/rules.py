@@ -306,7 +306,7 @@ def rollout_logprobs_need_trainer_numbers(cfg: Config, f: RunFacts) -> str | boo
 def component_estimator_needs_outcome_rewards(cfg: Config, f: RunFacts) -> str | bool | None:
     a = cfg.algo
     why = "algo.kl.placement=reward" if a.kl.placement == "reward" else "agent.env"
-    per_token = why != "agent.env" or cfg.agent.env is not None  # rewards beside the outcome
+    per_token = why != "agent.env" or cfg.agent.env.name != "none"  # rewards beside the outcome
     return (per_token and f.plan.components) and (
         f"algo.advantage={a.advantage.name} with {why}: it normalises the reward terms' outcome "
         "scores and would drop the per-token rewards (the KL penalty, an environment's turn "
@@ -331,10 +331,10 @@ def _terms_problem(cfg: Config, key: str, terms: list) -> str | None:
 
 @rule(*RL)
 def agent_env_resolves(cfg: Config) -> str | bool | None:
-    if (a := cfg.agent).env is None:
+    if (a := cfg.agent).env.name == "none":
         return None
     try:
-        make_env = env_factory(a.env, a.params)
+        make_env = env_factory(a.env.name, a.env.params())
         if a.format == "tags":  # (the other formats need the tokenizer: checked when built)
             TagFormat(a.call_template, a.result_template).check(tuple(make_env().tools))
     except EnvError as exc:
@@ -500,7 +500,7 @@ def unread_keys(cfg: Config) -> list[str]:
         (not m.teacher.path and not m.teacher.url, [f"model.teacher.{k}" for k in
          ("api_key", "timeout_s", "micro_batch_size")]),
         (m.lora.rank == 0, ["model.lora.alpha", "model.lora.dropout", "model.lora.target_modules"]),
-        (a.env is None and a.harness.name == "none", [f"agent.{k}" for k in AgentConfig.model_fields
+        (a.env.name == a.harness.name == "none", [f"agent.{k}" for k in AgentConfig.model_fields
                                                if k not in ("env", "harness")]),
         (not ray, [f"cluster.{k}" for k in ("address", "reward_workers", "placement", "trainer",
                                             "rollout", "reward", "placement_timeout_s")]),
@@ -742,8 +742,8 @@ def agent_harness_runs(cfg: Config) -> str | bool | None:
     h = cfg.agent.harness
     if h.name == "none":
         return None
-    if cfg.agent.env is not None:
-        return f"agent.env={cfg.agent.env}: agent.harness runs the episodes; drop one of them"
+    if cfg.agent.env.name != "none":
+        return f"agent.env={cfg.agent.env.name}: agent.harness runs the episodes; drop one of them"
     if cfg.rollout.engine.name == "vllm":
         return (
             "rollout.engine=vllm: agent.harness records sessions on the run's in-process "

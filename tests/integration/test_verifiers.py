@@ -194,8 +194,7 @@ def test_single_turn_env_trains_on_its_rubric(tmp_path):
 def test_tool_env_trains_through_the_episode_loop(tmp_path):
     args = {"tools": True}
     over = {
-        "agent.env": "verifiers",
-        "agent.params": json.dumps({"env": ARITH, "env_args": args}),
+        "agent.env": json.dumps({"name": "verifiers", "env": ARITH, "env_args": args}),
         "agent.max_turns": 3,
         "rollout.max_tokens": 24,
         "train.steps": 2,

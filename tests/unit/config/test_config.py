@@ -292,4 +292,5 @@ def test_an_override_of_a_whole_mapping_replaces_the_recipes_and_a_dotted_one_ad
     assert load_config(recipe, [f"{key}.solo=1"]).cluster.rollout.resources == both
     later = load_config(recipe, [f"{key}={{solo: 1}}", f"{key}.x=2"]).cluster.rollout.resources
     assert later == {"solo": 1, "x": 2}
-    assert load_config(recipe, ["agent.params={a: 1}"]).agent.params == {"a": 1}
+    sandbox = load_config(recipe, ["agent.env=python", "agent.env.sandbox={a: 1}"]).agent.env
+    assert sandbox.sandbox == {"a": 1}

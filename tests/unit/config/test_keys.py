@@ -20,7 +20,7 @@ def test_the_default_recipe_lists_only_the_chosen_parts_keys(capsys):
     for unread in ("critic.optim.lr", "agent.format", "cluster.address", "model.lora.alpha",
                    "model.teacher.api_key", "sync.bucket_mb", "rollout.partial_fraction"):  # fmt: skip
         assert unread not in keys
-    for read in ("algo.loss.clip_low", "cluster.backend", "model.lora.rank", "agent.env"):
+    for read in ("algo.loss.clip_low", "cluster.backend", "model.lora.rank", "agent.env.name"):
         assert read in keys
     with_critic = _keys(capsys, "grpo_arith", "algo.advantage=gae", "cluster.backend=ray")
     assert "critic.optim.lr" in with_critic and "cluster.address" in with_critic

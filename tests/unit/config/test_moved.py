@@ -23,6 +23,11 @@ from rlpost.config import ConfigError, load_config
             "sync.codec.name=fp8 or mxfp4)",
         ),
         (
+            "agent.params.step_reward=0.2",
+            "agent.params.step_reward=0.2: the key moved; write agent.env.step_reward=0.2 (with "
+            "agent.env.name)",
+        ),
+        (
             "agent.harness.entry=my_agent.py:run",
             "agent.harness.entry=my_agent.py:run: the key moved; write "
             "agent.harness.name=my_agent.py:run",

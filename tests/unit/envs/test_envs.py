@@ -1,9 +1,11 @@
 """Environments: the protocol contract of every built-in, each one's behaviour, the registry."""
 
+import inspect
 import random
 
 import pytest
 
+from rlpost.config import EnvChoice
 from rlpost.envs import ENVS, Action, EnvError, StepResult, ToolCall
 from rlpost.envs.calculator import calculate
 from rlpost.envs.catalog import env_factory, load_env_class
@@ -15,6 +17,7 @@ from rlpost.envs.formats import (
     demonstration_completion,
 )
 from rlpost.models.tiny import build_char_tokenizer
+from rlpost.params import variants
 from rlpost.types import Prompt
 
 ARITH = Prompt("347*829=", 347 * 829, {"task": "arith"}, "347*829")
@@ -37,6 +40,17 @@ def test_every_builtin_keeps_the_contract(name):
         env.reset(prompt)
         bad = env.step(Action("x", ToolCall(env.tools[0], "import os")))
         assert bad.error and bad.observation.startswith("error:") and not bad.done
+
+
+def test_each_environment_takes_its_variants_parameters():
+    """``agent.env``'s variant of each registered environment lists the constructor's keywords
+    with the same defaults (a knob of the config is one the environment reads)."""
+    by_name = variants(EnvChoice)
+    assert sorted(by_name) == sorted(["none", *ENVS.names()])
+    for name in ENVS.names():
+        sig = inspect.signature(ENVS.get(name).__init__).parameters.values()
+        keywords = {p.name: p.default for p in sig if p.name != "self"}
+        assert by_name[name]().params() == keywords, name
 
 
 def countdown_problems(count: int, *, size: int = 3, high: int = 20, seed: int = 0) -> list[Prompt]:
@@ -209,8 +223,14 @@ def test_a_run_with_a_bad_environment_is_refused_before_any_work(tmp_path, capsy
     from rlpost.cli import main
 
     for over, why in [
-        ("agent.env=calcc", "config agent.env: unknown environment 'calcc'; valid: calc"),
-        ("agent.params={bogus: 1}", "config agent.env: environment 'calc': bad parameters"),
+        ("agent.env=calcc", "config agent.env.name='calcc': not one of none, calc, countdown"),
+        ("agent.env.bogus=1", "unknown config key 'agent.env.bogus'"),
+        (
+            "agent.env.step_reward=1",
+            "agent.env.name=calc has no step_reward; it is a parameter of countdown",
+        ),
+        ("agent.params.call_reward=1", "write agent.env.call_reward=1"),
+        ("agent.env={name: python, sandbox: {timeout: 3}}", "config agent.env: python sandbox="),
     ]:
         assert main(["train", "agent_calc", f"run.output_dir={tmp_path}", over]) != 0
         err = capsys.readouterr().err.strip()

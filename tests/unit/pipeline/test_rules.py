@@ -92,7 +92,12 @@ CASES = {
         "algo.advantage=gdpo with algo.kl.placement=reward",
     ),
     "reward_terms_resolve": ("train", [], ["reward.terms=[{name: nope}]"], "reward.terms"),
-    "agent_env_resolves": ("train", [], ["agent.env=nope"], "agent.env"),
+    "agent_env_resolves": (
+        "train",
+        [],
+        ["agent.env=python", "agent.env.sandbox={timeout: 3}"],
+        "agent.env",
+    ),
     "sync_channel_is_wired": ("train", [], ["sync.channel=gloo"], "sync.channel=gloo"),
     "disk_channel_one_rollout_worker": (
         "train",
