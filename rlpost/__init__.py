@@ -6,8 +6,7 @@ The Python API (:mod:`rlpost.api`) is importable from here: ``rlpost.Base``, ``r
 
 __version__ = "0.1.0"
 
-_API = ("APIError", "Base", "Datum", "ForwardBackward", "LoRA", "Policy", "Sampler",
-        "SamplingParams", "train")  # fmt: skip
+_API = "APIError Base Datum ForwardBackward LoRA Policy Sampler SamplingParams train".split()
 
 
 def __getattr__(name: str):

@@ -183,8 +183,14 @@ class Base:
         self.context = getattr(model.config, "max_position_embeddings", None)
 
     @classmethod
-    def load(cls, path: str | Path | None = None, *, dtype: str = "float32", seed: int = 0,
-             device: str = "cpu") -> Base:  # fmt: skip
+    def load(
+        cls,
+        path: str | Path | None = None,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        device: str = "cpu",
+    ) -> Base:
         """The model at ``path`` (an HF directory or a GGUF file; None: the built-in tiny one)
         on ``device`` (``auto``: cuda where there is one, as ``run.device``)."""
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
@@ -299,9 +305,8 @@ class Policy:
             return _rows(self.trainer.old_logprobs(batch), data)
 
     def forward_backward(
-        self, data: Sequence[Datum], loss: str | Any | Callable = "ppo_clip", *,
-        agg: str = "token-mean", **params: Any,
-    ) -> ForwardBackward:  # fmt: skip
+        self, data: Sequence[Datum], loss: Any = "ppo_clip", *, agg: str = "token-mean", **params
+    ) -> ForwardBackward:
         """Add the gradients of ``loss`` on ``data`` to this policy's; the loss's value,
         the data's logprobs and the loss statistics. ``agg``: the reduction
         (:mod:`rlpost.algos.aggregate`; ``token-sum`` sums over tokens and data)."""
@@ -314,9 +319,14 @@ class Policy:
         return ForwardBackward(stats.pop("loss"), _rows(seen, data), stats)
 
     def optim_step(
-        self, lr: float | None = None, *, betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8, weight_decay: float = 0.0, grad_clip: float | None = 1.0,
-    ) -> dict[str, float]:  # fmt: skip
+        self,
+        lr: float | None = None,
+        *,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        grad_clip: float | None = 1.0,
+    ) -> dict[str, float]:
         """One AdamW step with the gradients accumulated since the last (which it zeroes);
         ``grad_clip`` None: no clipping. :class:`APIError` when there are none."""
         if self.pending == 0:
@@ -361,8 +371,8 @@ class Policy:
                 if self.adapter is not None
                 else {k: v.detach().clone() for k, v in self.model.state_dict().items()}
             )
-            return {"weights": weights, "trainer": self.trainer.state_dict(), "steps": self.steps,
-                    "lora": None if self.lora is None else self.lora.__dict__}  # fmt: skip
+            state = {"weights": weights, "trainer": self.trainer.state_dict(), "steps": self.steps}
+            return state | {"lora": None if self.lora is None else self.lora.__dict__}
 
     def save_state(self, path: str | Path, optimizer: bool = True) -> Path:
         """The weights (the adapter alone for LoRA) and, with ``optimizer``, AdamW's state."""
@@ -406,8 +416,8 @@ class Policy:
             model.config.tie_word_embeddings = False
             model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
         model.load_state_dict(self.merged_weights())
-        return export_model(model, self.base.tokenizer, Path(out), gguf_type=gguf,
-                            overwrite=overwrite)  # fmt: skip
+        out = Path(out)
+        return export_model(model, self.base.tokenizer, out, gguf_type=gguf, overwrite=overwrite)
 
     def close(self) -> None:
         """Drop this policy's adapter (its snapshots stay until their own close)."""

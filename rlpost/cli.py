@@ -247,8 +247,8 @@ def cmd_export(args) -> int:
         source = policy_path(Path(args.source))
         model, tokenizer = load_policy(source)
         loaded = time.perf_counter()
-        out = export_model(model, tokenizer, Path(args.out), gguf_type=args.gguf,
-                           overwrite=args.overwrite)  # fmt: skip
+        dest, gguf = Path(args.out), args.gguf
+        out = export_model(model, tokenizer, dest, gguf_type=gguf, overwrite=args.overwrite)
     done = time.perf_counter()
     print(f"exported {source} (loaded in {loaded - started:.1f}s, written in {done - loaded:.1f}s)")
     for kind, path in out.items():

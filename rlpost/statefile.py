@@ -114,8 +114,7 @@ def load_state(path: Path) -> Any:
     """Read what :func:`save_state` wrote, never unpickling code.
 
     Raises :class:`StateFileError` (one line naming the file) for a missing or torn file and
-    for one that holds a class rlpost does not write (a tampered file).
-    """
+    for one that holds a class rlpost does not write (a tampered file)."""
     path = Path(path)
     if not path.is_file():
         raise StateFileError(f"state file {path} is missing")

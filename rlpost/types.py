@@ -64,8 +64,7 @@ class Completion:
     ``logprobs[i]``: of ``token_ids[i]`` under the tempered, untruncated distribution.
     ``loss_mask[i]``: 0 for tokens the policy did not produce. ``token_versions[i]``: the
     policy version that sampled ``token_ids[i]``; ``policy_version``: the one that began.
-    ``group``: the prompt index within one ``generate`` call.
-    """
+    ``group``: the prompt index within one ``generate`` call."""
 
     prompt_ids: list[int]
     token_ids: list[int]
@@ -94,8 +93,7 @@ class Group:
     """One prompt and its ``n`` samples: the record the rollout stage hands to training.
 
     The group size travels here only. ``invalid``: a NaN, infinite or out-of-range reward,
-    scored ``reward.invalid_score`` and not trained.
-    """
+    scored ``reward.invalid_score`` and not trained."""
 
     prompt: Prompt
     completions: list[Completion]

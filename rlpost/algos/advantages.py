@@ -180,8 +180,7 @@ def reinforce_pp_advantages(
     """REINFORCE++ (Hu, arXiv 2501.03262): discounted return, then batch-global whitening.
 
     ``G_t = r_t + gamma G_{t+1}`` over valid tokens (mask-0 tokens carry G undiscounted,
-    verl); advantages ``= whiten(G)`` over the batch's valid tokens; returns are ``G``.
-    """
+    verl); advantages ``= whiten(G)`` over the batch's valid tokens; returns are ``G``."""
     _check(token_level_rewards, response_mask, group)
     m = response_mask.to(torch.float64) > 0
     rewards = token_level_rewards.to(torch.float64)

@@ -36,8 +36,7 @@ def opo_advantages(
     """OPO: ``A_i = s_i - sum_g(n_j s_j) / sum_g(n_j)``, a length-weighted group baseline.
 
     ``n_j`` = valid tokens of row j, the paper's stand-in for the squared gradient norm
-    (arXiv 2505.23585). A singleton or tokenless group gets baseline 0 (verl).
-    """
+    (arXiv 2505.23585). A singleton or tokenless group gets baseline 0 (verl)."""
     _check(token_level_rewards, response_mask, group)
     scores = _outcome_scores(token_level_rewards)
     lengths = (response_mask.to(torch.float64) > 0).sum(-1).to(torch.float64)
@@ -57,8 +56,7 @@ def grpo_passk_advantages(
     """Pass@k GRPO: only each group's best row gets ``(s_max - s_second) / (std_g + eps)``.
 
     Every other row gets 0: the leave-one-out gradient of pass@n (arXiv 2503.19595; verl's
-    ``grpo_passk``). Ties go to the first row. Needs groups of at least 2 rows.
-    """
+    ``grpo_passk``). Ties go to the first row. Needs groups of at least 2 rows."""
     _, std, count = _group_centered(scores, group)
     if bool((count < 2).any()):
         raise ValueError("grpo_passk needs at least 2 samples per group (rollout.n >= 2)")
@@ -80,8 +78,7 @@ def gdpo_advantages(
 
     ``A_i = whiten_batch(sum_k (c_ik - mean_g c_k) / (std_g c_k + eps))`` (arXiv 2601.05242;
     verl's ``gdpo``). ``components [B, K]``, NaN counting as 0; without them the summed
-    score is the only term.
-    """
+    score is the only term."""
     if components is None:
         comps = scores[:, None]
     else:
@@ -135,8 +132,7 @@ def optimal_token_baseline_advantages(
     ``W_it = sum_{s <= t} (1 - 2 pi_is + sum_v pi_is(v)^2)`` over valid tokens is
     the squared norm of the path's score function, making the baseline variance-minimising
     per token (verl's ``optimal_token_baseline``; OPO, arXiv 2505.23585). ``pi_is`` =
-    ``exp(old_logprobs)``. A row alone at a position has baseline 0 there.
-    """
+    ``exp(old_logprobs)``. A row alone at a position has baseline 0 there."""
     _check(token_level_rewards, response_mask, group)
     for name, t in (("old_logprobs", old_logprobs), ("sum_pi_squared", sum_pi_squared)):
         if t is None or t.shape != token_level_rewards.shape:

@@ -80,8 +80,7 @@ def divergence_tokens(
 
     ``forward_kl``: KL(p_t || p_s); ``reverse_kl``: KL(p_s || p_t); ``jsd``: the generalised
     JSD ``beta KL(p_t || m) + (1 - beta) KL(p_s || m)``, ``m = beta p_t + (1 - beta) p_s``
-    (GKD; TRL's convention).
-    """
+    (GKD; TRL's convention)."""
     if logits.shape != teacher_logits.shape:
         raise ValueError(
             f"student logits {tuple(logits.shape)} != teacher logits {tuple(teacher_logits.shape)}"

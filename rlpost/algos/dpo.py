@@ -30,8 +30,7 @@ def dpo_loss(
 
     Four ``[B]`` tensors -> scalar. ``sigmoid``: ``-(1-ls) log sigmoid(beta h) - ls log
     sigmoid(-beta h)`` (conservative DPO); ``ipo``: ``(h - 1/(2 beta))^2``. Summed over
-    pairs and divided by ``num_pairs`` (the mini-batch's) or B.
-    """
+    pairs and divided by ``num_pairs`` (the mini-batch's) or B."""
     shape = policy_chosen_logps.shape
     for name, t in (
         ("policy_rejected_logps", policy_rejected_logps),

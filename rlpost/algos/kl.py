@@ -100,8 +100,7 @@ def kl_penalized_rewards(
 ) -> tuple[Tensor, Tensor]:
     """KL in the reward: ``r = scores - beta * kl(old, ref) * m`` (Ziegler et al. 2019, arXiv 1909.08593).
 
-    Returns ``(token_level_rewards [B, T], mean_kl)`` as verl's ``apply_kl_penalty``.
-    """
+    Returns ``(token_level_rewards [B, T], mean_kl)`` as verl's ``apply_kl_penalty``."""
     kl = get_kl_estimator(estimator)(old_logprobs, ref_logprobs)
     kl = torch.where(response_mask.to(kl.dtype) > 0, kl, torch.zeros_like(kl))
     mean_kl = masked_mean(kl, response_mask, dim=-1).mean()
@@ -119,8 +118,7 @@ class KLCoefficient:
 
     The controller: ``err = clip(kl / target - 1, -0.2, 0.2)``; ``beta *= 1 + err *
     n_steps / horizon``, ``n_steps`` the number of samples behind the KL reading (the
-    batch size) and ``horizon`` how many samples a full 20% correction takes.
-    """
+    batch size) and ``horizon`` how many samples a full 20% correction takes."""
 
     def __init__(
         self,

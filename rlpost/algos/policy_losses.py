@@ -67,8 +67,7 @@ class LossInputs:
     ``selected`` (bool, a ``token_selector``'s choice over the mini-batch), ``logits`` and
     ``teacher_logits`` ``[B, T, V]`` (``needs_teacher_logits``). The trainer's own terms
     read ``ref_logprobs`` (KL), ``entropy`` (entropy bonus), ``rewarded`` ``[B, 1]`` and
-    ``nll_agg`` (NLL on the rewarded samples).
-    """
+    ``nll_agg`` (NLL on the rewarded samples)."""
 
     logprobs: Tensor
     old_logprobs: Tensor
@@ -163,8 +162,7 @@ def _tis_reduce(
 
     Corrects for the engine's sampling distribution differing from the trainer's
     recomputation ("Your efficient RL framework secretly brings you off-policy RL
-    training", Yao et al. 2025). Off (``w = 1``) unless both a cap and rollout logprobs exist.
-    """
+    training", Yao et al. 2025). Off (``w = 1``) unless both a cap and rollout logprobs exist."""
     mask = x.response_mask.detach() > 0
     if cap is not None and x.rollout is not None:
         weights = torch.clamp(_ratio(old, x.rollout)[1], max=cap)
@@ -195,8 +193,7 @@ def ppo_clip_loss(x: LossInputs, p: PPOClipParams) -> PolicyLossOutput:
     loss is the ``token-mean`` aggregation over the whole mini-batch).
     ``tis_cap`` multiplies by the truncated engine IS weight (off by default).
     Stats: ``clip_frac`` (``L2 > L1``), ``clip_frac_lower`` (dual clip active),
-    ``approx_kl`` of the clamped log-ratio.
-    """
+    ``approx_kl`` of the clamped log-ratio."""
     old, adv, mask = x.detached()
     log_ratio, ratio = _ratio(x.logprobs, old)
     loss_mat, cut = _clipped_surrogate(adv, ratio, p.clip_low, p.clip_high)
@@ -221,8 +218,7 @@ def gspo_loss(x: LossInputs, p: GSPOParams) -> PolicyLossOutput:
     sg(log s_i)`` clamped at max 10 (verl's GSPO-token form: value ``s_i``,
     gradient ``s_i`` through its own token); ``L = max(-A s_it, -A clip(s_it,
     1-clip_low, 1+clip_high))``. With ``seq-mean-token-mean`` aggregation the
-    gradient equals the paper's sequence objective.
-    """
+    gradient equals the paper's sequence objective."""
     old, adv, mask = x.detached()
     lp = x.logprobs
     seq_log_ratio = masked_mean(_raw_log_ratio(lp, old, mask), mask, dim=-1).detach()
@@ -244,8 +240,7 @@ def cispo_loss(x: LossInputs, p: CISPOParams) -> PolicyLossOutput:
     ``L = -sg(clip(r, 1-clip_low, 1+clip_high)) A lp`` with ``r = exp(clamp(lp -
     old, +-20))``: every token keeps a gradient; clipping only bounds its weight.
     ``clip_low=1.0`` sets no lower bound, as the paper.
-    ``clip_frac`` is the fraction of tokens whose weight was clipped.
-    """
+    ``clip_frac`` is the fraction of tokens whose weight was clipped."""
     old, adv, mask = x.detached()
     log_ratio, ratio = _ratio(x.logprobs, old)
     weight = torch.clamp(ratio, 1.0 - p.clip_low, 1.0 + p.clip_high).detach()
@@ -264,8 +259,7 @@ def sapo_loss(x: LossInputs, p: SAPOParams) -> PolicyLossOutput:
     ``f(r) = sigmoid(tau (r - 1)) 4 / tau`` with ``tau = tau_pos`` if ``A > 0``
     else ``tau_neg``; ``L = -f(r) A``, gradient through the gate (``f'(1) = 1``,
     so near ``r = 1`` it is the plain policy gradient, fading smoothly off-policy).
-    No hard clip: ``clip_frac`` is 0.
-    """
+    No hard clip: ``clip_frac`` is 0."""
     old, adv, mask = x.detached()
     log_ratio, ratio = _ratio(x.logprobs, old)
     tau = torch.where(adv > 0, p.tau_pos, p.tau_neg).to(ratio.dtype)
@@ -284,8 +278,7 @@ def sapo_loss(x: LossInputs, p: SAPOParams) -> PolicyLossOutput:
 def reinforce_loss(x: LossInputs, p: ReinforceParams) -> PolicyLossOutput:
     """REINFORCE ``L = -A lp`` (Williams 1992); also GPG's loss (arXiv 2504.02546).
 
-    ``tis_cap`` applies the truncated engine IS weight. ``clip_frac`` is 0.
-    """
+    ``tis_cap`` applies the truncated engine IS weight. ``clip_frac`` is 0."""
     old, adv, mask = x.detached()
     stats = {"clip_frac": _zero(x), "approx_kl": _approx_kl(x.logprobs, old, mask)}
     return _tis_reduce(x, -adv * x.logprobs, stats, old, p.tis_cap)
@@ -295,8 +288,7 @@ def _token_divergence(logprobs: Tensor, rollout: Tensor, divergence: str) -> Ten
     """Per-token divergence ``[B, T]`` between trainer and engine on the sampled token.
 
     ``binary_kl``: KL(Bern(q) || Bern(p)) with q the engine's and p the trainer's
-    probability of the sampled token; ``tv``: ``|p - q|`` (verl's dppo_kl / dppo_tv).
-    """
+    probability of the sampled token; ``tv``: ``|p - q|`` (verl's dppo_kl / dppo_tv)."""
     p = torch.exp(torch.clamp(logprobs, max=0.0))
     q = torch.exp(torch.clamp(rollout, max=0.0))
     if divergence == "tv":
@@ -317,8 +309,7 @@ def flash_reinforce_loss(x: LossInputs, p: TrustRegionParams) -> PolicyLossOutpu
     token (the divergences of verl's ``dppo_kl`` / ``dppo_tv``). Tokens outside
     are masked, not clipped, and the mask is two-sided: mismatch is noise, not a
     direction. Without ``rollout_logprobs`` it is plain REINFORCE.
-    Stats: ``trust_masked_frac`` (= ``clip_frac``), ``is_capped_frac``.
-    """
+    Stats: ``trust_masked_frac`` (= ``clip_frac``), ``is_capped_frac``."""
     old, adv, mask = x.detached()
     lp, rollout = x.logprobs, x.rollout
     stats = {"approx_kl": _approx_kl(lp, old, mask)}

@@ -35,8 +35,7 @@ def gmpo_loss(x: LossInputs, p: GMPOParams) -> PolicyLossOutput:
     ``d_t = lp - old`` (no +-20 clamp, as verl); ``c_t = sgn(A) min(sgn(A) d_t, sgn(A) clip(d_t,
     -clip_low, clip_high))`` (sign-aware like PPO's clip, on the log-ratio);
     ``rho_i = exp(sum_t c_t m / n_i)``; every valid token of row i carries ``-A_i rho_i``, ``A_i``
-    the row's mean advantage (verl's ``geo_mean`` under ``seq-mean-token-mean``).
-    """
+    the row's mean advantage (verl's ``geo_mean`` under ``seq-mean-token-mean``)."""
     old, adv, mask = x.detached()
     log_ratio = _raw_log_ratio(x.logprobs, old, mask)
     sign = torch.sign(adv)
@@ -63,8 +62,7 @@ def dppo_loss(x: LossInputs, p: DPPOParams) -> PolicyLossOutput:
     current and old probabilities of the sampled token; ``D`` is the binary KL
     ``q log(q/p) + (1-q) log((1-q)/(1-p))`` or the signed TV ``p - q``. The region is
     sign-aware like PPO's clip: a token is dropped once it moved past the threshold in the
-    advantage's direction. verl's ``dppo_kl`` / ``dppo_tv``.
-    """
+    advantage's direction. verl's ``dppo_kl`` / ``dppo_tv``."""
     old, adv, mask = x.detached()
     log_ratio, ratio = _ratio(x.logprobs, old)
     lp = x.logprobs.detach()
@@ -148,8 +146,7 @@ def _selection(x: LossInputs, select, p) -> Tensor:
 def kl_cov_loss(x: LossInputs, p: KLCovParams) -> PolicyLossOutput:
     """KL-Cov: ``L = -A r + ppo_kl_coef |lp - old| [selected]``, no clipping (arXiv 2505.22617).
 
-    The selected tokens (:func:`kl_cov_select`) collapse entropy fastest.
-    """
+    The selected tokens (:func:`kl_cov_select`) collapse entropy fastest."""
     old, adv, mask = x.detached()
     chosen = _selection(x, kl_cov_select, p)
     log_ratio = _raw_log_ratio(x.logprobs, old, mask)
@@ -169,8 +166,7 @@ def clip_cov_loss(x: LossInputs, p: ClipCovParams) -> PolicyLossOutput:
     """Clip-Cov: PPO's clipped surrogate with the selected tokens' gradient removed (arXiv 2505.22617).
 
     ``L = max(-A r, -A clip(r, 1-clip_low, 1+clip_high)) (1 - [selected])``;
-    the selected tokens (:func:`clip_cov_select`) lie inside ``(clip_cov_lb, clip_cov_ub)``.
-    """
+    the selected tokens (:func:`clip_cov_select`) lie inside ``(clip_cov_lb, clip_cov_ub)``."""
     old, adv, mask = x.detached()
     chosen = _selection(x, clip_cov_select, p)
     log_ratio = _raw_log_ratio(x.logprobs, old, mask)

@@ -21,8 +21,7 @@ def bradley_terry_loss(
 ) -> PolicyLossOutput:
     """``-log sigmoid(r_c - r_r - m)`` summed over pairs, divided by ``num_pairs`` (or B).
 
-    InstructGPT (arXiv 2203.02155, eq. 1), the margin Llama 2's (arXiv 2307.09288, eq. 2).
-    """
+    InstructGPT (arXiv 2203.02155, eq. 1), the margin Llama 2's (arXiv 2307.09288, eq. 2)."""
     if rejected_rewards.shape != chosen_rewards.shape:
         raise ValueError(
             f"rejected_rewards shape {tuple(rejected_rewards.shape)} != chosen_rewards shape "

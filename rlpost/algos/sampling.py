@@ -48,8 +48,7 @@ def _group_range(scores: Tensor, group: Tensor) -> tuple[Tensor, Tensor]:
 def group_has_spread(scores: Tensor, group: Tensor) -> Tensor:
     """DAPO dynamic-sampling filter, per group: True where a group's scores are not all equal.
 
-    ``[B]`` -> bool ``[G]`` by ascending id; a singleton or NaN group has no spread.
-    """
+    ``[B]`` -> bool ``[G]`` by ascending id; a singleton or NaN group has no spread."""
     spread, _ = _group_range(scores, group)
     return spread > 0
 

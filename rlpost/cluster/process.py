@@ -46,8 +46,7 @@ class Host:
     SIGTERM (a preemption notice) sets ``noticed``. A host that ``drains`` then refuses
     every new call but ``close`` with a ``draining`` :class:`WorkerError` (a rollout fleet
     re-sends it elsewhere), lets its running calls finish and exits, at the latest after
-    ``cluster.drain_timeout_s``: the caller sees it gone and re-sends what did not finish.
-    """
+    ``cluster.drain_timeout_s``: the caller sees it gone and re-sends what did not finish."""
 
     def __init__(
         self,
@@ -154,8 +153,7 @@ def _serve(conn, factory: str, cfg_data: dict, run_dir: str, kwargs: dict | None
     new weights reach a rollout worker while it generates (its continuous
     engine applies them between decode steps). Each caller thread on the other
     side still makes one call at a time, so calls from one thread keep their order.
-    A call is admitted as it arrives, so a draining host waits for the queued ones too.
-    """
+    A call is admitted as it arrives, so a draining host waits for the queued ones too."""
     try:
         host = Host(factory, cfg_data, run_dir, **(kwargs or {}))
     except Exception as exc:  # the parent reports it in one line and stops the run
@@ -228,8 +226,7 @@ class ProcessWorker(Proxy):
 
     Thread-safe: several threads may call at once (each call is tagged and its
     reply routed back by a receiver thread). If the child dies, every pending
-    and later call fails with a one-line :class:`WorkerError`.
-    """
+    and later call fails with a one-line :class:`WorkerError`."""
 
     def __init__(
         self, label: str, factory: str, cfg: Config, run_dir: Path, **factory_kwargs

@@ -277,8 +277,7 @@ def valid_rows(
 
     A refused row raises :class:`DataError` with file and line (``on_bad_row="error"``)
     or is skipped and counted by reason in ``report`` (``"skip"``); accepted rows are
-    counted too.
-    """
+    counted too."""
     for line, row in read_rows(path) if rows is None else rows:
         problem = check(row)
         if problem is not None:
@@ -298,8 +297,7 @@ def load_prompt_file(
 ) -> tuple[list[Prompt], LoadReport]:
     """Read prompts from a JSONL or Parquet file. Other columns go to ``metadata``.
 
-    ``uid`` is ``file:line``, so a later problem with the prompt can name its row.
-    """
+    ``uid`` is ``file:line``, so a later problem with the prompt can name its row."""
     p = Path(path)
     if not p.exists():
         raise DataError(f"dataset {str(p)!r} does not exist")

@@ -59,8 +59,7 @@ def preference_splits(
     Held-out: one pair for each of the first ``eval_size`` problems of the
     arithmetic task's fixed order. Train: ``rejected_per_prompt`` pairs for each
     of up to ``train_size`` of the remaining problems. Rejected answers are
-    drawn with a fixed task seed, never the run seed.
-    """
+    drawn with a fixed task seed, never the run seed."""
     problem = prefs_task_problem(max_operand, ops, eval_size, rejected_per_prompt, max_offset)
     if problem is not None:
         raise ValueError(problem)

@@ -56,8 +56,8 @@ def load_files(t: FileTaskConfig, *, template: str, on_bad_row: str) -> Splits:
     elif len(out.train) > 1:  # no held-out file: a seeded share of the train rows
         out.train, out.held_out = split_off(out.train, t.eval_fraction, seed=0)
     elif t.train_path:
-        log.warning("data.task.eval_path is unset and train_path %s: no row is held out",
-                    "is streamed" if t.stream else "has one row")  # fmt: skip
+        why = "is streamed" if t.stream else "has one row"
+        log.warning("data.task.eval_path is unset and train_path %s: no row is held out", why)
     return out
 
 
@@ -78,8 +78,7 @@ class MixtureSampler:
 
     Same interface as :class:`PromptSampler` (``next_batch``, ``state_dict``,
     ``load_state_dict``), so the loop, the feeds and the checkpoint need not know which
-    one they hold.
-    """
+    one they hold."""
 
     def __init__(
         self,

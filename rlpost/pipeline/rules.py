@@ -536,13 +536,12 @@ def _inert_table(cfg: Config, f: RunFacts) -> list[tuple]:
         (w, "reward", ("alpha",), not mixed,
          "alpha mixes verifiable with model or judge terms; add one"),
         (w, "reward", ("sample_count",), w.sample_every == 0, "set reward.sample_every > 0"),
+        (s, "sync", ("bucket_mb", "verify"), getattr(r.engine, "server", None) == "vllm",
+         "vllm serve loads one plain weight file per push"),
     ]  # fmt: skip
-    if s.codec.name == "bf16":
-        rules.append((s.codec, "sync.codec", ("delta_full_threshold",), not s.delta,
-                      "set sync.codec.delta=true"))  # fmt: skip
-    vllm = getattr(r.engine, "server", None) == "vllm"
-    rules.append((s, "sync", ("bucket_mb", "verify"), vllm,
-                  "vllm serve loads one plain weight file per push"))  # fmt: skip
+    if s.codec.name == "bf16":  # (the field is the bf16 codec's)
+        fix = "set sync.codec.delta=true"
+        rules.append((s.codec, "sync.codec", ("delta_full_threshold",), not s.delta, fix))
     for k, (knob, on) in POLICY_LOSSES.trait(a.loss.name, "read_when", {}).items():
         fix = f"set algo.loss.{knob}={str(on).lower()}"
         rules.append((a.loss, "algo.loss", (k,), getattr(a.loss, knob) != on, fix))

@@ -41,8 +41,7 @@ def prepare_run_dir(
     start uses these: nothing reads the data files again).
 
     Nothing is written before the data, the model and the context length pass, and an
-    existing run directory is never replaced unless ``run.overwrite`` asks for it.
-    """
+    existing run directory is never replaced unless ``run.overwrite`` asks for it."""
     train, held_out, reports = check_inputs(cfg, prompts=prompts)
     if resume is not None:
         run_dir = reopen_run_dir(Path(resume))
@@ -158,8 +157,7 @@ def warm_start(cfg: Config, run_dir: Path, train_prompts, console, *, skip_sft: 
     """(model, tokenizer) of the starting policy: loaded, then SFT warm-up when configured.
 
     When resuming, the checkpoint supplies the weights, so SFT is skipped; an
-    SFT model already in the run directory is reused rather than retrained.
-    """
+    SFT model already in the run directory is reused rather than retrained."""
     model, tokenizer = load_policy_shown(cfg, console)
     sft_dir = run_dir / "sft_model"
     have_sft = (sft_dir / "config.json").is_file()

@@ -102,8 +102,7 @@ def rollout_stage(
     With DAPO dynamic sampling, groups whose rewards are all equal carry no
     gradient: they are dropped and more prompts are sampled, up to
     ``max_sampling_rounds`` rounds; the kept groups are what trains. With
-    partial rollout every group that finished trains (carried ones included).
-    """
+    partial rollout every group that finished trains (carried ones included)."""
     t0 = time.perf_counter()
     kept: list[Group] = []
     rounds, stats, groups, generated = 0, {}, [], 0
@@ -135,8 +134,7 @@ def greedy_baselines(
     and the tokens those answers took.
 
     Costs one more generate call of one greedy sample per prompt (a ``1/n`` share
-    of the step's sampling) and its scoring, in the same rollout stage.
-    """
+    of the step's sampling) and its scoring, in the same rollout stage."""
     greedy = rollout.generate([g.prompt for g in groups], replace(params, temperature=0.0), 1)
     scored = reward.score(greedy.groups)
     out = [replace(g, baseline_score=b.scores[0]) for g, b in zip(groups, scored, strict=True)]
@@ -377,8 +375,7 @@ def sample_lag(batch: TrainBatch, version: int) -> dict[str, float]:
     """Versions between the weights being trained and the oldest token of each sample.
 
     Read from the per-token versions the engines stamped (-1 on padding); a row
-    without tokens counts as current.
-    """
+    without tokens counts as current."""
     v = batch.token_versions
     oldest = torch.where(v >= 0, v, torch.full_like(v, version)).min(dim=-1).values
     lags = (version - oldest).tolist() or [0]

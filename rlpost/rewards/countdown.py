@@ -151,8 +151,7 @@ def countdown(
 
     Needs ``metadata["numbers"]`` and ``["target"]`` (else ``None``). A legal equation with
     the wrong value scores ``format_score``; a target past
-    :func:`~rlpost.rewards.verifiable.numbers_bounded` scores NaN.
-    """
+    :func:`~rlpost.rewards.verifiable.numbers_bounded` scores NaN."""
     spec = _metadata_numbers(sample.metadata)
     if not isinstance(spec, tuple):
         return spec

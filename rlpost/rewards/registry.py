@@ -51,8 +51,7 @@ def reward_function(
     the network): the scorer then calls it on up to that many samples at once
     from a thread pool. ``check(**params)`` raises ValueError for parameter
     values the function would refuse on its first sample, so a config is
-    refused at load, not after the warm-up.
-    """
+    refused at load, not after the warm-up."""
 
     def deco(fn: RewardFn) -> RewardFn:
         if name in SCORERS:

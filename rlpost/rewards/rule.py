@@ -57,8 +57,7 @@ def overlong_penalty(
 ) -> float | None:
     """DAPO soft overlong punishment (Yu et al., 2025, eq. 13) of ``sample.num_tokens``: the
     math is :func:`rlpost.algos.overlong_penalty`'s. ``max_tokens`` defaults to
-    ``sample.max_tokens``, ``cache_len`` to a fifth of it; ``None`` without a budget.
-    """
+    ``sample.max_tokens``, ``cache_len`` to a fifth of it; ``None`` without a budget."""
     l_max = _max_tokens(sample, max_tokens)
     if l_max is None:
         return None

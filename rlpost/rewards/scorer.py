@@ -166,8 +166,7 @@ class RewardScorer:
         (``finish_reason == "length"``) is not scored by the terms: its score is
         ``truncated_reward`` and its only component is ``truncated``, so what is
         logged is what trains. ``training=False`` (held-out evaluation) scores every
-        sample by its terms.
-        """
+        sample by its terms."""
         override = training and self.truncated_reward is not None
         cut = [override and s.finish_reason == "length" for s in samples]
         scored = [s for s, c in zip(samples, cut, strict=True) if not c]
@@ -259,8 +258,7 @@ def verifiable_accuracy(
     """Mean of the ``verifiable``-kind components over every column set (NaNs skipped).
 
     The signal the hacking monitor compares the reward against; ``None`` when
-    no verifiable term applied to any sample.
-    """
+    no verifiable term applied to any sample."""
     names = {t.name for t in terms if t.kind == "verifiable"}
     values = [v for c in components for n in names for v in c.get(n, []) if not math.isnan(v)]
     return sum(values) / len(values) if values else None
@@ -270,8 +268,7 @@ def check_terms(cfg: RewardConfig) -> None:
     """Resolve every term's name and check its params without building anything.
 
     Config validation uses this, so a reward model is loaded once, by the run,
-    never a second time by the check.
-    """
+    never a second time by the check."""
     if not cfg.terms:
         raise ValueError("reward.terms is empty; add at least one reward term")
     for term in cfg.terms:
@@ -320,8 +317,7 @@ def build_scorer(cfg: RewardConfig, *, truncated_reward: float | None = None) ->
     """Resolve every term by name and build batched scorers; errors surface here.
 
     An unknown name, or a param the reward does not accept, fails before training.
-    ``alpha`` defaults as the module docstring says (``DEFAULT_ALPHA``).
-    """
+    ``alpha`` defaults as the module docstring says (``DEFAULT_ALPHA``)."""
     terms: list[Term] = []
     seen: set[str] = set()
     for i, term in enumerate(cfg.terms):
@@ -389,8 +385,7 @@ class RewardWorker:
         """The groups with scores, components and invalid flags (new records; inputs untouched).
 
         ``training=False`` (evaluation) leaves out the training-only score overrides
-        (``rollout.truncated_reward``), so held-out accuracy judges the answer itself.
-        """
+        (``rollout.truncated_reward``), so held-out accuracy judges the answer itself."""
         samples = reward_samples(groups, max_tokens or self.max_tokens)
         scored = self.scorer.score(samples, training=training)
         bad = set(scored.invalid_rows)

@@ -143,8 +143,7 @@ def numeric_match(
 
     ``position``: ``first`` or ``last`` number, unless a marker (``#### 42``,
     ``\\boxed{42}``) says; ``tag``: only the last ``<tag>`` block. The reference may be a
-    worked solution ending in a marker (GSM8K).
-    """
+    worked solution ending in a marker (GSM8K)."""
     _check_numeric(position=position)
     target = _reference_number(sample.answer)
     if target is None:

@@ -107,8 +107,7 @@ class RolloutWorker:
 
         ``min_version`` is the version the caller last sent: a worker holding an
         older one (restarted behind the caller's back) refuses the call, so it
-        never samples from weights the caller has moved past.
-        """
+        never samples from weights the caller has moved past."""
         if min_version is not None and self.version() < min_version:
             why = f"holds weights version {self.version()}, was sent {min_version}"
             raise WorkerError("rollout", "behind", why)

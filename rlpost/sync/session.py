@@ -231,8 +231,7 @@ def part_bytes(t: torch.Tensor) -> torch.Tensor:
 class BucketPacker:
     """Packs encoded tensors into buckets of ``bucket_bytes``; yields each bucket as it fills.
 
-    Peak memory is one bucket plus the tensor being packed.
-    """
+    Peak memory is one bucket plus the tensor being packed."""
 
     def __init__(self, session: str, bucket_bytes: int) -> None:
         self.session, self.size = session, bucket_bytes

@@ -267,8 +267,7 @@ def build_weight_sync(
     """A :class:`WeightSync` for ``sync_cfg`` (a SyncConfig) and its targets.
 
     ``targets`` per ``sync_cfg.channel``: engines, URLs, directories or
-    :class:`~rlpost.sync.gloo.GlooLink`; ``headers`` go with every http request.
-    """
+    :class:`~rlpost.sync.gloo.GlooLink`; ``headers`` go with every http request."""
     options = TransportOptions(
         verify=sync_cfg.verify, timeout_s=sync_cfg.timeout_s, headers=headers
     )

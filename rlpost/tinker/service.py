@@ -59,8 +59,8 @@ def _loss(loss_fn: str, config: dict[str, float]) -> tuple[str, dict]:
         why = "; its objective is not published" if loss_fn == "stable_reinforce" else ""
         raise BadInput(f"loss_fn={loss_fn}: not served here{why}; use one of {', '.join(LOSS_FNS)}")
     if bad := sorted(set(config) - known):
-        raise BadInput(f"loss_fn_config.{bad[0]}: not a parameter of loss_fn={loss_fn} "
-                       f"(takes {sorted(known) or 'none'})")  # fmt: skip
+        why = f"not a parameter of loss_fn={loss_fn} (takes {sorted(known) or 'none'})"
+        raise BadInput(f"loss_fn_config.{bad[0]}: {why}")
     lo, hi = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
     if not 0.0 <= lo <= 1.0 <= hi:
         raise BadInput(f"loss_fn_config: clip thresholds {lo}, {hi}: need 0 <= low <= 1 <= high")
@@ -183,9 +183,8 @@ class Worker:
 class Service:
     """The state behind the routes: bases, sessions, models, samplers and futures."""
 
-    def __init__(self, models: dict[str, str | None], state_dir: Path, api_keys: set[str],
-                 device: str = "cpu") -> None:  # fmt: skip
-        self.paths, self.state_dir, self.api_keys, self.device = models, state_dir, api_keys, device
+    def __init__(self, paths: dict[str, str | None], state_dir: Path, keys: set[str], device: str):
+        self.paths, self.state_dir, self.api_keys, self.device = paths, state_dir, keys, device
         self.bases: dict[str, Any] = {}
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
@@ -327,12 +326,12 @@ class Ops:
         from rlpost.pipeline.memory import machine_mib
 
         base = self.svc.base(base_name)
-        spec = api.LoRA(rank=lora.rank, train_attn=lora.train_attn, train_mlp=lora.train_mlp,
-                        train_unembed=lora.train_unembed)  # fmt: skip
+        keys = ("rank", "train_attn", "train_mlp", "train_unembed")
+        spec = api.LoRA(**{k: getattr(lora, k) for k in keys})
         need, free = base.estimate_bytes(spec) / 2**20, machine_mib()[1]  # free: 0 where unknown
         if free and need > free:
-            raise BadInput(f"lora_config.rank={lora.rank}: a new client needs ~{need:.0f} MiB, "
-                           f"{free:.0f} MiB free; close a client or lower the rank")  # fmt: skip
+            why = f"a new client needs ~{need:.0f} MiB, {free:.0f} MiB free"
+            raise BadInput(f"lora_config.rank={lora.rank}: {why}; close a client or lower the rank")
         return base.policy(lora=spec, seed=lora.seed or 0)
 
     def create(self, m: Model, lora: types.LoraConfig) -> types.CreateModelResponse:
@@ -375,17 +374,17 @@ class Ops:
         return fwdbwd_output({"logprobs": logprobs}, {"loss:sum": float(out.loss)})
 
     def optim_step(self, m: Model, p: types.AdamParams) -> types.OptimStepResponse:
+        betas, clip = (p.beta1, p.beta2), p.grad_clip_norm or None
         stats = m.policy.optim_step(
-            lr=p.learning_rate, betas=(p.beta1, p.beta2), eps=p.eps,
-            weight_decay=p.weight_decay, grad_clip=p.grad_clip_norm or None,
-        )  # fmt: skip
+            p.learning_rate, betas=betas, eps=p.eps, grad_clip=clip, weight_decay=p.weight_decay
+        )
         return types.OptimStepResponse(metrics={k: float(v) for k, v in stats.items()})
 
     def save(self, m: Model, path: str, optimizer: bool) -> Path:
         d = self.svc.state_dir / m.owner / path.removeprefix("tinker://").replace("/", os.sep, 2)
         m.policy.save_state(d, optimizer=optimizer)
-        meta = {"base_model": m.base, "base_path": self.svc.paths[m.base], "rank": m.rank,
-                "model_id": m.id, "time": time.time()}  # fmt: skip
+        meta = dict(base_model=m.base, base_path=self.svc.paths[m.base], rank=m.rank, model_id=m.id)
+        meta["time"] = time.time()
         (d / "meta.json").write_text(json.dumps(meta))
         return d
 
@@ -426,16 +425,16 @@ class Ops:
 
         if s.engine is None:
             if s.path is None and s.model is not None:
-                raise BadInput(f"sampling_session_id={s.id}: its weights were released (a model keeps "
-                               f"its last {KEEP_SAMPLERS}); save them again")  # fmt: skip
+                why = f"its weights were released (a model keeps its last {KEEP_SAMPLERS})"
+                raise BadInput(f"sampling_session_id={s.id}: {why}; save them again")
             self.sampler_from(s, self.svc.ckpt_dir(s.owner, s.path) if s.path else None)
         prompts, p = [r.prompt.to_ints() for r in reqs], reqs[0].sampling_params
         stops = [p.stop] if isinstance(p.stop, (str, int)) else list(p.stop or [])
+        ids, texts = (tuple(x for x in stops if isinstance(x, t)) for t in (int, str))
+        knobs = dict(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
         params = api.SamplingParams(
-            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_tokens or 16,
-            stop_token_ids=tuple(x for x in stops if isinstance(x, int)), seed=p.seed,
-            stop_texts=tuple(x for x in stops if isinstance(x, str)),
-        )  # fmt: skip
+            **knobs, max_tokens=p.max_tokens or 16, stop_token_ids=ids, stop_texts=texts
+        )
         done = s.engine.sample(prompts, params, n=reqs[0].num_samples)
         out = []
         for i, (req, prompt) in enumerate(zip(reqs, prompts, strict=True)):
@@ -483,14 +482,14 @@ class Face:
         return {"status": "ok"}
 
     def capabilities(self, request, owner, body):
-        supported = [types.SupportedModel(model_name=n, trainable=True, sampleable=True)
-                     for n in self.svc.paths]  # fmt: skip
+        flags = {"trainable": True, "sampleable": True}
+        supported = [types.SupportedModel(model_name=n, **flags) for n in self.svc.paths]
         return types.GetServerCapabilitiesResponse(supported_models=supported)
 
     def client_config(self, request, owner, body):
         # API keys only, plain httpx, one chunk at a time (requests run in the order sent).
-        return types.ClientConfigResponse(pjwt_auth_enabled=False, use_pyqwest_transport=False,
-                                          parallel_fwdbwd_chunks=False)  # fmt: skip
+        off = ("pjwt_auth_enabled", "use_pyqwest_transport", "parallel_fwdbwd_chunks")
+        return types.ClientConfigResponse(**dict.fromkeys(off, False))
 
     def dynamic_config(self, request, owner, body):
         return types.ClientDynamicConfigResponse()
@@ -533,8 +532,8 @@ class Face:
         m = self.svc.model(_parse(types.GetInfoRequest, body).model_id, owner)
         path = self.svc.paths[m.base]
         data = types.ModelData(arch="lora", model_name=m.base, tokenizer_id=path)
-        return types.GetInfoResponse(model_data=data, model_id=m.id, is_lora=True, lora_rank=m.rank,
-                                     model_name=m.base)  # fmt: skip
+        info = dict(model_id=m.id, is_lora=True, lora_rank=m.rank, model_name=m.base)
+        return types.GetInfoResponse(model_data=data, **info)
 
     def forward_backward(self, request, owner, body):
         req = read_fwdbwd(body, request.headers.get("content-encoding"))
@@ -644,8 +643,8 @@ class Face:
         if req.num_samples < 1:
             raise BadInput(f"num_samples={req.num_samples}: must be >= 1")
         if ctx is not None and len(prompt) + (req.sampling_params.max_tokens or 0) > ctx:
-            raise BadInput(f"prompt: {len(prompt)} tokens + max_tokens={req.sampling_params.max_tokens} "
-                           f"is past the model's context of {ctx}")  # fmt: skip
+            asked = f"{len(prompt)} tokens + max_tokens={req.sampling_params.max_tokens}"
+            raise BadInput(f"prompt: {asked} is past the model's context of {ctx}")
         p = req.sampling_params  # a seeded request samples alone, as it would on its own
         key = (s.id, p.model_dump_json(), req.num_samples) if p.seed is None else object()
         out = self.svc.submit(
@@ -730,10 +729,12 @@ def create_app(svc: Service) -> FastAPI:
         # Long poll: hold the request until the work is done (or LONG_POLL_S passed), so the
         # SDK does not spin on "try again".
         deadline = time.monotonic() + LONG_POLL_S
-        fetch = handler(lambda r, owner, body: svc.retrieve(
-            _parse(types.FutureRetrieveRequest, body).request_id, owner, time.monotonic() < deadline
-        ))  # fmt: skip
-        while (out := await fetch(request)).status_code == 204:
+
+        def ask(r, owner, body):
+            req = _parse(types.FutureRetrieveRequest, body)
+            return svc.retrieve(req.request_id, owner, time.monotonic() < deadline)
+
+        while (out := await handler(ask)(request)).status_code == 204:
             await asyncio.sleep(0.005)
         return out
 
@@ -759,8 +760,8 @@ def main(argv: list[str] | None = None) -> int:
     from rlpost.rollout.serve.net import is_loopback
 
     p = argparse.ArgumentParser(prog="rlpost tinker", description="the Tinker API, served locally")
-    p.add_argument("--model", action="append", type=_model_arg, required=True,
-                   help="NAME=PATH (an HF directory or .gguf) or PATH; repeat for several bases")  # fmt: skip
+    bases = "NAME=PATH (an HF directory or .gguf) or PATH; repeat for several bases"
+    p.add_argument("--model", action="append", type=_model_arg, required=True, help=bases)
     p.add_argument("--host", default="127.0.0.1", help="a non-loopback address needs --api-key")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--state-dir", default="tinker_state", help="where tinker:// checkpoints live")

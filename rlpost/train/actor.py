@@ -86,8 +86,7 @@ class Minibatch:
     ``agg``: the loss denominators; ``beta``: the KL term's coefficient; ``selected``
     ``[B, T]``: the tokens the loss's token selector chose (None: no selector);
     ``rewarded`` ``[B, 1]``: 1.0 for samples with score > 0, and ``nll_agg`` the
-    token-mean over their tokens in the mini-batch (NLL term).
-    """
+    token-mean over their tokens in the mini-batch (NLL term)."""
 
     agg: Aggregation
     beta: float = 0.0
@@ -174,8 +173,7 @@ def eager_attention_pays(model) -> bool:
     ~25M and 1.44x at the tiny size (128 rows x 16 tokens, docs/performance.md); in
     fp32 the two are even. Eager keeps a ``[B, heads, L, L]`` score tensor per layer
     for the backward, so it is used only where the context is short. A bf16 engine takes
-    the same kernel (:func:`rlpost.rollout.engines.hf.serving_copy`).
-    """
+    the same kernel (:func:`rlpost.rollout.engines.hf.serving_copy`)."""
     positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
     return positions <= EAGER_ATTENTION_MAX_POSITIONS and hasattr(model, "set_attn_implementation")
 
@@ -289,8 +287,7 @@ class PolicyTrainer:
 
         Then the policy that computes the loss is the one that sampled, so the
         old logprobs may be the loss pass's own (detached) and a separate forward
-        pass over the batch is skipped (``update`` returns them).
-        """
+        pass over the batch is skipped (``update`` returns them)."""
         return self.s.epochs == 1 and self.s.mini_batch_size >= batch_size
 
     def update(self, batch: TrainBatch, *, beta: float = 0.0) -> PolicyUpdate:
@@ -298,8 +295,7 @@ class PolicyTrainer:
 
         Needs ``batch.advantages``; ``batch.old_logprobs`` may be None only when
         :meth:`single_update` holds and no token selector reads them first: the loss
-        pass's own are then used and returned in the result.
-        """
+        pass's own are then used and returned in the result."""
         if batch.advantages is None:
             raise ValueError("update() needs batch.advantages")
         own_old = batch.old_logprobs is None
@@ -518,8 +514,7 @@ class PolicyTrainer:
 
         Counted FLOPs: one forward (2N) per scoring pass (old, and ref when kept)
         plus forward+backward (6N) per epoch, per token, over the peak FLOP/s of
-        this device (a one-off matmul probe on CPU).
-        """
+        this device (a one-off matmul probe on CPU)."""
         if seconds <= 0:
             return 0.0
         if model_device(self.model).type != "cpu":  # the peak measured here is the CPU's

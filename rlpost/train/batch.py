@@ -37,8 +37,7 @@ class TrainBatch:
     group: [B] int64 prompt index; rollout_logprobs: [B, T] float32 (engine's)
     old_logprobs, ref_logprobs, advantages, returns, token_level_rewards: [B, T] float32 or None
     scores: [B] float32 outcome rewards; token_versions: [B, T] int64 policy version that
-    sampled each response token (-1 on padding)
-    """
+    sampled each response token (-1 on padding)"""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor

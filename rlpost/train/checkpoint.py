@@ -43,8 +43,7 @@ def claim_run_dir(run_dir: Path, *, overwrite: bool, config_text: str) -> Path:
     Starting a run never deletes anything by accident: a run directory that already
     holds files is refused (its name and both ways out in one line) unless
     ``overwrite`` says to replace it. Callers validate their inputs before calling
-    this, so a start that fails leaves any earlier run exactly as it was.
-    """
+    this, so a start that fails leaves any earlier run exactly as it was."""
     run_dir = Path(run_dir)
     if run_dir.exists() and any(run_dir.iterdir()):
         if not overwrite:
@@ -78,8 +77,7 @@ def save_checkpoint(
     can load, ``ref_model/`` and its optimizer state); ``state`` (the loop's:
     step, data cursor, controllers, the rollout worker's state) goes to
     ``state.pt``. The directory is renamed into place and ``latest`` written
-    last, so a crash mid-save never leaves a half checkpoint marked as latest.
-    """
+    last, so a crash mid-save never leaves a half checkpoint marked as latest."""
     root = run_dir / "checkpoints"
     out = root / f"step_{step}"
     tmp = fresh_dir(root / f".step_{step}.tmp")

@@ -41,8 +41,7 @@ class ValueModel(nn.Module):
     ``backbone`` is a base (headless) transformer such as ``LlamaModel``, the
     ``get_decoder()`` of a causal LM. The head's weights start small
     (std ``1 / (hidden + 1)``, OpenRLHF's choice) and its bias at zero, so
-    initial values are near 0 and the backbone receives gradient from step one.
-    """
+    initial values are near 0 and the backbone receives gradient from step one."""
 
     def __init__(self, backbone: PreTrainedModel, head: nn.Linear | None = None) -> None:
         super().__init__()
@@ -110,8 +109,7 @@ def response_values(value_model: ValueModel, batch: TrainBatch, packed: Pack = P
     plus ``responses[:, :t]``): positions ``P - 1 .. P + T - 2``, as
     :func:`rlpost.train.batch.response_logits`. Padding entries hold whatever the
     head outputs there (0 when ``packed``, the rows run end to end); mask them with
-    ``response_mask``.
-    """
+    ``response_mask``."""
     if packed:
         rows = pack_for(batch, value_model.backbone, packed)
         mask = rows.attention(value_model.backbone)
@@ -202,8 +200,7 @@ class CriticTrainer:
 
         Returns the means over updates of ``vf_loss``, ``vf_clip_frac``,
         ``vf_explained_var``, ``vpred_mean``, ``critic_grad_norm``, plus
-        ``critic_lr`` and ``critic_updates``.
-        """
+        ``critic_lr`` and ``critic_updates``."""
         if batch.returns is None or batch.values is None:
             raise ValueError("critic update() needs batch.returns and batch.values (old values)")
         self.model.train()

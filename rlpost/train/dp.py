@@ -81,8 +81,7 @@ def shard_model(
 
     Rank 0's weights are broadcast first unless ``synced``. ``mesh``: the data-parallel axis
     of a device mesh whose other axes already split the model (None: every rank). ``bf16``:
-    gathered in bfloat16, gradients reduced and master weights kept in float32.
-    """
+    gathered in bfloat16, gradients reduced and master weights kept in float32."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 

@@ -100,8 +100,7 @@ def evaluate_pairs(
     """Held-out preference metrics of ``model`` against the stored reference log-probs.
 
     ``eval_pref_accuracy`` (implicit reward) and ``eval_logp_accuracy`` (log-prob) count
-    ties half; ``eval_margin``: mean ``beta h``.
-    """
+    ties half; ``eval_margin``: mean ``beta h``."""
     pc, pr = pair_logprobs(model, pairs, pad_id, chunk)
     out = dpo_loss(pc, pr, pairs.ref_chosen, pairs.ref_rejected, **loss_kwargs)
     h = (pc - pairs.ref_chosen) - (pr - pairs.ref_rejected)

@@ -78,8 +78,7 @@ def train_offline(
     true a checkpoint is saved and :class:`TrainingStopped` raised. ``keep``: caller state
     written into each checkpoint (read back with :func:`saved_state`). ``on_step(step,
     row)`` gets the 1-based step and ``loss``, ``grad_norm``, ``skipped``, ``lr`` and the
-    objective's statistics.
-    """
+    objective's statistics."""
     params = list(model.parameters())
     opt = adamw(params, s.optim)
     sched = torch.optim.lr_scheduler.LambdaLR(

@@ -104,8 +104,7 @@ class PackedRows:
     unused tail is a segment of its own, after every row, so no row sees it).
     at: ``[n]`` the places in the flattened ``[k * W]`` whose output predicts a response
     token, in the order of ``where [b, T]`` (True at each real response token), row by row.
-    targets: ``[n]`` those response tokens.
-    """
+    targets: ``[n]`` those response tokens."""
 
     input_ids: Tensor
     position_ids: Tensor

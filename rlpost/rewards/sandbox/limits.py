@@ -43,8 +43,7 @@ class SandboxConfig:
     (None: round-robin). ``memory_mb`` bounds each address space and, with a cgroup, the
     run. ``run_limits``: ``auto`` (cgroups where allowed, seccomp for what they miss),
     ``cgroup`` (refuse without memory and pids cgroups), ``seccomp``, or ``none`` (a
-    benchmark baseline, not for untrusted code).
-    """
+    benchmark baseline, not for untrusted code)."""
 
     timeout_s: float = 5.0
     memory_mb: int = 2048

@@ -199,8 +199,7 @@ def build_filter(
 ) -> bytes:
     """The ``struct sock_filter`` array refusing ``blocked`` with EPERM, allowing the rest.
 
-    ``numbers`` adds to the tables (machine, then name); ``ValueError`` for an unknown one.
-    """
+    ``numbers`` adds to the tables (machine, then name); ``ValueError`` for an unknown one."""
     machine = machine or platform.machine()
     arch = ARCHES.get(machine)
     if arch is None:

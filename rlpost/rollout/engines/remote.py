@@ -126,8 +126,7 @@ class RemoteEngine(TokenRate):
         """Balancer results; answers from a server behind on weights are re-sent elsewhere.
 
         A restarted server comes back with old weights: it leaves the rotation
-        until the next weight push reaches it, and its jobs are re-sent.
-        """
+        until the next weight push reaches it, and its jobs are re-sent."""
         results: dict = {}
         todo, current = jobs, self.version
         for _ in range(len(self.clients) + 1):

@@ -47,8 +47,7 @@ class GenerationRequest:
 
     ``seed`` gives the request its own generator; ``adjust`` applies the OpenAI penalties and
     logit bias; ``on_token(event)`` is called on the scheduler thread for every sampled
-    token, and must not block or raise.
-    """
+    token, and must not block or raise."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -268,8 +267,7 @@ class Scheduler:
         """Swap in new weights between two decode steps; returns the seconds it waited.
 
         Every name, shape and dtype is checked first; with ``shapes`` the tensors stream in
-        one at a time, the caller vouching that the stream matches them.
-        """
+        one at a time, the caller vouching that the stream matches them."""
         tensors = dict(named_tensors) if shapes is None else named_tensors
         if not (shapes if shapes is not None else tensors):  # a version with nothing in it
             raise ValueError(f"weights for version {version}: the update holds no tensor")

@@ -215,8 +215,7 @@ def _unlink_orphans(names: set[str]) -> None:
     outlives its processes (its creator ends without the finaliser that unlinks it), and
     Python's resource tracker removes it at interpreter exit with a "leaked shared_memory"
     warning. Every process that mapped it is gone by now: unlink it, and take it off the
-    tracker's list.
-    """
+    tracker's list."""
     from multiprocessing import resource_tracker
 
     for name in names:

@@ -98,8 +98,7 @@ class MultiTurnRollout:
 
     ``params.max_tokens`` bounds the whole response (policy and environment
     tokens); ``max_tool_tokens`` bounds one answer; ``max_turns`` bounds the
-    policy's turns. ``last_stats`` holds the counts of the latest ``generate``.
-    """
+    policy's turns. ``last_stats`` holds the counts of the latest ``generate``."""
 
     def __init__(
         self,

@@ -99,8 +99,7 @@ def is_admin_path(path: str) -> bool:
 class Guard:
     """ASGI middleware enforcing :class:`GuardSettings` in front of ``app``.
 
-    ``stats`` (shared with ``/health``) holds ``pending`` and ``refused_<status>`` counts.
-    """
+    ``stats`` (shared with ``/health``) holds ``pending`` and ``refused_<status>`` counts."""
 
     def __init__(self, app, settings: GuardSettings, stats: dict | None = None) -> None:
         self.app, self.settings = app, settings
@@ -233,8 +232,7 @@ def _replay(body: bytes, receive):
 class PendingBudget:
     """Sequences (prompts x n) of accepted generation requests, bounded by ``max_pending``.
 
-    ``stats["pending"]`` is the count ``/health`` reports as ``http.pending``.
-    """
+    ``stats["pending"]`` is the count ``/health`` reports as ``http.pending``."""
 
     def __init__(self, max_pending: int, stats: dict, retry_after_s: int = 1) -> None:
         self.max_pending, self.stats, self.retry_after_s = max_pending, stats, retry_after_s

@@ -31,8 +31,7 @@ def bind_refusal(
     """The one-line reason to refuse binding ``host``, or None when it may be bound.
 
     A non-loopback address needs both keys unless ``insecure``; the caller
-    warns when it binds one insecurely.
-    """
+    warns when it binds one insecurely."""
     if api_key and admin_key and api_key == admin_key:
         return "--admin-key must differ from --api-key (the API key would unlock /v1/sync)"
     if is_loopback(host) or (api_key and admin_key) or insecure:

@@ -334,8 +334,7 @@ def check_work(prompts: list[list[int]], fields: dict, settings: ServerSettings)
 
     Sequences bound the batch slots and memory a request holds; token entries
     (sequences x max_tokens x (1 + top logprobs)) bound the decode steps and the
-    size of the response it builds.
-    """
+    size of the response it builds."""
     n, max_tokens, top = fields["n"], fields["params"].max_tokens, fields["top_logprobs"]
     sequences = len(prompts) * n
     if sequences > settings.max_request_sequences:

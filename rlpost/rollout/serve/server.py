@@ -132,8 +132,7 @@ class RolloutService:
     def submit(self, prompts: list[list[int]], fields: dict, on_token=None) -> list[Ticket]:
         """One scheduler request per prompt, joining the batch together.
 
-        ``on_token(prompt_index, event)`` observes every sampled token (streaming).
-        """
+        ``on_token(prompt_index, event)`` observes every sampled token (streaming)."""
         fields = dict(fields)
         seeds = prompt_seeds(fields.pop("seed"), len(prompts))
         requests = [
@@ -256,8 +255,7 @@ class RolloutService:
         A chunk carries the token's id, logprob and policy version; a failure
         mid-stream is an ``error`` event (the status line has gone already).
         Events that arrived together are turned into chunks together, on a
-        worker thread (decoding text is the costly part).
-        """
+        worker thread (decoding text is the costly part)."""
         n, chat, tickets = plan.fields["n"], plan.chat, []
         streams, calls, backlog = self._open_stream(plan, tickets)
         head = {
@@ -371,8 +369,7 @@ def create_app(
 ) -> FastAPI:
     """The FastAPI app serving ``scheduler`` (already started), behind :class:`Guard`.
 
-    Routers included later (e.g. under ``/v1/sync``) sit behind the same guard.
-    """
+    Routers included later (e.g. under ``/v1/sync``) sit behind the same guard."""
     app = FastAPI(title="rlpost rollout server")
     service = app.state.service = RolloutService(scheduler, tokenizer, settings)
     guard = guard or GuardSettings()

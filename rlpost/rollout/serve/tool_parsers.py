@@ -32,8 +32,7 @@ class CallFormat:
     ``decode(body)`` turns the text between ``start`` and ``end`` into calls,
     or None when it is not a valid call. ``required_prefix`` and
     ``named_prefix(name)`` open a call the model must complete
-    (``tool_choice`` ``required`` and a named function).
-    """
+    (``tool_choice`` ``required`` and a named function)."""
 
     name: str
     start: str
@@ -129,8 +128,7 @@ class CallParser:
     ``feed(text)`` returns what can be decided so far; ``finish()`` what is
     left (an unclosed last call is decoded as it stands). Text that may still
     begin a call marker, and whitespace that may still precede a call, are
-    held back until the next piece decides them.
-    """
+    held back until the next piece decides them."""
 
     def __init__(self, fmt: CallFormat) -> None:
         self.fmt = fmt
