@@ -99,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     wins = sum(seeds[s]["tis"]["acc_end"] > seeds[s]["none"]["acc_end"] for s in args.seeds)
     ratio = means["tis"]["gain"] / means["none"]["gain"] if means["none"]["gain"] else float("nan")
-    print(f"tis/none held-out gain ratio {ratio:.3f}; tis ahead in {wins} of {len(args.seeds)} seeds")
+    print(
+        f"tis/none held-out gain ratio {ratio:.3f}; tis ahead in {wins} of {len(args.seeds)} seeds"
+    )
     (root / "ab.json").write_text(json.dumps({"seeds": seeds, "means": means}, indent=1))
     print(f"runs and ab.json under {root}")
     return 0
