@@ -364,6 +364,12 @@ def rollout_factory(cfg: Config, run_dir: Path):
     return build.build_rollout_worker(cfg)  # weights arrive from the trainer
 
 
+def reward_factory(cfg: Config, run_dir: Path):  # the Ray backend's reward actors
+    from rlpost.pipeline import build
+
+    return build.build_reward_worker(cfg)
+
+
 class ProcessSpawner(Spawner):
     """Rollout workers in processes of their own, for a :class:`RolloutFleet`."""
 

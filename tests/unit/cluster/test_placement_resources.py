@@ -43,3 +43,12 @@ def test_ray_own_or_empty_resources_are_refused_in_one_line(value):
     with pytest.raises(ConfigError) as err:
         load_config(None, [f"cluster.trainer.resources={value}"])
     assert "cluster.trainer.resources" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_every_ray_actor_role_names_a_worker_factory():
+    """Actors build their worker by name (``<role>_factory`` in cluster.process)."""
+    from rlpost.cluster import process
+    from rlpost.cluster.ray_backend import _ACTORS
+
+    for role in _ACTORS:
+        assert callable(getattr(process, f"{role}_factory", None)), role
