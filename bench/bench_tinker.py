@@ -55,7 +55,7 @@ def accuracy(url: str, model: str, path: str | None, n: int = 100) -> float:
     return float(np.mean([g == a for g, a in zip(got, answers, strict=True)]))
 
 
-def cookbook_rl(url: str, model: str, log: Path, args) -> tuple[int, float]:
+def cookbook_rl(url: str, model: str, log: Path, args) -> list[dict]:
     from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuilder
     from tinker_cookbook.rl import train
 
@@ -80,11 +80,42 @@ def cookbook_rl(url: str, model: str, log: Path, args) -> tuple[int, float]:
     asyncio.run(run())
     metrics = log / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
-    steps = [r for r in rows if "time/total" in r]
-    per_iter = (
-        float(np.mean([r["time/total"] for r in steps[1:]])) if len(steps) > 1 else float("nan")
-    )
-    return len(steps), per_iter
+    return [r for r in rows if "time/total" in r]
+
+
+def phases(steps: list[dict]) -> str:
+    """Mean seconds of each of the cookbook's timed phases over the iterations after the first."""
+    keys = sorted({k for r in steps[1:] for k in r if k.startswith("time/") and k != "time/total" and ":" not in k})
+    means = {k: np.mean([r[k] for r in steps[1:] if k in r]) for k in keys}
+    top = sorted(means.items(), key=lambda kv: -kv[1])[:8]
+    return ", ".join(f"{k[5:]} {v:.1f}" for k, v in top)
+
+
+def curve(url: str, model: str, log: Path, steps: list[dict], plot: str | None) -> list[tuple]:
+    """Held-out accuracy of each saved sampler: (iteration, minutes into the run, accuracy)."""
+    saved = log / "checkpoints.jsonl"
+    rows = [json.loads(x) for x in saved.read_text().splitlines()] if saved.exists() else []
+    ends = np.cumsum([r["time/total"] for r in steps])
+    points = []
+    for row in rows:
+        if row.get("sampler_path"):
+            it = int(row.get("batch", 0))
+            minutes = float(ends[min(it, len(ends)) - 1]) / 60 if it else 0.0
+            points.append((it, minutes, accuracy(url, model, row["sampler_path"])))
+            print(f"  iteration {it:3d} ({minutes:4.1f} min): {points[-1][2]:.2f}", flush=True)
+    if plot and points:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot([p[1] for p in points], [p[2] for p in points], marker="o")
+        ax.set(xlabel="minutes", ylabel="held-out accuracy", title="cookbook rl.train via rlpost tinker")
+        fig.tight_layout()
+        fig.savefig(plot)
+        print(f"plot: {plot}")
+    return points
 
 
 def rlpost_train(model: str, out: Path, args) -> float:
@@ -118,6 +149,7 @@ def main() -> int:
     p.add_argument("--max-iterations", type=int, default=None)
     p.add_argument("--steps", type=int, default=3, help="rlpost train steps for the cost row")
     p.add_argument("--micro-batch", type=int, default=8, help="rlpost train's micro-batch")
+    p.add_argument("--plot", default=None, help="a PNG of held-out accuracy against minutes")
     args = p.parse_args()
     from tests.integration.test_tinker_service import start, stop
 
@@ -128,21 +160,19 @@ def main() -> int:
         proc, url = start(model, tmp / "state")
         try:
             before = accuracy(url, model, None)
-            iterations, api_s = cookbook_rl(url, model, tmp / "rl", args)
-            import tinker
-
-            tc = tinker.ServiceClient(base_url=url)
-            # The run's last checkpoint (every 5 iterations) is what is scored after.
-            last = [json.loads(x) for x in (tmp / "rl" / "checkpoints.jsonl").read_text().splitlines()] \
-                if (tmp / "rl" / "checkpoints.jsonl").exists() else []  # fmt: skip
-            path = last[-1].get("sampler_path") if last else None
-            after = accuracy(url, model, path) if path else float("nan")
-            tc.close("success").result()
+            steps = cookbook_rl(url, model, tmp / "rl", args)
+            api_s = np.mean([r["time/total"] for r in steps[1:]]) if len(steps) > 1 else np.nan
+            print(f"{len(steps)} iterations, {api_s:.1f} s each after the first: {phases(steps)}")
+            print("held-out accuracy of each saved sampler:", flush=True)
+            points = curve(url, model, tmp / "rl", steps, args.plot)
         finally:
             stop(proc)
+        after = points[-1][2] if points else float("nan")
+        best = max(points, key=lambda p: p[2]) if points else (0, 0.0, float("nan"))
         print(f"held-out accuracy: {before:.2f} -> {after:.2f} "
-              f"({(after - before) * 100:+.0f} points) after {iterations} iterations "
-              f"in {args.minutes} min; API {api_s:.1f} s an iteration", flush=True)  # fmt: skip
+              f"({(after - before) * 100:+.0f} points) after {len(steps)} iterations "
+              f"in {args.minutes} min; best {best[2]:.2f} at iteration {best[0]} "
+              f"({best[1]:.1f} min); API {api_s:.1f} s an iteration", flush=True)  # fmt: skip
         train_s = rlpost_train(model, tmp / "run", args)
     print(f"seconds per iteration: API {api_s:.1f}, rlpost train {train_s:.1f} "
           f"(ratio {api_s / train_s:.2f}, bar 1.3)")  # fmt: skip
