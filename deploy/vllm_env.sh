@@ -37,6 +37,8 @@ held = ("torch", "transformers")
 print("\n".join(d for d in deps if re.match(r"[A-Za-z0-9_.-]+", d)[0] not in held))
 ' "$root/pyproject.toml" >"$deps"
 "$py" -m pip install -q -r "$deps" pytest -c "$pins"
+# rlpost tinker --engine vllm: the SDK's wire types, and peft for the training clients' adapters.
+"$py" -m pip install -q "tinker==0.38.0" "peft>=0.13" -c "$pins"
 "$py" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 
 # The environment works: vLLM and rlpost's engine import, torch is the one pinned and within

@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import math
+import shutil
+import tempfile
 import threading
 import types
 import uuid
@@ -49,6 +52,7 @@ from rlpost.types import Completion
 
 __all__ = ["Base", "Datum", "ForwardBackward", "LoRA", "Policy", "Sampler", "SamplingParams"]
 
+_LORA_IDS = itertools.count(1)  # vLLM keys an adapter's cache by its int id: one per snapshot
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -174,13 +178,18 @@ def resolve_loss(loss: str | Any | Callable, params: dict[str, Any]) -> tuple[Ca
 class Base:
     """A base model loaded once, shared by every :class:`Policy` made from it."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, path: str | None, seed: int = 0) -> None:
+    def __init__(
+        self, model: torch.nn.Module, tokenizer, path: str | None, seed: int = 0, engine="hf"
+    ) -> None:
         self.model, self.tokenizer, self.path, self.seed = model, tokenizer, path, seed
         self.model.requires_grad_(False)
         self.lock = threading.RLock()
         self.peft = None  # the peft wrapper once an adapter exists
         self._engine: HFEngine | None = None  # over the engines' view, rebuilt on change
         self.context = getattr(model.config, "max_position_embeddings", None)
+        self.sampling, self._vllm = engine, None  # what samples: hf, or vllm (built on use)
+        if engine == "vllm" and not (path and Path(path).is_dir()):
+            raise APIError(f"engine=vllm: serves an HF model directory, not {path!r}")
 
     @classmethod
     def load(
@@ -190,12 +199,14 @@ class Base:
         dtype: str = "float32",
         seed: int = 0,
         device: str = "cpu",
+        engine: str = "hf",
     ) -> Base:
         """The model at ``path`` (an HF directory or a GGUF file; None: the built-in tiny one)
-        on ``device`` (``auto``: cuda where there is one, as ``run.device``)."""
+        on ``device`` (``auto``: cuda where there is one, as ``run.device``); samplers run on
+        ``engine``: hf (in process) or vllm (an HF directory; each adapter a LoRA request)."""
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         model, tokenizer = load_policy(path, seed=seed, dtype=dtype)
-        return cls(model.to(device), tokenizer, None if path is None else str(path), seed)
+        return cls(model.to(device), tokenizer, None if path is None else str(path), seed, engine)
 
     def policy(self, lora: LoRA | None = LoRA(), *, seed: int = 0, lr: float = 1e-4) -> Policy:
         """A new policy: a fresh adapter on this base (``lora``), or a full copy (None)."""
@@ -239,6 +250,17 @@ class Base:
         with self.lock:
             self.peft.delete_adapter(name)
             self._engine = None
+
+    def vllm(self):
+        """The vLLM engine over this base's directory, with LoRA adapters served unmerged."""
+        if self._vllm is None:
+            from rlpost.rollout.engines.vllm import VLLMEngine
+
+            dtype = str(self.model.dtype).removeprefix("torch.")
+            lora = {"enable_lora": True, "max_lora_rank": 64, "max_loras": 4}
+            self._vllm = VLLMEngine(self.path, self.tokenizer, seed=self.seed, dtype=dtype,
+                                    max_model_len=self.context, extra=lora)  # fmt: skip
+        return self._vllm
 
     def engine(self, adapter: str | None) -> HFEngine:
         """The engine with ``adapter`` active (None: the base alone). Its module is a tree of
@@ -345,7 +367,11 @@ class Policy:
         self, prompts: list[list[int]], params: SamplingParams, n: int = 1
     ) -> list[Completion]:
         """``n`` completions of each prompt from the policy as it is now."""
-        return self.snapshot(keep=False).sample(prompts, params, n)
+        sampler = self.snapshot(keep=False)
+        try:
+            return sampler.sample(prompts, params, n)
+        finally:
+            sampler.close()
 
     def snapshot(self, keep: bool = True) -> Sampler:
         """A sampler of the policy as it is now; later steps leave it as it is. LoRA: a
@@ -450,6 +476,19 @@ class Sampler:
 
     def __init__(self, base: Base, adapter: str | None, *, model=None, owned: bool = False):
         self.base, self.adapter, self.model, self.owned = base, adapter, model, owned
+        self.lora, self.files = None, None  # on vLLM: the adapter's request and files
+
+    def _lora(self):
+        """The adapter as a vLLM LoRA request: its files alone move to the engine."""
+        if self.adapter is not None and self.lora is None:
+            from vllm.lora.request import LoRARequest
+
+            self.files = d = Path(tempfile.mkdtemp(prefix="rlpost-lora-"))
+            with self.base.lock:  # peft writes a named adapter into a folder of its name
+                self.base.peft.save_pretrained(d, selected_adapters=[self.adapter])
+            folder = d / self.adapter if (d / self.adapter).is_dir() else d
+            self.lora = LoRARequest(self.adapter, next(_LORA_IDS), str(folder))
+        return self.lora
 
     def _engine(self) -> HFEngine:
         if self.model is None:
@@ -470,6 +509,8 @@ class Sampler:
                     f"prompts[{i}]: {len(p)} tokens + max_tokens {params.max_tokens} pass the "
                     f"model's context of {self.base.context}"
                 )
+        if self.base.sampling == "vllm" and self.model is None:
+            return self.base.vllm().generate(prompts, params, n=n, lora=self._lora())
         with self.base.lock:
             return self._engine().generate(prompts, params, n=n)
 
@@ -483,6 +524,10 @@ class Sampler:
         return _rows(values, data)
 
     def close(self) -> None:
+        if self.lora is not None:
+            self.base.vllm().llm.llm_engine.remove_lora(self.lora.lora_int_id)
+            shutil.rmtree(self.files, ignore_errors=True)
+            self.lora = None
         if self.owned:
             self.base.drop_adapter(self.adapter)
             self.owned = False

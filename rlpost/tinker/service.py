@@ -1,12 +1,13 @@
 """``rlpost tinker``: the Tinker training API served locally, a face over :mod:`rlpost.api`.
 
     rlpost tinker --model NAME=PATH [--model PATH ...] [--port 8100] [--state-dir DIR] [--api-key K]
-                  [--device cpu|cuda|auto]
+                  [--device cpu|cuda|auto] [--engine hf|vllm]
 
 The official SDK talks to it with ``base_url`` pointed here. Model work answers at once with a
 future id; one worker thread runs it, sessions taking turns, and ``/retrieve_future`` answers the
 result or "try again". One :class:`rlpost.api.Base` per base model holds the weights; each training
-client is a LoRA adapter on it. Ids are random and every object belongs to the API key that made it
+client is a LoRA adapter on it, and samplers run on ``--engine`` (in process, or vLLM with each
+saved adapter a LoRA request). Ids are random and every object belongs to the API key that made it
 (another key gets a 404). Checkpoints (``tinker://MODEL/weights/NAME``, adapter and AdamW state;
 ``tinker://MODEL/sampler_weights/NAME``) live under ``--state-dir``. Bad input is a 400 naming the
 field; the SDK retries 5xx for minutes, so a request's internal fault answers its future with an
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import collections
 import hashlib
+import importlib.util
 import json
 import os
 import secrets
@@ -183,8 +185,9 @@ class Worker:
 class Service:
     """The state behind the routes: bases, sessions, models, samplers and futures."""
 
-    def __init__(self, paths: dict[str, str | None], state_dir: Path, keys: set[str], device: str):
+    def __init__(self, paths: dict, state_dir: Path, keys: set[str], device: str, engine="hf"):
         self.paths, self.state_dir, self.api_keys, self.device = paths, state_dir, keys, device
+        self.engine = engine
         self.bases: dict[str, Any] = {}
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
@@ -264,7 +267,8 @@ class Service:
         if name not in self.bases:
             import rlpost.api as api
 
-            self.bases[name] = api.Base.load(self.paths[name], device=self.device)
+            path = self.paths[name]
+            self.bases[name] = api.Base.load(path, device=self.device, engine=self.engine)
         return self.bases[name]
 
     def context(self, name: str) -> int | None:
@@ -767,7 +771,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--state-dir", default="tinker_state", help="where tinker:// checkpoints live")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="as run.device")
     p.add_argument("--api-key", action="append", default=[], help="a key clients must send")
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="what samplers run on")
     args = p.parse_args(argv)
+    files = [f"{n}={path}" for n, path in args.model if not (path and Path(path).is_dir())]
+    if args.engine == "vllm" and (files or importlib.util.find_spec("vllm") is None):
+        why = f"serves HF directories, not {files[0]}" if files else "vLLM is not installed"
+        p.exit(2, f"rlpost tinker: error: --engine vllm: {why}\n")
     keys = {*args.api_key, os.environ.get("RLPOST_API_KEY", "")} - {""}
     if not is_loopback(args.host) and not keys:
         p.exit(2, f"rlpost tinker: error: --host {args.host} is not loopback; give --api-key\n")
@@ -775,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    svc = Service(dict(args.model), Path(args.state_dir), keys, args.device)
+    svc = Service(dict(args.model), Path(args.state_dir), keys, args.device, args.engine)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -786,6 +795,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rlpost tinker: listening on {url} models={','.join(svc.paths)}", flush=True)
     config = uvicorn.Config(create_app(svc), log_level="warning", access_log=False)
     uvicorn.Server(config).run(sockets=[sock])
+    for base in svc.bases.values():  # vLLM's engine core is a process of its own
+        if base._vllm is not None:
+            base._vllm.close()
     return 0
 
 

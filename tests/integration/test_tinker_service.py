@@ -27,8 +27,8 @@ from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa:
 KEY, OTHER = "tml-alice", "tml-bob"
 
 
-def start(model_dir, state_dir) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "rlpost.tinker.service", "--model", f"tiny={model_dir}"]
+def start(model_dir, state_dir, *flags: str) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "rlpost.tinker.service", "--model", f"tiny={model_dir}", *flags]
     proc = subprocess.Popen(
         [*cmd, "--port", "0", "--state-dir", str(state_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,

@@ -81,3 +81,23 @@ def test_work_under_one_key_runs_as_one_batch():
     _wait([first, *futures.values()])
     assert calls == [[1, 4], [3], [2]]
     assert {arg: f.value for arg, f in futures.items()} == {1: 10, 2: 20, 3: 30, 4: 40}
+
+
+def test_engine_vllm_refuses_what_vllm_cannot_serve_in_one_line(tmp_path, capsys):
+    """vLLM serves HF directories: a GGUF base (or no vLLM) is refused before serving."""
+    from rlpost.tinker.service import main
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", f"m={gguf}", "--engine", "vllm", "--port", "0"])
+    line = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and "\n" not in line and line.startswith("rlpost tinker: error:")
+    assert "--engine vllm" in line and ("m.gguf" in line or "not installed" in line)
+
+
+def test_a_vllm_base_needs_a_model_directory():
+    from rlpost.api import APIError, Base
+
+    with pytest.raises(APIError, match="engine=vllm: serves an HF model directory"):
+        Base.load(None, engine="vllm")

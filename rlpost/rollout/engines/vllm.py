@@ -134,8 +134,14 @@ class VLLMEngine(TokenRate):
         return self._vllm.SamplingParams(**sampling_kwargs(params, n, seed))
 
     def generate(
-        self, prompt_ids: list[list[int]], params: SamplingParams, n: int = 1, group_offset: int = 0
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        n: int = 1,
+        group_offset: int = 0,
+        lora=None,
     ) -> list[Completion]:
+        """``n`` completions of each prompt; ``lora``: a LoRA request the engine applies."""
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("empty prompt: every prompt needs at least one token")
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
@@ -144,7 +150,7 @@ class VLLMEngine(TokenRate):
         else:  # one seed per prompt, or every prompt would draw the same random stream
             sampling = [self._params(params, n, params.seed + i) for i in range(len(prompts))]
         start = time.perf_counter()
-        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=lora)
         self.seconds += time.perf_counter() - start
         out = []
         for i, request in enumerate(outputs):
