@@ -41,6 +41,7 @@ LOSS_FNS = tuple(LOSS_INPUTS)
 LONG_POLL_S = 20.0
 SILENT_S = 120.0
 KEEP_SAMPLERS = 4
+LINGER_S, LINGER_MAX_S = 0.03, 0.5
 STEP_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 
 
@@ -148,6 +149,8 @@ class Worker:
                     lane = self.turns[0]
                     self.turns.rotate(-1)
                     if q := self.lanes[lane]:
+                        if q[0][2] is not None:
+                            self._linger(q, q[0][2])
                         fut, fn, key, arg = q.popleft()
                         same = [job for job in q if key is not None and job[2] == key]
                         for job in same:
@@ -160,6 +163,14 @@ class Worker:
                             [arg, *(j[3] for j in same)],
                         )
                 self.cv.wait()
+
+    def _linger(self, q: collections.deque, key) -> None:
+        """Let a burst of work under ``key`` arrive (the SDK sends a group's samples one
+        request each): wait until LINGER_S passes with none new, at most LINGER_MAX_S."""
+        deadline, seen = time.monotonic() + LINGER_MAX_S, 0
+        while (n := sum(job[2] == key for job in q)) != seen and time.monotonic() < deadline:
+            seen = n
+            self.cv.wait(LINGER_S)
 
     def _run(self) -> None:
         while True:
@@ -423,7 +434,8 @@ class Ops:
                 x.engine = None if x.engine is gone else x.engine
 
     def sample(self, s: Sampler, reqs: list[types.SampleRequest]) -> list[bytes]:
-        """Requests of one sampler with the same params and num_samples: one engine batch."""
+        """Requests of one sampler with the same params and num_samples: one engine batch,
+        in which the requests of one prompt (a group's, sent one by one) share its prefill."""
         import rlpost.api as api
         from rlpost.tinker.wire import sample_output
 
@@ -439,10 +451,17 @@ class Ops:
         params = api.SamplingParams(
             **knobs, max_tokens=p.max_tokens or 16, stop_token_ids=ids, stop_texts=texts
         )
-        done = s.engine.sample(prompts, params, n=reqs[0].num_samples)
+        k, same, got = reqs[0].num_samples, collections.defaultdict(list), {}
+        for i, prompt in enumerate(prompts):  # a group's requests: one prompt, one prefill
+            same[tuple(prompt)].append(i)
+        for count in {len(idx) for idx in same.values()}:
+            rows = [(q, idx) for q, idx in same.items() if len(idx) == count]
+            done = s.engine.sample([list(q) for q, _ in rows], params, n=count * k)
+            for j, (_, idx) in enumerate(rows):
+                mine = [(c.token_ids, c.logprobs, c.finish_reason) for c in done if c.group == j]
+                got |= {i: mine[r * k : (r + 1) * k] for r, i in enumerate(idx)}
         out = []
         for i, (req, prompt) in enumerate(zip(reqs, prompts, strict=True)):
-            seqs = [(c.token_ids, c.logprobs, c.finish_reason) for c in done if c.group == i]
             prompt_lp = None
             if req.prompt_logprobs:
                 lp = (
@@ -451,7 +470,7 @@ class Ops:
                     else []
                 )
                 prompt_lp = [float("nan")] + [float(v) for v in lp]
-            out.append(sample_output(seqs, prompt_lp))
+            out.append(sample_output(got[i], prompt_lp))
         return out
 
 

@@ -83,6 +83,24 @@ def test_work_under_one_key_runs_as_one_batch():
     assert {arg: f.value for arg, f in futures.items()} == {1: 10, 2: 20, 3: 30, 4: 40}
 
 
+def test_a_burst_of_work_under_one_key_runs_as_one_batch_on_an_idle_worker():
+    """The SDK sends a group's samples one request each: work arriving a few ms apart on an
+    idle worker still runs as one call."""
+    worker, calls = Worker(), []
+
+    def batch(args):
+        calls.append(list(args))
+        return args
+
+    futures = []
+    for i in range(6):
+        futures.append(Future("a"))
+        worker.submit("a", futures[-1], batch, key="k", arg=i)
+        time.sleep(0.005)
+    _wait(futures)
+    assert calls == [[0, 1, 2, 3, 4, 5]]
+
+
 def test_engine_vllm_refuses_what_vllm_cannot_serve_in_one_line(tmp_path, capsys):
     """vLLM serves HF directories: a GGUF base (or no vLLM) is refused before serving."""
     from rlpost.tinker.service import main
@@ -101,3 +119,31 @@ def test_a_vllm_base_needs_a_model_directory():
 
     with pytest.raises(APIError, match="engine=vllm: serves an HF model directory"):
         Base.load(None, engine="vllm")
+
+
+def test_requests_of_one_prompt_share_a_prefill_and_each_gets_its_own_samples(tmp_path):
+    """The cookbook asks for a group's samples one request each: the engine sees each distinct
+    prompt once, with n covering its requests, and every request gets num_samples back."""
+    import rlpost.api as api
+    from rlpost.tinker.service import Ops, Sampler, Service, types
+    from rlpost.tinker.wire import pb
+
+    svc = Service({"tiny": None}, tmp_path, set(), "cpu")
+    s = Sampler("s", "o", "tiny", None, engine=api.Sampler(svc.base("tiny"), None))
+    calls, sample = [], s.engine.sample
+    s.engine.sample = lambda prompts, params, n: (
+        calls.append((len(prompts), n)) or sample(prompts, params, n)
+    )
+    params = types.SamplingParams(max_tokens=3, temperature=1.0)
+    asks = [[5, 6, 7]] * 3 + [[9, 10]] * 3 + [[11]]
+    reqs = [
+        types.SampleRequest(
+            sampling_session_id="s", prompt=types.ModelInput.from_ints(p), num_samples=2,
+            sampling_params=params,
+        )
+        for p in asks
+    ]  # fmt: skip
+    out = [pb.SampleResponse.FromString(b) for b in Ops(svc).sample(s, reqs)]
+    assert sorted(calls) == [(1, 2), (2, 6)]
+    assert [len(o.sequences) for o in out] == [2] * 7
+    assert all(4 <= len(q.tokens) <= 12 for o in out for q in o.sequences)  # int32 bytes
