@@ -3,13 +3,13 @@
 Starts ``rlpost tinker --model MODEL`` and runs the cookbook's ``rl.train`` with its arithmetic
 environment (LoRA, ``importance_sampling``, ``--groups`` x ``--group-size`` samples of up to
 ``--max-tokens`` per iteration) for ``--minutes``; held-out accuracy (greedy, 100 fixed sums,
-the environment's own prompt and answer check) is measured before and after through a sampler
-of the same service. Then ``rlpost train grpo_arith`` runs the same batch shape (LoRA, the same
+the environment's own prompt and answer check) is measured before, and on every checkpoint the
+run saved (one each 5 iterations), through samplers of the same service. Then ``rlpost train grpo_arith`` runs the same batch shape (LoRA, the same
 model, ``--steps`` steps) and the seconds per iteration of both are printed side by side (each
 run's wall time after its first iteration, over the iterations that followed).
 
     python bench/bench_tinker.py --model ~/.cache/rlpost/models/SmolLM2-135M-Instruct \\
-        [--minutes 30] [--groups 8] [--group-size 8] [--max-tokens 16] [--steps 3]
+        [--minutes 30] [--groups 8] [--group-size 8] [--max-tokens 16] [--steps 3] [--plot PNG]
 """
 
 from __future__ import annotations
@@ -85,13 +85,20 @@ def cookbook_rl(url: str, model: str, log: Path, args) -> list[dict]:
 
 def phases(steps: list[dict]) -> str:
     """Mean seconds of each of the cookbook's timed phases over the iterations after the first."""
-    keys = sorted({k for r in steps[1:] for k in r if k.startswith("time/") and k != "time/total" and ":" not in k})
+    keys = sorted(
+        {
+            k
+            for r in steps[1:]
+            for k in r
+            if k.startswith("time/") and k != "time/total" and ":" not in k
+        }
+    )
     means = {k: np.mean([r[k] for r in steps[1:] if k in r]) for k in keys}
     top = sorted(means.items(), key=lambda kv: -kv[1])[:8]
     return ", ".join(f"{k[5:]} {v:.1f}" for k, v in top)
 
 
-def curve(url: str, model: str, log: Path, steps: list[dict], plot: str | None) -> list[tuple]:
+def curve(url, model, log: Path, steps: list[dict], before: float, plot: str | None) -> list:
     """Held-out accuracy of each saved sampler: (iteration, minutes into the run, accuracy)."""
     saved = log / "checkpoints.jsonl"
     rows = [json.loads(x) for x in saved.read_text().splitlines()] if saved.exists() else []
@@ -110,8 +117,13 @@ def curve(url: str, model: str, log: Path, steps: list[dict], plot: str | None) 
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot([p[1] for p in points], [p[2] for p in points], marker="o")
-        ax.set(xlabel="minutes", ylabel="held-out accuracy", title="cookbook rl.train via rlpost tinker")
+        drawn = [(0, 0.0, before), *points]
+        ax.plot([p[1] for p in drawn], [p[2] for p in drawn], marker="o")
+        ax.set(
+            xlabel="minutes",
+            ylabel="held-out accuracy",
+            title="cookbook rl.train via rlpost tinker",
+        )
         fig.tight_layout()
         fig.savefig(plot)
         print(f"plot: {plot}")
@@ -145,7 +157,7 @@ def main() -> int:
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--lr", type=float, default=4e-4)
+    p.add_argument("--lr", type=float, default=2e-4)  # 4e-4 gains, then collapses
     p.add_argument("--max-iterations", type=int, default=None)
     p.add_argument("--steps", type=int, default=3, help="rlpost train steps for the cost row")
     p.add_argument("--micro-batch", type=int, default=8, help="rlpost train's micro-batch")
@@ -164,7 +176,7 @@ def main() -> int:
             api_s = np.mean([r["time/total"] for r in steps[1:]]) if len(steps) > 1 else np.nan
             print(f"{len(steps)} iterations, {api_s:.1f} s each after the first: {phases(steps)}")
             print("held-out accuracy of each saved sampler:", flush=True)
-            points = curve(url, model, tmp / "rl", steps, args.plot)
+            points = curve(url, model, tmp / "rl", steps, before, args.plot)
         finally:
             stop(proc)
         after = points[-1][2] if points else float("nan")
