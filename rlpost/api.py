@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
 import math
-import shutil
 import tempfile
 import threading
 import types
@@ -52,7 +50,6 @@ from rlpost.types import Completion
 
 __all__ = ["Base", "Datum", "ForwardBackward", "LoRA", "Policy", "Sampler", "SamplingParams"]
 
-_LORA_IDS = itertools.count(1)  # vLLM keys an adapter's cache by its int id: one per snapshot
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -483,11 +480,12 @@ class Sampler:
         if self.adapter is not None and self.lora is None:
             from vllm.lora.request import LoRARequest
 
-            self.files = d = Path(tempfile.mkdtemp(prefix="rlpost-lora-"))
+            self.files = tempfile.TemporaryDirectory(prefix="rlpost-lora-")
             with self.base.lock:  # peft writes a named adapter into a folder of its name
-                self.base.peft.save_pretrained(d, selected_adapters=[self.adapter])
-            folder = d / self.adapter if (d / self.adapter).is_dir() else d
-            self.lora = LoRARequest(self.adapter, next(_LORA_IDS), str(folder))
+                self.base.peft.save_pretrained(self.files.name, selected_adapters=[self.adapter])
+            # vLLM caches an adapter by its int id: a new one per snapshot
+            ident = 1 + (uuid.uuid4().int >> 98)
+            self.lora = LoRARequest(self.adapter, ident, f"{self.files.name}/{self.adapter}")
         return self.lora
 
     def _engine(self) -> HFEngine:
@@ -526,7 +524,7 @@ class Sampler:
     def close(self) -> None:
         if self.lora is not None:
             self.base.vllm().llm.llm_engine.remove_lora(self.lora.lora_int_id)
-            shutil.rmtree(self.files, ignore_errors=True)
+            self.files.cleanup()
             self.lora = None
         if self.owned:
             self.base.drop_adapter(self.adapter)

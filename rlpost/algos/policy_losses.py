@@ -330,7 +330,6 @@ def flash_reinforce_loss(x: LossInputs, p: TrustRegionParams) -> PolicyLossOutpu
     return PolicyLossOutput(x.agg.reduce(loss_mat, mask), stats)
 
 
-# --------------------------------------------------------------------- terms
 # What a trainer adds to any policy loss: KL to the reference, NLL, entropy bonus. Each is
 # reduced with the mini-batch's denominators, so that, like the losses, it is the same
 # however a mini-batch is split; the trainer adds ``coef * term`` for each coefficient not 0.

@@ -123,8 +123,6 @@ class RolloutFleet:
             control.mkdir(parents=True, exist_ok=True)
             threading.Thread(target=self._watch, name="fleet-control", daemon=True).start()
 
-    # ------------------------------------------------------------ bookkeeping
-
     def _log(self, m: Member, **extra) -> None:
         new = m.health.history[m.logged :]
         m.logged = len(m.health.history)
@@ -142,8 +140,6 @@ class RolloutFleet:
     def serving(self) -> list[Member]:
         with self._lock:
             return [m for m in self.members if m.health.serving]
-
-    # ------------------------------------------------------------- generation
 
     def generate(
         self,
@@ -282,8 +278,6 @@ class RolloutFleet:
             self._log(m)
         self._later(m, self._admit_marked)
 
-    # ---------------------------------------------------------------- restarts
-
     def _later(self, m: Member, job, *args) -> None:
         """``job(m, *args)`` (:meth:`_restart`, or :meth:`_admit_marked`'s full weight sync) in
         a thread of its own, ``m`` marked ``restarting`` until it ends; nothing when it already
@@ -366,8 +360,6 @@ class RolloutFleet:
                 self._lock.notify_all()
                 return m.health.state is State.HEALTHY
 
-    # ---------------------------------------------------------------- weights
-
     def load_weights(self, named_tensors, version: int) -> None:
         """Serve these weights on every admitted worker; keep a copy for later admissions."""
         tensors = [(name, t.detach().clone()) for name, t in named_tensors]
@@ -440,8 +432,6 @@ class RolloutFleet:
                 return m.handle.served_checksum()
         return None
 
-    # ---------------------------------------------------------- elastic, drain
-
     def drain(self, index: int, why: str = "preemption notice") -> None:
         """Give worker ``index`` no new prompts; what it runs now finishes or is re-sent."""
         with self._lock:
@@ -512,8 +502,6 @@ class RolloutFleet:
             body["running"] = not self._closed
         with atomic_write(self.control / FLEET_STATE, "w") as fh:
             fh.write(json.dumps(body))
-
-    # ------------------------------------------------------------ the rest
 
     def _each(self, name: str, *args) -> dict[int, Any]:
         """``name(*args)`` of every serving worker, by index (a failed call is recorded)."""

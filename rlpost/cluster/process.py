@@ -345,9 +345,6 @@ class ProcessWorker(Proxy):
         self._conn.close()
 
 
-# ------------------------------------------------------- factories (child side)
-
-
 def trainer_factory(cfg: Config, run_dir: Path, dp=None):
     from rlpost.pipeline import build
     from rlpost.pipeline.rundir import warm_start

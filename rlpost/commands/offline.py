@@ -148,8 +148,6 @@ def _finish(run_dir: Path, model, tokenizer, out: Path, state: str, summary: dic
     save_model(model, tokenizer, out, state_dir=run_dir / state)
 
 
-# ------------------------------------------------------------------ rlpost sft (chat)
-
 CHAT_ARITH_SIZES = (400, 40)  # (train, held-out) conversations of sft.data=chat_arith
 
 
@@ -276,9 +274,6 @@ def run_conversation_sft(cfg: Config, resume: Path | None = None, console=None) 
     return out
 
 
-# ------------------------------------------------------------------------ rlpost rm
-
-
 def rm_rows(cfg: Config, s: RMConfig):
     """(reward model, tokenizer, encoded train pairs, held-out pairs, load reports)."""
     train_pairs, held_pairs, reports = load_pairs_reported(
@@ -348,9 +343,6 @@ def run_rm(cfg: Config, resume: Path | None = None, console=None) -> Path:
         },
     )
     return out
-
-
-# ----------------------------------------------------------------------- rlpost dpo
 
 
 @_threads

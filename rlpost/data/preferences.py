@@ -129,9 +129,6 @@ def load_preference_file(
     return pairs, report
 
 
-# ------------------------------------------------------------------------ config
-
-
 def load_pairs(
     d: DataConfig, seed: int
 ) -> tuple[list[PreferencePair], list[PreferencePair], dict[str, int]]:

@@ -265,9 +265,6 @@ def build_critic(cfg: Config, facts: RunFacts, model):
     )
 
 
-# ------------------------------------------------------------------ workers
-
-
 def build_trainer_worker(
     cfg: Config, model, tokenizer, dp: DPSpec | None = None, *, facts: RunFacts | None = None
 ) -> TrainerWorker:

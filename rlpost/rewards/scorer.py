@@ -349,9 +349,6 @@ def _sub_components(terms: list[Term], scored: int, cut: list[bool]) -> dict[str
     return out
 
 
-# -------------------------------------------------------------------- worker
-
-
 def reward_samples(groups: list[Group], max_tokens: int) -> list[RewardSample]:
     """One :class:`RewardSample` per completion, groups in order."""
     return [
@@ -412,9 +409,6 @@ class RewardWorker:
 
     def close(self) -> None:
         self.scorer.close()
-
-
-# ------------------------------------------------------------------- samples
 
 
 def _json_value(value: float) -> float | None:

@@ -223,8 +223,6 @@ class PolicyTrainer:
         self.shuffle = torch.Generator().manual_seed(derive(seed, "actor_shuffle"))
         self.skipped_updates = 0
 
-    # ------------------------------------------------------------ logprobs
-
     def _rows(self, fn, batch: TrainBatch) -> torch.Tensor:
         """``fn(batch)``, or under data parallelism each rank's share gathered (on CPU)."""
         return self.ranks.map_rows(batch, fn).cpu()
@@ -279,8 +277,6 @@ class PolicyTrainer:
             max_tokens=self.s.max_tokens_per_micro_batch,
             packed=self.packed,
         )
-
-    # -------------------------------------------------------------- update
 
     def single_update(self, batch_size: int) -> bool:
         """True when a batch makes exactly one optimizer step (one epoch, one mini-batch).
@@ -506,8 +502,6 @@ class PolicyTrainer:
                 stats |= {name: value.detach()} if name else {}
         return loss, stats
 
-    # ----------------------------------------------------------------- mfu
-
     def mfu_of(self, tokens: float, seq: int, seconds: float) -> float:
         """Model FLOPs utilisation of the train phase of a step (old/ref passes + updates)
         over ``tokens`` non-padding tokens in sequences padded to ``seq``.
@@ -527,8 +521,6 @@ class PolicyTrainer:
         )
         passes = 1 + self.has_reference
         return (passes * fwd + self.s.epochs * train) * tokens / seconds / default_cpu_peak_flops()
-
-    # ------------------------------------------------------------- control
 
     def scale_lr(self, factor: float) -> float:
         """Multiply the LR schedule by ``factor`` (used by guards); returns the new peak LR."""

@@ -265,9 +265,6 @@ def pipeline(
     return stages
 
 
-# ------------------------------------------------------------------- layout
-
-
 def _gather_named(items: dict, group) -> dict:
     """Every stage's ``items`` merged on the group's first rank (the others get {})."""
     parts = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None

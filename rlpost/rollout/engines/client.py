@@ -71,9 +71,6 @@ class Job:
     extra: dict = field(default_factory=dict)
 
 
-# ------------------------------------------------------------ wire format
-
-
 def savable(named_tensors) -> dict[str, torch.Tensor]:
     """``(name, tensor)`` pairs as CPU tensors safetensors can save: a tied tensor is copied
     once per further name (safetensors refuses two names sharing memory)."""
@@ -154,9 +151,6 @@ def _retokenize(choice: dict, tokenize, logprobs, eos_id) -> list[int]:
     return ids
 
 
-# ----------------------------------------------------------------- client
-
-
 class CompletionClient:
     """Synchronous client of one server; safe to share between threads. ``api_key`` is sent as a
     Bearer token with generation requests (``rlpost serve --api-key``); weights go through the
@@ -226,9 +220,6 @@ def _retry_after(r: httpx.Response) -> float | None:
         return max(0.0, float(r.headers["retry-after"]))
     except (KeyError, ValueError):  # absent, or an HTTP date: the balancer's cool-down
         return None
-
-
-# ---------------------------------------------------------------- balancer
 
 
 @dataclass

@@ -187,9 +187,6 @@ def parse_adjust(body: dict, vocab: int) -> LogitAdjust | None:
     return adjust if adjust.active else None
 
 
-# ---------------------------------------------------------------- parsing
-
-
 def ascii_int(text: str, digits: int = 18) -> int | None:
     """``int(text)`` for up to ``digits`` ASCII digits, else None (``"²".isdigit()`` is True,
     and ``int`` refuses more than 4300 digits)."""
