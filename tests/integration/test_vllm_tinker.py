@@ -13,6 +13,7 @@ import importlib.util
 import os
 
 import numpy as np
+import psutil
 import pytest
 
 if importlib.util.find_spec("vllm") is None and os.environ.get("RLPOST_REQUIRE_VLLM") != "1":
@@ -50,6 +51,8 @@ def test_a_trained_adapter_samples_on_vllm_with_the_trainers_logprobs(tmp_path, 
         base = service.create_sampling_client(base_model="tiny").result()
         params = types.SamplingParams(max_tokens=12, temperature=1.0, seed=3)
         out = sampler.sample(types.ModelInput.from_ints(prompt), 4, params).result()
+        engines = [c.name() for c in psutil.Process(proc.pid).children(recursive=True)]
+        assert any("EngineCore" in name for name in engines), engines  # vLLM sampled
         shifts = []
         for seq in out.sequences:
             assert len(seq.tokens) == len(seq.logprobs) >= 1
