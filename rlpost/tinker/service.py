@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -120,6 +122,14 @@ class Future:
     value: Any = None  # a pydantic model, or proto bytes
     error: str | None = None
     category: str = "user"
+    wake: Any = None  # set by a long poll waiting on it
+
+    def finish(self) -> None:
+        """Done: wake the long poll waiting on it (called from the worker thread)."""
+        self.done = True
+        if self.wake is not None:
+            with contextlib.suppress(RuntimeError):  # the event loop closed (shutting down)
+                self.wake()
 
 
 class Worker:
@@ -177,7 +187,8 @@ class Worker:
             lane, futs, fn, key, args = self._next()
             if not self.live(lane):
                 for fut in futs:
-                    fut.error, fut.done = f"session_id={lane}: the session has ended", True
+                    fut.error = f"session_id={lane}: the session has ended"
+                    fut.finish()
                 continue
             try:
                 values = fn(args) if key is not None else [fn()]
@@ -190,7 +201,7 @@ class Worker:
                 for fut in futs:
                     fut.error, fut.category = f"{type(exc).__name__}: {exc}", "server"
             for fut in futs:
-                fut.done = True
+                fut.finish()
 
 
 class Service:
@@ -749,16 +760,23 @@ def create_app(svc: Service) -> FastAPI:
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request):
-        # Long poll: hold the request until the work is done (or LONG_POLL_S passed), so the
-        # SDK does not spin on "try again".
-        deadline = time.monotonic() + LONG_POLL_S
+        # Long poll: hold the request until the worker finishes the work (or LONG_POLL_S
+        # passed), so the SDK neither spins on "try again" nor the service on polls.
+        deadline, ids = time.monotonic() + LONG_POLL_S, []
 
         def ask(r, owner, body):
-            req = _parse(types.FutureRetrieveRequest, body)
-            return svc.retrieve(req.request_id, owner, time.monotonic() < deadline)
+            ids.append(_parse(types.FutureRetrieveRequest, body).request_id)
+            return svc.retrieve(ids[-1], owner, time.monotonic() < deadline)
 
         while (out := await handler(ask)(request)).status_code == 204:
-            await asyncio.sleep(0.005)
+            if (fut := svc.futures.get(ids[-1])) is not None:
+                event = asyncio.Event()
+                fut.wake = functools.partial(
+                    asyncio.get_running_loop().call_soon_threadsafe, event.set
+                )
+                if not fut.done:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(event.wait(), deadline - time.monotonic())
         return out
 
     @app.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
