@@ -259,6 +259,11 @@ class Base:
                                     max_model_len=self.context, extra=lora)  # fmt: skip
         return self._vllm
 
+    def close(self) -> None:
+        """Shut down what this base started: vLLM's engine core, a process of its own."""
+        if self._vllm is not None:
+            self._vllm.close()
+
     def engine(self, adapter: str | None) -> HFEngine:
         """The engine with ``adapter`` active (None: the base alone). Its module is a tree of
         its own over the same weights, so the engine's head and mode leave training alone."""

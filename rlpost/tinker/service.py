@@ -832,9 +832,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rlpost tinker: listening on {url} models={','.join(svc.paths)}", flush=True)
     config = uvicorn.Config(create_app(svc), log_level="warning", access_log=False)
     uvicorn.Server(config).run(sockets=[sock])
-    for base in svc.bases.values():  # vLLM's engine core is a process of its own
-        if base._vllm is not None:
-            base._vllm.close()
+    for base in svc.bases.values():
+        base.close()
     return 0
 
 
