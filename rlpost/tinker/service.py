@@ -25,6 +25,7 @@ import importlib.util
 import json
 import os
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -831,9 +832,13 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://{args.host}:{sock.getsockname()[1]}"
     print(f"rlpost tinker: listening on {url} models={','.join(svc.paths)}", flush=True)
     config = uvicorn.Config(create_app(svc), log_level="warning", access_log=False)
-    uvicorn.Server(config).run(sockets=[sock])
-    for base in svc.bases.values():
-        base.close()
+    # uvicorn re-raises SIGTERM once it has shut down: exit through the finally below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        for base in svc.bases.values():
+            base.close()
     return 0
 
 

@@ -51,8 +51,8 @@ def test_a_trained_adapter_samples_on_vllm_with_the_trainers_logprobs(tmp_path, 
         base = service.create_sampling_client(base_model="tiny").result()
         params = types.SamplingParams(max_tokens=12, temperature=1.0, seed=3)
         out = sampler.sample(types.ModelInput.from_ints(prompt), 4, params).result()
-        engines = [c.name() for c in psutil.Process(proc.pid).children(recursive=True)]
-        assert any("EngineCore" in name for name in engines), engines  # vLLM sampled
+        engines = psutil.Process(proc.pid).children(recursive=True)
+        assert any("EngineCore" in c.name() for c in engines), engines  # vLLM sampled
         shifts = []
         for seq in out.sequences:
             assert len(seq.tokens) == len(seq.logprobs) >= 1
@@ -76,3 +76,5 @@ def test_a_trained_adapter_samples_on_vllm_with_the_trainers_logprobs(tmp_path, 
         service.close("success").result()
     finally:
         stop(proc)
+    _, alive = psutil.wait_procs(engines, timeout=30)
+    assert not alive, f"vLLM outlived the service: {alive}"  # its engine core is shut down

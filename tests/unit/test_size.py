@@ -27,8 +27,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "rlpost"
 BLOCK = 8
 LONG_FUNCTION = 60
 SIZE_BOUNDS = {
-    "statements": 20_920,
-    "code_chars": 900_439,
+    "statements": 20_923,
+    "code_chars": 900_513,
     "lines": 38_000,
     "grpo_arith_keys": 134,
     "functions_over_60_lines": 5,
